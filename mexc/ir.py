@@ -1,0 +1,179 @@
+"""mexc IR: a small typed SSA graph of immutable nodes.
+
+A `Graph` holds nodes in execution order. A node has an `Op`, input references (`Value`: node id
+and result index), one or more result types and a frozen per-op attribute dataclass (see
+`mexc.ops`). Inputs, labels, parameters and optimizer state are nodes too (ops INPUT, LABEL, PARAM,
+STATE) so a graph is self-contained; named outputs say what the program returns and which state it
+writes back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mexc.types import TensorType
+
+
+class Op(enum.Enum):
+    # graph boundary
+    INPUT = "input"
+    LABEL = "label"
+    PARAM = "param"
+    STATE = "state"
+    QUANTIZE = "quantize"
+    # forward layers
+    CONV2D = "conv2d"
+    LINEAR = "linear"
+    COMPACT = "compact"
+    CONV2D_COMPACT = "conv2d_compact"
+    LINEAR_COMPACT = "linear_compact"
+    BATCHNORM = "batchnorm"
+    RELU = "relu"
+    RELU6 = "relu6"
+    MAXPOOL2D = "maxpool2d"
+    AVGPOOL2D = "avgpool2d"
+    GLOBAL_AVGPOOL = "global_avgpool"
+    ADD = "add"
+    RESHAPE = "reshape"
+    DROPOUT = "dropout"
+    SOFTMAX_CE = "softmax_ce"
+    # backward
+    SOFTMAX_CE_GRAD = "softmax_ce_grad"
+    CONV2D_GRAD_INPUT = "conv2d_grad_input"
+    CONV2D_GRAD_WEIGHT = "conv2d_grad_weight"
+    LINEAR_GRAD_INPUT = "linear_grad_input"
+    LINEAR_GRAD_WEIGHT = "linear_grad_weight"
+    BIAS_GRAD = "bias_grad"
+    BATCHNORM_GRAD = "batchnorm_grad"
+    RELU_GRAD = "relu_grad"
+    RELU6_GRAD = "relu6_grad"
+    MAXPOOL2D_GRAD = "maxpool2d_grad"
+    AVGPOOL2D_GRAD = "avgpool2d_grad"
+    GLOBAL_AVGPOOL_GRAD = "global_avgpool_grad"
+    DROPOUT_GRAD = "dropout_grad"
+    GRAD_SUM = "grad_sum"
+    # optimizer
+    SGD_UPDATE = "sgd_update"
+    BN_RUNNING_UPDATE = "bn_running_update"
+
+
+@dataclass(frozen=True, order=True)
+class Value:
+    """A reference to result `index` of node `node`."""
+
+    node: int
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"%{self.node}" if self.index == 0 else f"%{self.node}#{self.index}"
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    op: Op
+    inputs: tuple[Value, ...]
+    types: tuple[TensorType, ...]
+    attrs: Any  # a frozen dataclass from mexc.ops.ATTRS[op]
+    loc: str = ""  # user source location, "file.py:LINE", for error messages
+
+    @property
+    def type(self) -> TensorType:
+        """The type of the first (usually only) result."""
+        return self.types[0]
+
+    @property
+    def out(self) -> Value:
+        return Value(self.id, 0)
+
+    def result(self, index: int) -> Value:
+        return Value(self.id, index)
+
+    def with_(self, **changes: Any) -> Node:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Nodes in execution order plus named outputs. Immutable; passes build new graphs."""
+
+    nodes: tuple[Node, ...]
+    outputs: tuple[tuple[str, Value], ...]
+    attrs: tuple[tuple[str, Any], ...] = field(default=())  # graph-level facts (bits, batch, ...)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def node(self, node_id: int) -> Node:
+        return self.by_id()[node_id]
+
+    def by_id(self) -> dict[int, Node]:
+        return {n.id: n for n in self.nodes}
+
+    def type_of(self, value: Value) -> TensorType:
+        return self.node(value.node).types[value.index]
+
+    def output(self, name: str) -> Value:
+        for n, v in self.outputs:
+            if n == name:
+                return v
+        raise KeyError(name)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(name, default)
+
+    def with_attrs(self, **updates: Any) -> Graph:
+        merged = dict(self.attrs)
+        merged.update(updates)
+        return replace(self, attrs=tuple(sorted(merged.items())))
+
+    def nodes_of(self, *ops: Op) -> list[Node]:
+        return [n for n in self.nodes if n.op in ops]
+
+    def users(self) -> dict[Value, list[Node]]:
+        """For every value, the nodes that read it (in order)."""
+        uses: dict[Value, list[Node]] = {}
+        for n in self.nodes:
+            for v in n.inputs:
+                uses.setdefault(v, []).append(n)
+        return uses
+
+    def next_id(self) -> int:
+        return max((n.id for n in self.nodes), default=-1) + 1
+
+
+class GraphBuilder:
+    """Appends nodes with fresh ids; used by the frontend and by passes that rebuild graphs."""
+
+    def __init__(self, start_id: int = 0) -> None:
+        self.nodes: list[Node] = []
+        self._next = start_id
+
+    def add(
+        self,
+        op: Op,
+        inputs: Iterable[Value],
+        types: TensorType | tuple[TensorType, ...],
+        attrs: Any,
+        loc: str = "",
+    ) -> Node:
+        tys = types if isinstance(types, tuple) else (types,)
+        node = Node(self._next, op, tuple(inputs), tys, attrs, loc)
+        self._next += 1
+        self.nodes.append(node)
+        return node
+
+    def keep(self, node: Node) -> Node:
+        """Append an existing node unchanged (its id must be unused)."""
+        self.nodes.append(node)
+        self._next = max(self._next, node.id + 1)
+        return node
+
+    def build(self, outputs: Iterable[tuple[str, Value]], attrs: Any = ()) -> Graph:
+        return Graph(tuple(self.nodes), tuple(outputs), tuple(attrs))

@@ -1,0 +1,76 @@
+"""Numpy reference kernels of every layer, forward and backward, integer only.
+
+Every kernel takes MX values (mexc.mx.MX); rounding kernels take a RoundCtx and a base rounding
+site id `tid` (site j uses ctx.key(tid + j)). The recipes are in docs/layers.md.
+"""
+
+from mexc.kernels.activation import (
+    relu6_backward,
+    relu6_cap,
+    relu6_forward,
+    relu_backward,
+    relu_forward,
+)
+from mexc.kernels.conv import conv2d_backward_input, conv2d_backward_weight, conv2d_forward
+from mexc.kernels.elementwise import (
+    add_forward,
+    dropout_backward,
+    dropout_forward,
+    grad_sum,
+)
+from mexc.kernels.linear import (
+    bias_backward,
+    linear_backward_input,
+    linear_backward_weight,
+    linear_forward,
+)
+from mexc.kernels.loss import softmax_ce_backward, softmax_ce_forward
+from mexc.kernels.norm import (
+    BatchNormSaved,
+    batchnorm_backward,
+    batchnorm_forward_eval,
+    batchnorm_forward_train,
+    batchnorm_update_running,
+)
+from mexc.kernels.pool import (
+    avgpool2d_backward,
+    avgpool2d_forward,
+    global_avgpool_backward,
+    global_avgpool_forward,
+    maxpool2d_backward,
+    maxpool2d_forward,
+)
+from mexc.kernels.quantize import quantize
+
+__all__ = [
+    "BatchNormSaved",
+    "add_forward",
+    "avgpool2d_backward",
+    "avgpool2d_forward",
+    "batchnorm_backward",
+    "batchnorm_forward_eval",
+    "batchnorm_forward_train",
+    "batchnorm_update_running",
+    "bias_backward",
+    "conv2d_backward_input",
+    "conv2d_backward_weight",
+    "conv2d_forward",
+    "dropout_backward",
+    "dropout_forward",
+    "global_avgpool_backward",
+    "global_avgpool_forward",
+    "grad_sum",
+    "linear_backward_input",
+    "linear_backward_weight",
+    "linear_forward",
+    "maxpool2d_backward",
+    "maxpool2d_forward",
+    "quantize",
+    "relu6_backward",
+    "relu6_cap",
+    "relu6_forward",
+    "relu_backward",
+    "relu_forward",
+    "softmax_ce_backward",
+    "softmax_ce_forward",
+]

@@ -1,0 +1,79 @@
+"""Linear (fully connected) layer: y = x @ w^T + b, and its gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mexc.kernels._common import (
+    MAG,
+    aligned_sum_fast,
+    compact_mx,
+    fit_product,
+    i64,
+    product_bits,
+    scalar_exp,
+    site_key,
+)
+from mexc.mx import MX, Acc, RoundCtx
+from mexc.numerics import check_int32, matmul_exact
+
+
+def add_bias(
+    acc: np.ndarray, e_acc: int, k: int, bias: MX | None, axis: int, ctx: RoundCtx, tid: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """acc + bias (broadcast along `axis`) by numerics.aligned_sum; sites 1 (acc), 2 (bias)."""
+    if bias is None:
+        return acc, np.asarray(e_acc, np.int64)
+    eb = scalar_exp(bias, "bias")
+    shape = [1] * acc.ndim
+    shape[axis] = acc.shape[axis]
+    b = i64(bias.m).reshape(shape)
+    keys = [site_key(ctx, tid, 1), site_key(ctx, tid, 2)]
+    return aligned_sum_fast([(acc, e_acc, product_bits(k)), (b, eb, MAG)], ctx.rounding, keys)
+
+
+def linear_forward(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) -> MX:
+    """y[..., o] = sum_k x[..., k] w[o, k] (+ b[o]).
+
+    Sites: 0 output compaction, 1/2 bias alignment (acc, bias), 3 pre-shift of x if
+    product_cap(K, 8) < 0. Exponent of the accumulator: e_x + e_w.
+    """
+    ex, ew = scalar_exp(x, "linear input"), scalar_exp(w, "linear weight")
+    k = w.shape[1]
+    xm, ex = fit_product(x.m.reshape(-1, k), ex, k, ctx, site_key(ctx, tid, 3))
+    acc = matmul_exact(xm, i64(w.m).T)
+    acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
+    out = compact_mx(acc, e, ctx, site_key(ctx, tid, 0))
+    return MX.of(out.m.reshape(x.shape[:-1] + (w.shape[0],)), out.e)
+
+
+def linear_backward_input(dy: MX, w: MX, ctx: RoundCtx, tid: int) -> MX:
+    """dx = dy @ w. Sites: 0 compaction, 3 pre-shift of dy if product_cap(O, 8) < 0."""
+    ed, ew = scalar_exp(dy, "dy"), scalar_exp(w, "linear weight")
+    o = w.shape[0]
+    dm, ed = fit_product(dy.m.reshape(-1, o), ed, o, ctx, site_key(ctx, tid, 3))
+    acc = matmul_exact(dm, i64(w.m))
+    out = compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0))
+    return MX.of(out.m.reshape(dy.shape[:-1] + (w.shape[1],)), out.e)
+
+
+def linear_backward_weight(dy: MX, x: MX, ctx: RoundCtx | None = None, tid: int = 0) -> Acc:
+    """dW = dy^T @ x as an un-compacted int32 accumulator, exponent e_dy + e_x.
+
+    If product_cap(N, 8) < 0 (N = rows), dy is pre-shifted (site 3; nearest without ctx).
+    """
+    ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "x")
+    o, k = dy.shape[-1], x.shape[-1]
+    d2 = dy.m.reshape(-1, o)
+    key = site_key(ctx, tid, 3) if ctx is not None else 0
+    dm, ed = fit_product(d2, ed, d2.shape[0], ctx, key)
+    acc = matmul_exact(dm.T, i64(x.m.reshape(-1, k)))
+    return Acc(acc, np.asarray(ed + ex, np.int64))
+
+
+def bias_backward(dy: MX, axes: tuple[int, ...]) -> Acc:
+    """db = sum of dy over `axes` (int32 accumulator, exponent e_dy)."""
+    ed = scalar_exp(dy, "dy")
+    acc = i64(dy.m).sum(axis=axes)
+    check_int32(acc, "bias_backward")
+    return Acc(acc, np.asarray(ed, np.int64))

@@ -1,0 +1,71 @@
+"""Output head: integer softmax + cross-entropy (unsigned 8-bit probabilities, exponent -8)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mexc.kernels._common import i64, scalar_exp, site_key
+from mexc.mx import MX, RoundCtx
+from mexc.numerics import (
+    EXP_TABLE,
+    check_int32,
+    compact,
+    idiv_round,
+    shift_left,
+)
+
+PROB_EXP = -8  # probabilities p * 2^-8, p in [0, 255]
+PROB_ONE = 256
+GRAD_EXP = -15  # (p - 256*onehot) << 7 / n lies at exponent -15
+
+
+def softmax_ce_forward(
+    logits: MX, labels: np.ndarray, valid: int, ctx: RoundCtx, tid: int
+) -> tuple[np.ndarray, float]:
+    """Row softmax of (N, K) logits as integers p in [0, 255] (value p / 256), and the mean
+    cross-entropy over the first `valid` rows as a host float (logging only).
+
+    d = m - rowmax(m) <= 0; E = EXP_TABLE.lookup(d, e) (index = d shifted to exponent -4 with
+    ctx rounding, site 0; clamped to [-128, 127]; values at exponent -15, E(0) = 2^15);
+    S = row sum of E (int32); p = min(idiv_round(E << 8, S), 255).
+    loss = mean_{i < valid} -log(max(p[i, y_i], 1) / 256).
+    """
+    e = scalar_exp(logits, "logits")
+    m = i64(logits.m)
+    if m.ndim != 2:
+        raise ValueError("softmax_ce needs (N, K) logits")
+    d = m - m.max(axis=1, keepdims=True)
+    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0))
+    srow = ex.sum(axis=1, keepdims=True)
+    check_int32(srow, "softmax_sum")
+    p = np.minimum(idiv_round(shift_left(ex, 8, "softmax_num"), srow), PROB_ONE - 1)
+    lab = np.asarray(labels, np.int64)
+    n = max(min(int(valid), m.shape[0]), 0)
+    if n == 0:
+        return p, 0.0
+    py = p[np.arange(n), lab[:n]]
+    loss = float(np.mean([-math.log(max(int(v), 1) / PROB_ONE) for v in py]))
+    return p, loss
+
+
+def softmax_ce_backward(
+    probs: np.ndarray, labels: np.ndarray, valid: int, ctx: RoundCtx, tid: int
+) -> MX:
+    """dlogits = (softmax - onehot) / n, n = valid rows; padding rows (>= valid) are zero.
+
+    t = p - 256*onehot (|t| <= 256); g = idiv_round(t << 7, n) at exponent -15
+    (|g| <= 2^15); compaction to ctx.bits (site 0).
+    """
+    p = i64(probs)
+    nrows = p.shape[0]
+    n = max(min(int(valid), nrows), 0)
+    lab = np.asarray(labels, np.int64)
+    t = p.copy()
+    if n:
+        t[np.arange(n), lab[:n]] -= PROB_ONE
+    t[n:] = 0
+    g = idiv_round(t << 7, max(n, 1))
+    mm, ee = compact(g, GRAD_EXP, ctx.bits, ctx.rounding, site_key(ctx, tid, 0))
+    return MX.of(mm, ee)

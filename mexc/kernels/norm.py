@@ -1,0 +1,333 @@
+"""Batch normalization (training, running statistics, evaluation, backward), integer only.
+
+Input (N, C, H, W) or (N, C); statistics per channel C over M = N*H*W elements.
+See docs/layers.md for the recipe and the rounding sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mexc.kernels._common import (
+    MAG,
+    aligned_sum_fast,
+    bit_length,
+    compact_common,
+    compact_mx,
+    fit_product,
+    i64,
+    scalar_exp,
+    site_key,
+)
+from mexc.mx import MX, Acc, RoundCtx
+from mexc.numerics import (
+    FixedScalar,
+    ceil_log2,
+    check_int32,
+    compact,
+    compact_to_bits,
+    idiv_round,
+    isqrt,
+    shift_left,
+    shift_left_saturating,
+    shift_right,
+    shift_signed,
+    sum_cap,
+)
+
+MEAN_FRAC_BITS = 8  # at most 8 fractional bits below the input exponent for the mean
+RSTD_NUM_LOG2 = 29  # rstd = round(2^29 / sigma), sigma in [2^14, 2^15] -> rstd in [2^14, 2^15]
+EPS_LIMIT = 1 << 29  # the aligned eps saturates here
+
+
+@dataclass(frozen=True)
+class BatchNormSaved:
+    """What batchnorm_backward (and the running-statistics update) needs.
+
+    xhat: normalized input, int8 mantissas, per-tensor exponent.
+    rstd / rstd_e: per-channel integer 1/sigma (in [2^14, 2^15]) and its per-channel exponent.
+    gamma: the scale parameter used in the forward.
+    mean: batch mean (C,), one exponent. var / var_unbiased: batch variance (C,), per-channel
+    exponents (biased, and times M/(M-1) for the running statistics as torch does).
+    count: M.
+    """
+
+    xhat: MX
+    rstd: np.ndarray
+    rstd_e: np.ndarray
+    gamma: MX
+    mean: Acc
+    var: Acc
+    var_unbiased: Acc
+    count: int
+
+
+def _as_ncs(m: np.ndarray) -> np.ndarray:
+    if m.ndim == 2:
+        return i64(m)[:, :, None]
+    if m.ndim == 4:
+        n, c, h, w = m.shape
+        return i64(m).reshape(n, c, h * w)
+    raise ValueError(f"batchnorm needs (N, C) or (N, C, H, W) input, got {m.shape}")
+
+
+def _eps_fixed(eps: float | FixedScalar) -> FixedScalar:
+    return eps if isinstance(eps, FixedScalar) else FixedScalar.of(float(eps))
+
+
+def mean_frac_bits(m: int) -> int:
+    """f = min(8, sum_cap(M, 8)): fractional bits of the mean; S << f fits int32."""
+    f = min(MEAN_FRAC_BITS, sum_cap(m, 8))
+    if f < 0:
+        raise ValueError(f"batchnorm reduction of {m} elements exceeds the int32 sum cap")
+    return f
+
+
+def _rstd(var_m: np.ndarray, ev: np.ndarray, eps: FixedScalar) -> tuple[np.ndarray, np.ndarray]:
+    """Per channel 1/sqrt(var * 2^ev + eps) as (rstd in [2^14, 2^15], exponent); var_m <= 2^30.
+
+    eps = num * 2^-shift is aligned to 2^ev (saturating left shift to 2^29, or nearest right
+    shift). n0 = max(var + eps, 1) is normalized by t = 29 - bitlen(n0) (+1 if ev - t is odd)
+    so n = n0 * 2^t lies in [2^28, 2^30] with an even exponent (nearest rounding if t < 0);
+    sigma = isqrt(n) in [2^14, 2^15], exponent (ev - t) / 2; rstd = idiv_round(2^29, sigma),
+    exponent -29 - (ev - t) / 2.
+    """
+    ev = i64(ev)
+    sh = -eps.shift - ev
+    num = np.full(ev.shape, eps.num, np.int64)
+    left = np.minimum(shift_left_saturating(num, np.maximum(sh, 0), 29), EPS_LIMIT)
+    right = shift_right(num, np.maximum(-sh, 0), "nearest")
+    n0 = np.maximum(i64(var_m) + np.where(sh >= 0, left, right), 1)
+    check_int32(n0, "batchnorm_var")
+    t = 29 - bit_length(n0)
+    t = np.where((ev - t) % 2 != 0, t + 1, t)
+    n = shift_signed(n0, -t, "nearest")
+    sigma = isqrt(n)
+    es = (ev - t) // 2
+    rstd = idiv_round(np.asarray(1 << RSTD_NUM_LOG2, np.int64), sigma)
+    return rstd, -RSTD_NUM_LOG2 - es
+
+
+def _affine(
+    xhat: MX, gamma: MX, beta: MX, ctx: RoundCtx, tid: int, j: int, shape: tuple[int, ...]
+) -> MX:
+    """y = gamma * xhat + beta: product at e_g + e_xhat (|.| < 2^14), aligned_sum with beta
+    (sites j, j+1), compaction (site j+2)."""
+    eg, eb = scalar_exp(gamma, "gamma"), scalar_exp(beta, "beta")
+    xh = _as_ncs(xhat.m)
+    prod = xh * i64(gamma.m)[None, :, None]
+    b = i64(beta.m)[None, :, None]
+    keys = [site_key(ctx, tid, j), site_key(ctx, tid, j + 1)]
+    acc, e = aligned_sum_fast([(prod, int(xhat.e) + eg, 2 * MAG), (b, eb, MAG)], ctx.rounding, keys)
+    return compact_mx(acc.reshape(shape), e, ctx, site_key(ctx, tid, j + 2))
+
+
+def batchnorm_forward_train(
+    x: MX,
+    gamma: MX,
+    beta: MX,
+    eps: float | FixedScalar,
+    ctx: RoundCtx,
+    tid: int,
+) -> tuple[MX, BatchNormSaved]:
+    """Training-mode batch norm with batch statistics.
+
+    Sites: 0 variance pre-shift, 1 xhat compaction, 2/3 affine alignment (gamma*xhat, beta),
+    4 output compaction.
+    """
+    ex = scalar_exp(x, "batchnorm input")
+    x3 = _as_ncs(x.m)
+    n, c, s = x3.shape
+    m = n * s
+    if m < 2:
+        raise ValueError("batchnorm training needs more than one value per channel")
+    f = mean_frac_bits(m)
+    ssum = x3.sum(axis=(0, 2))
+    check_int32(ssum, "batchnorm_sum")
+    mu = idiv_round(shift_left(ssum, f, "batchnorm_mean"), m)  # exponent ex - f
+    xc = (x3 << f) - mu[None, :, None]  # |xc| <= 254 * 2^f <= 65024
+    e_c = ex - f
+    # variance: per-channel pre-shift r so that the M-way sum of squares fits int32
+    amax = np.abs(xc).max(axis=(0, 2))
+    r = np.zeros(c, np.int64)
+    while True:
+        top = -((-amax) >> r)  # ceil(amax / 2^r)
+        over = m * top * top > 2**31 - 1
+        if not np.any(over):
+            break
+        r = np.where(over, r + 1, r)
+    tq = shift_right(xc, r[None, :, None], ctx.rounding, site_key(ctx, tid, 0))
+    vsum = (tq * tq).sum(axis=(0, 2))
+    check_int32(vsum, "batchnorm_var_sum")
+    sv = np.maximum(30 - bit_length(vsum), 0)
+    vnum = vsum << sv
+    check_int32(vnum, "batchnorm_var_sum")
+    var_m = idiv_round(vnum, m)
+    var_u = idiv_round(vnum, m - 1)
+    ev = 2 * (e_c + r) - sv
+    eps_f = _eps_fixed(eps)
+    rstd, rstd_e = _rstd(var_m, ev, eps_f)
+    acc = xc * rstd[None, :, None]
+    check_int32(acc, "batchnorm_xhat")
+    xhat = compact_common(
+        acc.reshape((n, c) + x.shape[2:]), e_c + rstd_e, 1, ctx, site_key(ctx, tid, 1)
+    )
+    y = _affine(xhat, gamma, beta, ctx, tid, 2, x.shape)
+    saved = BatchNormSaved(
+        xhat=xhat,
+        rstd=rstd,
+        rstd_e=rstd_e,
+        gamma=gamma,
+        mean=Acc(mu, np.asarray(e_c, np.int64)),
+        var=Acc(var_m, ev),
+        var_unbiased=Acc(var_u, ev),
+        count=m,
+    )
+    return y, saved
+
+
+def batchnorm_backward(
+    dy: MX, saved: BatchNormSaved, ctx: RoundCtx, tid: int
+) -> tuple[MX, Acc, Acc]:
+    """dx = gamma * rstd / M * (M*dy - sum(dy) - xhat * sum(dy*xhat)); dgamma, dbeta as Acc.
+
+    Sites: 0 dgamma compaction to 16 bits, 1/2/3 aligned sum (M*dy, -dbeta, -xhat*dgamma),
+    4 bracket compaction to 16 bits, 5 gamma*rstd per-channel shift to 16 bits,
+    6 dx compaction, 7 pre-shift of dy for dgamma if product_cap(M, 8) < 0.
+    """
+    ed = scalar_exp(dy, "dy")
+    exh = scalar_exp(saved.xhat, "xhat")
+    d3 = _as_ncs(dy.m)
+    xh = _as_ncs(saved.xhat.m)
+    n, c, s = d3.shape
+    m = n * s
+    dbeta = d3.sum(axis=(0, 2))
+    check_int32(dbeta, "batchnorm_dbeta")
+    dp, edp = fit_product(d3, ed, m, ctx, site_key(ctx, tid, 7))
+    dgamma = (dp * xh).sum(axis=(0, 2))
+    check_int32(dgamma, "batchnorm_dgamma")
+    e_dg = edp + exh
+    dg16, e_dg16 = compact_to_bits(dgamma, e_dg, 15, ctx.rounding, site_key(ctx, tid, 0))
+    lg = ceil_log2(m)
+    md = d3 * m
+    check_int32(md, "batchnorm_bwd")
+    keys = [site_key(ctx, tid, j) for j in (1, 2, 3)]
+    t, e_t = aligned_sum_fast(
+        [
+            (md, ed, MAG + lg),
+            (-dbeta[None, :, None], ed, MAG + lg),
+            (-(xh * dg16[None, :, None]), exh + int(e_dg16), MAG + 15),
+        ],
+        ctx.rounding,
+        keys,
+    )
+    bk = idiv_round(t, m)
+    bk16, e_bk = compact_to_bits(bk, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
+    eg = scalar_exp(saved.gamma, "gamma")
+    fac = i64(saved.gamma.m) * saved.rstd  # |.| <= 127 * 2^15
+    sf = np.maximum(bit_length(fac) - 15, 0)
+    f16 = shift_right(fac, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
+    e_f = eg + saved.rstd_e + sf
+    dxa = bk16 * f16[None, :, None]
+    check_int32(dxa, "batchnorm_dx")
+    dx = compact_common(dxa.reshape(dy.shape), int(e_bk) + e_f, 1, ctx, site_key(ctx, tid, 6))
+    return (
+        dx,
+        Acc(dgamma, np.asarray(e_dg, np.int64)),
+        Acc(dbeta, np.asarray(ed, np.int64)),
+    )
+
+
+def _ema(r: MX, b: Acc, momentum: FixedScalar, ctx: RoundCtx, tid: int, j: int) -> MX:
+    """r <- (1 - mom) * r + mom * b. b is first compacted to |b| <= 2^15 (site j), then
+    aligned_sum((2^shift - num) * r, num * b) at exponents e - shift (sites j+1, j+2),
+    then compaction (site j+3): per group if r has per-channel exponents, else one exponent."""
+    b16, e_b = compact_to_bits(b.a, b.e, 15, ctx.rounding, site_key(ctx, tid, j))
+    one_minus = (1 << momentum.shift) - momentum.num
+    keys = [site_key(ctx, tid, j + 1), site_key(ctx, tid, j + 2)]
+    acc, e = aligned_sum_fast(
+        [
+            (i64(r.m) * one_minus, r.e - momentum.shift, MAG + one_minus.bit_length()),
+            (b16 * momentum.num, e_b - momentum.shift, 15 + momentum.num.bit_length()),
+        ],
+        ctx.rounding,
+        keys,
+    )
+    e = np.broadcast_to(e, acc.shape) if e.ndim else e
+    if r.grouped:
+        mm, ee = compact(acc, e, ctx.bits, ctx.rounding, site_key(ctx, tid, j + 3), grouped=True)
+        return MX.of(mm, ee)
+    if e.ndim == 0:
+        return compact_mx(acc, e, ctx, site_key(ctx, tid, j + 3))
+    return compact_common(acc, e, 0, ctx, site_key(ctx, tid, j + 3))
+
+
+def batchnorm_update_running(
+    running_mean: MX,
+    running_var: MX,
+    batch_mean: Acc,
+    batch_var: Acc,
+    momentum: FixedScalar,
+    ctx: RoundCtx,
+    tid: int,
+) -> tuple[MX, MX]:
+    """Integer EMA of the running statistics (torch convention: new = (1-mom)*old + mom*batch;
+    pass saved.var_unbiased as batch_var to match torch). The result keeps the granularity of the
+    inputs: per-channel exponents (e shape (C,), recommended) or one exponent.
+
+    Sites: 0-3 mean (compaction of batch mean, two alignments, compaction), 4-7 variance.
+    """
+    return (
+        _ema(running_mean, batch_mean, momentum, ctx, tid, 0),
+        _ema(running_var, batch_var, momentum, ctx, tid, 4),
+    )
+
+
+def batchnorm_forward_eval(
+    x: MX,
+    gamma: MX,
+    beta: MX,
+    running_mean: MX,
+    running_var: MX,
+    ctx: RoundCtx,
+    tid: int,
+    eps: float | FixedScalar = 1e-5,
+) -> MX:
+    """y = gamma * (x - rm) * rstd(rv + eps) + beta with the running statistics.
+
+    Sites: 0/1 aligned x - rm (per channel exponent if rm is grouped), 2 per-channel shift of
+    it to |.| <= 2^15, 3 xhat compaction,
+    4/5 affine alignment, 6 output compaction.
+    """
+    ex = scalar_exp(x, "batchnorm input")
+    x3 = _as_ncs(x.m)
+    n, c, _ = x3.shape
+    e_rm = running_mean.e.reshape(1, c, 1) if running_mean.grouped else running_mean.e
+    keys = [site_key(ctx, tid, 0), site_key(ctx, tid, 1)]
+    xc, e_xc = aligned_sum_fast(
+        [(x3, ex, MAG), (-i64(running_mean.m)[None, :, None], e_rm, MAG)], ctx.rounding, keys
+    )
+    e_grp = np.broadcast_to(np.reshape(e_xc, (-1,)), (c,)).astype(np.int64)
+    amax = np.abs(xc).max(axis=(0, 2))
+    sx = np.maximum(bit_length(amax) - 15, 0)  # per channel: |xc16| <= 2^15
+    xc16 = shift_right(xc, sx[None, :, None], ctx.rounding, site_key(ctx, tid, 2))
+    e16 = e_grp + sx
+    ev = np.broadcast_to(running_var.e, (c,))
+    rstd, rstd_e = _rstd(i64(running_var.m), ev, _eps_fixed(eps))
+    acc = xc16 * rstd[None, :, None]
+    check_int32(acc, "batchnorm_xhat")
+    xhat = compact_common(
+        acc.reshape((n, c) + x.shape[2:]), e16 + rstd_e, 1, ctx, site_key(ctx, tid, 3)
+    )
+    return _affine(xhat, gamma, beta, ctx, tid, 4, x.shape)
+
+
+__all__ = [
+    "BatchNormSaved",
+    "batchnorm_backward",
+    "batchnorm_forward_eval",
+    "batchnorm_forward_train",
+    "batchnorm_update_running",
+]

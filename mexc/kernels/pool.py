@@ -1,0 +1,153 @@
+"""Max, average and global average pooling (N, C, H, W), forward and backward."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from mexc.kernels._common import MAG, compact_mx, i64, scalar_exp, site_key
+from mexc.kernels.conv import IntPair, _pair
+from mexc.mx import MX, RoundCtx
+from mexc.numerics import (
+    Reciprocal,
+    ceil_log2,
+    check_int32,
+    compact_to_bits,
+    div_const,
+    qmax,
+    shift_left,
+)
+
+DIV_BITS = 15  # div_const inputs are brought to |x| <= 2^15
+
+
+def _windows(
+    xm: np.ndarray, k: tuple[int, int], s: tuple[int, int], p: tuple[int, int], fill: int
+) -> np.ndarray:
+    xp = np.pad(xm, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=fill)
+    return sliding_window_view(xp, k, axis=(2, 3))[:, :, :: s[0], :: s[1]]
+
+
+def maxpool2d_forward(
+    x: MX, kernel: IntPair, stride: IntPair | None = None, padding: IntPair = 0
+) -> tuple[MX, np.ndarray]:
+    """y = window max (exponent unchanged; padding never wins). Returns (y, argmax) where argmax
+    is the offset i*KW + j inside the window of the first maximum (row-major), int8/int64."""
+    k = _pair(kernel)
+    s = _pair(stride if stride is not None else kernel)
+    win = _windows(np.asarray(x.m, np.int16), k, s, _pair(padding), -(1 << 14))
+    flat = win.reshape(win.shape[:4] + (k[0] * k[1],))
+    arg = flat.argmax(axis=-1)
+    y = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    return MX(y.astype(np.int8), x.e), arg
+
+
+def _scatter(
+    vals: np.ndarray,
+    sel: np.ndarray | None,
+    x_shape: tuple[int, ...],
+    k: tuple[int, int],
+    s: tuple[int, int],
+    p: tuple[int, int],
+) -> np.ndarray:
+    """Sum vals (N, C, OH, OW) into every window position (where sel == offset, if given)."""
+    n, c, h, w = x_shape
+    oh, ow = vals.shape[2], vals.shape[3]
+    out = np.zeros((n, c, h + 2 * p[0], w + 2 * p[1]), np.int64)
+    for i in range(k[0]):
+        for j in range(k[1]):
+            v = vals if sel is None else np.where(sel == i * k[1] + j, vals, 0)
+            out[:, :, i : i + s[0] * (oh - 1) + 1 : s[0], j : j + s[1] * (ow - 1) + 1 : s[1]] += v
+    return out[:, :, p[0] : p[0] + h, p[1] : p[1] + w]
+
+
+def maxpool2d_backward(
+    dy: MX,
+    argmax: np.ndarray,
+    x_shape: tuple[int, ...],
+    kernel: IntPair,
+    stride: IntPair | None,
+    padding: IntPair,
+    ctx: RoundCtx,
+    tid: int,
+) -> MX:
+    """dx = scatter-add of dy at the argmax positions (integer add: one exponent). Without
+    overlap the result is dy's mantissas exactly; else compaction if it exceeds qmax (site 0)."""
+    k = _pair(kernel)
+    s = _pair(stride if stride is not None else kernel)
+    acc = _scatter(i64(dy.m), argmax, tuple(x_shape), k, s, _pair(padding))
+    check_int32(acc, "maxpool2d_backward")
+    if acc.size and int(np.abs(acc).max()) <= qmax(ctx.bits):
+        return MX(acc.astype(np.int8), dy.e)
+    return compact_mx(acc, dy.e, ctx, site_key(ctx, tid, 0))
+
+
+def _divide(acc: np.ndarray, e: int, bound_bits: int, count: int, ctx: RoundCtx, tid: int) -> MX:
+    """acc * 2^e / count -> MX. |acc| < 2^bound_bits (static). If bound_bits <= 15 the sum is
+    shifted left exactly by 15 - bound_bits, else compacted to |.| <= 2^15 (site 0);
+    div_const by count (exact nearest on the odd part, pow2 into the exponent); compaction
+    (site 1)."""
+    if bound_bits <= DIV_BITS:
+        sl = DIV_BITS - bound_bits
+        a, ea = shift_left(acc, sl, "pool_divide"), np.asarray(e - sl, np.int64)
+    else:
+        a, ea = compact_to_bits(acc, e, DIV_BITS, ctx.rounding, site_key(ctx, tid, 0))
+    q, eq = div_const(a, ea, Reciprocal.of(count))
+    return compact_mx(q, eq, ctx, site_key(ctx, tid, 1))
+
+
+def avgpool2d_forward(
+    x: MX, kernel: IntPair, stride: IntPair | None, padding: IntPair, ctx: RoundCtx, tid: int
+) -> MX:
+    """y = window sum / (KH*KW) (zero padding counted, torch count_include_pad=True).
+    Sum of KH*KW mantissas (bound 2^(7 + ceil log2 KH*KW)), then _divide (sites 0, 1)."""
+    e = scalar_exp(x, "avgpool input")
+    k = _pair(kernel)
+    s = _pair(stride if stride is not None else kernel)
+    win = _windows(i64(x.m), k, s, _pair(padding), 0)
+    acc = win.sum(axis=(-2, -1))
+    check_int32(acc, "avgpool2d_forward")
+    kk = k[0] * k[1]
+    return _divide(acc, e, MAG + ceil_log2(kk), kk, ctx, tid)
+
+
+def avgpool2d_backward(
+    dy: MX,
+    x_shape: tuple[int, ...],
+    kernel: IntPair,
+    stride: IntPair | None,
+    padding: IntPair,
+    ctx: RoundCtx,
+    tid: int,
+) -> MX:
+    """g = dy / (KH*KW) (dy << 8, div_const, exponent e - 8 - pow2: exact, no site), then
+    scatter-add of g into every window position and compaction (site 0)."""
+    e = scalar_exp(dy, "dy")
+    k = _pair(kernel)
+    s = _pair(stride if stride is not None else kernel)
+    kk = k[0] * k[1]
+    g, eg = div_const(i64(dy.m) << (DIV_BITS - MAG), e - (DIV_BITS - MAG), Reciprocal.of(kk))
+    acc = _scatter(g, None, tuple(x_shape), k, s, _pair(padding))
+    check_int32(acc, "avgpool2d_backward")
+    return compact_mx(acc, eg, ctx, site_key(ctx, tid, 0))
+
+
+def global_avgpool_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """AdaptiveAvgPool2d(1): (N, C, H, W) -> (N, C, 1, 1), sum / (H*W) via _divide (sites 0, 1)."""
+    e = scalar_exp(x, "global avgpool input")
+    n, c, h, w = x.shape
+    acc = i64(x.m).sum(axis=(2, 3), keepdims=True)
+    check_int32(acc, "global_avgpool_forward")
+    return _divide(acc, e, MAG + ceil_log2(h * w), h * w, ctx, tid)
+
+
+def global_avgpool_backward(dy: MX, x_shape: tuple[int, ...], ctx: RoundCtx, tid: int) -> MX:
+    """dx = broadcast(dy / (H*W)): dy << 8, div_const, compaction (site 0)."""
+    e = scalar_exp(dy, "dy")
+    n, c, h, w = x_shape
+    g, eg = div_const(
+        i64(dy.m).reshape(n, c, 1, 1) << (DIV_BITS - MAG),
+        e - (DIV_BITS - MAG),
+        Reciprocal.of(h * w),
+    )
+    return compact_mx(np.broadcast_to(g, (n, c, h, w)), eg, ctx, site_key(ctx, tid, 0))

@@ -1,0 +1,645 @@
+"""Reference integer primitives: the executable form of docs/numerics.md.
+
+Every function here is exact integer arithmetic on numpy arrays. Backends (TVM CPU, C for MCUs,
+CUDA) must reproduce these results bit for bit. Internally the reference computes in int64 where
+that is the simplest way to state the exact result; the spec proves the int32 (and uint32) forms
+used by backends give the same numbers.
+
+Conventions
+- A mantissa is an int8 array holding a B-bit signed value in [-qmax(B), qmax(B)].
+- An exponent array broadcasts against its mantissa: shape () for one exponent per tensor, shape
+  (G,) for one exponent per group along axis 0 (see `expand_exponent`).
+- Rounding is "stochastic" (training) or "nearest" (inference, round half up).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Rounding = Literal["stochastic", "nearest"]
+ROUNDINGS: tuple[Rounding, ...] = ("stochastic", "nearest")
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+GOLDEN32 = 0x9E3779B9
+_U32 = np.uint32
+
+
+class OverflowDebugError(ArithmeticError):
+    """An int32 intermediate left the int32 range while overflow debugging was on."""
+
+
+_DEBUG_OVERFLOW = False
+
+
+def set_overflow_debug(enabled: bool) -> bool:
+    """Turn the int32 overflow checks on or off; returns the previous setting."""
+    global _DEBUG_OVERFLOW
+    previous = _DEBUG_OVERFLOW
+    _DEBUG_OVERFLOW = enabled
+    return previous
+
+
+class overflow_debug:
+    """Context manager: check every int32 intermediate of every primitive for overflow."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._previous = False
+
+    def __enter__(self) -> overflow_debug:
+        self._previous = set_overflow_debug(self.enabled)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        set_overflow_debug(self._previous)
+
+
+def check_int32(x: np.ndarray | int, primitive: str) -> None:
+    """In debug mode, raise if any value of `x` (computed exactly, in int64) is outside int32."""
+    if not _DEBUG_OVERFLOW:
+        return
+    arr = np.asarray(x)
+    if arr.size == 0:
+        return
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < INT32_MIN or hi > INT32_MAX:
+        raise OverflowDebugError(
+            f"int32 overflow in primitive '{primitive}': intermediate range [{lo}, {hi}] "
+            f"exceeds [{INT32_MIN}, {INT32_MAX}]. The static shift caps should have prevented "
+            "this; tile the reduction or pre-shift its operands (docs/numerics.md, 'Caps')."
+        )
+
+
+# --------------------------------------------------------------------------- mantissa range
+
+
+def qmax(bits: int) -> int:
+    """Largest mantissa magnitude of a B-bit symmetric mantissa: 2^(B-1) - 1."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"mantissa bits must be in 2..8, got {bits}")
+    return (1 << (bits - 1)) - 1
+
+
+def saturate(x: np.ndarray, bits: int) -> np.ndarray:
+    """Clamp to [-qmax, qmax] and return int8."""
+    q = qmax(bits)
+    return np.clip(np.asarray(x, dtype=np.int64), -q, q).astype(np.int8)
+
+
+def expand_exponent(e: np.ndarray | int, ndim: int) -> np.ndarray:
+    """Shape an exponent for broadcasting: () stays (), (G,) becomes (G, 1, ..., 1)."""
+    arr = np.asarray(e, dtype=np.int64)
+    if arr.ndim == 0:
+        return arr
+    return arr.reshape(arr.shape + (1,) * (ndim - arr.ndim))
+
+
+# --------------------------------------------------------------------------- PRNG
+
+
+def mix32(x: np.ndarray | int) -> np.ndarray:
+    """lowbias32 (C. Wellons): a bijective uint32 -> uint32 hash, wrapping mod 2^32."""
+    v = np.asarray(x).astype(_U32, copy=True)
+    with np.errstate(over="ignore"):
+        v ^= v >> _U32(16)
+        v *= _U32(0x7FEB352D)
+        v ^= v >> _U32(15)
+        v *= _U32(0x846CA68B)
+        v ^= v >> _U32(16)
+    return v
+
+
+def stream_key(seed: int, step: int, tensor_id: int) -> int:
+    """Per (seed, step, tensor) key: mix32(mix32(mix32(seed) ^ step) ^ tensor_id)."""
+    k = int(mix32(seed & 0xFFFFFFFF))
+    k = int(mix32(k ^ (step & 0xFFFFFFFF)))
+    return int(mix32(k ^ (tensor_id & 0xFFFFFFFF)))
+
+
+def random_bits(key: int, index: np.ndarray) -> np.ndarray:
+    """uint32 random word of element `index`: mix32(key ^ (index * 0x9E3779B9 mod 2^32))."""
+    idx = np.asarray(index).astype(_U32)
+    with np.errstate(over="ignore"):
+        return mix32(_U32(key & 0xFFFFFFFF) ^ (idx * _U32(GOLDEN32)))
+
+
+def element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Random words for every element of a C-ordered tensor of `shape` (index = flat position)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return random_bits(key, np.arange(n, dtype=np.uint32)).reshape(shape)
+
+
+# --------------------------------------------------------------------------- shifts
+
+
+def shift_right(
+    x: np.ndarray,
+    s: np.ndarray | int,
+    rounding: Rounding,
+    key: int = 0,
+) -> np.ndarray:
+    """Right shift of int32 values by s >= 0 with rounding; returns int64 holding int32 values.
+
+    stochastic: floor((x + r) / 2^s) with r = bits(key, i) & (2^s - 1), in the split form
+                (x >> s) + (((x & (2^s-1)) + r) >> s) whose inner sum is a uint32 < 2^32.
+    nearest:    same with r = 2^(s-1) (round half up); s = 0 returns x.
+    s >= 32 gives 0 (the exact value is below half a unit).
+    """
+    xv = np.asarray(x, dtype=np.int64)
+    sv = np.broadcast_to(np.asarray(s, dtype=np.int64), xv.shape)
+    if np.any(sv < 0):
+        raise ValueError("shift_right needs s >= 0")
+    check_int32(xv, "shift_right")
+    small = np.minimum(sv, 31)
+    mask = (np.int64(1) << small) - 1
+    if rounding == "stochastic":
+        r = element_bits(key, xv.shape).astype(np.int64) & mask
+    elif rounding == "nearest":
+        r = np.where(small > 0, np.int64(1) << np.maximum(small - 1, 0), 0)
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}")
+    out = (xv >> small) + (((xv & mask) + r) >> small)
+    return np.where(sv >= 32, 0, out)
+
+
+def shift_left(x: np.ndarray, s: np.ndarray | int, primitive: str = "shift_left") -> np.ndarray:
+    """Exact left shift by s >= 0 (int64 result; debug mode checks it fits int32)."""
+    xv = np.asarray(x, dtype=np.int64)
+    sv = np.asarray(s, dtype=np.int64)
+    if np.any(sv < 0):
+        raise ValueError("shift_left needs s >= 0")
+    out = xv << sv
+    check_int32(out, primitive)
+    return out
+
+
+def shift_signed(
+    x: np.ndarray, s: np.ndarray | int, rounding: Rounding, key: int = 0
+) -> np.ndarray:
+    """Multiply by 2^-s: right shift with rounding where s > 0, exact left shift where s < 0."""
+    sv = np.broadcast_to(np.asarray(s, dtype=np.int64), np.shape(x))
+    right = shift_right(x, np.maximum(sv, 0), rounding, key)
+    return np.where(sv < 0, shift_left(x, np.maximum(-sv, 0)), right)
+
+
+def shift_left_saturating(x: np.ndarray, s: np.ndarray | int, limit_bits: int = 30) -> np.ndarray:
+    """Left shift by s >= 0, clamped to +-2^limit_bits (used only to align updates)."""
+    xv = np.asarray(x, dtype=np.int64)
+    sv = np.minimum(np.asarray(s, dtype=np.int64), 62 - 8)
+    lim = np.int64(1) << limit_bits
+    return np.clip(xv << sv, -lim, lim)
+
+
+# --------------------------------------------------------------------------- caps
+
+
+def ceil_log2(n: int) -> int:
+    """Smallest c with 2^c >= n (n >= 1)."""
+    if n < 1:
+        raise ValueError("ceil_log2 needs n >= 1")
+    return (n - 1).bit_length()
+
+
+def product_cap(k: int, bits: int, bits_b: int | None = None) -> int:
+    """int32 headroom of a K-wide inner product: 31 - ((Ba-1) + (Bb-1) + ceil(log2 K))."""
+    bb = bits if bits_b is None else bits_b
+    return 31 - ((bits - 1) + (bb - 1) + ceil_log2(k))
+
+
+def sum_cap(m: int, bits: int) -> int:
+    """int32 headroom of an M-way sum of B-bit mantissas: 31 - ((B-1) + ceil(log2 M))."""
+    return 31 - ((bits - 1) + ceil_log2(m))
+
+
+def magnitude_bits(max_abs: int) -> int:
+    """Smallest b with max_abs < 2^b."""
+    return int(max_abs).bit_length()
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def compaction_shift(max_abs: np.ndarray | int, bits: int) -> np.ndarray:
+    """Smallest s >= 0 with ceil(max_abs / 2^s) <= qmax(bits).
+
+    Any rounding (stochastic or nearest) of v / 2^s with |v| <= max_abs then lies in [-qmax, qmax].
+    """
+    m = np.asarray(max_abs, dtype=np.int64)
+    q = qmax(bits)
+    s = np.zeros(m.shape, dtype=np.int64)
+    # ceil(m / 2^s) <= q  <=>  m <= q * 2^s
+    need = m > q
+    while np.any(need):
+        s = np.where(need, s + 1, s)
+        need = m > (np.int64(q) << s)
+    return s
+
+
+def group_max_abs(x: np.ndarray, grouped: bool) -> np.ndarray:
+    """max |x| over the whole tensor (shape ()) or per group along axis 0 (shape (G,))."""
+    a = np.abs(np.asarray(x, dtype=np.int64))
+    if not grouped:
+        return np.asarray(a.max() if a.size else 0, dtype=np.int64)
+    return a.reshape(a.shape[0], -1).max(axis=1) if a.size else np.zeros(a.shape[0], np.int64)
+
+
+def compact(
+    acc: np.ndarray,
+    exponent: np.ndarray | int,
+    bits: int,
+    rounding: Rounding,
+    key: int = 0,
+    grouped: bool = False,
+    max_shift: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32 accumulator (value acc * 2^exponent) -> B-bit mantissa and new exponent.
+
+    The shift is the smallest that fits the max |acc| of the tensor (or of each group along axis 0
+    when `grouped`); `max_shift` is the static bound from the caps, which the dynamic shift never
+    exceeds (checked). Returns (int8 mantissa, exponent + shift).
+    """
+    a = np.asarray(acc, dtype=np.int64)
+    check_int32(a, "compact")
+    s = compaction_shift(group_max_abs(a, grouped), bits)
+    if max_shift is not None and np.any(s > max_shift):
+        raise OverflowDebugError(
+            f"compaction shift {int(s.max())} exceeds the static cap {max_shift}"
+        )
+    shifted = shift_right(a, expand_exponent(s, a.ndim), rounding, key)
+    return saturate(shifted, bits), np.asarray(exponent, dtype=np.int64) + s
+
+
+# --------------------------------------------------------------------------- products
+
+
+def matmul_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact integer matmul of small-integer operands (int64 result).
+
+    Uses float64 BLAS when every partial sum is provably exact (|a|max*|b|max*K < 2^53), else
+    int64 numpy. Either way the result equals the int32 accumulation of the spec.
+    """
+    a64 = np.asarray(a, dtype=np.int64)
+    b64 = np.asarray(b, dtype=np.int64)
+    k = a64.shape[-1]
+    amax = int(np.abs(a64).max()) if a64.size else 0
+    bmax = int(np.abs(b64).max()) if b64.size else 0
+    if amax * bmax * max(k, 1) < 2**53:
+        out = np.matmul(a64.astype(np.float64), b64.astype(np.float64)).astype(np.int64)
+    else:
+        out = np.matmul(a64, b64)
+    check_int32(out, "product")
+    return out
+
+
+# --------------------------------------------------------------------------- sums
+
+
+def aligned_sum(
+    terms: list[tuple[np.ndarray, np.ndarray | int, int]],
+    rounding: Rounding,
+    keys: list[int] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum of M terms x_i * 2^e_i, where |x_i| < 2^b_i is known statically.
+
+    Target exponent e = max(min_i e_i, max_i(e_i + b_i) + c - 31) with c = floor(log2 M) + 1 for
+    M >= 2 and c = 0 for M = 1: the smallest exponent at which the M aligned terms cannot overflow
+    int32. (c = ceil(log2 M) is not enough when M is a power of two: a right-shifted term may round
+    up to exactly 2^(31-c), and M such terms sum to 2^31.) Terms with e_i >= e are left-shifted
+    exactly, terms with e_i < e are right-shifted by (e - e_i) with rounding (key i). Exponents may
+    be arrays that broadcast against the mantissas (per-group sums). Returns (int64 acc holding
+    int32, e).
+    """
+    if not terms:
+        raise ValueError("aligned_sum needs at least one term")
+    m = len(terms)
+    ndim = max(np.ndim(x) for x, _, _ in terms)
+    exps = [expand_exponent(e, max(ndim, np.ndim(e))) for _, e, _ in terms]
+    e_min = exps[0]
+    e_top = exps[0] + terms[0][2]
+    for (_, _, b), e in zip(terms[1:], exps[1:]):
+        e_min = np.minimum(e_min, e)
+        e_top = np.maximum(e_top, e + b)
+    c = m.bit_length() if m > 1 else 0
+    target = np.maximum(e_min, e_top + c - 31)
+    total: np.ndarray | None = None
+    for i, ((x, _, _), e) in enumerate(zip(terms, exps)):
+        key = keys[i] if keys else 0
+        aligned = shift_signed(np.asarray(x, np.int64), np.broadcast_to(target - e, np.shape(x)),
+                               rounding, key)
+        total = aligned if total is None else total + aligned
+    assert total is not None
+    check_int32(total, "aligned_sum")
+    return total, target
+
+
+# --------------------------------------------------------------------------- divide by constant
+
+
+@dataclass(frozen=True)
+class Reciprocal:
+    """Precomputed reciprocal of an integer divisor d = 2^k * o (o odd), for |x| < 2^15.
+
+    round(x / o) = sign(x) * (((|x| + (o-1)/2) * mult) >> shift), exact for |x| <= 2^15,
+    with shift = 16 + L, L = ceil(log2 o), mult = ceil(2^shift / o).
+    """
+
+    divisor: int
+    pow2: int
+    odd: int
+    mult: int
+    shift: int
+
+    @staticmethod
+    def of(divisor: int) -> Reciprocal:
+        if divisor < 1:
+            raise ValueError(f"divisor must be >= 1, got {divisor}")
+        k = (divisor & -divisor).bit_length() - 1
+        odd = divisor >> k
+        shift = 16 + ceil_log2(odd)
+        mult = -((-(1 << shift)) // odd)
+        return Reciprocal(divisor, k, odd, mult, shift)
+
+
+DIV_INPUT_LIMIT = 1 << 15
+
+
+def div_const(
+    x: np.ndarray, exponent: np.ndarray | int, recip: Reciprocal
+) -> tuple[np.ndarray, np.ndarray]:
+    """(x * 2^exponent) / d -> (round(x / odd), exponent - pow2). Needs |x| <= 2^15.
+
+    The odd part is divided by multiply-and-shift, giving the exact round-to-nearest quotient
+    (odd divisors have no ties).
+    """
+    xv = np.asarray(x, dtype=np.int64)
+    if xv.size and int(np.abs(xv).max()) > DIV_INPUT_LIMIT:
+        raise ValueError(
+            f"div_const input exceeds 2^15 (max |x| = {int(np.abs(xv).max())}); "
+            "compact to 16 bits first"
+        )
+    n = np.abs(xv) + (recip.odd - 1) // 2
+    q = (n * recip.mult) >> recip.shift
+    return np.sign(xv) * q, np.asarray(exponent, dtype=np.int64) - recip.pow2
+
+
+def compact_to_bits(
+    x: np.ndarray, exponent: np.ndarray | int, magnitude_bits_max: int, rounding: Rounding,
+    key: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-shift (with rounding) so |x| <= 2^magnitude_bits_max; per tensor. Returns (x, e)."""
+    xv = np.asarray(x, dtype=np.int64)
+    m = int(np.abs(xv).max()) if xv.size else 0
+    s = 0
+    while m > (1 << magnitude_bits_max) << s:
+        s += 1
+    # after rounding the max may reach ceil(m/2^s) <= 2^bits
+    return shift_right(xv, s, rounding, key), np.asarray(exponent, np.int64) + s
+
+
+# --------------------------------------------------------------------------- lookup tables
+
+
+@dataclass(frozen=True)
+class LookupTable:
+    """f sampled at int8 inputs: value[i] = round(f((i - 128) * 2^in_exp) / 2^out_exp).
+
+    Built once on the host (float allowed there); evaluated by index only.
+    """
+
+    name: str
+    in_exp: int
+    out_exp: int
+    values: np.ndarray  # int32, 256 entries for inputs -128..127
+    lo: int
+    hi: int
+
+    @staticmethod
+    def build(
+        name: str, fn: object, in_exp: int, out_exp: int, lo: int, hi: int
+    ) -> LookupTable:
+        xs = np.arange(-128, 128, dtype=np.float64) * (2.0**in_exp)
+        ys = np.asarray([fn(float(v)) for v in xs], dtype=np.float64)  # type: ignore[operator]
+        raw = np.floor(ys / 2.0**out_exp + 0.5).astype(np.int64)
+        return LookupTable(name, in_exp, out_exp, np.clip(raw, lo, hi).astype(np.int32), lo, hi)
+
+    def lookup(
+        self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0
+    ) -> np.ndarray:
+        """Shift x * 2^exponent to the table's exponent, clamp to [-128, 127], look up."""
+        idx = shift_signed_saturating(x, self.in_exp - exponent, rounding, key)
+        idx = np.clip(idx, -128, 127)
+        return self.values[idx + 128].astype(np.int64)
+
+
+def shift_signed_saturating(
+    x: np.ndarray, s: int, rounding: Rounding, key: int = 0
+) -> np.ndarray:
+    """shift_signed whose left shift saturates at +-2^30 instead of overflowing."""
+    xv = np.asarray(x, np.int64)
+    if s >= 0:
+        return shift_right(xv, s, rounding, key)
+    return shift_left_saturating(xv, -s)
+
+
+def gelu_float(v: float) -> float:
+    return 0.5 * v * (1.0 + math.erf(v / math.sqrt(2.0)))
+
+
+def gelu_grad_float(v: float) -> float:
+    pdf = math.exp(-0.5 * v * v) / math.sqrt(2.0 * math.pi)
+    return 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) + v * pdf
+
+
+GELU_IN_EXP = -5  # inputs in [-4, 4) at resolution 1/32
+GELU_TABLE = LookupTable.build("gelu", gelu_float, GELU_IN_EXP, -5, -127, 127)
+# derivative in [-0.13, 1.13]; B_G = 6 fractional bits keeps it inside int8
+GELU_GRAD_TABLE = LookupTable.build("gelu_grad", gelu_grad_float, GELU_IN_EXP, -6, -127, 127)
+EXP_IN_EXP = -4  # exp(x) for x in [-8, 0]; positive indices are never used (x <= 0)
+EXP_OUT_EXP = -15
+EXP_TABLE = LookupTable.build(
+    "exp", lambda v: math.exp(min(v, 0.0)), EXP_IN_EXP, EXP_OUT_EXP, 0, 1 << 15
+)
+
+
+# --------------------------------------------------------------------------- sqrt and division
+
+
+def isqrt(n: np.ndarray) -> np.ndarray:
+    """floor(sqrt(n)) for 0 <= n < 2^62, exact (float estimate, then integer correction)."""
+    nv = np.asarray(n, dtype=np.int64)
+    if np.any(nv < 0):
+        raise ValueError("isqrt needs n >= 0")
+    r = np.floor(np.sqrt(nv.astype(np.float64))).astype(np.int64)
+    r = np.where(r * r > nv, r - 1, r)
+    r = np.where(r * r > nv, r - 1, r)
+    r = np.where((r + 1) * (r + 1) <= nv, r + 1, r)
+    return np.where((r + 1) * (r + 1) <= nv, r + 1, r)
+
+
+def idiv_round(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+    """round(a / b) for b > 0, ties away from zero: sign(a) * floor((|a| + floor(b/2)) / b)."""
+    av = np.asarray(a, dtype=np.int64)
+    bv = np.asarray(b, dtype=np.int64)
+    if np.any(bv <= 0):
+        raise ValueError("idiv_round needs b > 0")
+    return np.sign(av) * ((np.abs(av) + bv // 2) // bv)
+
+
+def idiv_floor(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+    """floor(a / b) for b > 0."""
+    bv = np.asarray(b, dtype=np.int64)
+    if np.any(bv <= 0):
+        raise ValueError("idiv_floor needs b > 0")
+    return np.asarray(a, dtype=np.int64) // bv
+
+
+# --------------------------------------------------------------------------- scalars as num/shift
+
+
+@dataclass(frozen=True)
+class FixedScalar:
+    """A positive host-side scalar as numerator * 2^-shift with a 15-bit numerator."""
+
+    num: int
+    shift: int
+
+    @staticmethod
+    def of(value: float, num_bits: int = 15) -> FixedScalar:
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(f"scalar must be finite and >= 0, got {value}")
+        if value == 0:
+            return FixedScalar(0, 0)
+        shift = num_bits - 1 - math.floor(math.log2(value))
+        num = int(math.floor(value * 2.0**shift + 0.5))
+        if num >= 1 << num_bits:  # rounding carried into the next power of two
+            num, shift = num >> 1, shift - 1
+        return FixedScalar(num, shift)
+
+    def __float__(self) -> float:
+        return self.num * 2.0**-self.shift
+
+
+# --------------------------------------------------------------------------- weight update
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    bits: int
+    lr: FixedScalar
+    momentum: FixedScalar
+    weight_decay: FixedScalar
+    rounding: Rounding = "stochastic"
+
+
+UPDATE_SITES = 16  # tensor ids reserved per parameter for the rounding sites of its update
+
+
+def update_keys(seed: int, step: int, tensor_id_base: int) -> list[int]:
+    """Keys of the rounding sites of one parameter's update: tensor ids base + 0 .. base + 8."""
+    return [stream_key(seed, step, tensor_id_base + site) for site in range(9)]
+
+
+def sgd_momentum_update(
+    w: np.ndarray,
+    w_exp: int,
+    grad_acc: np.ndarray,
+    grad_exp: int,
+    v: np.ndarray,
+    v_exp: np.ndarray,
+    cfg: UpdateConfig,
+    keys: list[int],
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """Integer SGD with momentum (paper section 3.3) for one parameter tensor.
+
+    w: weight mantissa (int8) with one exponent w_exp. grad_acc: int32 gradient accumulator with one
+    exponent grad_exp. v: velocity mantissa (shape of w) with one exponent per group: v_exp has
+    shape (G,), G = w.shape[0] for per-group velocity (axis 0 = output channel / neuron) or G = 1.
+    keys: the 9 rounding-site keys from `update_keys`.
+
+    Steps (all integer; site numbers in brackets):
+      1. g = compact(grad_acc) per group [0]
+      2. g = compact(g + wd * w) per group, aligned sum [1, 2], compaction [3]  (skipped if wd = 0)
+      3. v = compact(momentum * v + g) per group, aligned sum [4, 5], compaction [6]
+      4. u = lr * v (int32 product), exponent e_v - lr.shift
+      5. w_acc = w - align(u to w_exp): rounded right shift [7] or saturating exact left shift
+      6. reactive rescale of w_acc back to B bits [8]
+    Returns (w, w_exp, v, v_exp).
+    """
+    bits, rnd = cfg.bits, cfg.rounding
+    groups = int(v_exp.shape[0])
+
+    def grp(x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.int64).reshape(groups, -1)
+
+    b = bits - 1
+    g, e_g = compact(grp(grad_acc), np.full(groups, grad_exp), bits, rnd, keys[0], grouped=True)
+    if cfg.weight_decay.num:
+        wd_term = grp(w) * cfg.weight_decay.num
+        wd_bits = b + cfg.weight_decay.num.bit_length()
+        wd_exp = np.full(groups, w_exp - cfg.weight_decay.shift)
+        acc, e_acc = aligned_sum([(g, e_g, b), (wd_term, wd_exp, wd_bits)], rnd, keys[1:3])
+        g, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[3], grouped=True)
+    mom_term = grp(v) * cfg.momentum.num
+    mom_bits = b + max(cfg.momentum.num.bit_length(), 1)
+    mom_exp = np.asarray(v_exp, np.int64) - cfg.momentum.shift
+    acc, e_acc = aligned_sum([(mom_term, mom_exp, mom_bits), (g, e_g, b)], rnd, keys[4:6])
+    v_new, v_exp_new = compact(acc, e_acc.reshape(groups), bits, rnd, keys[6], grouped=True)
+    u = v_new.astype(np.int64) * cfg.lr.num
+    d = np.broadcast_to(expand_exponent(w_exp - (v_exp_new - cfg.lr.shift), 2), u.shape)
+    right = shift_right(u, np.maximum(d, 0), rnd, keys[7])
+    left = shift_left_saturating(u, np.maximum(-d, 0))
+    w_acc = grp(w) - np.where(d >= 0, right, left)
+    check_int32(w_acc, "weight_update")
+    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[8])
+    return w_new.reshape(w.shape), w_exp_new, v_new.reshape(v.shape), v_exp_new
+
+
+def reactive_rescale(
+    w_acc: np.ndarray, w_exp: int, bits: int, rounding: Rounding, key: int
+) -> tuple[np.ndarray, int]:
+    """Bring an updated weight accumulator back to B bits (one exponent per tensor).
+
+    max|w| > qmax: right shift by the smallest s that fits (rounded); max|w| in (0, qmax/2]:
+    exact left shift by the largest s with max|w| * 2^s <= qmax; otherwise unchanged.
+    """
+    q = qmax(bits)
+    m = int(np.abs(w_acc).max()) if w_acc.size else 0
+    if m > q:
+        s = int(compaction_shift(m, bits))
+        return saturate(shift_right(w_acc, s, rounding, key), bits), w_exp + s
+    if m == 0:
+        return saturate(w_acc, bits), w_exp
+    s = 0
+    while (m << (s + 1)) <= q:
+        s += 1
+    return saturate(np.asarray(w_acc, np.int64) << s, bits), w_exp - s
+
+
+# --------------------------------------------------------------------------- checksum
+
+FNV64_OFFSET = 0xCBF29CE484222325
+FNV64_PRIME = 0x100000001B3
+
+
+def fnv1a64(data: bytes, h: int = FNV64_OFFSET) -> int:
+    """FNV-1a 64-bit hash of `data`, continuing from `h`."""
+    mask = (1 << 64) - 1
+    for byte in data:
+        h = ((h ^ byte) * FNV64_PRIME) & mask
+    return h
+
+
+def state_checksum(state: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
+    """FNV-1a 64 over every persistent tensor in sorted name order: mantissa bytes (C order),
+    then each exponent as int32 little-endian. 16 lowercase hex digits."""
+    h = FNV64_OFFSET
+    for name in sorted(state):
+        mant, exps = state[name]
+        h = fnv1a64(np.ascontiguousarray(mant, dtype=np.int8).tobytes(), h)
+        h = fnv1a64(np.ascontiguousarray(exps, dtype="<i4").tobytes(), h)
+    return f"{h:016x}"

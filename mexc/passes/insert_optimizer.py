@@ -1,0 +1,60 @@
+"""insert-optimizer: integer SGD with momentum for every parameter, BN running statistics.
+
+Requires: the joint forward/backward graph with outputs "grad:<param>" (after derive-backward).
+Ensures: every parameter has a velocity STATE (one exponent per slice along axis 0 when
+  ctx.per_group_velocity, else one per tensor) and an SGD_UPDATE node reading the parameter, its
+  gradient accumulator and its velocity; every BATCHNORM has a BN_RUNNING_UPDATE of its running
+  mean and variance. The outputs "grad:*" are replaced by "state:<name>" outputs: the new values the
+  program writes back. The optimizer's momentum, weight decay and learning-rate schedule are graph
+  attributes; the per-step learning rate is precomputed on the host as numerator/shift pairs.
+"""
+
+from __future__ import annotations
+
+from mexc.ir import Graph, GraphBuilder, Op, Value
+from mexc.ops import attrs
+from mexc.pass_manager import PassContext
+from mexc.types import Exp, TensorType, mx
+
+
+def _velocity_type(param: TensorType, per_group: bool) -> TensorType:
+    exp = Exp.AXIS0 if per_group and len(param.shape) >= 1 else Exp.TENSOR
+    return TensorType(param.kind, param.shape, exp)
+
+
+def insert_optimizer(g: Graph, ctx: PassContext) -> Graph:
+    """Append SGD_UPDATE / BN_RUNNING_UPDATE nodes and the state outputs."""
+    grads = {name[5:]: v for name, v in g.outputs if name.startswith("grad:")}
+    params = {str(n.attrs.name): n for n in g.nodes_of(Op.PARAM)}
+    b = GraphBuilder(g.next_id())
+    velocity: dict[str, Value] = {}
+    for name in sorted(grads):
+        vt = _velocity_type(params[name].type, ctx.per_group_velocity)
+        node = b.add(Op.STATE, (), vt, attrs(Op.STATE, name=f"{name}.velocity", role="velocity",
+                                              owner=name))
+        velocity[name] = node.out
+    for n in g.nodes:
+        b.keep(n)
+    rid = 1 + max((int(n.attrs.rid) for n in g.nodes if hasattr(n.attrs, "rid")), default=-1)
+    outputs = [(k, v) for k, v in g.outputs if not k.startswith("grad:")]
+    for name in sorted(grads):
+        p = params[name]
+        vt = b.nodes[[x.out for x in b.nodes].index(velocity[name])].type
+        groups = p.type.shape[0] if vt.exp is Exp.AXIS0 else 1
+        upd = b.add(Op.SGD_UPDATE, [p.out, grads[name], velocity[name]], (mx(*p.type.shape), vt),
+                    attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid), p.loc)
+        rid += 1
+        outputs += [(f"state:{name}", upd.result(0)), (f"state:{name}.velocity", upd.result(1))]
+    for bn in g.nodes_of(Op.BATCHNORM):
+        rm, rv = bn.inputs[3], bn.inputs[4]
+        upd = b.add(Op.BN_RUNNING_UPDATE, [rm, rv, bn.result(2)],
+                    (g.type_of(rm), g.type_of(rv)),
+                    attrs(Op.BN_RUNNING_UPDATE, momentum=bn.attrs.momentum, rid=rid), bn.loc)
+        rid += 1
+        for i, v in enumerate((rm, rv)):
+            outputs.append((f"state:{g.node(v.node).attrs.name}", upd.result(i)))
+    opt = ctx.optimizer
+    extra = {"per_group_velocity": ctx.per_group_velocity}
+    if opt is not None:
+        extra.update(opt.graph_attrs())
+    return b.build(outputs, g.with_attrs(**extra).attrs)

@@ -1,0 +1,141 @@
+"""plan-memory: liveness over the joint graph and a static arena plan.
+
+Requires: the training-step graph (after insert-optimizer).
+Ensures: the graph is unchanged; ctx.results["memory_plan"] holds a `MemoryPlan`: every value
+  classified as persistent (parameters and optimizer state), saved (a forward value read by the
+  backward pass) or transient, its size in bytes, its live interval, and a first-fit offset in one
+  static arena for the non-persistent values (values whose lifetimes do not overlap share bytes).
+  Graph attributes record the totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from mexc.ir import Graph, Op, Value
+from mexc.pass_manager import PassContext
+from mexc.types import Kind, TensorType
+
+FORWARD_END_OPS = frozenset({Op.SOFTMAX_CE})
+
+
+def type_bytes(t: TensorType) -> int:
+    """Storage of a value: int8 mantissas plus one int32 per exponent, int32 accumulators, ..."""
+    n = t.numel
+    if t.kind is Kind.MX:
+        groups = t.shape[0] if t.exp is not None and t.exp.value == "axis0" and t.shape else 1
+        return n + 4 * groups
+    if t.kind is Kind.ACC:
+        groups = t.shape[0] if t.exp is not None and t.exp.value == "axis0" and t.shape else 1
+        return 4 * n + 4 * groups
+    if t.kind in (Kind.U8, Kind.IDX):
+        return n
+    if t.kind is Kind.I64:
+        return 8 * n
+    return 4 * n
+
+
+@dataclass(frozen=True)
+class Slot:
+    value: Value
+    kind: str  # "persistent" | "saved" | "transient"
+    nbytes: int
+    start: int  # position of the defining node
+    end: int  # position of the last use
+    offset: int  # arena offset (persistent values: offset in the state area)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    slots: tuple[Slot, ...]
+    persistent_bytes: int
+    saved_bytes: int
+    arena_bytes: int  # peak of the non-persistent arena (saved + transient, first-fit)
+    param_count: int
+    saved_elements: int
+
+    def by_kind(self, kind: str) -> int:
+        return sum(s.nbytes for s in self.slots if s.kind == kind)
+
+
+def _positions(g: Graph) -> dict[int, int]:
+    dag = nx.DiGraph()
+    for n in g.nodes:
+        dag.add_node(n.id)
+        for v in n.inputs:
+            dag.add_edge(v.node, n.id)
+    order = list(nx.topological_sort(dag))
+    listed = [n.id for n in g.nodes]
+    assert set(order) == set(listed), "graph edges refer to unknown nodes"
+    return {nid: i for i, nid in enumerate(listed)}
+
+
+def _first_fit(items: list[tuple[int, int, int, Value]]) -> tuple[dict[Value, int], int]:
+    """items: (start, end, size, value). Largest first; place at the lowest offset that fits."""
+    placed: list[tuple[int, int, int, int]] = []  # start, end, offset, size
+    offsets: dict[Value, int] = {}
+    peak = 0
+    for start, end, size, v in sorted(items, key=lambda it: (-it[2], it[0])):
+        busy = sorted((o, o + s) for (a, b, o, s) in placed if not (b < start or end < a))
+        offset = 0
+        for lo, hi in busy:
+            if offset + size <= lo:
+                break
+            offset = max(offset, hi)
+        offset = (offset + 15) // 16 * 16
+        placed.append((start, end, offset, size))
+        offsets[v] = offset
+        peak = max(peak, offset + size)
+    return offsets, peak
+
+
+def plan(g: Graph) -> MemoryPlan:
+    pos = _positions(g)
+    head = next((pos[n.id] for n in g.nodes if n.op in FORWARD_END_OPS), len(g.nodes))
+    last_use: dict[Value, int] = {}
+    backward_reads: set[Value] = set()
+    for n in g.nodes:
+        for v in n.inputs:
+            last_use[v] = max(last_use.get(v, 0), pos[n.id])
+            if pos[n.id] > head and pos[v.node] <= head:
+                backward_reads.add(v)
+    end = len(g.nodes)
+    for _, v in g.outputs:
+        last_use[v] = end
+    slots: list[Slot] = []
+    arena_items = []
+    state_offset = 0
+    params = 0
+    saved_elems = 0
+    for n in g.nodes:
+        for i, t in enumerate(n.types):
+            v = n.result(i)
+            size = type_bytes(t)
+            if n.op in (Op.PARAM, Op.STATE):
+                slots.append(Slot(v, "persistent", size, pos[n.id], end, state_offset))
+                state_offset += (size + 15) // 16 * 16
+                params += t.numel if n.op is Op.PARAM else 0
+                continue
+            if n.op is Op.INPUT or n.op in (Op.SGD_UPDATE, Op.BN_RUNNING_UPDATE):
+                continue  # the batch lives in the caller's buffer; updates write state in place
+            kind = "saved" if v in backward_reads and n.op not in (Op.LABEL,) else "transient"
+            if kind == "saved":
+                saved_elems += t.numel
+            start, stop = pos[n.id], last_use.get(v, pos[n.id])
+            arena_items.append((start, stop, size, v))
+            slots.append(Slot(v, kind, size, start, stop, -1))
+    offsets, peak = _first_fit(arena_items)
+    slots = [s if s.kind == "persistent" else Slot(s.value, s.kind, s.nbytes, s.start, s.end,
+                                                    offsets[s.value]) for s in slots]
+    return MemoryPlan(tuple(slots), sum(s.nbytes for s in slots if s.kind == "persistent"),
+                      sum(s.nbytes for s in slots if s.kind == "saved"), peak, params, saved_elems)
+
+
+def plan_memory(g: Graph, ctx: PassContext) -> Graph:
+    """Compute the memory plan and record its totals as graph attributes."""
+    mp = plan(g)
+    ctx.results["memory_plan"] = mp
+    return g.with_attrs(mem_persistent=mp.persistent_bytes, mem_saved=mp.saved_bytes,
+                        mem_arena=mp.arena_bytes)
