@@ -88,7 +88,7 @@ class SmallResNet(nn.Module):
 
 
 class InvertedResidual(nn.Module):
-    """MobileNetV2 block: 1x1 expand, 3x3 depthwise, 1x1 project, ReLU6, residual when shapes match."""
+    """MobileNetV2 block: 1x1 expand, 3x3 depthwise, 1x1 project; residual when shapes match."""
 
     def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
         super().__init__()

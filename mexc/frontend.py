@@ -122,8 +122,15 @@ def _conv(c: _Ctx, n: torch.fx.Node, m: nn.Conv2d) -> Value:
     ins = [c.arg(n.args[0]), w]
     if m.bias is not None:
         ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
-    return c.emit(Op.CONV2D, ins, n, stride=_pair(m.stride), padding=_pair(m.padding),
-                  groups=m.groups, has_bias=m.bias is not None)
+    return c.emit(
+        Op.CONV2D,
+        ins,
+        n,
+        stride=_pair(m.stride),
+        padding=_pair(m.padding),
+        groups=m.groups,
+        has_bias=m.bias is not None,
+    )
 
 
 def _linear(c: _Ctx, n: torch.fx.Node, m: nn.Linear) -> Value:
@@ -154,8 +161,14 @@ def _pool(op: Op) -> Callable[[_Ctx, torch.fx.Node, Any], Value]:
         if getattr(m, "ceil_mode", False) or getattr(m, "dilation", 1) not in (1, (1, 1)):
             raise UnsupportedOpError(_describe(n, "uses ceil_mode or dilation"))
         stride = m.stride if m.stride is not None else m.kernel_size
-        return c.emit(op, [c.arg(n.args[0])], n, kernel=_pair(m.kernel_size),
-                      stride=_pair(stride), padding=_pair(m.padding))
+        return c.emit(
+            op,
+            [c.arg(n.args[0])],
+            n,
+            kernel=_pair(m.kernel_size),
+            stride=_pair(stride),
+            padding=_pair(m.padding),
+        )
 
     return handler
 
@@ -241,8 +254,15 @@ def _fn_conv(c: _Ctx, n: torch.fx.Node) -> Value:
     ins = [c.arg(x), _get_param(c, w, "weight")]
     if bias is not None:
         ins.append(_get_param(c, bias, "bias"))
-    return c.emit(Op.CONV2D, ins, n, stride=_pair(stride), padding=_pair(padding),
-                  groups=int(groups), has_bias=bias is not None)
+    return c.emit(
+        Op.CONV2D,
+        ins,
+        n,
+        stride=_pair(stride),
+        padding=_pair(padding),
+        groups=int(groups),  # type: ignore[arg-type]
+        has_bias=bias is not None,
+    )
 
 
 def _fn_linear(c: _Ctx, n: torch.fx.Node) -> Value:
@@ -260,8 +280,14 @@ def _fn_pool(op: Op) -> Callable[[_Ctx, torch.fx.Node], Value]:
         stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
         padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
         stride = kernel if stride in (None, []) else stride
-        return c.emit(op, [c.arg(n.args[0])], n, kernel=_pair(kernel), stride=_pair(stride),
-                      padding=_pair(padding))
+        return c.emit(
+            op,
+            [c.arg(n.args[0])],
+            n,
+            kernel=_pair(kernel),
+            stride=_pair(stride),
+            padding=_pair(padding),
+        )
 
     return handler
 
@@ -274,10 +300,10 @@ def _fn_adaptive(c: _Ctx, n: torch.fx.Node) -> Value:
 
 
 def _fn_dropout(c: _Ctx, n: torch.fx.Node) -> Value:
-    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-    if float(p) == 0.0:
+    p = float(n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))  # type: ignore[arg-type]
+    if p == 0.0:
         return c.arg(n.args[0])
-    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=float(p))
+    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=p)
 
 
 def _get_param(c: _Ctx, a: Any, role: str) -> Value:
@@ -374,8 +400,11 @@ def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
 def _control_flow_message(model: nn.Module, err: Exception) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames if not any(t in f.filename for t in _INTERNAL)]
-    where = f" at {user[-1].filename.rsplit('/', 1)[-1]}:{user[-1].lineno} ({user[-1].line})" \
-        if user else ""
+    where = (
+        f" at {user[-1].filename.rsplit('/', 1)[-1]}:{user[-1].lineno} ({user[-1].line})"
+        if user
+        else ""
+    )
     return (
         f"{type(model).__name__} has data-dependent control flow{where}: {err}. mexc compiles a "
         "static training graph, so branches and loops may depend only on shapes and constants, "
@@ -450,10 +479,15 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             f"the model output must be logits of shape [batch, classes], got {list(shape)}"
         )
     batch, classes = shape
-    label = b.add(Op.LABEL, (), TensorType(Kind.I64, (batch,)),
-                  attrs(Op.LABEL, name="y", num_classes=classes))
-    head = b.add(Op.SOFTMAX_CE, (logits, label.out), (f32(batch, classes), f32()),
-                 attrs(Op.SOFTMAX_CE, num_classes=classes))
+    label = b.add(
+        Op.LABEL, (), TensorType(Kind.I64, (batch,)), attrs(Op.LABEL, name="y", num_classes=classes)
+    )
+    head = b.add(
+        Op.SOFTMAX_CE,
+        (logits, label.out),
+        (f32(batch, classes), f32()),
+        attrs(Op.SOFTMAX_CE, num_classes=classes),
+    )
     graph = b.build(
         [("logits", logits), ("probs", head.result(0)), ("loss", head.result(1))],
         [("batch", batch), ("num_classes", classes)],

@@ -329,8 +329,9 @@ def aligned_sum(
     total: np.ndarray | None = None
     for i, ((x, _, _), e) in enumerate(zip(terms, exps)):
         key = keys[i] if keys else 0
-        aligned = shift_signed(np.asarray(x, np.int64), np.broadcast_to(target - e, np.shape(x)),
-                               rounding, key)
+        aligned = shift_signed(
+            np.asarray(x, np.int64), np.broadcast_to(target - e, np.shape(x)), rounding, key
+        )
         total = aligned if total is None else total + aligned
     assert total is not None
     check_int32(total, "aligned_sum")
@@ -388,7 +389,10 @@ def div_const(
 
 
 def compact_to_bits(
-    x: np.ndarray, exponent: np.ndarray | int, magnitude_bits_max: int, rounding: Rounding,
+    x: np.ndarray,
+    exponent: np.ndarray | int,
+    magnitude_bits_max: int,
+    rounding: Rounding,
     key: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Right-shift (with rounding) so |x| <= 2^magnitude_bits_max; per tensor. Returns (x, e)."""
@@ -419,26 +423,20 @@ class LookupTable:
     hi: int
 
     @staticmethod
-    def build(
-        name: str, fn: object, in_exp: int, out_exp: int, lo: int, hi: int
-    ) -> LookupTable:
+    def build(name: str, fn: object, in_exp: int, out_exp: int, lo: int, hi: int) -> LookupTable:
         xs = np.arange(-128, 128, dtype=np.float64) * (2.0**in_exp)
         ys = np.asarray([fn(float(v)) for v in xs], dtype=np.float64)  # type: ignore[operator]
         raw = np.floor(ys / 2.0**out_exp + 0.5).astype(np.int64)
         return LookupTable(name, in_exp, out_exp, np.clip(raw, lo, hi).astype(np.int32), lo, hi)
 
-    def lookup(
-        self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0
-    ) -> np.ndarray:
+    def lookup(self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0) -> np.ndarray:
         """Shift x * 2^exponent to the table's exponent, clamp to [-128, 127], look up."""
         idx = shift_signed_saturating(x, self.in_exp - exponent, rounding, key)
         idx = np.clip(idx, -128, 127)
         return self.values[idx + 128].astype(np.int64)
 
 
-def shift_signed_saturating(
-    x: np.ndarray, s: int, rounding: Rounding, key: int = 0
-) -> np.ndarray:
+def shift_signed_saturating(x: np.ndarray, s: int, rounding: Rounding, key: int = 0) -> np.ndarray:
     """shift_signed whose left shift saturates at +-2^30 instead of overflowing."""
     xv = np.asarray(x, np.int64)
     if s >= 0:

@@ -15,9 +15,9 @@ from mexc.ir import Op
 
 AttrValue = int | bool | str | float | tuple[int, ...] | None
 
-_CONV = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
-_POOL = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}
-_CAP = {"shift_cap": None, "pre_shift": 0}
+_CONV: dict[str, AttrValue] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
+_POOL: dict[str, AttrValue] = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}
+_CAP: dict[str, AttrValue] = {"shift_cap": None, "pre_shift": 0}
 
 SCHEMA: dict[Op, dict[str, AttrValue]] = {
     Op.INPUT: {"name": "x"},
@@ -42,14 +42,14 @@ SCHEMA: dict[Op, dict[str, AttrValue]] = {
     Op.SOFTMAX_CE: {"num_classes": 0, "rid": -1},
     Op.SOFTMAX_CE_GRAD: {"rid": -1},
     Op.CONV2D_GRAD_INPUT: {**_CONV, **_CAP, "rid": -1},
-    Op.CONV2D_GRAD_WEIGHT: {**_CONV, **_CAP},
+    Op.CONV2D_GRAD_WEIGHT: {**_CONV, **_CAP, "rid": -1},
     Op.LINEAR_GRAD_INPUT: {**_CAP, "rid": -1},
-    Op.LINEAR_GRAD_WEIGHT: dict(_CAP),
+    Op.LINEAR_GRAD_WEIGHT: {**_CAP, "rid": -1},
     Op.BIAS_GRAD: {"axes": (0,)},
     Op.BATCHNORM_GRAD: {"rid": -1},
     Op.RELU_GRAD: {},
     Op.RELU6_GRAD: {},
-    Op.MAXPOOL2D_GRAD: dict(_POOL),
+    Op.MAXPOOL2D_GRAD: {**_POOL, "rid": -1},
     Op.AVGPOOL2D_GRAD: {**_POOL, "rid": -1},
     Op.GLOBAL_AVGPOOL_GRAD: {"rid": -1},
     Op.DROPOUT_GRAD: {"p": 0.5, "rid": -1},
@@ -90,7 +90,16 @@ def with_attrs(op: Op, value: Any, **changes: Any) -> Any:
 
 
 # ops that multiply mantissas into an int32 accumulator
-PRODUCT_OPS = frozenset({Op.CONV2D, Op.LINEAR, Op.CONV2D_COMPACT, Op.LINEAR_COMPACT,
-                         Op.CONV2D_GRAD_INPUT, Op.CONV2D_GRAD_WEIGHT, Op.LINEAR_GRAD_INPUT,
-                         Op.LINEAR_GRAD_WEIGHT})
+PRODUCT_OPS = frozenset(
+    {
+        Op.CONV2D,
+        Op.LINEAR,
+        Op.CONV2D_COMPACT,
+        Op.LINEAR_COMPACT,
+        Op.CONV2D_GRAD_INPUT,
+        Op.CONV2D_GRAD_WEIGHT,
+        Op.LINEAR_GRAD_INPUT,
+        Op.LINEAR_GRAD_WEIGHT,
+    }
+)
 BOUNDARY_OPS = frozenset({Op.INPUT, Op.LABEL, Op.PARAM, Op.STATE})

@@ -11,19 +11,34 @@ from mexc.passes.insert_optimizer import insert_optimizer
 from mexc.passes.plan_memory import plan_memory
 
 PIPELINE: tuple[Pass, ...] = (
-    Pass("insert-mx-types", insert_mx_types,
-         "quantize the input, give every value an MX/acc type, assign rounding sites",
-         integer_only_after=True),
+    Pass(
+        "insert-mx-types",
+        insert_mx_types,
+        "quantize the input, give every value an MX/acc type, assign rounding sites",
+        integer_only_after=True,
+    ),
     Pass("fuse-products", fuse_products, "fuse each product with the compaction of its int32 acc"),
-    Pass("assign-shift-caps", assign_shift_caps,
-         "prove int32 headroom of every product and sum; pre-shift where a cap is negative",
-         caps_after=True),
-    Pass("derive-backward", derive_backward,
-         "append the backward graph from per-op VJP rules; gradients of all parameters"),
-    Pass("insert-optimizer", insert_optimizer,
-         "integer SGD+momentum with per-group velocity, reactive rescale, BN running stats"),
-    Pass("plan-memory", plan_memory,
-         "liveness: persistent / saved / transient bytes and a static first-fit arena"),
+    Pass(
+        "assign-shift-caps",
+        assign_shift_caps,
+        "prove int32 headroom of every product and sum; pre-shift where a cap is negative",
+        caps_after=True,
+    ),
+    Pass(
+        "derive-backward",
+        derive_backward,
+        "append the backward graph from per-op VJP rules; gradients of all parameters",
+    ),
+    Pass(
+        "insert-optimizer",
+        insert_optimizer,
+        "integer SGD+momentum with per-group velocity, reactive rescale, BN running stats",
+    ),
+    Pass(
+        "plan-memory",
+        plan_memory,
+        "liveness: persistent / saved / transient bytes and a static first-fit arena",
+    ),
 )
 
 

@@ -1,12 +1,12 @@
 """Value types of the mexc IR and their text form.
 
-    f32[128,1,28,28]            float tensor (only before insert-mx-types, and at the boundary)
-    i64[128]                    integer labels
-    mx<i8,e=tensor>[16,1,3,3]   B-bit mantissas in int8, one exponent per tensor
-    mx<i8,e=axis0>[16,1,3,3]    one exponent per slice along axis 0 (output channel / neuron)
-    acc<i32,e=tensor>[128,10]   int32 accumulator with an exponent, before compaction
-    u8[128,10]                  unsigned probabilities at a fixed exponent (-8)
-    idx[128,16,14,14]           integer indices (max-pool argmax, dropout mask)
+f32[128,1,28,28]            float tensor (only before insert-mx-types, and at the boundary)
+i64[128]                    integer labels
+mx<i8,e=tensor>[16,1,3,3]   B-bit mantissas in int8, one exponent per tensor
+mx<i8,e=axis0>[16,1,3,3]    one exponent per slice along axis 0 (output channel / neuron)
+acc<i32,e=tensor>[128,10]   int32 accumulator with an exponent, before compaction
+u8[128,10]                  unsigned probabilities at a fixed exponent (-8)
+idx[128,16,14,14]           integer indices (max-pool argmax, dropout mask)
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class TensorType:
     def __post_init__(self) -> None:
         needs_exp = self.kind in (Kind.MX, Kind.ACC)
         if needs_exp != (self.exp is not None):
-            raise ValueError(f"{self.kind.value} type {'needs' if needs_exp else 'has no'} exponent")
+            raise ValueError(
+                f"{self.kind.value} type {'needs' if needs_exp else 'has no'} exponent"
+            )
 
     @property
     def is_float(self) -> bool:

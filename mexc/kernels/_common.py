@@ -11,15 +11,14 @@ import numpy as np
 
 from mexc.mx import MX, SITES_PER_NODE, RoundCtx
 from mexc.numerics import (
+    GOLDEN32,
     Rounding,
     ceil_log2,
     check_int32,
-    compact,
     compaction_shift,
     expand_exponent,
     product_cap,
-    saturate,
-    shift_right,
+    qmax,
     shift_signed,
 )
 
@@ -52,9 +51,107 @@ def bit_length(v: np.ndarray) -> np.ndarray:
     return (a[..., None] >= powers).sum(axis=-1).astype(np.int64)
 
 
+# ----------------------------------------------------------------------------------- fast paths
+# Bit-identical re-implementations of numerics.element_bits / shift_right / compact that avoid
+# full-size temporaries (the reference primitives broadcast the shift and the mask to the data's
+# shape). tests/kernels/test_common.py checks them against numerics on random data.
+
+_GOLDEN_CACHE: dict[int, np.ndarray] = {}
+_U32 = np.uint32
+
+
+def fast_element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
+    """== numerics.element_bits(key, shape): mix32(key ^ (index * 0x9E3779B9)) per flat index."""
+    n = int(np.prod(shape, dtype=np.int64))
+    g = _GOLDEN_CACHE.get(n)
+    if g is None:
+        with np.errstate(over="ignore"):
+            g = np.arange(n, dtype=_U32) * _U32(GOLDEN32)
+        if n >= 1024:
+            _GOLDEN_CACHE.clear()  # keep one large array at most per size in use
+            _GOLDEN_CACHE[n] = g
+    v = g ^ _U32(key & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        v ^= v >> _U32(16)
+        v *= _U32(0x7FEB352D)
+        v ^= v >> _U32(15)
+        v *= _U32(0x846CA68B)
+        v ^= v >> _U32(16)
+    return v.reshape(shape)
+
+
+def fast_shift_right(
+    x: np.ndarray, s: np.ndarray | int, rounding: Rounding, key: int = 0
+) -> np.ndarray:
+    """== numerics.shift_right(x, s, rounding, key) for s >= 0 broadcasting against x."""
+    xv = i64(x)
+    sv = i64(s)
+    if np.any(sv < 0):
+        raise ValueError("shift_right needs s >= 0")
+    check_int32(xv, "shift_right")
+    if sv.ndim == 0 and int(sv) == 0:
+        return xv
+    if sv.ndim == 0 and int(sv) <= 30:
+        return _shift32(xv, int(sv), rounding, key).astype(np.int64)
+    small = np.minimum(sv, 31)
+    mask = (np.int64(1) << small) - 1
+    if rounding == "stochastic":
+        r = fast_element_bits(key, xv.shape).astype(np.int64)
+        r &= mask
+    elif rounding == "nearest":
+        r = np.where(small > 0, np.int64(1) << np.maximum(small - 1, 0), 0)
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}")
+    low = xv & mask
+    low += r
+    low >>= small
+    out = xv >> small
+    out += low
+    if np.any(sv >= 32):
+        out = np.where(sv >= 32, 0, out)
+    return out
+
+
+def _shift32(x: np.ndarray, s: int, rounding: Rounding, key: int) -> np.ndarray:
+    """shift_right for a scalar 1 <= s <= 30 computed in int32 (x holds int32 values): the inner
+    sum (x & mask) + r < 2^31. Returns int32."""
+    x32 = x.astype(np.int32)
+    mask = np.int32((1 << s) - 1)
+    if rounding == "stochastic":
+        r = fast_element_bits(key, x.shape).view(np.int32)
+        r &= mask
+    elif rounding == "nearest":
+        r = np.int32(1 << (s - 1))  # type: ignore[assignment]
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}")
+    low = x32 & mask
+    low += r
+    low >>= np.int32(s)
+    x32 >>= np.int32(s)
+    x32 += low
+    return x32
+
+
+def fast_compact(
+    acc: np.ndarray, exponent: np.ndarray | int, bits: int, rounding: Rounding, key: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """== numerics.compact(acc, exponent, bits, rounding, key) (per tensor)."""
+    a = i64(acc)
+    check_int32(a, "compact")
+    amax = int(max(a.max(), -a.min())) if a.size else 0
+    s = int(compaction_shift(amax, bits))
+    q = qmax(bits)
+    if 1 <= s <= 30:
+        shifted = _shift32(a, s, rounding, key)
+        np.clip(shifted, -q, q, out=shifted)
+        return shifted.astype(np.int8), np.asarray(exponent, dtype=np.int64) + s
+    out = np.clip(fast_shift_right(a, s, rounding, key), -q, q).astype(np.int8)
+    return out, np.asarray(exponent, dtype=np.int64) + s
+
+
 def compact_mx(acc: np.ndarray, e: np.ndarray | int, ctx: RoundCtx, key: int) -> MX:
     """numerics.compact with the context's bits and rounding, per tensor."""
-    m, e2 = compact(i64(acc), e, ctx.bits, ctx.rounding, key)
+    m, e2 = fast_compact(acc, e, ctx.bits, ctx.rounding, key)
     return MX.of(m, e2)
 
 
@@ -68,16 +165,19 @@ def compact_common(acc: np.ndarray, e_grp: np.ndarray, axis: int, ctx: RoundCtx,
     a = i64(acc)
     check_int32(a, "compact")
     eg = i64(e_grp)
-    moved = np.moveaxis(np.abs(a), axis, 0).reshape(a.shape[axis], -1)
-    amax = moved.max(axis=1) if moved.size else np.zeros(a.shape[axis], np.int64)
+    other = tuple(i for i in range(a.ndim) if i != axis)
+    if a.size:
+        amax = np.maximum(a.max(axis=other), -a.min(axis=other))
+    else:
+        amax = np.zeros(a.shape[axis], np.int64)
     s = compaction_shift(amax, ctx.bits)
     cand = eg + s
     e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(eg.max())
     shape = [1] * a.ndim
     shape[axis] = a.shape[axis]
-    sh = np.broadcast_to((e_out - eg).reshape(shape), a.shape)
-    out = shift_right(a, sh, ctx.rounding, key)
-    return MX.of(saturate(out, ctx.bits), e_out)
+    out = fast_shift_right(a, (e_out - eg).reshape(shape), ctx.rounding, key)
+    q = qmax(ctx.bits)
+    return MX.of(np.clip(out, -q, q).astype(np.int8), e_out)
 
 
 def aligned_sum_fast(
@@ -102,8 +202,13 @@ def aligned_sum_fast(
     total: np.ndarray | None = None
     for i, ((x, _, _), e) in enumerate(zip(terms, exps)):
         xv = i64(x)
-        sh = np.broadcast_to(target - e, np.shape(x))
-        aligned = xv if not np.any(sh) else shift_signed(xv, sh, rounding, keys[i])
+        sh = target - e
+        if not np.any(sh):
+            aligned = xv
+        elif np.all(sh > 0):
+            aligned = fast_shift_right(xv, sh, rounding, keys[i])
+        else:
+            aligned = shift_signed(xv, np.broadcast_to(sh, np.shape(x)), rounding, keys[i])
         total = aligned if total is None else total + aligned
     assert total is not None
     check_int32(total, "aligned_sum")
@@ -120,11 +225,46 @@ def fit_product(
     """
     cap = product_cap(k, INT8_BITS)
     if cap >= 0:
-        return i64(a), e_a
+        return np.asarray(a), e_a
     rounding: Rounding = ctx.rounding if ctx is not None else "nearest"
-    return shift_right(i64(a), -cap, rounding, key), e_a + (-cap)
+    return fast_shift_right(i64(a), -cap, rounding, key), e_a + (-cap)
 
 
 def product_bits(k: int) -> int:
     """Static magnitude bits of a K-wide int8 x int8 inner product: |acc| < 2^(14 + ceil log2 K)."""
     return 2 * MAG + ceil_log2(max(k, 1))
+
+
+def fast_compact_to_bits(
+    x: np.ndarray,
+    exponent: np.ndarray | int,
+    magnitude_bits_max: int,
+    rounding: Rounding,
+    key: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """== numerics.compact_to_bits: per-tensor rounded right shift so |x| <= 2^magnitude_bits."""
+    xv = i64(x)
+    m = int(max(xv.max(), -xv.min())) if xv.size else 0
+    s = 0
+    while m > (1 << magnitude_bits_max) << s:
+        s += 1
+    return fast_shift_right(xv, s, rounding, key), np.asarray(exponent, np.int64) + s
+
+
+def int_matmul(a: np.ndarray, b: np.ndarray, amax: int = 127, bmax: int = 127) -> np.ndarray:
+    """Exact integer matmul (int64 result) == numerics.matmul_exact(a, b), with static bounds.
+
+    |a| <= amax and |b| <= bmax are known statically (int8 containers: 127), so no data scan is
+    needed: float32 BLAS when amax * bmax * K < 2^24 (every partial sum is an exactly
+    representable integer), float64 when < 2^53, else int64 numpy. check_int32 on the result.
+    """
+    k = a.shape[-1]
+    bound = amax * bmax * max(k, 1)
+    if bound < 2**24:
+        out = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.int64)
+    elif bound < 2**53:
+        out = np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.int64)
+    else:
+        out = np.matmul(i64(a), i64(b))
+    check_int32(out, "product")
+    return out

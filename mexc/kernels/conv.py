@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from mexc.kernels._common import compact_mx, fit_product, i64, scalar_exp, site_key
+from mexc.kernels._common import compact_mx, fit_product, i64, int_matmul, scalar_exp, site_key
 from mexc.kernels.linear import add_bias
 from mexc.mx import MX, Acc, RoundCtx
-from mexc.numerics import check_int32, matmul_exact
+from mexc.numerics import check_int32
 
 IntPair = int | tuple[int, int]
 
@@ -68,7 +68,7 @@ def conv2d_forward(
     cols, oh, ow = _im2col(xm, kh, kw, _pair(stride), _pair(padding), groups)
     og = o // groups
     wg = i64(w.m).reshape(groups, og, k).transpose(0, 2, 1)
-    acc = matmul_exact(cols, wg)  # (G, N*OH*OW, Og)
+    acc = int_matmul(cols, wg)  # (G, N*OH*OW, Og)
     n = x.shape[0]
     acc = acc.reshape(groups, n, oh, ow, og).transpose(1, 0, 4, 2, 3).reshape(n, o, oh, ow)
     acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
@@ -101,7 +101,7 @@ def conv2d_backward_input(
     _, _, oh, ow = dy.shape
     d = dm.reshape(n, groups, og, oh, ow).transpose(1, 0, 3, 4, 2).reshape(groups, -1, og)
     wg = i64(w.m).reshape(groups, og, cg * kh * kw)
-    dcols = matmul_exact(d, wg)  # (G, N*OH*OW, Cg*KH*KW)
+    dcols = int_matmul(d, wg)  # (G, N*OH*OW, Cg*KH*KW)
     dcols = dcols.reshape(groups, n, oh, ow, cg, kh, kw).transpose(1, 0, 4, 5, 6, 2, 3)
     dcols = dcols.reshape(n, c, kh, kw, oh, ow)
     dxp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), np.int64)
@@ -141,5 +141,5 @@ def conv2d_backward_weight(
     if (oh2, ow2) != (oh, ow):
         raise ValueError("dy spatial size does not match the convolution")
     d = dm.reshape(n, groups, og, oh, ow).transpose(1, 2, 0, 3, 4).reshape(groups, og, -1)
-    acc = matmul_exact(d, cols)  # (G, Og, K)
+    acc = int_matmul(d, cols)  # (G, Og, K)
     return Acc(acc.reshape(o, cg, kh, kw), np.asarray(ed + ex, np.int64))

@@ -10,12 +10,13 @@ from mexc.kernels._common import (
     compact_mx,
     fit_product,
     i64,
+    int_matmul,
     product_bits,
     scalar_exp,
     site_key,
 )
 from mexc.mx import MX, Acc, RoundCtx
-from mexc.numerics import check_int32, matmul_exact
+from mexc.numerics import check_int32
 
 
 def add_bias(
@@ -41,7 +42,7 @@ def linear_forward(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) -> MX
     ex, ew = scalar_exp(x, "linear input"), scalar_exp(w, "linear weight")
     k = w.shape[1]
     xm, ex = fit_product(x.m.reshape(-1, k), ex, k, ctx, site_key(ctx, tid, 3))
-    acc = matmul_exact(xm, i64(w.m).T)
+    acc = int_matmul(xm, i64(w.m).T)
     acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
     out = compact_mx(acc, e, ctx, site_key(ctx, tid, 0))
     return MX.of(out.m.reshape(x.shape[:-1] + (w.shape[0],)), out.e)
@@ -52,7 +53,7 @@ def linear_backward_input(dy: MX, w: MX, ctx: RoundCtx, tid: int) -> MX:
     ed, ew = scalar_exp(dy, "dy"), scalar_exp(w, "linear weight")
     o = w.shape[0]
     dm, ed = fit_product(dy.m.reshape(-1, o), ed, o, ctx, site_key(ctx, tid, 3))
-    acc = matmul_exact(dm, i64(w.m))
+    acc = int_matmul(dm, i64(w.m))
     out = compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0))
     return MX.of(out.m.reshape(dy.shape[:-1] + (w.shape[1],)), out.e)
 
@@ -67,7 +68,7 @@ def linear_backward_weight(dy: MX, x: MX, ctx: RoundCtx | None = None, tid: int 
     d2 = dy.m.reshape(-1, o)
     key = site_key(ctx, tid, 3) if ctx is not None else 0
     dm, ed = fit_product(d2, ed, d2.shape[0], ctx, key)
-    acc = matmul_exact(dm.T, i64(x.m.reshape(-1, k)))
+    acc = int_matmul(dm.T, i64(x.m.reshape(-1, k)))
     return Acc(acc, np.asarray(ed + ex, np.int64))
 
 

@@ -16,6 +16,8 @@ from mexc.kernels._common import (
     bit_length,
     compact_common,
     compact_mx,
+    fast_compact_to_bits,
+    fast_shift_right,
     fit_product,
     i64,
     scalar_exp,
@@ -27,12 +29,10 @@ from mexc.numerics import (
     ceil_log2,
     check_int32,
     compact,
-    compact_to_bits,
     idiv_round,
     isqrt,
     shift_left,
     shift_left_saturating,
-    shift_right,
     shift_signed,
     sum_cap,
 )
@@ -98,7 +98,7 @@ def _rstd(var_m: np.ndarray, ev: np.ndarray, eps: FixedScalar) -> tuple[np.ndarr
     sh = -eps.shift - ev
     num = np.full(ev.shape, eps.num, np.int64)
     left = np.minimum(shift_left_saturating(num, np.maximum(sh, 0), 29), EPS_LIMIT)
-    right = shift_right(num, np.maximum(-sh, 0), "nearest")
+    right = fast_shift_right(num, np.maximum(-sh, 0), "nearest")
     n0 = np.maximum(i64(var_m) + np.where(sh >= 0, left, right), 1)
     check_int32(n0, "batchnorm_var")
     t = 29 - bit_length(n0)
@@ -158,7 +158,7 @@ def batchnorm_forward_train(
         if not np.any(over):
             break
         r = np.where(over, r + 1, r)
-    tq = shift_right(xc, r[None, :, None], ctx.rounding, site_key(ctx, tid, 0))
+    tq = fast_shift_right(xc, r[None, :, None], ctx.rounding, site_key(ctx, tid, 0))
     vsum = (tq * tq).sum(axis=(0, 2))
     check_int32(vsum, "batchnorm_var_sum")
     sv = np.maximum(30 - bit_length(vsum), 0)
@@ -209,7 +209,7 @@ def batchnorm_backward(
     dgamma = (dp * xh).sum(axis=(0, 2))
     check_int32(dgamma, "batchnorm_dgamma")
     e_dg = edp + exh
-    dg16, e_dg16 = compact_to_bits(dgamma, e_dg, 15, ctx.rounding, site_key(ctx, tid, 0))
+    dg16, e_dg16 = fast_compact_to_bits(dgamma, e_dg, 15, ctx.rounding, site_key(ctx, tid, 0))
     lg = ceil_log2(m)
     md = d3 * m
     check_int32(md, "batchnorm_bwd")
@@ -224,11 +224,11 @@ def batchnorm_backward(
         keys,
     )
     bk = idiv_round(t, m)
-    bk16, e_bk = compact_to_bits(bk, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
+    bk16, e_bk = fast_compact_to_bits(bk, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
     eg = scalar_exp(saved.gamma, "gamma")
     fac = i64(saved.gamma.m) * saved.rstd  # |.| <= 127 * 2^15
     sf = np.maximum(bit_length(fac) - 15, 0)
-    f16 = shift_right(fac, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
+    f16 = fast_shift_right(fac, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
     e_f = eg + saved.rstd_e + sf
     dxa = bk16 * f16[None, :, None]
     check_int32(dxa, "batchnorm_dx")
@@ -244,7 +244,7 @@ def _ema(r: MX, b: Acc, momentum: FixedScalar, ctx: RoundCtx, tid: int, j: int) 
     """r <- (1 - mom) * r + mom * b. b is first compacted to |b| <= 2^15 (site j), then
     aligned_sum((2^shift - num) * r, num * b) at exponents e - shift (sites j+1, j+2),
     then compaction (site j+3): per group if r has per-channel exponents, else one exponent."""
-    b16, e_b = compact_to_bits(b.a, b.e, 15, ctx.rounding, site_key(ctx, tid, j))
+    b16, e_b = fast_compact_to_bits(b.a, b.e, 15, ctx.rounding, site_key(ctx, tid, j))
     one_minus = (1 << momentum.shift) - momentum.num
     keys = [site_key(ctx, tid, j + 1), site_key(ctx, tid, j + 2)]
     acc, e = aligned_sum_fast(
@@ -312,7 +312,7 @@ def batchnorm_forward_eval(
     e_grp = np.broadcast_to(np.reshape(e_xc, (-1,)), (c,)).astype(np.int64)
     amax = np.abs(xc).max(axis=(0, 2))
     sx = np.maximum(bit_length(amax) - 15, 0)  # per channel: |xc16| <= 2^15
-    xc16 = shift_right(xc, sx[None, :, None], ctx.rounding, site_key(ctx, tid, 2))
+    xc16 = fast_shift_right(xc, sx[None, :, None], ctx.rounding, site_key(ctx, tid, 2))
     e16 = e_grp + sx
     ev = np.broadcast_to(running_var.e, (c,))
     rstd, rstd_e = _rstd(i64(running_var.m), ev, _eps_fixed(eps))

@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from mexc.kernels._common import MAG, compact_mx, i64, scalar_exp, site_key
+from mexc.kernels._common import MAG, compact_mx, fast_compact_to_bits, i64, scalar_exp, site_key
 from mexc.kernels.conv import IntPair, _pair
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import (
     Reciprocal,
     ceil_log2,
     check_int32,
-    compact_to_bits,
     div_const,
     qmax,
     shift_left,
@@ -91,7 +90,7 @@ def _divide(acc: np.ndarray, e: int, bound_bits: int, count: int, ctx: RoundCtx,
         sl = DIV_BITS - bound_bits
         a, ea = shift_left(acc, sl, "pool_divide"), np.asarray(e - sl, np.int64)
     else:
-        a, ea = compact_to_bits(acc, e, DIV_BITS, ctx.rounding, site_key(ctx, tid, 0))
+        a, ea = fast_compact_to_bits(acc, e, DIV_BITS, ctx.rounding, site_key(ctx, tid, 0))
     q, eq = div_const(a, ea, Reciprocal.of(count))
     return compact_mx(q, eq, ctx, site_key(ctx, tid, 1))
 

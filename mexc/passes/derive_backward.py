@@ -29,14 +29,21 @@ class _Walker:
     bits: int
     b: GraphBuilder
     next_rid: int
+    needs: dict[Value, bool] = field(default_factory=dict)
     types: dict[Value, TensorType] = field(default_factory=dict)
     param_grads: dict[str, Value] = field(default_factory=dict)
 
     def type(self, v: Value) -> TensorType:
         return self.types[v]
 
-    def emit(self, op: Op, inputs: list[Value], types: TensorType | tuple[TensorType, ...],
-             loc: str = "", **kw: object) -> Node:
+    def emit(
+        self,
+        op: Op,
+        inputs: list[Value],
+        types: TensorType | tuple[TensorType, ...],
+        loc: str = "",
+        **kw: object,
+    ) -> Node:
         if "rid" in SCHEMA[op]:
             kw["rid"] = self.next_rid
             self.next_rid += 1
@@ -110,25 +117,15 @@ def _batchnorm(w: _Walker, n: Node, dys: Grads) -> Grads:
     assert dy is not None
     x, gamma, beta = n.inputs[0], n.inputs[1], n.inputs[2]
     c = w.type(gamma).shape
-    node = w.emit(Op.BATCHNORM_GRAD, [dy, n.result(1), n.result(2), gamma],
-                  (mx(*w.type(x).shape), acc(*c), acc(*c)), n.loc)
+    node = w.emit(
+        Op.BATCHNORM_GRAD,
+        [dy, n.result(1), n.result(2), gamma],
+        (mx(*w.type(x).shape), acc(*c), acc(*c)),
+        n.loc,
+    )
     w.set_param_grad(gamma, node.result(1), n)
     w.set_param_grad(beta, node.result(2), n)
     return [node.result(0) if w.needs[x] else None, None, None, None, None]
-
-
-def _unary_grad(op: Op, saved: Callable[[Node], Value]) -> Rule:
-    def rule(w: _Walker, n: Node, dys: Grads) -> Grads:
-        dy = dys[0]
-        assert dy is not None
-        x = n.inputs[0]
-        if not w.needs[x]:
-            return [None]
-        a = {k: getattr(n.attrs, k) for k in SCHEMA[op] if k != "rid" and hasattr(n.attrs, k)}
-        ins = [dy] + ([saved(n)] if saved(n) != dy else [])
-        return [w.emit(op, ins, mx(*w.type(x).shape), n.loc, **a).out]
-
-    return rule
 
 
 def _no_saved(n: Node) -> Value:
@@ -164,8 +161,7 @@ def _reshape(w: _Walker, n: Node, dys: Grads) -> Grads:
 
 def _softmax_ce(w: _Walker, n: Node, dys: Grads) -> Grads:
     logits = n.inputs[0]
-    grad = w.emit(Op.SOFTMAX_CE_GRAD, [n.result(0), n.inputs[1]], mx(*w.type(logits).shape),
-                  n.loc)
+    grad = w.emit(Op.SOFTMAX_CE_GRAD, [n.result(0), n.inputs[1]], mx(*w.type(logits).shape), n.loc)
     return [grad.out, None]
 
 
@@ -211,8 +207,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     b = GraphBuilder(g.next_id())
     for n in g.nodes:
         b.keep(n)
-    w = _Walker(g, int(g.attr("bits", ctx.bits)), b, _max_rid(g) + 1)
-    w.needs = _needs_grad(g)  # type: ignore[attr-defined]
+    w = _Walker(g, int(g.attr("bits", ctx.bits)), b, _max_rid(g) + 1, _needs_grad(g))
     for n in g.nodes:
         for i, t in enumerate(n.types):
             w.types[n.result(i)] = t

@@ -34,8 +34,14 @@ def fuse_products(g: Graph, ctx: PassContext) -> Graph:
             fields.update(bits=n.attrs.bits, rid=n.attrs.rid)
             op = FUSED[prod.op]
             kept = {k: v for k, v in fields.items() if k in SCHEMA[op]}
-            new = b.keep(n.with_(op=op, inputs=tuple(env.get(v, v) for v in prod.inputs),
-                                 attrs=attrs(op, **kept), loc=prod.loc))
+            new = b.keep(
+                n.with_(
+                    op=op,
+                    inputs=tuple(env.get(v, v) for v in prod.inputs),
+                    attrs=attrs(op, **kept),
+                    loc=prod.loc,
+                )
+            )
             env[n.out] = new.out
             continue
         new = b.keep(n.with_(inputs=tuple(env.get(v, v) for v in n.inputs)))

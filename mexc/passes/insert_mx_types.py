@@ -1,10 +1,10 @@
 """insert-mx-types: give every value a mantissa-exponent type.
 
 Requires: a float graph from the frontend (f32 values, PARAM/STATE/INPUT/LABEL boundary nodes).
-Ensures: the input is quantized once by a QUANTIZE node; every other value is integer: parameters and
-  activations are mx<i8,e=tensor>, products (conv2d, linear) yield acc<i32> followed by an explicit
-  COMPACT node, probabilities are u8, max-pool indices and dropout masks are idx. The only f32 values
-  left are the input (consumed by QUANTIZE) and the logging-only loss. Every op that rounds gets a
+Ensures: the input is quantized once by a QUANTIZE node; every other value is integer:
+  parameters and activations are mx<i8,e=tensor>, products (conv2d, linear) yield acc<i32>
+  followed by an explicit COMPACT node, probabilities are u8, max-pool indices and dropout masks
+  are idx. The only f32 values left are the input (consumed by QUANTIZE) and the logging-only loss. Every op that rounds gets a
   distinct rounding-site id `rid`.
 """
 
@@ -49,8 +49,9 @@ class _Rewriter:
 def _boundary(r: _Rewriter, n: Node) -> None:
     if n.op is Op.INPUT:
         raw = r.b.add(Op.INPUT, (), n.types, n.attrs, n.loc)
-        q = r.b.add(Op.QUANTIZE, [raw.out], _mx_like(n.type), attrs(Op.QUANTIZE, bits=r.ctx.bits),
-                    n.loc)
+        q = r.b.add(
+            Op.QUANTIZE, [raw.out], _mx_like(n.type), attrs(Op.QUANTIZE, bits=r.ctx.bits), n.loc
+        )
         r.env[n.out] = q.out
     elif n.op is Op.LABEL:
         r.copy(n, n.types)
@@ -60,8 +61,13 @@ def _boundary(r: _Rewriter, n: Node) -> None:
 
 def _product(r: _Rewriter, n: Node) -> None:
     prod = r.copy(n, (acc(*n.type.shape),))
-    compact = r.b.add(Op.COMPACT, [prod.out], _mx_like(n.type),
-                      attrs(Op.COMPACT, bits=r.ctx.bits, rid=r.rid()), n.loc)
+    compact = r.b.add(
+        Op.COMPACT,
+        [prod.out],
+        _mx_like(n.type),
+        attrs(Op.COMPACT, bits=r.ctx.bits, rid=r.rid()),
+        n.loc,
+    )
     r.env[n.out] = compact.out
 
 

@@ -30,8 +30,9 @@ def insert_optimizer(g: Graph, ctx: PassContext) -> Graph:
     velocity: dict[str, Value] = {}
     for name in sorted(grads):
         vt = _velocity_type(params[name].type, ctx.per_group_velocity)
-        node = b.add(Op.STATE, (), vt, attrs(Op.STATE, name=f"{name}.velocity", role="velocity",
-                                              owner=name))
+        node = b.add(
+            Op.STATE, (), vt, attrs(Op.STATE, name=f"{name}.velocity", role="velocity", owner=name)
+        )
         velocity[name] = node.out
     for n in g.nodes:
         b.keep(n)
@@ -41,15 +42,24 @@ def insert_optimizer(g: Graph, ctx: PassContext) -> Graph:
         p = params[name]
         vt = b.nodes[[x.out for x in b.nodes].index(velocity[name])].type
         groups = p.type.shape[0] if vt.exp is Exp.AXIS0 else 1
-        upd = b.add(Op.SGD_UPDATE, [p.out, grads[name], velocity[name]], (mx(*p.type.shape), vt),
-                    attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid), p.loc)
+        upd = b.add(
+            Op.SGD_UPDATE,
+            [p.out, grads[name], velocity[name]],
+            (mx(*p.type.shape), vt),
+            attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid),
+            p.loc,
+        )
         rid += 1
         outputs += [(f"state:{name}", upd.result(0)), (f"state:{name}.velocity", upd.result(1))]
     for bn in g.nodes_of(Op.BATCHNORM):
         rm, rv = bn.inputs[3], bn.inputs[4]
-        upd = b.add(Op.BN_RUNNING_UPDATE, [rm, rv, bn.result(2)],
-                    (g.type_of(rm), g.type_of(rv)),
-                    attrs(Op.BN_RUNNING_UPDATE, momentum=bn.attrs.momentum, rid=rid), bn.loc)
+        upd = b.add(
+            Op.BN_RUNNING_UPDATE,
+            [rm, rv, bn.result(2)],
+            (g.type_of(rm), g.type_of(rv)),
+            attrs(Op.BN_RUNNING_UPDATE, momentum=bn.attrs.momentum, rid=rid),
+            bn.loc,
+        )
         rid += 1
         for i, v in enumerate((rm, rv)):
             outputs.append((f"state:{g.node(v.node).attrs.name}", upd.result(i)))

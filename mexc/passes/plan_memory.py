@@ -127,15 +127,26 @@ def plan(g: Graph) -> MemoryPlan:
             arena_items.append((start, stop, size, v))
             slots.append(Slot(v, kind, size, start, stop, -1))
     offsets, peak = _first_fit(arena_items)
-    slots = [s if s.kind == "persistent" else Slot(s.value, s.kind, s.nbytes, s.start, s.end,
-                                                    offsets[s.value]) for s in slots]
-    return MemoryPlan(tuple(slots), sum(s.nbytes for s in slots if s.kind == "persistent"),
-                      sum(s.nbytes for s in slots if s.kind == "saved"), peak, params, saved_elems)
+    slots = [
+        s
+        if s.kind == "persistent"
+        else Slot(s.value, s.kind, s.nbytes, s.start, s.end, offsets[s.value])
+        for s in slots
+    ]
+    return MemoryPlan(
+        tuple(slots),
+        sum(s.nbytes for s in slots if s.kind == "persistent"),
+        sum(s.nbytes for s in slots if s.kind == "saved"),
+        peak,
+        params,
+        saved_elems,
+    )
 
 
 def plan_memory(g: Graph, ctx: PassContext) -> Graph:
     """Compute the memory plan and record its totals as graph attributes."""
     mp = plan(g)
     ctx.results["memory_plan"] = mp
-    return g.with_attrs(mem_persistent=mp.persistent_bytes, mem_saved=mp.saved_bytes,
-                        mem_arena=mp.arena_bytes)
+    return g.with_attrs(
+        mem_persistent=mp.persistent_bytes, mem_saved=mp.saved_bytes, mem_arena=mp.arena_bytes
+    )

@@ -61,9 +61,9 @@ CASES: list[tuple[str, Breaker, int | None, str]] = [
     ("boundary-no-inputs", lambda g: _replace_node(g, 2, inputs=(Value(0),)), 2, "param"),
     (
         "shift-cap",
-        lambda g: _replace_node(g, 4, attrs=dataclasses.replace(g.node(4).attrs, shift_cap=-1)),
+        lambda g: _replace_node(g, 4, attrs=dataclasses.replace(g.node(4).attrs, shift_cap=1.5)),
         4,
-        "non-negative",
+        "must be an int",
     ),
     (
         "outputs-exist",
@@ -159,3 +159,10 @@ def test_message_prints_the_node_line(sample: Graph) -> None:
         verify(_replace_node(sample, 5, inputs=(Value(99),)))
     assert "in the input graph" in str(info.value)
     assert "Offending node: %5 = relu %99 : mx<i8,e=tensor>[4,16,8,8]" in str(info.value)
+
+
+def test_negative_shift_cap_is_allowed(sample: Graph) -> None:
+    g = _replace_node(
+        sample, 4, attrs=dataclasses.replace(sample.node(4).attrs, shift_cap=-3, pre_shift=3)
+    )
+    verify(g, caps_assigned=True)

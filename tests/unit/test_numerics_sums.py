@@ -73,9 +73,7 @@ def test_aligned_sum_worked_example() -> None:
 def test_aligned_sum_grouped_exponents() -> None:
     x = np.array([[1, 2], [3, 4]])
     y = np.array([[10, 20], [30, 40]])
-    acc, e = nx.aligned_sum(
-        [(x, np.array([0, -2]), 7), (y, np.array([1, 1]), 7)], "nearest"
-    )
+    acc, e = nx.aligned_sum([(x, np.array([0, -2]), 7), (y, np.array([1, 1]), 7)], "nearest")
     assert e.reshape(-1).tolist() == [0, -2]
     assert acc.tolist() == [[21, 42], [3 + 240, 4 + 320]]
 

@@ -1,0 +1,88 @@
+"""mexc.compile: float PyTorch model in, integer-only training program out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mexc.frontend import import_model
+from mexc.ir import Graph, Op
+from mexc.kernels import quantize
+from mexc.mx import MX
+from mexc.numerics import ROUNDINGS
+from mexc.optim import SGD
+from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
+from mexc.pipeline import PIPELINE
+from mexc.program import Options, Program
+from mexc.types import Exp
+
+TARGETS = ("reference",)
+
+
+def _example_batch(example_inputs: Any) -> torch.Tensor:
+    x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError("example_inputs must be (x,) with x a float tensor batch [N, ...]")
+    return x.detach().float()
+
+
+def initial_state(
+    graph: Graph, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray], bits: int
+) -> dict[str, MX]:
+    """Quantize parameters and buffers once (host boundary); velocities start at zero."""
+    state: dict[str, MX] = {}
+    for n in graph.nodes_of(Op.PARAM, Op.STATE):
+        name = str(n.attrs.name)
+        if n.op is Op.PARAM:
+            state[name] = quantize(params[name], bits)
+        elif n.attrs.role == "velocity":
+            groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
+            e = np.zeros(groups, np.int64) if groups is not None else np.asarray(0, np.int64)
+            state[name] = MX.of(np.zeros(n.type.shape, np.int8), e)
+        else:
+            state[name] = quantize(buffers[name], bits)
+    return state
+
+
+def compile(  # noqa: A001 - the public name is part of the API contract
+    model: nn.Module,
+    example_inputs: Any,
+    optimizer: SGD | None = None,
+    bits: int = 8,
+    seed: int = 0,
+    target: str = "reference",
+    per_group_velocity: bool = True,
+    rounding: str = "stochastic",
+    instruments: Sequence[Instrument] = (),
+    verify_each: bool = True,
+) -> Program:
+    """Trace `model`, run the pass pipeline and return a Program on `target`."""
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} is not available yet; choose one of {TARGETS}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in 2..8, got {bits}")
+    opt = optimizer or SGD()
+    x = _example_batch(example_inputs)
+    front = import_model(model, x)
+    ctx = PassContext(
+        bits=bits,
+        seed=seed,
+        rounding=rounding,
+        per_group_velocity=per_group_velocity,
+        optimizer=opt,
+        batch=x.shape[0],
+        num_classes=front.num_classes,
+    )
+    pm = PassManager(PIPELINE, [*instruments, *instruments_from_env()], verify_each=verify_each)
+    graph = pm.run(front.graph, ctx)
+    state = initial_state(graph, front.params, front.buffers, bits)
+    opts = Options(bits, seed, rounding, per_group_velocity, target)
+    return Program(graph, state, opts, opt)

@@ -1,0 +1,298 @@
+"""Reference executor: runs a training-step program with the reference kernels, exactly.
+
+One rule per op maps a node and its input values onto a kernel of `mexc.kernels` or a primitive of
+`mexc.numerics`. The executor is the executable form of the program's meaning; every backend must
+reproduce its state bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mexc import kernels as K
+from mexc.ir import Graph, Node, Op, Value
+from mexc.mx import MX, SITES_PER_NODE, Acc, RoundCtx
+from mexc.numerics import FixedScalar, UpdateConfig, sgd_momentum_update, update_keys
+
+
+@dataclass
+class StepEnv:
+    """What one execution needs besides the node inputs."""
+
+    ctx: RoundCtx
+    train: bool
+    x: np.ndarray
+    y: np.ndarray | None
+    state: dict[str, MX]
+    lr: FixedScalar = field(default_factory=lambda: FixedScalar(0, 0))
+    momentum: FixedScalar = field(default_factory=lambda: FixedScalar(0, 0))
+    weight_decay: FixedScalar = field(default_factory=lambda: FixedScalar(0, 0))
+    valid: int = 0
+
+
+Rule = Callable[[Node, list[Any], StepEnv], tuple[Any, ...]]
+
+
+def _tid(n: Node) -> int:
+    return int(n.attrs.rid) * SITES_PER_NODE
+
+
+def _input(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (env.x,)
+
+
+def _label(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (env.y,)
+
+
+def _state(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (env.state[str(n.attrs.name)],)
+
+
+def _quantize(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.quantize(a[0], int(n.attrs.bits)),)
+
+
+def _conv(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    bias = a[2] if at.has_bias else None
+    return (K.conv2d_forward(a[0], a[1], bias, at.stride, at.padding, at.groups, env.ctx, _tid(n)),)
+
+
+def _linear(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    bias = a[2] if n.attrs.has_bias else None
+    return (K.linear_forward(a[0], a[1], bias, env.ctx, _tid(n)),)
+
+
+def _batchnorm(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    x, gamma, beta, rmean, rvar = a
+    if env.train:
+        y, saved = K.batchnorm_forward_train(x, gamma, beta, float(n.attrs.eps), env.ctx, _tid(n))
+        return (y, saved, saved)
+    y = K.batchnorm_forward_eval(
+        x, gamma, beta, rmean, rvar, env.ctx, _tid(n), eps=float(n.attrs.eps)
+    )
+    return (y, None, None)
+
+
+def _relu(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.relu_forward(a[0]),)
+
+
+def _relu6(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.relu6_forward(a[0]),)
+
+
+def _maxpool(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    return tuple(K.maxpool2d_forward(a[0], at.kernel, at.stride, at.padding))
+
+
+def _avgpool(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    return (K.avgpool2d_forward(a[0], at.kernel, at.stride, at.padding, env.ctx, _tid(n)),)
+
+
+def _gap(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.global_avgpool_forward(a[0], env.ctx, _tid(n)),)
+
+
+def _add(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.add_forward(a[0], a[1], env.ctx, _tid(n)),)
+
+
+def _reshape(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    x: MX = a[0]
+    return (MX(x.m.reshape(n.attrs.shape), x.e),)
+
+
+def _dropout(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    if not env.train:
+        return (a[0], None)
+    return tuple(K.dropout_forward(a[0], float(n.attrs.p), env.ctx, _tid(n)))
+
+
+def _softmax_ce(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return tuple(K.softmax_ce_forward(a[0], a[1], env.valid, env.ctx, _tid(n)))
+
+
+def _softmax_ce_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.softmax_ce_backward(a[0], a[1], env.valid, env.ctx, _tid(n)),)
+
+
+def _shape(n: Node) -> tuple[int, ...]:
+    return tuple(n.type.shape)
+
+
+def _conv_grad_input(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    return (
+        K.conv2d_backward_input(
+            a[0], a[1], _shape(n), at.stride, at.padding, at.groups, env.ctx, _tid(n)
+        ),
+    )
+
+
+def _conv_grad_weight(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    return (
+        K.conv2d_backward_weight(
+            a[0], a[1], _shape(n), at.stride, at.padding, at.groups, env.ctx, _tid(n)
+        ),
+    )
+
+
+def _linear_grad_input(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.linear_backward_input(a[0], a[1], env.ctx, _tid(n)),)
+
+
+def _linear_grad_weight(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.linear_backward_weight(a[0], a[1], env.ctx, _tid(n)),)
+
+
+def _bias_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.bias_backward(a[0], tuple(n.attrs.axes)),)
+
+
+def _bn_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return tuple(K.batchnorm_backward(a[0], a[1], env.ctx, _tid(n)))
+
+
+def _relu_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.relu_backward(a[0], a[1]),)
+
+
+def _relu6_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.relu6_backward(a[0], a[1]),)
+
+
+def _maxpool_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    return (
+        K.maxpool2d_backward(
+            a[0], a[1], _shape(n), at.kernel, at.stride, at.padding, env.ctx, _tid(n)
+        ),
+    )
+
+
+def _avgpool_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    at = n.attrs
+    return (
+        K.avgpool2d_backward(a[0], _shape(n), at.kernel, at.stride, at.padding, env.ctx, _tid(n)),
+    )
+
+
+def _gap_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.global_avgpool_backward(a[0], _shape(n), env.ctx, _tid(n)),)
+
+
+def _dropout_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.dropout_backward(a[0], a[1], float(n.attrs.p), env.ctx, _tid(n)),)
+
+
+def _grad_sum(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return (K.grad_sum(list(a), env.ctx, _tid(n)),)
+
+
+def _sgd_update(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    w, grad, v = a
+    assert isinstance(w, MX) and isinstance(grad, Acc) and isinstance(v, MX)
+    cfg = UpdateConfig(env.ctx.bits, env.lr, env.momentum, env.weight_decay, env.ctx.rounding)
+    v_exp = v.e.reshape(-1)
+    keys = update_keys(env.ctx.seed, env.ctx.step, _tid(n))
+    wm, we, vm, ve = sgd_momentum_update(w.m, int(w.e), grad.a, int(grad.e), v.m, v_exp, cfg, keys)
+    return (MX.of(wm, we), MX.of(vm, ve.reshape(v.e.shape)))
+
+
+def _bn_running(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    rmean, rvar, saved = a
+    momentum = FixedScalar.of(float(n.attrs.momentum))
+    return tuple(
+        K.batchnorm_update_running(
+            rmean, rvar, saved.mean, saved.var_unbiased, momentum, env.ctx, _tid(n)
+        )
+    )
+
+
+RULES: dict[Op, Rule] = {
+    Op.INPUT: _input,
+    Op.LABEL: _label,
+    Op.PARAM: _state,
+    Op.STATE: _state,
+    Op.QUANTIZE: _quantize,
+    Op.CONV2D_COMPACT: _conv,
+    Op.LINEAR_COMPACT: _linear,
+    Op.BATCHNORM: _batchnorm,
+    Op.RELU: _relu,
+    Op.RELU6: _relu6,
+    Op.MAXPOOL2D: _maxpool,
+    Op.AVGPOOL2D: _avgpool,
+    Op.GLOBAL_AVGPOOL: _gap,
+    Op.ADD: _add,
+    Op.RESHAPE: _reshape,
+    Op.DROPOUT: _dropout,
+    Op.SOFTMAX_CE: _softmax_ce,
+    Op.SOFTMAX_CE_GRAD: _softmax_ce_grad,
+    Op.CONV2D_GRAD_INPUT: _conv_grad_input,
+    Op.CONV2D_GRAD_WEIGHT: _conv_grad_weight,
+    Op.LINEAR_GRAD_INPUT: _linear_grad_input,
+    Op.LINEAR_GRAD_WEIGHT: _linear_grad_weight,
+    Op.BIAS_GRAD: _bias_grad,
+    Op.BATCHNORM_GRAD: _bn_grad,
+    Op.RELU_GRAD: _relu_grad,
+    Op.RELU6_GRAD: _relu6_grad,
+    Op.MAXPOOL2D_GRAD: _maxpool_grad,
+    Op.AVGPOOL2D_GRAD: _avgpool_grad,
+    Op.GLOBAL_AVGPOOL_GRAD: _gap_grad,
+    Op.DROPOUT_GRAD: _dropout_grad,
+    Op.GRAD_SUM: _grad_sum,
+    Op.SGD_UPDATE: _sgd_update,
+    Op.BN_RUNNING_UPDATE: _bn_running,
+}
+
+
+def needed_nodes(g: Graph, outputs: list[str]) -> list[Node]:
+    """The nodes (in order) that the named outputs depend on."""
+    by_id = g.by_id()
+    need: set[int] = set()
+    stack = [g.output(name).node for name in outputs]
+    while stack:
+        nid = stack.pop()
+        if nid in need:
+            continue
+        need.add(nid)
+        stack.extend(v.node for v in by_id[nid].inputs)
+    return [n for n in g.nodes if n.id in need]
+
+
+def execute(
+    nodes: list[Node], env: StepEnv, last_use: dict[Value, int] | None = None
+) -> dict[Value, Any]:
+    """Run `nodes` in order; returns every computed value. Values past their last use are freed."""
+    values: dict[Value, Any] = {}
+    for pos, n in enumerate(nodes):
+        rule = RULES.get(n.op)
+        if rule is None:
+            raise NotImplementedError(f"the reference executor has no rule for {n.op.value}")
+        results = rule(n, [values[v] for v in n.inputs], env)
+        for i, r in enumerate(results):
+            values[n.result(i)] = r
+        if last_use is not None:
+            for v in n.inputs:
+                if last_use.get(v, -1) == pos:
+                    del values[v]
+    return values
+
+
+def last_uses(nodes: list[Node], keep: set[Value]) -> dict[Value, int]:
+    """Position of the last reader of each value; values in `keep` are never freed."""
+    out: dict[Value, int] = {}
+    for pos, n in enumerate(nodes):
+        for v in n.inputs:
+            if v not in keep:
+                out[v] = pos
+    return out

@@ -1,0 +1,306 @@
+"""A compiled integer training program: step / predict / evaluate / state / checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mexc.errors import CheckpointError, InputError
+from mexc.interp import StepEnv, execute, last_uses, needed_nodes
+from mexc.ir import Graph, Op
+from mexc.mx import MX, RoundCtx
+from mexc.numerics import FixedScalar, state_checksum
+from mexc.optim import SGD, Constant, Cosine, Step
+from mexc.parser import parse_graph
+from mexc.passes.plan_memory import MemoryPlan, plan
+from mexc.printer import print_graph
+
+CHECKPOINT_FORMAT = "mexc-checkpoint-1"
+
+
+@dataclass(frozen=True)
+class Options:
+    bits: int = 8
+    seed: int = 0
+    rounding: str = "stochastic"
+    per_group_velocity: bool = True
+    target: str = "reference"
+
+
+def _as_numpy(x: Any, what: str) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    if not isinstance(x, np.ndarray):
+        raise InputError(f"{what} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+    return x
+
+
+class Program:
+    """An integer-only training step for one model, run by the reference executor."""
+
+    def __init__(
+        self, graph: Graph, state: dict[str, MX], options: Options, optimizer: SGD, step: int = 0
+    ) -> None:
+        self.graph = graph
+        self.state = state
+        self.options = options
+        self.optimizer = optimizer
+        self.step_count = step
+        self.batch = int(graph.attr("batch"))
+        self.num_classes = int(graph.attr("num_classes"))
+        self.input_shape = tuple(graph.nodes_of(Op.INPUT)[0].type.shape[1:])
+        self._train_nodes = list(graph.nodes)
+        keep = {v for _, v in graph.outputs}
+        self._train_last_use = last_uses(self._train_nodes, keep)
+        self._eval_nodes = needed_nodes(graph, ["logits"])
+        self._eval_last_use = last_uses(self._eval_nodes, {graph.output("logits")})
+        self._plan: MemoryPlan | None = None
+
+    # ----------------------------------------------------------------------------- inputs
+
+    def _check_x(self, x: Any, exact_batch: bool) -> np.ndarray:
+        arr = _as_numpy(x, "x")
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise InputError(
+                f"x must be a float tensor, got dtype {arr.dtype}; convert images "
+                "to float (e.g. x.float() / 255) before passing them"
+            )
+        want = (self.batch, *self.input_shape)
+        if (
+            arr.ndim != len(want)
+            or tuple(arr.shape[1:]) != self.input_shape
+            or (exact_batch and arr.shape[0] != self.batch)
+        ):
+            shown = list(want) if exact_batch else ["N", *self.input_shape]
+            raise InputError(
+                f"x has shape {list(arr.shape)}, expected {shown} (the batch size and input "
+                "shape are fixed by example_inputs at compile time; the Trainer drops an "
+                "incomplete last batch)"
+            )
+        if not np.all(np.isfinite(arr)):
+            bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+            raise InputError(
+                f"x contains {bad} NaN or infinite value(s); integer training "
+                "cannot represent them: clean or normalize the data first"
+            )
+        return arr.astype(np.float64)
+
+    def _check_y(self, y: Any, n: int) -> np.ndarray:
+        arr = _as_numpy(y, "y")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"y must hold integer class ids, got dtype {arr.dtype}")
+        if arr.shape != (n,):
+            raise InputError(f"y has shape {list(arr.shape)}, expected [{n}]")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.num_classes):
+            raise InputError(
+                f"labels must be in [0, {self.num_classes - 1}], got values in "
+                f"[{int(arr.min())}, {int(arr.max())}]"
+            )
+        return arr.astype(np.int64)
+
+    # ----------------------------------------------------------------------------- training
+
+    def lr_at(self, step: int) -> FixedScalar:
+        return self.optimizer.lr_at(step)
+
+    def step(self, x: Any, y: Any) -> float:
+        """One integer training step on a batch; returns the float loss (for logging only)."""
+        xs = self._check_x(x, exact_batch=True)
+        ys = self._check_y(y, self.batch)
+        o = self.options
+        env = StepEnv(
+            ctx=RoundCtx(o.rounding, o.seed, self.step_count, o.bits),  # type: ignore[arg-type]
+            train=True,
+            x=xs,
+            y=ys,
+            state=self.state,
+            lr=self.lr_at(self.step_count),
+            momentum=FixedScalar.of(self.optimizer.momentum),
+            weight_decay=FixedScalar.of(self.optimizer.weight_decay),
+            valid=self.batch,
+        )
+        values = execute(self._train_nodes, env, self._train_last_use)
+        new_state = dict(self.state)
+        for name, v in self.graph.outputs:
+            if name.startswith("state:"):
+                new_state[name[6:]] = values[v]
+        self.state = new_state
+        self.step_count += 1
+        return float(values[self.graph.output("loss")])
+
+    def logits(self, x: Any) -> np.ndarray:
+        """Dequantized logits (float64) of the inference path, for any number of rows."""
+        xs = self._check_x(x, exact_batch=False)
+        out = []
+        for start in range(0, xs.shape[0], self.batch):
+            chunk = xs[start : start + self.batch]
+            n = chunk.shape[0]
+            if n < self.batch:
+                pad = np.zeros((self.batch - n, *self.input_shape))
+                chunk = np.concatenate([chunk, pad])
+            env = StepEnv(
+                ctx=RoundCtx("nearest", self.options.seed, 0, self.options.bits),
+                train=False,
+                x=chunk,
+                y=None,
+                state=self.state,
+            )
+            values = execute(self._eval_nodes, env, self._eval_last_use)
+            out.append(values[self.graph.output("logits")].dequantize()[:n])
+        return np.concatenate(out) if out else np.zeros((0, self.num_classes))
+
+    def predict(self, x: Any) -> np.ndarray:
+        """Class ids (deterministic rounding, BN running statistics)."""
+        return np.argmax(self.logits(x), axis=1)
+
+    def evaluate(self, x: Any, y: Any) -> float:
+        """Accuracy in [0, 1]."""
+        ids = self.predict(x)
+        ys = self._check_y(y, ids.shape[0])
+        return float(np.mean(ids == ys)) if ys.size else 0.0
+
+    # ----------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """{name: int8 mantissas, name + ".exp": int32 exponents} for every persistent tensor."""
+        out: dict[str, np.ndarray] = {}
+        for name, v in sorted(self.state.items()):
+            out[name] = v.m.copy()
+            out[name + ".exp"] = v.e.astype(np.int32)
+        return out
+
+    def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
+        new: dict[str, MX] = {}
+        for name, cur in self.state.items():
+            if name not in sd or name + ".exp" not in sd:
+                raise CheckpointError(f"state dict lacks '{name}' (or its exponent)")
+            m, e = np.asarray(sd[name]), np.asarray(sd[name + ".exp"])
+            if m.shape != cur.m.shape or e.shape != cur.e.shape:
+                raise CheckpointError(
+                    f"state '{name}' has shape {list(m.shape)} / exponent {list(e.shape)}, "
+                    f"the program expects {list(cur.m.shape)} / {list(cur.e.shape)}"
+                )
+            if m.dtype != np.int8 or not np.issubdtype(e.dtype, np.integer):
+                raise CheckpointError(f"state '{name}' must be int8 mantissas, integer exponents")
+            new[name] = MX.of(m, e)
+        extra = sorted(set(sd) - {k for n in self.state for k in (n, n + ".exp")})
+        if extra:
+            raise CheckpointError(f"state dict has unknown entries {extra[:5]}")
+        self.state = new
+
+    def state_checksum(self) -> str:
+        """FNV-1a 64 of the persistent state (docs/numerics.md); equal across backends."""
+        return state_checksum({k: (v.m, v.e) for k, v in self.state.items()})
+
+    @property
+    def ir(self) -> str:
+        return print_graph(self.graph)
+
+    def memory_plan(self) -> MemoryPlan:
+        if self._plan is None:
+            self._plan = plan(self.graph)
+        return self._plan
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes: persistent state, saved activations, transient peak, and the FP32 equivalent."""
+        mp = self.memory_plan()
+        p, a = mp.param_count, mp.saved_elements
+        return {
+            "persistent_bytes": mp.persistent_bytes,
+            "saved_activation_bytes": mp.saved_bytes,
+            "arena_peak_bytes": mp.arena_bytes,
+            "transient_peak_bytes": max(mp.arena_bytes - mp.saved_bytes, 0),
+            "params": p,
+            "saved_activation_elements": a,
+            "formula_int_bytes": 3 * p + 1 * a,
+            "formula_fp32_bytes": 12 * p + 4 * a,
+        }
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a checkpoint atomically (temp file + rename); no pickle."""
+        target = Path(path)
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step_count,
+            "options": asdict(self.options),
+            "optimizer": _optimizer_json(self.optimizer),
+            "checksum": self.state_checksum(),
+        }
+        arrays = {f"state/{k}": v for k, v in self.state_dict().items()}
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
+                z.writestr("meta.json", json.dumps(meta, indent=1))
+                z.writestr("program.mexir", self.ir)
+                for name, arr in arrays.items():
+                    with z.open(name + ".npy", "w") as out:
+                        np.lib.format.write_array(
+                            out, np.ascontiguousarray(arr), allow_pickle=False
+                        )
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _optimizer_json(opt: SGD) -> dict[str, Any]:
+    sched = opt.schedule
+    return {
+        "lr": opt.lr,
+        "momentum": opt.momentum,
+        "weight_decay": opt.weight_decay,
+        "schedule": type(sched).__name__,
+        "schedule_args": asdict(sched),
+    }
+
+
+def _optimizer_from_json(d: dict[str, Any]) -> SGD:
+    kinds: dict[str, Any] = {"Constant": Constant, "Step": Step, "Cosine": Cosine}
+    args = d["schedule_args"]
+    if "milestones" in args:
+        args["milestones"] = tuple(args["milestones"])
+    return SGD(d["lr"], d["momentum"], d["weight_decay"], kinds[d["schedule"]](**args))
+
+
+def load(path: str | os.PathLike[str]) -> Program:
+    """Load a checkpoint written by Program.save (no pickle); verifies its checksum."""
+    p = Path(path)
+    try:
+        with zipfile.ZipFile(p) as z:
+            meta = json.loads(z.read("meta.json"))
+            if meta.get("format") != CHECKPOINT_FORMAT:
+                raise CheckpointError(
+                    f"{p} is not a mexc checkpoint (format {meta.get('format')!r})"
+                )
+            graph = parse_graph(z.read("program.mexir").decode())
+            arrays = {}
+            for name in z.namelist():
+                if name.startswith("state/") and name.endswith(".npy"):
+                    with z.open(name) as fh:
+                        arrays[name[6:-4]] = np.lib.format.read_array(fh, allow_pickle=False)
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"cannot read checkpoint {p}: {type(err).__name__}: {err}. The file is missing, "
+            "truncated or not written by mexc; use another checkpoint or retrain."
+        ) from None
+    opts = Options(**meta["options"])
+    state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if not k.endswith(".exp")}
+    prog = Program(graph, state, opts, _optimizer_from_json(meta["optimizer"]), meta["step"])
+    if prog.state_checksum() != meta["checksum"]:
+        raise CheckpointError(
+            f"checkpoint {p} is corrupt: its state checksum {prog.state_checksum()} differs "
+            f"from the recorded {meta['checksum']}; use another checkpoint."
+        )
+    return prog
