@@ -207,6 +207,9 @@ def aligned_sum_fast(
             aligned = xv
         elif np.all(sh > 0):
             aligned = fast_shift_right(xv, sh, rounding, keys[i])
+        elif np.all(sh <= 0):  # shift_signed is then an exact left shift
+            aligned = xv << -sh
+            check_int32(aligned, "shift_left")
         else:
             aligned = shift_signed(xv, np.broadcast_to(sh, np.shape(x)), rounding, keys[i])
         total = aligned if total is None else total + aligned

@@ -4,8 +4,8 @@ Requires: a float graph from the frontend (f32 values, PARAM/STATE/INPUT/LABEL b
 Ensures: the input is quantized once by a QUANTIZE node; every other value is integer:
   parameters and activations are mx<i8,e=tensor>, products (conv2d, linear) yield acc<i32>
   followed by an explicit COMPACT node, probabilities are u8, max-pool indices and dropout masks
-  are idx. The only f32 values left are the input (consumed by QUANTIZE) and the logging-only loss. Every op that rounds gets a
-  distinct rounding-site id `rid`.
+  are idx. The only f32 values left are the input (consumed by QUANTIZE) and the logging-only
+  loss. Every op that rounds gets a distinct rounding-site id `rid`.
 """
 
 from __future__ import annotations

@@ -83,8 +83,7 @@ def _first_fit(items: list[tuple[int, int, int, Value]]) -> tuple[dict[Value, in
         for lo, hi in busy:
             if offset + size <= lo:
                 break
-            offset = max(offset, hi)
-        offset = (offset + 15) // 16 * 16
+            offset = max(offset, (hi + 15) // 16 * 16)  # 16-byte aligned
         placed.append((start, end, offset, size))
         offsets[v] = offset
         peak = max(peak, offset + size)

@@ -1,0 +1,226 @@
+"""Datasets for training runs, and the deterministic batch order.
+
+Three sources, none downloaded at run time:
+
+* ``fashion-mnist``: the Debian package ``dataset-fashion-mnist`` (60k train / 10k test, 28x28),
+  IDX files under ``/usr/share/datasets/fashion-mnist`` (override with the environment variable
+  ``MEXC_FASHION_MNIST_DIR``). Images are scaled to [0, 1] and normalized with mean 0.2860 and
+  std 0.3530.
+* ``digits``: scikit-learn's bundled 8x8 digits (1,797 images). The split is fixed and not
+  shuffled: the first 1,500 images are ``train``, the remaining 297 ``test`` (every class has
+  27..33 test images). Pixels are divided by 16 and normalized with mean 0.3051, std 0.3750 (the
+  training split's statistics).
+* ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` (images ``[N, H, W]`` or ``[N, C, H, W]``,
+  uint8 scaled by 1/255, or float used as is) and ``y`` (integer labels ``[N]`` in ``0..K-1``),
+  and optionally ``x_test``/``y_test``. Without test arrays the ``test`` split is the last 20 % of a
+  permutation drawn from ``numpy.random.default_rng(0)``, ``train`` the rest.
+
+Every loader returns ``(x, y)``: ``x`` float32 ``[N, C, H, W]``, ``y`` int64 ``[N]``.
+
+Batch order: :func:`batches` depends only on ``(seed, epoch)``, so a run resumed from a checkpoint
+sees exactly the batches an uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mexc.errors import MexcError
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+DIGITS_MEAN, DIGITS_STD = 0.3051, 0.3750
+DIGITS_TRAIN = 1500
+SPLITS = ("train", "test")
+DATASETS = ("fashion-mnist", "digits", "npz:PATH")
+
+Arrays = tuple[np.ndarray, np.ndarray]
+
+
+class DatasetError(MexcError, ValueError):
+    """A dataset is missing, malformed, or its name/split is unknown."""
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise DatasetError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+# --- Fashion-MNIST ------------------------------------------------------------------------------
+
+
+def fashion_dir() -> Path:
+    env = os.environ.get("MEXC_FASHION_MNIST_DIR", "").strip()
+    return Path(env) if env else FASHION_DIR
+
+
+def _read_idx(path: Path, magic: int, header: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The payload (uint8) and the dimensions of a gzipped IDX file, magic number checked."""
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read()
+    except (OSError, EOFError) as err:
+        raise DatasetError(f"cannot read {path}: {err}; reinstall dataset-fashion-mnist") from None
+    if len(raw) < header:
+        raise DatasetError(f"{path} is truncated ({len(raw)} bytes, header is {header})")
+    got = int.from_bytes(raw[:4], "big")
+    if got != magic:
+        raise DatasetError(f"{path} has IDX magic number {got:#010x}, expected {magic:#010x}")
+    ndim = magic & 0xFF
+    dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    payload = np.frombuffer(raw, np.uint8, offset=header)
+    if payload.size != int(np.prod(dims)):
+        raise DatasetError(
+            f"{path} holds {payload.size} bytes of data, its header promises {list(dims)}"
+        )
+    return payload, dims
+
+
+def load_fashion_mnist(split: str) -> Arrays:
+    """Fashion-MNIST `split` ("train" 60k / "test" 10k): x float32 [N,1,28,28] normalized, y int64."""
+    _check_split(split)
+    root = fashion_dir()
+    stem = "train" if split == "train" else "t10k"
+    images = root / f"{stem}-images-idx3-ubyte.gz"
+    labels = root / f"{stem}-labels-idx1-ubyte.gz"
+    missing = [str(p) for p in (images, labels) if not p.is_file()]
+    if missing:
+        raise DatasetError(
+            f"Fashion-MNIST is not installed: {', '.join(missing)} not found. It comes from the "
+            "Debian package dataset-fashion-mnist: run `sudo apt-get install "
+            "dataset-fashion-mnist` (or set MEXC_FASHION_MNIST_DIR to a folder holding the four "
+            "IDX .gz files). mexc downloads nothing at run time."
+        )
+    pix, idims = _read_idx(images, 0x00000803, 16)
+    lab, ldims = _read_idx(labels, 0x00000801, 8)
+    if idims[0] != ldims[0]:
+        raise DatasetError(f"{images} has {idims[0]} images but {labels} has {ldims[0]} labels")
+    x = pix.reshape(idims[0], 1, idims[1], idims[2]).astype(np.float32) / np.float32(255)
+    x = (x - np.float32(FASHION_MEAN)) / np.float32(FASHION_STD)
+    return x, lab.astype(np.int64)
+
+
+# --- scikit-learn digits ------------------------------------------------------------------------
+
+
+def load_digits(split: str) -> Arrays:
+    """scikit-learn digits: first 1,500 images train, last 297 test; x [N,1,8,8] normalized."""
+    _check_split(split)
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    d = sk_load_digits()
+    x = (np.asarray(d.data, np.float32) / np.float32(16)).reshape(-1, 1, 8, 8)
+    x = (x - np.float32(DIGITS_MEAN)) / np.float32(DIGITS_STD)
+    y = np.asarray(d.target, np.int64)
+    part = slice(0, DIGITS_TRAIN) if split == "train" else slice(DIGITS_TRAIN, None)
+    return x[part], y[part]
+
+
+# --- user .npz ----------------------------------------------------------------------------------
+
+
+def _images(x: np.ndarray, where: str) -> np.ndarray:
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4:
+        raise DatasetError(
+            f"{where} has shape {list(x.shape)}; images must be [N, H, W] or [N, C, H, W]"
+        )
+    if x.dtype == np.uint8:
+        return x.astype(np.float32) / np.float32(255)
+    if np.issubdtype(x.dtype, np.floating):
+        out = x.astype(np.float32)
+        if not np.all(np.isfinite(out)):
+            raise DatasetError(f"{where} contains NaN or infinite values")
+        return out
+    raise DatasetError(f"{where} has dtype {x.dtype}; images must be uint8 (0..255) or float")
+
+
+def _labels(y: np.ndarray, n: int, where: str) -> np.ndarray:
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DatasetError(f"{where} has dtype {y.dtype}; labels must be integers")
+    if y.shape != (n,):
+        raise DatasetError(f"{where} has shape {list(y.shape)}, expected [{n}] (one per image)")
+    if n and y.min() < 0:
+        raise DatasetError(f"{where} has negative labels (min {int(y.min())})")
+    return y.astype(np.int64)
+
+
+def load_npz(path: str | os.PathLike[str], split: str = "train") -> Arrays:
+    """A user's .npz (`x`, `y`, optional `x_test`, `y_test`); see the module docstring."""
+    _check_split(split)
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"npz dataset {p} not found")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as err:
+        raise DatasetError(f"cannot read {p} as .npz (no pickle allowed): {err}") from None
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise DatasetError(f"{p} lacks array '{key}'; it has {sorted(arrays)}")
+    has_test = "x_test" in arrays or "y_test" in arrays
+    if has_test and not ("x_test" in arrays and "y_test" in arrays):
+        raise DatasetError(f"{p} must hold both 'x_test' and 'y_test', or neither")
+    x = _images(arrays["x"], f"{p}['x']")
+    y = _labels(arrays["y"], x.shape[0], f"{p}['y']")
+    if has_test:
+        if split == "test":
+            xt = _images(arrays["x_test"], f"{p}['x_test']")
+            if xt.shape[1:] != x.shape[1:]:
+                raise DatasetError(
+                    f"{p}['x_test'] images are {list(xt.shape[1:])}, "
+                    f"{p}['x'] images are {list(x.shape[1:])}"
+                )
+            return xt, _labels(arrays["y_test"], xt.shape[0], f"{p}['y_test']")
+        return x, y
+    perm = np.random.default_rng(0).permutation(x.shape[0])
+    cut = x.shape[0] - x.shape[0] // 5
+    idx = perm[:cut] if split == "train" else perm[cut:]
+    return x[idx], y[idx]
+
+
+# --- dispatch and batches -----------------------------------------------------------------------
+
+
+def get_dataset(name: str, split: str) -> Arrays:
+    """`name` is "fashion-mnist", "digits" or "npz:PATH"."""
+    if name == "fashion-mnist":
+        return load_fashion_mnist(split)
+    if name == "digits":
+        return load_digits(split)
+    if name.startswith("npz:"):
+        return load_npz(name[4:], split)
+    raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def load_splits(name: str, limit_train: int | None = None, limit_test: int | None = None) -> tuple[
+    Arrays, Arrays
+]:
+    """(train, test) of dataset `name`, each optionally cut to its first `limit` rows."""
+    train = get_dataset(name, "train")
+    test = get_dataset(name, "test")
+    if limit_train is not None:
+        train = (train[0][:limit_train], train[1][:limit_train])
+    if limit_test is not None:
+        test = (test[0][:limit_test], test[1][:limit_test])
+    return train, test
+
+
+def batches(n: int, batch: int, seed: int, epoch: int, drop_last: bool = True) -> list[np.ndarray]:
+    """Index arrays of epoch `epoch`: a permutation from default_rng((seed, epoch)), in chunks."""
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch}")
+    perm = np.random.default_rng((seed, epoch)).permutation(n)
+    stop = n - n % batch if drop_last else n
+    return [perm[i : i + batch] for i in range(0, stop, batch)]
+
+
+def steps_per_epoch(n: int, batch: int) -> int:
+    """Full batches per epoch (the last incomplete batch is dropped)."""
+    return n // batch

@@ -1,0 +1,99 @@
+"""The FP32 baseline: the same model trained in PyTorch float32, matched to the integer run.
+
+Matched: initial weights (pass a deepcopy of the model taken before `mexc.compile`), data order
+(`mexc.data.batches` with the same seed), batch size (incomplete last batch dropped), optimizer
+(`torch.optim.SGD` with the same momentum and weight decay, dampening 0, no Nesterov; weight decay
+on every parameter, as mexc's L2-as-gradient term) and the per-step learning rate
+`lr * schedule.factor(step)` of the integer program's optimizer. The loss is the mean softmax
+cross-entropy. Evaluation uses eval mode (BN running statistics), as `Program.predict` does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mexc.data import Arrays, batches
+from mexc.optim import SGD
+
+
+def cpu_threads() -> int:
+    """CPUs this process may run on (affinity aware)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Arrays, batch: int = 1000) -> float:
+    x, y = data
+    if len(y) == 0:
+        return 0.0
+    model.eval()
+    correct = 0
+    for i in range(0, len(y), batch):
+        logits = model(torch.from_numpy(x[i : i + batch]))
+        correct += int((logits.argmax(1).numpy() == y[i : i + batch]).sum())
+    return correct / len(y)
+
+
+def train_fp32(
+    model: nn.Module,
+    train: Arrays,
+    test: Arrays,
+    optimizer: SGD,
+    batch: int,
+    seed: int,
+    epochs: int,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Train `model` in place; one history dict per epoch (same keys as the integer Trainer)."""
+    torch.set_num_threads(cpu_threads())
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=optimizer.lr,
+        momentum=optimizer.momentum,
+        weight_decay=optimizer.weight_decay,
+        dampening=0.0,
+        nesterov=False,
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    x_all, y_all = train
+    history: list[dict[str, Any]] = []
+    step = 0
+    for epoch in range(epochs):
+        model.train()
+        start = time.perf_counter()
+        losses: list[float] = []
+        for idx in batches(len(y_all), batch, seed, epoch):
+            for group in opt.param_groups:
+                group["lr"] = optimizer.lr * optimizer.schedule.factor(step)
+            xb = torch.from_numpy(x_all[idx])
+            yb = torch.from_numpy(y_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.item()))
+            step += 1
+        seconds = time.perf_counter() - start
+        record = {
+            "epoch": epoch + 1,
+            "step": step,
+            "train_loss": float(np.mean(losses)) if losses else float("nan"),
+            "test_accuracy": evaluate(model, test),
+            "seconds": seconds,
+            "images_per_s": len(losses) * batch / seconds if seconds > 0 else 0.0,
+            "step_losses": losses,
+        }
+        history.append(record)
+        if on_epoch is not None:
+            on_epoch(record)
+    return history

@@ -1,0 +1,37 @@
+import pytest
+
+from mexc.passes.plan_memory import plan, type_bytes
+from mexc.types import acc, mx
+from tests.passes.golden_util import CASES, check_golden, context, graph_before, run_pass
+
+PASS = "plan-memory"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case: str) -> None:
+    after = run_pass(PASS, graph_before(case, PASS))
+    check_golden(case, PASS, after)
+
+
+def test_type_bytes() -> None:
+    assert type_bytes(mx(16, 8, 3, 3)) == 16 * 8 * 9 + 4
+    assert type_bytes(mx(16, 8, 3, 3, exp=__import__("mexc.types").types.Exp.AXIS0)) == 1152 + 64
+    assert type_bytes(acc(10)) == 44
+
+
+def test_plan_is_consistent() -> None:
+    g = graph_before("digits_cnn", PASS)
+    mp = plan(g)
+    arena = [s for s in mp.slots if s.kind != "persistent"]
+    # no two simultaneously live values overlap in the arena
+    for i, a in enumerate(arena):
+        for b in arena[i + 1 :]:
+            live_together = not (a.end < b.start or b.end < a.start)
+            overlap = a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+            assert not (live_together and overlap), (a, b)
+    assert mp.arena_bytes <= sum(s.nbytes for s in arena)
+    assert mp.arena_bytes >= max(s.nbytes for s in arena)
+    assert mp.saved_bytes > 0 and mp.persistent_bytes > 0
+    ctx = context()
+    run_pass(PASS, g)
+    assert ctx is not None
