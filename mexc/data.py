@@ -81,7 +81,7 @@ def _read_idx(path: Path, magic: int, header: int) -> tuple[np.ndarray, tuple[in
 
 
 def load_fashion_mnist(split: str) -> Arrays:
-    """Fashion-MNIST `split` ("train" 60k / "test" 10k): x float32 [N,1,28,28] normalized, y int64."""
+    """Fashion-MNIST `split` ("train" 60k / "test" 10k): x float32 [N,1,28,28], y int64."""
     _check_split(split)
     root = fashion_dir()
     stem = "train" if split == "train" else "t10k"
@@ -199,9 +199,9 @@ def get_dataset(name: str, split: str) -> Arrays:
     raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
-def load_splits(name: str, limit_train: int | None = None, limit_test: int | None = None) -> tuple[
-    Arrays, Arrays
-]:
+def load_splits(
+    name: str, limit_train: int | None = None, limit_test: int | None = None
+) -> tuple[Arrays, Arrays]:
     """(train, test) of dataset `name`, each optionally cut to its first `limit` rows."""
     train = get_dataset(name, "train")
     test = get_dataset(name, "test")

@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,7 @@ class Program:
                 for name, arr in arrays.items():
                     with z.open(name + ".npy", "w") as out:
                         np.lib.format.write_array(
-                            out, np.ascontiguousarray(arr), allow_pickle=False
+                            out, np.asarray(arr, order="C"), allow_pickle=False
                         )
             os.replace(tmp, target)
         except BaseException:
@@ -288,16 +289,24 @@ def load(path: str | os.PathLike[str]) -> Program:
                 if name.startswith("state/") and name.endswith(".npy"):
                     with z.open(name) as fh:
                         arrays[name[6:-4]] = np.lib.format.read_array(fh, allow_pickle=False)
+        opts = Options(**meta["options"])
+        state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if not k.endswith(".exp")}
+        prog = Program(graph, state, opts, _optimizer_from_json(meta["optimizer"]), meta["step"])
     except CheckpointError:
         raise
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as err:
+    except (
+        OSError,
+        EOFError,
+        KeyError,
+        TypeError,
+        ValueError,
+        zipfile.BadZipFile,
+        zlib.error,
+    ) as err:
         raise CheckpointError(
             f"cannot read checkpoint {p}: {type(err).__name__}: {err}. The file is missing, "
             "truncated or not written by mexc; use another checkpoint or retrain."
         ) from None
-    opts = Options(**meta["options"])
-    state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if not k.endswith(".exp")}
-    prog = Program(graph, state, opts, _optimizer_from_json(meta["optimizer"]), meta["step"])
     if prog.state_checksum() != meta["checksum"]:
         raise CheckpointError(
             f"checkpoint {p} is corrupt: its state checksum {prog.state_checksum()} differs "

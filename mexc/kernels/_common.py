@@ -13,6 +13,7 @@ from mexc.mx import MX, SITES_PER_NODE, RoundCtx
 from mexc.numerics import (
     GOLDEN32,
     Rounding,
+    aligned_sum,
     ceil_log2,
     check_int32,
     compaction_shift,
@@ -40,7 +41,7 @@ def scalar_exp(x: MX, what: str) -> int:
     return int(x.e)
 
 
-def i64(x: np.ndarray) -> np.ndarray:
+def i64(x: np.ndarray | int) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
@@ -190,15 +191,11 @@ def aligned_sum_fast(
     (shift_right by 0 returns its input exactly, so skipping it changes no bit; it saves the
     PRNG evaluation over a large tensor.)
     """
-    m = len(terms)
     ndim = max(np.ndim(x) for x, _, _ in terms)
     exps = [expand_exponent(e, max(ndim, np.ndim(e))) for _, e, _ in terms]
-    e_min = exps[0]
-    e_top = exps[0] + terms[0][2]
-    for (_, _, b), e in zip(terms[1:], exps[1:]):
-        e_min = np.minimum(e_min, e)
-        e_top = np.maximum(e_top, e + b)
-    target = np.maximum(e_min, e_top + ceil_log2(m) - 31)
+    # the target exponent depends only on exponents and bounds: ask the reference on zeros
+    dummy = np.zeros(np.broadcast_shapes((1,) * ndim, *(np.shape(e) for e in exps)), np.int64)
+    _, target = aligned_sum([(dummy, e, b) for _, e, b in terms], "nearest")
     total: np.ndarray | None = None
     for i, ((x, _, _), e) in enumerate(zip(terms, exps)):
         xv = i64(x)

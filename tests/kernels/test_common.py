@@ -72,3 +72,14 @@ def test_compact_common_fits_and_is_one_exponent() -> None:
     assert out.e.ndim == 0
     want = acc * np.exp2(e.reshape(1, 3, 1).astype(float))
     assert np.allclose(out.dequantize(), want, atol=2.0 ** float(out.e))
+
+
+def test_aligned_sum_per_channel_matches() -> None:
+    rng = np.random.default_rng(6)
+    a = rng.integers(-(2**14), 2**14, (4, 3, 5))
+    b = rng.integers(-127, 128, (1, 3, 1))
+    ea = np.array([-9, -20, -3]).reshape(1, 3, 1)
+    terms = [(a, ea, 15), (b, -7, 7)]
+    ref = nm.aligned_sum(terms, "stochastic", [1, 2])  # type: ignore[arg-type]
+    got = C.aligned_sum_fast(terms, "stochastic", [1, 2])  # type: ignore[arg-type]
+    assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])

@@ -1,0 +1,170 @@
+"""Accuracy benchmark: integer-only training vs FP32 (issue 4's table), via the trainer API.
+
+    python bench/accuracy.py                                   # the full table (slow)
+    python bench/accuracy.py --epochs 1 --limit-train 2048 --configs fashion,digits
+
+Configurations (`--configs` picks a comma-separated subset):
+
+    fashion        FashionCNN, Fashion-MNIST, 5 epochs, batch 128, SGD lr 0.05 momentum 0.9
+                   wd 5e-4, cosine with 1 epoch warmup, 8 bits, stochastic rounding; and FP32
+    fashion-no-pgv     the same with one velocity exponent per tensor (--no-per-group-velocity)
+    fashion-nearest    the same with deterministic (round-to-nearest) rounding
+    fashion-bits6      the same at B = 6
+    fashion-bits4      the same at B = 4
+    digits         DigitsCNN, scikit-learn digits, 10 epochs, batch 32; and FP32
+
+The FP32 run of `fashion` is the reference of every fashion-* row (the FP32 baseline does not
+depend on bits, rounding or velocity grouping). Results go to bench/results/accuracy.json
+(`--out`) with the command, date and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples.models import DigitsCNN, FashionCNN  # noqa: E402
+from mexc.data import load_splits  # noqa: E402
+from mexc.trainer import machine, run_training, write_json_atomic  # noqa: E402
+
+FASHION: dict[str, Any] = dict(
+    model="FashionCNN", data="fashion-mnist", epochs=5, batch=128, bits=8,
+    rounding="stochastic", per_group_velocity=True, fp32=False, ref="fashion",
+)  # fmt: skip
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fashion": {**FASHION, "fp32": True, "ref": None},
+    "fashion-no-pgv": {**FASHION, "per_group_velocity": False},
+    "fashion-nearest": {**FASHION, "rounding": "nearest"},
+    "fashion-bits6": {**FASHION, "bits": 6},
+    "fashion-bits4": {**FASHION, "bits": 4},
+    "digits": dict(
+        model="DigitsCNN",
+        data="digits",
+        epochs=10,
+        batch=32,
+        bits=8,
+        rounding="stochastic",
+        per_group_velocity=True,
+        fp32=True,
+        ref=None,
+    ),  # fmt: skip
+}
+MODELS = {"FashionCNN": FashionCNN, "DigitsCNN": DigitsCNN}
+
+
+def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    train, test = load_splits(cfg["data"], args.limit_train, args.limit_test)
+    torch.manual_seed(args.seed)
+    model = MODELS[cfg["model"]]()
+    print(f"== {name}: {cfg['model']} on {cfg['data']} ({len(train[1])} train images)", flush=True)
+    return run_training(
+        model,
+        train,
+        test,
+        model_name=cfg["model"],
+        dataset=cfg["data"],
+        epochs=args.epochs or cfg["epochs"],
+        batch=cfg["batch"],
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=5e-4,
+        schedule="cosine",
+        warmup=None,
+        bits=cfg["bits"],
+        rounding=cfg["rounding"],
+        per_group_velocity=cfg["per_group_velocity"],
+        seed=args.seed,
+        compare_fp32=cfg["fp32"],
+        progress=not args.quiet,
+        command=sys.argv,
+    )
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("config", "bits", "rounding", "pgv", "epochs", "int %", "fp32 %", "gap pts",
+            "mem int/fp32", "int s", "img/s")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        res, c = r["results"], r["results"]["config"]
+        fp = r["fp32_accuracy"]
+        gap = None if fp is None else 100 * (fp - res["integer"]["accuracy"])
+        pgv = "on" if c["per_group_velocity"] else "off"
+        lines.append(
+            (
+                r["name"],
+                str(c["bits"]),
+                c["rounding"],
+                pgv,
+                str(c["epochs"]),
+                _pct(res["integer"]["accuracy"]),
+                _pct(fp),
+                "-" if gap is None else f"{gap:+.2f}",
+                f"{res['memory']['formula_ratio']:.3f}",
+                f"{res['integer']['seconds']:.0f}",
+                f"{res['integer']['images_per_s']:.0f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines]
+    out.insert(1, "-" * len(out[0]))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    ap.add_argument("--epochs", type=int, default=None, help="override every config's epochs")
+    ap.add_argument("--limit-train", type=int, default=None, help="first N training images")
+    ap.add_argument("--limit-test", type=int, default=None, help="first N test images")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+    rows: list[dict[str, Any]] = []
+    fp32_of: dict[str, float | None] = {}
+    for name in names:
+        cfg = CONFIGS[name]
+        res = run_config(name, cfg, args)
+        fp = res["fp32"]["accuracy"] if res["fp32"] else None
+        fp32_of[name] = fp
+        if fp is None and cfg["ref"] is not None:
+            fp = fp32_of.get(cfg["ref"])
+        rows.append({"name": name, "fp32_accuracy": fp, "results": res})
+    text = table(rows)
+    print(text, end="")
+    doc = {
+        "format": "mexc-bench-accuracy-1",
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": ["python", *sys.argv],
+        "machine": machine(),
+        "limits": {
+            "epochs": args.epochs,
+            "limit_train": args.limit_train,
+            "limit_test": args.limit_test,
+        },  # fmt: skip
+        "table": text,
+        "rows": rows,
+    }
+    write_json_atomic(args.out, doc)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

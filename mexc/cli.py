@@ -1,0 +1,333 @@
+"""The `mexc` command line: `mexc passes`, `mexc compile`, `mexc train`.
+
+Errors the user can fix (a missing file or name, a bad flag value, an unsupported op, a missing
+dataset, a corrupt checkpoint) print one paragraph to stderr, without a traceback, and exit with
+status 2. Set MEXC_TRACEBACK=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class CliError(ValueError):
+    """A user-fixable problem with the command line."""
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> tuple[Any, str]:
+    """Build the model named by `path/to/file.py:Name` (a class constructed without arguments,
+    or a function returning an nn.Module); returns (model, Name)."""
+    from torch import nn
+
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise CliError(f"model must be given as path/to/file.py:Name, got {spec!r}")
+    path = Path(path_text)
+    if not path.is_file():
+        raise CliError(f"model file {path} not found (from {spec!r})")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod_name = f"_mexc_user_{path.stem}"
+    spec_obj = importlib.util.spec_from_file_location(mod_name, path)
+    if spec_obj is None or spec_obj.loader is None:
+        raise CliError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(spec_obj)
+    sys.modules[mod_name] = module
+    try:
+        spec_obj.loader.exec_module(module)
+    except Exception as err:  # the user's file failed to import
+        raise CliError(f"importing {path} failed: {type(err).__name__}: {err}") from err
+    if not hasattr(module, name):
+        found = sorted(
+            k
+            for k, v in vars(module).items()
+            if not k.startswith("_")
+            and (isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == mod_name)
+        )
+        raise CliError(f"{path} has no '{name}'; nn.Module classes defined there: {found}")
+    obj = getattr(module, name)
+    if not callable(obj):
+        raise CliError(f"{spec}: '{name}' is neither an nn.Module class nor a function")
+    try:
+        model = obj()
+    except TypeError as err:
+        raise CliError(
+            f"{spec}: calling {name}() without arguments failed ({err}); give a class whose "
+            "arguments all have defaults, or a function returning the model"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise CliError(f"{spec}: {name}() returned {type(model).__name__}, not an nn.Module")
+    return model, name
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise CliError(f"--input-shape must be comma-separated integers, got {text!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise CliError(f"--input-shape dimensions must be positive, got {text!r}")
+    return dims
+
+
+def rounding_mode(text: str) -> str:
+    return "nearest" if text == "deterministic" else text
+
+
+def _instruments(args: argparse.Namespace) -> tuple[list[Any], Any]:
+    import mexc
+    from mexc.pipeline import pass_names
+
+    out: list[Any] = []
+    if args.print_after_all:
+        out.append(mexc.PrintAfterAll())
+    if args.print_after:
+        names = [n.strip() for n in args.print_after.split(",") if n.strip()]
+        unknown = [n for n in names if n not in pass_names()]
+        if unknown:
+            raise CliError(f"--print-after names unknown pass(es) {unknown}; see `mexc passes`")
+        out.append(mexc.PrintAfter(names))
+    if args.print_after_change:
+        out.append(mexc.PrintAfterChange())
+    if args.dump_ir:
+        out.append(mexc.DumpIR(args.dump_ir))
+    timing = mexc.Timing(sys.stdout) if args.time_passes else None
+    if timing is not None:
+        out.append(timing)
+    return out, timing
+
+
+def _kib(n: int) -> str:
+    return f"{n} B ({n / 1024:.1f} KiB)"
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from mexc.pipeline import PIPELINE
+
+    width = max(len(p.name) for p in PIPELINE)
+    for p in PIPELINE:
+        print(f"{p.name:<{width}}  {p.summary}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    import torch
+
+    import mexc
+
+    shape = parse_shape(args.input_shape)
+    if args.batch <= 0:
+        raise CliError(f"--batch must be positive, got {args.batch}")
+    instruments, _ = _instruments(args)
+    torch.manual_seed(args.seed)
+    model, name = load_model(args.model)
+    example = torch.zeros(args.batch, *shape)
+    prog = mexc.compile(
+        model,
+        (example,),
+        bits=args.bits,
+        seed=args.seed,
+        target=args.target,
+        per_group_velocity=not args.no_per_group_velocity,
+        rounding=rounding_mode(args.rounding),
+        instruments=instruments,
+    )
+    mem = prog.memory_report()
+    ratio = mem["formula_int_bytes"] / max(mem["formula_fp32_bytes"], 1)
+    print(f"// ----- summary: {name} -----")
+    print(f"input            [{args.batch}, {', '.join(map(str, shape))}] (batch fixed)")
+    print(f"nodes            {len(prog.graph.nodes)}")
+    print(f"parameters       {mem['params']}")
+    print(f"bits             {args.bits}")
+    print(f"persistent       {_kib(mem['persistent_bytes'])}")
+    print(f"saved activ.     {_kib(mem['saved_activation_bytes'])}")
+    print(f"arena peak       {_kib(mem['arena_peak_bytes'])}")
+    print(f"formula int      {_kib(mem['formula_int_bytes'])}")
+    print(f"formula FP32     {_kib(mem['formula_fp32_bytes'])}  (int/FP32 = {ratio:.3f})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from mexc.data import load_splits
+    from mexc.trainer import format_table, plot_curves, run_training, write_json_atomic
+
+    for flag in ("epochs", "batch"):
+        if getattr(args, flag) <= 0:
+            raise CliError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if args.resume and not Path(args.resume).is_dir():
+        raise CliError(f"--resume {args.resume}: no such checkpoint folder")
+    train, test = load_splits(args.data, args.limit_train, args.limit_test)
+    torch.manual_seed(args.seed)
+    model, name = load_model(args.model)
+    if args.resume:
+        st_path = Path(args.resume) / "trainer.json"
+        if st_path.is_file():
+            try:
+                st = json.loads(st_path.read_text())
+                for key in ("epochs", "batch", "seed"):
+                    if key in st and st[key] != getattr(args, key):
+                        print(
+                            f"note: resuming uses the checkpoint's {key}={st[key]} "
+                            f"(the command line says {getattr(args, key)})",
+                            file=sys.stderr,
+                        )
+            except (OSError, ValueError):
+                pass  # Trainer.resume reports a corrupt state file
+    results = run_training(
+        model,
+        train,
+        test,
+        model_name=name,
+        dataset=args.data,
+        epochs=args.epochs,
+        batch=args.batch,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        schedule=args.schedule,
+        warmup=args.warmup,
+        bits=args.bits,
+        rounding=rounding_mode(args.rounding),
+        per_group_velocity=not args.no_per_group_velocity,
+        seed=args.seed,
+        target=args.target,
+        compare_fp32=args.compare_fp32,
+        progress=not args.quiet,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        command=["mexc", *args.argv],
+    )
+    print(format_table(results), end="")
+    if args.out:
+        write_json_atomic(args.out, results)
+        print(f"results written to {args.out}")
+    if args.plot:
+        plot_curves(results, args.plot)
+        print(f"curves written to {args.plot}")
+    return 0
+
+
+# --- parser -------------------------------------------------------------------------------------
+
+
+def _compile_flags(p: argparse.ArgumentParser, rounding: Sequence[str], default: str) -> None:
+    p.add_argument("model", help="path/to/file.py:Name (nn.Module class or function)")
+    p.add_argument("--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of rounding, data order and init")
+    p.add_argument("--target", default="reference", help="backend (default: reference)")
+    p.add_argument(
+        "--no-per-group-velocity",
+        action="store_true",
+        help="one velocity exponent per tensor instead of one per output channel/neuron",
+    )
+    p.add_argument("--rounding", choices=rounding, default=default, help="rounding of updates")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mexc",
+        description="Compile float PyTorch models into integer-only training programs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("passes", help="list the compilation pipeline, one line per pass")
+    p.set_defaults(func=cmd_passes)
+
+    p = sub.add_parser("compile", help="compile a model and show its IR / memory")
+    _compile_flags(p, ("stochastic", "nearest", "deterministic"), "stochastic")
+    p.add_argument("--input-shape", required=True, help="shape of one input, e.g. 1,28,28")
+    p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
+    p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
+    p.add_argument("--print-after", metavar="P1,P2", help="print the IR after the named passes")
+    p.add_argument(
+        "--print-after-change",
+        action="store_true",
+        help="print the IR after passes that changed it",
+    )
+    p.add_argument("--dump-ir", metavar="DIR", help="write each stage to DIR/NN_<pass>.mexir")
+    p.add_argument("--time-passes", action="store_true", help="print a pass timing table")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("train", help="train a model integer-only (optionally beside FP32)")
+    _compile_flags(p, ("stochastic", "deterministic", "nearest"), "stochastic")
+    p.add_argument("--data", default="fashion-mnist", help="fashion-mnist | digits | npz:PATH")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--schedule", choices=("cosine", "step", "constant"), default="cosine")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="cosine warmup in epochs (default: min(1, epochs/5))",
+    )
+    p.add_argument("--compare-fp32", action="store_true", help="also train in PyTorch FP32")
+    p.add_argument("--plot", metavar="PNG", help="write loss/accuracy curves to a PNG")
+    p.add_argument("--out", metavar="JSON", help="write results (see docs) to a JSON file")
+    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint to DIR after every epoch")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps"
+    )
+    p.add_argument("--resume", metavar="DIR", help="continue the run checkpointed in DIR")
+    p.add_argument("--limit-train", type=int, default=None, metavar="N", help="first N images")
+    p.add_argument("--limit-test", type=int, default=None, metavar="N", help="first N images")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+    return parser
+
+
+def _report(err: BaseException) -> None:
+    kind = type(err).__name__
+    text = " ".join(str(err).split()) if not isinstance(err, CliError) else str(err)
+    msg = f"mexc: error: {text}" if isinstance(err, CliError) else f"mexc: {kind}: {text}"
+    print(
+        textwrap.fill(msg, width=100, break_long_words=False, break_on_hyphens=False),
+        file=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `mexc` console script and `python -m mexc`; returns the exit status."""
+    from mexc.errors import MexcError
+
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    args.argv = args_list
+    try:
+        return int(args.func(args))
+    except (MexcError, ValueError, FileNotFoundError) as err:
+        if os.environ.get("MEXC_TRACEBACK"):
+            raise
+        _report(err)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mexc: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

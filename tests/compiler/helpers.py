@@ -1,0 +1,76 @@
+"""Shared helpers for compiler-level tests."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import mexc
+from mexc.interp import StepEnv, execute
+from mexc.ir import Op
+from mexc.mx import RoundCtx
+from mexc.numerics import FixedScalar
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from examples.models import EXAMPLES  # noqa: E402
+
+
+def example(name: str, batch: int, seed: int = 0) -> tuple[nn.Module, np.ndarray, np.ndarray]:
+    cls, shape = EXAMPLES[name]
+    torch.manual_seed(seed)
+    model = cls()
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    return model, x, y
+
+
+def integer_gradients(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """Dequantized parameter gradients of one training step (state left unchanged)."""
+    o = prog.options
+    env = StepEnv(
+        RoundCtx(o.rounding, o.seed, 0, o.bits),
+        True,
+        x.astype(np.float64),  # type: ignore[arg-type]
+        y.astype(np.int64),
+        prog.state,
+        FixedScalar(0, 0),
+        FixedScalar(0, 0),
+        FixedScalar(0, 0),
+        prog.batch,
+    )
+    values = execute(list(prog.graph.nodes), env)
+    return {
+        str(n.attrs.param): values[n.inputs[1]].dequantize()
+        for n in prog.graph.nodes_of(Op.SGD_UPDATE)
+    }
+
+
+def float_gradients(
+    model: nn.Module, prog: mexc.Program, x: np.ndarray, y: np.ndarray
+) -> dict[str, np.ndarray]:
+    """torch autograd on the program's dequantized weights and input."""
+    m = copy.deepcopy(model).train().double()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.from_numpy(prog.state[name].dequantize()))
+    xq = mexc.kernels.quantize(x.astype(np.float64), prog.options.bits).dequantize()
+    loss = nn.functional.cross_entropy(m(torch.from_numpy(xq)), torch.from_numpy(y))
+    loss.backward()
+    return {name: p.grad.numpy() for name, p in m.named_parameters() if p.grad is not None}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel(), b.ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

@@ -1,0 +1,130 @@
+"""Bad input gets one clear error naming what is wrong; the program state is unchanged after it."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from tests.compiler.helpers import example
+
+
+def _line_of(snippet: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if snippet in text and "_line_of" not in text)
+
+
+class WithSort(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(x, 1)
+        x, _ = torch.sort(x, dim=1)
+        return self.fc(x)
+
+
+class WithLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 10, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x.view(x.size(0), 8, 8))[0][:, -1]
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = x * 2
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_unsupported_function_names_op_node_line_and_list() -> None:
+    with pytest.raises(mexc.UnsupportedOpError) as err:
+        mexc.compile(WithSort(), (torch.zeros(4, 1, 8, 8),))
+    msg = str(err.value)
+    assert "sort" in msg and "node 'sort'" in msg
+    assert f"test_bad_input.py:{_line_of('torch.sort(x')}" in msg  # the user's source line
+    assert "Supported:" in msg and "Conv2d" in msg
+
+
+def test_unsupported_module() -> None:
+    line = _line_of("self.rnn(x.view")
+    with pytest.raises(mexc.UnsupportedOpError, match=f"LSTM.*test_bad_input.py:{line}"):
+        mexc.compile(WithLSTM(), (torch.zeros(4, 1, 8, 8),))
+
+
+def test_data_dependent_control_flow() -> None:
+    with pytest.raises(mexc.TraceError, match=r"data-dependent control flow at test_bad_input"):
+        mexc.compile(DataDependent(), (torch.zeros(4, 1, 8, 8),))
+
+
+@pytest.fixture(scope="module")
+def prog() -> mexc.Program:
+    model, x, _ = example("MLP", batch=8)
+    return mexc.compile(model, (x,))
+
+
+GOOD_X = np.zeros((8, 1, 8, 8), np.float32)
+GOOD_Y = np.arange(8) % 10
+
+
+@pytest.mark.parametrize(
+    ("x", "y", "pattern"),
+    [
+        (
+            np.zeros((8, 1, 8, 7), np.float32),
+            GOOD_Y,
+            r"shape \[8, 1, 8, 7\], expected \[8, 1, 8, 8\]",
+        ),
+        (np.zeros((5, 1, 8, 8), np.float32), GOOD_Y[:5], r"shape \[5, 1, 8, 8\], expected"),
+        (np.zeros((8, 1, 8, 8), np.int64), GOOD_Y, "must be a float tensor, got dtype int64"),
+        (GOOD_X, np.full(8, 10), r"labels must be in \[0, 9\], got values in \[10, 10\]"),
+        (GOOD_X, -np.ones(8, np.int64), r"labels must be in \[0, 9\]"),
+        (GOOD_X, GOOD_Y.astype(np.float32), "integer class ids"),
+        (GOOD_X, GOOD_Y[:4], r"y has shape \[4\], expected \[8\]"),
+        (np.full((8, 1, 8, 8), np.nan, np.float32), GOOD_Y, "512 NaN or infinite"),
+        (
+            np.where(np.eye(8)[None, None] > 0, np.inf, 0).repeat(8, 0).astype(np.float32),
+            GOOD_Y,
+            "NaN or infinite",
+        ),
+        ("not an array", GOOD_Y, "must be a torch.Tensor or numpy array"),
+    ],
+)
+def test_step_rejects_bad_batches_and_keeps_state(prog: mexc.Program, x, y, pattern) -> None:  # type: ignore[no-untyped-def]
+    before, step = prog.state_checksum(), prog.step_count
+    with pytest.raises(ValueError, match=pattern) as err:
+        prog.step(x, y)
+    assert isinstance(err.value, mexc.InputError)
+    assert prog.state_checksum() == before and prog.step_count == step
+
+
+def test_torch_tensors_are_accepted(prog: mexc.Program) -> None:
+    loss = prog.step(torch.zeros(8, 1, 8, 8), torch.arange(8) % 10)
+    assert np.isfinite(loss)
+
+
+def test_predict_handles_any_number_of_rows(prog: mexc.Program) -> None:
+    assert prog.predict(np.zeros((3, 1, 8, 8), np.float32)).shape == (3,)
+    assert prog.predict(np.zeros((19, 1, 8, 8), np.float32)).shape == (19,)
+
+
+def test_compile_argument_errors() -> None:
+    model, x, _ = example("MLP", batch=4)
+    with pytest.raises(ValueError, match="bits must be in 2..8"):
+        mexc.compile(model, (x,), bits=9)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        mexc.compile(model, (x,), rounding="up")
+    with pytest.raises(ValueError, match="not available yet"):
+        mexc.compile(model, (x,), target="tpu")
+    with pytest.raises(ValueError, match="example input of shape"):
+        mexc.compile(model, (torch.zeros(4, 3, 5, 5),))

@@ -1,0 +1,149 @@
+"""The `mexc` command line: passes, compile with IR dumps, train with table/JSON/PNG, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mexc.cli import main
+from mexc.pipeline import PIPELINE
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "examples" / "models.py"
+
+
+def test_passes_lists_the_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["passes"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(PIPELINE) == 6
+    for line, p in zip(lines, PIPELINE, strict=True):
+        assert line.split()[0] == p.name and p.summary in line
+
+
+def test_python_dash_m_entry_point() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mexc", "passes"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith("insert-mx-types")
+
+
+def test_compile_print_after_all_dump_and_timing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = [
+        "compile", f"{MODELS}:DigitsCNN", "--input-shape", "1,8,8", "--batch", "8",
+        "--print-after-all", "--dump-ir", str(tmp_path / "ir"), "--time-passes",
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    headers = [ln for ln in out.splitlines() if ln.startswith("// ----- IR after ")]
+    assert headers == [f"// ----- IR after {p.name} -----" for p in PIPELINE]
+    assert "// ----- pass timing -----" in out
+    assert "parameters" in out and "formula FP32" in out
+    dumps = sorted(p.name for p in (tmp_path / "ir").iterdir())
+    assert len(dumps) == len(PIPELINE) + 1 and dumps[0] == "00_input.mexir"
+
+
+def test_compile_print_after_named(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--batch", "4",
+        "--print-after", "fuse-products,plan-memory",
+    ]  # fmt: skip
+    assert main(args) == 0
+    headers = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("// ----- IR")]
+    assert headers == [
+        "// ----- IR after fuse-products -----",
+        "// ----- IR after plan-memory -----",
+    ]
+
+
+def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, png = tmp_path / "r.json", tmp_path / "c.png"
+    args = [
+        "train", f"{MODELS}:DigitsCNN", "--data", "digits", "--epochs", "1", "--batch", "32",
+        "--limit-train", "256", "--limit-test", "100", "--compare-fp32", "--quiet",
+        "--out", str(out_json), "--plot", str(png), "--checkpoint", str(tmp_path / "ck"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for needle in ("test accuracy", "gap (FP32 - integer)", "memory ratio int/FP32", "images/s"):
+        assert needle in out
+    res = json.loads(out_json.read_text())
+    assert res["format"] == "mexc-results-1"
+    for key in ("date", "command", "machine", "config", "integer", "fp32", "gap_points", "memory"):
+        assert key in res
+    assert res["command"][:2] == ["mexc", "train"]
+    assert res["machine"]["cpu_count"] >= 1
+    assert res["config"]["model"] == "DigitsCNN" and res["config"]["dataset"] == "digits"
+    assert res["config"]["steps_per_epoch"] == 8 and res["config"]["rounding"] == "stochastic"
+    for run in (res["integer"], res["fp32"]):
+        assert run["steps"] == 8 and 0.0 <= run["accuracy"] <= 1.0
+        assert len(run["history"]) == 1 and len(run["history"][0]["step_losses"]) == 8
+    mem = res["memory"]
+    assert mem["formula_int_bytes"] * 4 <= mem["formula_fp32_bytes"]
+    assert {"persistent_bytes", "saved_activation_bytes", "arena_peak_bytes"} <= set(mem)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "ck" / "last.mexc").is_file() and (
+        tmp_path / "ck" / "trainer.json"
+    ).is_file()
+
+
+UNSUPPORTED = """
+import torch
+from torch import nn
+
+class SortNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = torch.flatten(x, 1)
+        x, _ = torch.sort(x, dim=1)
+        return self.fc(x)
+"""
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MEXC_TRACEBACK"}
+    return subprocess.run(
+        [sys.executable, "-m", "mexc", *args], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+
+
+def test_unsupported_op_exits_2_without_traceback(tmp_path: Path) -> None:
+    model = tmp_path / "bad_model.py"
+    model.write_text(UNSUPPORTED)
+    res = _run_cli("compile", f"{model}:SortNet", "--input-shape", "1,8,8", "--batch", "4")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert "sort" in res.stderr and "UnsupportedOpError" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["compile", "no/such/file.py:Net", "--input-shape", "1,8,8"], "not found"),
+        (["compile", f"{MODELS}:NoSuchNet", "--input-shape", "1,8,8"], "DigitsCNN"),
+        (["compile", f"{MODELS}", "--input-shape", "1,8,8"], "file.py:Name"),
+        (["compile", f"{MODELS}:MLP", "--input-shape", "1,x"], "comma-separated"),
+        (["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--bits", "12"], "bits"),
+        (["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--print-after", "nope"], "nope"),
+        (["train", f"{MODELS}:MLP", "--data", "mnist"], "unknown dataset"),
+        (["train", f"{MODELS}:MLP", "--data", "digits", "--resume", "/no/such/dir"], "resume"),
+    ],
+)
+def test_user_errors_exit_2(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -1,0 +1,163 @@
+"""Trainer: a short real training run, bit-exact resume, corrupt/mismatched checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import mexc
+from examples.models import DigitsCNN
+from mexc.data import load_splits
+from mexc.fp32 import train_fp32
+from mexc.trainer import Trainer, build_results, format_table, make_optimizer
+
+pytestmark = pytest.mark.e2e
+
+BATCH = 32
+
+
+def _compile(model: torch.nn.Module, spe: int, epochs: int, seed: int = 0) -> mexc.Program:
+    opt = make_optimizer(0.05, 0.9, 5e-4, "cosine", spe, epochs)
+    return mexc.compile(model, (torch.zeros(BATCH, 1, 8, 8),), optimizer=opt, seed=seed)
+
+
+def test_digits_training_reaches_accuracy() -> None:
+    """2 epochs of DigitsCNN on the 1,500 digits, batch 32: measured 94-95 % test accuracy."""
+    train, test = load_splits("digits")
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    fp32_model = copy.deepcopy(model)
+    spe = len(train[1]) // BATCH
+    prog = _compile(model, spe, epochs=2)
+    trainer = Trainer(prog, train, test, seed=0, epochs=2, progress=False)
+    history = trainer.fit()
+    assert [r["epoch"] for r in history] == [1, 2]
+    assert history[-1]["step"] == 2 * spe == prog.step_count
+    assert history[-1]["train_loss"] < history[0]["train_loss"] < 2.3
+    assert history[-1]["test_accuracy"] >= 0.90, history
+    fp32 = train_fp32(fp32_model, train, test, prog.optimizer, BATCH, 0, 2)
+    results = build_results(trainer, fp32, config={"model": "DigitsCNN", "dataset": "digits"})
+    assert abs(results["gap_points"]) < 5.0
+    assert results["memory"]["formula_ratio"] <= 0.25 + 1e-9
+    table = format_table(results)
+    assert "test accuracy" in table and "FP32" in table and "gap" in table
+
+
+SMALL = dict(limit_train=256, limit_test=64)
+EPOCHS, SEED = 2, 3
+
+
+@pytest.fixture(scope="module")
+def small_data() -> tuple:
+    return load_splits("digits", **SMALL)
+
+
+@pytest.fixture(scope="module")
+def runs(small_data: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted run, and a run stopped after 11 steps (auto checkpoint every 3 steps,
+    so the checkpoint is at step 9, mid-epoch 2) then resumed from its checkpoint."""
+    train, test = small_data
+    spe = len(train[1]) // BATCH
+    torch.manual_seed(SEED)
+    model = DigitsCNN()
+    full = Trainer(
+        _compile(copy.deepcopy(model), spe, EPOCHS, SEED),
+        train,
+        test,
+        seed=SEED,
+        epochs=EPOCHS,
+        progress=False,
+    )
+    full.fit()
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    part = Trainer(
+        _compile(copy.deepcopy(model), spe, EPOCHS, SEED),
+        train,
+        test,
+        seed=SEED,
+        epochs=EPOCHS,
+        progress=False,
+        checkpoint=ckpt,
+        checkpoint_every=3,
+    )
+    part.fit(max_steps=11)
+    assert part.step == 11
+    pristine = tmp_path_factory.mktemp("pristine")
+    shutil.copytree(ckpt, pristine, dirs_exist_ok=True)
+    resumed = Trainer.resume(ckpt, train, test, progress=False)
+    assert resumed.step == 9 and len(resumed.history) == 1
+    resumed.fit()
+    return {"full": full, "resumed": resumed, "ckpt": pristine, "spe": spe}
+
+
+def test_resume_is_bit_exact(runs: dict) -> None:
+    full, resumed = runs["full"], runs["resumed"]
+    assert resumed.program.step_count == full.program.step_count == EPOCHS * runs["spe"]
+    assert resumed.program.state_checksum() == full.program.state_checksum()
+    for a, b in zip(full.history, resumed.history, strict=True):
+        assert a["step_losses"] == b["step_losses"]
+        assert a["test_accuracy"] == b["test_accuracy"]
+
+
+def _fresh(runs: dict, tmp_path: Path) -> Path:
+    d = tmp_path / "ck"
+    shutil.copytree(runs["ckpt"], d)
+    return d
+
+
+def test_truncated_checkpoint(runs: dict, small_data: tuple, tmp_path: Path) -> None:
+    d = _fresh(runs, tmp_path)
+    data = (d / "last.mexc").read_bytes()
+    (d / "last.mexc").write_bytes(data[: len(data) // 2])
+    with pytest.raises(mexc.CheckpointError, match="truncated"):
+        Trainer.resume(d, *small_data, progress=False)
+
+
+@pytest.mark.parametrize("where", [0.05, 0.5, 0.9])
+def test_flipped_bytes_checkpoint(runs: dict, tmp_path: Path, where: float) -> None:
+    d = _fresh(runs, tmp_path)
+    data = bytearray((d / "last.mexc").read_bytes())
+    data[int(len(data) * where)] ^= 0xFF
+    (d / "last.mexc").write_bytes(bytes(data))
+    with pytest.raises(mexc.CheckpointError, match="checkpoint"):
+        mexc.load(d / "last.mexc")
+
+
+def test_corrupt_trainer_state(runs: dict, small_data: tuple, tmp_path: Path) -> None:
+    d = _fresh(runs, tmp_path)
+    (d / "trainer.json").write_text('{"format": "mexc-trainer-1", "step": ')
+    with pytest.raises(mexc.CheckpointError, match="unreadable or incomplete"):
+        Trainer.resume(d, *small_data, progress=False)
+
+
+def test_torn_checkpoint_pair(runs: dict, small_data: tuple, tmp_path: Path) -> None:
+    d = _fresh(runs, tmp_path)
+    st = json.loads((d / "trainer.json").read_text())
+    st["program_step"] += 3
+    (d / "trainer.json").write_text(json.dumps(st))
+    with pytest.raises(mexc.CheckpointError, match="inconsistent"):
+        Trainer.resume(d, *small_data, progress=False)
+
+
+def test_mismatched_data_and_missing_checkpoint(
+    runs: dict, small_data: tuple, tmp_path: Path
+) -> None:
+    d = _fresh(runs, tmp_path)
+    train, test = small_data
+    with pytest.raises(mexc.CheckpointError, match="same dataset"):
+        Trainer.resume(d, (train[0][:128], train[1][:128]), test, progress=False)
+    with pytest.raises(mexc.CheckpointError, match="no mexc training checkpoint"):
+        Trainer.resume(tmp_path / "nothing", train, test, progress=False)
+
+
+def test_trainer_rejects_bad_arguments(runs: dict, small_data: tuple) -> None:
+    prog = runs["full"].program
+    with pytest.raises(ValueError, match="compiled batch"):
+        Trainer(prog, *small_data, batch=16)
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        Trainer(prog, (small_data[0][0][:8], small_data[0][1][:8]), small_data[1])
