@@ -45,9 +45,17 @@ def initial_state(
             groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
             e = np.zeros(groups, np.int64) if groups is not None else np.asarray(0, np.int64)
             state[name] = MX.of(np.zeros(n.type.shape, np.int8), e)
+        elif n.type.exp is Exp.AXIS0:
+            state[name] = quantize_per_group(buffers[name], bits)
         else:
             state[name] = quantize(buffers[name], bits)
     return state
+
+
+def quantize_per_group(x: np.ndarray, bits: int) -> MX:
+    """Host-side boundary quantization with one exponent per slice along axis 0."""
+    parts = [quantize(x[i : i + 1], bits) for i in range(x.shape[0])]
+    return MX.of(np.concatenate([p.m for p in parts]), np.array([int(p.e) for p in parts]))
 
 
 def compile(  # noqa: A001 - the public name is part of the API contract

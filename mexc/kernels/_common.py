@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mexc import numerics as _numerics
 from mexc.mx import MX, SITES_PER_NODE, RoundCtx
 from mexc.numerics import (
     GOLDEN32,
@@ -71,14 +72,62 @@ def fast_element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
         if n >= 1024:
             _GOLDEN_CACHE.clear()  # keep one large array at most per size in use
             _GOLDEN_CACHE[n] = g
-    v = g ^ _U32(key & 0xFFFFFFFF)
+    v = np.bitwise_xor(g, _U32(key & 0xFFFFFFFF))
+    t = np.empty_like(v)
     with np.errstate(over="ignore"):
-        v ^= v >> _U32(16)
+        np.right_shift(v, _U32(16), out=t)
+        v ^= t
         v *= _U32(0x7FEB352D)
-        v ^= v >> _U32(15)
+        np.right_shift(v, _U32(15), out=t)
+        v ^= t
         v *= _U32(0x846CA68B)
-        v ^= v >> _U32(16)
+        np.right_shift(v, _U32(16), out=t)
+        v ^= t
     return v.reshape(shape)
+
+
+def debug_on() -> bool:
+    """Overflow debugging is on: fast int32 paths step aside for the checked int64 ones."""
+    return bool(_numerics._DEBUG_OVERFLOW)
+
+
+def round_shift32(
+    x: np.ndarray,
+    s: np.ndarray | int,
+    amax: int,
+    rounding: Rounding,
+    key: int,
+    out_dtype: type = np.int32,
+) -> np.ndarray | None:
+    """floor((x + r) / 2^s) in int32 (== numerics.shift_right), or None if not applicable.
+
+    x: integer array (any int dtype) with |x| <= amax; s: scalar or array broadcasting against x,
+    all in 1..30. r = bits & (2^s - 1) (stochastic) or 2^(s-1) (nearest). The split form of the
+    spec is only an overflow guard: when amax + 2^s - 1 < 2^31 the plain sum cannot overflow
+    int32 and gives the same floor.
+    """
+    sv = np.asarray(s, dtype=np.int64)
+    if sv.size == 0 or x.size == 0:
+        return None
+    smin, smax = int(sv.min()), int(sv.max())
+    if smin < 1 or smax > 30 or amax + (1 << smax) - 1 >= 2**31:
+        return None
+    s32 = sv.astype(np.int32)
+    if rounding == "stochastic":
+        r = fast_element_bits(key, x.shape).view(np.int32)
+        r &= (np.int32(1) << s32) - np.int32(1)
+    elif rounding == "nearest":
+        r = np.empty(x.shape, np.int32)
+        r[...] = np.int32(1) << (s32 - np.int32(1))
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}")
+    r += x
+    r >>= s32
+    return r if out_dtype is np.int32 else r.astype(out_dtype)
+
+
+def abs_max(a: np.ndarray) -> int:
+    return int(max(int(a.max()), -int(a.min()))) if a.size else 0
 
 
 def fast_shift_right(
@@ -137,17 +186,28 @@ def fast_compact(
     acc: np.ndarray, exponent: np.ndarray | int, bits: int, rounding: Rounding, key: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """== numerics.compact(acc, exponent, bits, rounding, key) (per tensor)."""
-    a = i64(acc)
+    a = np.asarray(acc)
+    if a.dtype.kind not in "iu" or debug_on():
+        a = i64(a)
     check_int32(a, "compact")
-    amax = int(max(a.max(), -a.min())) if a.size else 0
+    amax = abs_max(a)
     s = int(compaction_shift(amax, bits))
     q = qmax(bits)
+    e_out = np.asarray(exponent, dtype=np.int64) + s
+    if s == 0:  # |a| <= amax <= q: saturate is the identity
+        return a.astype(np.int8), e_out
+    if not debug_on():
+        # ceil(amax / 2^s) <= q bounds every rounding of a / 2^s: no clip needed
+        out = round_shift32(a, s, amax, rounding, key, np.int8)
+        if out is not None:
+            return out, e_out
+    a = i64(a)
     if 1 <= s <= 30:
         shifted = _shift32(a, s, rounding, key)
         np.clip(shifted, -q, q, out=shifted)
-        return shifted.astype(np.int8), np.asarray(exponent, dtype=np.int64) + s
+        return shifted.astype(np.int8), e_out
     out = np.clip(fast_shift_right(a, s, rounding, key), -q, q).astype(np.int8)
-    return out, np.asarray(exponent, dtype=np.int64) + s
+    return out, e_out
 
 
 def compact_mx(acc: np.ndarray, e: np.ndarray | int, ctx: RoundCtx, key: int) -> MX:

@@ -8,7 +8,15 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from mexc.kernels._common import compact_mx, fit_product, i64, int_matmul, scalar_exp, site_key
+from mexc.kernels._common import (
+    compact_mx,
+    debug_on,
+    fit_product,
+    i64,
+    int_matmul,
+    scalar_exp,
+    site_key,
+)
 from mexc.kernels.linear import add_bias
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import check_int32
@@ -38,6 +46,39 @@ def _im2col(
     return cols.reshape(groups, n * oh * ow, cg * kh * kw), oh, ow
 
 
+F32_EXACT = 2**24  # float32 partial sums are exact integers below this
+
+
+def _cols_f32(xm: np.ndarray, kh: int, kw: int, ph: int, pw: int) -> np.ndarray:
+    """Stride-1 im2col in float32: (N, C, H, W) -> (N, C*KH*KW, OH*OW), rows ordered (c, kh, kw)
+    like the weight. Built window by window into one buffer (no padded int64 copy)."""
+    n, c, h, w = xm.shape
+    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    xp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), np.float32)
+    xp[:, :, ph : ph + h, pw : pw + w] = xm
+    cols = np.empty((n, c, kh, kw, oh, ow), np.float32)
+    for i in range(kh):
+        for j in range(kw):
+            cols[:, :, i, j] = xp[:, :, i : i + oh, j : j + ow]
+    return cols.reshape(n, c * kh * kw, oh * ow)
+
+
+def _conv_s1_f32(xm: np.ndarray, wm: np.ndarray, ph: int, pw: int) -> np.ndarray | None:
+    """Exact stride-1, groups-1 convolution (N, O, OH, OW) as int32 via float32 BLAS, when every
+    partial sum is an integer below 2^24 (|x|, |w| <= 128). None if the bound does not hold."""
+    o, c, kh, kw = wm.shape
+    k = c * kh * kw
+    if 128 * 128 * k >= F32_EXACT or debug_on():
+        return None
+    n, _, h, w = xm.shape
+    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    if oh < 1 or ow < 1:
+        return None
+    cols = _cols_f32(xm, kh, kw, ph, pw)
+    acc = np.matmul(np.asarray(wm, np.float32).reshape(o, k), cols)  # (N, O, OH*OW)
+    return acc.astype(np.int32).reshape(n, o, oh, ow)
+
+
 def _check(x_shape: tuple[int, ...], w_shape: tuple[int, ...], groups: int) -> None:
     if len(x_shape) != 4 or len(w_shape) != 4:
         raise ValueError("conv2d needs 4-D input and weight")
@@ -65,6 +106,10 @@ def conv2d_forward(
     o, cg, kh, kw = w.shape
     k = cg * kh * kw
     xm, ex = fit_product(x.m, ex, k, ctx, site_key(ctx, tid, 3))
+    if bias is None and groups == 1 and _pair(stride) == (1, 1):
+        fast = _conv_s1_f32(xm, w.m, *_pair(padding))
+        if fast is not None:
+            return compact_mx(fast, ex + ew, ctx, site_key(ctx, tid, 0))
     cols, oh, ow = _im2col(xm, kh, kw, _pair(stride), _pair(padding), groups)
     og = o // groups
     wg = i64(w.m).reshape(groups, og, k).transpose(0, 2, 1)
@@ -99,6 +144,12 @@ def conv2d_backward_input(
     ph, pw = _pair(padding)
     dm, ed = fit_product(dy.m, ed, og * kh * kw, ctx, site_key(ctx, tid, 3))
     _, _, oh, ow = dy.shape
+    if groups == 1 and (sh, sw) == (1, 1) and oh == h + 2 * ph - kh + 1 and ow == wd + 2 * pw - kw + 1:
+        # dx[n,c,y,x] = sum_{o,i,j} dy[n,o,y+ph-i,x+pw-j] w[o,c,i,j]: the same exact sums
+        wt = np.ascontiguousarray(np.asarray(w.m)[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
+        fast = _conv_s1_f32(dm, wt, kh - 1 - ph, kw - 1 - pw)
+        if fast is not None and kh - 1 - ph >= 0 and kw - 1 - pw >= 0:
+            return compact_mx(fast, ed + ew, ctx, site_key(ctx, tid, 0))
     d = dm.reshape(n, groups, og, oh, ow).transpose(1, 0, 3, 4, 2).reshape(groups, -1, og)
     wg = i64(w.m).reshape(groups, og, cg * kh * kw)
     dcols = int_matmul(d, wg)  # (G, N*OH*OW, Cg*KH*KW)
@@ -137,6 +188,21 @@ def conv2d_backward_weight(
     n, _, oh, ow = dy.shape
     key = site_key(ctx, tid, 3) if ctx is not None else 0
     dm, ed = fit_product(dy.m, ed, n * oh * ow, ctx, key)
+    ph, pw = _pair(padding)
+    if (
+        groups == 1
+        and _pair(stride) == (1, 1)
+        and not debug_on()
+        and 128 * 128 * oh * ow < F32_EXACT
+        and (oh, ow) == (x.shape[2] + 2 * ph - kh + 1, x.shape[3] + 2 * pw - kw + 1)
+    ):
+        # per image: dy[n] (O, P) @ cols[n]^T (P, K), exact in float32 (P-wide sums < 2^24);
+        # the sum over images is exact in float64 (|total| < 2^31 by the caps)
+        cols = _cols_f32(x.m, kh, kw, ph, pw)  # (N, K, P)
+        d32 = np.asarray(dm, np.float32).reshape(n, o, oh * ow)
+        part = np.matmul(d32, cols.transpose(0, 2, 1))  # (N, O, K)
+        acc = part.sum(axis=0, dtype=np.float64).astype(np.int64)
+        return Acc(acc.reshape(o, cg, kh, kw), np.asarray(ed + ex, np.int64))
     cols, oh2, ow2 = _im2col(x.m, kh, kw, _pair(stride), _pair(padding), groups)
     if (oh2, ow2) != (oh, ow):
         raise ValueError("dy spatial size does not match the convolution")

@@ -55,6 +55,9 @@ def _boundary(r: _Rewriter, n: Node) -> None:
         r.env[n.out] = q.out
     elif n.op is Op.LABEL:
         r.copy(n, n.types)
+    elif n.op is Op.STATE and n.attrs.role in ("running_mean", "running_var"):
+        # one exponent per channel: channel variances differ by orders of magnitude
+        r.copy(n, (mx(*n.type.shape, exp=Exp.AXIS0),))
     else:  # PARAM / STATE
         r.copy(n, (_mx_like(n.type),))
 
