@@ -13,6 +13,7 @@ from mexc.errors import (
 from mexc.optim import SGD, Constant, Cosine, Step
 from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
 from mexc.program import Program, load
+from mexc.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "Step",
     "Timing",
     "TraceError",
+    "Trainer",
     "UnsupportedOpError",
     "VerificationError",
     "compile",

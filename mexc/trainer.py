@@ -18,6 +18,17 @@ uninterrupted run.
 History record (one per epoch): `epoch`, `step` (global steps done), `train_loss` (mean of the
 epoch's step losses), `test_accuracy`, `seconds` (training time of the epoch, evaluation
 excluded), `images_per_s`, `step_losses`.
+
+results.json (`build_results`, format "mexc-results-1"):
+  format, date (UTC ISO 8601), command (argv list), machine {platform, python, processor,
+  cpu_count, cpus_usable},
+  config {model, dataset, bits, rounding, per_group_velocity, target, seed, batch, epochs,
+    steps_per_epoch, train_size, test_size, lr, momentum, weight_decay, schedule, resumed_from},
+  integer {accuracy, final_loss, steps, seconds, images_per_s, checksum, history[...]},
+  fp32 (same keys but checksum, or null without --compare-fp32),
+  gap_points (100 * (fp32 accuracy - integer accuracy), or null),
+  memory {persistent_bytes, saved_activation_bytes, arena_peak_bytes, transient_peak_bytes,
+    params, saved_activation_elements, formula_int_bytes, formula_fp32_bytes, formula_ratio}.
 """
 
 from __future__ import annotations
@@ -338,8 +349,7 @@ def build_results(
     config: dict[str, Any] | None = None,
     command: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The results.json document (see docs: keys format, date, command, machine, config,
-    integer, fp32, gap_points, memory)."""
+    """The results.json document (keys: see the module docstring)."""
     prog = trainer.program
     integer = _run_summary(trainer.history, trainer.batch)
     integer["checksum"] = prog.state_checksum()

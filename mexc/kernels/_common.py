@@ -110,7 +110,7 @@ def round_shift32(
     if sv.size == 0 or x.size == 0:
         return None
     smin, smax = int(sv.min()), int(sv.max())
-    if smin < 1 or smax > 30 or amax + (1 << smax) - 1 >= 2**31:
+    if smin < 0 or smax > 30 or amax + (1 << smax) - 1 >= 2**31:
         return None
     s32 = sv.astype(np.int32)
     if rounding == "stochastic":
@@ -118,7 +118,7 @@ def round_shift32(
         r &= (np.int32(1) << s32) - np.int32(1)
     elif rounding == "nearest":
         r = np.empty(x.shape, np.int32)
-        r[...] = np.int32(1) << (s32 - np.int32(1))
+        r[...] = (np.int32(1) << s32) >> np.int32(1)  # 2^(s-1), 0 for s = 0
     else:
         raise ValueError(f"unknown rounding {rounding!r}")
     r += x
@@ -131,13 +131,29 @@ def abs_max(a: np.ndarray) -> int:
 
 
 def fast_shift_right(
-    x: np.ndarray, s: np.ndarray | int, rounding: Rounding, key: int = 0
+    x: np.ndarray,
+    s: np.ndarray | int,
+    rounding: Rounding,
+    key: int = 0,
+    amax: int | None = None,
+    out32: bool = False,
 ) -> np.ndarray:
-    """== numerics.shift_right(x, s, rounding, key) for s >= 0 broadcasting against x."""
-    xv = i64(x)
+    """== numerics.shift_right(x, s, rounding, key) for s >= 0 broadcasting against x.
+
+    amax: a known bound on |x| (else scanned when the int32 path is tried); out32: the caller
+    accepts an int32 result (values are the same)."""
     sv = i64(s)
     if np.any(sv < 0):
         raise ValueError("shift_right needs s >= 0")
+    xa = np.asarray(x)
+    if xa.dtype.kind in "iu" and xa.size >= 4096 and not debug_on() and int(sv.max()) <= 30:
+        if sv.ndim == 0 and int(sv) == 0:
+            return xa.astype(np.int32 if out32 else np.int64, copy=False)
+        bound = abs_max(xa) if amax is None else int(amax)
+        fast = round_shift32(xa, sv, bound, rounding, key)
+        if fast is not None:
+            return fast if out32 else fast.astype(np.int64)
+    xv = i64(x)
     check_int32(xv, "shift_right")
     if sv.ndim == 0 and int(sv) == 0:
         return xv
@@ -216,19 +232,30 @@ def compact_mx(acc: np.ndarray, e: np.ndarray | int, ctx: RoundCtx, key: int) ->
     return MX.of(m, e2)
 
 
-def compact_common(acc: np.ndarray, e_grp: np.ndarray, axis: int, ctx: RoundCtx, key: int) -> MX:
+def compact_common(
+    acc: np.ndarray,
+    e_grp: np.ndarray,
+    axis: int,
+    ctx: RoundCtx,
+    key: int,
+    amax: np.ndarray | None = None,
+) -> MX:
     """Compact an accumulator whose exponent differs per index along `axis` to one exponent.
 
     s_g = compaction_shift(max|acc_g|); e_out = max over non-zero groups of (e_g + s_g) (max e_g if
     all are zero); every group is right-shifted by e_out - e_g >= s_g with one rounding (key),
-    so every result fits qmax.
+    so every result fits qmax. amax: max|acc_g| per group if the caller knows it exactly.
     """
-    a = i64(acc)
+    a = np.asarray(acc)
+    if a.dtype.kind not in "iu" or debug_on():
+        a = i64(a)
     check_int32(a, "compact")
     eg = i64(e_grp)
     other = tuple(i for i in range(a.ndim) if i != axis)
-    if a.size:
-        amax = np.maximum(a.max(axis=other), -a.min(axis=other))
+    if amax is not None:
+        amax = i64(amax)
+    elif a.size:
+        amax = np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
     else:
         amax = np.zeros(a.shape[axis], np.int64)
     s = compaction_shift(amax, ctx.bits)
@@ -236,8 +263,14 @@ def compact_common(acc: np.ndarray, e_grp: np.ndarray, axis: int, ctx: RoundCtx,
     e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(eg.max())
     shape = [1] * a.ndim
     shape[axis] = a.shape[axis]
-    out = fast_shift_right(a, (e_out - eg).reshape(shape), ctx.rounding, key)
+    sh = (e_out - eg).reshape(shape)
     q = qmax(ctx.bits)
+    if not debug_on() and a.size and int(sh.max()) <= 30:
+        # every group's shift is >= its compaction shift: the result fits qmax without a clip
+        fast = round_shift32(a, sh, int(amax.max()), ctx.rounding, key, np.int8)
+        if fast is not None:
+            return MX.of(fast, e_out)
+    out = fast_shift_right(i64(a), sh, ctx.rounding, key)
     return MX.of(np.clip(out, -q, q).astype(np.int8), e_out)
 
 

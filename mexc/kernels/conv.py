@@ -49,18 +49,19 @@ def _im2col(
 F32_EXACT = 2**24  # float32 partial sums are exact integers below this
 
 
-def _cols_f32(xm: np.ndarray, kh: int, kw: int, ph: int, pw: int) -> np.ndarray:
-    """Stride-1 im2col in float32: (N, C, H, W) -> (N, C*KH*KW, OH*OW), rows ordered (c, kh, kw)
-    like the weight. Built window by window into one buffer (no padded int64 copy)."""
+def _cols_t(xm: np.ndarray, kh: int, kw: int, ph: int, pw: int, dtype: type) -> np.ndarray:
+    """Stride-1 im2col, channel-major: (N, C, H, W) -> (C*KH*KW, N*OH*OW), rows ordered
+    (c, kh, kw) like the weight, columns (n, oh, ow). Built window by window into one buffer so
+    one large GEMM does the whole layer."""
     n, c, h, w = xm.shape
     oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
-    xp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), np.float32)
-    xp[:, :, ph : ph + h, pw : pw + w] = xm
-    cols = np.empty((n, c, kh, kw, oh, ow), np.float32)
+    xp = np.zeros((c, n, h + 2 * ph, w + 2 * pw), dtype)
+    xp[:, :, ph : ph + h, pw : pw + w] = np.asarray(xm).transpose(1, 0, 2, 3)
+    cols = np.empty((c, kh, kw, n, oh, ow), dtype)
     for i in range(kh):
         for j in range(kw):
-            cols[:, :, i, j] = xp[:, :, i : i + oh, j : j + ow]
-    return cols.reshape(n, c * kh * kw, oh * ow)
+            cols[:, i, j] = xp[:, :, i : i + oh, j : j + ow]
+    return cols.reshape(c * kh * kw, n * oh * ow)
 
 
 def _conv_s1_f32(xm: np.ndarray, wm: np.ndarray, ph: int, pw: int) -> np.ndarray | None:
@@ -74,9 +75,43 @@ def _conv_s1_f32(xm: np.ndarray, wm: np.ndarray, ph: int, pw: int) -> np.ndarray
     oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
     if oh < 1 or ow < 1:
         return None
-    cols = _cols_f32(xm, kh, kw, ph, pw)
-    acc = np.matmul(np.asarray(wm, np.float32).reshape(o, k), cols)  # (N, O, OH*OW)
-    return acc.astype(np.int32).reshape(n, o, oh, ow)
+    cols = _cols_t(xm, kh, kw, ph, pw, np.float32)
+    acc = np.asarray(wm, np.float32).reshape(o, k) @ cols  # (O, N*OH*OW)
+    acc = acc.reshape(o, n, oh, ow).transpose(1, 0, 2, 3)
+    return acc.astype(np.int32, order="C")
+
+
+def _exact_chunk(total: int) -> int:
+    """Largest divisor L of `total` with 128*128*L < 2^24 (float32-exact L-wide sums)."""
+    for cand in range(min(total, (F32_EXACT - 1) // (128 * 128)), 0, -1):
+        if total % cand == 0:
+            return cand
+    return 1
+
+
+def _grad_weight_gemm(
+    xm: np.ndarray, dm: np.ndarray, kh: int, kw: int, ph: int, pw: int
+) -> np.ndarray:
+    """dW (O, C*KH*KW) int64 = sum over (n, oh, ow) of dy * cols, exactly: the reduction is cut
+    into chunks of L columns whose float32 sums are exact (< 2^24), one batched GEMM over the
+    chunks, then an exact float64 sum of the chunk results (|dW| < 2^31 < 2^53)."""
+    n, o = dm.shape[0], dm.shape[1]
+    total = n * dm.shape[2] * dm.shape[3]
+    chunk = _exact_chunk(total)
+    if chunk >= 64:
+        cols = _cols_t(xm, kh, kw, ph, pw, np.float32)  # (K, N*P)
+        k = cols.shape[0]
+        # dy as (N*P, O) rows: both batched operands are row-major (BLAS-able) chunk views
+        dt = np.asarray(dm).reshape(n, o, -1).transpose(0, 2, 1).astype(np.float32, order="C")
+        nb = total // chunk
+        part = np.matmul(
+            cols.reshape(k, nb, chunk).transpose(1, 0, 2), dt.reshape(nb, chunk, o)
+        )  # (nb, K, O), every entry exact
+        part = part.sum(axis=0, dtype=np.float64).T  # (O, K)
+        return part.astype(np.int64, order="C")
+    cols64 = _cols_t(xm, kh, kw, ph, pw, np.float64)  # float64: sums < 2^53 are exact
+    d64 = np.asarray(dm).transpose(1, 0, 2, 3).astype(np.float64, order="C").reshape(o, -1)
+    return (cols64 @ d64.T).T.astype(np.int64, order="C")
 
 
 def _check(x_shape: tuple[int, ...], w_shape: tuple[int, ...], groups: int) -> None:
@@ -193,15 +228,10 @@ def conv2d_backward_weight(
         groups == 1
         and _pair(stride) == (1, 1)
         and not debug_on()
-        and 128 * 128 * oh * ow < F32_EXACT
+        and 128 * 128 * n * oh * ow < 2**53
         and (oh, ow) == (x.shape[2] + 2 * ph - kh + 1, x.shape[3] + 2 * pw - kw + 1)
     ):
-        # per image: dy[n] (O, P) @ cols[n]^T (P, K), exact in float32 (P-wide sums < 2^24);
-        # the sum over images is exact in float64 (|total| < 2^31 by the caps)
-        cols = _cols_f32(x.m, kh, kw, ph, pw)  # (N, K, P)
-        d32 = np.asarray(dm, np.float32).reshape(n, o, oh * ow)
-        part = np.matmul(d32, cols.transpose(0, 2, 1))  # (N, O, K)
-        acc = part.sum(axis=0, dtype=np.float64).astype(np.int64)
+        acc = _grad_weight_gemm(x.m, dm, kh, kw, ph, pw)
         return Acc(acc.reshape(o, cg, kh, kw), np.asarray(ed + ex, np.int64))
     cols, oh2, ow2 = _im2col(x.m, kh, kw, _pair(stride), _pair(padding), groups)
     if (oh2, ow2) != (oh, ow):

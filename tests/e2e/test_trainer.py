@@ -27,21 +27,23 @@ def _compile(model: torch.nn.Module, spe: int, epochs: int, seed: int = 0) -> me
 
 
 def test_digits_training_reaches_accuracy() -> None:
-    """2 epochs of DigitsCNN on the 1,500 digits, batch 32: measured 94-95 % test accuracy."""
+    """3 epochs of DigitsCNN on the 1,500 digits, batch 32: measured 94.6 % test accuracy
+    (FP32: 94.9 %); asserted >= 90 % to leave room for rounding-seed and numerics changes."""
     train, test = load_splits("digits")
     torch.manual_seed(0)
     model = DigitsCNN()
     fp32_model = copy.deepcopy(model)
     spe = len(train[1]) // BATCH
-    prog = _compile(model, spe, epochs=2)
-    trainer = Trainer(prog, train, test, seed=0, epochs=2, progress=False)
+    prog = _compile(model, spe, epochs=3)
+    trainer = Trainer(prog, train, test, seed=0, epochs=3, progress=False)
     history = trainer.fit()
-    assert [r["epoch"] for r in history] == [1, 2]
-    assert history[-1]["step"] == 2 * spe == prog.step_count
+    assert [r["epoch"] for r in history] == [1, 2, 3]
+    assert history[-1]["step"] == 3 * spe == prog.step_count
     assert history[-1]["train_loss"] < history[0]["train_loss"] < 2.3
-    print(f"digits accuracy after 2 epochs: {[r['test_accuracy'] for r in history]}")
+    print(f"digits accuracy per epoch: {[r['test_accuracy'] for r in history]}")
     assert history[-1]["test_accuracy"] >= 0.90, history
-    fp32 = train_fp32(fp32_model, train, test, prog.optimizer, BATCH, 0, 2)
+    fp32 = train_fp32(fp32_model, train, test, prog.optimizer, BATCH, 0, 3)
+    print(f"digits FP32: {[r['test_accuracy'] for r in fp32]}")
     results = build_results(trainer, fp32, config={"model": "DigitsCNN", "dataset": "digits"})
     assert abs(results["gap_points"]) < 5.0
     assert results["memory"]["formula_ratio"] <= 0.25 + 1e-9
