@@ -179,7 +179,12 @@ def conv2d_backward_input(
     ph, pw = _pair(padding)
     dm, ed = fit_product(dy.m, ed, og * kh * kw, ctx, site_key(ctx, tid, 3))
     _, _, oh, ow = dy.shape
-    if groups == 1 and (sh, sw) == (1, 1) and oh == h + 2 * ph - kh + 1 and ow == wd + 2 * pw - kw + 1:
+    if (
+        groups == 1
+        and (sh, sw) == (1, 1)
+        and oh == h + 2 * ph - kh + 1
+        and ow == wd + 2 * pw - kw + 1
+    ):
         # dx[n,c,y,x] = sum_{o,i,j} dy[n,o,y+ph-i,x+pw-j] w[o,c,i,j]: the same exact sums
         wt = np.ascontiguousarray(np.asarray(w.m)[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
         fast = _conv_s1_f32(dm, wt, kh - 1 - ph, kw - 1 - pw)
