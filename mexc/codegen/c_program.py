@@ -1,0 +1,523 @@
+"""Emit the training step of a program as plain C99 calling the mexc runtime (runtime/).
+
+The generated `model.c` holds the persistent state (mantissas and exponents, initialized from
+const arrays that live in flash), one static arena laid out by plan-memory, the per-step learning
+rate table, and `mexc_model_step`, a straight-line sequence of runtime kernel calls, one rule per
+IR op. No float type, no heap, no recursion.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Graph, Node, Op, Value
+from mexc.kernels.norm import _eps_fixed
+from mexc.mx import SITES_PER_NODE
+from mexc.numerics import FixedScalar, product_cap
+from mexc.passes.plan_memory import plan
+from mexc.program import Program
+from mexc.types import Exp, Kind
+
+
+def c_name(name: str) -> str:
+    return "s_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def _fit_scratch(n: int, k: int) -> int:
+    return (n + 3) // 4 if product_cap(k, 8) < 0 else 0
+
+
+def _array(ctype: str, name: str, values: np.ndarray, const: bool = True) -> str:
+    flat = np.asarray(values).ravel()
+    body = ",".join(str(int(v)) for v in flat) or "0"
+    rows = re.sub(r"((?:[^,]*,){32})", "\\1\n  ", body)
+    qual = "static const " if const else "static "
+    return f"{qual}{ctype} {name}[{max(flat.size, 1)}] = {{\n  {rows}}};"
+
+
+@dataclass
+class _Emit:
+    g: Graph
+    prog: Program
+    offsets: dict[Value, int]
+    lines: list[str] = field(default_factory=list)
+    statics: list[str] = field(default_factory=list)
+    ptr: dict[Value, str] = field(default_factory=dict)  # C expression of the mantissa / data
+    exp: dict[Value, str] = field(default_factory=dict)  # C expression of the exponent (scalar)
+    exp_ptr: dict[Value, str] = field(default_factory=dict)  # exponent array (state)
+    scratch_words: int = 0
+    bn_saved: dict[int, str] = field(default_factory=dict)
+
+    def shape(self, v: Value) -> tuple[int, ...]:
+        return tuple(self.g.type_of(v).shape)
+
+    def numel(self, v: Value) -> int:
+        return int(np.prod(self.shape(v), dtype=np.int64))
+
+    def arena(self, v: Value, ctype: str) -> str:
+        expr = f"(({ctype} *)(arena + {self.offsets[v]}))"
+        self.ptr[v] = expr
+        return expr
+
+    def local_exp(self, v: Value) -> str:
+        name = f"e{v.node}_{v.index}"
+        self.lines.append(f"    int32_t {name};")
+        self.exp[v] = name
+        return name
+
+    def need(self, words: int) -> None:
+        self.scratch_words = max(self.scratch_words, words)
+
+    def emit(self, code: str) -> None:
+        self.lines.append("    " + code)
+
+
+def _tid(n: Node) -> int:
+    return int(n.attrs.rid) * SITES_PER_NODE
+
+
+def _x(e: _Emit, n: Node, i: int) -> tuple[str, str]:
+    v = n.inputs[i]
+    return e.ptr[v], e.exp[v]
+
+
+def _state(e: _Emit, n: Node) -> None:
+    name = c_name(str(n.attrs.name))
+    e.ptr[n.out] = name
+    e.exp_ptr[n.out] = name + "_e"
+    e.exp[n.out] = name + "_e[0]"
+
+
+def _label(e: _Emit, n: Node) -> None:
+    e.ptr[n.out] = "y"
+
+
+def _quantize(e: _Emit, n: Node) -> None:
+    e.ptr[n.out] = "x"
+    e.exp[n.out] = "x_e"
+
+
+def _conv_geom(e: _Emit, n: Node, x: Value, w: Value) -> str:
+    a = n.attrs
+    nn, c, h, wd = e.shape(x)
+    o, _, kh, kw = e.shape(w)
+    g = f"g{n.id}"
+    e.emit(f"mexc_conv_t {g};")
+    e.emit(f"mexc_conv_init(&{g}, {nn}, {c}, {h}, {wd}, {o}, {kh}, {kw}, {a.stride[0]}, "
+           f"{a.stride[1]}, {a.padding[0]}, {a.padding[1]}, {a.groups});")
+    return g
+
+
+def _conv(e: _Emit, n: Node) -> None:
+    g = _conv_geom(e, n, n.inputs[0], n.inputs[1])
+    (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
+    y = e.arena(n.out, "int8_t")
+    nn, c, h, wd = e.shape(n.inputs[0])
+    k = c // n.attrs.groups * e.shape(n.inputs[1])[2] * e.shape(n.inputs[1])[3]
+    e.need(_fit_scratch(nn * c * h * wd, k))
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_conv2d_forward(&{g}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, &ctx, "
+           f"{_tid(n)}u, scratch);")
+
+
+def _linear(e: _Emit, n: Node) -> None:
+    (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
+    nn, k = e.shape(n.inputs[0])
+    o = e.shape(n.inputs[1])[0]
+    e.need(_fit_scratch(nn * k, k))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_linear_forward({nn}, {k}, {o}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, "
+           f"&ctx, {_tid(n)}u, scratch);")
+
+
+def _ncs(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    s = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
+    return shape[0], shape[1], s
+
+
+def _batchnorm(e: _Emit, n: Node) -> None:
+    (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
+    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    sv = f"bn{n.id}"
+    arrays = " ".join(f"static int32_t {sv}_{f}[{c}];"
+                      for f in ("rstd", "rstd_e", "mean", "var", "var_u", "var_e"))
+    e.statics.append(arrays)
+    e.statics.append(f"static mexc_bn_saved_t {sv};")
+    e.bn_saved[n.id] = sv
+    xhat = e.arena(n.result(1), "int8_t")
+    e.need(6 * c)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    eps = _eps_fixed(float(n.attrs.eps))
+    e.emit(f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e; "
+           f"{sv}.mean = {sv}_mean; {sv}.var = {sv}_var; {sv}.var_u = {sv}_var_u; "
+           f"{sv}.var_e = {sv}_var_e;")
+    e.emit(f"{ey} = mexc_batchnorm_forward_train({nn}, {c}, {s}, {x}, {ex}, {gm}, {eg}, {bt}, "
+           f"{eb}, (mexc_fixed_t){{{eps.num}, {eps.shift}}}, {y}, &{sv}, &ctx, {_tid(n)}u, "
+           "scratch);")
+
+
+def _relu(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_relu_forward({x}, {y}, {e.numel(n.out)}u);")
+
+
+def _pool_geom(e: _Emit, n: Node, x_shape: tuple[int, ...]) -> str:
+    a = n.attrs
+    nn, c, h, w = x_shape
+    p = f"p{n.id}"
+    e.emit(f"mexc_pool_t {p};")
+    e.emit(f"mexc_pool_init(&{p}, {nn}, {c}, {h}, {w}, {a.kernel[0]}, {a.kernel[1]}, "
+           f"{a.stride[0]}, {a.stride[1]}, {a.padding[0]}, {a.padding[1]});")
+    return p
+
+
+def _maxpool(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    p = _pool_geom(e, n, e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    arg = e.arena(n.result(1), "uint8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_maxpool2d_forward(&{p}, {x}, {y}, {arg});")
+
+
+def _reshape(e: _Emit, n: Node) -> None:
+    # a copy, not an alias: the plan gives the result its own lifetime and arena slot
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"copy8({y}, {x}, {e.numel(n.out)}u);")
+
+
+def _softmax_ce(e: _Emit, n: Node) -> None:
+    z, ez = _x(e, n, 0)
+    nn, k = e.shape(n.inputs[0])
+    probs = e.arena(n.out, "uint8_t")
+    e.emit(f"loss = mexc_softmax_ce_forward({nn}, {k}, {z}, {ez}, y, {nn}, {probs}, &ctx, "
+           f"{_tid(n)}u);")
+
+
+def _softmax_ce_grad(e: _Emit, n: Node) -> None:
+    probs = e.ptr[n.inputs[0]]
+    nn, k = e.shape(n.out)
+    dx = e.arena(n.out, "int8_t")
+    ed = e.local_exp(n.out)
+    e.emit(f"{ed} = mexc_softmax_ce_backward({nn}, {k}, {probs}, y, {nn}, {dx}, &ctx, "
+           f"{_tid(n)}u);")
+
+
+def _linear_grad_weight(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    nn, o = e.shape(n.inputs[0])
+    k = e.shape(n.inputs[1])[1]
+    e.need(_fit_scratch(nn * o, nn))
+    dw = e.arena(n.out, "int32_t")
+    ew = e.local_exp(n.out)
+    e.emit(f"{ew} = mexc_linear_backward_weight({nn}, {k}, {o}, {dy}, {ed}, {x}, {ex}, {dw}, "
+           f"&ctx, {_tid(n)}u, scratch);")
+
+
+def _linear_grad_input(e: _Emit, n: Node) -> None:
+    (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    nn, o = e.shape(n.inputs[0])
+    k = e.shape(n.inputs[1])[1]
+    e.need(_fit_scratch(nn * o, o))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_linear_backward_input({nn}, {k}, {o}, {dy}, {ed}, {w}, {ew}, {dx}, "
+           f"&ctx, {_tid(n)}u, scratch);")
+
+
+def _bias_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    db = e.arena(n.out, "int32_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_bias_backward({nn}, {c}, {s}, {dy}, {db});")
+
+
+def _maxpool_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), arg = _x(e, n, 0), e.ptr[n.inputs[1]]
+    p = _pool_geom(e, n, e.shape(n.out))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_maxpool2d_backward(&{p}, {dy}, {ed}, {arg}, {dx}, &ctx, "
+           f"{_tid(n)}u);")
+
+
+def _relu_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (y, _) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_relu_backward({dy}, {y}, {dx}, {e.numel(n.out)}u);")
+
+
+def _bn_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    sv = e.bn_saved[n.inputs[1].node]
+    gm, eg = _x(e, n, 3)
+    nn, c, s = _ncs(e.shape(n.out))
+    e.need(6 * c + _fit_scratch(nn * c * s, nn * s))
+    dx = e.arena(n.out, "int8_t")
+    dg = e.arena(n.result(1), "int32_t")
+    db = e.arena(n.result(2), "int32_t")
+    edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
+    e.exp[n.result(2)] = ed
+    e.emit(f"mexc_batchnorm_backward({nn}, {c}, {s}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, "
+           f"&{edx}, {dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);")
+
+
+def _conv_grad_weight(e: _Emit, n: Node) -> None:
+    g = _conv_geom(e, n, n.inputs[1], n.out)
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    nn, o, oh, ow = e.shape(n.inputs[0])
+    e.need(_fit_scratch(nn * o * oh * ow, nn * oh * ow))
+    dw = e.arena(n.out, "int32_t")
+    ew = e.local_exp(n.out)
+    e.emit(f"{ew} = mexc_conv2d_backward_weight(&{g}, {dy}, {ed}, {x}, {ex}, {dw}, &ctx, "
+           f"{_tid(n)}u, scratch);")
+
+
+def _conv_grad_input(e: _Emit, n: Node) -> None:
+    g = _conv_geom(e, n, n.out, n.inputs[1])
+    (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    nn, o, oh, ow = e.shape(n.inputs[0])
+    kh, kw = e.shape(n.inputs[1])[2:]
+    e.need(_fit_scratch(nn * o * oh * ow, o // n.attrs.groups * kh * kw))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_conv2d_backward_input(&{g}, {dy}, {ed}, {w}, {ew}, {dx}, &ctx, "
+           f"{_tid(n)}u, scratch);")
+
+
+def _add(e: _Emit, n: Node) -> None:
+    (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1)
+    out = e.arena(n.out, "int8_t")
+    eo = e.local_exp(n.out)
+    e.emit(f"{eo} = mexc_add_forward({a}, {ea}, {b}, {eb}, {e.numel(n.out)}u, {out}, &ctx, "
+           f"{_tid(n)}u);")
+
+
+def _grad_sum(e: _Emit, n: Node) -> None:
+    t = len(n.inputs)
+    ptrs = ", ".join(e.ptr[v] for v in n.inputs)
+    exps = ", ".join(e.exp[v] for v in n.inputs)
+    out = e.arena(n.out, "int8_t")
+    eo = e.local_exp(n.out)
+    e.emit(f"{{ const int8_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, "
+           f"{_tid(n)}u); }}")
+
+
+def _sgd_update(e: _Emit, n: Node) -> None:
+    w, grad, v = n.inputs
+    groups = int(n.attrs.groups)
+    per = e.numel(w) // groups
+    e.need(2 * groups)
+    e.emit(f"mexc_update_keys(ctx.seed, ctx.step, {_tid(n)}u, keys);")
+    e.emit(f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
+           f"{e.ptr[v]}, {e.exp_ptr[v]}, {groups}u, {per}u, &cfg, keys, scratch);")
+
+
+def _bn_running(e: _Emit, n: Node) -> None:
+    rm, rv, saved = n.inputs
+    c = e.numel(rm)
+    sv = e.bn_saved[saved.node]
+    m = FixedScalar.of(float(n.attrs.momentum))
+    grouped = [int(e.g.type_of(v).exp is Exp.AXIS0) for v in (rm, rv)]
+    e.need(6 * c)
+    e.emit(f"mexc_batchnorm_update_running({c}, {e.ptr[rm]}, {e.exp_ptr[rm]}, {grouped[0]}, "
+           f"{e.ptr[rv]}, {e.exp_ptr[rv]}, {grouped[1]}, &{sv}, (mexc_fixed_t){{{m.num}, "
+           f"{m.shift}}}, &ctx, {_tid(n)}u, scratch);")
+
+
+RULES: dict[Op, Callable[[_Emit, Node], None]] = {
+    Op.INPUT: lambda e, n: None,
+    Op.LABEL: _label,
+    Op.PARAM: _state,
+    Op.STATE: _state,
+    Op.QUANTIZE: _quantize,
+    Op.CONV2D_COMPACT: _conv,
+    Op.LINEAR_COMPACT: _linear,
+    Op.BATCHNORM: _batchnorm,
+    Op.RELU: _relu,
+    Op.MAXPOOL2D: _maxpool,
+    Op.RESHAPE: _reshape,
+    Op.ADD: _add,
+    Op.SOFTMAX_CE: _softmax_ce,
+    Op.SOFTMAX_CE_GRAD: _softmax_ce_grad,
+    Op.LINEAR_GRAD_WEIGHT: _linear_grad_weight,
+    Op.LINEAR_GRAD_INPUT: _linear_grad_input,
+    Op.BIAS_GRAD: _bias_grad,
+    Op.MAXPOOL2D_GRAD: _maxpool_grad,
+    Op.RELU_GRAD: _relu_grad,
+    Op.BATCHNORM_GRAD: _bn_grad,
+    Op.CONV2D_GRAD_WEIGHT: _conv_grad_weight,
+    Op.CONV2D_GRAD_INPUT: _conv_grad_input,
+    Op.GRAD_SUM: _grad_sum,
+    Op.SGD_UPDATE: _sgd_update,
+    Op.BN_RUNNING_UPDATE: _bn_running,
+}
+
+
+@dataclass(frozen=True)
+class CModel:
+    source: str  # model.c
+    header: str  # model.h
+    state_names: tuple[str, ...]  # sorted, as the checksum hashes them
+    arena_bytes: int
+    scratch_words: int
+
+
+def _state_decls(prog: Program) -> tuple[list[str], list[str]]:
+    decls, init = [], []
+    for name in sorted(prog.state):
+        v = prog.state[name]
+        cn = c_name(name)
+        ne = max(v.e.size, 1)
+        decls.append(_array("int8_t", f"{cn}_init", v.m))
+        decls.append(_array("int32_t", f"{cn}_e_init", v.e))
+        decls.append(f"static int8_t {cn}[{max(v.m.size, 1)}];")
+        decls.append(f"static int32_t {cn}_e[{ne}];")
+        init.append(f"    copy8({cn}, {cn}_init, {v.m.size}u);")
+        init.append(f"    copy32({cn}_e, {cn}_e_init, {ne}u);")
+    return decls, init
+
+
+def _checksum_body(prog: Program) -> list[str]:
+    out = ["    uint64_t h = MEXC_FNV64_OFFSET;"]
+    for name in sorted(prog.state):
+        v = prog.state[name]
+        cn = c_name(name)
+        out.append(f"    h = mexc_fnv1a64({cn}, {v.m.size}u, h);")
+        out.append(f"    h = mexc_fnv1a64_i32({cn}_e, {max(v.e.size, 1)}u, h);")
+    out.append("    return h;")
+    return out
+
+
+def _state_table(prog: Program) -> list[str]:
+    """Accessors of the state tensors in checksum order (for the host library and debugging)."""
+    rows = []
+    for name in sorted(prog.state):
+        v = prog.state[name]
+        cn = c_name(name)
+        rows.append(f"    {{{cn}, {v.m.size}u, {cn}_e, {max(v.e.size, 1)}u}},")
+    return [
+        "typedef struct { int8_t *m; uint32_t n; int32_t *e; uint32_t ne; } mexc_state_ref_t;",
+        f"static const mexc_state_ref_t state_refs[{max(len(rows), 1)}] = {{",
+        *rows,
+        "};",
+        "uint32_t mexc_model_state_count(void) { return " + str(len(rows)) + "u; }",
+        "int8_t *mexc_model_state(uint32_t i, uint32_t *n, int32_t **e, uint32_t *ne)",
+        "{",
+        "    *n = state_refs[i].n; *e = state_refs[i].e; *ne = state_refs[i].ne;",
+        "    return state_refs[i].m;",
+        "}",
+    ]
+
+
+def _lr_table(prog: Program, steps: int) -> str:
+    nums = [prog.lr_at(k).num for k in range(steps)]
+    shifts = [prog.lr_at(k).shift for k in range(steps)]
+    return "\n".join([_array("int32_t", "lr_num", np.array(nums)),
+                      _array("int32_t", "lr_shift", np.array(shifts)),
+                      f"#define LR_STEPS {steps}u"])
+
+
+def emit_model(prog: Program, steps: int) -> CModel:
+    """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
+    g = prog.graph
+    mp = plan(g)
+    offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
+    e = _Emit(g, prog, offsets)
+    for n in g.nodes:
+        rule = RULES.get(n.op)
+        if rule is None:
+            raise UnsupportedOpError(
+                f"the C backend has no lowering for op {n.op.value} (node %{n.id}"
+                f"{', ' + n.loc if n.loc else ''}); supported: "
+                f"{', '.join(sorted(op.value for op in RULES))}"
+            )
+        rule(e, n)
+    for _, v in g.outputs:
+        if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
+            raise UnsupportedOpError("the C backend needs an integer-only program")
+    decls, init = _state_decls(prog)
+    o, opt = prog.options, prog.optimizer
+    mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
+    arena_bytes = max(mp.arena_bytes, 16)
+    scratch = max(e.scratch_words, 1)
+    src = [
+        "/* Generated by mexc: one integer-only training step. Do not edit. */",
+        '#include "mexc_kernels.h"',
+        '#include "model.h"',
+        "",
+        f"static int32_t arena_words[{(arena_bytes + 3) // 4}];",
+        "#define arena ((uint8_t *)arena_words)",
+        f"static int32_t scratch[{scratch}];",
+        *decls,
+        *e.statics,
+        _lr_table(prog, steps),
+        "",
+        "static void copy8(int8_t *d, const int8_t *s, uint32_t n) { while (n--) *d++ = *s++; }",
+        "static void copy32(int32_t *d, const int32_t *s, uint32_t n) { while (n--) *d++ = *s++; }",
+        "",
+        "void mexc_model_init(void)",
+        "{",
+        *init,
+        "}",
+        "",
+        "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y)",
+        "{",
+        f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, "
+        f"{int(o.rounding == 'stochastic')}}};",
+        "    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u;",
+        f"    mexc_update_cfg_t cfg = {{{o.bits}, {int(o.rounding == 'stochastic')}, "
+        f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}}};",
+        "    uint32_t keys[MEXC_UPDATE_SITES];",
+        "    int32_t loss = 0;",
+        *e.lines,
+        "    return loss;",
+        "}",
+        "",
+        "uint64_t mexc_model_checksum(void)",
+        "{",
+        *_checksum_body(prog),
+        "}",
+        "",
+        *_state_table(prog),
+        "",
+    ]
+    inp = g.nodes_of(Op.INPUT)[0].type.shape
+    header = "\n".join([
+        "/* Generated by mexc. */",
+        "#ifndef MEXC_MODEL_H",
+        "#define MEXC_MODEL_H",
+        "#include <stdint.h>",
+        f"#define MEXC_BATCH {inp[0]}u",
+        f"#define MEXC_INPUT_NUMEL {int(np.prod(inp[1:]))}u",
+        f"#define MEXC_NUM_CLASSES {prog.num_classes}u",
+        f"#define MEXC_ARENA_BYTES {arena_bytes}u",
+        f"#define MEXC_SCRATCH_WORDS {scratch}u",
+        "void mexc_model_init(void);",
+        "/* one training step; x: batch mantissas (quantized at the host boundary) with exponent",
+        " * x_e; y: labels. Returns the loss in thousandths (for printing only). */",
+        "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y);",
+        "uint64_t mexc_model_checksum(void);",
+        "uint32_t mexc_model_state_count(void);",
+        "/* state tensor i in sorted-name order: mantissas (returned), count, exponents */",
+        "int8_t *mexc_model_state(uint32_t i, uint32_t *n, int32_t **e, uint32_t *ne);",
+        "#endif",
+        "",
+    ])
+    return CModel("\n".join(src), header, tuple(sorted(prog.state)), arena_bytes, scratch)

@@ -1,0 +1,162 @@
+/* mexc runtime layer kernels: the C form of the mexc/kernels modules (recipes: docs/layers.md).
+ *
+ * Conventions (as the numpy kernels):
+ * - An MX tensor is an int8 mantissa array (C order) plus its exponent(s) (int32).
+ * - Weight / bias / BN-affine gradients are int32 accumulators with one exponent.
+ * - Site j of a kernel called with base id tid uses the key mexc_site_key(ctx, tid, j);
+ *   tid = rid * 16 as in mexc/interp.py.
+ * - Kernels with a compacted output compute their int32 accumulator twice (scan, then round),
+ *   so they need no accumulator buffer; `scratch` is only for pre-shifted operands and per-channel
+ *   values. Each kernel documents its scratch size in int32 words (a *_scratch function or macro).
+ * - Functions that return int32_t return the output exponent.
+ */
+#ifndef MEXC_KERNELS_H
+#define MEXC_KERNELS_H
+
+#include "mexc_rt.h"
+
+extern const int32_t mexc_exp_table[256];      /* numerics.EXP_TABLE.values */
+extern const int32_t mexc_nll_milli_table[256]; /* round(-1000 ln(max(i,1)/256)) */
+#define MEXC_EXP_IN_EXP (-4)
+#define MEXC_PROB_EXP (-8)
+#define MEXC_SOFTMAX_GRAD_EXP (-15)
+
+/* ------------------------------------------------------------------ products (_common.py) */
+int32_t mexc_product_cap(uint32_t k);   /* numerics.product_cap(k, 8) */
+int32_t mexc_product_bits(uint32_t k);  /* _common.product_bits: 14 + ceil_log2(max(k, 1)) */
+/* Words of scratch for _common.fit_product of an n-element operand with reduction width k. */
+uint32_t mexc_fit_scratch(uint32_t n, uint32_t k);
+/* _common.fit_product: a pre-shifted copy of a in scratch (site key) if product_cap(k) < 0,
+ * else a itself; *e grows by the shift. */
+const int8_t *mexc_fit_product(const int8_t *a, uint32_t n, int32_t *e, uint32_t k,
+                               const mexc_ctx_t *ctx, uint32_t key, int32_t *scratch);
+
+/* ------------------------------------------------------------------ conv2d (conv.py) */
+typedef struct {
+    uint32_t n, c, h, w;     /* input (N, C, H, W) */
+    uint32_t o, kh, kw;      /* weight (O, C/groups, KH, KW) */
+    uint32_t sh, sw, ph, pw; /* stride, zero padding (dilation 1) */
+    uint32_t groups;
+    uint32_t oh, ow;         /* output size, set by mexc_conv_init */
+} mexc_conv_t;
+
+void mexc_conv_init(mexc_conv_t *g, uint32_t n, uint32_t c, uint32_t h, uint32_t w, uint32_t o,
+                    uint32_t kh, uint32_t kw, uint32_t sh, uint32_t sw, uint32_t ph, uint32_t pw,
+                    uint32_t groups);
+/* conv2d_forward; bias may be NULL. Sites 0 compaction, 1/2 bias alignment, 3 pre-shift. */
+int32_t mexc_conv2d_forward(const mexc_conv_t *g, const int8_t *x, int32_t ex, const int8_t *w,
+                            int32_t ew, const int8_t *bias, int32_t eb, int8_t *y,
+                            const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+uint32_t mexc_conv2d_forward_scratch(const mexc_conv_t *g);
+/* conv2d_backward_input: dy (N, O, OH, OW) -> dx (N, C, H, W). Sites 0, 3. */
+int32_t mexc_conv2d_backward_input(const mexc_conv_t *g, const int8_t *dy, int32_t ed,
+                                   const int8_t *w, int32_t ew, int8_t *dx, const mexc_ctx_t *ctx,
+                                   uint32_t tid, int32_t *scratch);
+uint32_t mexc_conv2d_backward_input_scratch(const mexc_conv_t *g);
+/* conv2d_backward_weight: int32 dW (O, C/G, KH, KW). Site 3 (pre-shift of dy). */
+int32_t mexc_conv2d_backward_weight(const mexc_conv_t *g, const int8_t *dy, int32_t ed,
+                                    const int8_t *x, int32_t ex, int32_t *dw,
+                                    const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+uint32_t mexc_conv2d_backward_weight_scratch(const mexc_conv_t *g);
+
+/* ------------------------------------------------------------------ linear (linear.py) */
+/* x (N, K), w (O, K), y (N, O). Scratch: mexc_fit_scratch(N*K, K). */
+int32_t mexc_linear_forward(uint32_t n, uint32_t k, uint32_t o, const int8_t *x, int32_t ex,
+                            const int8_t *w, int32_t ew, const int8_t *bias, int32_t eb, int8_t *y,
+                            const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* dx (N, K) = dy (N, O) @ w. Scratch: mexc_fit_scratch(N*O, O). */
+int32_t mexc_linear_backward_input(uint32_t n, uint32_t k, uint32_t o, const int8_t *dy,
+                                   int32_t ed, const int8_t *w, int32_t ew, int8_t *dx,
+                                   const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* int32 dW (O, K) = dy^T @ x. Scratch: mexc_fit_scratch(N*O, N). */
+int32_t mexc_linear_backward_weight(uint32_t n, uint32_t k, uint32_t o, const int8_t *dy,
+                                    int32_t ed, const int8_t *x, int32_t ex, int32_t *dw,
+                                    const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* bias_backward: dy viewed as (N, C, S) summed over N and S -> db[C] (exponent e_dy).
+ * Conv: S = OH*OW; linear: S = 1. */
+void mexc_bias_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t *db);
+
+/* ------------------------------------------------------------------ activations, pooling */
+void mexc_relu_forward(const int8_t *x, int8_t *y, uint32_t n);
+/* dx = dy where x > 0 (x = ReLU input or output) */
+void mexc_relu_backward(const int8_t *dy, const int8_t *x, int8_t *dx, uint32_t n);
+
+typedef struct {
+    uint32_t n, c, h, w, kh, kw, sh, sw, ph, pw, oh, ow;
+} mexc_pool_t;
+void mexc_pool_init(mexc_pool_t *p, uint32_t n, uint32_t c, uint32_t h, uint32_t w, uint32_t kh,
+                    uint32_t kw, uint32_t sh, uint32_t sw, uint32_t ph, uint32_t pw);
+/* maxpool2d_forward: y (N, C, OH, OW) same exponent, argmax = offset i*KW + j of the first max */
+void mexc_maxpool2d_forward(const mexc_pool_t *p, const int8_t *x, int8_t *y, uint8_t *argmax);
+/* maxpool2d_backward: scatter-add of dy at argmax; exponent e_dy unless compacted (site 0). */
+int32_t mexc_maxpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t ed,
+                                const uint8_t *argmax, int8_t *dx, const mexc_ctx_t *ctx,
+                                uint32_t tid);
+
+/* ------------------------------------------------------------------ batchnorm (norm.py) */
+/* BatchNormSaved: caller-owned arrays of C entries each (live from forward to backward and
+ * the running update). x viewed as (N, C, S): S = H*W (4-D) or 1 (2-D). */
+typedef struct {
+    int8_t *xhat;      /* N*C*S */
+    int32_t xhat_e;
+    int32_t *rstd;     /* [C] */
+    int32_t *rstd_e;   /* [C] */
+    int32_t *mean;     /* [C], exponent mean_e */
+    int32_t mean_e;
+    int32_t *var;      /* [C] biased, exponents var_e[C] */
+    int32_t *var_u;    /* [C] unbiased (M/(M-1)), exponents var_e[C] */
+    int32_t *var_e;    /* [C] */
+    uint32_t count;    /* M = N*S */
+} mexc_bn_saved_t;
+
+/* Scratch words of every batchnorm function (backward: plus mexc_fit_scratch(N*C*S, N*S)). */
+#define MEXC_BN_SCRATCH(C) (6u * (uint32_t)(C))
+/* batchnorm_forward_train. Sites 0 var pre-shift, 1 xhat, 2/3 affine alignment, 4 output. */
+int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const int8_t *x,
+                                     int32_t ex, const int8_t *gamma, int32_t eg,
+                                     const int8_t *beta, int32_t eb, mexc_fixed_t eps, int8_t *y,
+                                     mexc_bn_saved_t *saved, const mexc_ctx_t *ctx, uint32_t tid,
+                                     int32_t *scratch);
+/* batchnorm_backward: dx (exponent *e_dx), dgamma[C] (exponent *e_dgamma), dbeta[C]
+ * (exponent e_dy). Scratch: MEXC_BN_SCRATCH(C) + mexc_fit_scratch(N*C*S, N*S). */
+void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t ed,
+                             const mexc_bn_saved_t *saved, const int8_t *gamma, int32_t eg,
+                             int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
+                             int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
+                             int32_t *scratch);
+/* batchnorm_update_running with batch_var = saved->var_u (as mexc/interp.py). rm/rv exponents:
+ * C entries if *_grouped else 1 entry. Sites 0-3 mean, 4-7 variance. */
+void mexc_batchnorm_update_running(uint32_t c, int8_t *rm, int32_t *rm_e, int32_t rm_grouped,
+                                   int8_t *rv, int32_t *rv_e, int32_t rv_grouped,
+                                   const mexc_bn_saved_t *saved, mexc_fixed_t momentum,
+                                   const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* batchnorm_forward_eval. Sites 0/1 x - rm, 2 shift to 16 bits, 3 xhat, 4/5 affine, 6 output.
+ * Scratch: MEXC_BN_SCRATCH(C). */
+int32_t mexc_batchnorm_forward_eval(uint32_t n, uint32_t c, uint32_t s, const int8_t *x,
+                                    int32_t ex, const int8_t *gamma, int32_t eg,
+                                    const int8_t *beta, int32_t eb, const int8_t *rm,
+                                    const int32_t *rm_e, int32_t rm_grouped, const int8_t *rv,
+                                    const int32_t *rv_e, int32_t rv_grouped, mexc_fixed_t eps,
+                                    int8_t *y, const mexc_ctx_t *ctx, uint32_t tid,
+                                    int32_t *scratch);
+
+/* ------------------------------------------------------------------ loss (loss.py) */
+/* softmax_ce_forward: probs (N, K) in [0, 255] (exponent -8). Returns the integer loss
+ * round(mean over the first `valid` rows of 1000 * -ln(max(p_y, 1)/256)) via
+ * mexc_nll_milli_table (0 if valid == 0). Site 0. */
+int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
+                                const int32_t *labels, uint32_t valid, uint8_t *probs,
+                                const mexc_ctx_t *ctx, uint32_t tid);
+/* softmax_ce_backward: dlogits (N, K); returns its exponent. Site 0. */
+int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
+                                 const int32_t *labels, uint32_t valid, int8_t *dx,
+                                 const mexc_ctx_t *ctx, uint32_t tid);
+
+/* ------------------------------------------------------------------ elementwise */
+/* grad_sum of t <= 13 same-shape tensors (sites 0..t-1 alignment, t compaction); t = 1 copies. */
+int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint32_t n,
+                      int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
+                         int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
+
+#endif /* MEXC_KERNELS_H */

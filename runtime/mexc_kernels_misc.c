@@ -1,0 +1,201 @@
+/* ReLU, max pooling, softmax cross-entropy, residual add / gradient sum: the C form of
+ * mexc/kernels/activation.py, pool.py, loss.py and elementwise.py. */
+#include "mexc_kernels.h"
+
+/* ------------------------------------------------------------------ relu (activation.py) */
+
+void mexc_relu_forward(const int8_t *x, int8_t *y, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; i++) y[i] = x[i] > 0 ? x[i] : 0;
+}
+
+void mexc_relu_backward(const int8_t *dy, const int8_t *x, int8_t *dx, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; i++) dx[i] = x[i] > 0 ? dy[i] : 0;
+}
+
+/* ------------------------------------------------------------------ maxpool (pool.py) */
+
+void mexc_pool_init(mexc_pool_t *p, uint32_t n, uint32_t c, uint32_t h, uint32_t w, uint32_t kh,
+                    uint32_t kw, uint32_t sh, uint32_t sw, uint32_t ph, uint32_t pw)
+{
+    p->n = n;
+    p->c = c;
+    p->h = h;
+    p->w = w;
+    p->kh = kh;
+    p->kw = kw;
+    p->sh = sh;
+    p->sw = sw;
+    p->ph = ph;
+    p->pw = pw;
+    p->oh = (h + 2u * ph - kh) / sh + 1u;
+    p->ow = (w + 2u * pw - kw) / sw + 1u;
+}
+
+#define MEXC_POOL_PAD (-(1 << 14)) /* pool._windows fill: padding never wins */
+
+void mexc_maxpool2d_forward(const mexc_pool_t *p, const int8_t *x, int8_t *y, uint8_t *argmax)
+{
+    uint32_t plane, oy, ox, i, j, best_at;
+    int32_t best, v, iy, ix;
+    for (plane = 0; plane < p->n * p->c; plane++) {
+        const int8_t *xp = x + plane * p->h * p->w;
+        for (oy = 0; oy < p->oh; oy++)
+            for (ox = 0; ox < p->ow; ox++) {
+                best = 0;
+                best_at = 0;
+                for (i = 0; i < p->kh; i++)
+                    for (j = 0; j < p->kw; j++) {
+                        iy = (int32_t)(oy * p->sh + i) - (int32_t)p->ph;
+                        ix = (int32_t)(ox * p->sw + j) - (int32_t)p->pw;
+                        v = (iy < 0 || ix < 0 || iy >= (int32_t)p->h || ix >= (int32_t)p->w)
+                                ? MEXC_POOL_PAD
+                                : xp[(uint32_t)iy * p->w + (uint32_t)ix];
+                        if ((i == 0 && j == 0) || v > best) { /* argmax: first maximum */
+                            best = v;
+                            best_at = i * p->kw + j;
+                        }
+                    }
+                /* int16 -> int8 cast of numpy (an all-padding window wraps to 0) */
+                *y++ = (int8_t)(uint8_t)((uint32_t)best & 0xFFu);
+                *argmax++ = (uint8_t)best_at;
+            }
+    }
+}
+
+/* Output index of the window (oy, ox) reaching input offset t = pos + pad - i, or -1. */
+static int32_t pool_out_pos(int32_t t, uint32_t stride, uint32_t limit)
+{
+    if (t < 0 || (uint32_t)t % stride) return -1;
+    return (uint32_t)t / stride < limit ? (int32_t)((uint32_t)t / stride) : -1;
+}
+
+/* dx = scatter-add of dy at argmax (gather form). If max|dx| <= qmax the compaction shift is 0
+ * and the result is the sums themselves at e_dy, exactly as the reference's early return. */
+int32_t mexc_maxpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t ed,
+                                const uint8_t *argmax, int8_t *dx, const mexc_ctx_t *ctx,
+                                uint32_t tid)
+{
+    uint32_t plane, y, xx, i, j, idx, o;
+    int32_t acc, oy, ox, e_out = ed;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ed);
+        idx = 0;
+        for (plane = 0; plane < p->n * p->c; plane++)
+            for (y = 0; y < p->h; y++)
+                for (xx = 0; xx < p->w; xx++, idx++) {
+                    acc = 0;
+                    for (i = 0; i < p->kh; i++) {
+                        oy = pool_out_pos((int32_t)(y + p->ph) - (int32_t)i, p->sh, p->oh);
+                        if (oy < 0) continue;
+                        for (j = 0; j < p->kw; j++) {
+                            ox = pool_out_pos((int32_t)(xx + p->pw) - (int32_t)j, p->sw, p->ow);
+                            if (ox < 0) continue;
+                            o = (plane * p->oh + (uint32_t)oy) * p->ow + (uint32_t)ox;
+                            if (argmax[o] == i * p->kw + j) acc += dy[o];
+                        }
+                    }
+                    mexc_sink_put(&sink, idx, 0u, acc);
+                }
+    }
+    return e_out;
+}
+
+/* ------------------------------------------------------------------ softmax_ce (loss.py) */
+
+/* EXP_TABLE.lookup of d = m - rowmax (index shift with site-0 rounding, clamp to int8). */
+static int32_t exp_lookup(int32_t d, int32_t e, const mexc_ctx_t *ctx, uint32_t key, uint32_t idx)
+{
+    int32_t t = mexc_shift_signed_sat(d, MEXC_EXP_IN_EXP - e, ctx->stochastic, key, idx);
+    t = t < -128 ? -128 : (t > 127 ? 127 : t);
+    return mexc_exp_table[t + 128];
+}
+
+int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
+                                const int32_t *labels, uint32_t valid, uint8_t *probs,
+                                const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const uint32_t key = mexc_site_key(ctx, tid, 0);
+    uint32_t r, j, rows = valid < n ? valid : n;
+    int32_t mx, srow, p, loss = 0;
+    for (r = 0; r < n; r++) {
+        const int8_t *m = logits + r * k;
+        mx = m[0];
+        for (j = 1; j < k; j++) mx = m[j] > mx ? m[j] : mx;
+        srow = 0;
+        for (j = 0; j < k; j++) srow += exp_lookup(m[j] - mx, e, ctx, key, r * k + j);
+        for (j = 0; j < k; j++) {
+            p = mexc_idiv_round(exp_lookup(m[j] - mx, e, ctx, key, r * k + j) << 8, (uint32_t)srow);
+            probs[r * k + j] = (uint8_t)(p < 255 ? p : 255);
+        }
+        if (r < rows) loss += mexc_nll_milli_table[probs[r * k + (uint32_t)labels[r]]];
+    }
+    return rows ? mexc_idiv_round(loss, rows) : 0;
+}
+
+int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
+                                 const int32_t *labels, uint32_t valid, int8_t *dx,
+                                 const mexc_ctx_t *ctx, uint32_t tid)
+{
+    uint32_t r, j, rows = valid < n ? valid : n, div = rows ? rows : 1u;
+    int32_t t, e_out = 0;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, MEXC_SOFTMAX_GRAD_EXP);
+        for (r = 0; r < n; r++)
+            for (j = 0; j < k; j++) {
+                t = 0;
+                if (r < rows) t = (int32_t)probs[r * k + j] - ((uint32_t)labels[r] == j ? 256 : 0);
+                mexc_sink_put(&sink, r * k + j, 0u, mexc_idiv_round(t * 128, div));
+            }
+    }
+    return e_out;
+}
+
+/* ------------------------------------------------------------------ add / grad_sum */
+
+int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint32_t n,
+                      int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    int32_t b[13], target, acc, e_out = 0;
+    uint32_t keys[13], i, k;
+    mexc_sink_t sink;
+    if (t == 1u) {
+        for (k = 0; k < n; k++) out[k] = x[0][k];
+        return e[0];
+    }
+    for (i = 0; i < t; i++) {
+        b[i] = 7;
+        keys[i] = mexc_site_key(ctx, tid, i);
+    }
+    target = mexc_aligned_target(t, e, b);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, t), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, target);
+        for (k = 0; k < n; k++) {
+            acc = 0;
+            for (i = 0; i < t; i++)
+                acc += mexc_shift_signed(x[i][k], target - e[i], ctx->stochastic, keys[i], k);
+            mexc_sink_put(&sink, k, 0u, acc);
+        }
+    }
+    return e_out;
+}
+
+int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
+                         int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const int8_t *x[2];
+    int32_t e[2];
+    x[0] = a;
+    x[1] = b;
+    e[0] = ea;
+    e[1] = eb;
+    return mexc_grad_sum(2u, x, e, n, out, ctx, tid);
+}

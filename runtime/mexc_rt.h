@@ -1,0 +1,145 @@
+/* mexc runtime: integer primitives, bit-exact with mexc/numerics.py (spec: docs/numerics.md).
+ *
+ * Plain C99, no floating point, no malloc, no recursion, no libc. Only 32-bit arithmetic except
+ * where the reference needs more (documented per function); 32-bit division only, so a
+ * Cortex-M0 needs __aeabi_uidiv (and __aeabi_uldivmod for mexc_recip_of / mexc_isqrt64 only).
+ * Assumes two's complement with arithmetic right shift of negative values (gcc, clang).
+ */
+#ifndef MEXC_RT_H
+#define MEXC_RT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MEXC_SITES_PER_NODE 16u /* mexc.mx.SITES_PER_NODE: tid = rid * 16, site j -> tid + j */
+#define MEXC_GOLDEN32 0x9E3779B9u
+
+/* How a training step rounds (mexc.mx.RoundCtx). */
+typedef struct {
+    uint32_t seed;
+    uint32_t step;
+    int32_t bits;       /* mantissa bits B in 2..8 */
+    int32_t stochastic; /* 1: stochastic rounding, 0: nearest (round half up) */
+} mexc_ctx_t;
+
+/* ------------------------------------------------------------------ PRNG (numerics.mix32 ...) */
+uint32_t mexc_mix32(uint32_t x);                                     /* numerics.mix32 */
+uint32_t mexc_stream_key(uint32_t seed, uint32_t step, uint32_t tid); /* numerics.stream_key */
+uint32_t mexc_rand(uint32_t key, uint32_t idx);                      /* numerics.random_bits */
+uint32_t mexc_site_key(const mexc_ctx_t *ctx, uint32_t tid, uint32_t j); /* ctx.key(tid + j) */
+
+/* ------------------------------------------------------------------ small helpers */
+int32_t mexc_qmax(int32_t bits);        /* 2^(B-1) - 1 */
+int32_t mexc_bit_length(uint32_t v);    /* bits of v (0 for 0) */
+int32_t mexc_ceil_log2(uint32_t n);     /* numerics.ceil_log2 (n >= 1) */
+uint32_t mexc_uabs(int32_t x);          /* |x| as uint32 (2^31 for INT32_MIN) */
+int8_t mexc_saturate(int32_t x, int32_t bits); /* numerics.saturate */
+void mexc_fill32(int32_t *p, int32_t v, uint32_t n);
+
+/* ------------------------------------------------------------------ shifts */
+/* numerics.shift_right for one element (x int32, s >= 0, idx = flat element index). */
+int32_t mexc_shift_right(int32_t x, int32_t s, int32_t stoch, uint32_t key, uint32_t idx);
+int32_t mexc_shift_left(int32_t x, int32_t s);  /* exact; caller guarantees the fit */
+/* numerics.shift_signed: s > 0 rounded right shift, s < 0 exact left shift. */
+int32_t mexc_shift_signed(int32_t x, int32_t s, int32_t stoch, uint32_t key, uint32_t idx);
+/* numerics.shift_left_saturating (s >= 0), including its int64 wrap for s > ~54-bitlen. */
+int32_t mexc_shift_left_sat(int32_t x, int32_t s, int32_t limit_bits);
+/* numerics.shift_signed_saturating (LookupTable index path). */
+int32_t mexc_shift_signed_sat(int32_t x, int32_t s, int32_t stoch, uint32_t key, uint32_t idx);
+
+/* ------------------------------------------------------------------ compaction */
+int32_t mexc_compaction_shift(uint32_t max_abs, int32_t bits); /* numerics.compaction_shift */
+uint32_t mexc_max_abs(const int32_t *x, uint32_t n);
+/* numerics.compact per tensor: out = sat(shift_right(acc, s)), returns e + s. */
+int32_t mexc_compact(const int32_t *acc, int8_t *out, uint32_t n, int32_t e, int32_t bits,
+                     int32_t stoch, uint32_t key);
+/* numerics.compact(grouped=True): acc (G, per), e_in[G] -> out, e_out[G] (may alias e_in). */
+void mexc_compact_grouped(const int32_t *acc, int8_t *out, uint32_t groups, uint32_t per,
+                          const int32_t *e_in, int32_t *e_out, int32_t bits, int32_t stoch,
+                          uint32_t key);
+/* numerics.compact_to_bits: out = shift_right(x, s) with the smallest s such that
+ * max|x| <= 2^mag_bits * 2^s; returns s (exponent grows by s). out may alias x. */
+int32_t mexc_compact_to_bits(const int32_t *x, int32_t *out, uint32_t n, int32_t mag_bits,
+                             int32_t stoch, uint32_t key);
+
+/* ------------------------------------------------------------------ aligned sum */
+/* Target exponent of numerics.aligned_sum for m terms with exponents e[i] and bounds b[i]:
+ * max(min e_i, max(e_i + b_i) + c - 31), c = bit_length(m) for m >= 2, 0 for m = 1. */
+int32_t mexc_aligned_target(uint32_t m, const int32_t *e, const int32_t *b);
+/* numerics.aligned_sum of m same-shape terms x[i] (n elements, per-tensor exponents):
+ * out[k] = sum_i shift_signed(x_i[k], target - e_i, key_i, k). Returns the target. */
+int32_t mexc_aligned_sum(uint32_t m, const int32_t *const *x, const int32_t *e, const int32_t *b,
+                         int32_t *out, uint32_t n, int32_t stoch, const uint32_t *keys);
+
+/* ------------------------------------------------------------------ divide by constant */
+typedef struct {
+    uint32_t divisor, pow2, odd, mult, shift;
+} mexc_recip_t;
+mexc_recip_t mexc_recip_of(uint32_t divisor);              /* numerics.Reciprocal.of */
+int32_t mexc_div_const(int32_t x, const mexc_recip_t *r); /* numerics.div_const; e -= pow2 */
+
+/* ------------------------------------------------------------------ sqrt and division */
+uint32_t mexc_isqrt32(uint32_t n); /* floor(sqrt(n)), digit by digit */
+uint32_t mexc_isqrt64(uint64_t n); /* floor(sqrt(n)), n < 2^64 */
+int32_t mexc_idiv_round(int32_t a, uint32_t b); /* numerics.idiv_round, b > 0 */
+int32_t mexc_idiv_floor(int32_t a, uint32_t b); /* numerics.idiv_floor, b > 0 */
+
+/* ------------------------------------------------------------------ weight update */
+typedef struct {
+    int32_t num, shift; /* numerics.FixedScalar: value = num * 2^-shift */
+} mexc_fixed_t;
+
+typedef struct {
+    int32_t bits;
+    int32_t stochastic;
+    mexc_fixed_t lr, momentum, weight_decay;
+} mexc_update_cfg_t;
+
+#define MEXC_UPDATE_SITES 9u
+void mexc_update_keys(uint32_t seed, uint32_t step, uint32_t tid_base, uint32_t keys[9]);
+/* Scratch (int32 words) of mexc_sgd_momentum_update for G groups. */
+#define MEXC_SGD_SCRATCH(G) (2u * (uint32_t)(G))
+/* numerics.sgd_momentum_update. w (G*per) int8 with exponent *w_exp (updated); grad_acc int32
+ * (G*per) with exponent grad_exp -- DESTROYED (used as the work buffer); v (G*per) int8 and
+ * v_exp[G] updated in place. keys from mexc_update_keys. */
+void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad_acc, int32_t grad_exp,
+                              int8_t *v, int32_t *v_exp, uint32_t groups, uint32_t per,
+                              const mexc_update_cfg_t *cfg, const uint32_t keys[9],
+                              int32_t *scratch);
+/* numerics.reactive_rescale: w_acc (n) -> w (int8); returns the new exponent. */
+int32_t mexc_reactive_rescale(const int32_t *w_acc, int8_t *w, uint32_t n, int32_t w_exp,
+                              int32_t bits, int32_t stoch, uint32_t key);
+
+/* ------------------------------------------------------------------ checksum */
+#define MEXC_FNV64_OFFSET 0xCBF29CE484222325ull
+uint64_t mexc_fnv1a64(const void *data, uint32_t nbytes, uint64_t h);
+/* exponents hashed as int32 little-endian (independent of the host byte order) */
+uint64_t mexc_fnv1a64_i32(const int32_t *e, uint32_t n, uint64_t h);
+/* 16 lowercase hex digits + NUL into out[17] */
+void mexc_hex64(uint64_t h, char out[17]);
+
+/* ------------------------------------------------------------------ two-pass compaction sink
+ * Kernels produce their int32 accumulator element by element twice instead of storing it:
+ * pass 0 collects max|acc| (per tensor or per channel), pass 1 rounds with the final shift.
+ * The PRNG index is the flat element index, so the order of production does not matter. */
+typedef struct {
+    int32_t pass;      /* 0: scan, 1: write */
+    int32_t stoch;
+    int32_t bits;
+    uint32_t key;
+    uint32_t amax;     /* per tensor max (pass 0) */
+    int32_t shift;     /* per tensor shift (pass 1) */
+    uint32_t *camax;   /* per channel max (compact_common) or NULL */
+    int32_t *cshift;   /* per channel shift (compact_common) or NULL */
+    int8_t *out;
+} mexc_sink_t;
+
+void mexc_sink_init(mexc_sink_t *k, int8_t *out, const mexc_ctx_t *ctx, uint32_t key,
+                    uint32_t *camax, int32_t *cshift, uint32_t channels);
+void mexc_sink_put(mexc_sink_t *k, uint32_t idx, uint32_t ch, int32_t v);
+/* After pass 0, per tensor: fix the shift, return e + s. */
+int32_t mexc_sink_finish(mexc_sink_t *k, int32_t e);
+/* After pass 0, compact_common: e_c[channels] -> per-channel shifts; returns E. */
+int32_t mexc_sink_finish_common(mexc_sink_t *k, const int32_t *e_c, uint32_t channels);
+
+#endif /* MEXC_RT_H */

@@ -1,0 +1,108 @@
+/* Integer SGD with momentum: the C form of numerics.sgd_momentum_update / reactive_rescale. */
+#include "mexc_rt.h"
+
+void mexc_update_keys(uint32_t seed, uint32_t step, uint32_t tid_base, uint32_t keys[9])
+{
+    uint32_t j;
+    for (j = 0; j < MEXC_UPDATE_SITES; j++) keys[j] = mexc_stream_key(seed, step, tid_base + j);
+}
+
+/* numerics.compact(grouped=True) on a (G, per) int32 buffer, result kept in place (int32 holding
+ * B-bit values); e[g] += s_g. */
+static void compact_groups_inplace(int32_t *acc, uint32_t groups, uint32_t per, int32_t *e,
+                                   int32_t bits, int32_t stoch, uint32_t key)
+{
+    uint32_t g, i, base;
+    int32_t s;
+    for (g = 0; g < groups; g++) {
+        base = g * per;
+        s = mexc_compaction_shift(mexc_max_abs(acc + base, per), bits);
+        for (i = base; i < base + per; i++)
+            acc[i] = mexc_saturate(mexc_shift_right(acc[i], s, stoch, key, i), bits);
+        e[g] += s;
+    }
+}
+
+/* Two-term per-group aligned_sum: acc[i] = align(x1[i]) + align(x2[i]); e_x1 per group,
+ * x1 = m1[i] * f1 (int8 source) or buf[i] (f1 = 0); x2 = buf[i] or m2[i] * f2. */
+static int32_t target2(int32_t e1, int32_t b1, int32_t e2, int32_t b2)
+{
+    int32_t e[2], b[2];
+    e[0] = e1;
+    e[1] = e2;
+    b[0] = b1;
+    b[1] = b2;
+    return mexc_aligned_target(2u, e, b);
+}
+
+int32_t mexc_reactive_rescale(const int32_t *w_acc, int8_t *w, uint32_t n, int32_t w_exp,
+                              int32_t bits, int32_t stoch, uint32_t key)
+{
+    int32_t q = mexc_qmax(bits), s = 0;
+    uint32_t m = mexc_max_abs(w_acc, n), i;
+    if (m > (uint32_t)q) {
+        s = mexc_compaction_shift(m, bits);
+        for (i = 0; i < n; i++)
+            w[i] = mexc_saturate(mexc_shift_right(w_acc[i], s, stoch, key, i), bits);
+        return w_exp + s;
+    }
+    if (m == 0u) {
+        for (i = 0; i < n; i++) w[i] = mexc_saturate(w_acc[i], bits);
+        return w_exp;
+    }
+    while ((m << (s + 1)) <= (uint32_t)q) s++;
+    for (i = 0; i < n; i++) w[i] = mexc_saturate(mexc_shift_left(w_acc[i], s), bits);
+    return w_exp - s;
+}
+
+void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp,
+                              int8_t *v, int32_t *v_exp, uint32_t groups, uint32_t per,
+                              const mexc_update_cfg_t *cfg, const uint32_t keys[9],
+                              int32_t *scratch)
+{
+    const int32_t bits = cfg->bits, st = cfg->stochastic, b = bits - 1;
+    int32_t *e_g = scratch, *e_m = scratch + groups;
+    int32_t t, we = *w_exp, mb, d, u, sh;
+    uint32_t g, i, base;
+    /* 1. g = compact(grad_acc) per group [0] */
+    mexc_fill32(e_g, grad_exp, groups);
+    compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
+    /* 2. g = compact(g + wd * w) [1, 2], [3] */
+    if (cfg->weight_decay.num) {
+        int32_t wd = cfg->weight_decay.num, wd_exp = we - cfg->weight_decay.shift;
+        int32_t wd_bits = b + mexc_bit_length((uint32_t)wd);
+        for (g = 0; g < groups; g++) {
+            base = g * per;
+            t = target2(e_g[g], b, wd_exp, wd_bits);
+            for (i = base; i < base + per; i++)
+                grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[1], i) +
+                          mexc_shift_signed((int32_t)w[i] * wd, t - wd_exp, st, keys[2], i);
+            e_g[g] = t;
+        }
+        compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[3]);
+    }
+    /* 3. v = compact(momentum * v + g) [4, 5], [6] */
+    mb = b + (cfg->momentum.num ? mexc_bit_length((uint32_t)cfg->momentum.num) : 1);
+    for (g = 0; g < groups; g++) {
+        int32_t me = v_exp[g] - cfg->momentum.shift;
+        base = g * per;
+        t = target2(me, mb, e_g[g], b);
+        for (i = base; i < base + per; i++)
+            grad[i] = mexc_shift_signed((int32_t)v[i] * cfg->momentum.num, t - me, st, keys[4], i) +
+                      mexc_shift_signed(grad[i], t - e_g[g], st, keys[5], i);
+        e_m[g] = t;
+    }
+    mexc_compact_grouped(grad, v, groups, per, e_m, v_exp, bits, st, keys[6]);
+    /* 4-5. w_acc = w - align(lr * v to w_exp) [7] */
+    for (g = 0; g < groups; g++) {
+        base = g * per;
+        d = we - (v_exp[g] - cfg->lr.shift);
+        for (i = base; i < base + per; i++) {
+            u = (int32_t)v[i] * cfg->lr.num;
+            sh = d >= 0 ? mexc_shift_right(u, d, st, keys[7], i) : mexc_shift_left_sat(u, -d, 30);
+            grad[i] = (int32_t)w[i] - sh;
+        }
+    }
+    /* 6. reactive rescale [8] */
+    *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[8]);
+}
