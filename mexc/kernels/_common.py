@@ -361,3 +361,109 @@ def int_matmul(a: np.ndarray, b: np.ndarray, amax: int = 127, bmax: int = 127) -
         out = np.matmul(i64(a), i64(b))
     check_int32(out, "product")
     return out
+
+
+# ------------------------------------------------------------------------------ blocked fast paths
+# The same arithmetic as fast_element_bits / round_shift32, processed in blocks of rows along
+# axis 0 so the PRNG words and the temporaries stay in cache (a large speedup on big tensors).
+
+BLOCK_ELEMS = 1 << 15
+_BASE_BITS: list[np.ndarray] = []
+
+
+def _golden_base(n: int) -> np.ndarray:
+    """index * GOLDEN32 (mod 2^32) for index 0..n-1 (cached, grown on demand)."""
+    if not _BASE_BITS or _BASE_BITS[0].size < n:
+        with np.errstate(over="ignore"):
+            g = np.arange(max(n, BLOCK_ELEMS), dtype=_U32) * _U32(GOLDEN32)
+        _BASE_BITS[:] = [g]
+    return _BASE_BITS[0][:n]
+
+
+def element_bits_into(v: np.ndarray, tmp: np.ndarray, key: int, start: int) -> np.ndarray:
+    """Write fast_element_bits(key, .) of the flat indices start .. start + v.size - 1 into the
+    contiguous uint32 array v (tmp: scratch uint32 of the same size). Returns v."""
+    n = v.size
+    vf = v.reshape(-1)
+    t = tmp.reshape(-1)[:n]
+    with np.errstate(over="ignore"):
+        np.add(_golden_base(n), _U32((start * GOLDEN32) & 0xFFFFFFFF), out=vf)
+        vf ^= _U32(key & 0xFFFFFFFF)
+        np.right_shift(vf, _U32(16), out=t)
+        vf ^= t
+        vf *= _U32(0x7FEB352D)
+        np.right_shift(vf, _U32(15), out=t)
+        vf ^= t
+        vf *= _U32(0x846CA68B)
+        np.right_shift(vf, _U32(16), out=t)
+        vf ^= t
+    return v
+
+
+def block_rows(shape: tuple[int, ...]) -> int:
+    """Rows (along axis 0) per block of about BLOCK_ELEMS elements."""
+    row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    return max(1, BLOCK_ELEMS // max(row, 1))
+
+
+class RoundBlocks:
+    """Per-block rounding offsets r of numerics.shift_right with a shift s that broadcasts
+    against blocks of rows (s has leading dimension 1 or fewer dimensions than the data).
+
+    offsets(i0, b) fills the int32 block b (rows i0 .. i0 + len(b) - 1 of a tensor whose row has
+    `row` elements) with r = bits & (2^s - 1) (stochastic) or 2^(s-1) (nearest)."""
+
+    def __init__(self, s: np.ndarray | int, rounding: Rounding, key: int, row: int) -> None:
+        s32 = np.asarray(s, dtype=np.int64).astype(np.int32)
+        self.mask = (np.int32(1) << s32) - np.int32(1)
+        self.half = (np.int32(1) << s32) >> np.int32(1)
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"unknown rounding {rounding!r}")
+        self.stochastic = rounding == "stochastic"
+        self.key = key
+        self.row = row
+        self._tmp: np.ndarray | None = None
+
+    def offsets(self, i0: int, b: np.ndarray) -> np.ndarray:
+        if self.stochastic:
+            if self._tmp is None or self._tmp.size < b.size:
+                self._tmp = np.empty(b.size, _U32)
+            element_bits_into(b.view(_U32), self._tmp, self.key, i0 * self.row)
+            b &= self.mask
+        else:
+            b[...] = self.half
+        return b
+
+
+def round_shift_blocked(
+    x: np.ndarray,
+    s: np.ndarray | int,
+    amax: int,
+    rounding: Rounding,
+    key: int,
+    out_dtype: type = np.int32,
+) -> np.ndarray | None:
+    """== round_shift32(x, s, amax, rounding, key, out_dtype) (None in the same cases), computed
+    in blocks of rows. s must broadcast against x with a leading dimension of 1 (or fewer dims)."""
+    sv = np.asarray(s, dtype=np.int64)
+    if sv.size == 0 or x.size == 0 or x.ndim == 0:
+        return None
+    smin, smax = int(sv.min()), int(sv.max())
+    if smin < 0 or smax > 30 or amax + (1 << smax) - 1 >= 2**31:
+        return None
+    if sv.ndim > x.ndim or (sv.ndim == x.ndim and sv.shape[0] != 1):
+        return round_shift32(x, s, amax, rounding, key, out_dtype)
+    s32 = sv.astype(np.int32)
+    n = x.shape[0]
+    rows = block_rows(x.shape)
+    row = x.size // n
+    rb = RoundBlocks(sv, rounding, key, row)
+    out = np.empty(x.shape, out_dtype)
+    buf = np.empty((min(rows, n),) + x.shape[1:], np.int32)
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        b = rb.offsets(i0, buf[: i1 - i0])
+        b += x[i0:i1]
+        b >>= s32
+        out[i0:i1] = b
+    return out

@@ -21,6 +21,13 @@ def _mask(x_or_mask: MX | np.ndarray) -> np.ndarray:
 
 def relu_backward(dy: MX, x_or_mask: MX | np.ndarray) -> MX:
     """dx = dy where x > 0 (x = the ReLU input or output, or a boolean mask), else 0."""
+    dm = np.asarray(dy.m)
+    if dm.dtype == np.int8:
+        mask = _mask(x_or_mask)
+        if mask.shape == dm.shape:
+            out = np.negative(mask.view(np.int8))  # 0 / -1 (all bits set): a new array
+            out &= dm
+            return MX(out, dy.e)
     return MX(np.where(_mask(x_or_mask), dy.m, 0).astype(np.int8), dy.e)
 
 

@@ -12,14 +12,18 @@ import numpy as np
 
 from mexc.kernels._common import (
     MAG,
+    RoundBlocks,
     aligned_sum_fast,
     bit_length,
+    block_rows,
     compact_common,
     compact_mx,
+    debug_on,
     fast_compact_to_bits,
     fast_shift_right,
     fit_product,
     i64,
+    round_shift_blocked,
     scalar_exp,
     site_key,
 )
@@ -29,8 +33,10 @@ from mexc.numerics import (
     ceil_log2,
     check_int32,
     compact,
+    compaction_shift,
     idiv_round,
     isqrt,
+    product_cap,
     shift_left,
     shift_left_saturating,
     shift_signed,
@@ -124,6 +130,180 @@ def _affine(
     return compact_mx(acc.reshape(shape), e, ctx, site_key(ctx, tid, j + 2))
 
 
+def _var_shift(amax: np.ndarray, m: int) -> np.ndarray:
+    """Per-channel pre-shift r: smallest with m * ceil(amax / 2^r)^2 <= 2^31 - 1."""
+    r = np.zeros(amax.shape, np.int64)
+    while True:
+        top = -((-amax) >> r)  # ceil(amax / 2^r)
+        over = m * top * top > 2**31 - 1
+        if not np.any(over):
+            return r
+        r = np.where(over, r + 1, r)
+
+
+def _compact_plan(amax: np.ndarray, e_grp: np.ndarray, bits: int) -> tuple[int, np.ndarray]:
+    """compact_common's target exponent and per-group shifts for exact per-group max |acc|."""
+    s = compaction_shift(amax, bits)
+    cand = e_grp + s
+    e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(e_grp.max())
+    return e_out, e_out - e_grp
+
+
+def _forward_train_fast(
+    x: MX, gamma: MX, beta: MX, eps: float | FixedScalar, ctx: RoundCtx, tid: int
+) -> tuple[MX, BatchNormSaved] | None:
+    """Bit-identical blocked int32 form of batchnorm_forward_train for int8 input (None when a
+    precondition of the int32 arithmetic fails: the checked reference path then runs).
+
+    The input is int8, so |xc| <= 254 * 2^f <= 65024 and xc * rstd < 65024 * 2^15 < 2^31; the
+    per-channel max |xc| follows exactly from the channel max/min of the input, and max |xc * rstd|
+    = max |xc| * rstd (rstd > 0), so no scan of xc or of the product is needed. The work runs in
+    blocks of batch rows that stay in cache; the random words use the same flat indices."""
+    xm = np.asarray(x.m)
+    if xm.dtype != np.int8 or xm.ndim not in (2, 4) or x.e.ndim != 0:
+        return None
+    if gamma.e.ndim != 0 or beta.e.ndim != 0:
+        return None
+    ex = int(x.e)
+    shape = xm.shape
+    n, c = shape[0], shape[1]
+    x3 = xm.reshape(n, c, -1)
+    sp = x3.shape[2]
+    m = n * sp
+    if m < 2 or n == 0:
+        return None
+    f = mean_frac_bits(m)
+    ssum = x3.sum(axis=(0, 2), dtype=np.int64)
+    xmax = x3.max(axis=(0, 2)).astype(np.int64)
+    xmin = x3.min(axis=(0, 2)).astype(np.int64)
+    mu = idiv_round(ssum << f, m)  # exponent ex - f
+    e_c = ex - f
+    amax = np.maximum((xmax << f) - mu, mu - (xmin << f))  # == max |xc| per channel
+    r = _var_shift(amax, m)
+    if int(r.max()) > 30 or int(amax.max()) + (1 << int(r.max())) >= 2**31:
+        return None
+    rows = block_rows(x3.shape)
+    row = c * sp
+    mu32 = mu.astype(np.int32).reshape(1, c, 1)
+    r32 = r.astype(np.int32).reshape(1, c, 1)
+    xc = np.empty((min(rows, n), c, sp), np.int32)
+    buf = np.empty_like(xc)
+    rb = RoundBlocks(r.reshape(1, c, 1), ctx.rounding, site_key(ctx, tid, 0), row)
+    vsum = np.zeros(c, np.int64)
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        xb = xc[: i1 - i0]
+        np.left_shift(x3[i0:i1], np.int32(f), out=xb, dtype=np.int32)
+        xb -= mu32
+        b = rb.offsets(i0, buf[: i1 - i0])
+        b += xb
+        b >>= r32
+        b *= b  # |tq| <= ceil(amax / 2^r): the square and the channel sums fit int32
+        vsum += b.sum(axis=2, dtype=np.int64).sum(axis=0)
+    sv = np.maximum(30 - bit_length(vsum), 0)
+    vnum = vsum << sv
+    var_m = idiv_round(vnum, m)
+    var_u = idiv_round(vnum, m - 1)
+    ev = 2 * (e_c + r) - sv
+    rstd, rstd_e = _rstd(var_m, ev, _eps_fixed(eps))
+    # xhat = compact_common(xc * rstd) with the exact per-channel max |xc * rstd|
+    pmax = amax * rstd
+    e_x, sh = _compact_plan(pmax, e_c + rstd_e, ctx.bits)
+    if int(sh.max()) > 30 or int(pmax.max()) >= 2**31:
+        return None
+    split = int(pmax.max()) + (1 << int(sh.max())) - 1 >= 2**31
+    sh32 = sh.astype(np.int32).reshape(1, c, 1)
+    rstd32 = rstd.astype(np.int32).reshape(1, c, 1)
+    low_mask = ((np.int32(1) << sh32) - np.int32(1)) if split else None
+    rb = RoundBlocks(sh.reshape(1, c, 1), ctx.rounding, site_key(ctx, tid, 1), row)
+    xh = np.empty(x3.shape, np.int8)
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        xb = xc[: i1 - i0]
+        np.left_shift(x3[i0:i1], np.int32(f), out=xb, dtype=np.int32)
+        xb -= mu32
+        xb *= rstd32
+        b = rb.offsets(i0, buf[: i1 - i0])
+        if split:  # floor((a + r) / 2^s) = (a >> s) + (((a & mask) + r) >> s), no overflow
+            b += xb & low_mask
+            b >>= sh32
+            xb >>= sh32
+            b += xb
+        else:
+            b += xb
+            b >>= sh32
+        xh[i0:i1] = b
+    xhat = MX.of(xh.reshape(shape), e_x)
+    y = _affine_fast(xh, xhat, gamma, beta, ctx, tid, 2, shape)
+    if y is None:
+        y = _affine(xhat, gamma, beta, ctx, tid, 2, shape)
+    saved = BatchNormSaved(
+        xhat=xhat,
+        rstd=rstd,
+        rstd_e=rstd_e,
+        gamma=gamma,
+        mean=Acc(mu, np.asarray(e_c, np.int64)),
+        var=Acc(var_m, ev),
+        var_unbiased=Acc(var_u, ev),
+        count=m,
+    )
+    return y, saved
+
+
+def _affine_fast(
+    xh: np.ndarray,
+    xhat: MX,
+    gamma: MX,
+    beta: MX,
+    ctx: RoundCtx,
+    tid: int,
+    j: int,
+    shape: tuple[int, ...],
+) -> MX | None:
+    """_affine when the product term needs no shift (the target exponent is its own): then
+    acc = xhat * gamma + aligned(beta) per channel, whose max |.| follows from the channel
+    max/min of xhat; output compaction in blocks. xh: the (N, C, S) int8 mantissas of xhat."""
+    eg, eb = scalar_exp(gamma, "gamma"), scalar_exp(beta, "beta")
+    n, c, sp = xh.shape
+    e_p = int(xhat.e) + eg
+    keys = [site_key(ctx, tid, j), site_key(ctx, tid, j + 1)]
+    b = i64(beta.m)[None, :, None]
+    # beta's aligned value exactly as aligned_sum_fast computes it (the product term is zero
+    # here and, when its shift is 0, contributes its input unchanged)
+    ab, e = aligned_sum_fast(
+        [(np.zeros((1, c, 1), np.int64), e_p, 2 * MAG), (b, eb, MAG)], ctx.rounding, keys
+    )
+    if int(e) != e_p:
+        return None
+    g = i64(gamma.m)
+    hi = xh.max(axis=(0, 2)).astype(np.int64) * g + ab.reshape(c)
+    lo = xh.min(axis=(0, 2)).astype(np.int64) * g + ab.reshape(c)
+    amax = int(max(np.abs(hi).max(), np.abs(lo).max()))
+    s = int(compaction_shift(amax, ctx.bits))
+    if s > 30 or amax + (1 << s) - 1 >= 2**31:
+        return None
+    rows = block_rows(xh.shape)
+    rb = RoundBlocks(s, ctx.rounding, site_key(ctx, tid, j + 2), c * sp)
+    g32 = g.astype(np.int32).reshape(1, c, 1)
+    ab32 = ab.astype(np.int32).reshape(1, c, 1)
+    out = np.empty(xh.shape, np.int8)
+    buf = np.empty((min(rows, n), c, sp), np.int32)
+    acc = np.empty_like(buf)
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        a = acc[: i1 - i0]
+        np.multiply(xh[i0:i1], g32, out=a)
+        a += ab32
+        if s == 0:
+            out[i0:i1] = a
+            continue
+        bb = rb.offsets(i0, buf[: i1 - i0])
+        bb += a
+        bb >>= np.int32(s)
+        out[i0:i1] = bb
+    return MX.of(out.reshape(shape), int(e) + s)
+
+
 def batchnorm_forward_train(
     x: MX,
     gamma: MX,
@@ -137,6 +317,10 @@ def batchnorm_forward_train(
     Sites: 0 variance pre-shift, 1 xhat compaction, 2/3 affine alignment (gamma*xhat, beta),
     4 output compaction.
     """
+    if not debug_on():
+        fast = _forward_train_fast(x, gamma, beta, eps, ctx, tid)
+        if fast is not None:
+            return fast
     ex = scalar_exp(x, "batchnorm input")
     x3 = _as_ncs(x.m)
     n, c, s = x3.shape
@@ -197,6 +381,10 @@ def batchnorm_backward(
     4 bracket compaction to 16 bits, 5 gamma*rstd per-channel shift to 16 bits,
     6 dx compaction, 7 pre-shift of dy for dgamma if product_cap(M, 8) < 0.
     """
+    if not debug_on():
+        fast = _backward_fast(dy, saved, ctx, tid)
+        if fast is not None:
+            return fast
     ed = scalar_exp(dy, "dy")
     exh = scalar_exp(saved.xhat, "xhat")
     d3 = _as_ncs(dy.m)
@@ -235,6 +423,135 @@ def batchnorm_backward(
     dx = compact_common(dxa.reshape(dy.shape), int(e_bk) + e_f, 1, ctx, site_key(ctx, tid, 6))
     return (
         dx,
+        Acc(dgamma, np.asarray(e_dg, np.int64)),
+        Acc(dbeta, np.asarray(ed, np.int64)),
+    )
+
+
+def _shift_block(
+    v: np.ndarray, sh: int, rb: RoundBlocks | None, i0: int, buf: np.ndarray
+) -> np.ndarray:
+    """shift_signed(v, sh) of an int32 block (sh > 0 rounds with rb's offsets, no overflow)."""
+    if sh == 0:
+        return v
+    if sh < 0:
+        v <<= np.int32(-sh)
+        return v
+    assert rb is not None
+    b = rb.offsets(i0, buf)
+    b += v
+    b >>= np.int32(sh)
+    return b
+
+
+def _backward_fast(
+    dy: MX, saved: BatchNormSaved, ctx: RoundCtx, tid: int
+) -> tuple[MX, Acc, Acc] | None:
+    """Bit-identical blocked int32 form of batchnorm_backward for int8 dy and xhat when no dy
+    pre-shift is needed (product_cap(M, 8) >= 0); None when a precondition fails."""
+    dm, xm = np.asarray(dy.m), np.asarray(saved.xhat.m)
+    if dm.dtype != np.int8 or xm.dtype != np.int8 or dm.shape != xm.shape or dm.ndim not in (2, 4):
+        return None
+    if dy.e.ndim != 0 or saved.xhat.e.ndim != 0 or saved.gamma.e.ndim != 0:
+        return None
+    ed, exh = int(dy.e), int(saved.xhat.e)
+    n, c = dm.shape[0], dm.shape[1]
+    d3 = dm.reshape(n, c, -1)
+    xh = xm.reshape(n, c, -1)
+    sp = d3.shape[2]
+    m = n * sp
+    if n == 0 or m == 0 or product_cap(m, 8) < 0:
+        return None
+    dbeta = d3.sum(axis=(0, 2), dtype=np.int64)
+    dgamma = np.multiply(d3, xh, dtype=np.int16).sum(axis=2, dtype=np.int64).sum(axis=0)
+    e_dg = ed + exh
+    dg16, e_dg16 = fast_compact_to_bits(dgamma, e_dg, 15, ctx.rounding, site_key(ctx, tid, 0))
+    lg = ceil_log2(m)
+    keys = [site_key(ctx, tid, j) for j in (1, 2, 3)]
+    e3 = exh + int(e_dg16)
+    z = np.zeros((1, c, 1), np.int64)
+    # the per-channel term exactly as aligned_sum_fast aligns it (zero terms stay zero)
+    ab, e_t = aligned_sum_fast(
+        [(z, ed, MAG + lg), (-dbeta[None, :, None], ed, MAG + lg), (z, e3, MAG + 15)],
+        ctx.rounding,
+        keys,
+    )
+    target = int(e_t)
+    sh1, sh3 = target - ed, target - e3
+    b1, b3 = 127 * m, 127 * int(np.abs(dg16).max())
+    for sh, bound in ((sh1, b1), (sh3, b3)):
+        if sh > 30 or (sh > 0 and bound + (1 << sh) - 1 >= 2**31):
+            return None
+    if b1 << max(-sh1, 0) >= 2**31 or b3 << max(-sh3, 0) >= 2**31:
+        return None
+    row = c * sp
+    rows = block_rows(d3.shape)
+    rb1 = RoundBlocks(sh1, ctx.rounding, keys[0], row) if sh1 > 0 else None
+    rb3 = RoundBlocks(sh3, ctx.rounding, keys[2], row) if sh3 > 0 else None
+    ab32 = ab.astype(np.int32)
+    dg32 = (-dg16).astype(np.int32).reshape(1, c, 1)
+    shp = (min(rows, n), c, sp)
+    t1, t3, buf1, buf3 = (np.empty(shp, np.int32) for _ in range(4))
+    t64 = np.empty(shp, np.int64)
+    bk = np.empty(d3.shape, np.int32)
+    half = m // 2
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        k = i1 - i0
+        v1 = t1[:k]
+        np.multiply(d3[i0:i1], np.int32(m), out=v1, dtype=np.int32)
+        a1 = _shift_block(v1, sh1, rb1, i0, buf1[:k])
+        v3 = t3[:k]
+        np.multiply(xh[i0:i1], dg32, out=v3, dtype=np.int32)
+        a3 = _shift_block(v3, sh3, rb3, i0, buf3[:k])
+        a1 += a3
+        a1 += ab32
+        w = t64[:k]
+        np.abs(a1, out=w, dtype=np.int64)
+        w += half
+        w //= m
+        neg = a1 < 0
+        np.negative(w, out=w, where=neg)
+        bk[i0:i1] = w
+    amax_bk = int(max(int(bk.max()), -int(bk.min())))
+    s4 = 0
+    while amax_bk > (1 << 15) << s4:
+        s4 += 1
+    if s4:
+        bk16 = round_shift_blocked(bk, s4, amax_bk, ctx.rounding, site_key(ctx, tid, 4))
+        if bk16 is None:
+            return None
+    else:
+        bk16 = bk
+    e_bk = e_t + s4
+    eg = scalar_exp(saved.gamma, "gamma")
+    fac = i64(saved.gamma.m) * saved.rstd  # |.| <= 127 * 2^15
+    sf = np.maximum(bit_length(fac) - 15, 0)
+    f16 = fast_shift_right(fac, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
+    e_f = eg + saved.rstd_e + sf
+    cmax = np.maximum(
+        bk16.max(axis=(0, 2)).astype(np.int64), -bk16.min(axis=(0, 2)).astype(np.int64)
+    )
+    amax = cmax * np.abs(f16)
+    e_out, shc = _compact_plan(amax, int(e_bk) + e_f, ctx.bits)
+    smax = int(shc.max())
+    if smax > 30 or int(amax.max()) + (1 << smax) - 1 >= 2**31:
+        return None
+    rb6 = RoundBlocks(shc.reshape(1, c, 1), ctx.rounding, site_key(ctx, tid, 6), row)
+    sh32 = shc.astype(np.int32).reshape(1, c, 1)
+    f32 = f16.astype(np.int32).reshape(1, c, 1)
+    dx = np.empty(d3.shape, np.int8)
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        k = i1 - i0
+        v = t1[:k]
+        np.multiply(bk16[i0:i1], f32, out=v)
+        b = rb6.offsets(i0, buf1[:k])
+        b += v
+        b >>= sh32
+        dx[i0:i1] = b
+    return (
+        MX.of(dx.reshape(dm.shape), e_out),
         Acc(dgamma, np.asarray(e_dg, np.int64)),
         Acc(dbeta, np.asarray(ed, np.int64)),
     )

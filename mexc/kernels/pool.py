@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from mexc.kernels._common import MAG, compact_mx, fast_compact_to_bits, i64, scalar_exp, site_key
+from mexc.kernels._common import (
+    MAG,
+    abs_max,
+    compact_mx,
+    debug_on,
+    fast_compact_to_bits,
+    i64,
+    scalar_exp,
+    site_key,
+)
 from mexc.kernels.conv import IntPair, _pair
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import (
@@ -34,11 +43,58 @@ def maxpool2d_forward(
     is the offset i*KW + j inside the window of the first maximum (row-major), int8/int64."""
     k = _pair(kernel)
     s = _pair(stride if stride is not None else kernel)
+    if k == (2, 2) and s == (2, 2) and _pair(padding) == (0, 0):
+        fast = _maxpool2x2(x)
+        if fast is not None:
+            return fast
     win = _windows(np.asarray(x.m, np.int16), k, s, _pair(padding), -(1 << 14))
     flat = win.reshape(win.shape[:4] + (k[0] * k[1],))
     arg = flat.argmax(axis=-1)
     y = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
     return MX(y.astype(np.int8), x.e), arg
+
+
+def _maxpool2x2(x: MX) -> tuple[MX, np.ndarray] | None:
+    """Kernel 2, stride 2, no padding on int8 input: the four strided views compared directly.
+    The first maximum wins ties (offsets 0 < 1 < 2 < 3), as argmax over the window does."""
+    xm = np.asarray(x.m)
+    if xm.dtype != np.int8 or xm.ndim != 4 or xm.shape[2] < 2 or xm.shape[3] < 2:
+        return None
+    oh, ow = xm.shape[2] // 2, xm.shape[3] // 2
+    v = xm[:, :, : 2 * oh, : 2 * ow]
+    a, b = v[:, :, 0::2, 0::2], v[:, :, 0::2, 1::2]
+    c, d = v[:, :, 1::2, 0::2], v[:, :, 1::2, 1::2]
+    top = np.maximum(a, b)
+    bot = np.maximum(c, d)
+    bit = np.greater(b, a).view(np.int8)  # new arrays: the int8 views are ours
+    bit_bot = np.greater(d, c).view(np.int8)
+    lower = np.greater(bot, top).view(np.int8)
+    y = np.maximum(top, bot)
+    bit_bot ^= bit
+    bit_bot &= np.negative(lower)
+    bit ^= bit_bot  # the winning pair's in-pair offset
+    lower <<= np.int8(1)
+    bit += lower
+    return MX(y, x.e), bit.astype(np.intp)
+
+
+def _maxpool2x2_backward(dy: MX, argmax: np.ndarray, x_shape: tuple[int, ...]) -> np.ndarray | None:
+    """Scatter of int8 dy for kernel == stride == 2, no padding (no overlap: dy lands exactly)."""
+    dm = np.asarray(dy.m)
+    if dm.dtype != np.int8 or len(x_shape) != 4 or dm.ndim != 4:
+        return None
+    n, c, h, w = x_shape
+    oh, ow = dm.shape[2], dm.shape[3]
+    if dm.shape[:2] != (n, c) or oh != h // 2 or ow != w // 2 or argmax.shape != dm.shape:
+        return None
+    out = np.zeros((n, c, h, w), np.int8)
+    arg = argmax.astype(np.int8)
+    for i in range(2):
+        for j in range(2):
+            sel = np.equal(arg, 2 * i + j).view(np.int8)
+            np.negative(sel, out=sel)
+            np.bitwise_and(dm, sel, out=out[:, :, i : 2 * oh : 2, j : 2 * ow : 2])
+    return out
 
 
 def _scatter(
@@ -74,6 +130,10 @@ def maxpool2d_backward(
     overlap the result is dy's mantissas exactly; else compaction if it exceeds qmax (site 0)."""
     k = _pair(kernel)
     s = _pair(stride if stride is not None else kernel)
+    if k == (2, 2) and s == (2, 2) and _pair(padding) == (0, 0) and not debug_on():
+        fast = _maxpool2x2_backward(dy, np.asarray(argmax), tuple(x_shape))
+        if fast is not None and (not fast.size or abs_max(fast) <= qmax(ctx.bits)):
+            return MX(fast, dy.e)
     acc = _scatter(i64(dy.m), argmax, tuple(x_shape), k, s, _pair(padding))
     check_int32(acc, "maxpool2d_backward")
     if acc.size and int(np.abs(acc).max()) <= qmax(ctx.bits):
