@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import tempfile
@@ -239,15 +241,22 @@ class Program:
         arrays = {f"state/{k}": v for k, v in self.state_dict().items()}
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            z.comment = _DIGEST_TAG + b"0" * 64  # placeholder, patched below
+            z.writestr("meta.json", json.dumps(meta, indent=1))
+            z.writestr("program.mexir", self.ir)
+            for name, arr in arrays.items():
+                with z.open(name + ".npy", "w") as out:
+                    np.lib.format.write_array(out, np.asarray(arr, order="C"), allow_pickle=False)
+        data = buf.getvalue()
+        body = data[: -_DIGEST_LEN]
+        data = body + _DIGEST_TAG + hashlib.sha256(body).hexdigest().encode()
         try:
-            with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
-                z.writestr("meta.json", json.dumps(meta, indent=1))
-                z.writestr("program.mexir", self.ir)
-                for name, arr in arrays.items():
-                    with z.open(name + ".npy", "w") as out:
-                        np.lib.format.write_array(
-                            out, np.asarray(arr, order="C"), allow_pickle=False
-                        )
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -273,11 +282,32 @@ def _optimizer_from_json(d: dict[str, Any]) -> SGD:
     return SGD(d["lr"], d["momentum"], d["weight_decay"], kinds[d["schedule"]](**args))
 
 
+_DIGEST_TAG = b"mexc-sha256="
+_DIGEST_LEN = len(_DIGEST_TAG) + 64
+
+
+def _verified_bytes(p: Path) -> bytes:
+    """The checkpoint's bytes, after checking the SHA-256 of everything before its trailer."""
+    data = p.read_bytes()
+    body, trailer = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
+    if not trailer.startswith(_DIGEST_TAG):
+        raise CheckpointError(
+            f"{p} is not a complete mexc checkpoint (no integrity trailer): it is truncated or "
+            "was not written by mexc; use another checkpoint."
+        )
+    if hashlib.sha256(body).hexdigest().encode() != trailer[len(_DIGEST_TAG) :]:
+        raise CheckpointError(
+            f"checkpoint {p} is corrupt: its SHA-256 does not match the one recorded when it "
+            "was written; use another checkpoint."
+        )
+    return data
+
+
 def load(path: str | os.PathLike[str]) -> Program:
     """Load a checkpoint written by Program.save (no pickle); verifies its checksum."""
     p = Path(path)
     try:
-        with zipfile.ZipFile(p) as z:
+        with zipfile.ZipFile(io.BytesIO(_verified_bytes(p))) as z:
             meta = json.loads(z.read("meta.json"))
             if meta.get("format") != CHECKPOINT_FORMAT:
                 raise CheckpointError(

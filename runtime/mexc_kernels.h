@@ -118,7 +118,7 @@ int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const i
                                      mexc_bn_saved_t *saved, const mexc_ctx_t *ctx, uint32_t tid,
                                      int32_t *scratch);
 /* batchnorm_backward: dx (exponent *e_dx), dgamma[C] (exponent *e_dgamma), dbeta[C]
- * (exponent e_dy). Scratch: MEXC_BN_SCRATCH(C) + mexc_fit_scratch(N*C*S, N*S). */
+ * (exponent e_dy). dx = NULL skips the input gradient (dgamma and dbeta are unchanged). Scratch: MEXC_BN_SCRATCH(C) + mexc_fit_scratch(N*C*S, N*S). */
 void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t ed,
                              const mexc_bn_saved_t *saved, const int8_t *gamma, int32_t eg,
                              int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,

@@ -181,6 +181,7 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
         sh[i] = target - e[i];
         keys[i] = mexc_site_key(ctx, tid, 1u + i);
     }
+    if (dx == NULL) return; /* input gradient not needed (first layer): skip its passes */
     /* bk16 = compact_to_bits(bk, 15) [4]: scan max|bk| */
     for (idx = 0, nn = 0; nn < n; nn++)
         for (cc = 0; cc < c; cc++)

@@ -268,7 +268,7 @@ def _bn_grad(e: _Emit, n: Node) -> None:
     gm, eg = _x(e, n, 3)
     nn, c, s = _ncs(e.shape(n.out))
     e.need(6 * c + _fit_scratch(nn * c * s, nn * s))
-    dx = e.arena(n.out, "int8_t")
+    dx = e.arena(n.out, "int8_t") if n.out in e.offsets else "NULL"
     dg = e.arena(n.result(1), "int32_t")
     db = e.arena(n.result(2), "int32_t")
     edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))

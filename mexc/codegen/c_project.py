@@ -37,7 +37,7 @@ WARN := -std=c99 -Wall -Wextra -Wno-unused-parameter -Wno-unused-variable -Wno-u
 INC := -I. -I$(RT)
 HOST_CFLAGS ?= -O2
 MCU_FLAGS := -mcpu=$(CPU) -mthumb -mfloat-abi=soft -O2 -ffreestanding -fno-builtin \\
-             -ffunction-sections -fdata-sections -fstack-usage
+             -ffunction-sections -fdata-sections -fstack-usage -fcallgraph-info=su
 
 .PHONY: host mcu run-host run-qemu sizes clean
 host: train_host

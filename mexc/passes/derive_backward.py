@@ -30,8 +30,10 @@ class _Walker:
     b: GraphBuilder
     next_rid: int
     needs: dict[Value, bool] = field(default_factory=dict)
+    users: dict[Value, list[Node]] = field(default_factory=dict)
     types: dict[Value, TensorType] = field(default_factory=dict)
     param_grads: dict[str, Value] = field(default_factory=dict)
+    masked_relus: set[int] = field(default_factory=set)  # relus whose mask a max pool applied
 
     def type(self, v: Value) -> TensorType:
         return self.types[v]
@@ -145,6 +147,41 @@ def _pointwise(op: Op, saved: Callable[[Node], Value]) -> Rule:
     return rule
 
 
+def _relu_before_pool(w: _Walker, pool: Node) -> Node | None:
+    """The ReLU feeding a non-overlapping, unpadded max pool as its only consumer, if any."""
+    a = pool.attrs
+    src = w.g.node(pool.inputs[0].node)
+    overlapping = a.stride[0] < a.kernel[0] or a.stride[1] < a.kernel[1]
+    if src.op is not Op.RELU or overlapping or tuple(a.padding) != (0, 0):
+        return None
+    return src if len(w.users.get(src.out, [])) == 1 else None
+
+
+def _maxpool(w: _Walker, n: Node, dys: Grads) -> Grads:
+    """Max-pool gradient. After a ReLU the mask is applied at the pooled positions: the pooled
+    value is the ReLU output at the argmax, so the result is identical, and the full-size ReLU
+    output need not be kept for the backward pass (paper-style memory saving)."""
+    dy = dys[0]
+    assert dy is not None
+    x = n.inputs[0]
+    if not w.needs[x]:
+        return [None]
+    relu = _relu_before_pool(w, n)
+    if relu is not None:
+        dy = w.emit(Op.RELU_GRAD, [dy, n.out], mx(*w.type(n.out).shape), relu.loc).out
+        w.masked_relus.add(relu.id)
+    a = n.attrs
+    grad = w.emit(Op.MAXPOOL2D_GRAD, [dy, n.result(1)], mx(*w.type(x).shape), n.loc,
+                  kernel=a.kernel, stride=a.stride, padding=a.padding)
+    return [grad.out]
+
+
+def _relu(w: _Walker, n: Node, dys: Grads) -> Grads:
+    if n.id in w.masked_relus:
+        return [dys[0]]  # the max pool after it already applied the mask
+    return _pointwise(Op.RELU_GRAD, lambda m: m.out)(w, n, dys)
+
+
 def _add(w: _Walker, n: Node, dys: Grads) -> Grads:
     return [dys[0] if w.needs[v] else None for v in n.inputs]
 
@@ -172,9 +209,9 @@ RULES: dict[Op, Rule] = {
     Op.LINEAR: _linear,
     Op.COMPACT: _compact,
     Op.BATCHNORM: _batchnorm,
-    Op.RELU: _pointwise(Op.RELU_GRAD, lambda n: n.out),
+    Op.RELU: _relu,
     Op.RELU6: _pointwise(Op.RELU6_GRAD, lambda n: n.out),
-    Op.MAXPOOL2D: _pointwise(Op.MAXPOOL2D_GRAD, lambda n: n.result(1)),
+    Op.MAXPOOL2D: _maxpool,
     Op.AVGPOOL2D: _pointwise(Op.AVGPOOL2D_GRAD, _no_saved),
     Op.GLOBAL_AVGPOOL: _pointwise(Op.GLOBAL_AVGPOOL_GRAD, _no_saved),
     Op.DROPOUT: _pointwise(Op.DROPOUT_GRAD, lambda n: n.result(1)),
@@ -208,6 +245,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     for n in g.nodes:
         b.keep(n)
     w = _Walker(g, int(g.attr("bits", ctx.bits)), b, _max_rid(g) + 1, _needs_grad(g))
+    w.users = g.users()
     for n in g.nodes:
         for i, t in enumerate(n.types):
             w.types[n.result(i)] = t

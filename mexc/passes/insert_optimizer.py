@@ -3,7 +3,9 @@
 Requires: the joint forward/backward graph with outputs "grad:<param>" (after derive-backward).
 Ensures: every parameter has a velocity STATE (one exponent per slice along axis 0 when
   ctx.per_group_velocity, else one per tensor) and an SGD_UPDATE node reading the parameter, its
-  gradient accumulator and its velocity; every BATCHNORM has a BN_RUNNING_UPDATE of its running
+  gradient accumulator and its velocity, placed right after the last node that produces the
+  gradient or reads the parameter (so the int32 gradient dies early and a backend may update
+  the weight in place); every BATCHNORM has a BN_RUNNING_UPDATE of its running
   mean and variance. The outputs "grad:*" are replaced by "state:<name>" outputs: the new values the
   program writes back. The optimizer's momentum, weight decay and learning-rate schedule are graph
   attributes; the per-step learning rate is precomputed on the host as numerator/shift pairs.
@@ -28,29 +30,40 @@ def insert_optimizer(g: Graph, ctx: PassContext) -> Graph:
     params = {str(n.attrs.name): n for n in g.nodes_of(Op.PARAM)}
     b = GraphBuilder(g.next_id())
     velocity: dict[str, Value] = {}
+    velocity_types: dict[str, TensorType] = {}
     for name in sorted(grads):
         vt = _velocity_type(params[name].type, ctx.per_group_velocity)
+        velocity_types[name] = vt
         node = b.add(
             Op.STATE, (), vt, attrs(Op.STATE, name=f"{name}.velocity", role="velocity", owner=name)
         )
         velocity[name] = node.out
-    for n in g.nodes:
-        b.keep(n)
-    rid = 1 + max((int(n.attrs.rid) for n in g.nodes if hasattr(n.attrs, "rid")), default=-1)
-    outputs = [(k, v) for k, v in g.outputs if not k.startswith("grad:")]
+    # each update runs as soon as its gradient exists and nothing reads the old weight any
+    # more: the int32 gradient dies early (smaller arena); the results are the same
+    users = g.users()
+    position = {n.id: i for i, n in enumerate(g.nodes)}
+    after: dict[int, list[str]] = {}
     for name in sorted(grads):
         p = params[name]
-        vt = b.nodes[[x.out for x in b.nodes].index(velocity[name])].type
-        groups = p.type.shape[0] if vt.exp is Exp.AXIS0 else 1
-        upd = b.add(
-            Op.SGD_UPDATE,
-            [p.out, grads[name], velocity[name]],
-            (mx(*p.type.shape), vt),
-            attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid),
-            p.loc,
-        )
-        rid += 1
-        outputs += [(f"state:{name}", upd.result(0)), (f"state:{name}.velocity", upd.result(1))]
+        readers = [position[u.id] for u in users.get(p.out, [])]
+        ready = max([position[grads[name].node], *readers])
+        after.setdefault(g.nodes[ready].id, []).append(name)
+    rid = 1 + max((int(n.attrs.rid) for n in g.nodes if hasattr(n.attrs, "rid")), default=-1)
+    rid_of = {name: rid + i for i, name in enumerate(sorted(grads))}  # stable rounding sites
+    rid += len(grads)
+    outputs = [(k, v) for k, v in g.outputs if not k.startswith("grad:")]
+    for n in g.nodes:
+        b.keep(n)
+        for name in after.get(n.id, []):
+            p = params[name]
+            vt = velocity_types[name]
+            groups = p.type.shape[0] if vt.exp is Exp.AXIS0 else 1
+            upd = b.add(Op.SGD_UPDATE, [p.out, grads[name], velocity[name]],
+                        (mx(*p.type.shape), vt),
+                        attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid_of[name]),
+                        p.loc)
+            outputs += [(f"state:{name}", upd.result(0)),
+                        (f"state:{name}.velocity", upd.result(1))]
     for bn in g.nodes_of(Op.BATCHNORM):
         rm, rv = bn.inputs[3], bn.inputs[4]
         upd = b.add(

@@ -19,6 +19,8 @@ from mexc.pass_manager import PassContext
 from mexc.types import Kind, TensorType
 
 FORWARD_END_OPS = frozenset({Op.SOFTMAX_CE})
+# elementwise ops whose result may overwrite their first input when that input dies there
+IN_PLACE_OPS = frozenset({Op.RELU, Op.RELU6, Op.RELU_GRAD, Op.RELU6_GRAD, Op.RESHAPE})
 
 
 def type_bytes(t: TensorType) -> int:
@@ -45,6 +47,7 @@ class Slot:
     start: int  # position of the defining node
     end: int  # position of the last use
     offset: int  # arena offset (persistent values: offset in the state area)
+    alias_of: Value | None = None  # computed in place over this value's bytes
 
 
 @dataclass(frozen=True)
@@ -72,22 +75,60 @@ def _positions(g: Graph) -> dict[int, int]:
     return {nid: i for i, nid in enumerate(listed)}
 
 
-def _first_fit(items: list[tuple[int, int, int, Value]]) -> tuple[dict[Value, int], int]:
-    """items: (start, end, size, value). Largest first; place at the lowest offset that fits."""
+Item = tuple[int, int, int, Value]  # start, end, size, value
+
+ORDERS = {  # placement orders tried by the first-fit; the smallest arena wins
+    "size": lambda it: (-it[2], it[0]),
+    "start": lambda it: (it[0], -it[2]),
+    "duration": lambda it: (-(it[1] - it[0]), -it[2]),
+    "area": lambda it: (-(it[1] - it[0] + 1) * it[2], it[0]),
+}
+
+
+def _gaps(busy: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """(gap size, offset) of every 16-byte aligned free gap that holds `size`; the last is open."""
+    out, offset = [], 0
+    for lo, hi in busy:
+        if offset + size <= lo:
+            out.append((lo - offset, offset))
+        offset = max(offset, (hi + 15) // 16 * 16)
+    out.append((1 << 62, offset))
+    return out
+
+
+def _place(items: list[Item], best_fit: bool) -> tuple[dict[Value, int], int]:
+    """Place in the given order at the lowest (or the tightest) free offset over the lifetime."""
     placed: list[tuple[int, int, int, int]] = []  # start, end, offset, size
     offsets: dict[Value, int] = {}
     peak = 0
-    for start, end, size, v in sorted(items, key=lambda it: (-it[2], it[0])):
+    for start, end, size, v in items:
         busy = sorted((o, o + s) for (a, b, o, s) in placed if not (b < start or end < a))
-        offset = 0
-        for lo, hi in busy:
-            if offset + size <= lo:
-                break
-            offset = max(offset, (hi + 15) // 16 * 16)  # 16-byte aligned
+        gaps = _gaps(busy, size)
+        offset = min(gaps)[1] if best_fit else gaps[0][1]
         placed.append((start, end, offset, size))
         offsets[v] = offset
         peak = max(peak, offset + size)
     return offsets, peak
+
+
+def _first_fit(items: list[Item]) -> tuple[dict[Value, int], int]:
+    results = [_place(sorted(items, key=key), best) for key in ORDERS.values()
+               for best in (False, True)]
+    return min(results, key=lambda r: r[1])
+
+
+def _in_place_roots(g: Graph, pos: dict[int, int], last_use: dict[Value, int],
+                    in_arena: set[Value]) -> dict[Value, Value]:
+    """Results of IN_PLACE_OPS that may reuse their input's bytes -> the value owning them."""
+    roots: dict[Value, Value] = {}
+    for n in g.nodes:
+        if n.op not in IN_PLACE_OPS or not n.inputs:
+            continue
+        src = n.inputs[0]
+        same_size = type_bytes(g.type_of(src)) == type_bytes(n.type)
+        if src in in_arena and n.out in in_arena and same_size and last_use[src] == pos[n.id]:
+            roots[n.out] = roots.get(src, src)
+    return roots
 
 
 def plan(g: Graph) -> MemoryPlan:
@@ -119,23 +160,32 @@ def plan(g: Graph) -> MemoryPlan:
                 continue
             if n.op is Op.INPUT or n.op in (Op.SGD_UPDATE, Op.BN_RUNNING_UPDATE):
                 continue  # the batch lives in the caller's buffer; updates write state in place
+            if v not in last_use:
+                continue  # never read: a backend need not store it (e.g. BN dx of layer one)
             kind = "saved" if v in backward_reads and n.op not in (Op.LABEL,) else "transient"
             if kind == "saved":
                 saved_elems += t.numel
             start, stop = pos[n.id], last_use.get(v, pos[n.id])
             arena_items.append((start, stop, size, v))
             slots.append(Slot(v, kind, size, start, stop, -1))
-    offsets, peak = _first_fit(arena_items)
+    roots = _in_place_roots(g, pos, last_use, {v for *_, v in arena_items})
+    merged: dict[Value, tuple[int, int, int]] = {}
+    for start, stop, size, v in arena_items:
+        r = roots.get(v, v)
+        a, b, sz = merged.get(r, (start, stop, size))
+        merged[r] = (min(a, start), max(b, stop), max(sz, size))
+    offsets, peak = _first_fit([(a, b, sz, r) for r, (a, b, sz) in merged.items()])
     slots = [
         s
         if s.kind == "persistent"
-        else Slot(s.value, s.kind, s.nbytes, s.start, s.end, offsets[s.value])
+        else Slot(s.value, s.kind, s.nbytes, s.start, s.end, offsets[roots.get(s.value, s.value)],
+                  roots.get(s.value))
         for s in slots
     ]
     return MemoryPlan(
         tuple(slots),
         sum(s.nbytes for s in slots if s.kind == "persistent"),
-        sum(s.nbytes for s in slots if s.kind == "saved"),
+        sum(s.nbytes for s in slots if s.kind == "saved" and s.alias_of is None),
         peak,
         params,
         saved_elems,

@@ -26,10 +26,17 @@ def test_plan_is_consistent() -> None:
     # no two simultaneously live values overlap in the arena
     for i, a in enumerate(arena):
         for b in arena[i + 1 :]:
+            if a.alias_of == b.value or b.alias_of == a.value or (
+                a.alias_of is not None and a.alias_of == b.alias_of
+            ):
+                continue  # computed in place: sharing bytes is the point
             live_together = not (a.end < b.start or b.end < a.start)
             overlap = a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
             assert not (live_together and overlap), (a, b)
     assert mp.arena_bytes <= sum(s.nbytes for s in arena)
+    in_place = [s for s in arena if s.alias_of is not None]
+    assert in_place, "relu after BN should be computed in place"
+    assert all(any(r.value == s.alias_of and r.end <= s.start for r in arena) for s in in_place)
     assert mp.arena_bytes >= max(s.nbytes for s in arena)
     assert mp.saved_bytes > 0 and mp.persistent_bytes > 0
     ctx = context()
