@@ -149,6 +149,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         rounding=rounding_mode(args.rounding),
         instruments=instruments,
     )
+    if args.out:
+        _export(prog, args)
     mem = prog.memory_report()
     ratio = mem["formula_int_bytes"] / max(mem["formula_fp32_bytes"], 1)
     print(f"// ----- summary: {name} -----")
@@ -162,6 +164,28 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"formula int      {_kib(mem['formula_int_bytes'])}")
     print(f"formula FP32     {_kib(mem['formula_fp32_bytes'])}  (int/FP32 = {ratio:.3f})")
     return 0
+
+
+def _export(prog: Any, args: argparse.Namespace) -> None:
+    """--target c --out DIR: write the standalone C training project."""
+    from mexc.data import get_dataset
+
+    if args.target != "c":
+        raise CliError("--out writes a C project and needs --target c")
+    if args.steps <= 0:
+        raise CliError(f"--steps must be positive, got {args.steps}")
+    x, y = get_dataset(args.train_data, "train")
+    want = prog.batch * min(args.steps, args.data_batches)
+    if tuple(x.shape[1:]) != prog.input_shape:
+        raise CliError(
+            f"--train-data {args.train_data} has inputs of shape {list(x.shape[1:])}, "
+            f"the model was compiled for {list(prog.input_shape)}"
+        )
+    out = prog.export(args.out, board=args.board, data=(x[:want], y[:want]), steps=args.steps)
+    print(
+        f"C project written to {out} ({args.steps} steps over {want} embedded samples); "
+        f"build and run with: make -C {out} run-qemu   (or: make -C {out} run-host)"
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -267,6 +291,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dump-ir", metavar="DIR", help="write each stage to DIR/NN_<pass>.mexir")
     p.add_argument("--time-passes", action="store_true", help="print a pass timing table")
+    p.add_argument("--out", metavar="DIR", help="with --target c: write a standalone C project")
+    p.add_argument(
+        "--board",
+        default="mps2-an385",
+        choices=("mps2-an385", "host"),
+        help="board of the C project (default mps2-an385, QEMU's Cortex-M3 board)",
+    )
+    p.add_argument(
+        "--train-data",
+        default="digits",
+        help="dataset whose first samples the C project embeds (default digits)",
+    )
+    p.add_argument("--steps", type=int, default=10, help="training steps of the C project")
+    p.add_argument(
+        "--data-batches",
+        type=int,
+        default=16,
+        help="distinct batches embedded (steps wrap around them; default 16)",
+    )
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("train", help="train a model integer-only (optionally beside FP32)")

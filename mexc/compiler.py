@@ -20,7 +20,7 @@ from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
 from mexc.types import Exp
 
-TARGETS = ("reference",)
+TARGETS = ("reference", "c")
 
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
@@ -93,4 +93,15 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     graph = pm.run(front.graph, ctx)
     state = initial_state(graph, front.params, front.buffers, bits)
     opts = Options(bits, seed, rounding, per_group_velocity, target)
-    return Program(graph, state, opts, opt)
+    prog = Program(graph, state, opts, opt)
+    if target == "c":
+        from mexc.codegen.c_host import CProgram  # builds the generated C with the host cc
+
+        return CProgram(prog, steps_hint=_steps_hint(opt))
+    return prog
+
+
+def _steps_hint(opt: SGD) -> int:
+    """Length of the C program's learning-rate table."""
+    total = getattr(opt.schedule, "total_steps", 0)
+    return max(int(total), 1 << 16)

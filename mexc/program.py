@@ -226,6 +226,38 @@ class Program:
             "formula_fp32_bytes": 12 * p + 4 * a,
         }
 
+    # ----------------------------------------------------------------------------- C projects
+
+    def export(
+        self,
+        out_dir: str | os.PathLike[str],
+        board: str = "mps2-an385",
+        data: tuple[Any, Any] | None = None,
+        steps: int = 1,
+    ) -> Path:
+        """Write a standalone C project that trains `steps` steps over `data` from this state.
+
+        Step k uses samples k*B .. k*B+B-1 (wrapping around `data`), so
+        `replay(data, steps)` on the reference reproduces its final STATE line.
+        """
+        from mexc.codegen.c_project import export_project
+
+        if data is None:
+            raise ValueError("export needs data=(x, y) to embed in the project")
+        x, y = _as_numpy(data[0], "x"), _as_numpy(data[1], "y")
+        return export_project(self, out_dir, (x, y), steps, board)
+
+    def replay(self, data: tuple[Any, Any], steps: int) -> list[float]:
+        """Train `steps` steps in the order an exported project does (its k-th step uses samples
+        k*B .. k*B+B-1 of `data`, wrapping around); returns the losses."""
+        from mexc.codegen.c_project import replay_indices
+
+        x, y = _as_numpy(data[0], "x"), _as_numpy(data[1], "y")
+        return [
+            self.step(x[idx], y[idx])
+            for idx in (replay_indices(x.shape[0], self.batch, k) for k in range(steps))
+        ]
+
     # ----------------------------------------------------------------------------- checkpoints
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -250,7 +282,7 @@ class Program:
                 with z.open(name + ".npy", "w") as out:
                     np.lib.format.write_array(out, np.asarray(arr, order="C"), allow_pickle=False)
         data = buf.getvalue()
-        body = data[: -_DIGEST_LEN]
+        body = data[:-_DIGEST_LEN]
         data = body + _DIGEST_TAG + hashlib.sha256(body).hexdigest().encode()
         try:
             with os.fdopen(fd, "wb") as fh:

@@ -40,9 +40,21 @@ def build_library(model_c: str, model_h: str, flags: tuple[str, ...] = ("-O2",))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.c").write_text(model_c)
     (folder / "model.h").write_text(model_h)
-    cmd = ["cc", *flags, "-std=c99", "-shared", "-fPIC", "-I", str(folder), "-I",
-           str(RUNTIME_DIR), str(folder / "model.c"), *map(str, _runtime_sources()),
-           "-o", str(lib) + ".tmp"]
+    cmd = [
+        "cc",
+        *flags,
+        "-std=c99",
+        "-shared",
+        "-fPIC",
+        "-I",
+        str(folder),
+        "-I",
+        str(RUNTIME_DIR),
+        str(folder / "model.c"),
+        *map(str, _runtime_sources()),
+        "-o",
+        str(lib) + ".tmp",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise MexcError(f"building the C program failed:\n{res.stderr[-4000:]}")
@@ -58,17 +70,25 @@ class CProgram(Program):
     """
 
     def __init__(self, base: Program, steps_hint: int = 1 << 16) -> None:
-        super().__init__(base.graph, dict(base.state), base.options, base.optimizer,
-                         base.step_count)
+        super().__init__(
+            base.graph, dict(base.state), base.options, base.optimizer, base.step_count
+        )
         model = emit_model(base, steps_hint)
         self._lib = ctypes.CDLL(str(build_library(model.source, model.header)))
         self._lib.mexc_model_step.restype = ctypes.c_int32
-        self._lib.mexc_model_step.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int32,
-                                              ctypes.c_void_p]
+        self._lib.mexc_model_step.argtypes = [
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+        ]
         self._lib.mexc_model_state.restype = ctypes.POINTER(ctypes.c_int8)
-        self._lib.mexc_model_state.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32),
-                                               ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
-                                               ctypes.POINTER(ctypes.c_uint32)]
+        self._lib.mexc_model_state.argtypes = [
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
+            ctypes.POINTER(ctypes.c_uint32),
+        ]
         self._lib.mexc_model_init()
         self._names = model.state_names
         self._steps_hint = steps_hint
@@ -80,8 +100,9 @@ class CProgram(Program):
             n, ne = ctypes.c_uint32(), ctypes.c_uint32()
             e = ctypes.POINTER(ctypes.c_int32)()
             m = self._lib.mexc_model_state(i, ctypes.byref(n), ctypes.byref(e), ctypes.byref(ne))
-            out.append((np.ctypeslib.as_array(m, (n.value,)),
-                        np.ctypeslib.as_array(e, (ne.value,))))
+            out.append(
+                (np.ctypeslib.as_array(m, (n.value,)), np.ctypeslib.as_array(e, (ne.value,)))
+            )
         return out
 
     def _push_state(self) -> None:
@@ -92,8 +113,9 @@ class CProgram(Program):
     def _pull_state(self) -> None:
         for name, (m, e) in zip(self._names, self._views()):
             cur = self.state[name]
-            self.state[name] = MX.of(m.reshape(cur.m.shape).copy(),
-                                     e.reshape(cur.e.shape).astype(np.int64))
+            self.state[name] = MX.of(
+                m.reshape(cur.m.shape).copy(), e.reshape(cur.e.shape).astype(np.int64)
+            )
 
     def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
         super().load_state_dict(sd)
@@ -106,8 +128,7 @@ class CProgram(Program):
         ys = self._check_y(y, self.batch).astype(np.int32)
         q = quantize(xs, self.options.bits)
         xm = np.ascontiguousarray(q.m)
-        loss = self._lib.mexc_model_step(self.step_count, xm.ctypes.data, int(q.e),
-                                         ys.ctypes.data)
+        loss = self._lib.mexc_model_step(self.step_count, xm.ctypes.data, int(q.e), ys.ctypes.data)
         self.step_count += 1
         self._pull_state()
         return loss / 1000.0

@@ -108,8 +108,10 @@ def _conv_geom(e: _Emit, n: Node, x: Value, w: Value) -> str:
     o, _, kh, kw = e.shape(w)
     g = f"g{n.id}"
     e.emit(f"mexc_conv_t {g};")
-    e.emit(f"mexc_conv_init(&{g}, {nn}, {c}, {h}, {wd}, {o}, {kh}, {kw}, {a.stride[0]}, "
-           f"{a.stride[1]}, {a.padding[0]}, {a.padding[1]}, {a.groups});")
+    e.emit(
+        f"mexc_conv_init(&{g}, {nn}, {c}, {h}, {wd}, {o}, {kh}, {kw}, {a.stride[0]}, "
+        f"{a.stride[1]}, {a.padding[0]}, {a.padding[1]}, {a.groups});"
+    )
     return g
 
 
@@ -122,8 +124,10 @@ def _conv(e: _Emit, n: Node) -> None:
     k = c // n.attrs.groups * e.shape(n.inputs[1])[2] * e.shape(n.inputs[1])[3]
     e.need(_fit_scratch(nn * c * h * wd, k))
     ey = e.local_exp(n.out)
-    e.emit(f"{ey} = mexc_conv2d_forward(&{g}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, &ctx, "
-           f"{_tid(n)}u, scratch);")
+    e.emit(
+        f"{ey} = mexc_conv2d_forward(&{g}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
 
 
 def _linear(e: _Emit, n: Node) -> None:
@@ -134,8 +138,10 @@ def _linear(e: _Emit, n: Node) -> None:
     e.need(_fit_scratch(nn * k, k))
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
-    e.emit(f"{ey} = mexc_linear_forward({nn}, {k}, {o}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, "
-           f"&ctx, {_tid(n)}u, scratch);")
+    e.emit(
+        f"{ey} = mexc_linear_forward({nn}, {k}, {o}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, "
+        f"&ctx, {_tid(n)}u, scratch);"
+    )
 
 
 def _ncs(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -147,8 +153,10 @@ def _batchnorm(e: _Emit, n: Node) -> None:
     (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
     nn, c, s = _ncs(e.shape(n.inputs[0]))
     sv = f"bn{n.id}"
-    arrays = " ".join(f"static int32_t {sv}_{f}[{c}];"
-                      for f in ("rstd", "rstd_e", "mean", "var", "var_u", "var_e"))
+    arrays = " ".join(
+        f"static int32_t {sv}_{f}[{c}];"
+        for f in ("rstd", "rstd_e", "mean", "var", "var_u", "var_e")
+    )
     e.statics.append(arrays)
     e.statics.append(f"static mexc_bn_saved_t {sv};")
     e.bn_saved[n.id] = sv
@@ -157,12 +165,16 @@ def _batchnorm(e: _Emit, n: Node) -> None:
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
     eps = _eps_fixed(float(n.attrs.eps))
-    e.emit(f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e; "
-           f"{sv}.mean = {sv}_mean; {sv}.var = {sv}_var; {sv}.var_u = {sv}_var_u; "
-           f"{sv}.var_e = {sv}_var_e;")
-    e.emit(f"{ey} = mexc_batchnorm_forward_train({nn}, {c}, {s}, {x}, {ex}, {gm}, {eg}, {bt}, "
-           f"{eb}, (mexc_fixed_t){{{eps.num}, {eps.shift}}}, {y}, &{sv}, &ctx, {_tid(n)}u, "
-           "scratch);")
+    e.emit(
+        f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e; "
+        f"{sv}.mean = {sv}_mean; {sv}.var = {sv}_var; {sv}.var_u = {sv}_var_u; "
+        f"{sv}.var_e = {sv}_var_e;"
+    )
+    e.emit(
+        f"{ey} = mexc_batchnorm_forward_train({nn}, {c}, {s}, {x}, {ex}, {gm}, {eg}, {bt}, "
+        f"{eb}, (mexc_fixed_t){{{eps.num}, {eps.shift}}}, {y}, &{sv}, &ctx, {_tid(n)}u, "
+        "scratch);"
+    )
 
 
 def _relu(e: _Emit, n: Node) -> None:
@@ -177,8 +189,10 @@ def _pool_geom(e: _Emit, n: Node, x_shape: tuple[int, ...]) -> str:
     nn, c, h, w = x_shape
     p = f"p{n.id}"
     e.emit(f"mexc_pool_t {p};")
-    e.emit(f"mexc_pool_init(&{p}, {nn}, {c}, {h}, {w}, {a.kernel[0]}, {a.kernel[1]}, "
-           f"{a.stride[0]}, {a.stride[1]}, {a.padding[0]}, {a.padding[1]});")
+    e.emit(
+        f"mexc_pool_init(&{p}, {nn}, {c}, {h}, {w}, {a.kernel[0]}, {a.kernel[1]}, "
+        f"{a.stride[0]}, {a.stride[1]}, {a.padding[0]}, {a.padding[1]});"
+    )
     return p
 
 
@@ -203,8 +217,9 @@ def _softmax_ce(e: _Emit, n: Node) -> None:
     z, ez = _x(e, n, 0)
     nn, k = e.shape(n.inputs[0])
     probs = e.arena(n.out, "uint8_t")
-    e.emit(f"loss = mexc_softmax_ce_forward({nn}, {k}, {z}, {ez}, y, {nn}, {probs}, &ctx, "
-           f"{_tid(n)}u);")
+    e.emit(
+        f"loss = mexc_softmax_ce_forward({nn}, {k}, {z}, {ez}, y, {nn}, {probs}, &ctx, {_tid(n)}u);"
+    )
 
 
 def _softmax_ce_grad(e: _Emit, n: Node) -> None:
@@ -212,8 +227,7 @@ def _softmax_ce_grad(e: _Emit, n: Node) -> None:
     nn, k = e.shape(n.out)
     dx = e.arena(n.out, "int8_t")
     ed = e.local_exp(n.out)
-    e.emit(f"{ed} = mexc_softmax_ce_backward({nn}, {k}, {probs}, y, {nn}, {dx}, &ctx, "
-           f"{_tid(n)}u);")
+    e.emit(f"{ed} = mexc_softmax_ce_backward({nn}, {k}, {probs}, y, {nn}, {dx}, &ctx, {_tid(n)}u);")
 
 
 def _linear_grad_weight(e: _Emit, n: Node) -> None:
@@ -223,8 +237,10 @@ def _linear_grad_weight(e: _Emit, n: Node) -> None:
     e.need(_fit_scratch(nn * o, nn))
     dw = e.arena(n.out, "int32_t")
     ew = e.local_exp(n.out)
-    e.emit(f"{ew} = mexc_linear_backward_weight({nn}, {k}, {o}, {dy}, {ed}, {x}, {ex}, {dw}, "
-           f"&ctx, {_tid(n)}u, scratch);")
+    e.emit(
+        f"{ew} = mexc_linear_backward_weight({nn}, {k}, {o}, {dy}, {ed}, {x}, {ex}, {dw}, "
+        f"&ctx, {_tid(n)}u, scratch);"
+    )
 
 
 def _linear_grad_input(e: _Emit, n: Node) -> None:
@@ -234,8 +250,10 @@ def _linear_grad_input(e: _Emit, n: Node) -> None:
     e.need(_fit_scratch(nn * o, o))
     dx = e.arena(n.out, "int8_t")
     edx = e.local_exp(n.out)
-    e.emit(f"{edx} = mexc_linear_backward_input({nn}, {k}, {o}, {dy}, {ed}, {w}, {ew}, {dx}, "
-           f"&ctx, {_tid(n)}u, scratch);")
+    e.emit(
+        f"{edx} = mexc_linear_backward_input({nn}, {k}, {o}, {dy}, {ed}, {w}, {ew}, {dx}, "
+        f"&ctx, {_tid(n)}u, scratch);"
+    )
 
 
 def _bias_grad(e: _Emit, n: Node) -> None:
@@ -251,8 +269,7 @@ def _maxpool_grad(e: _Emit, n: Node) -> None:
     p = _pool_geom(e, n, e.shape(n.out))
     dx = e.arena(n.out, "int8_t")
     edx = e.local_exp(n.out)
-    e.emit(f"{edx} = mexc_maxpool2d_backward(&{p}, {dy}, {ed}, {arg}, {dx}, &ctx, "
-           f"{_tid(n)}u);")
+    e.emit(f"{edx} = mexc_maxpool2d_backward(&{p}, {dy}, {ed}, {arg}, {dx}, &ctx, {_tid(n)}u);")
 
 
 def _relu_grad(e: _Emit, n: Node) -> None:
@@ -273,8 +290,10 @@ def _bn_grad(e: _Emit, n: Node) -> None:
     db = e.arena(n.result(2), "int32_t")
     edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
     e.exp[n.result(2)] = ed
-    e.emit(f"mexc_batchnorm_backward({nn}, {c}, {s}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, "
-           f"&{edx}, {dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);")
+    e.emit(
+        f"mexc_batchnorm_backward({nn}, {c}, {s}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, "
+        f"&{edx}, {dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
+    )
 
 
 def _conv_grad_weight(e: _Emit, n: Node) -> None:
@@ -284,8 +303,10 @@ def _conv_grad_weight(e: _Emit, n: Node) -> None:
     e.need(_fit_scratch(nn * o * oh * ow, nn * oh * ow))
     dw = e.arena(n.out, "int32_t")
     ew = e.local_exp(n.out)
-    e.emit(f"{ew} = mexc_conv2d_backward_weight(&{g}, {dy}, {ed}, {x}, {ex}, {dw}, &ctx, "
-           f"{_tid(n)}u, scratch);")
+    e.emit(
+        f"{ew} = mexc_conv2d_backward_weight(&{g}, {dy}, {ed}, {x}, {ex}, {dw}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
 
 
 def _conv_grad_input(e: _Emit, n: Node) -> None:
@@ -296,16 +317,20 @@ def _conv_grad_input(e: _Emit, n: Node) -> None:
     e.need(_fit_scratch(nn * o * oh * ow, o // n.attrs.groups * kh * kw))
     dx = e.arena(n.out, "int8_t")
     edx = e.local_exp(n.out)
-    e.emit(f"{edx} = mexc_conv2d_backward_input(&{g}, {dy}, {ed}, {w}, {ew}, {dx}, &ctx, "
-           f"{_tid(n)}u, scratch);")
+    e.emit(
+        f"{edx} = mexc_conv2d_backward_input(&{g}, {dy}, {ed}, {w}, {ew}, {dx}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
 
 
 def _add(e: _Emit, n: Node) -> None:
     (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1)
     out = e.arena(n.out, "int8_t")
     eo = e.local_exp(n.out)
-    e.emit(f"{eo} = mexc_add_forward({a}, {ea}, {b}, {eb}, {e.numel(n.out)}u, {out}, &ctx, "
-           f"{_tid(n)}u);")
+    e.emit(
+        f"{eo} = mexc_add_forward({a}, {ea}, {b}, {eb}, {e.numel(n.out)}u, {out}, &ctx, "
+        f"{_tid(n)}u);"
+    )
 
 
 def _grad_sum(e: _Emit, n: Node) -> None:
@@ -315,8 +340,7 @@ def _grad_sum(e: _Emit, n: Node) -> None:
     out = e.arena(n.out, "int8_t")
     eo = e.local_exp(n.out)
     e.emit(f"{{ const int8_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
-    e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, "
-           f"{_tid(n)}u); }}")
+    e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}")
 
 
 def _sgd_update(e: _Emit, n: Node) -> None:
@@ -325,8 +349,10 @@ def _sgd_update(e: _Emit, n: Node) -> None:
     per = e.numel(w) // groups
     e.need(2 * groups)
     e.emit(f"mexc_update_keys(ctx.seed, ctx.step, {_tid(n)}u, keys);")
-    e.emit(f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
-           f"{e.ptr[v]}, {e.exp_ptr[v]}, {groups}u, {per}u, &cfg, keys, scratch);")
+    e.emit(
+        f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
+        f"{e.ptr[v]}, {e.exp_ptr[v]}, {groups}u, {per}u, &cfg, keys, scratch);"
+    )
 
 
 def _bn_running(e: _Emit, n: Node) -> None:
@@ -336,9 +362,11 @@ def _bn_running(e: _Emit, n: Node) -> None:
     m = FixedScalar.of(float(n.attrs.momentum))
     grouped = [int(e.g.type_of(v).exp is Exp.AXIS0) for v in (rm, rv)]
     e.need(6 * c)
-    e.emit(f"mexc_batchnorm_update_running({c}, {e.ptr[rm]}, {e.exp_ptr[rm]}, {grouped[0]}, "
-           f"{e.ptr[rv]}, {e.exp_ptr[rv]}, {grouped[1]}, &{sv}, (mexc_fixed_t){{{m.num}, "
-           f"{m.shift}}}, &ctx, {_tid(n)}u, scratch);")
+    e.emit(
+        f"mexc_batchnorm_update_running({c}, {e.ptr[rm]}, {e.exp_ptr[rm]}, {grouped[0]}, "
+        f"{e.ptr[rv]}, {e.exp_ptr[rv]}, {grouped[1]}, &{sv}, (mexc_fixed_t){{{m.num}, "
+        f"{m.shift}}}, &ctx, {_tid(n)}u, scratch);"
+    )
 
 
 RULES: dict[Op, Callable[[_Emit, Node], None]] = {
@@ -429,9 +457,13 @@ def _state_table(prog: Program) -> list[str]:
 def _lr_table(prog: Program, steps: int) -> str:
     nums = [prog.lr_at(k).num for k in range(steps)]
     shifts = [prog.lr_at(k).shift for k in range(steps)]
-    return "\n".join([_array("int32_t", "lr_num", np.array(nums)),
-                      _array("int32_t", "lr_shift", np.array(shifts)),
-                      f"#define LR_STEPS {steps}u"])
+    return "\n".join(
+        [
+            _array("int32_t", "lr_num", np.array(nums)),
+            _array("int32_t", "lr_shift", np.array(shifts)),
+            f"#define LR_STEPS {steps}u",
+        ]
+    )
 
 
 def emit_model(prog: Program, steps: int) -> CModel:
@@ -499,25 +531,27 @@ def emit_model(prog: Program, steps: int) -> CModel:
         "",
     ]
     inp = g.nodes_of(Op.INPUT)[0].type.shape
-    header = "\n".join([
-        "/* Generated by mexc. */",
-        "#ifndef MEXC_MODEL_H",
-        "#define MEXC_MODEL_H",
-        "#include <stdint.h>",
-        f"#define MEXC_BATCH {inp[0]}u",
-        f"#define MEXC_INPUT_NUMEL {int(np.prod(inp[1:]))}u",
-        f"#define MEXC_NUM_CLASSES {prog.num_classes}u",
-        f"#define MEXC_ARENA_BYTES {arena_bytes}u",
-        f"#define MEXC_SCRATCH_WORDS {scratch}u",
-        "void mexc_model_init(void);",
-        "/* one training step; x: batch mantissas (quantized at the host boundary) with exponent",
-        " * x_e; y: labels. Returns the loss in thousandths (for printing only). */",
-        "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y);",
-        "uint64_t mexc_model_checksum(void);",
-        "uint32_t mexc_model_state_count(void);",
-        "/* state tensor i in sorted-name order: mantissas (returned), count, exponents */",
-        "int8_t *mexc_model_state(uint32_t i, uint32_t *n, int32_t **e, uint32_t *ne);",
-        "#endif",
-        "",
-    ])
+    header = "\n".join(
+        [
+            "/* Generated by mexc. */",
+            "#ifndef MEXC_MODEL_H",
+            "#define MEXC_MODEL_H",
+            "#include <stdint.h>",
+            f"#define MEXC_BATCH {inp[0]}u",
+            f"#define MEXC_INPUT_NUMEL {int(np.prod(inp[1:]))}u",
+            f"#define MEXC_NUM_CLASSES {prog.num_classes}u",
+            f"#define MEXC_ARENA_BYTES {arena_bytes}u",
+            f"#define MEXC_SCRATCH_WORDS {scratch}u",
+            "void mexc_model_init(void);",
+            "/* one training step; x: batch mantissas (quantized at the host boundary) with exponent",
+            " * x_e; y: labels. Returns the loss in thousandths (for printing only). */",
+            "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y);",
+            "uint64_t mexc_model_checksum(void);",
+            "uint32_t mexc_model_state_count(void);",
+            "/* state tensor i in sorted-name order: mantissas (returned), count, exponents */",
+            "int8_t *mexc_model_state(uint32_t i, uint32_t *n, int32_t **e, uint32_t *ne);",
+            "#endif",
+            "",
+        ]
+    )
     return CModel("\n".join(src), header, tuple(sorted(prog.state)), arena_bytes, scratch)

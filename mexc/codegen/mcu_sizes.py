@@ -39,8 +39,9 @@ class McuSizes:
 
 
 def section_sizes(elf: Path) -> dict[str, int]:
-    out = subprocess.run(["arm-none-eabi-size", "-A", str(elf)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["arm-none-eabi-size", "-A", str(elf)], capture_output=True, text=True, check=True
+    ).stdout
     sizes: dict[str, int] = {}
     for line in out.splitlines():
         parts = line.split()
@@ -58,8 +59,9 @@ def stack_bound(ci_files: list[Path], root: str = "Reset_Handler") -> int:
             graph.add_node(name)
             if size:
                 if kind != "static":
-                    raise MexcError(f"{name} has a {kind} stack frame; the MCU program needs "
-                                    "static frames")
+                    raise MexcError(
+                        f"{name} has a {kind} stack frame; the MCU program needs static frames"
+                    )
                 frames[name] = max(frames.get(name, 0), int(size))
         for src, dst in _EDGE.findall(text):
             graph.add_edge(src, dst)

@@ -171,8 +171,15 @@ def _maxpool(w: _Walker, n: Node, dys: Grads) -> Grads:
         dy = w.emit(Op.RELU_GRAD, [dy, n.out], mx(*w.type(n.out).shape), relu.loc).out
         w.masked_relus.add(relu.id)
     a = n.attrs
-    grad = w.emit(Op.MAXPOOL2D_GRAD, [dy, n.result(1)], mx(*w.type(x).shape), n.loc,
-                  kernel=a.kernel, stride=a.stride, padding=a.padding)
+    grad = w.emit(
+        Op.MAXPOOL2D_GRAD,
+        [dy, n.result(1)],
+        mx(*w.type(x).shape),
+        n.loc,
+        kernel=a.kernel,
+        stride=a.stride,
+        padding=a.padding,
+    )
     return [grad.out]
 
 

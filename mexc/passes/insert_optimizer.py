@@ -58,12 +58,14 @@ def insert_optimizer(g: Graph, ctx: PassContext) -> Graph:
             p = params[name]
             vt = velocity_types[name]
             groups = p.type.shape[0] if vt.exp is Exp.AXIS0 else 1
-            upd = b.add(Op.SGD_UPDATE, [p.out, grads[name], velocity[name]],
-                        (mx(*p.type.shape), vt),
-                        attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid_of[name]),
-                        p.loc)
-            outputs += [(f"state:{name}", upd.result(0)),
-                        (f"state:{name}.velocity", upd.result(1))]
+            upd = b.add(
+                Op.SGD_UPDATE,
+                [p.out, grads[name], velocity[name]],
+                (mx(*p.type.shape), vt),
+                attrs(Op.SGD_UPDATE, param=name, groups=groups, rid=rid_of[name]),
+                p.loc,
+            )
+            outputs += [(f"state:{name}", upd.result(0)), (f"state:{name}.velocity", upd.result(1))]
     for bn in g.nodes_of(Op.BATCHNORM):
         rm, rv = bn.inputs[3], bn.inputs[4]
         upd = b.add(

@@ -112,13 +112,15 @@ def _place(items: list[Item], best_fit: bool) -> tuple[dict[Value, int], int]:
 
 
 def _first_fit(items: list[Item]) -> tuple[dict[Value, int], int]:
-    results = [_place(sorted(items, key=key), best) for key in ORDERS.values()
-               for best in (False, True)]
+    results = [
+        _place(sorted(items, key=key), best) for key in ORDERS.values() for best in (False, True)
+    ]
     return min(results, key=lambda r: r[1])
 
 
-def _in_place_roots(g: Graph, pos: dict[int, int], last_use: dict[Value, int],
-                    in_arena: set[Value]) -> dict[Value, Value]:
+def _in_place_roots(
+    g: Graph, pos: dict[int, int], last_use: dict[Value, int], in_arena: set[Value]
+) -> dict[Value, Value]:
     """Results of IN_PLACE_OPS that may reuse their input's bytes -> the value owning them."""
     roots: dict[Value, Value] = {}
     for n in g.nodes:
@@ -178,8 +180,15 @@ def plan(g: Graph) -> MemoryPlan:
     slots = [
         s
         if s.kind == "persistent"
-        else Slot(s.value, s.kind, s.nbytes, s.start, s.end, offsets[roots.get(s.value, s.value)],
-                  roots.get(s.value))
+        else Slot(
+            s.value,
+            s.kind,
+            s.nbytes,
+            s.start,
+            s.end,
+            offsets[roots.get(s.value, s.value)],
+            roots.get(s.value),
+        )
         for s in slots
     ]
     return MemoryPlan(

@@ -26,8 +26,10 @@ def test_plan_is_consistent() -> None:
     # no two simultaneously live values overlap in the arena
     for i, a in enumerate(arena):
         for b in arena[i + 1 :]:
-            if a.alias_of == b.value or b.alias_of == a.value or (
-                a.alias_of is not None and a.alias_of == b.alias_of
+            if (
+                a.alias_of == b.value
+                or b.alias_of == a.value
+                or (a.alias_of is not None and a.alias_of == b.alias_of)
             ):
                 continue  # computed in place: sharing bytes is the point
             live_together = not (a.end < b.start or b.end < a.start)

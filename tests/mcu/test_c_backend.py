@@ -1,0 +1,163 @@
+"""The C backend: generated C training programs are bit-exact with the reference executor, on the
+host (target="c", ctypes), as a standalone host build (also under ASan/UBSan) and on a Cortex-M3
+under QEMU; they contain no float; their static RAM fits MCU budgets."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mexc
+from mexc.codegen.mcu_sizes import measure
+from mexc.data import load_digits, load_fashion_mnist
+from tests.compiler.helpers import EXAMPLES
+
+HAVE_ARM = shutil.which("arm-none-eabi-gcc") is not None
+HAVE_QEMU = shutil.which("qemu-system-arm") is not None
+needs_arm = pytest.mark.skipif(not HAVE_ARM, reason="arm-none-eabi-gcc not installed")
+needs_qemu = pytest.mark.skipif(not (HAVE_ARM and HAVE_QEMU), reason="qemu-system-arm missing")
+SOFT_FLOAT = re.compile(r"__aeabi_[fd]\w*|__\w*[sd]f\d?\b|__float\w*|__fix\w*")
+FPU_INSN = re.compile(r"\tv(?:add|sub|mul|div|mla|mls|ldr|str|mov|cvt|cmp|sqrt|abs|neg)\b")
+C_SUPPORTED = ("DigitsCNN", "FashionCNN", "MLP")
+
+
+def _model(name: str, batch: int, target: str = "reference") -> mexc.Program:
+    cls, shape = EXAMPLES[name]
+    torch.manual_seed(0)
+    opt = mexc.SGD(
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=5e-4,
+        schedule=mexc.Cosine(total_steps=40, warmup_steps=4),
+    )
+    return mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=opt, target=target)
+
+
+def _data(name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    x, y = load_fashion_mnist("train") if EXAMPLES[name][1][-1] == 28 else load_digits("train")
+    return x[:n], y[:n]
+
+
+def _make(project: Path, target: str, **env: str) -> str:
+    res = subprocess.run(
+        ["make", "-s", "-C", str(project), target, *[f"{k}={v}" for k, v in env.items()]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res.stdout + res.stderr  # QEMU's semihosting console writes to stderr
+
+
+def _state_line(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith("STATE ")]
+    assert lines, out[-2000:]
+    return lines[-1].split()[1]
+
+
+@pytest.mark.parametrize("name", C_SUPPORTED)
+def test_host_c_target_is_bit_exact_with_reference(name: str) -> None:
+    batch = 8
+    x, y = _data(name, 4 * batch)
+    ref, c = _model(name, batch), _model(name, batch, target="c")
+    assert c.state_checksum() == ref.state_checksum()
+    for _ in range(3):  # 12 steps, both through the same replay order
+        ref.replay((x, y), 4)
+        c.replay((x, y), 4)
+        assert c.state_checksum() == ref.state_checksum()
+    assert np.array_equal(c.predict(x), ref.predict(x))
+
+
+def test_unsupported_op_in_c_backend_is_a_clear_error() -> None:
+    with pytest.raises(
+        mexc.UnsupportedOpError, match="C backend has no lowering for op global_avgpool"
+    ):
+        _model("SmallResNet", 2, target="c")
+
+
+@pytest.fixture(scope="module")
+def digits_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    prog = _model("DigitsCNN", 8)
+    data = _data("DigitsCNN", 64)
+    out = prog.export(tmp_path_factory.mktemp("digits"), data=data, steps=10)
+    prog.replay(data, 10)
+    return out, prog.state_checksum()
+
+
+@pytest.fixture(scope="module")
+def fashion_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    prog = _model("FashionCNN", 4)
+    data = _data("FashionCNN", 16)
+    out = prog.export(tmp_path_factory.mktemp("fashion"), data=data, steps=4)
+    prog.replay(data, 4)
+    return out, prog.state_checksum()
+
+
+def test_host_build_matches_reference_under_sanitizers(digits_project: tuple[Path, str]) -> None:
+    project, expected = digits_project
+    flags = "-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all"
+    (project / "train_host").unlink(missing_ok=True)  # rebuild with the sanitizers
+    out = _make(project, "run-host", HOST_CFLAGS=flags)
+    assert _state_line(out) == expected
+    assert len([ln for ln in out.splitlines() if ln.startswith("step ")]) == 10
+
+
+@needs_qemu
+@pytest.mark.mcu
+@pytest.mark.parametrize("which", ["digits_project", "fashion_project"])
+def test_qemu_cortex_m3_matches_reference(which: str, request: pytest.FixtureRequest) -> None:
+    project, expected = request.getfixturevalue(which)
+    assert _state_line(_make(project, "run-qemu")) == expected
+
+
+@needs_arm
+@pytest.mark.mcu
+@pytest.mark.parametrize("cpu", ["cortex-m0", "cortex-m3", "cortex-m4"])
+def test_no_float_anywhere(cpu: str, digits_project: tuple[Path, str]) -> None:
+    project, _ = digits_project
+    sources = [project / "model.c", project / "data.c", *project.glob("runtime/**/*.[ch]")]
+    for src in sources:
+        text = re.sub(r"/\*.*?\*/", "", src.read_text(), flags=re.S)
+        assert not re.search(r"\b(float|double)\b", text), src
+    _make(project, "mcu", CPU=cpu)
+    elf = project / f"train_{cpu}.elf"
+    symbols = subprocess.run(
+        ["arm-none-eabi-nm", str(elf)], capture_output=True, text=True, check=True
+    ).stdout
+    assert not SOFT_FLOAT.findall(symbols)
+    helpers = set(re.findall(r"__aeabi_\w+", symbols))
+    assert helpers <= {
+        "__aeabi_uidiv",
+        "__aeabi_uidivmod",
+        "__aeabi_uldivmod",
+        "__aeabi_lmul",
+        "__aeabi_llsl",
+        "__aeabi_llsr",
+        "__aeabi_lasr",
+        "__aeabi_idiv0",
+        "__aeabi_ldiv0",
+    }, helpers
+    disasm = subprocess.run(
+        ["arm-none-eabi-objdump", "-d", str(elf)], capture_output=True, text=True, check=True
+    ).stdout
+    assert not FPU_INSN.search(disasm)
+    attrs = subprocess.run(
+        ["arm-none-eabi-readelf", "-A", str(elf)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "Tag_FP_arch" not in attrs
+
+
+@needs_arm
+@pytest.mark.mcu
+def test_ram_budgets(digits_project: tuple[Path, str], fashion_project: tuple[Path, str]) -> None:
+    for project, budget in ((digits_project[0], 64 * 1024), (fashion_project[0], 256 * 1024)):
+        _make(project, "mcu", CPU="cortex-m3")
+        sizes = measure(project, "cortex-m3")
+        assert 0 < sizes.stack < 4096
+        assert sizes.ram <= budget, (project, sizes)
