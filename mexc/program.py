@@ -245,7 +245,7 @@ class Program:
         if data is None:
             raise ValueError("export needs data=(x, y) to embed in the project")
         x, y = _as_numpy(data[0], "x"), _as_numpy(data[1], "y")
-        return export_project(self, out_dir, (x, y), steps, board)
+        return export_project(self, Path(out_dir), (x, y), steps, board)
 
     def replay(self, data: tuple[Any, Any], steps: int) -> list[float]:
         """Train `steps` steps in the order an exported project does (its k-th step uses samples

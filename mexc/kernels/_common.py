@@ -458,7 +458,7 @@ def round_shift_blocked(
     rows = block_rows(x.shape)
     row = x.size // n
     rb = RoundBlocks(sv, rounding, key, row)
-    out = np.empty(x.shape, out_dtype)
+    out: np.ndarray = np.empty(x.shape, out_dtype)
     buf = np.empty((min(rows, n),) + x.shape[1:], np.int32)
     for i0 in range(0, n, rows):
         i1 = min(i0 + rows, n)
