@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,21 +33,28 @@ def example(name: str, batch: int, seed: int = 0) -> tuple[nn.Module, np.ndarray
     return model, x, y
 
 
-def integer_gradients(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
-    """Dequantized parameter gradients of one training step (state left unchanged)."""
+def step_values(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[Any, Any]:
+    """Every value of one training step at learning rate 0 (prog.state is left unchanged)."""
     o = prog.options
+    ctx = RoundCtx(o.rounding, o.seed, 0, o.bits)  # type: ignore[arg-type]
+    zero = FixedScalar(0, 0)
     env = StepEnv(
-        RoundCtx(o.rounding, o.seed, 0, o.bits),
+        ctx,
         True,
-        x.astype(np.float64),  # type: ignore[arg-type]
+        x.astype(np.float64),
         y.astype(np.int64),
         prog.state,
-        FixedScalar(0, 0),
-        FixedScalar(0, 0),
-        FixedScalar(0, 0),
+        zero,
+        zero,
+        zero,
         prog.batch,
     )
-    values = execute(list(prog.graph.nodes), env)
+    return execute(list(prog.graph.nodes), env)
+
+
+def integer_gradients(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """Dequantized parameter gradients of one training step (state left unchanged)."""
+    values = step_values(prog, x, y)
     return {
         str(n.attrs.param): values[n.inputs[1]].dequantize()
         for n in prog.graph.nodes_of(Op.SGD_UPDATE)

@@ -15,27 +15,15 @@ import torch
 import torch.nn.functional as F
 
 import mexc
-from mexc.interp import StepEnv, execute
 from mexc.ir import Graph, Node, Op
-from mexc.mx import RoundCtx
-from mexc.numerics import FixedScalar
-from tests.compiler.helpers import EXAMPLES, cosine, example, float_gradients, integer_gradients
-
-
-def _all_values(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[Any, Any]:
-    o = prog.options
-    env = StepEnv(
-        RoundCtx("stochastic", o.seed, 0, o.bits),
-        True,
-        x.astype(np.float64),
-        y.astype(np.int64),
-        prog.state,
-        FixedScalar(0, 0),
-        FixedScalar(0, 0),
-        FixedScalar(0, 0),
-        prog.batch,
-    )
-    return execute(list(prog.graph.nodes), env)
+from tests.compiler.helpers import (
+    EXAMPLES,
+    cosine,
+    example,
+    float_gradients,
+    integer_gradients,
+    step_values,
+)
 
 
 def _t(v: Any) -> torch.Tensor:
@@ -60,7 +48,7 @@ def _grad_nodes(g: Graph, fwd: Node) -> dict[Op, Node]:
 def local_cosines(name: str, batch: int = 32) -> dict[str, float]:
     model, x, y = example(name, batch=batch)
     prog = mexc.compile(model, (x,), seed=1)
-    g, vals = prog.graph, _all_values(prog, x, y)
+    g, vals = prog.graph, step_values(prog, x, y)
     result: dict[str, float] = {}
     for fwd in g.nodes_of(Op.CONV2D_COMPACT, Op.LINEAR_COMPACT, Op.BATCHNORM):
         grads = _grad_nodes(g, fwd)
