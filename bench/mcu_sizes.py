@@ -43,19 +43,32 @@ def run_case(name: str, work: Path) -> dict[str, object]:
     data = (x[: 4 * batch], y[: 4 * batch])
     project = prog.export(work / name, data=data, steps=steps)
     prog.replay(data, steps)
-    row: dict[str, object] = {"model": name, "batch": batch, "steps": steps,
-                              "ram_budget": budget, "reference_state": prog.state_checksum()}
+    row: dict[str, object] = {
+        "model": name,
+        "batch": batch,
+        "steps": steps,
+        "ram_budget": budget,
+        "reference_state": prog.state_checksum(),
+    }
     for cpu in ("cortex-m0", "cortex-m3", "cortex-m4"):
         subprocess.run(["make", "-s", "-C", str(project), "mcu", f"CPU={cpu}"], check=True)
         s = measure(project, cpu)
-        row[cpu] = {"flash": s.flash, "text": s.text, "data": s.data, "bss": s.bss,
-                    "stack": s.stack, "ram": s.ram}
+        row[cpu] = {
+            "flash": s.flash,
+            "text": s.text,
+            "data": s.data,
+            "bss": s.bss,
+            "stack": s.stack,
+            "ram": s.ram,
+        }
     t0 = time.perf_counter()
-    run = subprocess.run(["make", "-s", "-C", str(project), "run-qemu"], capture_output=True,
-                         text=True, check=True)
+    run = subprocess.run(
+        ["make", "-s", "-C", str(project), "run-qemu"], capture_output=True, text=True, check=True
+    )
     row["qemu_seconds"] = round(time.perf_counter() - t0, 2)
-    state = [ln.split()[1] for ln in (run.stdout + run.stderr).splitlines()
-             if ln.startswith("STATE ")]
+    state = [
+        ln.split()[1] for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("STATE ")
+    ]
     row["qemu_state"] = state[-1] if state else None
     row["bit_exact"] = row["qemu_state"] == row["reference_state"]
     return row
@@ -69,18 +82,25 @@ def main() -> None:
     with TemporaryDirectory() as tmp:
         for name in CASES:
             rows.append(run_case(name, Path(tmp)))
-    print(f"{'model':<12} {'batch':>5} {'cpu':<10} {'flash B':>9} {'RAM B':>9} {'stack B':>8} "
-          f"{'budget B':>9} {'QEMU bit-exact':>15}")
+    print(
+        f"{'model':<12} {'batch':>5} {'cpu':<10} {'flash B':>9} {'RAM B':>9} {'stack B':>8} "
+        f"{'budget B':>9} {'QEMU bit-exact':>15}"
+    )
     for r in rows:
         for cpu in ("cortex-m0", "cortex-m3", "cortex-m4"):
             s = r[cpu]
             assert isinstance(s, dict)
-            print(f"{r['model']:<12} {r['batch']:>5} {cpu:<10} {s['flash']:>9} {s['ram']:>9} "
-                  f"{s['stack']:>8} {r['ram_budget']:>9} {str(r['bit_exact']):>15}")
+            print(
+                f"{r['model']:<12} {r['batch']:>5} {cpu:<10} {s['flash']:>9} {s['ram']:>9} "
+                f"{s['stack']:>8} {r['ram_budget']:>9} {str(r['bit_exact']):>15}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
-            "command": "python bench/mcu_sizes.py"}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.platform(),
+        "command": "python bench/mcu_sizes.py",
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"written {out}")
 

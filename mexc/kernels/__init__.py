@@ -74,3 +74,41 @@ __all__ = [
     "softmax_ce_backward",
     "softmax_ce_forward",
 ]
+
+from mexc.kernels.transformer import (  # noqa: E402
+    LayerNormSaved,
+    add_broadcast_forward,
+    add_broadcast_param_grad,
+    gelu_backward,
+    gelu_forward,
+    layernorm_backward,
+    layernorm_forward,
+    matmul_backward,
+    matmul_forward,
+    mean_tokens_backward,
+    mean_tokens_forward,
+    scale_backward,
+    scale_forward,
+    softmax_backward,
+    softmax_forward,
+    softmax_prob_exp,
+)
+
+__all__ += [
+    "LayerNormSaved",
+    "add_broadcast_forward",
+    "add_broadcast_param_grad",
+    "gelu_backward",
+    "gelu_forward",
+    "layernorm_backward",
+    "layernorm_forward",
+    "matmul_backward",
+    "matmul_forward",
+    "mean_tokens_backward",
+    "mean_tokens_forward",
+    "scale_backward",
+    "scale_forward",
+    "softmax_backward",
+    "softmax_forward",
+    "softmax_prob_exp",
+]

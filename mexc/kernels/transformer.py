@@ -1,0 +1,428 @@
+"""Vision Transformer kernels, integer only: LayerNorm, GELU, row softmax, batched matmul,
+scaling by a host constant, broadcast add (positional embedding) and mean over tokens.
+
+Every activation is an MX with one exponent; parameter gradients are un-compacted `Acc`.
+Rounding site j of a kernel called with base id `tid` uses ctx.key(tid + j); the sites of each
+kernel are listed in its docstring and in docs/layers.md ("Transformer kernels").
+
+The token-wise Linear needs no kernel: `linear_forward` flattens the leading dims of x
+([B, T, D] -> [B*T, D]); `linear_backward_weight` / `linear_backward_input` do the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mexc.kernels._common import (
+    MAG,
+    aligned_sum_fast,
+    bit_length,
+    compact_common,
+    compact_mx,
+    fast_compact_to_bits,
+    fast_shift_right,
+    fit_product,
+    i64,
+    int_matmul,
+    product_bits,
+    scalar_exp,
+    site_key,
+)
+from mexc.kernels.norm import _eps_fixed, _rstd, _var_shift, mean_frac_bits
+from mexc.kernels.pool import DIV_BITS, _divide
+from mexc.mx import MX, Acc, RoundCtx
+from mexc.numerics import (
+    EXP_TABLE,
+    GELU_GRAD_TABLE,
+    GELU_TABLE,
+    FixedScalar,
+    Reciprocal,
+    ceil_log2,
+    check_int32,
+    div_const,
+    idiv_round,
+    qmax,
+    shift_left,
+)
+
+# --------------------------------------------------------------------------------- LayerNorm
+
+
+@dataclass(frozen=True)
+class LayerNormSaved:
+    """What layernorm_backward needs (rows r = flattened leading dims, R = prod(shape[:-1])).
+
+    xhat: normalized input, int8 mantissas [..., D], one exponent.
+    rstd / rstd_e: per-row integer 1/sigma in [2^14, 2^15] and its per-row exponent, (R,).
+    gamma: the scale parameter used in the forward. mean (R,) one exponent; var (R,) per-row
+    exponents (biased); count: D.
+    """
+
+    xhat: MX
+    rstd: np.ndarray
+    rstd_e: np.ndarray
+    gamma: MX
+    mean: Acc
+    var: Acc
+    count: int
+
+
+def _rows(m: np.ndarray) -> np.ndarray:
+    if m.ndim < 1:
+        raise ValueError("layernorm needs at least one axis")
+    return i64(m).reshape(-1, m.shape[-1])
+
+
+def layernorm_forward(
+    x: MX, gamma: MX, beta: MX, eps: float | FixedScalar, ctx: RoundCtx, tid: int
+) -> tuple[MX, LayerNormSaved]:
+    """LayerNorm over the last axis (size D), the BatchNorm recipe with rows as the groups.
+
+    Per row r (R rows): S_r = sum x (int32); f = min(8, sum_cap(D, 8));
+    mu_r = idiv_round(S_r << f, D) at e_x - f; xc = (x << f) - mu_r (|xc| <= 65024);
+    variance pre-shift r_r (smallest with D ceil(max|xc_r| / 2^r)^2 < 2^31), t = shift_right(xc,
+    r_r) (**site 0**), V_r = sum t^2, sv = max(0, 30 - bitlen V), var_r = idiv_round(V << sv, D)
+    at ev_r = 2(e_x - f + r_r) - sv; rstd_r = idiv_round(2^29, isqrt(n_r)) (BatchNorm step 4:
+    the one int32 division per row); xhat_acc = xc rstd_r (< 2^31), compact_common over rows
+    (**site 1**); affine p = xhat_m gamma_m[d] (|p| < 2^14) at e_xhat + e_g,
+    aligned_sum([(p, ., 14), (beta_m as (1, D), e_b, 7)]) **sites 2, 3**, compaction **site 4**.
+    """
+    ex = scalar_exp(x, "layernorm input")
+    eg, eb = scalar_exp(gamma, "gamma"), scalar_exp(beta, "beta")
+    d = x.shape[-1]
+    if gamma.shape != (d,) or beta.shape != (d,):
+        raise ValueError(f"layernorm gamma/beta must have shape ({d},)")
+    x2 = _rows(x.m)
+    f = mean_frac_bits(d)
+    ssum = x2.sum(axis=1)
+    check_int32(ssum, "layernorm_sum")
+    mu = idiv_round(shift_left(ssum, f, "layernorm_mean"), d)  # exponent ex - f
+    xc = (x2 << f) - mu[:, None]
+    e_c = ex - f
+    amax = np.abs(xc).max(axis=1)
+    r = _var_shift(amax, d)
+    tq = fast_shift_right(xc, r[:, None], ctx.rounding, site_key(ctx, tid, 0))
+    vsum = (tq * tq).sum(axis=1)
+    check_int32(vsum, "layernorm_var_sum")
+    sv = np.maximum(30 - bit_length(vsum), 0)
+    vnum = vsum << sv
+    check_int32(vnum, "layernorm_var_sum")
+    var_m = idiv_round(vnum, d)
+    ev = 2 * (e_c + r) - sv
+    rstd, rstd_e = _rstd(var_m, ev, _eps_fixed(eps))
+    acc = xc * rstd[:, None]
+    check_int32(acc, "layernorm_xhat")
+    xh = compact_common(acc, e_c + rstd_e, 0, ctx, site_key(ctx, tid, 1))
+    xhat = MX.of(xh.m.reshape(x.shape), xh.e)
+    prod = i64(xh.m) * i64(gamma.m)[None, :]
+    keys = [site_key(ctx, tid, 2), site_key(ctx, tid, 3)]
+    y, e_y = aligned_sum_fast(
+        [(prod, int(xh.e) + eg, 2 * MAG), (i64(beta.m)[None, :], eb, MAG)], ctx.rounding, keys
+    )
+    out = compact_mx(y.reshape(x.shape), e_y, ctx, site_key(ctx, tid, 4))
+    saved = LayerNormSaved(
+        xhat=xhat,
+        rstd=rstd,
+        rstd_e=rstd_e,
+        gamma=gamma,
+        mean=Acc(mu, np.asarray(e_c, np.int64)),
+        var=Acc(var_m, ev),
+        count=d,
+    )
+    return out, saved
+
+
+def layernorm_backward(
+    dy: MX, saved: LayerNormSaved, ctx: RoundCtx, tid: int
+) -> tuple[MX, Acc, Acc]:
+    """dx = rstd / D (D g - sum_d g - xhat sum_d(g xhat)) with g = dy gamma (per element: gamma
+    runs along the reduction axis, unlike BatchNorm); dgamma = sum_rows dy xhat, dbeta =
+    sum_rows dy (Acc, shape (D,)).
+
+    1. dbeta at e_dy; dgamma at e_dy + e_xhat (dy pre-shifted, **site 7**, if
+       product_cap(R, 8) < 0).
+    2. g = dy_m gamma_m (|g| < 2^14, exact) at e_dy + e_g; if 21 + ceil log2 D > 31, g is
+       pre-shifted by the excess (**site 5**) so the D-wide sum of g xhat fits int32.
+    3. sg_r = sum_d g; sgx_r = sum_d g xhat_m at e_g + e_xhat; sgx16 = compact_to_bits(sgx, 15)
+       per tensor (**site 0**).
+    4. T = aligned_sum([(D g, e_g, 14 + lg), (-sg_r (R,1), e_g, 14 + lg),
+       (-(xhat_m sgx16_r), e_xhat + e_sgx16, 22)]) **sites 1, 2, 3** (lg = ceil log2 D).
+    5. T16 = compact_to_bits(T, 15) (**site 4**); Bk = div_const(T16, Reciprocal.of(D)).
+    6. dx_acc = Bk rstd_r (<= 2^30) at e_Bk + E_r,r; dx = compact_common over rows (**site 6**).
+    """
+    ed = scalar_exp(dy, "dy")
+    exh = scalar_exp(saved.xhat, "xhat")
+    eg = scalar_exp(saved.gamma, "gamma")
+    d = saved.count
+    d2 = _rows(dy.m)
+    xh = _rows(saved.xhat.m)
+    rows = d2.shape[0]
+    dbeta = d2.sum(axis=0)
+    check_int32(dbeta, "layernorm_dbeta")
+    dp, edp = fit_product(d2, ed, rows, ctx, site_key(ctx, tid, 7))
+    dgamma = (i64(dp) * xh).sum(axis=0)
+    check_int32(dgamma, "layernorm_dgamma")
+    lg = ceil_log2(d)
+    g = d2 * i64(saved.gamma.m)[None, :]
+    e_g = ed + eg
+    pre = 2 * MAG + MAG + lg - 31
+    if pre > 0:
+        g = fast_shift_right(g, pre, ctx.rounding, site_key(ctx, tid, 5))
+        e_g += pre
+    sg = g.sum(axis=1, keepdims=True)
+    sgx = (g * xh).sum(axis=1, keepdims=True)
+    check_int32(sgx, "layernorm_sgx")
+    sgx16, e_sgx = fast_compact_to_bits(sgx, e_g + exh, 15, ctx.rounding, site_key(ctx, tid, 0))
+    dg = g * d  # |.| < 2^(14 + lg)
+    check_int32(dg, "layernorm_bwd")
+    keys = [site_key(ctx, tid, j) for j in (1, 2, 3)]
+    t, e_t = aligned_sum_fast(
+        [
+            (dg, e_g, 2 * MAG + lg),
+            (-sg, e_g, 2 * MAG + lg),
+            (-(xh * sgx16), exh + int(e_sgx), MAG + 15),
+        ],
+        ctx.rounding,
+        keys,
+    )
+    t16, e_t16 = fast_compact_to_bits(t, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
+    bk, e_bk = div_const(t16, e_t16, Reciprocal.of(d))
+    dxa = bk * saved.rstd[:, None]
+    check_int32(dxa, "layernorm_dx")
+    dxm = compact_common(dxa, int(e_bk) + saved.rstd_e, 0, ctx, site_key(ctx, tid, 6))
+    return (
+        MX.of(dxm.m.reshape(dy.shape), dxm.e),
+        Acc(dgamma, np.asarray(edp + exh, np.int64)),
+        Acc(dbeta, np.asarray(ed, np.int64)),
+    )
+
+
+# -------------------------------------------------------------------------------------- GELU
+
+GELU_RANGE_LOG2 = 2  # GELU_TABLE covers inputs in [-4, 4): 2^2
+
+
+def gelu_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """y = GELU(x) by GELU_TABLE (inputs at 2^-5 in [-4, 4), values at 2^-5).
+
+    The index is x shifted to exponent -5 (ctx rounding, **site 0**; saturating left shift),
+    clamped to [-128, 127]. Outside the table range GELU is continued exactly by its asymptotes:
+    x >= 4 gives x, x < -4 gives 0 (|GELU(x) - x| < 1.3e-4 there), decided exactly on the
+    mantissa (threshold th = 2^max(2 - e_x, 0)). Accumulator at exponent -5 (x << (e_x + 5) for
+    the identity part, |.| <= 2^14); e_x > 2: every non-zero x is out of range, y = max(x, 0)
+    at e_x. e_x <= -5: |x| < 4, the table alone. Compaction to ctx.bits (**site 1**; a no-op
+    for 8 bits when no input is >= 4).
+    """
+    e = scalar_exp(x, "gelu input")
+    xm = i64(x.m)
+    if e > GELU_RANGE_LOG2:
+        return compact_mx(np.maximum(xm, 0), e, ctx, site_key(ctx, tid, 1))
+    tab = GELU_TABLE.lookup(xm, e, ctx.rounding, site_key(ctx, tid, 0))
+    e_out = GELU_TABLE.out_exp
+    k = e - e_out
+    if k > 0:
+        th = 1 << max(GELU_RANGE_LOG2 - e, 0)
+        tab = np.where(xm >= th, xm << k, np.where(xm < -th, 0, tab))
+    return compact_mx(tab, e_out, ctx, site_key(ctx, tid, 1))
+
+
+def gelu_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """dx = dy GELU'(x): G = GELU_GRAD_TABLE.lookup(x) (index rounding **site 0**, clamped, so
+    x >= 4 gives GELU'(3.97) = 64 * 2^-6 = 1 and x < -4 gives 0: the right asymptotes);
+    acc = dy_m G (|.| < 2^14) at e_dy - 6; compaction **site 1**."""
+    ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "gelu input")
+    gd = GELU_GRAD_TABLE.lookup(i64(x.m), ex, ctx.rounding, site_key(ctx, tid, 0))
+    acc = i64(dy.m) * gd
+    return compact_mx(acc, ed + GELU_GRAD_TABLE.out_exp, ctx, site_key(ctx, tid, 1))
+
+
+# ----------------------------------------------------------------------------------- softmax
+
+SOFTMAX_RECIP_LOG2 = 30  # R = round(2^30 / S), S in [2^15, K 2^15] -> R <= 2^15
+
+
+def softmax_prob_exp(bits: int) -> int:
+    """Fixed exponent of the probabilities: -(B - 1) (value p 2^-(B-1), p in [0, qmax(B)])."""
+    return -(bits - 1)
+
+
+def softmax_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """Row softmax along the last axis (K entries), probabilities as an MX with mantissas in
+    [0, qmax(B)] (unsigned, [0, 127] for 8 bits) at the fixed exponent -(B - 1).
+
+    d = m - rowmax(m) <= 0; E = EXP_TABLE.lookup(d, e_x) (index rounding **site 0**; values at
+    2^-15, E(0) = 2^15, d below -8 clamps to exp(-8)); S = row sum (int32, K <= 2^16);
+    R = idiv_round(2^30, S) (the one integer division per row, R <= 2^15);
+    p = min(shift_right(E R, 30 - (B - 1)) (**site 1**), qmax(B)) (E R <= 2^30).
+    """
+    e = scalar_exp(x, "softmax input")
+    m = i64(x.m)
+    k = m.shape[-1]
+    if k > 1 << 16:
+        raise ValueError("softmax rows longer than 2^16 overflow the int32 row sum")
+    d = m - m.max(axis=-1, keepdims=True)
+    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0))
+    srow = ex.sum(axis=-1, keepdims=True)
+    check_int32(srow, "softmax_sum")
+    recip = idiv_round(np.asarray(1 << SOFTMAX_RECIP_LOG2, np.int64), srow)
+    prod = ex * recip
+    check_int32(prod, "softmax_norm")
+    pe = softmax_prob_exp(ctx.bits)
+    p = fast_shift_right(prod, SOFTMAX_RECIP_LOG2 + pe, ctx.rounding, site_key(ctx, tid, 1))
+    return MX.of(np.minimum(p, qmax(ctx.bits)), pe)
+
+
+def softmax_backward(dy: MX, p: MX, ctx: RoundCtx, tid: int) -> MX:
+    """dx = p (dy - sum_k dy p) along the last axis.
+
+    s_r = sum_k dy_m p_m at e_dy + e_p (dy pre-shifted, **site 5**, if product_cap(K, 8) < 0);
+    t = aligned_sum([(dy_m, e_dy, 7), (-s_r (..., 1), e_dy + e_p, 14 + ceil log2 K)])
+    **sites 1, 2**; t16 = compact_to_bits(t, 15) (**site 3**); acc = p_m t16 (< 2^22) at
+    e_p + e_t16; compaction **site 4**.
+    """
+    ed, ep = scalar_exp(dy, "dy"), scalar_exp(p, "softmax probabilities")
+    k = dy.shape[-1]
+    dm, eds = fit_product(i64(dy.m), ed, k, ctx, site_key(ctx, tid, 5))
+    s = (i64(dm) * i64(p.m)).sum(axis=-1, keepdims=True)
+    check_int32(s, "softmax_bwd_sum")
+    keys = [site_key(ctx, tid, 1), site_key(ctx, tid, 2)]
+    t, e_t = aligned_sum_fast(
+        [(i64(dy.m), ed, MAG), (-s, eds + ep, product_bits(k))], ctx.rounding, keys
+    )
+    t16, e_t16 = fast_compact_to_bits(t, e_t, DIV_BITS, ctx.rounding, site_key(ctx, tid, 3))
+    acc = i64(p.m) * t16
+    check_int32(acc, "softmax_bwd")
+    return compact_mx(acc, ep + e_t16, ctx, site_key(ctx, tid, 4))
+
+
+# ------------------------------------------------------------------------------------ matmul
+
+
+def _check_batch(a: MX, b: MX, what: str) -> None:
+    if a.m.ndim < 2 or b.m.ndim < 2 or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"{what}: operands need equal leading dims, got {a.shape} and {b.shape}")
+
+
+def matmul_forward(a: MX, b: MX, ctx: RoundCtx, tid: int) -> MX:
+    """y = a @ b, a [..., M, K], b [..., K, N] with equal leading (batch) dims.
+
+    a pre-shifted (**site 3**) if product_cap(K, 8) < 0; exact int32 accumulation (int_matmul)
+    at e_a + e_b; compaction over the whole tensor (**site 0**).
+    """
+    _check_batch(a, b, "matmul")
+    ea, eb = scalar_exp(a, "matmul a"), scalar_exp(b, "matmul b")
+    k = a.shape[-1]
+    if b.shape[-2] != k:
+        raise ValueError(f"matmul: inner dims differ, {a.shape} @ {b.shape}")
+    am, ea = fit_product(a.m, ea, k, ctx, site_key(ctx, tid, 3))
+    acc = int_matmul(am, b.m)
+    return compact_mx(acc, ea + eb, ctx, site_key(ctx, tid, 0))
+
+
+def matmul_backward(dy: MX, a: MX, b: MX, ctx: RoundCtx, tid: int) -> tuple[MX, MX]:
+    """da = dy @ b^T (K-wide = N; dy pre-shifted **site 2** if product_cap(N, 8) < 0,
+    compaction **site 0**); db = a^T @ dy (reduction over M; a^T pre-shifted **site 3** if
+    product_cap(M, 8) < 0, compaction **site 1**)."""
+    _check_batch(a, b, "matmul")
+    ed = scalar_exp(dy, "dy")
+    ea, eb = scalar_exp(a, "matmul a"), scalar_exp(b, "matmul b")
+    n, m = b.shape[-1], a.shape[-2]
+    dm, ed1 = fit_product(dy.m, ed, n, ctx, site_key(ctx, tid, 2))
+    da = compact_mx(int_matmul(dm, np.swapaxes(b.m, -1, -2)), ed1 + eb, ctx, site_key(ctx, tid, 0))
+    at, ea2 = fit_product(np.swapaxes(a.m, -1, -2), ea, m, ctx, site_key(ctx, tid, 3))
+    db = compact_mx(int_matmul(at, dy.m), ea2 + ed, ctx, site_key(ctx, tid, 1))
+    return da, db
+
+
+# ----------------------------------------------------------------------------- scale by const
+
+
+def scale_forward(x: MX, s: FixedScalar, ctx: RoundCtx, tid: int) -> MX:
+    """y = x s, s = num 2^-shift a host constant (e.g. FixedScalar.of(1 / sqrt(d_head))):
+    acc = m num (< 2^22) at e_x - shift; compaction (**site 0**). A power of two is exact."""
+    e = scalar_exp(x, "scale input")
+    acc = i64(x.m) * int(s.num)
+    return compact_mx(acc, e - s.shift, ctx, site_key(ctx, tid, 0))
+
+
+def scale_backward(dy: MX, s: FixedScalar, ctx: RoundCtx, tid: int) -> MX:
+    """dx = dy s: the same operation on dy (**site 0** of the backward's tid)."""
+    return scale_forward(dy, s, ctx, tid)
+
+
+# ------------------------------------------------------------------- broadcast add (pos. emb.)
+
+
+def add_broadcast_forward(x: MX, p: MX, ctx: RoundCtx, tid: int) -> MX:
+    """y = x + p, x [B, ...], p [1, ...] broadcast over the batch axis (positional embedding).
+
+    aligned_sum([(x_m, e_x, 7), (p_m, e_p, 7)]) **sites 0 (x), 1 (p)** (p is aligned once, PRNG
+    index = its own flat index, then broadcast); compaction **site 2**.
+    The backward of x is dy itself; of p, add_broadcast_param_grad.
+    """
+    if p.m.ndim != x.m.ndim or p.shape[0] != 1 or p.shape[1:] != x.shape[1:]:
+        raise ValueError(f"add_broadcast: p must have shape (1,) + {x.shape[1:]}, got {p.shape}")
+    ex, ep = scalar_exp(x, "x"), scalar_exp(p, "p")
+    keys = [site_key(ctx, tid, 0), site_key(ctx, tid, 1)]
+    acc, e = aligned_sum_fast([(i64(x.m), ex, MAG), (i64(p.m), ep, MAG)], ctx.rounding, keys)
+    return compact_mx(np.broadcast_to(acc, x.shape), e, ctx, site_key(ctx, tid, 2))
+
+
+def add_broadcast_param_grad(dy: MX) -> Acc:
+    """dp = sum of dy over the batch axis (keepdims: shape (1, ...)), int32, exponent e_dy."""
+    ed = scalar_exp(dy, "dy")
+    acc = i64(dy.m).sum(axis=0, keepdims=True)
+    check_int32(acc, "add_broadcast_param_grad")
+    return Acc(acc, np.asarray(ed, np.int64))
+
+
+# ------------------------------------------------------------------------------ token mean
+
+
+def mean_tokens_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """y[b, d] = mean_t x[b, t, d] (x [B, T, D]): sum over T (|.| < 2^(7 + ceil log2 T)), then
+    pool._divide: exact left shift to 15 bits (or compact_to_bits(., 15), **site 0**),
+    div_const by T (Reciprocal.of(T); the power of two goes to the exponent), compaction
+    (**site 1**)."""
+    e = scalar_exp(x, "mean_tokens input")
+    if x.m.ndim != 3:
+        raise ValueError(f"mean_tokens needs [B, T, D], got {x.shape}")
+    t = x.shape[1]
+    acc = i64(x.m).sum(axis=1)
+    check_int32(acc, "mean_tokens_forward")
+    return _divide(acc, e, MAG + ceil_log2(t), t, ctx, tid)
+
+
+def mean_tokens_backward(dy: MX, t: int, ctx: RoundCtx, tid: int) -> MX:
+    """dx[b, t, d] = dy[b, d] / T: g = div_const(dy << 8, Reciprocal.of(T)) at
+    e_dy - 8 - pow2 (exact, no site), broadcast to [B, T, D], compaction (**site 0**, PRNG index
+    over [B, T, D])."""
+    e = scalar_exp(dy, "dy")
+    if dy.m.ndim != 2:
+        raise ValueError(f"mean_tokens backward needs dy [B, D], got {dy.shape}")
+    g, eg = div_const(i64(dy.m) << (DIV_BITS - MAG), e - (DIV_BITS - MAG), Reciprocal.of(t))
+    b, d = dy.shape
+    full = np.broadcast_to(g[:, None, :], (b, t, d))
+    return compact_mx(full, eg, ctx, site_key(ctx, tid, 0))
+
+
+__all__ = [
+    "LayerNormSaved",
+    "add_broadcast_forward",
+    "add_broadcast_param_grad",
+    "gelu_backward",
+    "gelu_forward",
+    "layernorm_backward",
+    "layernorm_forward",
+    "matmul_backward",
+    "matmul_forward",
+    "mean_tokens_backward",
+    "mean_tokens_forward",
+    "scale_backward",
+    "scale_forward",
+    "softmax_backward",
+    "softmax_forward",
+    "softmax_prob_exp",
+]
