@@ -11,6 +11,8 @@ Configurations (`--configs` picks a comma-separated subset):
     fashion-nearest    the same with deterministic (round-to-nearest) rounding
     fashion-bits6      the same at B = 6
     fashion-bits4      the same at B = 4
+    vit            ViTTiny (examples/vit.py: patch 7, dim 64, 2 blocks, 4 heads, MLP ratio 2),
+                   Fashion-MNIST with the fashion recipe; and FP32
     digits         DigitsCNN, scikit-learn digits, 10 epochs, batch 32; and FP32
 
 The FP32 run of `fashion` is the reference of every fashion-* row (the FP32 baseline does not
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.models import DigitsCNN, FashionCNN  # noqa: E402
+from examples.vit import ViTTiny  # noqa: E402
 from mexc.data import load_splits  # noqa: E402
 from mexc.trainer import machine, run_training, write_json_atomic  # noqa: E402
 
@@ -45,6 +48,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fashion-nearest": {**FASHION, "rounding": "nearest"},
     "fashion-bits6": {**FASHION, "bits": 6},
     "fashion-bits4": {**FASHION, "bits": 4},
+    "vit": {**FASHION, "model": "ViTTiny", "fp32": True, "ref": None},
     "digits": dict(
         model="DigitsCNN",
         data="digits",
@@ -57,7 +61,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         ref=None,
     ),  # fmt: skip
 }
-MODELS = {"FashionCNN": FashionCNN, "DigitsCNN": DigitsCNN}
+MODELS = {"FashionCNN": FashionCNN, "DigitsCNN": DigitsCNN, "ViTTiny": ViTTiny}
 
 
 def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -47,7 +47,9 @@ class _Ctx:
     param_values: dict[str, Value] = field(default_factory=dict)
     loc: str = ""
 
-    def shape(self, n: torch.fx.Node) -> tuple[int, ...]:
+    def shape(self, n: Any) -> tuple[int, ...]:
+        if not isinstance(n, torch.fx.Node):
+            raise UnsupportedOpError(f"expected a tensor argument, got {n!r}")
         meta = n.meta.get("tensor_meta")
         if meta is None or not hasattr(meta, "shape"):
             raise UnsupportedOpError(_describe(n, "produces a non-tensor value mexc cannot use"))
@@ -77,6 +79,11 @@ class _Ctx:
     def emit(self, op: Op, inputs: list[Value], n: torch.fx.Node, **kw: Any) -> Value:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
         return node.out
+
+
+def _int(v: Any) -> int:
+    """A static integer argument of a traced call (dims, sizes, indices)."""
+    return int(v)
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -200,6 +207,34 @@ def _flatten_module(c: _Ctx, n: torch.fx.Node, m: nn.Flatten) -> Value:
     return _reshape(c, n)
 
 
+def _layernorm(c: _Ctx, n: torch.fx.Node, m: nn.LayerNorm) -> Value:
+    if len(m.normalized_shape) != 1 or not m.elementwise_affine or m.bias is None:
+        raise UnsupportedOpError(
+            _describe(n, "needs LayerNorm over the last axis with affine weight and bias")
+        )
+    name = str(n.target)
+    ins = [
+        c.arg(n.args[0]),
+        c.param(f"{name}.weight", m.weight, "ln_weight"),
+        c.param(f"{name}.bias", m.bias, "ln_bias"),
+    ]
+    return c.emit(Op.LAYERNORM, ins, n, eps=float(m.eps))
+
+
+def _gelu_module(c: _Ctx, n: torch.fx.Node, m: nn.GELU) -> Value:
+    if m.approximate != "none":
+        raise UnsupportedOpError(_describe(n, "uses approximate GELU; use nn.GELU()"))
+    return c.emit(Op.GELU, [c.arg(n.args[0])], n)
+
+
+def _mha(c: _Ctx, n: torch.fx.Node, m: nn.Module) -> Value:
+    raise UnsupportedOpError(
+        f"Unsupported op MultiheadAttention: {_describe(n, 'is not supported yet')}. Write the "
+        "attention by hand: q, k, v = Linear layers; (q @ k.transpose(-2, -1)) * scale; "
+        ".softmax(-1); @ v (see examples/vit.py)."
+    )
+
+
 MODULE_HANDLERS: dict[type, Callable[[_Ctx, torch.fx.Node, Any], Value]] = {
     nn.Conv2d: _conv,
     nn.Linear: _linear,
@@ -213,6 +248,9 @@ MODULE_HANDLERS: dict[type, Callable[[_Ctx, torch.fx.Node, Any], Value]] = {
     nn.Dropout: _dropout,
     nn.Identity: _identity,
     nn.Flatten: _flatten_module,
+    nn.LayerNorm: _layernorm,
+    nn.GELU: _gelu_module,
+    nn.MultiheadAttention: _mha,
 }
 
 
@@ -233,6 +271,104 @@ def _add(c: _Ctx, n: torch.fx.Node) -> Value:
     if c.shape(a) != c.shape(b):
         raise UnsupportedOpError(_describe(n, "adds tensors of different shapes (no broadcast)"))
     return c.emit(Op.ADD, [c.arg(a), c.arg(b)], n)
+
+
+def _is_param_node(c: _Ctx, a: Any) -> bool:
+    return isinstance(a, torch.fx.Node) and a.op == "get_attr"
+
+
+def _add_any(c: _Ctx, n: torch.fx.Node) -> Value:
+    """tensor + tensor, or activation + a broadcast parameter (positional embedding)."""
+    a, b = n.args[0], n.args[1]
+    if _is_param_node(c, b) and not _is_param_node(c, a):
+        a, b = b, a
+    if _is_param_node(c, a) and isinstance(b, torch.fx.Node):
+        p = _get_param(c, a, "embedding")
+        if c.shape(a)[0] != 1 or c.shape(a)[1:] != c.shape(b)[1:]:
+            raise UnsupportedOpError(
+                _describe(
+                    n, "adds a parameter that is not [1, ...] of the activation's per-sample shape"
+                )
+            )
+        return c.emit(Op.ADD_PARAM, [c.arg(b), p], n)
+    return _add(c, n)
+
+
+def _matmul(c: _Ctx, n: torch.fx.Node) -> Value:
+    a, b = n.args[0], n.args[1]
+    sa, sb = c.shape(a), c.shape(b)
+    if len(sa) < 3 or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                f"multiplies {list(sa)} by {list(sb)}; mexc "
+                "supports batched [..., M, K] @ [..., K, N] with "
+                "equal batch dims (use nn.Linear for weights)",
+            )
+        )
+    return c.emit(Op.MATMUL, [c.arg(a), c.arg(b)], n)
+
+
+def _scale(c: _Ctx, n: torch.fx.Node) -> Value:
+    a, b = n.args[0], n.args[1]
+    x, k = (a, b) if isinstance(a, torch.fx.Node) else (b, a)
+    if n.target in (operator.truediv, torch.div) and x is a:
+        k = 1.0 / float(k)  # type: ignore[arg-type]
+    if not isinstance(x, torch.fx.Node) or not isinstance(k, (int, float)):
+        raise UnsupportedOpError(
+            _describe(n, "multiplies two tensors; only tensor * constant is supported")
+        )
+    if not float(k) > 0:
+        raise UnsupportedOpError(_describe(n, f"scales by {k}; only positive constants"))
+    return c.emit(Op.SCALE, [c.arg(x)], n, value=float(k))
+
+
+def _transpose(c: _Ctx, n: torch.fx.Node) -> Value:
+    x = n.args[0]
+    rank = len(c.shape(x))
+    if n.target == "permute" or n.target is torch.permute:
+        dims = n.args[1:] if not isinstance(n.args[1], (list, tuple)) else n.args[1]
+        perm = tuple(_int(d) % rank for d in dims)
+    else:
+        d0, d1 = _int(n.args[1]) % rank, _int(n.args[2]) % rank
+        order = list(range(rank))
+        order[d0], order[d1] = order[d1], order[d0]
+        perm = tuple(order)
+    return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=perm)
+
+
+def _softmax(c: _Ctx, n: torch.fx.Node) -> Value:
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    if dim is None or _int(dim) % len(c.shape(n.args[0])) != len(c.shape(n.args[0])) - 1:
+        raise UnsupportedOpError(_describe(n, "softmax is supported over the last axis only"))
+    return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
+
+
+def _mean(c: _Ctx, n: torch.fx.Node) -> Value:
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    shape = c.shape(n.args[0])
+    if len(shape) != 3 or dim is None or _int(dim) % 3 != 1 or n.kwargs.get("keepdim"):
+        raise UnsupportedOpError(
+            _describe(n, "mean is supported over the token axis of [B, T, D] (x.mean(dim=1))")
+        )
+    return c.emit(Op.MEAN_TOKENS, [c.arg(n.args[0])], n)
+
+
+def _chunk_item(c: _Ctx, n: torch.fx.Node) -> Value | None:
+    """getitem of a chunk: a SLICE of the chunked tensor."""
+    src, index = n.args[0], n.args[1]
+    if not isinstance(src, torch.fx.Node) or src.target not in ("chunk", torch.chunk):
+        return None
+    x = src.args[0]
+    chunks = _int(src.args[1] if len(src.args) > 1 else src.kwargs["chunks"])
+    dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+    shape = c.shape(x)
+    dim = _int(dim) % len(shape)
+    if shape[dim] % chunks:
+        raise UnsupportedOpError(_describe(src, "chunks an axis that does not divide evenly"))
+    size = shape[dim] // chunks
+    i = _int(index)
+    return c.emit(Op.SLICE, [c.arg(x)], n, dim=dim, start=i * size, stop=(i + 1) * size)
 
 
 def _fn_unary(op: Op) -> Callable[[_Ctx, torch.fx.Node], Value]:
@@ -323,9 +459,21 @@ def _fetch_attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
 
 
 FUNCTION_HANDLERS: dict[Any, Callable[[_Ctx, torch.fx.Node], Value]] = {
-    operator.add: _add,
-    torch.add: _add,
-    operator.iadd: _add,
+    operator.add: _add_any,
+    torch.add: _add_any,
+    operator.iadd: _add_any,
+    operator.matmul: _matmul,
+    torch.matmul: _matmul,
+    torch.bmm: _matmul,
+    operator.mul: _scale,
+    operator.truediv: _scale,
+    torch.mul: _scale,
+    torch.transpose: _transpose,
+    torch.permute: _transpose,
+    torch.softmax: _softmax,
+    F.softmax: _softmax,
+    F.gelu: _fn_unary(Op.GELU),
+    torch.mean: _mean,
     torch.relu: _fn_unary(Op.RELU),
     F.relu: _fn_unary(Op.RELU),
     F.relu6: _fn_unary(Op.RELU6),
@@ -344,12 +492,17 @@ METHOD_HANDLERS: dict[str, Callable[[_Ctx, torch.fx.Node], Value]] = {
     "reshape": _reshape,
     "flatten": _reshape,
     "relu": _fn_unary(Op.RELU),
-    "add": _add,
+    "add": _add_any,
     "contiguous": lambda c, n: c.arg(n.args[0]),
+    "transpose": _transpose,
+    "permute": _transpose,
+    "softmax": _softmax,
+    "mean": _mean,
+    "mul": _scale,
 }
 
 # nodes computing Python ints from static shapes (x.size(0), x.shape) are folded by ShapeProp
-_SHAPE_METHODS = {"size", "dim"}
+_SHAPE_METHODS = {"size", "dim", "chunk"}  # chunk: its getitems become SLICE ops
 
 
 def supported_ops() -> list[str]:
@@ -422,10 +575,16 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Value | None:
     if n.op == "call_function":
         if n.target is getattr:
             return None  # x.shape
+        if n.target is torch.chunk:
+            return None  # its getitems become SLICE ops
         fhandler = FUNCTION_HANDLERS.get(n.target)
         if fhandler is None:
             if n.target is operator.getitem and not _is_tensor(n):
                 return None
+            if n.target is operator.getitem:
+                item = _chunk_item(c, n)
+                if item is not None:
+                    return item
             raise _unsupported(n, _target_name(n))
         return fhandler(c, n)
     if n.op == "call_method":

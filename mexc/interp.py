@@ -63,9 +63,15 @@ def _conv(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
     return (K.conv2d_forward(a[0], a[1], bias, at.stride, at.padding, at.groups, env.ctx, _tid(n)),)
 
 
+def _rows(x: MX) -> MX:
+    """[..., K] -> [rows, K]: linear layers act on the last axis (tokens of a transformer)."""
+    return MX(x.m.reshape(-1, x.m.shape[-1]), x.e)
+
+
 def _linear(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
     bias = a[2] if n.attrs.has_bias else None
-    return (K.linear_forward(a[0], a[1], bias, env.ctx, _tid(n)),)
+    y = K.linear_forward(_rows(a[0]), a[1], bias, env.ctx, _tid(n))
+    return (MX(y.m.reshape(n.type.shape), y.e),)
 
 
 def _batchnorm(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
@@ -147,11 +153,12 @@ def _conv_grad_weight(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
 
 
 def _linear_grad_input(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
-    return (K.linear_backward_input(a[0], a[1], env.ctx, _tid(n)),)
+    dx = K.linear_backward_input(_rows(a[0]), a[1], env.ctx, _tid(n))
+    return (MX(dx.m.reshape(n.type.shape), dx.e),)
 
 
 def _linear_grad_weight(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
-    return (K.linear_backward_weight(a[0], a[1], env.ctx, _tid(n)),)
+    return (K.linear_backward_weight(_rows(a[0]), _rows(a[1]), env.ctx, _tid(n)),)
 
 
 def _bias_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
@@ -218,6 +225,63 @@ def _bn_running(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
     )
 
 
+def _layernorm(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    y, saved = K.layernorm_forward(a[0], a[1], a[2], float(n.attrs.eps), env.ctx, _tid(n))
+    return (y, saved)
+
+
+def _layernorm_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    return tuple(K.layernorm_backward(a[0], a[1], env.ctx, _tid(n)))
+
+
+def _scalar(n: Node) -> FixedScalar:
+    return FixedScalar.of(float(n.attrs.value))
+
+
+def _slice(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    x: MX = a[0]
+    index = [slice(None)] * x.m.ndim
+    index[n.attrs.dim] = slice(n.attrs.start, n.attrs.stop)
+    return (MX(np.ascontiguousarray(x.m[tuple(index)]), x.e),)
+
+
+def _slice_grad(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    dy: MX = a[0]
+    out = np.zeros(n.type.shape, np.int8)
+    index = [slice(None)] * out.ndim
+    index[n.attrs.dim] = slice(n.attrs.start, n.attrs.stop)
+    out[tuple(index)] = dy.m
+    return (MX(out, dy.e),)
+
+
+def _transpose(n: Node, a: list[Any], env: StepEnv) -> tuple[Any, ...]:
+    x: MX = a[0]
+    return (MX(np.ascontiguousarray(x.m.transpose(n.attrs.perm)), x.e),)
+
+
+TRANSFORMER_RULES: dict[Op, Rule] = {
+    Op.LAYERNORM: _layernorm,
+    Op.LAYERNORM_GRAD: _layernorm_grad,
+    Op.GELU: lambda n, a, env: (K.gelu_forward(a[0], env.ctx, _tid(n)),),
+    Op.GELU_GRAD: lambda n, a, env: (K.gelu_backward(a[0], a[1], env.ctx, _tid(n)),),
+    Op.SOFTMAX: lambda n, a, env: (K.softmax_forward(a[0], env.ctx, _tid(n)),),
+    Op.SOFTMAX_GRAD: lambda n, a, env: (K.softmax_backward(a[0], a[1], env.ctx, _tid(n)),),
+    Op.MATMUL: lambda n, a, env: (K.matmul_forward(a[0], a[1], env.ctx, _tid(n)),),
+    Op.MATMUL_GRAD: lambda n, a, env: tuple(K.matmul_backward(a[0], a[1], a[2], env.ctx, _tid(n))),
+    Op.SCALE: lambda n, a, env: (K.scale_forward(a[0], _scalar(n), env.ctx, _tid(n)),),
+    Op.SCALE_GRAD: lambda n, a, env: (K.scale_backward(a[0], _scalar(n), env.ctx, _tid(n)),),
+    Op.TRANSPOSE: _transpose,
+    Op.SLICE: _slice,
+    Op.SLICE_GRAD: _slice_grad,
+    Op.ADD_PARAM: lambda n, a, env: (K.add_broadcast_forward(a[0], a[1], env.ctx, _tid(n)),),
+    Op.ADD_PARAM_GRAD: lambda n, a, env: (K.add_broadcast_param_grad(a[0]),),
+    Op.MEAN_TOKENS: lambda n, a, env: (K.mean_tokens_forward(a[0], env.ctx, _tid(n)),),
+    Op.MEAN_TOKENS_GRAD: lambda n, a, env: (
+        K.mean_tokens_backward(a[0], n.type.shape[1], env.ctx, _tid(n)),
+    ),
+}
+
+
 RULES: dict[Op, Rule] = {
     Op.INPUT: _input,
     Op.LABEL: _label,
@@ -252,6 +316,7 @@ RULES: dict[Op, Rule] = {
     Op.GRAD_SUM: _grad_sum,
     Op.SGD_UPDATE: _sgd_update,
     Op.BN_RUNNING_UPDATE: _bn_running,
+    **TRANSFORMER_RULES,
 }
 
 

@@ -47,7 +47,19 @@ def _linear_grad_input_k(n: Node, t: ShapeOf) -> int:
 
 
 def _linear_grad_weight_k(n: Node, t: ShapeOf) -> int:
-    return t(0).shape[0]  # inputs: dy[N, out], x
+    rows = 1
+    for d in t(0).shape[:-1]:  # inputs: dy[..., out], x[..., in]
+        rows *= d
+    return rows
+
+
+def _matmul_k(n: Node, t: ShapeOf) -> int:
+    return t(0).shape[-1]  # a[..., M, K] @ b[..., K, N]
+
+
+def _matmul_grad_k(n: Node, t: ShapeOf) -> int:
+    dy = t(0).shape  # da = dy @ b^T reduces over N; db = a^T @ dy over M
+    return max(dy[-1], dy[-2])
 
 
 REDUCTION_WIDTH: dict[Op, Callable[[Node, ShapeOf], int]] = {
@@ -59,6 +71,8 @@ REDUCTION_WIDTH: dict[Op, Callable[[Node, ShapeOf], int]] = {
     Op.CONV2D_GRAD_WEIGHT: _conv_grad_weight_k,
     Op.LINEAR_GRAD_INPUT: _linear_grad_input_k,
     Op.LINEAR_GRAD_WEIGHT: _linear_grad_weight_k,
+    Op.MATMUL: _matmul_k,
+    Op.MATMUL_GRAD: _matmul_grad_k,
 }
 SUM_OPS = (Op.ADD, Op.GRAD_SUM)
 

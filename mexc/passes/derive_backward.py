@@ -104,7 +104,8 @@ def _linear(w: _Walker, n: Node, dys: Grads) -> Grads:
     if w.needs[x]:
         grads[0] = w.emit(Op.LINEAR_GRAD_INPUT, [dy, wt], mx(*w.type(x).shape), n.loc).out
     if n.attrs.has_bias:
-        db = w.emit(Op.BIAS_GRAD, [dy], acc(*w.type(n.inputs[2]).shape), n.loc, axes=(0,))
+        axes = tuple(range(len(w.type(dy).shape) - 1))  # tokens too for [B, T, D] input
+        db = w.emit(Op.BIAS_GRAD, [dy], acc(*w.type(n.inputs[2]).shape), n.loc, axes=axes)
         w.set_param_grad(n.inputs[2], db.out, n)
         grads.append(None)
     return grads
@@ -209,6 +210,44 @@ def _softmax_ce(w: _Walker, n: Node, dys: Grads) -> Grads:
     return [grad.out, None]
 
 
+def _layernorm(w: _Walker, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, gamma, beta = n.inputs
+    d = w.type(gamma).shape
+    node = w.emit(
+        Op.LAYERNORM_GRAD, [dy, n.result(1), gamma], (mx(*w.type(x).shape), acc(*d), acc(*d)), n.loc
+    )
+    w.set_param_grad(gamma, node.result(1), n)
+    w.set_param_grad(beta, node.result(2), n)
+    return [node.result(0) if w.needs[x] else None, None, None]
+
+
+def _matmul(w: _Walker, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    a, b = n.inputs
+    node = w.emit(Op.MATMUL_GRAD, [dy, a, b], (mx(*w.type(a).shape), mx(*w.type(b).shape)), n.loc)
+    return [node.result(0) if w.needs[a] else None, node.result(1) if w.needs[b] else None]
+
+
+def _transpose(w: _Walker, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    perm = tuple(n.attrs.perm)
+    inverse = tuple(perm.index(i) for i in range(len(perm)))
+    return [w.emit(Op.TRANSPOSE, [dy], mx(*w.type(n.inputs[0]).shape), n.loc, perm=inverse).out]
+
+
+def _add_param(w: _Walker, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, p = n.inputs
+    dp = w.emit(Op.ADD_PARAM_GRAD, [dy], acc(*w.type(p).shape), n.loc)
+    w.set_param_grad(p, dp.out, n)
+    return [dy if w.needs[x] else None, None]
+
+
 RULES: dict[Op, Rule] = {
     Op.CONV2D_COMPACT: _conv,
     Op.CONV2D: _conv,
@@ -225,6 +264,15 @@ RULES: dict[Op, Rule] = {
     Op.ADD: _add,
     Op.RESHAPE: _reshape,
     Op.SOFTMAX_CE: _softmax_ce,
+    Op.LAYERNORM: _layernorm,
+    Op.GELU: _pointwise(Op.GELU_GRAD, lambda n: n.inputs[0]),
+    Op.SOFTMAX: _pointwise(Op.SOFTMAX_GRAD, lambda n: n.out),
+    Op.MATMUL: _matmul,
+    Op.SCALE: _pointwise(Op.SCALE_GRAD, _no_saved),
+    Op.TRANSPOSE: _transpose,
+    Op.SLICE: _pointwise(Op.SLICE_GRAD, _no_saved),
+    Op.ADD_PARAM: _add_param,
+    Op.MEAN_TOKENS: _pointwise(Op.MEAN_TOKENS_GRAD, _no_saved),
 }
 NO_GRAD = frozenset({Op.INPUT, Op.LABEL, Op.PARAM, Op.STATE, Op.QUANTIZE})
 

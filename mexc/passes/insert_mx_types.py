@@ -101,6 +101,12 @@ def _softmax_ce(r: _Rewriter, n: Node) -> None:
     r.copy(n, (probs, n.types[1]))
 
 
+def _layernorm(r: _Rewriter, n: Node) -> None:
+    # results: y and the saved normalized input (xhat) for the backward pass
+    new = r.copy(n, (_mx_like(n.type), _mx_like(n.type)))
+    r.env[n.out] = new.out
+
+
 RULES: dict[Op, Callable[[_Rewriter, Node], None]] = {
     Op.INPUT: _boundary,
     Op.LABEL: _boundary,
@@ -118,6 +124,15 @@ RULES: dict[Op, Callable[[_Rewriter, Node], None]] = {
     Op.RESHAPE: _elementwise,
     Op.DROPOUT: _dropout,
     Op.SOFTMAX_CE: _softmax_ce,
+    Op.LAYERNORM: _layernorm,
+    Op.GELU: _elementwise,
+    Op.SOFTMAX: _elementwise,
+    Op.MATMUL: _elementwise,  # product and compaction in one kernel
+    Op.SCALE: _elementwise,
+    Op.TRANSPOSE: _elementwise,
+    Op.SLICE: _elementwise,
+    Op.ADD_PARAM: _elementwise,
+    Op.MEAN_TOKENS: _elementwise,
 }
 
 

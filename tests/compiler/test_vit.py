@@ -1,0 +1,93 @@
+"""Transformers as written in PyTorch: ViT-tiny, hand-written attention (also with chunk), and a
+clear error for nn.MultiheadAttention."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from examples.vit import ViTTiny
+from mexc.ir import Op
+from tests.compiler.test_examples_train import _digits
+
+
+class ChunkAttention(nn.Module):
+    """One fused qkv projection split with chunk, one head, then a linear head."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x.view(x.size(0), 8, 8))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(1, 2) / 4.0, dim=-1)
+        return self.head(self.norm(x + att @ v).mean(dim=1))
+
+
+class WithMHA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.view(x.size(0), 8, 8)
+        return self.head(self.mha(t, t, t)[0].mean(dim=1))
+
+
+def _train(model: nn.Module, shape: tuple[int, ...], steps: int = 40) -> list[float]:
+    x, y = _digits(shape)
+    torch.manual_seed(0)
+    prog = mexc.compile(model, (torch.from_numpy(x[:16]),), optimizer=mexc.SGD(0.05, 0.9))
+    rng = np.random.default_rng(0)
+    return [
+        prog.step(x[i], y[i]) for i in (rng.choice(len(x), 16, replace=False) for _ in range(steps))
+    ]
+
+
+def test_vit_tiny_compiles_to_transformer_ops_and_learns() -> None:
+    torch.manual_seed(0)
+    prog = mexc.compile(ViTTiny(depth=1), (torch.zeros(8, 1, 28, 28),))
+    ops = {n.op for n in prog.graph}
+    assert {
+        Op.LAYERNORM,
+        Op.GELU,
+        Op.SOFTMAX,
+        Op.MATMUL,
+        Op.SCALE,
+        Op.TRANSPOSE,
+        Op.ADD_PARAM,
+        Op.MEAN_TOKENS,
+        Op.LAYERNORM_GRAD,
+        Op.MATMUL_GRAD,
+        Op.SOFTMAX_GRAD,
+        Op.ADD_PARAM_GRAD,
+    } <= ops
+    assert "pos" in prog.state and prog.state["pos"].m.shape == (1, 16, 64)
+    losses = _train(ViTTiny(depth=1), (1, 28, 28))
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
+
+
+def test_chunked_qkv_attention_learns() -> None:
+    torch.manual_seed(0)
+    prog = mexc.compile(ChunkAttention(), (torch.zeros(4, 1, 8, 8),))
+    slices = prog.graph.nodes_of(Op.SLICE)
+    assert [(n.attrs.start, n.attrs.stop) for n in slices] == [(0, 16), (16, 32), (32, 48)]
+    assert len(prog.graph.nodes_of(Op.SLICE_GRAD)) == 3
+    losses = _train(ChunkAttention(), (1, 8, 8))
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
+
+
+def test_multihead_attention_module_gets_a_clear_error() -> None:
+    with pytest.raises(mexc.UnsupportedOpError, match="MultiheadAttention.*by hand"):
+        mexc.compile(WithMHA(), (torch.zeros(4, 1, 8, 8),))
+
+
+def test_c_backend_names_the_missing_transformer_op() -> None:
+    with pytest.raises(mexc.UnsupportedOpError, match="C backend has no lowering for op "):
+        mexc.compile(ViTTiny(depth=1), (torch.zeros(2, 1, 28, 28),), target="c")
