@@ -1,0 +1,100 @@
+"""Training-step time of the reference executor beside PyTorch FP32 eager, interleaved in one run.
+
+For each model at batch 128: the median wall time of one training step of mexc (reference
+executor, and `c` — the generated C built with the host compiler — where the model is supported)
+and of PyTorch FP32 eager (same model, SGD with momentum), measured in alternation so machine
+noise hits all alike. Prints a table with ratios; writes bench/results/step_time.json.
+
+    OMP_NUM_THREADS=1 python bench/step_time.py [--models FashionCNN,...] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import mexc  # noqa: E402
+from examples.models import EXAMPLES  # noqa: E402
+
+
+def _fp32_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> None:
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def measure(name: str, batch: int, repeats: int, targets: list[str]) -> dict[str, object]:
+    cls, shape = EXAMPLES[name]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    torch.manual_seed(0)
+    model = cls()
+    progs = {}
+    for target in targets:
+        t0 = time.perf_counter()
+        try:
+            progs[target] = mexc.compile(model, (x,), target=target)
+        except mexc.UnsupportedOpError:
+            continue
+        progs[target].step(x, y)  # warm up
+        progs[target + " compile s"] = time.perf_counter() - t0  # type: ignore[assignment]
+    fp32 = cls().train()
+    opt = torch.optim.SGD(fp32.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    _fp32_step(fp32, opt, xt, yt)
+    times: dict[str, list[float]] = {k: [] for k in [*targets, "fp32"] if k in progs or
+                                     k == "fp32"}
+    for _ in range(repeats):
+        for key in times:
+            t0 = time.perf_counter()
+            if key == "fp32":
+                _fp32_step(fp32, opt, xt, yt)
+            else:
+                progs[key].step(x, y)  # type: ignore[union-attr]
+            times[key].append(time.perf_counter() - t0)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"model": name, "batch": batch, "median_s": med,
+            "ratio_to_fp32": {k: med[k] / med["fp32"] for k in med if k != "fp32"},
+            "compile_s": {k[:-10]: v for k, v in progs.items() if k.endswith(" compile s")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="FashionCNN,SmallResNet,MobileNetV2Tiny")
+    ap.add_argument("--targets", default="reference,c")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
+    args = ap.parse_args()
+    targets = args.targets.split(",")
+    rows = [measure(m, args.batch, args.repeats, targets) for m in args.models.split(",")]
+    print(f"{'model':<16} {'target':<10} {'median step s':>14} {'/ FP32 eager':>13}")
+    for r in rows:
+        med = r["median_s"]
+        assert isinstance(med, dict)
+        for key, value in med.items():
+            ratio = value / med["fp32"]
+            print(f"{r['model']:<16} {key:<10} {value:>14.4f} {ratio:>13.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
+            "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
