@@ -159,4 +159,109 @@ int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint
 int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
                          int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
 
+/* ------------------------------------------------------------------ mexc_kernels_extra.c */
+/* relu6 (activation.py): cap = relu6_cap(e) = largest mantissa c with c 2^e <= 6, <= 127.
+ * y (or dx) may alias x (or dy). x of the backward: the ReLU6 input or output (exponent e). */
+int32_t mexc_relu6_cap(int32_t e);
+void mexc_relu6_forward(const int8_t *x, int32_t e, int8_t *y, uint32_t n);
+void mexc_relu6_backward(const int8_t *dy, const int8_t *x, int32_t e, int8_t *dx, uint32_t n);
+/* avgpool2d (pool.py, count_include_pad): sites 0 (compact_to_bits of the sums, only when
+ * 7 + ceil log2(KH*KW) > 15), 1 compaction. Backward: site 0. No scratch. */
+int32_t mexc_avgpool2d_forward(const mexc_pool_t *p, const int8_t *x, int32_t e, int8_t *y,
+                               const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_avgpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t ed, int8_t *dx,
+                                const mexc_ctx_t *ctx, uint32_t tid);
+/* Mean over the middle axis of x viewed as (outer, T, inner) -> (outer, inner): pool._divide
+ * (sites 0, 1). Backward: dx (outer, T, inner) = broadcast div_const(dy << 8, T), site 0.
+ * global_avgpool: (N*C, H*W, 1); transformer.mean_tokens: (B, T, D). */
+int32_t mexc_mean_axis_forward(uint32_t outer, uint32_t t, uint32_t inner, const int8_t *x,
+                               int32_t e, int8_t *y, const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_mean_axis_backward(uint32_t outer, uint32_t t, uint32_t inner, const int8_t *dy,
+                                int32_t ed, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_global_avgpool_forward(uint32_t n, uint32_t c, uint32_t s, const int8_t *x,
+                                    int32_t e, int8_t *y, const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_global_avgpool_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy,
+                                     int32_t ed, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
+/* dropout (elementwise.py): mask[i] = rand(site 0, i) < 2^32 - drop (all kept if drop == 0),
+ * drop = round-down(p 2^32) and scale = FixedScalar.of(1/(1-p)) are host constants;
+ * y = compact(mask m scale.num) at e - scale.shift (site 1). Backward: site 0. */
+int32_t mexc_dropout_forward(const int8_t *x, int32_t e, uint32_t n, uint32_t drop,
+                             mexc_fixed_t scale, int8_t *y, uint8_t *mask, const mexc_ctx_t *ctx,
+                             uint32_t tid);
+int32_t mexc_dropout_backward(const int8_t *dy, int32_t ed, const uint8_t *mask, uint32_t n,
+                              mexc_fixed_t scale, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
+
+/* ------------------------------------------------------------------ mexc_kernels_transformer.c */
+extern const int32_t mexc_gelu_table[256];      /* numerics.GELU_TABLE.values */
+extern const int32_t mexc_gelu_grad_table[256]; /* numerics.GELU_GRAD_TABLE.values */
+#define MEXC_GELU_IN_EXP (-5)
+#define MEXC_GELU_OUT_EXP (-5)
+#define MEXC_GELU_GRAD_OUT_EXP (-6)
+#define MEXC_MAX_DIMS 8u
+
+/* LayerNormSaved over R rows of D: caller-owned xhat (R*D) and rstd / rstd_e (R each). */
+typedef struct {
+    int8_t *xhat;
+    int32_t xhat_e;
+    int32_t *rstd;
+    int32_t *rstd_e;
+    uint32_t rows, d;
+} mexc_ln_saved_t;
+#define MEXC_LN_SCRATCH(R) (5u * (uint32_t)(R))
+/* layernorm_forward over the last axis. Sites 0 variance pre-shift, 1 xhat, 2/3 affine
+ * alignment, 4 output. Scratch: MEXC_LN_SCRATCH(R). */
+int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32_t ex,
+                               const int8_t *gamma, int32_t eg, const int8_t *beta, int32_t eb,
+                               mexc_fixed_t eps, int8_t *y, mexc_ln_saved_t *sv,
+                               const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* layernorm_backward: dx (exponent *e_dx; NULL skips it), dgamma[D] (*e_dgamma), dbeta[D]
+ * (exponent e_dy). Sites 0-7 as the reference. Scratch: MEXC_LN_SCRATCH(R) +
+ * mexc_fit_scratch(R*D, R). */
+void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_t ed,
+                             const mexc_ln_saved_t *sv, const int8_t *gamma, int32_t eg,
+                             int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
+                             int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
+                             int32_t *scratch);
+/* gelu_forward (sites 0 index rounding, 1 compaction); gelu_backward(dy, x = GELU input). */
+int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
+                          const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t ex, uint32_t n,
+                           int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
+/* Row softmax over the last axis (rows x K): p in [0, qmax(B)] at exponent -(B-1) (returned).
+ * Sites 0 exp index, 1 normalization. Backward (p = softmax output): sites 1-5; scratch
+ * mexc_softmax_backward_scratch. */
+int32_t mexc_softmax_forward(uint32_t rows, uint32_t k, const int8_t *x, int32_t e, int8_t *p,
+                             const mexc_ctx_t *ctx, uint32_t tid);
+uint32_t mexc_softmax_backward_scratch(uint32_t rows, uint32_t k);
+int32_t mexc_softmax_backward(uint32_t rows, uint32_t k, const int8_t *dy, int32_t ed,
+                              const int8_t *p, int32_t ep, int8_t *dx, const mexc_ctx_t *ctx,
+                              uint32_t tid, int32_t *scratch);
+/* Batched matmul: a (batch, M, K) @ b (batch, K, N) -> y (batch, M, N). Sites 0, 3. */
+uint32_t mexc_matmul_forward_scratch(uint32_t batch, uint32_t m, uint32_t k);
+int32_t mexc_matmul_forward(uint32_t batch, uint32_t m, uint32_t k, uint32_t n, const int8_t *a,
+                            int32_t ea, const int8_t *b, int32_t eb, int8_t *y,
+                            const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* da = dy @ b^T (sites 2, 0), db = a^T @ dy (sites 3, 1); NULL skips either. */
+uint32_t mexc_matmul_backward_scratch(uint32_t batch, uint32_t m, uint32_t k, uint32_t n);
+void mexc_matmul_backward(uint32_t batch, uint32_t m, uint32_t k, uint32_t n, const int8_t *dy,
+                          int32_t ed, const int8_t *a, int32_t ea, const int8_t *b, int32_t eb,
+                          int8_t *da, int32_t *e_da, int8_t *db, int32_t *e_db,
+                          const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* y = x s (s = num 2^-shift), compaction site 0 (also the backward, on dy). */
+int32_t mexc_scale_forward(const int8_t *x, int32_t e, uint32_t n, mexc_fixed_t s, int8_t *y,
+                           const mexc_ctx_t *ctx, uint32_t tid);
+/* y = x + p, x (batch, per), p (1, per): sites 0 (x), 1 (p, index = its own), 2 compaction.
+ * The parameter gradient is mexc_bias_backward(batch, per, 1, dy, dp). */
+int32_t mexc_add_broadcast_forward(const int8_t *x, int32_t ex, const int8_t *p, int32_t ep,
+                                   uint32_t batch, uint32_t per, int8_t *y,
+                                   const mexc_ctx_t *ctx, uint32_t tid);
+/* y = x.transpose(perm) (C order), ndim <= MEXC_MAX_DIMS; exponent unchanged. */
+void mexc_transpose(const int8_t *x, int8_t *y, uint32_t ndim, const uint32_t *shape,
+                    const uint32_t *perm);
+/* x viewed as (outer, dim_in, inner): y = x[:, start:start+dim_out, :]; backward zero-fills. */
+void mexc_slice_forward(uint32_t outer, uint32_t dim_in, uint32_t start, uint32_t dim_out,
+                        uint32_t inner, const int8_t *x, int8_t *y);
+void mexc_slice_backward(uint32_t outer, uint32_t dim_in, uint32_t start, uint32_t dim_out,
+                         uint32_t inner, const int8_t *dy, int8_t *dx);
+
 #endif /* MEXC_KERNELS_H */

@@ -133,7 +133,7 @@ def _conv(e: _Emit, n: Node) -> None:
 def _linear(e: _Emit, n: Node) -> None:
     (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
     b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
-    nn, k = e.shape(n.inputs[0])
+    nn, k = _rows2(e.shape(n.inputs[0]))
     o = e.shape(n.inputs[1])[0]
     e.need(_fit_scratch(nn * k, k))
     y = e.arena(n.out, "int8_t")
@@ -142,6 +142,11 @@ def _linear(e: _Emit, n: Node) -> None:
         f"{ey} = mexc_linear_forward({nn}, {k}, {o}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, "
         f"&ctx, {_tid(n)}u, scratch);"
     )
+
+
+def _rows2(shape: tuple[int, ...]) -> tuple[int, int]:
+    """[..., K] -> (rows, K): linear layers act on the last axis (mexc/interp.py _rows)."""
+    return int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
 
 
 def _ncs(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -232,8 +237,8 @@ def _softmax_ce_grad(e: _Emit, n: Node) -> None:
 
 def _linear_grad_weight(e: _Emit, n: Node) -> None:
     (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
-    nn, o = e.shape(n.inputs[0])
-    k = e.shape(n.inputs[1])[1]
+    nn, o = _rows2(e.shape(n.inputs[0]))
+    k = e.shape(n.inputs[1])[-1]
     e.need(_fit_scratch(nn * o, nn))
     dw = e.arena(n.out, "int32_t")
     ew = e.local_exp(n.out)
@@ -245,7 +250,7 @@ def _linear_grad_weight(e: _Emit, n: Node) -> None:
 
 def _linear_grad_input(e: _Emit, n: Node) -> None:
     (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
-    nn, o = e.shape(n.inputs[0])
+    nn, o = _rows2(e.shape(n.inputs[0]))
     k = e.shape(n.inputs[1])[1]
     e.need(_fit_scratch(nn * o, o))
     dx = e.arena(n.out, "int8_t")
@@ -258,7 +263,13 @@ def _linear_grad_input(e: _Emit, n: Node) -> None:
 
 def _bias_grad(e: _Emit, n: Node) -> None:
     dy, ed = _x(e, n, 0)
-    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    shape = e.shape(n.inputs[0])
+    keep = [i for i in range(len(shape)) if i not in {a % len(shape) for a in n.attrs.axes}]
+    if len(keep) != 1:
+        raise UnsupportedOpError(f"bias_grad over axes {n.attrs.axes} of {shape}")
+    nn = int(np.prod(shape[: keep[0]], dtype=np.int64))
+    c = int(shape[keep[0]])
+    s = int(np.prod(shape[keep[0] + 1 :], dtype=np.int64))
     db = e.arena(n.out, "int32_t")
     e.exp[n.out] = ed
     e.emit(f"mexc_bias_backward({nn}, {c}, {s}, {dy}, {db});")
