@@ -16,6 +16,7 @@ import numpy as np
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
+from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.kernels.norm import _eps_fixed
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import FixedScalar, product_cap
@@ -407,6 +408,333 @@ RULES: dict[Op, Callable[[_Emit, Node], None]] = {
     Op.SGD_UPDATE: _sgd_update,
     Op.BN_RUNNING_UPDATE: _bn_running,
 }
+
+
+# ------------------------------------------------------------------------------------------------
+# ReLU6, pooling by averages, dropout (runtime/mexc_kernels_extra.c) and the transformer ops
+# (runtime/mexc_kernels_transformer.c). Exponents that a kernel leaves unchanged are aliased.
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _fixed(f: FixedScalar) -> str:
+    return f"(mexc_fixed_t){{{int(f.num)}, {int(f.shift)}}}"
+
+
+def _optional_arena(e: _Emit, v: Value, ctype: str) -> str:
+    """The arena slot of v, or NULL when nothing reads v (plan-memory gives it no slot)."""
+    return e.arena(v, ctype) if v in e.offsets else "NULL"
+
+
+def _relu6(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_relu6_forward({x}, {ex}, {y}, {e.numel(n.out)}u);")
+
+
+def _relu6_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (y, ey) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_relu6_backward({dy}, {y}, {ey}, {dx}, {e.numel(n.out)}u);")
+
+
+def _gap(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_global_avgpool_forward({nn}, {c}, {s}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _gap_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    nn, c, s = _ncs(e.shape(n.out))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_global_avgpool_backward({nn}, {c}, {s}, {dy}, {ed}, {dx}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
+def _avgpool(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    p = _pool_geom(e, n, e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_avgpool2d_forward(&{p}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _avgpool_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    p = _pool_geom(e, n, e.shape(n.out))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_avgpool2d_backward(&{p}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);")
+
+
+def _dropout_consts(n: Node) -> tuple[int, str]:
+    pf = FixedScalar.of(float(n.attrs.p))
+    if float(pf) >= 1.0:
+        raise UnsupportedOpError("dropout probability must be < 1")
+    return (1 << 32) - _keep_threshold(pf), _fixed(dropout_scale(pf))
+
+
+def _dropout(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    drop, scale = _dropout_consts(n)
+    y = e.arena(n.out, "int8_t")
+    mask = e.arena(n.result(1), "uint8_t") if n.result(1) in e.offsets else None
+    if mask is None:  # nothing reads the mask: a static buffer still receives it
+        mask = f"dmask{n.id}"
+        e.statics.append(f"static uint8_t {mask}[{max(e.numel(n.out), 1)}];")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_dropout_forward({x}, {ex}, {e.numel(n.out)}u, {drop}u, {scale}, {y}, "
+        f"{mask}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _dropout_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), mask = _x(e, n, 0), e.ptr[n.inputs[1]]
+    _, scale = _dropout_consts(n)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_dropout_backward({dy}, {ed}, {mask}, {e.numel(n.out)}u, {scale}, {dx}, "
+        f"&ctx, {_tid(n)}u);"
+    )
+
+
+def _layernorm(e: _Emit, n: Node) -> None:
+    (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
+    rows, d = _rows2(e.shape(n.inputs[0]))
+    sv = f"ln{n.id}"
+    e.statics.append(f"static int32_t {sv}_rstd[{rows}]; static int32_t {sv}_rstd_e[{rows}];")
+    e.statics.append(f"static mexc_ln_saved_t {sv};")
+    e.bn_saved[n.id] = sv
+    if n.result(1) in e.offsets:
+        xhat = e.arena(n.result(1), "int8_t")
+    else:  # no backward reads it (cannot happen in a training step; kept for safety)
+        xhat = f"{sv}_xhat"
+        e.statics.append(f"static int8_t {xhat}[{rows * d}];")
+    e.need(5 * rows)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    eps = _eps_fixed(float(n.attrs.eps))
+    e.emit(f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e;")
+    e.emit(
+        f"{ey} = mexc_layernorm_forward({rows}, {d}, {x}, {ex}, {gm}, {eg}, {bt}, {eb}, "
+        f"{_fixed(eps)}, {y}, &{sv}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _layernorm_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    sv = e.bn_saved[n.inputs[1].node]
+    gm, eg = _x(e, n, 2)
+    rows, d = _rows2(e.shape(n.out))
+    e.need(5 * rows + _fit_scratch(rows * d, rows))
+    dx = _optional_arena(e, n.out, "int8_t")
+    dg = e.arena(n.result(1), "int32_t")
+    db = e.arena(n.result(2), "int32_t")
+    edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
+    e.exp[n.result(2)] = ed
+    e.emit(f"{edx} = 0;")
+    e.emit(
+        f"mexc_layernorm_backward({rows}, {d}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, &{edx}, "
+        f"{dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _gelu(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_gelu_forward({x}, {ex}, {e.numel(n.out)}u, {y}, &ctx, {_tid(n)}u);")
+
+
+def _gelu_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_gelu_backward({dy}, {ed}, {x}, {ex}, {e.numel(n.out)}u, {dx}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
+def _softmax(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    rows, k = _rows2(e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_softmax_forward({rows}, {k}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _softmax_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (p, ep) = _x(e, n, 0), _x(e, n, 1)
+    rows, k = _rows2(e.shape(n.out))
+    e.need(_fit_scratch(rows * k, k))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_softmax_backward({rows}, {k}, {dy}, {ed}, {p}, {ep}, {dx}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _bmk(shape_a: tuple[int, ...], shape_b: tuple[int, ...]) -> tuple[int, int, int, int]:
+    return _numel(shape_a[:-2]), int(shape_a[-2]), int(shape_a[-1]), int(shape_b[-1])
+
+
+def _matmul(e: _Emit, n: Node) -> None:
+    (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1)
+    bt, m, k, nn = _bmk(e.shape(n.inputs[0]), e.shape(n.inputs[1]))
+    e.need(_fit_scratch(bt * m * k, k))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_matmul_forward({bt}, {m}, {k}, {nn}, {a}, {ea}, {b}, {eb}, {y}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _matmul_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
+    bt, m, k, nn = _bmk(e.shape(n.inputs[1]), e.shape(n.inputs[2]))
+    e.need(max(_fit_scratch(bt * m * nn, nn), _fit_scratch(bt * k * m, m)))
+    da = _optional_arena(e, n.result(0), "int8_t")
+    db = _optional_arena(e, n.result(1), "int8_t")
+    eda, edb = e.local_exp(n.result(0)), e.local_exp(n.result(1))
+    e.emit(f"{eda} = 0; {edb} = 0;")
+    e.emit(
+        f"mexc_matmul_backward({bt}, {m}, {k}, {nn}, {dy}, {ed}, {a}, {ea}, {b}, {eb}, {da}, "
+        f"&{eda}, {db}, &{edb}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _scale(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    f = _fixed(FixedScalar.of(float(n.attrs.value)))
+    e.emit(
+        f"{ey} = mexc_scale_forward({x}, {ex}, {e.numel(n.out)}u, {f}, {y}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _transpose(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    shape = e.shape(n.inputs[0])
+    perm = tuple(int(p) % len(shape) for p in n.attrs.perm)
+    if len(shape) > 8:
+        raise UnsupportedOpError(f"transpose of a {len(shape)}-D tensor (at most 8)")
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    dims = ", ".join(f"{d}u" for d in shape)
+    order = ", ".join(f"{p}u" for p in perm)
+    nd = len(shape)
+    e.emit(
+        f"{{ static const uint32_t sh[{nd}] = {{{dims}}}, pm[{nd}] = {{{order}}}; "
+        f"mexc_transpose({x}, {y}, {nd}u, sh, pm); }}"
+    )
+
+
+def _slice_geom(n: Node, full: tuple[int, ...], part: tuple[int, ...]) -> str:
+    dim = int(n.attrs.dim) % len(full)
+    start = slice(n.attrs.start, n.attrs.stop).indices(full[dim])[0]
+    outer, inner = _numel(full[:dim]), _numel(full[dim + 1 :])
+    return f"{outer}u, {full[dim]}u, {start}u, {part[dim]}u, {inner}u"
+
+
+def _slice(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_slice_forward({_slice_geom(n, e.shape(n.inputs[0]), e.shape(n.out))}, {x}, {y});")
+
+
+def _slice_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    geom = _slice_geom(n, e.shape(n.out), e.shape(n.inputs[0]))
+    e.emit(f"mexc_slice_backward({geom}, {dy}, {dx});")
+
+
+def _add_param(e: _Emit, n: Node) -> None:
+    (x, ex), (p, ep) = _x(e, n, 0), _x(e, n, 1)
+    shape = e.shape(n.inputs[0])
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_add_broadcast_forward({x}, {ex}, {p}, {ep}, {shape[0]}u, "
+        f"{_numel(shape[1:])}u, {y}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _add_param_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    shape = e.shape(n.inputs[0])
+    dp = e.arena(n.out, "int32_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_bias_backward({shape[0]}u, {_numel(shape[1:])}u, 1u, {dy}, {dp});")
+
+
+def _mean_tokens(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    b, t, d = e.shape(n.inputs[0])
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_mean_axis_forward({b}, {t}, {d}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _mean_tokens_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    b, t, d = e.shape(n.out)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_mean_axis_backward({b}, {t}, {d}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);"
+    )
+
+
+RULES.update(
+    {
+        Op.RELU6: _relu6,
+        Op.RELU6_GRAD: _relu6_grad,
+        Op.GLOBAL_AVGPOOL: _gap,
+        Op.GLOBAL_AVGPOOL_GRAD: _gap_grad,
+        Op.AVGPOOL2D: _avgpool,
+        Op.AVGPOOL2D_GRAD: _avgpool_grad,
+        Op.DROPOUT: _dropout,
+        Op.DROPOUT_GRAD: _dropout_grad,
+        Op.LAYERNORM: _layernorm,
+        Op.LAYERNORM_GRAD: _layernorm_grad,
+        Op.GELU: _gelu,
+        Op.GELU_GRAD: _gelu_grad,
+        Op.SOFTMAX: _softmax,
+        Op.SOFTMAX_GRAD: _softmax_grad,
+        Op.MATMUL: _matmul,
+        Op.MATMUL_GRAD: _matmul_grad,
+        Op.SCALE: _scale,
+        Op.SCALE_GRAD: _scale,
+        Op.TRANSPOSE: _transpose,
+        Op.SLICE: _slice,
+        Op.SLICE_GRAD: _slice_grad,
+        Op.ADD_PARAM: _add_param,
+        Op.ADD_PARAM_GRAD: _add_param_grad,
+        Op.MEAN_TOKENS: _mean_tokens,
+        Op.MEAN_TOKENS_GRAD: _mean_tokens_grad,
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,11 @@ from mexc.printer import print_graph
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("MEXC_UPDATE_GOLDEN") == "1"
-CASES = {"mlp": ("MLP", (1, 8, 8)), "digits_cnn": ("DigitsCNN", (1, 8, 8))}
+CASES = {
+    "mlp": ("MLP", (1, 8, 8)),
+    "digits_cnn": ("DigitsCNN", (1, 8, 8)),
+    "vit": ("ViTTiny", (1, 28, 28)),
+}
 
 
 def context() -> PassContext:
@@ -31,11 +35,12 @@ def context() -> PassContext:
 
 def _model_graph(case: str) -> Graph:
     sys.path.insert(0, str(ROOT))
-    from examples import models
+    from examples import models, vit
 
     name, shape = CASES[case]
     torch.manual_seed(0)
-    return import_model(getattr(models, name)(), torch.zeros(4, *shape)).graph
+    model = vit.ViTTiny(depth=1) if name == "ViTTiny" else getattr(models, name)()
+    return import_model(model, torch.zeros(4, *shape)).graph
 
 
 def graph_before(case: str, pass_name: str) -> Graph:
