@@ -205,7 +205,8 @@ int32_t mexc_mean_axis_backward(uint32_t outer, uint32_t t, uint32_t inner, cons
         for (o = 0; o < outer; o++)
             for (k = 0; k < t; k++)
                 for (i = 0; i < inner; i++, idx++)
-                    mexc_sink_put(&sink, idx, 0u, mexc_div_const(mexc_shift_left(dy[o * inner + i], 8), &r));
+                    mexc_sink_put(&sink, idx, 0u,
+                                  mexc_div_const(mexc_shift_left(dy[o * inner + i], 8), &r));
     }
     return e_out;
 }

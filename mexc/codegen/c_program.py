@@ -447,9 +447,7 @@ def _gap(e: _Emit, n: Node) -> None:
     nn, c, s = _ncs(e.shape(n.inputs[0]))
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
-    e.emit(
-        f"{ey} = mexc_global_avgpool_forward({nn}, {c}, {s}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);"
-    )
+    e.emit(f"{ey} = mexc_global_avgpool_forward({nn}, {c}, {s}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
 
 
 def _gap_grad(e: _Emit, n: Node) -> None:
@@ -458,8 +456,7 @@ def _gap_grad(e: _Emit, n: Node) -> None:
     dx = e.arena(n.out, "int8_t")
     edx = e.local_exp(n.out)
     e.emit(
-        f"{edx} = mexc_global_avgpool_backward({nn}, {c}, {s}, {dy}, {ed}, {dx}, &ctx, "
-        f"{_tid(n)}u);"
+        f"{edx} = mexc_global_avgpool_backward({nn}, {c}, {s}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);"
     )
 
 
@@ -625,9 +622,7 @@ def _scale(e: _Emit, n: Node) -> None:
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
     f = _fixed(FixedScalar.of(float(n.attrs.value)))
-    e.emit(
-        f"{ey} = mexc_scale_forward({x}, {ex}, {e.numel(n.out)}u, {f}, {y}, &ctx, {_tid(n)}u);"
-    )
+    e.emit(f"{ey} = mexc_scale_forward({x}, {ex}, {e.numel(n.out)}u, {f}, {y}, &ctx, {_tid(n)}u);")
 
 
 def _transpose(e: _Emit, n: Node) -> None:
@@ -701,9 +696,7 @@ def _mean_tokens_grad(e: _Emit, n: Node) -> None:
     b, t, d = e.shape(n.out)
     dx = e.arena(n.out, "int8_t")
     edx = e.local_exp(n.out)
-    e.emit(
-        f"{edx} = mexc_mean_axis_backward({b}, {t}, {d}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);"
-    )
+    e.emit(f"{edx} = mexc_mean_axis_backward({b}, {t}, {d}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);")
 
 
 RULES.update(

@@ -86,8 +86,3 @@ def test_chunked_qkv_attention_learns() -> None:
 def test_multihead_attention_module_gets_a_clear_error() -> None:
     with pytest.raises(mexc.UnsupportedOpError, match="MultiheadAttention.*by hand"):
         mexc.compile(WithMHA(), (torch.zeros(4, 1, 8, 8),))
-
-
-def test_c_backend_names_the_missing_transformer_op() -> None:
-    with pytest.raises(mexc.UnsupportedOpError, match="C backend has no lowering for op "):
-        mexc.compile(ViTTiny(depth=1), (torch.zeros(2, 1, 28, 28),), target="c")

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import mexc
-from mexc.data import load_fashion_mnist
-from tests.compiler.helpers import EXAMPLES
-
 from examples.vit import ViTTiny  # noqa: E402  (tests.compiler.helpers puts the root on sys.path)
+from mexc.data import load_fashion_mnist
+from mexc.ir import Op
+from tests.compiler.helpers import EXAMPLES
 
 
 def _module(name: str) -> tuple[nn.Module, tuple[int, ...]]:
@@ -34,9 +34,8 @@ def _model(name: str, batch: int, target: str = "reference") -> mexc.Program:
     return mexc.compile(module, (torch.zeros(batch, *shape),), optimizer=opt, target=target)
 
 
-@pytest.mark.parametrize("name", ["SmallResNet", "MobileNetV2Tiny", "ViTTiny"])
-def test_host_c_target_is_bit_exact_with_reference(name: str) -> None:
-    batch = 4
+@pytest.mark.parametrize("name,batch", [("SmallResNet", 2), ("MobileNetV2Tiny", 2), ("ViTTiny", 4)])
+def test_host_c_target_is_bit_exact_with_reference(name: str, batch: int) -> None:
     x, y = load_fashion_mnist("train")
     x, y = x[: 3 * batch], y[: 3 * batch]
     ref, c = _model(name, batch), _model(name, batch, target="c")
@@ -46,3 +45,50 @@ def test_host_c_target_is_bit_exact_with_reference(name: str) -> None:
         c.replay((x, y), 3)
         assert c.state_checksum() == ref.state_checksum()
     assert np.array_equal(c.predict(x), ref.predict(x))
+
+
+class PoolDropNet(nn.Module):
+    """Average pooling, dropout and channel slices: the remaining ops of the C backend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.pool = nn.AvgPool2d(3, stride=2, padding=1)
+        self.act = nn.ReLU6()
+        self.drop = nn.Dropout(0.25)
+        self.fc = nn.Linear(4 * 14 * 14, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.act(self.conv(x)))  # (N, 8, 14, 14)
+        a, b = x.chunk(2, dim=1)  # two channel slices
+        return self.fc(self.drop((a + b).flatten(1)))
+
+
+def test_pool_dropout_slice_bit_exact() -> None:
+    batch = 4
+    x, y = load_fashion_mnist("train")
+    x, y = x[: 3 * batch], y[: 3 * batch]
+    progs = []
+    for target in ("reference", "c"):
+        torch.manual_seed(0)
+        opt = mexc.SGD(lr=0.05, momentum=0.9)
+        progs.append(
+            mexc.compile(
+                PoolDropNet(), (torch.zeros(batch, 1, 28, 28),), optimizer=opt, target=target
+            )
+        )
+    ref, c = progs
+    ops = {n.op for n in ref.graph.nodes}
+    assert {Op.AVGPOOL2D_GRAD, Op.DROPOUT_GRAD, Op.SLICE_GRAD} <= ops
+    for _ in range(2):
+        ref.replay((x, y), 3)
+        c.replay((x, y), 3)
+        assert c.state_checksum() == ref.state_checksum()
+    assert np.array_equal(c.predict(x), ref.predict(x))
+
+
+def test_every_executor_op_has_a_c_rule() -> None:
+    from mexc.codegen.c_program import RULES as C_RULES
+    from mexc.interp import RULES as REF_RULES
+
+    assert set(REF_RULES) <= set(C_RULES), sorted(op.value for op in set(REF_RULES) - set(C_RULES))
