@@ -3,6 +3,10 @@ programs (host target="c", ctypes) are bit-exact with the reference executor."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +96,21 @@ def test_every_executor_op_has_a_c_rule() -> None:
     from mexc.interp import RULES as REF_RULES
 
     assert set(REF_RULES) <= set(C_RULES), sorted(op.value for op in set(REF_RULES) - set(C_RULES))
+
+
+@pytest.mark.mcu
+@pytest.mark.skipif(shutil.which("qemu-system-arm") is None, reason="qemu-system-arm missing")
+def test_vit_on_cortex_m3_matches_reference_after_10_steps(tmp_path: Path) -> None:
+    x, y = load_fashion_mnist("train")
+    data = (x[:8], y[:8])
+    prog = _model("ViTTiny", 4)
+    project = prog.export(tmp_path / "vit", data=data, steps=10)
+    prog.replay(data, 10)
+    run = subprocess.run(
+        ["make", "-s", "-C", str(project), "run-qemu"], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    states = [
+        ln.split()[1] for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("STATE ")
+    ]
+    assert states == [prog.state_checksum()]
