@@ -28,8 +28,9 @@ import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 
 
-def _fp32_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> None:
+def _fp32_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
@@ -55,8 +56,7 @@ def measure(name: str, batch: int, repeats: int, targets: list[str]) -> dict[str
     opt = torch.optim.SGD(fp32.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     _fp32_step(fp32, opt, xt, yt)
-    times: dict[str, list[float]] = {k: [] for k in [*targets, "fp32"] if k in progs or
-                                     k == "fp32"}
+    times: dict[str, list[float]] = {k: [] for k in [*targets, "fp32"] if k in progs or k == "fp32"}
     for _ in range(repeats):
         for key in times:
             t0 = time.perf_counter()
@@ -66,9 +66,13 @@ def measure(name: str, batch: int, repeats: int, targets: list[str]) -> dict[str
                 progs[key].step(x, y)  # type: ignore[union-attr]
             times[key].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    return {"model": name, "batch": batch, "median_s": med,
-            "ratio_to_fp32": {k: med[k] / med["fp32"] for k in med if k != "fp32"},
-            "compile_s": {k[:-10]: v for k, v in progs.items() if k.endswith(" compile s")}}
+    return {
+        "model": name,
+        "batch": batch,
+        "median_s": med,
+        "ratio_to_fp32": {k: med[k] / med["fp32"] for k in med if k != "fp32"},
+        "compile_s": {k[:-10]: v for k, v in progs.items() if k.endswith(" compile s")},
+    }
 
 
 def main() -> None:
@@ -90,8 +94,12 @@ def main() -> None:
             print(f"{r['model']:<16} {key:<10} {value:>14.4f} {ratio:>13.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
-            "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"written {out}")
 
