@@ -73,7 +73,12 @@ def fast_element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
             _GOLDEN_CACHE.clear()  # keep one large array at most per size in use
             _GOLDEN_CACHE[n] = g
     v = np.bitwise_xor(g, _U32(key & 0xFFFFFFFF))
-    t = np.empty_like(v)
+    _mix32_inplace(v, np.empty_like(v))
+    return v.reshape(shape)
+
+
+def _mix32_inplace(v: np.ndarray, t: np.ndarray) -> None:
+    """v = numerics.mix32(v) in place on a flat uint32 array, with t as same-size scratch."""
     with np.errstate(over="ignore"):
         np.right_shift(v, _U32(16), out=t)
         v ^= t
@@ -83,7 +88,6 @@ def fast_element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
         v *= _U32(0x846CA68B)
         np.right_shift(v, _U32(16), out=t)
         v ^= t
-    return v.reshape(shape)
 
 
 def debug_on() -> bool:
@@ -388,15 +392,8 @@ def element_bits_into(v: np.ndarray, tmp: np.ndarray, key: int, start: int) -> n
     t = tmp.reshape(-1)[:n]
     with np.errstate(over="ignore"):
         np.add(_golden_base(n), _U32((start * GOLDEN32) & 0xFFFFFFFF), out=vf)
-        vf ^= _U32(key & 0xFFFFFFFF)
-        np.right_shift(vf, _U32(16), out=t)
-        vf ^= t
-        vf *= _U32(0x7FEB352D)
-        np.right_shift(vf, _U32(15), out=t)
-        vf ^= t
-        vf *= _U32(0x846CA68B)
-        np.right_shift(vf, _U32(16), out=t)
-        vf ^= t
+    vf ^= _U32(key & 0xFFFFFFFF)
+    _mix32_inplace(vf, t)
     return v
 
 
