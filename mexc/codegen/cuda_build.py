@@ -1,0 +1,231 @@
+"""Build the CUDA product kernels of a compiled program ahead of time (TVM + nvcc, no GPU).
+
+`product_forms(prog)` finds every product of the training step (conv / linear forward, input and
+weight gradients, batched matmuls and their gradients) and its GEMM form; products with the same
+geometry share one set of kernels. `build_products(prog, arch, out_dir)` writes
+
+    products.cu           the TVM-generated CUDA source of every kernel
+    products.<arch>.cubin nvcc -O3 output for the architecture
+    products.json         for each product node: its kernels in launch order with grid, block and
+                          kernel arguments (buffer name, shape, dtype) in the order the kernel takes
+
+This is the product half of the CUDA backend; the elementwise/reduction kernels, the launch plan
+of the whole step and the runtime that runs it are not built yet (docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mexc.codegen import gemm_forms as gf
+from mexc.codegen.cuda_products import KernelLaunch, cuda_source, schedule_product
+from mexc.codegen.nvcc import compile_cubin
+from mexc.codegen.te_products import ConvGeom
+from mexc.ir import Graph, Node, Op
+from mexc.program import Program
+
+INDEX_LIMIT = 2**31 - 1  # kernels index with int32
+
+
+# Which node input feeds each GEMM-form operand, per (op, role): the form's operands are
+# (x, w), (dy, w), (dy, x) for conv / linear and (x, y) for batched matmuls.
+OPERAND_INPUTS: dict[tuple[Op, str], tuple[int, int]] = {
+    (Op.CONV2D_COMPACT, "fwd"): (0, 1),
+    (Op.CONV2D_GRAD_INPUT, "dx"): (0, 1),
+    (Op.CONV2D_GRAD_WEIGHT, "dw"): (0, 1),
+    (Op.LINEAR_COMPACT, "fwd"): (0, 1),
+    (Op.LINEAR_GRAD_INPUT, "dx"): (0, 1),
+    (Op.LINEAR_GRAD_WEIGHT, "dw"): (0, 1),
+    (Op.MATMUL, "fwd"): (0, 1),
+    (Op.MATMUL_GRAD, "da"): (0, 2),  # dy . b^T
+    (Op.MATMUL_GRAD, "db"): (1, 0),  # a^T . dy
+}
+
+
+@dataclass(frozen=True)
+class ProductUse:
+    """One product of the step: node, which of its products (`fwd`, `da`, `db`, ...), form."""
+
+    node: int
+    op: str
+    role: str
+    form: gf.GemmForm
+    inputs: tuple[int, int]  # node input index of each form operand
+
+
+def _shape(g: Graph, node: Node, index: int) -> tuple[int, ...]:
+    return tuple(int(d) for d in g.type_of(node.inputs[index]).shape)
+
+
+def _out_shape(g: Graph, node: Node, index: int = 0) -> tuple[int, ...]:
+    return tuple(int(d) for d in node.types[index].shape)
+
+
+def _conv_geom(node: Node, x: tuple[int, ...], w: tuple[int, ...]) -> ConvGeom:
+    a = node.attrs
+    n, c, h, wd = x
+    o, _, kh, kw = w
+    return ConvGeom.of(n, c, h, wd, o, kh, kw, tuple(a.stride), tuple(a.padding), int(a.groups))
+
+
+def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, shape[-1]
+
+
+def _bmk(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, int, int, int]:
+    bt = 1
+    for d in a[:-2]:
+        bt *= d
+    return bt, a[-2], a[-1], b[-1]
+
+
+def _forms_of(g: Graph, n: Node) -> list[tuple[str, gf.GemmForm]]:
+    """(role, form) of every product computed by node `n` (none for non-product ops)."""
+    key = f"n{n.id}"
+    if n.op is Op.CONV2D_COMPACT:
+        return [("fwd", gf.conv_forward(key, _conv_geom(n, _shape(g, n, 0), _shape(g, n, 1))))]
+    if n.op is Op.CONV2D_GRAD_INPUT:
+        geom = _conv_geom(n, _out_shape(g, n), _shape(g, n, 1))
+        return [("dx", gf.conv_grad_input(key, geom))]
+    if n.op is Op.CONV2D_GRAD_WEIGHT:
+        return [("dw", gf.conv_grad_weight(key, _conv_geom(n, _shape(g, n, 1), _out_shape(g, n))))]
+    if n.op is Op.LINEAR_COMPACT:
+        rows, k = _rows(_shape(g, n, 0))
+        return [("fwd", gf.linear_forward(key, rows, k, _shape(g, n, 1)[0]))]
+    if n.op is Op.LINEAR_GRAD_INPUT:
+        rows, o = _rows(_shape(g, n, 0))
+        return [("dx", gf.linear_grad_input(key, rows, _shape(g, n, 1)[1], o))]
+    if n.op is Op.LINEAR_GRAD_WEIGHT:
+        rows, o = _rows(_shape(g, n, 0))
+        return [("dw", gf.linear_grad_weight(key, rows, _rows(_shape(g, n, 1))[1], o))]
+    if n.op is Op.MATMUL:
+        bt, m, k, nn = _bmk(_shape(g, n, 0), _shape(g, n, 1))
+        return [("fwd", gf.batched_matmul(key, bt, m, k, nn))]
+    if n.op is Op.MATMUL_GRAD:
+        bt, m, k, nn = _bmk(_shape(g, n, 1), _shape(g, n, 2))
+        return [
+            ("da", gf.batched_matmul(key + "a", bt, m, nn, k, trans_b=True)),  # dy . b^T
+            ("db", gf.batched_matmul(key + "b", bt, k, m, nn, trans_a=True)),  # a^T . dy
+        ]
+    if n.op in (Op.CONV2D, Op.LINEAR):
+        raise ValueError(f"node %{n.id} ({n.op.value}) should have been fused by fuse-products")
+    return []
+
+
+def _geometry_name(form: gf.GemmForm, kind: str) -> str:
+    dims = "x".join(str(d) for d in (form.g, form.m, form.q, form.k))
+    ops = "_".join("x".join(map(str, op.shape)) for op in form.operands)
+    return re.sub(r"[^A-Za-z0-9_]", "_", f"{kind}_{dims}_{ops}")
+
+
+def product_forms(prog: Program) -> list[ProductUse]:
+    """Every product of the training step in program order."""
+    g = prog.graph
+    out = []
+    for n in g.nodes:
+        for role, form in _forms_of(g, n):
+            out.append(ProductUse(n.id, n.op.value, role, form, OPERAND_INPUTS[(n.op, role)]))
+    return out
+
+
+def _check_index_range(form: gf.GemmForm) -> None:
+    sizes = {
+        "A": form.g * form.mp * form.kp,
+        "B": form.g * form.qp * form.kp,
+        "C": form.g * form.mp * form.qp,
+    }
+    for what, size in sizes.items():
+        if size > INDEX_LIMIT:
+            raise ValueError(
+                f"product {form.name}: packed {what} has {size} elements, beyond int32 indexing; "
+                "compile with a smaller batch"
+            )
+
+
+def build_products(prog: Program, arch: str, out_dir: str | Path) -> dict[str, Any]:
+    """Generate, compile and describe the CUDA product kernels of `prog` for `arch`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    uses = product_forms(prog)
+    kernels: dict[str, Any] = {}
+    launches_of: dict[str, list[KernelLaunch]] = {}
+    products = []
+    for use in uses:
+        kind = f"{use.op}_{use.role}"
+        name = _geometry_name(use.form, kind)
+        if name not in launches_of:
+            form = replace(use.form, name=name)
+            _check_index_range(form)
+            funcs, launches = schedule_product(gf.gemm_funcs(form))
+            kernels.update(funcs)
+            launches_of[name] = launches
+        form = use.form
+        products.append(
+            {
+                "node": use.node,
+                "op": use.op,
+                "role": use.role,
+                "kernels": name,
+                "operands": {
+                    op.name: {"input": i, "shape": list(op.shape)}
+                    for op, i in zip(form.operands, use.inputs)
+                },
+                "gemm": {"g": form.g, "m": form.m, "q": form.q, "k": form.k},
+                "macs": form.macs,
+            }
+        )
+    source = cuda_source(kernels, arch)
+    t_tvm = time.perf_counter() - t0
+    cu = out / "products.cu"
+    cu.write_text(source)
+    signatures = kernel_signatures(source)
+    t1 = time.perf_counter()
+    cubin = compile_cubin(cu, arch, out / f"products.{arch}.cubin")
+    t_nvcc = time.perf_counter() - t1
+    manifest = {
+        "format": "mexc-cuda-products-1",
+        "arch": arch,
+        "cubin": cubin.name,
+        "products": products,
+        "kernel_sets": {
+            name: [_launch_json(k, signatures) for k in launches]
+            for name, launches in launches_of.items()
+        },
+        "seconds": {"tvm": round(t_tvm, 3), "nvcc": round(t_nvcc, 3)},
+    }
+    (out / "products.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def kernel_signatures(source: str) -> dict[str, list[str]]:
+    """{kernel symbol: parameter names in the order the kernel takes them} from TVM's source
+    (TVM orders kernel parameters its own way, not as the PrimFunc lists its buffers)."""
+    sigs: dict[str, list[str]] = {}
+    for m in re.finditer(
+        r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)\s*\{', source
+    ):
+        names = re.findall(r"(\w+)_ptr\b", m.group(2))
+        sigs[m.group(1)] = names
+    return sigs
+
+
+def _launch_json(k: KernelLaunch, signatures: dict[str, list[str]]) -> dict[str, Any]:
+    symbol = f"{k.symbol}_kernel"
+    by_name = {name: (shape, dtype) for name, shape, dtype in k.params}
+    order = signatures.get(symbol)
+    if order is None or sorted(order) != sorted(by_name):
+        raise ValueError(f"kernel {symbol}: parameters {order} do not match {sorted(by_name)}")
+    d = asdict(k)
+    d["symbol"] = symbol
+    d["args"] = [{"name": n, "shape": list(by_name[n][0]), "dtype": by_name[n][1]} for n in order]
+    del d["params"]
+    return d

@@ -1,0 +1,158 @@
+"""CUDA product kernels: the GEMM forms of `gemm_forms` scheduled for NVIDIA GPUs with TVM.
+
+The GEMM uses `__dp4a` (four int8 products accumulated into int32 per instruction, SASS
+`IDP.4A.S8.S8`) on every shape: a 64x64 block tile per thread block of 16x16 threads, each thread
+owning a 4x4 register tile, A and B staged through shared memory 16 K-values at a time, and the
+innermost 4 K-values tensorized into one `__dp4a` with the accumulator passed in. The gathers
+(`pack_a`, `pack_b`, `unpack`) are one thread per element. TVM only emits CUDA source here
+(there is no GPU); `mexc.codegen.nvcc` turns it into cubins for sm_80 / sm_90.
+
+Why not tensor cores (IMMA) yet: TVM's int8 WMMA path (`dlight` MatmulInt8Tensorization) took
+160 s to lower one 256x512x576 GEMM on this machine, too slow for a ResNet-18 with 60 products;
+see docs/cuda.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.script import tirx as T
+
+from mexc.codegen.gemm_forms import TILE_K, TILE_MQ, GemmFuncs
+from mexc.codegen.te_products import params
+
+THREADS_1D = 256  # threads per block of the gather kernels
+TILE_T = 4  # per-thread register tile (TILE_T x TILE_T outputs)
+THREADS_2D = TILE_MQ // TILE_T  # 16 x 16 threads per GEMM block
+DP4A_INTRIN = "mexc_dp4a_s8s8s32_acc"
+
+
+@T.prim_func(s_tir=True)
+def _dp4a_desc(
+    a: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),  # type: ignore[valid-type]
+    b: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),  # type: ignore[valid-type]
+    c: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local"),  # type: ignore[valid-type]
+) -> None:
+    with T.sblock("root"):
+        T.reads(c[0], a[0:4], b[0:4])
+        T.writes(c[0])
+        for i in range(4):
+            with T.sblock("update"):
+                vi = T.axis.remap("R", [i])
+                c[0] = c[0] + T.cast(a[vi], "int32") * T.cast(b[vi], "int32")
+
+
+@T.prim_func(s_tir=True)
+def _dp4a_impl(
+    a: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),  # type: ignore[valid-type]
+    b: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),  # type: ignore[valid-type]
+    c: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local"),  # type: ignore[valid-type]
+) -> None:
+    with T.sblock("root"):
+        T.reads(c[0], a[0:4], b[0:4])
+        T.writes(c[0])
+        # the accumulator goes into __dp4a itself (one instruction, no separate add)
+        c[0] = T.call_pure_extern(
+            "__dp4a", a.vload([0], "int8x4"), b.vload([0], "int8x4"), c[0], dtype="int32"
+        )
+
+
+def _register_dp4a() -> None:
+    try:
+        s_tir.TensorIntrin.get(DP4A_INTRIN)
+    except Exception:  # noqa: BLE001 - TVM raises its own error type when absent
+        s_tir.TensorIntrin.register(DP4A_INTRIN, _dp4a_desc, _dp4a_impl)
+
+
+def schedule_gather(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """One thread per output element."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock(str(func.params[-1].name))
+    fused = sch.fuse(*sch.get_loops(blk))
+    bx, tx = sch.split(fused, [None, THREADS_1D])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    return sch.mod["main"]
+
+
+def _cooperative_fetch(sch: s_tir.Schedule, cached: s_tir.SBlockRV) -> None:
+    """Let the 16x16 threads of the block load a shared tile together, 4 int8 per thread."""
+    loops = sch.get_loops(cached)
+    inner = sch.fuse(*loops[-2:])
+    _, ty, tx, vec = sch.split(inner, [None, THREADS_2D, THREADS_2D, 4])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(vec)
+
+
+def schedule_gemm_dp4a(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The padded batched NT GEMM with dp4a; extents must be multiples of TILE_MQ / TILE_K."""
+    _register_dp4a()
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, q, k = sch.get_loops(blk)
+    m0, m1, m2 = sch.split(m, [None, THREADS_2D, TILE_T])
+    q0, q1, q2 = sch.split(q, [None, THREADS_2D, TILE_T])
+    k0, k1, k2 = sch.split(k, [None, TILE_K // 4, 4])
+    sch.reorder(g, m0, q0, m1, q1, k0, k1, m2, q2, k2)
+    sch.bind(g, "blockIdx.z")
+    sch.bind(m0, "blockIdx.y")
+    sch.bind(q0, "blockIdx.x")
+    sch.bind(m1, "threadIdx.y")
+    sch.bind(q1, "threadIdx.x")
+    local = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(local, q1)
+    for index in (0, 1):
+        shared = sch.cache_read(blk, index, "shared")
+        sch.compute_at(shared, k0)
+        _cooperative_fetch(sch, shared)
+    sch.decompose_reduction(blk, k0)
+    sch.tensorize(k2, DP4A_INTRIN)
+    return sch.mod["main"]
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel of the step: its symbol, grid and block (x, y, z), and buffer parameters."""
+
+    symbol: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def _gather_launch(symbol: str, func: tirx.PrimFunc) -> KernelLaunch:
+    out = func.params[-1]
+    n = 1
+    for d in out.shape:
+        n *= int(d)
+    return KernelLaunch(symbol, (-(-n // THREADS_1D), 1, 1), (THREADS_1D, 1, 1), _params(func))
+
+
+def _params(func: tirx.PrimFunc) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple((p.name, p.shape, p.dtype) for p in params(func))
+
+
+def schedule_product(funcs: GemmFuncs) -> tuple[dict[str, tirx.PrimFunc], list[KernelLaunch]]:
+    """Scheduled PrimFuncs (symbol -> func) and launches, in order, for one product."""
+    f = funcs.form
+    out: dict[str, tirx.PrimFunc] = {}
+    launches: list[KernelLaunch] = []
+    for symbol, func in funcs.items():
+        if symbol.endswith("_gemm"):
+            out[symbol] = schedule_gemm_dp4a(func).with_attr("global_symbol", symbol)
+            grid = (f.qp // TILE_MQ, f.mp // TILE_MQ, f.g)
+            launches.append(KernelLaunch(symbol, grid, (THREADS_2D, THREADS_2D, 1), _params(func)))
+        else:
+            out[symbol] = schedule_gather(func).with_attr("global_symbol", symbol)
+            launches.append(_gather_launch(symbol, func))
+    return out, launches
+
+
+def cuda_source(funcs: dict[str, tirx.PrimFunc], arch: str) -> str:
+    """CUDA C++ source of scheduled PrimFuncs (TVM emits source only; no GPU is needed)."""
+    target = tvm.target.Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
+    ex = tvm.compile(tvm.IRModule(funcs), target=target)
+    return str(ex.mod.imports[0].inspect_source())
