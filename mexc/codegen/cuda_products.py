@@ -156,3 +156,22 @@ def cuda_source(funcs: dict[str, tirx.PrimFunc], arch: str) -> str:
     target = tvm.target.Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
     ex = tvm.compile(tvm.IRModule(funcs), target=target)
     return str(ex.mod.imports[0].inspect_source())
+
+
+def schedule_compaction_shift(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The max|acc| reduction: one thread block per group, its threads sharing the reduction
+    (TVM's cross-thread allreduce); the 32-step shift count and the exponent on one thread."""
+    sch = s_tir.Schedule(func)
+    amax = sch.get_sblock("amax")
+    loops = sch.get_loops(amax)
+    red = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
+    _, tx = sch.split(red, [None, THREADS_1D])
+    sch.bind(loops[0], "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    for name in ("s", "e_out"):
+        blk = sch.get_sblock(name)
+        outer = sch.get_loops(blk)[0]
+        bx, tx1 = sch.split(outer, [None, 1])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx1, "threadIdx.x")
+    return sch.mod["main"]

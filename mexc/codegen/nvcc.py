@@ -81,12 +81,60 @@ def sass_opcodes(cubin: Path) -> dict[str, Counter[str]]:
         if head:
             current = kernels.setdefault(head.group(1), Counter())
             continue
-        op = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        op = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
         if op and current is not None:
-            current[op.group(1)] += 1
+            current[_normalize(op.group(1), op.group(2))] += 1
     return kernels
+
+
+def _normalize(opcode: str, operands: str) -> str:
+    """ptxas materializes constants with `HFMA2.MMA Rd, -RZ, RZ, a, b` (= a register move on the
+    FMA pipe, computing 0 * 0 + constant): count it as a move, not as half-precision math."""
+    if opcode == "HFMA2.MMA" and re.match(r"\s*R\d+, -RZ, RZ,", operands):
+        return "MOV.HFMA2"
+    return opcode
 
 
 def integer_mma(opcodes: Counter[str]) -> int:
     """Number of int8 dot-product / tensor-core instructions (IDP.4A, IMMA) among `opcodes`."""
     return sum(n for op, n in opcodes.items() if op.startswith(("IDP.4A", "IMMA")))
+
+
+# SASS opcodes (without modifiers) that compute in or convert to/from floating point
+FLOAT_SASS = frozenset(
+    [
+        "FADD",
+        "FADD32I",
+        "FMUL",
+        "FMUL32I",
+        "FFMA",
+        "FFMA32I",
+        "FSETP",
+        "FSET",
+        "FMNMX",
+        "FCHK",
+        "FRND",
+        "FSWZADD",
+        "F2I",
+        "F2F",
+        "F2FP",
+        "I2F",
+        "I2FP",
+        "DADD",
+        "DMUL",
+        "DFMA",
+        "DSETP",
+        "DMNMX",
+        "HADD2",
+        "HMUL2",
+        "HFMA2",
+        "HSETP2",
+        "HMNMX2",
+        "MUFU",
+    ]
+)
+
+
+def float_opcodes(opcodes: Counter[str]) -> list[str]:
+    """The floating-point instructions among `opcodes` (empty for an integer-only kernel)."""
+    return sorted(op for op in opcodes if op.split(".")[0] in FLOAT_SASS)

@@ -21,7 +21,14 @@ from examples.resnet import ResNet18
 from examples.vit import ViTTiny
 from mexc.codegen import gemm_forms as gf
 from mexc.codegen.cuda_build import build_products, kernel_signatures, product_forms
-from mexc.codegen.nvcc import ARCHS, ToolchainError, find_tool, integer_mma, sass_opcodes
+from mexc.codegen.nvcc import (
+    ARCHS,
+    ToolchainError,
+    find_tool,
+    float_opcodes,
+    integer_mma,
+    sass_opcodes,
+)
 
 
 def _tools_present() -> bool:
@@ -141,6 +148,7 @@ def test_model_products_compile_with_integer_dot_products(
         assert [k["symbol"][len(product["kernels"]) :] for k in launches] == suffixes
         for k in launches:
             assert k["symbol"] in opcodes  # every launched kernel is in the cubin
+            assert not float_opcodes(opcodes[k["symbol"]]), k["symbol"]
         gemm = launches[2]
         assert integer_mma(opcodes[gemm["symbol"]]) >= 16, (name, arch, gemm["symbol"])
         sources = {a["name"] for k in launches[:2] for a in k["args"] if "packed" not in a["name"]}

@@ -1,0 +1,112 @@
+"""Compaction (docs/numerics.md section 5) as TVM tensor expressions, for the GPU epilogue.
+
+    compact(acc, e) -> (m, e + s):  s = smallest s >= 0 with max|acc| <= qmax * 2^s (per tensor
+    or per group along axis 0), m = saturate(shift_right(acc, s)) with stochastic rounding keyed
+    by (key, flat index) through lowbias32, or round-half-up.
+
+Two PrimFuncs, because the shift needs a reduction over the whole tensor before any element can
+be rounded: `<name>_shift` (acc, e_in -> s, e_out) and `<name>_apply` (acc, s, key -> m). The key
+(the uint32 stream key held in int64) and the exponent are one-element buffers, so one compiled
+kernel serves every step. Everything is int32/int64 arithmetic that TVM lowers the same way for
+llvm and CUDA, so running the llvm build against `mexc.numerics.compact` checks the very TIR that
+becomes the CUDA kernel.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from mexc.numerics import GOLDEN32, qmax
+
+I32, I64, I8 = "int32", "int64", "int8"
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _i64(v: int) -> tirx.PrimExpr:
+    return tirx.const(v, I64)
+
+
+def _mul32(x: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
+    """(x * c) mod 2^32 for 0 <= x < 2^32, in int64 without overflow (16-bit halves)."""
+    lo = (x & _i64(0xFFFF)) * _i64(c)
+    hi = ((x >> _i64(16)) * _i64(c)) & _i64(0xFFFF)
+    return (lo + (hi << _i64(16))) & _i64(MASK32)
+
+
+def mix32(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """lowbias32 as mexc.numerics.mix32, on uint32 values held in int64.
+
+    Not written in uint32: TVM 0.27 miscompiled the uint32 form once a run-time key entered the
+    expression (39 of 60 words wrong on llvm), while this all-int64 form has no signed/unsigned
+    ambiguity in any shift or multiply."""
+    x = x ^ (x >> _i64(16))
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> _i64(15))
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> _i64(16))
+
+
+def _flat_index(shape: tuple[int, ...], idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
+    """C-order flat index (int64; tensors stay below 2^31 elements)."""
+    flat: tirx.PrimExpr = _i64(0)
+    for extent, i in zip(shape, idx):
+        flat = flat * _i64(extent) + i.astype(I64)
+    return flat
+
+
+def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.random_bits: mix32(key ^ (index * 0x9E3779B9 mod 2^32)), as int64 in [0, 2^32)."""
+    return mix32(key ^ _mul32(flat & _i64(MASK32), GOLDEN32))
+
+
+def compaction_shift(shape: tuple[int, ...], bits: int, grouped: bool, name: str) -> tirx.PrimFunc:
+    """s[g] and e_out[g] = e_in[g] + s[g]; one group, or one per index of axis 0 when grouped."""
+    groups = shape[0] if grouped else 1
+    acc = te.placeholder(shape, I32, name="acc")
+    e_in = te.placeholder((groups,), I32, name="e_in")
+    rest = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(shape[1 if grouped else 0 :])]
+
+    def amax_body(g):
+        idx = (g, *rest) if grouped else tuple(rest)
+        v = acc[idx]
+        return te.max(tirx.if_then_else(v < 0, -v, v), axis=rest)
+
+    amax = te.compute((groups,), amax_body, name="amax")
+    t = te.reduce_axis((0, 32), "t")
+    q = qmax(bits)
+    # smallest s with m <= q * 2^s = number of t in [0, 32) with m > q * 2^t (monotone in t)
+    over = tirx.const(q, I64) << t.var.astype(I64)
+    s = te.compute(
+        (groups,),
+        lambda g: te.sum(tirx.if_then_else(amax[g].astype(I64) > over, 1, 0), axis=t),
+        name="s",
+    )
+    e_out = te.compute((groups,), lambda g: e_in[g] + s[g], name="e_out")
+    return te.create_prim_func([acc, e_in, s, e_out]).with_attr("global_symbol", f"{name}_shift")
+
+
+def compaction_apply(
+    shape: tuple[int, ...], bits: int, grouped: bool, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """m = saturate(shift_right(acc, s[g])) in the split form of numerics.shift_right."""
+    groups = shape[0] if grouped else 1
+    acc = te.placeholder(shape, I32, name="acc")
+    s_in = te.placeholder((groups,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")  # the uint32 stream key, held in int64
+    q = qmax(bits)
+
+    def body(*idx):
+        x = acc[idx].astype(I64)
+        s = s_in[idx[0] if grouped else 0].astype(I64)
+        mask = (tirx.const(1, I64) << s) - 1
+        if stochastic:
+            r = random_word(key[0], _flat_index(shape, idx)) & mask
+        else:
+            r = tirx.if_then_else(s > 0, tirx.const(1, I64) << tirx.max(s - 1, 0), 0)
+        v = (x >> s) + (((x & mask) + r) >> s)
+        return tirx.max(tirx.min(v, q), -q).astype(I8)
+
+    m = te.compute(shape, body, name="m")
+    return te.create_prim_func([acc, s_in, key, m]).with_attr("global_symbol", f"{name}_apply")

@@ -1,0 +1,101 @@
+"""Compaction as TVM TIR (the GPU epilogue): bit-exact with mexc.numerics.compact on the host,
+and the CUDA schedule of the same TIR compiles with nvcc."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from hypothesis import given
+from hypothesis import strategies as st
+from test_cuda_products import needs_cuda_tools
+
+from mexc.codegen.cuda_products import cuda_source, schedule_compaction_shift, schedule_gather
+from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.codegen.te_compaction import compaction_apply, compaction_shift
+from mexc.numerics import compact, stream_key
+
+_BUILT: dict[tuple, tvm.runtime.Module] = {}
+
+
+def _built(shape: tuple[int, ...], bits: int, grouped: bool, stochastic: bool):
+    k = (shape, bits, grouped, stochastic)
+    if k not in _BUILT:
+        funcs = {
+            "c_shift": compaction_shift(shape, bits, grouped, "c"),
+            "c_apply": compaction_apply(shape, bits, grouped, stochastic, "c"),
+        }
+        _BUILT[k] = tvm.compile(tvm.IRModule(funcs), target="llvm")
+    return _BUILT[k]
+
+
+def compact_on_host(
+    acc: np.ndarray, e_in: np.ndarray, bits: int, grouped: bool, rounding: str, key: int
+):
+    ex = _built(acc.shape, bits, grouped, rounding == "stochastic")
+    dev = tvm.cpu()
+    groups = acc.shape[0] if grouped else 1
+    s = tvm.runtime.empty((groups,), "int32", dev)
+    e_out = tvm.runtime.empty((groups,), "int32", dev)
+    m = tvm.runtime.empty(acc.shape, "int8", dev)
+    ex["c_shift"](tvm.runtime.tensor(acc, dev), tvm.runtime.tensor(e_in, dev), s, e_out)
+    ex["c_apply"](tvm.runtime.tensor(acc, dev), s, tvm.runtime.tensor(np.array([key]), dev), m)
+    return m.numpy(), e_out.numpy()
+
+
+SHAPES = [(7,), (4, 5, 3), (6, 11), (3, 2, 4, 5)]
+
+
+@given(
+    shape=st.sampled_from(SHAPES),
+    grouped=st.booleans(),
+    bits=st.sampled_from([4, 6, 8]),
+    rounding=st.sampled_from(["stochastic", "nearest"]),
+    magnitude=st.integers(0, 31),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_compaction_tir_matches_reference(
+    shape: tuple[int, ...], grouped: bool, bits: int, rounding: str, magnitude: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    hi = (1 << magnitude) - 1
+    acc = rng.integers(-hi, hi + 1, shape, dtype=np.int64).astype(np.int32)
+    if hi and acc.size > 1:
+        acc.flat[0], acc.flat[-1] = hi, -hi  # the extremes of the range
+    groups = shape[0] if grouped else 1
+    e_in = rng.integers(-30, 10, groups).astype(np.int32)
+    key = stream_key(seed, 3, 17)
+    m, e_out = compact_on_host(acc, e_in, bits, grouped, rounding, key)
+    want_m, want_e = compact(
+        acc.astype(np.int64), e_in if grouped else int(e_in[0]), bits, rounding, key, grouped
+    )
+    np.testing.assert_array_equal(m, want_m)
+    np.testing.assert_array_equal(e_out.reshape(np.shape(want_e)), want_e)
+
+
+def test_compaction_tir_uses_the_key() -> None:
+    acc = (np.arange(60, dtype=np.int32) * 1013 - 30000).reshape(6, 10)
+    e = np.zeros(1, np.int32)
+    a, _ = compact_on_host(acc, e, 8, False, "stochastic", 1)
+    b, _ = compact_on_host(acc, e, 8, False, "stochastic", 2)
+    assert not np.array_equal(a, b)  # different keys, different roundings
+    assert np.abs(a.astype(int) - b.astype(int)).max() == 1  # ... by at most one unit
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("grouped", [False, True])
+def test_compaction_cuda_compiles(grouped: bool, tmp_path: Path) -> None:
+    shape = (128, 16, 28, 28) if not grouped else (32, 16, 3, 3)
+    funcs = {
+        "k_shift": schedule_compaction_shift(compaction_shift(shape, 8, grouped, "k")),
+        "k_apply": schedule_gather(compaction_apply(shape, 8, grouped, True, "k")),
+    }
+    funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
+    cu = tmp_path / "compaction.cu"
+    cu.write_text(cuda_source(funcs, "sm_90"))
+    kernels = sass_opcodes(compile_cubin(cu, "sm_90", tmp_path / "compaction.cubin"))
+    assert "k_apply_kernel" in kernels and "k_shift_kernel" in kernels
+    for name, ops in kernels.items():
+        assert not float_opcodes(ops), (name, float_opcodes(ops))  # integer-only kernels
