@@ -1,6 +1,14 @@
-"""mexc: compile a float PyTorch model into an integer-only training program."""
+"""mexc: compile a float PyTorch model into an integer-only training program.
 
-from mexc.compiler import compile
+The public names load lazily (PEP 562), so that `import mexc.cuda_runtime` or `mexc.numerics`
+on a GPU or embedded-build machine does not pull in torch.fx, networkx or the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mexc.errors import (
     CheckpointError,
     InputError,
@@ -10,12 +18,41 @@ from mexc.errors import (
     UnsupportedOpError,
     VerificationError,
 )
-from mexc.optim import SGD, Constant, Cosine, Step
-from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
-from mexc.program import Program, load
-from mexc.trainer import Trainer
+
+if TYPE_CHECKING:
+    from mexc.compiler import compile
+    from mexc.optim import SGD, Constant, Cosine, Step
+    from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
+    from mexc.program import Program, load
+    from mexc.trainer import Trainer
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "compile": "mexc.compiler",
+    "SGD": "mexc.optim",
+    "Constant": "mexc.optim",
+    "Cosine": "mexc.optim",
+    "Step": "mexc.optim",
+    "DumpIR": "mexc.pass_manager",
+    "PrintAfter": "mexc.pass_manager",
+    "PrintAfterAll": "mexc.pass_manager",
+    "PrintAfterChange": "mexc.pass_manager",
+    "Timing": "mexc.pass_manager",
+    "Program": "mexc.program",
+    "load": "mexc.program",
+    "Trainer": "mexc.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mexc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "SGD",

@@ -15,6 +15,7 @@ of the whole step and the runtime that runs it are not built yet (docs/cuda.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -22,10 +23,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import tvm
+
 from mexc.codegen import gemm_forms as gf
 from mexc.codegen.cuda_products import KernelLaunch, cuda_source, schedule_product
 from mexc.codegen.nvcc import compile_cubin
 from mexc.codegen.te_products import ConvGeom
+from mexc.cuda_runtime import deterministic_operands, digest
 from mexc.ir import Graph, Node, Op
 from mexc.program import Program
 
@@ -195,6 +199,7 @@ def build_products(prog: Program, arch: str, out_dir: str | Path) -> dict[str, A
         "format": "mexc-cuda-products-1",
         "arch": arch,
         "cubin": cubin.name,
+        "cubin_sha256": hashlib.sha256(cubin.read_bytes()).hexdigest(),
         "products": products,
         "kernel_sets": {
             name: [_launch_json(k, signatures) for k in launches]
@@ -229,3 +234,36 @@ def _launch_json(k: KernelLaunch, signatures: dict[str, list[str]]) -> dict[str,
     d["args"] = [{"name": n, "shape": list(by_name[n][0]), "dtype": by_name[n][1]} for n in order]
     del d["params"]
     return d
+
+
+def write_expected(prog: Program, out_dir: str | Path) -> dict[str, Any]:
+    """Reference accumulators for the GPU check: for the first product of each kernel set,
+    operands from `cuda_runtime.deterministic_operands` (seed = product index) run through the
+    host (llvm) build of the same GEMM form; their SHA-256 digests go to `expected.json`."""
+    out = Path(out_dir)
+    man = json.loads((out / "products.json").read_text())
+    uses = product_forms(prog)
+    expected: dict[str, Any] = {}
+    dev = tvm.cpu()
+    for index, (use, entry) in enumerate(zip(uses, man["products"])):
+        name = entry["kernels"]
+        if name in expected:
+            continue
+        form = replace(use.form, name="ref")
+        funcs = gf.gemm_funcs(form)
+        ex = tvm.compile(tvm.IRModule(dict(funcs.items())), target="llvm")
+        shapes = {op.name: op.shape for op in form.operands}
+        ops = deterministic_operands(shapes, index)
+        srcs = [ops[op.name] for op in form.operands]
+        pa = tvm.runtime.empty((form.g, form.mp, form.kp), "int8", dev)
+        pb = tvm.runtime.empty((form.g, form.qp, form.kp), "int8", dev)
+        c = tvm.runtime.empty((form.g, form.mp, form.qp), "int32", dev)
+        acc = tvm.runtime.empty(form.out_shape, "int32", dev)
+        ex["ref_pack_a"](tvm.runtime.tensor(srcs[form.a_src], dev), pa)
+        ex["ref_pack_b"](tvm.runtime.tensor(srcs[form.b_src], dev), pb)
+        ex["ref_gemm"](pa, pb, c)
+        ex["ref_unpack"](c, acc)
+        expected[name] = {"product": index, "sha256": digest(acc.numpy()), "macs": form.macs}
+    doc = {"format": "mexc-cuda-expected-1", "seed": "product index", "kernel_sets": expected}
+    (out / "expected.json").write_text(json.dumps(doc, indent=1))
+    return doc
