@@ -609,8 +609,12 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     The graph computes logits, then softmax cross-entropy against integer labels; outputs are
     "logits", "probs" and "loss".
     """
-    model = model.eval()  # tracing must not update BN running stats
-    gm = trace(model, example)
+    was_training = model.training
+    model.eval()  # tracing must not update BN running stats
+    try:
+        gm = trace(model, example)
+    finally:
+        model.train(was_training)  # leave the user's module as it was
     b = GraphBuilder()
     c = _Ctx(gm, b)
     logits: Value | None = None

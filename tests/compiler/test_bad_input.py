@@ -128,3 +128,14 @@ def test_compile_argument_errors() -> None:
         mexc.compile(model, (x,), target="tpu")
     with pytest.raises(ValueError, match="example input of shape"):
         mexc.compile(model, (torch.zeros(4, 3, 5, 5),))
+
+
+def test_compile_leaves_the_module_in_its_mode() -> None:
+    from examples.models import DigitsCNN
+
+    model = DigitsCNN().train()
+    mexc.compile(model, (torch.zeros(4, 1, 8, 8),))
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    mexc.compile(model, (torch.zeros(4, 1, 8, 8),))
+    assert not model.training
