@@ -175,3 +175,17 @@ def schedule_compaction_shift(func: tirx.PrimFunc) -> tirx.PrimFunc:
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx1, "threadIdx.x")
     return sch.mod["main"]
+
+
+def schedule_each_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Every block of `func` as its own kernel, one thread per output element; a reduction
+    (window max, gather sum) runs serially inside its thread. TE places a block's spatial loops
+    first, one per data-parallel iteration variable (iter_type 0) of the block."""
+    sch = s_tir.Schedule(func)
+    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+        ndim = sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
+        spatial = sch.get_loops(blk)[:ndim]
+        bx, tx = sch.split(sch.fuse(*spatial), [None, THREADS_1D])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    return sch.mod["main"]

@@ -1,0 +1,130 @@
+"""Non-product ops of the training step as TVM tensor expressions (target independent).
+
+The GPU (and later the TVM CPU) backend lowers every op of the step from one TE definition; the
+tests build the same PrimFuncs for llvm and compare them with `mexc.kernels` bit for bit, so the
+CUDA build of the TIR is checked on a machine without a GPU. Ops whose result may need rounding
+produce an int32 accumulator for `te_compaction` (compaction with shift 0 is the identity on
+values within qmax, which is how the reference's "compact only if it exceeds qmax" comes out).
+
+So far: ReLU forward/backward and max pooling forward (value and first-maximum offset) and
+backward. The remaining ops of docs/layers.md are listed in docs/cuda.md.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from mexc.codegen.te_products import IntPair, _pair
+
+I8, I32 = "int8", "int32"
+PAD = -(1 << 14)  # below every int8 mantissa: padding never wins a max
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return te.create_prim_func(args).with_attr("global_symbol", name)
+
+
+def relu_forward(shape: tuple[int, ...], name: str = "relu_forward") -> tirx.PrimFunc:
+    """y = max(m, 0); the exponent passes through unchanged (kernels.relu_forward)."""
+    x = te.placeholder(shape, I8, name="x")
+    y = te.compute(shape, lambda *i: tirx.max(x[i], tirx.const(0, I8)), name="y")
+    return _func([x, y], name)
+
+
+def relu_backward(shape: tuple[int, ...], name: str = "relu_backward") -> tirx.PrimFunc:
+    """dx = dy where x > 0 else 0 (kernels.relu_backward with the ReLU input or output)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    x = te.placeholder(shape, I8, name="x")
+    dx = te.compute(
+        shape, lambda *i: tirx.if_then_else(x[i] > 0, dy[i], tirx.const(0, I8)), name="dx"
+    )
+    return _func([dy, x, dx], name)
+
+
+def _pool_geometry(
+    x_shape: tuple[int, int, int, int], kernel: IntPair, stride: IntPair | None, padding: IntPair
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int, int, int]]:
+    k = _pair(kernel)
+    s = _pair(stride if stride is not None else kernel)
+    p = _pair(padding)
+    n, c, h, w = x_shape
+    oh = (h + 2 * p[0] - k[0]) // s[0] + 1
+    ow = (w + 2 * p[1] - k[1]) // s[1] + 1
+    return k, s, p, (n, c, oh, ow)
+
+
+def maxpool_forward(
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+    name: str = "maxpool_forward",
+) -> tirx.PrimFunc:
+    """y = window max; arg = offset i*KW + j of the first maximum in row-major window order
+    (kernels.maxpool2d_forward). Parameters (x, y, arg)."""
+    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
+    _, _, h, w = x_shape
+    x = te.placeholder(x_shape, I8, name="x")
+
+    def tap(o: tuple, i: tirx.Var, j: tirx.Var) -> tirx.PrimExpr:
+        n, c, oy, ox = o
+        iy, ix = oy * s[0] + i - p[0], ox * s[1] + j - p[1]
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        safe_y = tirx.if_then_else(ok, iy, 0)
+        safe_x = tirx.if_then_else(ok, ix, 0)
+        return tirx.if_then_else(ok, x[n, c, safe_y, safe_x].astype(I32), tirx.const(PAD, I32))
+
+    ri = te.reduce_axis((0, k[0]), "ri")
+    rj = te.reduce_axis((0, k[1]), "rj")
+    ymax = te.compute(y_shape, lambda *o: te.max(tap(o, ri, rj), axis=[ri, rj]), name="ymax")
+    qi = te.reduce_axis((0, k[0]), "qi")
+    qj = te.reduce_axis((0, k[1]), "qj")
+    first = te.compute(
+        y_shape,
+        lambda *o: te.min(
+            tirx.if_then_else(tap(o, qi, qj) == ymax[o], qi * k[1] + qj, k[0] * k[1]),
+            axis=[qi, qj],
+        ),
+        name="arg",
+    )
+    y = te.compute(y_shape, lambda *o: ymax[o].astype(I8), name="y")
+    return _func([x, y, first], name)
+
+
+def maxpool_backward_acc(
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+    name: str = "maxpool_backward_acc",
+) -> tirx.PrimFunc:
+    """acc[n,c,y,x] = sum of dy over the windows whose first maximum sits at (y, x), written as a
+    gather (each input pixel visits the windows that contain it). Parameters (dy, arg, acc)."""
+    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
+    _, _, oh, ow = y_shape
+    dy = te.placeholder(y_shape, I8, name="dy")
+    arg = te.placeholder(y_shape, I32, name="arg")
+    ri = te.reduce_axis((0, k[0]), "ri")
+    rj = te.reduce_axis((0, k[1]), "rj")
+
+    def body(n, c, yy, xx):
+        # window (oy, ox) covers (yy, xx) through tap (ri, rj) when oy*s + ri - p == yy
+        ty, tx = yy + p[0] - ri, xx + p[1] - rj
+        oy, ox = tirx.floordiv(ty, s[0]), tirx.floordiv(tx, s[1])
+        ok = tirx.all(
+            ty >= 0,
+            tx >= 0,
+            tirx.floormod(ty, s[0]) == 0,
+            tirx.floormod(tx, s[1]) == 0,
+            oy < oh,
+            ox < ow,
+        )
+        sy, sx = tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0)
+        hit = tirx.all(ok, arg[n, c, sy, sx] == ri * k[1] + rj)
+        return te.sum(
+            tirx.if_then_else(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
+            axis=[ri, rj],
+        )
+
+    acc = te.compute(x_shape, body, name="acc")
+    return _func([dy, arg, acc], name)

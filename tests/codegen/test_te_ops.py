@@ -1,0 +1,103 @@
+"""Non-product ops as TVM TIR: the llvm build equals mexc.kernels bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from test_cuda_products import needs_cuda_tools
+
+from mexc.codegen import te_ops
+from mexc.codegen.cuda_products import cuda_source, schedule_each_block
+from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.codegen.te_compaction import compaction_apply, compaction_shift
+from mexc.kernels import maxpool2d_backward, maxpool2d_forward, relu_backward, relu_forward
+from mexc.mx import MX, RoundCtx
+
+DEV = tvm.cpu()
+
+
+def _run(func: tvm.tirx.PrimFunc, *arrays: np.ndarray, outs: list[tuple[tuple, str]]):
+    ex = tvm.compile(func, target="llvm")
+    out = [tvm.runtime.empty(shape, dtype, DEV) for shape, dtype in outs]
+    ex(*[tvm.runtime.tensor(np.ascontiguousarray(a), DEV) for a in arrays], *out)
+    return [o.numpy() for o in out]
+
+
+def _rand(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(-128, 128, shape, dtype=np.int8)
+
+
+def test_relu_forward_and_backward() -> None:
+    rng = np.random.default_rng(0)
+    shape = (3, 4, 5, 6)
+    x, dy = _rand(rng, shape), _rand(rng, shape)
+    (y,) = _run(te_ops.relu_forward(shape), x, outs=[(shape, "int8")])
+    np.testing.assert_array_equal(y, relu_forward(MX.of(x, -3)).m)
+    (dx,) = _run(te_ops.relu_backward(shape), dy, x, outs=[(shape, "int8")])
+    np.testing.assert_array_equal(dx, relu_backward(MX.of(dy, -5), MX.of(x, -3)).m)
+
+
+POOLS = [
+    ((2, 3, 8, 8), 2, None, 0),
+    ((1, 2, 7, 9), 3, 2, 1),  # overlapping windows with padding
+    ((2, 2, 6, 5), (3, 2), (1, 2), (1, 0)),
+]
+
+
+@pytest.mark.parametrize("shape,kernel,stride,padding", POOLS)
+def test_maxpool_forward_and_backward(shape, kernel, stride, padding) -> None:
+    rng = np.random.default_rng(sum(shape))
+    # few distinct values: ties inside windows, where the first maximum must win
+    x = rng.integers(-3, 4, shape, dtype=np.int8)
+    ref_y, ref_arg = maxpool2d_forward(MX.of(x, -2), kernel, stride, padding)
+    y_shape = ref_y.m.shape
+    y, arg = _run(
+        te_ops.maxpool_forward(shape, kernel, stride, padding),
+        x,
+        outs=[(y_shape, "int8"), (y_shape, "int32")],
+    )
+    np.testing.assert_array_equal(y, ref_y.m)
+    np.testing.assert_array_equal(arg, ref_arg)
+
+    dy = _rand(rng, y_shape)
+    ctx = RoundCtx("stochastic", 5, 7, 8)
+    want = maxpool2d_backward(MX.of(dy, -6), arg, shape, kernel, stride, padding, ctx, 32)
+    (acc,) = _run(
+        te_ops.maxpool_backward_acc(shape, kernel, stride, padding),
+        dy,
+        arg.astype(np.int32),
+        outs=[(shape, "int32")],
+    )
+    # compaction (shift 0 when the sums fit in int8) with the reference's site-0 key
+    s, e_out = _run(
+        compaction_shift(shape, 8, False, "c"),
+        acc,
+        np.array([-6], np.int32),
+        outs=[((1,), "int32"), ((1,), "int32")],
+    )
+    key = np.array([ctx.key(32)], np.int64)
+    (m,) = _run(compaction_apply(shape, 8, False, True, "c"), acc, s, key, outs=[(shape, "int8")])
+    np.testing.assert_array_equal(m, want.m)
+    assert int(e_out[0]) == int(want.e)
+
+
+@needs_cuda_tools
+def test_ops_compile_for_cuda_without_float(tmp_path: Path) -> None:
+    shape = (128, 16, 28, 28)
+    funcs = {
+        "relu_f": te_ops.relu_forward(shape),
+        "relu_b": te_ops.relu_backward(shape),
+        "pool_f": te_ops.maxpool_forward(shape, 2),
+        "pool_b": te_ops.maxpool_backward_acc(shape, 3, 2, 1),
+    }
+    funcs = {n: schedule_each_block(f).with_attr("global_symbol", n) for n, f in funcs.items()}
+    cu = tmp_path / "ops.cu"
+    cu.write_text(cuda_source(funcs, "sm_80"))
+    kernels = sass_opcodes(compile_cubin(cu, "sm_80", tmp_path / "ops.cubin"))
+    assert {"relu_f_kernel", "relu_b_kernel", "pool_b_kernel"} <= set(kernels)
+    assert sum(k.startswith("pool_f_kernel") for k in kernels) == 3  # max, first max, cast
+    for name, ops in kernels.items():
+        assert not float_opcodes(ops), (name, float_opcodes(ops))
