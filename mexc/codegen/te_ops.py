@@ -6,14 +6,16 @@ CUDA build of the TIR is checked on a machine without a GPU. Ops whose result ma
 produce an int32 accumulator for `te_compaction` (compaction with shift 0 is the identity on
 values within qmax, which is how the reference's "compact only if it exceeds qmax" comes out).
 
-So far: ReLU forward/backward and max pooling forward (value and first-maximum offset) and
-backward. The remaining ops of docs/layers.md are listed in docs/cuda.md.
+So far: ReLU forward/backward, max pooling forward (value and first-maximum offset) and
+backward, and the aligned sum of residual adds and gradient sums. The remaining ops of
+docs/layers.md are listed in docs/cuda.md.
 """
 
 from __future__ import annotations
 
 from tvm import te, tirx
 
+from mexc.codegen.te_compaction import _flat_index, random_word
 from mexc.codegen.te_products import IntPair, _pair
 
 I8, I32 = "int8", "int32"
@@ -128,3 +130,53 @@ def maxpool_backward_acc(
 
     acc = te.compute(x_shape, body, name="acc")
     return _func([dy, arg, acc], name)
+
+
+def _shift_signed(
+    x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
+) -> tirx.PrimExpr:
+    """numerics.shift_signed(x, t) for one element (int64): rounded right shift by t > 0
+    (t >= 32 gives 0), exact left shift by -t."""
+    i64 = "int64"
+    tt = tirx.min(tirx.max(t, 0), 31)
+    mask = (tirx.const(1, i64) << tt) - 1
+    if stochastic:
+        r = random_word(key, flat) & mask
+    else:
+        r = tirx.if_then_else(tt > 0, tirx.const(1, i64) << tirx.max(tt - 1, 0), 0)
+    right = tirx.if_then_else(t >= 32, tirx.const(0, i64), (x >> tt) + (((x & mask) + r) >> tt))
+    return tirx.if_then_else(t > 0, right, x << tirx.max(-t, 0))
+
+
+def aligned_sum_acc(
+    shape: tuple[int, ...], terms: int, stochastic: bool, name: str = "aligned_sum"
+) -> tirx.PrimFunc:
+    """Sum of `terms` int8 tensors with per-tensor exponents (kernels.grad_sum / add_forward
+    before their compaction): target = max(min e_i, max(e_i + 7) + c - 31), c = bit_length(T);
+    term i shifted by target - e_i with rounding key i. Parameters (m_0 .. m_{T-1}, e, keys,
+    target, acc): e int32[T], keys int64[T] (the uint32 site keys), target int32[1]."""
+    if terms < 2:
+        raise ValueError("aligned_sum_acc needs at least two terms")
+    ms = [te.placeholder(shape, I8, name=f"m{i}") for i in range(terms)]
+    e = te.placeholder((terms,), I32, name="e")
+    keys = te.placeholder((terms,), "int64", name="keys")
+    c = terms.bit_length()
+
+    def target_of(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        lo, top = e[0], e[0] + 7
+        for i in range(1, terms):
+            lo, top = tirx.min(lo, e[i]), tirx.max(top, e[i] + 7)
+        return tirx.max(lo, top + (c - 31))
+
+    target = te.compute((1,), target_of, name="target")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        total: tirx.PrimExpr = tirx.const(0, "int64")
+        for i in range(terms):
+            t = (target[0] - e[i]).astype("int64")
+            total = total + _shift_signed(ms[i][idx].astype("int64"), t, keys[i], flat, stochastic)
+        return total.astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    return _func([*ms, e, keys, target, acc], name)

@@ -13,7 +13,13 @@ from mexc.codegen import te_ops
 from mexc.codegen.cuda_products import cuda_source, schedule_each_block
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
-from mexc.kernels import maxpool2d_backward, maxpool2d_forward, relu_backward, relu_forward
+from mexc.kernels import (
+    grad_sum,
+    maxpool2d_backward,
+    maxpool2d_forward,
+    relu_backward,
+    relu_forward,
+)
 from mexc.mx import MX, RoundCtx
 
 DEV = tvm.cpu()
@@ -92,12 +98,48 @@ def test_ops_compile_for_cuda_without_float(tmp_path: Path) -> None:
         "relu_b": te_ops.relu_backward(shape),
         "pool_f": te_ops.maxpool_forward(shape, 2),
         "pool_b": te_ops.maxpool_backward_acc(shape, 3, 2, 1),
+        "add": te_ops.aligned_sum_acc(shape, 2, True),
     }
     funcs = {n: schedule_each_block(f).with_attr("global_symbol", n) for n, f in funcs.items()}
     cu = tmp_path / "ops.cu"
     cu.write_text(cuda_source(funcs, "sm_80"))
     kernels = sass_opcodes(compile_cubin(cu, "sm_80", tmp_path / "ops.cubin"))
-    assert {"relu_f_kernel", "relu_b_kernel", "pool_b_kernel"} <= set(kernels)
+    assert {"relu_f_kernel", "relu_b_kernel", "pool_b_kernel", "add_kernel"} <= set(kernels)
     assert sum(k.startswith("pool_f_kernel") for k in kernels) == 3  # max, first max, cast
     for name, ops in kernels.items():
         assert not float_opcodes(ops), (name, float_opcodes(ops))
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("exps", [(-5, -5), (-3, -9), (-20, 4), (0, -40, -7)])
+def test_aligned_sum_then_compaction_equals_grad_sum(rounding: str, exps: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(len(exps) * 100 + exps[1])
+    shape = (4, 3, 5)
+    terms = [MX.of(_rand(rng, shape), e) for e in exps]
+    ctx = RoundCtx(rounding, 11, 3, 8)
+    tid = 48
+    want = grad_sum(terms, ctx, tid)
+    t = len(exps)
+    keys = np.array([ctx.key(tid + i) for i in range(t)], np.int64)
+    target, acc = _run(
+        te_ops.aligned_sum_acc(shape, t, rounding == "stochastic"),
+        *[x.m for x in terms],
+        np.array(exps, np.int32),
+        keys,
+        outs=[((1,), "int32"), (shape, "int32")],
+    )
+    s, e_out = _run(
+        compaction_shift(shape, 8, False, "c"),
+        acc,
+        target,
+        outs=[((1,), "int32"), ((1,), "int32")],
+    )
+    (m,) = _run(
+        compaction_apply(shape, 8, False, rounding == "stochastic", "c"),
+        acc,
+        s,
+        np.array([ctx.key(tid + t)], np.int64),
+        outs=[(shape, "int8")],
+    )
+    np.testing.assert_array_equal(m, want.m)
+    assert int(e_out[0]) == int(want.e)
