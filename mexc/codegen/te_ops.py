@@ -7,8 +7,9 @@ produce an int32 accumulator for `te_compaction` (compaction with shift 0 is the
 values within qmax, which is how the reference's "compact only if it exceeds qmax" comes out).
 
 So far: ReLU forward/backward, max pooling forward (value and first-maximum offset) and
-backward, and the aligned sum of residual adds and gradient sums. The remaining ops of
-docs/layers.md are listed in docs/cuda.md.
+backward, the aligned sum of residual adds and gradient sums, and the softmax cross-entropy head
+(probabilities forward, gradient backward). The remaining ops of docs/layers.md are listed in
+docs/cuda.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tvm import te, tirx
 
 from mexc.codegen.te_compaction import _flat_index, random_word
 from mexc.codegen.te_products import IntPair, _pair
+from mexc.numerics import EXP_IN_EXP
 
 I8, I32 = "int8", "int32"
 PAD = -(1 << 14)  # below every int8 mantissa: padding never wins a max
@@ -180,3 +182,66 @@ def aligned_sum_acc(
 
     acc = te.compute(shape, body, name="acc")
     return _func([*ms, e, keys, target, acc], name)
+
+
+def _idiv_round(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.idiv_round for b > 0 (int64): sign(a) * floor((|a| + b // 2) / b)."""
+    mag = tirx.floordiv(tirx.abs(a) + tirx.floordiv(b, 2), b)
+    return tirx.if_then_else(a < 0, -mag, mag)
+
+
+def softmax_ce_forward(
+    n: int, k: int, stochastic: bool, name: str = "softmax_ce_forward"
+) -> tirx.PrimFunc:
+    """kernels.softmax_ce_forward without the host-side loss: p in [0, 255] (value p / 256).
+
+    d = m - rowmax; index = d shifted to the exp table's exponent (rounding key site 0, flat
+    index r*K + j; a left shift saturates at 2^30), clamped to [-128, 127]; E = table[index + 128];
+    p = min(idiv_round(E << 8, sum_j E), 255). Parameters (logits, e, key, table, probs):
+    e int32[1] the logits' exponent, key int64[1], table int32[256] (numerics.EXP_TABLE)."""
+    i64 = "int64"
+    logits = te.placeholder((n, k), I8, name="logits")
+    e = te.placeholder((1,), I32, name="e")
+    key = te.placeholder((1,), i64, name="key")
+    table = te.placeholder((256,), I32, name="table")
+    rj = te.reduce_axis((0, k), "rj")
+    rowmax = te.compute((n,), lambda r: te.max(logits[r, rj], axis=rj), name="rowmax")
+
+    def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        d = logits[r, j].astype(i64) - rowmax[r].astype(i64)  # int8 - int8 would wrap
+        s = (EXP_IN_EXP - e[0]).astype(i64)
+        flat = r.astype(i64) * k + j.astype(i64)
+        right = _shift_signed(d, s, key[0], flat, stochastic)
+        lim = tirx.const(1 << 30, i64)
+        left = tirx.max(tirx.min(d << tirx.min(-s, 54), lim), -lim)
+        idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
+        return table[(idx + 128).astype(I32)].astype(i64)
+
+    ex = te.compute((n, k), lookup, name="ex")
+    rs = te.reduce_axis((0, k), "rs")
+    srow = te.compute((n,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
+    probs = te.compute(
+        (n, k),
+        lambda r, j: tirx.min(_idiv_round(ex[r, j] << 8, srow[r]), 255).astype("uint8"),
+        name="probs",
+    )
+    return _func([logits, e, key, table, probs], name)
+
+
+def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc") -> tirx.PrimFunc:
+    """kernels.softmax_ce_backward before its compaction: t = p - 256 * onehot on the first
+    `valid` rows (0 below), acc = idiv_round(t << 7, valid) at exponent -15. Parameters
+    (probs uint8 (N,K), labels int32 (N,), valid int32[1], acc int32 (N,K))."""
+    i64 = "int64"
+    probs = te.placeholder((n, k), "uint8", name="probs")
+    labels = te.placeholder((n,), I32, name="labels")
+    valid = te.placeholder((1,), I32, name="valid")
+
+    def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        rows = tirx.max(tirx.min(valid[0], n), 0)
+        t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, 256, 0).astype(i64)
+        t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
+        return _idiv_round(t << 7, tirx.max(rows, 1).astype(i64)).astype(I32)
+
+    acc = te.compute((n, k), body, name="acc")
+    return _func([probs, labels, valid, acc], name)
