@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tvm
 
 from mexc.codegen import gemm_forms as gf
@@ -244,26 +245,33 @@ def write_expected(prog: Program, out_dir: str | Path) -> dict[str, Any]:
     man = json.loads((out / "products.json").read_text())
     uses = product_forms(prog)
     expected: dict[str, Any] = {}
-    dev = tvm.cpu()
     for index, (use, entry) in enumerate(zip(uses, man["products"])):
         name = entry["kernels"]
         if name in expected:
             continue
-        form = replace(use.form, name="ref")
-        funcs = gf.gemm_funcs(form)
-        ex = tvm.compile(tvm.IRModule(dict(funcs.items())), target="llvm")
+        form = use.form
         shapes = {op.name: op.shape for op in form.operands}
         ops = deterministic_operands(shapes, index)
-        srcs = [ops[op.name] for op in form.operands]
-        pa = tvm.runtime.empty((form.g, form.mp, form.kp), "int8", dev)
-        pb = tvm.runtime.empty((form.g, form.qp, form.kp), "int8", dev)
-        c = tvm.runtime.empty((form.g, form.mp, form.qp), "int32", dev)
-        acc = tvm.runtime.empty(form.out_shape, "int32", dev)
-        ex["ref_pack_a"](tvm.runtime.tensor(srcs[form.a_src], dev), pa)
-        ex["ref_pack_b"](tvm.runtime.tensor(srcs[form.b_src], dev), pb)
-        ex["ref_gemm"](pa, pb, c)
-        ex["ref_unpack"](c, acc)
-        expected[name] = {"product": index, "sha256": digest(acc.numpy()), "macs": form.macs}
+        acc = run_form_on_host(form, *(ops[op.name] for op in form.operands))
+        expected[name] = {"product": index, "sha256": digest(acc), "macs": form.macs}
     doc = {"format": "mexc-cuda-expected-1", "seed": "product index", "kernel_sets": expected}
     (out / "expected.json").write_text(json.dumps(doc, indent=1))
     return doc
+
+
+def run_form_on_host(form: gf.GemmForm, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """pack_a, pack_b, gemm and unpack of `form` built for llvm and run on the host: the int32
+    accumulator of the product on operands `a`, `b` (the form's operand order)."""
+    ref = replace(form, name="host")
+    ex = tvm.compile(tvm.IRModule(dict(gf.gemm_funcs(ref).items())), target="llvm")
+    dev = tvm.cpu()
+    srcs = (a, b)
+    pa = tvm.runtime.empty((ref.g, ref.mp, ref.kp), "int8", dev)
+    pb = tvm.runtime.empty((ref.g, ref.qp, ref.kp), "int8", dev)
+    c = tvm.runtime.empty((ref.g, ref.mp, ref.qp), "int32", dev)
+    acc = tvm.runtime.empty(ref.out_shape, "int32", dev)
+    ex["host_pack_a"](tvm.runtime.tensor(np.ascontiguousarray(srcs[ref.a_src]), dev), pa)
+    ex["host_pack_b"](tvm.runtime.tensor(np.ascontiguousarray(srcs[ref.b_src]), dev), pb)
+    ex["host_gemm"](pa, pb, c)
+    ex["host_unpack"](c, acc)
+    return np.asarray(acc.numpy())

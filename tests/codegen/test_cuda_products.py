@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import tvm
 from product_refs import all_cases, rand_int8, reference
 
 import mexc
@@ -20,7 +19,12 @@ from examples.models import EXAMPLES
 from examples.resnet import ResNet18
 from examples.vit import ViTTiny
 from mexc.codegen import gemm_forms as gf
-from mexc.codegen.cuda_build import build_products, kernel_signatures, product_forms
+from mexc.codegen.cuda_build import (
+    build_products,
+    kernel_signatures,
+    product_forms,
+    run_form_on_host,
+)
 from mexc.codegen.nvcc import (
     ARCHS,
     ToolchainError,
@@ -47,23 +51,6 @@ needs_cuda_tools = pytest.mark.skipif(
 )
 
 
-def run_form_on_host(form: gf.GemmForm, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """pack_a, pack_b, gemm, unpack compiled for llvm and run in order."""
-    funcs = gf.gemm_funcs(form)
-    ex = tvm.compile(tvm.IRModule(dict(funcs.items())), target="llvm")
-    dev = tvm.cpu()
-    ops = (a, b)
-    pa = tvm.runtime.empty((form.g, form.mp, form.kp), "int8", dev)
-    pb = tvm.runtime.empty((form.g, form.qp, form.kp), "int8", dev)
-    c = tvm.runtime.empty((form.g, form.mp, form.qp), "int32", dev)
-    out = tvm.runtime.empty(form.out_shape, "int32", dev)
-    ex[f"{form.name}_pack_a"](tvm.runtime.tensor(ops[form.a_src], dev), pa)
-    ex[f"{form.name}_pack_b"](tvm.runtime.tensor(ops[form.b_src], dev), pb)
-    ex[f"{form.name}_gemm"](pa, pb, c)
-    ex[f"{form.name}_unpack"](c, out)
-    return out.numpy().astype(np.int64)
-
-
 CASES = all_cases()
 
 
@@ -74,7 +61,8 @@ def test_gemm_form_is_exact(case: tuple) -> None:
     assert form.mp % gf.TILE_MQ == 0 and form.qp % gf.TILE_MQ == 0 and form.kp % gf.TILE_K == 0
     rng = np.random.default_rng(zlib.crc32(f"{prod}{cid}".encode()))
     a, b = (rand_int8(rng, op.shape) for op in form.operands)
-    np.testing.assert_array_equal(run_form_on_host(form, a, b), reference(prod, args, a, b))
+    got = run_form_on_host(form, a, b).astype(np.int64)
+    np.testing.assert_array_equal(got, reference(prod, args, a, b))
 
 
 @pytest.mark.parametrize("trans_a", [False, True])
@@ -87,7 +75,7 @@ def test_batched_matmul_form_is_exact(trans_a: bool, trans_b: bool) -> None:
     xa = np.swapaxes(x, 1, 2) if trans_a else x
     yb = np.swapaxes(y, 1, 2) if trans_b else y
     want = np.einsum("bik,bkj->bij", xa.astype(np.int64), yb.astype(np.int64))
-    np.testing.assert_array_equal(run_form_on_host(form, x, y), want)
+    np.testing.assert_array_equal(run_form_on_host(form, x, y).astype(np.int64), want)
 
 
 def test_kernel_signatures_follow_the_source_order() -> None:
