@@ -30,7 +30,7 @@ from mexc.codegen import gemm_forms as gf
 from mexc.codegen.cuda_products import KernelLaunch, cuda_source, schedule_product
 from mexc.codegen.nvcc import compile_cubin
 from mexc.codegen.te_products import ConvGeom
-from mexc.cuda_runtime import deterministic_operands, digest
+from mexc.cuda_runtime import FORMAT, deterministic_operands, digest
 from mexc.ir import Graph, Node, Op
 from mexc.program import Program
 
@@ -197,7 +197,7 @@ def build_products(prog: Program, arch: str, out_dir: str | Path) -> dict[str, A
     cubin = compile_cubin(cu, arch, out / f"products.{arch}.cubin")
     t_nvcc = time.perf_counter() - t1
     manifest = {
-        "format": "mexc-cuda-products-1",
+        "format": FORMAT,
         "arch": arch,
         "cubin": cubin.name,
         "cubin_sha256": hashlib.sha256(cubin.read_bytes()).hexdigest(),

@@ -4,8 +4,9 @@ The GEMM uses `__dp4a` (four int8 products accumulated into int32 per instructio
 `IDP.4A.S8.S8`) on every shape: a 64x64 block tile per thread block of 16x16 threads, each thread
 owning a 4x4 register tile, A and B staged through shared memory 16 K-values at a time, and the
 innermost 4 K-values tensorized into one `__dp4a` with the accumulator passed in. The gathers
-(`pack_a`, `pack_b`, `unpack`) are one thread per element. TVM only emits CUDA source here
-(there is no GPU); `mexc.codegen.nvcc` turns it into cubins for sm_80 / sm_90.
+(`pack_a`, `pack_b`, `unpack`) are one thread per element (`schedule_each_block`). TVM only
+emits CUDA source here (there is no GPU); `mexc.codegen.nvcc` turns it into cubins for sm_80 and
+sm_90.
 
 Why not tensor cores (IMMA) yet: TVM's int8 WMMA path (`dlight` MatmulInt8Tensorization) took
 160 s to lower one 256x512x576 GEMM on this machine, too slow for a ResNet-18 with 60 products;
@@ -66,14 +67,17 @@ def _register_dp4a() -> None:
         s_tir.TensorIntrin.register(DP4A_INTRIN, _dp4a_desc, _dp4a_impl)
 
 
-def schedule_gather(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """One thread per output element."""
+def schedule_each_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Every block of `func` as its own kernel, one thread per output element; a reduction
+    (window max, gather sum) runs serially inside its thread. TE places a block's spatial loops
+    first, one per data-parallel iteration variable (iter_type 0) of the block."""
     sch = s_tir.Schedule(func)
-    blk = sch.get_sblock(str(func.params[-1].name))
-    fused = sch.fuse(*sch.get_loops(blk))
-    bx, tx = sch.split(fused, [None, THREADS_1D])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
+    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+        ndim = sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
+        spatial = sch.get_loops(blk)[:ndim]
+        bx, tx = sch.split(sch.fuse(*spatial), [None, THREADS_1D])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
     return sch.mod["main"]
 
 
@@ -146,7 +150,7 @@ def schedule_product(funcs: GemmFuncs) -> tuple[dict[str, tirx.PrimFunc], list[K
             grid = (f.qp // TILE_MQ, f.mp // TILE_MQ, f.g)
             launches.append(KernelLaunch(symbol, grid, (THREADS_2D, THREADS_2D, 1), _params(func)))
         else:
-            out[symbol] = schedule_gather(func).with_attr("global_symbol", symbol)
+            out[symbol] = schedule_each_block(func).with_attr("global_symbol", symbol)
             launches.append(_gather_launch(symbol, func))
     return out, launches
 
@@ -174,18 +178,4 @@ def schedule_compaction_shift(func: tirx.PrimFunc) -> tirx.PrimFunc:
         bx, tx1 = sch.split(outer, [None, 1])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx1, "threadIdx.x")
-    return sch.mod["main"]
-
-
-def schedule_each_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Every block of `func` as its own kernel, one thread per output element; a reduction
-    (window max, gather sum) runs serially inside its thread. TE places a block's spatial loops
-    first, one per data-parallel iteration variable (iter_type 0) of the block."""
-    sch = s_tir.Schedule(func)
-    for blk in sch.get_child_blocks(sch.get_sblock("root")):
-        ndim = sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
-        spatial = sch.get_loops(blk)[:ndim]
-        bx, tx = sch.split(sch.fuse(*spatial), [None, THREADS_1D])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
     return sch.mod["main"]

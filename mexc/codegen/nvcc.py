@@ -15,9 +15,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from mexc.cuda_runtime import ARCHS
 from mexc.errors import MexcError
 
-ARCHS = ("sm_80", "sm_90")
 # warnings of TVM's generated source that say nothing about correctness: unused CSE temporaries,
 # and TVM's own __dp4a helper beside the CUDA builtin
 _QUIET = ("-diag-suppress", "177,20044")

@@ -61,6 +61,21 @@ def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
     return mix32(key ^ _mul32(flat & _i64(MASK32), GOLDEN32))
 
 
+def shift_signed(
+    x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
+) -> tirx.PrimExpr:
+    """numerics.shift_signed(x, t) for one element (int64): rounded right shift by t > 0
+    (t >= 32 gives 0), exact left shift by -t."""
+    tt = tirx.min(tirx.max(t, 0), 31)
+    mask = (tirx.const(1, I64) << tt) - 1
+    if stochastic:
+        r = random_word(key, flat) & mask
+    else:
+        r = tirx.if_then_else(tt > 0, tirx.const(1, I64) << tirx.max(tt - 1, 0), 0)
+    right = tirx.if_then_else(t >= 32, tirx.const(0, I64), (x >> tt) + (((x & mask) + r) >> tt))
+    return tirx.if_then_else(t > 0, right, x << tirx.max(-t, 0))
+
+
 def compaction_shift(shape: tuple[int, ...], bits: int, grouped: bool, name: str) -> tirx.PrimFunc:
     """s[g] and e_out[g] = e_in[g] + s[g]; one group, or one per index of axis 0 when grouped."""
     groups = shape[0] if grouped else 1
@@ -100,12 +115,7 @@ def compaction_apply(
     def body(*idx):
         x = acc[idx].astype(I64)
         s = s_in[idx[0] if grouped else 0].astype(I64)
-        mask = (tirx.const(1, I64) << s) - 1
-        if stochastic:
-            r = random_word(key[0], _flat_index(shape, idx)) & mask
-        else:
-            r = tirx.if_then_else(s > 0, tirx.const(1, I64) << tirx.max(s - 1, 0), 0)
-        v = (x >> s) + (((x & mask) + r) >> s)
+        v = shift_signed(x, s, key[0], _flat_index(shape, idx), stochastic)
         return tirx.max(tirx.min(v, q), -q).astype(I8)
 
     m = te.compute(shape, body, name="m")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, random_word
+from mexc.codegen.te_compaction import _flat_index, shift_signed
 from mexc.codegen.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
 
@@ -134,22 +134,6 @@ def maxpool_backward_acc(
     return _func([dy, arg, acc], name)
 
 
-def _shift_signed(
-    x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
-) -> tirx.PrimExpr:
-    """numerics.shift_signed(x, t) for one element (int64): rounded right shift by t > 0
-    (t >= 32 gives 0), exact left shift by -t."""
-    i64 = "int64"
-    tt = tirx.min(tirx.max(t, 0), 31)
-    mask = (tirx.const(1, i64) << tt) - 1
-    if stochastic:
-        r = random_word(key, flat) & mask
-    else:
-        r = tirx.if_then_else(tt > 0, tirx.const(1, i64) << tirx.max(tt - 1, 0), 0)
-    right = tirx.if_then_else(t >= 32, tirx.const(0, i64), (x >> tt) + (((x & mask) + r) >> tt))
-    return tirx.if_then_else(t > 0, right, x << tirx.max(-t, 0))
-
-
 def aligned_sum_acc(
     shape: tuple[int, ...], terms: int, stochastic: bool, name: str = "aligned_sum"
 ) -> tirx.PrimFunc:
@@ -177,7 +161,7 @@ def aligned_sum_acc(
         total: tirx.PrimExpr = tirx.const(0, "int64")
         for i in range(terms):
             t = (target[0] - e[i]).astype("int64")
-            total = total + _shift_signed(ms[i][idx].astype("int64"), t, keys[i], flat, stochastic)
+            total = total + shift_signed(ms[i][idx].astype("int64"), t, keys[i], flat, stochastic)
         return total.astype(I32)
 
     acc = te.compute(shape, body, name="acc")
@@ -211,7 +195,7 @@ def softmax_ce_forward(
         d = logits[r, j].astype(i64) - rowmax[r].astype(i64)  # int8 - int8 would wrap
         s = (EXP_IN_EXP - e[0]).astype(i64)
         flat = r.astype(i64) * k + j.astype(i64)
-        right = _shift_signed(d, s, key[0], flat, stochastic)
+        right = shift_signed(d, s, key[0], flat, stochastic)
         lim = tirx.const(1 << 30, i64)
         left = tirx.max(tirx.min(d << tirx.min(-s, 54), lim), -lim)
         idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_cuda_products import needs_cuda_tools
 
-from mexc.codegen.cuda_products import cuda_source, schedule_compaction_shift, schedule_gather
+from mexc.codegen.cuda_products import cuda_source, schedule_compaction_shift, schedule_each_block
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.numerics import compact, stream_key
@@ -90,7 +90,7 @@ def test_compaction_cuda_compiles(grouped: bool, tmp_path: Path) -> None:
     shape = (128, 16, 28, 28) if not grouped else (32, 16, 3, 3)
     funcs = {
         "k_shift": schedule_compaction_shift(compaction_shift(shape, 8, grouped, "k")),
-        "k_apply": schedule_gather(compaction_apply(shape, 8, grouped, True, "k")),
+        "k_apply": schedule_each_block(compaction_apply(shape, 8, grouped, True, "k")),
     }
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     cu = tmp_path / "compaction.cu"
