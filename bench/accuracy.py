@@ -23,7 +23,6 @@ depend on bits, rounding or velocity grouping). Results go to bench/results/accu
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from examples.models import DigitsCNN, FashionCNN  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.data import load_splits  # noqa: E402
-from mexc.trainer import machine, run_training, write_json_atomic  # noqa: E402
+from mexc.trainer import provenance, run_training, write_json_atomic  # noqa: E402
 
 FASHION: dict[str, Any] = dict(
     model="FashionCNN", data="fashion-mnist", epochs=5, batch=128, bits=8,
@@ -153,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text, end="")
     doc = {
-        "format": "mexc-bench-accuracy-1",
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": ["python", *sys.argv],
-        "machine": machine(),
+        **provenance("mexc-bench-accuracy-1", ["python", *sys.argv]),
         "limits": {
             "epochs": args.epochs,
             "limit_train": args.limit_train,

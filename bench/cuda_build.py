@@ -13,7 +13,6 @@ Writes bench/results/cuda_build.json. Needs nvcc and `pip install -e .[cuda-tool
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.codegen.cuda_build import build_products  # noqa: E402
 from mexc.codegen.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes  # noqa: E402
-from mexc.trainer import machine, write_json_atomic  # noqa: E402
+from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
     **EXAMPLES,
@@ -86,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(
         args.out,
         {
-            "format": "mexc-bench-cuda-build-1",
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": ["python", *sys.argv],
-            "machine": machine(),
+            **provenance("mexc-bench-cuda-build-1", ["python", *sys.argv]),
             "rows": rows,
         },
     )

@@ -12,8 +12,6 @@ bench/results/gap_chain.json.
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime as _dt
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
-from bench.gap_gradients import pretrain  # noqa: E402
+from bench.gap_gradients import trained_program  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
 from mexc.ir import Op  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402
-from mexc.trainer import machine, write_json_atomic  # noqa: E402
-from tests.compiler.helpers import cosine, step_values  # noqa: E402
+from mexc.trainer import provenance, write_json_atomic  # noqa: E402
+from tests.compiler.helpers import cosine, dequantized_copy, step_values  # noqa: E402
 
 # (backward op, its occurrence in graph order) -> the FashionCNN module whose output gradient it is
 STAGES = [
@@ -59,15 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     train, _ = load_splits("fashion-mnist", None, None)
-    model = pretrain(args.epochs, train)
-    prog = mexc.compile(model, (torch.zeros(128, 1, 28, 28),), seed=0)
-    prog.state = dict(prog.state) | {
-        n: quantize(p.detach().double().numpy(), 8) for n, p in model.named_parameters()
-    }
-    ref = copy.deepcopy(model).double().train()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(torch.from_numpy(prog.state[name].dequantize()))
+    model, prog = trained_program(args.epochs, train)
+    ref = dequantized_copy(model, prog)
     outputs: dict[str, torch.Tensor] = {}
 
     def keep(name: str) -> Any:
@@ -114,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(
         args.out,
         {
-            "format": "mexc-bench-gap-chain-1",
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": ["python", *sys.argv],
-            "machine": machine(),
+            **provenance("mexc-bench-gap-chain-1", ["python", *sys.argv]),
             "rows": rows,
         },
     )

@@ -14,8 +14,6 @@ parameter; writes bench/results/gap_gradients.json.
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime as _dt
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,13 @@ from bench.gap_sim import Rounder, hook_activations  # noqa: E402
 from examples.models import FashionCNN  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402
-from mexc.trainer import machine, write_json_atomic  # noqa: E402
-from tests.compiler.helpers import cosine, float_gradients, integer_gradients  # noqa: E402
+from mexc.trainer import provenance, write_json_atomic  # noqa: E402
+from tests.compiler.helpers import (  # noqa: E402
+    cosine,
+    dequantized_copy,
+    float_gradients,
+    integer_gradients,
+)
 
 
 def pretrain(epochs: int, train: Any) -> nn.Module:
@@ -49,6 +52,17 @@ def pretrain(epochs: int, train: Any) -> nn.Module:
     return model
 
 
+def trained_program(epochs: int, train: Any) -> tuple[nn.Module, mexc.Program]:
+    """The Fashion CNN after `epochs` of FP32 training, and a compiled program whose state holds
+    those weights as INT8 (one exponent per tensor)."""
+    model = pretrain(epochs, train)
+    prog = mexc.compile(model, (torch.zeros(128, 1, 28, 28),), seed=0)
+    prog.state = dict(prog.state) | {
+        n: quantize(p.detach().double().numpy(), 8) for n, p in model.named_parameters()
+    }
+    return model, prog
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=3)
@@ -57,12 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     train, _ = load_splits("fashion-mnist", None, None)
-    model = pretrain(args.epochs, train)
-    prog = mexc.compile(model, (torch.zeros(128, 1, 28, 28),), seed=0)
-    prog.state = dict(prog.state) | {
-        n: quantize(p.detach().double().numpy(), 8) for n, p in model.named_parameters()
-    }
-    sim = copy.deepcopy(model).double().train()  # mexc.compile leaves the model in eval mode
+    model, prog = trained_program(args.epochs, train)
+    sim = dequantized_copy(model, prog)
     hook_activations(sim, Rounder(5), True, True)
     cos: dict[str, dict[str, list[float]]] = {"int": {}, "sim": {}}
     for i, idx in enumerate(batches(len(train[1]), 128, 0, args.epochs + 4)):
@@ -73,9 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         got = {"int": integer_gradients(prog, x, y)}
         sim.zero_grad()
         xq = torch.from_numpy(quantize(x.astype(np.float64), 8).dequantize())
-        with torch.no_grad():
-            for name, p in sim.named_parameters():
-                p.copy_(torch.from_numpy(prog.state[name].dequantize()))
         nn.functional.cross_entropy(sim(xq), torch.from_numpy(y)).backward()
         got["sim"] = {n: p.grad.numpy() for n, p in sim.named_parameters() if p.grad is not None}
         for kind, grads in got.items():
@@ -95,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(
         args.out,
         {
-            "format": "mexc-bench-gap-gradients-1",
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": ["python", *sys.argv],
-            "machine": machine(),
+            **provenance("mexc-bench-gap-gradients-1", ["python", *sys.argv]),
             "rows": rows,
         },
     )

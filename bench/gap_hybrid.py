@@ -14,7 +14,6 @@ Writes bench/results/gap_hybrid.json.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from mexc.ir import Op  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402
 from mexc.mx import Acc, RoundCtx  # noqa: E402
 from mexc.numerics import FixedScalar, expand_exponent  # noqa: E402
-from mexc.trainer import machine, make_optimizer, write_json_atomic  # noqa: E402
+from mexc.trainer import make_optimizer, provenance, write_json_atomic  # noqa: E402
 
 EPOCHS, BATCH, LR, MOMENTUM, WD = 5, 128, 0.05, 0.9, 5e-4
 
@@ -86,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(
         args.out,
         {
-            "format": "mexc-bench-gap-hybrid-1",
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": ["python", *sys.argv],
-            "machine": machine(),
+            **provenance("mexc-bench-gap-hybrid-1", ["python", *sys.argv]),
             "seed": args.seed,
             "history": history,
         },

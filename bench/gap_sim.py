@@ -23,7 +23,6 @@ test accuracy) go to bench/results/gap_sim.json.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from examples.models import FashionCNN  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
 from mexc.fp32 import evaluate  # noqa: E402
-from mexc.trainer import machine, make_optimizer, write_json_atomic  # noqa: E402
+from mexc.trainer import make_optimizer, provenance, write_json_atomic  # noqa: E402
 
 EPOCHS, BATCH = 5, 128
 
@@ -165,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(
         args.out,
         {
-            "format": "mexc-bench-gap-sim-1",
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": ["python", *sys.argv],
-            "machine": machine(),
+            **provenance("mexc-bench-gap-sim-1", ["python", *sys.argv]),
             "seed": args.seed,
             "results": results,
         },

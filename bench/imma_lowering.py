@@ -11,7 +11,6 @@ mma_sync / __dp4a calls in the source. Prints a table; writes bench/results/imma
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import re
 import sys
 import time
@@ -25,7 +24,7 @@ from tvm.s_tir.dlight.gpu.matmul import MatmulInt8Tensorization  # noqa: E402
 
 from mexc.codegen.cuda_products import cuda_source, schedule_gemm_dp4a  # noqa: E402
 from mexc.codegen.gemm_forms import gemm_func  # noqa: E402
-from mexc.trainer import machine, write_json_atomic  # noqa: E402
+from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 PIPELINE = ("software_pipeline_stage", "software_pipeline_order", "software_pipeline_async_stages")
 
@@ -75,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(
         args.out,
         {
-            "format": "mexc-bench-imma-lowering-1",
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": ["python", *sys.argv],
-            "machine": machine(),
+            **provenance("mexc-bench-imma-lowering-1", ["python", *sys.argv]),
             "gemm": [args.m, args.n, args.k],
             "rows": rows,
         },

@@ -322,6 +322,16 @@ def machine() -> dict[str, Any]:
     }
 
 
+def provenance(fmt: str, command: list[str] | None = None) -> dict[str, Any]:
+    """The header of every results document: format, UTC date, command line, machine."""
+    return {
+        "format": fmt,
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": list(sys.argv if command is None else command),
+        "machine": machine(),
+    }
+
+
 def memory_summary(program: Program) -> dict[str, Any]:
     """program.memory_report() plus the int/FP32 formula ratio."""
     mem: dict[str, Any] = dict(program.memory_report())
@@ -379,10 +389,7 @@ def build_results(
         **(config or {}),
     }
     return {
-        "format": RESULTS_FORMAT,
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": list(sys.argv if command is None else command),
-        "machine": machine(),
+        **provenance(RESULTS_FORMAT, command),
         "config": cfg,
         "integer": integer,
         "fp32": fp32,

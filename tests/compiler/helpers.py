@@ -61,14 +61,20 @@ def integer_gradients(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[
     }
 
 
-def float_gradients(
-    model: nn.Module, prog: mexc.Program, x: np.ndarray, y: np.ndarray
-) -> dict[str, np.ndarray]:
-    """torch autograd on the program's dequantized weights and input."""
+def dequantized_copy(model: nn.Module, prog: mexc.Program) -> nn.Module:
+    """A float64 copy of `model` in training mode holding the program's dequantized weights."""
     m = copy.deepcopy(model).train().double()
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.copy_(torch.from_numpy(prog.state[name].dequantize()))
+    return m
+
+
+def float_gradients(
+    model: nn.Module, prog: mexc.Program, x: np.ndarray, y: np.ndarray
+) -> dict[str, np.ndarray]:
+    """torch autograd on the program's dequantized weights and input."""
+    m = dequantized_copy(model, prog)
     xq = mexc.kernels.quantize(x.astype(np.float64), prog.options.bits).dequantize()
     loss = nn.functional.cross_entropy(m(torch.from_numpy(xq)), torch.from_numpy(y))
     loss.backward()
