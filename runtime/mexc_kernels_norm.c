@@ -131,15 +131,14 @@ int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const i
 
 /* ------------------------------------------------------------------ backward */
 
-/* t = aligned_sum(M*dy, -dbeta, -xhat*dg16) [1,2,3]; returns idiv_round(t, M). */
+/* T = aligned_sum(M*dy, -dbeta, -xhat*dg16) [1,2,3] (the 1/M is in the per-channel factor). */
 static int32_t bn_bracket(int32_t d, int32_t db, int32_t xh, int32_t g16, uint32_t m,
                           const int32_t *sh, const uint32_t *keys, int32_t st, uint32_t idx,
                           uint32_t cc)
 {
-    int32_t t = mexc_shift_signed(d * (int32_t)m, sh[0], st, keys[0], idx) +
-                mexc_shift_signed(-db, sh[1], st, keys[1], cc) +
-                mexc_shift_signed(-(xh * g16), sh[2], st, keys[2], idx);
-    return mexc_idiv_round(t, m);
+    return mexc_shift_signed(d * (int32_t)m, sh[0], st, keys[0], idx) +
+           mexc_shift_signed(-db, sh[1], st, keys[1], cc) +
+           mexc_shift_signed(-(xh * g16), sh[2], st, keys[2], idx);
 }
 
 void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t ed,
@@ -154,7 +153,7 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
     int32_t *cshift = scratch + 3u * c;
     uint32_t *camax = (uint32_t *)(scratch + 4u * c);
     const int8_t *dp;
-    int32_t edp = ed, s0, e[3], b[3], sh[3], target, bk, sbk = 0, fac, sf, e_bk;
+    int32_t edp = ed, s0, e[3], b[3], sh[3], target, bk, sbk = 0, fac, lsh, q, sf, e_bk;
     uint32_t keys[3], nn, cc, i, idx, bmax = 0;
     mexc_sink_t sink;
     mexc_bias_backward(n, c, s, dy, dbeta);
@@ -182,7 +181,7 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
         keys[i] = mexc_site_key(ctx, tid, 1u + i);
     }
     if (dx == NULL) return; /* input gradient not needed (first layer): skip its passes */
-    /* bk16 = compact_to_bits(bk, 15) [4]: scan max|bk| */
+    /* T16 = compact_to_bits(T, 15) [4]: scan max|T| */
     for (idx = 0, nn = 0; nn < n; nn++)
         for (cc = 0; cc < c; cc++)
             for (i = 0; i < s; i++, idx++) {
@@ -191,13 +190,15 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
             }
     while ((uint64_t)bmax > ((uint64_t)1 << 15) << sbk) sbk++;
     e_bk = target + sbk;
-    /* f16 = gamma * rstd shifted to 16 bits [5] */
+    /* f16 = gamma * rstd / M shifted to 16 bits [5]: normalized to 2^30 by lsh, then divided */
     for (cc = 0; cc < c; cc++) {
         fac = (int32_t)gamma[cc] * sv->rstd[cc];
-        sf = mexc_bit_length(mexc_uabs(fac)) - 15;
+        lsh = 30 - mexc_bit_length(mexc_uabs(fac));
+        q = mexc_idiv_round(mexc_shift_left(fac, lsh), m);
+        sf = mexc_bit_length(mexc_uabs(q)) - 15;
         sf = sf > 0 ? sf : 0;
-        f16[cc] = mexc_shift_right(fac, sf, st, mexc_site_key(ctx, tid, 5), cc);
-        e_f[cc] = e_bk + eg + sv->rstd_e[cc] + sf;
+        f16[cc] = mexc_shift_right(q, sf, st, mexc_site_key(ctx, tid, 5), cc);
+        e_f[cc] = e_bk + eg + sv->rstd_e[cc] - lsh + sf;
     }
     /* dx = compact_common(bk16 * f16, e_bk + e_f, axis 1) [6] */
     mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 6), camax, cshift, c);

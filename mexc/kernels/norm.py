@@ -378,7 +378,7 @@ def batchnorm_backward(
     """dx = gamma * rstd / M * (M*dy - sum(dy) - xhat * sum(dy*xhat)); dgamma, dbeta as Acc.
 
     Sites: 0 dgamma compaction to 16 bits, 1/2/3 aligned sum (M*dy, -dbeta, -xhat*dgamma),
-    4 bracket compaction to 16 bits, 5 gamma*rstd per-channel shift to 16 bits,
+    4 bracket compaction to 16 bits, 5 gamma*rstd/M per-channel shift to 16 bits,
     6 dx compaction, 7 pre-shift of dy for dgamma if product_cap(M, 8) < 0.
     """
     if not debug_on():
@@ -411,13 +411,8 @@ def batchnorm_backward(
         ctx.rounding,
         keys,
     )
-    bk = idiv_round(t, m)
-    bk16, e_bk = fast_compact_to_bits(bk, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
-    eg = scalar_exp(saved.gamma, "gamma")
-    fac = i64(saved.gamma.m) * saved.rstd  # |.| <= 127 * 2^15
-    sf = np.maximum(bit_length(fac) - 15, 0)
-    f16 = fast_shift_right(fac, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
-    e_f = eg + saved.rstd_e + sf
+    bk16, e_bk = fast_compact_to_bits(t, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
+    f16, e_f = _dx_factor(saved, m, ctx, tid)
     dxa = bk16 * f16[None, :, None]
     check_int32(dxa, "batchnorm_dx")
     dx = compact_common(dxa.reshape(dy.shape), int(e_bk) + e_f, 1, ctx, site_key(ctx, tid, 6))
@@ -426,6 +421,26 @@ def batchnorm_backward(
         Acc(dgamma, np.asarray(e_dg, np.int64)),
         Acc(dbeta, np.asarray(ed, np.int64)),
     )
+
+
+def _dx_factor(
+    saved: BatchNormSaved, m: int, ctx: RoundCtx, tid: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per channel gamma * rstd / M as (F16 with |F16| <= 2^15, exponent without e_t).
+
+    The 1/M of the BN gradient is taken here, once per channel, and not from the bracket T: a
+    per-element round(T / M) at T's exponent rounds the dense mean terms (sum dy / M and
+    xhat * sum dy xhat / M, a fraction of one unit where dy = 0) to zero every time, a bias that
+    ruins the weight gradient of the layer below. F = gamma_m * rstd (< 2^22) is normalized to
+    2^30 by L = 30 - bitlen(F), divided by M with idiv_round and shifted to 16 bits (site 5).
+    """
+    eg = scalar_exp(saved.gamma, "gamma")
+    fac = i64(saved.gamma.m) * saved.rstd  # |.| < 127 * 2^15
+    lsh = 30 - bit_length(fac)
+    q = idiv_round(fac << lsh, m)  # |.| <= 2^30 / M
+    sf = np.maximum(bit_length(q) - 15, 0)
+    f16 = fast_shift_right(q, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
+    return f16, eg + saved.rstd_e - lsh + sf
 
 
 def _shift_block(
@@ -492,9 +507,7 @@ def _backward_fast(
     dg32 = (-dg16).astype(np.int32).reshape(1, c, 1)
     shp = (min(rows, n), c, sp)
     t1, t3, buf1, buf3 = (np.empty(shp, np.int32) for _ in range(4))
-    t64 = np.empty(shp, np.int64)
     bk = np.empty(d3.shape, np.int32)
-    half = m // 2
     for i0 in range(0, n, rows):
         i1 = min(i0 + rows, n)
         k = i1 - i0
@@ -506,13 +519,7 @@ def _backward_fast(
         a3 = _shift_block(v3, sh3, rb3, i0, buf3[:k])
         a1 += a3
         a1 += ab32
-        w = t64[:k]
-        np.abs(a1, out=w, dtype=np.int64)
-        w += half
-        w //= m
-        neg = a1 < 0
-        np.negative(w, out=w, where=neg)
-        bk[i0:i1] = w
+        bk[i0:i1] = a1
     amax_bk = int(max(int(bk.max()), -int(bk.min())))
     s4 = 0
     while amax_bk > (1 << 15) << s4:
@@ -524,11 +531,7 @@ def _backward_fast(
     else:
         bk16 = bk
     e_bk = e_t + s4
-    eg = scalar_exp(saved.gamma, "gamma")
-    fac = i64(saved.gamma.m) * saved.rstd  # |.| <= 127 * 2^15
-    sf = np.maximum(bit_length(fac) - 15, 0)
-    f16 = fast_shift_right(fac, sf, ctx.rounding, site_key(ctx, tid, 5))  # |.| <= 2^15
-    e_f = eg + saved.rstd_e + sf
+    f16, e_f = _dx_factor(saved, m, ctx, tid)
     cmax = np.maximum(
         bk16.max(axis=(0, 2)).astype(np.int64), -bk16.min(axis=(0, 2)).astype(np.int64)
     )

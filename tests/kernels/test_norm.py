@@ -77,3 +77,34 @@ def test_batchnorm_running_and_eval() -> None:
         ye = batchnorm_forward_eval(x, g, b, rmx_, rvx, ctx, 48)
         yt = F.batch_norm(tt(x), tt(rmx_), tt(rvx), tt(g), tt(b), training=False)
         assert cos(ye.dequantize(), yt) >= 0.99
+
+
+def test_batchnorm_backward_keeps_dense_terms_of_sparse_gradients() -> None:
+    """After ReLU/max-pool routing most of dy is zero; there dx is only the dense mean terms
+    -gamma*rstd*(mean(dy) + xhat*mean(dy*xhat)), a fraction of one unit of dx. They must survive
+    on average: what a weight gradient sees (sum over positions of dx times an input) has to
+    match float. A per-element round(T / M) once rounded them to zero everywhere."""
+    rng = np.random.default_rng(11)
+    ctx = RoundCtx("stochastic", 3, 1)
+    n, c, hw = 32, 4, 16
+    shape = (n, c, hw, hw)
+    x = MX.of(rng.integers(-100, 101, shape), -5)
+    g = MX.of(rng.integers(40, 128, c), -7)
+    b = rand_mx(rng, (c,), -7)
+    _, saved = batchnorm_forward_train(x, g, b, 1e-5, ctx, 0)
+    dym = np.where(rng.random(shape) < 0.04, rng.integers(1, 4, shape), 0)
+    dy = MX.of(dym, -9)  # one-signed: the mean terms are large where dy is zero
+    xt, gt, bt = tt(x, True), tt(g, True), tt(b, True)
+    F.batch_norm(xt, None, None, gt, bt, training=True, eps=1e-5).backward(tt(dy))
+    dx, _, _ = batchnorm_backward(dy, saved, ctx, 16)
+    assert xt.grad is not None
+    want = xt.grad.numpy()
+    got = dx.dequantize()
+    zero = dym == 0
+    # the dense part, summed per channel over the positions where dy = 0
+    dense_want = (want * zero).sum(axis=(0, 2, 3))
+    dense_got = (got * zero).sum(axis=(0, 2, 3))
+    assert np.allclose(dense_got, dense_want, rtol=0.05)
+    # and what a 1x1 convolution's weight gradient would see from a dense input
+    z = rng.standard_normal(shape)
+    assert np.allclose((got * z).sum(axis=(0, 2, 3)), (want * z).sum(axis=(0, 2, 3)), rtol=0.1)
