@@ -76,11 +76,29 @@ def shift_signed(
     return tirx.if_then_else(t > 0, right, x << tirx.max(-t, 0))
 
 
-def compaction_shift(shape: tuple[int, ...], bits: int, grouped: bool, name: str) -> tirx.PrimFunc:
-    """s[g] and e_out[g] = e_in[g] + s[g]; one group, or one per index of axis 0 when grouped."""
+def shift_left_saturating(
+    x: tirx.PrimExpr, s: tirx.PrimExpr, limit_bits: int = 30
+) -> tirx.PrimExpr:
+    """numerics.shift_left_saturating for one element (int64): clamp(x << min(s, 54), +-2^limit)
+    with the reference's int64 wrap (|x| << 54 can exceed 2^63). The shift is done in uint64,
+    where wrapping is defined in C++ too (a signed overflowing shift is undefined for nvcc), and
+    reinterpreted: a Cast back to int64 would let TVM's simplifier assume a non-negative value
+    and drop the lower clamp."""
+    sh = tirx.max(tirx.min(s, 54), 0).astype("uint64")
+    wrapped = tirx.reinterpret(I64, x.astype("uint64") << sh)
+    lim = _i64(1 << limit_bits)
+    return tirx.max(tirx.min(wrapped, lim), -lim)
+
+
+def compaction_shift(
+    shape: tuple[int, ...], bits: int, grouped: bool, name: str, shared_exp: bool = False
+) -> tirx.PrimFunc:
+    """s[g] and e_out[g] = e_in[g] + s[g]; one group, or one per index of axis 0 when grouped.
+    shared_exp: e_in has one element for every group (an accumulator with one exponent
+    compacted per group, as the weight update does with the gradient)."""
     groups = shape[0] if grouped else 1
     acc = te.placeholder(shape, I32, name="acc")
-    e_in = te.placeholder((groups,), I32, name="e_in")
+    e_in = te.placeholder((1 if shared_exp else groups,), I32, name="e_in")
     rest = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(shape[1 if grouped else 0 :])]
 
     def amax_body(g):
@@ -98,7 +116,7 @@ def compaction_shift(shape: tuple[int, ...], bits: int, grouped: bool, name: str
         lambda g: te.sum(tirx.if_then_else(amax[g].astype(I64) > over, 1, 0), axis=t),
         name="s",
     )
-    e_out = te.compute((groups,), lambda g: e_in[g] + s[g], name="e_out")
+    e_out = te.compute((groups,), lambda g: e_in[0 if shared_exp else g] + s[g], name="e_out")
     return te.create_prim_func([acc, e_in, s, e_out]).with_attr("global_symbol", f"{name}_shift")
 
 

@@ -8,15 +8,17 @@ values within qmax, which is how the reference's "compact only if it exceeds qma
 
 So far: ReLU forward/backward, max pooling forward (value and first-maximum offset) and
 backward, the aligned sum of residual adds and gradient sums, and the softmax cross-entropy head
-(probabilities forward, gradient backward). The remaining ops of docs/layers.md are listed in
-docs/cuda.md.
+(probabilities forward, gradient backward; its run-time divisions are `te_divide`'s integer long
+division, since nvcc would divide with a float reciprocal). The remaining ops of docs/layers.md
+are listed in docs/cuda.md.
 """
 
 from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, shift_signed
+from mexc.codegen.te_compaction import _flat_index, shift_left_saturating, shift_signed
+from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.codegen.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
 
@@ -25,7 +27,8 @@ PAD = -(1 << 14)  # below every int8 mantissa: padding never wins a max
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return te.create_prim_func(args).with_attr("global_symbol", name)
+    # run-time divisions become integer long divisions (nvcc would use a float reciprocal)
+    return lower_divisions(te.create_prim_func(args)).with_attr("global_symbol", name)
 
 
 def relu_forward(shape: tuple[int, ...], name: str = "relu_forward") -> tirx.PrimFunc:
@@ -168,12 +171,6 @@ def aligned_sum_acc(
     return _func([*ms, e, keys, target, acc], name)
 
 
-def _idiv_round(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-    """numerics.idiv_round for b > 0 (int64): sign(a) * floor((|a| + b // 2) / b)."""
-    mag = tirx.floordiv(tirx.abs(a) + tirx.floordiv(b, 2), b)
-    return tirx.if_then_else(a < 0, -mag, mag)
-
-
 def softmax_ce_forward(
     n: int, k: int, stochastic: bool, name: str = "softmax_ce_forward"
 ) -> tirx.PrimFunc:
@@ -196,8 +193,7 @@ def softmax_ce_forward(
         s = (EXP_IN_EXP - e[0]).astype(i64)
         flat = r.astype(i64) * k + j.astype(i64)
         right = shift_signed(d, s, key[0], flat, stochastic)
-        lim = tirx.const(1 << 30, i64)
-        left = tirx.max(tirx.min(d << tirx.min(-s, 54), lim), -lim)
+        left = shift_left_saturating(d, -s)
         idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
         return table[(idx + 128).astype(I32)].astype(i64)
 
@@ -206,7 +202,7 @@ def softmax_ce_forward(
     srow = te.compute((n,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
     probs = te.compute(
         (n, k),
-        lambda r, j: tirx.min(_idiv_round(ex[r, j] << 8, srow[r]), 255).astype("uint8"),
+        lambda r, j: tirx.min(idiv_round(ex[r, j] << 8, srow[r]), 255).astype("uint8"),
         name="probs",
     )
     return _func([logits, e, key, table, probs], name)
@@ -225,7 +221,7 @@ def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc
         rows = tirx.max(tirx.min(valid[0], n), 0)
         t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, 256, 0).astype(i64)
         t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
-        return _idiv_round(t << 7, tirx.max(rows, 1).astype(i64)).astype(I32)
+        return idiv_round(t << 7, tirx.max(rows, 1).astype(i64)).astype(I32)
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)

@@ -13,6 +13,7 @@ from mexc.codegen import te_ops
 from mexc.codegen.cuda_products import cuda_source, schedule_each_block
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
+from mexc.cuda_runtime import ARCHS
 from mexc.kernels import (
     grad_sum,
     maxpool2d_backward,
@@ -103,13 +104,34 @@ def test_ops_compile_for_cuda_without_float(tmp_path: Path) -> None:
         "pool_f": te_ops.maxpool_forward(shape, 2),
         "pool_b": te_ops.maxpool_backward_acc(shape, 3, 2, 1),
         "add": te_ops.aligned_sum_acc(shape, 2, True),
-    }  # the softmax head is not here: see docs/cuda.md (run-time division on the GPU)
+    }
     funcs = {n: schedule_each_block(f).with_attr("global_symbol", n) for n, f in funcs.items()}
     cu = tmp_path / "ops.cu"
     cu.write_text(cuda_source(funcs, "sm_80"))
     kernels = sass_opcodes(compile_cubin(cu, "sm_80", tmp_path / "ops.cubin"))
     assert {"relu_f_kernel", "relu_b_kernel", "pool_b_kernel", "add_kernel"} <= set(kernels)
     assert sum(k.startswith("pool_f_kernel") for k in kernels) == 3  # max, first max, cast
+    for name, ops in kernels.items():
+        assert not float_opcodes(ops), (name, float_opcodes(ops))
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("arch", ARCHS)
+def test_softmax_head_compiles_for_cuda_without_float(arch: str, tmp_path: Path) -> None:
+    # the head divides by run-time row sums and row counts: te_divide's long division, since
+    # nvcc's own integer division would bring MUFU.RCP / I2F / F2I into the SASS
+    funcs = {
+        "sm_f": te_ops.softmax_ce_forward(128, 10, True),
+        "sm_fn": te_ops.softmax_ce_forward(128, 10, False),
+        "sm_b": te_ops.softmax_ce_backward_acc(128, 10),
+    }
+    funcs = {n: schedule_each_block(f).with_attr("global_symbol", n) for n, f in funcs.items()}
+    cu = tmp_path / "head.cu"
+    cu.write_text(cuda_source(funcs, arch))
+    kernels = sass_opcodes(compile_cubin(cu, arch, tmp_path / "head.cubin"))
+    assert sum(k.startswith("sm_f_kernel") for k in kernels) == 4  # rowmax, exp, sum, probs
+    assert sum(k.startswith("sm_fn_kernel") for k in kernels) == 4
+    assert "sm_b_kernel" in kernels
     for name, ops in kernels.items():
         assert not float_opcodes(ops), (name, float_opcodes(ops))
 
@@ -150,9 +172,11 @@ def test_aligned_sum_then_compaction_equals_grad_sum(rounding: str, exps: tuple[
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-@pytest.mark.parametrize("e_logits,valid", [(-3, 16), (-6, 11), (-1, 16), (0, 5)])
+@pytest.mark.parametrize(
+    "e_logits,valid", [(-3, 16), (-6, 11), (-1, 16), (0, 5), (30, 16), (60, 7)]
+)  # 30 and 60: the left shift of the table index saturates (60: shift capped at 54)
 def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: int) -> None:
-    rng = np.random.default_rng(valid - e_logits)
+    rng = np.random.default_rng(abs(valid - e_logits))
     n, k = 16, 10
     logits = _rand(rng, (n, k))
     labels = rng.integers(0, k, n)

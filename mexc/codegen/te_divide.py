@@ -1,0 +1,124 @@
+"""Integer-only division for TIR kernels: numerics.idiv_round by restoring long division.
+
+Why not `tirx.floordiv`: for a run-time divisor, nvcc implements integer division with a float
+reciprocal (`MUFU.RCP`, `I2F`, `F2I` in the SASS): exact, but a floating-point instruction in the
+training program, which docs/numerics.md forbids. Restoring (shift-subtract) division uses only
+shifts, ORs, compares, subtractions and selects on int64, none of which has a float lowering, and
+its exactness is the textbook invariant: after step k, `q * b + r` equals the top k bits of the
+dividend and `0 <= r < b`. 32 fixed steps cover every dividend `|a| + b // 2 < 2^32`, i.e.
+`|a| < 2^31` and `0 < b < 2^31` (the int32 operands the numerics produce). An integer
+Newton-Raphson reciprocal would take fewer steps but needs a table seed, multiply-highs and a
+final correction whose exactness argument is longer; the heads that divide are small (N x K).
+
+`idiv_round(a, b)` is a placeholder expression (a call to an extern that does not exist, so a
+forgotten lowering fails to link); `lower_divisions(func)` replaces each one by the loop, written
+as statements on a small local buffer placed before the store that uses the quotient. Expression
+`Let`s (or `Bind` statements) do not work: TVM's simplifier substitutes every bound value into
+its uses, which makes a 32-step chain exponentially large (4 steps already took seconds).
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+
+I32, I64 = "int32", "int64"
+MARKER = "mexc_idiv_round"
+STEPS = 32  # dividend bits: |a| + b // 2 < 2^32
+# slots of the per-division local buffer
+_A, _B, _N, _R, _Q, _X = range(6)
+
+
+def idiv_round(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.idiv_round(a, b) = sign(a) * floor((|a| + b // 2) / b) for |a| < 2^31,
+    0 < b < 2^31, as int64; valid only inside a func passed through `lower_divisions`."""
+    return tirx.call_pure_extern(I64, MARKER, a.astype(I64), b.astype(I64))
+
+
+def _is_marker(call: tvm.ir.expr.Call) -> bool:
+    op = call.op
+    extern = isinstance(op, tvm.ir.Op) and op.name == "tirx.call_pure_extern"
+    return extern and str(call.args[0].value) == MARKER
+
+
+def _long_division(
+    a: tirx.PrimExpr, b: tirx.PrimExpr, st: tirx.Buffer
+) -> tuple[list[tirx.Stmt], tirx.PrimExpr]:
+    """Statements computing idiv_round(a, b) in `st`, and the expression of the result."""
+
+    def c(v: int) -> tirx.PrimExpr:
+        return tirx.const(v, I64)
+
+    def ld(slot: int) -> tirx.PrimExpr:
+        return tirx.BufferLoad(st, [tirx.const(slot, I32)])
+
+    def put(slot: int, value: tirx.PrimExpr) -> tirx.Stmt:
+        return tirx.BufferStore(st, value, [tirx.const(slot, I32)])
+
+    k = tirx.Var("bit", I32)
+    bit = (ld(_N) >> (c(STEPS - 1) - k.astype(I64))) & c(1)  # most significant first
+    take = ld(_X) >= ld(_B)
+    step = tirx.SeqStmt(
+        [
+            put(_X, (ld(_R) << c(1)) | bit),
+            put(_Q, (ld(_Q) << c(1)) | take.astype(I64)),
+            put(_R, ld(_X) - tirx.if_then_else(take, ld(_B), c(0))),
+        ]
+    )
+    stmts = [
+        put(_A, a),
+        put(_B, b),
+        put(_N, tirx.if_then_else(ld(_A) < 0, -ld(_A), ld(_A)) + (ld(_B) >> c(1))),
+        put(_R, c(0)),
+        put(_Q, c(0)),
+        tirx.For(k, tirx.const(0, I32), tirx.const(STEPS, I32), tirx.ForKind.SERIAL, step),
+    ]
+    return stmts, tirx.if_then_else(ld(_A) < 0, -ld(_Q), ld(_Q))
+
+
+def lower_divisions(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Replace every `idiv_round` placeholder of `func` by its long division (no-op without)."""
+    before: list[tirx.Stmt] = []  # statements the next enclosing store must run first
+    buffers: list[tirx.Buffer] = []  # local buffers the next enclosing block must allocate
+
+    def on_call(call: tvm.ir.expr.Call) -> tirx.PrimExpr:
+        if not _is_marker(call):
+            return call
+        st = tirx.decl_buffer((6,), I64, name="div", scope="local")
+        stmts, quotient = _long_division(call.args[1], call.args[2], st)
+        before.extend(stmts)
+        buffers.append(st)
+        return quotient
+
+    def on_store(store: tirx.BufferStore) -> tirx.Stmt:
+        if not before:
+            return store
+        seq = tirx.SeqStmt([*before, store])
+        before.clear()
+        return seq
+
+    def on_block(b: s_tir.stmt.SBlock) -> s_tir.stmt.SBlock:
+        if not buffers:
+            return b
+        allocs = [*b.alloc_buffers, *buffers]
+        buffers.clear()
+        return s_tir.stmt.SBlock(
+            b.iter_vars,
+            b.reads,
+            b.writes,
+            b.name_hint,
+            b.body,
+            b.init,
+            allocs,
+            b.match_buffers,
+            b.annotations,
+        )
+
+    body = tvm_ffi.structural_map(
+        func.body,
+        [(tvm.ir.expr.Call, on_call), (tirx.BufferStore, on_store), (s_tir.stmt.SBlock, on_block)],
+    )
+    if before or buffers:
+        raise ValueError("idiv_round is only supported inside a buffer store of a block")
+    return func.with_body(body)

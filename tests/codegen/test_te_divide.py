@@ -1,0 +1,81 @@
+"""Integer-only division in TIR: the llvm build equals numerics.idiv_round, and the CUDA build of
+the same TIR has no floating-point instruction (nvcc's own division would use a reciprocal)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from hypothesis import given
+from hypothesis import strategies as st
+from test_cuda_products import needs_cuda_tools
+from tvm import te
+
+from mexc.codegen.cuda_products import cuda_source, schedule_each_block
+from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.codegen.te_divide import idiv_round, lower_divisions
+from mexc.cuda_runtime import ARCHS
+from mexc.numerics import idiv_round as ref_idiv_round
+
+N = 64
+MAX = 2**31 - 1
+
+
+def _division_func() -> tvm.tirx.PrimFunc:
+    a = te.placeholder((N,), "int32", name="a")
+    b = te.placeholder((N,), "int32", name="b")
+    q = te.compute((N,), lambda i: idiv_round(a[i], b[i]).astype("int32"), name="q")
+    return lower_divisions(te.create_prim_func([a, b, q])).with_attr("global_symbol", "div")
+
+
+@cache
+def _built() -> tvm.runtime.Module:
+    return tvm.compile(_division_func(), target="llvm")
+
+
+def _check(a: list[int], b: list[int]) -> None:
+    av = np.zeros(N, np.int32)
+    bv = np.ones(N, np.int32)
+    av[: len(a)], bv[: len(b)] = a, b
+    dev = tvm.cpu()
+    q = tvm.runtime.empty((N,), "int32", dev)
+    _built()(tvm.runtime.tensor(av, dev), tvm.runtime.tensor(bv, dev), q)
+    np.testing.assert_array_equal(q.numpy(), ref_idiv_round(av, bv))
+
+
+EDGE_A = [0, 1, -1, 2, -2, 3, -3, 5, -5, 7, -7, MAX, -MAX, MAX - 1, -(2**30), 2**30, 12345]
+EDGE_B = [1, 2, 3, 7, 10, 2**16, 2**30, MAX - 1, MAX]
+
+
+@pytest.mark.parametrize("b", EDGE_B)
+def test_edge_operands(b: int) -> None:
+    # odd multiples of b / 2 (exact ties for even b) and their neighbours, both signs
+    halves = [k * b // 2 for k in (1, 3, 2**20 + 1) if k * b // 2 <= MAX]
+    near = [v for h in halves for v in (h, -h, h - 1, 1 - h, h + 1, -h - 1) if abs(v) <= MAX]
+    a = (EDGE_A + near)[:N]
+    _check(a, [b] * len(a))
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(-MAX, MAX), st.integers(1, MAX) | st.integers(1, 300)),
+        min_size=1,
+        max_size=N,
+    )
+)
+def test_matches_reference(pairs: list[tuple[int, int]]) -> None:
+    _check([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_division_has_no_float(arch: str, tmp_path: Path) -> None:
+    func = schedule_each_block(_division_func()).with_attr("global_symbol", "div")
+    cu = tmp_path / "div.cu"
+    cu.write_text(cuda_source({"div": func}, arch))
+    kernels = sass_opcodes(compile_cubin(cu, arch, tmp_path / "div.cubin"))
+    assert set(kernels) == {"div_kernel"}
+    assert not float_opcodes(kernels["div_kernel"])
