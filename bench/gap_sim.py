@@ -14,6 +14,9 @@ as the integer program stores them. Mode letters:
     a  forward outputs of every conv / BN / linear (training only), one exponent per tensor
     b  gradients arriving at those outputs in the backward pass, one exponent per tensor
     s  softmax probabilities in the loss gradient at 1/256 resolution, capped at 255/256
+    i  the input images (train and test) quantized as the integer program's boundary does
+       (kernels.quantize: 8-bit mantissas, one power-of-two exponent; for normalized Fashion-MNIST
+       every batch has the same exponent as the whole set, so the set is quantized once)
     fp32  nothing rounded
 
 A mode that matches FP32 rules that part out as the cause of the gap. Results (per-epoch loss and
@@ -37,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from examples.models import FashionCNN  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
 from mexc.fp32 import evaluate  # noqa: E402
+from mexc.kernels import quantize  # noqa: E402
 from mexc.trainer import make_optimizer, provenance, write_json_atomic  # noqa: E402
 
 EPOCHS, BATCH = 5, 128
@@ -145,6 +149,11 @@ def run_mode(mode: str, seed: int, train: Any, test: Any) -> list[dict[str, floa
     return history
 
 
+def quantized(split: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The images as the integer program sees them after its boundary quantization."""
+    return quantize(split[0].astype(np.float64), 8).dequantize().astype(np.float32), split[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="fp32,w,wc,wv,wvg,wvga,wvgab,s")
@@ -154,10 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     train, test = load_splits("fashion-mnist", None, None)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m != "fp32" and set(m) - set("wcvgabs")]
+    bad = [m for m in modes if m != "fp32" and set(m) - set("wcvgabsi")]
     if bad:
-        ap.error(f"unknown mode letters in {bad}; use fp32 or letters from 'wcvgabs'")
-    results = {m: run_mode(m, args.seed, train, test) for m in modes}
+        ap.error(f"unknown mode letters in {bad}; use fp32 or letters from 'wcvgabsi'")
+    results = {
+        m: run_mode(
+            m, args.seed, *((quantized(train), quantized(test)) if "i" in m else (train, test))
+        )
+        for m in modes
+    }
     print(f"{'mode':8s} {'loss':>7s} {'test %':>7s}")
     for m, hist in results.items():
         print(f"{m:8s} {hist[-1]['train_loss']:7.4f} {100 * hist[-1]['test_accuracy']:7.2f}")
