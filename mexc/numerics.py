@@ -563,7 +563,8 @@ def sgd_momentum_update(
       1. g = compact(grad_acc) per group [0]
       2. g = compact(g + wd * w) per group, aligned sum [1, 2], compaction [3]  (skipped if wd = 0)
       3. v = compact(momentum * v + g) per group, aligned sum [4, 5], compaction [6]
-      4. u = lr * v (int32 product), exponent e_v - lr.shift
+      4. u = lr * v (int32 product), exponent e_v - lr.shift; an all-zero w takes the
+         coarsest update exponent (zero_weight_exponent)
       5. w_acc = w - align(u to w_exp): rounded right shift [7] or saturating exact left shift
       6. reactive rescale of w_acc back to B bits [8]
     Returns (w, w_exp, v, v_exp).
@@ -588,6 +589,7 @@ def sgd_momentum_update(
     acc, e_acc = aligned_sum([(mom_term, mom_exp, mom_bits), (g, e_g, b)], rnd, keys[4:6])
     v_new, v_exp_new = compact(acc, e_acc.reshape(groups), bits, rnd, keys[6], grouped=True)
     u = v_new.astype(np.int64) * cfg.lr.num
+    w_exp = zero_weight_exponent(w, w_exp, u, v_exp_new - cfg.lr.shift)
     d = np.broadcast_to(expand_exponent(w_exp - (v_exp_new - cfg.lr.shift), 2), u.shape)
     right = shift_right(u, np.maximum(d, 0), rnd, keys[7])
     left = shift_left_saturating(u, np.maximum(-d, 0))
@@ -595,6 +597,22 @@ def sgd_momentum_update(
     check_int32(w_acc, "weight_update")
     w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[8])
     return w_new.reshape(w.shape), w_exp_new, v_new.reshape(v.shape), v_exp_new
+
+
+def zero_weight_exponent(w: np.ndarray, w_exp: int, u: np.ndarray, e_u: np.ndarray) -> int:
+    """The exponent the update aligns to: w_exp, or, if every mantissa of w is zero, the largest
+    exponent e_u of a group whose update is nonzero.
+
+    An all-zero tensor (a BN shift or a bias initialized to 0) has no scale of its own; its
+    exponent is whatever quantization gave it (0 for zeros). Aligning a small update to that
+    exponent rounds it to 0 or to a whole unit, so the parameter would stay exactly 0 for hundreds
+    of steps and then jump by 2^e_w (1.0 for a zero BN shift). Taking the coarsest group exponent
+    of u instead loses no update (u fits int32) and reactive rescale then rounds once to B bits.
+    """
+    if np.any(w) or not np.any(u):
+        return w_exp
+    live = np.any(np.reshape(u, (np.size(e_u), -1)) != 0, axis=1)  # groups with an update
+    return int(np.max(np.reshape(e_u, -1)[live]))
 
 
 def reactive_rescale(

@@ -55,6 +55,28 @@ int32_t mexc_reactive_rescale(const int32_t *w_acc, int8_t *w, uint32_t n, int32
     return w_exp - s;
 }
 
+/* numerics.zero_weight_exponent: w_exp, or for an all-zero w the largest e_v - lr.shift of the
+ * groups whose update lr * v is nonzero (none nonzero: w_exp). */
+static int32_t zero_weight_exponent(const int8_t *w, const int8_t *v, uint32_t groups,
+                                    uint32_t per, const int32_t *v_exp, mexc_fixed_t lr,
+                                    int32_t we)
+{
+    uint32_t g, i, n = groups * per;
+    int32_t found = 0, best = 0, e;
+    for (i = 0; i < n; i++)
+        if (w[i] != 0) return we;
+    if (lr.num == 0) return we;
+    for (g = 0; g < groups; g++)
+        for (i = g * per; i < (g + 1u) * per; i++)
+            if (v[i] != 0) {
+                e = v_exp[g] - lr.shift;
+                if (!found || e > best) best = e;
+                found = 1;
+                break;
+            }
+    return found ? best : we;
+}
+
 void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp,
                               int8_t *v, int32_t *v_exp, uint32_t groups, uint32_t per,
                               const mexc_update_cfg_t *cfg, const uint32_t keys[9],
@@ -93,6 +115,8 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t 
         e_m[g] = t;
     }
     mexc_compact_grouped(grad, v, groups, per, e_m, v_exp, bits, st, keys[6]);
+    /* an all-zero w takes the coarsest exponent of a nonzero update (zero_weight_exponent) */
+    we = zero_weight_exponent(w, v, groups, per, v_exp, cfg->lr, we);
     /* 4-5. w_acc = w - align(lr * v to w_exp) [7] */
     for (g = 0; g < groups; g++) {
         base = g * per;

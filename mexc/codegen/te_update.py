@@ -9,6 +9,7 @@ launch order ([n] = rounding site n of `numerics.update_keys`):
     v_sum        acc_v = aligned sum of v * momentum [4] and g (compacted on the fly [0 or 3]) [5]
     v_shift      s_v, v_exp_out
     v_apply      v_out = compaction of acc_v [6]
+    w_target     e_w: w's exponent, or the update's for an all-zero w (zero_weight_exponent)
     w_step       w_acc = w - lr * v_out aligned to w's exponent: rounded right shift [7] or
                  saturating left shift
     w_rescale    s_w, w_exp_out: the reactive rescale as one signed shift
@@ -80,7 +81,7 @@ def update_buffers(spec: UpdateSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     out |= {"v": (full, I8), "v_exp": (g, I32), "lr": ((2,), I32), "keys": ((9,), I64)}
     out |= {"s_g": (g, I32), "e_g": (g, I32), "t_v": (g, I32), "acc_v": (full, I32)}
     out |= {"s_v": (g, I32), "v_exp_out": (g, I32), "v_out": (full, I8), "w_acc": (full, I32)}
-    out |= {"s_w": (one, I32), "w_exp_out": (one, I32), "w_out": (full, I8)}
+    out |= {"e_w": (one, I32), "s_w": (one, I32), "w_exp_out": (one, I32), "w_out": (full, I8)}
     if spec.weight_decay.num:
         out |= {"t_wd": (g, I32), "acc_wd": (full, I32), "s_wd": (g, I32), "e_wd": (g, I32)}
     return out
@@ -173,6 +174,37 @@ def v_sum(spec: UpdateSpec, g_site: int, name: str) -> tirx.PrimFunc:
     return _func([g_acc, s, e, v, v_exp, keys, t, acc], name)
 
 
+NO_EXP = -(1 << 30)  # below every update exponent: "no group has a nonzero update"
+
+
+def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
+    """numerics.zero_weight_exponent: e_w = w_exp, or, if every w is 0, the largest
+    v_exp_out - lr.shift over groups with a nonzero update v_out * lr.num (none: w_exp).
+    Parameters (w, w_exp, v_out, v_exp_out, lr, e_w); serial reductions (one output)."""
+    op = _Ops(spec)
+    w = te.placeholder(spec.shape, I8, name="w")
+    w_exp = te.placeholder((1,), I32, name="w_exp")
+    v = te.placeholder(spec.shape, I8, name="v_out")
+    v_exp = te.placeholder((spec.groups,), I32, name="v_exp_out")
+    lr = te.placeholder((2,), I32, name="lr")
+    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(spec.shape)]
+    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(spec.shape)]
+
+    def any_w(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        return te.max(tirx.if_then_else(w[tuple(r1)] != 0, 1, 0), axis=r1)
+
+    def best_exp(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        idx = tuple(r2)
+        live = tirx.all(v[idx] != 0, lr[0] != 0)
+        return te.max(tirx.if_then_else(live, v_exp[op.gi(idx)] - lr[1], NO_EXP), axis=r2)
+
+    nz = te.compute((1,), any_w, name="w_nonzero")
+    best = te.compute((1,), best_exp, name="u_exp")
+    keep = tirx.any(nz[0] > 0, best[0] == NO_EXP)
+    e_w = te.compute((1,), lambda i: tirx.if_then_else(keep, w_exp[i], best[0]), name="e_w")
+    return _func([w, w_exp, v, v_exp, lr, e_w], name)
+
+
 def w_step(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     """w_acc = w - align(v_out * lr.num) (steps 4 and 5): d = w_exp - (v_exp_out - lr.shift);
     rounded right shift by d [7] when d >= 0, else left shift by -d saturating at 2^30.
@@ -250,10 +282,15 @@ def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
         ),
         Kernel(v_apply, ("acc_v", "s_v", "key_v", "v_out"), reduce=False),
         Kernel(
-            w_step(spec, f"{name}_w_step"),
-            ("w", "w_exp", "v_out", "v_exp_out", "lr", "keys", "w_acc"),
+            w_target(spec, f"{name}_w_target"),
+            ("w", "w_exp", "v_out", "v_exp_out", "lr", "e_w"),
             reduce=False,
         ),
-        Kernel(w_rescale(spec, f"{name}_w_rescale"), ("w_acc", "w_exp", "s_w", "w_exp_out"), True),
+        Kernel(
+            w_step(spec, f"{name}_w_step"),
+            ("w", "e_w", "v_out", "v_exp_out", "lr", "keys", "w_acc"),
+            reduce=False,
+        ),
+        Kernel(w_rescale(spec, f"{name}_w_rescale"), ("w_acc", "e_w", "s_w", "w_exp_out"), True),
         Kernel(w_apply, ("w_acc", "s_w", "key_w", "w_out"), reduce=False),
     ]

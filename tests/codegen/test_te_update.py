@@ -47,7 +47,8 @@ def _run_on_host(spec: UpdateSpec, inputs: dict[str, np.ndarray]) -> dict[str, n
 # (lr, w_exp, max |grad| bits, max |w|): typical (right shift ~17), larger lr with small weights
 # (left shift ~7), tiny lr (right shift >= 32), two saturating left shifts (~45 and ~60; the
 # largest |u| << shift passes 2^63 and wraps in int64 first, as in the reference), near-zero
-# weights with a tiny update (the reactive rescale shifts left)
+# weights with a tiny update (the reactive rescale shifts left), an all-zero weight at exponent 0
+# (it takes the update's exponent)
 CASES = [
     (0.05, -7, 20, 127),
     (1.0, -25, 24, 127),
@@ -55,6 +56,7 @@ CASES = [
     (0.5, -60, 30, 127),
     (0.05, -90, 20, 127),
     (1e-4, -7, 4, 3),
+    (0.05, 0, 20, 0),
 ]
 SHAPES = [(4, 3, 3, 3), (5, 7), (6,)]
 

@@ -168,17 +168,19 @@ def test_sgd_momentum_update(rt, stoch, rnd, grouped, hyper):
     for bits in (8, 6):
         py, c = _cfg(bits, rnd, *hyper)
         q = nx.qmax(bits)
-        for trial in range(4):
+        for trial in range(5):
             shape = (6, 3, 3, 3)
             g = 6 if grouped else 1
             w = rng.integers(-q, q + 1, shape)
-            grad = rng.integers(-(2 ** (10 + 6 * trial)), 2 ** (10 + 6 * trial), shape)
+            grad = rng.integers(-(2 ** (10 + 5 * trial)), 2 ** (10 + 5 * trial), shape)
             v = rng.integers(-q, q + 1, shape)
             v_exp = rng.integers(-14, -4, g)
             w_exp, grad_exp = int(rng.integers(-9, -5)), int(rng.integers(-20, -10))
-            if trial == 3:
+            if trial >= 3:  # an all-zero weight takes the update's exponent
                 w[:] = 0
                 v[:] = 0
+            if trial == 4:  # ... of the groups whose update is nonzero
+                grad[::2] = 0
             tid = 16 * int(rng.integers(0, 50))
             keys = nx.update_keys(123, trial, tid)
             ck = np.zeros(9, np.uint32)

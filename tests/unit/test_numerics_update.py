@@ -154,3 +154,27 @@ def test_update_deterministic(rounding: nx.Rounding) -> None:
     a = nx.sgd_momentum_update(*args)
     b = nx.sgd_momentum_update(*args)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_all_zero_weight_takes_the_update_exponent(rounding: nx.Rounding) -> None:
+    """A zero-initialized parameter (BN shift, bias) at exponent 0 must learn from its first
+    small update: aligned to 2^0 a 1e-3 update would round to 0 (or a whole 1.0)."""
+    c = nx.UpdateConfig(
+        8, nx.FixedScalar.of(0.05), nx.FixedScalar.of(0.9), nx.FixedScalar(0, 0), rounding
+    )
+    w = np.zeros(4, np.int8)
+    grad = np.array([100, -50, 0, 25], np.int32)  # 100 * 2^-16 ~ 1.5e-3
+    v0 = np.zeros(4, np.int8)
+    keys = nx.update_keys(5, 0, 16)
+    w2, e2, v2, ve2 = nx.sgd_momentum_update(w, 0, grad, -16, v0, np.zeros(4, np.int64), c, keys)
+    want = -0.05 * grad * 2.0**-16
+    got = w2 * 2.0**e2
+    assert np.abs(w2).max() > 63  # rescaled to use the 8-bit range
+    assert np.allclose(got, want, rtol=0.02, atol=0)
+    # with one group (shared velocity exponent) as well
+    w3, e3, _, _ = nx.sgd_momentum_update(w, 0, grad, -16, v0, np.zeros(1, np.int64), c, keys)
+    assert np.allclose(w3 * 2.0**e3, want, rtol=0.02, atol=0)
+    # a zero update leaves an all-zero weight and its exponent alone
+    w4, e4, _, _ = nx.sgd_momentum_update(w, 0, grad * 0, -16, v0, np.zeros(4, np.int64), c, keys)
+    assert not w4.any() and e4 == 0
