@@ -174,6 +174,17 @@ def v_sum(spec: UpdateSpec, g_site: int, name: str) -> tirx.PrimFunc:
     return _func([g_acc, s, e, v, v_exp, keys, t, acc], name)
 
 
+def _step_inputs(spec: UpdateSpec) -> tuple[te.Tensor, ...]:
+    """The placeholders w_target and w_step share: w, w_exp, v_out, v_exp_out, lr."""
+    return (
+        te.placeholder(spec.shape, I8, name="w"),
+        te.placeholder((1,), I32, name="w_exp"),
+        te.placeholder(spec.shape, I8, name="v_out"),
+        te.placeholder((spec.groups,), I32, name="v_exp_out"),
+        te.placeholder((2,), I32, name="lr"),
+    )
+
+
 NO_EXP = -(1 << 30)  # below every update exponent: "no group has a nonzero update"
 
 
@@ -182,11 +193,7 @@ def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     v_exp_out - lr.shift over groups with a nonzero update v_out * lr.num (none: w_exp).
     Parameters (w, w_exp, v_out, v_exp_out, lr, e_w); serial reductions (one output)."""
     op = _Ops(spec)
-    w = te.placeholder(spec.shape, I8, name="w")
-    w_exp = te.placeholder((1,), I32, name="w_exp")
-    v = te.placeholder(spec.shape, I8, name="v_out")
-    v_exp = te.placeholder((spec.groups,), I32, name="v_exp_out")
-    lr = te.placeholder((2,), I32, name="lr")
+    w, w_exp, v, v_exp, lr = _step_inputs(spec)
     r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(spec.shape)]
     r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(spec.shape)]
 
@@ -210,11 +217,7 @@ def w_step(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     rounded right shift by d [7] when d >= 0, else left shift by -d saturating at 2^30.
     Parameters (w, w_exp, v_out, v_exp_out, lr, keys, w_acc); lr = (num, shift)."""
     op = _Ops(spec)
-    w = te.placeholder(spec.shape, I8, name="w")
-    w_exp = te.placeholder((1,), I32, name="w_exp")
-    v = te.placeholder(spec.shape, I8, name="v_out")
-    v_exp = te.placeholder((spec.groups,), I32, name="v_exp_out")
-    lr = te.placeholder((2,), I32, name="lr")
+    w, w_exp, v, v_exp, lr = _step_inputs(spec)
     keys = te.placeholder((9,), I64, name="keys")
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
