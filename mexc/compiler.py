@@ -20,7 +20,7 @@ from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
 from mexc.types import Exp
 
-TARGETS = ("reference", "c")
+TARGETS = ("reference", "c", "llvm")
 
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
@@ -98,6 +98,10 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         from mexc.codegen.c_host import CProgram  # builds the generated C with the host cc
 
         return CProgram(prog, steps_hint=_steps_hint(opt))
+    if target == "llvm":
+        from mexc.codegen.tvm_llvm_step import LlvmProgram  # TVM builds the step for the host
+
+        return LlvmProgram(prog)
     return prog
 
 

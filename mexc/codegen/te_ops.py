@@ -225,3 +225,59 @@ def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)
+
+
+def exponent_sum(name: str = "exponent_sum") -> tirx.PrimFunc:
+    """e = a + b on one-element int32 buffers: a product's exponent e_x + e_w, on the device so
+    that the host never reads an exponent during a step."""
+    a = te.placeholder((1,), I32, name="a")
+    b = te.placeholder((1,), I32, name="b")
+    e = te.compute((1,), lambda i: a[i] + b[i], name="e")
+    return _func([a, b, e], name)
+
+
+def bias_add_acc(
+    shape: tuple[int, ...], axis: int, acc_bits: int, stochastic: bool, name: str = "bias_add"
+) -> tirx.PrimFunc:
+    """kernels.linear.add_bias: the aligned sum of an int32 product accumulator (magnitude bits
+    `acc_bits`, rounding key 0, flat index in `shape`) and an int8 bias broadcast along `axis`
+    (7 bits, key 1, flat index = the bias element's own index). Parameters (acc, e_acc, bias,
+    e_b, keys, target, out): keys int64[2], target int32[1] the sum's exponent."""
+    from mexc.codegen.te_update import _target2
+
+    i64 = "int64"
+    acc = te.placeholder(shape, I32, name="acc")
+    e_acc = te.placeholder((1,), I32, name="e_acc")
+    bias = te.placeholder((shape[axis],), I8, name="bias")
+    e_b = te.placeholder((1,), I32, name="e_b")
+    keys = te.placeholder((2,), i64, name="keys")
+    target = te.compute((1,), lambda _: _target2(e_acc[0], acc_bits, e_b[0], 7), name="target")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        ta = (target[0] - e_acc[0]).astype(i64)
+        tb = (target[0] - e_b[0]).astype(i64)
+        a = shift_signed(acc[idx].astype(i64), ta, keys[0], _flat_index(shape, idx), stochastic)
+        j = idx[axis]
+        b = shift_signed(bias[j].astype(i64), tb, keys[1], j.astype(i64), stochastic)
+        return (a + b).astype(I32)
+
+    out = te.compute(shape, body, name="out")
+    return _func([acc, e_acc, bias, e_b, keys, target, out], name)
+
+
+def axis_sum(
+    shape: tuple[int, ...], axes: tuple[int, ...], name: str = "axis_sum"
+) -> tirx.PrimFunc:
+    """kernels.bias_backward: int32 sum of int8 dy over `axes` (the bias gradient accumulator;
+    its exponent is dy's). Parameters (dy, acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    keep = [d for i, d in enumerate(shape) if i not in axes]
+    red = {a: te.reduce_axis((0, shape[a]), f"r{a}") for a in axes}
+
+    def body(*out_idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        it = iter(out_idx)
+        idx = [red[a] if a in red else next(it) for a in range(len(shape))]
+        return te.sum(dy[tuple(idx)].astype(I32), axis=list(red.values()))
+
+    acc = te.compute(tuple(keep) or (1,), body, name="acc")
+    return _func([dy, acc], name)

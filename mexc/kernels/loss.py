@@ -41,13 +41,18 @@ def softmax_ce_forward(
     srow = ex.sum(axis=1, keepdims=True)
     check_int32(srow, "softmax_sum")
     p = np.minimum(idiv_round(shift_left(ex, 8, "softmax_num"), srow), PROB_ONE - 1)
+    return p, ce_loss(p, labels, valid)
+
+
+def ce_loss(probs: np.ndarray, labels: np.ndarray, valid: int) -> float:
+    """mean_{i < valid} -log(max(p[i, y_i], 1) / 256): the logged loss, a host float computed
+    from the integer probabilities (every backend reports the same number)."""
     lab = np.asarray(labels, np.int64)
-    n = max(min(int(valid), m.shape[0]), 0)
+    n = max(min(int(valid), probs.shape[0]), 0)
     if n == 0:
-        return p, 0.0
-    py = p[np.arange(n), lab[:n]]
-    loss = float(np.mean([-math.log(max(int(v), 1) / PROB_ONE) for v in py]))
-    return p, loss
+        return 0.0
+    py = np.asarray(probs)[np.arange(n), lab[:n]]
+    return float(np.mean([-math.log(max(int(v), 1) / PROB_ONE) for v in py]))
 
 
 def softmax_ce_backward(
