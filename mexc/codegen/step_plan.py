@@ -25,14 +25,23 @@ from dataclasses import dataclass, field
 import numpy as np
 from tvm import tirx
 
-from mexc.codegen import te_ops
+from mexc.codegen import te_norm, te_ops
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
-from mexc.codegen.te_products import linear_acc, linear_grad_input_acc, linear_grad_weight_acc
+from mexc.codegen.te_products import (
+    ConvGeom,
+    conv2d_acc,
+    conv2d_grad_input_acc,
+    conv2d_grad_weight_acc,
+    linear_acc,
+    linear_grad_input_acc,
+    linear_grad_weight_acc,
+)
 from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
 from mexc.kernels._common import product_bits
 from mexc.kernels.loss import GRAD_EXP
+from mexc.kernels.norm import _eps_fixed, mean_frac_bits
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import EXP_TABLE, FixedScalar, product_cap
 from mexc.program import Program
@@ -88,6 +97,11 @@ class StepPlan:
     probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
 
 
+def _conv_args(g: ConvGeom) -> tuple:
+    """The positional arguments of te_products' convolution builders."""
+    return (g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, (g.sh, g.sw), (g.ph, g.pw), g.groups)
+
+
 def _unsupported(n: Node, why: str) -> UnsupportedOpError:
     where = f" at {n.loc}" if n.loc else ""
     return UnsupportedOpError(
@@ -106,6 +120,7 @@ class _Builder:
         self.m: dict[Value, str] = {}  # value -> mantissa / accumulator buffer
         self.e: dict[Value, str] = {}  # value -> exponent buffer
         self.symbols: set[str] = set()
+        self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
 
     # ----------------------------------------------------------------------------- buffers
 
@@ -145,11 +160,20 @@ class _Builder:
     def rows_view(self, v: Value) -> str:
         """v's mantissas as (rows, last axis): linear layers act on the last axis."""
         shape = self.shape(v)
-        rows = (int(np.prod(shape[:-1])), shape[-1])
-        if rows == shape:
-            return self.m[v]
-        name = f"{self.m[v]}@rows"
-        self.plan.views[name] = View(self.m[v], rows)
+        return self.view(self.m[v], (int(np.prod(shape[:-1])), shape[-1]))
+
+    def ncs_view(self, name: str, shape: Shape) -> str:
+        """A batchnorm operand (N, C, H, W) or (N, C) seen as (N, C, S)."""
+        return self.view(name, (shape[0], shape[1], int(np.prod(shape[2:]))))
+
+    def view(self, base: str, shape: Shape, name: str | None = None) -> str:
+        """`base` (a buffer or a view) seen with `shape` (same element count)."""
+        root = self.plan.views[base].base if base in self.plan.views else base
+        if name is None:
+            if self.plan.buffers[root][0] == shape:
+                return root
+            name = f"{root}@{'x'.join(map(str, shape))}"
+        self.plan.views[name] = View(root, shape)
         return name
 
     # ----------------------------------------------------------------------------- helpers
@@ -159,11 +183,7 @@ class _Builder:
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         e_out = self.out_exp(n, 0)
-        m = self.out(n, 0, I8)
-        m_rows = m
-        if self.shape(n.result(0)) != shape:  # computed on the rows view
-            m_rows = f"{m}@acc"
-            self.plan.views[m_rows] = View(m, shape)
+        m_rows = self.view(self.out(n, 0, I8), shape)  # computed on the accumulator's view
         self.launch(compaction_shift(shape, self.bits, False, name), (acc, e_in, s, e_out))
         key = self.keys(n, (site,), f"key{site}")
         apply = compaction_apply(shape, self.bits, False, self.stochastic, name)
@@ -200,9 +220,8 @@ class _Builder:
     def reshape(self, n: Node) -> None:
         src = n.inputs[0]
         v = n.result(0)
-        name = f"v{n.id}_0"
-        self.plan.views[name] = View(self.m[src], self.shape(v))
-        self.m[v], self.e[v] = name, self.e[src]
+        self.m[v] = self.view(self.m[src], self.shape(v), f"v{n.id}_0")
+        self.e[v] = self.e[src]
 
     def relu(self, n: Node) -> None:
         x = n.inputs[0]
@@ -323,6 +342,197 @@ class _Builder:
         for k in update_kernels(spec, f"n{n.id}_sgd"):
             self.launch(k.func, tuple(names[a] for a in k.args))
 
+    # ----------------------------------------------------------------------------- convolution
+
+    def geom(self, n: Node, x_shape: Shape, w_shape: Shape) -> ConvGeom:
+        at = n.attrs
+        nb, c, h, w = x_shape
+        o, _, kh, kw = w_shape
+        return ConvGeom.of(nb, c, h, w, o, kh, kw, at.stride, at.padding, at.groups)
+
+    def conv(self, n: Node) -> None:
+        x, w = n.inputs[0], n.inputs[1]
+        g = self.geom(n, self.shape(x), self.shape(w))
+        k = g.cg * g.kh * g.kw
+        self.need_no_preshift(n, k)
+        acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+        func = conv2d_acc(*_conv_args(g), name=f"n{n.id}_fwd")
+        self.launch(func, (self.m[x], self.m[w], acc), product=True)
+        e_acc = self.product_exp(n, x, w)
+        if n.attrs.has_bias:
+            b = n.inputs[2]
+            keys = self.keys(n, (1, 2), "bias_keys")
+            target = self.buf(f"n{n.id}.e_sum", (1,), I32)
+            total = self.buf(f"n{n.id}.sum", g.y_shape, I32)
+            func = te_ops.bias_add_acc(
+                g.y_shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias"
+            )
+            self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
+            acc, e_acc = total, target
+        self.compact(n, acc, e_acc, g.y_shape, 0)
+
+    def conv_grad_input(self, n: Node) -> None:
+        dy, w = n.inputs
+        g = self.geom(n, self.shape(n.result(0)), self.shape(w))
+        self.need_no_preshift(n, g.og * g.kh * g.kw)
+        acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
+        func = conv2d_grad_input_acc(*_conv_args(g), name=f"n{n.id}_dx")
+        self.launch(func, (self.m[dy], self.m[w], acc), product=True)
+        self.compact(n, acc, self.product_exp(n, dy, w), g.x_shape, 0)
+
+    def conv_grad_weight(self, n: Node) -> None:
+        dy, x = n.inputs
+        g = self.geom(n, self.shape(x), self.shape(n.result(0)))
+        self.need_no_preshift(n, g.n * g.oh * g.ow)
+        acc = self.out(n, 0, I32)
+        func = conv2d_grad_weight_acc(*_conv_args(g), name=f"n{n.id}_dw")
+        self.launch(func, (self.m[dy], self.m[x], acc), product=True)
+        self.e[n.result(0)] = self.product_exp(n, dy, x)
+
+    # ----------------------------------------------------------------------------- pooling
+
+    def maxpool(self, n: Node) -> None:
+        x = n.inputs[0]
+        at = n.attrs
+        y, arg = self.out(n, 0, I8), self.out(n, 1, I32)
+        self.e[n.result(0)] = self.e[x]
+        func = te_ops.maxpool_forward(
+            self.shape(x), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool"
+        )
+        self.launch(func, (self.m[x], y, arg))
+
+    def maxpool_grad(self, n: Node) -> None:
+        dy, arg = n.inputs
+        at = n.attrs
+        shape = self.shape(n.result(0))
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        func = te_ops.maxpool_backward_acc(
+            shape, at.kernel, at.stride, at.padding, f"n{n.id}_maxpool_grad"
+        )
+        self.launch(func, (self.m[dy], self.m[arg], acc))
+        self.compact(n, acc, self.e[dy], shape, 0)
+
+    # ----------------------------------------------------------------------------- batchnorm
+
+    def common_compact(
+        self, n: Node, acc: str, e_grp: str, shape: Shape, site: int, out: str
+    ) -> str:
+        """compact_common along the channel axis of an (N, C, S) accumulator into `out`;
+        returns the exponent buffer."""
+        tag = f"n{n.id}_cc{site}"
+        sh = self.buf(f"n{n.id}.sh{site}", (shape[1],), I32)
+        e_out = self.buf(f"n{n.id}.e{site}", (1,), I32)
+        self.launch(te_norm.common_shift(shape, self.bits, f"{tag}_shift"), (acc, e_grp, sh, e_out))
+        key = self.keys(n, (site,), f"key{site}")
+        apply = te_norm.common_apply(shape, self.bits, self.stochastic, f"{tag}_apply")
+        self.launch(apply, (acc, sh, key, out))
+        return e_out
+
+    def to_bits(
+        self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str
+    ) -> tuple[str, str, str]:
+        """numerics.compact_to_bits(x, e, 15) with rounding site `site`: (x16, s, e + s)."""
+        s = self.buf(f"n{n.id}.{tag}_s", (1,), I32)
+        e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
+        out = self.buf(f"n{n.id}.{tag}", shape, I32)
+        self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
+        key = self.keys(n, (site,), f"key{site}")
+        apply = te_norm.shift_apply(shape, self.stochastic, f"n{n.id}_{tag}_apply")
+        self.launch(apply, (x, s, key, out))
+        return out, s, e_out
+
+    def batchnorm(self, n: Node) -> None:
+        x, gamma, beta = n.inputs[0], n.inputs[1], n.inputs[2]
+        xs = self.shape(x)
+        ncs = (xs[0], xs[1], int(np.prod(xs[2:])))
+        m = ncs[0] * ncs[2]
+        f = mean_frac_bits(m)
+        cc = (ncs[1],)
+        b = {k: self.buf(f"n{n.id}.{k}", cc, I32) for k in ("mu", "r", "var", "var_u", "ev")}
+        b |= {k: self.buf(f"n{n.id}.{k}", cc, I32) for k in ("rstd", "rstd_e", "e_grp")}
+        b["e_c"] = self.buf(f"n{n.id}.e_c", (1,), I32)
+        xv = self.ncs_view(self.m[x], xs)
+        self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
+        key0 = self.keys(n, (0,), "key0")
+        var = te_norm.bn_var(ncs, f, _eps_fixed(float(n.attrs.eps)), self.stochastic, f"n{n.id}_bn_var")
+        var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
+        self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
+        acc = self.buf(f"n{n.id}.xhat_acc", ncs, I32)
+        xhat = self.out(n, 1, I8, xs)
+        xhat_args = (xv, b["mu"], b["rstd"], b["rstd_e"], b["e_c"], acc, b["e_grp"])
+        self.launch(te_norm.bn_xhat_acc(ncs, f, f"n{n.id}_bn_xhat"), xhat_args)
+        e_xhat = self.common_compact(n, acc, b["e_grp"], ncs, 1, self.ncs_view(xhat, xs))
+        self.e[n.result(1)] = e_xhat
+        keys = self.keys(n, (2, 3), "affine_keys")
+        target = self.buf(f"n{n.id}.e_affine", (1,), I32)
+        aff = self.buf(f"n{n.id}.affine", ncs, I32)
+        args = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
+        args += (self.m[beta], self.e[beta], keys, target, aff)
+        self.launch(te_norm.bn_affine(ncs, self.stochastic, f"n{n.id}_bn_affine"), args)
+        self.compact(n, aff, target, ncs, 4)
+        b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
+        self.bn[n.id] = b
+
+    def batchnorm_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        b = self.bn[n.inputs[1].node]
+        shape = self.shape(dy)
+        ncs = (shape[0], shape[1], int(np.prod(shape[2:])))
+        m = ncs[0] * ncs[2]
+        self.need_no_preshift(n, m)
+        cc = (ncs[1],)
+        dyv, xhv = self.ncs_view(self.m[dy], shape), self.ncs_view(b["xhat"], shape)
+        dgamma, dbeta = self.out(n, 1, I32, cc), self.out(n, 2, I32, cc)
+        self.launch(te_norm.bn_grad_sums(ncs, f"n{n.id}_bn_sums"), (dyv, xhv, dgamma, dbeta))
+        self.e[n.result(2)] = self.e[dy]
+        e_dg = self.buf(f"n{n.id}.e_dg", (1,), I32)
+        self.launch(te_ops.exponent_sum(f"n{n.id}_e_dg"), (self.e[dy], b["e_xhat"], e_dg))
+        self.e[n.result(1)] = e_dg
+        dg16, _, e_dg16 = self.to_bits(n, dgamma, e_dg, cc, 0, "dg16")
+        keys = self.keys(n, (1, 2, 3), "bracket_keys")
+        e_t = self.buf(f"n{n.id}.e_t", (1,), I32)
+        t = self.buf(f"n{n.id}.t", ncs, I32)
+        args = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16, keys, e_t, t)
+        self.launch(te_norm.bn_bracket(ncs, self.stochastic, f"n{n.id}_bn_bracket"), args)
+        bk16, _, e_bk = self.to_bits(n, t, e_t, ncs, 4, "bk16")
+        f16, e_f = self.buf(f"n{n.id}.f16", cc, I32), self.buf(f"n{n.id}.e_f", cc, I32)
+        key5 = self.keys(n, (5,), "key5")
+        args = (b["gamma"], b["e_gamma"], b["rstd"], b["rstd_e"], key5, f16, e_f)
+        self.launch(te_norm.bn_dx_factor(ncs, self.stochastic, f"n{n.id}_bn_dx_factor"), args)
+        dxa, e_grp = self.buf(f"n{n.id}.dxa", ncs, I32), self.buf(f"n{n.id}.e_grp", cc, I32)
+        self.launch(te_norm.bn_dx_acc(ncs, f"n{n.id}_bn_dx"), (bk16, e_bk, f16, e_f, dxa, e_grp))
+        dx = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.common_compact(n, dxa, e_grp, ncs, 6, self.ncs_view(dx, shape))
+
+    def bn_running(self, n: Node) -> None:
+        rmean, rvar = n.inputs[0], n.inputs[1]
+        b = self.bn[n.inputs[2].node]
+        mom = FixedScalar.of(float(n.attrs.momentum))
+        c = self.shape(rmean)[0]
+        for j, (r, src, e_src) in enumerate(((rmean, b["mu"], b["e_c"]), (rvar, b["var_u"], b["ev"]))):
+            if self.prog.state[str(self.g.by_id()[r.node].attrs.name)].e.shape != (c,):
+                raise _unsupported(n, "running statistics need per-channel exponents")
+            base = 4 * j
+            tag = ("mean", "var")[j]
+            e_in = e_src if j == 0 else b["e_c"]  # to_bits' own e_out is unused for the variance
+            b16, s, _ = self.to_bits(n, src, e_in, (c,), base, f"{tag}16")
+            keys = self.keys(n, (base + 1, base + 2), f"{tag}_keys")
+            target = self.buf(f"n{n.id}.{tag}_target", (c,), I32)
+            acc = self.buf(f"n{n.id}.{tag}_acc", (c,), I32)
+            ema = te_norm.bn_ema(c, j == 1, mom, self.stochastic, f"n{n.id}_{tag}_ema")
+            self.launch(ema, (self.m[r], self.e[r], b16, e_src, s, keys, target, acc))
+            name = f"n{n.id}_{tag}_c"
+            sh = self.buf(f"n{n.id}.{tag}_sh", (c,), I32)
+            # the new statistics overwrite the state buffers (their last reader is this node)
+            self.launch(
+                compaction_shift((c,), self.bits, True, name), (acc, target, sh, self.e[r])
+            )
+            key = self.keys(n, (base + 3,), f"{tag}_key")
+            apply = compaction_apply((c,), self.bits, True, self.stochastic, name)
+            self.launch(apply, (acc, sh, key, self.m[r]))
+            self.m[n.result(j)], self.e[n.result(j)] = self.m[r], self.e[r]
+
+
 
 RULES = {
     Op.PARAM: _Builder.state,
@@ -340,6 +550,14 @@ RULES = {
     Op.SOFTMAX_CE: _Builder.softmax_ce,
     Op.SOFTMAX_CE_GRAD: _Builder.softmax_ce_grad,
     Op.SGD_UPDATE: _Builder.sgd_update,
+    Op.CONV2D_COMPACT: _Builder.conv,
+    Op.CONV2D_GRAD_INPUT: _Builder.conv_grad_input,
+    Op.CONV2D_GRAD_WEIGHT: _Builder.conv_grad_weight,
+    Op.MAXPOOL2D: _Builder.maxpool,
+    Op.MAXPOOL2D_GRAD: _Builder.maxpool_grad,
+    Op.BATCHNORM: _Builder.batchnorm,
+    Op.BATCHNORM_GRAD: _Builder.batchnorm_grad,
+    Op.BN_RUNNING_UPDATE: _Builder.bn_running,
 }
 SUPPORTED = tuple(sorted(op.value for op in RULES))
 
