@@ -27,15 +27,9 @@ from tvm import tirx
 
 from mexc.codegen import te_norm, te_ops
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
-from mexc.codegen.te_products import (
-    ConvGeom,
-    conv2d_acc,
-    conv2d_grad_input_acc,
-    conv2d_grad_weight_acc,
-    linear_acc,
-    linear_grad_input_acc,
-    linear_grad_weight_acc,
-)
+from mexc.codegen import gemm_forms as gf
+from mexc.codegen.cpu_gemm import cpu_gemm
+from mexc.codegen.te_products import ConvGeom
 from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
@@ -52,12 +46,10 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel call: the PrimFunc and the plan buffers it takes, in parameter order.
-    `product` marks the int8 GEMM-like kernels (scheduled as products)."""
+    """One kernel call: the PrimFunc and the plan buffers it takes, in parameter order."""
 
     func: tirx.PrimFunc
     args: tuple[str, ...]
-    product: bool = False
 
     @property
     def symbol(self) -> str:
@@ -97,11 +89,6 @@ class StepPlan:
     probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
 
 
-def _conv_args(g: ConvGeom) -> tuple:
-    """The positional arguments of te_products' convolution builders."""
-    return (g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, (g.sh, g.sw), (g.ph, g.pw), g.groups)
-
-
 def _unsupported(n: Node, why: str) -> UnsupportedOpError:
     where = f" at {n.loc}" if n.loc else ""
     return UnsupportedOpError(
@@ -111,7 +98,8 @@ def _unsupported(n: Node, why: str) -> UnsupportedOpError:
 
 
 class _Builder:
-    def __init__(self, prog: Program) -> None:
+    def __init__(self, prog: Program, lanes: int) -> None:
+        self.lanes = lanes
         self.g: Graph = prog.graph
         self.prog = prog
         self.bits = prog.options.bits
@@ -151,11 +139,11 @@ class _Builder:
         self.plan.constants[name] = arr
         return self.buf(name, arr.shape, dtype)
 
-    def launch(self, func: tirx.PrimFunc, args: tuple[str, ...], product: bool = False) -> None:
+    def launch(self, func: tirx.PrimFunc, args: tuple[str, ...]) -> None:
         symbol = str(func.attrs["global_symbol"])
         assert symbol not in self.symbols, symbol
         self.symbols.add(symbol)
-        self.plan.launches.append(Launch(func, args, product))
+        self.plan.launches.append(Launch(func, args))
 
     def rows_view(self, v: Value) -> str:
         """v's mantissas as (rows, last axis): linear layers act on the last axis."""
@@ -188,6 +176,24 @@ class _Builder:
         key = self.keys(n, (site,), f"key{site}")
         apply = compaction_apply(shape, self.bits, False, self.stochastic, name)
         self.launch(apply, (acc, s, key, m_rows))
+
+    def gemm(
+        self,
+        form: gf.GemmForm,
+        operands: tuple[str, str],
+        out: str,
+        k_dims: tuple[int, ...],
+        q_dims: tuple[int, ...],
+    ) -> None:
+        """A product as pack_a, pack_b, GEMM and unpack (cpu_gemm) on scratch buffers."""
+        cg = cpu_gemm(form, self.lanes, k_dims, q_dims)
+        a = self.buf(f"{form.name}.a", cg.a_shape, I8)
+        b = self.buf(f"{form.name}.b", cg.b_shape, I8)
+        c = self.buf(f"{form.name}.c", cg.c_shape, I32)
+        self.launch(cg.pack_a, (operands[form.a_src], a))
+        self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
+        self.launch(cg.gemm, (a, b, c))
+        self.launch(cg.unpack, (c, out))
 
     def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:
         e = self.buf(f"n{n.id}.{tag}", (1,), I32)
@@ -242,8 +248,8 @@ class _Builder:
         rows = int(np.prod(self.shape(x)[:-1]))
         self.need_no_preshift(n, k)
         acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
-        func = linear_acc(rows, k, o, f"n{n.id}_fwd")
-        self.launch(func, (self.rows_view(x), self.m[w], acc), product=True)
+        form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
+        self.gemm(form, (self.rows_view(x), self.m[w]), acc, (k,), (o,))
         e_acc = self.product_exp(n, x, w)
         if n.attrs.has_bias:
             b = n.inputs[2]
@@ -263,8 +269,8 @@ class _Builder:
         rows = int(np.prod(self.shape(dy)[:-1]))
         self.need_no_preshift(n, o)
         acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
-        func = linear_grad_input_acc(rows, k, o, f"n{n.id}_dx")
-        self.launch(func, (self.rows_view(dy), self.m[w], acc), product=True)
+        form = gf.linear_grad_input(f"n{n.id}_dx", rows, k, o)
+        self.gemm(form, (self.rows_view(dy), self.m[w]), acc, (o,), (k,))
         self.compact(n, acc, self.product_exp(n, dy, w), (rows, k), 0)
 
     def linear_grad_weight(self, n: Node) -> None:
@@ -273,8 +279,8 @@ class _Builder:
         rows = int(np.prod(self.shape(dy)[:-1]))
         self.need_no_preshift(n, rows)
         acc = self.out(n, 0, I32, (o, k))
-        func = linear_grad_weight_acc(rows, k, o, f"n{n.id}_dw")
-        self.launch(func, (self.rows_view(dy), self.rows_view(x), acc), product=True)
+        form = gf.linear_grad_weight(f"n{n.id}_dw", rows, k, o)
+        self.gemm(form, (self.rows_view(dy), self.rows_view(x)), acc, (rows,), (k,))
         self.e[n.result(0)] = self.product_exp(n, dy, x)
 
     def bias_grad(self, n: Node) -> None:
@@ -356,8 +362,8 @@ class _Builder:
         k = g.cg * g.kh * g.kw
         self.need_no_preshift(n, k)
         acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
-        func = conv2d_acc(*_conv_args(g), name=f"n{n.id}_fwd")
-        self.launch(func, (self.m[x], self.m[w], acc), product=True)
+        form = gf.conv_forward(f"n{n.id}_fwd", g)
+        self.gemm(form, (self.m[x], self.m[w]), acc, (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow))
         e_acc = self.product_exp(n, x, w)
         if n.attrs.has_bias:
             b = n.inputs[2]
@@ -376,8 +382,8 @@ class _Builder:
         g = self.geom(n, self.shape(n.result(0)), self.shape(w))
         self.need_no_preshift(n, g.og * g.kh * g.kw)
         acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
-        func = conv2d_grad_input_acc(*_conv_args(g), name=f"n{n.id}_dx")
-        self.launch(func, (self.m[dy], self.m[w], acc), product=True)
+        form = gf.conv_grad_input(f"n{n.id}_dx", g)
+        self.gemm(form, (self.m[dy], self.m[w]), acc, (g.og, g.kh, g.kw), (g.n, g.h, g.w))
         self.compact(n, acc, self.product_exp(n, dy, w), g.x_shape, 0)
 
     def conv_grad_weight(self, n: Node) -> None:
@@ -385,8 +391,8 @@ class _Builder:
         g = self.geom(n, self.shape(x), self.shape(n.result(0)))
         self.need_no_preshift(n, g.n * g.oh * g.ow)
         acc = self.out(n, 0, I32)
-        func = conv2d_grad_weight_acc(*_conv_args(g), name=f"n{n.id}_dw")
-        self.launch(func, (self.m[dy], self.m[x], acc), product=True)
+        form = gf.conv_grad_weight(f"n{n.id}_dw", g)
+        self.gemm(form, (self.m[dy], self.m[x]), acc, (g.n, g.oh, g.ow), (g.cg, g.kh, g.kw))
         self.e[n.result(0)] = self.product_exp(n, dy, x)
 
     # ----------------------------------------------------------------------------- pooling
@@ -575,9 +581,10 @@ def _check_in_place_updates(g: Graph) -> None:
                 raise _unsupported(n, "a node after the update reads the old parameter")
 
 
-def build_plan(prog: Program) -> StepPlan:
-    """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet)."""
-    b = _Builder(prog)
+def build_plan(prog: Program, lanes: int = 8) -> StepPlan:
+    """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
+    `lanes`: int32 lanes of the host's vectors, for the GEMM tiles."""
+    b = _Builder(prog, lanes)
     for n in prog.graph.nodes:
         rule = RULES.get(n.op)
         if rule is None:

@@ -20,7 +20,7 @@ import numpy as np
 import tvm
 
 from mexc.codegen.step_plan import StepPlan, build_plan
-from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu, schedule_cpu
+from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
 from mexc.kernels import quantize
 from mexc.kernels.loss import ce_loss
 from mexc.mx import MX
@@ -32,6 +32,8 @@ _CODEGEN_SOURCES = (
     "step_plan.py",
     "tvm_llvm_step.py",
     "tvm_llvm_products.py",
+    "cpu_gemm.py",
+    "gemm_forms.py",
     "te_ops.py",
     "te_products.py",
     "te_compaction.py",
@@ -52,14 +54,8 @@ def _cache_key(prog: Program, target: tvm.target.Target) -> str:
     return h.hexdigest()[:24]
 
 
-def _lower(plan: StepPlan, cpu: HostCpu) -> tvm.IRModule:
-    funcs = {}
-    for launch in plan.launches:
-        func = launch.func
-        if launch.product:
-            func = schedule_cpu(func, cpu.lanes32).with_attr("global_symbol", launch.symbol)
-        funcs[launch.symbol] = func
-    return tvm.IRModule(funcs)
+def _lower(plan: StepPlan) -> tvm.IRModule:
+    return tvm.IRModule({launch.symbol: launch.func for launch in plan.launches})
 
 
 def compile_plan(prog: Program, plan: StepPlan, cpu: HostCpu | None = None) -> tvm.runtime.Module:
@@ -69,7 +65,7 @@ def compile_plan(prog: Program, plan: StepPlan, cpu: HostCpu | None = None) -> t
     lib = CACHE / f"llvm-{_cache_key(prog, target)}.so"
     if lib.exists():
         return tvm.runtime.load_module(str(lib))
-    ex = tvm.compile(_lower(plan, cpu), target=target)
+    ex = tvm.compile(_lower(plan), target=target)
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp.so")
     ex.export_library(str(tmp))
@@ -98,7 +94,7 @@ class LlvmProgram(Program):
     """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
 
     def __init__(self, prog: Program) -> None:
-        self._step_plan = build_plan(prog)
+        self._step_plan = build_plan(prog, host_cpu().lanes32)
         self._module = compile_plan(prog, self._step_plan)
         self._bufs = _Buffers(self._step_plan)
         self._calls = [

@@ -1,0 +1,167 @@
+"""Products on the host CPU as packed GEMMs (the forms of gemm_forms, re-tiled for SIMD).
+
+    pack_a   A[g, m, k]                 the operand gathered K-contiguous (m padded to MT)
+    pack_b   B[g, q // QT, k, q % QT]   panels of QT columns, each k row of a panel contiguous
+    gemm     C[g, m, q] = sum_k A[g, m, k] * B[g, q // QT, k, q % QT]     (int32)
+    unpack   the native accumulator layout from C
+
+The GEMM runs an MT x QT register tile: for every k it broadcasts MT values of A and multiplies
+them with one contiguous QT-wide row of the B panel, so the inner loop is plain SIMD loads,
+widening, multiplies and adds with no gather and no bounds test (the gathers, im2col included,
+are done once by the packs). Padding rows and columns are zeros that are never read back, so
+the accumulator is the exact product; the schedule only reorders exact int32 sums (the caps of
+docs/numerics.md rule out overflow), which keeps it bit-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir, te, tirx
+
+from mexc.codegen.gemm_forms import GemmForm
+
+I8, I32 = "int8", "int32"
+MT = 4  # rows of the register tile
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class CpuGemm:
+    """The four PrimFuncs of one product and the shapes of the packed buffers. `b_shape` is
+    the GEMM's (g, K, Qp) view of B; `b_pack_shape` the shape pack_b writes it with (natural
+    axes of K and Q when Q needs no padding, so the im2col gather has no division per element)."""
+
+    pack_a: tirx.PrimFunc
+    pack_b: tirx.PrimFunc
+    gemm: tirx.PrimFunc
+    unpack: tirx.PrimFunc
+    a_shape: tuple[int, int, int]
+    b_shape: tuple[int, int, int]
+    b_pack_shape: tuple[int, ...]
+    c_shape: tuple[int, int, int]
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return te.create_prim_func(args).with_attr("global_symbol", name)
+
+
+def _flatten(idx: tuple, dims: tuple[int, ...]):
+    flat = idx[0]
+    for i, d in zip(idx[1:], dims[1:]):
+        flat = flat * d + i
+    return flat
+
+
+def _gather(form: GemmForm, which: str, shape: tuple[int, ...], index) -> tirx.PrimFunc:
+    """Pack operand A or B: element (g, r, k) of the form goes where `index` puts it."""
+    src_i, at, rows = (
+        (form.a_src, form.a_at, form.m) if which == "a" else (form.b_src, form.b_at, form.q)
+    )
+    op = form.operands[src_i]
+    src = te.placeholder(op.shape, I8, name=op.name)
+
+    def body(*out_idx):
+        gi, r, k = index(*out_idx)
+        idx, ok = at(gi, r, k)
+        valid = tirx.all(r < rows, ok)
+        safe = tuple(tirx.if_then_else(valid, v, 0) for v in idx)  # never read out of range
+        return tirx.if_then_else(valid, src[safe], tirx.const(0, I8))
+
+    packed = te.compute(shape, body, name=f"{which}_packed")
+    return _func([src, packed], f"{form.name}_pack_{which}")
+
+
+def _schedule_gemm(func: tirx.PrimFunc, qt: int, lanes: int) -> tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, q, k = sch.get_loops(blk)
+    mo, mi = sch.split(m, [None, MT])
+    qo, qi = sch.split(q, [None, qt])
+    sch.reorder(g, qo, mo, k, mi, qi)
+    outer = sch.fuse(g, qo)
+    acc = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(acc, mo)
+    sch.parallel(outer)
+    sch.unroll(mi)
+    qv, ql = sch.split(qi, [None, lanes])
+    sch.unroll(qv)
+    sch.vectorize(ql)
+    cw = sch.get_loops(acc)
+    sch.vectorize(cw[-1])
+    sch.decompose_reduction(blk, k)
+    return sch.mod["main"]
+
+
+def _schedule_elementwise(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
+    """Parallel over the fused outer axes (packs and unpack are memory-bound gathers)."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock(block)
+    loops = sch.get_loops(blk)
+    outer = sch.fuse(*loops[:-1]) if len(loops) > 1 else loops[0]
+    sch.parallel(outer)
+    return sch.mod["main"]
+
+
+def cpu_gemm(
+    form: GemmForm,
+    lanes: int,
+    k_dims: tuple[int, ...] | None = None,
+    q_dims: tuple[int, ...] | None = None,
+) -> CpuGemm:
+    """The packed-GEMM PrimFuncs of `form`, scheduled for `lanes` int32 lanes per vector.
+    k_dims / q_dims: the natural axes whose C-order flattening is the form's k / q index."""
+    qt = 2 * lanes
+    mp, qp, k = _round_up(form.m, MT), _round_up(form.q, qt), form.k
+    a_shape = (form.g, mp, k)
+    b_shape = (form.g, k, qp)
+    pack_a = _gather(form, "a", a_shape, lambda gi, r, kk: (gi, r, kk))
+    natural = k_dims is not None and q_dims is not None and qp == form.q
+    if natural:
+        assert k_dims is not None and q_dims is not None
+        b_pack_shape: tuple[int, ...] = (form.g, *k_dims, *q_dims)
+        nk = len(k_dims)
+
+        def b_index(gi, *rest):
+            kk = _flatten(rest[:nk], k_dims)
+            qq = _flatten(rest[nk:], q_dims)
+            return gi, qq, kk
+
+        pack_b = _gather(form, "b", b_pack_shape, b_index)
+    else:
+        b_pack_shape = b_shape
+        pack_b = _gather(form, "b", b_shape, lambda gi, kk, qq: (gi, qq, kk))
+    a = te.placeholder(a_shape, I8, name="a")
+    b = te.placeholder(b_shape, I8, name="b")
+    rk = te.reduce_axis((0, k), "rk")
+    c = te.compute(
+        (form.g, mp, qp),
+        lambda gi, mm, qq: te.sum(a[gi, mm, rk].astype(I32) * b[gi, rk, qq].astype(I32), axis=rk),
+        name="c",
+    )
+    gemm = _func([a, b, c], f"{form.name}_gemm")
+    cin = te.placeholder((form.g, mp, qp), I32, name="c")
+
+    def unpack_body(*idx):
+        gi, mm, qq = form.out_at(*idx)
+        return cin[gi, mm, qq]
+
+    out = te.compute(form.out_shape, unpack_body, name="acc")
+    unpack = _func([cin, out], f"{form.name}_unpack")
+
+    def named(func: tirx.PrimFunc, suffix: str) -> tirx.PrimFunc:
+        return func.with_attr("global_symbol", f"{form.name}_{suffix}")
+
+    return CpuGemm(
+        named(_schedule_elementwise(pack_a, "a_packed"), "pack_a"),
+        named(_schedule_elementwise(pack_b, "b_packed"), "pack_b"),
+        named(_schedule_gemm(gemm, qt, lanes), "gemm"),
+        named(_schedule_elementwise(unpack, "acc"), "unpack"),
+        a_shape,
+        b_shape,
+        b_pack_shape,
+        (form.g, mp, qp),
+    )
