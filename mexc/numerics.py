@@ -121,6 +121,13 @@ def stream_key(seed: int, step: int, tensor_id: int) -> int:
     return int(mix32(k ^ (tensor_id & 0xFFFFFFFF)))
 
 
+def stream_keys(seed: int, step: int, tensor_ids: np.ndarray) -> np.ndarray:
+    """stream_key for many tensor ids at once (uint32 values in an int64 array)."""
+    k = int(mix32(int(mix32(seed & 0xFFFFFFFF)) ^ (step & 0xFFFFFFFF)))
+    ids = np.asarray(tensor_ids, np.int64) & 0xFFFFFFFF
+    return mix32(ids.astype(np.uint32) ^ np.uint32(k)).astype(np.int64)
+
+
 def random_bits(key: int, index: np.ndarray) -> np.ndarray:
     """uint32 random word of element `index`: mix32(key ^ (index * 0x9E3779B9 mod 2^32))."""
     idx = np.asarray(index).astype(_U32)

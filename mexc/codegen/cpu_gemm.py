@@ -165,3 +165,34 @@ def cpu_gemm(
         b_pack_shape,
         (form.g, mp, qp),
     )
+
+
+def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
+    """A generic host schedule for the non-product kernels: every root-level block runs its
+    outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
+    element); the inner loops stay as they are for LLVM's vectorizer. Blocks whose outer extent
+    is below `min_extent` (per-tensor reductions, one-element exponents) stay serial."""
+    sch = s_tir.Schedule(func)
+    root = sch.get_sblock("root") if _has_root(sch) else None
+    blocks = sch.get_child_blocks(root) if root is not None else []
+    for blk in blocks:
+        loops = sch.get_loops(blk)
+        kinds = [sch.get(lp).kind for lp in loops]
+        iters = sch.get(blk).iter_vars
+        spatial = [lp for lp, iv in zip(loops, iters) if iv.iter_type == 0]
+        if not spatial or len(spatial) != len([iv for iv in iters if iv.iter_type == 0]):
+            continue
+        if any(k != tirx.ForKind.SERIAL for k in kinds):
+            continue
+        if spatial[0] != loops[0] or int(sch.get(spatial[0]).extent) < min_extent:
+            continue
+        sch.parallel(spatial[0])  # the outer axis only: fusing would divide every index
+    return sch.mod["main"]
+
+
+def _has_root(sch: s_tir.Schedule) -> bool:
+    try:
+        sch.get_sblock("root")
+    except Exception:  # noqa: BLE001 - TVM raises its own error type for a missing block
+        return False
+    return True

@@ -41,6 +41,7 @@ from mexc.numerics import EXP_TABLE, FixedScalar, product_cap
 from mexc.program import Program
 
 I8, I32, I64 = "int8", "int32", "int64"
+KEY_ALIGN = 8  # int64 keys per 64 bytes
 Shape = tuple[int, ...]
 
 
@@ -57,19 +58,13 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class KeySlot:
-    """A key buffer the host fills every step: key i = stream_key(seed, step, tensor_ids[i])."""
-
-    buffer: str
-    tensor_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class View:
-    """A buffer that is another buffer's memory seen with another shape (reshape)."""
+    """A buffer that is another buffer's memory seen with another shape (reshape), from
+    element `offset` on."""
 
     base: str
     shape: Shape
+    offset: int = 0
 
 
 @dataclass
@@ -80,7 +75,8 @@ class StepPlan:
     views: dict[str, View] = field(default_factory=dict)
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     launches: list[Launch] = field(default_factory=list)
-    keys: list[KeySlot] = field(default_factory=list)
+    keys: str = "keys"  # every stream key of the step, one int64 buffer (views per kernel)
+    key_ids: list[int] = field(default_factory=list)  # keys[i] = stream_key(seed, step, id i)
     state: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (m, e) buffers
     input: tuple[str, str] = ("", "")  # quantized batch: mantissas, exponent
     labels: str = ""
@@ -129,9 +125,14 @@ class _Builder:
         return self.e[n.result(i)]
 
     def keys(self, n: Node, sites: tuple[int, ...], tag: str) -> str:
-        name = self.buf(f"n{n.id}.{tag}", (len(sites),), I64)
+        """A view of the step's key buffer holding the keys of n's rounding `sites`."""
         base = int(n.attrs.rid) * SITES_PER_NODE
-        self.plan.keys.append(KeySlot(name, tuple(base + s for s in sites)))
+        ids = self.plan.key_ids
+        ids.extend([0] * (-len(ids) % KEY_ALIGN))  # kernels take 64-byte aligned buffers
+        offset = len(ids)
+        ids.extend(base + s for s in sites)
+        name = f"n{n.id}.{tag}"
+        self.plan.views[name] = View(self.plan.keys, (len(sites),), offset)
         return name
 
     def const(self, name: str, values: np.ndarray, dtype: str) -> str:
@@ -594,4 +595,5 @@ def build_plan(prog: Program, lanes: int = 8) -> StepPlan:
             )
         rule(b, n)
     _check_in_place_updates(prog.graph)
+    b.buf(b.plan.keys, (max(len(b.plan.key_ids), 1),), I64)
     return b.plan

@@ -19,14 +19,19 @@ from typing import Any
 import numpy as np
 import tvm
 
+from mexc.codegen.cpu_gemm import schedule_parallel
 from mexc.codegen.step_plan import StepPlan, build_plan
 from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
 from mexc.kernels import quantize
 from mexc.kernels.loss import ce_loss
 from mexc.mx import MX
-from mexc.numerics import stream_key
+from mexc.numerics import stream_keys
 from mexc.program import Program
 
+# TVM sizes its thread pool at hardware_concurrency / 2 on x86 (it assumes two hyperthreads per
+# core), which is one thread on a two-core machine without SMT. Use every CPU this process may
+# run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
+os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
 _CODEGEN_SOURCES = (
     "step_plan.py",
@@ -55,7 +60,16 @@ def _cache_key(prog: Program, target: tvm.target.Target) -> str:
 
 
 def _lower(plan: StepPlan) -> tvm.IRModule:
-    return tvm.IRModule({launch.symbol: launch.func for launch in plan.launches})
+    """Every launch's PrimFunc, the non-product ones given the generic parallel schedule (the
+    GEMM kernels come scheduled from cpu_gemm and are left as they are)."""
+    return tvm.IRModule(
+        {
+            launch.symbol: schedule_parallel(launch.func).with_attr(
+                "global_symbol", launch.symbol
+            )
+            for launch in plan.launches
+        }
+    )
 
 
 def compile_plan(prog: Program, plan: StepPlan, cpu: HostCpu | None = None) -> tvm.runtime.Module:
@@ -84,10 +98,14 @@ class _Buffers:
         }
         for name, arr in plan.constants.items():
             self.t[name].copyfrom(arr)
-        for name, view in plan.views.items():
-            self.t[name] = self.t[view.base]._create_view(view.shape)
-        # zero-copy numpy windows on the host buffers the step writes every time
+        # zero-copy numpy windows on the host buffers (the step writes its inputs through them)
         self.np = {name: np.from_dlpack(t) for name, t in self.t.items()}
+        for name, view in plan.views.items():
+            size = int(np.prod(view.shape))
+            flat = self.np[view.base].reshape(-1)[view.offset : view.offset + size]
+            # through numpy, so the view's data pointer moves (kernels expect byte_offset 0)
+            self.t[name] = tvm.runtime.from_dlpack(flat.reshape(view.shape))
+            self.np[name] = flat.reshape(view.shape)
 
 
 class LlvmProgram(Program):
@@ -101,6 +119,7 @@ class LlvmProgram(Program):
             (self._module[launch.symbol], [self._bufs.t[a] for a in launch.args])
             for launch in self._step_plan.launches
         ]
+        self._key_ids = np.asarray(self._step_plan.key_ids, np.int64)
         self._state_cache: dict[str, MX] | None = None
         super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
 
@@ -135,9 +154,9 @@ class LlvmProgram(Program):
             np_bufs[plan.valid][0] = self.batch
         lr = self.lr_at(self.step_count)
         np_bufs[plan.lr][...] = (lr.num, lr.shift)
-        seed, step = self.options.seed, self.step_count
-        for slot in plan.keys:
-            np_bufs[slot.buffer][...] = [stream_key(seed, step, t) for t in slot.tensor_ids]
+        np_bufs[plan.keys][: self._key_ids.size] = stream_keys(
+            self.options.seed, self.step_count, self._key_ids
+        )
         for fn, args in self._calls:
             fn(*args)
         self._state_cache = None
