@@ -21,11 +21,12 @@ computing something else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from tvm import tirx
 
-from mexc.codegen import te_norm, te_ops
+from mexc.codegen import te_norm, te_ops, te_pool
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.codegen import gemm_forms as gf
 from mexc.codegen.cpu_gemm import cpu_gemm
@@ -34,10 +35,12 @@ from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
 from mexc.kernels._common import product_bits
+from mexc.kernels._common import MAG
+from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.kernels.loss import GRAD_EXP
 from mexc.kernels.norm import _eps_fixed, mean_frac_bits
 from mexc.mx import SITES_PER_NODE
-from mexc.numerics import EXP_TABLE, FixedScalar, product_cap
+from mexc.numerics import EXP_TABLE, FixedScalar, ceil_log2, product_cap
 from mexc.program import Program
 
 I8, I32, I64 = "int8", "int32", "int64"
@@ -83,6 +86,10 @@ class StepPlan:
     valid: str = ""
     lr: str = "lr"
     probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _unsupported(n: Node, why: str) -> UnsupportedOpError:
@@ -349,6 +356,102 @@ class _Builder:
         for k in update_kernels(spec, f"n{n.id}_sgd"):
             self.launch(k.func, tuple(names[a] for a in k.args))
 
+    # ----------------------------------------------------------------------------- elementwise
+
+    def exp_offset(self, n: Node, e: str, delta: int, tag: str) -> str:
+        out = self.buf(f"n{n.id}.{tag}", (1,), I32)
+        self.launch(te_pool.exponent_offset(delta, f"n{n.id}_{tag}"), (e, out))
+        return out
+
+    def relu6(self, n: Node) -> None:
+        x = n.inputs[0]
+        y = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[x]
+        self.launch(te_pool.relu6_forward(self.shape(x), f"n{n.id}_relu6"), (self.m[x], self.e[x], y))
+
+    def relu6_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        dx = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_pool.relu6_backward(self.shape(dy), f"n{n.id}_relu6_grad")
+        self.launch(func, (self.m[dy], self.m[x], self.e[x], dx))
+
+    def grad_sum(self, n: Node) -> None:
+        terms = list(n.inputs)
+        if len(terms) == 1:
+            self.m[n.result(0)], self.e[n.result(0)] = self.m[terms[0]], self.e[terms[0]]
+            return
+        if len(terms) > 13:
+            raise _unsupported(n, "a sum of more than 13 terms")
+        shape = self.shape(terms[0])
+        keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
+        target = self.buf(f"n{n.id}.e_sum", (1,), I32)
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        func = te_pool.aligned_sum(shape, len(terms), self.stochastic, f"n{n.id}_sum")
+        args = (*(self.m[t] for t in terms), *(self.e[t] for t in terms), keys, target, acc)
+        self.launch(func, args)
+        self.compact(n, acc, target, shape, len(terms))
+
+    def dropout(self, n: Node) -> None:
+        x = n.inputs[0]
+        p = FixedScalar.of(float(n.attrs.p))
+        scale = dropout_scale(p)
+        shape = self.shape(x)
+        mask = self.out(n, 1, I8, shape)
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        key = self.keys(n, (0,), "key0")
+        func = te_pool.dropout_forward_acc(shape, _keep_threshold(p), scale.num, f"n{n.id}_drop")
+        self.launch(func, (self.m[x], key, mask, acc))
+        self.compact(n, acc, self.exp_offset(n, self.e[x], -scale.shift, "e_acc"), shape, 1)
+
+    def dropout_grad(self, n: Node) -> None:
+        dy, mask = n.inputs
+        scale = dropout_scale(FixedScalar.of(float(n.attrs.p)))
+        shape = self.shape(dy)
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        func = te_pool.masked_scale_acc(shape, scale.num, f"n{n.id}_drop_grad")
+        self.launch(func, (self.m[dy], self.m[mask], acc))
+        self.compact(n, acc, self.exp_offset(n, self.e[dy], -scale.shift, "e_acc"), shape, 0)
+
+    # ----------------------------------------------------------------------------- averages
+
+    def _pool_args(self, n: Node, x_shape: Shape) -> tuple[tuple[int, int], ...]:
+        if n.op in (Op.GLOBAL_AVGPOOL, Op.GLOBAL_AVGPOOL_GRAD):
+            k = (x_shape[2], x_shape[3])
+            return k, k, (0, 0)
+        at = n.attrs
+        k = _pair(at.kernel)
+        return k, _pair(at.stride if at.stride is not None else at.kernel), _pair(at.padding)
+
+    def avgpool(self, n: Node) -> None:
+        x = n.inputs[0]
+        xs = self.shape(x)
+        k, st, p = self._pool_args(n, xs)
+        kk = k[0] * k[1]
+        bound = MAG + ceil_log2(kk)
+        ys = te_pool.out_size(xs, k, st, p)  # type: ignore[arg-type]
+        acc = self.buf(f"n{n.id}.acc", ys, I32)
+        left = max(te_pool.DIV_BITS - bound, 0)
+        func = te_pool.window_sum(xs, k, st, p, left, f"n{n.id}_window_sum")  # type: ignore[arg-type]
+        self.launch(func, (self.m[x], acc))
+        if bound <= te_pool.DIV_BITS:
+            a, e_a = acc, self.exp_offset(n, self.e[x], -left, "e_a")
+        else:
+            a, _, e_a = self.to_bits(n, acc, self.e[x], ys, 0, "a16")
+        q, e_q = self.buf(f"n{n.id}.q", ys, I32), self.buf(f"n{n.id}.e_q", (1,), I32)
+        self.launch(te_pool.divide(ys, kk, f"n{n.id}_divide"), (a, e_a, q, e_q))
+        self.compact(n, q, e_q, ys, 1)
+
+    def avgpool_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        xs = self.shape(n.result(0))
+        k, st, p = self._pool_args(n, xs)
+        acc = self.buf(f"n{n.id}.acc", xs, I32)
+        e_acc = self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_pool.avgpool_backward_acc(xs, k, st, p, f"n{n.id}_avgpool_grad")  # type: ignore[arg-type]
+        self.launch(func, (self.m[dy], self.e[dy], acc, e_acc))
+        self.compact(n, acc, e_acc, xs, 0)
+
     # ----------------------------------------------------------------------------- convolution
 
     def geom(self, n: Node, x_shape: Shape, w_shape: Shape) -> ConvGeom:
@@ -565,6 +668,16 @@ RULES = {
     Op.BATCHNORM: _Builder.batchnorm,
     Op.BATCHNORM_GRAD: _Builder.batchnorm_grad,
     Op.BN_RUNNING_UPDATE: _Builder.bn_running,
+    Op.RELU6: _Builder.relu6,
+    Op.RELU6_GRAD: _Builder.relu6_grad,
+    Op.ADD: _Builder.grad_sum,
+    Op.GRAD_SUM: _Builder.grad_sum,
+    Op.DROPOUT: _Builder.dropout,
+    Op.DROPOUT_GRAD: _Builder.dropout_grad,
+    Op.AVGPOOL2D: _Builder.avgpool,
+    Op.AVGPOOL2D_GRAD: _Builder.avgpool_grad,
+    Op.GLOBAL_AVGPOOL: _Builder.avgpool,
+    Op.GLOBAL_AVGPOOL_GRAD: _Builder.avgpool_grad,
 }
 SUPPORTED = tuple(sorted(op.value for op in RULES))
 

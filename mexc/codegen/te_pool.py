@@ -1,0 +1,207 @@
+"""Average pooling, global average pooling, ReLU6, residual sums and dropout as TIR kernels.
+
+The TE form of kernels.pool (avgpool2d_*, global_avgpool_*: a global pool is an average pool
+whose one window is the whole image, with the same rounding sites and flat indices),
+kernels.activation.relu6_*, kernels.elementwise (grad_sum / add_forward before compaction,
+dropout). Exponents are one-element run-time buffers; the divisions by the window size are
+numerics.div_const (multiply-and-shift by the precomputed reciprocal of the odd part).
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from mexc.codegen.te_compaction import _flat_index, random_word, shift_signed
+from mexc.codegen.te_divide import lower_divisions
+from mexc.numerics import Reciprocal
+
+I8, I32, I64 = "int8", "int32", "int64"
+Pair = tuple[int, int]
+Shape4 = tuple[int, int, int, int]
+DIV_BITS = 15
+
+
+def _c(v: int) -> tirx.PrimExpr:
+    return tirx.const(v, I64)
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return lower_divisions(te.create_prim_func(args)).with_attr("global_symbol", name)
+
+
+def div_const(x: tirx.PrimExpr, recip: Reciprocal) -> tirx.PrimExpr:
+    """numerics.div_const's mantissa: sign(x) * (((|x| + (o-1)/2) * mult) >> shift), int64."""
+    a = tirx.if_then_else(x < 0, -x, x)
+    q = ((a + (recip.odd - 1) // 2) * _c(recip.mult)) >> _c(recip.shift)
+    return tirx.if_then_else(x < 0, -q, q)
+
+
+def exponent_offset(delta: int, name: str) -> tirx.PrimFunc:
+    """e_out = e + delta (a static change of exponent: a pre-shift, a power-of-two divisor)."""
+    e = te.placeholder((1,), I32, name="e")
+    out = te.compute((1,), lambda i: e[i] + delta, name="e_out")
+    return _func([e, out], name)
+
+
+def out_size(x_shape: Shape4, k: Pair, s: Pair, p: Pair) -> Shape4:
+    n, c, h, w = x_shape
+    return (n, c, (h + 2 * p[0] - k[0]) // s[0] + 1, (w + 2 * p[1] - k[1]) // s[1] + 1)
+
+
+def window_sum(x_shape: Shape4, k: Pair, s: Pair, p: Pair, left: int, name: str) -> tirx.PrimFunc:
+    """acc = (sum of each window, zero padding counted) << left. Parameters (x, acc)."""
+    _, _, h, w = x_shape
+    x = te.placeholder(x_shape, I8, name="x")
+    ri, rj = te.reduce_axis((0, k[0]), "ri"), te.reduce_axis((0, k[1]), "rj")
+
+    def body(n, c, oy, ox):
+        iy, ix = oy * s[0] + ri - p[0], ox * s[1] + rj - p[1]
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        v = x[n, c, tirx.if_then_else(ok, iy, 0), tirx.if_then_else(ok, ix, 0)].astype(I32)
+        return te.sum(tirx.if_then_else(ok, v, 0), axis=[ri, rj])
+
+    total = te.compute(out_size(x_shape, k, s, p), body, name="total")
+    acc = te.compute(total.shape, lambda *i: total[i] << left, name="acc")
+    return _func([x, acc], name)
+
+
+def divide(shape: tuple[int, ...], divisor: int, name: str) -> tirx.PrimFunc:
+    """q = div_const(a) (|a| <= 2^15), e_q = e_a - pow2. Parameters (a, e_a, q, e_q)."""
+    recip = Reciprocal.of(divisor)
+    a = te.placeholder(shape, I32, name="a")
+    e_a = te.placeholder((1,), I32, name="e_a")
+    q = te.compute(shape, lambda *i: div_const(a[i].astype(I64), recip).astype(I32), name="q")
+    e_q = te.compute((1,), lambda i: e_a[i] - recip.pow2, name="e_q")
+    return _func([a, e_a, q, e_q], name)
+
+
+def avgpool_backward_acc(
+    x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str
+) -> tirx.PrimFunc:
+    """acc[x] = sum over the windows holding x of g, g = div_const(dy << 8, K*K) (exponent
+    e_dy - 8 - pow2, exact). Parameters (dy, e_dy, acc, e_acc)."""
+    y_shape = out_size(x_shape, k, s, p)
+    _, _, oh, ow = y_shape
+    recip = Reciprocal.of(k[0] * k[1])
+    dy = te.placeholder(y_shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    ri, rj = te.reduce_axis((0, k[0]), "ri"), te.reduce_axis((0, k[1]), "rj")
+
+    def body(n, c, yy, xx):
+        ty, tx = yy + p[0] - ri, xx + p[1] - rj
+        oy, ox = tirx.floordiv(ty, s[0]), tirx.floordiv(tx, s[1])
+        ok = tirx.all(
+            ty >= 0,
+            tx >= 0,
+            tirx.floormod(ty, s[0]) == 0,
+            tirx.floormod(tx, s[1]) == 0,
+            oy < oh,
+            ox < ow,
+        )
+        sy, sx = tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0)
+        g = div_const(dy[n, c, sy, sx].astype(I64) << _c(DIV_BITS - 7), recip)
+        return te.sum(tirx.if_then_else(ok, g, _c(0)), axis=[ri, rj])
+
+    total = te.compute(x_shape, body, name="total")
+    acc = te.compute(x_shape, lambda *i: total[i].astype(I32), name="acc")
+    e_acc = te.compute((1,), lambda i: e_dy[i] - (DIV_BITS - 7) - recip.pow2, name="e_acc")
+    return _func([dy, e_dy, acc, e_acc], name)
+
+
+def relu6_forward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """y = clip(m, 0, relu6_cap(e)). Parameters (x, e, y)."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def cap_of(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        ev = e[0].astype(I64)
+        pos = tirx.min(_c(6) >> tirx.min(ev, _c(62)), _c(127))
+        neg = tirx.min(_c(6) << tirx.min(-ev, _c(40)), _c(127))
+        return tirx.if_then_else(ev >= 0, pos, neg).astype(I32)
+
+    cap = te.compute((1,), cap_of, name="cap")
+    y = te.compute(
+        shape, lambda *i: tirx.max(tirx.min(x[i].astype(I32), cap[0]), 0).astype(I8), name="y"
+    )
+    return _func([x, e, y], name)
+
+
+def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """dx = dy where 0 < m * 2^e < 6 (m, e of the ReLU6 input). Parameters (dy, x, e, dx)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def body(*i):
+        ev = e[0].astype(I64)
+        m = x[i].astype(I64)
+        lhs = m << tirx.min(tirx.max(ev, _c(0)), _c(8))
+        rhs = _c(6) << tirx.min(tirx.max(-ev, _c(0)), _c(8))
+        keep = tirx.all(m > 0, lhs < rhs)
+        return tirx.if_then_else(keep, dy[i], tirx.const(0, I8))
+
+    dx = te.compute(shape, body, name="dx")
+    return _func([dy, x, e, dx], name)
+
+
+def aligned_sum(shape: tuple[int, ...], terms: int, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """kernels.grad_sum before its compaction, each term's exponent in its own buffer:
+    target = max(min e_i, max(e_i + 7) + bit_length(T) - 31), term i shifted by target - e_i
+    with key i. Parameters (m_0 .. m_{T-1}, e_0 .. e_{T-1}, keys (T,), target, acc)."""
+    ms = [te.placeholder(shape, I8, name=f"m{i}") for i in range(terms)]
+    es = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
+    keys = te.placeholder((terms,), I64, name="keys")
+    c = terms.bit_length()
+
+    def target_of(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        lo, top = es[0][0], es[0][0] + 7
+        for e in es[1:]:
+            lo, top = tirx.min(lo, e[0]), tirx.max(top, e[0] + 7)
+        return tirx.max(lo, top + (c - 31))
+
+    target = te.compute((1,), target_of, name="target")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        total: tirx.PrimExpr = _c(0)
+        for i in range(terms):
+            t = (target[0] - es[i][0]).astype(I64)
+            total = total + shift_signed(ms[i][idx].astype(I64), t, keys[i], flat, stochastic)
+        return total.astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    return _func([*ms, *es, keys, target, acc], name)
+
+
+def dropout_forward_acc(
+    shape: tuple[int, ...], keep_below: int, scale_num: int, name: str
+) -> tirx.PrimFunc:
+    """mask = random word (key, flat index) < keep_below; acc = mask ? m * scale_num : 0.
+    Parameters (x, key, mask (int8 0/1), acc)."""
+    x = te.placeholder(shape, I8, name="x")
+    key = te.placeholder((1,), I64, name="key")
+    mask = te.compute(
+        shape,
+        lambda *i: tirx.if_then_else(
+            random_word(key[0], _flat_index(shape, i)) < _c(keep_below), 1, 0
+        ).astype(I8),
+        name="mask",
+    )
+    acc = te.compute(
+        shape,
+        lambda *i: tirx.if_then_else(mask[i] > 0, x[i].astype(I32) * scale_num, 0),
+        name="acc",
+    )
+    return _func([x, key, mask, acc], name)
+
+
+def masked_scale_acc(shape: tuple[int, ...], scale_num: int, name: str) -> tirx.PrimFunc:
+    """acc = mask ? dy * scale_num : 0 (dropout backward). Parameters (dy, mask, acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    mask = te.placeholder(shape, I8, name="mask")
+    acc = te.compute(
+        shape,
+        lambda *i: tirx.if_then_else(mask[i] > 0, dy[i].astype(I32) * scale_num, 0),
+        name="acc",
+    )
+    return _func([dy, mask, acc], name)
