@@ -11,13 +11,19 @@ buffers except when it is read (state_dict, checksum, checkpoints, evaluation).
 from __future__ import annotations
 
 import hashlib
+import json
+import multiprocessing
 import os
+import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
+from tvm import tirx
 
 from mexc.codegen.cpu_gemm import schedule_parallel
 from mexc.codegen.step_plan import StepPlan, build_plan
@@ -32,6 +38,7 @@ from mexc.program import Program
 # core), which is one thread on a two-core machine without SMT. Use every CPU this process may
 # run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+MANIFEST_FORMAT = "mexc-llvm-plan-1"
 CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
 _CODEGEN_SOURCES = (
     "step_plan.py",
@@ -59,67 +66,148 @@ def _cache_key(prog: Program, target: tvm.target.Target) -> str:
     return h.hexdigest()[:24]
 
 
-def _lower(plan: StepPlan) -> tvm.IRModule:
-    """Every launch's PrimFunc, the non-product ones given the generic parallel schedule (the
-    GEMM kernels come scheduled from cpu_gemm and are left as they are)."""
-    return tvm.IRModule(
-        {
-            launch.symbol: schedule_parallel(launch.func).with_attr(
+def _dedup(plan: StepPlan) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
+    """One PrimFunc per distinct kernel (equal up to its name, e.g. the compactions of equal
+    shapes), scheduled; and every launch's symbol -> the symbol that implements it."""
+    reps: dict[int, list[tuple[str, tirx.PrimFunc]]] = {}
+    funcs: dict[str, tirx.PrimFunc] = {}
+    alias: dict[str, str] = {}
+    for launch in plan.launches:
+        anon = launch.func.with_attr("global_symbol", "k")
+        bucket = reps.setdefault(tvm_ffi.structural_hash(anon), [])
+        for symbol, other in bucket:
+            if tvm_ffi.structural_equal(anon, other):
+                alias[launch.symbol] = symbol
+                break
+        else:
+            bucket.append((launch.symbol, anon))
+            alias[launch.symbol] = launch.symbol
+            # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
+            funcs[launch.symbol] = schedule_parallel(launch.func).with_attr(
                 "global_symbol", launch.symbol
             )
-            for launch in plan.launches
-        }
-    )
+    return funcs, alias
 
 
-def compile_plan(prog: Program, plan: StepPlan, cpu: HostCpu | None = None) -> tvm.runtime.Module:
-    """The compiled module of `plan`, from the on-disk cache when the same program was built."""
+_PENDING: dict[str, Any] = {}  # what forked compile workers read (inherited, not pickled)
+
+
+def _compile_part(job: tuple[list[str], str]) -> str:
+    symbols, path = job
+    funcs, target = _PENDING["funcs"], _PENDING["target"]
+    ex = tvm.compile(tvm.IRModule({s: funcs[s] for s in symbols}), target=target)
+    ex.export_library(path)
+    return path
+
+
+def _compile_parts(funcs: dict[str, tirx.PrimFunc], target: Any, folder: Path) -> list[str]:
+    """Compile the kernels into one shared library per worker process (TVM compiles a module
+    on one thread; the kernels are independent, so the CPUs split them)."""
+    workers = max(1, min(len(os.sched_getaffinity(0)), len(funcs) // 8 or 1))
+    symbols = sorted(funcs)
+    jobs = [(symbols[i::workers], str(folder / f"part{i}.so")) for i in range(workers)]
+    _PENDING.update(funcs=funcs, target=target)
+    try:
+        if workers == 1:
+            return [_compile_part(jobs[0])]
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_compile_part, jobs)
+    finally:
+        _PENDING.clear()
+
+
+@dataclass
+class Compiled:
+    """The loaded kernels and the plan's launch list in a form that needs no TE: what the cache
+    stores next to the shared libraries (plan.json)."""
+
+    modules: list[Any]
+    manifest: dict[str, Any]
+
+    def function(self, symbol: str) -> Any:
+        for mod in self.modules:
+            if mod.implements_function(symbol, True):
+                return mod.get_function(symbol, True)
+        raise KeyError(f"compiled plan lacks kernel {symbol}")
+
+
+def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "buffers": {k: [list(s), d] for k, (s, d) in plan.buffers.items()},
+        "views": {k: [v.base, list(v.shape), v.offset] for k, v in plan.views.items()},
+        "constants": {k: [v.dtype.str, v.tolist()] for k, v in plan.constants.items()},
+        "launches": [[alias[x.symbol], list(x.args)] for x in plan.launches],
+        "keys": plan.keys,
+        "key_ids": plan.key_ids,
+        "state": plan.state,
+        "input": list(plan.input),
+        "labels": plan.labels,
+        "valid": plan.valid,
+        "lr": plan.lr,
+        "probs": plan.probs,
+    }
+
+
+def compile_program(prog: Program, cpu: HostCpu | None = None) -> Compiled:
+    """The compiled training step of `prog`, from the on-disk cache when the same program (IR,
+    options, target, TVM and lowering code) was built before; the cache skips TE and TVM."""
     cpu = cpu or host_cpu()
     target = cpu.target()
-    lib = CACHE / f"llvm-{_cache_key(prog, target)}.so"
-    if lib.exists():
-        return tvm.runtime.load_module(str(lib))
-    ex = tvm.compile(_lower(plan), target=target)
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp.so")
-    ex.export_library(str(tmp))
-    os.replace(tmp, lib)
-    return tvm.runtime.load_module(str(lib))
+    folder = CACHE / f"llvm-{_cache_key(prog, target)}"
+    if not (folder / "plan.json").exists():
+        plan = build_plan(prog, cpu.lanes32)
+        funcs, alias = _dedup(plan)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=_ensure(CACHE)))
+        _compile_parts(funcs, target, tmp)
+        (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = json.loads((folder / "plan.json").read_text())
+    parts = sorted(folder.glob("part*.so"))
+    return Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest)
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class _Buffers:
     """Every plan buffer allocated once on the host device, views and constants included."""
 
-    def __init__(self, plan: StepPlan) -> None:
+    def __init__(self, manifest: dict[str, Any]) -> None:
         dev = tvm.cpu()
         self.t: dict[str, Any] = {
-            name: tvm.runtime.empty(shape, dtype, dev)
-            for name, (shape, dtype) in plan.buffers.items()
+            name: tvm.runtime.empty(tuple(shape), dtype, dev)
+            for name, (shape, dtype) in manifest["buffers"].items()
         }
-        for name, arr in plan.constants.items():
-            self.t[name].copyfrom(arr)
+        for name, (dtype, values) in manifest["constants"].items():
+            self.t[name].copyfrom(np.asarray(values, np.dtype(dtype)))
         # zero-copy numpy windows on the host buffers (the step writes its inputs through them)
         self.np = {name: np.from_dlpack(t) for name, t in self.t.items()}
-        for name, view in plan.views.items():
-            size = int(np.prod(view.shape))
-            flat = self.np[view.base].reshape(-1)[view.offset : view.offset + size]
+        for name, (base, shape, offset) in manifest["views"].items():
+            size = int(np.prod(shape))
+            flat = self.np[base].reshape(-1)[offset : offset + size].reshape(shape)
             # through numpy, so the view's data pointer moves (kernels expect byte_offset 0)
-            self.t[name] = tvm.runtime.from_dlpack(flat.reshape(view.shape))
-            self.np[name] = flat.reshape(view.shape)
+            self.t[name] = tvm.runtime.from_dlpack(flat)
+            self.np[name] = flat
 
 
 class LlvmProgram(Program):
     """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
 
     def __init__(self, prog: Program) -> None:
-        self._step_plan = build_plan(prog, host_cpu().lanes32)
-        self._module = compile_plan(prog, self._step_plan)
-        self._bufs = _Buffers(self._step_plan)
+        compiled = compile_program(prog)
+        self._plan_json = m = compiled.manifest
+        self._bufs = _Buffers(m)
         self._calls = [
-            (self._module[launch.symbol], [self._bufs.t[a] for a in launch.args])
-            for launch in self._step_plan.launches
+            (compiled.function(symbol), [self._bufs.t[a] for a in args])
+            for symbol, args in m["launches"]
         ]
-        self._key_ids = np.asarray(self._step_plan.key_ids, np.int64)
+        self._key_ids = np.asarray(m["key_ids"], np.int64)
         self._state_cache: dict[str, MX] | None = None
         super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
 
@@ -128,7 +216,7 @@ class LlvmProgram(Program):
     def state(self) -> dict[str, MX]:
         if self._state_cache is None:
             out = {}
-            for name, (m, e) in self._step_plan.state.items():
+            for name, (m, e) in self._plan_json["state"].items():
                 shape = self._exp_shapes[name]
                 out[name] = MX.of(self._bufs.np[m].copy(), self._bufs.np[e].reshape(shape).copy())
             self._state_cache = out
@@ -137,7 +225,7 @@ class LlvmProgram(Program):
     @state.setter
     def state(self, value: dict[str, MX]) -> None:
         self._exp_shapes = {name: tuple(v.e.shape) for name, v in value.items()}
-        for name, (m, e) in self._step_plan.state.items():
+        for name, (m, e) in self._plan_json["state"].items():
             self._bufs.np[m][...] = value[name].m
             self._bufs.np[e][...] = np.asarray(value[name].e, np.int64).reshape(-1)
         self._state_cache = None
@@ -145,20 +233,21 @@ class LlvmProgram(Program):
     def step(self, x: Any, y: Any) -> float:
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch)
-        plan, np_bufs = self._step_plan, self._bufs.np
+        plan, np_bufs = self._plan_json, self._bufs.np
         q = quantize(xs, self.options.bits)  # the float boundary, on the host
-        np_bufs[plan.input[0]][...] = q.m
-        np_bufs[plan.input[1]][0] = int(q.e)
-        np_bufs[plan.labels][...] = ys
-        if plan.valid:
-            np_bufs[plan.valid][0] = self.batch
+        xm, xe = plan["input"]
+        np_bufs[xm][...] = q.m
+        np_bufs[xe][0] = int(q.e)
+        np_bufs[plan["labels"]][...] = ys
+        if plan["valid"]:
+            np_bufs[plan["valid"]][0] = self.batch
         lr = self.lr_at(self.step_count)
-        np_bufs[plan.lr][...] = (lr.num, lr.shift)
-        np_bufs[plan.keys][: self._key_ids.size] = stream_keys(
+        np_bufs[plan["lr"]][...] = (lr.num, lr.shift)
+        np_bufs[plan["keys"]][: self._key_ids.size] = stream_keys(
             self.options.seed, self.step_count, self._key_ids
         )
         for fn, args in self._calls:
             fn(*args)
         self._state_cache = None
         self.step_count += 1
-        return ce_loss(np_bufs[plan.probs], ys, self.batch)
+        return ce_loss(np_bufs[plan["probs"]], ys, self.batch)
