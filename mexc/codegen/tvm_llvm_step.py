@@ -56,9 +56,13 @@ _CODEGEN_SOURCES = (
 
 def _cache_key(prog: Program, target: tvm.target.Target) -> str:
     """Hash of what the compiled code depends on: the program IR (shapes, attributes, rounding
-    sites), the options and optimizer constants, the target, TVM, and the lowering code."""
+    sites), bits / rounding / velocity grouping, momentum and weight decay (compile-time
+    constants of the update), the target, TVM, and the lowering code. Not the seed, the step or
+    the learning-rate schedule: they reach the kernels as run-time keys and scalars."""
+    o, opt = prog.options, prog.optimizer
     h = hashlib.sha256()
-    for part in (prog.ir, repr(prog.options), repr(prog.optimizer), str(target), tvm.__version__):
+    fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
+    for part in (prog.ir, repr(fixed), str(target), tvm.__version__):
         h.update(part.encode())
     here = Path(__file__).parent
     for src in _CODEGEN_SOURCES:
