@@ -254,11 +254,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 # --- parser -------------------------------------------------------------------------------------
 
 
-def _compile_flags(p: argparse.ArgumentParser, rounding: Sequence[str], default: str) -> None:
+def _compile_flags(
+    p: argparse.ArgumentParser, rounding: Sequence[str], default: str, target: str = "reference"
+) -> None:
     p.add_argument("model", help="path/to/file.py:Name (nn.Module class or function)")
     p.add_argument("--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of rounding, data order and init")
-    p.add_argument("--target", default="reference", help="backend (default: reference)")
+    p.add_argument(
+        "--target",
+        default=target,
+        choices=("reference", "llvm", "c", "auto"),
+        help=f"backend (default: {target}; auto = llvm where TVM lowers every op, else reference)",
+    )
     p.add_argument(
         "--no-per-group-velocity",
         action="store_true",
@@ -313,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("train", help="train a model integer-only (optionally beside FP32)")
-    _compile_flags(p, ("stochastic", "deterministic", "nearest"), "stochastic")
+    _compile_flags(p, ("stochastic", "deterministic", "nearest"), "stochastic", target="auto")
     p.add_argument("--data", default="fashion-mnist", help="fashion-mnist | digits | npz:PATH")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)

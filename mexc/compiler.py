@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mexc.errors import UnsupportedOpError
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize
@@ -20,7 +21,7 @@ from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
 from mexc.types import Exp
 
-TARGETS = ("reference", "c", "llvm")
+TARGETS = ("reference", "c", "llvm", "auto")
 
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
@@ -98,11 +99,39 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         from mexc.codegen.c_host import CProgram  # builds the generated C with the host cc
 
         return CProgram(prog, steps_hint=_steps_hint(opt))
-    if target == "llvm":
-        from mexc.codegen.tvm_llvm_step import LlvmProgram  # TVM builds the step for the host
-
-        return LlvmProgram(prog)
+    if target in ("llvm", "auto"):
+        return on_host_backend(prog, required=target == "llvm")
     return prog
+
+
+def on_host_backend(prog: Program, required: bool = True) -> Program:
+    """`prog` with its step compiled by TVM for the host CPU (target "llvm"). Not required
+    ("auto"): a model with an op the llvm backend does not lower yet, or a machine without TVM,
+    keeps the reference executor (same results, slower), with a note on stderr."""
+    import sys
+
+    try:
+        from mexc.codegen.tvm_llvm_step import LlvmProgram  # TVM builds the step for the host
+    except ImportError as err:
+        if required:
+            raise
+        print(f"mexc: TVM is not available ({err}); using the reference executor", file=sys.stderr)
+        return _retarget(prog, "reference")
+    try:
+        return LlvmProgram(_retarget(prog, "llvm"))
+    except UnsupportedOpError as err:
+        if required:
+            raise
+        first = str(err).split(". ")[0]
+        print(f"mexc: {first}; using the reference executor", file=sys.stderr)
+        return _retarget(prog, "reference")
+
+
+def _retarget(prog: Program, target: str) -> Program:
+    import dataclasses
+
+    opts = dataclasses.replace(prog.options, target=target)
+    return Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
 
 
 def _steps_hint(opt: SGD) -> int:

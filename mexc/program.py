@@ -374,4 +374,8 @@ def load(path: str | os.PathLike[str]) -> Program:
             f"checkpoint {p} is corrupt: its state checksum {prog.state_checksum()} differs "
             f"from the recorded {meta['checksum']}; use another checkpoint."
         )
+    if opts.target == "llvm":  # resume on the compiled host step (the reference without TVM)
+        from mexc.compiler import on_host_backend
+
+        return on_host_backend(prog, required=False)
     return prog

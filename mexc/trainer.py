@@ -535,7 +535,7 @@ def run_training(
     rounding: str = "stochastic",
     per_group_velocity: bool = True,
     seed: int = 0,
-    target: str = "reference",
+    target: str = "auto",
     compare_fp32: bool = False,
     progress: bool = True,
     checkpoint: str | os.PathLike[str] | None = None,

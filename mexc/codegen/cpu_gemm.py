@@ -15,7 +15,7 @@ docs/numerics.md rule out overflow), which keeps it bit-exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import s_tir, te, tirx
 
@@ -41,6 +41,7 @@ class CpuGemm:
     unpack: tirx.PrimFunc
     a_shape: tuple[int, int, int]
     b_shape: tuple[int, int, int]
+    a_pack_shape: tuple[int, ...]  # a prefix of A's memory (rows past m stay zero)
     b_pack_shape: tuple[int, ...]
     c_shape: tuple[int, int, int]
 
@@ -106,19 +107,50 @@ def _schedule_elementwise(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
+def swapped(form: GemmForm) -> GemmForm:
+    """The same product with A and B exchanged: C^T[g, q, m] = sum_k B[g, q, k] A[g, m, k]."""
+
+    def out_at(*idx):
+        gi, mm, qq = form.out_at(*idx)
+        return gi, qq, mm
+
+    return replace(
+        form,
+        m=form.q,
+        q=form.m,
+        a_src=form.b_src,
+        a_at=form.b_at,
+        b_src=form.a_src,
+        b_at=form.a_at,
+        out_at=out_at,
+    )
+
+
 def cpu_gemm(
     form: GemmForm,
     lanes: int,
     k_dims: tuple[int, ...] | None = None,
     q_dims: tuple[int, ...] | None = None,
+    m_dims: tuple[int, ...] | None = None,
 ) -> CpuGemm:
     """The packed-GEMM PrimFuncs of `form`, scheduled for `lanes` int32 lanes per vector.
-    k_dims / q_dims: the natural axes whose C-order flattening is the form's k / q index."""
+    m_dims / k_dims / q_dims: the natural axes whose C-order flattening is the form's m / k / q
+    index; with them the packs loop over those axes and need no division per element."""
     qt = 2 * lanes
     mp, qp, k = _round_up(form.m, MT), _round_up(form.q, qt), form.k
     a_shape = (form.g, mp, k)
     b_shape = (form.g, k, qp)
-    pack_a = _gather(form, "a", a_shape, lambda gi, r, kk: (gi, r, kk))
+    if m_dims is not None and k_dims is not None and (mp == form.m or form.g == 1):
+        a_pack_shape: tuple[int, ...] = (form.g, *m_dims, *k_dims)
+        nm = len(m_dims)
+
+        def a_index(gi, *rest):
+            return gi, _flatten(rest[:nm], m_dims), _flatten(rest[nm:], k_dims)
+
+        pack_a = _gather(form, "a", a_pack_shape, a_index)
+    else:
+        a_pack_shape = a_shape
+        pack_a = _gather(form, "a", a_shape, lambda gi, r, kk: (gi, r, kk))
     natural = k_dims is not None and q_dims is not None and qp == form.q
     if natural:
         assert k_dims is not None and q_dims is not None
@@ -162,6 +194,7 @@ def cpu_gemm(
         named(_schedule_elementwise(unpack, "acc"), "unpack"),
         a_shape,
         b_shape,
+        a_pack_shape,
         b_pack_shape,
         (form.g, mp, qp),
     )

@@ -29,7 +29,7 @@ from tvm import tirx
 from mexc.codegen import te_norm, te_ops, te_pool
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.codegen import gemm_forms as gf
-from mexc.codegen.cpu_gemm import cpu_gemm
+from mexc.codegen.cpu_gemm import cpu_gemm, swapped
 from mexc.codegen.te_products import ConvGeom
 from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
 from mexc.errors import UnsupportedOpError
@@ -192,13 +192,18 @@ class _Builder:
         out: str,
         k_dims: tuple[int, ...],
         q_dims: tuple[int, ...],
+        m_dims: tuple[int, ...] | None = None,
     ) -> None:
         """A product as pack_a, pack_b, GEMM and unpack (cpu_gemm) on scratch buffers."""
-        cg = cpu_gemm(form, self.lanes, k_dims, q_dims)
+        cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims)
         a = self.buf(f"{form.name}.a", cg.a_shape, I8)
         b = self.buf(f"{form.name}.b", cg.b_shape, I8)
         c = self.buf(f"{form.name}.c", cg.c_shape, I32)
-        self.launch(cg.pack_a, (operands[form.a_src], a))
+        a_pack = a
+        if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (the rest: 0)
+            a_pack = f"{a}@pack"
+            self.plan.views[a_pack] = View(a, cg.a_pack_shape)
+        self.launch(cg.pack_a, (operands[form.a_src], a_pack))
         self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
         self.launch(cg.gemm, (a, b, c))
         self.launch(cg.unpack, (c, out))
@@ -467,7 +472,8 @@ class _Builder:
         self.need_no_preshift(n, k)
         acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
         form = gf.conv_forward(f"n{n.id}_fwd", g)
-        self.gemm(form, (self.m[x], self.m[w]), acc, (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow))
+        taps = (g.cg, g.kh, g.kw)
+        self.gemm(form, (self.m[x], self.m[w]), acc, taps, (g.n, g.oh, g.ow), (g.og,))
         e_acc = self.product_exp(n, x, w)
         if n.attrs.has_bias:
             b = n.inputs[2]
@@ -495,8 +501,11 @@ class _Builder:
         g = self.geom(n, self.shape(x), self.shape(n.result(0)))
         self.need_no_preshift(n, g.n * g.oh * g.ow)
         acc = self.out(n, 0, I32)
-        form = gf.conv_grad_weight(f"n{n.id}_dw", g)
-        self.gemm(form, (self.m[dy], self.m[x]), acc, (g.n, g.oh, g.ow), (g.cg, g.kh, g.kw))
+        # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
+        # in order along (n, y, x), where the form's own orientation gathers im2col per column
+        form = swapped(gf.conv_grad_weight(f"n{n.id}_dw", g))
+        taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
+        self.gemm(form, (self.m[dy], self.m[x]), acc, pixels, (g.og,), taps)
         self.e[n.result(0)] = self.product_exp(n, dy, x)
 
     # ----------------------------------------------------------------------------- pooling

@@ -111,6 +111,8 @@ def maxpool_backward_acc(
     _, _, oh, ow = y_shape
     dy = te.placeholder(y_shape, I8, name="dy")
     arg = te.placeholder(y_shape, I32, name="arg")
+    if k == s and p == (0, 0):  # windows tile the input: each pixel is in at most one window
+        return _maxpool_backward_tiled(x_shape, k, y_shape, dy, arg, name)
     ri = te.reduce_axis((0, k[0]), "ri")
     rj = te.reduce_axis((0, k[1]), "rj")
 
@@ -132,6 +134,28 @@ def maxpool_backward_acc(
             tirx.if_then_else(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
             axis=[ri, rj],
         )
+
+    acc = te.compute(x_shape, body, name="acc")
+    return _func([dy, arg, acc], name)
+
+
+def _maxpool_backward_tiled(
+    x_shape: tuple[int, int, int, int],
+    k: tuple[int, int],
+    y_shape: tuple[int, int, int, int],
+    dy: te.Tensor,
+    arg: te.Tensor,
+    name: str,
+) -> tirx.PrimFunc:
+    """maxpool_backward_acc for non-overlapping windows: a gather with no reduction."""
+    _, _, oh, ow = y_shape
+
+    def body(n, c, yy, xx):
+        oy, ox = yy // k[0], xx // k[1]
+        inside = tirx.all(oy < oh, ox < ow)
+        sy, sx = tirx.min(oy, oh - 1), tirx.min(ox, ow - 1)
+        hit = tirx.all(inside, arg[n, c, sy, sx] == (yy % k[0]) * k[1] + xx % k[1])
+        return tirx.if_then_else(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32))
 
     acc = te.compute(x_shape, body, name="acc")
     return _func([dy, arg, acc], name)

@@ -188,6 +188,8 @@ class _Buffers:
             name: tvm.runtime.empty(tuple(shape), dtype, dev)
             for name, (shape, dtype) in manifest["buffers"].items()
         }
+        for t in self.t.values():  # GEMM padding rows are read and must be zero
+            t.copyfrom(np.zeros(tuple(t.shape), t.dtype))
         for name, (dtype, values) in manifest["constants"].items():
             self.t[name].copyfrom(np.asarray(values, np.dtype(dtype)))
         # zero-copy numpy windows on the host buffers (the step writes its inputs through them)

@@ -53,6 +53,8 @@ def test_relu_forward_and_backward() -> None:
 
 POOLS = [
     ((2, 3, 8, 8), 2, None, 0),
+    ((2, 2, 7, 9), 2, 2, 0),  # tiled windows, last row and column in no window
+    ((1, 2, 9, 7), 3, None, 0),
     ((1, 2, 7, 9), 3, 2, 1),  # overlapping windows with padding
     ((2, 2, 6, 5), (3, 2), (1, 2), (1, 0)),
 ]
