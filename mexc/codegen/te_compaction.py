@@ -90,6 +90,28 @@ def shift_left_saturating(
     return tirx.max(tirx.min(wrapped, lim), -lim)
 
 
+def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
+    """(shape[0],) int32: max |x| over every axis but the first, in int32 (accumulators stay
+    above -2^31, so |x| does not wrap) so that the host vectorizes it and runs rows in parallel."""
+    shape = tuple(int(d) for d in x.shape)
+    rest = [te.reduce_axis((0, d), f"{name}_r{i}") for i, d in enumerate(shape[1:])]
+
+    def body(r: tirx.PrimExpr) -> tirx.PrimExpr:
+        v = x[(r, *rest)].astype(I32)
+        return te.max(tirx.if_then_else(v < 0, -v, v), axis=rest)
+
+    if not rest:
+        return te.compute((shape[0],), lambda r: tirx.if_then_else(x[r] < 0, -x[r], x[r]), name)
+    return te.compute((shape[0],), body, name=name)
+
+
+def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
+    """(1,) int32: max |x| over the whole tensor, in two stages (rows in parallel, then rows)."""
+    rows = abs_max_rows(x, f"{name}_rows")
+    r = te.reduce_axis((0, int(x.shape[0])), f"{name}_r")
+    return te.compute((1,), lambda _: te.max(rows[r], axis=r), name=name)
+
+
 def compaction_shift(
     shape: tuple[int, ...], bits: int, grouped: bool, name: str, shared_exp: bool = False
 ) -> tirx.PrimFunc:
@@ -99,14 +121,7 @@ def compaction_shift(
     groups = shape[0] if grouped else 1
     acc = te.placeholder(shape, I32, name="acc")
     e_in = te.placeholder((1 if shared_exp else groups,), I32, name="e_in")
-    rest = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(shape[1 if grouped else 0 :])]
-
-    def amax_body(g):
-        idx = (g, *rest) if grouped else tuple(rest)
-        v = acc[idx]
-        return te.max(tirx.if_then_else(v < 0, -v, v), axis=rest)
-
-    amax = te.compute((groups,), amax_body, name="amax")
+    amax = abs_max_rows(acc, "amax") if grouped else abs_max_all(acc, "amax")
     t = te.reduce_axis((0, 32), "t")
     q = qmax(bits)
     # smallest s with m <= q * 2^s = number of t in [0, 32) with m > q * 2^t (monotone in t)

@@ -28,7 +28,12 @@ from collections.abc import Callable
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, shift_left_saturating, shift_signed
+from mexc.codegen.te_compaction import (
+    _flat_index,
+    abs_max_all,
+    shift_left_saturating,
+    shift_signed,
+)
 from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.kernels.norm import EPS_LIMIT, RSTD_NUM_LOG2
 from mexc.numerics import FixedScalar, ceil_log2, qmax
@@ -96,9 +101,12 @@ def _to_i32(t: te.Tensor) -> te.Tensor:
 
 
 def _ncs_sum(shape: NCS, value: Callable[..., tirx.PrimExpr], name: str) -> te.Tensor:
-    """Per channel sum over (n, s) of value(n, c, s), int64."""
-    rn, rs = te.reduce_axis((0, shape[0]), f"{name}_n"), te.reduce_axis((0, shape[2]), f"{name}_s")
-    return _per_channel(shape, lambda c: te.sum(value(rn, c, rs), axis=[rn, rs]), name)
+    """Per channel sum over (n, s) of value(n, c, s), int64: per (n, c) over s first (rows in
+    parallel, s contiguous), then over n."""
+    rs = te.reduce_axis((0, shape[2]), f"{name}_s")
+    part = te.compute(shape[:2], lambda n, c: te.sum(value(n, c, rs), axis=rs), name=f"{name}_nc")
+    rn = te.reduce_axis((0, shape[0]), f"{name}_n")
+    return _per_channel(shape, lambda c: te.sum(part[rn, c], axis=rn), name)
 
 
 # ----------------------------------------------------------------------------------- forward
@@ -111,12 +119,14 @@ def bn_stats(shape: NCS, f: int, name: str = "bn_stats") -> tirx.PrimFunc:
     x = te.placeholder(shape, I8, name="x")
     ssum = _ncs_sum(shape, lambda n, c, s: x[n, c, s].astype(I64), "ssum")
     mu = _per_channel(shape, lambda c: _div_const(ssum[c] << _c(f), m), "mu64")
-    rn, rs = te.reduce_axis((0, shape[0]), "an"), te.reduce_axis((0, shape[2]), "as")
-    amax = _per_channel(
-        shape,
-        lambda c: te.max(_abs((x[rn, c, rs].astype(I64) << _c(f)) - mu[c]), axis=[rn, rs]),
-        "amax",
+    rs = te.reduce_axis((0, shape[2]), "as")
+    part = te.compute(
+        shape[:2],
+        lambda n, c: te.max(_abs((x[n, c, rs].astype(I64) << _c(f)) - mu[c]), axis=rs),
+        name="amax_nc",
     )
+    rn = te.reduce_axis((0, shape[0]), "an")
+    amax = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
     t = te.reduce_axis((0, 32), "t")
 
     def over(c: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -215,10 +225,16 @@ def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.Prim
     sh_c = e_out - e_grp_c. Parameters (acc, e_grp, sh, e_out)."""
     acc = te.placeholder(shape, I32, name="acc")
     e_grp = te.placeholder((shape[1],), I32, name="e_grp")
-    rn, rs = te.reduce_axis((0, shape[0]), "rn"), te.reduce_axis((0, shape[2]), "rs")
-    amax = _per_channel(
-        shape, lambda c: te.max(_abs(acc[rn, c, rs].astype(I64)), axis=[rn, rs]), "amax"
+    # max |acc| per (n, c) with s innermost (n in parallel), then per channel over n
+    rs = te.reduce_axis((0, shape[2]), "rs")
+    part = te.compute(
+        shape[:2],
+        lambda n, c: te.max(tirx.if_then_else(acc[n, c, rs] < 0, -acc[n, c, rs], acc[n, c, rs]), rs),
+        name="amax_nc",
     )
+    rn = te.reduce_axis((0, shape[0]), "rn")
+    amax32 = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax32")
+    amax = _per_channel(shape, lambda c: amax32[c].astype(I64), "amax")
     q = qmax(bits)
     t = te.reduce_axis((0, 32), "t")
     s = _per_channel(
@@ -320,13 +336,15 @@ def to_bits_shift(shape: tuple[int, ...], limit_bits: int, name: str) -> tirx.Pr
     Parameters (x int32, e (1,), s (1,), e_out (1,))."""
     x = te.placeholder(shape, I32, name="x")
     e = te.placeholder((1,), I32, name="e")
-    rs = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(shape)]
-    amax = te.compute((1,), lambda _: te.max(_abs(x[tuple(rs)].astype(I64)), axis=rs), name="amax")
+    amax = abs_max_all(x, "amax")
     t = te.reduce_axis((0, 32), "t")
     s = te.compute(
         (1,),
         lambda i: te.sum(
-            tirx.if_then_else(amax[i] > (_c(1 << limit_bits) << t.var.astype(I64)), 1, 0), t
+            tirx.if_then_else(
+                amax[i].astype(I64) > (_c(1 << limit_bits) << t.var.astype(I64)), 1, 0
+            ),
+            t,
         ),
         name="s",
     )

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,18 +41,14 @@ from mexc.program import Program
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 MANIFEST_FORMAT = "mexc-llvm-plan-1"
 CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
-_CODEGEN_SOURCES = (
-    "step_plan.py",
-    "tvm_llvm_step.py",
-    "tvm_llvm_products.py",
-    "cpu_gemm.py",
-    "gemm_forms.py",
-    "te_ops.py",
-    "te_products.py",
-    "te_compaction.py",
-    "te_update.py",
-    "te_divide.py",
-)
+_MEXC = Path(__file__).resolve().parents[1]
+
+
+def _lowering_sources() -> list[Path]:
+    """Every source the compiled kernels depend on: the codegen, and the numerics and kernel
+    constants it imports (tables, caps, rounding sites)."""
+    return sorted([*(_MEXC / "codegen").glob("*.py"), _MEXC / "numerics.py", _MEXC / "mx.py",
+                   *(_MEXC / "kernels").glob("*.py")])
 
 
 def _cache_key(prog: Program, target: tvm.target.Target) -> str:
@@ -64,9 +61,8 @@ def _cache_key(prog: Program, target: tvm.target.Target) -> str:
     fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
     for part in (prog.ir, repr(fixed), str(target), tvm.__version__):
         h.update(part.encode())
-    here = Path(__file__).parent
-    for src in _CODEGEN_SOURCES:
-        h.update((here / src).read_bytes())
+    for src in _lowering_sources():
+        h.update(src.read_bytes())
     return h.hexdigest()[:24]
 
 
@@ -235,6 +231,19 @@ class LlvmProgram(Program):
             self._bufs.np[m][...] = value[name].m
             self._bufs.np[e][...] = np.asarray(value[name].e, np.int64).reshape(-1)
         self._state_cache = None
+
+    def kernel_times(self, x: Any, y: Any, repeats: int = 3) -> dict[str, float]:
+        """Seconds per launch (best of `repeats` steps, each launch timed on its own), keyed by
+        launch position and kernel symbol: where a step's time goes. Trains `repeats` steps."""
+        best: dict[str, float] = {}
+        for _ in range(repeats):
+            self.step(x, y)  # sets the inputs of this step
+            for i, ((fn, args), (symbol, _)) in enumerate(zip(self._calls, self._plan_json["launches"])):
+                t0 = time.perf_counter()
+                fn(*args)
+                key = f"{i:04d} {symbol}"
+                best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+        return best
 
     def step(self, x: Any, y: Any) -> float:
         xs = self._check_x(x, exact_batch=True)
