@@ -1,6 +1,6 @@
 """Products on the host CPU as packed GEMMs (the forms of gemm_forms, re-tiled for SIMD).
 
-    pack_a   A[g, m, k]                 the operand gathered K-contiguous (m padded to MT)
+    pack_a   A[g, m, k]                 the operand gathered K-contiguous (m padded to the tile)
     pack_b   B[g, q // QT, k, q % QT]   panels of QT columns, each k row of a panel contiguous
     gemm     C[g, m, q] = sum_k A[g, m, k] * B[g, q // QT, k, q % QT]     (int32)
     unpack   the native accumulator layout from C
@@ -23,6 +23,19 @@ from mexc.codegen.gemm_forms import GemmForm
 
 I8, I32 = "int8", "int32"
 MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
+QT_VECTORS = 4  # columns of the tile, in vectors, where the column count allows
+
+
+def tile_of(m: int, q: int, lanes: int) -> tuple[int, int]:
+    """(rows, columns) of the register tile for an m x q GEMM: the preferred 2 x 4 vectors,
+    narrowed so that padding does not multiply the work (a 16-column GEMM, e.g. a weight
+    gradient with 16 output channels, in 32-wide tiles would compute twice what it needs; odd
+    m, e.g. the 9 taps of a depthwise kernel, take 1-row tiles and keep natural packing)."""
+    mt = MT if m % MT == 0 else 1
+    for vectors in (QT_VECTORS, 2, 1):
+        if q % (vectors * lanes) == 0:
+            return mt, vectors * lanes
+    return mt, (QT_VECTORS if q >= QT_VECTORS * lanes else 1) * lanes
 
 
 def _round_up(v: int, m: int) -> int:
@@ -76,11 +89,11 @@ def _gather(form: GemmForm, which: str, shape: tuple[int, ...], index) -> tirx.P
     return _func([src, packed], f"{form.name}_pack_{which}")
 
 
-def _schedule_gemm(func: tirx.PrimFunc, qt: int, lanes: int) -> tirx.PrimFunc:
+def _schedule_gemm(func: tirx.PrimFunc, mt: int, qt: int, lanes: int) -> tirx.PrimFunc:
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock("c")
     g, m, q, k = sch.get_loops(blk)
-    mo, mi = sch.split(m, [None, MT])
+    mo, mi = sch.split(m, [None, mt])
     qo, qi = sch.split(q, [None, qt])
     sch.reorder(g, qo, mo, k, mi, qi)
     outer = sch.fuse(g, qo)
@@ -136,8 +149,8 @@ def cpu_gemm(
     """The packed-GEMM PrimFuncs of `form`, scheduled for `lanes` int32 lanes per vector.
     m_dims / k_dims / q_dims: the natural axes whose C-order flattening is the form's m / k / q
     index; with them the packs loop over those axes and need no division per element."""
-    qt = 4 * lanes
-    mp, qp, k = _round_up(form.m, MT), _round_up(form.q, qt), form.k
+    mt, qt = tile_of(form.m, form.q, lanes)
+    mp, qp, k = _round_up(form.m, mt), _round_up(form.q, qt), form.k
     a_shape = (form.g, mp, k)
     b_shape = (form.g, k, qp)
     if m_dims is not None and k_dims is not None and (mp == form.m or form.g == 1):
@@ -190,7 +203,7 @@ def cpu_gemm(
     return CpuGemm(
         named(_schedule_elementwise(pack_a, "a_packed"), "pack_a"),
         named(_schedule_elementwise(pack_b, "b_packed"), "pack_b"),
-        named(_schedule_gemm(gemm, qt, lanes), "gemm"),
+        named(_schedule_gemm(gemm, mt, qt, lanes), "gemm"),
         named(_schedule_elementwise(unpack, "acc"), "unpack"),
         a_shape,
         b_shape,

@@ -26,16 +26,15 @@ from typing import Any
 import numpy as np
 from tvm import tirx
 
-from mexc.codegen import te_norm, te_ops, te_pool
-from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.codegen import gemm_forms as gf
+from mexc.codegen import te_norm, te_ops, te_pool
 from mexc.codegen.cpu_gemm import cpu_gemm, swapped
+from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.codegen.te_products import ConvGeom
 from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
-from mexc.kernels._common import product_bits
-from mexc.kernels._common import MAG
+from mexc.kernels._common import MAG, product_bits
 from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.kernels.loss import GRAD_EXP
 from mexc.kernels.norm import _eps_fixed, mean_frac_bits
@@ -86,6 +85,16 @@ class StepPlan:
     valid: str = ""
     lr: str = "lr"
     probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
+
+
+def _shape4(shape: Shape) -> tuple[int, int, int, int]:
+    n, c, h, w = shape
+    return (n, c, h, w)
+
+
+def _ncs(shape: Shape) -> te_norm.NCS:
+    """A batchnorm operand (N, C, H, W) or (N, C) as (N, C, S)."""
+    return (shape[0], shape[1], int(np.prod(shape[2:])))
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -372,7 +381,9 @@ class _Builder:
         x = n.inputs[0]
         y = self.out(n, 0, I8)
         self.e[n.result(0)] = self.e[x]
-        self.launch(te_pool.relu6_forward(self.shape(x), f"n{n.id}_relu6"), (self.m[x], self.e[x], y))
+        self.launch(
+            te_pool.relu6_forward(self.shape(x), f"n{n.id}_relu6"), (self.m[x], self.e[x], y)
+        )
 
     def relu6_grad(self, n: Node) -> None:
         dy, x = n.inputs
@@ -516,7 +527,7 @@ class _Builder:
         y, arg = self.out(n, 0, I8), self.out(n, 1, I32)
         self.e[n.result(0)] = self.e[x]
         func = te_ops.maxpool_forward(
-            self.shape(x), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool"
+            _shape4(self.shape(x)), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool"
         )
         self.launch(func, (self.m[x], y, arg))
 
@@ -526,7 +537,7 @@ class _Builder:
         shape = self.shape(n.result(0))
         acc = self.buf(f"n{n.id}.acc", shape, I32)
         func = te_ops.maxpool_backward_acc(
-            shape, at.kernel, at.stride, at.padding, f"n{n.id}_maxpool_grad"
+            _shape4(shape), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool_grad"
         )
         self.launch(func, (self.m[dy], self.m[arg], acc))
         self.compact(n, acc, self.e[dy], shape, 0)
@@ -534,7 +545,7 @@ class _Builder:
     # ----------------------------------------------------------------------------- batchnorm
 
     def common_compact(
-        self, n: Node, acc: str, e_grp: str, shape: Shape, site: int, out: str
+        self, n: Node, acc: str, e_grp: str, shape: te_norm.NCS, site: int, out: str
     ) -> str:
         """compact_common along the channel axis of an (N, C, S) accumulator into `out`;
         returns the exponent buffer."""
@@ -563,7 +574,7 @@ class _Builder:
     def batchnorm(self, n: Node) -> None:
         x, gamma, beta = n.inputs[0], n.inputs[1], n.inputs[2]
         xs = self.shape(x)
-        ncs = (xs[0], xs[1], int(np.prod(xs[2:])))
+        ncs = _ncs(xs)
         m = ncs[0] * ncs[2]
         f = mean_frac_bits(m)
         cc = (ncs[1],)
@@ -573,7 +584,9 @@ class _Builder:
         xv = self.ncs_view(self.m[x], xs)
         self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
         key0 = self.keys(n, (0,), "key0")
-        var = te_norm.bn_var(ncs, f, _eps_fixed(float(n.attrs.eps)), self.stochastic, f"n{n.id}_bn_var")
+        var = te_norm.bn_var(
+            ncs, f, _eps_fixed(float(n.attrs.eps)), self.stochastic, f"n{n.id}_bn_var"
+        )
         var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
         self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
         acc = self.buf(f"n{n.id}.xhat_acc", ncs, I32)
@@ -585,7 +598,7 @@ class _Builder:
         keys = self.keys(n, (2, 3), "affine_keys")
         target = self.buf(f"n{n.id}.e_affine", (1,), I32)
         aff = self.buf(f"n{n.id}.affine", ncs, I32)
-        args = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
+        args: tuple[str, ...] = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
         args += (self.m[beta], self.e[beta], keys, target, aff)
         self.launch(te_norm.bn_affine(ncs, self.stochastic, f"n{n.id}_bn_affine"), args)
         self.compact(n, aff, target, ncs, 4)
@@ -596,7 +609,7 @@ class _Builder:
         dy = n.inputs[0]
         b = self.bn[n.inputs[1].node]
         shape = self.shape(dy)
-        ncs = (shape[0], shape[1], int(np.prod(shape[2:])))
+        ncs = _ncs(shape)
         m = ncs[0] * ncs[2]
         self.need_no_preshift(n, m)
         cc = (ncs[1],)
@@ -611,7 +624,8 @@ class _Builder:
         keys = self.keys(n, (1, 2, 3), "bracket_keys")
         e_t = self.buf(f"n{n.id}.e_t", (1,), I32)
         t = self.buf(f"n{n.id}.t", ncs, I32)
-        args = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16, keys, e_t, t)
+        args: tuple[str, ...] = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16, keys)
+        args += (e_t, t)
         self.launch(te_norm.bn_bracket(ncs, self.stochastic, f"n{n.id}_bn_bracket"), args)
         bk16, _, e_bk = self.to_bits(n, t, e_t, ncs, 4, "bk16")
         f16, e_f = self.buf(f"n{n.id}.f16", cc, I32), self.buf(f"n{n.id}.e_f", cc, I32)
@@ -628,7 +642,9 @@ class _Builder:
         b = self.bn[n.inputs[2].node]
         mom = FixedScalar.of(float(n.attrs.momentum))
         c = self.shape(rmean)[0]
-        for j, (r, src, e_src) in enumerate(((rmean, b["mu"], b["e_c"]), (rvar, b["var_u"], b["ev"]))):
+        for j, (r, src, e_src) in enumerate(
+            ((rmean, b["mu"], b["e_c"]), (rvar, b["var_u"], b["ev"]))
+        ):
             if self.prog.state[str(self.g.by_id()[r.node].attrs.name)].e.shape != (c,):
                 raise _unsupported(n, "running statistics need per-channel exponents")
             base = 4 * j
@@ -643,14 +659,11 @@ class _Builder:
             name = f"n{n.id}_{tag}_c"
             sh = self.buf(f"n{n.id}.{tag}_sh", (c,), I32)
             # the new statistics overwrite the state buffers (their last reader is this node)
-            self.launch(
-                compaction_shift((c,), self.bits, True, name), (acc, target, sh, self.e[r])
-            )
+            self.launch(compaction_shift((c,), self.bits, True, name), (acc, target, sh, self.e[r]))
             key = self.keys(n, (base + 3,), f"{tag}_key")
             apply = compaction_apply((c,), self.bits, True, self.stochastic, name)
             self.launch(apply, (acc, sh, key, self.m[r]))
             self.m[n.result(j)], self.e[n.result(j)] = self.m[r], self.e[r]
-
 
 
 RULES = {

@@ -139,9 +139,7 @@ def bn_stats(shape: NCS, f: int, name: str = "bn_stats") -> tirx.PrimFunc:
     return _func([x, mu32, r], name)
 
 
-def _rstd_stages(
-    var_m: te.Tensor, ev: te.Tensor, eps: FixedScalar
-) -> tuple[te.Tensor, te.Tensor]:
+def _rstd_stages(var_m: te.Tensor, ev: te.Tensor, eps: FixedScalar) -> tuple[te.Tensor, te.Tensor]:
     """kernels.norm._rstd on (C,) int64 stages: (rstd, rstd_e)."""
     shape = var_m.shape
 
@@ -229,7 +227,9 @@ def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.Prim
     rs = te.reduce_axis((0, shape[2]), "rs")
     part = te.compute(
         shape[:2],
-        lambda n, c: te.max(tirx.if_then_else(acc[n, c, rs] < 0, -acc[n, c, rs], acc[n, c, rs]), rs),
+        lambda n, c: te.max(
+            tirx.if_then_else(acc[n, c, rs] < 0, -acc[n, c, rs], acc[n, c, rs]), rs
+        ),
         name="amax_nc",
     )
     rn = te.reduce_axis((0, shape[0]), "rn")
@@ -239,9 +239,7 @@ def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.Prim
     t = te.reduce_axis((0, 32), "t")
     s = _per_channel(
         shape,
-        lambda c: te.sum(
-            tirx.if_then_else(amax[c] > (_c(q) << t.var.astype(I64)), 1, 0), axis=t
-        ),
+        lambda c: te.sum(tirx.if_then_else(amax[c] > (_c(q) << t.var.astype(I64)), 1, 0), axis=t),
         "s",
     )
     rc = te.reduce_axis((0, shape[1]), "rc")
@@ -323,9 +321,7 @@ def bn_grad_sums(shape: NCS, name: str = "bn_grad_sums") -> tirx.PrimFunc:
     dy = te.placeholder(shape, I8, name="dy")
     xh = te.placeholder(shape, I8, name="xh")
     db = _ncs_sum(shape, lambda n, c, s: dy[n, c, s].astype(I64), "db64")
-    dg = _ncs_sum(
-        shape, lambda n, c, s: dy[n, c, s].astype(I64) * xh[n, c, s].astype(I64), "dg64"
-    )
+    dg = _ncs_sum(shape, lambda n, c, s: dy[n, c, s].astype(I64) * xh[n, c, s].astype(I64), "dg64")
     dgamma = _per_channel(shape, lambda c: dg[c].astype(I32), "dgamma")
     dbeta = _per_channel(shape, lambda c: db[c].astype(I32), "dbeta")
     return _func([dy, xh, dgamma, dbeta], name)
@@ -471,9 +467,7 @@ def bn_ema(
         return e_b[c if per_channel_b else 0] + s[0] - momentum.shift
 
     b1, b2 = 7 + one_minus.bit_length(), 15 + momentum.num.bit_length()
-    target = te.compute(
-        (channels,), lambda c: _target([(e1(c), b1), (e2(c), b2)]), name="target"
-    )
+    target = te.compute((channels,), lambda c: _target([(e1(c), b1), (e2(c), b2)]), name="target")
 
     def body(c: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = c.astype(I64)

@@ -75,9 +75,7 @@ def divide(shape: tuple[int, ...], divisor: int, name: str) -> tirx.PrimFunc:
     return _func([a, e_a, q, e_q], name)
 
 
-def avgpool_backward_acc(
-    x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str
-) -> tirx.PrimFunc:
+def avgpool_backward_acc(x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str) -> tirx.PrimFunc:
     """acc[x] = sum over the windows holding x of g, g = div_const(dy << 8, K*K) (exponent
     e_dy - 8 - pow2, exact). Parameters (dy, e_dy, acc, e_acc)."""
     y_shape = out_size(x_shape, k, s, p)

@@ -47,8 +47,14 @@ _MEXC = Path(__file__).resolve().parents[1]
 def _lowering_sources() -> list[Path]:
     """Every source the compiled kernels depend on: the codegen, and the numerics and kernel
     constants it imports (tables, caps, rounding sites)."""
-    return sorted([*(_MEXC / "codegen").glob("*.py"), _MEXC / "numerics.py", _MEXC / "mx.py",
-                   *(_MEXC / "kernels").glob("*.py")])
+    return sorted(
+        [
+            *(_MEXC / "codegen").glob("*.py"),
+            _MEXC / "numerics.py",
+            _MEXC / "mx.py",
+            *(_MEXC / "kernels").glob("*.py"),
+        ]
+    )
 
 
 def _cache_key(prog: Program, target: tvm.target.Target) -> str:
@@ -214,7 +220,7 @@ class LlvmProgram(Program):
         super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
 
     # the state lives in the plan's buffers; reading it copies it out
-    @property  # type: ignore[override]
+    @property
     def state(self) -> dict[str, MX]:
         if self._state_cache is None:
             out = {}
@@ -238,7 +244,9 @@ class LlvmProgram(Program):
         best: dict[str, float] = {}
         for _ in range(repeats):
             self.step(x, y)  # sets the inputs of this step
-            for i, ((fn, args), (symbol, _)) in enumerate(zip(self._calls, self._plan_json["launches"])):
+            for i, ((fn, args), (symbol, _)) in enumerate(
+                zip(self._calls, self._plan_json["launches"])
+            ):
                 t0 = time.perf_counter()
                 fn(*args)
                 key = f"{i:04d} {symbol}"

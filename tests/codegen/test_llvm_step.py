@@ -28,7 +28,9 @@ def _optimizer() -> mexc.SGD:
 
 def _pair(module_factory, batch: int, shape: tuple[int, ...], **kw) -> tuple:
     torch.manual_seed(0)
-    ref = mexc.compile(module_factory(), (torch.zeros(batch, *shape),), optimizer=_optimizer(), **kw)
+    ref = mexc.compile(
+        module_factory(), (torch.zeros(batch, *shape),), optimizer=_optimizer(), **kw
+    )
     torch.manual_seed(0)
     llvm = mexc.compile(
         module_factory(), (torch.zeros(batch, *shape),), optimizer=_optimizer(), target="llvm", **kw
