@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from tvm import s_tir, te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm
+from mexc.codegen.te_compaction import where
 
 I8, I32 = "int8", "int32"
 MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
@@ -83,7 +84,7 @@ def _gather(form: GemmForm, which: str, shape: tuple[int, ...], index) -> tirx.P
         idx, ok = at(gi, r, k)
         valid = tirx.all(r < rows, ok)
         safe = tuple(tirx.if_then_else(valid, v, 0) for v in idx)  # never read out of range
-        return tirx.if_then_else(valid, src[safe], tirx.const(0, I8))
+        return where(valid, src[safe], tirx.const(0, I8))  # branch-free: vectorizes
 
     packed = te.compute(shape, body, name=f"{which}_packed")
     return _func([src, packed], f"{form.name}_pack_{which}")

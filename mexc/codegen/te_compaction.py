@@ -61,6 +61,23 @@ def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
     return mix32(key ^ _mul32(flat & _i64(MASK32), GOLDEN32))
 
 
+def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """cond ? a : b with both sides evaluated: b ^ ((a ^ b) & -cond), in a's integer type.
+
+    `if_then_else` (and a `Select` whose sides load from buffers) becomes a branch around a
+    conditional load, which LLVM cannot vectorize: a ReLU gradient took 7.9 ms for 1.6M
+    elements that way and 0.13 ms branch-free. Bitwise, so no int8 or int64 arithmetic can
+    overflow (TVM marks signed arithmetic no-wrap)."""
+    dtype = str(a.dtype) if hasattr(a, "dtype") else str(a.ty)  # a TE slice or an expression
+    a, b = a.astype(dtype), b.astype(dtype)
+    return b ^ ((a ^ b) & -(cond.astype(dtype)))
+
+
+def iabs(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """|v| without a branch (max(v, -v)); v above the type's minimum."""
+    return tirx.max(v, -v)
+
+
 def shift_signed(
     x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
 ) -> tirx.PrimExpr:
@@ -71,9 +88,11 @@ def shift_signed(
     if stochastic:
         r = random_word(key, flat) & mask
     else:
-        r = tirx.if_then_else(tt > 0, tirx.const(1, I64) << tirx.max(tt - 1, 0), 0)
-    right = tirx.if_then_else(t >= 32, tirx.const(0, I64), (x >> tt) + (((x & mask) + r) >> tt))
-    return tirx.if_then_else(t > 0, right, x << tirx.max(-t, 0))
+        r = where(tt > 0, tirx.const(1, I64) << tirx.max(tt - 1, 0), tirx.const(0, I64))
+    right = where(t >= 32, tirx.const(0, I64), (x >> tt) + (((x & mask) + r) >> tt))
+    # both sides are computed (branch-free, so the host vectorizes the PRNG); the left shift
+    # is bounded so that the unused side never shifts by 64 or more
+    return where(t > 0, right, x << tirx.min(tirx.max(-t, 0), 62))
 
 
 def shift_left_saturating(
@@ -97,11 +116,10 @@ def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
     rest = [te.reduce_axis((0, d), f"{name}_r{i}") for i, d in enumerate(shape[1:])]
 
     def body(r: tirx.PrimExpr) -> tirx.PrimExpr:
-        v = x[(r, *rest)].astype(I32)
-        return te.max(tirx.if_then_else(v < 0, -v, v), axis=rest)
+        return te.max(iabs(x[(r, *rest)].astype(I32)), axis=rest)
 
     if not rest:
-        return te.compute((shape[0],), lambda r: tirx.if_then_else(x[r] < 0, -x[r], x[r]), name)
+        return te.compute((shape[0],), lambda r: iabs(x[r].astype(I32)), name)
     return te.compute((shape[0],), body, name=name)
 
 

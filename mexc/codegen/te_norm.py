@@ -31,8 +31,10 @@ from tvm import te, tirx
 from mexc.codegen.te_compaction import (
     _flat_index,
     abs_max_all,
+    iabs,
     shift_left_saturating,
     shift_signed,
+    where,
 )
 from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.kernels.norm import EPS_LIMIT, RSTD_NUM_LOG2
@@ -52,13 +54,13 @@ def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
 
 
 def _abs(v: tirx.PrimExpr) -> tirx.PrimExpr:
-    return tirx.if_then_else(v < 0, -v, v)
+    return iabs(v)
 
 
 def _div_const(a: tirx.PrimExpr, m: int) -> tirx.PrimExpr:
     """numerics.idiv_round(a, m) for a constant m > 0 (int64)."""
     q = tirx.floordiv(_abs(a) + _c(m // 2), _c(m))
-    return tirx.if_then_else(a < 0, -q, q)
+    return where(a < 0, -q, q)
 
 
 def _nearest(x: tirx.PrimExpr, t: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -227,9 +229,7 @@ def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.Prim
     rs = te.reduce_axis((0, shape[2]), "rs")
     part = te.compute(
         shape[:2],
-        lambda n, c: te.max(
-            tirx.if_then_else(acc[n, c, rs] < 0, -acc[n, c, rs], acc[n, c, rs]), rs
-        ),
+        lambda n, c: te.max(iabs(acc[n, c, rs]), rs),
         name="amax_nc",
     )
     rn = te.reduce_axis((0, shape[0]), "rn")

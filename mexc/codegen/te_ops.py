@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, shift_left_saturating, shift_signed
+from mexc.codegen.te_compaction import _flat_index, shift_left_saturating, shift_signed, where
 from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.codegen.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
@@ -42,9 +42,7 @@ def relu_backward(shape: tuple[int, ...], name: str = "relu_backward") -> tirx.P
     """dx = dy where x > 0 else 0 (kernels.relu_backward with the ReLU input or output)."""
     dy = te.placeholder(shape, I8, name="dy")
     x = te.placeholder(shape, I8, name="x")
-    dx = te.compute(
-        shape, lambda *i: tirx.if_then_else(x[i] > 0, dy[i], tirx.const(0, I8)), name="dx"
-    )
+    dx = te.compute(shape, lambda *i: where(x[i] > 0, dy[i], tirx.const(0, I8)), name="dx")
     return _func([dy, x, dx], name)
 
 
@@ -79,7 +77,7 @@ def maxpool_forward(
         ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
         safe_y = tirx.if_then_else(ok, iy, 0)
         safe_x = tirx.if_then_else(ok, ix, 0)
-        return tirx.if_then_else(ok, x[n, c, safe_y, safe_x].astype(I32), tirx.const(PAD, I32))
+        return where(ok, x[n, c, safe_y, safe_x].astype(I32), tirx.const(PAD, I32))
 
     ri = te.reduce_axis((0, k[0]), "ri")
     rj = te.reduce_axis((0, k[1]), "rj")
@@ -131,7 +129,7 @@ def maxpool_backward_acc(
         sy, sx = tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0)
         hit = tirx.all(ok, arg[n, c, sy, sx] == ri * k[1] + rj)
         return te.sum(
-            tirx.if_then_else(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
+            where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
             axis=[ri, rj],
         )
 
@@ -155,7 +153,7 @@ def _maxpool_backward_tiled(
         inside = tirx.all(oy < oh, ox < ow)
         sy, sx = tirx.min(oy, oh - 1), tirx.min(ox, ow - 1)
         hit = tirx.all(inside, arg[n, c, sy, sx] == (yy % k[0]) * k[1] + xx % k[1])
-        return tirx.if_then_else(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32))
+        return where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32))
 
     acc = te.compute(x_shape, body, name="acc")
     return _func([dy, arg, acc], name)

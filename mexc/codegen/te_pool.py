@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, random_word, shift_signed
+from mexc.codegen.te_compaction import _flat_index, iabs, random_word, shift_signed, where
 from mexc.codegen.te_divide import lower_divisions
 from mexc.numerics import Reciprocal
 
@@ -31,9 +31,8 @@ def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
 
 def div_const(x: tirx.PrimExpr, recip: Reciprocal) -> tirx.PrimExpr:
     """numerics.div_const's mantissa: sign(x) * (((|x| + (o-1)/2) * mult) >> shift), int64."""
-    a = tirx.if_then_else(x < 0, -x, x)
-    q = ((a + (recip.odd - 1) // 2) * _c(recip.mult)) >> _c(recip.shift)
-    return tirx.if_then_else(x < 0, -q, q)
+    q = ((iabs(x) + (recip.odd - 1) // 2) * _c(recip.mult)) >> _c(recip.shift)
+    return where(x < 0, -q, q)
 
 
 def exponent_offset(delta: int, name: str) -> tirx.PrimFunc:
@@ -58,7 +57,7 @@ def window_sum(x_shape: Shape4, k: Pair, s: Pair, p: Pair, left: int, name: str)
         iy, ix = oy * s[0] + ri - p[0], ox * s[1] + rj - p[1]
         ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
         v = x[n, c, tirx.if_then_else(ok, iy, 0), tirx.if_then_else(ok, ix, 0)].astype(I32)
-        return te.sum(tirx.if_then_else(ok, v, 0), axis=[ri, rj])
+        return te.sum(where(ok, v, tirx.const(0, I32)), axis=[ri, rj])
 
     total = te.compute(out_size(x_shape, k, s, p), body, name="total")
     acc = te.compute(total.shape, lambda *i: total[i] << left, name="acc")
@@ -98,7 +97,7 @@ def avgpool_backward_acc(x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str) 
         )
         sy, sx = tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0)
         g = div_const(dy[n, c, sy, sx].astype(I64) << _c(DIV_BITS - 7), recip)
-        return te.sum(tirx.if_then_else(ok, g, _c(0)), axis=[ri, rj])
+        return te.sum(where(ok, g, _c(0)), axis=[ri, rj])
 
     total = te.compute(x_shape, body, name="total")
     acc = te.compute(x_shape, lambda *i: total[i].astype(I32), name="acc")
@@ -136,7 +135,7 @@ def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
         lhs = m << tirx.min(tirx.max(ev, _c(0)), _c(8))
         rhs = _c(6) << tirx.min(tirx.max(-ev, _c(0)), _c(8))
         keep = tirx.all(m > 0, lhs < rhs)
-        return tirx.if_then_else(keep, dy[i], tirx.const(0, I8))
+        return where(keep, dy[i], tirx.const(0, I8))
 
     dx = te.compute(shape, body, name="dx")
     return _func([dy, x, e, dx], name)
@@ -187,7 +186,7 @@ def dropout_forward_acc(
     )
     acc = te.compute(
         shape,
-        lambda *i: tirx.if_then_else(mask[i] > 0, x[i].astype(I32) * scale_num, 0),
+        lambda *i: where(mask[i] > 0, x[i].astype(I32) * scale_num, tirx.const(0, I32)),
         name="acc",
     )
     return _func([x, key, mask, acc], name)
@@ -199,7 +198,7 @@ def masked_scale_acc(shape: tuple[int, ...], scale_num: int, name: str) -> tirx.
     mask = te.placeholder(shape, I8, name="mask")
     acc = te.compute(
         shape,
-        lambda *i: tirx.if_then_else(mask[i] > 0, dy[i].astype(I32) * scale_num, 0),
+        lambda *i: where(mask[i] > 0, dy[i].astype(I32) * scale_num, tirx.const(0, I32)),
         name="acc",
     )
     return _func([dy, mask, acc], name)
