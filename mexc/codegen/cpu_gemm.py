@@ -231,8 +231,11 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
             continue
         if any(k != tirx.ForKind.SERIAL for k in kinds):
             continue
-        if spatial[0] != loops[0] or int(sch.get(spatial[0]).extent) < min_extent:
+        if spatial[0] != loops[0]:
             continue
+        extent = sch.get(spatial[0]).extent
+        if isinstance(extent, tirx.IntImm) and int(extent) < min_extent:
+            continue  # (a shape variable's extent is taken to be large)
         sch.parallel(spatial[0])  # the outer axis only: fusing would divide every index
     return sch.mod["main"]
 

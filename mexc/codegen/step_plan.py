@@ -336,25 +336,29 @@ class _Builder:
     def sgd_update(self, n: Node) -> None:
         w, grad, v = n.inputs
         opt = self.prog.optimizer
+        shape = self.shape(w)
+        gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
         spec = UpdateSpec(
-            self.shape(w),
+            gr,
             self.bits,
             self.prog.options.per_group_velocity,
             FixedScalar.of(opt.momentum),
             FixedScalar.of(opt.weight_decay),
             self.stochastic,
+            symbolic=True,  # one compiled kernel set serves every parameter shape
         )
+        wm, gm, vm = (self.view(self.m[t], gr) for t in (w, grad, v))
         # outputs land in the state buffers (the update is the last reader of the old values)
         names = {
-            "w": self.m[w],
+            "w": wm,
             "w_exp": self.e[w],
-            "grad": self.m[grad],
+            "grad": gm,
             "grad_exp": self.e[grad],
-            "v": self.m[v],
+            "v": vm,
             "v_exp": self.e[v],
-            "w_out": self.m[w],
+            "w_out": wm,
             "w_exp_out": self.e[w],
-            "v_out": self.m[v],
+            "v_out": vm,
             "v_exp_out": self.e[v],
             "lr": self.buf("lr", (2,), I32),
             "keys": self.keys(n, tuple(range(9)), "keys"),
@@ -364,9 +368,8 @@ class _Builder:
         for local, (shape, dtype) in update_buffers(spec).items():
             if local not in names:
                 names[local] = self.buf(f"n{n.id}.{local}", shape, dtype)
-        for i in range(2):
-            self.m[n.result(i)] = names[("w_out", "v_out")[i]]
-            self.e[n.result(i)] = names[("w_exp_out", "v_exp_out")[i]]
+        for i, t in enumerate((w, v)):
+            self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
         for k in update_kernels(spec, f"n{n.id}_sgd"):
             self.launch(k.func, tuple(names[a] for a in k.args))
 

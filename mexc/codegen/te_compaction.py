@@ -52,7 +52,8 @@ def _flat_index(shape: tuple[int, ...], idx: tuple[tirx.PrimExpr, ...]) -> tirx.
     """C-order flat index (int64; tensors stay below 2^31 elements)."""
     flat: tirx.PrimExpr = _i64(0)
     for extent, i in zip(shape, idx):
-        flat = flat * _i64(extent) + i.astype(I64)
+        ext = _i64(extent) if isinstance(extent, int) else extent.astype(I64)  # or a variable
+        flat = flat * ext + i.astype(I64)
     return flat
 
 
@@ -112,7 +113,7 @@ def shift_left_saturating(
 def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
     """(shape[0],) int32: max |x| over every axis but the first, in int32 (accumulators stay
     above -2^31, so |x| does not wrap) so that the host vectorizes it and runs rows in parallel."""
-    shape = tuple(int(d) for d in x.shape)
+    shape = tuple(x.shape)  # static extents or shape variables
     rest = [te.reduce_axis((0, d), f"{name}_r{i}") for i, d in enumerate(shape[1:])]
 
     def body(r: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -126,7 +127,7 @@ def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
 def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
     """(1,) int32: max |x| over the whole tensor, in two stages (rows in parallel, then rows)."""
     rows = abs_max_rows(x, f"{name}_rows")
-    r = te.reduce_axis((0, int(x.shape[0])), f"{name}_r")
+    r = te.reduce_axis((0, x.shape[0]), f"{name}_r")
     return te.compute((1,), lambda _: te.max(rows[r], axis=r), name=name)
 
 

@@ -52,6 +52,9 @@ class UpdateSpec:
     momentum: FixedScalar
     weight_decay: FixedScalar
     stochastic: bool
+    # kernels over a (G, R) shape bound at call time (shape must then be 2-D): one compiled set
+    # serves every parameter with the same grouping, as the element order is C order either way
+    symbolic: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -60,6 +63,22 @@ class UpdateSpec:
     @property
     def groups(self) -> int:
         return self.shape[0] if self.grouped else 1
+
+    @property
+    def kshape(self) -> tuple:
+        """The shape the kernels are written for: `shape`, or (G, R) variables."""
+        if not self.symbolic:
+            return self.shape
+        if len(self.shape) != 2:
+            raise ValueError("symbolic update kernels need a (groups, rest) shape")
+        return SYMBOLIC_SHAPE
+
+    @property
+    def kgroups(self) -> object:
+        return self.kshape[0] if self.grouped else 1
+
+
+SYMBOLIC_SHAPE = (tirx.Var("G", "int32"), tirx.Var("R", "int32"))
 
 
 @dataclass(frozen=True)
@@ -107,7 +126,7 @@ class _Ops:
         return idx[0] if self.spec.grouped else 0
 
     def flat(self, idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
-        return _flat_index(self.spec.shape, idx)
+        return _flat_index(self.spec.kshape, idx)
 
     def compacted(
         self, acc: tirx.PrimExpr, s: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr
@@ -127,15 +146,15 @@ def wd_sum(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     """acc_wd = g + w * wd aligned (section 12 step 2), g = compaction of grad by s_g [0].
     Parameters (grad, s_g, e_g, w, w_exp, keys, t_wd, acc_wd)."""
     op, b, wd = _Ops(spec), spec.bits - 1, spec.weight_decay
-    grad = te.placeholder(spec.shape, I32, name="grad")
-    s_g = te.placeholder((spec.groups,), I32, name="s_g")
-    e_g = te.placeholder((spec.groups,), I32, name="e_g")
-    w = te.placeholder(spec.shape, I8, name="w")
+    grad = te.placeholder(spec.kshape, I32, name="grad")
+    s_g = te.placeholder((spec.kgroups,), I32, name="s_g")
+    e_g = te.placeholder((spec.kgroups,), I32, name="e_g")
+    w = te.placeholder(spec.kshape, I8, name="w")
     w_exp = te.placeholder((1,), I32, name="w_exp")
     keys = te.placeholder((9,), I64, name="keys")
     wd_exp = w_exp[0] - wd.shift
     t = te.compute(
-        (spec.groups,), lambda g: _target2(e_g[g], b, wd_exp, b + wd.num.bit_length()), name="t"
+        (spec.kgroups,), lambda g: _target2(e_g[g], b, wd_exp, b + wd.num.bit_length()), name="t"
     )
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -145,7 +164,7 @@ def wd_sum(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
         wd_term = op.term(w[idx].astype(I64) * wd.num, t[g] - wd_exp, keys[2], flat)
         return (g_term + wd_term).astype(I32)
 
-    acc = te.compute(spec.shape, body, name="acc")
+    acc = te.compute(spec.kshape, body, name="acc")
     return _func([grad, s_g, e_g, w, w_exp, keys, t, acc], name)
 
 
@@ -153,11 +172,11 @@ def v_sum(spec: UpdateSpec, g_site: int, name: str) -> tirx.PrimFunc:
     """acc_v = v * momentum + g aligned (step 3), g = compaction of g_acc by s [g_site].
     Parameters (g_acc, s, e, v, v_exp, keys, t_v, acc_v)."""
     op, b, mom = _Ops(spec), spec.bits - 1, spec.momentum
-    gshape = (spec.groups,)
-    g_acc = te.placeholder(spec.shape, I32, name="g_acc")
+    gshape = (spec.kgroups,)
+    g_acc = te.placeholder(spec.kshape, I32, name="g_acc")
     s = te.placeholder(gshape, I32, name="s")
     e = te.placeholder(gshape, I32, name="e")
-    v = te.placeholder(spec.shape, I8, name="v")
+    v = te.placeholder(spec.kshape, I8, name="v")
     v_exp = te.placeholder(gshape, I32, name="v_exp")
     keys = te.placeholder((9,), I64, name="keys")
     mom_bits = b + max(mom.num.bit_length(), 1)
@@ -170,17 +189,17 @@ def v_sum(spec: UpdateSpec, g_site: int, name: str) -> tirx.PrimFunc:
         g_term = op.term(gm, t[g] - e[g], keys[5], flat)
         return (v_term + g_term).astype(I32)
 
-    acc = te.compute(spec.shape, body, name="acc")
+    acc = te.compute(spec.kshape, body, name="acc")
     return _func([g_acc, s, e, v, v_exp, keys, t, acc], name)
 
 
 def _step_inputs(spec: UpdateSpec) -> tuple[te.Tensor, ...]:
     """The placeholders w_target and w_step share: w, w_exp, v_out, v_exp_out, lr."""
     return (
-        te.placeholder(spec.shape, I8, name="w"),
+        te.placeholder(spec.kshape, I8, name="w"),
         te.placeholder((1,), I32, name="w_exp"),
-        te.placeholder(spec.shape, I8, name="v_out"),
-        te.placeholder((spec.groups,), I32, name="v_exp_out"),
+        te.placeholder(spec.kshape, I8, name="v_out"),
+        te.placeholder((spec.kgroups,), I32, name="v_exp_out"),
         te.placeholder((2,), I32, name="lr"),
     )
 
@@ -194,8 +213,8 @@ def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     Parameters (w, w_exp, v_out, v_exp_out, lr, e_w); serial reductions (one output)."""
     op = _Ops(spec)
     w, w_exp, v, v_exp, lr = _step_inputs(spec)
-    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(spec.shape)]
-    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(spec.shape)]
+    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(spec.kshape)]
+    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(spec.kshape)]
 
     def any_w(_: tirx.PrimExpr) -> tirx.PrimExpr:
         return te.max(tirx.if_then_else(w[tuple(r1)] != 0, 1, 0), axis=r1)
@@ -227,7 +246,7 @@ def w_step(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
         step = tirx.if_then_else(d >= 0, right, shift_left_saturating(u, -d))
         return (w[idx].astype(I64) - step).astype(I32)
 
-    w_acc = te.compute(spec.shape, body, name="w_acc")
+    w_acc = te.compute(spec.kshape, body, name="w_acc")
     return _func([w, w_exp, v, v_exp, lr, keys, w_acc], name)
 
 
@@ -236,9 +255,9 @@ def w_rescale(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     s = #{t < 32 : M > q 2^t} (right, M > q) - #{1 <= t < 32 : 0 < M, M 2^t <= q} (left, the
     largest s with M 2^s <= q); 0 when M = 0. Blocks named as compaction_shift's, so its
     schedule applies. Parameters (w_acc, w_exp, s_w, w_exp_out)."""
-    w_acc = te.placeholder(spec.shape, I32, name="w_acc")
+    w_acc = te.placeholder(spec.kshape, I32, name="w_acc")
     w_exp = te.placeholder((1,), I32, name="w_exp")
-    rest = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(spec.shape)]
+    rest = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(spec.kshape)]
 
     def amax_body(_: tirx.PrimExpr) -> tirx.PrimExpr:
         x = w_acc[tuple(rest)]
@@ -256,7 +275,7 @@ def w_rescale(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
 
 def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
     """The kernels of one parameter's update in launch order (module docstring)."""
-    shape, bits, grouped = spec.shape, spec.bits, spec.grouped
+    shape, bits, grouped = spec.kshape, spec.bits, spec.grouped
     out = [
         Kernel(
             compaction_shift(shape, bits, grouped, f"{name}_grad", shared_exp=True),
