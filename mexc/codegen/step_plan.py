@@ -1,6 +1,6 @@
 """The launch plan of a whole training step: every op of the program as TIR kernels over named
-device buffers, target independent (the llvm backend compiles it for the host CPU; the CUDA
-backend will compile the same plan with nvcc).
+device buffers. The kernels are target-independent TE except the products, which are lowered
+here as host GEMMs (cpu_gemm); the CUDA backend is to reuse the plan with its GEMM forms.
 
 A value of the graph lives in two buffers: its mantissas (int8, or int32 for an accumulator) and
 its exponent (int32[1], or int32[groups] for a per-group velocity). Exponents are computed on the
@@ -11,11 +11,11 @@ float boundary, which is the one place float is allowed), the labels, the learni
 (seed, step, tensor id)); everything else, the state included, stays in the plan's buffers.
 Parameters are updated in place: a parameter's update is the last reader of its old value.
 
-Ops lowered so far: input / quantize, param / state / label, reshape (a view), linear (with
-bias), ReLU, the softmax cross-entropy head, and their gradients (linear input and weight,
-bias, ReLU, softmax CE), and the SGD-with-momentum update. Any other op raises
-UnsupportedOpError naming the node, so `compile(..., target="llvm")` refuses instead of
-computing something else.
+Ops lowered: every op of the CNN examples (convolutions incl. grouped and depthwise, linear,
+batch norm with running statistics, ReLU / ReLU6, max / average / global pooling, residual and
+gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update). The
+transformer ops raise UnsupportedOpError naming the node, so `compile(..., target="llvm")`
+refuses instead of computing something else (`auto` falls back to the reference).
 """
 
 from __future__ import annotations
