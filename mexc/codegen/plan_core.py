@@ -1,0 +1,240 @@
+"""The launch plan's data (named buffers, views, launches) and the builder core every op rule
+uses: buffer and key allocation, views, compaction, products as host GEMMs, 16-bit shifts and
+per-channel compaction. The op rules live in plan_dense, plan_norm and plan_pool; step_plan
+puts them together (docs/cpu.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tvm import tirx
+
+from mexc.codegen import gemm_forms as gf
+from mexc.codegen import te_norm, te_ops, te_pool
+from mexc.codegen.cpu_gemm import cpu_gemm
+from mexc.codegen.te_compaction import compaction_apply, compaction_shift
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Graph, Node, Value
+from mexc.mx import SITES_PER_NODE
+from mexc.numerics import product_cap
+from mexc.program import Program
+
+I8, I32, I64 = "int8", "int32", "int64"
+KEY_ALIGN = 8  # int64 keys per 64 bytes
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call: the PrimFunc and the plan buffers it takes, in parameter order."""
+
+    func: tirx.PrimFunc
+    args: tuple[str, ...]
+
+    @property
+    def symbol(self) -> str:
+        return str(self.func.attrs["global_symbol"])
+
+
+@dataclass(frozen=True)
+class View:
+    """A buffer that is another buffer's memory seen with another shape (reshape), from
+    element `offset` on."""
+
+    base: str
+    shape: Shape
+    offset: int = 0
+
+
+@dataclass
+class StepPlan:
+    """Everything a backend needs to run one training step from named buffers."""
+
+    buffers: dict[str, tuple[Shape, str]] = field(default_factory=dict)
+    views: dict[str, View] = field(default_factory=dict)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    launches: list[Launch] = field(default_factory=list)
+    keys: str = "keys"  # every stream key of the step, one int64 buffer (views per kernel)
+    key_ids: list[int] = field(default_factory=list)  # keys[i] = stream_key(seed, step, id i)
+    state: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (m, e) buffers
+    input: tuple[str, str] = ("", "")  # quantized batch: mantissas, exponent
+    labels: str = ""
+    valid: str = ""
+    lr: str = "lr"
+    probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
+
+
+def shape4(shape: Shape) -> tuple[int, int, int, int]:
+    n, c, h, w = shape
+    return (n, c, h, w)
+
+
+def ncs_of(shape: Shape) -> te_norm.NCS:
+    """A batchnorm operand (N, C, H, W) or (N, C) as (N, C, S)."""
+    return (shape[0], shape[1], int(np.prod(shape[2:])))
+
+
+def pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def unsupported(n: Node, why: str) -> UnsupportedOpError:
+    where = f" at {n.loc}" if n.loc else ""
+    return UnsupportedOpError(
+        f"node %{n.id} `{n.op.value}`{where}: {why}. The reference target runs every op; "
+        "compile with target='reference' (or 'c') for this model."
+    )
+
+
+class PlanBuilder:
+    """Buffers, keys, views and the shared lowering helpers of the op rules."""
+
+    def __init__(self, prog: Program, lanes: int) -> None:
+        self.lanes = lanes
+        self.g: Graph = prog.graph
+        self.prog = prog
+        self.bits = prog.options.bits
+        self.stochastic = prog.options.rounding == "stochastic"
+        self.plan = StepPlan()
+        self.m: dict[Value, str] = {}  # value -> mantissa / accumulator buffer
+        self.e: dict[Value, str] = {}  # value -> exponent buffer
+        self.symbols: set[str] = set()
+        self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
+
+    # ----------------------------------------------------------------------------- buffers
+
+    def buf(self, name: str, shape: Shape, dtype: str) -> str:
+        self.plan.buffers[name] = (tuple(int(d) for d in shape), dtype)
+        return name
+
+    def shape(self, v: Value) -> Shape:
+        return tuple(int(d) for d in self.g.type_of(v).shape)
+
+    def out(self, n: Node, i: int, dtype: str, shape: Shape | None = None) -> str:
+        v = n.result(i)
+        self.m[v] = self.buf(f"v{n.id}_{i}", shape or self.shape(v), dtype)
+        return self.m[v]
+
+    def out_exp(self, n: Node, i: int) -> str:
+        self.e[n.result(i)] = self.buf(f"v{n.id}_{i}.e", (1,), I32)
+        return self.e[n.result(i)]
+
+    def keys(self, n: Node, sites: tuple[int, ...], tag: str) -> str:
+        """A view of the step's key buffer holding the keys of n's rounding `sites`."""
+        base = int(n.attrs.rid) * SITES_PER_NODE
+        ids = self.plan.key_ids
+        ids.extend([0] * (-len(ids) % KEY_ALIGN))  # kernels take 64-byte aligned buffers
+        offset = len(ids)
+        ids.extend(base + s for s in sites)
+        name = f"n{n.id}.{tag}"
+        self.plan.views[name] = View(self.plan.keys, (len(sites),), offset)
+        return name
+
+    def const(self, name: str, values: np.ndarray, dtype: str) -> str:
+        arr = np.ascontiguousarray(values, dtype=dtype)
+        self.plan.constants[name] = arr
+        return self.buf(name, arr.shape, dtype)
+
+    def launch(self, func: tirx.PrimFunc, args: tuple[str, ...]) -> None:
+        symbol = str(func.attrs["global_symbol"])
+        assert symbol not in self.symbols, symbol
+        self.symbols.add(symbol)
+        self.plan.launches.append(Launch(func, args))
+
+    def rows_view(self, v: Value) -> str:
+        """v's mantissas as (rows, last axis): linear layers act on the last axis."""
+        shape = self.shape(v)
+        return self.view(self.m[v], (int(np.prod(shape[:-1])), shape[-1]))
+
+    def ncs_view(self, name: str, shape: Shape) -> str:
+        """A batchnorm operand (N, C, H, W) or (N, C) seen as (N, C, S)."""
+        return self.view(name, (shape[0], shape[1], int(np.prod(shape[2:]))))
+
+    def view(self, base: str, shape: Shape, name: str | None = None) -> str:
+        """`base` (a buffer or a view) seen with `shape` (same element count)."""
+        root = self.plan.views[base].base if base in self.plan.views else base
+        if name is None:
+            if self.plan.buffers[root][0] == shape:
+                return root
+            name = f"{root}@{'x'.join(map(str, shape))}"
+        self.plan.views[name] = View(root, shape)
+        return name
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def compact(self, n: Node, acc: str, e_in: str, shape: Shape, site: int) -> None:
+        """Result 0 of n = compaction of int32 `acc` (exponent buffer e_in), rounding site."""
+        name = f"n{n.id}_c{site}"
+        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        e_out = self.out_exp(n, 0)
+        m_rows = self.view(self.out(n, 0, I8), shape)  # computed on the accumulator's view
+        self.launch(compaction_shift(shape, self.bits, False, name), (acc, e_in, s, e_out))
+        key = self.keys(n, (site,), f"key{site}")
+        apply = compaction_apply(shape, self.bits, False, self.stochastic, name)
+        self.launch(apply, (acc, s, key, m_rows))
+
+    def gemm(
+        self,
+        form: gf.GemmForm,
+        operands: tuple[str, str],
+        out: str,
+        k_dims: tuple[int, ...],
+        q_dims: tuple[int, ...],
+        m_dims: tuple[int, ...] | None = None,
+    ) -> None:
+        """A product as pack_a, pack_b, GEMM and unpack (cpu_gemm) on scratch buffers."""
+        cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims)
+        a = self.buf(f"{form.name}.a", cg.a_shape, I8)
+        b = self.buf(f"{form.name}.b", cg.b_shape, I8)
+        c = self.buf(f"{form.name}.c", cg.c_shape, I32)
+        a_pack = a
+        if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (the rest: 0)
+            a_pack = f"{a}@pack"
+            self.plan.views[a_pack] = View(a, cg.a_pack_shape)
+        self.launch(cg.pack_a, (operands[form.a_src], a_pack))
+        self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
+        self.launch(cg.gemm, (a, b, c))
+        self.launch(cg.unpack, (c, out))
+
+    def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:
+        e = self.buf(f"n{n.id}.{tag}", (1,), I32)
+        self.launch(te_ops.exponent_sum(f"n{n.id}_{tag}"), (self.e[a], self.e[b], e))
+        return e
+
+    def need_no_preshift(self, n: Node, k: int) -> None:
+        if product_cap(k, 8) < 0:
+            raise unsupported(n, f"a {k}-wide product needs an operand pre-shift")
+
+    def exp_offset(self, n: Node, e: str, delta: int, tag: str) -> str:
+        out = self.buf(f"n{n.id}.{tag}", (1,), I32)
+        self.launch(te_pool.exponent_offset(delta, f"n{n.id}_{tag}"), (e, out))
+        return out
+
+    def common_compact(
+        self, n: Node, acc: str, e_grp: str, shape: te_norm.NCS, site: int, out: str
+    ) -> str:
+        """compact_common along the channel axis of an (N, C, S) accumulator into `out`;
+        returns the exponent buffer."""
+        tag = f"n{n.id}_cc{site}"
+        sh = self.buf(f"n{n.id}.sh{site}", (shape[1],), I32)
+        e_out = self.buf(f"n{n.id}.e{site}", (1,), I32)
+        self.launch(te_norm.common_shift(shape, self.bits, f"{tag}_shift"), (acc, e_grp, sh, e_out))
+        key = self.keys(n, (site,), f"key{site}")
+        apply = te_norm.common_apply(shape, self.bits, self.stochastic, f"{tag}_apply")
+        self.launch(apply, (acc, sh, key, out))
+        return e_out
+
+    def to_bits(
+        self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str
+    ) -> tuple[str, str, str]:
+        """numerics.compact_to_bits(x, e, 15) with rounding site `site`: (x16, s, e + s)."""
+        s = self.buf(f"n{n.id}.{tag}_s", (1,), I32)
+        e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
+        out = self.buf(f"n{n.id}.{tag}", shape, I32)
+        self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
+        key = self.keys(n, (site,), f"key{site}")
+        apply = te_norm.shift_apply(shape, self.stochastic, f"n{n.id}_{tag}_apply")
+        self.launch(apply, (x, s, key, out))
+        return out, s, e_out

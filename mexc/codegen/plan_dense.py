@@ -1,0 +1,221 @@
+"""Op rules of the launch plan for the dense layers: inputs and state, reshape, ReLU, linear and
+convolution (with their gradients, as host GEMMs), bias gradients, the softmax cross-entropy
+head and the SGD-with-momentum update."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mexc.codegen import gemm_forms as gf
+from mexc.codegen import te_ops
+from mexc.codegen.cpu_gemm import swapped
+from mexc.codegen.plan_core import (
+    I8,
+    I32,
+    PlanBuilder,
+    Shape,
+)
+from mexc.codegen.te_products import ConvGeom
+from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
+from mexc.ir import Node
+from mexc.kernels._common import product_bits
+from mexc.kernels.loss import GRAD_EXP
+from mexc.numerics import EXP_TABLE, FixedScalar
+
+
+class DenseRules(PlanBuilder):
+    def state(self, n: Node) -> None:
+        name = str(n.attrs.name)
+        v = n.result(0)
+        cur = self.prog.state[name]
+        self.m[v] = self.buf(f"state:{name}", self.shape(v), I8)
+        self.e[v] = self.buf(f"state:{name}.e", (max(cur.e.size, 1),), I32)
+        self.plan.state[name] = (self.m[v], self.e[v])
+
+    def input(self, n: Node) -> None:
+        pass  # the quantize node holds the batch
+
+    def quantize(self, n: Node) -> None:
+        self.plan.input = (self.out(n, 0, I8), self.out_exp(n, 0))
+
+    def label(self, n: Node) -> None:
+        self.plan.labels = self.out(n, 0, I32)
+
+    def reshape(self, n: Node) -> None:
+        src = n.inputs[0]
+        v = n.result(0)
+        self.m[v] = self.view(self.m[src], self.shape(v), f"v{n.id}_0")
+        self.e[v] = self.e[src]
+
+    def relu(self, n: Node) -> None:
+        x = n.inputs[0]
+        y = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[x]  # the exponent passes through
+        self.launch(te_ops.relu_forward(self.shape(x), f"n{n.id}_relu"), (self.m[x], y))
+
+    def relu_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        dx = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_ops.relu_backward(self.shape(dy), f"n{n.id}_relu_grad")
+        self.launch(func, (self.m[dy], self.m[x], dx))
+
+    def linear(self, n: Node) -> None:
+        x, w = n.inputs[0], n.inputs[1]
+        o, k = self.shape(w)
+        rows = int(np.prod(self.shape(x)[:-1]))
+        self.need_no_preshift(n, k)
+        acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
+        form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
+        self.gemm(form, (self.rows_view(x), self.m[w]), acc, (k,), (o,))
+        e_acc = self.product_exp(n, x, w)
+        if n.attrs.has_bias:
+            b = n.inputs[2]
+            keys = self.keys(n, (1, 2), "bias_keys")
+            target = self.buf(f"n{n.id}.e_sum", (1,), I32)
+            total = self.buf(f"n{n.id}.sum", (rows, o), I32)
+            func = te_ops.bias_add_acc(
+                (rows, o), 1, product_bits(k), self.stochastic, f"n{n.id}_bias"
+            )
+            self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
+            acc, e_acc = total, target
+        self.compact(n, acc, e_acc, (rows, o), 0)
+
+    def linear_grad_input(self, n: Node) -> None:
+        dy, w = n.inputs
+        o, k = self.shape(w)
+        rows = int(np.prod(self.shape(dy)[:-1]))
+        self.need_no_preshift(n, o)
+        acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
+        form = gf.linear_grad_input(f"n{n.id}_dx", rows, k, o)
+        self.gemm(form, (self.rows_view(dy), self.m[w]), acc, (o,), (k,))
+        self.compact(n, acc, self.product_exp(n, dy, w), (rows, k), 0)
+
+    def linear_grad_weight(self, n: Node) -> None:
+        dy, x = n.inputs
+        o, k = self.shape(dy)[-1], self.shape(x)[-1]
+        rows = int(np.prod(self.shape(dy)[:-1]))
+        self.need_no_preshift(n, rows)
+        acc = self.out(n, 0, I32, (o, k))
+        form = gf.linear_grad_weight(f"n{n.id}_dw", rows, k, o)
+        self.gemm(form, (self.rows_view(dy), self.rows_view(x)), acc, (rows,), (k,))
+        self.e[n.result(0)] = self.product_exp(n, dy, x)
+
+    def bias_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        axes = tuple(int(a) for a in n.attrs.axes)
+        acc = self.out(n, 0, I32)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_ops.axis_sum(self.shape(dy), axes, f"n{n.id}_bias_grad")
+        self.launch(func, (self.m[dy], acc))
+
+    def softmax_ce(self, n: Node) -> None:
+        logits = n.inputs[0]
+        rows, k = self.shape(logits)
+        probs = self.out(n, 0, "uint8")
+        self.plan.probs = probs
+        key = self.keys(n, (0,), "key0")
+        table = self.const("exp_table", EXP_TABLE.values, I32)
+        func = te_ops.softmax_ce_forward(rows, k, self.stochastic, f"n{n.id}_softmax_ce")
+        self.launch(func, (self.m[logits], self.e[logits], key, table, probs))
+
+    def softmax_ce_grad(self, n: Node) -> None:
+        probs = n.inputs[0]
+        rows, k = self.shape(probs)
+        acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
+        self.plan.valid = self.buf("valid", (1,), I32)
+        func = te_ops.softmax_ce_backward_acc(rows, k, f"n{n.id}_softmax_ce_grad")
+        self.launch(func, (self.m[probs], self.plan.labels, self.plan.valid, acc))
+        e_in = self.const("grad_exp", np.array([GRAD_EXP]), I32)
+        self.compact(n, acc, e_in, (rows, k), 0)
+
+    def sgd_update(self, n: Node) -> None:
+        w, grad, v = n.inputs
+        opt = self.prog.optimizer
+        shape = self.shape(w)
+        gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
+        spec = UpdateSpec(
+            gr,
+            self.bits,
+            self.prog.options.per_group_velocity,
+            FixedScalar.of(opt.momentum),
+            FixedScalar.of(opt.weight_decay),
+            self.stochastic,
+            symbolic=True,  # one compiled kernel set serves every parameter shape
+        )
+        wm, gm, vm = (self.view(self.m[t], gr) for t in (w, grad, v))
+        # outputs land in the state buffers (the update is the last reader of the old values)
+        names = {
+            "w": wm,
+            "w_exp": self.e[w],
+            "grad": gm,
+            "grad_exp": self.e[grad],
+            "v": vm,
+            "v_exp": self.e[v],
+            "w_out": wm,
+            "w_exp_out": self.e[w],
+            "v_out": vm,
+            "v_exp_out": self.e[v],
+            "lr": self.buf("lr", (2,), I32),
+            "keys": self.keys(n, tuple(range(9)), "keys"),
+        }
+        for view, site in KEY_VIEWS.items():
+            names[view] = self.keys(n, (site,), view)
+        for local, (shape, dtype) in update_buffers(spec).items():
+            if local not in names:
+                names[local] = self.buf(f"n{n.id}.{local}", shape, dtype)
+        for i, t in enumerate((w, v)):
+            self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
+        for k in update_kernels(spec, f"n{n.id}_sgd"):
+            self.launch(k.func, tuple(names[a] for a in k.args))
+
+    # ----------------------------------------------------------------------------- convolution
+
+    def geom(self, n: Node, x_shape: Shape, w_shape: Shape) -> ConvGeom:
+        at = n.attrs
+        nb, c, h, w = x_shape
+        o, _, kh, kw = w_shape
+        return ConvGeom.of(nb, c, h, w, o, kh, kw, at.stride, at.padding, at.groups)
+
+    def conv(self, n: Node) -> None:
+        x, w = n.inputs[0], n.inputs[1]
+        g = self.geom(n, self.shape(x), self.shape(w))
+        k = g.cg * g.kh * g.kw
+        self.need_no_preshift(n, k)
+        acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+        form = gf.conv_forward(f"n{n.id}_fwd", g)
+        taps = (g.cg, g.kh, g.kw)
+        self.gemm(form, (self.m[x], self.m[w]), acc, taps, (g.n, g.oh, g.ow), (g.og,))
+        e_acc = self.product_exp(n, x, w)
+        if n.attrs.has_bias:
+            b = n.inputs[2]
+            keys = self.keys(n, (1, 2), "bias_keys")
+            target = self.buf(f"n{n.id}.e_sum", (1,), I32)
+            total = self.buf(f"n{n.id}.sum", g.y_shape, I32)
+            func = te_ops.bias_add_acc(
+                g.y_shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias"
+            )
+            self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
+            acc, e_acc = total, target
+        self.compact(n, acc, e_acc, g.y_shape, 0)
+
+    def conv_grad_input(self, n: Node) -> None:
+        dy, w = n.inputs
+        g = self.geom(n, self.shape(n.result(0)), self.shape(w))
+        self.need_no_preshift(n, g.og * g.kh * g.kw)
+        acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
+        form = gf.conv_grad_input(f"n{n.id}_dx", g)
+        self.gemm(form, (self.m[dy], self.m[w]), acc, (g.og, g.kh, g.kw), (g.n, g.h, g.w))
+        self.compact(n, acc, self.product_exp(n, dy, w), g.x_shape, 0)
+
+    def conv_grad_weight(self, n: Node) -> None:
+        dy, x = n.inputs
+        g = self.geom(n, self.shape(x), self.shape(n.result(0)))
+        self.need_no_preshift(n, g.n * g.oh * g.ow)
+        acc = self.out(n, 0, I32)
+        # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
+        # in order along (n, y, x), where the form's own orientation gathers im2col per column
+        form = swapped(gf.conv_grad_weight(f"n{n.id}_dw", g))
+        taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
+        self.gemm(form, (self.m[dy], self.m[x]), acc, pixels, (g.og,), taps)
+        self.e[n.result(0)] = self.product_exp(n, dy, x)
