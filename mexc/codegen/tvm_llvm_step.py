@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -161,19 +162,35 @@ def compile_program(prog: Program, cpu: HostCpu | None = None) -> Compiled:
     cpu = cpu or host_cpu()
     target = cpu.target()
     folder = CACHE / f"llvm-{_cache_key(prog, target)}"
-    if not (folder / "plan.json").exists():
-        plan = build_plan(prog, cpu.lanes32)
-        funcs, alias = _dedup(plan)
-        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=_ensure(CACHE)))
-        _compile_parts(funcs, target, tmp)
-        (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
+    if (folder / "plan.json").exists():
         try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished the same build first
-            shutil.rmtree(tmp, ignore_errors=True)
+            return _load(folder)
+        except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
+            print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
+            shutil.rmtree(folder, ignore_errors=True)
+    plan = build_plan(prog, cpu.lanes32)
+    funcs, alias = _dedup(plan)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=_ensure(CACHE)))
+    _compile_parts(funcs, target, tmp)
+    (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
+    try:
+        os.replace(tmp, folder)  # atomic: an entry is complete or absent
+    except OSError:  # another process finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load(folder)
+
+
+def _load(folder: Path) -> Compiled:
     manifest = json.loads((folder / "plan.json").read_text())
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"plan format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     parts = sorted(folder.glob("part*.so"))
-    return Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest)
+    if not parts:
+        raise ValueError("no compiled kernels")
+    compiled = Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest)
+    for symbol, _ in manifest["launches"]:
+        compiled.function(symbol)  # every kernel present
+    return compiled
 
 
 def _ensure(path: Path) -> Path:

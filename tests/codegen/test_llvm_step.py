@@ -4,6 +4,7 @@ example and for hypothesis-generated random models; the compiled step is cached 
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import numpy as np
@@ -104,3 +105,21 @@ def test_unsupported_op_names_the_node_and_the_way_out() -> None:
         mexc.compile(ViTTiny(depth=1), (torch.zeros(2, 1, 28, 28),), target="llvm")
     text = str(err.value)
     assert "not lowered to TVM yet" in text and "target='reference'" in text and "%" in text
+
+
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
+    first, second = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setattr(tvm_llvm_step, "CACHE", first)
+    cls, shape = EXAMPLES["MLP"]
+    ref, _ = _pair(cls, 8, shape)
+    (entry,) = first.glob("llvm-*")
+    damaged = second / entry.name  # a copy this process never loaded (the first is mapped)
+    shutil.copytree(entry, damaged)
+    for part in damaged.glob("part*.so"):
+        part.write_bytes(b"not a shared library")
+    monkeypatch.setattr(tvm_llvm_step, "CACHE", second)
+    _, llvm = _pair(cls, 8, shape)
+    assert "rebuilding the damaged cache entry" in capsys.readouterr().err
+    x = np.random.default_rng(0).standard_normal((8, *shape)).astype(np.float32)
+    y = np.arange(8) % 10
+    _assert_same_training(ref, llvm, x, y, steps=2)
