@@ -114,18 +114,20 @@ def mix32(x: np.ndarray | int) -> np.ndarray:
     return v
 
 
+def _step_key(seed: int, step: int) -> int:
+    """mix32(mix32(seed) ^ step): the part of a stream key shared by a step's tensors."""
+    return int(mix32(int(mix32(seed & 0xFFFFFFFF)) ^ (step & 0xFFFFFFFF)))
+
+
 def stream_key(seed: int, step: int, tensor_id: int) -> int:
     """Per (seed, step, tensor) key: mix32(mix32(mix32(seed) ^ step) ^ tensor_id)."""
-    k = int(mix32(seed & 0xFFFFFFFF))
-    k = int(mix32(k ^ (step & 0xFFFFFFFF)))
-    return int(mix32(k ^ (tensor_id & 0xFFFFFFFF)))
+    return int(mix32(_step_key(seed, step) ^ (tensor_id & 0xFFFFFFFF)))
 
 
 def stream_keys(seed: int, step: int, tensor_ids: np.ndarray) -> np.ndarray:
     """stream_key for many tensor ids at once (uint32 values in an int64 array)."""
-    k = int(mix32(int(mix32(seed & 0xFFFFFFFF)) ^ (step & 0xFFFFFFFF)))
     ids = np.asarray(tensor_ids, np.int64) & 0xFFFFFFFF
-    return mix32(ids.astype(np.uint32) ^ np.uint32(k)).astype(np.int64)
+    return mix32(ids.astype(np.uint32) ^ np.uint32(_step_key(seed, step))).astype(np.int64)
 
 
 def random_bits(key: int, index: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ from tvm import s_tir, te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm
 from mexc.codegen.te_compaction import where
+from mexc.codegen.te_products import has_block
 
 I8, I32 = "int8", "int32"
 MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
@@ -220,7 +221,7 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
     element); the inner loops stay as they are for LLVM's vectorizer. Blocks whose outer extent
     is below `min_extent` (per-tensor reductions, one-element exponents) stay serial."""
     sch = s_tir.Schedule(func)
-    root = sch.get_sblock("root") if _has_root(sch) else None
+    root = sch.get_sblock("root") if has_block(sch, "root") else None
     blocks = sch.get_child_blocks(root) if root is not None else []
     for blk in blocks:
         loops = sch.get_loops(blk)
@@ -238,11 +239,3 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
             continue  # (a shape variable's extent is taken to be large)
         sch.parallel(spatial[0])  # the outer axis only: fusing would divide every index
     return sch.mod["main"]
-
-
-def _has_root(sch: s_tir.Schedule) -> bool:
-    try:
-        sch.get_sblock("root")
-    except Exception:  # noqa: BLE001 - TVM raises its own error type for a missing block
-        return False
-    return True

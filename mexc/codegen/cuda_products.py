@@ -22,7 +22,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from mexc.codegen.gemm_forms import TILE_K, TILE_MQ, GemmFuncs
-from mexc.codegen.te_products import params
+from mexc.codegen.te_products import has_block, params
 
 THREADS_1D = 256  # threads per block of the gather kernels
 TILE_T = 4  # per-thread register tile (TILE_T x TILE_T outputs)
@@ -163,15 +163,22 @@ def cuda_source(funcs: dict[str, tirx.PrimFunc], arch: str) -> str:
 
 
 def schedule_compaction_shift(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """The max|acc| reduction: one thread block per group, its threads sharing the reduction
-    (TVM's cross-thread allreduce); the 32-step shift count and the exponent on one thread."""
+    """The max|acc| reductions: one thread block per output (group, or row of the first stage of
+    a whole-tensor max), its threads sharing the reduction (TVM's cross-thread allreduce); the
+    32-step shift count and the exponent on one thread."""
     sch = s_tir.Schedule(func)
-    amax = sch.get_sblock("amax")
-    loops = sch.get_loops(amax)
-    red = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
-    _, tx = sch.split(red, [None, THREADS_1D])
-    sch.bind(loops[0], "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
+    names = [n for n in ("amax_rows", "amax") if has_block(sch, n)]
+    for name in names:
+        loops = sch.get_loops(sch.get_sblock(name))
+        if len(loops) == 1:  # |x| of a 1-D tensor's rows: elementwise
+            bx, tx = sch.split(loops[0], [None, THREADS_1D])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            continue
+        red = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
+        _, tx = sch.split(red, [None, THREADS_1D])
+        sch.bind(loops[0], "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
     for name in ("s", "e_out"):
         blk = sch.get_sblock(name)
         outer = sch.get_loops(blk)[0]

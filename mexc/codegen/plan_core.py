@@ -6,7 +6,6 @@ puts them together (docs/cpu.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from tvm import tirx
@@ -74,10 +73,6 @@ def shape4(shape: Shape) -> tuple[int, int, int, int]:
 def ncs_of(shape: Shape) -> te_norm.NCS:
     """A batchnorm operand (N, C, H, W) or (N, C) as (N, C, S)."""
     return (shape[0], shape[1], int(np.prod(shape[2:])))
-
-
-def pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def unsupported(n: Node, why: str) -> UnsupportedOpError:

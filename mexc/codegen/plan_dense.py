@@ -68,18 +68,21 @@ class DenseRules(PlanBuilder):
         acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
         form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
         self.gemm(form, (self.rows_view(x), self.m[w]), acc, (k,), (o,))
-        e_acc = self.product_exp(n, x, w)
-        if n.attrs.has_bias:
-            b = n.inputs[2]
-            keys = self.keys(n, (1, 2), "bias_keys")
-            target = self.buf(f"n{n.id}.e_sum", (1,), I32)
-            total = self.buf(f"n{n.id}.sum", (rows, o), I32)
-            func = te_ops.bias_add_acc(
-                (rows, o), 1, product_bits(k), self.stochastic, f"n{n.id}_bias"
-            )
-            self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
-            acc, e_acc = total, target
+        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), (rows, o), k)
         self.compact(n, acc, e_acc, (rows, o), 0)
+
+    def add_bias(self, n: Node, acc: str, e_acc: str, shape: Shape, k: int) -> tuple[str, str]:
+        """kernels.linear.add_bias on a K-wide product accumulator (bias along axis 1, sites 1
+        and 2) when the node has one: the sum's buffer and exponent, else acc and e_acc."""
+        if not n.attrs.has_bias:
+            return acc, e_acc
+        b = n.inputs[2]
+        keys = self.keys(n, (1, 2), "bias_keys")
+        target = self.buf(f"n{n.id}.e_sum", (1,), I32)
+        total = self.buf(f"n{n.id}.sum", shape, I32)
+        func = te_ops.bias_add_acc(shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias")
+        self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
+        return total, target
 
     def linear_grad_input(self, n: Node) -> None:
         dy, w = n.inputs
@@ -186,17 +189,7 @@ class DenseRules(PlanBuilder):
         form = gf.conv_forward(f"n{n.id}_fwd", g)
         taps = (g.cg, g.kh, g.kw)
         self.gemm(form, (self.m[x], self.m[w]), acc, taps, (g.n, g.oh, g.ow), (g.og,))
-        e_acc = self.product_exp(n, x, w)
-        if n.attrs.has_bias:
-            b = n.inputs[2]
-            keys = self.keys(n, (1, 2), "bias_keys")
-            target = self.buf(f"n{n.id}.e_sum", (1,), I32)
-            total = self.buf(f"n{n.id}.sum", g.y_shape, I32)
-            func = te_ops.bias_add_acc(
-                g.y_shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias"
-            )
-            self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
-            acc, e_acc = total, target
+        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), g.y_shape, k)
         self.compact(n, acc, e_acc, g.y_shape, 0)
 
     def conv_grad_input(self, n: Node) -> None:

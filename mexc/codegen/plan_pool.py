@@ -9,10 +9,10 @@ from mexc.codegen.plan_core import (
     I32,
     PlanBuilder,
     Shape,
-    pair,
     shape4,
     unsupported,
 )
+from mexc.codegen.te_products import _pair
 from mexc.ir import Node, Op
 from mexc.kernels._common import MAG
 from mexc.kernels.elementwise import _keep_threshold, dropout_scale
@@ -46,7 +46,9 @@ class PoolRules(PlanBuilder):
         keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
         target = self.buf(f"n{n.id}.e_sum", (1,), I32)
         acc = self.buf(f"n{n.id}.acc", shape, I32)
-        func = te_pool.aligned_sum(shape, len(terms), self.stochastic, f"n{n.id}_sum")
+        func = te_ops.aligned_sum_acc(
+            shape, len(terms), self.stochastic, f"n{n.id}_sum", exponent_buffers=True
+        )
         args = (*(self.m[t] for t in terms), *(self.e[t] for t in terms), keys, target, acc)
         self.launch(func, args)
         self.compact(n, acc, target, shape, len(terms))
@@ -79,8 +81,8 @@ class PoolRules(PlanBuilder):
             k = (x_shape[2], x_shape[3])
             return k, k, (0, 0)
         at = n.attrs
-        k = pair(at.kernel)
-        return k, pair(at.stride if at.stride is not None else at.kernel), pair(at.padding)
+        k = _pair(at.kernel)
+        return k, _pair(at.stride if at.stride is not None else at.kernel), _pair(at.padding)
 
     def avgpool(self, n: Node) -> None:
         x = n.inputs[0]

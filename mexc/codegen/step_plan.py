@@ -74,17 +74,22 @@ RULES: dict[Op, Callable[[_Builder, Node], None]] = {
 SUPPORTED = tuple(sorted(op.value for op in RULES))
 
 
+# the state inputs each updating op overwrites in place (parameter and velocity; running mean
+# and variance)
+IN_PLACE_INPUTS = {Op.SGD_UPDATE: (0, 2), Op.BN_RUNNING_UPDATE: (0, 1)}
+
+
 def _check_in_place_updates(g: Graph) -> None:
-    """An update overwrites its parameter and velocity buffers: no later node may read them."""
+    """An update overwrites the buffers of the state it updates: no later node may read them."""
     pos = {n.id: i for i, n in enumerate(g.nodes)}
     readers: dict[Value, list[int]] = {}
     for n in g.nodes:
         for v in n.inputs:
             readers.setdefault(v, []).append(pos[n.id])
-    for n in g.nodes_of(Op.SGD_UPDATE):
-        for v in (n.inputs[0], n.inputs[2]):
-            if max(readers.get(v, [0])) > pos[n.id]:
-                raise unsupported(n, "a node after the update reads the old parameter")
+    for n in g.nodes_of(*IN_PLACE_INPUTS):
+        for i in IN_PLACE_INPUTS[n.op]:
+            if max(readers.get(n.inputs[i], [0])) > pos[n.id]:
+                raise unsupported(n, "a node after the update reads the state it overwrites")
 
 
 def build_plan(prog: Program, lanes: int = 8) -> StepPlan:

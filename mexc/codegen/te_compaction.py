@@ -131,6 +131,27 @@ def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
     return te.compute((1,), lambda _: te.max(rows[r], axis=r), name=name)
 
 
+def aligned_target(terms: list[tuple[tirx.PrimExpr, int]]) -> tirx.PrimExpr:
+    """numerics.aligned_sum's target exponent for terms (exponent, static magnitude bits):
+    max(min e_i, max(e_i + b_i) + bit_length(T) - 31)."""
+    lo, top = terms[0][0], terms[0][0] + terms[0][1]
+    for e, b in terms[1:]:
+        lo, top = tirx.min(lo, e), tirx.max(top, e + b)
+    return tirx.max(lo, top + (len(terms).bit_length() - 31))
+
+
+def fit_shift(amax: te.Tensor, limit: int, name: str = "s") -> te.Tensor:
+    """Per element of `amax` (a max |x|, int32 or int64): the smallest s >= 0 with
+    amax <= limit * 2^s, as the count of t in [0, 32) with amax > limit * 2^t (monotone in t)."""
+    t = te.reduce_axis((0, 32), f"{name}_t")
+    over = tirx.const(limit, I64) << t.var.astype(I64)
+    return te.compute(
+        amax.shape,
+        lambda *i: te.sum(tirx.if_then_else(amax[i].astype(I64) > over, 1, 0), axis=t),
+        name=name,
+    )
+
+
 def compaction_shift(
     shape: tuple[int, ...], bits: int, grouped: bool, name: str, shared_exp: bool = False
 ) -> tirx.PrimFunc:
@@ -141,15 +162,7 @@ def compaction_shift(
     acc = te.placeholder(shape, I32, name="acc")
     e_in = te.placeholder((1 if shared_exp else groups,), I32, name="e_in")
     amax = abs_max_rows(acc, "amax") if grouped else abs_max_all(acc, "amax")
-    t = te.reduce_axis((0, 32), "t")
-    q = qmax(bits)
-    # smallest s with m <= q * 2^s = number of t in [0, 32) with m > q * 2^t (monotone in t)
-    over = tirx.const(q, I64) << t.var.astype(I64)
-    s = te.compute(
-        (groups,),
-        lambda g: te.sum(tirx.if_then_else(amax[g].astype(I64) > over, 1, 0), axis=t),
-        name="s",
-    )
+    s = fit_shift(amax, qmax(bits))
     e_out = te.compute((groups,), lambda g: e_in[0 if shared_exp else g] + s[g], name="e_out")
     return te.create_prim_func([acc, e_in, s, e_out]).with_attr("global_symbol", f"{name}_shift")
 

@@ -31,11 +31,14 @@ from tvm import te, tirx
 from mexc.codegen.te_compaction import (
     _flat_index,
     abs_max_all,
+    aligned_target,
+    fit_shift,
     iabs,
     shift_left_saturating,
     shift_signed,
     where,
 )
+from mexc.codegen.te_compaction import _i64 as _c
 from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.kernels.norm import EPS_LIMIT, RSTD_NUM_LOG2
 from mexc.numerics import FixedScalar, ceil_log2, qmax
@@ -45,21 +48,13 @@ NCS = tuple[int, int, int]
 BIG = 1 << 20  # below every exponent the step produces
 
 
-def _c(v: int) -> tirx.PrimExpr:
-    return tirx.const(v, I64)
-
-
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return lower_divisions(te.create_prim_func(args)).with_attr("global_symbol", name)
 
 
-def _abs(v: tirx.PrimExpr) -> tirx.PrimExpr:
-    return iabs(v)
-
-
 def _div_const(a: tirx.PrimExpr, m: int) -> tirx.PrimExpr:
     """numerics.idiv_round(a, m) for a constant m > 0 (int64)."""
-    q = tirx.floordiv(_abs(a) + _c(m // 2), _c(m))
+    q = tirx.floordiv(iabs(a) + _c(m // 2), _c(m))
     return where(a < 0, -q, q)
 
 
@@ -73,7 +68,7 @@ def _bitlen(v: te.Tensor, name: str) -> te.Tensor:
     t = te.reduce_axis((0, 62), f"{name}_t")
     return te.compute(
         v.shape,
-        lambda c: te.sum(tirx.if_then_else(_abs(v[c]) >= (_c(1) << t.var.astype(I64)), 1, 0), t),
+        lambda c: te.sum(tirx.if_then_else(iabs(v[c]) >= (_c(1) << t.var.astype(I64)), 1, 0), t),
         name=name,
     )
 
@@ -124,7 +119,7 @@ def bn_stats(shape: NCS, f: int, name: str = "bn_stats") -> tirx.PrimFunc:
     rs = te.reduce_axis((0, shape[2]), "as")
     part = te.compute(
         shape[:2],
-        lambda n, c: te.max(_abs((x[n, c, rs].astype(I64) << _c(f)) - mu[c]), axis=rs),
+        lambda n, c: te.max(iabs((x[n, c, rs].astype(I64) << _c(f)) - mu[c]), axis=rs),
         name="amax_nc",
     )
     rn = te.reduce_axis((0, shape[0]), "an")
@@ -233,15 +228,8 @@ def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.Prim
         name="amax_nc",
     )
     rn = te.reduce_axis((0, shape[0]), "rn")
-    amax32 = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax32")
-    amax = _per_channel(shape, lambda c: amax32[c].astype(I64), "amax")
-    q = qmax(bits)
-    t = te.reduce_axis((0, 32), "t")
-    s = _per_channel(
-        shape,
-        lambda c: te.sum(tirx.if_then_else(amax[c] > (_c(q) << t.var.astype(I64)), 1, 0), axis=t),
-        "s",
-    )
+    amax = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
+    s = fit_shift(amax, qmax(bits))
     rc = te.reduce_axis((0, shape[1]), "rc")
     top = te.compute(
         (1,),
@@ -278,14 +266,6 @@ def common_apply(
     return _func([acc, sh, key, m], name)
 
 
-def _target(terms: list[tuple[tirx.PrimExpr, int]]) -> tirx.PrimExpr:
-    """numerics.aligned_sum's target exponent for terms (exponent, magnitude bits)."""
-    lo, top = terms[0][0], terms[0][0] + terms[0][1]
-    for e, b in terms[1:]:
-        lo, top = tirx.min(lo, e), tirx.max(top, e + b)
-    return tirx.max(lo, top + (len(terms).bit_length() - 31))
-
-
 def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.PrimFunc:
     """acc = aligned sum of gamma * xhat (14 bits, key 0) and beta (7 bits, key 1, flat index
     c). Parameters (xhat, e_xhat, gamma, e_g, beta, e_b, keys, target, acc)."""
@@ -297,7 +277,7 @@ def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.Pri
     e_b = te.placeholder((1,), I32, name="e_b")
     keys = te.placeholder((2,), I64, name="keys")
     target = te.compute(
-        (1,), lambda _: _target([(e_x[0] + e_g[0], 14), (e_b[0], 7)]), name="target"
+        (1,), lambda _: aligned_target([(e_x[0] + e_g[0], 14), (e_b[0], 7)]), name="target"
     )
 
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -332,18 +312,7 @@ def to_bits_shift(shape: tuple[int, ...], limit_bits: int, name: str) -> tirx.Pr
     Parameters (x int32, e (1,), s (1,), e_out (1,))."""
     x = te.placeholder(shape, I32, name="x")
     e = te.placeholder((1,), I32, name="e")
-    amax = abs_max_all(x, "amax")
-    t = te.reduce_axis((0, 32), "t")
-    s = te.compute(
-        (1,),
-        lambda i: te.sum(
-            tirx.if_then_else(
-                amax[i].astype(I64) > (_c(1 << limit_bits) << t.var.astype(I64)), 1, 0
-            ),
-            t,
-        ),
-        name="s",
-    )
+    s = fit_shift(abs_max_all(x, "amax"), 1 << limit_bits)
     e_out = te.compute((1,), lambda i: e[i] + s[i], name="e_out")
     return _func([x, e, s, e_out], name)
 
@@ -378,7 +347,9 @@ def bn_bracket(shape: NCS, stochastic: bool, name: str = "bn_bracket") -> tirx.P
     keys = te.placeholder((3,), I64, name="keys")
     e3 = e_xh[0] + e_dg[0]
     target = te.compute(
-        (1,), lambda _: _target([(e_dy[0], 7 + lg), (e_dy[0], 7 + lg), (e3, 22)]), name="target"
+        (1,),
+        lambda _: aligned_target([(e_dy[0], 7 + lg), (e_dy[0], 7 + lg), (e3, 22)]),
+        name="target",
     )
 
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -467,7 +438,9 @@ def bn_ema(
         return e_b[c if per_channel_b else 0] + s[0] - momentum.shift
 
     b1, b2 = 7 + one_minus.bit_length(), 15 + momentum.num.bit_length()
-    target = te.compute((channels,), lambda c: _target([(e1(c), b1), (e2(c), b2)]), name="target")
+    target = te.compute(
+        (channels,), lambda c: aligned_target([(e1(c), b1), (e2(c), b2)]), name="target"
+    )
 
     def body(c: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = c.astype(I64)

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, shift_left_saturating, shift_signed, where
+from mexc.codegen.te_compaction import (
+    _flat_index,
+    aligned_target,
+    shift_left_saturating,
+    shift_signed,
+    where,
+)
 from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.codegen.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
@@ -96,6 +102,31 @@ def maxpool_forward(
     return _func([x, y, first], name)
 
 
+def window_through(
+    yy: tirx.PrimExpr,
+    xx: tirx.PrimExpr,
+    ri: tirx.PrimExpr,
+    rj: tirx.PrimExpr,
+    s: tuple[int, int],
+    p: tuple[int, int],
+    out_hw: tuple[int, int],
+) -> tuple[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr]:
+    """The pooling window (oy, ox) that covers input pixel (yy, xx) through tap (ri, rj)
+    (oy*s + ri - p == yy), clamped to (0, 0) when there is none, and whether there is one: the
+    gather form of a pooling backward scatter."""
+    ty, tx = yy + p[0] - ri, xx + p[1] - rj
+    oy, ox = tirx.floordiv(ty, s[0]), tirx.floordiv(tx, s[1])
+    ok = tirx.all(
+        ty >= 0,
+        tx >= 0,
+        tirx.floormod(ty, s[0]) == 0,
+        tirx.floormod(tx, s[1]) == 0,
+        oy < out_hw[0],
+        ox < out_hw[1],
+    )
+    return tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0), ok
+
+
 def maxpool_backward_acc(
     x_shape: tuple[int, int, int, int],
     kernel: IntPair,
@@ -115,18 +146,7 @@ def maxpool_backward_acc(
     rj = te.reduce_axis((0, k[1]), "rj")
 
     def body(n, c, yy, xx):
-        # window (oy, ox) covers (yy, xx) through tap (ri, rj) when oy*s + ri - p == yy
-        ty, tx = yy + p[0] - ri, xx + p[1] - rj
-        oy, ox = tirx.floordiv(ty, s[0]), tirx.floordiv(tx, s[1])
-        ok = tirx.all(
-            ty >= 0,
-            tx >= 0,
-            tirx.floormod(ty, s[0]) == 0,
-            tirx.floormod(tx, s[1]) == 0,
-            oy < oh,
-            ox < ow,
-        )
-        sy, sx = tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0)
+        sy, sx, ok = window_through(yy, xx, ri, rj, s, p, (oh, ow))
         hit = tirx.all(ok, arg[n, c, sy, sx] == ri * k[1] + rj)
         return te.sum(
             where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
@@ -160,37 +180,39 @@ def _maxpool_backward_tiled(
 
 
 def aligned_sum_acc(
-    shape: tuple[int, ...], terms: int, stochastic: bool, name: str = "aligned_sum"
+    shape: tuple[int, ...],
+    terms: int,
+    stochastic: bool,
+    name: str = "aligned_sum",
+    exponent_buffers: bool = False,
 ) -> tirx.PrimFunc:
     """Sum of `terms` int8 tensors with per-tensor exponents (kernels.grad_sum / add_forward
     before their compaction): target = max(min e_i, max(e_i + 7) + c - 31), c = bit_length(T);
     term i shifted by target - e_i with rounding key i. Parameters (m_0 .. m_{T-1}, e, keys,
-    target, acc): e int32[T], keys int64[T] (the uint32 site keys), target int32[1]."""
+    target, acc): e int32[T], keys int64[T] (the uint32 site keys), target int32[1]; with
+    `exponent_buffers` e is T one-element buffers e_0 .. e_{T-1} (each term's own)."""
     if terms < 2:
         raise ValueError("aligned_sum_acc needs at least two terms")
     ms = [te.placeholder(shape, I8, name=f"m{i}") for i in range(terms)]
-    e = te.placeholder((terms,), I32, name="e")
+    if exponent_buffers:
+        e_args = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
+        exps = [e[0] for e in e_args]
+    else:
+        e_args = [te.placeholder((terms,), I32, name="e")]
+        exps = [e_args[0][i] for i in range(terms)]
     keys = te.placeholder((terms,), "int64", name="keys")
-    c = terms.bit_length()
-
-    def target_of(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        lo, top = e[0], e[0] + 7
-        for i in range(1, terms):
-            lo, top = tirx.min(lo, e[i]), tirx.max(top, e[i] + 7)
-        return tirx.max(lo, top + (c - 31))
-
-    target = te.compute((1,), target_of, name="target")
+    target = te.compute((1,), lambda _: aligned_target([(e, 7) for e in exps]), name="target")
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, idx)
         total: tirx.PrimExpr = tirx.const(0, "int64")
         for i in range(terms):
-            t = (target[0] - e[i]).astype("int64")
+            t = (target[0] - exps[i]).astype("int64")
             total = total + shift_signed(ms[i][idx].astype("int64"), t, keys[i], flat, stochastic)
         return total.astype(I32)
 
     acc = te.compute(shape, body, name="acc")
-    return _func([*ms, e, keys, target, acc], name)
+    return _func([*ms, *e_args, keys, target, acc], name)
 
 
 def softmax_ce_forward(
@@ -265,15 +287,15 @@ def bias_add_acc(
     `acc_bits`, rounding key 0, flat index in `shape`) and an int8 bias broadcast along `axis`
     (7 bits, key 1, flat index = the bias element's own index). Parameters (acc, e_acc, bias,
     e_b, keys, target, out): keys int64[2], target int32[1] the sum's exponent."""
-    from mexc.codegen.te_update import _target2
-
     i64 = "int64"
     acc = te.placeholder(shape, I32, name="acc")
     e_acc = te.placeholder((1,), I32, name="e_acc")
     bias = te.placeholder((shape[axis],), I8, name="bias")
     e_b = te.placeholder((1,), I32, name="e_b")
     keys = te.placeholder((2,), i64, name="keys")
-    target = te.compute((1,), lambda _: _target2(e_acc[0], acc_bits, e_b[0], 7), name="target")
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e_acc[0], acc_bits), (e_b[0], 7)]), name="target"
+    )
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         ta = (target[0] - e_acc[0]).astype(i64)

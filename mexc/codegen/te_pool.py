@@ -1,28 +1,27 @@
-"""Average pooling, global average pooling, ReLU6, residual sums and dropout as TIR kernels.
+"""Average pooling, global average pooling, ReLU6 and dropout as TIR kernels.
 
 The TE form of kernels.pool (avgpool2d_*, global_avgpool_*: a global pool is an average pool
 whose one window is the whole image, with the same rounding sites and flat indices),
-kernels.activation.relu6_*, kernels.elementwise (grad_sum / add_forward before compaction,
-dropout). Exponents are one-element run-time buffers; the divisions by the window size are
-numerics.div_const (multiply-and-shift by the precomputed reciprocal of the odd part).
+kernels.activation.relu6_*, kernels.elementwise's dropout (residual and gradient sums are
+te_ops.aligned_sum_acc). Exponents are one-element run-time buffers; the divisions by the
+window size are numerics.div_const (multiply-and-shift by the precomputed reciprocal of the
+odd part).
 """
 
 from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.codegen.te_compaction import _flat_index, iabs, random_word, shift_signed, where
+from mexc.codegen.te_compaction import _flat_index, iabs, random_word, where
+from mexc.codegen.te_compaction import _i64 as _c
 from mexc.codegen.te_divide import lower_divisions
+from mexc.codegen.te_ops import window_through
 from mexc.numerics import Reciprocal
 
 I8, I32, I64 = "int8", "int32", "int64"
 Pair = tuple[int, int]
 Shape4 = tuple[int, int, int, int]
 DIV_BITS = 15
-
-
-def _c(v: int) -> tirx.PrimExpr:
-    return tirx.const(v, I64)
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
@@ -85,17 +84,7 @@ def avgpool_backward_acc(x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str) 
     ri, rj = te.reduce_axis((0, k[0]), "ri"), te.reduce_axis((0, k[1]), "rj")
 
     def body(n, c, yy, xx):
-        ty, tx = yy + p[0] - ri, xx + p[1] - rj
-        oy, ox = tirx.floordiv(ty, s[0]), tirx.floordiv(tx, s[1])
-        ok = tirx.all(
-            ty >= 0,
-            tx >= 0,
-            tirx.floormod(ty, s[0]) == 0,
-            tirx.floormod(tx, s[1]) == 0,
-            oy < oh,
-            ox < ow,
-        )
-        sy, sx = tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0)
+        sy, sx, ok = window_through(yy, xx, ri, rj, s, p, (oh, ow))
         g = div_const(dy[n, c, sy, sx].astype(I64) << _c(DIV_BITS - 7), recip)
         return te.sum(where(ok, g, _c(0)), axis=[ri, rj])
 
@@ -139,35 +128,6 @@ def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
 
     dx = te.compute(shape, body, name="dx")
     return _func([dy, x, e, dx], name)
-
-
-def aligned_sum(shape: tuple[int, ...], terms: int, stochastic: bool, name: str) -> tirx.PrimFunc:
-    """kernels.grad_sum before its compaction, each term's exponent in its own buffer:
-    target = max(min e_i, max(e_i + 7) + bit_length(T) - 31), term i shifted by target - e_i
-    with key i. Parameters (m_0 .. m_{T-1}, e_0 .. e_{T-1}, keys (T,), target, acc)."""
-    ms = [te.placeholder(shape, I8, name=f"m{i}") for i in range(terms)]
-    es = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
-    keys = te.placeholder((terms,), I64, name="keys")
-    c = terms.bit_length()
-
-    def target_of(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        lo, top = es[0][0], es[0][0] + 7
-        for e in es[1:]:
-            lo, top = tirx.min(lo, e[0]), tirx.max(top, e[0] + 7)
-        return tirx.max(lo, top + (c - 31))
-
-    target = te.compute((1,), target_of, name="target")
-
-    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
-        flat = _flat_index(shape, idx)
-        total: tirx.PrimExpr = _c(0)
-        for i in range(terms):
-            t = (target[0] - es[i][0]).astype(I64)
-            total = total + shift_signed(ms[i][idx].astype(I64), t, keys[i], flat, stochastic)
-        return total.astype(I32)
-
-    acc = te.compute(shape, body, name="acc")
-    return _func([*ms, *es, keys, target, acc], name)
 
 
 def dropout_forward_acc(

@@ -301,6 +301,15 @@ def params(func: tirx.PrimFunc) -> list[Param]:
     return [Param(p.name, tuple(int(d) for d in p.shape), str(p.dtype)) for p in func.params]
 
 
+def has_block(sch: s_tir.Schedule, name: str) -> bool:
+    """Whether the scheduled function has a block of that name."""
+    try:
+        sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - TVM raises its own error type for a missing block
+        return False
+    return True
+
+
 def acc_block(func: tirx.PrimFunc) -> str:
     """Name of the reduction block of a product: that of its output parameter."""
     return str(func.params[-1].name)

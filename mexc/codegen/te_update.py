@@ -31,6 +31,7 @@ from tvm import te, tirx
 
 from mexc.codegen.te_compaction import (
     _flat_index,
+    aligned_target,
     compaction_apply,
     compaction_shift,
     shift_left_saturating,
@@ -106,11 +107,6 @@ def update_buffers(spec: UpdateSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def _target2(e1: tirx.PrimExpr, b1: int, e2: tirx.PrimExpr, b2: int) -> tirx.PrimExpr:
-    """numerics.aligned_sum's exponent for two terms (c = bit_length(2) = 2)."""
-    return tirx.max(tirx.min(e1, e2), tirx.max(e1 + b1, e2 + b2) + (2 - 31))
-
-
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return te.create_prim_func(args).with_attr("global_symbol", name)
 
@@ -154,7 +150,9 @@ def wd_sum(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     keys = te.placeholder((9,), I64, name="keys")
     wd_exp = w_exp[0] - wd.shift
     t = te.compute(
-        (spec.kgroups,), lambda g: _target2(e_g[g], b, wd_exp, b + wd.num.bit_length()), name="t"
+        (spec.kgroups,),
+        lambda g: aligned_target([(e_g[g], b), (wd_exp, b + wd.num.bit_length())]),
+        name="t",
     )
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -180,7 +178,9 @@ def v_sum(spec: UpdateSpec, g_site: int, name: str) -> tirx.PrimFunc:
     v_exp = te.placeholder(gshape, I32, name="v_exp")
     keys = te.placeholder((9,), I64, name="keys")
     mom_bits = b + max(mom.num.bit_length(), 1)
-    t = te.compute(gshape, lambda g: _target2(v_exp[g] - mom.shift, mom_bits, e[g], b), name="t")
+    t = te.compute(
+        gshape, lambda g: aligned_target([(v_exp[g] - mom.shift, mom_bits), (e[g], b)]), name="t"
+    )
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         g, flat = op.gi(idx), op.flat(idx)

@@ -101,3 +101,9 @@ def test_bits_roughly_uniform() -> None:
         counts = np.bincount(bits & ((1 << s) - 1), minlength=1 << s)
         expect = bits.size / (1 << s)
         assert np.all(np.abs(counts - expect) < 6 * np.sqrt(expect))
+
+
+def test_stream_keys_equals_stream_key_for_every_id() -> None:
+    ids = np.array([0, 1, 15, 16, 4095, 2**31 + 5, 2**32 - 1], np.int64)
+    got = nx.stream_keys(7, 123456, ids)
+    assert got.tolist() == [nx.stream_key(7, 123456, int(i)) for i in ids]
