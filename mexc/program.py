@@ -11,7 +11,7 @@ import zipfile
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,8 +22,10 @@ from mexc.mx import MX, RoundCtx
 from mexc.numerics import FixedScalar, state_checksum
 from mexc.optim import SGD, Constant, Cosine, Step
 from mexc.parser import parse_graph
-from mexc.passes.plan_memory import MemoryPlan, plan
 from mexc.printer import print_graph
+
+if TYPE_CHECKING:  # the planner needs networkx, which a GPU runtime machine may lack
+    from mexc.passes.plan_memory import MemoryPlan
 
 CHECKPOINT_FORMAT = "mexc-checkpoint-1"
 
@@ -208,6 +210,8 @@ class Program:
 
     def memory_plan(self) -> MemoryPlan:
         if self._plan is None:
+            from mexc.passes.plan_memory import plan
+
             self._plan = plan(self.graph)
         return self._plan
 

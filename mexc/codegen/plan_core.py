@@ -22,6 +22,10 @@ from mexc.program import Program
 
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_ALIGN = 8  # int64 keys per 64 bytes
+# what the plan is lowered for: "cpu" (register-tiled host GEMMs, one symbolic update kernel set)
+# or "gpu" (the GEMM forms every GPU schedule shares, update kernels per parameter shape: a GPU
+# kernel takes buffer pointers only, no shape arguments)
+DEVICES = ("cpu", "gpu")
 Shape = tuple[int, ...]
 
 
@@ -86,8 +90,11 @@ def unsupported(n: Node, why: str) -> UnsupportedOpError:
 class PlanBuilder:
     """Buffers, keys, views and the shared lowering helpers of the op rules."""
 
-    def __init__(self, prog: Program, lanes: int) -> None:
+    def __init__(self, prog: Program, lanes: int, device: str = "cpu") -> None:
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r} is not one of {DEVICES}")
         self.lanes = lanes
+        self.device = device
         self.g: Graph = prog.graph
         self.prog = prog
         self.bits = prog.options.bits
@@ -179,7 +186,11 @@ class PlanBuilder:
         q_dims: tuple[int, ...],
         m_dims: tuple[int, ...] | None = None,
     ) -> None:
-        """A product as pack_a, pack_b, GEMM and unpack (cpu_gemm) on scratch buffers."""
+        """A product as pack_a, pack_b, GEMM and unpack on scratch buffers: cpu_gemm's tiles on
+        the host, the padded GEMM form (gemm_forms) for GPUs."""
+        if self.device == "gpu":
+            self._gemm_form(form, operands, out)
+            return
         cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims)
         a = self.buf(f"{form.name}.a", cg.a_shape, I8)
         b = self.buf(f"{form.name}.b", cg.b_shape, I8)
@@ -192,6 +203,16 @@ class PlanBuilder:
         self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
         self.launch(cg.gemm, (a, b, c))
         self.launch(cg.unpack, (c, out))
+
+    def _gemm_form(self, form: gf.GemmForm, operands: tuple[str, str], out: str) -> None:
+        funcs = gf.gemm_funcs(form)
+        a = self.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
+        b = self.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
+        c = self.buf(f"{form.name}.c", (form.g, form.mp, form.qp), I32)
+        self.launch(funcs.pack_a, (operands[form.a_src], a))
+        self.launch(funcs.pack_b, (operands[form.b_src], b))
+        self.launch(funcs.gemm, (a, b, c))
+        self.launch(funcs.unpack, (c, out))
 
     def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:
         e = self.buf(f"n{n.id}.{tag}", (1,), I32)

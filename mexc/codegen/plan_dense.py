@@ -144,7 +144,8 @@ class DenseRules(PlanBuilder):
             FixedScalar.of(opt.momentum),
             FixedScalar.of(opt.weight_decay),
             self.stochastic,
-            symbolic=True,  # one compiled kernel set serves every parameter shape
+            # on the host one compiled kernel set serves every parameter shape
+            symbolic=self.device == "cpu",
         )
         wm, gm, vm = (self.view(self.m[t], gr) for t in (w, grad, v))
         # outputs land in the state buffers (the update is the last reader of the old values)
@@ -208,7 +209,8 @@ class DenseRules(PlanBuilder):
         acc = self.out(n, 0, I32)
         # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
         # in order along (n, y, x), where the form's own orientation gathers im2col per column
-        form = swapped(gf.conv_grad_weight(f"n{n.id}_dw", g))
+        form = gf.conv_grad_weight(f"n{n.id}_dw", g)
+        form = swapped(form) if self.device == "cpu" else form
         taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
         self.gemm(form, (self.m[dy], self.m[x]), acc, pixels, (g.og,), taps)
         self.e[n.result(0)] = self.product_exp(n, dy, x)

@@ -21,12 +21,17 @@ refuses instead of computing something else (`auto` falls back to the reference)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+import tvm_ffi
+from tvm import tirx
 
 from mexc.codegen.plan_core import I64, Launch, StepPlan, View, unsupported
 from mexc.codegen.plan_dense import DenseRules
 from mexc.codegen.plan_norm import NormRules
 from mexc.codegen.plan_pool import PoolRules
 from mexc.ir import Graph, Node, Op, Value
+from mexc.plan_runtime import PLAN_FIELDS
 from mexc.program import Program
 
 __all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
@@ -92,10 +97,11 @@ def _check_in_place_updates(g: Graph) -> None:
                 raise unsupported(n, "a node after the update reads the state it overwrites")
 
 
-def build_plan(prog: Program, lanes: int = 8) -> StepPlan:
+def build_plan(prog: Program, lanes: int = 8, device: str = "cpu") -> StepPlan:
     """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
-    `lanes`: int32 lanes of the host's vectors, for the GEMM tiles."""
-    b = _Builder(prog, lanes)
+    `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: "cpu" or "gpu"
+    (plan_core.DEVICES)."""
+    b = _Builder(prog, lanes, device)
     for n in prog.graph.nodes:
         rule = RULES.get(n.op)
         if rule is None:
@@ -107,3 +113,45 @@ def build_plan(prog: Program, lanes: int = 8) -> StepPlan:
     _check_in_place_updates(prog.graph)
     b.buf(b.plan.keys, (max(len(b.plan.key_ids), 1),), I64)
     return b.plan
+
+
+def distinct_kernels(
+    plan: StepPlan, schedule: Callable[[tirx.PrimFunc], tirx.PrimFunc]
+) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
+    """One scheduled PrimFunc per distinct kernel of the plan (equal up to its name, e.g. the
+    compactions of equal shapes), and every launch's symbol -> the symbol that implements it."""
+    reps: dict[int, list[tuple[str, tirx.PrimFunc]]] = {}
+    funcs: dict[str, tirx.PrimFunc] = {}
+    alias: dict[str, str] = {}
+    for launch in plan.launches:
+        anon = launch.func.with_attr("global_symbol", "k")
+        bucket = reps.setdefault(tvm_ffi.structural_hash(anon), [])
+        for symbol, other in bucket:
+            if tvm_ffi.structural_equal(anon, other):
+                alias[launch.symbol] = symbol
+                break
+        else:
+            bucket.append((launch.symbol, anon))
+            alias[launch.symbol] = launch.symbol
+            funcs[launch.symbol] = schedule(launch.func).with_attr("global_symbol", launch.symbol)
+    return funcs, alias
+
+
+def plan_manifest(plan: StepPlan) -> dict[str, Any]:
+    """The plan's buffers and host-facing names as JSON (plan_runtime.PLAN_FIELDS); each
+    backend adds how its kernels are launched."""
+    out = {
+        "buffers": {k: [list(s), d] for k, (s, d) in plan.buffers.items()},
+        "views": {k: [v.base, list(v.shape), v.offset] for k, v in plan.views.items()},
+        "constants": {k: [v.dtype.str, v.tolist()] for k, v in plan.constants.items()},
+        "keys": plan.keys,
+        "key_ids": plan.key_ids,
+        "state": plan.state,
+        "input": list(plan.input),
+        "labels": plan.labels,
+        "valid": plan.valid,
+        "lr": plan.lr,
+        "probs": plan.probs,
+    }
+    assert tuple(out) == PLAN_FIELDS
+    return out

@@ -24,16 +24,12 @@ from typing import Any
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import tirx
 
 from mexc.codegen.cpu_gemm import schedule_parallel
-from mexc.codegen.step_plan import StepPlan, build_plan
+from mexc.codegen.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
-from mexc.kernels import quantize
-from mexc.kernels.loss import ce_loss
-from mexc.mx import MX
-from mexc.numerics import stream_keys
+from mexc.plan_runtime import PlanProgram
 from mexc.program import Program
 
 # TVM sizes its thread pool at hardware_concurrency / 2 on x86 (it assumes two hyperthreads per
@@ -58,7 +54,7 @@ def _lowering_sources() -> list[Path]:
     )
 
 
-def _cache_key(prog: Program, target: tvm.target.Target) -> str:
+def _cache_key(prog: Program, target: tvm.target.Target, plan_device: str) -> str:
     """Hash of what the compiled code depends on: the program IR (shapes, attributes, rounding
     sites), bits / rounding / velocity grouping, momentum and weight decay (compile-time
     constants of the update), the target, TVM, and the lowering code. Not the seed, the step or
@@ -66,34 +62,11 @@ def _cache_key(prog: Program, target: tvm.target.Target) -> str:
     o, opt = prog.options, prog.optimizer
     h = hashlib.sha256()
     fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
-    for part in (prog.ir, repr(fixed), str(target), tvm.__version__):
+    for part in (prog.ir, repr(fixed), str(target), plan_device, tvm.__version__):
         h.update(part.encode())
     for src in _lowering_sources():
         h.update(src.read_bytes())
     return h.hexdigest()[:24]
-
-
-def _dedup(plan: StepPlan) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
-    """One PrimFunc per distinct kernel (equal up to its name, e.g. the compactions of equal
-    shapes), scheduled; and every launch's symbol -> the symbol that implements it."""
-    reps: dict[int, list[tuple[str, tirx.PrimFunc]]] = {}
-    funcs: dict[str, tirx.PrimFunc] = {}
-    alias: dict[str, str] = {}
-    for launch in plan.launches:
-        anon = launch.func.with_attr("global_symbol", "k")
-        bucket = reps.setdefault(tvm_ffi.structural_hash(anon), [])
-        for symbol, other in bucket:
-            if tvm_ffi.structural_equal(anon, other):
-                alias[launch.symbol] = symbol
-                break
-        else:
-            bucket.append((launch.symbol, anon))
-            alias[launch.symbol] = launch.symbol
-            # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
-            funcs[launch.symbol] = schedule_parallel(launch.func).with_attr(
-                "global_symbol", launch.symbol
-            )
-    return funcs, alias
 
 
 _PENDING: dict[str, Any] = {}  # what forked compile workers read (inherited, not pickled)
@@ -139,37 +112,29 @@ class Compiled:
 
 
 def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
-    return {
-        "format": MANIFEST_FORMAT,
-        "buffers": {k: [list(s), d] for k, (s, d) in plan.buffers.items()},
-        "views": {k: [v.base, list(v.shape), v.offset] for k, v in plan.views.items()},
-        "constants": {k: [v.dtype.str, v.tolist()] for k, v in plan.constants.items()},
-        "launches": [[alias[x.symbol], list(x.args)] for x in plan.launches],
-        "keys": plan.keys,
-        "key_ids": plan.key_ids,
-        "state": plan.state,
-        "input": list(plan.input),
-        "labels": plan.labels,
-        "valid": plan.valid,
-        "lr": plan.lr,
-        "probs": plan.probs,
-    }
+    launches = [[alias[x.symbol], list(x.args)] for x in plan.launches]
+    return {"format": MANIFEST_FORMAT, **plan_manifest(plan), "launches": launches}
 
 
-def compile_program(prog: Program, cpu: HostCpu | None = None) -> Compiled:
+def compile_program(
+    prog: Program, cpu: HostCpu | None = None, plan_device: str = "cpu"
+) -> Compiled:
     """The compiled training step of `prog`, from the on-disk cache when the same program (IR,
-    options, target, TVM and lowering code) was built before; the cache skips TE and TVM."""
+    options, target, TVM and lowering code) was built before; the cache skips TE and TVM.
+    plan_device="gpu" runs the GPU variant of the launch plan on the host (its GEMM forms and
+    per-shape update kernels): the host twin that checks the CUDA plan bit for bit."""
     cpu = cpu or host_cpu()
     target = cpu.target()
-    folder = CACHE / f"llvm-{_cache_key(prog, target)}"
+    folder = CACHE / f"llvm-{_cache_key(prog, target, plan_device)}"
     if (folder / "plan.json").exists():
         try:
             return _load(folder)
         except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
             print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)
-    plan = build_plan(prog, cpu.lanes32)
-    funcs, alias = _dedup(plan)
+    plan = build_plan(prog, cpu.lanes32, plan_device)
+    # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
+    funcs, alias = distinct_kernels(plan, schedule_parallel)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=_ensure(CACHE)))
     _compile_parts(funcs, target, tmp)
     (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
@@ -221,39 +186,27 @@ class _Buffers:
             self.np[name] = flat
 
 
-class LlvmProgram(Program):
+class LlvmProgram(PlanProgram):
     """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
 
-    def __init__(self, prog: Program) -> None:
-        compiled = compile_program(prog)
-        self._plan_json = m = compiled.manifest
-        self._bufs = _Buffers(m)
+    def __init__(self, prog: Program, plan_device: str = "cpu") -> None:
+        compiled = compile_program(prog, plan_device=plan_device)
+        self._bufs = _Buffers(compiled.manifest)
         self._calls = [
             (compiled.function(symbol), [self._bufs.t[a] for a in args])
-            for symbol, args in m["launches"]
+            for symbol, args in compiled.manifest["launches"]
         ]
-        self._key_ids = np.asarray(m["key_ids"], np.int64)
-        self._state_cache: dict[str, MX] | None = None
-        super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
+        super().__init__(prog, compiled.manifest)
 
-    # the state lives in the plan's buffers; reading it copies it out
-    @property
-    def state(self) -> dict[str, MX]:
-        if self._state_cache is None:
-            out = {}
-            for name, (m, e) in self._plan_json["state"].items():
-                shape = self._exp_shapes[name]
-                out[name] = MX.of(self._bufs.np[m].copy(), self._bufs.np[e].reshape(shape).copy())
-            self._state_cache = out
-        return self._state_cache
+    def _write(self, name: str, values: np.ndarray) -> None:
+        self._bufs.np[name].reshape(-1)[: values.size] = values.reshape(-1)
 
-    @state.setter
-    def state(self, value: dict[str, MX]) -> None:
-        self._exp_shapes = {name: tuple(v.e.shape) for name, v in value.items()}
-        for name, (m, e) in self._plan_json["state"].items():
-            self._bufs.np[m][...] = value[name].m
-            self._bufs.np[e][...] = np.asarray(value[name].e, np.int64).reshape(-1)
-        self._state_cache = None
+    def _read(self, name: str) -> np.ndarray:
+        return self._bufs.np[name].copy()
+
+    def _run(self) -> None:
+        for fn, args in self._calls:
+            fn(*args)
 
     def kernel_times(self, x: Any, y: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per launch (best of `repeats` steps, each launch timed on its own), keyed by
@@ -269,25 +222,3 @@ class LlvmProgram(Program):
                 key = f"{i:04d} {symbol}"
                 best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
         return best
-
-    def step(self, x: Any, y: Any) -> float:
-        xs = self._check_x(x, exact_batch=True)
-        ys = self._check_y(y, self.batch)
-        plan, np_bufs = self._plan_json, self._bufs.np
-        q = quantize(xs, self.options.bits)  # the float boundary, on the host
-        xm, xe = plan["input"]
-        np_bufs[xm][...] = q.m
-        np_bufs[xe][0] = int(q.e)
-        np_bufs[plan["labels"]][...] = ys
-        if plan["valid"]:
-            np_bufs[plan["valid"]][0] = self.batch
-        lr = self.lr_at(self.step_count)
-        np_bufs[plan["lr"]][...] = (lr.num, lr.shift)
-        np_bufs[plan["keys"]][: self._key_ids.size] = stream_keys(
-            self.options.seed, self.step_count, self._key_ids
-        )
-        for fn, args in self._calls:
-            fn(*args)
-        self._state_cache = None
-        self.step_count += 1
-        return ce_loss(np_bufs[plan["probs"]], ys, self.batch)

@@ -1,0 +1,169 @@
+"""Every kernel of the GPU launch plan made launchable from a cubin without TVM's runtime.
+
+TVM turns one PrimFunc into a host function that allocates its intermediate buffers and launches
+one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so here
+
+- `promote_scratch` turns every global intermediate of a PrimFunc (a TE stage between the inputs
+  and the outputs, e.g. the per-row maxima of a compaction shift) into a parameter: the plan
+  allocates it like any other buffer and no kernel needs a host-side allocation;
+- `schedule_gpu` binds every block of a non-GEMM PrimFunc to threads: elementwise blocks and
+  short reductions (pooling windows, the 32 steps of a shift count) one thread per output,
+  reductions of 64 or more terms one thread block per output with the threads sharing the
+  reduction (TVM's cross-thread allreduce);
+- `lower_kernels` runs TVM's CUDA pipeline on the scheduled module, reads every kernel launch of
+  the host functions (symbol, grid, block) and every device kernel's parameter order, and returns
+  them with the CUDA source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir import stmt as sst
+from tvm.tirx.build import split_host_device_mods
+
+THREADS = 256  # threads per block of an elementwise kernel
+REDUCE_THREADS = 128  # threads sharing one output's reduction
+CROSS_THREAD_MIN = 64  # reductions at least this long are shared by a block's threads
+THREAD_TAGS = tuple(f"{kind}.{axis}" for kind in ("blockIdx", "threadIdx") for axis in "xyz")
+
+
+def promote_scratch(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, list[tuple[str, tuple, str]]]:
+    """`func` with the global buffers its root block allocates appended to its parameters, and
+    those buffers as (name, shape, dtype)."""
+    realize = func.body
+    root = realize.block
+    extra = [b for b in root.alloc_buffers if str(b.scope()) == "global"]
+    if not extra:
+        return func, []
+    kept = [b for b in root.alloc_buffers if str(b.scope()) != "global"]
+    block = sst.SBlock(
+        root.iter_vars,
+        root.reads,
+        root.writes,
+        root.name_hint,
+        root.body,
+        root.init,
+        kept,
+        root.match_buffers,
+        root.annotations,
+    )
+    body = sst.SBlockRealize(realize.iter_values, realize.predicate, block)
+    promoted = tirx.PrimFunc([*func.params, *extra], body, func.ret_type, func.attrs)
+    names = [str(p.name) for p in promoted.params]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{func.attrs['global_symbol']}: buffer names repeat: {names}")
+    return promoted, [(str(b.name), tuple(int(d) for d in b.shape), str(b.dtype)) for b in extra]
+
+
+def _fused(sch: s_tir.Schedule, loops: list) -> Any:
+    return sch.fuse(*loops) if len(loops) > 1 else loops[0]
+
+
+def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Thread bindings for every block of `func` (module docstring); each block becomes one
+    kernel. TE places a block's spatial loops first, one per data-parallel iteration variable."""
+    sch = s_tir.Schedule(func)
+    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+        ivars = sch.get(blk).iter_vars
+        spatial_n = sum(int(iv.iter_type) == 0 for iv in ivars)
+        loops = sch.get_loops(blk)
+        spatial, reduce = loops[:spatial_n], loops[spatial_n:]
+        terms = 1
+        for iv in ivars[spatial_n:]:
+            terms *= int(iv.dom.extent)
+        if spatial and reduce and terms >= CROSS_THREAD_MIN:
+            _, tx = sch.split(_fused(sch, reduce), [None, REDUCE_THREADS])
+            sch.bind(_fused(sch, spatial), "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+        elif spatial:
+            bx, tx = sch.split(_fused(sch, spatial), [None, THREADS])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+        else:
+            raise ValueError(f"block {sch.get(blk).name_hint} has no spatial loop to bind")
+    return sch.mod["main"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One device kernel: symbol, grid and block (x, y, z), and the names of the PrimFunc
+    parameters it takes, in the order it takes them."""
+
+    symbol: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: tuple[str, ...]
+
+
+def cuda_target(arch: str) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
+
+
+def _launches(host: tvm.IRModule) -> dict[str, list[tuple[str, dict[str, int]]]]:
+    """{host function: [(kernel symbol, {thread tag: extent})]} in launch order."""
+    out: dict[str, list[tuple[str, dict[str, int]]]] = {}
+    for gv, fn in host.functions.items():
+        calls: list[tuple[str, dict[str, int]]] = []
+
+        def visit(node: Any, visitor: Any, calls: list = calls) -> None:
+            if getattr(node.op, "name", "") == "tirx.call_ffi_kernel":
+                tags = [str(t) for t in node.attrs.launch_params]
+                unknown = set(tags) - set(THREAD_TAGS)
+                if unknown:
+                    raise ValueError(f"kernel {node.args[0].value}: launch parameters {unknown}")
+                extents = [int(a.value) for a in node.args[len(node.args) - len(tags) :]]
+                calls.append((str(node.args[0].value), dict(zip(tags, extents))))
+            visitor.default_visit(node)
+
+        tvm_ffi.structural_visit(fn.body, [(tvm.ir.expr.Call, visit)])
+        out[gv.name_hint] = calls
+    return out
+
+
+def _kernel_params(device: tvm.IRModule) -> dict[str, tuple[str, ...]]:
+    """{device kernel: names of the buffers it takes, in order} (TVM names a buffer's pointer
+    parameter <buffer>_ptr)."""
+    out = {}
+    for gv, fn in device.functions.items():
+        names = []
+        for p in fn.params:
+            name = str(p.name)
+            if not name.endswith("_ptr"):
+                raise ValueError(f"kernel {gv.name_hint} takes a non-buffer parameter {name}")
+            names.append(name[: -len("_ptr")])
+        out[gv.name_hint] = tuple(names)
+    return out
+
+
+def _dims(extents: dict[str, int], kind: str) -> tuple[int, int, int]:
+    x, y, z = (extents.get(f"{kind}.{a}", 1) for a in "xyz")
+    return (x, y, z)
+
+
+def lower_kernels(
+    funcs: dict[str, tirx.PrimFunc], arch: str
+) -> tuple[str, dict[str, list[Kernel]]]:
+    """CUDA source of the scheduled `funcs` and, per function, its kernels in launch order."""
+    target = cuda_target(arch)
+    mod = tvm.tirx.transform.BindTarget(target.with_host(target.host))(tvm.IRModule(funcs))
+    pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+    host, devices = split_host_device_mods(pipeline(mod))
+    if len(devices) != 1:
+        raise ValueError(f"expected one device module, got {len(devices)}")
+    ((dev_target, device_mod),) = devices.items()
+    device_mod = finalize_device()(device_mod)
+    params = _kernel_params(device_mod)
+    kernels: dict[str, list[Kernel]] = {}
+    for symbol, calls in _launches(host).items():
+        if symbol not in funcs:
+            continue
+        kernels[symbol] = [
+            Kernel(k, _dims(e, "blockIdx"), _dims(e, "threadIdx"), params[k]) for k, e in calls
+        ]
+    source = tvm.get_global_func("target.build.cuda")(device_mod, dev_target).inspect_source()
+    return str(source), kernels

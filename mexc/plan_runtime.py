@@ -1,0 +1,102 @@
+"""The host side of a compiled training step, shared by the llvm and CUDA backends.
+
+A compiled step is a launch plan over named buffers (docs/cpu.md, docs/cuda.md), described by a
+JSON manifest: buffers, views, constants, where the state, the batch, the labels, the learning
+rate, the stream keys and the softmax probabilities live. Per step the host writes the quantized
+batch (the float boundary), the labels, the learning rate pair and the stream keys, runs the
+backend's kernels, and reads back the probabilities to log the loss. The state stays in the
+backend's buffers; reading it (state_dict, checksum, checkpoints, evaluation) copies it out.
+Imports neither TVM nor torch: the CUDA runtime machine has neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mexc.kernels.loss import ce_loss
+from mexc.kernels.quantize import quantize
+from mexc.mx import MX
+from mexc.numerics import stream_keys
+from mexc.program import Program
+
+# the manifest entries every backend shares (each adds how it runs its kernels)
+PLAN_FIELDS = (
+    "buffers",
+    "views",
+    "constants",
+    "keys",
+    "key_ids",
+    "state",
+    "input",
+    "labels",
+    "valid",
+    "lr",
+    "probs",
+)
+
+
+class PlanProgram(Program):
+    """A Program whose training step runs a compiled launch plan (same API, same bits as the
+    reference). Subclasses own the buffers: `_write`, `_read` and `_run`."""
+
+    def __init__(self, prog: Program, manifest: dict[str, Any]) -> None:
+        self._plan_json = manifest
+        self._key_ids = np.asarray(manifest["key_ids"], np.int64)
+        self._state_cache: dict[str, MX] | None = None
+        super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
+
+    def _write(self, name: str, values: np.ndarray) -> None:
+        """Copy `values` into the start of buffer or view `name`."""
+        raise NotImplementedError
+
+    def _read(self, name: str) -> np.ndarray:
+        """A host copy of buffer or view `name`."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        """Run the step's kernels in order (inputs written, results left in the buffers)."""
+        raise NotImplementedError
+
+    # the state lives in the plan's buffers; reading it copies it out
+    @property
+    def state(self) -> dict[str, MX]:
+        if self._state_cache is None:
+            out = {}
+            for name, (m, e) in self._plan_json["state"].items():
+                shape = self._exp_shapes[name]
+                out[name] = MX.of(self._read(m), self._read(e).reshape(shape))
+            self._state_cache = out
+        return self._state_cache
+
+    @state.setter
+    def state(self, value: dict[str, MX]) -> None:
+        self._exp_shapes = {name: tuple(v.e.shape) for name, v in value.items()}
+        for name, (m, e) in self._plan_json["state"].items():
+            self._write(m, np.ascontiguousarray(value[name].m, np.int8))
+            self._write(e, np.asarray(value[name].e, np.int32).reshape(-1))
+        self._state_cache = None
+
+    def _write_inputs(self, xs: np.ndarray, ys: np.ndarray) -> None:
+        plan = self._plan_json
+        q = quantize(xs, self.options.bits)  # the float boundary, on the host
+        xm, xe = plan["input"]
+        self._write(xm, q.m)
+        self._write(xe, np.array([int(q.e)], np.int32))
+        self._write(plan["labels"], ys.astype(np.int32))
+        if plan["valid"]:
+            self._write(plan["valid"], np.array([self.batch], np.int32))
+        lr = self.lr_at(self.step_count)
+        self._write(plan["lr"], np.array([lr.num, lr.shift], np.int32))
+        keys = stream_keys(self.options.seed, self.step_count, self._key_ids)
+        self._write(plan["keys"], keys.astype(np.int64))
+
+    def step(self, x: Any, y: Any) -> float:
+        xs = self._check_x(x, exact_batch=True)
+        ys = self._check_y(y, self.batch)
+        self._write_inputs(xs, ys)
+        self._run()
+        self._state_cache = None
+        self.step_count += 1
+        return ce_loss(self._read(self._plan_json["probs"]), ys, self.batch)
