@@ -211,7 +211,7 @@ class PlanBuilder:
         c = self.buf(f"{form.name}.c", (form.g, form.mp, form.qp), I32)
         self.launch(funcs.pack_a, (operands[form.a_src], a))
         self.launch(funcs.pack_b, (operands[form.b_src], b))
-        self.launch(funcs.gemm, (a, b, c))
+        self.launch(funcs.gemm.with_attr("mexc.kind", "gemm"), (a, b, c))  # scheduled as one
         self.launch(funcs.unpack, (c, out))
 
     def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:

@@ -1,0 +1,161 @@
+"""target="cuda": the whole training step compiled ahead of time for an NVIDIA GPU (docs/cuda.md).
+
+`build_step(prog, arch, out)` needs TVM and nvcc but no GPU. It lowers the program with the GPU
+variant of the launch plan (`build_plan(..., device="gpu")`: every product as a padded GEMM form,
+update kernels per parameter shape), schedules every distinct kernel (the GEMMs with dp4a,
+`cuda_products.schedule_gemm_dp4a`; the rest with `cuda_schedule.schedule_gpu`), turns TE
+intermediates into plan buffers, and writes the artifact folder:
+
+    step<i>.cu           TVM's CUDA source of the kernels, in parts lowered in parallel
+    step<i>.<arch>.cubin nvcc -O3 for each of sm_80 / sm_90 (the runtime picks the GPU's)
+    plan.json            buffers, views, constants, state / input / key names (as the llvm
+                         backend's plan) and the kernel list: symbol, grid, block, buffer args
+    program.mexc         a checkpoint (IR, options, optimizer, initial state, step)
+
+`mexc.cuda_program.load_cuda(out)` runs it with CuPy, without TVM or nvcc.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tvm import tirx
+
+from mexc.codegen.cuda_products import schedule_gemm_dp4a
+from mexc.codegen.cuda_schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
+from mexc.codegen.nvcc import compile_cubin
+from mexc.codegen.step_plan import build_plan, distinct_kernels, plan_manifest
+from mexc.cuda_program import ARCHS, FORMAT, PROGRAM_FILE
+from mexc.program import Program
+
+GEMM_KIND = "gemm"  # the attribute plan_core puts on the GEMM of a product
+
+
+def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]]) -> Any:
+    def schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
+        symbol = str(func.attrs["global_symbol"])
+        func, scratch[symbol] = promote_scratch(func)
+        if str(func.attrs.get("mexc.kind", "")) == GEMM_KIND:
+            return schedule_gemm_dp4a(func)
+        return schedule_gpu(func)
+
+    return schedule
+
+
+def build_step(
+    prog: Program, archs: str | tuple[str, ...], out_dir: str | Path, workers: int | None = None
+) -> dict[str, Any]:
+    """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
+    ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
+    `out_dir`; returns the manifest (also in plan.json)."""
+    archs = (archs,) if isinstance(archs, str) else tuple(archs)
+    bad = [a for a in archs if a not in ARCHS]
+    if bad or not archs:
+        raise ValueError(f"archs {list(archs)}: each must be one of {ARCHS}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    plan = build_plan(prog, device="gpu")
+    scratch: dict[str, list[tuple[str, tuple, str]]] = {}
+    funcs, alias = distinct_kernels(plan, _scheduler(scratch))
+    parts = _lower_parts(funcs, workers)
+    t_tvm = time.perf_counter() - t0
+    manifest = {"format": FORMAT, "archs": list(archs), **plan_manifest(plan)}
+    for symbol, bufs in scratch.items():  # one set per distinct kernel: launches run in order
+        for name, shape, dtype in bufs:
+            manifest["buffers"][f"scratch:{symbol}.{name}"] = [list(shape), dtype]
+    module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
+    kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
+    manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
+    t1 = time.perf_counter()
+    manifest["modules"] = _compile_modules([src for src, _ in parts], archs, out)
+    manifest["gemm_kernels"] = sorted(
+        k.symbol
+        for symbol, func in funcs.items()
+        if str(func.attrs.get("mexc.kind", "")) == GEMM_KIND
+        for k in kernels_of[symbol]
+    )
+    manifest["seconds"] = {"tvm": round(t_tvm, 2), "nvcc": round(time.perf_counter() - t1, 2)}
+    prog.save(out / PROGRAM_FILE)
+    manifest["program_sha256"] = hashlib.sha256((out / PROGRAM_FILE).read_bytes()).hexdigest()
+    (out / "plan.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+_PENDING: dict[str, Any] = {}  # what forked lowering workers read (inherited, not pickled)
+
+
+def _lower_part(job: tuple[list[str], str]) -> tuple[str, dict[str, list[Kernel]]]:
+    symbols, arch = job
+    return lower_kernels({s: _PENDING["funcs"][s] for s in symbols}, arch)
+
+
+def _lower_parts(
+    funcs: dict[str, tirx.PrimFunc], workers: int | None
+) -> list[tuple[str, dict[str, list[Kernel]]]]:
+    """TVM's CUDA lowering of the kernels split over worker processes (it runs on one thread):
+    one CUDA source and kernel table per part."""
+    cpus = len(os.sched_getaffinity(0))
+    n = max(1, min(workers or cpus, len(funcs) // 16 or 1))
+    symbols = sorted(funcs)
+    jobs = [(symbols[i::n], ARCHS[0]) for i in range(n)]
+    _PENDING["funcs"] = funcs
+    try:
+        if n == 1:
+            return [_lower_part(jobs[0])]
+        with multiprocessing.get_context("fork").Pool(n) as pool:
+            return pool.map(_lower_part, jobs)
+    finally:
+        _PENDING.clear()
+
+
+def _compile_modules(sources: list[str], archs: tuple[str, ...], out: Path) -> list[dict[str, Any]]:
+    """step<i>.cu and nvcc's step<i>.<arch>.cubin for every part and architecture (nvcc runs
+    as parallel processes)."""
+    modules: list[dict[str, Any]] = []
+    jobs = []
+    for i, source in enumerate(sources):
+        cu = out / f"step{i}.cu"
+        cu.write_text(source)
+        modules.append({"source": cu.name, "cubins": {}})
+        jobs += [(i, arch, cu, out / f"step{i}.{arch}.cubin") for arch in archs]
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+        done = pool.map(lambda j: (j[0], j[1], compile_cubin(j[2], j[1], j[3])), jobs)
+        for i, arch, cubin in done:
+            sha = hashlib.sha256(cubin.read_bytes()).hexdigest()
+            modules[i]["cubins"][arch] = {"file": cubin.name, "sha256": sha}
+    return modules
+
+
+def _kernel_list(
+    launches: list,
+    funcs: dict,
+    alias: dict[str, str],
+    scratch: dict,
+    kernels_of: dict,
+    module_of: dict[str, int],
+) -> list[list[Any]]:
+    """[module, symbol, grid, block, [plan buffer per kernel parameter]] for every kernel of
+    the step, in launch order."""
+    out: list[list[Any]] = []
+    for launch in launches:
+        symbol = alias[launch.symbol]
+        # the implementing kernel's own parameter names (an aliased launch's func is equal up
+        # to names), positionally bound to this launch's buffers
+        names = [str(p.name) for p in funcs[symbol].params][: len(launch.args)]
+        buffer_of = dict(zip(names, launch.args))
+        buffer_of.update({n: f"scratch:{symbol}.{n}" for n, _, _ in scratch[symbol]})
+        for k in kernels_of[symbol]:
+            missing = [p for p in k.params if p not in buffer_of]
+            if missing:
+                raise ValueError(f"kernel {k.symbol}: parameters {missing} are not plan buffers")
+            args = [buffer_of[p] for p in k.params]
+            out.append([module_of[symbol], k.symbol, list(k.grid), list(k.block), args])
+    return out
