@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA product kernels, for a machine with a GPU, CuPy and numpy (no TVM, no nvcc).
-# Prepare on a build machine first:  python bench/make_gpu_artifacts.py --arch sm_90
-# then carry build/gpu along and run:  bash bench/gpu_check.sh [build/gpu]
-# Exits non-zero if any kernel set's accumulator differs from the host reference; writes
-# cuda_check.json to $OUT when set. Well under a minute on one GPU.
+# GPU check of the ahead-of-time CUDA training steps, for a machine with a GPU, CuPy, torch and
+# numpy (no TVM, no nvcc). Prepare on a build machine first:
+#     python bench/make_gpu_artifacts.py            # writes build/gpu/{fashion,resnet18,resnet18-b128}
+# then carry the repository with build/gpu along and run:  bash bench/gpu_check.sh [build/gpu]
+# Checks the Fashion CNN and ResNet-18 steps bit for bit against the host's checksums, times
+# ResNet-18 at batch 128 against PyTorch FP32 eager and BF16 autocast, writes cuda_check.json to
+# $OUT when set; exits non-zero on any mismatch. A few minutes on one GPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-build/gpu}"
-nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader || true
-python3 -c 'import cupy; print("cupy", cupy.__version__)'
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader || true
+python3 -c 'import cupy, numpy; print("cupy", cupy.__version__, "numpy", numpy.__version__)'
 shopt -s nullglob
 folders=("$DIR"/*/)
 if ((${#folders[@]} == 0)); then

@@ -1,51 +1,89 @@
 """Build the artifacts that bench/gpu_check.sh runs on a GPU machine (which has no TVM or nvcc).
 
-    python bench/make_gpu_artifacts.py [--arch sm_90] [--out build/gpu]
+    python bench/make_gpu_artifacts.py [--archs sm_80,sm_90] [--out build/gpu] [--steps 3]
 
-For the Fashion CNN (batch 128) and ResNet-18 (batch 4, so that the host reference stays quick)
-it writes the product kernels (`products.cu`, the cubin, `products.json`) and `expected.json`:
-SHA-256 digests of every kernel set's accumulator on deterministic operands, computed on the host
-through TVM's llvm build of the same GEMM forms.
+- fashion (FashionCNN, batch 128) and resnet18 (ResNet-18, batch 16): the CUDA artifact of the
+  whole training step, a batch (check.npz) and expected.json: the loss and state checksum after
+  each of `--steps` steps and the SHA-256 of every plan buffer after the first step, computed
+  here by the host twin (the same plan's TIR through TVM's llvm target, bit-exact with the
+  reference executor: tests/codegen/test_cuda_step.py);
+- resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
-from examples.models import FashionCNN  # noqa: E402
-from examples.resnet import ResNet18  # noqa: E402
-from mexc.codegen.cuda_build import build_products, write_expected  # noqa: E402
+from mexc.codegen.cuda_step import build_step  # noqa: E402
+from mexc.codegen.tvm_llvm_step import LlvmProgram  # noqa: E402
 
+# name: (model "module:Class", input shape, batch, check exactness, time it)
 TARGETS = {
-    "fashion": (FashionCNN, (1, 28, 28), 128),
-    "resnet18": (ResNet18, (3, 32, 32), 4),
+    "fashion": ("examples.models:FashionCNN", (1, 28, 28), 128, True, False),
+    "resnet18": ("examples.resnet:ResNet18", (3, 32, 32), 16, True, False),
+    "resnet18-b128": ("examples.resnet:ResNet18", (3, 32, 32), 128, False, True),
 }
+
+
+def _program(model: str, shape: tuple[int, ...], batch: int) -> mexc.Program:
+    module, name = model.split(":")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    torch.manual_seed(0)
+    opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4, schedule=mexc.Cosine(100, 5))
+    return mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=opt)
+
+
+def _expected(prog: mexc.Program, folder: Path, steps: int) -> dict:
+    """Run the host twin on a fixed batch; what the GPU must reproduce."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
+    y = rng.integers(0, prog.num_classes, prog.batch)
+    np.savez(folder / "check.npz", x=x, y=y)
+    twin = LlvmProgram(prog, plan_device="gpu")
+    losses, checksums, buffers = [], [], {}
+    for step in range(steps):
+        losses.append(twin.step(x, y))
+        checksums.append(twin.state_checksum())
+        if step == 0:
+            buffers = twin.buffer_digests()
+    return {"losses": losses, "checksums": checksums, "buffers": buffers}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--archs", default="sm_80,sm_90")
     ap.add_argument("--out", default=str(ROOT / "build" / "gpu"))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", default=",".join(TARGETS), help="comma-separated names")
     args = ap.parse_args(argv)
-    for name, (cls, shape, batch) in TARGETS.items():
+    archs = tuple(args.archs.split(","))
+    for name in args.only.split(","):
+        model, shape, batch, exact, timed = TARGETS[name]
         t0 = time.perf_counter()
-        torch.manual_seed(0)
-        prog = mexc.compile(cls(), (torch.zeros(batch, *shape),))
-        folder = Path(args.out) / f"{name}-{args.arch}"
-        man = build_products(prog, args.arch, folder)
-        exp = write_expected(prog, folder)
+        prog = _program(model, shape, batch)
+        folder = Path(args.out) / name
+        man = build_step(prog, archs, folder)
+        doc: dict = {"model": model, "batch": batch}
+        if exact:
+            doc.update(_expected(_program(model, shape, batch), folder, args.steps))
+        if timed:
+            doc["timing"] = {"model": model, "input_shape": list(shape), "batch": batch}
+        (folder / "expected.json").write_text(json.dumps(doc, indent=1))
         print(
-            f"{folder}: {len(man['products'])} products, {len(exp['kernel_sets'])} kernel sets, "
-            f"{time.perf_counter() - t0:.1f} s"
+            f"{folder}: {len(man['kernels'])} kernels per step, built in "
+            f"{time.perf_counter() - t0:.1f} s (TVM {man['seconds']['tvm']} s, "
+            f"nvcc {man['seconds']['nvcc']} s)"
         )
     return 0
 

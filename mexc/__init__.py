@@ -21,6 +21,7 @@ from mexc.errors import (
 
 if TYPE_CHECKING:
     from mexc.compiler import compile
+    from mexc.cuda_program import load_cuda
     from mexc.optim import SGD, Constant, Cosine, Step
     from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
     from mexc.program import Program, load
@@ -41,6 +42,7 @@ _LAZY = {
     "Timing": "mexc.pass_manager",
     "Program": "mexc.program",
     "load": "mexc.program",
+    "load_cuda": "mexc.cuda_program",
     "Trainer": "mexc.trainer",
 }
 
@@ -75,4 +77,5 @@ __all__ = [
     "VerificationError",
     "compile",
     "load",
+    "load_cuda",
 ]

@@ -139,12 +139,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model, name = load_model(args.model)
     example = torch.zeros(args.batch, *shape)
+    if args.target == "cuda" and not args.out:
+        raise CliError("--target cuda compiles ahead of time and needs --out DIR")
     prog = mexc.compile(
         model,
         (example,),
         bits=args.bits,
         seed=args.seed,
-        target=args.target,
+        target="reference" if args.target == "cuda" else args.target,
         per_group_velocity=not args.no_per_group_velocity,
         rounding=rounding_mode(args.rounding),
         instruments=instruments,
@@ -167,11 +169,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _export(prog: Any, args: argparse.Namespace) -> None:
-    """--target c --out DIR: write the standalone C training project."""
+    """--out DIR: write the standalone C training project (--target c) or the CUDA artifact."""
     from mexc.data import get_dataset
 
+    if args.target == "cuda":
+        _export_cuda(prog, args)
+        return
     if args.target != "c":
-        raise CliError("--out writes a C project and needs --target c")
+        raise CliError("--out writes a C project (--target c) or a CUDA artifact (--target cuda)")
     if args.steps <= 0:
         raise CliError(f"--steps must be positive, got {args.steps}")
     x, y = get_dataset(args.train_data, "train")
@@ -185,6 +190,23 @@ def _export(prog: Any, args: argparse.Namespace) -> None:
     print(
         f"C project written to {out} ({args.steps} steps over {want} embedded samples); "
         f"build and run with: make -C {out} run-qemu   (or: make -C {out} run-host)"
+    )
+
+
+def _export_cuda(prog: Any, args: argparse.Namespace) -> None:
+    from mexc.codegen.cuda_step import build_step
+    from mexc.cuda_runtime import ARCHS
+
+    archs = tuple(a.strip() for a in args.arch.split(",") if a.strip())
+    bad = [a for a in archs if a not in ARCHS]
+    if bad or not archs:
+        raise CliError(f"--arch {args.arch!r}: choose from {', '.join(ARCHS)}")
+    man = build_step(prog, archs, args.out)
+    print(
+        f"CUDA artifact written to {args.out}: {len(man['kernels'])} kernel launches per step "
+        f"in {len(man['modules'])} modules for {', '.join(archs)} (TVM {man['seconds']['tvm']} s, "
+        f"nvcc {man['seconds']['nvcc']} s); run it on the GPU with "
+        f"mexc.load_cuda({str(args.out)!r}) (needs CuPy, not TVM)"
     )
 
 
@@ -255,7 +277,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _compile_flags(
-    p: argparse.ArgumentParser, rounding: Sequence[str], default: str, target: str = "reference"
+    p: argparse.ArgumentParser,
+    rounding: Sequence[str],
+    default: str,
+    target: str = "reference",
+    targets: Sequence[str] = ("reference", "llvm", "c", "auto"),
 ) -> None:
     p.add_argument("model", help="path/to/file.py:Name (nn.Module class or function)")
     p.add_argument("--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8)")
@@ -263,7 +289,7 @@ def _compile_flags(
     p.add_argument(
         "--target",
         default=target,
-        choices=("reference", "llvm", "c", "auto"),
+        choices=targets,
         help=f"backend (default: {target}; auto = llvm where TVM lowers every op, else reference)",
     )
     p.add_argument(
@@ -286,7 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_passes)
 
     p = sub.add_parser("compile", help="compile a model and show its IR / memory")
-    _compile_flags(p, ("stochastic", "nearest", "deterministic"), "stochastic")
+    _compile_flags(
+        p,
+        ("stochastic", "nearest", "deterministic"),
+        "stochastic",
+        targets=("reference", "llvm", "c", "auto", "cuda"),
+    )
     p.add_argument("--input-shape", required=True, help="shape of one input, e.g. 1,28,28")
     p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
     p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
@@ -298,7 +329,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dump-ir", metavar="DIR", help="write each stage to DIR/NN_<pass>.mexir")
     p.add_argument("--time-passes", action="store_true", help="print a pass timing table")
-    p.add_argument("--out", metavar="DIR", help="with --target c: write a standalone C project")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="with --target c: write a standalone C project; with --target cuda: write the "
+        "ahead-of-time CUDA artifact (run it with mexc.load_cuda(DIR))",
+    )
+    p.add_argument(
+        "--arch",
+        default="sm_80,sm_90",
+        help="with --target cuda: GPU architectures, comma-separated (default sm_80,sm_90)",
+    )
     p.add_argument(
         "--board",
         default="mps2-an385",

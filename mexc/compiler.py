@@ -21,7 +21,7 @@ from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
 from mexc.types import Exp
 
-TARGETS = ("reference", "c", "llvm", "auto")
+TARGETS = ("reference", "c", "llvm", "auto", "cuda")
 
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
@@ -101,7 +101,23 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         return CProgram(prog, steps_hint=_steps_hint(opt))
     if target in ("llvm", "auto"):
         return on_host_backend(prog, required=target == "llvm")
+    if target == "cuda":
+        return on_gpu(prog)
     return prog
+
+
+def on_gpu(prog: Program) -> Program:
+    """`prog` with its step compiled for the GPU of this machine (TVM and nvcc build the artifact
+    into the kernel cache; CuPy runs it). A GPU machine without TVM runs an artifact built
+    elsewhere: `mexc compile ... --target cuda --out DIR`, then `mexc.load_cuda(DIR)`."""
+    from mexc.cuda_program import CudaProgram, StepArtifact
+    from mexc.cuda_runtime import cupy_module
+
+    cupy_module()  # a clear error before a minute of building, where CuPy is missing
+    from mexc.codegen.cuda_step import cached_artifact
+
+    folder = cached_artifact(prog)
+    return CudaProgram(StepArtifact.load(folder), program=_retarget(prog, "cuda"))
 
 
 def on_host_backend(prog: Program, required: bool = True) -> Program:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mexc.cuda_runtime import ARCHS, ArtifactError, _cupy
+from mexc.cuda_runtime import ARCHS, ArtifactError, cupy_module
 from mexc.errors import CheckpointError
 from mexc.plan_runtime import PLAN_FIELDS, PlanProgram
 from mexc.program import Program
@@ -141,8 +141,10 @@ class CudaProgram(PlanProgram):
     kernels launched in plan order on the current stream. Same API and bits as the reference;
     the state stays on the device (reading it copies it out)."""
 
-    def __init__(self, artifact: StepArtifact, device: int = 0) -> None:
-        cp = _cupy()
+    def __init__(
+        self, artifact: StepArtifact, device: int = 0, program: Program | None = None
+    ) -> None:
+        cp = cupy_module()
         self._cp = cp
         self._device = cp.cuda.Device(device)
         man = artifact.manifest
@@ -161,7 +163,7 @@ class CudaProgram(PlanProgram):
                 for module, symbol, grid, block, args in man["kernels"]
             ]
         self.artifact = artifact
-        super().__init__(artifact.program, man)
+        super().__init__(program or artifact.program, man)
 
     def _write(self, name: str, values: np.ndarray) -> None:
         flat = self._t[name].reshape(-1)
@@ -217,5 +219,6 @@ def _allocate(cp: Any, man: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_cuda(path: str | Path, device: int = 0) -> CudaProgram:
-    """The training program of a CUDA artifact folder, on GPU `device` (CuPy)."""
+    """The training program of a CUDA artifact folder, on GPU `device` (CuPy): its state and
+    step count are the artifact's (a checkpoint can be loaded with load_state_dict)."""
     return CudaProgram(StepArtifact.load(path), device)

@@ -11,6 +11,7 @@ Imports neither TVM nor torch: the CUDA runtime machine has neither.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,24 @@ class PlanProgram(Program):
     def _run(self) -> None:
         """Run the step's kernels in order (inputs written, results left in the buffers)."""
         raise NotImplementedError
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The launch plan's manifest (buffers, views, kernels, host-facing names)."""
+        return self._plan_json
+
+    def read_buffer(self, name: str) -> np.ndarray:
+        """A host copy of plan buffer or view `name` (for checks and debugging)."""
+        return self._read(name)
+
+    def buffer_digests(self) -> dict[str, str]:
+        """SHA-256 of every plan buffer, in plan order; a kernel's scratch buffers (CUDA) are
+        left out. Two backends running the same plan agree on every entry after a step."""
+        return {
+            name: hashlib.sha256(np.ascontiguousarray(self._read(name)).tobytes()).hexdigest()
+            for name in self._plan_json["buffers"]
+            if not name.startswith("scratch:")
+        }
 
     # the state lives in the plan's buffers; reading it copies it out
     @property

@@ -9,8 +9,9 @@ geometry share one set of kernels. `build_products(prog, arch, out_dir)` writes
     products.json         for each product node: its kernels in launch order with grid, block and
                           kernel arguments (buffer name, shape, dtype) in the order the kernel takes
 
-This is the product half of the CUDA backend; the elementwise/reduction kernels, the launch plan
-of the whole step and the runtime that runs it are not built yet (docs/cuda.md).
+The whole training step is built by cuda_step (every CNN op); this module serves the products of
+models whose other ops the step plan does not lower yet (the transformer ops of the ViT), so that
+their int8 product kernels are built and checked for both architectures (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from mexc.codegen import gemm_forms as gf
 from mexc.codegen.cuda_products import KernelLaunch, cuda_source, schedule_product
 from mexc.codegen.nvcc import compile_cubin
 from mexc.codegen.te_products import ConvGeom
-from mexc.cuda_runtime import FORMAT, deterministic_operands, digest
 from mexc.ir import Graph, Node, Op
 from mexc.program import Program
 
 INDEX_LIMIT = 2**31 - 1  # kernels index with int32
+FORMAT = "mexc-cuda-products-1"
 
 
 # Which node input feeds each GEMM-form operand, per (op, role): the form's operands are
@@ -235,28 +236,6 @@ def _launch_json(k: KernelLaunch, signatures: dict[str, list[str]]) -> dict[str,
     d["args"] = [{"name": n, "shape": list(by_name[n][0]), "dtype": by_name[n][1]} for n in order]
     del d["params"]
     return d
-
-
-def write_expected(prog: Program, out_dir: str | Path) -> dict[str, Any]:
-    """Reference accumulators for the GPU check: for the first product of each kernel set,
-    operands from `cuda_runtime.deterministic_operands` (seed = product index) run through the
-    host (llvm) build of the same GEMM form; their SHA-256 digests go to `expected.json`."""
-    out = Path(out_dir)
-    man = json.loads((out / "products.json").read_text())
-    uses = product_forms(prog)
-    expected: dict[str, Any] = {}
-    for index, (use, entry) in enumerate(zip(uses, man["products"])):
-        name = entry["kernels"]
-        if name in expected:
-            continue
-        form = use.form
-        shapes = {op.name: op.shape for op in form.operands}
-        ops = deterministic_operands(shapes, index)
-        acc = run_form_on_host(form, *(ops[op.name] for op in form.operands))
-        expected[name] = {"product": index, "sha256": digest(acc), "macs": form.macs}
-    doc = {"format": "mexc-cuda-expected-1", "seed": "product index", "kernel_sets": expected}
-    (out / "expected.json").write_text(json.dumps(doc, indent=1))
-    return doc
 
 
 def run_form_on_host(form: gf.GemmForm, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -21,8 +21,11 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +86,9 @@ def build_step(
         for k in kernels_of[symbol]
     )
     manifest["seconds"] = {"tvm": round(t_tvm, 2), "nvcc": round(time.perf_counter() - t1, 2)}
-    prog.save(out / PROGRAM_FILE)
+    opts = replace(prog.options, target="cuda")
+    as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
+    as_cuda.save(out / PROGRAM_FILE)
     manifest["program_sha256"] = hashlib.sha256((out / PROGRAM_FILE).read_bytes()).hexdigest()
     (out / "plan.json").write_text(json.dumps(manifest))
     return manifest
@@ -159,3 +164,21 @@ def _kernel_list(
             args = [buffer_of[p] for p in k.params]
             out.append([module_of[symbol], k.symbol, list(k.grid), list(k.block), args])
     return out
+
+
+def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
+    """The artifact folder of `prog`'s step in the kernel cache (built when absent). Its
+    program file holds the state of the first build; callers bring their own state."""
+    from mexc.codegen.tvm_llvm_step import CACHE, cache_key
+
+    folder = CACHE / f"cuda-{cache_key(prog, 'cuda ' + ','.join(archs))}"
+    if (folder / "plan.json").exists():
+        return folder
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=CACHE))
+    build_step(prog, archs, tmp)
+    try:
+        os.replace(tmp, folder)  # atomic: an entry is complete or absent
+    except OSError:  # another process finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -54,7 +54,7 @@ def _lowering_sources() -> list[Path]:
     )
 
 
-def _cache_key(prog: Program, target: tvm.target.Target, plan_device: str) -> str:
+def cache_key(prog: Program, target: str) -> str:
     """Hash of what the compiled code depends on: the program IR (shapes, attributes, rounding
     sites), bits / rounding / velocity grouping, momentum and weight decay (compile-time
     constants of the update), the target, TVM, and the lowering code. Not the seed, the step or
@@ -62,7 +62,7 @@ def _cache_key(prog: Program, target: tvm.target.Target, plan_device: str) -> st
     o, opt = prog.options, prog.optimizer
     h = hashlib.sha256()
     fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
-    for part in (prog.ir, repr(fixed), str(target), plan_device, tvm.__version__):
+    for part in (prog.ir, repr(fixed), target, tvm.__version__):
         h.update(part.encode())
     for src in _lowering_sources():
         h.update(src.read_bytes())
@@ -125,7 +125,7 @@ def compile_program(
     per-shape update kernels): the host twin that checks the CUDA plan bit for bit."""
     cpu = cpu or host_cpu()
     target = cpu.target()
-    folder = CACHE / f"llvm-{_cache_key(prog, target, plan_device)}"
+    folder = CACHE / f"llvm-{cache_key(prog, f'{target} plan={plan_device}')}"
     if (folder / "plan.json").exists():
         try:
             return _load(folder)

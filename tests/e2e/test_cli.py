@@ -137,6 +137,12 @@ def test_unsupported_op_exits_2_without_traceback(tmp_path: Path) -> None:
         (["compile", f"{MODELS}:MLP", "--input-shape", "1,x"], "comma-separated"),
         (["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--bits", "12"], "bits"),
         (["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--print-after", "nope"], "nope"),
+        (["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--target", "cuda"], "--out"),
+        (
+            ["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--target", "cuda"]
+            + ["--out", "/tmp/never-written", "--arch", "sm_75"],
+            "sm_80, sm_90",
+        ),
         (["train", f"{MODELS}:MLP", "--data", "mnist"], "unknown dataset"),
         (["train", f"{MODELS}:MLP", "--data", "digits", "--resume", "/no/such/dir"], "resume"),
     ],

@@ -1,0 +1,262 @@
+"""target="cuda": the whole training step built ahead of time (TVM + nvcc, no GPU).
+
+- The GPU variant of the launch plan (GEMM forms, per-shape update kernels) trains bit-exact
+  with the reference when its very TIR runs on the host (the llvm "twin").
+- Every example model and ResNet-18 build for sm_80 and sm_90 from one lowering: every planned
+  kernel is in both cubins, no kernel has a floating-point instruction, every GEMM kernel has
+  integer dot products (IDP.4A), every kernel argument is a plan buffer.
+- The artifact loads and validates without TVM, torch or networkx; corrupt or foreign artifacts
+  are refused with a clear error; running needs CuPy and a GPU (tests marked gpu).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cuda_products import needs_cuda_tools
+
+import mexc
+from examples.models import EXAMPLES
+from examples.resnet import ResNet18
+from mexc.codegen.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes
+from mexc.codegen.tvm_llvm_step import LlvmProgram
+from mexc.cuda_runtime import ArtifactError
+from mexc.errors import MexcError
+from tests.compiler.test_fuzz import models as random_models
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = {**EXAMPLES, "ResNet18": (ResNet18, (3, 32, 32))}
+
+
+def _optimizer() -> mexc.SGD:
+    return mexc.SGD(
+        lr=0.05, momentum=0.9, weight_decay=5e-4, schedule=mexc.Cosine(40, warmup_steps=2)
+    )
+
+
+def _program(factory, batch: int, shape: tuple[int, ...], seed: int = 0) -> mexc.Program:
+    torch.manual_seed(0)
+    model = factory() if isinstance(factory, type) else factory
+    return mexc.compile(model, (torch.zeros(batch, *shape),), optimizer=_optimizer(), seed=seed)
+
+
+def _twin_matches_reference(factory, batch: int, shape: tuple, steps: int, seed: int = 0) -> None:
+    ref = _program(factory, batch, shape, seed)
+    twin = LlvmProgram(_program(factory, batch, shape, seed), plan_device="gpu")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = rng.integers(0, ref.num_classes, batch)
+    for step in range(steps):
+        assert twin.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
+        assert twin.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
+
+
+def test_gpu_plan_of_the_fashion_cnn_is_bit_exact_on_the_host() -> None:
+    cls, shape = EXAMPLES["FashionCNN"]
+    _twin_matches_reference(cls, 4, shape, steps=5)
+
+
+@settings(max_examples=3, deadline=None)
+@given(model=random_models(), seed=st.integers(0, 2**16))
+def test_gpu_plan_of_random_models_is_bit_exact_on_the_host(model, seed: int) -> None:
+    _twin_matches_reference(model, 4, (1, 8, 8), steps=3, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mexc.Program]:
+    from mexc.codegen.cuda_step import build_step
+
+    cls, shape = EXAMPLES["DigitsCNN"]
+    prog = _program(cls, 8, shape)
+    out = tmp_path_factory.mktemp("digits-cuda")
+    build_step(prog, ARCHS, out)
+    return out, prog
+
+
+def _check_artifact(out: Path, manifest: dict) -> None:
+    buffers = set(manifest["buffers"]) | set(manifest["views"])
+    for module, entry in enumerate(manifest["modules"]):
+        planned = {k[1] for k in manifest["kernels"] if k[0] == module}
+        for arch in ARCHS:
+            opcodes = sass_opcodes(out / entry["cubins"][arch]["file"])
+            assert planned <= set(opcodes), (arch, sorted(planned - set(opcodes))[:5])
+            floats = {k: float_opcodes(v) for k, v in opcodes.items() if float_opcodes(v)}
+            assert not floats, (arch, floats)
+            for symbol in set(manifest["gemm_kernels"]) & planned:
+                assert integer_mma(opcodes[symbol]) >= 16, (arch, symbol)
+    for _, symbol, grid, block, args in manifest["kernels"]:
+        assert all(a in buffers for a in args), symbol
+        assert 1 <= np.prod(block) <= 1024 and min(grid) >= 1, symbol
+    assert manifest["gemm_kernels"]
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_build_for_both_archs_integer_only(name: str, tmp_path: Path) -> None:
+    from mexc.codegen.cuda_step import build_step
+
+    cls, shape = MODELS[name]
+    manifest = build_step(_program(cls, 128, shape), ARCHS, tmp_path)
+    _check_artifact(tmp_path, manifest)
+    on_disk = json.loads((tmp_path / "plan.json").read_text())
+    assert on_disk["kernels"] == manifest["kernels"] and on_disk["archs"] == list(ARCHS)
+
+
+@needs_cuda_tools
+def test_artifact_loads_without_tvm_torch_or_networkx(digits_artifact) -> None:
+    out, prog = digits_artifact
+    code = (
+        "import sys\n"
+        "for m in ('tvm', 'torch', 'networkx'): sys.modules[m] = None  # imports now fail\n"
+        "from mexc.cuda_program import StepArtifact\n"
+        f"art = StepArtifact.load({str(out)!r})\n"
+        "print(art.archs, art.arch_for('90'), art.arch_for('86'), art.program.state_checksum())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-3:] == ["sm_90", "sm_80", prog.state_checksum()]
+
+
+@needs_cuda_tools
+def test_artifact_arch_choice_follows_binary_compatibility(digits_artifact) -> None:
+    from mexc.cuda_program import StepArtifact
+
+    art = StepArtifact.load(digits_artifact[0])
+    assert [art.arch_for(cc) for cc in ("80", "86", "89", "90")] == ["sm_80"] * 3 + ["sm_90"]
+    for cc in ("75", "100", "120"):
+        with pytest.raises(ArtifactError, match="compute capability"):
+            art.arch_for(cc)
+
+
+def _tampered(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    man = json.loads((dst / "plan.json").read_text())
+    edit(dst, man)
+    (dst / "plan.json").write_text(json.dumps(man))
+    return dst
+
+
+@needs_cuda_tools
+def test_corrupt_artifacts_are_refused(digits_artifact, tmp_path: Path) -> None:
+    from mexc.cuda_program import StepArtifact
+
+    src = digits_artifact[0]
+
+    def flip_cubin(d: Path, man: dict) -> None:
+        cubin = d / man["modules"][0]["cubins"]["sm_90"]["file"]
+        data = bytearray(cubin.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        cubin.write_bytes(bytes(data))
+
+    def unknown_buffer(d: Path, man: dict) -> None:
+        man["kernels"][3][4][0] = "nowhere"
+
+    def foreign_arch(d: Path, man: dict) -> None:
+        man["archs"] = ["sm_75"]
+
+    def other_program(d: Path, man: dict) -> None:
+        (d / "program.mexc").write_bytes(b"not a checkpoint")
+
+    def view_overflow(d: Path, man: dict) -> None:
+        name = next(iter(man["views"]))
+        man["views"][name][2] = 10**9
+
+    cases = [
+        (flip_cubin, "SHA-256"),
+        (unknown_buffer, "unknown buffer"),
+        (foreign_arch, "sm_75"),
+        (other_program, "SHA-256"),
+        (view_overflow, "does not fit"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        bad = _tampered(src, tmp_path / f"bad{i}", edit)
+        with pytest.raises(ArtifactError, match=message) as info:
+            StepArtifact.load(bad)
+        assert "mexc compile" in str(info.value)  # says how to rebuild
+    (tmp_path / "bad0" / "plan.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        StepArtifact.load(tmp_path / "bad0")
+    with pytest.raises(ArtifactError, match="missing"):
+        StepArtifact.load(tmp_path / "nowhere")
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
+        return False
+
+
+@needs_cuda_tools
+def test_running_without_cupy_is_a_clear_error(digits_artifact) -> None:
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("CuPy is installed")
+    except ImportError:
+        pass
+    from mexc.cuda_program import load_cuda
+
+    with pytest.raises(MexcError, match="CuPy"):
+        load_cuda(digits_artifact[0])
+
+
+@needs_cuda_tools
+@pytest.mark.gpu
+@pytest.mark.skipif(not _have_gpu(), reason="needs CuPy and an NVIDIA GPU")
+def test_gpu_training_is_bit_exact(digits_artifact) -> None:  # pragma: no cover - GPU only
+    from mexc.cuda_program import load_cuda
+
+    out, _ = digits_artifact
+    cls, shape = EXAMPLES["DigitsCNN"]
+    ref = _program(cls, 8, shape)
+    gpu = load_cuda(out)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, 8)
+    for step in range(5):
+        assert gpu.step(x, y) == ref.step(x, y), step
+        assert gpu.state_checksum() == ref.state_checksum(), step
+    assert np.array_equal(gpu.predict(x), ref.predict(x))
+
+
+@needs_cuda_tools
+def test_cli_writes_a_cuda_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mexc.cli import main
+    from mexc.cuda_program import StepArtifact
+
+    out = tmp_path / "mlp"
+    models = ROOT / "examples" / "models.py"
+    args = ["compile", f"{models}:MLP", "--input-shape", "1,8,8", "--batch", "16"]
+    assert main([*args, "--target", "cuda", "--arch", "sm_90", "--out", str(out)]) == 0
+    assert "CUDA artifact written" in capsys.readouterr().out
+    art = StepArtifact.load(out)
+    assert art.archs == ("sm_90",) and art.program.options.target == "cuda"
+    assert art.program.batch == 16
+
+
+def test_gpu_check_names_the_first_buffer_written_wrong() -> None:
+    from mexc.cuda_check import first_difference
+
+    kernels = [
+        [0, "k0", [1, 1, 1], [1, 1, 1], ["x", "a"]],
+        [0, "k1", [1, 1, 1], [1, 1, 1], ["a", "b"]],
+    ]
+    want = {"x": "1", "a": "2", "b": "3", "lr": "4"}
+    assert first_difference(dict(want), want, kernels) is None
+    assert first_difference({**want, "b": "0", "a": "0"}, want, kernels) == "a"
+    assert first_difference({**want, "lr": "0"}, want, kernels) == "lr"
