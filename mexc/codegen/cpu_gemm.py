@@ -21,6 +21,7 @@ from tvm import s_tir, te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm
 from mexc.codegen.te_compaction import where
+from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import has_block
 
 I8, I32 = "int8", "int32"
@@ -62,7 +63,7 @@ class CpuGemm:
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return te.create_prim_func(args).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 def _flatten(idx: tuple, dims: tuple[int, ...]):

@@ -21,6 +21,7 @@ from typing import Any
 
 from tvm import te, tirx
 
+from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import ConvGeom
 
 I8, I32 = "int8", "int32"
@@ -267,7 +268,7 @@ class GemmFuncs:
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return te.create_prim_func(args).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 def _pack(form: GemmForm, which: str) -> tirx.PrimFunc:

@@ -14,8 +14,11 @@ becomes the CUDA kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tvm import te, tirx
 
+from mexc.codegen.te_func import prim_func
 from mexc.numerics import GOLDEN32, qmax
 
 I32, I64, I8 = "int32", "int64", "int8"
@@ -41,11 +44,21 @@ def mix32(x: tirx.PrimExpr) -> tirx.PrimExpr:
     Not written in uint32: TVM 0.27 miscompiled the uint32 form once a run-time key entered the
     expression (39 of 60 words wrong on llvm), while this all-int64 form has no signed/unsigned
     ambiguity in any shift or multiply."""
-    x = x ^ (x >> _i64(16))
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> _i64(15))
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> _i64(16))
+    x = _bound(x, lambda v: v ^ (v >> _i64(16)))
+    x = _bound(x, lambda v: _mul32(v, 0x7FEB352D))
+    x = _bound(x, lambda v: v ^ (v >> _i64(15)))
+    x = _bound(x, lambda v: _mul32(v, 0x846CA68B))
+    return _bound(x, lambda v: v ^ (v >> _i64(16)))
+
+
+def _bound(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> tirx.PrimExpr:
+    """body(value) with value computed once (a Let): every hash stage reads its input several
+    times, and written inline the expression grows fourfold per stage (TVM's CSE leaves
+    expressions with buffer loads alone, so the CUDA source of an update kernel reached 180 KB)."""
+    if isinstance(value, (tirx.Var, tirx.IntImm)):
+        return body(value)
+    v = tirx.Var("h", I64)
+    return tirx.Let(v, value, body(v))
 
 
 def _flat_index(shape: tuple[int, ...], idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
@@ -164,7 +177,7 @@ def compaction_shift(
     amax = abs_max_rows(acc, "amax") if grouped else abs_max_all(acc, "amax")
     s = fit_shift(amax, qmax(bits))
     e_out = te.compute((groups,), lambda g: e_in[0 if shared_exp else g] + s[g], name="e_out")
-    return te.create_prim_func([acc, e_in, s, e_out]).with_attr("global_symbol", f"{name}_shift")
+    return prim_func([acc, e_in, s, e_out], f"{name}_shift")
 
 
 def compaction_apply(
@@ -184,4 +197,4 @@ def compaction_apply(
         return tirx.max(tirx.min(v, q), -q).astype(I8)
 
     m = te.compute(shape, body, name="m")
-    return te.create_prim_func([acc, s_in, key, m]).with_attr("global_symbol", f"{name}_apply")
+    return prim_func([acc, s_in, key, m], f"{name}_apply")

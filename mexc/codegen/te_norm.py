@@ -39,7 +39,8 @@ from mexc.codegen.te_compaction import (
     where,
 )
 from mexc.codegen.te_compaction import _i64 as _c
-from mexc.codegen.te_divide import idiv_round, lower_divisions
+from mexc.codegen.te_divide import idiv_round
+from mexc.codegen.te_func import prim_func
 from mexc.kernels.norm import EPS_LIMIT, RSTD_NUM_LOG2
 from mexc.numerics import FixedScalar, ceil_log2, qmax
 
@@ -49,7 +50,7 @@ BIG = 1 << 20  # below every exponent the step produces
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return lower_divisions(te.create_prim_func(args)).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 def _div_const(a: tirx.PrimExpr, m: int) -> tirx.PrimExpr:

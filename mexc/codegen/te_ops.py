@@ -24,7 +24,8 @@ from mexc.codegen.te_compaction import (
     shift_signed,
     where,
 )
-from mexc.codegen.te_divide import idiv_round, lower_divisions
+from mexc.codegen.te_divide import idiv_round
+from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
 
@@ -34,7 +35,7 @@ PAD = -(1 << 14)  # below every int8 mantissa: padding never wins a max
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     # run-time divisions become integer long divisions (nvcc would use a float reciprocal)
-    return lower_divisions(te.create_prim_func(args)).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 def relu_forward(shape: tuple[int, ...], name: str = "relu_forward") -> tirx.PrimFunc:

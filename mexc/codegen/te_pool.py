@@ -14,7 +14,7 @@ from tvm import te, tirx
 
 from mexc.codegen.te_compaction import _flat_index, iabs, random_word, where
 from mexc.codegen.te_compaction import _i64 as _c
-from mexc.codegen.te_divide import lower_divisions
+from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_ops import window_through
 from mexc.numerics import Reciprocal
 
@@ -25,7 +25,7 @@ DIV_BITS = 15
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return lower_divisions(te.create_prim_func(args)).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 def div_const(x: tirx.PrimExpr, recip: Reciprocal) -> tirx.PrimExpr:

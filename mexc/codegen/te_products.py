@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from tvm import s_tir, te, tirx
 
+from mexc.codegen.te_func import prim_func
+
 IntPair = int | tuple[int, int]
 
 I8 = "int8"
@@ -112,7 +114,7 @@ def _in(lo: int, v: tirx.PrimExpr, hi: int) -> tirx.PrimExpr:
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return te.create_prim_func(args).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 def _tap(geom: ConvGeom, y: tirx.PrimExpr, x: tirx.PrimExpr, i: tirx.Var, j: tirx.Var):

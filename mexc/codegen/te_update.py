@@ -37,6 +37,7 @@ from mexc.codegen.te_compaction import (
     shift_left_saturating,
     shift_signed,
 )
+from mexc.codegen.te_func import prim_func
 from mexc.numerics import FixedScalar, qmax
 
 I8, I32, I64 = "int8", "int32", "int64"
@@ -108,7 +109,7 @@ def update_buffers(spec: UpdateSpec) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    return te.create_prim_func(args).with_attr("global_symbol", name)
+    return prim_func(args, name)
 
 
 class _Ops:
