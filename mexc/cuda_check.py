@@ -105,6 +105,9 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
     y = rng.integers(0, prog.num_classes, prog.batch)
     mexc_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
+    graph = prog.use_graph  # False where capture failed
+    prog.use_graph, prog._graph = False, None
+    launches_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
     kernels = prog.kernel_times(x, y, repeats=2)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     fp32 = _torch_step_time(spec, bf16=False, steps=steps)
@@ -114,6 +117,8 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
         "arch": prog.arch,
         "batch": prog.batch,
         "mexc_cuda_s": mexc_s,
+        "cuda_graph": graph,
+        "mexc_cuda_no_graph_s": launches_s,
         "torch_fp32_s": fp32,
         "torch_bf16_s": bf16,
         "mexc_over_fp32": mexc_s / fp32,

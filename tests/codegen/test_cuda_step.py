@@ -31,6 +31,7 @@ from mexc.codegen.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes
 from mexc.codegen.tvm_llvm_step import LlvmProgram
 from mexc.cuda_runtime import ArtifactError
 from mexc.errors import MexcError
+from mexc.numerics import stream_keys
 from tests.compiler.test_fuzz import models as random_models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -260,3 +261,109 @@ def test_gpu_check_names_the_first_buffer_written_wrong() -> None:
     assert first_difference(dict(want), want, kernels) is None
     assert first_difference({**want, "b": "0", "a": "0"}, want, kernels) == "a"
     assert first_difference({**want, "lr": "0"}, want, kernels) == "lr"
+
+
+class _FakeArray(np.ndarray):
+    """A host array standing in for a CuPy device array (set = host copy)."""
+
+    def set(self, values: np.ndarray, stream: object = None) -> None:
+        self[...] = values.reshape(self.shape)
+
+
+class _FakeCupy:
+    """The CuPy surface CudaProgram uses, over numpy, recording kernel launches: it checks the
+    runtime's host logic (buffers, views, writes, state round trip, graph capture and replay),
+    not the kernels."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, tuple, tuple, tuple[int, ...]]] = []
+        self.capturing = False
+        fake = self
+
+        class Device:
+            compute_capability = "90"
+
+            def __init__(self, index: int = 0) -> None:
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self) -> None:
+                pass
+
+        class Graph:
+            def __init__(self, calls: list) -> None:
+                self.calls = calls
+
+            def launch(self, stream: object = None) -> None:
+                fake.launches.extend(self.calls)
+
+        class Stream(Device):
+            def __init__(self, non_blocking: bool = False) -> None:
+                self.recorded: list = []
+
+            def begin_capture(self) -> None:
+                fake.capturing, fake.captured = True, []
+
+            def end_capture(self) -> Graph:
+                fake.capturing = False
+                return Graph(fake.captured)
+
+        class Module:
+            def __init__(self, path: str) -> None:
+                assert Path(path).suffix == ".cubin"
+
+            def get_function(self, symbol: str):
+                def launch(grid: tuple, block: tuple, args: tuple) -> None:
+                    call = (
+                        symbol,
+                        grid,
+                        block,
+                        tuple(a.__array_interface__["data"][0] for a in args),
+                    )
+                    (fake.captured if fake.capturing else fake.launches).append(call)
+
+                return launch
+
+        self.cuda = type("cuda", (), {"Device": Device, "Stream": Stream})
+        self.RawModule = Module
+
+    @staticmethod
+    def zeros(shape: tuple, dtype: str) -> _FakeArray:
+        return np.zeros(shape, dtype).view(_FakeArray)
+
+    @staticmethod
+    def asnumpy(a: np.ndarray, stream: object = None) -> np.ndarray:
+        return np.array(a)
+
+
+@needs_cuda_tools
+def test_cuda_runtime_host_logic_on_a_fake_cupy(digits_artifact, monkeypatch) -> None:
+    import mexc.cuda_program as cuda_program
+
+    out, prog = digits_artifact
+    fake = _FakeCupy()
+    monkeypatch.setattr(cuda_program, "cupy_module", lambda: fake)
+    gpu = cuda_program.load_cuda(out)
+    assert gpu.arch == "sm_90" and gpu.state_checksum() == prog.state_checksum()
+    plan = gpu.plan
+    # a view shares its base buffer's memory, at its element offset
+    name, (base, shape, offset) = next((k, v) for k, v in plan["views"].items() if v[2] > 0)
+    gpu._t[base].reshape(-1)[offset] = 7
+    assert gpu._t[name].reshape(-1)[0] == 7
+    x = np.random.default_rng(0).standard_normal((8, 1, 8, 8)).astype(np.float32)
+    y = np.arange(8) % 10
+    gpu.step(x, y)
+    gpu.step(x, y)
+    symbols = [k[1] for k in plan["kernels"]]
+    assert [c[0] for c in fake.launches] == symbols * 2  # captured once, replayed each step
+    first = fake.launches[0]
+    want = tuple(gpu._t[a].__array_interface__["data"][0] for a in plan["kernels"][0][4])
+    assert first[3] == want and list(first[1]) == plan["kernels"][0][2]
+    assert gpu.step_count == 2 and gpu.read_buffer(plan["labels"]).tolist() == y.tolist()
+    keys = gpu.read_buffer(plan["keys"])[: len(plan["key_ids"])]
+    assert np.array_equal(keys, stream_keys(0, 1, np.array(plan["key_ids"])))
