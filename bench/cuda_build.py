@@ -59,6 +59,7 @@ def measure(name: str, archs: tuple[str, ...], batch: int) -> dict[str, Any]:
                 ops.update({f"{arch}:{k}": v for k, v in found.items()})
                 secs = {k: secs[k] + man["seconds"][k] for k in secs}
             kind, launches = "products", len(ops) // len(archs)
+            counts = {"plan_launches": 0, "distinct_funcs": 0}
             gemms = [k for k in ops if k.endswith("_gemm_kernel")]
         else:
             man = build_step(prog, archs, tmp)
@@ -67,13 +68,16 @@ def measure(name: str, archs: tuple[str, ...], batch: int) -> dict[str, Any]:
                     for k, v in sass_opcodes(Path(tmp) / module["cubins"][arch]["file"]).items():
                         ops[f"{arch}:{k}"] = v
             secs, launches, kind = man["seconds"], len(man["kernels"]), "step"
+            counts = man["counts"]
             gemms = [f"{a}:{k}" for a in archs for k in man["gemm_kernels"]]
     return {
         "model": name,
         "build": kind,
         "archs": ",".join(archs),
         "batch": batch,
-        "launches": launches,
+        "plan_launches": counts["plan_launches"],
+        "distinct_funcs": counts["distinct_funcs"],
+        "kernel_launches": launches,
         "kernels": len(ops),
         "mexc_compile_s": round(compile_s, 2),
         "tvm_s": round(secs["tvm"], 2),

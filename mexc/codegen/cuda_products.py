@@ -15,10 +15,12 @@ see docs/cuda.md.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir, tirx
+from tvm.s_tir.tensor_intrin import cuda as cuda_intrin
 from tvm.script import tirx as T
 
 from mexc.codegen.gemm_forms import TILE_K, TILE_MQ, GemmFuncs
@@ -115,6 +117,86 @@ def schedule_gemm_dp4a(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch.decompose_reduction(blk, k0)
     sch.tensorize(k2, DP4A_INTRIN)
     return sch.mod["main"]
+
+
+WARP = 32
+IMMA_TILE = 16  # the 16x16x16 int8 WMMA fragment (SASS IMMA.16816.S8.S8)
+IMMA_WARPS = 2  # warps per block along M and along Q (4 warps)
+IMMA_FRAGMENTS = 2  # fragments per warp along M and along Q: a warp owns 32x32 outputs
+
+
+def _fetch_shared(sch: s_tir.Schedule, block: s_tir.SBlockRV, vector: int) -> None:
+    """The block's 4 warps load a shared tile together, `vector` int8 per thread per step."""
+    inner = sch.fuse(*sch.get_loops(block)[-2:])
+    _, ty, tz, tx, vec = sch.split(inner, [None, IMMA_WARPS, IMMA_WARPS, WARP, vector])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tz, "threadIdx.z")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(vec)
+
+
+def _fragments(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> s_tir.LoopRV:
+    """Split a fragment copy's last two loops into 16x16 tiles; returns the tile's first loop."""
+    i, j = sch.get_loops(block)[-2:]
+    i0, i1 = sch.split(i, [None, IMMA_TILE])
+    j0, j1 = sch.split(j, [None, IMMA_TILE])
+    sch.reorder(i0, j0, i1, j1)
+    return i1
+
+
+def schedule_gemm_imma(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The padded batched NT GEMM on int8 tensor cores (WMMA 16x16x16, s8 x s8 -> s32): a block
+    computes a 64x64 tile of C with 4 warps, each warp 2x2 fragments accumulated in registers
+    over K; A and B tiles of 16 or 32 K-values are staged in shared memory (rows padded against
+    bank conflicts) and loaded into fragments, B as column-major (it is stored (q, k))."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, q, k = sch.get_loops(blk)
+    kp = int(sch.get(k).extent)
+    k_frags = 2 if kp % (2 * IMMA_TILE) == 0 else 1
+    m, m1 = sch.split(m, [None, IMMA_TILE])
+    q, q1 = sch.split(q, [None, IMMA_TILE])
+    k, k1 = sch.split(k, [None, IMMA_TILE])
+    by, wy, mi = sch.split(m, [None, IMMA_WARPS, IMMA_FRAGMENTS])
+    bx, wx, qi = sch.split(q, [None, IMMA_WARPS, IMMA_FRAGMENTS])
+    ko, ki = sch.split(k, [None, k_frags])
+    sch.reorder(g, by, bx, wy, wx, ko, ki, mi, qi, m1, q1, k1)
+    sch.bind(g, "blockIdx.z")
+    sch.bind(by, "blockIdx.y")
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(wy, "threadIdx.y")
+    sch.bind(wx, "threadIdx.z")
+    acc = sch.cache_write(blk, 0, "wmma.accumulator")
+    sch.reverse_compute_at(acc, wx)
+    tile_bytes = TILE_MQ * IMMA_TILE * k_frags
+    for index in (0, 1):
+        shared = sch.cache_read(blk, index, "shared")
+        sch.compute_at(shared, ko)
+        sch.storage_align(shared, 0, axis=-2, factor=32, offset=16)
+        _fetch_shared(sch, shared, min(16, tile_bytes // (IMMA_WARPS * IMMA_WARPS * WARP)))
+    a_frag = sch.cache_read(blk, 0, "wmma.matrix_a")
+    b_frag = sch.cache_read(blk, 1, "wmma.matrix_b")
+    sch.compute_at(a_frag, ki)
+    sch.compute_at(b_frag, ki)
+    init = sch.decompose_reduction(blk, ko)
+    sch.tensorize(_fragments(sch, a_frag), cuda_intrin.WMMA_LOAD_16x16x16_S8_A_INTRIN)
+    sch.tensorize(_fragments(sch, b_frag), cuda_intrin.WMMA_LOAD_16x16x16_S8_B_TRANS_INTRIN)
+    sch.tensorize(sch.get_loops(init)[-2], cuda_intrin.WMMA_FILL_16x16x16_S32_INTRIN)
+    sch.tensorize(_fragments(sch, acc), cuda_intrin.WMMA_STORE_16x16x16_S32_GLOBAL_INTRIN)
+    sch.tensorize(m1, cuda_intrin.WMMA_SYNC_16x16x16_s8s8s32_TRANS_INTRIN)
+    return sch.mod["main"]
+
+
+GEMM_SCHEDULES = {"imma": schedule_gemm_imma, "dp4a": schedule_gemm_dp4a}
+
+
+def gemm_schedule() -> str:
+    """The GEMM schedule of CUDA builds: int8 tensor cores ("imma", default) or `__dp4a`
+    (MEXC_CUDA_GEMM=dp4a)."""
+    kind = os.environ.get("MEXC_CUDA_GEMM", "imma")
+    if kind not in GEMM_SCHEDULES:
+        raise ValueError(f"MEXC_CUDA_GEMM={kind!r}: choose one of {sorted(GEMM_SCHEDULES)}")
+    return kind
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,4 +167,16 @@ def lower_kernels(
             Kernel(k, _dims(e, "blockIdx"), _dims(e, "threadIdx"), params[k]) for k, e in calls
         ]
     source = tvm.get_global_func("target.build.cuda")(device_mod, dev_target).inspect_source()
-    return str(source), kernels
+    return integer_fill(str(source)), kernels
+
+
+# TVM prints the zero of an int32 WMMA accumulator fill as a float literal (converted to int by
+# the compiler); the kernels are to hold no float at all, source included
+_FLOAT_ZERO_FILL = re.compile(
+    r"(fill_fragment\([^,()]+(?:\[[^\]]*\])?), 0x0p\+0f/\*0\.000000e\+00\*/\)"
+)
+
+
+def integer_fill(source: str) -> str:
+    """`source` with every accumulator fill of 0 written as the integer 0."""
+    return _FLOAT_ZERO_FILL.sub(r"\1, 0)", source)

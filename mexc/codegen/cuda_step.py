@@ -3,7 +3,8 @@
 `build_step(prog, arch, out)` needs TVM and nvcc but no GPU. It lowers the program with the GPU
 variant of the launch plan (`build_plan(..., device="gpu")`: every product as a padded GEMM form,
 update kernels per parameter shape), schedules every distinct kernel (the GEMMs with dp4a,
-`cuda_products.schedule_gemm_dp4a`; the rest with `cuda_schedule.schedule_gpu`), turns TE
+int8 tensor cores, `cuda_products.schedule_gemm_imma`, or `__dp4a` with MEXC_CUDA_GEMM=dp4a;
+the rest with `cuda_schedule.schedule_gpu`), turns TE
 intermediates into plan buffers, and writes the artifact folder:
 
     step<i>.cu           TVM's CUDA source of the kernels, in parts lowered in parallel
@@ -31,7 +32,7 @@ from typing import Any
 
 from tvm import tirx
 
-from mexc.codegen.cuda_products import schedule_gemm_dp4a
+from mexc.codegen.cuda_products import GEMM_SCHEDULES, gemm_schedule
 from mexc.codegen.cuda_schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
 from mexc.codegen.nvcc import compile_cubin
 from mexc.codegen.step_plan import build_plan, distinct_kernels, plan_manifest
@@ -41,12 +42,12 @@ from mexc.program import Program
 GEMM_KIND = "gemm"  # the attribute plan_core puts on the GEMM of a product
 
 
-def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]]) -> Any:
+def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]], gemm: str) -> Any:
     def schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
         symbol = str(func.attrs["global_symbol"])
         func, scratch[symbol] = promote_scratch(func)
         if str(func.attrs.get("mexc.kind", "")) == GEMM_KIND:
-            return schedule_gemm_dp4a(func)
+            return GEMM_SCHEDULES[gemm](func)
         return schedule_gpu(func)
 
     return schedule
@@ -67,10 +68,11 @@ def build_step(
     t0 = time.perf_counter()
     plan = build_plan(prog, device="gpu")
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
-    funcs, alias = distinct_kernels(plan, _scheduler(scratch))
+    gemm = gemm_schedule()
+    funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
     parts = _lower_parts(funcs, workers)
     t_tvm = time.perf_counter() - t0
-    manifest = {"format": FORMAT, "archs": list(archs), **plan_manifest(plan)}
+    manifest = {"format": FORMAT, "archs": list(archs), "gemm": gemm, **plan_manifest(plan)}
     for symbol, bufs in scratch.items():  # one set per distinct kernel: launches run in order
         for name, shape, dtype in bufs:
             manifest["buffers"][f"scratch:{symbol}.{name}"] = [list(shape), dtype]
@@ -86,6 +88,7 @@ def build_step(
         for k in kernels_of[symbol]
     )
     manifest["seconds"] = {"tvm": round(t_tvm, 2), "nvcc": round(time.perf_counter() - t1, 2)}
+    manifest["counts"] = {"plan_launches": len(plan.launches), "distinct_funcs": len(funcs)}
     opts = replace(prog.options, target="cuda")
     as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
     as_cuda.save(out / PROGRAM_FILE)
@@ -171,7 +174,8 @@ def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
     program file holds the state of the first build; callers bring their own state."""
     from mexc.codegen.tvm_llvm_step import CACHE, cache_key
 
-    folder = CACHE / f"cuda-{cache_key(prog, 'cuda ' + ','.join(archs))}"
+    what = f"cuda {','.join(archs)} gemm={gemm_schedule()}"
+    folder = CACHE / f"cuda-{cache_key(prog, what)}"
     if (folder / "plan.json").exists():
         return folder
     CACHE.mkdir(parents=True, exist_ok=True)

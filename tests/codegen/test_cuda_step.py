@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -83,9 +84,18 @@ def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mex
     return out, prog
 
 
+FLOAT_SOURCE = re.compile(
+    r"\b(float|double|half|__half2?|__nv_bfloat16)\b|\b\d+\.\d*(e[+-]?\d+)?f?\b|0x[0-9a-f.]+p[+-]?\d+"
+)
+
+
 def _check_artifact(out: Path, manifest: dict) -> None:
     buffers = set(manifest["buffers"]) | set(manifest["views"])
+    assert manifest["gemm"] == "imma"
     for module, entry in enumerate(manifest["modules"]):
+        source = (out / entry["source"]).read_text()
+        kernels = source[source.index('extern "C"') :]  # TVM's preamble precedes the kernels
+        assert not FLOAT_SOURCE.search(kernels), FLOAT_SOURCE.search(kernels)
         planned = {k[1] for k in manifest["kernels"] if k[0] == module}
         for arch in ARCHS:
             opcodes = sass_opcodes(out / entry["cubins"][arch]["file"])
@@ -93,7 +103,9 @@ def _check_artifact(out: Path, manifest: dict) -> None:
             floats = {k: float_opcodes(v) for k, v in opcodes.items() if float_opcodes(v)}
             assert not floats, (arch, floats)
             for symbol in set(manifest["gemm_kernels"]) & planned:
-                assert integer_mma(opcodes[symbol]) >= 16, (arch, symbol)
+                # 2x2 fragments per warp and 1 or 2 per K step, 2 IMMA.16816 per 16x16x16
+                imma = sum(n for op, n in opcodes[symbol].items() if op.startswith("IMMA"))
+                assert imma >= 8 and integer_mma(opcodes[symbol]) == imma, (arch, symbol)
     for _, symbol, grid, block, args in manifest["kernels"]:
         assert all(a in buffers for a in args), symbol
         assert 1 <= np.prod(block) <= 1024 and min(grid) >= 1, symbol
