@@ -1,11 +1,11 @@
 """target="cuda": the whole training step compiled ahead of time for an NVIDIA GPU (docs/cuda.md).
 
-`build_step(prog, arch, out)` needs TVM and nvcc but no GPU. It lowers the program with the GPU
+`build_step(prog, archs, out)` needs TVM and nvcc but no GPU. It lowers the program with the GPU
 variant of the launch plan (`build_plan(..., device="gpu")`: every product as a padded GEMM form,
-update kernels per parameter shape), schedules every distinct kernel (the GEMMs with dp4a,
-int8 tensor cores, `cuda_products.schedule_gemm_imma`, or `__dp4a` with MEXC_CUDA_GEMM=dp4a;
-the rest with `cuda_schedule.schedule_gpu`), turns TE
-intermediates into plan buffers, and writes the artifact folder:
+update kernels per parameter shape), schedules every distinct kernel (the GEMMs on int8 tensor
+cores, `cuda_products.schedule_gemm_imma`, or with `__dp4a` under MEXC_CUDA_GEMM=dp4a; the rest
+with `cuda_schedule.schedule_gpu`), turns TE intermediates into plan buffers, and writes the
+artifact folder:
 
     step<i>.cu           TVM's CUDA source of the kernels, in parts lowered in parallel
     step<i>.<arch>.cubin nvcc -O3 for each of sm_80 / sm_90 (the runtime picks the GPU's)
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -35,27 +34,25 @@ from tvm import tirx
 from mexc.codegen.cuda_products import GEMM_SCHEDULES, gemm_schedule
 from mexc.codegen.cuda_schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
 from mexc.codegen.nvcc import compile_cubin
+from mexc.codegen.plan_core import is_gemm
 from mexc.codegen.step_plan import build_plan, distinct_kernels, plan_manifest
+from mexc.codegen.workers import forked_map, split_symbols
 from mexc.cuda_program import ARCHS, FORMAT, PROGRAM_FILE
 from mexc.program import Program
-
-GEMM_KIND = "gemm"  # the attribute plan_core puts on the GEMM of a product
 
 
 def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]], gemm: str) -> Any:
     def schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
         symbol = str(func.attrs["global_symbol"])
         func, scratch[symbol] = promote_scratch(func)
-        if str(func.attrs.get("mexc.kind", "")) == GEMM_KIND:
+        if is_gemm(func):
             return GEMM_SCHEDULES[gemm](func)
         return schedule_gpu(func)
 
     return schedule
 
 
-def build_step(
-    prog: Program, archs: str | tuple[str, ...], out_dir: str | Path, workers: int | None = None
-) -> dict[str, Any]:
+def build_step(prog: Program, archs: str | tuple[str, ...], out_dir: str | Path) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
     `out_dir`; returns the manifest (also in plan.json)."""
@@ -70,7 +67,7 @@ def build_step(
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
-    parts = _lower_parts(funcs, workers)
+    parts = _lower_parts(funcs)
     t_tvm = time.perf_counter() - t0
     manifest = {"format": FORMAT, "archs": list(archs), "gemm": gemm, **plan_manifest(plan)}
     for symbol, bufs in scratch.items():  # one set per distinct kernel: launches run in order
@@ -82,10 +79,7 @@ def build_step(
     t1 = time.perf_counter()
     manifest["modules"] = _compile_modules([src for src, _ in parts], archs, out)
     manifest["gemm_kernels"] = sorted(
-        k.symbol
-        for symbol, func in funcs.items()
-        if str(func.attrs.get("mexc.kind", "")) == GEMM_KIND
-        for k in kernels_of[symbol]
+        k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
     )
     manifest["seconds"] = {"tvm": round(t_tvm, 2), "nvcc": round(time.perf_counter() - t1, 2)}
     manifest["counts"] = {"plan_launches": len(plan.launches), "distinct_funcs": len(funcs)}
@@ -97,31 +91,14 @@ def build_step(
     return manifest
 
 
-_PENDING: dict[str, Any] = {}  # what forked lowering workers read (inherited, not pickled)
+def _lower_part(symbols: list[str], shared: dict[str, Any]) -> tuple[str, dict]:
+    return lower_kernels({s: shared["funcs"][s] for s in symbols}, ARCHS[0])
 
 
-def _lower_part(job: tuple[list[str], str]) -> tuple[str, dict[str, list[Kernel]]]:
-    symbols, arch = job
-    return lower_kernels({s: _PENDING["funcs"][s] for s in symbols}, arch)
-
-
-def _lower_parts(
-    funcs: dict[str, tirx.PrimFunc], workers: int | None
-) -> list[tuple[str, dict[str, list[Kernel]]]]:
-    """TVM's CUDA lowering of the kernels split over worker processes (it runs on one thread):
-    one CUDA source and kernel table per part."""
-    cpus = len(os.sched_getaffinity(0))
-    n = max(1, min(workers or cpus, len(funcs) // 16 or 1))
-    symbols = sorted(funcs)
-    jobs = [(symbols[i::n], ARCHS[0]) for i in range(n)]
-    _PENDING["funcs"] = funcs
-    try:
-        if n == 1:
-            return [_lower_part(jobs[0])]
-        with multiprocessing.get_context("fork").Pool(n) as pool:
-            return pool.map(_lower_part, jobs)
-    finally:
-        _PENDING.clear()
+def _lower_parts(funcs: dict[str, tirx.PrimFunc]) -> list[tuple[str, dict[str, list[Kernel]]]]:
+    """TVM's CUDA lowering split over worker processes: one source and kernel table per part
+    (the source does not depend on the architecture: ARCHS[0] stands for all)."""
+    return forked_map(_lower_part, split_symbols(list(funcs), per_worker=16), {"funcs": funcs})
 
 
 def _compile_modules(sources: list[str], archs: tuple[str, ...], out: Path) -> list[dict[str, Any]]:

@@ -26,6 +26,14 @@ KEY_ALIGN = 8  # int64 keys per 64 bytes
 # or "gpu" (the GEMM forms every GPU schedule shares, update kernels per parameter shape: a GPU
 # kernel takes buffer pointers only, no shape arguments)
 DEVICES = ("cpu", "gpu")
+GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
+
+
+def is_gemm(func: tirx.PrimFunc) -> bool:
+    """Whether `func` is the GEMM of a product form (GEMM_ATTR)."""
+    return str(func.attrs.get(GEMM_ATTR[0], "")) == GEMM_ATTR[1]
+
+
 Shape = tuple[int, ...]
 
 
@@ -211,7 +219,7 @@ class PlanBuilder:
         c = self.buf(f"{form.name}.c", (form.g, form.mp, form.qp), I32)
         self.launch(funcs.pack_a, (operands[form.a_src], a))
         self.launch(funcs.pack_b, (operands[form.b_src], b))
-        self.launch(funcs.gemm.with_attr("mexc.kind", "gemm"), (a, b, c))  # scheduled as one
+        self.launch(funcs.gemm.with_attr(*GEMM_ATTR), (a, b, c))  # a GPU schedules it as one
         self.launch(funcs.unpack, (c, out))
 
     def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -29,6 +28,7 @@ from tvm import tirx
 from mexc.codegen.cpu_gemm import schedule_parallel
 from mexc.codegen.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
+from mexc.codegen.workers import forked_map, split_symbols
 from mexc.plan_runtime import PlanProgram
 from mexc.program import Program
 
@@ -69,31 +69,19 @@ def cache_key(prog: Program, target: str) -> str:
     return h.hexdigest()[:24]
 
 
-_PENDING: dict[str, Any] = {}  # what forked compile workers read (inherited, not pickled)
-
-
-def _compile_part(job: tuple[list[str], str]) -> str:
+def _compile_part(job: tuple[list[str], str], shared: dict[str, Any]) -> str:
     symbols, path = job
-    funcs, target = _PENDING["funcs"], _PENDING["target"]
-    ex = tvm.compile(tvm.IRModule({s: funcs[s] for s in symbols}), target=target)
+    funcs = shared["funcs"]
+    ex = tvm.compile(tvm.IRModule({s: funcs[s] for s in symbols}), target=shared["target"])
     ex.export_library(path)
     return path
 
 
 def _compile_parts(funcs: dict[str, tirx.PrimFunc], target: Any, folder: Path) -> list[str]:
-    """Compile the kernels into one shared library per worker process (TVM compiles a module
-    on one thread; the kernels are independent, so the CPUs split them)."""
-    workers = max(1, min(len(os.sched_getaffinity(0)), len(funcs) // 8 or 1))
-    symbols = sorted(funcs)
-    jobs = [(symbols[i::workers], str(folder / f"part{i}.so")) for i in range(workers)]
-    _PENDING.update(funcs=funcs, target=target)
-    try:
-        if workers == 1:
-            return [_compile_part(jobs[0])]
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            return pool.map(_compile_part, jobs)
-    finally:
-        _PENDING.clear()
+    """Compile the kernels into one shared library per worker process."""
+    parts = split_symbols(list(funcs), per_worker=8)
+    jobs = [(symbols, str(folder / f"part{i}.so")) for i, symbols in enumerate(parts)]
+    return forked_map(_compile_part, jobs, {"funcs": funcs, "target": target})
 
 
 @dataclass
