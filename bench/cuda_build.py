@@ -9,7 +9,9 @@ the kernel launches per step, the distinct kernels, TVM and nvcc seconds, the fe
 instructions in any GEMM kernel, floating-point instructions in any kernel (must be 0), and the
 GMACs of the step's products. ViT-tiny, whose transformer ops the step plan does not lower yet,
 builds its product kernels only (marked "products"). Writes bench/results/cuda_build.json.
-Needs nvcc and `pip install -e .[cuda-tools]`; no GPU.
+Needs nvcc and `pip install -e .[cuda-tools]`; no GPU. With --check it exits 1 when a build
+breaks the rules of mexc.codegen.cuda_verify (CI runs it for the models the test suite leaves
+out: SmallResNet, MobileNetV2Tiny, ResNet-18).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.codegen.cuda_build import build_products, product_forms  # noqa: E402
 from mexc.codegen.cuda_step import build_step  # noqa: E402
+from mexc.codegen.cuda_verify import verify_artifact  # noqa: E402
 from mexc.codegen.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
@@ -59,10 +62,14 @@ def measure(name: str, archs: tuple[str, ...], batch: int) -> dict[str, Any]:
                 ops.update({f"{arch}:{k}": v for k, v in found.items()})
                 secs = {k: secs[k] + man["seconds"][k] for k in secs}
             kind, launches = "products", len(ops) // len(archs)
+            problems = [
+                f"{k}: float {float_opcodes(v)}" for k, v in ops.items() if float_opcodes(v)
+            ]
             counts = {"plan_launches": 0, "distinct_funcs": 0}
             gemms = [k for k in ops if k.endswith("_gemm_kernel")]
         else:
             man = build_step(prog, archs, tmp)
+            problems = verify_artifact(Path(tmp), man)
             for module in man["modules"]:
                 for arch in archs:
                     for k, v in sass_opcodes(Path(tmp) / module["cubins"][arch]["file"]).items():
@@ -85,6 +92,7 @@ def measure(name: str, archs: tuple[str, ...], batch: int) -> dict[str, Any]:
         "min_int_mma_per_gemm": min(integer_mma(ops[k]) for k in gemms),
         "float_instructions": sum(len(float_opcodes(v)) for v in ops.values()),
         "gmacs_per_step": gmacs,
+        "problems": problems,
     }
 
 
@@ -93,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if any build breaks cuda_verify's rules"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_build.json"))
     args = ap.parse_args(argv)
     archs = tuple(a.strip() for a in args.archs.split(","))
     rows = [measure(m.strip(), archs, args.batch) for m in args.models.split(",")]
-    cols = list(rows[0])
+    cols = [c for c in rows[0] if c != "problems"]
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
@@ -109,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
         },
     )
-    return 0
+    bad = [(r["model"], p) for r in rows for p in r["problems"]]
+    for model, problem in bad:
+        print(f"{model}: {problem}", file=sys.stderr)
+    return 1 if args.check and bad else 0
 
 
 if __name__ == "__main__":
