@@ -34,7 +34,7 @@ from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.codegen.cuda_build import build_products, product_forms  # noqa: E402
 from mexc.codegen.cuda_step import build_step  # noqa: E402
-from mexc.codegen.cuda_verify import verify_artifact  # noqa: E402
+from mexc.codegen.cuda_verify import artifact_opcodes, verify_artifact  # noqa: E402
 from mexc.codegen.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
@@ -69,11 +69,11 @@ def measure(name: str, archs: tuple[str, ...], batch: int) -> dict[str, Any]:
             gemms = [k for k in ops if k.endswith("_gemm_kernel")]
         else:
             man = build_step(prog, archs, tmp)
-            problems = verify_artifact(Path(tmp), man)
-            for module in man["modules"]:
-                for arch in archs:
-                    for k, v in sass_opcodes(Path(tmp) / module["cubins"][arch]["file"]).items():
-                        ops[f"{arch}:{k}"] = v
+            modules = artifact_opcodes(Path(tmp), man)
+            problems = verify_artifact(Path(tmp), man, modules)
+            for by_arch in modules:
+                for arch, found in by_arch.items():
+                    ops.update({f"{arch}:{k}": v for k, v in found.items()})
             secs, launches, kind = man["seconds"], len(man["kernels"]), "step"
             counts = man["counts"]
             gemms = [f"{a}:{k}" for a in archs for k in man["gemm_kernels"]]

@@ -27,8 +27,21 @@ MIN_MMA = {"imma": 8, "dp4a": 16}
 MMA_OPCODE = {"imma": "IMMA", "dp4a": "IDP.4A"}
 
 
-def verify_artifact(out: Path, manifest: dict[str, Any]) -> list[str]:
-    """Every way the artifact in `out` breaks the rules above (empty when it keeps them)."""
+def artifact_opcodes(out: Path, manifest: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
+    """Per module, per architecture: {kernel: Counter of SASS opcodes} (nvdisasm, the slow part
+    of a check: read once)."""
+    return [
+        {arch: sass_opcodes(out / cubin["file"]) for arch, cubin in entry["cubins"].items()}
+        for entry in manifest["modules"]
+    ]
+
+
+def verify_artifact(
+    out: Path, manifest: dict[str, Any], opcodes: list[dict[str, dict[str, Any]]] | None = None
+) -> list[str]:
+    """Every way the artifact in `out` breaks the rules above (empty when it keeps them);
+    `opcodes`: artifact_opcodes(out, manifest) when the caller has read them already."""
+    opcodes = opcodes if opcodes is not None else artifact_opcodes(out, manifest)
     problems: list[str] = []
     buffers = set(manifest["buffers"]) | set(manifest["views"])
     gemm = manifest["gemm"]
@@ -39,8 +52,8 @@ def verify_artifact(out: Path, manifest: dict[str, Any]) -> list[str]:
             problems.append(f"{entry['source']}: float in the kernel source: {found.group(0)!r}")
         planned = {k[1] for k in manifest["kernels"] if k[0] == module}
         gemms = set(manifest["gemm_kernels"]) & planned
-        for arch, cubin in entry["cubins"].items():
-            problems += _check_sass(sass_opcodes(out / cubin["file"]), planned, gemms, gemm, arch)
+        for arch, ops in opcodes[module].items():
+            problems += _check_sass(ops, planned, gemms, gemm, arch)
     for _, symbol, grid, block, args in manifest["kernels"]:
         if any(a not in buffers for a in args):
             problems.append(f"{symbol}: an argument is not a plan buffer")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -76,24 +77,28 @@ def test_gpu_plan_of_random_models_is_bit_exact_on_the_host(model, seed: int) ->
     _twin_matches_reference(model, 4, (1, 8, 8), steps=3, seed=seed)
 
 
-CLI_OUTPUT: list[str] = []
-
-
 @pytest.fixture(scope="module")
 def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mexc.Program]:
     """The DigitsCNN (batch 8) built by `mexc compile --target cuda` for both architectures,
-    and the reference program it holds."""
+    and the reference program it holds. Built once per test run: pytest-xdist workers share the
+    folder, the first builds it under a lock, the others wait and reuse it."""
     if os.environ.get("MEXC_REQUIRE_CUDA_TOOLS") != "1" and not HAVE_TOOLS:
         pytest.skip("nvcc / cuobjdump / nvdisasm not installed")
     from mexc.cli import main
     from mexc.cuda_program import StepArtifact
 
-    out = tmp_path_factory.mktemp("digits-cuda")
-    args = ["compile", f"{ROOT / 'examples' / 'models.py'}:DigitsCNN", "--input-shape", "1,8,8"]
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main([*args, "--batch", "8", "--target", "cuda", "--out", str(out)]) == 0
-    CLI_OUTPUT.append(buf.getvalue())
+    base = tmp_path_factory.getbasetemp()  # under xdist, its parent is the run's, shared
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / "digits-cuda"
+    with open(shared / "digits-cuda.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "plan.json").exists():
+            args = ["compile", f"{ROOT / 'examples' / 'models.py'}:DigitsCNN"]
+            args += ["--input-shape", "1,8,8", "--batch", "8", "--target", "cuda"]
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                assert main([*args, "--out", str(out)]) == 0
+            (shared / "digits-cuda.out").write_text(buf.getvalue())
     return out, StepArtifact.load(out).program
 
 
@@ -243,7 +248,8 @@ def test_cli_writes_a_checked_cuda_artifact(digits_artifact) -> None:
     from mexc.cuda_program import StepArtifact
 
     out, prog = digits_artifact
-    assert "CUDA artifact written" in CLI_OUTPUT[0] and "sm_80, sm_90" in CLI_OUTPUT[0]
+    printed = (out.parent / "digits-cuda.out").read_text()
+    assert "CUDA artifact written" in printed and "sm_80, sm_90" in printed
     art = StepArtifact.load(out)
     assert art.archs == ARCHS and art.program.options.target == "cuda"
     assert art.program.batch == 8 and art.program.state_checksum() == prog.state_checksum()
