@@ -106,7 +106,7 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     y = rng.integers(0, prog.num_classes, prog.batch)
     mexc_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
     graph = prog.use_graph  # False where capture failed
-    prog.use_graph, prog._graph = False, None
+    prog.set_graph(False)
     launches_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
     kernels = prog.kernel_times(x, y, repeats=2)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]

@@ -204,6 +204,12 @@ class CudaProgram(PlanProgram):
             else:
                 self._launch_all()
 
+    def set_graph(self, enabled: bool) -> None:
+        """Replay the step as one CUDA graph (captured at the next step) or launch its kernels
+        one by one."""
+        self.use_graph = enabled
+        self._graph = None
+
     def _capture(self) -> Any:
         """The launch sequence as a CUDA graph, or None (with a note) where capture fails."""
         try:

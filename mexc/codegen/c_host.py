@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from mexc.codegen.c_program import emit_model
 from mexc.codegen.c_project import RUNTIME_DIR
+from mexc.codegen.kernel_cache import CACHE, build_entry
 from mexc.errors import MexcError
 from mexc.kernels import quantize
 from mexc.mx import MX
 from mexc.program import Program
 
-CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
+LIBRARY = "libmexc_model.so"
 RUNTIME_SOURCES = ("mexc_numerics.c", "mexc_update.c", "mexc_tables.c")
 
 
@@ -33,11 +32,14 @@ def build_library(model_c: str, model_h: str, flags: tuple[str, ...] = ("-O2",))
     h = hashlib.sha256(model_c.encode() + model_h.encode() + " ".join(flags).encode())
     for src in _runtime_sources() + sorted(RUNTIME_DIR.glob("*.h")):
         h.update(src.read_bytes())
-    folder = CACHE / h.hexdigest()[:20]
-    lib = folder / "libmexc_model.so"
-    if lib.exists():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = CACHE / f"c-{h.hexdigest()[:20]}"
+    lib = folder / LIBRARY
+    if not lib.exists():
+        build_entry(folder, lambda tmp: _compile_library(tmp, model_c, model_h, flags))
+    return lib
+
+
+def _compile_library(folder: Path, model_c: str, model_h: str, flags: tuple[str, ...]) -> None:
     (folder / "model.c").write_text(model_c)
     (folder / "model.h").write_text(model_h)
     cmd = [
@@ -53,13 +55,11 @@ def build_library(model_c: str, model_h: str, flags: tuple[str, ...] = ("-O2",))
         str(folder / "model.c"),
         *map(str, _runtime_sources()),
         "-o",
-        str(lib) + ".tmp",
+        str(folder / LIBRARY),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise MexcError(f"building the C program failed:\n{res.stderr[-4000:]}")
-    os.replace(str(lib) + ".tmp", lib)
-    return lib
 
 
 class CProgram(Program):

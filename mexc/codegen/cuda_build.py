@@ -20,17 +20,19 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tvm
+from tvm import tirx
 
 from mexc.codegen import gemm_forms as gf
-from mexc.codegen.cuda_products import KernelLaunch, cuda_source, schedule_product
+from mexc.codegen.cuda_products import schedule_product
+from mexc.codegen.cuda_schedule import Kernel, lower_kernels
 from mexc.codegen.nvcc import compile_cubin
-from mexc.codegen.te_products import ConvGeom
+from mexc.codegen.te_products import ConvGeom, params
 from mexc.ir import Graph, Node, Op
 from mexc.program import Program
 
@@ -161,39 +163,22 @@ def build_products(prog: Program, arch: str, out_dir: str | Path) -> dict[str, A
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    uses = product_forms(prog)
-    kernels: dict[str, Any] = {}
-    launches_of: dict[str, list[KernelLaunch]] = {}
+    funcs: dict[str, tirx.PrimFunc] = {}
+    sets: dict[str, list[str]] = {}  # kernel set -> its PrimFuncs in launch order
     products = []
-    for use in uses:
-        kind = f"{use.op}_{use.role}"
-        name = _geometry_name(use.form, kind)
-        if name not in launches_of:
+    for use in product_forms(prog):
+        name = _geometry_name(use.form, f"{use.op}_{use.role}")
+        if name not in sets:
             form = replace(use.form, name=name)
             _check_index_range(form)
-            funcs, launches = schedule_product(gf.gemm_funcs(form))
-            kernels.update(funcs)
-            launches_of[name] = launches
-        form = use.form
-        products.append(
-            {
-                "node": use.node,
-                "op": use.op,
-                "role": use.role,
-                "kernels": name,
-                "operands": {
-                    op.name: {"input": i, "shape": list(op.shape)}
-                    for op, i in zip(form.operands, use.inputs)
-                },
-                "gemm": {"g": form.g, "m": form.m, "q": form.q, "k": form.k},
-                "macs": form.macs,
-            }
-        )
-    source = cuda_source(kernels, arch)
+            scheduled = schedule_product(gf.gemm_funcs(form))
+            funcs.update(scheduled)
+            sets[name] = list(scheduled)
+        products.append(_product_json(use, name))
+    source, kernels = lower_kernels(funcs, arch)
     t_tvm = time.perf_counter() - t0
     cu = out / "products.cu"
     cu.write_text(source)
-    signatures = kernel_signatures(source)
     t1 = time.perf_counter()
     cubin = compile_cubin(cu, arch, out / f"products.{arch}.cubin")
     t_nvcc = time.perf_counter() - t1
@@ -204,8 +189,8 @@ def build_products(prog: Program, arch: str, out_dir: str | Path) -> dict[str, A
         "cubin_sha256": hashlib.sha256(cubin.read_bytes()).hexdigest(),
         "products": products,
         "kernel_sets": {
-            name: [_launch_json(k, signatures) for k in launches]
-            for name, launches in launches_of.items()
+            name: [_launch_json(k, funcs[f]) for f in symbols for k in kernels[f]]
+            for name, symbols in sets.items()
         },
         "seconds": {"tvm": round(t_tvm, 3), "nvcc": round(t_nvcc, 3)},
     }
@@ -213,29 +198,35 @@ def build_products(prog: Program, arch: str, out_dir: str | Path) -> dict[str, A
     return manifest
 
 
-def kernel_signatures(source: str) -> dict[str, list[str]]:
-    """{kernel symbol: parameter names in the order the kernel takes them} from TVM's source
-    (TVM orders kernel parameters its own way, not as the PrimFunc lists its buffers)."""
-    sigs: dict[str, list[str]] = {}
-    for m in re.finditer(
-        r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)\s*\{', source
-    ):
-        names = re.findall(r"(\w+)_ptr\b", m.group(2))
-        sigs[m.group(1)] = names
-    return sigs
+def _product_json(use: ProductUse, kernel_set: str) -> dict[str, Any]:
+    form = use.form
+    return {
+        "node": use.node,
+        "op": use.op,
+        "role": use.role,
+        "kernels": kernel_set,
+        "operands": {
+            op.name: {"input": i, "shape": list(op.shape)}
+            for op, i in zip(form.operands, use.inputs)
+        },
+        "gemm": {"g": form.g, "m": form.m, "q": form.q, "k": form.k},
+        "macs": form.macs,
+    }
 
 
-def _launch_json(k: KernelLaunch, signatures: dict[str, list[str]]) -> dict[str, Any]:
-    symbol = f"{k.symbol}_kernel"
-    by_name = {name: (shape, dtype) for name, shape, dtype in k.params}
-    order = signatures.get(symbol)
-    if order is None or sorted(order) != sorted(by_name):
-        raise ValueError(f"kernel {symbol}: parameters {order} do not match {sorted(by_name)}")
-    d = asdict(k)
-    d["symbol"] = symbol
-    d["args"] = [{"name": n, "shape": list(by_name[n][0]), "dtype": by_name[n][1]} for n in order]
-    del d["params"]
-    return d
+def _launch_json(k: Kernel, func: tirx.PrimFunc) -> dict[str, Any]:
+    """A device kernel's launch with its arguments (buffer name, shape, dtype) in the order
+    the kernel takes them (read from TVM's lowering, cuda_schedule.lower_kernels)."""
+    by_name = {p.name: p for p in params(func)}
+    return {
+        "symbol": k.symbol,
+        "grid": list(k.grid),
+        "block": list(k.block),
+        "args": [
+            {"name": n, "shape": list(by_name[n].shape), "dtype": by_name[n].dtype}
+            for n in k.params
+        ],
+    }
 
 
 def run_form_on_host(form: gf.GemmForm, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -1,32 +1,31 @@
 """CUDA product kernels: the GEMM forms of `gemm_forms` scheduled for NVIDIA GPUs with TVM.
 
-The GEMM uses `__dp4a` (four int8 products accumulated into int32 per instruction, SASS
-`IDP.4A.S8.S8`) on every shape: a 64x64 block tile per thread block of 16x16 threads, each thread
-owning a 4x4 register tile, A and B staged through shared memory 16 K-values at a time, and the
-innermost 4 K-values tensorized into one `__dp4a` with the accumulator passed in. The gathers
-(`pack_a`, `pack_b`, `unpack`) are one thread per element (`schedule_each_block`). TVM only
-emits CUDA source here (there is no GPU); `mexc.codegen.nvcc` turns it into cubins for sm_80 and
-sm_90.
+Two GEMM schedules (`GEMM_SCHEDULES`, chosen by MEXC_CUDA_GEMM, default "imma"):
 
-Why not tensor cores (IMMA) yet: TVM's int8 WMMA path (`dlight` MatmulInt8Tensorization) took
-160 s to lower one 256x512x576 GEMM on this machine, too slow for a ResNet-18 with 60 products;
-see docs/cuda.md.
+- `schedule_gemm_imma`: int8 tensor cores through TVM's WMMA intrinsics (16x16x16 s8 x s8 -> s32,
+  SASS `IMMA.16816.S8.S8`), a 64x64 block tile of 4 warps with 2x2 fragments each, A and B staged
+  in shared memory. A hand schedule: TVM's dlight `MatmulInt8Tensorization` took 114 s to lower
+  one 256x512x576 GEMM here (docs/cuda.md), this one milliseconds.
+- `schedule_gemm_dp4a`: `__dp4a` (four int8 products into int32 per instruction, SASS
+  `IDP.4A.S8.S8`), a 64x64 block tile of 16x16 threads with 4x4 register tiles, the innermost 4
+  K-values tensorized into one `__dp4a` with the accumulator passed in.
+
+`schedule_product` schedules one product's gathers (`pack_a`, `pack_b`, `unpack`, one thread per
+element) and its GEMM with dp4a; the ViT's product-only build uses it (cuda_build). TVM only
+emits CUDA source here (no GPU); `mexc.codegen.nvcc` turns it into cubins for sm_80 and sm_90.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.tensor_intrin import cuda as cuda_intrin
 from tvm.script import tirx as T
 
+from mexc.codegen.cuda_schedule import lower_kernels, schedule_gpu
 from mexc.codegen.gemm_forms import TILE_K, TILE_MQ, GemmFuncs
-from mexc.codegen.te_products import has_block, params
 
-THREADS_1D = 256  # threads per block of the gather kernels
 TILE_T = 4  # per-thread register tile (TILE_T x TILE_T outputs)
 THREADS_2D = TILE_MQ // TILE_T  # 16 x 16 threads per GEMM block
 DP4A_INTRIN = "mexc_dp4a_s8s8s32_acc"
@@ -67,20 +66,6 @@ def _register_dp4a() -> None:
         s_tir.TensorIntrin.get(DP4A_INTRIN)
     except Exception:  # noqa: BLE001 - TVM raises its own error type when absent
         s_tir.TensorIntrin.register(DP4A_INTRIN, _dp4a_desc, _dp4a_impl)
-
-
-def schedule_each_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Every block of `func` as its own kernel, one thread per output element; a reduction
-    (window max, gather sum) runs serially inside its thread. TE places a block's spatial loops
-    first, one per data-parallel iteration variable (iter_type 0) of the block."""
-    sch = s_tir.Schedule(func)
-    for blk in sch.get_child_blocks(sch.get_sblock("root")):
-        ndim = sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
-        spatial = sch.get_loops(blk)[:ndim]
-        bx, tx = sch.split(sch.fuse(*spatial), [None, THREADS_1D])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-    return sch.mod["main"]
 
 
 def _cooperative_fetch(sch: s_tir.Schedule, cached: s_tir.SBlockRV) -> None:
@@ -199,72 +184,17 @@ def gemm_schedule() -> str:
     return kind
 
 
-@dataclass(frozen=True)
-class KernelLaunch:
-    """One kernel of the step: its symbol, grid and block (x, y, z), and buffer parameters."""
-
-    symbol: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    params: tuple[tuple[str, tuple[int, ...], str], ...]
-
-
-def _gather_launch(symbol: str, func: tirx.PrimFunc) -> KernelLaunch:
-    out = func.params[-1]
-    n = 1
-    for d in out.shape:
-        n *= int(d)
-    return KernelLaunch(symbol, (-(-n // THREADS_1D), 1, 1), (THREADS_1D, 1, 1), _params(func))
-
-
-def _params(func: tirx.PrimFunc) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    return tuple((p.name, p.shape, p.dtype) for p in params(func))
-
-
-def schedule_product(funcs: GemmFuncs) -> tuple[dict[str, tirx.PrimFunc], list[KernelLaunch]]:
-    """Scheduled PrimFuncs (symbol -> func) and launches, in order, for one product."""
-    f = funcs.form
-    out: dict[str, tirx.PrimFunc] = {}
-    launches: list[KernelLaunch] = []
-    for symbol, func in funcs.items():
-        if symbol.endswith("_gemm"):
-            out[symbol] = schedule_gemm_dp4a(func).with_attr("global_symbol", symbol)
-            grid = (f.qp // TILE_MQ, f.mp // TILE_MQ, f.g)
-            launches.append(KernelLaunch(symbol, grid, (THREADS_2D, THREADS_2D, 1), _params(func)))
-        else:
-            out[symbol] = schedule_each_block(func).with_attr("global_symbol", symbol)
-            launches.append(_gather_launch(symbol, func))
-    return out, launches
+def schedule_product(funcs: GemmFuncs) -> dict[str, tirx.PrimFunc]:
+    """The scheduled PrimFuncs (symbol -> func) of one product, in launch order: the GEMM with
+    `__dp4a`, the gathers one thread per element."""
+    return {
+        symbol: (schedule_gemm_dp4a if symbol.endswith("_gemm") else schedule_gpu)(func).with_attr(
+            "global_symbol", symbol
+        )
+        for symbol, func in funcs.items()
+    }
 
 
 def cuda_source(funcs: dict[str, tirx.PrimFunc], arch: str) -> str:
     """CUDA C++ source of scheduled PrimFuncs (TVM emits source only; no GPU is needed)."""
-    target = tvm.target.Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
-    ex = tvm.compile(tvm.IRModule(funcs), target=target)
-    return str(ex.mod.imports[0].inspect_source())
-
-
-def schedule_compaction_shift(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """The max|acc| reductions: one thread block per output (group, or row of the first stage of
-    a whole-tensor max), its threads sharing the reduction (TVM's cross-thread allreduce); the
-    32-step shift count and the exponent on one thread."""
-    sch = s_tir.Schedule(func)
-    names = [n for n in ("amax_rows", "amax") if has_block(sch, n)]
-    for name in names:
-        loops = sch.get_loops(sch.get_sblock(name))
-        if len(loops) == 1:  # |x| of a 1-D tensor's rows: elementwise
-            bx, tx = sch.split(loops[0], [None, THREADS_1D])
-            sch.bind(bx, "blockIdx.x")
-            sch.bind(tx, "threadIdx.x")
-            continue
-        red = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
-        _, tx = sch.split(red, [None, THREADS_1D])
-        sch.bind(loops[0], "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-    for name in ("s", "e_out"):
-        blk = sch.get_sblock(name)
-        outer = sch.get_loops(blk)[0]
-        bx, tx1 = sch.split(outer, [None, 1])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx1, "threadIdx.x")
-    return sch.mod["main"]
+    return lower_kernels(funcs, arch)[0]

@@ -65,6 +65,14 @@ def _fused(sch: s_tir.Schedule, loops: list) -> Any:
     return sch.fuse(*loops) if len(loops) > 1 else loops[0]
 
 
+def bind_threads(sch: s_tir.Schedule, loop: Any, threads: int = THREADS) -> None:
+    """One thread per iteration of `loop`: `threads` per block along x, as many blocks as
+    needed."""
+    bx, tx = sch.split(loop, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
 def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """Thread bindings for every block of `func` (module docstring); each block becomes one
     kernel. TE places a block's spatial loops first, one per data-parallel iteration variable."""
@@ -82,9 +90,7 @@ def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
             sch.bind(_fused(sch, spatial), "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
         elif spatial:
-            bx, tx = sch.split(_fused(sch, spatial), [None, THREADS])
-            sch.bind(bx, "blockIdx.x")
-            sch.bind(tx, "threadIdx.x")
+            bind_threads(sch, _fused(sch, spatial))
         else:
             raise ValueError(f"block {sch.get(blk).name_hint} has no spatial loop to bind")
     return sch.mod["main"]

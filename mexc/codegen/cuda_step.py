@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -33,6 +31,7 @@ from tvm import tirx
 
 from mexc.codegen.cuda_products import GEMM_SCHEDULES, gemm_schedule
 from mexc.codegen.cuda_schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
+from mexc.codegen.kernel_cache import build_entry
 from mexc.codegen.nvcc import compile_cubin
 from mexc.codegen.plan_core import is_gemm
 from mexc.codegen.step_plan import build_plan, distinct_kernels, plan_manifest
@@ -155,11 +154,8 @@ def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
     folder = CACHE / f"cuda-{cache_key(prog, what)}"
     if (folder / "plan.json").exists():
         return folder
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=CACHE))
-    build_step(prog, archs, tmp)
-    try:
-        os.replace(tmp, folder)  # atomic: an entry is complete or absent
-    except OSError:  # another process finished the same build first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    def build(tmp: Path) -> None:
+        build_step(prog, archs, tmp)
+
+    return build_entry(folder, build)

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import tvm
 from tvm import tirx
 
 from mexc.codegen.cpu_gemm import schedule_parallel
+from mexc.codegen.kernel_cache import CACHE, build_entry
 from mexc.codegen.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
 from mexc.codegen.workers import forked_map, split_symbols
@@ -37,7 +37,6 @@ from mexc.program import Program
 # run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 MANIFEST_FORMAT = "mexc-llvm-plan-1"
-CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
 _MEXC = Path(__file__).resolve().parents[1]
 
 
@@ -123,14 +122,12 @@ def compile_program(
     plan = build_plan(prog, cpu.lanes32, plan_device)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=_ensure(CACHE)))
-    _compile_parts(funcs, target, tmp)
-    (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
-    try:
-        os.replace(tmp, folder)  # atomic: an entry is complete or absent
-    except OSError:  # another process finished the same build first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return _load(folder)
+
+    def build(tmp: Path) -> None:
+        _compile_parts(funcs, target, tmp)
+        (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
+
+    return _load(build_entry(folder, build))
 
 
 def _load(folder: Path) -> Compiled:
@@ -144,11 +141,6 @@ def _load(folder: Path) -> Compiled:
     for symbol, _ in manifest["launches"]:
         compiled.function(symbol)  # every kernel present
     return compiled
-
-
-def _ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class _Buffers:

@@ -373,6 +373,10 @@ def test_cuda_runtime_host_logic_on_a_fake_cupy(digits_artifact, monkeypatch) ->
     assert gpu.step_count == 2 and gpu.read_buffer(plan["labels"]).tolist() == y.tolist()
     keys = gpu.read_buffer(plan["keys"])[: len(plan["key_ids"])]
     assert np.array_equal(keys, stream_keys(0, 1, np.array(plan["key_ids"])))
+    gpu.set_graph(False)  # launch by launch: no capture, every kernel launched directly
+    fake.captured = []
+    gpu.step(x, y)
+    assert [c[0] for c in fake.launches] == symbols * 3 and fake.captured == []
 
 
 @needs_cuda_tools

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_cuda_products import needs_cuda_tools
 
-from mexc.codegen.cuda_products import cuda_source, schedule_compaction_shift, schedule_each_block
+from mexc.codegen.cuda_products import cuda_source
+from mexc.codegen.cuda_schedule import schedule_gpu
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.numerics import compact, stream_key
@@ -89,8 +90,8 @@ def test_compaction_tir_uses_the_key() -> None:
 def test_compaction_cuda_compiles(grouped: bool, tmp_path: Path) -> None:
     shape = (128, 16, 28, 28) if not grouped else (32, 16, 3, 3)
     funcs = {
-        "k_shift": schedule_compaction_shift(compaction_shift(shape, 8, grouped, "k")),
-        "k_apply": schedule_each_block(compaction_apply(shape, 8, grouped, True, "k")),
+        "k_shift": schedule_gpu(compaction_shift(shape, 8, grouped, "k")),
+        "k_apply": schedule_gpu(compaction_apply(shape, 8, grouped, True, "k")),
     }
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     cu = tmp_path / "compaction.cu"

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from test_cuda_products import needs_cuda_tools
 from tvm import te
 
-from mexc.codegen.cuda_products import cuda_source, schedule_each_block
+from mexc.codegen.cuda_products import cuda_source
+from mexc.codegen.cuda_schedule import schedule_gpu
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_divide import idiv_round, lower_divisions
 from mexc.cuda_runtime import ARCHS
@@ -73,7 +74,7 @@ def test_matches_reference(pairs: list[tuple[int, int]]) -> None:
 @needs_cuda_tools
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_division_has_no_float(arch: str, tmp_path: Path) -> None:
-    func = schedule_each_block(_division_func()).with_attr("global_symbol", "div")
+    func = schedule_gpu(_division_func()).with_attr("global_symbol", "div")
     cu = tmp_path / "div.cu"
     cu.write_text(cuda_source({"div": func}, arch))
     kernels = sass_opcodes(compile_cubin(cu, arch, tmp_path / "div.cubin"))

@@ -10,7 +10,8 @@ import tvm
 from test_cuda_products import needs_cuda_tools
 
 from mexc.codegen import te_ops
-from mexc.codegen.cuda_products import cuda_source, schedule_each_block
+from mexc.codegen.cuda_products import cuda_source
+from mexc.codegen.cuda_schedule import schedule_gpu
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.cuda_runtime import ARCHS
@@ -107,7 +108,7 @@ def test_ops_compile_for_cuda_without_float(tmp_path: Path) -> None:
         "pool_b": te_ops.maxpool_backward_acc(shape, 3, 2, 1),
         "add": te_ops.aligned_sum_acc(shape, 2, True),
     }
-    funcs = {n: schedule_each_block(f).with_attr("global_symbol", n) for n, f in funcs.items()}
+    funcs = {n: schedule_gpu(f).with_attr("global_symbol", n) for n, f in funcs.items()}
     cu = tmp_path / "ops.cu"
     cu.write_text(cuda_source(funcs, "sm_80"))
     kernels = sass_opcodes(compile_cubin(cu, "sm_80", tmp_path / "ops.cubin"))
@@ -127,7 +128,7 @@ def test_softmax_head_compiles_for_cuda_without_float(arch: str, tmp_path: Path)
         "sm_fn": te_ops.softmax_ce_forward(128, 10, False),
         "sm_b": te_ops.softmax_ce_backward_acc(128, 10),
     }
-    funcs = {n: schedule_each_block(f).with_attr("global_symbol", n) for n, f in funcs.items()}
+    funcs = {n: schedule_gpu(f).with_attr("global_symbol", n) for n, f in funcs.items()}
     cu = tmp_path / "head.cu"
     cu.write_text(cuda_source(funcs, arch))
     kernels = sass_opcodes(compile_cubin(cu, arch, tmp_path / "head.cubin"))

@@ -11,7 +11,8 @@ import pytest
 import tvm
 from test_cuda_products import needs_cuda_tools
 
-from mexc.codegen.cuda_products import cuda_source, schedule_compaction_shift, schedule_each_block
+from mexc.codegen.cuda_products import cuda_source
+from mexc.codegen.cuda_schedule import schedule_gpu
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
 from mexc.cuda_runtime import ARCHS
@@ -122,9 +123,7 @@ SPECS = [
 def test_update_compiles_for_cuda_without_float(spec: UpdateSpec, arch: str, tmp_path: Path):
     kernels = update_kernels(spec)
     funcs = {
-        _symbol(k.func): (schedule_compaction_shift if k.reduce else schedule_each_block)(
-            k.func
-        ).with_attr("global_symbol", _symbol(k.func))
+        _symbol(k.func): schedule_gpu(k.func).with_attr("global_symbol", _symbol(k.func))
         for k in kernels
     }
     cu = tmp_path / "update.cu"

@@ -1,0 +1,34 @@
+"""The on-disk kernel cache shared by the llvm, CUDA and host-C builds.
+
+An entry is a folder named by a hash of everything its contents depend on. It is built in a
+temporary sibling and renamed into place, so an entry is either complete or absent: a build that
+fails or is killed leaves no half-written entry behind, and of two processes that build the same
+entry at once the first rename wins and the other discards its copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
+
+
+def build_entry(folder: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp)` into a fresh temporary folder beside `folder`, then rename it to
+    `folder` (kept as it is when another process finished first). Returns `folder`."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, folder)  # atomic on one file system
+    except OSError:  # another process finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
