@@ -179,11 +179,14 @@ class PlanBuilder:
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         e_out = self.out_exp(n, 0)
-        m_rows = self.view(self.out(n, 0, I8), shape)  # computed on the accumulator's view
-        self.launch(compaction_shift(shape, self.bits, False, name), (acc, e_in, s, e_out))
+        # both kernels see the tensor as (rows, the rest): the rounding keys follow the C-order
+        # flat index, the same in any view, and long rows vectorize without remainder loops
+        flat = (shape[0], int(np.prod(shape[1:]))) if len(shape) > 2 else shape
+        acc, m = self.view(acc, flat), self.view(self.out(n, 0, I8), flat)
+        self.launch(compaction_shift(flat, self.bits, False, name), (acc, e_in, s, e_out))
         key = self.keys(n, (site,), f"key{site}")
-        apply = compaction_apply(shape, self.bits, False, self.stochastic, name)
-        self.launch(apply, (acc, s, key, m_rows))
+        apply = compaction_apply(flat, self.bits, False, self.stochastic, name)
+        self.launch(apply, (acc, s, key, m))
 
     def gemm(
         self,

@@ -33,9 +33,8 @@ def _i64(v: int) -> tirx.PrimExpr:
 
 def _mul32(x: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
     """(x * c) mod 2^32 for 0 <= x < 2^32, in int64 without overflow (16-bit halves)."""
-    lo = (x & _i64(0xFFFF)) * _i64(c)
-    hi = ((x >> _i64(16)) * _i64(c)) & _i64(0xFFFF)
-    return (lo + (hi << _i64(16))) & _i64(MASK32)
+    wide = x.astype("uint64") * tirx.const(c, "uint64")
+    return tirx.reinterpret(I64, wide & tirx.const(MASK32, "uint64"))
 
 
 def mix32(x: tirx.PrimExpr) -> tirx.PrimExpr:
