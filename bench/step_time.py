@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import os
 
-# numpy's BLAS threads (the reference executor's float32 products) and TVM's pool workers spin
-# after each call; interleaved with PyTorch they steal its cores (measured on the Fashion CNN:
-# FP32 eager 0.073 s beside them instead of 0.041 s alone). One BLAS thread, idle TVM workers
-# that sleep: every contender then runs as it would alone.
+# numpy's BLAS threads (the reference executor's float32 products), TVM's pool workers and
+# PyTorch's OpenMP threads spin for a while after each call; interleaved, they would steal the
+# next contender's cores (measured on the Fashion CNN: FP32 eager 0.073 s beside them instead of
+# 0.041 s alone). So every timed step starts after a pause (--settle) in which the previous
+# contender's threads go idle, and each runs with its default threading, as it would alone; one
+# BLAS thread (only the reference uses BLAS). An earlier version kept TVM's workers from
+# spinning at all instead (TVM_THREAD_POOL_SPIN_COUNT=0): that makes every parallel kernel of
+# the compiled step wake sleeping threads (measured: FashionCNN llvm 0.0535 s against 0.0448 s
+# with the default, FP32 0.049 / 0.050 s).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -48,7 +52,9 @@ def _fp32_step(
     opt.step()
 
 
-def measure(name: str, batch: int, repeats: int, targets: list[str]) -> dict[str, object]:
+def measure(
+    name: str, batch: int, repeats: int, targets: list[str], settle: float
+) -> dict[str, object]:
     cls, shape = EXAMPLES[name]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, *shape)).astype(np.float32)
@@ -76,6 +82,7 @@ def measure(name: str, batch: int, repeats: int, targets: list[str]) -> dict[str
     times: dict[str, list[float]] = {k: [] for k in [*targets, "fp32"] if k in progs or k == "fp32"}
     for _ in range(repeats):
         for key in times:
+            time.sleep(settle)  # the previous contender's idle threads stop spinning
             t0 = time.perf_counter()
             if key == "fp32":
                 _fp32_step(fp32, opt, xt, yt)
@@ -99,13 +106,18 @@ def main() -> None:
     ap.add_argument("--targets", default="llvm,reference")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--settle", type=float, default=0.1, help="seconds of pause before each timed step"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
     args = ap.parse_args()
     targets = args.targets.split(",")
     if "llvm" in targets:  # a cold compile: the cache is this run's own
         os.environ["MEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mexc-bench-cache-")
         os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())  # same threads as PyTorch
-    rows = [measure(m, args.batch, args.repeats, targets) for m in args.models.split(",")]
+    rows = [
+        measure(m, args.batch, args.repeats, targets, args.settle) for m in args.models.split(",")
+    ]
     head = f"{'model':<16} {'target':<10} {'median step s':>14} {'/ FP32 eager':>13}"
     print(f"{head} {'compile s':>10} {'again s':>8}")
     for r in rows:

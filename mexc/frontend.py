@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from mexc.errors import TraceError, UnsupportedOpError
+from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import attrs
 from mexc.types import Kind, TensorType, f32
@@ -540,14 +540,41 @@ def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
             raise TraceError(_control_flow_message(model, err)) from None
         raise
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    prop = _ShapeProp(gm)
     try:
-        ShapeProp(gm).propagate(example)
+        prop.propagate(example)
     except Exception as err:  # noqa: BLE001 - report the model's own failure plainly
-        raise ValueError(
-            f"running {type(model).__name__} on an example input of shape "
-            f"{tuple(example.shape)} failed: {err}. Check --input-shape / example_inputs."
-        ) from None
+        raise InputError(_example_failure(model, example, prop.failed, err)) from None
     return gm
+
+
+class _ShapeProp(ShapeProp):
+    """ShapeProp that remembers the node it failed on."""
+
+    failed: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except Exception:
+            self.failed = n
+            raise
+
+
+def _example_failure(
+    model: nn.Module, example: torch.Tensor, node: torch.fx.Node | None, err: Exception
+) -> str:
+    """One paragraph: the node, its source line, the model's own error (ShapeProp wraps it
+    with the node's whole metadata), and what to do."""
+    cause = err.__cause__ or err
+    at = f" at {_describe(node, '')}".rstrip() if node is not None else ""
+    return (
+        f"running {type(model).__name__} on an example input of shape "
+        f"{tuple(example.shape)} (dtype {example.dtype}) failed{at}: "
+        f"{type(cause).__name__}: {str(cause).strip()}. Give an example input of the shape "
+        "and dtype the model expects (--input-shape on the command line, example_inputs in "
+        "Python)."
+    )
 
 
 def _control_flow_message(model: nn.Module, err: Exception) -> str:

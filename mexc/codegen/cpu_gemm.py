@@ -181,9 +181,12 @@ def _schedule_gemm(func: tirx.PrimFunc, mt: int, qt: int, lanes: int) -> tirx.Pr
     mo, mi = sch.split(m, [None, mt])
     qo, qi = sch.split(q, [None, qt])
     sch.reorder(g, qo, mo, k, mi, qi)
-    outer = sch.fuse(g, qo)
+    # parallel over column panels; where there are few (a weight gradient has one or two, its
+    # rows the taps, and ran on one thread), over every register tile
+    panels = int(sch.get(g).extent) * int(sch.get(qo).extent)
+    outer = sch.fuse(g, qo) if panels >= PARALLEL_CHUNKS else sch.fuse(g, qo, mo)
     acc = sch.cache_write(blk, 0, "local")
-    sch.reverse_compute_at(acc, mo)
+    sch.reverse_compute_at(acc, outer)
     sch.parallel(outer)
     sch.unroll(mi)
     qv, ql = sch.split(qi, [None, lanes])
@@ -314,6 +317,20 @@ def cpu_gemm(
     )
 
 
+SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
+
+
+def _iterations(sch: s_tir.Schedule, loops: list) -> float:
+    """Loop iterations of a block (infinite where an extent is a shape variable)."""
+    total = 1.0
+    for lp in loops:
+        extent = sch.get(lp).extent
+        if not isinstance(extent, tirx.IntImm):
+            return float("inf")
+        total *= int(extent)
+    return total
+
+
 def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
     """A generic host schedule for the non-product kernels: every root-level block runs its
     outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
@@ -336,5 +353,7 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
         extent = sch.get(spatial[0]).extent
         if isinstance(extent, tirx.IntImm) and int(extent) < min_extent:
             continue  # (a shape variable's extent is taken to be large)
+        if _iterations(sch, loops) < SERIAL_BELOW:
+            continue  # waking the pool costs more than the work
         sch.parallel(spatial[0])  # the outer axis only: fusing would divide every index
     return sch.mod["main"]

@@ -126,8 +126,12 @@ def test_compile_argument_errors() -> None:
         mexc.compile(model, (x,), rounding="up")
     with pytest.raises(ValueError, match="not available yet"):
         mexc.compile(model, (x,), target="tpu")
-    with pytest.raises(ValueError, match="example input of shape"):
+    with pytest.raises(mexc.InputError, match="example input of shape") as err:
         mexc.compile(model, (torch.zeros(4, 3, 5, 5),))
+    # one paragraph: the failing node, its source line, the model's own error, what to do
+    text = str(err.value)
+    assert "at node '" in text and "models.py:" in text and "RuntimeError:" in text, text
+    assert "meta=" not in text and "\n" not in text and "--input-shape" in text
 
 
 def test_compile_leaves_the_module_in_its_mode() -> None:
