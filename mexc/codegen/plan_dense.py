@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mexc.codegen import gemm_forms as gf
-from mexc.codegen import te_ops
+from mexc.codegen import subpixel, te_ops
 from mexc.codegen.cpu_gemm import swapped
 from mexc.codegen.plan_core import (
     I8,
@@ -198,9 +198,25 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(n.result(0)), self.shape(w))
         self.need_no_preshift(n, g.og * g.kh * g.kw)
         acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
-        form = gf.conv_grad_input(f"n{n.id}_dx", g)
-        self.gemm(form, (self.m[dy], self.m[w]), acc, (g.og, g.kh, g.kw), (g.n, g.h, g.w))
+        if self.device == "cpu" and subpixel.applies(g):
+            self.grad_input_by_phase(n, g, acc)
+        else:
+            form = gf.conv_grad_input(f"n{n.id}_dx", g)
+            self.gemm(form, (self.m[dy], self.m[w]), acc, (g.og, g.kh, g.kw), (g.n, g.h, g.w))
         self.compact(n, acc, self.product_exp(n, dy, w), g.x_shape, 0)
+
+    def grad_input_by_phase(self, n: Node, g: ConvGeom, acc: str) -> None:
+        """A strided convolution's input gradient as one GEMM per output phase (subpixel.py)."""
+        dy, w = n.inputs
+        phases = subpixel.phases(f"n{n.id}_dx", g)
+        outs = []
+        for p in phases:
+            if p.form is not None:
+                out = self.buf(f"n{n.id}.dx{p.py}{p.px}", p.form.out_shape, I32)
+                self.gemm(p.form, (self.m[dy], self.m[w]), out, p.k_dims, p.q_dims)
+                outs.append(out)
+        by_phase = self.view(acc, (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw))
+        self.launch(subpixel.merge(g, phases, f"n{n.id}_dx_merge"), (*outs, by_phase))
 
     def conv_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs

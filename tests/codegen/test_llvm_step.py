@@ -123,3 +123,33 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
     x = np.random.default_rng(0).standard_normal((8, *shape)).astype(np.float32)
     y = np.arange(8) % 10
     _assert_same_training(ref, llvm, x, y, steps=2)
+
+
+class _StridedConv(nn.Module):
+    """A strided convolution whose input gradient the plan builds by output phase."""
+
+    def __init__(self, cin: int, cout: int, kernel, stride, padding, groups: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel, stride, padding, groups=groups, bias=False)
+        self.stem = nn.Conv2d(1, cin, 3, padding=1, bias=False)  # so conv's input has a gradient
+        self.fc = nn.LazyLinear(10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(torch.relu(self.conv(self.stem(x))), 1))
+
+
+@pytest.mark.parametrize(
+    "cin,cout,kernel,stride,padding,groups",
+    [
+        # (3x3 stride 2, plain and depthwise: SmallResNet and MobileNetV2Tiny above)
+        (4, 6, 1, 2, 0, 1),  # 1x1: three of four phases have no tap (their dx is 0)
+        (3, 5, (5, 3), (2, 1), (2, 1), 1),  # a stride along one axis only, a 5-tall kernel
+        (2, 3, 4, 4, 1, 1),  # stride 4: sixteen phases
+    ],
+)
+def test_strided_input_gradient_by_phase_is_bit_exact(cin, cout, kernel, stride, padding, groups):
+    ref, llvm = _pair(lambda: _StridedConv(cin, cout, kernel, stride, padding, groups), 3, (1, 8, 8))
+    assert any("_dx_merge" in s for s, _ in llvm.plan["launches"])  # the sub-pixel form is used
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 1, 8, 8)).astype(np.float32)
+    _assert_same_training(ref, llvm, x, np.array([1, 4, 9]), steps=2)
