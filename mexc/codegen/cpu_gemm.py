@@ -1,8 +1,8 @@
 """Products on the host CPU as packed GEMMs (the forms of gemm_forms, re-tiled for SIMD).
 
-    pack_a   A[g, m, k]                 the operand gathered K-contiguous (m padded to the tile)
-    pack_b   B[g, q // QT, k, q % QT]   panels of QT columns, each k row of a panel contiguous
-    gemm     C[g, m, q] = sum_k A[g, m, k] * B[g, q // QT, k, q % QT]     (int32)
+    pack_a   A[g, m, k]     the operand gathered K-contiguous (m padded to the tile)
+    pack_b   B[g, k, q]     q contiguous (q padded to the tile)
+    gemm     C[g, m, q] = sum_k A[g, m, k] * B[g, k, q]     (int32)
     unpack   the native accumulator layout from C
 
 The GEMM runs an MT x QT register tile: for every k it broadcasts MT values of A and multiplies
@@ -30,6 +30,9 @@ from mexc.codegen.te_products import has_block
 I8, I32 = "int8", "int32"
 MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
 QT_VECTORS = 4  # columns of the tile, in vectors, where the column count allows
+PARALLEL_CHUNKS = 64  # parallel tasks a gather or a GEMM is given, at least, where it can
+VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one AVX2 register)
+SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
 
 
 def tile_of(m: int, q: int, lanes: int) -> tuple[int, int]:
@@ -76,15 +79,25 @@ def _flatten(idx: tuple, dims: tuple[int, ...]):
     return flat
 
 
+def _domain(
+    shape: tuple[int, ...], last_short: bool = False
+) -> tuple[tvm.sym.Analyzer, list[tirx.Var]]:
+    """Variables for the output index of a gather over `shape`, bound to their ranges (the
+    last one stopping one short when `last_short`, to compare neighbours along it)."""
+    analyzer = tvm.sym.Analyzer()
+    out_idx = [tirx.Var(f"i{d}", "int32") for d in range(len(shape))]
+    for d, (v, extent) in enumerate(zip(out_idx, shape)):
+        short = last_short and d == len(shape) - 1
+        analyzer.bind(v, tvm.ir.Range(0, max(extent - 1, 1) if short else extent))
+    return analyzer, out_idx
+
+
 def _index_bounds(
     shape: tuple[int, ...], index: Callable[..., tuple], at: Callable[..., tuple]
 ) -> list[tuple[int, int]]:
     """(min, max) of every source index the gather can compute over its output `shape`
     (TVM's constant-bound analysis: conservative, so a range may be wider than needed)."""
-    analyzer = tvm.sym.Analyzer()
-    out_idx = [tirx.Var(f"i{d}", "int32") for d in range(len(shape))]
-    for v, extent in zip(out_idx, shape):
-        analyzer.bind(v, tvm.ir.Range(0, extent))
+    analyzer, out_idx = _domain(shape)
     idx, _ = at(*index(*out_idx))
     return [
         (int(b.min_value), int(b.max_value))
@@ -99,10 +112,7 @@ def _affine_rows(
     step (a row is a contiguous or strided load, or a broadcast). The rows of the input
     gradient of a strided convolution (a floor division by the stride) measured slower as
     vectors than as scalar code; affine rows, strided ones included, faster."""
-    analyzer = tvm.sym.Analyzer()
-    out_idx = [tirx.Var(f"i{d}", "int32") for d in range(len(shape))]
-    for v, extent in zip(out_idx, shape):
-        analyzer.bind(v, tvm.ir.Range(0, max(extent - 1, 1) if v is out_idx[-1] else extent))
+    analyzer, out_idx = _domain(shape, last_short=True)
     here, _ = at(*index(*out_idx))
     there, _ = at(*index(*out_idx[:-1], out_idx[-1] + 1))
     steps = [analyzer.simplify(b - a) for a, b in zip(here, there)]
@@ -196,10 +206,6 @@ def _schedule_gemm(func: tirx.PrimFunc, mt: int, qt: int, lanes: int) -> tirx.Pr
     sch.vectorize(cw[-1])
     sch.decompose_reduction(blk, k)
     return sch.mod["main"]
-
-
-PARALLEL_CHUNKS = 64  # outer iterations a parallel gather loop is given, at least
-VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one AVX2 register)
 
 
 def _schedule_elementwise(func: tirx.PrimFunc, vector_rows: bool = True) -> tirx.PrimFunc:
@@ -315,9 +321,6 @@ def cpu_gemm(
         b_pack_shape,
         (form.g, mp, qp),
     )
-
-
-SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
 
 
 def _iterations(sch: s_tir.Schedule, loops: list) -> float:
