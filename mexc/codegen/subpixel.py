@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from tvm import te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm, Operand
-from mexc.codegen.te_compaction import where
 from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import ConvGeom
 
@@ -103,9 +102,12 @@ def merge(g: ConvGeom, present: list[Phase], name: str) -> tirx.PrimFunc:
     }
 
     def body(n, c, yy, py, xx, px):
+        # the phases are exclusive: an OR of masked loads (branch-free; a chain of selects
+        # would repeat its tail in both arms and grow as 2^phases)
         value = tirx.const(0, I32)
         for (qy, qx), buf in bufs.items():
-            value = where(tirx.all(py == qy, px == qx), buf[n, c, yy, xx], value)
+            mask = -(tirx.all(py == qy, px == qx).astype(I32))
+            value = value | (buf[n, c, yy, xx] & mask)
         return value
 
     acc = te.compute((g.n, g.c, hc, g.sh, wc, g.sw), body, name="acc")
