@@ -83,7 +83,8 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
     `if_then_else` (and a `Select` whose sides load from buffers) becomes a branch around a
     conditional load, which LLVM cannot vectorize: a ReLU gradient took 7.9 ms for 1.6M
     elements that way and 0.13 ms branch-free. Bitwise, so no int8 or int64 arithmetic can
-    overflow (TVM marks signed arithmetic no-wrap)."""
+    overflow (TVM marks signed arithmetic no-wrap). `b` appears twice: a chain of wheres nested
+    in `b` doubles per level (for exclusive cases OR masked values instead, subpixel.merge)."""
     dtype = str(a.dtype) if hasattr(a, "dtype") else str(a.ty)  # a TE slice or an expression
     a, b = a.astype(dtype), b.astype(dtype)
     return b ^ ((a ^ b) & -(cond.astype(dtype)))
