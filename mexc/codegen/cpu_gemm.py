@@ -33,6 +33,7 @@ QT_VECTORS = 4  # columns of the tile, in vectors, where the column count allows
 PARALLEL_CHUNKS = 64  # parallel tasks a gather or a GEMM is given, at least, where it can
 VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one AVX2 register)
 SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
+PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
 
 
 def tile_of(m: int, q: int, lanes: int) -> tuple[int, int]:
@@ -131,7 +132,7 @@ def _zero_padded(src: te.Tensor, bounds: list[tuple[int, int]], which: str) -> t
         safe = [tirx.if_then_else(inside, i, 0) for i in idx]
         return tirx.if_then_else(inside, src[tuple(safe)], tirx.const(0, I8))
 
-    return te.compute(shape, body, name=f"{which}_source_padded")
+    return te.compute(shape, body, name=f"{which}{PADDED_SOURCE}")
 
 
 def _conjuncts(cond: tirx.PrimExpr) -> list[tirx.PrimExpr]:
@@ -222,7 +223,7 @@ def _schedule_elementwise(func: tirx.PrimFunc, vector_rows: bool = True) -> tirx
             extent *= int(sch.get(loops[lead]).extent)
             lead += 1
         sch.parallel(sch.fuse(*loops[:lead]) if lead > 1 else loops[0])
-        if vector_rows and lead < len(loops) and not name.endswith("_source_padded"):
+        if vector_rows and lead < len(loops) and not name.endswith(PADDED_SOURCE):
             inner = loops[-1]
             if int(sch.get(inner).extent) > VECTOR_ROW:
                 _, inner = sch.split(inner, [None, VECTOR_ROW])

@@ -26,7 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cuda_products import HAVE_TOOLS, needs_cuda_tools
+from test_cuda_products import CUDA_TOOLS_REASON, SKIP_CUDA_TOOLS, needs_cuda_tools
 
 import mexc
 from examples.models import EXAMPLES
@@ -82,8 +82,8 @@ def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mex
     """The DigitsCNN (batch 8) built by `mexc compile --target cuda` for both architectures,
     and the reference program it holds. Built once per test run: pytest-xdist workers share the
     folder, the first builds it under a lock, the others wait and reuse it."""
-    if os.environ.get("MEXC_REQUIRE_CUDA_TOOLS") != "1" and not HAVE_TOOLS:
-        pytest.skip("nvcc / cuobjdump / nvdisasm not installed")
+    if SKIP_CUDA_TOOLS:
+        pytest.skip(CUDA_TOOLS_REASON)
     from mexc.cli import main
     from mexc.cuda_program import StepArtifact
 
