@@ -11,6 +11,12 @@ widening, multiplies and adds with no gather and no bounds test (the gathers, im
 are done once by the packs). Padding rows and columns are zeros that are never read back, so
 the accumulator is the exact product; the schedule only reorders exact int32 sums (the caps of
 docs/numerics.md rule out overflow), which keeps it bit-exact.
+
+On AVX2 hosts the GEMM instead multiplies bytes (`x86_int8`: `vpmaddubsw` + `vpmaddwd`, 32
+multiply-accumulates per instruction pair), which wants four consecutive k of every column
+together: pack_b still writes B[g, k, q] (its gathers keep their contiguous rows), and
+`interleave_b` regroups it into column panels B4[g, q / QT, k / 4, q % QT, k % 4], each panel
+contiguous, with K padded to a multiple of 4 by zeros on both sides.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from mexc.codegen.gemm_forms import GemmForm
 from mexc.codegen.te_compaction import where
 from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import has_block
+from mexc.codegen.x86_int8 import COLUMNS, DEPTH
+from mexc.codegen.x86_int8 import registered as int8_dot_intrinsic
 
 I8, I32 = "int8", "int32"
 MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
@@ -34,6 +42,7 @@ PARALLEL_CHUNKS = 64  # parallel tasks a gather or a GEMM is given, at least, wh
 VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one AVX2 register)
 SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
 PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
+GEMM_KERNELS = ("int32", "avx2_i8")  # int32 lanes everywhere; byte products on AVX2 hosts
 
 
 def tile_of(m: int, q: int, lanes: int) -> tuple[int, int]:
@@ -63,10 +72,13 @@ class CpuGemm:
     gemm: tirx.PrimFunc
     unpack: tirx.PrimFunc
     a_shape: tuple[int, int, int]
-    b_shape: tuple[int, int, int]
+    b_shape: tuple[int, ...]
     a_pack_shape: tuple[int, ...]  # a prefix of A's memory (rows past m stay zero)
     b_pack_shape: tuple[int, ...]
     c_shape: tuple[int, int, int]
+    # the byte-product kernel: pack_b writes (g, K, Qp) rows here, interleave_b the panels
+    b_rows_shape: tuple[int, int, int] | None = None
+    interleave_b: tirx.PrimFunc | None = None
 
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
@@ -153,10 +165,15 @@ def _range_test(term: tirx.PrimExpr, idx: tuple, extents: tuple[int, ...]) -> bo
 
 
 def _gather(
-    form: GemmForm, which: str, shape: tuple[int, ...], index: Callable[..., tuple]
+    form: GemmForm,
+    which: str,
+    shape: tuple[int, ...],
+    index: Callable[..., tuple],
+    k_padded: bool = False,
 ) -> tuple[tirx.PrimFunc, bool]:
     """Pack operand A or B: element (g, r, k) of the form goes where `index` puts it; with
-    whether its rows are worth vectorizing (`_affine_rows`).
+    whether its rows are worth vectorizing (`_affine_rows`). `k_padded`: the pack runs past
+    the form's K (to a multiple of 4), and those k are zeros.
 
     Where the gather can index outside its source (convolution padding, padded rows), the
     source is first copied into a zero-bordered tensor, so that the gather itself is an affine
@@ -176,7 +193,7 @@ def _gather(
         gi, r, k = index(*out_idx)
         idx, ok = at(gi, r, k)
         shifted = tuple(v - lo for v, lo in zip(idx, lows))
-        tests = [r < rows, *_conjuncts(ok)]
+        tests = [r < rows, *_conjuncts(ok), *([k < form.k] if k_padded else [])]
         if not inside:  # the border answers the range tests of the form's validity
             tests = [t for t in tests if not _range_test(t, idx, op.shape)]
         return where(tirx.all(*tests), padded[shifted], tirx.const(0, I8))
@@ -206,6 +223,29 @@ def _schedule_gemm(func: tirx.PrimFunc, mt: int, qt: int, lanes: int) -> tirx.Pr
     cw = sch.get_loops(acc)
     sch.vectorize(cw[-1])
     sch.decompose_reduction(blk, k)
+    return sch.mod["main"]
+
+
+def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int) -> tirx.PrimFunc:
+    """The MT x QT register tile of the byte-product kernel: for every 4 k, MT broadcasts of
+    4 bytes of A against QT / 8 vectors of the panel, each one tensorized `x86_int8` step."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, q, k = sch.get_loops(blk)
+    mo, mi = sch.split(m, [None, mt])
+    qo, qv, q8 = sch.split(q, [None, qt // COLUMNS, COLUMNS])
+    k4, kk = sch.split(k, [None, DEPTH])
+    sch.reorder(g, qo, mo, k4, mi, qv, q8, kk)
+    panels = int(sch.get(g).extent) * int(sch.get(qo).extent)  # as in _schedule_gemm
+    outer = sch.fuse(g, qo) if panels >= PARALLEL_CHUNKS else sch.fuse(g, qo, mo)
+    acc = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(acc, mo if panels >= PARALLEL_CHUNKS else outer)  # one tile
+    sch.parallel(outer)
+    sch.unroll(mi)
+    sch.unroll(qv)
+    sch.vectorize(sch.get_loops(acc)[-1])
+    sch.decompose_reduction(blk, k4)  # loop kinds are set before, as TVM requires
+    sch.tensorize(q8, int8_dot_intrinsic())
     return sch.mod["main"]
 
 
@@ -256,15 +296,24 @@ def cpu_gemm(
     k_dims: tuple[int, ...] | None = None,
     q_dims: tuple[int, ...] | None = None,
     m_dims: tuple[int, ...] | None = None,
+    kernel: str = "int32",
 ) -> CpuGemm:
     """The packed-GEMM PrimFuncs of `form`, scheduled for `lanes` int32 lanes per vector.
     m_dims / k_dims / q_dims: the natural axes whose C-order flattening is the form's m / k / q
-    index; with them the packs loop over those axes and need no division per element."""
+    index; with them the packs loop over those axes and need no division per element.
+    `kernel`: one of GEMM_KERNELS ("avx2_i8" needs an AVX2 host and 8 lanes)."""
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {GEMM_KERNELS}")
+    panels = kernel == "avx2_i8"
+    if panels and lanes != COLUMNS:
+        raise ValueError(f"the {kernel} GEMM works on {COLUMNS} int32 lanes, not {lanes}")
     mt, qt = tile_of(form.m, form.q, lanes)
     mp, qp, k = _round_up(form.m, mt), _round_up(form.q, qt), form.k
-    a_shape = (form.g, mp, k)
-    b_shape = (form.g, k, qp)
-    if m_dims is not None and k_dims is not None and (mp == form.m or form.g == 1):
+    kp = _round_up(k, DEPTH) if panels else k
+    a_shape = (form.g, mp, kp)
+    rows_shape = (form.g, k, qp)
+    b_shape: tuple[int, ...] = (form.g, qp // qt, kp // DEPTH, qt, DEPTH) if panels else rows_shape
+    if m_dims is not None and k_dims is not None and (mp == form.m or form.g == 1) and kp == k:
         a_pack_shape: tuple[int, ...] = (form.g, *m_dims, *k_dims)
         nm = len(m_dims)
 
@@ -274,7 +323,7 @@ def cpu_gemm(
         pack_a, vec_a = _gather(form, "a", a_pack_shape, a_index)
     else:
         a_pack_shape = a_shape
-        pack_a, vec_a = _gather(form, "a", a_shape, lambda gi, r, kk: (gi, r, kk))
+        pack_a, vec_a = _gather(form, "a", a_shape, lambda gi, r, kk: (gi, r, kk), kp > k)
     natural = k_dims is not None and q_dims is not None and qp == form.q
     if natural:
         assert k_dims is not None and q_dims is not None
@@ -288,17 +337,14 @@ def cpu_gemm(
 
         pack_b, vec_b = _gather(form, "b", b_pack_shape, b_index)
     else:
-        b_pack_shape = b_shape
-        pack_b, vec_b = _gather(form, "b", b_shape, lambda gi, kk, qq: (gi, qq, kk))
-    a = te.placeholder(a_shape, I8, name="a")
-    b = te.placeholder(b_shape, I8, name="b")
-    rk = te.reduce_axis((0, k), "rk")
-    c = te.compute(
-        (form.g, mp, qp),
-        lambda gi, mm, qq: te.sum(a[gi, mm, rk].astype(I32) * b[gi, rk, qq].astype(I32), axis=rk),
-        name="c",
-    )
-    gemm = _func([a, b, c], f"{form.name}_gemm")
+        b_pack_shape = rows_shape
+        pack_b, vec_b = _gather(form, "b", rows_shape, lambda gi, kk, qq: (gi, qq, kk))
+    if panels:
+        gemm = _schedule_panel_gemm(_panel_gemm(form.name, a_shape, b_shape), mt, qt)
+        interleave = _schedule_elementwise(_interleave(form.name, rows_shape, b_shape), False)
+    else:
+        gemm = _schedule_gemm(_row_gemm(form.name, a_shape, rows_shape), mt, qt, lanes)
+        interleave = None
     cin = te.placeholder((form.g, mp, qp), I32, name="c")
 
     def unpack_body(*idx):
@@ -314,14 +360,57 @@ def cpu_gemm(
     return CpuGemm(
         named(_schedule_elementwise(pack_a, vec_a), "pack_a"),
         named(_schedule_elementwise(pack_b, vec_b), "pack_b"),
-        named(_schedule_gemm(gemm, mt, qt, lanes), "gemm"),
+        named(gemm, "gemm"),
         named(_schedule_elementwise(unpack), "unpack"),
         a_shape,
         b_shape,
         a_pack_shape,
         b_pack_shape,
         (form.g, mp, qp),
+        rows_shape if panels else None,
+        named(interleave, "interleave_b") if interleave is not None else None,
     )
+
+
+def _row_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """C[g, m, q] = sum_k A[g, m, k] * B[g, k, q] in int32 (B in rows, q contiguous)."""
+    a = te.placeholder(a_shape, I8, name="a")
+    b = te.placeholder(b_shape, I8, name="b")
+    rk = te.reduce_axis((0, a_shape[2]), "rk")
+    c = te.compute(
+        (a_shape[0], a_shape[1], b_shape[2]),
+        lambda gi, mm, qq: te.sum(a[gi, mm, rk].astype(I32) * b[gi, rk, qq].astype(I32), axis=rk),
+        name="c",
+    )
+    return _func([a, b, c], f"{name}_gemm")
+
+
+def _panel_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The same product with B in column panels (g, Qp / QT, Kp / 4, QT, 4)."""
+    qt = b_shape[3]
+    a = te.placeholder(a_shape, I8, name="a")
+    b = te.placeholder(b_shape, I8, name="b")
+    rk = te.reduce_axis((0, a_shape[2]), "rk")
+
+    def body(gi, mm, qq):
+        bq = b[gi, qq // qt, rk // DEPTH, qq % qt, rk % DEPTH]
+        return te.sum(a[gi, mm, rk].astype(I32) * bq.astype(I32), axis=rk)
+
+    c = te.compute((a_shape[0], a_shape[1], b_shape[1] * qt), body, name="c")
+    return _func([a, b, c], f"{name}_gemm")
+
+
+def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """B rows (g, K, Qp) -> column panels (g, Qp / QT, Kp / 4, QT, 4), zeros for k >= K."""
+    k, qt = rows_shape[1], b_shape[3]
+    rows = te.placeholder(rows_shape, I8, name="rows")
+
+    def body(gi, qo, k4, qi, kk):
+        kr = k4 * DEPTH + kk
+        value = rows[gi, tirx.min(kr, k - 1), qo * qt + qi]
+        return value if b_shape[2] * DEPTH == k else where(kr < k, value, tirx.const(0, I8))
+
+    return _func([rows, te.compute(b_shape, body, name="panels")], f"{name}_interleave_b")
 
 
 def _iterations(sch: s_tir.Schedule, loops: list) -> float:

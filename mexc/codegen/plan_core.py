@@ -98,10 +98,13 @@ def unsupported(n: Node, why: str) -> UnsupportedOpError:
 class PlanBuilder:
     """Buffers, keys, views and the shared lowering helpers of the op rules."""
 
-    def __init__(self, prog: Program, lanes: int, device: str = "cpu") -> None:
+    def __init__(
+        self, prog: Program, lanes: int, device: str = "cpu", gemm_kernel: str = "int32"
+    ) -> None:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not one of {DEVICES}")
         self.lanes = lanes
+        self.gemm_kernel = gemm_kernel  # cpu_gemm.GEMM_KERNELS
         self.device = device
         self.g: Graph = prog.graph
         self.prog = prog
@@ -202,7 +205,7 @@ class PlanBuilder:
         if self.device == "gpu":
             self._gemm_form(form, operands, out)
             return
-        cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims)
+        cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims, self.gemm_kernel)
         a = self.buf(f"{form.name}.a", cg.a_shape, I8)
         b = self.buf(f"{form.name}.b", cg.b_shape, I8)
         c = self.buf(f"{form.name}.c", cg.c_shape, I32)
@@ -211,7 +214,13 @@ class PlanBuilder:
             a_pack = f"{a}@pack"
             self.plan.views[a_pack] = View(a, cg.a_pack_shape)
         self.launch(cg.pack_a, (operands[form.a_src], a_pack))
-        self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
+        if cg.interleave_b is None:
+            self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
+        else:  # rows first (contiguous gathers), then the GEMM's column panels
+            assert cg.b_rows_shape is not None
+            rows = self.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
+            self.launch(cg.pack_b, (operands[form.b_src], self.view(rows, cg.b_pack_shape)))
+            self.launch(cg.interleave_b, (rows, b))
         self.launch(cg.gemm, (a, b, c))
         self.launch(cg.unpack, (c, out))
 

@@ -97,11 +97,13 @@ def _check_in_place_updates(g: Graph) -> None:
                 raise unsupported(n, "a node after the update reads the state it overwrites")
 
 
-def build_plan(prog: Program, lanes: int = 8, device: str = "cpu") -> StepPlan:
+def build_plan(
+    prog: Program, lanes: int = 8, device: str = "cpu", gemm_kernel: str = "int32"
+) -> StepPlan:
     """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
     `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: "cpu" or "gpu"
-    (plan_core.DEVICES)."""
-    b = _Builder(prog, lanes, device)
+    (plan_core.DEVICES); `gemm_kernel`: the host GEMM's kernel (cpu_gemm.GEMM_KERNELS)."""
+    b = _Builder(prog, lanes, device, gemm_kernel)
     for n in prog.graph.nodes:
         rule = RULES.get(n.op)
         if rule is None:

@@ -41,6 +41,14 @@ class HostCpu:
             return 8
         return 4
 
+    @property
+    def gemm_kernel(self) -> str:
+        """cpu_gemm's kernel for this host: byte products on AVX2 (measured here, docs/cpu.md);
+        AVX-512 hosts keep the 16-lane int32 tile (no such host to measure on yet)."""
+        if self.arch == "x86_64" and "avx2" in self.features and self.lanes32 == 8:
+            return "avx2_i8"
+        return "int32"
+
     def target(self) -> tvm.target.Target:
         attrs: list[str] = []
         if self.arch == "x86_64":

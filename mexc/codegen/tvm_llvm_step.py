@@ -112,14 +112,15 @@ def compile_program(
     per-shape update kernels): the host twin that checks the CUDA plan bit for bit."""
     cpu = cpu or host_cpu()
     target = cpu.target()
-    folder = CACHE / f"llvm-{cache_key(prog, f'{target} plan={plan_device}')}"
+    what = f"{target} plan={plan_device} gemm={cpu.gemm_kernel}"
+    folder = CACHE / f"llvm-{cache_key(prog, what)}"
     if (folder / "plan.json").exists():
         try:
             return _load(folder)
         except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
             print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)
-    plan = build_plan(prog, cpu.lanes32, plan_device)
+    plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
 
@@ -169,8 +170,10 @@ class _Buffers:
 class LlvmProgram(PlanProgram):
     """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
 
-    def __init__(self, prog: Program, plan_device: str = "cpu") -> None:
-        compiled = compile_program(prog, plan_device=plan_device)
+    def __init__(
+        self, prog: Program, plan_device: str = "cpu", cpu: HostCpu | None = None
+    ) -> None:
+        compiled = compile_program(prog, cpu, plan_device)
         self._bufs = _Buffers(compiled.manifest)
         self._calls = [
             (compiled.function(symbol), [self._bufs.t[a] for a in args])

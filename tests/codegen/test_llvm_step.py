@@ -16,6 +16,7 @@ from torch import nn
 
 import mexc
 from mexc.codegen import tvm_llvm_step
+from mexc.codegen.tvm_llvm_products import HostCpu
 from mexc.errors import UnsupportedOpError
 from tests.compiler.helpers import EXAMPLES
 from tests.compiler.test_fuzz import models as random_models
@@ -153,3 +154,16 @@ def test_strided_input_gradients_by_phase_are_bit_exact() -> None:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
     _assert_same_training(ref, llvm, x, np.array([1, 4, 9]), steps=2)
+
+
+def test_the_int32_gemm_of_hosts_without_avx2_is_bit_exact_too() -> None:
+    """This machine picks the byte-product GEMM (AVX2); a host without AVX2 (e.g. aarch64, or
+    an SSE-only x86) gets the int32 tile, built here for SSE 4.2 with 4 lanes."""
+    sse = HostCpu("x86_64", frozenset({"sse4_2"}))
+    assert (sse.gemm_kernel, sse.lanes32) == ("int32", 4)
+    torch.manual_seed(0)
+    ref = mexc.compile(_StridedConvs(), (torch.zeros(3, 1, 16, 16),), optimizer=_optimizer())
+    llvm = tvm_llvm_step.LlvmProgram(mexc.compiler._retarget(ref, "llvm"), cpu=sse)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
+    _assert_same_training(ref, llvm, x, np.array([2, 0, 7]), steps=2)

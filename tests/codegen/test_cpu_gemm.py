@@ -1,0 +1,78 @@
+"""The host GEMM kernels of cpu_gemm (packs, the byte-product panels, the int32 tile, unpack)
+give the exact integer product, at the extremes of the int8 range and at shapes that need every
+kind of padding (odd rows, columns off the tile, K off a multiple of 4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from mexc.codegen import gemm_forms as gf
+from mexc.codegen.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm
+from mexc.codegen.tvm_llvm_products import host_cpu
+
+needs_avx2 = pytest.mark.skipif(
+    host_cpu().gemm_kernel != "avx2_i8", reason="the byte-product kernel needs an AVX2 host"
+)
+
+
+def _run(cg: CpuGemm, x: np.ndarray, y: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
+    funcs = {"pack_a": cg.pack_a, "pack_b": cg.pack_b, "gemm": cg.gemm, "unpack": cg.unpack}
+    if cg.interleave_b is not None:
+        funcs["interleave_b"] = cg.interleave_b
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+    ex = tvm.compile(mod, target=host_cpu().target())
+    t = tvm.runtime.tensor
+    a = t(np.zeros(cg.a_shape, np.int8))
+    b = t(np.zeros(cg.b_shape, np.int8))
+    rows = t(np.zeros(cg.b_rows_shape, np.int8)) if cg.b_rows_shape else b
+    c = t(np.zeros(cg.c_shape, np.int32))
+    out = t(np.zeros(out_shape, np.int32))
+    ex["pack_a"](t(x), a)
+    ex["pack_b"](t(y), rows)
+    if cg.interleave_b is not None:
+        ex["interleave_b"](rows, b)
+    ex["gemm"](a, b, c)
+    ex["unpack"](c, out)
+    return out.numpy()
+
+
+def _operands(rng: np.random.Generator, *shapes: tuple[int, ...]) -> list[np.ndarray]:
+    """Random int8 mantissas in [-127, 127] with whole rows at the extremes, where the byte
+    kernel's int16 pair sums are largest (2 * 127 * 127)."""
+    out = []
+    for shape in shapes:
+        v = rng.integers(-127, 128, shape).astype(np.int8)
+        v.reshape(-1, shape[-1])[0] = 127
+        v.reshape(-1, shape[-1])[-1] = -127
+        out.append(v)
+    return out
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("avx2_i8", marks=needs_avx2), "int32"])
+@pytest.mark.parametrize("n,k,o", [(16, 144, 40), (3, 7, 5), (2, 1568, 10), (9, 4, 33)])
+def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
+    assert kernel in GEMM_KERNELS
+    x, w = _operands(np.random.default_rng(n * k + o), (n, k), (o, k))
+    cg = cpu_gemm(gf.linear_forward("t", n, k, o), 8, kernel=kernel)
+    want = x.astype(np.int64) @ w.astype(np.int64).T
+    np.testing.assert_array_equal(_run(cg, x, w, (n, o)), want)
+
+
+@needs_avx2
+def test_batched_transposed_product_in_panels_is_exact() -> None:
+    form = gf.batched_matmul("t", 3, 6, 10, 24, trans_a=True, trans_b=True)
+    x, y = _operands(np.random.default_rng(5), (3, 10, 6), (3, 24, 10))
+    cg = cpu_gemm(form, 8, kernel="avx2_i8")
+    assert cg.b_shape == (3, 3, 3, 8, 4)  # three 8-column panels, K = 10 padded to 12
+    want = np.einsum("gkm,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
+    np.testing.assert_array_equal(_run(cg, x, y, (3, 6, 24)), want)
+
+
+def test_kernel_and_lanes_are_checked() -> None:
+    form = gf.linear_forward("t", 4, 8, 8)
+    with pytest.raises(ValueError, match="not one of"):
+        cpu_gemm(form, 8, kernel="vnni")
+    with pytest.raises(ValueError, match="8 int32 lanes"):
+        cpu_gemm(form, 16, kernel="avx2_i8")
