@@ -170,9 +170,7 @@ class _Buffers:
 class LlvmProgram(PlanProgram):
     """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
 
-    def __init__(
-        self, prog: Program, plan_device: str = "cpu", cpu: HostCpu | None = None
-    ) -> None:
+    def __init__(self, prog: Program, plan_device: str = "cpu", cpu: HostCpu | None = None) -> None:
         compiled = compile_program(prog, cpu, plan_device)
         self._bufs = _Buffers(compiled.manifest)
         self._calls = [

@@ -61,13 +61,15 @@ def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
 
 
 @needs_avx2
-def test_batched_transposed_product_in_panels_is_exact() -> None:
-    form = gf.batched_matmul("t", 3, 6, 10, 24, trans_a=True, trans_b=True)
-    x, y = _operands(np.random.default_rng(5), (3, 10, 6), (3, 24, 10))
+@pytest.mark.parametrize("groups", [1, 3])
+def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(groups: int) -> None:
+    form = gf.batched_matmul("t", groups, 6, 10, 24, trans_a=True, trans_b=True)
+    x, y = _operands(np.random.default_rng(5), (groups, 10, 6), (groups, 24, 10))
     cg = cpu_gemm(form, 8, kernel="avx2_i8")
-    assert cg.b_shape == (3, 3, 3, 8, 4)  # three 8-column panels, K = 10 padded to 12
+    # one group: three 8-column panels, K = 10 padded to 12; groups: rows, as the int32 tile
+    assert cg.b_shape == ((1, 3, 3, 8, 4) if groups == 1 else (groups, 10, 24))
     want = np.einsum("gkm,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
-    np.testing.assert_array_equal(_run(cg, x, y, (3, 6, 24)), want)
+    np.testing.assert_array_equal(_run(cg, x, y, (groups, 6, 24)), want)
 
 
 def test_kernel_and_lanes_are_checked() -> None:
