@@ -306,10 +306,7 @@ def cpu_gemm(
         raise ValueError(f"kernel {kernel!r} is not one of {GEMM_KERNELS}")
     if kernel == "avx2_i8" and lanes != COLUMNS:
         raise ValueError(f"the {kernel} GEMM works on {COLUMNS} int32 lanes, not {lanes}")
-    # grouped products (depthwise convolutions, their sub-pixel phases) keep the int32 tile:
-    # one or two rows per group, and the byte kernel's tile accumulator went to a heap
-    # workspace per task (a 32-group depthwise forward: 7.7 ms against 2.1 ms)
-    panels = kernel == "avx2_i8" and form.g == 1
+    panels = kernel == "avx2_i8" and _bytes_pay(form)
     mt, qt = tile_of(form.m, form.q, lanes)
     mp, qp, k = _round_up(form.m, mt), _round_up(form.q, qt), form.k
     kp = _round_up(k, DEPTH) if panels else k
@@ -401,6 +398,15 @@ def _panel_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -
 
     c = te.compute((a_shape[0], a_shape[1], b_shape[1] * qt), body, name="c")
     return _func([a, b, c], f"{name}_gemm")
+
+
+def _bytes_pay(form: GemmForm) -> bool:
+    """Whether the byte-product kernel beats the int32 tile on `form`: every ungrouped product;
+    grouped ones (depthwise convolutions, their sub-pixel phases) only with a deep K (their
+    weight gradients). With one or two rows per group and K = 9 the byte kernel's tile
+    accumulator went to a heap workspace per task: a 32-group depthwise forward took 7.7 ms
+    against 2.1 ms; a 32-group 9 x 25,088 x 32 weight gradient 7.9 against 16.7 ms."""
+    return form.g == 1 or (form.k >= 256 and form.k % DEPTH == 0)
 
 
 def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:

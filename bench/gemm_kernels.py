@@ -1,0 +1,117 @@
+"""The host GEMM kernels side by side: cpu_gemm's int32 tile and its byte-product (AVX2) kernel.
+
+For each shape (M x K x Q, the training-step products of the example models), both kernels get
+the same packed operands and their results are checked against numpy; the table shows the best
+of `--repeats` runs of the GEMM kernel alone, its GMAC/s, and the byte kernel's extra pass that
+regroups B into column panels (`interleave_b`). Two threads, as the compiled step uses.
+
+    python bench/gemm_kernels.py [--repeats 10] [--out bench/results/gemm_kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mexc.codegen import gemm_forms as gf  # noqa: E402
+from mexc.codegen.cpu_gemm import CpuGemm, cpu_gemm  # noqa: E402
+from mexc.codegen.tvm_llvm_products import host_cpu  # noqa: E402
+
+# (what, M, K, Q): rows of A (output channels), depth, columns (batch x pixels or taps)
+SHAPES = [
+    ("FashionCNN conv 2 forward", 32, 144, 25088),
+    ("SmallResNet 16-channel conv forward", 16, 144, 131072),
+    ("SmallResNet 64-channel conv forward", 64, 576, 8192),
+    ("weight gradient (taps x channels)", 144, 100352, 64),
+    ("first conv forward (K = 9)", 16, 9, 100352),
+]
+
+
+def _best(fn, args: list, repeats: int) -> float:
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(cg: CpuGemm, x: np.ndarray, w: np.ndarray, repeats: int) -> dict[str, float]:
+    funcs = {"pack_a": cg.pack_a, "pack_b": cg.pack_b, "gemm": cg.gemm}
+    if cg.interleave_b is not None:
+        funcs["interleave_b"] = cg.interleave_b
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+    ex = tvm.compile(mod, target=host_cpu().target())
+    t = tvm.runtime.tensor
+    a, c = t(np.zeros(cg.a_shape, np.int8)), t(np.zeros(cg.c_shape, np.int32))
+    b = t(np.zeros(cg.b_shape, np.int8))
+    rows = t(np.zeros(cg.b_rows_shape, np.int8)) if cg.b_rows_shape else b
+    ex["pack_a"](t(x), a)
+    ex["pack_b"](t(w), rows)
+    out = {"interleave_s": 0.0}
+    if cg.interleave_b is not None:
+        out["interleave_s"] = _best(ex["interleave_b"], [rows, b], repeats)
+    out["gemm_s"] = _best(ex["gemm"], [a, b, c], repeats)
+    m, q = x.shape[0], w.shape[0]
+    want = x.astype(np.int64) @ w.astype(np.int64).T
+    if not np.array_equal(c.numpy()[0, :m, :q], want):
+        raise SystemExit("a GEMM kernel gave a wrong product")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/gemm_kernels.json"))
+    args = ap.parse_args()
+    if host_cpu().gemm_kernel != "avx2_i8":
+        raise SystemExit("this host has no AVX2: only the int32 tile is built here")
+    rng = np.random.default_rng(0)
+    rows = []
+    print(
+        f"{'product':38} {'M x K x Q':>20} {'int32 ms':>9} {'bytes ms':>9} "
+        f"{'+panels ms':>10} {'GMAC/s int32':>12} {'GMAC/s bytes':>12} {'speed-up':>8}"
+    )
+    for what, m, k, q in SHAPES:
+        x = rng.integers(-127, 128, (m, k)).astype(np.int8)
+        w = rng.integers(-127, 128, (q, k)).astype(np.int8)
+        form = gf.linear_forward("g", m, k, q)  # acc[m, q] = sum_k x[m, k] w[q, k]
+        old = measure(cpu_gemm(form, 8, kernel="int32"), x, w, args.repeats)
+        new = measure(cpu_gemm(form, 8, kernel="avx2_i8"), x, w, args.repeats)
+        macs = m * k * q
+        row = {
+            "product": what,
+            "m": m,
+            "k": k,
+            "q": q,
+            "int32_gemm_s": old["gemm_s"],
+            "bytes_gemm_s": new["gemm_s"],
+            "bytes_interleave_s": new["interleave_s"],
+            "speedup_gemm": old["gemm_s"] / new["gemm_s"],
+            "speedup_with_interleave": old["gemm_s"] / (new["gemm_s"] + new["interleave_s"]),
+        }
+        rows.append(row)
+        print(
+            f"{what:38} {f'{m} x {k} x {q}':>20} {old['gemm_s'] * 1e3:9.2f} "
+            f"{new['gemm_s'] * 1e3:9.2f} {new['interleave_s'] * 1e3:10.2f} "
+            f"{macs / old['gemm_s'] / 1e9:12.1f} {macs / new['gemm_s'] / 1e9:12.1f} "
+            f"{row['speedup_gemm']:8.2f}"
+        )
+    meta = {"machine": platform.processor() or platform.machine(), "date": time.strftime("%F %T")}
+    Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    main()
