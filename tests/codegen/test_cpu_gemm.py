@@ -51,7 +51,9 @@ def _operands(rng: np.random.Generator, *shapes: tuple[int, ...]) -> list[np.nda
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("avx2_i8", marks=needs_avx2), "int32"])
-@pytest.mark.parametrize("n,k,o", [(16, 144, 40), (3, 7, 5), (2, 1568, 10), (9, 4, 33)])
+@pytest.mark.parametrize(
+    "n,k,o", [(16, 144, 40), (3, 7, 5), (5, 37, 40), (2, 1568, 10), (9, 4, 33), (1, 18, 8)]
+)
 def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
     assert kernel in GEMM_KERNELS
     x, w = _operands(np.random.default_rng(n * k + o), (n, k), (o, k))
@@ -63,11 +65,11 @@ def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
 @needs_avx2
 @pytest.mark.parametrize("groups", [1, 3])
 def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(groups: int) -> None:
-    form = gf.batched_matmul("t", groups, 6, 10, 24, trans_a=True, trans_b=True)
-    x, y = _operands(np.random.default_rng(5), (groups, 10, 6), (groups, 24, 10))
+    form = gf.batched_matmul("t", groups, 6, 18, 24, trans_a=True, trans_b=True)
+    x, y = _operands(np.random.default_rng(5), (groups, 18, 6), (groups, 24, 18))
     cg = cpu_gemm(form, 8, kernel="avx2_i8")
-    # one group: three 8-column panels, K = 10 padded to 12; groups: rows, as the int32 tile
-    assert cg.b_shape == ((1, 3, 3, 8, 4) if groups == 1 else (groups, 10, 24))
+    # one group: three 8-column panels, K = 18 padded to 20; groups: rows, as the int32 tile
+    assert cg.b_shape == ((1, 3, 5, 8, 4) if groups == 1 else (groups, 18, 24))
     want = np.einsum("gkm,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
     np.testing.assert_array_equal(_run(cg, x, y, (groups, 6, 24)), want)
 
