@@ -167,3 +167,27 @@ def test_the_int32_gemm_of_hosts_without_avx2_is_bit_exact_too() -> None:
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
     _assert_same_training(ref, llvm, x, np.array([2, 0, 7]), steps=2)
+
+
+class _AvgPools(nn.Module):
+    """Average pools of both backward forms: tiling windows (2x2 stride 2 over an odd 7x7, the
+    last row and column in no window; a global 3x3) and overlapping ones (3x3 stride 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.tiled = nn.AvgPool2d(2, 2)
+        self.overlapping = nn.AvgPool2d(3, 2)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x))
+        x = self.tiled(x) + self.overlapping(x)  # 7x7 -> 3x3, both
+        return self.fc(torch.flatten(nn.functional.avg_pool2d(x, 3), 1))  # global
+
+
+def test_average_pool_gradients_of_tiling_and_overlapping_windows_are_bit_exact() -> None:
+    ref, llvm = _pair(_AvgPools, 3, (1, 7, 7))
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 1, 7, 7)).astype(np.float32)
+    _assert_same_training(ref, llvm, x, np.array([3, 1, 5]), steps=3)
