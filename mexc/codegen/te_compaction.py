@@ -31,26 +31,31 @@ def _i64(v: int) -> tirx.PrimExpr:
     return tirx.const(v, I64)
 
 
+U32, U64 = "uint32", "uint64"
+
+
 def _mul32(x: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
-    """(x * c) mod 2^32 for 0 <= x < 2^32: the product of two values below 2^32 fits uint64
-    (where wrapping is defined anyway), masked and reinterpreted as int64. On AVX2 this is one
-    vpmuludq per four lanes; the earlier form in 16-bit int64 halves took three (the compaction
-    apply kernel ran 10 % slower)."""
-    wide = x.astype("uint64") * tirx.const(c, "uint64")
-    return tirx.reinterpret(I64, wide & tirx.const(MASK32, "uint64"))
+    """(x * c) mod 2^32 for a uint32 x: the product of the zero-extended operands in uint64
+    (below 2^64, so TVM's no-wrap flag on unsigned arithmetic is true), truncated. LLVM turns
+    trunc(zext(x) * c) into a plain 32-bit multiply (`vpmulld`, 8 lanes on AVX2), one it made
+    itself and so without TVM's flag: a wrapping uint32 multiply written in TIR is poison."""
+    wide = x.astype(U64) * tirx.const(c, U64)
+    return (wide & tirx.const(MASK32, U64)).astype(U32)  # the mask: TVM folds casts of constants
 
 
 def mix32(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """lowbias32 as mexc.numerics.mix32, on uint32 values held in int64.
+    """lowbias32 as mexc.numerics.mix32, on uint32 values.
 
-    Values are int64 in [0, 2^32), multiplies go through uint64 (`_mul32`): a uint32 form was
-    miscompiled by TVM 0.27 once a run-time key entered the expression (39 of 60 words wrong on
-    llvm, docs/cuda.md); here no shift or multiply is signed/unsigned-ambiguous."""
-    x = _bound(x, lambda v: v ^ (v >> _i64(16)))
+    Shifts and xors are uint32 (no flags), multiplies go through uint64 (`_mul32`). A form with
+    uint32 multiplies was miscompiled by TVM 0.27 once a run-time key entered the expression
+    (39 of 60 words wrong on llvm, docs/cuda.md: TVM marks them no-wrap); the form before this
+    one held the values in int64, where LLVM lost track of their zero high halves and spent
+    three 64-bit multiplies on some stages (the compaction apply kernel: 2.76 -> 2.11 ms)."""
+    x = _bound(x, lambda v: v ^ (v >> tirx.const(16, U32)))
     x = _bound(x, lambda v: _mul32(v, 0x7FEB352D))
-    x = _bound(x, lambda v: v ^ (v >> _i64(15)))
+    x = _bound(x, lambda v: v ^ (v >> tirx.const(15, U32)))
     x = _bound(x, lambda v: _mul32(v, 0x846CA68B))
-    return _bound(x, lambda v: v ^ (v >> _i64(16)))
+    return _bound(x, lambda v: v ^ (v >> tirx.const(16, U32)))
 
 
 def _bound(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -59,8 +64,12 @@ def _bound(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr])
     expressions with buffer loads alone, so the CUDA source of an update kernel reached 180 KB)."""
     if isinstance(value, (tirx.Var, tirx.IntImm)):
         return body(value)
-    v = tirx.Var("h", I64)
+    v = tirx.Var("h", _dtype(value))
     return tirx.Let(v, value, body(v))
+
+
+def _dtype(e: tirx.PrimExpr) -> str:
+    return str(e.dtype) if hasattr(e, "dtype") else str(e.ty)  # a TE slice or an expression
 
 
 def _flat_index(shape: tuple[int, ...], idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
@@ -72,9 +81,16 @@ def _flat_index(shape: tuple[int, ...], idx: tuple[tirx.PrimExpr, ...]) -> tirx.
     return flat
 
 
+def _u32(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The low 32 bits of an int64 as uint32 (masked first: TVM folds casts of constants and
+    rejects one out of range)."""
+    return (v & _i64(MASK32)).astype(U32)
+
+
 def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
-    """numerics.random_bits: mix32(key ^ (index * 0x9E3779B9 mod 2^32)), as int64 in [0, 2^32)."""
-    return mix32(key ^ _mul32(flat & _i64(MASK32), GOLDEN32))
+    """numerics.random_bits: mix32(key ^ (index * 0x9E3779B9 mod 2^32)), as int64 in [0, 2^32)
+    (the key: the uint32 stream key held in int64)."""
+    return mix32(_u32(key) ^ _mul32(_u32(flat), GOLDEN32)).astype(I64)
 
 
 def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -85,7 +101,7 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
     elements that way and 0.13 ms branch-free. Bitwise, so no int8 or int64 arithmetic can
     overflow (TVM marks signed arithmetic no-wrap). `b` appears twice: a chain of wheres nested
     in `b` doubles per level (for exclusive cases OR masked values instead, subpixel.merge)."""
-    dtype = str(a.dtype) if hasattr(a, "dtype") else str(a.ty)  # a TE slice or an expression
+    dtype = _dtype(a)
     a, b = a.astype(dtype), b.astype(dtype)
     return b ^ ((a ^ b) & -(cond.astype(dtype)))
 
@@ -110,6 +126,41 @@ def shift_signed(
     # both sides are computed (branch-free, so the host vectorizes the PRNG); the left shift
     # is bounded so that the unused side never shifts by 64 or more
     return where(t > 0, right, x << tirx.min(tirx.max(-t, 0), 62))
+
+
+def shift_right32(
+    x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
+) -> tirx.PrimExpr:
+    """numerics.shift_right(x, t) for an int32 x and a shift t >= 0 (a compaction's), in 32-bit
+    lanes (`shift_signed` works in int64: twice the vectors). The split form of docs/numerics.md
+    section 4 never wraps: (x & mask) + r < 2^32 in uint32, and x >> t plus a carry of 0 or 1
+    stays inside int32, so TVM's no-wrap flags are true."""
+    tt = tirx.min(tirx.max(t, 0), 31)
+    one = tirx.const(1, I64)  # the loop-invariant mask and half in int64, then narrowed
+    mask = _u32((one << tt.astype(I64)) - one)
+    if stochastic:
+        r = _u32(random_word(key, flat)) & mask
+    else:
+        r = _u32(where(tt > 0, one << tirx.max(tt - 1, 0).astype(I64), tirx.const(0, I64)))
+    low = tirx.reinterpret(U32, x) & mask
+    carry = ((low + r) >> _u32(tt.astype(I64))).astype(I32)
+    return where(t >= 32, tirx.const(0, I32), (x >> tt) + carry)
+
+
+def shift_signed32(
+    x: tirx.PrimExpr,
+    t: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    stochastic: bool,
+    left_limit: int,
+) -> tirx.PrimExpr:
+    """numerics.shift_signed(x, t) in int32 lanes, for callers that know the exact left shift
+    fits: -t <= left_limit and |x| * 2^left_limit < 2^31 (e.g. an aligned sum's terms, whose
+    target exponent bounds them). The bound also keeps the unused side of the branch-free
+    select from overflowing."""
+    left = x << tirx.min(tirx.max(-t, 0), left_limit)
+    return where(t > 0, shift_right32(x, t, key, flat, stochastic), left)
 
 
 def shift_left_saturating(
@@ -194,9 +245,8 @@ def compaction_apply(
     q = qmax(bits)
 
     def body(*idx):
-        x = acc[idx].astype(I64)
-        s = s_in[idx[0] if grouped else 0].astype(I64)
-        v = shift_signed(x, s, key[0], _flat_index(shape, idx), stochastic)
+        s = s_in[idx[0] if grouped else 0]  # >= 0: fit_shift's
+        v = shift_right32(acc[idx], s, key[0], _flat_index(shape, idx), stochastic)
         return tirx.max(tirx.min(v, q), -q).astype(I8)
 
     m = te.compute(shape, body, name="m")

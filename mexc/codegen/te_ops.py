@@ -22,6 +22,7 @@ from mexc.codegen.te_compaction import (
     aligned_target,
     shift_left_saturating,
     shift_signed,
+    shift_signed32,
     where,
 )
 from mexc.codegen.te_divide import idiv_round
@@ -204,13 +205,19 @@ def aligned_sum_acc(
     keys = te.placeholder((terms,), "int64", name="keys")
     target = te.compute((1,), lambda _: aligned_target([(e, 7) for e in exps]), name="target")
 
+    # int32 lanes: the target is at least max(e_i) + 7 + c - 31 (c = bit_length(T)), so every
+    # left shift is at most 24 - c bits, a term below 2^(31 - c) and the sum of T < 2^c terms
+    # inside int32 (the int64 form took twice the vectors)
+    left_limit = 24 - terms.bit_length()
+
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, idx)
-        total: tirx.PrimExpr = tirx.const(0, "int64")
+        total: tirx.PrimExpr = tirx.const(0, I32)
         for i in range(terms):
-            t = (target[0] - exps[i]).astype("int64")
-            total = total + shift_signed(ms[i][idx].astype("int64"), t, keys[i], flat, stochastic)
-        return total.astype(I32)
+            t = target[0] - exps[i]
+            x = ms[i][idx].astype(I32)
+            total = total + shift_signed32(x, t, keys[i], flat, stochastic, left_limit)
+        return total
 
     acc = te.compute(shape, body, name="acc")
     return _func([*ms, *e_args, keys, target, acc], name)
