@@ -237,7 +237,8 @@ def compaction_shift(
 def compaction_apply(
     shape: tuple[int, ...], bits: int, grouped: bool, stochastic: bool, name: str
 ) -> tirx.PrimFunc:
-    """m = saturate(shift_right(acc, s[g])) in the split form of numerics.shift_right."""
+    """m = saturate(shift_signed(acc, s[g])): the split form of numerics.shift_right for s >= 0,
+    an exact left shift for s < 0 (the weight update's rescale)."""
     groups = shape[0] if grouped else 1
     acc = te.placeholder(shape, I32, name="acc")
     s_in = te.placeholder((groups,), I32, name="s")
@@ -245,8 +246,10 @@ def compaction_apply(
     q = qmax(bits)
 
     def body(*idx):
-        s = s_in[idx[0] if grouped else 0]  # >= 0: fit_shift's
-        v = shift_right32(acc[idx], s, key[0], _flat_index(shape, idx), stochastic)
+        # s < 0 is the weight's reactive rescale (numerics section 12): an exact left shift that
+        # keeps |x| * 2^-s <= qmax, so int32 holds it (the unused side may wrap: a plain shl)
+        s = s_in[idx[0] if grouped else 0]
+        v = shift_signed32(acc[idx], s, key[0], _flat_index(shape, idx), stochastic, 31)
         return tirx.max(tirx.min(v, q), -q).astype(I8)
 
     m = te.compute(shape, body, name="m")

@@ -16,7 +16,7 @@ from mexc.codegen.cuda_products import cuda_source
 from mexc.codegen.cuda_schedule import schedule_gpu
 from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
-from mexc.numerics import compact, stream_key
+from mexc.numerics import compact, shift_signed, stream_key
 
 _BUILT: dict[tuple, tvm.runtime.Module] = {}
 
@@ -74,6 +74,22 @@ def test_compaction_tir_matches_reference(
     )
     np.testing.assert_array_equal(m, want_m)
     np.testing.assert_array_equal(e_out.reshape(np.shape(want_e)), want_e)
+
+
+@pytest.mark.parametrize("shift", [-6, -1, 0, 3, 31, 32])
+def test_apply_shifts_left_for_a_negative_shift_as_the_weight_rescale_does(shift: int) -> None:
+    """compaction_apply with s < 0 (the reactive rescale of numerics section 12 reuses it) is
+    an exact left shift; s >= 0 rounds as numerics.shift_signed."""
+    acc = (np.arange(-40, 40, dtype=np.int32) * (1 if shift < 0 else 99991)).reshape(8, 10)
+    key = stream_key(5, 2, 40)
+    ex = tvm.compile(
+        tvm.IRModule({"c_apply": compaction_apply(acc.shape, 8, False, True, "c")}), target="llvm"
+    )
+    t = tvm.runtime.tensor
+    m = t(np.zeros(acc.shape, np.int8))
+    ex["c_apply"](t(acc), t(np.array([shift], np.int32)), t(np.array([key], np.int64)), m)
+    want = shift_signed(acc.astype(np.int64), shift, "stochastic", key)
+    np.testing.assert_array_equal(m.numpy(), np.clip(want, -127, 127))
 
 
 def test_compaction_tir_uses_the_key() -> None:
