@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
+from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 KINDS = {"a": "pack_a", "b": "pack_b / interleave_b"}  # symbols ending in _pack_a / _pack_b
 
@@ -83,8 +83,8 @@ def main() -> None:
         print("  slowest launches:")
         for key, sec in r["slowest"]:  # type: ignore[attr-defined]
             print(f"    {sec * 1e3:7.3f} ms  {key}")
-    meta = {"date": time.strftime("%F %T"), "batch": 128}
-    Path(args.out).write_text(json.dumps({**meta, "models": results}, indent=1))
+    doc = {**provenance("mexc-bench-kernel-times-1"), "batch": 128, "models": results}
+    write_json_atomic(args.out, doc)
     print(f"written {args.out}")
 
 

@@ -1,5 +1,5 @@
 """Time of the stochastic-rounding kernels alone: a compaction's shift-and-round and a two-term
-aligned sum, as the llvm step schedules them (two threads, best of `--repeats`).
+aligned sum, as the llvm step schedules and threads them (best of `--repeats`).
 
     python bench/rounding_time.py [--repeats 20] [--out bench/results/rounding_time.json]
 """
@@ -7,9 +7,7 @@ aligned sum, as the llvm step schedules them (two threads, best of `--repeats`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,20 +16,13 @@ import tvm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kernel_timing import best_seconds  # noqa: E402  (bench/, the script's folder)
+
 from mexc.codegen import te_ops  # noqa: E402
 from mexc.codegen.cpu_gemm import schedule_parallel  # noqa: E402
 from mexc.codegen.te_compaction import compaction_apply  # noqa: E402
 from mexc.codegen.tvm_llvm_products import host_cpu  # noqa: E402
-
-
-def _best(fn, args: list, repeats: int) -> float:
-    fn(*args)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - t0)
-    return best
+from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +39,7 @@ def main() -> None:
     acc = t(rng.integers(-(2**20), 2**20, shape).astype(np.int32))
     call = [acc, t(np.array([13], np.int32)), t(np.array([0xDEADBEEF], np.int64))]
     call.append(t(np.zeros(shape, np.int8)))
-    rows.append(("compaction apply, shift 13", shape, _best(fn, call, args.repeats)))
+    rows.append(("compaction apply, shift 13", shape, best_seconds(fn, call, args.repeats)))
 
     shape4 = (128, 16, 32, 32)  # a SmallResNet residual sum
     total = schedule_parallel(te_ops.aligned_sum_acc(shape4, 2, True, "s", exponent_buffers=True))
@@ -58,13 +49,15 @@ def main() -> None:
         call = [*ms, t(np.array([-5], np.int32)), t(np.array([e1], np.int32))]
         call += [t(np.array([123, 456], np.int64)), t(np.zeros(1, np.int32))]
         call.append(t(np.zeros(shape4, np.int32)))
-        rows.append((f"aligned sum of 2, exponents -5 and {e1}", shape4, _best(fn, call, 20)))
+        rows.append(
+            (f"aligned sum of 2, exponents -5 and {e1}", shape4, best_seconds(fn, call, 20))
+        )
 
     for what, shp, sec in rows:
         n = int(np.prod(shp))
         print(f"{what:40} {n:>10,} elements {sec * 1e3:8.3f} ms {n / sec / 1e9:6.2f} G elem/s")
     out = [{"kernel": w, "shape": list(s), "seconds": sec} for w, s, sec in rows]
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%F %T"), "rows": out}, indent=1))
+    write_json_atomic(args.out, {**provenance("mexc-bench-rounding-time-1"), "rows": out})
     print(f"written {args.out}")
 
 

@@ -9,8 +9,8 @@ so it is exact only while a pair sum stays within int16. With |A| as the unsigne
 sign(A)·B as the signed one (`vpsignb`), a pair is at most 2·127·127 = 32,258 < 2^15: no
 saturation for mantissas in [-127, 127] (-128 never occurs, docs/numerics.md section 1).
 `vpmaddwd` by ones then adds the pairs into int32 lanes. One instruction pair does 32
-multiply-accumulates where the int32 tile's `vpmulld` does 8: on this Zen 3 host a 16 x 144 x
-100,352 product went from 15 to 38 GMAC/s (docs/cpu.md).
+multiply-accumulates where the int32 tile's `vpmulld` does 8: 2.3-3.9x the int32 tile's GEMM
+throughput on this Zen 3 host (bench/gemm_kernels.py, docs/cpu.md).
 """
 
 from __future__ import annotations
