@@ -35,7 +35,9 @@ from mexc.codegen.te_compaction import (
     fit_shift,
     iabs,
     shift_left_saturating,
+    shift_right32,
     shift_signed,
+    shift_signed32,
     where,
 )
 from mexc.codegen.te_compaction import _i64 as _c
@@ -98,13 +100,15 @@ def _to_i32(t: te.Tensor) -> te.Tensor:
     return te.compute(t.shape, lambda c: t[c].astype(I32), name=f"{t.name}_out")
 
 
-def _ncs_sum(shape: NCS, value: Callable[..., tirx.PrimExpr], name: str) -> te.Tensor:
+def _ncs_sum(
+    shape: NCS, value: Callable[..., tirx.PrimExpr], name: str, dtype: str = I64
+) -> te.Tensor:
     """Per channel sum over (n, s) of value(n, c, s), int64: per (n, c) over s first (rows in
-    parallel, s contiguous), then over n."""
+    parallel, s contiguous, in `dtype` where the caller bounds the sum), then over n."""
     rs = te.reduce_axis((0, shape[2]), f"{name}_s")
     part = te.compute(shape[:2], lambda n, c: te.sum(value(n, c, rs), axis=rs), name=f"{name}_nc")
     rn = te.reduce_axis((0, shape[0]), f"{name}_n")
-    return _per_channel(shape, lambda c: te.sum(part[rn, c], axis=rn), name)
+    return _per_channel(shape, lambda c: te.sum(part[rn, c].astype(I64), axis=rn), name)
 
 
 # ----------------------------------------------------------------------------------- forward
@@ -176,12 +180,14 @@ def bn_var(
     ex = te.placeholder((1,), I32, name="ex")
     key = te.placeholder((1,), I64, name="key")
 
+    # int32 lanes: |xc| < 2^16 (f <= 8) and r >= 0 is a right shift; r makes
+    # M * ceil(max|xc| / 2^r)^2 <= 2^31 - 1, so every tq^2 and their per-channel sum fit int32
     def tq(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-        xc = (x[n, c, s].astype(I64) << _c(f)) - mu[c].astype(I64)
-        v = shift_signed(xc, r[c].astype(I64), key[0], _flat_index(shape, (n, c, s)), stochastic)
+        xc = (x[n, c, s].astype(I32) << f) - mu[c]
+        v = shift_right32(xc, r[c], key[0], _flat_index(shape, (n, c, s)), stochastic)
         return v * v
 
-    vsum = _ncs_sum(shape, tq, "vsum")
+    vsum = _ncs_sum(shape, tq, "vsum", I32)
     bl = _bitlen(vsum, "bl_vsum")
     vnum = _per_channel(
         shape, lambda c: vsum[c] << tirx.max(_c(30) - bl[c].astype(I64), _c(0)), "vnum"
@@ -259,9 +265,11 @@ def common_apply(
     q = qmax(bits)
 
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        # sh_c >= 0 wherever the channel has a nonzero value (common_shift's e_out is at least
+        # e_grp_c + s_c there): int32 lanes, and no left shift (a zero channel stays 0)
         flat = _flat_index(shape, (n, c, s))
-        v = shift_signed(acc[n, c, s].astype(I64), sh[c].astype(I64), key[0], flat, stochastic)
-        return tirx.max(tirx.min(v, _c(q)), _c(-q)).astype(I8)
+        v = shift_signed32(acc[n, c, s], sh[c], key[0], flat, stochastic, 0)
+        return tirx.max(tirx.min(v, q), -q).astype(I8)
 
     m = te.compute(shape, body, name="m")
     return _func([acc, sh, key, m], name)
@@ -281,13 +289,15 @@ def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.Pri
         (1,), lambda _: aligned_target([(e_x[0] + e_g[0], 14), (e_b[0], 7)]), name="target"
     )
 
+    # int32 lanes: the target is at least max(e + bits) - 29, so gamma * xhat (|.| <= 2^14)
+    # shifts left by at most 15 bits and beta (<= 2^7) by at most 22: every term <= 2^29
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-        p = xhat[n, c, s].astype(I64) * gamma[c].astype(I64)
-        tp = (target[0] - e_x[0] - e_g[0]).astype(I64)
-        tb = (target[0] - e_b[0]).astype(I64)
-        a = shift_signed(p, tp, keys[0], _flat_index(shape, (n, c, s)), stochastic)
-        b = shift_signed(beta[c].astype(I64), tb, keys[1], c.astype(I64), stochastic)
-        return (a + b).astype(I32)
+        p = xhat[n, c, s].astype(I32) * gamma[c].astype(I32)
+        tp = target[0] - e_x[0] - e_g[0]
+        tb = target[0] - e_b[0]
+        a = shift_signed32(p, tp, keys[0], _flat_index(shape, (n, c, s)), stochastic, 15)
+        b = shift_signed32(beta[c].astype(I32), tb, keys[1], c.astype(I64), stochastic, 22)
+        return a + b
 
     acc = te.compute(shape, body, name="acc")
     return _func([xhat, e_x, gamma, e_g, beta, e_b, keys, target, acc], name)
@@ -319,16 +329,16 @@ def to_bits_shift(shape: tuple[int, ...], limit_bits: int, name: str) -> tirx.Pr
 
 
 def shift_apply(shape: tuple[int, ...], stochastic: bool, name: str) -> tirx.PrimFunc:
-    """y = shift_right(x, s) keyed by the flat index (int32 out). Parameters (x, s, key, y)."""
+    """y = shift_right(x, s) keyed by the flat index (int32 out; s >= 0, to_bits_shift's, so
+    in int32 lanes). Parameters (x, s, key, y)."""
     x = te.placeholder(shape, I32, name="x")
     s = te.placeholder((1,), I32, name="s")
     key = te.placeholder((1,), I64, name="key")
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
-        flat = _flat_index(shape, idx)
-        return shift_signed(x[idx].astype(I64), s[0].astype(I64), key[0], flat, stochastic)
+        return shift_right32(x[idx], s[0], key[0], _flat_index(shape, idx), stochastic)
 
-    y = te.compute(shape, lambda *i: body(*i).astype(I32), name="y")
+    y = te.compute(shape, body, name="y")
     return _func([x, s, key, y], name)
 
 
@@ -353,14 +363,25 @@ def bn_bracket(shape: NCS, stochastic: bool, name: str = "bn_bracket") -> tirx.P
         name="target",
     )
 
+    # int32 lanes where M allows: the target is at least max(e + bits) - 29, so M * dy and
+    # dbeta (< 2^(7 + lg)) shift left by at most 22 - lg bits and xhat * dg16 (< 2^22) by at
+    # most 7: every term < 2^29, their sum inside int32
+    wide = 22 - lg < 0
+
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, (n, c, s))
-        td = (target[0] - e_dy[0]).astype(I64)
-        t3 = (target[0] - e3).astype(I64)
-        a = shift_signed(dy[n, c, s].astype(I64) * m, td, keys[0], flat, stochastic)
-        b = shift_signed(-dbeta[c].astype(I64), td, keys[1], c.astype(I64), stochastic)
-        p = -(xh[n, c, s].astype(I64) * dg16[c].astype(I64))
-        return (a + b + shift_signed(p, t3, keys[2], flat, stochastic)).astype(I32)
+        if wide:
+            td = (target[0] - e_dy[0]).astype(I64)
+            t3 = (target[0] - e3).astype(I64)
+            a = shift_signed(dy[n, c, s].astype(I64) * m, td, keys[0], flat, stochastic)
+            b = shift_signed(-dbeta[c].astype(I64), td, keys[1], c.astype(I64), stochastic)
+            p = -(xh[n, c, s].astype(I64) * dg16[c].astype(I64))
+            return (a + b + shift_signed(p, t3, keys[2], flat, stochastic)).astype(I32)
+        td, t3 = target[0] - e_dy[0], target[0] - e3
+        a = shift_signed32(dy[n, c, s].astype(I32) * m, td, keys[0], flat, stochastic, 22 - lg)
+        b = shift_signed32(-dbeta[c], td, keys[1], c.astype(I64), stochastic, 22 - lg)
+        p = -(xh[n, c, s].astype(I32) * dg16[c])
+        return a + b + shift_signed32(p, t3, keys[2], flat, stochastic, 7)
 
     t = te.compute(shape, body, name="t")
     return _func([dy, e_dy, dbeta, xh, e_xh, dg16, e_dg, keys, target, t], name)
