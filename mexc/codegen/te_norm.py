@@ -12,14 +12,15 @@ setting one bit of the root if its square still fits (floor(sqrt(n)) for n < 2^3
 Kernels of the forward pass, in launch order (sites of kernels.batchnorm_forward_train):
     bn_stats     mu = round((sum x) << f / M), r = the variance pre-shift        per channel
     bn_var       var (biased / unbiased), its exponent ev, rstd and its exponent  [0]
-    bn_xhat_acc  acc = ((x << f) - mu) * rstd, e_grp = ex - f + rstd_e
-    common_shift / common_apply   xhat = compact_common(acc, e_grp)               [1]
+    bn_xhat_shift / bn_xhat_apply   xhat = compact_common(acc, e_grp) with
+                 acc = ((x << f) - mu) * rstd computed in both, e_grp = ex - f + rstd_e  [1]
     bn_affine    gamma * xhat + beta aligned                                      [2] [3]
     compaction_shift / compaction_apply (te_compaction)                           [4]
 Backward (kernels.batchnorm_backward): bn_grad_sums, to_bits (dgamma -> 16 bits [0]),
-bn_bracket [1] [2] [3], to_bits (T -> 16 bits [4]), bn_dx_factor [5], bn_dx_acc, common_shift /
-common_apply [6]. Running statistics (kernels.batchnorm_update_running): to_bits, bn_ema, and a
-grouped compaction, once for the mean (sites 0-3) and once for the variance (4-7).
+bn_bracket [1] [2] [3], to_bits_shift (T -> 16 bits), bn_dx_factor [5], bn_dx_acc (with
+to_bits' rounding of T [4]), common_shift / common_apply [6]. Running statistics
+(kernels.batchnorm_update_running): to_bits, bn_ema, and a grouped compaction, once for the
+mean (sites 0-3) and once for the variance (4-7).
 """
 
 from __future__ import annotations
@@ -206,34 +207,48 @@ def bn_var(
     return _func([x, mu, r, ex, key, *outs, e_c], name)
 
 
-def bn_xhat_acc(shape: NCS, f: int, name: str = "bn_xhat_acc") -> tirx.PrimFunc:
-    """acc = ((x << f) - mu) * rstd (int32, |.| < 2^31), e_grp = e_c + rstd_e per channel.
-    Parameters (x, mu, rstd, rstd_e, e_c, acc, e_grp)."""
+def _xhat_inputs(shape: NCS, f: int) -> tuple[list[te.Tensor], Callable[..., tirx.PrimExpr]]:
+    """(x, mu, rstd) and the xhat accumulator ((x << f) - mu) * rstd (int32, |.| < 2^31) as a
+    function of (n, c, s): computed where it is read instead of stored, so the normalization
+    moves one byte per element instead of nine (an int32 write and two reads)."""
     x = te.placeholder(shape, I8, name="x")
-    mu, rstd, rstd_e = (te.placeholder((shape[1],), I32, name=n) for n in ("mu", "rstd", "re"))
+    mu, rstd = (te.placeholder((shape[1],), I32, name=n) for n in ("mu", "rstd"))
+
+    def acc(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        return ((x[n, c, s].astype(I32) << f) - mu[c]) * rstd[c]
+
+    return [x, mu, rstd], acc
+
+
+def bn_xhat_shift(shape: NCS, f: int, bits: int, name: str = "bn_xhat_shift") -> tirx.PrimFunc:
+    """common_shift of the xhat accumulator (`_xhat_inputs`), e_grp = e_c + rstd_e per channel.
+    Parameters (x, mu, rstd, rstd_e, e_c, e_grp, sh, e_out)."""
+    inputs, acc = _xhat_inputs(shape, f)
+    rstd_e = te.placeholder((shape[1],), I32, name="re")
     e_c = te.placeholder((1,), I32, name="e_c")
-    acc = te.compute(
-        shape,
-        lambda n, c, s: ((x[n, c, s].astype(I32) << f) - mu[c]) * rstd[c],
-        name="acc",
-    )
     e_grp = te.compute((shape[1],), lambda c: e_c[0] + rstd_e[c], name="e_grp")
-    return _func([x, mu, rstd, rstd_e, e_c, acc, e_grp], name)
+    sh, e_out = _common_shift(shape, acc, e_grp, bits)
+    return _func([*inputs, rstd_e, e_c, e_grp, sh, e_out], name)
 
 
-def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.PrimFunc:
-    """kernels._common.compact_common's plan along axis 1: s_c = compaction shift of channel c,
-    e_out = max over non-zero channels of e_grp + s_c (max e_grp if all are zero),
-    sh_c = e_out - e_grp_c. Parameters (acc, e_grp, sh, e_out)."""
-    acc = te.placeholder(shape, I32, name="acc")
-    e_grp = te.placeholder((shape[1],), I32, name="e_grp")
+def bn_xhat_apply(
+    shape: NCS, f: int, bits: int, stochastic: bool, name: str = "bn_xhat_apply"
+) -> tirx.PrimFunc:
+    """common_apply of the xhat accumulator. Parameters (x, mu, rstd, sh, key, m)."""
+    inputs, acc = _xhat_inputs(shape, f)
+    sh = te.placeholder((shape[1],), I32, name="sh")
+    key = te.placeholder((1,), I64, name="key")
+    m = _common_apply(shape, acc, sh, key, bits, stochastic)
+    return _func([*inputs, sh, key, m], name)
+
+
+def _common_shift(
+    shape: NCS, acc: Callable[..., tirx.PrimExpr], e_grp: te.Tensor, bits: int
+) -> tuple[te.Tensor, te.Tensor]:
+    """(sh, e_out) of compact_common for the accumulator acc(n, c, s) (see common_shift)."""
     # max |acc| per (n, c) with s innermost (n in parallel), then per channel over n
     rs = te.reduce_axis((0, shape[2]), "rs")
-    part = te.compute(
-        shape[:2],
-        lambda n, c: te.max(iabs(acc[n, c, rs]), rs),
-        name="amax_nc",
-    )
+    part = te.compute(shape[:2], lambda n, c: te.max(iabs(acc(n, c, rs)), rs), name="amax_nc")
     rn = te.reduce_axis((0, shape[0]), "rn")
     amax = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
     s = fit_shift(amax, qmax(bits))
@@ -251,7 +266,37 @@ def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.Prim
         (1,), lambda i: tirx.if_then_else(top[i] > -BIG, top[i], emax[i]), name="e_out"
     )
     sh = _per_channel(shape, lambda c: e_out[0] - e_grp[c], "sh")
+    return sh, e_out
+
+
+def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.PrimFunc:
+    """kernels._common.compact_common's plan along axis 1: s_c = compaction shift of channel c,
+    e_out = max over non-zero channels of e_grp + s_c (max e_grp if all are zero),
+    sh_c = e_out - e_grp_c. Parameters (acc, e_grp, sh, e_out)."""
+    acc = te.placeholder(shape, I32, name="acc")
+    e_grp = te.placeholder((shape[1],), I32, name="e_grp")
+    sh, e_out = _common_shift(shape, lambda n, c, s: acc[n, c, s], e_grp, bits)
     return _func([acc, e_grp, sh, e_out], name)
+
+
+def _common_apply(
+    shape: NCS,
+    acc: Callable[..., tirx.PrimExpr],
+    sh: te.Tensor,
+    key: te.Tensor,
+    bits: int,
+    stochastic: bool,
+) -> te.Tensor:
+    q = qmax(bits)
+
+    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        # sh_c >= 0 wherever the channel has a nonzero value (common_shift's e_out is at least
+        # e_grp_c + s_c there): int32 lanes, and no left shift (a zero channel stays 0)
+        flat = _flat_index(shape, (n, c, s))
+        v = shift_signed32(acc(n, c, s), sh[c], key[0], flat, stochastic, 0)
+        return tirx.max(tirx.min(v, q), -q).astype(I8)
+
+    return te.compute(shape, body, name="m")
 
 
 def common_apply(
@@ -262,16 +307,7 @@ def common_apply(
     acc = te.placeholder(shape, I32, name="acc")
     sh = te.placeholder((shape[1],), I32, name="sh")
     key = te.placeholder((1,), I64, name="key")
-    q = qmax(bits)
-
-    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-        # sh_c >= 0 wherever the channel has a nonzero value (common_shift's e_out is at least
-        # e_grp_c + s_c there): int32 lanes, and no left shift (a zero channel stays 0)
-        flat = _flat_index(shape, (n, c, s))
-        v = shift_signed32(acc[n, c, s], sh[c], key[0], flat, stochastic, 0)
-        return tirx.max(tirx.min(v, q), -q).astype(I8)
-
-    m = te.compute(shape, body, name="m")
+    m = _common_apply(shape, lambda n, c, s: acc[n, c, s], sh, key, bits, stochastic)
     return _func([acc, sh, key, m], name)
 
 
@@ -423,16 +459,24 @@ def bn_dx_factor(shape: NCS, stochastic: bool, name: str = "bn_dx_factor") -> ti
     return _func([gamma, e_g, rstd, rstd_e, key, f16, e_f], name)
 
 
-def bn_dx_acc(shape: NCS, name: str = "bn_dx_acc") -> tirx.PrimFunc:
-    """dxa = bk16 * f16_c (int32), e_grp = e_bk + e_f_c. Parameters (bk16, e_bk, f16, e_f,
-    dxa, e_grp)."""
-    bk = te.placeholder(shape, I32, name="bk")
+def bn_dx_acc(shape: NCS, stochastic: bool, name: str = "bn_dx_acc") -> tirx.PrimFunc:
+    """dxa = bk16 * f16_c (int32) with bk16 = shift_right(t, s) (to_bits' apply, keyed by the
+    flat index, done here instead of through an int32 buffer), e_grp = e_bk + e_f_c.
+    Parameters (t, s, key, e_bk, f16, e_f, dxa, e_grp)."""
+    t = te.placeholder(shape, I32, name="t")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
     e_bk = te.placeholder((1,), I32, name="e_bk")
     f16 = te.placeholder((shape[1],), I32, name="f16")
     e_f = te.placeholder((shape[1],), I32, name="e_f")
-    dxa = te.compute(shape, lambda n, c, s: bk[n, c, s] * f16[c], name="dxa")
+
+    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, (n, c, s))
+        return shift_right32(t[n, c, s], s_in[0], key[0], flat, stochastic) * f16[c]
+
+    dxa = te.compute(shape, body, name="dxa")
     e_grp = te.compute((shape[1],), lambda c: e_bk[0] + e_f[c], name="e_grp")
-    return _func([bk, e_bk, f16, e_f, dxa, e_grp], name)
+    return _func([t, s_in, key, e_bk, f16, e_f, dxa, e_grp], name)
 
 
 # ----------------------------------------------------------------------------------- running
