@@ -29,7 +29,7 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm
-from mexc.codegen.te_compaction import where
+from mexc.codegen.te_compaction import _flat_index, compacted, where
 from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import has_block
 from mexc.codegen.x86_int8 import COLUMNS, DEPTH
@@ -370,6 +370,26 @@ def cpu_gemm(
         rows_shape if panels else None,
         named(interleave, "interleave_b") if interleave is not None else None,
     )
+
+
+def compact_from_c(
+    form: GemmForm, c_shape: tuple[int, int, int], bits: int, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """The compaction apply of a product read straight from its GEMM's C (the unpack's gather
+    with the rounding on the way): m[idx] = compacted(C[out_at(idx)], s), keyed by the native
+    flat index as compaction_apply is. C's padding is zero, so the compaction shift can take
+    its max over C too, and the int32 accumulator in the native layout is never written.
+    Parameters (c, s, key, m)."""
+    cin = te.placeholder(c_shape, I32, name="c")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), "int64", name="key")
+
+    def body(*idx):
+        flat = _flat_index(form.out_shape, idx)
+        return compacted(cin[form.out_at(*idx)], s_in[0], key[0], flat, bits, stochastic)
+
+    m = te.compute(form.out_shape, body, name="m")
+    return _schedule_elementwise(_func([cin, s_in, key, m], f"{name}_apply"))
 
 
 def _row_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:

@@ -12,7 +12,7 @@ from tvm import tirx
 
 from mexc.codegen import gemm_forms as gf
 from mexc.codegen import te_norm, te_ops, te_pool
-from mexc.codegen.cpu_gemm import cpu_gemm
+from mexc.codegen.cpu_gemm import compact_from_c, cpu_gemm
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
@@ -191,20 +191,48 @@ class PlanBuilder:
         apply = compaction_apply(flat, self.bits, False, self.stochastic, name)
         self.launch(apply, (acc, s, key, m))
 
-    def gemm(
+    def compacted_product(
         self,
+        n: Node,
         form: gf.GemmForm,
         operands: tuple[str, str],
-        out: str,
+        e_in: str,
         k_dims: tuple[int, ...],
         q_dims: tuple[int, ...],
         m_dims: tuple[int, ...] | None = None,
     ) -> None:
-        """A product as pack_a, pack_b, GEMM and unpack on scratch buffers: cpu_gemm's tiles on
-        the host, the padded GEMM form (gemm_forms) for GPUs."""
+        """Result 0 of n = the compaction (site 0) of a product: on the host straight from the
+        GEMM's C (no unpacked accumulator: `compact_from_c`), elsewhere as gemm + compact."""
         if self.device == "gpu":
-            self._gemm_form(form, operands, out)
+            acc = self.buf(f"n{n.id}.acc", form.out_shape, I32)
+            self.gemm(form, operands, acc, k_dims, q_dims, m_dims)
+            self.compact(n, acc, e_in, form.out_shape, 0)
             return
+        c, c_shape = self.gemm(form, operands, None, k_dims, q_dims, m_dims)
+        name = f"n{n.id}_c0"
+        s = self.buf(f"n{n.id}.s0", (1,), I32)
+        rows_shape = (c_shape[0] * c_shape[1], c_shape[2])
+        shift = compaction_shift(rows_shape, self.bits, False, name)
+        self.launch(shift, (self.view(c, rows_shape), e_in, s, self.out_exp(n, 0)))
+        key = self.keys(n, (0,), "key0")
+        apply = compact_from_c(form, c_shape, self.bits, self.stochastic, name)
+        self.launch(apply, (c, s, key, self.out(n, 0, I8, form.out_shape)))
+
+    def gemm(
+        self,
+        form: gf.GemmForm,
+        operands: tuple[str, str],
+        out: str | None,
+        k_dims: tuple[int, ...],
+        q_dims: tuple[int, ...],
+        m_dims: tuple[int, ...] | None = None,
+    ) -> tuple[str, tuple[int, int, int]]:
+        """A product as pack_a, pack_b, GEMM and unpack into `out` on scratch buffers:
+        cpu_gemm's tiles on the host, the padded GEMM form (gemm_forms) for GPUs. Returns the
+        GEMM's C buffer and shape; out=None (host only) leaves the product there, unpacked."""
+        if self.device == "gpu":
+            assert out is not None
+            return self._gemm_form(form, operands, out)
         cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims, self.gemm_kernel)
         a = self.buf(f"{form.name}.a", cg.a_shape, I8)
         b = self.buf(f"{form.name}.b", cg.b_shape, I8)
@@ -222,9 +250,13 @@ class PlanBuilder:
             self.launch(cg.pack_b, (operands[form.b_src], self.view(rows, cg.b_pack_shape)))
             self.launch(cg.interleave_b, (rows, b))
         self.launch(cg.gemm, (a, b, c))
-        self.launch(cg.unpack, (c, out))
+        if out is not None:
+            self.launch(cg.unpack, (c, out))
+        return c, cg.c_shape
 
-    def _gemm_form(self, form: gf.GemmForm, operands: tuple[str, str], out: str) -> None:
+    def _gemm_form(
+        self, form: gf.GemmForm, operands: tuple[str, str], out: str
+    ) -> tuple[str, tuple[int, int, int]]:
         funcs = gf.gemm_funcs(form)
         a = self.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
         b = self.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
@@ -233,6 +265,7 @@ class PlanBuilder:
         self.launch(funcs.pack_b, (operands[form.b_src], b))
         self.launch(funcs.gemm.with_attr(*GEMM_ATTR), (a, b, c))  # a GPU schedules it as one
         self.launch(funcs.unpack, (c, out))
+        return c, (form.g, form.mp, form.qp)
 
     def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:
         e = self.buf(f"n{n.id}.{tag}", (1,), I32)

@@ -65,9 +65,13 @@ class DenseRules(PlanBuilder):
         o, k = self.shape(w)
         rows = int(np.prod(self.shape(x)[:-1]))
         self.need_no_preshift(n, k)
-        acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
         form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
-        self.gemm(form, (self.rows_view(x), self.m[w]), acc, (k,), (o,))
+        operands = (self.rows_view(x), self.m[w])
+        if not n.attrs.has_bias:
+            self.compacted_product(n, form, operands, self.product_exp(n, x, w), (k,), (o,))
+            return
+        acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
+        self.gemm(form, operands, acc, (k,), (o,))
         acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), (rows, o), k)
         self.compact(n, acc, e_acc, (rows, o), 0)
 
@@ -89,10 +93,9 @@ class DenseRules(PlanBuilder):
         o, k = self.shape(w)
         rows = int(np.prod(self.shape(dy)[:-1]))
         self.need_no_preshift(n, o)
-        acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
         form = gf.linear_grad_input(f"n{n.id}_dx", rows, k, o)
-        self.gemm(form, (self.rows_view(dy), self.m[w]), acc, (o,), (k,))
-        self.compact(n, acc, self.product_exp(n, dy, w), (rows, k), 0)
+        operands = (self.rows_view(dy), self.m[w])
+        self.compacted_product(n, form, operands, self.product_exp(n, dy, w), (o,), (k,))
 
     def linear_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs
@@ -186,10 +189,15 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(x), self.shape(w))
         k = g.cg * g.kh * g.kw
         self.need_no_preshift(n, k)
-        acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
         form = gf.conv_forward(f"n{n.id}_fwd", g)
-        taps = (g.cg, g.kh, g.kw)
-        self.gemm(form, (self.m[x], self.m[w]), acc, taps, (g.n, g.oh, g.ow), (g.og,))
+        taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
+        operands = (self.m[x], self.m[w])
+        if not n.attrs.has_bias:
+            e_acc = self.product_exp(n, x, w)
+            self.compacted_product(n, form, operands, e_acc, taps, pixels, (g.og,))
+            return
+        acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+        self.gemm(form, operands, acc, taps, pixels, (g.og,))
         acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), g.y_shape, k)
         self.compact(n, acc, e_acc, g.y_shape, 0)
 
@@ -197,13 +205,15 @@ class DenseRules(PlanBuilder):
         dy, w = n.inputs
         g = self.geom(n, self.shape(n.result(0)), self.shape(w))
         self.need_no_preshift(n, g.og * g.kh * g.kw)
-        acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
+        e_acc = self.product_exp(n, dy, w)
         if self.device == "cpu" and subpixel.applies(g):
+            acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
             self.grad_input_by_phase(n, g, acc)
-        else:
-            form = gf.conv_grad_input(f"n{n.id}_dx", g)
-            self.gemm(form, (self.m[dy], self.m[w]), acc, (g.og, g.kh, g.kw), (g.n, g.h, g.w))
-        self.compact(n, acc, self.product_exp(n, dy, w), g.x_shape, 0)
+            self.compact(n, acc, e_acc, g.x_shape, 0)
+            return
+        form = gf.conv_grad_input(f"n{n.id}_dx", g)
+        taps, pixels = (g.og, g.kh, g.kw), (g.n, g.h, g.w)
+        self.compacted_product(n, form, (self.m[dy], self.m[w]), e_acc, taps, pixels)
 
     def grad_input_by_phase(self, n: Node, g: ConvGeom, acc: str) -> None:
         """A strided convolution's input gradient as one GEMM per output phase (subpixel.py)."""

@@ -243,14 +243,26 @@ def compaction_apply(
     acc = te.placeholder(shape, I32, name="acc")
     s_in = te.placeholder((groups,), I32, name="s")
     key = te.placeholder((1,), I64, name="key")  # the uint32 stream key, held in int64
-    q = qmax(bits)
 
     def body(*idx):
-        # s < 0 is the weight's reactive rescale (numerics section 12): an exact left shift that
-        # keeps |x| * 2^-s <= qmax, so int32 holds it (the unused side may wrap: a plain shl)
         s = s_in[idx[0] if grouped else 0]
-        v = shift_signed32(acc[idx], s, key[0], _flat_index(shape, idx), stochastic, 31)
-        return tirx.max(tirx.min(v, q), -q).astype(I8)
+        return compacted(acc[idx], s, key[0], _flat_index(shape, idx), bits, stochastic)
 
     m = te.compute(shape, body, name="m")
     return prim_func([acc, s_in, key, m], f"{name}_apply")
+
+
+def compacted(
+    x: tirx.PrimExpr,
+    s: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    bits: int,
+    stochastic: bool,
+) -> tirx.PrimExpr:
+    """One element of a compaction: saturate(shift_signed(x, s)) to `bits`, int8."""
+    # s < 0 is the weight's reactive rescale (numerics section 12): an exact left shift that
+    # keeps |x| * 2^-s <= qmax, so int32 holds it (the unused side may wrap: a plain shl)
+    q = qmax(bits)
+    v = shift_signed32(x, s, key, flat, stochastic, 31)
+    return tirx.max(tirx.min(v, q), -q).astype(I8)
