@@ -74,6 +74,18 @@ def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(groups: in
     np.testing.assert_array_equal(_run(cg, x, y, (groups, 6, 24)), want)
 
 
+@pytest.mark.parametrize("kernel", [pytest.param("avx2_i8", marks=needs_avx2), "int32"])
+@pytest.mark.parametrize("k", [64, 37])
+def test_one_column_products_are_dot_products_along_k(kernel: str, k: int) -> None:
+    """q = 1 per group (a depthwise weight gradient): no column padding, K padded to 32."""
+    form = gf.batched_matmul("t", 3, 9, k, 1, trans_a=True, trans_b=True)
+    x, y = _operands(np.random.default_rng(k), (3, k, 9), (3, 1, k))
+    cg = cpu_gemm(form, 8, kernel=kernel)
+    assert cg.c_shape == (3, 9, 1) and cg.b_shape == (3, 64, 1)
+    want = np.einsum("gkm,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
+    np.testing.assert_array_equal(_run(cg, x, y, (3, 9, 1)), want)
+
+
 def test_kernel_and_lanes_are_checked() -> None:
     form = gf.linear_forward("t", 4, 8, 8)
     with pytest.raises(ValueError, match="not one of"):
