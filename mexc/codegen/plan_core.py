@@ -161,6 +161,13 @@ class PlanBuilder:
         shape = self.shape(v)
         return self.view(self.m[v], (int(np.prod(shape[:-1])), shape[-1]))
 
+    @staticmethod
+    def rows_of(shape: Shape) -> Shape:
+        """(shape[0], the rest) for elementwise kernels: C-order flat indices (the rounding
+        keys) are those of `shape`, and long rows vectorize without remainder loops (a
+        128 x 16 x 14 x 14 aligned sum took 1.4 ms with rows of 14)."""
+        return (shape[0], int(np.prod(shape[1:]))) if len(shape) > 2 else shape
+
     def ncs_view(self, name: str, shape: Shape) -> str:
         """A batchnorm operand (N, C, H, W) or (N, C) seen as (N, C, S)."""
         return self.view(name, (shape[0], shape[1], int(np.prod(shape[2:]))))
@@ -182,9 +189,7 @@ class PlanBuilder:
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         e_out = self.out_exp(n, 0)
-        # both kernels see the tensor as (rows, the rest): the rounding keys follow the C-order
-        # flat index, the same in any view, and long rows vectorize without remainder loops
-        flat = (shape[0], int(np.prod(shape[1:]))) if len(shape) > 2 else shape
+        flat = self.rows_of(shape)  # both kernels
         acc, m = self.view(acc, flat), self.view(self.out(n, 0, I8), flat)
         self.launch(compaction_shift(flat, self.bits, False, name), (acc, e_in, s, e_out))
         key = self.keys(n, (site,), f"key{site}")

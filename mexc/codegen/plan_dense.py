@@ -49,16 +49,19 @@ class DenseRules(PlanBuilder):
 
     def relu(self, n: Node) -> None:
         x = n.inputs[0]
-        y = self.out(n, 0, I8)
+        rows = self.rows_of(self.shape(x))
+        y = self.view(self.out(n, 0, I8), rows)
         self.e[n.result(0)] = self.e[x]  # the exponent passes through
-        self.launch(te_ops.relu_forward(self.shape(x), f"n{n.id}_relu"), (self.m[x], y))
+        func = te_ops.relu_forward(rows, f"n{n.id}_relu")
+        self.launch(func, (self.view(self.m[x], rows), y))
 
     def relu_grad(self, n: Node) -> None:
         dy, x = n.inputs
-        dx = self.out(n, 0, I8)
+        rows = self.rows_of(self.shape(dy))
+        dx = self.view(self.out(n, 0, I8), rows)
         self.e[n.result(0)] = self.e[dy]
-        func = te_ops.relu_backward(self.shape(dy), f"n{n.id}_relu_grad")
-        self.launch(func, (self.m[dy], self.m[x], dx))
+        func = te_ops.relu_backward(rows, f"n{n.id}_relu_grad")
+        self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), dx))
 
     def linear(self, n: Node) -> None:
         x, w = n.inputs[0], n.inputs[1]

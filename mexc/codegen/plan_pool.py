@@ -22,18 +22,19 @@ from mexc.numerics import FixedScalar, ceil_log2
 class PoolRules(PlanBuilder):
     def relu6(self, n: Node) -> None:
         x = n.inputs[0]
-        y = self.out(n, 0, I8)
+        rows = self.rows_of(self.shape(x))
+        y = self.view(self.out(n, 0, I8), rows)
         self.e[n.result(0)] = self.e[x]
-        self.launch(
-            te_pool.relu6_forward(self.shape(x), f"n{n.id}_relu6"), (self.m[x], self.e[x], y)
-        )
+        func = te_pool.relu6_forward(rows, f"n{n.id}_relu6")
+        self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
 
     def relu6_grad(self, n: Node) -> None:
         dy, x = n.inputs
-        dx = self.out(n, 0, I8)
+        rows = self.rows_of(self.shape(dy))
+        dx = self.view(self.out(n, 0, I8), rows)
         self.e[n.result(0)] = self.e[dy]
-        func = te_pool.relu6_backward(self.shape(dy), f"n{n.id}_relu6_grad")
-        self.launch(func, (self.m[dy], self.m[x], self.e[x], dx))
+        func = te_pool.relu6_backward(rows, f"n{n.id}_relu6_grad")
+        self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
 
     def grad_sum(self, n: Node) -> None:
         terms = list(n.inputs)
@@ -43,15 +44,16 @@ class PoolRules(PlanBuilder):
         if len(terms) > 13:
             raise unsupported(n, "a sum of more than 13 terms")
         shape = self.shape(terms[0])
+        rows = self.rows_of(shape)
         keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
         target = self.buf(f"n{n.id}.e_sum", (1,), I32)
-        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        acc = self.buf(f"n{n.id}.acc", rows, I32)
         func = te_ops.aligned_sum_acc(
-            shape, len(terms), self.stochastic, f"n{n.id}_sum", exponent_buffers=True
+            rows, len(terms), self.stochastic, f"n{n.id}_sum", exponent_buffers=True
         )
-        args = (*(self.m[t] for t in terms), *(self.e[t] for t in terms), keys, target, acc)
-        self.launch(func, args)
-        self.compact(n, acc, target, shape, len(terms))
+        ms = (self.view(self.m[t], rows) for t in terms)
+        self.launch(func, (*ms, *(self.e[t] for t in terms), keys, target, acc))
+        self.compact(n, acc, target, rows, len(terms))
 
     def dropout(self, n: Node) -> None:
         x = n.inputs[0]

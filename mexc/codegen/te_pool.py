@@ -133,11 +133,11 @@ def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
     x = te.placeholder(shape, I8, name="x")
     e = te.placeholder((1,), I32, name="e")
 
-    def body(*i):
-        ev = e[0].astype(I64)
-        m = x[i].astype(I64)
-        lhs = m << tirx.min(tirx.max(ev, _c(0)), _c(8))
-        rhs = _c(6) << tirx.min(tirx.max(-ev, _c(0)), _c(8))
+    def body(*i):  # int32 lanes: both sides stay below 2^15
+        ev = e[0]
+        m = x[i].astype(I32)
+        lhs = m << tirx.min(tirx.max(ev, 0), 8)
+        rhs = tirx.const(6, I32) << tirx.min(tirx.max(-ev, 0), 8)
         keep = tirx.all(m > 0, lhs < rhs)
         return where(keep, dy[i], tirx.const(0, I8))
 
