@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tvm import te, tirx
+from tvm import s_tir, te, tirx
 
 from mexc.codegen.te_compaction import (
     _flat_index,
@@ -378,10 +378,14 @@ def shift_apply(shape: tuple[int, ...], stochastic: bool, name: str) -> tirx.Pri
     return _func([x, s, key, y], name)
 
 
-def bn_bracket(shape: NCS, stochastic: bool, name: str = "bn_bracket") -> tirx.PrimFunc:
+def bn_bracket(
+    shape: NCS, stochastic: bool, name: str = "bn_bracket", row_max: bool = False
+) -> tirx.PrimFunc:
     """T = aligned sum of M*dy (key 0), -dbeta (key 1, flat index c) and -xhat * dg16 (key 2)
     (kernels.batchnorm_backward's bracket; magnitude bits 7 + ceil log2 M, the same, 22).
-    Parameters (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys, target, t)."""
+    Parameters (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys, target, t), and with
+    `row_max` a last one, amax (N, C): max |T| over s, computed as each row of T is written
+    (host schedule), so that to_bits' shift reads (N, C) values instead of all of T."""
     m = shape[0] * shape[2]
     lg = ceil_log2(m)
     dy = te.placeholder(shape, I8, name="dy")
@@ -420,7 +424,16 @@ def bn_bracket(shape: NCS, stochastic: bool, name: str = "bn_bracket") -> tirx.P
         return a + b + shift_signed32(p, t3, keys[2], flat, stochastic, 7)
 
     t = te.compute(shape, body, name="t")
-    return _func([dy, e_dy, dbeta, xh, e_xh, dg16, e_dg, keys, target, t], name)
+    args = [dy, e_dy, dbeta, xh, e_xh, dg16, e_dg, keys, target, t]
+    if not row_max:
+        return _func(args, name)
+    rs = te.reduce_axis((0, shape[2]), "rs")
+    amax = te.compute(shape[:2], lambda n, c: te.max(iabs(t[n, c, rs]), axis=rs), name="amax")
+    sch = s_tir.Schedule(_func([*args, amax], name))
+    n_loop, c_loop, _ = sch.get_loops(sch.get_sblock("t"))
+    sch.reverse_compute_at(sch.get_sblock("amax"), c_loop)  # the row is still in L1
+    sch.parallel(n_loop)
+    return sch.mod["main"]
 
 
 def bn_dx_factor(shape: NCS, stochastic: bool, name: str = "bn_dx_factor") -> tirx.PrimFunc:
