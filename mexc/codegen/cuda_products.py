@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 
 from tvm import s_tir, tirx
-from tvm.s_tir.tensor_intrin import cuda as cuda_intrin
 from tvm.script import tirx as T
 
 from mexc.codegen.cuda_schedule import lower_kernels, schedule_gpu
@@ -164,6 +163,10 @@ def schedule_gemm_imma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch.compute_at(a_frag, ki)
     sch.compute_at(b_frag, ki)
     init = sch.decompose_reduction(blk, ko)
+    # imported here: registering TVM's CUDA tensor intrinsics takes about a minute on a
+    # 2-core machine, which every process importing this module (each test worker) paid
+    from tvm.s_tir.tensor_intrin import cuda as cuda_intrin
+
     sch.tensorize(_fragments(sch, a_frag), cuda_intrin.WMMA_LOAD_16x16x16_S8_A_INTRIN)
     sch.tensorize(_fragments(sch, b_frag), cuda_intrin.WMMA_LOAD_16x16x16_S8_B_TRANS_INTRIN)
     sch.tensorize(sch.get_loops(init)[-2], cuda_intrin.WMMA_FILL_16x16x16_S32_INTRIN)
