@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mexc.codegen import gemm_forms as gf
-from mexc.codegen import subpixel, te_ops
+from mexc.codegen import subpixel, te_depthwise, te_ops
 from mexc.codegen.cpu_gemm import swapped
 from mexc.codegen.plan_core import (
     I8,
@@ -192,6 +192,13 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(x), self.shape(w))
         k = g.cg * g.kh * g.kw
         self.need_no_preshift(n, k)
+        if self.device == "cpu" and te_depthwise.applies(g):
+            acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+            func = te_depthwise.depthwise_acc(g, f"n{n.id}_fwd_depthwise")
+            self.launch(func, (self.m[x], self.m[w], acc))
+            acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), g.y_shape, k)
+            self.compact(n, acc, e_acc, g.y_shape, 0)
+            return
         form = gf.conv_forward(f"n{n.id}_fwd", g)
         taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
         operands = (self.m[x], self.m[w])
@@ -209,6 +216,13 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(n.result(0)), self.shape(w))
         self.need_no_preshift(n, g.og * g.kh * g.kw)
         e_acc = self.product_exp(n, dy, w)
+        if self.device == "cpu" and te_depthwise.applies_to_input_gradient(g):
+            acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
+            flipped = te_depthwise.flipped(g)
+            func = te_depthwise.depthwise_acc(flipped, f"n{n.id}_dx_depthwise", flip=True)
+            self.launch(func, (self.m[dy], self.m[w], acc))
+            self.compact(n, acc, e_acc, g.x_shape, 0)
+            return
         if self.device == "cpu" and subpixel.applies(g):
             acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
             self.grad_input_by_phase(n, g, acc)
