@@ -39,11 +39,7 @@ SHAPES = [
 
 
 def measure(cg: CpuGemm, x: np.ndarray, w: np.ndarray, repeats: int) -> dict[str, float]:
-    funcs = {"pack_a": cg.pack_a, "pack_b": cg.pack_b, "gemm": cg.gemm}
-    if cg.interleave_b is not None:
-        funcs["interleave_b"] = cg.interleave_b
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
-    ex = tvm.compile(mod, target=host_cpu().target())
+    ex = tvm.compile(cg.module(), target=host_cpu().target())
     t = tvm.runtime.tensor
     a, c = t(np.zeros(cg.a_shape, np.int8)), t(np.zeros(cg.c_shape, np.int32))
     b = t(np.zeros(cg.b_shape, np.int8))

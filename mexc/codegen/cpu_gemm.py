@@ -81,6 +81,16 @@ class CpuGemm:
     b_rows_shape: tuple[int, int, int] | None = None
     interleave_b: tirx.PrimFunc | None = None
 
+    def module(self) -> tvm.IRModule:
+        """The kernels as one module, each under its role's name (pack_a, pack_b,
+        interleave_b where there is one, gemm, unpack): for tests and benchmarks that run a
+        product outside a plan."""
+        funcs = {"pack_a": self.pack_a, "pack_b": self.pack_b, "gemm": self.gemm}
+        funcs["unpack"] = self.unpack
+        if self.interleave_b is not None:
+            funcs["interleave_b"] = self.interleave_b
+        return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+
 
 def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return prim_func(args, name)

@@ -18,11 +18,7 @@ needs_avx2 = pytest.mark.skipif(
 
 
 def _run(cg: CpuGemm, x: np.ndarray, y: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
-    funcs = {"pack_a": cg.pack_a, "pack_b": cg.pack_b, "gemm": cg.gemm, "unpack": cg.unpack}
-    if cg.interleave_b is not None:
-        funcs["interleave_b"] = cg.interleave_b
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
-    ex = tvm.compile(mod, target=host_cpu().target())
+    ex = tvm.compile(cg.module(), target=host_cpu().target())
     t = tvm.runtime.tensor
     a = t(np.zeros(cg.a_shape, np.int8))
     b = t(np.zeros(cg.b_shape, np.int8))
