@@ -250,6 +250,11 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(x), self.shape(n.result(0)))
         self.need_no_preshift(n, g.n * g.oh * g.ow)
         acc = self.out(n, 0, I32)
+        if self.device == "cpu" and te_depthwise.applies_to_weight_grad(g):
+            func = te_depthwise.depthwise_weight_grad(g, f"n{n.id}_dw_depthwise")
+            self.launch(func, (self.m[dy], self.m[x], acc))
+            self.e[n.result(0)] = self.product_exp(n, dy, x)
+            return
         # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
         # in order along (n, y, x), where the form's own orientation gathers im2col per column
         form = gf.conv_grad_weight(f"n{n.id}_dw", g)

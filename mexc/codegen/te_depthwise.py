@@ -20,6 +20,7 @@ from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import ConvGeom
 
 I8, I16, I32 = "int8", "int16", "int32"
+MAX_ROWS_WRITTEN_OUT = 32  # output rows a weight gradient's written-out sum may have
 
 
 def applies(g: ConvGeom) -> bool:
@@ -49,16 +50,7 @@ def depthwise_acc(g: ConvGeom, name: str, flip: bool = False) -> tirx.PrimFunc:
         raise ValueError(f"not a depthwise convolution: {g}")
     x = te.placeholder((g.n, g.c, g.h, g.w), I8, name="x")
     w = te.placeholder((g.c, 1, g.kh, g.kw), I8, name="w")
-    hp = (g.oh - 1) * g.sh + g.kh  # rows of the bordered copy every tap reads
-    wp = (g.ow - 1) * g.sw + g.kw
-
-    def bordered(n, c, yy, xx):
-        y, xc = yy - g.ph, xx - g.pw
-        inside = tirx.all(y >= 0, y < g.h, xc >= 0, xc < g.w)
-        ys, xs = tirx.max(tirx.min(y, g.h - 1), 0), tirx.max(tirx.min(xc, g.w - 1), 0)
-        return tirx.if_then_else(inside, x[n, c, ys, xs], tirx.const(0, I8))
-
-    xb = te.compute((g.n, g.c, hp, wp), bordered, name="x_bordered")
+    xb = _bordered(x, g)
 
     def tap(c, i: int, j: int):
         return w[c, 0, g.kh - 1 - i, g.kw - 1 - j] if flip else w[c, 0, i, j]
@@ -77,6 +69,21 @@ def depthwise_acc(g: ConvGeom, name: str, flip: bool = False) -> tirx.PrimFunc:
     return _schedule(prim_func([x, w, acc], name))
 
 
+def _bordered(x: te.Tensor, g: ConvGeom) -> te.Tensor:
+    """x with a zero border: every (row, column) a tap of `g` reads, so the taps are affine
+    loads with no bounds test."""
+    hp = (g.oh - 1) * g.sh + g.kh
+    wp = (g.ow - 1) * g.sw + g.kw
+
+    def body(n, c, yy, xx):
+        y, xc = yy - g.ph, xx - g.pw
+        inside = tirx.all(y >= 0, y < g.h, xc >= 0, xc < g.w)
+        ys, xs = tirx.max(tirx.min(y, g.h - 1), 0), tirx.max(tirx.min(xc, g.w - 1), 0)
+        return tirx.if_then_else(inside, x[n, c, ys, xs], tirx.const(0, I8))
+
+    return te.compute((g.n, g.c, hp, wp), body, name="x_bordered")
+
+
 def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """Parallel over (n, c) planes; per plane the bordered copy (kept in L1), then the output
     rows, each a vector loop over x."""
@@ -88,3 +95,47 @@ def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch.vectorize(x)
     sch.vectorize(sch.get_loops(sch.get_sblock("x_bordered"))[-1])
     return sch.mod["main"]
+
+
+def depthwise_weight_grad(g: ConvGeom, name: str) -> tirx.PrimFunc:
+    """dw (C, 1, KH, KW) int32 of depthwise `g`: per (n, c) plane and tap, the sum over y of
+    dy rows times shifted rows of the bordered input, kept per x (a vector along the row), then
+    summed over x and over n. The sum over y is written out (no reduce axis), so the row stays
+    a plain vector loop; `applies_to_weight_grad` bounds OH. Parameters (dy, x, dw)."""
+    if not applies_to_weight_grad(g):
+        raise ValueError(f"no direct weight gradient for {g}")
+    dy = te.placeholder((g.n, g.c, g.oh, g.ow), I8, name="dy")
+    x = te.placeholder((g.n, g.c, g.h, g.w), I8, name="x")
+    xb = _bordered(x, g)
+
+    def rows(n, c, i, j, xx):
+        total: tirx.PrimExpr = tirx.const(0, I32)
+        for y in range(g.oh):
+            v = xb[n, c, y * g.sh + i, xx * g.sw + j].astype(I16) * dy[n, c, y, xx].astype(I16)
+            total = total + v.astype(I32)
+        return total
+
+    by_x = te.compute((g.n, g.c, g.kh, g.kw, g.ow), rows, name="by_x")
+    rx = te.reduce_axis((0, g.ow), "rx")
+    plane = te.compute(
+        (g.n, g.c, g.kh, g.kw), lambda n, c, i, j: te.sum(by_x[n, c, i, j, rx], axis=rx), "plane"
+    )
+    rn = te.reduce_axis((0, g.n), "rn")
+    dw = te.compute(
+        (g.c, 1, g.kh, g.kw), lambda c, _, i, j: te.sum(plane[rn, c, i, j], axis=rn), name="dw"
+    )
+    sch = s_tir.Schedule(prim_func([dy, x, dw], name))
+    n, c, *_ = sch.get_loops(sch.get_sblock("plane"))
+    planes = sch.fuse(n, c)
+    sch.parallel(planes)
+    sch.compute_at(sch.get_sblock("by_x"), planes)
+    sch.compute_at(sch.get_sblock("x_bordered"), planes)
+    sch.vectorize(sch.get_loops(sch.get_sblock("by_x"))[-1])
+    sch.vectorize(sch.get_loops(sch.get_sblock("x_bordered"))[-1])
+    return sch.mod["main"]
+
+
+def applies_to_weight_grad(g: ConvGeom) -> bool:
+    """Whether depthwise `g`'s weight gradient is taken by `depthwise_weight_grad` (its sum
+    over the output rows is written out, so OH is bounded)."""
+    return applies(g) and g.oh <= MAX_ROWS_WRITTEN_OUT

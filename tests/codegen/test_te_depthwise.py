@@ -55,6 +55,20 @@ def test_stride_one_input_gradient_is_the_flipped_convolution(h, w, k, pad) -> N
     np.testing.assert_array_equal(got, want.numpy().astype(np.int64))
 
 
+@pytest.mark.parametrize(
+    "h,w,k,stride,pad", [(9, 7, 3, 1, 1), (8, 8, 3, 2, 1), (6, 5, 5, 1, 2), (7, 9, 3, 2, 0)]
+)
+def test_depthwise_weight_gradient_is_exact(h: int, w: int, k: int, stride: int, pad: int) -> None:
+    rng = np.random.default_rng(h * w * k + stride)
+    g = ConvGeom.of(3, 4, h, w, 4, k, k, stride, pad, 4)
+    x, dy = _mantissas(rng, (3, 4, h, w)), _mantissas(rng, (3, 4, g.oh, g.ow))
+    got = _run(te_depthwise.depthwise_weight_grad(g, "dw"), dy, x, out_shape=(4, 1, k, k))
+    want = torch.nn.grad.conv2d_weight(
+        _f64(x), (4, 1, k, k), _f64(dy), stride=stride, padding=pad, groups=4
+    )
+    np.testing.assert_array_equal(got, want.numpy().astype(np.int64))
+
+
 def test_only_depthwise_geometries_are_taken() -> None:
     grouped = ConvGeom.of(1, 4, 5, 5, 8, 3, 3, 1, 1, 4)  # two outputs per group
     strided = ConvGeom.of(1, 4, 6, 6, 4, 3, 3, 2, 1, 4)
@@ -64,3 +78,7 @@ def test_only_depthwise_geometries_are_taken() -> None:
         te_depthwise.depthwise_acc(grouped, "x")
     with pytest.raises(ValueError, match="stride-1"):
         te_depthwise.flipped(strided)
+    tall = ConvGeom.of(1, 4, 40, 6, 4, 3, 3, 1, 1, 4)  # 40 output rows: the GEMM path
+    assert te_depthwise.applies(tall) and not te_depthwise.applies_to_weight_grad(tall)
+    with pytest.raises(ValueError, match="no direct weight gradient"):
+        te_depthwise.depthwise_weight_grad(tall, "x")
