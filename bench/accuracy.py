@@ -85,6 +85,7 @@ def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict
         rounding=cfg["rounding"],
         per_group_velocity=cfg["per_group_velocity"],
         seed=args.seed,
+        target=args.target,
         compare_fp32=cfg["fp32"],
         progress=not args.quiet,
         command=sys.argv,
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-train", type=int, default=None, help="first N training images")
     ap.add_argument("--limit-test", type=int, default=None, help="first N test images")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default="auto", help="mexc target of the integer runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)

@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
     PATCHES[argv[0]]()
     from bench.accuracy import main as accuracy
 
-    return accuracy(argv[1:])
+    # the patches change reference kernels, so the integer run must use the reference executor
+    return accuracy([*argv[1:], "--target", "reference"])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ puts them together (docs/cpu.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,15 +187,32 @@ class PlanBuilder:
 
     def compact(self, n: Node, acc: str, e_in: str, shape: Shape, site: int) -> None:
         """Result 0 of n = compaction of int32 `acc` (exponent buffer e_in), rounding site."""
-        name = f"n{n.id}_c{site}"
-        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
-        e_out = self.out_exp(n, 0)
         flat = self.rows_of(shape)  # both kernels
         acc, m = self.view(acc, flat), self.view(self.out(n, 0, I8), flat)
-        self.launch(compaction_shift(flat, self.bits, False, name), (acc, e_in, s, e_out))
+
+        def apply(name: str) -> tirx.PrimFunc:
+            return compaction_apply(flat, self.bits, False, self.stochastic, name)
+
+        self.compaction(n, site, (acc, flat), e_in, apply, acc, m)
+
+    def compaction(
+        self,
+        n: Node,
+        site: int,
+        rows: tuple[str, Shape],
+        e_in: str,
+        apply: Callable[[str], tirx.PrimFunc],
+        src: str,
+        out: str,
+    ) -> None:
+        """The launches of a per-tensor compaction into result 0 of n: its shift from the
+        accumulator's (view, 2-D shape) `rows`, then `apply(name)` (src, s, key, out)."""
+        name = f"n{n.id}_c{site}"
+        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        shift = compaction_shift(rows[1], self.bits, False, name)
+        self.launch(shift, (rows[0], e_in, s, self.out_exp(n, 0)))
         key = self.keys(n, (site,), f"key{site}")
-        apply = compaction_apply(flat, self.bits, False, self.stochastic, name)
-        self.launch(apply, (acc, s, key, m))
+        self.launch(apply(name), (src, s, key, out))
 
     def compacted_product(
         self,
@@ -214,14 +232,13 @@ class PlanBuilder:
             self.compact(n, acc, e_in, form.out_shape, 0)
             return
         c, c_shape = self.gemm(form, operands, None, k_dims, q_dims, m_dims)
-        name = f"n{n.id}_c0"
-        s = self.buf(f"n{n.id}.s0", (1,), I32)
         rows_shape = (c_shape[0] * c_shape[1], c_shape[2])
-        shift = compaction_shift(rows_shape, self.bits, False, name)
-        self.launch(shift, (self.view(c, rows_shape), e_in, s, self.out_exp(n, 0)))
-        key = self.keys(n, (0,), "key0")
-        apply = compact_from_c(form, c_shape, self.bits, self.stochastic, name)
-        self.launch(apply, (c, s, key, self.out(n, 0, I8, form.out_shape)))
+
+        def apply(name: str) -> tirx.PrimFunc:
+            return compact_from_c(form, c_shape, self.bits, self.stochastic, name)
+
+        rows = (self.view(c, rows_shape), rows_shape)
+        self.compaction(n, 0, rows, e_in, apply, c, self.out(n, 0, I8, form.out_shape))
 
     def gemm(
         self,
@@ -304,11 +321,16 @@ class PlanBuilder:
         self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str
     ) -> tuple[str, str, str]:
         """numerics.compact_to_bits(x, e, 15) with rounding site `site`: (x16, s, e + s)."""
-        s = self.buf(f"n{n.id}.{tag}_s", (1,), I32)
-        e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
+        s, e_out = self.to_bits_shift(n, x, e, shape, tag)
         out = self.buf(f"n{n.id}.{tag}", shape, I32)
-        self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
         key = self.keys(n, (site,), f"key{site}")
         apply = te_norm.shift_apply(shape, self.stochastic, f"n{n.id}_{tag}_apply")
         self.launch(apply, (x, s, key, out))
         return out, s, e_out
+
+    def to_bits_shift(self, n: Node, x: str, e: str, shape: Shape, tag: str) -> tuple[str, str]:
+        """The shift half of to_bits: (s, e + s) from x's max |.| (x may hold row maxima)."""
+        s = self.buf(f"n{n.id}.{tag}_s", (1,), I32)
+        e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
+        self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
+        return s, e_out

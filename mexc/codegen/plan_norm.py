@@ -82,9 +82,7 @@ class NormRules(PlanBuilder):
         bracket = te_norm.bn_bracket(ncs, self.stochastic, f"n{n.id}_bn_bracket", row_max=host)
         amax = self.buf(f"n{n.id}.t_amax", ncs[:2], I32) if host else t
         self.launch(bracket, (*args, amax) if host else args)
-        s16, e_bk = self.buf(f"n{n.id}.bk16_s", (1,), I32), self.buf(f"n{n.id}.bk16_e", (1,), I32)
-        to_bits = te_norm.to_bits_shift(ncs[:2] if host else ncs, 15, f"n{n.id}_bk16_shift")
-        self.launch(to_bits, (amax, e_t, s16, e_bk))
+        s16, e_bk = self.to_bits_shift(n, amax, e_t, ncs[:2] if host else ncs, "bk16")
         f16, e_f = self.buf(f"n{n.id}.f16", cc, I32), self.buf(f"n{n.id}.e_f", cc, I32)
         key5 = self.keys(n, (5,), "key5")
         args = (b["gamma"], b["e_gamma"], b["rstd"], b["rstd_e"], key5, f16, e_f)

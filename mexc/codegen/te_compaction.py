@@ -259,10 +259,12 @@ def compacted(
     flat: tirx.PrimExpr,
     bits: int,
     stochastic: bool,
+    left_limit: int = 31,
 ) -> tirx.PrimExpr:
-    """One element of a compaction: saturate(shift_signed(x, s)) to `bits`, int8."""
+    """One element of a compaction: saturate(shift_signed(x, s)) to `bits`, int8. left_limit:
+    the largest left shift (-s) the caller can meet; 0 when s >= 0 wherever x is nonzero."""
     # s < 0 is the weight's reactive rescale (numerics section 12): an exact left shift that
     # keeps |x| * 2^-s <= qmax, so int32 holds it (the unused side may wrap: a plain shl)
     q = qmax(bits)
-    v = shift_signed32(x, s, key, flat, stochastic, 31)
+    v = shift_signed32(x, s, key, flat, stochastic, left_limit)
     return tirx.max(tirx.min(v, q), -q).astype(I8)

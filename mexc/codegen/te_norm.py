@@ -33,6 +33,7 @@ from mexc.codegen.te_compaction import (
     _flat_index,
     abs_max_all,
     aligned_target,
+    compacted,
     fit_shift,
     iabs,
     shift_left_saturating,
@@ -287,14 +288,12 @@ def _common_apply(
     bits: int,
     stochastic: bool,
 ) -> te.Tensor:
-    q = qmax(bits)
 
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
         # sh_c >= 0 wherever the channel has a nonzero value (common_shift's e_out is at least
         # e_grp_c + s_c there): int32 lanes, and no left shift (a zero channel stays 0)
         flat = _flat_index(shape, (n, c, s))
-        v = shift_signed32(acc(n, c, s), sh[c], key[0], flat, stochastic, 0)
-        return tirx.max(tirx.min(v, q), -q).astype(I8)
+        return compacted(acc(n, c, s), sh[c], key[0], flat, bits, stochastic, left_limit=0)
 
     return te.compute(shape, body, name="m")
 
