@@ -143,7 +143,7 @@ def _affine_rows(
     return all(isinstance(d, tirx.IntImm) for d in steps)
 
 
-def _zero_padded(src: te.Tensor, bounds: list[tuple[int, int]], which: str) -> te.Tensor:
+def zero_padded(src: te.Tensor, bounds: list[tuple[int, int]], which: str) -> te.Tensor:
     """`src` copied into a zero-bordered tensor covering `bounds`: element i holds
     src[i + lo] (0 outside src), so a gather from it needs no bounds test on its index."""
     lows = [lo for lo, _ in bounds]
@@ -197,7 +197,7 @@ def _gather(
     src = te.placeholder(op.shape, I8, name=op.name)
     bounds = _index_bounds(shape, index, at)
     inside = all(lo >= 0 and hi < extent for (lo, hi), extent in zip(bounds, op.shape))
-    padded = src if inside else _zero_padded(src, bounds, which)
+    padded = src if inside else zero_padded(src, bounds, which)
     lows = [0] * len(bounds) if inside else [lo for lo, _ in bounds]
 
     def body(*out_idx):
@@ -424,32 +424,38 @@ def compact_from_c(
     return _schedule_elementwise(_func([cin, s_in, key, m], f"{name}_apply"))
 
 
-def _row_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
-    """C[g, m, q] = sum_k A[g, m, k] * B[g, k, q] in int32 (B in rows, q contiguous)."""
-    a = te.placeholder(a_shape, I8, name="a")
-    b = te.placeholder(b_shape, I8, name="b")
-    rk = te.reduce_axis((0, a_shape[2]), "rk")
-    c = te.compute(
-        (a_shape[0], a_shape[1], b_shape[2]),
-        lambda gi, mm, qq: te.sum(a[gi, mm, rk].astype(I32) * b[gi, rk, qq].astype(I32), axis=rk),
-        name="c",
-    )
-    return _func([a, b, c], f"{name}_gemm")
-
-
-def _panel_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
-    """The same product with B in column panels (g, Qp / QT, Kp / 4, QT, 4)."""
-    qt = b_shape[3]
+def _product(
+    name: str,
+    a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...],
+    columns: int,
+    b_at: Callable[..., tirx.PrimExpr],
+) -> tirx.PrimFunc:
+    """C[g, m, q] = sum_k A[g, m, k] * B(g, k, q) in int32, B read through `b_at`."""
     a = te.placeholder(a_shape, I8, name="a")
     b = te.placeholder(b_shape, I8, name="b")
     rk = te.reduce_axis((0, a_shape[2]), "rk")
 
     def body(gi, mm, qq):
-        bq = b[gi, qq // qt, rk // DEPTH, qq % qt, rk % DEPTH]
-        return te.sum(a[gi, mm, rk].astype(I32) * bq.astype(I32), axis=rk)
+        return te.sum(a[gi, mm, rk].astype(I32) * b_at(b, gi, rk, qq).astype(I32), axis=rk)
 
-    c = te.compute((a_shape[0], a_shape[1], b_shape[1] * qt), body, name="c")
+    c = te.compute((a_shape[0], a_shape[1], columns), body, name="c")
     return _func([a, b, c], f"{name}_gemm")
+
+
+def _row_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The product with B in rows (g, K, Qp), q contiguous."""
+    return _product(name, a_shape, b_shape, b_shape[2], lambda b, gi, k, q: b[gi, k, q])
+
+
+def _panel_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The product with B in column panels (g, Qp / QT, Kp / 4, QT, 4)."""
+    qt = b_shape[3]
+
+    def b_at(b: te.Tensor, gi: tirx.PrimExpr, k: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
+        return b[gi, q // qt, k // DEPTH, q % qt, k % DEPTH]
+
+    return _product(name, a_shape, b_shape, b_shape[1] * qt, b_at)
 
 
 def _bytes_pay(form: GemmForm) -> bool:
@@ -469,10 +475,14 @@ def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]
     k, qt = rows_shape[1], b_shape[3]
     rows = te.placeholder(rows_shape, I8, name="rows")
 
+    padded = b_shape[2] * DEPTH > k
+
     def body(gi, qo, k4, qi, kk):
         kr = k4 * DEPTH + kk
-        value = rows[gi, tirx.min(kr, k - 1), qo * qt + qi]
-        return value if b_shape[2] * DEPTH == k else where(kr < k, value, tirx.const(0, I8))
+        if not padded:
+            return rows[gi, kr, qo * qt + qi]
+        value = rows[gi, tirx.min(kr, k - 1), qo * qt + qi]  # a load inside the rows
+        return where(kr < k, value, tirx.const(0, I8))
 
     return _func([rows, te.compute(b_shape, body, name="panels")], f"{name}_interleave_b")
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from tvm import s_tir, te, tirx
 
+from mexc.codegen.cpu_gemm import PADDED_SOURCE, zero_padded
 from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import ConvGeom
 
 I8, I16, I32 = "int8", "int16", "int32"
+BORDERED = f"x{PADDED_SOURCE}"  # the block of the zero-bordered input copy
 MAX_ROWS_WRITTEN_OUT = 32  # output rows a weight gradient's written-out sum may have
 
 
@@ -71,17 +73,11 @@ def depthwise_acc(g: ConvGeom, name: str, flip: bool = False) -> tirx.PrimFunc:
 
 def _bordered(x: te.Tensor, g: ConvGeom) -> te.Tensor:
     """x with a zero border: every (row, column) a tap of `g` reads, so the taps are affine
-    loads with no bounds test."""
+    loads with no bounds test (block BORDERED, scheduled per plane)."""
     hp = (g.oh - 1) * g.sh + g.kh
     wp = (g.ow - 1) * g.sw + g.kw
-
-    def body(n, c, yy, xx):
-        y, xc = yy - g.ph, xx - g.pw
-        inside = tirx.all(y >= 0, y < g.h, xc >= 0, xc < g.w)
-        ys, xs = tirx.max(tirx.min(y, g.h - 1), 0), tirx.max(tirx.min(xc, g.w - 1), 0)
-        return tirx.if_then_else(inside, x[n, c, ys, xs], tirx.const(0, I8))
-
-    return te.compute((g.n, g.c, hp, wp), body, name="x_bordered")
+    bounds = [(0, g.n - 1), (0, g.c - 1), (-g.ph, hp - 1 - g.ph), (-g.pw, wp - 1 - g.pw)]
+    return zero_padded(x, bounds, "x")
 
 
 def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -91,9 +87,9 @@ def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     n, c, _, x = sch.get_loops(sch.get_sblock("acc"))
     plane = sch.fuse(n, c)
     sch.parallel(plane)
-    sch.compute_at(sch.get_sblock("x_bordered"), plane)
+    sch.compute_at(sch.get_sblock(BORDERED), plane)
     sch.vectorize(x)
-    sch.vectorize(sch.get_loops(sch.get_sblock("x_bordered"))[-1])
+    sch.vectorize(sch.get_loops(sch.get_sblock(BORDERED))[-1])
     return sch.mod["main"]
 
 
@@ -129,9 +125,9 @@ def depthwise_weight_grad(g: ConvGeom, name: str) -> tirx.PrimFunc:
     planes = sch.fuse(n, c)
     sch.parallel(planes)
     sch.compute_at(sch.get_sblock("by_x"), planes)
-    sch.compute_at(sch.get_sblock("x_bordered"), planes)
+    sch.compute_at(sch.get_sblock(BORDERED), planes)
     sch.vectorize(sch.get_loops(sch.get_sblock("by_x"))[-1])
-    sch.vectorize(sch.get_loops(sch.get_sblock("x_bordered"))[-1])
+    sch.vectorize(sch.get_loops(sch.get_sblock(BORDERED))[-1])
     return sch.mod["main"]
 
 
