@@ -117,7 +117,7 @@ def on_gpu(prog: Program) -> Program:
     from mexc.codegen.cuda_step import cached_artifact
 
     folder = cached_artifact(prog)
-    return CudaProgram(StepArtifact.load(folder), program=_retarget(prog, "cuda"))
+    return CudaProgram(StepArtifact.load(folder), program=prog.retargeted("cuda"))
 
 
 def on_host_backend(prog: Program, required: bool = True) -> Program:
@@ -132,22 +132,15 @@ def on_host_backend(prog: Program, required: bool = True) -> Program:
         if required:
             raise
         print(f"mexc: TVM is not available ({err}); using the reference executor", file=sys.stderr)
-        return _retarget(prog, "reference")
+        return prog.retargeted("reference")
     try:
-        return LlvmProgram(_retarget(prog, "llvm"))
+        return LlvmProgram(prog.retargeted("llvm"))
     except UnsupportedOpError as err:
         if required:
             raise
         first = str(err).split(". ")[0]
         print(f"mexc: {first}; using the reference executor", file=sys.stderr)
-        return _retarget(prog, "reference")
-
-
-def _retarget(prog: Program, target: str) -> Program:
-    import dataclasses
-
-    opts = dataclasses.replace(prog.options, target=target)
-    return Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
+        return prog.retargeted("reference")
 
 
 def _steps_hint(opt: SGD) -> int:

@@ -9,7 +9,7 @@ import os
 import tempfile
 import zipfile
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,12 @@ class Program:
                 f"[{int(arr.min())}, {int(arr.max())}]"
             )
         return arr.astype(np.int64)
+
+    def retargeted(self, target: str) -> Program:
+        """A reference Program sharing this one's graph, state, optimizer and step count, with
+        `options.target` set to `target`: what a backend's constructor takes."""
+        opts = replace(self.options, target=target)
+        return Program(self.graph, self.state, opts, self.optimizer, self.step_count)
 
     # ----------------------------------------------------------------------------- training
 

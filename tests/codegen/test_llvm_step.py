@@ -163,7 +163,7 @@ def test_the_int32_gemm_of_hosts_without_avx2_is_bit_exact_too() -> None:
     assert (sse.gemm_kernel, sse.lanes32) == ("int32", 4)
     torch.manual_seed(0)
     ref = mexc.compile(_StridedConvs(), (torch.zeros(3, 1, 16, 16),), optimizer=_optimizer())
-    llvm = tvm_llvm_step.LlvmProgram(mexc.compiler._retarget(ref, "llvm"), cpu=sse)
+    llvm = tvm_llvm_step.LlvmProgram(ref.retargeted("llvm"), cpu=sse)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
     _assert_same_training(ref, llvm, x, np.array([2, 0, 7]), steps=2)
