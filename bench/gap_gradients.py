@@ -1,6 +1,6 @@
 """Gradient agreement with FP32 at the same weights: integer program vs simulated INT8 rounding.
 
-    python bench/gap_gradients.py [--epochs 3] [--batches 10]
+    python bench/gap_gradients.py [--epochs 3] [--batches 10] [--patch x16]
 
 Trains the Fashion CNN in FP32 for a few epochs (SGD lr 0.02, momentum 0.9, wd 5e-4), loads the
 weights into a compiled integer program (INT8, one exponent per tensor), and for `--batches`
@@ -8,7 +8,8 @@ training batches compares per-parameter gradients with PyTorch float64 autograd 
 dequantized weights and quantized input: the integer program's (`int`), and those of the float
 model with simulated 8-bit stochastic rounding of every conv / BN / linear output in the forward
 pass and of the gradients arriving there in the backward pass (`sim`). Prints the mean cosine per
-parameter; writes bench/results/gap_gradients.json.
+parameter; writes bench/results/gap_gradients.json. `--patch` applies one of
+bench/gap_leads.py's reference-kernel patches first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
+from bench.gap_leads import PATCHES  # noqa: E402
 from bench.gap_sim import Rounder, hook_activations  # noqa: E402
 from examples.models import FashionCNN  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
@@ -67,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batches", type=int, default=10)
+    ap.add_argument("--patch", choices=sorted(PATCHES), default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gap_gradients.json"))
     args = ap.parse_args(argv)
+    if args.patch:
+        PATCHES[args.patch]()
     torch.set_num_threads(1)
     train, _ = load_splits("fashion-mnist", None, None)
     model, prog = trained_program(args.epochs, train)

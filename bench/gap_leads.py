@@ -13,8 +13,9 @@ The first argument names the patch; the rest goes to bench/accuracy.py. Patches:
           maximum (numpy's PCG64 seeded per call, an experiment only: not a numerics-contract
           PRNG), instead of the first maximum.
 
-Both only change the reference executor (target "reference"), which is what accuracy.py runs.
-Results are in docs/benchmarks.md ("Leads tested without effect").
+Both only change the reference executor, so the integer runs use `--target reference` (added
+here). Results are in docs/benchmarks.md ("Leads tested without effect", section 7 for x16 at
+three seeds). bench/gap_forward.py and bench/gap_gradients.py take `--patch` too.
 """
 
 from __future__ import annotations
