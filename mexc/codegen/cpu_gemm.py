@@ -474,7 +474,6 @@ def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]
     """B rows (g, K, Qp) -> column panels (g, Qp / QT, Kp / 4, QT, 4), zeros for k >= K."""
     k, qt = rows_shape[1], b_shape[3]
     rows = te.placeholder(rows_shape, I8, name="rows")
-
     padded = b_shape[2] * DEPTH > k
 
     def body(gi, qo, k4, qi, kk):

@@ -288,7 +288,6 @@ def _common_apply(
     bits: int,
     stochastic: bool,
 ) -> te.Tensor:
-
     def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
         # sh_c >= 0 wherever the channel has a nonzero value (common_shift's e_out is at least
         # e_grp_c + s_c there): int32 lanes, and no left shift (a zero channel stays 0)
