@@ -13,7 +13,6 @@ reference-kernel patches first. Writes bench/results/gap_forward[-PATCH].json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gap_gradients import trained_program  # noqa: E402
-from bench.gap_leads import PATCHES  # noqa: E402
+from bench.gap_gradients import experiment_args, patched_setup  # noqa: E402
 from bench.gap_sim import Rounder, hook_activations  # noqa: E402
-from mexc.data import batches, load_splits  # noqa: E402
+from mexc.data import batches  # noqa: E402
 from mexc.ir import Op  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
@@ -44,17 +42,8 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batches", type=int, default=4)
-    ap.add_argument("--patch", choices=sorted(PATCHES), default=None)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    if args.patch:
-        PATCHES[args.patch]()
-    torch.set_num_threads(1)
-    train, _ = load_splits("fashion-mnist", None, None)
-    model, prog = trained_program(args.epochs, train)
+    args = experiment_args(__doc__, 4, None).parse_args(argv)
+    train, model, prog = patched_setup(args)
     nodes = list(prog.graph.nodes)
     end = next(i for i, n in enumerate(nodes) if n.op is Op.SOFTMAX_CE_GRAD)
     forward = [n for n in nodes[:end] if n.op in FORWARD_OPS]

@@ -65,18 +65,29 @@ def trained_program(epochs: int, train: Any) -> tuple[nn.Module, mexc.Program]:
     return model, prog
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def experiment_args(doc: str, batches: int, out: str | None) -> argparse.ArgumentParser:
+    """The options these gap experiments share: --epochs, --batches, --patch, --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batches", type=int, default=10)
+    ap.add_argument("--batches", type=int, default=batches)
     ap.add_argument("--patch", choices=sorted(PATCHES), default=None)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gap_gradients.json"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def patched_setup(args: argparse.Namespace) -> tuple[Any, nn.Module, mexc.Program]:
+    """Apply `--patch`, then (train split, FP32 model, integer program) after `--epochs`."""
     if args.patch:
         PATCHES[args.patch]()
     torch.set_num_threads(1)
     train, _ = load_splits("fashion-mnist", None, None)
-    model, prog = trained_program(args.epochs, train)
+    return (train, *trained_program(args.epochs, train))
+
+
+def main(argv: list[str] | None = None) -> int:
+    default_out = str(ROOT / "bench" / "results" / "gap_gradients.json")
+    args = experiment_args(__doc__, 10, default_out).parse_args(argv)
+    train, model, prog = patched_setup(args)
     sim = dequantized_copy(model, prog)
     hook_activations(sim, Rounder(5), True, True)
     cos: dict[str, dict[str, list[float]]] = {"int": {}, "sim": {}}
