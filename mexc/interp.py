@@ -320,6 +320,41 @@ RULES: dict[Op, Rule] = {
 }
 
 
+def _linear_wide(n: Node, a: list[Any], env: StepEnv) -> Acc:
+    bias = a[2] if n.attrs.has_bias else None
+    acc = K.linear_accumulate(_rows(a[0]), a[1], bias, env.ctx, _tid(n))
+    return Acc(acc.a.reshape(n.type.shape), acc.e)
+
+
+def _conv_wide(n: Node, a: list[Any], env: StepEnv) -> Acc:
+    at = n.attrs
+    bias = a[2] if at.has_bias else None
+    return K.conv2d_accumulate(a[0], a[1], bias, at.stride, at.padding, at.groups, env.ctx, _tid(n))
+
+
+# Products whose inference output can stay an int32 accumulator (docs/numerics.md §15).
+WIDE_OUTPUT_RULES: dict[Op, Callable[[Node, list[Any], StepEnv], Acc]] = {
+    Op.LINEAR_COMPACT: _linear_wide,
+    Op.CONV2D_COMPACT: _conv_wide,
+}
+
+
+def infer(
+    nodes: list[Node], env: StepEnv, output: Value, last_use: dict[Value, int] | None = None
+) -> MX | Acc:
+    """Run the inference nodes that compute `output` (the logits) and return it. When its
+    producer, the last node, is a product, its output compaction is skipped: the logits stay
+    the int32 accumulator, so near-equal classes are not rounded into ties (§15)."""
+    *body, last = nodes
+    values = execute(body, env, last_use)
+    args = [values[v] for v in last.inputs]
+    wide = WIDE_OUTPUT_RULES.get(last.op)
+    if wide is not None and last.result(0) == output:
+        return wide(last, args, env)
+    results = _rule(last)(last, args, env)
+    return next(r for i, r in enumerate(results) if last.result(i) == output)
+
+
 def needed_nodes(g: Graph, outputs: list[str]) -> list[Node]:
     """The nodes (in order) that the named outputs depend on."""
     by_id = g.by_id()
@@ -334,16 +369,20 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[Node]:
     return [n for n in g.nodes if n.id in need]
 
 
+def _rule(n: Node) -> Rule:
+    rule = RULES.get(n.op)
+    if rule is None:
+        raise NotImplementedError(f"the reference executor has no rule for {n.op.value}")
+    return rule
+
+
 def execute(
     nodes: list[Node], env: StepEnv, last_use: dict[Value, int] | None = None
 ) -> dict[Value, Any]:
     """Run `nodes` in order; returns every computed value. Values past their last use are freed."""
     values: dict[Value, Any] = {}
     for pos, n in enumerate(nodes):
-        rule = RULES.get(n.op)
-        if rule is None:
-            raise NotImplementedError(f"the reference executor has no rule for {n.op.value}")
-        results = rule(n, [values[v] for v in n.inputs], env)
+        results = _rule(n)(n, [values[v] for v in n.inputs], env)
         for i, r in enumerate(results):
             values[n.result(i)] = r
         if last_use is not None:

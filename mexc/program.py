@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mexc.errors import CheckpointError, InputError
-from mexc.interp import StepEnv, execute, last_uses, needed_nodes
+from mexc.interp import StepEnv, execute, infer, last_uses, needed_nodes
 from mexc.ir import Graph, Op
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import FixedScalar, state_checksum
@@ -163,8 +163,8 @@ class Program:
                 y=None,
                 state=self.state,
             )
-            values = execute(self._eval_nodes, env, self._eval_last_use)
-            out.append(values[self.graph.output("logits")].dequantize()[:n])
+            logits = infer(self._eval_nodes, env, self.graph.output("logits"), self._eval_last_use)
+            out.append(logits.dequantize()[:n])
         return np.concatenate(out) if out else np.zeros((0, self.num_classes))
 
     def predict(self, x: Any) -> np.ndarray:

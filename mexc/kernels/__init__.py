@@ -11,7 +11,12 @@ from mexc.kernels.activation import (
     relu_backward,
     relu_forward,
 )
-from mexc.kernels.conv import conv2d_backward_input, conv2d_backward_weight, conv2d_forward
+from mexc.kernels.conv import (
+    conv2d_accumulate,
+    conv2d_backward_input,
+    conv2d_backward_weight,
+    conv2d_forward,
+)
 from mexc.kernels.elementwise import (
     add_forward,
     dropout_backward,
@@ -20,6 +25,7 @@ from mexc.kernels.elementwise import (
 )
 from mexc.kernels.linear import (
     bias_backward,
+    linear_accumulate,
     linear_backward_input,
     linear_backward_weight,
     linear_forward,
@@ -54,6 +60,7 @@ __all__ = [
     "bias_backward",
     "conv2d_backward_input",
     "conv2d_backward_weight",
+    "conv2d_accumulate",
     "conv2d_forward",
     "dropout_backward",
     "dropout_forward",
@@ -62,6 +69,7 @@ __all__ = [
     "grad_sum",
     "linear_backward_input",
     "linear_backward_weight",
+    "linear_accumulate",
     "linear_forward",
     "maxpool2d_backward",
     "maxpool2d_forward",

@@ -121,6 +121,38 @@ def _check(x_shape: tuple[int, ...], w_shape: tuple[int, ...], groups: int) -> N
         raise ValueError(f"conv2d shapes {x_shape} / {w_shape} do not match groups={groups}")
 
 
+def conv2d_accumulate(
+    x: MX,
+    w: MX,
+    bias: MX | None,
+    stride: IntPair,
+    padding: IntPair,
+    groups: int,
+    ctx: RoundCtx,
+    tid: int,
+) -> Acc:
+    """conv2d_forward before its output compaction: one int32 accumulator per output
+    (exponent e_x + e_w; bias aligned by sites 1/2; site 3 pre-shift of x if
+    product_cap(K, 8) < 0)."""
+    _check(x.shape, w.shape, groups)
+    ex, ew = scalar_exp(x, "conv input"), scalar_exp(w, "conv weight")
+    o, cg, kh, kw = w.shape
+    k = cg * kh * kw
+    xm, ex = fit_product(x.m, ex, k, ctx, site_key(ctx, tid, 3))
+    if bias is None and groups == 1 and _pair(stride) == (1, 1):
+        fast = _conv_s1_f32(xm, w.m, *_pair(padding))
+        if fast is not None:
+            return Acc(fast, np.asarray(ex + ew, np.int64))
+    cols, oh, ow = _im2col(xm, kh, kw, _pair(stride), _pair(padding), groups)
+    og = o // groups
+    wg = i64(w.m).reshape(groups, og, k).transpose(0, 2, 1)
+    acc = int_matmul(cols, wg)  # (G, N*OH*OW, Og)
+    n = x.shape[0]
+    acc = acc.reshape(groups, n, oh, ow, og).transpose(1, 0, 4, 2, 3).reshape(n, o, oh, ow)
+    acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
+    return Acc(acc, e)
+
+
 def conv2d_forward(
     x: MX,
     w: MX,
@@ -136,23 +168,8 @@ def conv2d_forward(
     K = C/G*KH*KW. Sites: 0 output compaction, 1/2 bias alignment (acc, bias),
     3 pre-shift of x if product_cap(K, 8) < 0.
     """
-    _check(x.shape, w.shape, groups)
-    ex, ew = scalar_exp(x, "conv input"), scalar_exp(w, "conv weight")
-    o, cg, kh, kw = w.shape
-    k = cg * kh * kw
-    xm, ex = fit_product(x.m, ex, k, ctx, site_key(ctx, tid, 3))
-    if bias is None and groups == 1 and _pair(stride) == (1, 1):
-        fast = _conv_s1_f32(xm, w.m, *_pair(padding))
-        if fast is not None:
-            return compact_mx(fast, ex + ew, ctx, site_key(ctx, tid, 0))
-    cols, oh, ow = _im2col(xm, kh, kw, _pair(stride), _pair(padding), groups)
-    og = o // groups
-    wg = i64(w.m).reshape(groups, og, k).transpose(0, 2, 1)
-    acc = int_matmul(cols, wg)  # (G, N*OH*OW, Og)
-    n = x.shape[0]
-    acc = acc.reshape(groups, n, oh, ow, og).transpose(1, 0, 4, 2, 3).reshape(n, o, oh, ow)
-    acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
-    return compact_mx(acc, e, ctx, site_key(ctx, tid, 0))
+    acc = conv2d_accumulate(x, w, bias, stride, padding, groups, ctx, tid)
+    return compact_mx(acc.a, acc.e, ctx, site_key(ctx, tid, 0))
 
 
 def conv2d_backward_input(

@@ -33,19 +33,25 @@ def add_bias(
     return aligned_sum_fast([(acc, e_acc, product_bits(k)), (b, eb, MAG)], ctx.rounding, keys)
 
 
+def linear_accumulate(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) -> Acc:
+    """linear_forward before its output compaction: the int32 accumulator x @ w^T (+ b aligned,
+    sites 1/2; site 3 pre-shift of x if product_cap(K, 8) < 0), shape x.shape[:-1] + (O,)."""
+    ex, ew = scalar_exp(x, "linear input"), scalar_exp(w, "linear weight")
+    k = w.shape[1]
+    xm, ex = fit_product(x.m.reshape(-1, k), ex, k, ctx, site_key(ctx, tid, 3))
+    acc = int_matmul(xm, i64(w.m).T)
+    acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
+    return Acc(acc.reshape(x.shape[:-1] + (w.shape[0],)), e)
+
+
 def linear_forward(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) -> MX:
     """y[..., o] = sum_k x[..., k] w[o, k] (+ b[o]).
 
     Sites: 0 output compaction, 1/2 bias alignment (acc, bias), 3 pre-shift of x if
     product_cap(K, 8) < 0. Exponent of the accumulator: e_x + e_w.
     """
-    ex, ew = scalar_exp(x, "linear input"), scalar_exp(w, "linear weight")
-    k = w.shape[1]
-    xm, ex = fit_product(x.m.reshape(-1, k), ex, k, ctx, site_key(ctx, tid, 3))
-    acc = int_matmul(xm, i64(w.m).T)
-    acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
-    out = compact_mx(acc, e, ctx, site_key(ctx, tid, 0))
-    return MX.of(out.m.reshape(x.shape[:-1] + (w.shape[0],)), out.e)
+    acc = linear_accumulate(x, w, bias, ctx, tid)
+    return compact_mx(acc.a, acc.e, ctx, site_key(ctx, tid, 0))
 
 
 def linear_backward_input(dy: MX, w: MX, ctx: RoundCtx, tid: int) -> MX:
