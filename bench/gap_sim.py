@@ -97,11 +97,14 @@ def hook_activations(model: nn.Module, rnd: Rounder, fwd: bool, bwd: bool) -> No
             m.register_forward_hook(lambda mod, i, o: RoundAct.apply(o) if mod.training else o)
 
 
-def run_mode(mode: str, seed: int, train: Any, test: Any) -> list[dict[str, float]]:
+def run_mode(
+    mode: str, seed: int, train: Any, test: Any, bits: int = 8, velocity_bits: int = 8
+) -> list[dict[str, float]]:
     flags = "" if mode == "fp32" else mode
     torch.manual_seed(seed)
     model = FashionCNN()
-    rnd = Rounder(seed)
+    rnd = Rounder(seed, bits)
+    rnd_v = rnd if velocity_bits == bits else Rounder(seed + 1, velocity_bits)
     sched = make_optimizer(0.05, 0.9, 5e-4, "cosine", len(train[1]) // BATCH, EPOCHS, None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     loss_fn = coarse_softmax_loss() if "s" in flags else nn.CrossEntropyLoss()
@@ -141,7 +144,7 @@ def run_mode(mode: str, seed: int, train: Any, test: Any) -> list[dict[str, floa
                 with torch.no_grad():
                     for p in params:
                         buf = opt.state[p]["momentum_buffer"]
-                        buf.copy_(rnd(buf, True))
+                        buf.copy_(rnd_v(buf, True))
         record = {"epoch": epoch + 1, "train_loss": float(np.mean(losses))}
         record["test_accuracy"] = evaluate(model, test)
         history.append(record)
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="fp32,w,wc,wv,wvg,wvga,wvgab,s")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bits", type=int, default=8, help="mantissa bits of w, g, a, b")
+    ap.add_argument("--velocity-bits", type=int, default=None, help="of v (default: --bits)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gap_sim.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -168,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown mode letters in {bad}; use fp32 or letters from 'wcvgabsi'")
     results = {
         m: run_mode(
-            m, args.seed, *((quantized(train), quantized(test)) if "i" in m else (train, test))
+            m,
+            args.seed,
+            *((quantized(train), quantized(test)) if "i" in m else (train, test)),
+            bits=args.bits,
+            velocity_bits=args.velocity_bits or args.bits,
         )
         for m in modes
     }
@@ -180,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         {
             **provenance("mexc-bench-gap-sim-1", ["python", *sys.argv]),
             "seed": args.seed,
+            "bits": args.bits,
+            "velocity_bits": args.velocity_bits or args.bits,
             "results": results,
         },
     )

@@ -545,6 +545,11 @@ class UpdateConfig:
 
 UPDATE_SITES = 16  # tensor ids reserved per parameter for the rounding sites of its update
 
+# The velocity keeps 8-bit mantissas at every B (the paper's B < 8 runs keep INT8 velocity too):
+# with B-bit velocity the Fashion CNN diverges at B = 4, in the float simulation as well
+# (docs/benchmarks.md, "Ablations"). Weights, gradients and activations use B bits.
+VELOCITY_BITS = 8
+
 
 def update_keys(seed: int, step: int, tensor_id_base: int) -> list[int]:
     """Keys of the rounding sites of one parameter's update: tensor ids base + 0 .. base + 8."""
@@ -571,7 +576,8 @@ def sgd_momentum_update(
     Steps (all integer; site numbers in brackets):
       1. g = compact(grad_acc) per group [0]
       2. g = compact(g + wd * w) per group, aligned sum [1, 2], compaction [3]  (skipped if wd = 0)
-      3. v = compact(momentum * v + g) per group, aligned sum [4, 5], compaction [6]
+      3. v = compact(momentum * v + g) per group to VELOCITY_BITS, aligned sum [4, 5],
+         compaction [6]
       4. u = lr * v (int32 product), exponent e_v - lr.shift; an all-zero w takes the
          coarsest update exponent (zero_weight_exponent)
       5. w_acc = w - align(u to w_exp): rounded right shift [7] or saturating exact left shift
@@ -593,10 +599,12 @@ def sgd_momentum_update(
         acc, e_acc = aligned_sum([(g, e_g, b), (wd_term, wd_exp, wd_bits)], rnd, keys[1:3])
         g, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[3], grouped=True)
     mom_term = grp(v) * cfg.momentum.num
-    mom_bits = b + max(cfg.momentum.num.bit_length(), 1)
+    mom_bits = VELOCITY_BITS - 1 + max(cfg.momentum.num.bit_length(), 1)
     mom_exp = np.asarray(v_exp, np.int64) - cfg.momentum.shift
     acc, e_acc = aligned_sum([(mom_term, mom_exp, mom_bits), (g, e_g, b)], rnd, keys[4:6])
-    v_new, v_exp_new = compact(acc, e_acc.reshape(groups), bits, rnd, keys[6], grouped=True)
+    v_new, v_exp_new = compact(
+        acc, e_acc.reshape(groups), VELOCITY_BITS, rnd, keys[6], grouped=True
+    )
     u = v_new.astype(np.int64) * cfg.lr.num
     w_exp = zero_weight_exponent(w, w_exp, u, v_exp_new - cfg.lr.shift)
     d = np.broadcast_to(expand_exponent(w_exp - (v_exp_new - cfg.lr.shift), 2), u.shape)

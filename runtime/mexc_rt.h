@@ -96,6 +96,7 @@ typedef struct {
 } mexc_update_cfg_t;
 
 #define MEXC_UPDATE_SITES 9u
+#define MEXC_VELOCITY_BITS 8 /* mexc.numerics.VELOCITY_BITS: velocity mantissas at every B */
 void mexc_update_keys(uint32_t seed, uint32_t step, uint32_t tid_base, uint32_t keys[9]);
 /* Scratch (int32 words) of mexc_sgd_momentum_update for G groups. */
 #define MEXC_SGD_SCRATCH(G) (2u * (uint32_t)(G))

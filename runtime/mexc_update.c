@@ -104,7 +104,9 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t 
         compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[3]);
     }
     /* 3. v = compact(momentum * v + g) [4, 5], [6] */
-    mb = b + (cfg->momentum.num ? mexc_bit_length((uint32_t)cfg->momentum.num) : 1);
+    /* the velocity keeps MEXC_VELOCITY_BITS at every B (docs/numerics.md section 12) */
+    mb = MEXC_VELOCITY_BITS - 1 +
+         (cfg->momentum.num ? mexc_bit_length((uint32_t)cfg->momentum.num) : 1);
     for (g = 0; g < groups; g++) {
         int32_t me = v_exp[g] - cfg->momentum.shift;
         base = g * per;
@@ -114,7 +116,7 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t 
                       mexc_shift_signed(grad[i], t - e_g[g], st, keys[5], i);
         e_m[g] = t;
     }
-    mexc_compact_grouped(grad, v, groups, per, e_m, v_exp, bits, st, keys[6]);
+    mexc_compact_grouped(grad, v, groups, per, e_m, v_exp, MEXC_VELOCITY_BITS, st, keys[6]);
     /* an all-zero w takes the coarsest exponent of a nonzero update (zero_weight_exponent) */
     we = zero_weight_exponent(w, v, groups, per, v_exp, cfg->lr, we);
     /* 4-5. w_acc = w - align(lr * v to w_exp) [7] */

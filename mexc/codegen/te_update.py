@@ -38,7 +38,7 @@ from mexc.codegen.te_compaction import (
     shift_signed,
 )
 from mexc.codegen.te_func import prim_func
-from mexc.numerics import FixedScalar, qmax
+from mexc.numerics import VELOCITY_BITS, FixedScalar, qmax
 
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_VIEWS = {"key_v": 6, "key_w": 8}  # one-element views of `keys` for compaction_apply
@@ -178,7 +178,7 @@ def v_sum(spec: UpdateSpec, g_site: int, name: str) -> tirx.PrimFunc:
     v = te.placeholder(spec.kshape, I8, name="v")
     v_exp = te.placeholder(gshape, I32, name="v_exp")
     keys = te.placeholder((9,), I64, name="keys")
-    mom_bits = b + max(mom.num.bit_length(), 1)
+    mom_bits = VELOCITY_BITS - 1 + max(mom.num.bit_length(), 1)
     t = te.compute(
         gshape, lambda g: aligned_target([(v_exp[g] - mom.shift, mom_bits), (e[g], b)]), name="t"
     )
@@ -293,13 +293,13 @@ def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
         src = ("acc_wd", "s_wd", "e_wd")
     site = 3 if spec.weight_decay.num else 0
     v_args = (*src, "v", "v_exp", "keys", "t_v", "acc_v")
-    v_apply = compaction_apply(shape, bits, grouped, spec.stochastic, f"{name}_v")
+    v_apply = compaction_apply(shape, VELOCITY_BITS, grouped, spec.stochastic, f"{name}_v")
     w_apply = compaction_apply(shape, bits, False, spec.stochastic, f"{name}_w")
     return [
         *out,
         Kernel(v_sum(spec, site, f"{name}_v_sum"), v_args, reduce=False),
         Kernel(
-            compaction_shift(shape, bits, grouped, f"{name}_v"),
+            compaction_shift(shape, VELOCITY_BITS, grouped, f"{name}_v"),
             ("acc_v", "t_v", "s_v", "v_exp_out"),
             reduce=True,
         ),

@@ -178,3 +178,22 @@ def test_all_zero_weight_takes_the_update_exponent(rounding: nx.Rounding) -> Non
     # a zero update leaves an all-zero weight and its exponent alone
     w4, e4, _, _ = nx.sgd_momentum_update(w, 0, grad * 0, -16, v0, np.zeros(4, np.int64), c, keys)
     assert not w4.any() and e4 == 0
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_velocity_keeps_eight_bits_below_eight(bits: int) -> None:
+    """At B < 8 the weight is rescaled to B bits but the velocity compacted to VELOCITY_BITS."""
+    c = nx.UpdateConfig(
+        bits, nx.FixedScalar.of(0.05), nx.FixedScalar.of(0.9), nx.FixedScalar(0, 0), "nearest"
+    )
+    q = nx.qmax(bits)
+    w = np.array([[q, -q, 1, 0], [2, -1, 0, q]], np.int8)
+    v0 = np.array([[100, -90, 50, 3], [127, 0, -64, 8]], np.int8)
+    grad = np.array([[40, -30, 25, 7], [60, -20, 5, 1]], np.int64)  # 2^-16: small beside v
+    keys = nx.update_keys(1, 0, 16)
+    w2, _, v2, ve2 = nx.sgd_momentum_update(w, -3, grad, -16, v0, np.full(2, -10), c, keys)
+    assert nx.VELOCITY_BITS == 8 and np.abs(w2).max() <= q
+    # 0.9 * 100 + 0.62 and 0.9 * 127 + 1.0 (units of 2^-10): beyond qmax(B)
+    assert np.abs(v2).max(axis=1).tolist() == [91, 115]
+    want = 0.9 * v0 * 2.0**-10 + grad * 2.0**-16
+    assert np.abs(v2 * 2.0 ** ve2[:, None] - want).max() <= 2.0 ** ve2.max()
