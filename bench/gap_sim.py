@@ -1,6 +1,7 @@
 """Where does the integer-vs-FP32 accuracy gap come from? FP32 training with simulated INT8 parts.
 
     python bench/gap_sim.py --modes fp32,w,wc,wv,wvg,wvga,wvgab,s     # Fashion CNN, 5 epochs each
+    python bench/gap_sim.py --bits 4 --velocity-bits 8 --modes wv,wva  # 4-bit parts, 8-bit velocity
 
 Each mode trains the Fashion CNN in PyTorch with the recipe of bench/accuracy.py (SGD lr 0.05,
 momentum 0.9, wd 5e-4, cosine with 1 epoch warmup, batch 128, same init and data order) and
