@@ -284,7 +284,9 @@ def _compile_flags(
     targets: Sequence[str] = ("reference", "llvm", "c", "auto"),
 ) -> None:
     p.add_argument("model", help="path/to/file.py:Name (nn.Module class or function)")
-    p.add_argument("--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8)")
+    p.add_argument(
+        "--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8); velocity: 8"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of rounding, data order and init")
     p.add_argument(
         "--target",
