@@ -70,13 +70,19 @@ def eight_bit_logits(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> tuple[
     return float(np.concatenate(hits).mean()), tied
 
 
-def float_accuracy(prog: mexc.Program, x: np.ndarray, y: np.ndarray, batch_stats: bool) -> float:
-    model = FashionCNN()
+def dequantized_model(prog: mexc.Program, dtype: torch.dtype) -> FashionCNN:
+    """A FashionCNN holding the program's dequantized state (weights and BN running stats)."""
+    model = FashionCNN().to(dtype)
     sd = model.state_dict()
     for k in sd:
         if k in prog.state:
-            sd[k] = torch.from_numpy(prog.state[k].dequantize()).float()
+            sd[k] = torch.from_numpy(prog.state[k].dequantize()).to(dtype)
     model.load_state_dict(sd)
+    return model
+
+
+def float_accuracy(prog: mexc.Program, x: np.ndarray, y: np.ndarray, batch_stats: bool) -> float:
+    model = dequantized_model(prog, torch.float32)
     model.train(batch_stats)
     with torch.no_grad():
         pred = np.concatenate(
@@ -92,12 +98,7 @@ def simulated_rounding_accuracy(prog: mexc.Program, x: np.ndarray, y: np.ndarray
     """PyTorch float64 inference on the dequantized state, rounding (nearest, B bits, one
     exponent per batch, as `quantize`) where the integer path rounds: the input, each conv
     output, x-hat and each BN output; the logits stay float."""
-    model = FashionCNN().double()
-    sd = model.state_dict()
-    for k in sd:
-        if k in prog.state:
-            sd[k] = torch.from_numpy(prog.state[k].dequantize())
-    model.load_state_dict(sd)
+    model = dequantized_model(prog, torch.float64)
     f, bits = model.features, prog.options.bits
 
     def rounded(t: torch.Tensor) -> torch.Tensor:

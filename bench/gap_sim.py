@@ -172,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m != "fp32" and set(m) - set("wcvgabsi")]
     if bad:
         ap.error(f"unknown mode letters in {bad}; use fp32 or letters from 'wcvgabsi'")
+    velocity_bits = args.velocity_bits or args.bits
     results = {
         m: run_mode(
             m,
             args.seed,
             *((quantized(train), quantized(test)) if "i" in m else (train, test)),
             bits=args.bits,
-            velocity_bits=args.velocity_bits or args.bits,
+            velocity_bits=velocity_bits,
         )
         for m in modes
     }
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             **provenance("mexc-bench-gap-sim-1", ["python", *sys.argv]),
             "seed": args.seed,
             "bits": args.bits,
-            "velocity_bits": args.velocity_bits or args.bits,
+            "velocity_bits": velocity_bits,
             "results": results,
         },
     )
