@@ -244,6 +244,26 @@ def test_gpu_training_is_bit_exact(digits_artifact) -> None:  # pragma: no cover
 
 
 @needs_cuda_tools
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("reverse", [False, True])
+def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool) -> None:
+    """The artifact's own CUDA source and launch list, emulated on the CPU (blocks and threads
+    in either order), train as the reference does."""
+    from mexc.cuda_emulator import load_emulated
+    from mexc.cuda_program import StepArtifact
+
+    out, _ = digits_artifact
+    ref = StepArtifact.load(out).program
+    emu = load_emulated(out, reverse=reverse)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, *ref.input_shape)).astype(np.float32)
+    y = rng.integers(0, 10, 8)
+    for step in range(3):
+        assert emu.step(x, y) == ref.step(x, y), step
+        assert emu.state_checksum() == ref.state_checksum(), step
+
+
+@needs_cuda_tools
 def test_cli_writes_a_checked_cuda_artifact(digits_artifact) -> None:
     from mexc.cuda_program import StepArtifact
 

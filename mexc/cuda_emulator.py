@@ -1,0 +1,273 @@
+"""Run a CUDA artifact's own kernel source on the CPU, to check the CUDA lowering without a GPU
+(docs/cuda.md, "Emulated on the CPU").
+
+The llvm twin (`LlvmProgram(prog, plan_device="gpu")`) runs the GPU plan's TIR on the host, but
+not what TVM's CUDA schedules and code generator made of it: thread and block indexing, shared
+memory staging, barriers, warp shuffles of the cross-thread reductions, WMMA tiles, the launch
+extents and parameter binding that `cuda_step` extracted into plan.json. The emulator compiles
+each step<i>.cu of an artifact with g++ against `cuda_emu.hpp` (CUDA built-ins, WMMA and dp4a
+in plain integer C++, threads as fibers that switch at barriers) and runs plan.json's launch
+list on numpy buffers: the same source, the same launches, the same bits a GPU must produce.
+
+    python -m mexc.cuda_emulator build/fashion --steps 2    # compares with the reference
+
+Needs g++ (no TVM, nvcc, GPU or CuPy). Slow: meant for small batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mexc.cuda_program import StepArtifact
+from mexc.errors import MexcError
+from mexc.plan_runtime import PlanProgram
+from mexc.program import Program
+
+HEADER = Path(__file__).with_name("cuda_emu.hpp")
+CXX_FLAGS = ("-std=c++17", "-O1", "-fwrapv", "-fno-strict-aliasing", "-shared", "-fPIC", "-w")
+# a kernel with any of these needs its block's threads as fibers
+SYNCING = re.compile(r"__syncthreads|__syncwarp|__shfl|__activemask")
+SHARED_ALIGNED = re.compile(r"__shared__ (alignas\(\d+\))")
+KERNEL_DEF = re.compile(
+    r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\)\s*\{'
+)
+
+
+class EmulatorError(MexcError):
+    """The emulator could not build or run an artifact's kernels."""
+
+
+def kernel_bodies(source: str) -> dict[str, str]:
+    """Each kernel's definition text in TVM's CUDA source, by symbol (a body runs to the next
+    definition; declarations without a body are skipped)."""
+    starts = [(m.start(), m.group(1)) for m in KERNEL_DEF.finditer(source)]
+    ends = [s for s, _ in starts[1:]] + [len(source)]
+    return {name: source[s:e] for (s, name), e in zip(starts, ends)}
+
+
+def emulator_source(cuda_source: str) -> str:
+    """TVM's CUDA source with its preamble (CUDA headers, intrinsics for nvcc) replaced by the
+    emulator header."""
+    first = cuda_source.find('extern "C"')
+    if first < 0:
+        raise EmulatorError("the CUDA source holds no kernel")
+    body = SHARED_ALIGNED.sub(r"\1 static", cuda_source[first:])  # C++: alignas before static
+    return f'#include "{HEADER.name}"\n' + body
+
+
+def build_module(cuda_source: str, cache: Path | None = None) -> Path:
+    """g++'s shared library of one module of TVM CUDA source, cached by the hash of the source,
+    the emulator header and the flags."""
+    from mexc.codegen.kernel_cache import CACHE
+
+    text = emulator_source(cuda_source)
+    digest = hashlib.sha256((text + HEADER.read_text() + " ".join(CXX_FLAGS)).encode())
+    lib = (cache or CACHE / "cuda-emu") / f"{digest.hexdigest()[:24]}.so"
+    if lib.exists():
+        return lib
+    cxx = shutil.which("g++")
+    if cxx is None:
+        raise EmulatorError("the CUDA emulator needs g++ (apt-get install g++)")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    src = lib.with_suffix(f".{time.time_ns()}.cpp")
+    src.write_text(text)
+    tmp = src.with_suffix(".so.tmp")
+    cmd = [cxx, *CXX_FLAGS, f"-I{HEADER.parent}", str(src), "-o", str(tmp)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    src.unlink()
+    if run.returncode != 0:
+        raise EmulatorError(f"g++ failed on the CUDA source:\n{run.stderr[-3000:]}")
+    tmp.replace(lib)  # atomic: a concurrent build of the same module wins or loses whole
+    return lib
+
+
+class EmulatedModule:
+    """The kernels of one CUDA source, built for the CPU; `launch` runs one of them over a grid
+    on numpy arrays (every kernel parameter is a pointer). reverse=True runs the blocks, and the
+    threads of each block between barriers, last to first: a kernel whose result depends on that
+    order has a race a GPU may expose."""
+
+    def __init__(self, cuda_source: str) -> None:
+        self._lib = ctypes.CDLL(str(build_module(cuda_source)))
+        self._lib.mexc_emu_launch.restype = ctypes.c_int
+        self._lib.mexc_emu_error.restype = ctypes.c_char_p
+        bodies = kernel_bodies(cuda_source)
+        self.kernels = set(bodies)
+        self._syncing = {name for name, body in bodies.items() if SYNCING.search(body)}
+
+    def launcher(
+        self, symbol: str, grid: Sequence[int], block: Sequence[int], args: Sequence[np.ndarray]
+    ) -> Callable[[bool], None]:
+        """A call that launches `symbol` on `args` (kept alive by the caller; their memory must
+        not move) with the given order."""
+        if symbol not in self.kernels:
+            raise EmulatorError(f"kernel {symbol} is not in the module")
+        lib = self._lib
+        fn = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p)
+        argv = (ctypes.c_void_p * max(1, len(args)))(*[a.ctypes.data for a in args])
+        dims = (ctypes.c_int * 3)(*grid), (ctypes.c_int * 3)(*block)
+        fibers, nargs = int(symbol in self._syncing), len(args)
+
+        def launch(reverse: bool = False) -> None:
+            if lib.mexc_emu_launch(fn, nargs, argv, dims[0], dims[1], fibers, int(reverse)):
+                raise EmulatorError(f"kernel {symbol}: {lib.mexc_emu_error().decode()}")
+
+        return launch
+
+    def launch(
+        self,
+        symbol: str,
+        grid: Sequence[int],
+        block: Sequence[int],
+        args: Sequence[np.ndarray],
+        reverse: bool = False,
+    ) -> None:
+        for a in args:
+            if not a.flags.c_contiguous:
+                raise EmulatorError(f"kernel {symbol}: arguments must be C-contiguous arrays")
+        self.launcher(symbol, grid, block, args)(reverse)
+
+
+class EmulatedCudaProgram(PlanProgram):
+    """A CUDA artifact's training step with its kernels emulated on the CPU: every plan buffer a
+    numpy array between guard bytes, every kernel of plan.json launched in order with its grid
+    and block (reverse: see EmulatedModule), each kernel's buffers' guards checked after it."""
+
+    def __init__(
+        self, artifact: StepArtifact, program: Program | None = None, reverse: bool = False
+    ) -> None:
+        man = artifact.manifest
+        self.reverse = reverse
+        self._t, self._raw = _allocate(man)
+        base_of = {name: base for name, (base, _, _) in man["views"].items()}
+        modules = [
+            EmulatedModule((artifact.path / entry["source"]).read_text())
+            for entry in man["modules"]
+        ]
+        self._calls = [
+            (
+                symbol,
+                modules[module].launcher(symbol, grid, block, [self._t[a] for a in args]),
+                sorted({base_of.get(a, a) for a in args}),
+            )
+            for module, symbol, grid, block, args in man["kernels"]
+        ]
+        self.artifact = artifact
+        super().__init__(program or artifact.program, man)
+
+    def _write(self, name: str, values: np.ndarray) -> None:
+        flat = self._t[name].reshape(-1)
+        flat[: values.size] = np.ascontiguousarray(values).reshape(-1)
+
+    def _read(self, name: str) -> np.ndarray:
+        return self._t[name].copy()
+
+    def _run(self) -> None:
+        for symbol, launch, bases in self._calls:
+            launch(self.reverse)
+            broken = [b for b in bases if not guards_intact(self._raw[b])]
+            if broken:
+                raise EmulatorError(f"kernel {symbol} wrote outside buffer(s) {broken}")
+
+
+GUARD = 256  # bytes of a known pattern before and after every buffer
+GUARD_BYTE = 0xA5
+
+
+def _allocate(man: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Zeroed numpy buffers (GEMM padding is read and must be 0), constants, and views that
+    share their base's memory, as the GPU runtime lays them out; and per buffer its raw
+    allocation, whose GUARD bytes on either side a kernel writing out of bounds would change."""
+    t: dict[str, np.ndarray] = {}
+    raw: dict[str, np.ndarray] = {}
+    for name, (shape, dtype) in man["buffers"].items():
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw[name] = np.full(nbytes + 2 * GUARD, GUARD_BYTE, np.uint8)
+        raw[name][GUARD : GUARD + nbytes] = 0
+        t[name] = raw[name][GUARD : GUARD + nbytes].view(dtype).reshape(tuple(shape))
+    for name, (dtype, values) in man["constants"].items():
+        t[name][...] = np.asarray(values, np.dtype(dtype)).reshape(t[name].shape)
+    for name, (base, shape, offset) in man["views"].items():
+        size = int(np.prod(shape))
+        t[name] = t[base].reshape(-1)[offset : offset + size].reshape(tuple(shape))
+    return t, raw
+
+
+def guards_intact(raw: np.ndarray) -> bool:
+    return bool((raw[:GUARD] == GUARD_BYTE).all() and (raw[-GUARD:] == GUARD_BYTE).all())
+
+
+def load_emulated(path: str | Path, reverse: bool = False) -> EmulatedCudaProgram:
+    """The training program of a CUDA artifact folder with its kernels emulated on the CPU."""
+    return EmulatedCudaProgram(StepArtifact.load(path), reverse=reverse)
+
+
+def compare(path: str | Path, steps: int, reverse: bool = False, seed: int = 0) -> list[dict]:
+    """Train `steps` steps on one random batch with the emulated artifact and with the
+    reference interpreter from the same state: per step the losses, the state checksums and the
+    emulator's seconds."""
+    emu = load_emulated(path, reverse)
+    ref = StepArtifact.load(path).program
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((emu.batch, *emu.input_shape)).astype(np.float32)
+    y = rng.integers(0, emu.num_classes, emu.batch)
+    rows = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss = emu.step(x, y)
+        seconds = round(time.perf_counter() - t0, 2)
+        ref_loss = ref.step(x, y)
+        rows.append(
+            {
+                "step": step,
+                "loss": loss,
+                "reference_loss": ref_loss,
+                "checksum": emu.state_checksum(),
+                "reference_checksum": ref.state_checksum(),
+                "seconds": seconds,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("artifact", help="a folder written by mexc compile --target cuda")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args(argv)
+    report: dict[str, Any] = {"artifact": str(args.artifact)}
+    exact = True
+    for order in ("forward", "reverse"):
+        rows = compare(args.artifact, args.steps, reverse=order == "reverse")
+        report[order] = rows
+        for r in rows:
+            same = r["checksum"] == r["reference_checksum"] and r["loss"] == r["reference_loss"]
+            exact &= same
+            print(
+                f"{order} step {r['step']}: loss {r['loss']:.6f} "
+                f"(reference {r['reference_loss']:.6f}) checksum {r['checksum']} "
+                f"{'==' if same else '!='} reference  {r['seconds']} s"
+            )
+    report["bit_exact"] = exact
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print("bit-exact with the reference" if exact else "MISMATCH with the reference")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
