@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 # TVM's two-stage cross-thread sum: shuffles within each warp, one value per warp through
 # shared memory, shuffles again, thread 0 writes the block's sum
 BLOCK_SUM = """
-extern "C" __global__ void __launch_bounds__(128) block_sum(int* __restrict__ x, int* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(128) block_sum(int* __restrict__ x,
+                                                            int* __restrict__ out) {
   __shared__ alignas(64) int staging[4];
   __shared__ alignas(64) int result[1];
   int v = x[blockIdx.x * 128 + threadIdx.x];
@@ -35,10 +36,11 @@ extern "C" __global__ void __launch_bounds__(128) block_sum(int* __restrict__ x,
 
 # one warp: C (16 x 16, int32) = A (16 x 32, row-major) . B^T with B stored (16 x 32) as (q, k)
 WMMA_GEMM = """
-extern "C" __global__ void __launch_bounds__(32) gemm(signed char* __restrict__ a, signed char* __restrict__ b, int* __restrict__ c) {
-  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, int> acc[1];
-  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, signed char, nvcuda::wmma::row_major> fa[1];
-  nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, signed char, nvcuda::wmma::col_major> fb[1];
+extern "C" __global__ void __launch_bounds__(32) gemm(signed char* a, signed char* b, int* c) {
+  using namespace nvcuda;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, int> acc[1];
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, wmma::row_major> fa[1];
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> fb[1];
   nvcuda::wmma::fill_fragment(acc[0], 0);
   for (int k = 0; k < 2; ++k) {
     nvcuda::wmma::load_matrix_sync(fa[0], (&(a[k * 16])), 32);
@@ -50,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(32) gemm(signed char* __restrict__ 
 """
 
 DP4A = """
-extern "C" __global__ void __launch_bounds__(64) dot4(int* __restrict__ a, int* __restrict__ b, int* __restrict__ c, int* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(64) dot4(int* a, int* b, int* c, int* out) {
   int i = blockIdx.x * 64 + threadIdx.x;
   out[i] = __dp4a(a[i], b[i], c[i]);
 }
