@@ -8,6 +8,11 @@
   here by the host twin (the same plan's TIR through TVM's llvm target, bit-exact with the
   reference executor: tests/codegen/test_cuda_step.py);
 - resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16.
+
+--emulate runs the first step of each checked artifact here through the CPU emulator of its own
+CUDA source (mexc.cuda_emulator) and fails unless its state checksum and every plan buffer equal
+the host twin's: the artifact carried to the GPU has then already run once, kernel by kernel.
+Minutes per artifact (the Fashion CNN at batch 128 is the slow one).
 """
 
 from __future__ import annotations
@@ -60,14 +65,31 @@ def _expected(prog: mexc.Program, folder: Path, steps: int) -> dict:
     return {"losses": losses, "checksums": checksums, "buffers": buffers}
 
 
+def _emulate_first_step(folder: Path, doc: dict) -> dict:
+    """One step of the artifact through the CPU emulator, compared with the twin's results."""
+    from mexc.cuda_emulator import load_emulated
+
+    emu = load_emulated(folder)
+    batch = np.load(folder / "check.npz")
+    t0 = time.perf_counter()
+    loss = emu.step(batch["x"], batch["y"])
+    seconds = round(time.perf_counter() - t0, 1)
+    digests = emu.buffer_digests()
+    wrong = [name for name, sha in doc["buffers"].items() if digests.get(name) != sha]
+    exact = loss == doc["losses"][0] and emu.state_checksum() == doc["checksums"][0] and not wrong
+    return {"exact": exact, "seconds": seconds, "buffers_differing": wrong[:10]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--archs", default="sm_80,sm_90")
     ap.add_argument("--out", default=str(ROOT / "build" / "gpu"))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", default=",".join(TARGETS), help="comma-separated names")
+    ap.add_argument("--emulate", action="store_true", help="run step 1 on the CPU emulator")
     args = ap.parse_args(argv)
     archs = tuple(args.archs.split(","))
+    failed = False
     for name in args.only.split(","):
         model, shape, batch, exact, timed = TARGETS[name]
         t0 = time.perf_counter()
@@ -77,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         doc: dict = {"model": model, "batch": batch}
         if exact:
             doc.update(_expected(_program(model, shape, batch), folder, args.steps))
+            if args.emulate:
+                doc["emulated"] = _emulate_first_step(folder, doc)
+                failed |= not doc["emulated"]["exact"]
+                print(f"{folder}: emulated step 1 on the CPU: {doc['emulated']}")
         if timed:
             doc["timing"] = {"model": model, "input_shape": list(shape), "batch": batch}
         (folder / "expected.json").write_text(json.dumps(doc, indent=1))
@@ -85,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - t0:.1f} s (TVM {man['seconds']['tvm']} s, "
             f"nvcc {man['seconds']['nvcc']} s)"
         )
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 // warp barriers. Integer semantics follow the GPU: -fwrapv (two's-complement wrap) and
 // -fno-strict-aliasing (TVM reinterprets pointers); no floating point is used here.
 #pragma once
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <array>
@@ -50,11 +51,16 @@ namespace mexc_emu {
 
 enum Wait { RUNNABLE = 0, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
 
+// A fiber starts once through its ucontext (its own stack) and from then on switches with
+// _setjmp/_longjmp, which, unlike swapcontext, save no signal mask: no system call per switch.
 struct Fiber {
-    ucontext_t ctx;
+    ucontext_t start;
+    jmp_buf at;
+    bool started;
     dim3 tid;
     int linear;
     int wait;
+    unsigned shuffles;  // collectives this thread has done: picks the slot buffer
 };
 
 struct Launch {
@@ -65,8 +71,8 @@ struct Launch {
     int threads;
     std::vector<Fiber> fibers;
     std::vector<std::vector<char>> stacks;
-    std::vector<uint64_t> slots;  // one shuffle slot per thread
-    ucontext_t scheduler;
+    std::vector<uint64_t> slots[2];  // per thread, double-buffered: one barrier per shuffle
+    jmp_buf scheduler;
     Fiber* current;
     const char* error;
     bool reverse;  // run blocks and threads in reverse order (exposes races between them)
@@ -89,7 +95,7 @@ inline void wait_at(int kind) {
         return;
     }
     g.current->wait = kind;
-    swapcontext(&g.current->ctx, &g.scheduler);
+    if (_setjmp(g.current->at) == 0) _longjmp(g.scheduler, 1);
 }
 
 }  // namespace mexc_emu
@@ -108,14 +114,20 @@ template <class T>
 inline T mexc_emu_exchange(T v, int src) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
     using namespace mexc_emu;
+    if (g.current == nullptr) {
+        g.error = "a warp collective ran outside a fiber (kernel not marked as syncing)";
+        return v;
+    }
+    // Buffers alternate per collective: a lane writes buffer b again only two collectives
+    // later, after a barrier that every lane reaches after reading b.
+    std::vector<uint64_t>& slots = g.slots[g.current->shuffles++ & 1];
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    g.slots[g_linear] = bits;
+    slots[g_linear] = bits;
     wait_at(AT_WARP_BARRIER);  // every active lane has written its slot
     T out;
-    bits = g.slots[warp() * WARP + src];
+    bits = slots[warp() * WARP + src];
     std::memcpy(&out, &bits, sizeof(T));
-    wait_at(AT_WARP_BARRIER);  // every lane has read before any slot is written again
     return out;
 }
 
@@ -172,6 +184,9 @@ inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
     return unsigned(mexc_emu_dp4a<false, false>(a, b, int(c)));
 }
 
+// the tile operations are the emulator's inner loops: optimized whatever the kernels' -O level
+#define MEXC_EMU_HOT __attribute__((optimize("O3")))
+
 namespace nvcuda {
 namespace wmma {
 struct matrix_a {};
@@ -208,10 +223,14 @@ inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, const V& value) {
         for (auto& x : row) x = T(value);
 }
 
+// matrix_a rows are loaded by the lanes that own them (mma_sync reads no other); matrix_b whole.
 template <class Use, int M, int N, int K, class T, class L>
-inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const T* p, unsigned ldm) {
+MEXC_EMU_HOT inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const T* p,
+                                          unsigned ldm) {
     constexpr bool col = std::is_same_v<L, col_major>;
-    for (int r = 0; r < f.rows; ++r)
+    constexpr bool by_owner = std::is_same_v<Use, matrix_a>;
+    const int first = by_owner ? mexc_emu::lane() : 0, step = by_owner ? mexc_emu::WARP : 1;
+    for (int r = first; r < f.rows; r += step)
         for (int c = 0; c < f.cols; ++c) f.v[r][c] = col ? p[c * ldm + r] : p[r * ldm + c];
 }
 
@@ -225,16 +244,19 @@ inline void load_matrix_sync(fragment<accumulator, M, N, K, T, void>& f, const T
 
 // Rows r with r % 32 == lane: each accumulator element is computed by one lane of the warp.
 template <int M, int N, int K, class TA, class LA, class TB, class LB, class TC>
-inline void mma_sync(fragment<accumulator, M, N, K, TC, void>& d,
-                     const fragment<matrix_a, M, N, K, TA, LA>& a,
-                     const fragment<matrix_b, M, N, K, TB, LB>& b,
-                     const fragment<accumulator, M, N, K, TC, void>& c) {
-    for (int r = mexc_emu::lane(); r < M; r += mexc_emu::WARP)
-        for (int j = 0; j < N; ++j) {
-            uint32_t acc = uint32_t(c.v[r][j]);
-            for (int k = 0; k < K; ++k) acc += uint32_t(int(a.v[r][k]) * int(b.v[k][j]));
-            d.v[r][j] = TC(acc);
+MEXC_EMU_HOT inline void mma_sync(fragment<accumulator, M, N, K, TC, void>& d,
+                                  const fragment<matrix_a, M, N, K, TA, LA>& a,
+                                  const fragment<matrix_b, M, N, K, TB, LB>& b,
+                                  const fragment<accumulator, M, N, K, TC, void>& c) {
+    for (int r = mexc_emu::lane(); r < M; r += mexc_emu::WARP) {
+        uint32_t acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = uint32_t(c.v[r][j]);
+        for (int k = 0; k < K; ++k) {
+            const int ark = a.v[r][k];
+            for (int j = 0; j < N; ++j) acc[j] += uint32_t(ark * int(b.v[k][j]));
         }
+        for (int j = 0; j < N; ++j) d.v[r][j] = TC(acc[j]);
+    }
 }
 
 template <int M, int N, int K, class T>
@@ -275,26 +297,28 @@ inline void set_thread(const Fiber& f) {
     g_linear = f.linear;
 }
 
-inline void fiber_entry() {
+[[noreturn]] inline void fiber_entry() {
     CALLERS[g.nargs](g.fn, g.args);
-    g.current->wait = DONE;  // uc_link returns to the scheduler
+    g.current->wait = DONE;
+    _longjmp(g.scheduler, 1);
 }
 
 inline void make_fibers() {
     if (g.stacks.size() < size_t(g.threads)) g.stacks.resize(g.threads);
     g.fibers.assign(g.threads, Fiber{});
-    g.slots.assign(g.threads, 0);
+    g.slots[0].assign(g.threads, 0);
+    g.slots[1].assign(g.threads, 0);
     for (int t = 0; t < g.threads; ++t) {
         Fiber& f = g.fibers[t];
         f.linear = t;
         f.tid = {unsigned(t) % g.block.x, unsigned(t) / g.block.x % g.block.y,
                  unsigned(t) / (g.block.x * g.block.y)};
         if (g.stacks[t].empty()) g.stacks[t].resize(STACK_BYTES);
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = g.stacks[t].data();
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = &g.scheduler;
-        makecontext(&f.ctx, fiber_entry, 0);
+        getcontext(&f.start);
+        f.start.uc_stack.ss_sp = g.stacks[t].data();
+        f.start.uc_stack.ss_size = STACK_BYTES;
+        f.start.uc_link = nullptr;  // fiber_entry jumps back, never returns
+        makecontext(&f.start, fiber_entry, 0);
     }
 }
 
@@ -319,7 +343,11 @@ inline void run_block_fibers() {
             if (f.wait != RUNNABLE) continue;
             g.current = &f;
             set_thread(f);
-            swapcontext(&g.scheduler, &f.ctx);
+            if (_setjmp(g.scheduler) == 0) {
+                if (f.started) _longjmp(f.at, 1);
+                f.started = true;
+                setcontext(&f.start);
+            }
             if (g.error) return;
         }
         if (!release()) return;

@@ -37,7 +37,16 @@ from mexc.plan_runtime import PlanProgram
 from mexc.program import Program
 
 HEADER = Path(__file__).with_name("cuda_emu.hpp")
-CXX_FLAGS = ("-std=c++17", "-O1", "-fwrapv", "-fno-strict-aliasing", "-shared", "-fPIC", "-w")
+CXX_FLAGS = (
+    "-std=c++17",
+    "-O1",
+    "-fwrapv",
+    "-fno-strict-aliasing",
+    "-U_FORTIFY_SOURCE",
+    "-shared",
+    "-fPIC",
+    "-w",
+)
 # a kernel with any of these needs its block's threads as fibers
 SYNCING = re.compile(r"__syncthreads|__syncwarp|__shfl|__activemask")
 SHARED_ALIGNED = re.compile(r"__shared__ (alignas\(\d+\))")
