@@ -22,6 +22,7 @@ import os
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
+from mexc.codegen import tvmscript_stack
 from mexc.codegen.cuda_schedule import lower_kernels, schedule_gpu
 from mexc.codegen.gemm_forms import TILE_K, TILE_MQ, GemmFuncs
 
@@ -163,8 +164,9 @@ def schedule_gemm_imma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch.compute_at(a_frag, ki)
     sch.compute_at(b_frag, ki)
     init = sch.decompose_reduction(blk, ko)
-    # imported here: registering TVM's CUDA tensor intrinsics takes about a minute on a
-    # 2-core machine, which every process importing this module (each test worker) paid
+    # imported here, after install(): registering TVM's CUDA tensor intrinsics took 75 s in
+    # inspect.stack (mexc/codegen/tvmscript_stack.py), now about a second
+    tvmscript_stack.install()
     from tvm.s_tir.tensor_intrin import cuda as cuda_intrin
 
     sch.tensorize(_fragments(sch, a_frag), cuda_intrin.WMMA_LOAD_16x16x16_S8_A_INTRIN)

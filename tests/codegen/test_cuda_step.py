@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +262,31 @@ def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool) -> 
     for step in range(3):
         assert emu.step(x, y) == ref.step(x, y), step
         assert emu.state_checksum() == ref.state_checksum(), step
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@settings(max_examples=2, deadline=None)
+@given(model=random_models(), seed=st.integers(0, 2**16))
+def test_emulated_cuda_of_random_models_is_bit_exact(model, seed: int) -> None:
+    """Random conv / BN / pooling / residual / head models: the CUDA step they build (sm_80,
+    batch 2) trains as the reference does when emulated, in reverse order."""
+    from mexc.codegen.cuda_step import build_step
+    from mexc.cuda_emulator import EmulatedCudaProgram
+    from mexc.cuda_program import StepArtifact
+
+    with tempfile.TemporaryDirectory() as out:
+        build_step(_program(model, 2, (1, 8, 8), seed), ("sm_80",), out)
+        artifact = StepArtifact.load(out)
+        emu = EmulatedCudaProgram(artifact, reverse=True)
+        ref = artifact.program
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((2, 1, 8, 8)).astype(np.float32)
+        y = rng.integers(0, ref.num_classes, 2)
+        for step in range(2):
+            assert emu.step(x, y) == ref.step(x, y), step
+            assert emu.state_checksum() == ref.state_checksum(), step
 
 
 @needs_cuda_tools
