@@ -56,15 +56,19 @@ def _program(factory, batch: int, shape: tuple[int, ...], seed: int = 0) -> mexc
     return mexc.compile(model, (torch.zeros(batch, *shape),), optimizer=_optimizer(), seed=seed)
 
 
+def _trains_like(program: mexc.Program, ref: mexc.Program, steps: int, seed: int = 3) -> None:
+    """`program` and `ref` give the same loss and state checksum at every step of a batch."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((ref.batch, *ref.input_shape)).astype(np.float32)
+    y = rng.integers(0, ref.num_classes, ref.batch)
+    for step in range(steps):
+        assert program.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
+        assert program.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
+
+
 def _twin_matches_reference(factory, batch: int, shape: tuple, steps: int, seed: int = 0) -> None:
     ref = _program(factory, batch, shape, seed)
-    twin = LlvmProgram(_program(factory, batch, shape, seed), plan_device="gpu")
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((batch, *shape)).astype(np.float32)
-    y = rng.integers(0, ref.num_classes, batch)
-    for step in range(steps):
-        assert twin.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
-        assert twin.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
+    _trains_like(LlvmProgram(_program(factory, batch, shape, seed), plan_device="gpu"), ref, steps)
 
 
 def test_gpu_plan_of_the_fashion_cnn_is_bit_exact_on_the_host() -> None:
@@ -235,12 +239,8 @@ def test_gpu_training_is_bit_exact(digits_artifact) -> None:  # pragma: no cover
     out, _ = digits_artifact
     ref = StepArtifact.load(out).program  # the reference executor on the artifact's program
     gpu = load_cuda(out)
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((8, *ref.input_shape)).astype(np.float32)
-    y = rng.integers(0, 10, 8)
-    for step in range(5):
-        assert gpu.step(x, y) == ref.step(x, y), step
-        assert gpu.state_checksum() == ref.state_checksum(), step
+    _trains_like(gpu, ref, steps=5, seed=5)
+    x = np.random.default_rng(6).standard_normal((8, *ref.input_shape)).astype(np.float32)
     assert np.array_equal(gpu.predict(x), ref.predict(x))
 
 
@@ -254,14 +254,7 @@ def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool) -> 
     from mexc.cuda_program import StepArtifact
 
     out, _ = digits_artifact
-    ref = StepArtifact.load(out).program
-    emu = load_emulated(out, reverse=reverse)
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((8, *ref.input_shape)).astype(np.float32)
-    y = rng.integers(0, 10, 8)
-    for step in range(3):
-        assert emu.step(x, y) == ref.step(x, y), step
-        assert emu.state_checksum() == ref.state_checksum(), step
+    _trains_like(load_emulated(out, reverse=reverse), StepArtifact.load(out).program, steps=3)
 
 
 @needs_cuda_tools
@@ -280,13 +273,7 @@ def test_emulated_cuda_of_random_models_is_bit_exact(model, seed: int) -> None:
         build_step(_program(model, 2, (1, 8, 8), seed), ("sm_80",), out)
         artifact = StepArtifact.load(out)
         emu = EmulatedCudaProgram(artifact, reverse=True)
-        ref = artifact.program
-        rng = np.random.default_rng(seed)
-        x = rng.standard_normal((2, 1, 8, 8)).astype(np.float32)
-        y = rng.integers(0, ref.num_classes, 2)
-        for step in range(2):
-            assert emu.step(x, y) == ref.step(x, y), step
-            assert emu.state_checksum() == ref.state_checksum(), step
+        _trains_like(emu, artifact.program, steps=2, seed=seed)
 
 
 @needs_cuda_tools
