@@ -2,14 +2,14 @@
 // the CPU"). Included before the kernels of one artifact module (step<i>.cu with TVM's preamble
 // cut off) and compiled with g++ into a shared library that mexc.cuda_emulator drives.
 //
-// Model: one block at a time; its threads run as fibers (ucontext) on one OS thread, switching
-// only at __syncthreads and warp collectives, so the kernels' own barriers order their shared
+// Model: one block at a time; its threads run as fibers on one OS thread, switching only at
+// __syncthreads and warp collectives, so the kernels' own barriers order their shared
 // memory exactly as on a GPU. Kernels without a barrier or collective run their threads as plain
 // calls, one after another. __shared__ arrays are function statics: one block runs at a time.
 // A WMMA fragment is held whole by every lane of its warp; mma_sync computes the rows a lane
 // owns (row r belongs to lane r % 32) and store_matrix_sync writes them, so each element is
-// computed and stored once per warp. Shuffles exchange through a per-warp slot array between two
-// warp barriers. Integer semantics follow the GPU: -fwrapv (two's-complement wrap) and
+// computed and stored once per warp. Shuffles exchange through per-thread slots across one
+// warp barrier. Integer semantics follow the GPU: -fwrapv (two's-complement wrap) and
 // -fno-strict-aliasing (TVM reinterprets pointers); no floating point is used here.
 #pragma once
 #include <setjmp.h>
@@ -57,8 +57,7 @@ struct Fiber {
     ucontext_t start;
     jmp_buf at;
     bool started;
-    dim3 tid;
-    int linear;
+    int linear;  // x fastest, then y, then z
     int wait;
     unsigned shuffles;  // collectives this thread has done: picks the slot buffer
 };
@@ -292,9 +291,11 @@ constexpr std::array<Caller, sizeof...(N)> callers(std::index_sequence<N...>) {
 constexpr size_t MAX_ARGS = 48;
 inline constexpr auto CALLERS = callers(std::make_index_sequence<MAX_ARGS + 1>{});
 
-inline void set_thread(const Fiber& f) {
-    g_thread = f.tid;
-    g_linear = f.linear;
+// Make linear thread t of the block the running one: threadIdx and the lane follow from it.
+inline void enter_thread(int t) {
+    const unsigned u = unsigned(t);
+    g_thread = {u % g.block.x, u / g.block.x % g.block.y, u / (g.block.x * g.block.y)};
+    g_linear = t;
 }
 
 [[noreturn]] inline void fiber_entry() {
@@ -311,8 +312,6 @@ inline void make_fibers() {
     for (int t = 0; t < g.threads; ++t) {
         Fiber& f = g.fibers[t];
         f.linear = t;
-        f.tid = {unsigned(t) % g.block.x, unsigned(t) / g.block.x % g.block.y,
-                 unsigned(t) / (g.block.x * g.block.y)};
         if (g.stacks[t].empty()) g.stacks[t].resize(STACK_BYTES);
         getcontext(&f.start);
         f.start.uc_stack.ss_sp = g.stacks[t].data();
@@ -342,7 +341,7 @@ inline void run_block_fibers() {
             Fiber& f = g.fibers[g.reverse ? g.threads - 1 - i : i];
             if (f.wait != RUNNABLE) continue;
             g.current = &f;
-            set_thread(f);
+            enter_thread(f.linear);
             if (_setjmp(g.scheduler) == 0) {
                 if (f.started) _longjmp(f.at, 1);
                 f.started = true;
@@ -357,10 +356,7 @@ inline void run_block_fibers() {
 inline void run_block_plain() {
     g.current = nullptr;
     for (int i = 0; i < g.threads && !g.error; ++i) {
-        int t = g.reverse ? g.threads - 1 - i : i;
-        g_thread = {unsigned(t) % g.block.x, unsigned(t) / g.block.x % g.block.y,
-                    unsigned(t) / (g.block.x * g.block.y)};
-        g_linear = t;
+        enter_thread(g.reverse ? g.threads - 1 - i : i);
         CALLERS[g.nargs](g.fn, g.args);
     }
 }

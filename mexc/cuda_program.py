@@ -19,7 +19,7 @@ import numpy as np
 
 from mexc.cuda_runtime import ARCHS, ArtifactError, cupy_module
 from mexc.errors import CheckpointError
-from mexc.plan_runtime import PLAN_FIELDS, PlanProgram
+from mexc.plan_runtime import PLAN_FIELDS, PlanProgram, window
 from mexc.program import Program
 from mexc.program import load as load_checkpoint
 
@@ -259,8 +259,7 @@ def _allocate(cp: Any, man: dict[str, Any]) -> dict[str, Any]:
     for name, (dtype, values) in man["constants"].items():
         t[name].set(np.asarray(values, np.dtype(dtype)).reshape(t[name].shape))
     for name, (base, shape, offset) in man["views"].items():
-        size = int(np.prod(shape))
-        t[name] = t[base].reshape(-1)[offset : offset + size].reshape(tuple(shape))
+        t[name] = window(t[base], shape, offset)
     return t
 
 

@@ -12,6 +12,7 @@ Imports neither TVM nor torch: the CUDA runtime machine has neither.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,13 @@ PLAN_FIELDS = (
     "lr",
     "probs",
 )
+
+
+def window(base: Any, shape: Sequence[int], offset: int) -> Any:
+    """The plan view of `shape` at element `offset` of buffer `base` (numpy or CuPy array),
+    sharing its memory."""
+    size = int(np.prod(shape))
+    return base.reshape(-1)[offset : offset + size].reshape(tuple(shape))
 
 
 class PlanProgram(Program):

@@ -29,7 +29,7 @@ from mexc.codegen.kernel_cache import CACHE, build_entry
 from mexc.codegen.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
 from mexc.codegen.workers import forked_map, split_symbols
-from mexc.plan_runtime import PlanProgram
+from mexc.plan_runtime import PlanProgram, window
 from mexc.program import Program
 
 # TVM sizes its thread pool at hardware_concurrency / 2 on x86 (it assumes two hyperthreads per
@@ -160,8 +160,7 @@ class _Buffers:
         # zero-copy numpy windows on the host buffers (the step writes its inputs through them)
         self.np = {name: np.from_dlpack(t) for name, t in self.t.items()}
         for name, (base, shape, offset) in manifest["views"].items():
-            size = int(np.prod(shape))
-            flat = self.np[base].reshape(-1)[offset : offset + size].reshape(shape)
+            flat = window(self.np[base], shape, offset)
             # through numpy, so the view's data pointer moves (kernels expect byte_offset 0)
             self.t[name] = tvm.runtime.from_dlpack(flat)
             self.np[name] = flat
