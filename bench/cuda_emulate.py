@@ -30,7 +30,7 @@ import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
 from mexc.codegen.cuda_step import build_step  # noqa: E402
-from mexc.cuda_emulator import compare  # noqa: E402
+from mexc.cuda_emulator import ORDER_LAYOUT, compare  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
@@ -51,7 +51,10 @@ def measure(name: str, batch: int, steps: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         man = build_step(_program(name, batch), ("sm_80",), tmp)
         build_s = time.perf_counter() - t0
-        orders = {o: compare(tmp, steps, reverse=o == "reverse") for o in ("forward", "reverse")}
+        orders = {
+            o: compare(tmp, steps, o == "reverse", layout=ORDER_LAYOUT[o])
+            for o in ("forward", "reverse")
+        }
     exact = all(r["exact"] for rows in orders.values() for r in rows)
     per_step = [r["seconds"] for rows in orders.values() for r in rows]
     return {

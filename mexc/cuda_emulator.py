@@ -33,6 +33,7 @@ import numpy as np
 
 from mexc.cuda_program import StepArtifact
 from mexc.errors import MexcError
+from mexc.plan_layout import POISON, carve, nbytes, region_bytes
 from mexc.plan_runtime import PlanProgram, window
 from mexc.program import Program
 
@@ -151,17 +152,35 @@ class EmulatedModule:
 
 
 class EmulatedCudaProgram(PlanProgram):
-    """A CUDA artifact's training step with its kernels emulated on the CPU: every plan buffer a
-    numpy array between guard bytes, every kernel of plan.json launched in order with its grid
-    and block (reverse: see EmulatedModule), each kernel's buffers' guards checked after it."""
+    """A CUDA artifact's training step with its kernels emulated on the CPU, every kernel of
+    plan.json launched in order with its grid and block (reverse: see EmulatedModule).
+
+    layout="arena" (default) places the buffers as the GPU runtime does, in the artifact's
+    state region and arena (plan_layout), each region between guard bytes; layout="separate"
+    gives every buffer an allocation of its own between guard bytes, which names the buffer a
+    kernel wrote out of bounds. The guards of a kernel's regions or buffers are checked after
+    it."""
 
     def __init__(
-        self, artifact: StepArtifact, program: Program | None = None, reverse: bool = False
+        self,
+        artifact: StepArtifact,
+        program: Program | None = None,
+        reverse: bool = False,
+        layout: str = "arena",
     ) -> None:
         man = artifact.manifest
         self.reverse = reverse
-        self._t, self._raw = _allocate(man)
-        base_of = {name: base for name, (base, _, _) in man["views"].items()}
+        self._t, self._raw = _allocate(man) if layout == "separate" else _allocate_arena(man)
+        if layout == "separate":
+            base_of = {name: base for name, (base, _, _) in man["views"].items()}
+            guarded = {name: [base_of.get(name, name)] for name in self._t}
+        elif layout == "arena":
+            region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
+            base_of = {name: base for name, (base, _, _) in man["views"].items()}
+            guarded = {name: [region_of[base_of.get(name, name)]] for name in self._t}
+        else:
+            raise ValueError(f"layout {layout!r} is not 'arena' or 'separate'")
+        self._allocated = sum(int(r.nbytes) - 2 * GUARD for r in self._raw.values())
         modules = [
             EmulatedModule((artifact.path / entry["source"]).read_text())
             for entry in man["modules"]
@@ -170,12 +189,16 @@ class EmulatedCudaProgram(PlanProgram):
             (
                 symbol,
                 modules[module].launcher(symbol, grid, block, [self._t[a] for a in args]),
-                sorted({base_of.get(a, a) for a in args}),
+                sorted({g for a in args for g in guarded[a]}),
             )
             for module, symbol, grid, block, args in man["kernels"]
         ]
         self.artifact = artifact
         super().__init__(program or artifact.program, man)
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """The device bytes the GPU runtime would allocate (guards not counted)."""
+        return {"host": 0, "device": self._allocated}
 
     def _write(self, name: str, values: np.ndarray) -> None:
         flat = self._t[name].reshape(-1)
@@ -185,28 +208,48 @@ class EmulatedCudaProgram(PlanProgram):
         return self._t[name].copy()
 
     def _run(self) -> None:
-        for symbol, launch, bases in self._calls:
+        for symbol, launch, guarded in self._calls:
             launch(self.reverse)
-            broken = [b for b in bases if not guards_intact(self._raw[b])]
+            broken = [b for b in guarded if not guards_intact(self._raw[b])]
             if broken:
-                raise EmulatorError(f"kernel {symbol} wrote outside buffer(s) {broken}")
+                raise EmulatorError(f"kernel {symbol} wrote outside {broken}")
 
 
 GUARD = 256  # bytes of a known pattern before and after every buffer
 GUARD_BYTE = 0xA5
 
 
+def _guarded(nbytes: int, fill: int) -> np.ndarray:
+    """`nbytes` bytes of `fill` between GUARD bytes of GUARD_BYTE, 64-byte aligned inside."""
+    raw = np.full(nbytes + 2 * GUARD + 64, GUARD_BYTE, np.uint8)
+    start = -(raw.ctypes.data + GUARD) % 64
+    raw = raw[start : start + nbytes + 2 * GUARD]
+    raw[GUARD : GUARD + nbytes] = fill
+    return raw
+
+
+def _allocate_arena(man: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The artifact's two regions as the GPU runtime allocates them (state zeroed, arena
+    poisoned), each between guards; buffers and views carved from them, constants written."""
+    raw = {k: _guarded(v, POISON if k == "arena" else 0) for k, v in region_bytes(man).items()}
+    regions = {k: r[GUARD : r.size - GUARD] for k, r in raw.items()}
+    t = carve(man, regions, window)
+    for name, (dtype, values) in man["constants"].items():
+        t[name][...] = np.asarray(values, np.dtype(dtype)).reshape(t[name].shape)
+    return t, raw
+
+
 def _allocate(man: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Zeroed numpy buffers (GEMM padding is read and must be 0), constants, and views that
-    share their base's memory, as the GPU runtime lays them out; and per buffer its raw
-    allocation, whose GUARD bytes on either side a kernel writing out of bounds would change."""
+    """One guarded allocation per buffer (arena buffers of the layout poisoned, the rest
+    zeroed), constants, and views that share their base's memory; and per buffer its raw
+    allocation."""
     t: dict[str, np.ndarray] = {}
     raw: dict[str, np.ndarray] = {}
+    offsets = man.get("layout", {}).get("offsets", {})
     for name, (shape, dtype) in man["buffers"].items():
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        raw[name] = np.full(nbytes + 2 * GUARD, GUARD_BYTE, np.uint8)
-        raw[name][GUARD : GUARD + nbytes] = 0
-        t[name] = raw[name][GUARD : GUARD + nbytes].view(dtype).reshape(tuple(shape))
+        region = offsets.get(name, ["state"])[0]
+        raw[name] = _guarded(nbytes(shape, dtype), POISON if region == "arena" else 0)
+        t[name] = raw[name][GUARD : raw[name].size - GUARD].view(dtype).reshape(tuple(shape))
     for name, (dtype, values) in man["constants"].items():
         t[name][...] = np.asarray(values, np.dtype(dtype)).reshape(t[name].shape)
     for name, (base, shape, offset) in man["views"].items():
@@ -218,16 +261,20 @@ def guards_intact(raw: np.ndarray) -> bool:
     return bool((raw[:GUARD] == GUARD_BYTE).all() and (raw[-GUARD:] == GUARD_BYTE).all())
 
 
-def load_emulated(path: str | Path, reverse: bool = False) -> EmulatedCudaProgram:
+def load_emulated(
+    path: str | Path, reverse: bool = False, layout: str = "arena"
+) -> EmulatedCudaProgram:
     """The training program of a CUDA artifact folder with its kernels emulated on the CPU."""
-    return EmulatedCudaProgram(StepArtifact.load(path), reverse=reverse)
+    return EmulatedCudaProgram(StepArtifact.load(path), reverse=reverse, layout=layout)
 
 
-def compare(path: str | Path, steps: int, reverse: bool = False, seed: int = 0) -> list[dict]:
+def compare(
+    path: str | Path, steps: int, reverse: bool = False, seed: int = 0, layout: str = "arena"
+) -> list[dict]:
     """Train `steps` steps on one random batch with the emulated artifact and with the
     reference interpreter from the same state: per step the losses, the state checksums, whether
     both agree ("exact") and the emulator's seconds."""
-    emu = load_emulated(path, reverse)
+    emu = load_emulated(path, reverse, layout)
     ref = StepArtifact.load(path).program
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((emu.batch, *emu.input_shape)).astype(np.float32)
@@ -253,6 +300,11 @@ def compare(path: str | Path, steps: int, reverse: bool = False, seed: int = 0) 
     return rows
 
 
+# the launch order runs in the GPU runtime's layout (state region and arena); the reverse order
+# with a guarded allocation per buffer, which names a buffer written out of bounds
+ORDER_LAYOUT = {"forward": "arena", "reverse": "separate"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("artifact", help="a folder written by mexc compile --target cuda")
@@ -262,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"artifact": str(args.artifact)}
     exact = True
     for order in ("forward", "reverse"):
-        rows = compare(args.artifact, args.steps, reverse=order == "reverse")
+        rows = compare(args.artifact, args.steps, order == "reverse", layout=ORDER_LAYOUT[order])
         report[order] = rows
         for r in rows:
             exact &= r["exact"]

@@ -19,11 +19,12 @@ import numpy as np
 
 from mexc.cuda_runtime import ARCHS, ArtifactError, cupy_module
 from mexc.errors import CheckpointError
+from mexc.plan_layout import POISON, carve, check_layout, region_bytes
 from mexc.plan_runtime import PLAN_FIELDS, PlanProgram, window
 from mexc.program import Program
 from mexc.program import load as load_checkpoint
 
-FORMAT = "mexc-cuda-step-1"
+FORMAT = "mexc-cuda-step-2"
 PROGRAM_FILE = "program.mexc"
 DTYPES = ("int8", "uint8", "int32", "int64")
 
@@ -92,7 +93,7 @@ def _read_manifest(root: Path) -> dict[str, Any]:
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         found = man.get("format") if isinstance(man, dict) else None
         raise _fail(root, f"format is {found!r}, expected {FORMAT!r}")
-    missing = [k for k in (*PLAN_FIELDS, "archs", "kernels", "modules", "program_sha256")]
+    missing = [k for k in (*PLAN_FIELDS, "layout", "archs", "kernels", "modules", "program_sha256")]
     missing = [k for k in missing if k not in man]
     if missing:
         raise _fail(root, f"plan.json lacks {missing}")
@@ -135,12 +136,17 @@ def _check_plan(root: Path, man: dict[str, Any], prog: Program) -> None:
             raise _fail(root, f"kernel {symbol} names an unknown buffer")
     if set(man["state"]) != set(prog.state):
         raise _fail(root, "the plan's state tensors are not the program's")
+    try:
+        check_layout(man, [k[4] for k in man["kernels"]])
+    except ValueError as err:
+        raise _fail(root, str(err)) from None
 
 
 class CudaProgram(PlanProgram):
-    """The training step on the GPU: every plan buffer allocated once in device memory, the
-    kernels launched in plan order on one stream of the program. Same API and bits as the
-    reference; the state stays on the device (reading it copies it out).
+    """The training step on the GPU: every plan buffer a window into two device allocations
+    (the state region and the arena of plan_layout), the kernels launched in plan order on one
+    stream of the program. Same API and bits as the reference; the state stays on the device
+    (reading it copies it out).
 
     graph=True (default; MEXC_CUDA_GRAPH=0 turns it off) captures the step's launch sequence
     once as a CUDA graph and replays it: a ResNet-18 step is thousands of small launches, and a
@@ -164,7 +170,7 @@ class CudaProgram(PlanProgram):
         self._graph: Any = None
         with self._device:
             self._stream = cp.cuda.Stream(non_blocking=True)
-            self._t = _allocate(cp, man)
+            self._t, self._allocated = _allocate(cp, man)
             # SHA-256 checked at load
             modules = [cp.RawModule(path=str(c[self.arch])) for c in artifact.cubins]
             self._calls = [
@@ -189,6 +195,9 @@ class CudaProgram(PlanProgram):
             out = np.asarray(self._cp.asnumpy(self._t[name], self._stream))
             self._stream.synchronize()
             return out
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {"host": 0, "device": self._allocated}
 
     def _launch_all(self) -> None:
         with self._stream:  # CuPy launches on the current stream
@@ -251,16 +260,17 @@ class CudaProgram(PlanProgram):
             self._stream.synchronize()
 
 
-def _allocate(cp: Any, man: dict[str, Any]) -> dict[str, Any]:
-    """Device arrays for every buffer (zeroed: GEMM padding is read and must be 0), views into
-    them, constants uploaded."""
-    buffers = man["buffers"].items()
-    t = {name: cp.zeros(tuple(shape), dtype=dtype) for name, (shape, dtype) in buffers}
+def _allocate(cp: Any, man: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Two device allocations, the state region (zeroed) and the arena (poisoned:
+    plan_layout), every buffer and view a window into them, constants uploaded; and the bytes
+    allocated."""
+    sizes = region_bytes(man)
+    regions = {k: cp.zeros(max(v, 1), dtype="uint8") for k, v in sizes.items()}
+    regions["arena"].fill(POISON)
+    t = carve(man, regions, window)
     for name, (dtype, values) in man["constants"].items():
         t[name].set(np.asarray(values, np.dtype(dtype)).reshape(t[name].shape))
-    for name, (base, shape, offset) in man["views"].items():
-        t[name] = window(t[base], shape, offset)
-    return t
+    return t, sum(int(r.nbytes) for r in regions.values())
 
 
 def load_cuda(path: str | Path, device: int = 0, graph: bool | None = None) -> CudaProgram:

@@ -37,6 +37,7 @@ from mexc.codegen.plan_core import is_gemm
 from mexc.codegen.step_plan import build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.workers import forked_map, split_symbols
 from mexc.cuda_program import ARCHS, FORMAT, PROGRAM_FILE
+from mexc.plan_layout import plan_layout
 from mexc.program import Program
 
 
@@ -69,12 +70,13 @@ def build_step(prog: Program, archs: str | tuple[str, ...], out_dir: str | Path)
     parts = _lower_parts(funcs)
     t_tvm = time.perf_counter() - t0
     manifest = {"format": FORMAT, "archs": list(archs), "gemm": gemm, **plan_manifest(plan)}
-    for symbol, bufs in scratch.items():  # one set per distinct kernel: launches run in order
-        for name, shape, dtype in bufs:
-            manifest["buffers"][f"scratch:{symbol}.{name}"] = [list(shape), dtype]
     module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
     kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
     manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
+    for i, launch in enumerate(plan.launches):  # scratch of its own per launch (arena-placed)
+        for name, shape, dtype in scratch[alias[launch.symbol]]:
+            manifest["buffers"][_scratch_name(i, name)] = [list(shape), dtype]
+    manifest["layout"] = plan_layout(manifest, [k[4] for k in manifest["kernels"]])
     t1 = time.perf_counter()
     manifest["modules"] = _compile_modules([src for src, _ in parts], archs, out)
     manifest["gemm_kernels"] = sorted(
@@ -118,6 +120,12 @@ def _compile_modules(sources: list[str], archs: tuple[str, ...], out: Path) -> l
     return modules
 
 
+def _scratch_name(launch: int, name: str) -> str:
+    """The plan buffer of a kernel's global intermediate `name` at launch `launch`: live only
+    during that launch, so the layout lets every other buffer reuse its bytes."""
+    return f"scratch:{launch}.{name}"
+
+
 def _kernel_list(
     launches: list,
     funcs: dict,
@@ -129,13 +137,13 @@ def _kernel_list(
     """[module, symbol, grid, block, [plan buffer per kernel parameter]] for every kernel of
     the step, in launch order."""
     out: list[list[Any]] = []
-    for launch in launches:
+    for i, launch in enumerate(launches):
         symbol = alias[launch.symbol]
         # the implementing kernel's own parameter names (an aliased launch's func is equal up
         # to names), positionally bound to this launch's buffers
         names = [str(p.name) for p in funcs[symbol].params][: len(launch.args)]
         buffer_of = dict(zip(names, launch.args))
-        buffer_of.update({n: f"scratch:{symbol}.{n}" for n, _, _ in scratch[symbol]})
+        buffer_of.update({n: _scratch_name(i, n) for n, _, _ in scratch[symbol]})
         for k in kernels_of[symbol]:
             missing = [p for p in k.params if p not in buffer_of]
             if missing:

@@ -29,6 +29,15 @@ from mexc.codegen.kernel_cache import CACHE, build_entry
 from mexc.codegen.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.tvm_llvm_products import HostCpu, host_cpu
 from mexc.codegen.workers import forked_map, split_symbols
+from mexc.plan_layout import (
+    ALIGN,
+    POISON,
+    carve,
+    check_layout,
+    plan_layout,
+    region_bytes,
+    separate_bytes,
+)
 from mexc.plan_runtime import PlanProgram, window
 from mexc.program import Program
 
@@ -36,7 +45,7 @@ from mexc.program import Program
 # core), which is one thread on a two-core machine without SMT. Use every CPU this process may
 # run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-MANIFEST_FORMAT = "mexc-llvm-plan-1"
+MANIFEST_FORMAT = "mexc-llvm-plan-2"
 _MEXC = Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +57,8 @@ def _lowering_sources() -> list[Path]:
             *(_MEXC / "codegen").glob("*.py"),
             _MEXC / "numerics.py",
             _MEXC / "mx.py",
+            _MEXC / "arena.py",
+            _MEXC / "plan_layout.py",
             *(_MEXC / "kernels").glob("*.py"),
         ]
     )
@@ -100,7 +111,9 @@ class Compiled:
 
 def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
     launches = [[alias[x.symbol], list(x.args)] for x in plan.launches]
-    return {"format": MANIFEST_FORMAT, **plan_manifest(plan), "launches": launches}
+    manifest = {"format": MANIFEST_FORMAT, **plan_manifest(plan), "launches": launches}
+    manifest["layout"] = plan_layout(manifest, [args for _, args in launches])
+    return manifest
 
 
 def compile_program(
@@ -138,40 +151,66 @@ def _load(folder: Path) -> Compiled:
     parts = sorted(folder.glob("part*.so"))
     if not parts:
         raise ValueError("no compiled kernels")
+    check_layout(manifest, [args for _, args in manifest["launches"]])
     compiled = Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest)
     for symbol, _ in manifest["launches"]:
         compiled.function(symbol)  # every kernel present
     return compiled
 
 
-class _Buffers:
-    """Every plan buffer allocated once on the host device, views and constants included."""
+def aligned_bytes(size: int, fill: int) -> np.ndarray:
+    """`size` bytes (uint8) starting at an ALIGN-byte boundary, every byte `fill`."""
+    raw = np.full(size + ALIGN, fill, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + size]
 
-    def __init__(self, manifest: dict[str, Any]) -> None:
-        dev = tvm.cpu()
-        self.t: dict[str, Any] = {
-            name: tvm.runtime.empty(tuple(shape), dtype, dev)
-            for name, (shape, dtype) in manifest["buffers"].items()
-        }
-        for t in self.t.values():  # GEMM padding rows are read and must be zero
-            t.copyfrom(np.zeros(tuple(t.shape), t.dtype))
+
+LAYOUTS = ("arena", "separate")
+
+
+class _Buffers:
+    """Every plan buffer on the host: views into one state region and one arena
+    (plan_layout), or with layout="separate" one allocation per buffer (as before the layout
+    existed: for A/B measurements). Constants are written once; views included."""
+
+    def __init__(self, manifest: dict[str, Any], layout: str = "arena") -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+        if layout == "arena":
+            sizes = region_bytes(manifest)
+            self.regions = {
+                "state": aligned_bytes(sizes["state"], 0),
+                "arena": aligned_bytes(sizes["arena"], POISON),
+            }
+            self.np = carve(manifest, self.regions, window)
+        else:
+            self.np = {
+                name: np.zeros(tuple(shape), dtype)
+                for name, (shape, dtype) in manifest["buffers"].items()
+            }
+            for name, (base, shape, offset) in manifest["views"].items():
+                self.np[name] = window(self.np[base], shape, offset)
+            self.regions = {}
+        in_regions = sum(r.nbytes for r in self.regions.values())
+        self.allocated = in_regions if self.regions else separate_bytes(manifest)
         for name, (dtype, values) in manifest["constants"].items():
-            self.t[name].copyfrom(np.asarray(values, np.dtype(dtype)))
-        # zero-copy numpy windows on the host buffers (the step writes its inputs through them)
-        self.np = {name: np.from_dlpack(t) for name, t in self.t.items()}
-        for name, (base, shape, offset) in manifest["views"].items():
-            flat = window(self.np[base], shape, offset)
-            # through numpy, so the view's data pointer moves (kernels expect byte_offset 0)
-            self.t[name] = tvm.runtime.from_dlpack(flat)
-            self.np[name] = flat
+            self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
+        # zero-copy TVM tensors over the numpy windows (kernels expect byte_offset 0)
+        self.t: dict[str, Any] = {name: tvm.runtime.from_dlpack(a) for name, a in self.np.items()}
 
 
 class LlvmProgram(PlanProgram):
     """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
 
-    def __init__(self, prog: Program, plan_device: str = "cpu", cpu: HostCpu | None = None) -> None:
+    def __init__(
+        self,
+        prog: Program,
+        plan_device: str = "cpu",
+        cpu: HostCpu | None = None,
+        layout: str = "arena",
+    ) -> None:
         compiled = compile_program(prog, cpu, plan_device)
-        self._bufs = _Buffers(compiled.manifest)
+        self._bufs = _Buffers(compiled.manifest, layout)
         self._calls = [
             (compiled.function(symbol), [self._bufs.t[a] for a in args])
             for symbol, args in compiled.manifest["launches"]
@@ -187,6 +226,9 @@ class LlvmProgram(PlanProgram):
     def _run(self) -> None:
         for fn, args in self._calls:
             fn(*args)
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {"host": self._bufs.allocated, "device": 0}
 
     def kernel_times(self, x: Any, y: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per launch (best of `repeats` steps, each launch timed on its own), keyed by

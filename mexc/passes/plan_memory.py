@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from mexc.arena import place
 from mexc.ir import Graph, Op, Value
 from mexc.pass_manager import PassContext
 from mexc.types import Kind, TensorType
@@ -75,49 +76,6 @@ def _positions(g: Graph) -> dict[int, int]:
     return {nid: i for i, nid in enumerate(listed)}
 
 
-Item = tuple[int, int, int, Value]  # start, end, size, value
-
-ORDERS = {  # placement orders tried by the first-fit; the smallest arena wins
-    "size": lambda it: (-it[2], it[0]),
-    "start": lambda it: (it[0], -it[2]),
-    "duration": lambda it: (-(it[1] - it[0]), -it[2]),
-    "area": lambda it: (-(it[1] - it[0] + 1) * it[2], it[0]),
-}
-
-
-def _gaps(busy: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """(gap size, offset) of every 16-byte aligned free gap that holds `size`; the last is open."""
-    out, offset = [], 0
-    for lo, hi in busy:
-        if offset + size <= lo:
-            out.append((lo - offset, offset))
-        offset = max(offset, (hi + 15) // 16 * 16)
-    out.append((1 << 62, offset))
-    return out
-
-
-def _place(items: list[Item], best_fit: bool) -> tuple[dict[Value, int], int]:
-    """Place in the given order at the lowest (or the tightest) free offset over the lifetime."""
-    placed: list[tuple[int, int, int, int]] = []  # start, end, offset, size
-    offsets: dict[Value, int] = {}
-    peak = 0
-    for start, end, size, v in items:
-        busy = sorted((o, o + s) for (a, b, o, s) in placed if not (b < start or end < a))
-        gaps = _gaps(busy, size)
-        offset = min(gaps)[1] if best_fit else gaps[0][1]
-        placed.append((start, end, offset, size))
-        offsets[v] = offset
-        peak = max(peak, offset + size)
-    return offsets, peak
-
-
-def _first_fit(items: list[Item]) -> tuple[dict[Value, int], int]:
-    results = [
-        _place(sorted(items, key=key), best) for key in ORDERS.values() for best in (False, True)
-    ]
-    return min(results, key=lambda r: r[1])
-
-
 def _in_place_roots(
     g: Graph, pos: dict[int, int], last_use: dict[Value, int], in_arena: set[Value]
 ) -> dict[Value, Value]:
@@ -176,7 +134,7 @@ def plan(g: Graph) -> MemoryPlan:
         r = roots.get(v, v)
         a, b, sz = merged.get(r, (start, stop, size))
         merged[r] = (min(a, start), max(b, stop), max(sz, size))
-    offsets, peak = _first_fit([(a, b, sz, r) for r, (a, b, sz) in merged.items()])
+    offsets, peak = place([(a, b, sz, r) for r, (a, b, sz) in merged.items()])
     slots = [
         s
         if s.kind == "persistent"

@@ -246,15 +246,17 @@ def test_gpu_training_is_bit_exact(digits_artifact) -> None:  # pragma: no cover
 
 @needs_cuda_tools
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("reverse", [False, True])
-def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool) -> None:
+@pytest.mark.parametrize("reverse,layout", [(False, "arena"), (True, "separate")])
+def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool, layout: str) -> None:
     """The artifact's own CUDA source and launch list, emulated on the CPU (blocks and threads
-    in either order), train as the reference does."""
+    in either order; in the GPU runtime's state region and arena, or one guarded allocation per
+    buffer), train as the reference does."""
     from mexc.cuda_emulator import load_emulated
     from mexc.cuda_program import StepArtifact
 
     out, _ = digits_artifact
-    _trains_like(load_emulated(out, reverse=reverse), StepArtifact.load(out).program, steps=3)
+    emu = load_emulated(out, reverse=reverse, layout=layout)
+    _trains_like(emu, StepArtifact.load(out).program, steps=3)
 
 
 @needs_cuda_tools
@@ -404,6 +406,11 @@ def test_cuda_runtime_host_logic_on_a_fake_cupy(digits_artifact, monkeypatch) ->
     want = tuple(gpu._t[a].__array_interface__["data"][0] for a in plan["kernels"][0][4])
     assert first[3] == want and list(first[1]) == plan["kernels"][0][2]
     assert gpu.step_count == 2 and gpu.read_buffer(plan["labels"]).tolist() == y.tolist()
+    # two device allocations of the layout's sizes hold every buffer
+    layout = plan["layout"]
+    assert gpu.allocated_bytes()["device"] == layout["state_bytes"] + layout["arena_bytes"]
+    bases = {gpu._t[b].__array_interface__["data"][0] for b in plan["buffers"]}
+    assert len(bases) < len(plan["buffers"])  # buffers with disjoint lifetimes share bytes
     keys = gpu.read_buffer(plan["keys"])[: len(plan["key_ids"])]
     assert np.array_equal(keys, stream_keys(0, 1, np.array(plan["key_ids"])))
     gpu.set_graph(False)  # launch by launch: no capture, every kernel launched directly

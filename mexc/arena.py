@@ -1,0 +1,88 @@
+"""Static arena placement: offsets for buffers with known lifetimes, so that buffers whose
+lifetimes do not overlap share bytes. One allocator for every planner: plan-memory (IR values)
+and the launch-plan layout of the llvm and CUDA backends (plan_layout).
+
+An item is (start, end, size, key): the buffer is live from position `start` to position `end`,
+both inclusive. Placement tries several orders, each with first-fit and best-fit, and keeps the
+smallest peak: a greedy placement's quality depends on the order, and none of the four orders
+wins on every graph (measured on the example CNNs). Vectorized over the placed items with numpy,
+so that plans of thousands of buffers (ResNet-18's launch plan) place in about a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+Item = tuple[int, int, int, Hashable]  # start, end (inclusive), size in bytes, key
+
+ORDERS: dict[str, Callable[[Item], tuple[int, int]]] = {
+    "size": lambda it: (-it[2], it[0]),
+    "start": lambda it: (it[0], -it[2]),
+    "duration": lambda it: (-(it[1] - it[0]), -it[2]),
+    "area": lambda it: (-(it[1] - it[0] + 1) * it[2], it[0]),
+}
+
+
+def _round_up(v: int, align: int) -> int:
+    return (v + align - 1) // align * align
+
+
+def _place(items: Sequence[Item], best_fit: bool, align: int) -> tuple[dict[Hashable, int], int]:
+    """Place `items` in their order at the lowest (first fit) or the tightest (best fit)
+    `align`-aligned free offset over each one's lifetime."""
+    n = len(items)
+    starts = np.empty(n, np.int64)
+    ends = np.empty(n, np.int64)
+    los = np.empty(n, np.int64)
+    his = np.empty(n, np.int64)
+    offsets: dict[Hashable, int] = {}
+    peak = 0
+    for i, (start, end, size, key) in enumerate(items):
+        live = (starts[:i] <= end) & (ends[:i] >= start)
+        order = np.argsort(los[:i][live], kind="stable")
+        busy_lo, busy_hi = los[:i][live][order], his[:i][live][order]
+        offset, chosen, tightest = 0, -1, None
+        for lo, hi in zip(busy_lo.tolist(), busy_hi.tolist()):
+            if offset + size <= lo:
+                if not best_fit:
+                    chosen = offset
+                    break
+                if tightest is None or lo - offset < tightest:
+                    tightest, chosen = lo - offset, offset
+            offset = max(offset, _round_up(hi, align))
+        if chosen < 0:
+            chosen = offset  # the open end above every live buffer
+        starts[i], ends[i], los[i], his[i] = start, end, chosen, chosen + size
+        offsets[key] = chosen
+        peak = max(peak, chosen + size)
+    return offsets, peak
+
+
+def place(items: Sequence[Item], align: int = 16) -> tuple[dict[Hashable, int], int]:
+    """Offsets (multiples of `align`) for every item's key, and the arena's peak in bytes (the
+    end of its highest buffer): the smallest over every order of ORDERS with first fit and with
+    best fit."""
+    if not items:
+        return {}, 0
+    orders = [sorted(items, key=key) for key in ORDERS.values()]
+    results = [_place(order, best, align) for order in orders for best in (False, True)]
+    return min(results, key=lambda r: r[1])
+
+
+def overlaps(
+    items: Sequence[Item], offsets: dict[Hashable, int]
+) -> list[tuple[Hashable, Hashable]]:
+    """Pairs of items that are live at the same time and share bytes (empty for a valid
+    placement): the check tests and the layout loader run."""
+    bad = []
+    ordered = sorted(items, key=lambda it: it[0])
+    for i, (_, e1, z1, k1) in enumerate(ordered):
+        for s2, _, z2, k2 in ordered[i + 1 :]:
+            if s2 > e1:
+                break
+            o1, o2 = offsets[k1], offsets[k2]
+            if z1 and z2 and o1 < o2 + z2 and o2 < o1 + z1:
+                bad.append((k1, k2))
+    return bad
