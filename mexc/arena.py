@@ -11,7 +11,8 @@ so that plans of thousands of buffers (ResNet-18's launch plan) place in about a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def place(items: Sequence[Item], align: int = 16) -> tuple[dict[Hashable, int], 
 
 
 def overlaps(
-    items: Sequence[Item], offsets: dict[Hashable, int]
+    items: Sequence[Item], offsets: Mapping[Any, int]
 ) -> list[tuple[Hashable, Hashable]]:
     """Pairs of items that are live at the same time and share bytes (empty for a valid
     placement): the check tests and the layout loader run."""
