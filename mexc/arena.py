@@ -72,9 +72,7 @@ def place(items: Sequence[Item], align: int = 16) -> tuple[dict[Hashable, int], 
     return min(results, key=lambda r: r[1])
 
 
-def overlaps(
-    items: Sequence[Item], offsets: Mapping[Any, int]
-) -> list[tuple[Hashable, Hashable]]:
+def overlaps(items: Sequence[Item], offsets: Mapping[Any, int]) -> list[tuple[Hashable, Hashable]]:
     """Pairs of items that are live at the same time and share bytes (empty for a valid
     placement): the check tests and the layout loader run."""
     bad = []

@@ -160,11 +160,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"nodes            {len(prog.graph.nodes)}")
     print(f"parameters       {mem['params']}")
     print(f"bits             {args.bits}")
-    print(f"persistent       {_kib(mem['persistent_bytes'])}")
-    print(f"saved activ.     {_kib(mem['saved_activation_bytes'])}")
-    print(f"arena peak       {_kib(mem['arena_peak_bytes'])}")
+    if mem["allocated_bytes"]:
+        print(f"allocated        {_kib(mem['allocated_bytes'])}  ({mem['backend']} backend)")
+    else:
+        print("allocated        (the reference executor allocates as it steps)")
+    print(f"planned: state   {_kib(mem['planned_persistent_bytes'])}")
+    print(f"planned: saved   {_kib(mem['planned_saved_activation_bytes'])}")
+    print(f"planned: arena   {_kib(mem['planned_arena_bytes'])}")
     print(f"formula int      {_kib(mem['formula_int_bytes'])}")
-    print(f"formula FP32     {_kib(mem['formula_fp32_bytes'])}  (int/FP32 = {ratio:.3f})")
+    print(f"formula FP32     {_kib(mem['formula_fp32_bytes'])}  (int/FP32 = {ratio:.3f}, formula)")
     return 0
 
 

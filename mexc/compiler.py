@@ -95,6 +95,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     state = initial_state(graph, front.params, front.buffers, bits)
     opts = Options(bits, seed, rounding, per_group_velocity, target)
     prog = Program(graph, state, opts, opt)
+    prog.carry_memory_plan(ctx.results.get("memory_plan"))
     if target == "c":
         from mexc.codegen.c_host import CProgram  # builds the generated C with the host cc
 

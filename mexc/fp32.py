@@ -10,9 +10,11 @@ cross-entropy. Evaluation uses eval mode (BN running statistics), as `Program.pr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -97,3 +99,53 @@ def train_fp32(
         if on_epoch is not None:
             on_epoch(record)
     return history
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null: the profiler's C++ side prints start/stop lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def step_memory(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, momentum: float, weight_decay: float
+) -> dict[str, int]:
+    """Bytes PyTorch FP32 eager holds for one training step of `model` (trained in place) on
+    (x, y), SGD with momentum: `persistent_bytes` (parameters, buffers, momentum) and
+    `step_peak_bytes`, the peak of the tensor bytes allocated during one step above that
+    (activations saved for the backward pass, gradients, temporaries), summed from the torch
+    profiler's memory events in time order. `peak_bytes` is their sum: what the step needs."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum, weight_decay=weight_decay)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()  # the momentum buffers exist from here on
+    opt.zero_grad(set_to_none=True)
+    cpu = torch.profiler.ProfilerActivity.CPU
+    with _quiet_stderr(), torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += int(e.nbytes())
+        peak = max(peak, live)
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    persistent = sum(t.numel() * t.element_size() for t in tensors)
+    return {
+        "persistent_bytes": persistent,
+        "step_peak_bytes": peak,
+        "peak_bytes": persistent + peak,
+    }

@@ -32,6 +32,7 @@ class StepEnv:
     momentum: FixedScalar = field(default_factory=lambda: FixedScalar(0, 0))
     weight_decay: FixedScalar = field(default_factory=lambda: FixedScalar(0, 0))
     valid: int = 0
+    peak_bytes: int = 0  # set by execute: the most bytes its live values held at once
 
 
 Rule = Callable[[Node, list[Any], StepEnv], tuple[Any, ...]]
@@ -376,19 +377,37 @@ def _rule(n: Node) -> Rule:
     return rule
 
 
+def value_bytes(v: Any) -> int:
+    """Bytes of an executor value's arrays (an MX: mantissas and exponents; tuples summed)."""
+    if isinstance(v, np.ndarray):
+        return int(v.nbytes)
+    if isinstance(v, MX):
+        return int(np.asarray(v.m).nbytes + np.asarray(v.e).nbytes)
+    if isinstance(v, Acc):
+        return int(np.asarray(v.a).nbytes + np.asarray(v.e).nbytes)
+    if isinstance(v, (tuple, list)):
+        return sum(value_bytes(x) for x in v)
+    return 0
+
+
 def execute(
     nodes: list[Node], env: StepEnv, last_use: dict[Value, int] | None = None
 ) -> dict[Value, Any]:
-    """Run `nodes` in order; returns every computed value. Values past their last use are freed."""
+    """Run `nodes` in order; returns every computed value. Values past their last use are freed.
+    env.peak_bytes gets the peak of the live values' bytes (kernel temporaries not counted)."""
     values: dict[Value, Any] = {}
+    live = peak = 0
     for pos, n in enumerate(nodes):
         results = _rule(n)(n, [values[v] for v in n.inputs], env)
         for i, r in enumerate(results):
             values[n.result(i)] = r
+            live += value_bytes(r)
+        peak = max(peak, live)
         if last_use is not None:
             for v in n.inputs:
                 if last_use.get(v, -1) == pos:
-                    del values[v]
+                    live -= value_bytes(values.pop(v))
+    env.peak_bytes = peak
     return values
 
 

@@ -55,6 +55,7 @@ class PlanProgram(Program):
         self._key_ids = np.asarray(manifest["key_ids"], np.int64)
         self._state_cache: dict[str, MX] | None = None
         super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
+        self.carry_memory_plan(prog._plan)
 
     def _write(self, name: str, values: np.ndarray) -> None:
         """Copy `values` into the start of buffer or view `name`."""

@@ -27,8 +27,12 @@ results.json (`build_results`, format "mexc-results-1"):
   integer {accuracy, final_loss, steps, seconds, images_per_s, checksum, history[...]},
   fp32 (same keys but checksum, or null without --compare-fp32),
   gap_points (100 * (fp32 accuracy - integer accuracy), or null),
-  memory {persistent_bytes, saved_activation_bytes, arena_peak_bytes, transient_peak_bytes,
-    params, saved_activation_elements, formula_int_bytes, formula_fp32_bytes, formula_ratio}.
+  memory {backend, allocated_host_bytes, allocated_device_bytes, allocated_bytes (what the
+    backend allocated), planned_persistent_bytes, planned_saved_activation_bytes,
+    planned_arena_bytes (plan-memory over the IR values), params, saved_activation_elements,
+    formula_int_bytes, formula_fp32_bytes, formula_ratio (the paper's formula), fp32_measured
+    ({persistent_bytes, step_peak_bytes, peak_bytes} of one PyTorch FP32 step, or null without
+    --compare-fp32), measured_ratio (allocated_bytes / fp32 peak_bytes, or null)}.
 """
 
 from __future__ import annotations
@@ -332,11 +336,18 @@ def provenance(fmt: str, command: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def memory_summary(program: Program) -> dict[str, Any]:
-    """program.memory_report() plus the int/FP32 formula ratio."""
+def memory_summary(program: Program, fp32: dict[str, int] | None = None) -> dict[str, Any]:
+    """program.memory_report() (allocated, planned and formula bytes), the formula's int/FP32
+    ratio, and where PyTorch FP32 was measured (`fp32`: fp32.step_memory) its bytes and the
+    measured ratio allocated / FP32 peak."""
     mem: dict[str, Any] = dict(program.memory_report())
     fp = mem["formula_fp32_bytes"]
     mem["formula_ratio"] = mem["formula_int_bytes"] / fp if fp else float("nan")
+    mem["fp32_measured"] = fp32
+    if fp32 and fp32["peak_bytes"] and mem["allocated_bytes"]:
+        mem["measured_ratio"] = mem["allocated_bytes"] / fp32["peak_bytes"]
+    else:
+        mem["measured_ratio"] = None
     return mem
 
 
@@ -358,6 +369,7 @@ def build_results(
     fp32_history: list[dict[str, Any]] | None = None,
     config: dict[str, Any] | None = None,
     command: list[str] | None = None,
+    fp32_memory: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The results.json document (keys: see the module docstring)."""
     prog = trainer.program
@@ -394,7 +406,7 @@ def build_results(
         "integer": integer,
         "fp32": fp32,
         "gap_points": gap,
-        "memory": memory_summary(prog),
+        "memory": memory_summary(prog, fp32_memory),
     }
 
 
@@ -420,17 +432,24 @@ def format_table(results: dict[str, Any]) -> str:
             f"{f['final_loss']:.4f}" if f and f["final_loss"] is not None else "",
         )
     )
+    fm = m.get("fp32_measured")
+    where = "device" if m["allocated_device_bytes"] else "host"
     rows.append(
         (
-            "training memory (formula)",
-            _kib(m["formula_int_bytes"]),
-            _kib(m["formula_fp32_bytes"]),
+            f"training memory (allocated, {where})",
+            _kib(m["allocated_bytes"]),
+            f"{_kib(fm['peak_bytes'])} (measured)" if fm else "",
         )
     )
-    rows.append(("memory ratio int/FP32", f"{m['formula_ratio']:.3f}", ""))
-    rows.append(("planner: persistent", _kib(m["persistent_bytes"]), ""))
-    rows.append(("planner: saved activations", _kib(m["saved_activation_bytes"]), ""))
-    rows.append(("planner: arena peak", _kib(m["arena_peak_bytes"]), ""))
+    if m.get("measured_ratio") is not None:
+        rows.append(("memory ratio int/FP32 (measured)", f"{m['measured_ratio']:.3f}", ""))
+    rows.append(
+        ("training memory (formula)", _kib(m["formula_int_bytes"]), _kib(m["formula_fp32_bytes"]))
+    )
+    rows.append(("memory ratio int/FP32 (formula)", f"{m['formula_ratio']:.3f}", ""))
+    rows.append(("planner: persistent", _kib(m["planned_persistent_bytes"]), ""))
+    rows.append(("planner: saved activations", _kib(m["planned_saved_activation_bytes"]), ""))
+    rows.append(("planner: arena peak", _kib(m["planned_arena_bytes"]), ""))
     rows.append(("steps", str(i["steps"]), str(f["steps"]) if f else ""))
     rows.append(("time (training)", f"{i['seconds']:.1f} s", f"{f['seconds']:.1f} s" if f else ""))
     rows.append(("images/s", f"{i['images_per_s']:.0f}", f"{f['images_per_s']:.0f}" if f else ""))
@@ -592,6 +611,14 @@ def run_training(
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every,
         )
+    fp32_memory = None
+    if fp32_model is not None:  # one measured step of a copy, before either run trains
+        from mexc.fp32 import step_memory
+
+        p, b = trainer.program.optimizer, trainer.batch
+        xb = torch.from_numpy(np.ascontiguousarray(train[0][:b], np.float32))
+        yb = torch.from_numpy(np.asarray(train[1][:b], np.int64))
+        fp32_memory = step_memory(copy.deepcopy(fp32_model), xb, yb, p.momentum, p.weight_decay)
     trainer.fit()
     fp32_history = None
     if fp32_model is not None:
@@ -611,4 +638,5 @@ def run_training(
         fp32_history,
         config={"model": model_name, "dataset": dataset, "resumed_from": str(resume or "")},
         command=command,
+        fp32_memory=fp32_memory,
     )

@@ -73,7 +73,11 @@ class CProgram(Program):
         super().__init__(
             base.graph, dict(base.state), base.options, base.optimizer, base.step_count
         )
+        self.carry_memory_plan(base._plan)
         model = emit_model(base, steps_hint)
+        # the static arrays of the generated C: arena, scratch, and the state
+        state = sum(v.m.size + 4 * np.asarray(v.e).size for v in base.state.values())
+        self._static_bytes = model.arena_bytes + 4 * model.scratch_words + state
         self._lib = ctypes.CDLL(str(build_library(model.source, model.header)))
         self._lib.mexc_model_step.restype = ctypes.c_int32
         self._lib.mexc_model_step.argtypes = [
@@ -93,6 +97,9 @@ class CProgram(Program):
         self._names = model.state_names
         self._steps_hint = steps_hint
         self._push_state()
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {"host": self._static_bytes, "device": 0}
 
     def _views(self) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []

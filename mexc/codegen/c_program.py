@@ -20,7 +20,6 @@ from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.kernels.norm import _eps_fixed
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import FixedScalar, product_cap
-from mexc.passes.plan_memory import plan
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -801,7 +800,7 @@ def _lr_table(prog: Program, steps: int) -> str:
 def emit_model(prog: Program, steps: int) -> CModel:
     """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
     g = prog.graph
-    mp = plan(g)
+    mp = prog.memory_plan()  # the plan-memory pass's plan: its arena offsets are the C arena's
     offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
     e = _Emit(g, prog, offsets)
     for n in g.nodes:

@@ -89,7 +89,11 @@ def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixt
         assert len(run["history"]) == 1 and len(run["history"][0]["step_losses"]) == 8
     mem = res["memory"]
     assert mem["formula_int_bytes"] * 4 <= mem["formula_fp32_bytes"]
-    assert {"persistent_bytes", "saved_activation_bytes", "arena_peak_bytes"} <= set(mem)
+    planned = {"planned_persistent_bytes", "planned_saved_activation_bytes", "planned_arena_bytes"}
+    assert planned <= set(mem) and mem["allocated_bytes"] > mem["planned_persistent_bytes"]
+    fp = mem["fp32_measured"]
+    assert fp["peak_bytes"] == fp["persistent_bytes"] + fp["step_peak_bytes"] > 0
+    assert mem["measured_ratio"] == mem["allocated_bytes"] / fp["peak_bytes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "ck" / "last.mexc").is_file() and (
         tmp_path / "ck" / "trainer.json"

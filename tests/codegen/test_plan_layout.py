@@ -1,0 +1,109 @@
+"""The launch-plan layout: one state region and one lifetime-planned arena (mexc.plan_layout),
+the allocator behind it (mexc.arena), and what the llvm backend really allocates."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import mexc
+from examples.models import DigitsCNN
+from mexc.arena import overlaps, place
+from mexc.plan_layout import check_layout, lifetimes, plan_layout, separate_bytes
+
+I32 = "int32"
+
+
+def _manifest() -> dict:
+    """Five int32[16] buffers (64 bytes each): the state `w`, the host input `x`, and a, b, c
+    live over launches 0-1, 1-2 and 2-3 (a and c may share bytes, b may not)."""
+    bufs = {k: [[16], I32] for k in ("w", "x", "a", "b", "c")}
+    return {
+        "buffers": bufs,
+        "views": {"a@4x4": ["a", [4, 4], 0]},
+        "constants": {},
+        "state": {"w": ["w", "w"]},
+        "input": ["x", "x"],
+        "keys": "",
+        "labels": "",
+        "valid": "",
+        "lr": "",
+        "probs": "",
+    }
+
+
+LAUNCHES = [["x", "a@4x4"], ["a", "b"], ["b", "c"], ["c", "w"]]
+
+
+def test_disjoint_lifetimes_share_bytes_and_the_state_is_apart() -> None:
+    man = _manifest()
+    assert lifetimes(man, LAUNCHES)["a"] == (0, 1)  # through its view
+    layout = plan_layout(man, LAUNCHES)
+    off = layout["offsets"]
+    assert off["w"][0] == off["x"][0] == "state" and layout["state_bytes"] == 128
+    assert off["a"] == off["c"] and off["a"][0] == "arena"
+    assert off["b"][1] != off["a"][1] and layout["arena_bytes"] == 128
+    man["layout"] = layout
+    check_layout(man, LAUNCHES)
+
+
+def test_a_layout_that_overlaps_live_buffers_is_refused() -> None:
+    man = _manifest()
+    man["layout"] = plan_layout(man, LAUNCHES)
+    man["layout"]["offsets"]["b"] = list(man["layout"]["offsets"]["a"])
+    with pytest.raises(ValueError, match="live together"):
+        check_layout(man, LAUNCHES)
+    man["layout"] = plan_layout(man, LAUNCHES)
+    man["layout"]["offsets"]["c"] = ["arena", 4096]
+    with pytest.raises(ValueError, match="does not fit"):
+        check_layout(man, LAUNCHES)
+
+
+def test_place_never_overlaps_live_items_and_reaches_the_live_peak() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        items = []
+        for k in range(int(rng.integers(1, 60))):
+            a = int(rng.integers(0, 40))
+            items.append((a, a + int(rng.integers(0, 10)), int(rng.integers(1, 500)), k))
+        offsets, peak = place(items, 16)
+        assert not overlaps(items, offsets)
+        assert all(offsets[k] % 16 == 0 and offsets[k] + z <= peak for _, _, z, k in items)
+        live = max(sum(z for a, b, z, _ in items if a <= t <= b) for t in range(50))
+        assert live <= peak
+
+
+def test_llvm_allocates_the_layout_and_trains_in_it_bit_exact() -> None:
+    """The llvm program's buffers are windows into the two regions of its layout (a fraction
+    of one allocation per buffer), and it trains bit-exact with the reference in them."""
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    x = np.random.default_rng(1).standard_normal((32, 1, 8, 8)).astype(np.float32)
+    y = np.arange(32) % 10
+    ref = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),), target="reference")
+    llvm = mexc.compile(model, (torch.from_numpy(x),), target="llvm")
+    man = llvm.plan
+    layout = man["layout"]
+    check_layout(man, [args for _, args in man["launches"]])
+    report = llvm.memory_report()
+    assert report["backend"] == "llvm"
+    assert report["allocated_bytes"] == layout["state_bytes"] + layout["arena_bytes"]
+    assert 3 * report["allocated_bytes"] < separate_bytes(man)
+    assert report["formula_int_bytes"] > 0 and report["planned_arena_bytes"] > 0
+    for _ in range(3):
+        assert llvm.step(x, y) == ref.step(x, y)
+        assert llvm.state_checksum() == ref.state_checksum()
+    assert ref.memory_report()["allocated_bytes"] > report["planned_persistent_bytes"]
+
+
+def test_the_reference_reports_its_live_values_after_a_step() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 1, 8, 8)
+    prog = mexc.compile(DigitsCNN(), (x,))
+    assert prog.memory_report()["allocated_bytes"] == 0  # nothing held before a step
+    prog.step(x, torch.arange(16) % 10)
+    got = prog.memory_report()
+    assert got["allocated_host_bytes"] > got["planned_persistent_bytes"]
