@@ -8,6 +8,11 @@ cache) and again from the cache. PyTorch and TVM use the same number of threads.
 with ratios; writes bench/results/step_time.json.
 
     python bench/step_time.py [--models FashionCNN,...] [--targets llvm,reference] [--repeats 7]
+                              [--baseline]
+
+--baseline adds the contender `llvm-unplanned`: the same compiled kernels with one allocation
+per plan buffer and no batch chunks of the products, as before the arena layout (docs/cpu.md):
+the arena's effect on the step, measured in the same interleaved run.
 """
 
 from __future__ import annotations
@@ -52,8 +57,11 @@ def _fp32_step(
     opt.step()
 
 
+UNPLANNED = "llvm-unplanned"
+
+
 def measure(
-    name: str, batch: int, repeats: int, targets: list[str], settle: float
+    name: str, batch: int, repeats: int, targets: list[str], settle: float, baseline: bool = False
 ) -> dict[str, object]:
     cls, shape = EXAMPLES[name]
     rng = np.random.default_rng(0)
@@ -75,6 +83,17 @@ def measure(
         cached[target] = time.perf_counter() - t0
         del again
         progs[target].step(x, y)  # warm up
+    if baseline and "llvm" in progs:
+        from mexc.codegen.tvm_llvm_step import LlvmProgram
+
+        t0 = time.perf_counter()
+        ref = mexc.compile(model, (x,), target="reference")
+        unplanned = LlvmProgram(ref.retargeted("llvm"), layout="separate", pack_budget=1 << 62)
+        progs[UNPLANNED + " compile s"] = time.perf_counter() - t0  # type: ignore[assignment]
+        cached[UNPLANNED] = 0.0
+        unplanned.step(x, y)
+        progs[UNPLANNED] = unplanned
+        targets = [*targets, UNPLANNED]
     fp32 = cls().train()
     opt = torch.optim.SGD(fp32.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -109,6 +128,7 @@ def main() -> None:
     ap.add_argument(
         "--settle", type=float, default=0.1, help="seconds of pause before each timed step"
     )
+    ap.add_argument("--baseline", action="store_true", help=f"add the {UNPLANNED} contender")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time.json"))
     args = ap.parse_args()
     targets = args.targets.split(",")
@@ -116,17 +136,18 @@ def main() -> None:
         os.environ["MEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mexc-bench-cache-")
         os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())  # same threads as PyTorch
     rows = [
-        measure(m, args.batch, args.repeats, targets, args.settle) for m in args.models.split(",")
+        measure(m, args.batch, args.repeats, targets, args.settle, args.baseline)
+        for m in args.models.split(",")
     ]
-    head = f"{'model':<16} {'target':<10} {'median step s':>14} {'/ FP32 eager':>13}"
-    print(f"{head} {'compile s':>10} {'again s':>8}")
+    head = f"{'model':<16} {'target':<14} {'median step s':>14} {'/ FP32 eager':>13}"
+    print(f"{head} {'compile s':>10} {'again s':>8}")  # again: from the kernel cache
     for r in rows:
         med, comp, again = r["median_s"], r["compile_s"], r["compile_again_s"]
         assert isinstance(med, dict) and isinstance(comp, dict) and isinstance(again, dict)
         for key, value in med.items():
             ratio = value / med["fp32"]
             c = f"{comp[key]:>10.1f} {again[key]:>8.1f}" if key in comp else ""
-            print(f"{r['model']:<16} {key:<10} {value:>14.4f} {ratio:>13.2f} {c}")
+            print(f"{r['model']:<16} {key:<14} {value:>14.4f} {ratio:>13.2f} {c}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -16,7 +16,7 @@ schedule. Group g indexes convolution groups (depthwise: one per channel) and at
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tvm import te, tirx
@@ -323,6 +323,41 @@ def gemm_funcs(form: GemmForm) -> GemmFuncs:
         gemm_func(form.g, form.mp, form.qp, form.kp, f"{form.name}_gemm"),
         _unpack(form),
     )
+
+
+def chunks_in_c(chunk: GemmForm, count: int) -> GemmForm:
+    """The product of `count` batch chunks of `chunk` (a product whose output's leading axis is
+    the batch) as read from their Cs side by side, (count * g, m, q): out_shape the whole
+    output, out_at(n, ...) chunk n // nb's (g, m, q) at sample n % nb."""
+    nb = chunk.out_shape[0]
+
+    def out_at(n, *rest):
+        gi, m, q = chunk.out_at(n % nb, *rest)
+        return (n // nb) * chunk.g + gi, m, q
+
+    shape = (count * nb, *chunk.out_shape[1:])
+    return replace(chunk, out_shape=shape, out_at=out_at)
+
+
+def chunk_sum_unpack(
+    form: GemmForm, count: int, c_shape: tuple[int, int, int], name: str
+) -> tirx.PrimFunc:
+    """The native accumulator of a product whose reduction runs over `count` batch chunks
+    (a weight gradient): out[idx] = sum_j C_j[out_at(idx)], the Cs side by side in one
+    (count * g, m, q) buffer. Exact int32 sums: each partial sum is a product over fewer terms,
+    inside the same cap. Parameters (c, out)."""
+    g = c_shape[0]
+    c = te.placeholder((count * g, c_shape[1], c_shape[2]), I32, name="c")
+
+    def body(*idx):
+        gi, m, q = form.out_at(*idx)
+        total = c[gi, m, q]
+        for j in range(1, count):
+            total = total + c[j * g + gi, m, q]
+        return total
+
+    out = te.compute(form.out_shape, body, name="acc")
+    return _func([c, out], name)
 
 
 def form_of(product: str, args: tuple, name: str) -> GemmForm:

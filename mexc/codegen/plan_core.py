@@ -13,7 +13,7 @@ from tvm import tirx
 
 from mexc.codegen import gemm_forms as gf
 from mexc.codegen import te_norm, te_ops, te_pool
-from mexc.codegen.cpu_gemm import compact_from_c, cpu_gemm
+from mexc.codegen.cpu_gemm import CpuGemm, compact_from_c, cpu_gemm
 from mexc.codegen.te_compaction import compaction_apply, compaction_shift
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
@@ -28,6 +28,10 @@ KEY_ALIGN = 8  # int64 keys per 64 bytes
 # kernel takes buffer pointers only, no shape arguments)
 DEVICES = ("cpu", "gpu")
 GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
+# bytes a product's two operand packs may take; a product whose packs would take more runs over
+# chunks of the batch (PlanBuilder.chunked). On the host 2 MiB keeps a chunk's packed B in L2-ish
+# reach; a GPU's GEMM wants more columns per launch.
+PACK_BUDGET = {"cpu": 2 << 20, "gpu": 16 << 20}
 
 
 def is_gemm(func: tirx.PrimFunc) -> bool:
@@ -36,6 +40,38 @@ def is_gemm(func: tirx.PrimFunc) -> bool:
 
 
 Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Product:
+    """A product's GEMM form and the natural axes of its m / k / q indices (cpu_gemm)."""
+
+    form: gf.GemmForm
+    k_dims: tuple[int, ...] | None = None
+    q_dims: tuple[int, ...] | None = None
+    m_dims: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A product run over chunks of the batch: `full` the whole product, `chunk` that of one
+    chunk, `operands[j]` the operand buffers (views) of chunk j."""
+
+    full: Product
+    chunk: Product
+    operands: list[tuple[str, str]]
+
+    @property
+    def count(self) -> int:
+        return len(self.operands)
+
+
+def _tagged(func: tirx.PrimFunc, tag: str) -> tirx.PrimFunc:
+    """`func` under its symbol + tag (every launch has a symbol of its own; equal kernels are
+    compiled once: step_plan.distinct_kernels)."""
+    if not tag:
+        return func
+    return func.with_attr("global_symbol", f"{func.attrs['global_symbol']}{tag}")
 
 
 @dataclass(frozen=True)
@@ -100,10 +136,16 @@ class PlanBuilder:
     """Buffers, keys, views and the shared lowering helpers of the op rules."""
 
     def __init__(
-        self, prog: Program, lanes: int, device: str = "cpu", gemm_kernel: str = "int32"
+        self,
+        prog: Program,
+        lanes: int,
+        device: str = "cpu",
+        gemm_kernel: str = "int32",
+        pack_budget: int | None = None,
     ) -> None:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not one of {DEVICES}")
+        self.pack_budget = PACK_BUDGET[device] if pack_budget is None else pack_budget
         self.lanes = lanes
         self.gemm_kernel = gemm_kernel  # cpu_gemm.GEMM_KERNELS
         self.device = device
@@ -214,89 +256,186 @@ class PlanBuilder:
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply(name), (src, s, key, out))
 
-    def compacted_product(
+    def view_at(self, base: str, shape: Shape, offset: int) -> str:
+        """Elements offset .. offset + prod(shape) of `base` (a buffer or a view) seen with
+        `shape`."""
+        if offset == 0:
+            return self.view(base, shape)
+        root, at = base, offset
+        if base in self.plan.views:
+            root, at = self.plan.views[base].base, self.plan.views[base].offset + offset
+        name = f"{root}@{'x'.join(map(str, shape))}+{at}"
+        self.plan.views[name] = View(root, shape, at)
+        return name
+
+    def buffer_shape(self, name: str) -> Shape:
+        """The shape of buffer or view `name`."""
+        if name in self.plan.views:
+            return self.plan.views[name].shape
+        return self.plan.buffers[name][0]
+
+    @staticmethod
+    def whole(product: Product, operands: tuple[str, str]) -> Chunks:
+        """`product` in one piece."""
+        return Chunks(product, product, [operands])
+
+    def chunked(
         self,
-        n: Node,
-        form: gf.GemmForm,
+        make: Callable[[int], Product],
+        batch: int,
         operands: tuple[str, str],
-        e_in: str,
-        k_dims: tuple[int, ...],
-        q_dims: tuple[int, ...],
-        m_dims: tuple[int, ...] | None = None,
-    ) -> None:
+        batched: tuple[bool, bool],
+    ) -> Chunks:
+        """A product over the batch in chunks whose operand packs fit PACK_BUDGET (the im2col
+        of a convolution is its taps times its source: at batch 128 a ResNet-18 input
+        gradient's took 151 MB). `make(samples)` builds the product of `samples` samples; the
+        chunk is the largest divisor of `batch` that fits (the whole batch where it fits: one
+        chunk, the plan as it was without chunking). Operands flagged in `batched` are sliced
+        along their leading (batch) axis: contiguous views."""
+        full = make(batch)
+        f = full.form
+        pack = f.g * f.k * (f.m + f.q)  # bytes of both packs, about
+        budget = self.pack_budget
+        fits = [d for d in range(1, batch + 1) if batch % d == 0 and pack * d <= budget * batch]
+        samples = max(fits, default=1)
+        if samples == batch:
+            return Chunks(full, full, [operands])
+        chunk = make(samples)
+        views = []
+        for j in range(batch // samples):
+            ops = []
+            for name, sliced in zip(operands, batched):
+                if sliced:
+                    shape = self.buffer_shape(name)
+                    per = int(np.prod(shape[1:]))
+                    name = self.view_at(name, (samples, *shape[1:]), j * samples * per)
+                ops.append(name)
+            views.append((ops[0], ops[1]))
+        return Chunks(full, chunk, views)
+
+    def compacted_product(self, n: Node, ch: Chunks, e_in: str) -> None:
         """Result 0 of n = the compaction (site 0) of a product: on the host straight from the
-        GEMM's C (no unpacked accumulator: `compact_from_c`), elsewhere as gemm + compact."""
+        GEMM's C (no unpacked accumulator: `compact_from_c`), elsewhere as gemm + compact. A
+        chunked product writes one C per chunk, side by side; the compaction spans them all."""
+        out_shape = ch.full.form.out_shape
         if self.device == "gpu":
-            acc = self.buf(f"n{n.id}.acc", form.out_shape, I32)
-            self.gemm(form, operands, acc, k_dims, q_dims, m_dims)
-            self.compact(n, acc, e_in, form.out_shape, 0)
+            acc = self.buf(f"n{n.id}.acc", out_shape, I32)
+            self.gemm(ch, acc)
+            self.compact(n, acc, e_in, out_shape, 0)
             return
-        c, c_shape = self.gemm(form, operands, None, k_dims, q_dims, m_dims)
+        c, c_shape = self.gemm(ch, None)
         rows_shape = (c_shape[0] * c_shape[1], c_shape[2])
+        form = ch.full.form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
 
         def apply(name: str) -> tirx.PrimFunc:
             return compact_from_c(form, c_shape, self.bits, self.stochastic, name)
 
         rows = (self.view(c, rows_shape), rows_shape)
-        self.compaction(n, 0, rows, e_in, apply, c, self.out(n, 0, I8, form.out_shape))
+        self.compaction(n, 0, rows, e_in, apply, c, self.out(n, 0, I8, out_shape))
 
     def gemm(
+        self, ch: Chunks, out: str | None, reduce: bool = False
+    ) -> tuple[str, tuple[int, int, int]]:
+        """A product as pack_a, pack_b, GEMM and unpack into `out`, chunk by chunk on shared
+        pack buffers: cpu_gemm's tiles on the host, the padded GEMM form (gemm_forms) for
+        GPUs. Chunks of the batch unpack into their slices of `out`; `reduce`: the batch is
+        the product's reduction (a weight gradient), and the chunks' Cs are summed into `out`.
+        Returns the GEMM's C buffer and shape (every chunk's C side by side where they are
+        kept); out=None (host only) leaves the product there, unpacked."""
+        form, count = ch.chunk.form, ch.count
+        rows: str | None = None
+        if self.device == "gpu":
+            funcs = gf.gemm_funcs(form)
+            a = self.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
+            b = self.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
+            c_shape = (form.g, form.mp, form.qp)
+            unpack = funcs.unpack
+        else:
+            p = ch.chunk
+            cg = cpu_gemm(form, self.lanes, p.k_dims, p.q_dims, p.m_dims, self.gemm_kernel)
+            a = self.buf(f"{form.name}.a", cg.a_shape, I8)
+            b = self.buf(f"{form.name}.b", cg.b_shape, I8)
+            c_shape = cg.c_shape
+            unpack = cg.unpack
+            if cg.interleave_b is not None:
+                assert cg.b_rows_shape is not None
+                rows = self.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
+        stacked = count > 1 and (reduce or out is None)
+        c_all = (c_shape[0] * (count if stacked else 1), c_shape[1], c_shape[2])
+        c = self.buf(f"{form.name}.c", c_all, I32)
+        size = int(np.prod(c_shape))
+        for j, operands in enumerate(ch.operands):
+            tag = f"_k{j}" if count > 1 else ""
+            c_j = self.view_at(c, c_shape, j * size) if stacked else self.view(c, c_shape)
+            if self.device == "gpu":
+                self.launch(_tagged(funcs.pack_a, tag), (operands[form.a_src], a))
+                self.launch(_tagged(funcs.pack_b, tag), (operands[form.b_src], b))
+                gemm = _tagged(funcs.gemm.with_attr(*GEMM_ATTR), tag)  # a GPU schedules it
+                self.launch(gemm, (a, b, c_j))
+            else:
+                self._cpu_gemm(cg, form, operands, (a, b, rows), c_j, tag)
+            if out is not None and not reduce:
+                piece = form.out_shape
+                dst = out if count == 1 else self.view_at(out, piece, j * int(np.prod(piece)))
+                self.launch(_tagged(unpack, tag), (c_j, dst))
+        if out is not None and reduce:
+            if count == 1:
+                self.launch(unpack, (c, out))
+            else:
+                func = gf.chunk_sum_unpack(form, count, c_shape, f"{form.name}_chunk_sum")
+                self.launch(func, (c, out))
+        return c, c_all
+
+    def _cpu_gemm(
         self,
+        cg: CpuGemm,
         form: gf.GemmForm,
         operands: tuple[str, str],
-        out: str | None,
-        k_dims: tuple[int, ...],
-        q_dims: tuple[int, ...],
-        m_dims: tuple[int, ...] | None = None,
-    ) -> tuple[str, tuple[int, int, int]]:
-        """A product as pack_a, pack_b, GEMM and unpack into `out` on scratch buffers:
-        cpu_gemm's tiles on the host, the padded GEMM form (gemm_forms) for GPUs. Returns the
-        GEMM's C buffer and shape; out=None (host only) leaves the product there, unpacked."""
-        if self.device == "gpu":
-            assert out is not None
-            return self._gemm_form(form, operands, out)
-        cg = cpu_gemm(form, self.lanes, k_dims, q_dims, m_dims, self.gemm_kernel)
-        a = self.buf(f"{form.name}.a", cg.a_shape, I8)
-        b = self.buf(f"{form.name}.b", cg.b_shape, I8)
-        c = self.buf(f"{form.name}.c", cg.c_shape, I32)
+        packs: tuple[str, str, str | None],
+        c: str,
+        tag: str,
+    ) -> None:
+        """pack_a, pack_b (and interleave_b) and the GEMM of one chunk into C `c`."""
+        a, b, rows = packs
         a_pack = a
         if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (the rest: 0)
             a_pack = f"{a}@pack"
             self.plan.views[a_pack] = View(a, cg.a_pack_shape)
-        self.launch(cg.pack_a, (operands[form.a_src], a_pack))
+        self.launch(_tagged(cg.pack_a, tag), (operands[form.a_src], a_pack))
+        source = operands[form.b_src]
         if cg.interleave_b is None:
-            self.launch(cg.pack_b, (operands[form.b_src], self.view(b, cg.b_pack_shape)))
+            self.launch(_tagged(cg.pack_b, tag), (source, self.view(b, cg.b_pack_shape)))
         else:  # rows first (contiguous gathers), then the GEMM's column panels
-            assert cg.b_rows_shape is not None
-            rows = self.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
-            self.launch(cg.pack_b, (operands[form.b_src], self.view(rows, cg.b_pack_shape)))
-            self.launch(cg.interleave_b, (rows, b))
-        self.launch(cg.gemm, (a, b, c))
-        if out is not None:
-            self.launch(cg.unpack, (c, out))
-        return c, cg.c_shape
+            assert rows is not None
+            self.launch(_tagged(cg.pack_b, tag), (source, self.view(rows, cg.b_pack_shape)))
+            self.launch(_tagged(cg.interleave_b, tag), (rows, b))
+        self.launch(_tagged(cg.gemm, tag), (a, b, c))
 
-    def _gemm_form(
-        self, form: gf.GemmForm, operands: tuple[str, str], out: str
-    ) -> tuple[str, tuple[int, int, int]]:
-        funcs = gf.gemm_funcs(form)
-        a = self.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
-        b = self.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
-        c = self.buf(f"{form.name}.c", (form.g, form.mp, form.qp), I32)
-        self.launch(funcs.pack_a, (operands[form.a_src], a))
-        self.launch(funcs.pack_b, (operands[form.b_src], b))
-        self.launch(funcs.gemm.with_attr(*GEMM_ATTR), (a, b, c))  # a GPU schedules it as one
-        self.launch(funcs.unpack, (c, out))
-        return c, (form.g, form.mp, form.qp)
-
-    def product_exp(self, n: Node, a: Value, b: Value, tag: str = "e_acc") -> str:
+    def product_exp(self, n: Node, a: Value | str, b: Value | str, tag: str = "e_acc") -> str:
+        """The exponent buffer of a product of a and b (values, or their exponent buffers)."""
+        ea = a if isinstance(a, str) else self.e[a]
+        eb = b if isinstance(b, str) else self.e[b]
         e = self.buf(f"n{n.id}.{tag}", (1,), I32)
-        self.launch(te_ops.exponent_sum(f"n{n.id}_{tag}"), (self.e[a], self.e[b], e))
+        self.launch(te_ops.exponent_sum(f"n{n.id}_{tag}"), (ea, eb, e))
         return e
 
-    def need_no_preshift(self, n: Node, k: int) -> None:
-        if product_cap(k, 8) < 0:
-            raise unsupported(n, f"a {k}-wide product needs an operand pre-shift")
+    def fit_operand(
+        self, n: Node, v: Value, k: int, site: int = 3, shape: Shape | None = None
+    ) -> tuple[str, str]:
+        """(mantissas, exponent) buffers of product operand `v` for a K-wide product: v's own
+        where product_cap(K, 8) >= 0, else v pre-shifted right by -cap with rounding site
+        `site` (kernels._common.fit_product: the operand's exponent grows by -cap, and the
+        int32 accumulator then holds K terms). `shape`: the shape the reference flattens v
+        with for the rounding keys' indices (C order either way)."""
+        cap = product_cap(k, 8)
+        if cap >= 0:
+            return self.m[v], self.e[v]
+        shape = shape or self.shape(v)
+        out = self.buf(f"n{n.id}.pre{site}", shape, I8)
+        key = self.keys(n, (site,), f"pre{site}_key")
+        func = te_ops.pre_shift(shape, -cap, self.stochastic, f"n{n.id}_pre{site}")
+        self.launch(func, (self.view(self.m[v], shape), key, out))
+        return out, self.exp_offset(n, self.e[v], -cap, f"pre{site}_e")
 
     def exp_offset(self, n: Node, e: str, delta: int, tag: str) -> str:
         out = self.buf(f"n{n.id}.{tag}", (1,), I32)

@@ -4,6 +4,8 @@ head and the SGD-with-momentum update."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from mexc.codegen import gemm_forms as gf
@@ -13,6 +15,7 @@ from mexc.codegen.plan_core import (
     I8,
     I32,
     PlanBuilder,
+    Product,
     Shape,
 )
 from mexc.codegen.te_products import ConvGeom
@@ -67,15 +70,15 @@ class DenseRules(PlanBuilder):
         x, w = n.inputs[0], n.inputs[1]
         o, k = self.shape(w)
         rows = int(np.prod(self.shape(x)[:-1]))
-        self.need_no_preshift(n, k)
+        xm, ex = self.fit_operand(n, x, k)
         form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
-        operands = (self.rows_view(x), self.m[w])
+        whole = self.whole(Product(form, (k,), (o,)), (self.view(xm, (rows, k)), self.m[w]))
         if not n.attrs.has_bias:
-            self.compacted_product(n, form, operands, self.product_exp(n, x, w), (k,), (o,))
+            self.compacted_product(n, whole, self.product_exp(n, ex, w))
             return
         acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
-        self.gemm(form, operands, acc, (k,), (o,))
-        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), (rows, o), k)
+        self.gemm(whole, acc)
+        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), (rows, o), k)
         self.compact(n, acc, e_acc, (rows, o), 0)
 
     def add_bias(self, n: Node, acc: str, e_acc: str, shape: Shape, k: int) -> tuple[str, str]:
@@ -95,20 +98,21 @@ class DenseRules(PlanBuilder):
         dy, w = n.inputs
         o, k = self.shape(w)
         rows = int(np.prod(self.shape(dy)[:-1]))
-        self.need_no_preshift(n, o)
+        dym, ed = self.fit_operand(n, dy, o)
         form = gf.linear_grad_input(f"n{n.id}_dx", rows, k, o)
-        operands = (self.rows_view(dy), self.m[w])
-        self.compacted_product(n, form, operands, self.product_exp(n, dy, w), (o,), (k,))
+        whole = self.whole(Product(form, (o,), (k,)), (self.view(dym, (rows, o)), self.m[w]))
+        self.compacted_product(n, whole, self.product_exp(n, ed, w))
 
     def linear_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs
         o, k = self.shape(dy)[-1], self.shape(x)[-1]
         rows = int(np.prod(self.shape(dy)[:-1]))
-        self.need_no_preshift(n, rows)
+        dym, ed = self.fit_operand(n, dy, rows)
         acc = self.out(n, 0, I32, (o, k))
         form = gf.linear_grad_weight(f"n{n.id}_dw", rows, k, o)
-        self.gemm(form, (self.rows_view(dy), self.rows_view(x)), acc, (rows,), (k,))
-        self.e[n.result(0)] = self.product_exp(n, dy, x)
+        operands = (self.view(dym, (rows, o)), self.rows_view(x))
+        self.gemm(self.whole(Product(form, (rows,), (k,)), operands), acc, reduce=True)
+        self.e[n.result(0)] = self.product_exp(n, ed, x)
 
     def bias_grad(self, n: Node) -> None:
         dy = n.inputs[0]
@@ -191,56 +195,64 @@ class DenseRules(PlanBuilder):
         x, w = n.inputs[0], n.inputs[1]
         g = self.geom(n, self.shape(x), self.shape(w))
         k = g.cg * g.kh * g.kw
-        self.need_no_preshift(n, k)
+        xm, ex = self.fit_operand(n, x, k)
         if self.device == "cpu" and te_depthwise.applies(g):
             acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
             func = te_depthwise.depthwise_acc(g, f"n{n.id}_fwd_depthwise")
-            self.launch(func, (self.m[x], self.m[w], acc))
-            acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), g.y_shape, k)
+            self.launch(func, (xm, self.m[w], acc))
+            acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), g.y_shape, k)
             self.compact(n, acc, e_acc, g.y_shape, 0)
             return
-        form = gf.conv_forward(f"n{n.id}_fwd", g)
-        taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
-        operands = (self.m[x], self.m[w])
+
+        def forward(samples: int) -> Product:
+            form = gf.conv_forward(f"n{n.id}_fwd", replace(g, n=samples))
+            return Product(form, (g.cg, g.kh, g.kw), (samples, g.oh, g.ow), (g.og,))
+
+        ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False))
         if not n.attrs.has_bias:
-            e_acc = self.product_exp(n, x, w)
-            self.compacted_product(n, form, operands, e_acc, taps, pixels, (g.og,))
+            self.compacted_product(n, ch, self.product_exp(n, ex, w))
             return
         acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
-        self.gemm(form, operands, acc, taps, pixels, (g.og,))
-        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, x, w), g.y_shape, k)
+        self.gemm(ch, acc)
+        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), g.y_shape, k)
         self.compact(n, acc, e_acc, g.y_shape, 0)
 
     def conv_grad_input(self, n: Node) -> None:
         dy, w = n.inputs
         g = self.geom(n, self.shape(n.result(0)), self.shape(w))
-        self.need_no_preshift(n, g.og * g.kh * g.kw)
-        e_acc = self.product_exp(n, dy, w)
+        dym, ed = self.fit_operand(n, dy, g.og * g.kh * g.kw)
+        e_acc = self.product_exp(n, ed, w)
         if self.device == "cpu" and te_depthwise.applies_to_input_gradient(g):
             acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
             flipped = te_depthwise.flipped(g)
             func = te_depthwise.depthwise_acc(flipped, f"n{n.id}_dx_depthwise", flip=True)
-            self.launch(func, (self.m[dy], self.m[w], acc))
+            self.launch(func, (dym, self.m[w], acc))
             self.compact(n, acc, e_acc, g.x_shape, 0)
             return
         if self.device == "cpu" and subpixel.applies(g):
             acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
-            self.grad_input_by_phase(n, g, acc)
+            self.grad_input_by_phase(n, g, dym, acc)
             self.compact(n, acc, e_acc, g.x_shape, 0)
             return
-        form = gf.conv_grad_input(f"n{n.id}_dx", g)
-        taps, pixels = (g.og, g.kh, g.kw), (g.n, g.h, g.w)
-        self.compacted_product(n, form, (self.m[dy], self.m[w]), e_acc, taps, pixels)
 
-    def grad_input_by_phase(self, n: Node, g: ConvGeom, acc: str) -> None:
-        """A strided convolution's input gradient as one GEMM per output phase (subpixel.py)."""
-        dy, w = n.inputs
+        def grad_input(samples: int) -> Product:
+            form = gf.conv_grad_input(f"n{n.id}_dx", replace(g, n=samples))
+            return Product(form, (g.og, g.kh, g.kw), (samples, g.h, g.w))
+
+        ch = self.chunked(grad_input, g.n, (dym, self.m[w]), (True, False))
+        self.compacted_product(n, ch, e_acc)
+
+    def grad_input_by_phase(self, n: Node, g: ConvGeom, dy: str, acc: str) -> None:
+        """A strided convolution's input gradient as one GEMM per output phase (subpixel.py),
+        from the mantissas `dy`."""
+        w = n.inputs[1]
         phases = subpixel.phases(f"n{n.id}_dx", g)
         outs = []
         for p in phases:
             if p.form is not None:
                 out = self.buf(f"n{n.id}.dx{p.py}{p.px}", p.form.out_shape, I32)
-                self.gemm(p.form, (self.m[dy], self.m[w]), out, p.k_dims, p.q_dims)
+                product = Product(p.form, p.k_dims, p.q_dims)
+                self.gemm(self.whole(product, (dy, self.m[w])), out)
                 outs.append(out)
         by_phase = self.view(acc, (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw))
         self.launch(subpixel.merge(g, phases, f"n{n.id}_dx_merge"), (*outs, by_phase))
@@ -248,17 +260,21 @@ class DenseRules(PlanBuilder):
     def conv_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs
         g = self.geom(n, self.shape(x), self.shape(n.result(0)))
-        self.need_no_preshift(n, g.n * g.oh * g.ow)
+        dym, ed = self.fit_operand(n, dy, g.n * g.oh * g.ow)
         acc = self.out(n, 0, I32)
         if self.device == "cpu" and te_depthwise.applies_to_weight_grad(g):
             func = te_depthwise.depthwise_weight_grad(g, f"n{n.id}_dw_depthwise")
-            self.launch(func, (self.m[dy], self.m[x], acc))
-            self.e[n.result(0)] = self.product_exp(n, dy, x)
+            self.launch(func, (dym, self.m[x], acc))
+            self.e[n.result(0)] = self.product_exp(n, ed, x)
             return
+
         # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
         # in order along (n, y, x), where the form's own orientation gathers im2col per column
-        form = gf.conv_grad_weight(f"n{n.id}_dw", g)
-        form = swapped(form) if self.device == "cpu" else form
-        taps, pixels = (g.cg, g.kh, g.kw), (g.n, g.oh, g.ow)
-        self.gemm(form, (self.m[dy], self.m[x]), acc, pixels, (g.og,), taps)
-        self.e[n.result(0)] = self.product_exp(n, dy, x)
+        def grad_weight(samples: int) -> Product:
+            form = gf.conv_grad_weight(f"n{n.id}_dw", replace(g, n=samples))
+            form = swapped(form) if self.device == "cpu" else form
+            return Product(form, (samples, g.oh, g.ow), (g.og,), (g.cg, g.kh, g.kw))
+
+        ch = self.chunked(grad_weight, g.n, (dym, self.m[x]), (True, True))
+        self.gemm(ch, acc, reduce=True)
+        self.e[n.result(0)] = self.product_exp(n, ed, x)

@@ -61,14 +61,17 @@ class NormRules(PlanBuilder):
         shape = self.shape(dy)
         ncs = ncs_of(shape)
         m = ncs[0] * ncs[2]
-        self.need_no_preshift(n, m)
         cc = (ncs[1],)
         dyv, xhv = self.ncs_view(self.m[dy], shape), self.ncs_view(b["xhat"], shape)
         dgamma, dbeta = self.out(n, 1, I32, cc), self.out(n, 2, I32, cc)
-        self.launch(te_norm.bn_grad_sums(ncs, f"n{n.id}_bn_sums"), (dyv, xhv, dgamma, dbeta))
+        dp, e_dp = self.fit_operand(n, dy, m, site=7)  # dgamma's M-wide product
+        split = dp != self.m[dy]
+        sums = te_norm.bn_grad_sums(ncs, f"n{n.id}_bn_sums", pre_shifted=split)
+        dps = (self.ncs_view(dp, shape),) if split else ()
+        self.launch(sums, (dyv, *dps, xhv, dgamma, dbeta))
         self.e[n.result(2)] = self.e[dy]
         e_dg = self.buf(f"n{n.id}.e_dg", (1,), I32)
-        self.launch(te_ops.exponent_sum(f"n{n.id}_e_dg"), (self.e[dy], b["e_xhat"], e_dg))
+        self.launch(te_ops.exponent_sum(f"n{n.id}_e_dg"), (e_dp, b["e_xhat"], e_dg))
         self.e[n.result(1)] = e_dg
         dg16, _, e_dg16 = self.to_bits(n, dgamma, e_dg, cc, 0, "dg16")
         keys = self.keys(n, (1, 2, 3), "bracket_keys")

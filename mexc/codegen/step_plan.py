@@ -98,12 +98,18 @@ def _check_in_place_updates(g: Graph) -> None:
 
 
 def build_plan(
-    prog: Program, lanes: int = 8, device: str = "cpu", gemm_kernel: str = "int32"
+    prog: Program,
+    lanes: int = 8,
+    device: str = "cpu",
+    gemm_kernel: str = "int32",
+    pack_budget: int | None = None,
 ) -> StepPlan:
     """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
     `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: "cpu" or "gpu"
-    (plan_core.DEVICES); `gemm_kernel`: the host GEMM's kernel (cpu_gemm.GEMM_KERNELS)."""
-    b = _Builder(prog, lanes, device, gemm_kernel)
+    (plan_core.DEVICES); `gemm_kernel`: the host GEMM's kernel (cpu_gemm.GEMM_KERNELS);
+    `pack_budget`: bytes a product's packs may take before it runs in batch chunks (default
+    plan_core.PACK_BUDGET; a huge value turns chunking off, for measurements)."""
+    b = _Builder(prog, lanes, device, gemm_kernel, pack_budget)
     for n in prog.graph.nodes:
         rule = RULES.get(n.op)
         if rule is None:

@@ -340,16 +340,20 @@ def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.Pri
 # ----------------------------------------------------------------------------------- backward
 
 
-def bn_grad_sums(shape: NCS, name: str = "bn_grad_sums") -> tirx.PrimFunc:
+def bn_grad_sums(
+    shape: NCS, name: str = "bn_grad_sums", pre_shifted: bool = False
+) -> tirx.PrimFunc:
     """dbeta = sum dy, dgamma = sum dy * xhat per channel (int32). Parameters
-    (dy, xhat, dgamma, dbeta)."""
+    (dy, xhat, dgamma, dbeta); with `pre_shifted` (dy, dp, xhat, dgamma, dbeta): dgamma from
+    dp, dy pre-shifted for the M-wide product (site 7 of kernels.norm.batchnorm_backward)."""
     dy = te.placeholder(shape, I8, name="dy")
+    dp = te.placeholder(shape, I8, name="dp") if pre_shifted else dy
     xh = te.placeholder(shape, I8, name="xh")
     db = _ncs_sum(shape, lambda n, c, s: dy[n, c, s].astype(I64), "db64")
-    dg = _ncs_sum(shape, lambda n, c, s: dy[n, c, s].astype(I64) * xh[n, c, s].astype(I64), "dg64")
+    dg = _ncs_sum(shape, lambda n, c, s: dp[n, c, s].astype(I64) * xh[n, c, s].astype(I64), "dg64")
     dgamma = _per_channel(shape, lambda c: dg[c].astype(I32), "dgamma")
     dbeta = _per_channel(shape, lambda c: db[c].astype(I32), "dbeta")
-    return _func([dy, xh, dgamma, dbeta], name)
+    return _func([dy, *([dp] if pre_shifted else []), xh, dgamma, dbeta], name)
 
 
 def to_bits_shift(shape: tuple[int, ...], limit_bits: int, name: str) -> tirx.PrimFunc:

@@ -21,6 +21,7 @@ from mexc.codegen.te_compaction import (
     _flat_index,
     aligned_target,
     shift_left_saturating,
+    shift_right32,
     shift_signed,
     shift_signed32,
     where,
@@ -30,7 +31,7 @@ from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
 
-I8, I32 = "int8", "int32"
+I8, I32, I64 = "int8", "int32", "int64"
 PAD = -(1 << 14)  # below every int8 mantissa: padding never wins a max
 
 
@@ -277,6 +278,23 @@ def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)
+
+
+def pre_shift(
+    shape: tuple[int, ...], shift: int, stochastic: bool, name: str = "pre_shift"
+) -> tirx.PrimFunc:
+    """kernels._common.fit_product's operand pre-shift: m_out = shift_right(m, shift) (int8 in,
+    int8 out: |m| <= 127 shrinks), rounding keyed by the C-order flat index of `shape`.
+    Parameters (m, key, out)."""
+    m = te.placeholder(shape, I8, name="m")
+    key = te.placeholder((1,), I64, name="key")
+    sh = tirx.const(shift, I32)
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        v = shift_right32(m[idx].astype(I32), sh, key[0], _flat_index(shape, idx), stochastic)
+        return v.astype(I8)
+
+    return _func([m, key, te.compute(shape, body, name="out")], name)
 
 
 def exponent_sum(name: str = "exponent_sum") -> tirx.PrimFunc:

@@ -34,6 +34,7 @@ from mexc.plan_layout import (
     POISON,
     carve,
     check_layout,
+    nbytes,
     plan_layout,
     region_bytes,
     separate_bytes,
@@ -117,7 +118,10 @@ def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
 
 
 def compile_program(
-    prog: Program, cpu: HostCpu | None = None, plan_device: str = "cpu"
+    prog: Program,
+    cpu: HostCpu | None = None,
+    plan_device: str = "cpu",
+    pack_budget: int | None = None,
 ) -> Compiled:
     """The compiled training step of `prog`, from the on-disk cache when the same program (IR,
     options, target, TVM and lowering code) was built before; the cache skips TE and TVM.
@@ -125,7 +129,7 @@ def compile_program(
     per-shape update kernels): the host twin that checks the CUDA plan bit for bit."""
     cpu = cpu or host_cpu()
     target = cpu.target()
-    what = f"{target} plan={plan_device} gemm={cpu.gemm_kernel}"
+    what = f"{target} plan={plan_device} gemm={cpu.gemm_kernel} packs={pack_budget}"
     folder = CACHE / f"llvm-{cache_key(prog, what)}"
     if (folder / "plan.json").exists():
         try:
@@ -133,7 +137,7 @@ def compile_program(
         except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
             print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)
-    plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel)
+    plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
 
@@ -185,7 +189,7 @@ class _Buffers:
             self.np = carve(manifest, self.regions, window)
         else:
             self.np = {
-                name: np.zeros(tuple(shape), dtype)
+                name: aligned_bytes(nbytes(shape, dtype), 0).view(dtype).reshape(tuple(shape))
                 for name, (shape, dtype) in manifest["buffers"].items()
             }
             for name, (base, shape, offset) in manifest["views"].items():
@@ -208,8 +212,9 @@ class LlvmProgram(PlanProgram):
         plan_device: str = "cpu",
         cpu: HostCpu | None = None,
         layout: str = "arena",
+        pack_budget: int | None = None,
     ) -> None:
-        compiled = compile_program(prog, cpu, plan_device)
+        compiled = compile_program(prog, cpu, plan_device, pack_budget)
         self._bufs = _Buffers(compiled.manifest, layout)
         self._calls = [
             (compiled.function(symbol), [self._bufs.t[a] for a in args])
