@@ -107,3 +107,59 @@ def test_the_reference_reports_its_live_values_after_a_step() -> None:
     prog.step(x, torch.arange(16) % 10)
     got = prog.memory_report()
     assert got["allocated_host_bytes"] > got["planned_persistent_bytes"]
+
+
+def _trains_like_reference(model: torch.nn.Module, batch: int, shape: tuple, **kw) -> None:
+    """The llvm program LlvmProgram(**kw) of `model` trains 3 steps as the reference does."""
+    from mexc.codegen.tvm_llvm_step import LlvmProgram
+
+    x = np.random.default_rng(2).standard_normal((batch, *shape)).astype(np.float32)
+    y = np.arange(batch) % 10
+    ref = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),))
+    prog = LlvmProgram(mexc.compile(model, (torch.from_numpy(x),)).retargeted("llvm"), **kw)
+    for step in range(3):
+        assert prog.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
+        assert prog.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
+
+
+@pytest.mark.parametrize("plan_device", ["cpu", "gpu"])
+def test_products_in_batch_chunks_train_bit_exact(plan_device: str) -> None:
+    """With a pack budget of 4 KiB every convolution (forward, input and weight gradient) runs
+    over chunks of the batch, on the host plan and on the GPU plan (run on the host)."""
+    from mexc.codegen.step_plan import build_plan
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    prog = mexc.compile(copy.deepcopy(model), (torch.zeros(12, 1, 8, 8),))
+    plan = build_plan(prog, device=plan_device, pack_budget=4096)
+    chunked = {launch.symbol.split("_k")[0] for launch in plan.launches if "_k1" in launch.symbol}
+    assert any("_fwd" in s for s in chunked) and any("_dw" in s for s in chunked)
+    assert any("_dx" in s for s in chunked)
+    _trains_like_reference(model, 12, (1, 8, 8), plan_device=plan_device, pack_budget=4096)
+
+
+class WideReductions(torch.nn.Module):
+    """Weight-gradient and batch-norm reductions over 64 * 48 * 48 = 147456 > 2^17 terms:
+    int8 x int8 products that need an operand pre-shift (product cap -1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(2)
+        self.fc = torch.nn.Linear(2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("plan_device", ["cpu", "gpu"])
+def test_reductions_that_need_a_pre_shift_train_bit_exact(plan_device: str) -> None:
+    from mexc.codegen.step_plan import build_plan
+
+    torch.manual_seed(0)
+    model = WideReductions()
+    prog = mexc.compile(copy.deepcopy(model), (torch.zeros(64, 1, 48, 48),))
+    symbols = [launch.symbol for launch in build_plan(prog, device=plan_device).launches]
+    assert any(s.endswith("_pre3") for s in symbols) and any(s.endswith("_pre7") for s in symbols)
+    _trains_like_reference(model, 64, (1, 48, 48), plan_device=plan_device)
