@@ -205,7 +205,9 @@ def _export_cuda(prog: Any, args: argparse.Namespace) -> None:
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
         raise CliError(f"--arch {args.arch!r}: choose from {', '.join(ARCHS)}")
-    man = build_step(prog, archs, args.out)
+    if args.pack_budget is not None and args.pack_budget <= 0:
+        raise CliError(f"--pack-budget must be positive, got {args.pack_budget}")
+    man = build_step(prog, archs, args.out, pack_budget=args.pack_budget)
     print(
         f"CUDA artifact written to {args.out}: {len(man['kernels'])} kernel launches per step "
         f"in {len(man['modules'])} modules for {', '.join(archs)} (TVM {man['seconds']['tvm']} s, "
@@ -345,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch",
         default="sm_80,sm_90",
         help="with --target cuda: GPU architectures, comma-separated (default sm_80,sm_90)",
+    )
+    p.add_argument(
+        "--pack-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --target cuda: bytes one product's operand packs may take before it runs "
+        "over chunks of the batch (default 16 MiB; smaller saves device memory)",
     )
     p.add_argument(
         "--board",

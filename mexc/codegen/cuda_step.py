@@ -52,10 +52,15 @@ def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]], gemm: str) -> A
     return schedule
 
 
-def build_step(prog: Program, archs: str | tuple[str, ...], out_dir: str | Path) -> dict[str, Any]:
+def build_step(
+    prog: Program,
+    archs: str | tuple[str, ...],
+    out_dir: str | Path,
+    pack_budget: int | None = None,
+) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
-    `out_dir`; returns the manifest (also in plan.json)."""
+    `out_dir`; returns the manifest (also in plan.json). `pack_budget`: build_plan's."""
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
@@ -63,7 +68,7 @@ def build_step(prog: Program, archs: str | tuple[str, ...], out_dir: str | Path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    plan = build_plan(prog, device="gpu")
+    plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))

@@ -84,7 +84,8 @@ def test_gpu_plan_of_random_models_is_bit_exact_on_the_host(model, seed: int) ->
 
 @pytest.fixture(scope="module")
 def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mexc.Program]:
-    """The DigitsCNN (batch 8) built by `mexc compile --target cuda` for both architectures,
+    """The DigitsCNN (batch 8, its convolutions over batch chunks) built by `mexc compile
+    --target cuda` for both architectures,
     and the reference program it holds. Built once per test run: pytest-xdist workers share the
     folder, the first builds it under a lock, the others wait and reuse it."""
     if SKIP_CUDA_TOOLS:
@@ -100,6 +101,7 @@ def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mex
         if not (out / "plan.json").exists():
             args = ["compile", f"{ROOT / 'examples' / 'models.py'}:DigitsCNN"]
             args += ["--input-shape", "1,8,8", "--batch", "8", "--target", "cuda"]
+            args += ["--pack-budget", "2048"]  # products over batch chunks (4 of 2 samples)
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
                 assert main([*args, "--out", str(out)]) == 0
