@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="BYTES",
         help="with --target cuda: bytes one product's operand packs may take before it runs "
-        "over chunks of the batch (default 16 MiB; smaller saves device memory)",
+        "over chunks of the batch (default 4 MiB; smaller saves device memory)",
     )
     p.add_argument(
         "--board",

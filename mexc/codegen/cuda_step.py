@@ -97,6 +97,23 @@ def build_step(
     return manifest
 
 
+def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, Any]:
+    """The device memory layout a CUDA artifact of `prog` would get (plan_layout: the state
+    region and the arena, every kernel's global scratch per launch), without lowering a kernel
+    to CUDA or running nvcc: what bench/memory.py reports where no artifact is built. Equal to
+    build_step's manifest["layout"] for the same program and budget."""
+    plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
+    manifest = plan_manifest(plan)
+    args = []
+    for i, launch in enumerate(plan.launches):
+        _, scratch = promote_scratch(launch.func)
+        names = [_scratch_name(i, name) for name, _, _ in scratch]
+        for name, (_, shape, dtype) in zip(names, scratch):
+            manifest["buffers"][name] = [list(shape), dtype]
+        args.append([*launch.args, *names])
+    return plan_layout(manifest, args)
+
+
 def _lower_part(symbols: list[str], shared: dict[str, Any]) -> tuple[str, dict]:
     return lower_kernels({s: shared["funcs"][s] for s in symbols}, ARCHS[0])
 

@@ -339,25 +339,20 @@ def chunks_in_c(chunk: GemmForm, count: int) -> GemmForm:
     return replace(chunk, out_shape=shape, out_at=out_at)
 
 
-def chunk_sum_unpack(
-    form: GemmForm, count: int, c_shape: tuple[int, int, int], name: str
-) -> tirx.PrimFunc:
-    """The native accumulator of a product whose reduction runs over `count` batch chunks
-    (a weight gradient): out[idx] = sum_j C_j[out_at(idx)], the Cs side by side in one
-    (count * g, m, q) buffer. Exact int32 sums: each partial sum is a product over fewer terms,
-    inside the same cap. Parameters (c, out)."""
-    g = c_shape[0]
-    c = te.placeholder((count * g, c_shape[1], c_shape[2]), I32, name="c")
+def accumulate_unpack(form: GemmForm, c_shape: tuple[int, int, int], name: str) -> tirx.PrimFunc:
+    """acc[idx] = acc_in[idx] + C[out_at(idx)]: a product whose reduction runs over batch chunks
+    (a weight gradient) adds each later chunk's C to the native accumulator, in place (the plan
+    binds acc_in and acc to one buffer; each element is read once, then written). Exact: every
+    partial sum is a product over fewer terms, inside the same cap. Parameters (c, acc_in, acc)."""
+    c = te.placeholder(c_shape, I32, name="c")
+    acc_in = te.placeholder(form.out_shape, I32, name="acc_in")
 
     def body(*idx):
         gi, m, q = form.out_at(*idx)
-        total = c[gi, m, q]
-        for j in range(1, count):
-            total = total + c[j * g + gi, m, q]
-        return total
+        return acc_in[idx] + c[gi, m, q]
 
     out = te.compute(form.out_shape, body, name="acc")
-    return _func([c, out], name)
+    return _func([c, acc_in, out], name)
 
 
 def form_of(product: str, args: tuple, name: str) -> GemmForm:

@@ -28,10 +28,10 @@ KEY_ALIGN = 8  # int64 keys per 64 bytes
 # kernel takes buffer pointers only, no shape arguments)
 DEVICES = ("cpu", "gpu")
 GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
-# bytes a product's two operand packs may take; a product whose packs would take more runs over
-# chunks of the batch (PlanBuilder.chunked). On the host 2 MiB keeps a chunk's packed B in L2-ish
-# reach; a GPU's GEMM wants more columns per launch.
-PACK_BUDGET = {"cpu": 2 << 20, "gpu": 16 << 20}
+# bytes a product's two operand packs (and, on a GPU, its padded C) may take; a product that
+# would take more runs over chunks of the batch (PlanBuilder.chunked). 2 MiB on the host keeps a
+# chunk's packed B near the caches; 4 MiB on a GPU is still a million outputs per GEMM launch.
+PACK_BUDGET = {"cpu": 2 << 20, "gpu": 4 << 20}
 
 
 def is_gemm(func: tirx.PrimFunc) -> bool:
@@ -295,6 +295,8 @@ class PlanBuilder:
         full = make(batch)
         f = full.form
         pack = f.g * f.k * (f.m + f.q)  # bytes of both packs, about
+        if self.device == "gpu":  # padded to the tiles, and the C unpacked chunk by chunk
+            pack = f.g * (f.kp * (f.mp + f.qp) + 4 * f.mp * f.qp)
         budget = self.pack_budget
         fits = [d for d in range(1, batch + 1) if batch % d == 0 and pack * d <= budget * batch]
         samples = max(fits, default=1)
@@ -339,9 +341,9 @@ class PlanBuilder:
         """A product as pack_a, pack_b, GEMM and unpack into `out`, chunk by chunk on shared
         pack buffers: cpu_gemm's tiles on the host, the padded GEMM form (gemm_forms) for
         GPUs. Chunks of the batch unpack into their slices of `out`; `reduce`: the batch is
-        the product's reduction (a weight gradient), and the chunks' Cs are summed into `out`.
-        Returns the GEMM's C buffer and shape (every chunk's C side by side where they are
-        kept); out=None (host only) leaves the product there, unpacked."""
+        the product's reduction (a weight gradient): the first chunk unpacks into `out`, every
+        later one adds its C to it in place. Returns the GEMM's C buffer and shape (out=None,
+        host only: every chunk's C side by side, the product left there unpacked)."""
         form, count = ch.chunk.form, ch.count
         rows: str | None = None
         if self.device == "gpu":
@@ -360,7 +362,7 @@ class PlanBuilder:
             if cg.interleave_b is not None:
                 assert cg.b_rows_shape is not None
                 rows = self.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
-        stacked = count > 1 and (reduce or out is None)
+        stacked = count > 1 and out is None
         c_all = (c_shape[0] * (count if stacked else 1), c_shape[1], c_shape[2])
         c = self.buf(f"{form.name}.c", c_all, I32)
         size = int(np.prod(c_shape))
@@ -374,16 +376,17 @@ class PlanBuilder:
                 self.launch(gemm, (a, b, c_j))
             else:
                 self._cpu_gemm(cg, form, operands, (a, b, rows), c_j, tag)
-            if out is not None and not reduce:
+            if out is None:
+                continue
+            if reduce and j > 0:
+                add = gf.accumulate_unpack(form, c_shape, f"{form.name}_accumulate{tag}")
+                self.launch(add, (c_j, out, out))
+            elif reduce:
+                self.launch(_tagged(unpack, tag), (c_j, out))
+            else:
                 piece = form.out_shape
                 dst = out if count == 1 else self.view_at(out, piece, j * int(np.prod(piece)))
                 self.launch(_tagged(unpack, tag), (c_j, dst))
-        if out is not None and reduce:
-            if count == 1:
-                self.launch(unpack, (c, out))
-            else:
-                func = gf.chunk_sum_unpack(form, count, c_shape, f"{form.name}_chunk_sum")
-                self.launch(func, (c, out))
         return c, c_all
 
     def _cpu_gemm(

@@ -12,7 +12,7 @@ from mexc.codegen.plan_core import (
     shape4,
     unsupported,
 )
-from mexc.codegen.te_products import _pair
+from mexc.codegen.te_products import IntPair, _pair
 from mexc.ir import Node, Op
 from mexc.kernels._common import MAG
 from mexc.kernels.elementwise import _keep_threshold, dropout_scale
@@ -117,13 +117,20 @@ class PoolRules(PlanBuilder):
 
     # ----------------------------------------------------------------------------- pooling
 
+    @staticmethod
+    def arg_dtype(kernel: IntPair) -> str:
+        """The window offsets of a max pool in int8 where they fit (windows of <= 127 taps)."""
+        kh, kw = _pair(kernel)
+        return I8 if kh * kw <= 127 else I32
+
     def maxpool(self, n: Node) -> None:
         x = n.inputs[0]
         at = n.attrs
-        y, arg = self.out(n, 0, I8), self.out(n, 1, I32)
+        arg_dtype = self.arg_dtype(at.kernel)
+        y, arg = self.out(n, 0, I8), self.out(n, 1, arg_dtype)
         self.e[n.result(0)] = self.e[x]
         func = te_ops.maxpool_forward(
-            shape4(self.shape(x)), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool"
+            shape4(self.shape(x)), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool", arg_dtype
         )
         self.launch(func, (self.m[x], y, arg))
 
@@ -131,9 +138,16 @@ class PoolRules(PlanBuilder):
         dy, arg = n.inputs
         at = n.attrs
         shape = self.shape(n.result(0))
+        geometry = (shape4(shape), at.kernel, at.stride, at.padding)
+        name, arg_dtype = f"n{n.id}_maxpool_grad", self.arg_dtype(at.kernel)
+        if te_ops.tiles(*geometry):
+            # every dx is one dy or 0: its compaction has shift 0 and is dx itself
+            dx = self.out(n, 0, I8)
+            func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype, out_dtype=I8)
+            self.launch(func, (self.m[dy], self.m[arg], dx))
+            self.e[n.result(0)] = self.e[dy]
+            return
         acc = self.buf(f"n{n.id}.acc", shape, I32)
-        func = te_ops.maxpool_backward_acc(
-            shape4(shape), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool_grad"
-        )
+        func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype)
         self.launch(func, (self.m[dy], self.m[arg], acc))
         self.compact(n, acc, self.e[dy], shape, 0)

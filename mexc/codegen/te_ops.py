@@ -73,9 +73,11 @@ def maxpool_forward(
     stride: IntPair | None = None,
     padding: IntPair = 0,
     name: str = "maxpool_forward",
+    arg_dtype: str = I32,
 ) -> tirx.PrimFunc:
     """y = window max; arg = offset i*KW + j of the first maximum in row-major window order
-    (kernels.maxpool2d_forward). Parameters (x, y, arg)."""
+    (kernels.maxpool2d_forward), stored as `arg_dtype` (int8 holds windows of up to 127
+    taps). Parameters (x, y, arg)."""
     k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
     _, _, h, w = x_shape
     x = te.placeholder(x_shape, I8, name="x")
@@ -93,16 +95,17 @@ def maxpool_forward(
     ymax = te.compute(y_shape, lambda *o: te.max(tap(o, ri, rj), axis=[ri, rj]), name="ymax")
     qi = te.reduce_axis((0, k[0]), "qi")
     qj = te.reduce_axis((0, k[1]), "qj")
-    first = te.compute(
+    none = tirx.const(k[0] * k[1], arg_dtype)
+    arg = te.compute(
         y_shape,
         lambda *o: te.min(
-            tirx.if_then_else(tap(o, qi, qj) == ymax[o], qi * k[1] + qj, k[0] * k[1]),
+            tirx.if_then_else(tap(o, qi, qj) == ymax[o], (qi * k[1] + qj).astype(arg_dtype), none),
             axis=[qi, qj],
         ),
         name="arg",
     )
     y = te.compute(y_shape, lambda *o: ymax[o].astype(I8), name="y")
-    return _func([x, y, first], name)
+    return _func([x, y, arg], name)
 
 
 def window_through(
@@ -136,21 +139,27 @@ def maxpool_backward_acc(
     stride: IntPair | None = None,
     padding: IntPair = 0,
     name: str = "maxpool_backward_acc",
+    arg_dtype: str = I32,
+    out_dtype: str = I32,
 ) -> tirx.PrimFunc:
     """acc[n,c,y,x] = sum of dy over the windows whose first maximum sits at (y, x), written as a
-    gather (each input pixel visits the windows that contain it). Parameters (dy, arg, acc)."""
+    gather (each input pixel visits the windows that contain it). Parameters (dy, arg, acc).
+    out_dtype int8: only where windows tile the input (`tiles`), where every acc is one dy or
+    0, so that its compaction is the identity (shift 0) and dx is acc itself."""
     k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
     _, _, oh, ow = y_shape
     dy = te.placeholder(y_shape, I8, name="dy")
-    arg = te.placeholder(y_shape, I32, name="arg")
-    if k == s and p == (0, 0):  # windows tile the input: each pixel is in at most one window
-        return _maxpool_backward_tiled(x_shape, k, y_shape, dy, arg, name)
+    arg = te.placeholder(y_shape, arg_dtype, name="arg")
+    if tiles(x_shape, kernel, stride, padding):  # each pixel is in at most one window
+        return _maxpool_backward_tiled(x_shape, k, y_shape, dy, arg, name, out_dtype)
+    if out_dtype != I32:
+        raise ValueError("overlapping windows sum gradients: their accumulator is int32")
     ri = te.reduce_axis((0, k[0]), "ri")
     rj = te.reduce_axis((0, k[1]), "rj")
 
     def body(n, c, yy, xx):
         sy, sx, ok = window_through(yy, xx, ri, rj, s, p, (oh, ow))
-        hit = tirx.all(ok, arg[n, c, sy, sx] == ri * k[1] + rj)
+        hit = tirx.all(ok, arg[n, c, sy, sx].astype(I32) == ri * k[1] + rj)
         return te.sum(
             where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
             axis=[ri, rj],
@@ -167,6 +176,7 @@ def _maxpool_backward_tiled(
     dy: te.Tensor,
     arg: te.Tensor,
     name: str,
+    out_dtype: str = I32,
 ) -> tirx.PrimFunc:
     """maxpool_backward_acc for non-overlapping windows: a gather with no reduction."""
     _, _, oh, ow = y_shape
@@ -175,11 +185,22 @@ def _maxpool_backward_tiled(
         oy, ox = yy // k[0], xx // k[1]
         inside = tirx.all(oy < oh, ox < ow)
         sy, sx = tirx.min(oy, oh - 1), tirx.min(ox, ow - 1)
-        hit = tirx.all(inside, arg[n, c, sy, sx] == (yy % k[0]) * k[1] + xx % k[1])
-        return where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32))
+        hit = tirx.all(inside, arg[n, c, sy, sx].astype(I32) == (yy % k[0]) * k[1] + xx % k[1])
+        return where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)).astype(out_dtype)
 
     acc = te.compute(x_shape, body, name="acc")
     return _func([dy, arg, acc], name)
+
+
+def tiles(
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+) -> bool:
+    """Whether pooling windows tile the input: every pixel in at most one window."""
+    k, s, p, _ = _pool_geometry(x_shape, kernel, stride, padding)
+    return k == s and p == (0, 0)
 
 
 def aligned_sum_acc(

@@ -434,3 +434,17 @@ def test_the_verifier_finds_float_in_a_kernel_source(digits_artifact, tmp_path: 
     man["gemm_kernels"] = [*man["gemm_kernels"], "not_a_kernel"]
     problems = verify_artifact(bad, man)
     assert any("float in the kernel source: 'float'" in p for p in problems)
+
+
+@needs_cuda_tools
+def test_device_layout_without_a_build_is_the_artifacts(digits_artifact) -> None:
+    """bench/memory.py's CUDA figures come from device_layout: the very layout of the built
+    artifact, scratch included."""
+    from mexc.codegen.cuda_step import device_layout
+    from mexc.cuda_program import StepArtifact
+
+    out, _ = digits_artifact
+    man = StepArtifact.load(out).manifest
+    layout = device_layout(StepArtifact.load(out).program, pack_budget=2048)
+    assert layout["state_bytes"] == man["layout"]["state_bytes"]
+    assert layout["arena_bytes"] == man["layout"]["arena_bytes"]
