@@ -16,7 +16,8 @@ For each model and batch (default 32 and 128):
 - `cuda`: the device bytes of the CUDA artifact's layout (mexc.codegen.cuda_step.device_layout:
   state region, arena, kernel scratch), without nvcc;
 - with RSS (default on): the peak resident set per extra sample of a fresh process that trains
-  3 steps on llvm (mexc: compile from a warm kernel cache, then steps) and in FP32 eager,
+  3 steps with mexc (target "auto": llvm, or the reference where llvm does not lower the model;
+  compile from a warm kernel cache, then steps) and in FP32 eager,
   ((peak at the larger batch) - (peak at the smaller)) / (batch difference): fixed costs
   (interpreter, libraries, kernels) cancel.
 
@@ -147,7 +148,8 @@ def _peak_rss_kib() -> int:
 
 def child(name: str, batch: int, who: str) -> int:
     """Peak RSS (KiB) of a process that builds `name` and trains STEPS steps at `batch` with
-    `who` ("llvm": compiled by mexc; "fp32": PyTorch eager)."""
+    `who` ("mexc": compiled by mexc for target "auto", whose target it prints first; "fp32":
+    PyTorch eager)."""
     x, y = _batch(MODELS[name][1], batch)
     model = _model(name)
     if who == "fp32":
@@ -158,21 +160,25 @@ def child(name: str, batch: int, who: str) -> int:
             torch.nn.functional.cross_entropy(model(xt), yt).backward()
             opt.step()
     else:
-        prog = mexc.compile(model, (torch.from_numpy(x),), target="llvm")
+        prog = mexc.compile(model, (torch.from_numpy(x),), target="auto")
         for _ in range(STEPS):
             prog.step(x, y)
+        print(prog.options.target)
     return _peak_rss_kib()
 
 
 def rss_slope(name: str, batches: list[int], who: str) -> dict[str, Any]:
     """Per-sample peak-RSS growth from fresh processes at the smallest and largest batch."""
-    peaks = {}
+    peaks, target = {}, "fp32"
     for b in (min(batches), max(batches)):
         cmd = [sys.executable, __file__, "--child", name, str(b), who]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-        peaks[b] = int(out.stdout.strip().splitlines()[-1])
+        lines = out.stdout.strip().splitlines()
+        peaks[b] = int(lines[-1])
+        target = lines[-2] if who != "fp32" else target
     lo, hi = min(batches), max(batches)
     return {
+        "target": target,
         "peak_rss_kib": peaks,
         "kib_per_sample": (peaks[hi] - peaks[lo]) / (hi - lo),
     }
@@ -194,11 +200,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     targets = args.targets.split(",")
     rows = [measure(m, b, targets) for m in models for b in batches]
-    rss = {}
+    rss: dict[str, Any] = {}
+    write_json_atomic(args.out, {**provenance("mexc-memory-1"), "rows": rows, "rss": rss})
     if not args.no_rss:
         for m in models:
-            rss[m] = {who: rss_slope(m, batches, who) for who in ("llvm", "fp32")}
-            mexc_s, fp_s = rss[m]["llvm"]["kib_per_sample"], rss[m]["fp32"]["kib_per_sample"]
+            rss[m] = {who: rss_slope(m, batches, who) for who in ("mexc", "fp32")}
+            mexc_s, fp_s = rss[m]["mexc"]["kib_per_sample"], rss[m]["fp32"]["kib_per_sample"]
             rss[m]["ratio"] = mexc_s / fp_s if fp_s > 0 else None
     mib = 1 << 20
     head = f"{'model':<16} {'batch':>5} {'FP32 MiB':>9} "
@@ -213,7 +220,8 @@ def main() -> None:
     for m, d in rss.items():
         q = d["ratio"]
         print(
-            f"RSS per sample {m:<16} llvm {d['llvm']['kib_per_sample']:7.1f} KiB  "
+            f"RSS per sample {m:<16} mexc ({d['mexc']['target']}) "
+            f"{d['mexc']['kib_per_sample']:7.1f} KiB  "
             f"FP32 {d['fp32']['kib_per_sample']:7.1f} KiB  ratio {q:.2f}"
             if q is not None
             else f"RSS per sample {m:<16} (FP32 slope not positive)"

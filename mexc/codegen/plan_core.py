@@ -158,6 +158,8 @@ class PlanBuilder:
         self.e: dict[Value, str] = {}  # value -> exponent buffer
         self.symbols: set[str] = set()
         self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
+        # values plan-memory computes in place over their first input (which dies there)
+        self.in_place = {s.value for s in prog.memory_plan().slots if s.alias_of is not None}
 
     # ----------------------------------------------------------------------------- buffers
 
@@ -172,6 +174,16 @@ class PlanBuilder:
         v = n.result(i)
         self.m[v] = self.buf(f"v{n.id}_{i}", shape or self.shape(v), dtype)
         return self.m[v]
+
+    def out_over(self, n: Node, src: Value) -> str:
+        """Result 0 of elementwise node n (int8, src's shape): in place over src's mantissas
+        where plan-memory computes it in place (src's last reader is n), else its own buffer.
+        An elementwise kernel reads each element before it writes it, at the same index."""
+        v = n.result(0)
+        if v in self.in_place and self.shape(v) == self.shape(src):
+            self.m[v] = self.m[src]
+            return self.m[v]
+        return self.out(n, 0, I8)
 
     def out_exp(self, n: Node, i: int) -> str:
         self.e[n.result(i)] = self.buf(f"v{n.id}_{i}.e", (1,), I32)

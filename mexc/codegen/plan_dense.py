@@ -53,7 +53,7 @@ class DenseRules(PlanBuilder):
     def relu(self, n: Node) -> None:
         x = n.inputs[0]
         rows = self.rows_of(self.shape(x))
-        y = self.view(self.out(n, 0, I8), rows)
+        y = self.view(self.out_over(n, x), rows)
         self.e[n.result(0)] = self.e[x]  # the exponent passes through
         func = te_ops.relu_forward(rows, f"n{n.id}_relu")
         self.launch(func, (self.view(self.m[x], rows), y))
@@ -61,7 +61,7 @@ class DenseRules(PlanBuilder):
     def relu_grad(self, n: Node) -> None:
         dy, x = n.inputs
         rows = self.rows_of(self.shape(dy))
-        dx = self.view(self.out(n, 0, I8), rows)
+        dx = self.view(self.out_over(n, dy), rows)
         self.e[n.result(0)] = self.e[dy]
         func = te_ops.relu_backward(rows, f"n{n.id}_relu_grad")
         self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), dx))

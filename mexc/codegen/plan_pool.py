@@ -23,7 +23,7 @@ class PoolRules(PlanBuilder):
     def relu6(self, n: Node) -> None:
         x = n.inputs[0]
         rows = self.rows_of(self.shape(x))
-        y = self.view(self.out(n, 0, I8), rows)
+        y = self.view(self.out_over(n, x), rows)
         self.e[n.result(0)] = self.e[x]
         func = te_pool.relu6_forward(rows, f"n{n.id}_relu6")
         self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
@@ -31,7 +31,7 @@ class PoolRules(PlanBuilder):
     def relu6_grad(self, n: Node) -> None:
         dy, x = n.inputs
         rows = self.rows_of(self.shape(dy))
-        dx = self.view(self.out(n, 0, I8), rows)
+        dx = self.view(self.out_over(n, dy), rows)
         self.e[n.result(0)] = self.e[dy]
         func = te_pool.relu6_backward(rows, f"n{n.id}_relu6_grad")
         self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
