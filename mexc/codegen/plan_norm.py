@@ -46,12 +46,15 @@ class NormRules(PlanBuilder):
         self.launch(apply, (*xhat_in, sh, key1, self.ncs_view(xhat, xs)))
         self.e[n.result(1)] = e_xhat
         keys = self.keys(n, (2, 3), "affine_keys")
-        target = self.buf(f"n{n.id}.e_affine", (1,), I32)
-        aff = self.buf(f"n{n.id}.affine", ncs, I32)
         args: tuple[str, ...] = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
-        args += (self.m[beta], self.e[beta], keys, target, aff)
-        self.launch(te_norm.bn_affine(ncs, self.stochastic, f"n{n.id}_bn_affine"), args)
-        self.compact(n, aff, target, ncs, 4)
+        args += (self.m[beta], self.e[beta], keys)
+        # the affine sum is compacted without being stored: scan, then round (no int32 tensor)
+        tag = f"n{n.id}_bn_affine"
+        shift, apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, tag)
+        s = self.buf(f"n{n.id}.s4", (1,), I32)
+        self.launch(shift, (*args, s, self.out_exp(n, 0)))
+        key = self.keys(n, (4,), "key4")
+        self.launch(apply, (*args, s, key, self.ncs_view(self.out(n, 0, I8, xs), xs)))
         b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
         self.bn[n.id] = b
 

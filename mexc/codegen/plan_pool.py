@@ -46,14 +46,17 @@ class PoolRules(PlanBuilder):
         shape = self.shape(terms[0])
         rows = self.rows_of(shape)
         keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
-        target = self.buf(f"n{n.id}.e_sum", (1,), I32)
-        acc = self.buf(f"n{n.id}.acc", rows, I32)
-        func = te_ops.aligned_sum_acc(
-            rows, len(terms), self.stochastic, f"n{n.id}_sum", exponent_buffers=True
+        # the sum is compacted without being stored: scan, then round (no int32 tensor)
+        tag = f"n{n.id}_sum"
+        shift, apply = te_ops.aligned_sum_compaction(
+            rows, len(terms), self.bits, self.stochastic, tag
         )
-        ms = (self.view(self.m[t], rows) for t in terms)
-        self.launch(func, (*ms, *(self.e[t] for t in terms), keys, target, acc))
-        self.compact(n, acc, target, rows, len(terms))
+        ms = tuple(self.view(self.m[t], rows) for t in terms)
+        args = (*ms, *(self.e[t] for t in terms), keys)
+        s = self.buf(f"n{n.id}.s{len(terms)}", (1,), I32)
+        self.launch(shift, (*args, s, self.out_exp(n, 0)))
+        key = self.keys(n, (len(terms),), f"key{len(terms)}")
+        self.launch(apply, (*args, s, key, self.view(self.out(n, 0, I8), rows)))
 
     def dropout(self, n: Node) -> None:
         x = n.inputs[0]

@@ -234,6 +234,40 @@ def compaction_shift(
     return prim_func([acc, e_in, s, e_out], f"{name}_shift")
 
 
+def fused_compaction(
+    shape: tuple[int, ...],
+    inputs: list[te.Tensor],
+    target: te.Tensor,
+    value: Callable[..., tirx.PrimExpr],
+    bits: int,
+    stochastic: bool,
+    name: str,
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """The per-tensor compaction of an int32 value that is never stored: `value(*idx)` computes
+    element idx from `inputs` (an elementwise producer, e.g. an aligned sum), at exponent
+    target[0] (a one-element tensor computed from the inputs). Scan, then round: the shift
+    kernel (inputs -> s, e_out) computes every element for max |.|, the apply kernel (inputs, s,
+    key -> m) computes each again and rounds it, as compaction_shift and compaction_apply would
+    on the stored accumulator, bit for bit, without its 4 bytes per element."""
+    rest = [te.reduce_axis((0, d), f"amax_r{i}") for i, d in enumerate(shape[1:])]
+    rows = te.compute(
+        (shape[0],), lambda r: te.max(iabs(value(r, *rest)), axis=rest), name="amax_rows"
+    )
+    rr = te.reduce_axis((0, shape[0]), "amax_r")
+    amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
+    s = fit_shift(amax, qmax(bits))
+    e_out = te.compute((1,), lambda g: target[0] + s[g], name="e_out")
+    shift = prim_func([*inputs, s, e_out], f"{name}_shift")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        return compacted(value(*idx), s_in[0], key[0], _flat_index(shape, idx), bits, stochastic)
+
+    m = te.compute(shape, body, name="m")
+    return shift, prim_func([*inputs, s_in, key, m], f"{name}_apply")
+
+
 def compaction_apply(
     shape: tuple[int, ...], bits: int, grouped: bool, stochastic: bool, name: str
 ) -> tirx.PrimFunc:

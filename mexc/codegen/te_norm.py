@@ -35,6 +35,7 @@ from mexc.codegen.te_compaction import (
     aligned_target,
     compacted,
     fit_shift,
+    fused_compaction,
     iabs,
     shift_left_saturating,
     shift_right32,
@@ -312,6 +313,25 @@ def common_apply(
 def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.PrimFunc:
     """acc = aligned sum of gamma * xhat (14 bits, key 0) and beta (7 bits, key 1, flat index
     c). Parameters (xhat, e_xhat, gamma, e_g, beta, e_b, keys, target, acc)."""
+    inputs, target, value = _bn_affine_terms(shape, stochastic)
+    acc = te.compute(shape, value, name="acc")
+    return _func([*inputs, target, acc], name)
+
+
+def bn_affine_compaction(
+    shape: NCS, bits: int, stochastic: bool, name: str = "bn_affine"
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """bn_affine's sum compacted (site 4 of the caller) without storing it
+    (te_compaction.fused_compaction): `<name>_shift` (xhat, e_xhat, gamma, e_g, beta, e_b,
+    keys, s, e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    inputs, target, value = _bn_affine_terms(shape, stochastic)
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
+
+
+def _bn_affine_terms(
+    shape: NCS, stochastic: bool
+) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
+    """bn_affine's inputs, target exponent and element."""
     xhat = te.placeholder(shape, I8, name="xhat")
     e_x = te.placeholder((1,), I32, name="e_x")
     gamma = te.placeholder((shape[1],), I8, name="gamma")
@@ -333,8 +353,7 @@ def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.Pri
         b = shift_signed32(beta[c].astype(I32), tb, keys[1], c.astype(I64), stochastic, 22)
         return a + b
 
-    acc = te.compute(shape, body, name="acc")
-    return _func([xhat, e_x, gamma, e_g, beta, e_b, keys, target, acc], name)
+    return [xhat, e_x, gamma, e_g, beta, e_b, keys], target, body
 
 
 # ----------------------------------------------------------------------------------- backward

@@ -15,11 +15,14 @@ are listed in docs/cuda.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tvm import te, tirx
 
 from mexc.codegen.te_compaction import (
     _flat_index,
     aligned_target,
+    fused_compaction,
     shift_left_saturating,
     shift_right32,
     shift_signed,
@@ -215,6 +218,25 @@ def aligned_sum_acc(
     term i shifted by target - e_i with rounding key i. Parameters (m_0 .. m_{T-1}, e, keys,
     target, acc): e int32[T], keys int64[T] (the uint32 site keys), target int32[1]; with
     `exponent_buffers` e is T one-element buffers e_0 .. e_{T-1} (each term's own)."""
+    inputs, target, value = _aligned_sum_terms(shape, terms, stochastic, exponent_buffers)
+    acc = te.compute(shape, value, name="acc")
+    return _func([*inputs, target, acc], name)
+
+
+def aligned_sum_compaction(
+    shape: tuple[int, ...], terms: int, bits: int, stochastic: bool, name: str = "aligned_sum"
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """aligned_sum_acc (exponent_buffers) compacted without storing the sum
+    (te_compaction.fused_compaction): `<name>_shift` (m_0 .. m_{T-1}, e_0 .. e_{T-1}, keys, s,
+    e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    inputs, target, value = _aligned_sum_terms(shape, terms, stochastic, True)
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
+
+
+def _aligned_sum_terms(
+    shape: tuple[int, ...], terms: int, stochastic: bool, exponent_buffers: bool
+) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
+    """aligned_sum_acc's inputs, target exponent and element."""
     if terms < 2:
         raise ValueError("aligned_sum_acc needs at least two terms")
     ms = [te.placeholder(shape, I8, name=f"m{i}") for i in range(terms)]
@@ -241,8 +263,7 @@ def aligned_sum_acc(
             total = total + shift_signed32(x, t, keys[i], flat, stochastic, left_limit)
         return total
 
-    acc = te.compute(shape, body, name="acc")
-    return _func([*ms, *e_args, keys, target, acc], name)
+    return [*ms, *e_args, keys], target, body
 
 
 def softmax_ce_forward(
