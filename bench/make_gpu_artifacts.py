@@ -55,7 +55,7 @@ def _expected(prog: mexc.Program, folder: Path, steps: int) -> dict:
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
     y = rng.integers(0, prog.num_classes, prog.batch)
     np.savez(folder / "check.npz", x=x, y=y)
-    twin = LlvmProgram(prog, plan_device="gpu")
+    twin = LlvmProgram(prog, plan_device="gpu", layout="separate")  # every buffer digested
     losses, checksums, buffers = [], [], {}
     for step in range(steps):
         losses.append(twin.step(x, y))
@@ -69,7 +69,7 @@ def _emulate_first_step(folder: Path, doc: dict) -> dict:
     """One step of the artifact through the CPU emulator, compared with the twin's results."""
     from mexc.cuda_emulator import load_emulated
 
-    emu = load_emulated(folder)
+    emu = load_emulated(folder, layout="separate")  # buffer by buffer, as the twin
     batch = np.load(folder / "check.npz")
     t0 = time.perf_counter()
     loss = emu.step(batch["x"], batch["y"])

@@ -171,6 +171,7 @@ class EmulatedCudaProgram(PlanProgram):
         man = artifact.manifest
         self.reverse = reverse
         self._t, self._raw = _allocate(man) if layout == "separate" else _allocate_arena(man)
+        self.separate_buffers = layout == "separate"
         if layout == "separate":
             base_of = {name: base for name, (base, _, _) in man["views"].items()}
             guarded = {name: [base_of.get(name, name)] for name in self._t}

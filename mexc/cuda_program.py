@@ -19,7 +19,7 @@ import numpy as np
 
 from mexc.cuda_runtime import ARCHS, ArtifactError, cupy_module
 from mexc.errors import CheckpointError
-from mexc.plan_layout import POISON, carve, check_layout, region_bytes
+from mexc.plan_layout import POISON, carve, check_layout, region_bytes, separate_bytes
 from mexc.plan_runtime import PLAN_FIELDS, PlanProgram, window
 from mexc.program import Program
 from mexc.program import load as load_checkpoint
@@ -160,8 +160,12 @@ class CudaProgram(PlanProgram):
         device: int = 0,
         program: Program | None = None,
         graph: bool | None = None,
+        layout: str = "arena",
     ) -> None:
+        if layout not in ("arena", "separate"):
+            raise ValueError(f"layout {layout!r} is not 'arena' or 'separate'")
         cp = cupy_module()
+        self.separate_buffers = layout == "separate"
         self._cp = cp
         self._device = cp.cuda.Device(device)
         man = artifact.manifest
@@ -170,7 +174,7 @@ class CudaProgram(PlanProgram):
         self._graph: Any = None
         with self._device:
             self._stream = cp.cuda.Stream(non_blocking=True)
-            self._t, self._allocated = _allocate(cp, man)
+            self._t, self._allocated = _allocate(cp, man, self.separate_buffers)
             # SHA-256 checked at load
             modules = [cp.RawModule(path=str(c[self.arch])) for c in artifact.cubins]
             self._calls = [
@@ -260,20 +264,35 @@ class CudaProgram(PlanProgram):
             self._stream.synchronize()
 
 
-def _allocate(cp: Any, man: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def _allocate(cp: Any, man: dict[str, Any], separate: bool = False) -> tuple[dict[str, Any], int]:
     """Two device allocations, the state region (zeroed) and the arena (poisoned:
     plan_layout), every buffer and view a window into them, constants uploaded; and the bytes
-    allocated."""
-    sizes = region_bytes(man)
-    regions = {k: cp.zeros(max(v, 1), dtype="uint8") for k, v in sizes.items()}
-    regions["arena"].fill(POISON)
-    t = carve(man, regions, window)
+    allocated. `separate`: one allocation per buffer instead (poisoned where the layout puts
+    the buffer in the arena), for diagnosing a mismatch buffer by buffer."""
+    if separate:
+        t: dict[str, Any] = {}
+        for name, (shape, dtype) in man["buffers"].items():
+            t[name] = cp.zeros(tuple(shape), dtype=dtype)
+            if man["layout"]["offsets"][name][0] == "arena":
+                t[name].view("uint8").fill(POISON)
+        for name, (base, shape, offset) in man["views"].items():
+            t[name] = window(t[base], shape, offset)
+        allocated = separate_bytes(man)
+    else:
+        sizes = region_bytes(man)
+        regions = {k: cp.zeros(max(v, 1), dtype="uint8") for k, v in sizes.items()}
+        regions["arena"].fill(POISON)
+        t = carve(man, regions, window)
+        allocated = sum(int(r.nbytes) for r in regions.values())
     for name, (dtype, values) in man["constants"].items():
         t[name].set(np.asarray(values, np.dtype(dtype)).reshape(t[name].shape))
-    return t, sum(int(r.nbytes) for r in regions.values())
+    return t, allocated
 
 
-def load_cuda(path: str | Path, device: int = 0, graph: bool | None = None) -> CudaProgram:
+def load_cuda(
+    path: str | Path, device: int = 0, graph: bool | None = None, layout: str = "arena"
+) -> CudaProgram:
     """The training program of a CUDA artifact folder, on GPU `device` (CuPy): its state and
-    step count are the artifact's (a checkpoint can be loaded with load_state_dict)."""
-    return CudaProgram(StepArtifact.load(path), device, graph=graph)
+    step count are the artifact's (a checkpoint can be loaded with load_state_dict).
+    layout="separate": one device allocation per buffer (diagnosis; CudaProgram)."""
+    return CudaProgram(StepArtifact.load(path), device, graph=graph, layout=layout)

@@ -78,13 +78,21 @@ class PlanProgram(Program):
         """A host copy of plan buffer or view `name` (for checks and debugging)."""
         return self._read(name)
 
+    separate_buffers = False  # every buffer in an allocation of its own (no shared arena)
+
     def buffer_digests(self) -> dict[str, str]:
-        """SHA-256 of every plan buffer, in plan order; a kernel's scratch buffers (CUDA) are
-        left out. Two backends running the same plan agree on every entry after a step."""
+        """SHA-256 of plan buffers, in plan order; a kernel's scratch buffers (CUDA) are left
+        out. Two backends running the same plan agree on every entry after a step. In the
+        arena layout only the state region's buffers are digested: arena bytes are shared by
+        buffers of disjoint lifetimes, so what a buffer holds after the step depends on the
+        layout (the llvm twin and a CUDA artifact differ by the CUDA scratch). Programs with
+        separate_buffers digest every buffer: what diagnoses a mismatch buffer by buffer."""
+        offsets = self._plan_json["layout"]["offsets"]
         return {
             name: hashlib.sha256(np.ascontiguousarray(self._read(name)).tobytes()).hexdigest()
             for name in self._plan_json["buffers"]
             if not name.startswith("scratch:")
+            and (self.separate_buffers or offsets[name][0] == "state")
         }
 
     # the state lives in the plan's buffers; reading it copies it out

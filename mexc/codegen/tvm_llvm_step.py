@@ -216,6 +216,7 @@ class LlvmProgram(PlanProgram):
     ) -> None:
         compiled = compile_program(prog, cpu, plan_device, pack_budget)
         self._bufs = _Buffers(compiled.manifest, layout)
+        self.separate_buffers = layout == "separate"
         self._calls = [
             (compiled.function(symbol), [self._bufs.t[a] for a in args])
             for symbol, args in compiled.manifest["launches"]

@@ -163,3 +163,24 @@ def test_reductions_that_need_a_pre_shift_train_bit_exact(plan_device: str) -> N
     symbols = [launch.symbol for launch in build_plan(prog, device=plan_device).launches]
     assert any(s.endswith("_pre3") for s in symbols) and any(s.endswith("_pre7") for s in symbols)
     _trains_like_reference(model, 64, (1, 48, 48), plan_device=plan_device)
+
+
+def test_buffer_digests_cover_the_state_in_the_arena_and_every_buffer_when_separate() -> None:
+    """Arena bytes are shared, so an arena program digests its state region only; a program
+    with an allocation per buffer (the diagnosis layout) digests every buffer, and trains the
+    same bits."""
+    from mexc.codegen.tvm_llvm_step import LlvmProgram
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((8, 1, 8, 8)).astype(np.float32)
+    y = np.arange(8) % 10
+    base = mexc.compile(DigitsCNN(), (torch.from_numpy(x),))
+    arena = LlvmProgram(base.retargeted("llvm"))
+    separate = LlvmProgram(base.retargeted("llvm"), layout="separate")
+    assert arena.step(x, y) == separate.step(x, y)
+    assert arena.state_checksum() == separate.state_checksum()
+    a, s = arena.buffer_digests(), separate.buffer_digests()
+    offsets = arena.plan["layout"]["offsets"]
+    assert set(a) == {k for k in s if offsets[k][0] == "state"} and len(s) > 3 * len(a)
+    assert all(s[k] == v for k, v in a.items())
+    assert separate.allocated_bytes()["host"] > 3 * arena.allocated_bytes()["host"]
