@@ -228,13 +228,21 @@ class PlanBuilder:
         return self.view(name, (shape[0], shape[1], int(np.prod(shape[2:]))))
 
     def view(self, base: str, shape: Shape, name: str | None = None) -> str:
-        """`base` (a buffer or a view) seen with `shape` (same element count)."""
-        root = self.plan.views[base].base if base in self.plan.views else base
+        """`base` (a buffer or a view, from its offset on) seen with `shape` (same element
+        count)."""
+        return self.view_at(base, shape, 0, name)
+
+    def view_at(self, base: str, shape: Shape, offset: int, name: str | None = None) -> str:
+        """Elements offset .. offset + prod(shape) of `base` (a buffer or a view) seen with
+        `shape`."""
+        root, at = base, offset
+        if base in self.plan.views:
+            root, at = self.plan.views[base].base, self.plan.views[base].offset + offset
         if name is None:
-            if self.plan.buffers[root][0] == shape:
+            if at == 0 and self.plan.buffers[root][0] == shape:
                 return root
-            name = f"{root}@{'x'.join(map(str, shape))}"
-        self.plan.views[name] = View(root, shape)
+            name = f"{root}@{'x'.join(map(str, shape))}" + (f"+{at}" if at else "")
+        self.plan.views[name] = View(root, shape, at)
         return name
 
     # ----------------------------------------------------------------------------- helpers
@@ -267,18 +275,6 @@ class PlanBuilder:
         self.launch(shift, (rows[0], e_in, s, self.out_exp(n, 0)))
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply(name), (src, s, key, out))
-
-    def view_at(self, base: str, shape: Shape, offset: int) -> str:
-        """Elements offset .. offset + prod(shape) of `base` (a buffer or a view) seen with
-        `shape`."""
-        if offset == 0:
-            return self.view(base, shape)
-        root, at = base, offset
-        if base in self.plan.views:
-            root, at = self.plan.views[base].base, self.plan.views[base].offset + offset
-        name = f"{root}@{'x'.join(map(str, shape))}+{at}"
-        self.plan.views[name] = View(root, shape, at)
-        return name
 
     def buffer_shape(self, name: str) -> Shape:
         """The shape of buffer or view `name`."""
