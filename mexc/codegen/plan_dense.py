@@ -230,9 +230,7 @@ class DenseRules(PlanBuilder):
             self.compact(n, acc, e_acc, g.x_shape, 0)
             return
         if self.device == "cpu" and subpixel.applies(g):
-            acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
-            self.grad_input_by_phase(n, g, dym, acc)
-            self.compact(n, acc, e_acc, g.x_shape, 0)
+            self.grad_input_by_phase(n, g, dym, e_acc)
             return
 
         def grad_input(samples: int) -> Product:
@@ -242,20 +240,32 @@ class DenseRules(PlanBuilder):
         ch = self.chunked(grad_input, g.n, (dym, self.m[w]), (True, False))
         self.compacted_product(n, ch, e_acc)
 
-    def grad_input_by_phase(self, n: Node, g: ConvGeom, dy: str, acc: str) -> None:
-        """A strided convolution's input gradient as one GEMM per output phase (subpixel.py),
-        from the mantissas `dy`."""
+    def grad_input_by_phase(self, n: Node, g: ConvGeom, dy: str, e_acc: str) -> None:
+        """Result 0 of n, a strided convolution's input gradient, as one GEMM per output phase
+        (subpixel.py) from the mantissas `dy`, compacted (site 0, exponent e_acc) straight from
+        the phases: the merged int32 accumulator is never stored."""
         w = n.inputs[1]
         phases = subpixel.phases(f"n{n.id}_dx", g)
         outs = []
-        for p in phases:
-            if p.form is not None:
-                out = self.buf(f"n{n.id}.dx{p.py}{p.px}", p.form.out_shape, I32)
-                product = Product(p.form, p.k_dims, p.q_dims)
-                self.gemm(self.whole(product, (dy, self.m[w])), out)
-                outs.append(out)
-        by_phase = self.view(acc, (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw))
-        self.launch(subpixel.merge(g, phases, f"n{n.id}_dx_merge"), (*outs, by_phase))
+        for i, p in enumerate(phases):
+            if p.form is None:
+                continue
+            out = self.buf(f"n{n.id}.dx{p.py}{p.px}", p.form.out_shape, I32)
+
+            def phase(samples: int, i: int = i) -> Product:
+                q = subpixel.phases(f"n{n.id}_dx", replace(g, n=samples))[i]
+                assert q.form is not None
+                return Product(q.form, q.k_dims, q.q_dims)
+
+            self.gemm(self.chunked(phase, g.n, (dy, self.m[w]), (True, False)), out)
+            outs.append(out)
+        by_phase = (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw)
+        tag = f"n{n.id}_dx_merge"
+        shift, apply = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
+        s = self.buf(f"n{n.id}.s0", (1,), I32)
+        self.launch(shift, (*outs, e_acc, s, self.out_exp(n, 0)))
+        key = self.keys(n, (0,), "key0")
+        self.launch(apply, (*outs, e_acc, s, key, self.view(self.out(n, 0, I8), by_phase)))
 
     def conv_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs

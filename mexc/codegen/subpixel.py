@@ -18,10 +18,12 @@ other shapes keep the one-GEMM form.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tvm import te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm, Operand
+from mexc.codegen.te_compaction import fused_compaction
 from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import ConvGeom
 
@@ -94,6 +96,25 @@ def phases(name: str, g: ConvGeom) -> list[Phase]:
 def merge(g: ConvGeom, present: list[Phase], name: str) -> tirx.PrimFunc:
     """acc (n, c, h/sh, sh, w/sw, sw), the accumulator's memory seen by phase, from the phase
     buffers (one parameter per phase with a form, in order); 0 where no tap reaches."""
+    bufs, shape, body = _merged(g, present)
+    acc = te.compute(shape, body, name="acc")
+    return prim_func([*bufs, acc], name)
+
+
+def merge_compaction(
+    g: ConvGeom, present: list[Phase], bits: int, stochastic: bool, name: str
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """merge's accumulator compacted without storing it (te_compaction.fused_compaction):
+    `<name>_shift` (phase buffers, e_in, s, e_out) and `<name>_apply` (phase buffers, e_in, s,
+    key, m), m the int8 result seen by phase as merge's acc. The by-phase shape's C-order flat
+    index is the native one, so the rounding keys are those of a compaction of acc."""
+    bufs, shape, body = _merged(g, present)
+    e_in = te.placeholder((1,), I32, name="e_in")
+    return fused_compaction(shape, [*bufs, e_in], e_in, body, bits, stochastic, name)
+
+
+def _merged(g: ConvGeom, present: list[Phase]) -> tuple[list[te.Tensor], tuple[int, ...], Any]:
+    """merge's phase placeholders, its by-phase shape and element."""
     hc, wc = g.h // g.sh, g.w // g.sw
     bufs = {
         (p.py, p.px): te.placeholder((g.n, g.c, hc, wc), I32, name=f"p{p.py}{p.px}")
@@ -110,5 +131,4 @@ def merge(g: ConvGeom, present: list[Phase], name: str) -> tirx.PrimFunc:
             value = value | (buf[n, c, yy, xx] & mask)
         return value
 
-    acc = te.compute((g.n, g.c, hc, g.sh, wc, g.sw), body, name="acc")
-    return prim_func([*bufs.values(), acc], name)
+    return list(bufs.values()), (g.n, g.c, hc, g.sh, wc, g.sw), body

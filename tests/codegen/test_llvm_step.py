@@ -149,7 +149,7 @@ class _StridedConvs(nn.Module):
 
 def test_strided_input_gradients_by_phase_are_bit_exact() -> None:
     ref, llvm = _pair(_StridedConvs, 3, (1, 16, 16))
-    merges = [s for s, _ in llvm.plan["launches"] if s.endswith("_dx_merge")]
+    merges = [s for s, _ in llvm.plan["launches"] if s.endswith("_dx_merge_apply")]
     assert len(merges) == 3  # the sub-pixel form serves every strided input gradient
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
