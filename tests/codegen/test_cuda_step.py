@@ -448,3 +448,23 @@ def test_device_layout_without_a_build_is_the_artifacts(digits_artifact) -> None
     layout = device_layout(StepArtifact.load(out).program, pack_budget=2048)
     assert layout["state_bytes"] == man["layout"]["state_bytes"]
     assert layout["arena_bytes"] == man["layout"]["arena_bytes"]
+
+
+@needs_cuda_tools
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_emulated_cuda_pre_shift_of_wide_reductions_is_bit_exact(tmp_path: Path) -> None:
+    """A weight gradient and a batch-norm dgamma over 147456 > 2^17 terms: the artifact's own
+    CUDA source pre-shifts their operands (sites 3 and 7) and trains as the reference does, in
+    the GPU layout and in reverse order with a guarded allocation per buffer."""
+    from mexc.codegen.cuda_step import build_step
+    from mexc.cuda_emulator import load_emulated
+    from mexc.cuda_program import StepArtifact
+    from tests.codegen.test_plan_layout import WideReductions
+
+    prog = _program(WideReductions, 64, (1, 48, 48))
+    man = build_step(prog, ("sm_80",), tmp_path)
+    # two pre-shift launches (equal kernels: the dy of both reductions, one compiled symbol)
+    assert sum("_pre" in k[1] for k in man["kernels"]) >= 2
+    for reverse, layout in ((False, "arena"), (True, "separate")):
+        emu = load_emulated(tmp_path, reverse=reverse, layout=layout)
+        _trains_like(emu, StepArtifact.load(tmp_path).program, steps=2)
