@@ -7,9 +7,9 @@ yields zeros that the GEMM multiplies anyway, and the gather itself divides by t
 Split by phase (py, px) = (y mod sh, x mod sw), only the taps with i = py + ph (mod sh) and
 j = px + pw (mod sw) reach the pixels of a phase, and for them ty = y' + cy - ii where
 y = sh * y' + py: an affine gather. Each phase is a GEMM of its own (K = output channels x its
-taps) into a phase buffer (n, c, h / sh, w / sw); `merge` interleaves the phase buffers into
-the accumulator. The sums are the same exact int32 sums, so the result is bit-identical to the
-one-GEMM form.
+taps) into a phase buffer (n, c, h / sh, w / sw); `merge_compaction` interleaves the phase
+buffers and compacts them, never storing the merged accumulator. The sums are the same exact
+int32 sums, so the result is bit-identical to the one-GEMM form.
 
 Used where h and w are multiples of the strides (every strided convolution of the examples);
 other shapes keep the one-GEMM form.
@@ -24,7 +24,6 @@ from tvm import te, tirx
 
 from mexc.codegen.gemm_forms import GemmForm, Operand
 from mexc.codegen.te_compaction import fused_compaction
-from mexc.codegen.te_func import prim_func
 from mexc.codegen.te_products import ConvGeom
 
 I32 = "int32"
@@ -93,28 +92,22 @@ def phases(name: str, g: ConvGeom) -> list[Phase]:
     return [_form(name, g, py, px) for py in range(g.sh) for px in range(g.sw)]
 
 
-def merge(g: ConvGeom, present: list[Phase], name: str) -> tirx.PrimFunc:
-    """acc (n, c, h/sh, sh, w/sw, sw), the accumulator's memory seen by phase, from the phase
-    buffers (one parameter per phase with a form, in order); 0 where no tap reaches."""
-    bufs, shape, body = _merged(g, present)
-    acc = te.compute(shape, body, name="acc")
-    return prim_func([*bufs, acc], name)
-
-
 def merge_compaction(
     g: ConvGeom, present: list[Phase], bits: int, stochastic: bool, name: str
 ) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
-    """merge's accumulator compacted without storing it (te_compaction.fused_compaction):
-    `<name>_shift` (phase buffers, e_in, s, e_out) and `<name>_apply` (phase buffers, e_in, s,
-    key, m), m the int8 result seen by phase as merge's acc. The by-phase shape's C-order flat
-    index is the native one, so the rounding keys are those of a compaction of acc."""
+    """The phase buffers (one parameter per phase with a form, in order; 0 where no tap
+    reaches) interleaved into the accumulator seen by phase, (n, c, h/sh, sh, w/sw, sw), and
+    compacted without storing it (te_compaction.fused_compaction): `<name>_shift` (phase
+    buffers, e_in, s, e_out) and `<name>_apply` (phase buffers, e_in, s, key, m), m the int8
+    result seen by phase. The by-phase shape's C-order flat index is the native one, so the
+    rounding keys are those of a compaction of the accumulator."""
     bufs, shape, body = _merged(g, present)
     e_in = te.placeholder((1,), I32, name="e_in")
     return fused_compaction(shape, [*bufs, e_in], e_in, body, bits, stochastic, name)
 
 
 def _merged(g: ConvGeom, present: list[Phase]) -> tuple[list[te.Tensor], tuple[int, ...], Any]:
-    """merge's phase placeholders, its by-phase shape and element."""
+    """The phase placeholders, the by-phase shape and its element."""
     hc, wc = g.h // g.sh, g.w // g.sw
     bufs = {
         (p.py, p.px): te.placeholder((g.n, g.c, hc, wc), I32, name=f"p{p.py}{p.px}")

@@ -100,7 +100,8 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
     conditional load, which LLVM cannot vectorize: a ReLU gradient took 7.9 ms for 1.6M
     elements that way and 0.13 ms branch-free. Bitwise, so no int8 or int64 arithmetic can
     overflow (TVM marks signed arithmetic no-wrap). `b` appears twice: a chain of wheres nested
-    in `b` doubles per level (for exclusive cases OR masked values instead, subpixel.merge)."""
+    in `b` doubles per level (for exclusive cases OR masked values instead, as
+    subpixel.merge_compaction does)."""
     dtype = _dtype(a)
     a, b = a.astype(dtype), b.astype(dtype)
     return b ^ ((a ^ b) & -(cond.astype(dtype)))

@@ -14,8 +14,8 @@ Kernels of the forward pass, in launch order (sites of kernels.batchnorm_forward
     bn_var       var (biased / unbiased), its exponent ev, rstd and its exponent  [0]
     bn_xhat_shift / bn_xhat_apply   xhat = compact_common(acc, e_grp) with
                  acc = ((x << f) - mu) * rstd computed in both, e_grp = ex - f + rstd_e  [1]
-    bn_affine    gamma * xhat + beta aligned                                      [2] [3]
-    compaction_shift / compaction_apply (te_compaction)                           [4]
+    bn_affine_compaction   gamma * xhat + beta aligned [2] [3], compacted without being
+                 stored (shift and apply kernels)                                 [4]
 Backward (kernels.batchnorm_backward): bn_grad_sums, to_bits (dgamma -> 16 bits [0]),
 bn_bracket [1] [2] [3], to_bits_shift (T -> 16 bits), bn_dx_factor [5], bn_dx_acc (with
 to_bits' rounding of T [4]), common_shift / common_apply [6]. Running statistics
@@ -310,20 +310,13 @@ def common_apply(
     return _func([acc, sh, key, m], name)
 
 
-def bn_affine(shape: NCS, stochastic: bool, name: str = "bn_affine") -> tirx.PrimFunc:
-    """acc = aligned sum of gamma * xhat (14 bits, key 0) and beta (7 bits, key 1, flat index
-    c). Parameters (xhat, e_xhat, gamma, e_g, beta, e_b, keys, target, acc)."""
-    inputs, target, value = _bn_affine_terms(shape, stochastic)
-    acc = te.compute(shape, value, name="acc")
-    return _func([*inputs, target, acc], name)
-
-
 def bn_affine_compaction(
     shape: NCS, bits: int, stochastic: bool, name: str = "bn_affine"
 ) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
-    """bn_affine's sum compacted (site 4 of the caller) without storing it
-    (te_compaction.fused_compaction): `<name>_shift` (xhat, e_xhat, gamma, e_g, beta, e_b,
-    keys, s, e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    """The aligned sum of gamma * xhat (14 bits, key 0) and beta (7 bits, key 1, flat index c),
+    compacted (site 4 of the caller) without storing it (te_compaction.fused_compaction):
+    `<name>_shift` (xhat, e_xhat, gamma, e_g, beta, e_b, keys, s, e_out) and `<name>_apply`
+    (the same inputs, s, key, m)."""
     inputs, target, value = _bn_affine_terms(shape, stochastic)
     return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
 
@@ -331,7 +324,7 @@ def bn_affine_compaction(
 def _bn_affine_terms(
     shape: NCS, stochastic: bool
 ) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
-    """bn_affine's inputs, target exponent and element."""
+    """The affine sum's inputs, target exponent and element."""
     xhat = te.placeholder(shape, I8, name="xhat")
     e_x = te.placeholder((1,), I32, name="e_x")
     gamma = te.placeholder((shape[1],), I8, name="gamma")
