@@ -33,7 +33,7 @@ import numpy as np
 
 from mexc.cuda_program import StepArtifact
 from mexc.errors import MexcError
-from mexc.plan_layout import POISON, carve, nbytes, region_bytes
+from mexc.plan_layout import POISON, carve, carve_separate, nbytes, region_bytes
 from mexc.plan_runtime import PlanProgram, window
 from mexc.program import Program
 
@@ -168,19 +168,21 @@ class EmulatedCudaProgram(PlanProgram):
         reverse: bool = False,
         layout: str = "arena",
     ) -> None:
+        if layout not in ("arena", "separate"):
+            raise ValueError(f"layout {layout!r} is not 'arena' or 'separate'")
         man = artifact.manifest
         self.reverse = reverse
-        self._t, self._raw = _allocate(man) if layout == "separate" else _allocate_arena(man)
         self.separate_buffers = layout == "separate"
-        if layout == "separate":
-            base_of = {name: base for name, (base, _, _) in man["views"].items()}
-            guarded = {name: [base_of.get(name, name)] for name in self._t}
-        elif layout == "arena":
-            region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
-            base_of = {name: base for name, (base, _, _) in man["views"].items()}
-            guarded = {name: [region_of[base_of.get(name, name)]] for name in self._t}
-        else:
-            raise ValueError(f"layout {layout!r} is not 'arena' or 'separate'")
+        self._t, self._raw = _allocate(man) if self.separate_buffers else _allocate_arena(man)
+        # the guarded allocation each plan name lives in: its buffer, or its buffer's region
+        base_of = {name: base for name, (base, _, _) in man["views"].items()}
+        region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
+        guarded = {
+            name: base_of.get(name, name)
+            if self.separate_buffers
+            else region_of[base_of.get(name, name)]
+            for name in self._t
+        }
         self._allocated = sum(int(r.nbytes) - 2 * GUARD for r in self._raw.values())
         modules = [
             EmulatedModule((artifact.path / entry["source"]).read_text())
@@ -190,7 +192,7 @@ class EmulatedCudaProgram(PlanProgram):
             (
                 symbol,
                 modules[module].launcher(symbol, grid, block, [self._t[a] for a in args]),
-                sorted({g for a in args for g in guarded[a]}),
+                sorted({guarded[a] for a in args}),
             )
             for module, symbol, grid, block, args in man["kernels"]
         ]
@@ -244,17 +246,15 @@ def _allocate(man: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.
     """One guarded allocation per buffer (arena buffers of the layout poisoned, the rest
     zeroed), constants, and views that share their base's memory; and per buffer its raw
     allocation."""
-    t: dict[str, np.ndarray] = {}
     raw: dict[str, np.ndarray] = {}
-    offsets = man.get("layout", {}).get("offsets", {})
-    for name, (shape, dtype) in man["buffers"].items():
-        region = offsets.get(name, ["state"])[0]
-        raw[name] = _guarded(nbytes(shape, dtype), POISON if region == "arena" else 0)
-        t[name] = raw[name][GUARD : raw[name].size - GUARD].view(dtype).reshape(tuple(shape))
+
+    def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> np.ndarray:
+        r = raw[name] = _guarded(nbytes(shape, dtype), fill)
+        return r[GUARD : r.size - GUARD].view(dtype).reshape(shape)
+
+    t = carve_separate(man, allocate, window)
     for name, (dtype, values) in man["constants"].items():
         t[name][...] = np.asarray(values, np.dtype(dtype)).reshape(t[name].shape)
-    for name, (base, shape, offset) in man["views"].items():
-        t[name] = window(t[base], shape, offset)
     return t, raw
 
 

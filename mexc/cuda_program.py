@@ -19,7 +19,15 @@ import numpy as np
 
 from mexc.cuda_runtime import ARCHS, ArtifactError, cupy_module
 from mexc.errors import CheckpointError
-from mexc.plan_layout import POISON, carve, check_layout, region_bytes, separate_bytes
+from mexc.plan_layout import (
+    POISON,
+    carve,
+    carve_separate,
+    check_layout,
+    nbytes,
+    region_bytes,
+    separate_bytes,
+)
 from mexc.plan_runtime import PLAN_FIELDS, PlanProgram, window
 from mexc.program import Program
 from mexc.program import load as load_checkpoint
@@ -270,13 +278,14 @@ def _allocate(cp: Any, man: dict[str, Any], separate: bool = False) -> tuple[dic
     allocated. `separate`: one allocation per buffer instead (poisoned where the layout puts
     the buffer in the arena), for diagnosing a mismatch buffer by buffer."""
     if separate:
-        t: dict[str, Any] = {}
-        for name, (shape, dtype) in man["buffers"].items():
-            t[name] = cp.zeros(tuple(shape), dtype=dtype)
-            if man["layout"]["offsets"][name][0] == "arena":
-                t[name].view("uint8").fill(POISON)
-        for name, (base, shape, offset) in man["views"].items():
-            t[name] = window(t[base], shape, offset)
+
+        def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> Any:
+            raw = cp.zeros(nbytes(shape, dtype), dtype="uint8")
+            if fill:
+                raw.fill(fill)
+            return raw.view(dtype).reshape(shape)
+
+        t = carve_separate(man, allocate, window)
         allocated = separate_bytes(man)
     else:
         sizes = region_bytes(man)

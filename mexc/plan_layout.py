@@ -127,6 +127,26 @@ def carve(
     return out
 
 
+def carve_separate(
+    manifest: dict[str, Any],
+    allocate: Callable[[str, tuple[int, ...], str, int], Any],
+    window: Callable[[Any, Any, int], Any],
+) -> dict[str, Any]:
+    """One allocation per buffer instead of the two regions: `allocate(name, shape, dtype,
+    fill)` returns buffer `name` filled with byte `fill` (POISON where the layout puts the
+    buffer in the arena; 0 elsewhere, and where a manifest has no layout), then every plan view
+    into its buffer (`window`). For A/B measurements and for diagnosing a mismatch buffer by
+    buffer."""
+    offsets = manifest.get("layout", {}).get("offsets", {})
+    out: dict[str, Any] = {}
+    for name, (shape, dtype) in manifest["buffers"].items():
+        fill = POISON if offsets.get(name, ["state"])[0] == "arena" else 0
+        out[name] = allocate(name, tuple(int(d) for d in shape), dtype, fill)
+    for name, (base, shape, offset) in manifest["views"].items():
+        out[name] = window(out[base], shape, offset)
+    return out
+
+
 def region_bytes(manifest: dict[str, Any]) -> dict[str, int]:
     """Bytes of each region: what a runtime allocates for the plan."""
     layout = manifest["layout"]

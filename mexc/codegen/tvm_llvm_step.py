@@ -33,6 +33,7 @@ from mexc.plan_layout import (
     ALIGN,
     POISON,
     carve,
+    carve_separate,
     check_layout,
     nbytes,
     plan_layout,
@@ -175,28 +176,27 @@ LAYOUTS = ("arena", "separate")
 class _Buffers:
     """Every plan buffer on the host: views into one state region and one arena
     (plan_layout), or with layout="separate" one allocation per buffer (as before the layout
-    existed: for A/B measurements). Constants are written once; views included."""
+    existed: for A/B measurements and diagnosis). Constants are written once; views
+    included."""
 
     def __init__(self, manifest: dict[str, Any], layout: str = "arena") -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
         if layout == "arena":
             sizes = region_bytes(manifest)
-            self.regions = {
+            regions = {
                 "state": aligned_bytes(sizes["state"], 0),
                 "arena": aligned_bytes(sizes["arena"], POISON),
             }
-            self.np = carve(manifest, self.regions, window)
+            self.np = carve(manifest, regions, window)
+            self.allocated = sum(r.nbytes for r in regions.values())
         else:
-            self.np = {
-                name: aligned_bytes(nbytes(shape, dtype), 0).view(dtype).reshape(tuple(shape))
-                for name, (shape, dtype) in manifest["buffers"].items()
-            }
-            for name, (base, shape, offset) in manifest["views"].items():
-                self.np[name] = window(self.np[base], shape, offset)
-            self.regions = {}
-        in_regions = sum(r.nbytes for r in self.regions.values())
-        self.allocated = in_regions if self.regions else separate_bytes(manifest)
+
+            def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> np.ndarray:
+                return aligned_bytes(nbytes(shape, dtype), fill).view(dtype).reshape(shape)
+
+            self.np = carve_separate(manifest, allocate, window)
+            self.allocated = separate_bytes(manifest)
         for name, (dtype, values) in manifest["constants"].items():
             self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
         # zero-copy TVM tensors over the numpy windows (kernels expect byte_offset 0)
