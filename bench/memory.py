@@ -47,6 +47,7 @@ from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.fp32 import step_memory  # noqa: E402
+from mexc.interp import value_bytes  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
@@ -70,7 +71,7 @@ def _model(name: str) -> torch.nn.Module:
 
 def reference_bytes(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> int:
     """State plus numpy's peak allocation during one reference step (tracemalloc)."""
-    state = sum(v.m.nbytes + np.asarray(v.e).nbytes for v in prog.state.values())
+    state = sum(value_bytes(v) for v in prog.state.values())
     gc.collect()
     tracemalloc.start()
     try:
@@ -84,9 +85,7 @@ def reference_bytes(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> int:
 def c_bytes(prog: mexc.Program) -> int:
     from mexc.codegen.c_program import emit_model
 
-    model = emit_model(prog, 1)
-    state = sum(v.m.size + 4 * np.asarray(v.e).size for v in prog.state.values())
-    return model.arena_bytes + 4 * model.scratch_words + state
+    return emit_model(prog, 1).static_bytes
 
 
 def cuda_bytes(prog: mexc.Program) -> int:

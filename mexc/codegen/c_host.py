@@ -75,9 +75,7 @@ class CProgram(Program):
         )
         self.carry_memory_plan(base._plan)
         model = emit_model(base, steps_hint)
-        # the static arrays of the generated C: arena, scratch, and the state
-        state = sum(v.m.size + 4 * np.asarray(v.e).size for v in base.state.values())
-        self._static_bytes = model.arena_bytes + 4 * model.scratch_words + state
+        self._static_bytes = model.static_bytes
         self._lib = ctypes.CDLL(str(build_library(model.source, model.header)))
         self._lib.mexc_model_step.restype = ctypes.c_int32
         self._lib.mexc_model_step.argtypes = [

@@ -736,21 +736,30 @@ class CModel:
     state_names: tuple[str, ...]  # sorted, as the checksum hashes them
     arena_bytes: int
     scratch_words: int
+    state_bytes: int  # the state's RAM arrays (mantissas int8, exponents int32)
+
+    @property
+    def static_bytes(self) -> int:
+        """RAM of the generated step's static arrays: arena, scratch and state (the state's
+        initial values are const data, in flash on an MCU)."""
+        return self.arena_bytes + 4 * self.scratch_words + self.state_bytes
 
 
-def _state_decls(prog: Program) -> tuple[list[str], list[str]]:
-    decls, init = [], []
+def _state_decls(prog: Program) -> tuple[list[str], list[str], int]:
+    """Declarations and initialization of the state arrays, and their bytes of RAM."""
+    decls, init, ram = [], [], 0
     for name in sorted(prog.state):
         v = prog.state[name]
         cn = c_name(name)
-        ne = max(v.e.size, 1)
+        nm, ne = max(v.m.size, 1), max(v.e.size, 1)
         decls.append(_array("int8_t", f"{cn}_init", v.m))
         decls.append(_array("int32_t", f"{cn}_e_init", v.e))
-        decls.append(f"static int8_t {cn}[{max(v.m.size, 1)}];")
+        decls.append(f"static int8_t {cn}[{nm}];")
         decls.append(f"static int32_t {cn}_e[{ne}];")
         init.append(f"    copy8({cn}, {cn}_init, {v.m.size}u);")
         init.append(f"    copy32({cn}_e, {cn}_e_init, {ne}u);")
-    return decls, init
+        ram += nm + 4 * ne
+    return decls, init, ram
 
 
 def _checksum_body(prog: Program) -> list[str]:
@@ -815,7 +824,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
     for _, v in g.outputs:
         if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
             raise UnsupportedOpError("the C backend needs an integer-only program")
-    decls, init = _state_decls(prog)
+    decls, init, state_bytes = _state_decls(prog)
     o, opt = prog.options, prog.optimizer
     mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
     arena_bytes = max(mp.arena_bytes, 16)
@@ -886,4 +895,5 @@ def emit_model(prog: Program, steps: int) -> CModel:
             "",
         ]
     )
-    return CModel("\n".join(src), header, tuple(sorted(prog.state)), arena_bytes, scratch)
+    names = tuple(sorted(prog.state))
+    return CModel("\n".join(src), header, names, arena_bytes, scratch, state_bytes)
