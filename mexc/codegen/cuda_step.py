@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,7 @@ from mexc.codegen.cuda_schedule import Kernel, lower_kernels, promote_scratch, s
 from mexc.codegen.kernel_cache import build_entry
 from mexc.codegen.nvcc import compile_cubin
 from mexc.codegen.plan_core import is_gemm
-from mexc.codegen.step_plan import build_plan, distinct_kernels, plan_manifest
+from mexc.codegen.step_plan import Launch, StepPlan, build_plan, distinct_kernels, plan_manifest
 from mexc.codegen.workers import forked_map, split_symbols
 from mexc.cuda_program import ARCHS, FORMAT, PROGRAM_FILE
 from mexc.plan_layout import plan_layout
@@ -78,10 +79,7 @@ def build_step(
     module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
     kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
     manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
-    for i, launch in enumerate(plan.launches):  # scratch of its own per launch (arena-placed)
-        for name, shape, dtype in scratch[alias[launch.symbol]]:
-            manifest["buffers"][_scratch_name(i, name)] = [list(shape), dtype]
-    manifest["layout"] = plan_layout(manifest, [k[4] for k in manifest["kernels"]])
+    manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
     t1 = time.perf_counter()
     manifest["modules"] = _compile_modules([src for src, _ in parts], archs, out)
     manifest["gemm_kernels"] = sorted(
@@ -103,13 +101,22 @@ def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, An
     to CUDA or running nvcc: what bench/memory.py reports where no artifact is built. Equal to
     build_step's manifest["layout"] for the same program and budget."""
     plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
-    manifest = plan_manifest(plan)
+    return _layout(plan_manifest(plan), plan, lambda launch: promote_scratch(launch.func)[1])
+
+
+def _layout(
+    manifest: dict[str, Any],
+    plan: StepPlan,
+    scratch_of: Callable[[Launch], list[tuple[str, tuple, str]]],
+) -> dict[str, Any]:
+    """plan_layout of the GPU plan with every launch's own scratch (`scratch_of`: the global
+    intermediates its kernel allocates) added to the manifest's buffers."""
     args = []
     for i, launch in enumerate(plan.launches):
-        _, scratch = promote_scratch(launch.func)
-        names = [_scratch_name(i, name) for name, _, _ in scratch]
-        for name, (_, shape, dtype) in zip(names, scratch):
-            manifest["buffers"][name] = [list(shape), dtype]
+        names = []
+        for name, shape, dtype in scratch_of(launch):
+            names.append(_scratch_name(i, name))
+            manifest["buffers"][names[-1]] = [list(shape), dtype]
         args.append([*launch.args, *names])
     return plan_layout(manifest, args)
 

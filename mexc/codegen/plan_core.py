@@ -323,6 +323,23 @@ class PlanBuilder:
             views.append((ops[0], ops[1]))
         return Chunks(full, chunk, views)
 
+    def compact_unstored(
+        self,
+        n: Node,
+        site: int,
+        kernels: tuple[tirx.PrimFunc, tirx.PrimFunc],
+        inputs: tuple[str, ...],
+        out: str,
+    ) -> None:
+        """Result 0 of n (int8, into `out`) as a compaction (rounding site `site`) of a value
+        that is never stored: `kernels` are te_compaction.fused_compaction's shift (inputs ->
+        s, e_out) and apply (inputs, s, key -> m)."""
+        shift, apply = kernels
+        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
+        key = self.keys(n, (site,), f"key{site}")
+        self.launch(apply, (*inputs, s, key, out))
+
     def compacted_product(self, n: Node, ch: Chunks, e_in: str) -> None:
         """Result 0 of n = the compaction (site 0) of a product: on the host straight from the
         GEMM's C (no unpacked accumulator: `compact_from_c`), elsewhere as gemm + compact. A

@@ -261,11 +261,9 @@ class DenseRules(PlanBuilder):
             outs.append(out)
         by_phase = (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw)
         tag = f"n{n.id}_dx_merge"
-        shift, apply = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
-        s = self.buf(f"n{n.id}.s0", (1,), I32)
-        self.launch(shift, (*outs, e_acc, s, self.out_exp(n, 0)))
-        key = self.keys(n, (0,), "key0")
-        self.launch(apply, (*outs, e_acc, s, key, self.view(self.out(n, 0, I8), by_phase)))
+        kernels = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
+        out = self.view(self.out(n, 0, I8), by_phase)
+        self.compact_unstored(n, 0, kernels, (*outs, e_acc), out)
 
     def conv_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs

@@ -49,12 +49,8 @@ class NormRules(PlanBuilder):
         args: tuple[str, ...] = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
         args += (self.m[beta], self.e[beta], keys)
         # the affine sum is compacted without being stored: scan, then round (no int32 tensor)
-        tag = f"n{n.id}_bn_affine"
-        shift, apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, tag)
-        s = self.buf(f"n{n.id}.s4", (1,), I32)
-        self.launch(shift, (*args, s, self.out_exp(n, 0)))
-        key = self.keys(n, (4,), "key4")
-        self.launch(apply, (*args, s, key, self.ncs_view(self.out(n, 0, I8, xs), xs)))
+        affine = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine")
+        self.compact_unstored(n, 4, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))
         b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
         self.bn[n.id] = b
 

@@ -48,15 +48,11 @@ class PoolRules(PlanBuilder):
         keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
         # the sum is compacted without being stored: scan, then round (no int32 tensor)
         tag = f"n{n.id}_sum"
-        shift, apply = te_ops.aligned_sum_compaction(
-            rows, len(terms), self.bits, self.stochastic, tag
-        )
+        kernels = te_ops.aligned_sum_compaction(rows, len(terms), self.bits, self.stochastic, tag)
         ms = tuple(self.view(self.m[t], rows) for t in terms)
         args = (*ms, *(self.e[t] for t in terms), keys)
-        s = self.buf(f"n{n.id}.s{len(terms)}", (1,), I32)
-        self.launch(shift, (*args, s, self.out_exp(n, 0)))
-        key = self.keys(n, (len(terms),), f"key{len(terms)}")
-        self.launch(apply, (*args, s, key, self.view(self.out(n, 0, I8), rows)))
+        out = self.view(self.out(n, 0, I8), rows)
+        self.compact_unstored(n, len(terms), kernels, args, out)
 
     def dropout(self, n: Node) -> None:
         x = n.inputs[0]
