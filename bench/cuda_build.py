@@ -10,7 +10,7 @@ instructions in any GEMM kernel, floating-point instructions in any kernel (must
 GMACs of the step's products. ViT-tiny, whose transformer ops the step plan does not lower yet,
 builds its product kernels only (marked "products"). Writes bench/results/cuda_build.json.
 Needs nvcc and `pip install -e .[cuda-tools]`; no GPU. With --check it exits 1 when a build
-breaks the rules of mexc.codegen.cuda_verify (CI runs it for the models the test suite leaves
+breaks the rules of mexc.backends.cuda.sass_check (CI runs it for the models the test suite leaves
 out: SmallResNet, MobileNetV2Tiny, ResNet-18).
 """
 
@@ -32,10 +32,10 @@ import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
-from mexc.codegen.cuda_build import build_products, product_forms  # noqa: E402
-from mexc.codegen.cuda_step import build_step  # noqa: E402
-from mexc.codegen.cuda_verify import artifact_opcodes, verify_artifact  # noqa: E402
-from mexc.codegen.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes  # noqa: E402
+from mexc.backends.cuda.build import build_step  # noqa: E402
+from mexc.backends.cuda.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes  # noqa: E402
+from mexc.backends.cuda.products_build import build_products, product_forms  # noqa: E402
+from mexc.backends.cuda.sass_check import artifact_opcodes, verify_artifact  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {

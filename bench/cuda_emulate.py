@@ -5,7 +5,8 @@
 
 For each model it builds the CUDA artifact of the training step (sm_80, batch 2 by default: the
 emulator runs every thread of every kernel on one core) and trains `--steps` steps on one random
-batch through mexc.cuda_emulator, with blocks and threads in launch order and in reverse order,
+batch through mexc.backends.cuda.emulator, with blocks and threads in launch order and in reverse
+order,
 beside the reference interpreter. The table shows the build seconds, the emulated seconds per
 step and whether every step's loss and state checksum equal the reference's. Writes
 bench/results/cuda_emulate.json; with --check it exits 1 on any difference (CI runs it for the
@@ -29,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
-from mexc.codegen.cuda_step import build_step  # noqa: E402
-from mexc.cuda_emulator import ORDER_LAYOUT, compare  # noqa: E402
+from mexc.backends.cuda.build import build_step  # noqa: E402
+from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import FashionCNN  # noqa: E402
+from mexc.backends.reference.interp import StepEnv, execute, infer  # noqa: E402
 from mexc.data import batches, load_fashion_mnist  # noqa: E402
-from mexc.interp import StepEnv, execute, infer  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402
 from mexc.mx import RoundCtx  # noqa: E402
 from mexc.numerics import FixedScalar  # noqa: E402

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import FashionCNN  # noqa: E402
+from mexc.backends.reference.interp import StepEnv, execute  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
-from mexc.interp import StepEnv, execute  # noqa: E402
 from mexc.ir import Op  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402
 from mexc.mx import Acc, RoundCtx  # noqa: E402

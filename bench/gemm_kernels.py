@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 from kernel_timing import best_seconds  # noqa: E402  (bench/, the script's folder)
 
-from mexc.codegen import gemm_forms as gf  # noqa: E402
-from mexc.codegen.cpu_gemm import CpuGemm, cpu_gemm  # noqa: E402
-from mexc.codegen.tvm_llvm_products import host_cpu  # noqa: E402
+from mexc.backends.llvm.products import host_cpu  # noqa: E402
+from mexc.lowering import gemm_forms as gf  # noqa: E402
+from mexc.lowering.cpu_gemm import CpuGemm, cpu_gemm  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 # (what, M, K, Q): rows of A (output channels), depth, columns (batch x pixels or taps)

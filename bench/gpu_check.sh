@@ -17,4 +17,4 @@ if ((${#folders[@]} == 0)); then
     echo "no artifacts under $DIR: run python bench/make_gpu_artifacts.py first" >&2
     exit 2
 fi
-python3 -m mexc.cuda_check "${folders[@]}"
+python3 -m mexc.backends.cuda.check "${folders[@]}"

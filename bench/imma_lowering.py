@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 import tvm  # noqa: E402
 from tvm.s_tir.dlight.gpu.matmul import MatmulInt8Tensorization  # noqa: E402
 
-from mexc.codegen.cuda_products import cuda_source, schedule_gemm_dp4a  # noqa: E402
-from mexc.codegen.gemm_forms import gemm_func  # noqa: E402
+from mexc.backends.cuda.products import cuda_source, schedule_gemm_dp4a  # noqa: E402
+from mexc.lowering.gemm_forms import gemm_func  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 PIPELINE = ("software_pipeline_stage", "software_pipeline_order", "software_pipeline_async_stages")

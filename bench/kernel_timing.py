@@ -1,6 +1,6 @@
 """Shared by the kernel micro-benchmarks: the compiled step's threading and a best-of timer.
 
-Importing `mexc.codegen.tvm_llvm_step` sizes TVM's thread pool to every usable CPU, as the
+Importing `mexc.backends.llvm.step` sizes TVM's thread pool to every usable CPU, as the
 compiled training step runs; without it TVM starts hardware_concurrency / 2 threads, one on this
 two-core machine.
 """
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import mexc.codegen.tvm_llvm_step  # noqa: F401  (sets TVM_NUM_THREADS to the usable CPUs)
+import mexc.backends.llvm.step  # noqa: F401  (sets TVM_NUM_THREADS to the usable CPUs)
 
 
 def best_seconds(fn: Callable[..., Any], args: list, repeats: int) -> float:

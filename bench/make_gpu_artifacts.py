@@ -10,8 +10,9 @@
 - resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16.
 
 --emulate runs the first step of each checked artifact here through the CPU emulator of its own
-CUDA source (mexc.cuda_emulator) and fails unless its state checksum and every plan buffer equal
-the host twin's: the artifact carried to the GPU has then already run once, kernel by kernel.
+CUDA source (mexc.backends.cuda.emulator) and fails unless its state checksum and every plan
+buffer equal the host twin's: the artifact carried to the GPU has then already run once, kernel
+by kernel.
 Minutes per artifact (the Fashion CNN at batch 128 is the slow one).
 """
 
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
-from mexc.codegen.cuda_step import build_step  # noqa: E402
-from mexc.codegen.tvm_llvm_step import LlvmProgram  # noqa: E402
+from mexc.backends.cuda.build import build_step  # noqa: E402
+from mexc.backends.llvm.step import LlvmProgram  # noqa: E402
 
 # name: (model "module:Class", input shape, batch, check exactness, time it)
 TARGETS = {
@@ -67,7 +68,7 @@ def _expected(prog: mexc.Program, folder: Path, steps: int) -> dict:
 
 def _emulate_first_step(folder: Path, doc: dict) -> dict:
     """One step of the artifact through the CPU emulator, compared with the twin's results."""
-    from mexc.cuda_emulator import load_emulated
+    from mexc.backends.cuda.emulator import load_emulated
 
     emu = load_emulated(folder, layout="separate")  # buffer by buffer, as the twin
     batch = np.load(folder / "check.npz")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import DigitsCNN, FashionCNN  # noqa: E402
-from mexc.codegen.mcu_sizes import measure  # noqa: E402
+from mexc.backends.c.mcu_sizes import measure  # noqa: E402
 from mexc.data import load_digits, load_fashion_mnist  # noqa: E402
 
 CASES = {

@@ -13,7 +13,7 @@ For each model and batch (default 32 and 128):
 - `llvm`: the bytes the compiled CPU step allocates (its state region and arena; "-" where the
   model has an op llvm does not lower yet);
 - `c`: the static arrays of the generated C (arena, scratch, state), as an MCU links them;
-- `cuda`: the device bytes of the CUDA artifact's layout (mexc.codegen.cuda_step.device_layout:
+- `cuda`: the device bytes of the CUDA artifact's layout (mexc.backends.cuda.build.device_layout:
   state region, arena, kernel scratch), without nvcc;
 - with RSS (default on): the peak resident set per extra sample of a fresh process that trains
   3 steps with mexc (target "auto": llvm, or the reference where llvm does not lower the model;
@@ -46,8 +46,8 @@ import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
+from mexc.backends.reference.interp import value_bytes  # noqa: E402
 from mexc.fp32 import step_memory  # noqa: E402
-from mexc.interp import value_bytes  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
@@ -83,13 +83,13 @@ def reference_bytes(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> int:
 
 
 def c_bytes(prog: mexc.Program) -> int:
-    from mexc.codegen.c_program import emit_model
+    from mexc.backends.c.emit import emit_model
 
     return emit_model(prog, 1).static_bytes
 
 
 def cuda_bytes(prog: mexc.Program) -> int:
-    from mexc.codegen.cuda_step import device_layout
+    from mexc.backends.cuda.build import device_layout
 
     layout = device_layout(prog)
     return int(layout["state_bytes"] + layout["arena_bytes"])
@@ -130,7 +130,7 @@ def measure(name: str, batch: int, targets: list[str]) -> dict[str, Any]:
 
 
 def _llvm_bytes(prog: mexc.Program) -> int:
-    from mexc.codegen.tvm_llvm_step import LlvmProgram
+    from mexc.backends.llvm.step import LlvmProgram
 
     return int(LlvmProgram(prog.retargeted("llvm")).allocated_bytes()["host"])
 

@@ -22,11 +22,11 @@ import tvm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import mexc.codegen.tvm_llvm_step  # noqa: E402,F401  (sets TVM_NUM_THREADS to the usable CPUs)
-from mexc.codegen import gemm_forms as gf  # noqa: E402
-from mexc.codegen.cpu_gemm import cpu_gemm, swapped  # noqa: E402
-from mexc.codegen.te_products import ConvGeom  # noqa: E402
-from mexc.codegen.tvm_llvm_products import host_cpu  # noqa: E402
+import mexc.backends.llvm.step  # noqa: E402,F401  (sets TVM_NUM_THREADS to the usable CPUs)
+from mexc.backends.llvm.products import host_cpu  # noqa: E402
+from mexc.lowering import gemm_forms as gf  # noqa: E402
+from mexc.lowering.cpu_gemm import cpu_gemm, swapped  # noqa: E402
+from mexc.lowering.te_products import ConvGeom  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 GEOMETRIES = {

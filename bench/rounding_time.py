@@ -18,10 +18,10 @@ sys.path.insert(0, str(ROOT))
 
 from kernel_timing import best_seconds  # noqa: E402  (bench/, the script's folder)
 
+from mexc.backends.llvm.products import host_cpu  # noqa: E402
 from mexc.codegen import te_ops  # noqa: E402
-from mexc.codegen.cpu_gemm import schedule_parallel  # noqa: E402
-from mexc.codegen.te_compaction import compaction_apply  # noqa: E402
-from mexc.codegen.tvm_llvm_products import host_cpu  # noqa: E402
+from mexc.lowering.cpu_gemm import schedule_parallel  # noqa: E402
+from mexc.lowering.te_compaction import compaction_apply  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 

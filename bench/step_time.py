@@ -84,7 +84,7 @@ def measure(
         del again
         progs[target].step(x, y)  # warm up
     if baseline and "llvm" in progs:
-        from mexc.codegen.tvm_llvm_step import LlvmProgram
+        from mexc.backends.llvm.step import LlvmProgram
 
         t0 = time.perf_counter()
         ref = mexc.compile(model, (x,), target="reference")

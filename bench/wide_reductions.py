@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
-from mexc.codegen.tvm_llvm_step import LlvmProgram  # noqa: E402
+from mexc.backends.llvm.step import LlvmProgram  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, Any] = {**{k: v[0] for k, v in EXAMPLES.items()}, "ResNet18": ResNet18}

@@ -1,6 +1,7 @@
 """mexc: compile a float PyTorch model into an integer-only training program.
 
-The public names load lazily (PEP 562), so that `import mexc.cuda_runtime` or `mexc.numerics`
+The public names load lazily (PEP 562), so that `import mexc.backends.cuda.runtime` or
+`mexc.numerics`
 on a GPU or embedded-build machine does not pull in torch.fx, networkx or the trainer.
 """
 
@@ -20,8 +21,8 @@ from mexc.errors import (
 )
 
 if TYPE_CHECKING:
+    from mexc.backends.cuda.program import load_cuda
     from mexc.compiler import compile
-    from mexc.cuda_program import load_cuda
     from mexc.optim import SGD, Constant, Cosine, Step
     from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
     from mexc.program import Program, load
@@ -42,7 +43,7 @@ _LAZY = {
     "Timing": "mexc.pass_manager",
     "Program": "mexc.program",
     "load": "mexc.program",
-    "load_cuda": "mexc.cuda_program",
+    "load_cuda": "mexc.backends.cuda.program",
     "Trainer": "mexc.trainer",
 }
 

@@ -198,8 +198,8 @@ def _export(prog: Any, args: argparse.Namespace) -> None:
 
 
 def _export_cuda(prog: Any, args: argparse.Namespace) -> None:
-    from mexc.codegen.cuda_step import build_step
-    from mexc.cuda_runtime import ARCHS
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.runtime import ARCHS
 
     archs = tuple(a.strip() for a in args.arch.split(",") if a.strip())
     bad = [a for a in archs if a not in ARCHS]

@@ -97,7 +97,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     prog = Program(graph, state, opts, opt)
     prog.carry_memory_plan(ctx.results.get("memory_plan"))
     if target == "c":
-        from mexc.codegen.c_host import CProgram  # builds the generated C with the host cc
+        from mexc.backends.c.host import CProgram  # builds the generated C with the host cc
 
         return CProgram(prog, steps_hint=_steps_hint(opt))
     if target in ("llvm", "auto"):
@@ -111,11 +111,11 @@ def on_gpu(prog: Program) -> Program:
     """`prog` with its step compiled for the GPU of this machine (TVM and nvcc build the artifact
     into the kernel cache; CuPy runs it). A GPU machine without TVM runs an artifact built
     elsewhere: `mexc compile ... --target cuda --out DIR`, then `mexc.load_cuda(DIR)`."""
-    from mexc.cuda_program import CudaProgram, StepArtifact
-    from mexc.cuda_runtime import cupy_module
+    from mexc.backends.cuda.program import CudaProgram, StepArtifact
+    from mexc.backends.cuda.runtime import cupy_module
 
     cupy_module()  # a clear error before a minute of building, where CuPy is missing
-    from mexc.codegen.cuda_step import cached_artifact
+    from mexc.backends.cuda.build import cached_artifact
 
     folder = cached_artifact(prog)
     return CudaProgram(StepArtifact.load(folder), program=prog.retargeted("cuda"))
@@ -128,7 +128,7 @@ def on_host_backend(prog: Program, required: bool = True) -> Program:
     import sys
 
     try:
-        from mexc.codegen.tvm_llvm_step import LlvmProgram  # TVM builds the step for the host
+        from mexc.backends.llvm.step import LlvmProgram  # TVM builds the step for the host
     except ImportError as err:
         if required:
             raise

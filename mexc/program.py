@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mexc.backends.reference.interp import (
+    StepEnv,
+    execute,
+    infer,
+    last_uses,
+    needed_nodes,
+    value_bytes,
+)
 from mexc.errors import CheckpointError, InputError
-from mexc.interp import StepEnv, execute, infer, last_uses, needed_nodes, value_bytes
 from mexc.ir import Graph, Op
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import FixedScalar, state_checksum
@@ -276,7 +283,7 @@ class Program:
         Step k uses samples k*B .. k*B+B-1 (wrapping around `data`), so
         `replay(data, steps)` on the reference reproduces its final STATE line.
         """
-        from mexc.codegen.c_project import export_project
+        from mexc.backends.c.project import export_project
 
         if data is None:
             raise ValueError("export needs data=(x, y) to embed in the project")
@@ -286,7 +293,7 @@ class Program:
     def replay(self, data: tuple[Any, Any], steps: int) -> list[float]:
         """Train `steps` steps in the order an exported project does (its k-th step uses samples
         k*B .. k*B+B-1 of `data`, wrapping around); returns the losses."""
-        from mexc.codegen.c_project import replay_indices
+        from mexc.backends.c.project import replay_indices
 
         x, y = _as_numpy(data[0], "x"), _as_numpy(data[1], "y")
         return [

@@ -1,4 +1,4 @@
-"""Exact int64 numpy references for the product kernels of mexc.codegen.te_products, and the
+"""Exact int64 numpy references for the product kernels of mexc.lowering.te_products, and the
 cases the codegen tests run. Written tap by tap (gather for the forward and weight gradient,
 scatter for the input gradient) so they share no index algebra with the TE definitions."""
 

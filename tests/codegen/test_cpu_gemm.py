@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tvm
 
-from mexc.codegen import gemm_forms as gf
-from mexc.codegen.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm
-from mexc.codegen.tvm_llvm_products import host_cpu
+from mexc.backends.llvm.products import host_cpu
+from mexc.lowering import gemm_forms as gf
+from mexc.lowering.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm
 
 needs_avx2 = pytest.mark.skipif(
     host_cpu().gemm_kernel != "avx2_i8", reason="the byte-product kernel needs an AVX2 host"

@@ -1,4 +1,4 @@
-"""The CPU emulator of TVM's CUDA (mexc.cuda_emulator): its CUDA built-ins on hand-written
+"""The CPU emulator of TVM's CUDA (mexc.backends.cuda.emulator): its CUDA built-ins on hand-written
 kernels in TVM's style, against numpy. The whole-step check is in test_cuda_step.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from mexc.cuda_emulator import EmulatedModule, _allocate, guards_intact
+from mexc.backends.cuda.emulator import EmulatedModule, _allocate, guards_intact
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 

@@ -17,13 +17,7 @@ from product_refs import all_cases, rand_int8, reference
 
 import mexc
 from examples.vit import ViTTiny
-from mexc.codegen import gemm_forms as gf
-from mexc.codegen.cuda_build import (
-    build_products,
-    product_forms,
-    run_form_on_host,
-)
-from mexc.codegen.nvcc import (
+from mexc.backends.cuda.nvcc import (
     ARCHS,
     ToolchainError,
     find_tool,
@@ -31,6 +25,12 @@ from mexc.codegen.nvcc import (
     integer_mma,
     sass_opcodes,
 )
+from mexc.backends.cuda.products_build import (
+    build_products,
+    product_forms,
+    run_form_on_host,
+)
+from mexc.lowering import gemm_forms as gf
 
 
 def _tools_present() -> bool:

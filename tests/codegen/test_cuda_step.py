@@ -31,9 +31,9 @@ from test_cuda_products import CUDA_TOOLS_REASON, SKIP_CUDA_TOOLS, needs_cuda_to
 
 import mexc
 from examples.models import EXAMPLES
-from mexc.codegen.nvcc import ARCHS
-from mexc.codegen.tvm_llvm_step import LlvmProgram
-from mexc.cuda_runtime import ArtifactError
+from mexc.backends.cuda.nvcc import ARCHS
+from mexc.backends.cuda.runtime import ArtifactError
+from mexc.backends.llvm.step import LlvmProgram
 from mexc.errors import MexcError
 from mexc.numerics import stream_keys
 from tests.compiler.test_fuzz import models as random_models
@@ -90,8 +90,8 @@ def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mex
     folder, the first builds it under a lock, the others wait and reuse it."""
     if SKIP_CUDA_TOOLS:
         pytest.skip(CUDA_TOOLS_REASON)
+    from mexc.backends.cuda.program import StepArtifact
     from mexc.cli import main
-    from mexc.cuda_program import StepArtifact
 
     base = tmp_path_factory.getbasetemp()  # under xdist, its parent is the run's, shared
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
@@ -110,7 +110,7 @@ def digits_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mex
 
 
 def _check_artifact(out: Path, manifest: dict) -> None:
-    from mexc.codegen.cuda_verify import verify_artifact
+    from mexc.backends.cuda.sass_check import verify_artifact
 
     assert manifest["gemm"] == "imma" and set(manifest["archs"]) == set(ARCHS)
     assert verify_artifact(out, manifest) == []
@@ -120,7 +120,7 @@ def _check_artifact(out: Path, manifest: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_models_build_for_both_archs_integer_only(name: str, tmp_path: Path) -> None:
-    from mexc.codegen.cuda_step import build_step
+    from mexc.backends.cuda.build import build_step
 
     cls, shape = MODELS[name]
     manifest = build_step(_program(cls, 128, shape), ARCHS, tmp_path)
@@ -135,7 +135,7 @@ def test_artifact_loads_without_tvm_torch_or_networkx(digits_artifact) -> None:
     code = (
         "import sys\n"
         "for m in ('tvm', 'torch', 'networkx'): sys.modules[m] = None  # imports now fail\n"
-        "from mexc.cuda_program import StepArtifact\n"
+        "from mexc.backends.cuda.program import StepArtifact\n"
         f"art = StepArtifact.load({str(out)!r})\n"
         "print(art.archs, art.arch_for('90'), art.arch_for('86'), art.program.state_checksum())\n"
     )
@@ -148,7 +148,7 @@ def test_artifact_loads_without_tvm_torch_or_networkx(digits_artifact) -> None:
 
 @needs_cuda_tools
 def test_artifact_arch_choice_follows_binary_compatibility(digits_artifact) -> None:
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.program import StepArtifact
 
     art = StepArtifact.load(digits_artifact[0])
     assert [art.arch_for(cc) for cc in ("80", "86", "89", "90")] == ["sm_80"] * 3 + ["sm_90"]
@@ -167,7 +167,7 @@ def _tampered(src: Path, dst: Path, edit) -> Path:
 
 @needs_cuda_tools
 def test_corrupt_artifacts_are_refused(digits_artifact, tmp_path: Path) -> None:
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.program import StepArtifact
 
     src = digits_artifact[0]
 
@@ -226,7 +226,7 @@ def test_running_without_cupy_is_a_clear_error(digits_artifact) -> None:
         pytest.skip("CuPy is installed")
     except ImportError:
         pass
-    from mexc.cuda_program import load_cuda
+    from mexc.backends.cuda.program import load_cuda
 
     with pytest.raises(MexcError, match="CuPy"):
         load_cuda(digits_artifact[0])
@@ -236,7 +236,7 @@ def test_running_without_cupy_is_a_clear_error(digits_artifact) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _have_gpu(), reason="needs CuPy and an NVIDIA GPU")
 def test_gpu_training_is_bit_exact(digits_artifact) -> None:  # pragma: no cover - GPU only
-    from mexc.cuda_program import StepArtifact, load_cuda
+    from mexc.backends.cuda.program import StepArtifact, load_cuda
 
     out, _ = digits_artifact
     ref = StepArtifact.load(out).program  # the reference executor on the artifact's program
@@ -253,8 +253,8 @@ def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool, lay
     """The artifact's own CUDA source and launch list, emulated on the CPU (blocks and threads
     in either order; in the GPU runtime's state region and arena, or one guarded allocation per
     buffer), train as the reference does."""
-    from mexc.cuda_emulator import load_emulated
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.emulator import load_emulated
+    from mexc.backends.cuda.program import StepArtifact
 
     out, _ = digits_artifact
     emu = load_emulated(out, reverse=reverse, layout=layout)
@@ -269,9 +269,9 @@ def test_emulated_cuda_training_is_bit_exact(digits_artifact, reverse: bool, lay
 def test_emulated_cuda_of_random_models_is_bit_exact(model, seed: int) -> None:
     """Random conv / BN / pooling / residual / head models: the CUDA step they build (sm_80,
     batch 2) trains as the reference does when emulated, in reverse order."""
-    from mexc.codegen.cuda_step import build_step
-    from mexc.cuda_emulator import EmulatedCudaProgram
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import EmulatedCudaProgram
+    from mexc.backends.cuda.program import StepArtifact
 
     with tempfile.TemporaryDirectory() as out:
         build_step(_program(model, 2, (1, 8, 8), seed), ("sm_80",), out)
@@ -282,7 +282,7 @@ def test_emulated_cuda_of_random_models_is_bit_exact(model, seed: int) -> None:
 
 @needs_cuda_tools
 def test_cli_writes_a_checked_cuda_artifact(digits_artifact) -> None:
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.program import StepArtifact
 
     out, prog = digits_artifact
     printed = (out.parent / "digits-cuda.out").read_text()
@@ -294,7 +294,7 @@ def test_cli_writes_a_checked_cuda_artifact(digits_artifact) -> None:
 
 
 def test_gpu_check_names_the_first_buffer_written_wrong() -> None:
-    from mexc.cuda_check import first_difference
+    from mexc.backends.cuda.check import first_difference
 
     kernels = [
         [0, "k0", [1, 1, 1], [1, 1, 1], ["x", "a"]],
@@ -386,7 +386,7 @@ class _FakeCupy:
 
 @needs_cuda_tools
 def test_cuda_runtime_host_logic_on_a_fake_cupy(digits_artifact, monkeypatch) -> None:
-    import mexc.cuda_program as cuda_program
+    import mexc.backends.cuda.program as cuda_program
 
     out, prog = digits_artifact
     fake = _FakeCupy()
@@ -423,8 +423,8 @@ def test_cuda_runtime_host_logic_on_a_fake_cupy(digits_artifact, monkeypatch) ->
 
 @needs_cuda_tools
 def test_the_verifier_finds_float_in_a_kernel_source(digits_artifact, tmp_path: Path) -> None:
-    from mexc.codegen.cuda_verify import verify_artifact
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.program import StepArtifact
+    from mexc.backends.cuda.sass_check import verify_artifact
 
     bad = tmp_path / "bad"
     shutil.copytree(digits_artifact[0], bad)
@@ -440,8 +440,8 @@ def test_the_verifier_finds_float_in_a_kernel_source(digits_artifact, tmp_path: 
 def test_device_layout_without_a_build_is_the_artifacts(digits_artifact) -> None:
     """bench/memory.py's CUDA figures come from device_layout: the very layout of the built
     artifact, scratch included."""
-    from mexc.codegen.cuda_step import device_layout
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.build import device_layout
+    from mexc.backends.cuda.program import StepArtifact
 
     out, _ = digits_artifact
     man = StepArtifact.load(out).manifest
@@ -456,9 +456,9 @@ def test_emulated_cuda_pre_shift_of_wide_reductions_is_bit_exact(tmp_path: Path)
     """A weight gradient and a batch-norm dgamma over 147456 > 2^17 terms: the artifact's own
     CUDA source pre-shifts their operands (sites 3 and 7) and trains as the reference does, in
     the GPU layout and in reverse order with a guarded allocation per buffer."""
-    from mexc.codegen.cuda_step import build_step
-    from mexc.cuda_emulator import load_emulated
-    from mexc.cuda_program import StepArtifact
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import load_emulated
+    from mexc.backends.cuda.program import StepArtifact
     from tests.codegen.test_plan_layout import WideReductions
 
     prog = _program(WideReductions, 64, (1, 48, 48))

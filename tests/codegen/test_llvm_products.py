@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from product_refs import all_cases, rand_int8, reference
 
-from mexc.codegen import te_products
-from mexc.codegen.tvm_llvm_products import compile_product, host_cpu, parse_cpuinfo
+from mexc.backends.llvm.products import compile_product, host_cpu, parse_cpuinfo
+from mexc.lowering import te_products
 
 CASES = all_cases()
 BUILDERS = {**te_products.CONV_PRODUCTS, **te_products.LINEAR_PRODUCTS}

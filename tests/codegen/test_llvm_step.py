@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mexc
-from mexc.codegen import tvm_llvm_step
-from mexc.codegen.tvm_llvm_products import HostCpu
+from mexc.backends.llvm import step as llvm_step
+from mexc.backends.llvm.products import HostCpu
 from mexc.errors import UnsupportedOpError
 from tests.compiler.helpers import EXAMPLES
 from tests.compiler.test_fuzz import models as random_models
@@ -82,7 +82,7 @@ def test_random_models_bit_exact(model: nn.Module, seed: int) -> None:
 
 
 def test_second_compile_comes_from_the_cache_and_the_key_follows_the_program(tmp_path, monkeypatch):
-    monkeypatch.setattr(tvm_llvm_step, "CACHE", tmp_path)
+    monkeypatch.setattr(llvm_step, "CACHE", tmp_path)
     cls, shape = EXAMPLES["MLP"]
     _pair(cls, 8, shape)
     assert len(list(tmp_path.glob("llvm-*/plan.json"))) == 1
@@ -110,7 +110,7 @@ def test_unsupported_op_names_the_node_and_the_way_out() -> None:
 
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
     first, second = tmp_path / "a", tmp_path / "b"
-    monkeypatch.setattr(tvm_llvm_step, "CACHE", first)
+    monkeypatch.setattr(llvm_step, "CACHE", first)
     cls, shape = EXAMPLES["MLP"]
     ref, _ = _pair(cls, 8, shape)
     (entry,) = first.glob("llvm-*")
@@ -118,7 +118,7 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
     shutil.copytree(entry, damaged)
     for part in damaged.glob("part*.so"):
         part.write_bytes(b"not a shared library")
-    monkeypatch.setattr(tvm_llvm_step, "CACHE", second)
+    monkeypatch.setattr(llvm_step, "CACHE", second)
     _, llvm = _pair(cls, 8, shape)
     assert "rebuilding the damaged cache entry" in capsys.readouterr().err
     x = np.random.default_rng(0).standard_normal((8, *shape)).astype(np.float32)
@@ -163,7 +163,7 @@ def test_the_int32_gemm_of_hosts_without_avx2_is_bit_exact_too() -> None:
     assert (sse.gemm_kernel, sse.lanes32) == ("int32", 4)
     torch.manual_seed(0)
     ref = mexc.compile(_StridedConvs(), (torch.zeros(3, 1, 16, 16),), optimizer=_optimizer())
-    llvm = tvm_llvm_step.LlvmProgram(ref.retargeted("llvm"), cpu=sse)
+    llvm = llvm_step.LlvmProgram(ref.retargeted("llvm"), cpu=sse)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
     _assert_same_training(ref, llvm, x, np.array([2, 0, 7]), steps=2)

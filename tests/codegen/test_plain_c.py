@@ -15,8 +15,9 @@ import pytest
 import torch
 from product_refs import CONV_CASES, Conv, all_cases, rand_int8, reference
 
-from mexc.codegen import plain_c, te_products
-from mexc.codegen.plain_c import PlainCError, emit_plain_c
+from mexc.backends.c import plain_c
+from mexc.backends.c.plain_c import PlainCError, emit_plain_c
+from mexc.lowering import te_products
 
 CASES = all_cases()
 HOST_CFLAGS = ["-O2", "-shared", "-fPIC", "-std=c99", "-Wall", "-Wextra", "-Werror"]

@@ -1,4 +1,5 @@
-"""The launch-plan layout: one state region and one lifetime-planned arena (mexc.plan_layout),
+"""The launch-plan layout: one state region and one lifetime-planned arena
+(mexc.backends.plan_layout),
 the allocator behind it (mexc.arena), and what the llvm backend really allocates."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import mexc
 from examples.models import DigitsCNN
 from mexc.arena import overlaps, place
-from mexc.plan_layout import check_layout, lifetimes, plan_layout, separate_bytes
+from mexc.backends.plan_layout import check_layout, lifetimes, plan_layout, separate_bytes
 
 I32 = "int32"
 
@@ -111,7 +112,7 @@ def test_the_reference_reports_its_live_values_after_a_step() -> None:
 
 def _trains_like_reference(model: torch.nn.Module, batch: int, shape: tuple, **kw) -> None:
     """The llvm program LlvmProgram(**kw) of `model` trains 3 steps as the reference does."""
-    from mexc.codegen.tvm_llvm_step import LlvmProgram
+    from mexc.backends.llvm.step import LlvmProgram
 
     x = np.random.default_rng(2).standard_normal((batch, *shape)).astype(np.float32)
     y = np.arange(batch) % 10
@@ -126,7 +127,7 @@ def _trains_like_reference(model: torch.nn.Module, batch: int, shape: tuple, **k
 def test_products_in_batch_chunks_train_bit_exact(plan_device: str) -> None:
     """With a pack budget of 4 KiB every convolution (forward, input and weight gradient) runs
     over chunks of the batch, on the host plan and on the GPU plan (run on the host)."""
-    from mexc.codegen.step_plan import build_plan
+    from mexc.lowering.step_plan import build_plan
 
     torch.manual_seed(0)
     model = DigitsCNN()
@@ -155,7 +156,7 @@ class WideReductions(torch.nn.Module):
 
 @pytest.mark.parametrize("plan_device", ["cpu", "gpu"])
 def test_reductions_that_need_a_pre_shift_train_bit_exact(plan_device: str) -> None:
-    from mexc.codegen.step_plan import build_plan
+    from mexc.lowering.step_plan import build_plan
 
     torch.manual_seed(0)
     model = WideReductions()
@@ -169,7 +170,7 @@ def test_buffer_digests_cover_the_state_in_the_arena_and_every_buffer_when_separ
     """Arena bytes are shared, so an arena program digests its state region only; a program
     with an allocation per buffer (the diagnosis layout) digests every buffer, and trains the
     same bits."""
-    from mexc.codegen.tvm_llvm_step import LlvmProgram
+    from mexc.backends.llvm.step import LlvmProgram
 
     torch.manual_seed(0)
     x = np.random.default_rng(1).standard_normal((8, 1, 8, 8)).astype(np.float32)

@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_cuda_products import needs_cuda_tools
 
-from mexc.codegen.cuda_products import cuda_source
-from mexc.codegen.cuda_schedule import schedule_gpu
-from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
-from mexc.codegen.te_compaction import compaction_apply, compaction_shift
+from mexc.backends.cuda.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.backends.cuda.products import cuda_source
+from mexc.backends.cuda.schedule import schedule_gpu
+from mexc.lowering.te_compaction import compaction_apply, compaction_shift
 from mexc.numerics import compact, shift_signed, stream_key
 
 _BUILT: dict[tuple, tvm.runtime.Module] = {}

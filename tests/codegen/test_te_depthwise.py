@@ -9,9 +9,9 @@ import pytest
 import torch
 import tvm
 
-from mexc.codegen import te_depthwise
-from mexc.codegen.te_products import ConvGeom
-from mexc.codegen.tvm_llvm_products import host_cpu
+from mexc.backends.llvm.products import host_cpu
+from mexc.lowering import te_depthwise
+from mexc.lowering.te_products import ConvGeom
 
 
 def _run(func, *arrays: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:

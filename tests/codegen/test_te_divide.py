@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from test_cuda_products import needs_cuda_tools
 from tvm import te
 
-from mexc.codegen.cuda_products import cuda_source
-from mexc.codegen.cuda_schedule import schedule_gpu
-from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
-from mexc.codegen.te_divide import idiv_round, lower_divisions
-from mexc.cuda_runtime import ARCHS
+from mexc.backends.cuda.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.backends.cuda.products import cuda_source
+from mexc.backends.cuda.runtime import ARCHS
+from mexc.backends.cuda.schedule import schedule_gpu
+from mexc.lowering.te_divide import idiv_round, lower_divisions
 from mexc.numerics import idiv_round as ref_idiv_round
 
 N = 64

@@ -9,12 +9,10 @@ import pytest
 import tvm
 from test_cuda_products import needs_cuda_tools
 
-from mexc.codegen import te_ops
-from mexc.codegen.cuda_products import cuda_source
-from mexc.codegen.cuda_schedule import schedule_gpu
-from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
-from mexc.codegen.te_compaction import compaction_apply, compaction_shift
-from mexc.cuda_runtime import ARCHS
+from mexc.backends.cuda.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.backends.cuda.products import cuda_source
+from mexc.backends.cuda.runtime import ARCHS
+from mexc.backends.cuda.schedule import schedule_gpu
 from mexc.kernels import (
     grad_sum,
     maxpool2d_backward,
@@ -25,6 +23,8 @@ from mexc.kernels import (
     softmax_ce_forward,
 )
 from mexc.kernels.loss import GRAD_EXP
+from mexc.lowering import te_ops
+from mexc.lowering.te_compaction import compaction_apply, compaction_shift
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import EXP_TABLE
 

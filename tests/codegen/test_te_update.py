@@ -11,11 +11,11 @@ import pytest
 import tvm
 from test_cuda_products import needs_cuda_tools
 
-from mexc.codegen.cuda_products import cuda_source
-from mexc.codegen.cuda_schedule import schedule_gpu
-from mexc.codegen.nvcc import compile_cubin, float_opcodes, sass_opcodes
-from mexc.codegen.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
-from mexc.cuda_runtime import ARCHS
+from mexc.backends.cuda.nvcc import compile_cubin, float_opcodes, sass_opcodes
+from mexc.backends.cuda.products import cuda_source
+from mexc.backends.cuda.runtime import ARCHS
+from mexc.backends.cuda.schedule import schedule_gpu
+from mexc.lowering.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
 from mexc.numerics import FixedScalar, UpdateConfig, sgd_momentum_update, update_keys
 
 DEV = tvm.cpu()

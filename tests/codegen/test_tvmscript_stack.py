@@ -1,4 +1,4 @@
-"""The light inspect.stack given to TVMScript's prim_func (mexc/codegen/tvmscript_stack.py)."""
+"""The light inspect.stack given to TVMScript's prim_func (mexc/lowering/tvmscript_stack.py)."""
 # mypy: disable-error-code="valid-type"
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import inspect
 import tvm_ffi
 from tvm.script import tirx as T
 
-from mexc.codegen import tvmscript_stack
-from mexc.codegen.tvmscript_stack import FULL_FRAMES, _InspectWithLightStack
+from mexc.lowering import tvmscript_stack
+from mexc.lowering.tvmscript_stack import FULL_FRAMES, _InspectWithLightStack
 
 
 def _both() -> tuple[list[inspect.FrameInfo], list[inspect.FrameInfo]]:

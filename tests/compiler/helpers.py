@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mexc
-from mexc.interp import StepEnv, execute
+from mexc.backends.reference.interp import StepEnv, execute
 from mexc.ir import Op
 from mexc.mx import RoundCtx
 from mexc.numerics import FixedScalar

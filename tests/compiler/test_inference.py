@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import mexc
-from mexc.interp import StepEnv, execute
+from mexc.backends.reference.interp import StepEnv, execute
 from mexc.kernels import conv2d_accumulate, conv2d_forward, linear_accumulate, linear_forward
 from mexc.mx import MX, RoundCtx
 

@@ -92,8 +92,8 @@ def test_pool_dropout_slice_bit_exact() -> None:
 
 
 def test_every_executor_op_has_a_c_rule() -> None:
-    from mexc.codegen.c_program import RULES as C_RULES
-    from mexc.interp import RULES as REF_RULES
+    from mexc.backends.c.emit import RULES as C_RULES
+    from mexc.backends.reference.interp import RULES as REF_RULES
 
     assert set(REF_RULES) <= set(C_RULES), sorted(op.value for op in set(REF_RULES) - set(C_RULES))
 

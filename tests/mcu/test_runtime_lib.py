@@ -20,7 +20,7 @@ import pytest
 from mexc.mx import RoundCtx
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNTIME = ROOT / "runtime"
+RUNTIME = ROOT / "mexc" / "backends" / "c" / "runtime"
 # the library part of runtime/ (the training driver and board files need generated headers)
 LIB_SOURCES = ("mexc_numerics.c", "mexc_update.c", "mexc_tables.c", "mexc_kernels_*.c")
 CFLAGS = ["-O2", "-shared", "-fPIC", "-std=c99", "-Wall", "-Wextra", "-Werror"]

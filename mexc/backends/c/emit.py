@@ -1,0 +1,899 @@
+"""Emit the training step of a program as plain C99 calling the mexc runtime (runtime/).
+
+The generated `model.c` holds the persistent state (mantissas and exponents, initialized from
+const arrays that live in flash), one static arena laid out by plan-memory, the per-step learning
+rate table, and `mexc_model_step`, a straight-line sequence of runtime kernel calls, one rule per
+IR op. No float type, no heap, no recursion.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Graph, Node, Op, Value
+from mexc.kernels.elementwise import _keep_threshold, dropout_scale
+from mexc.kernels.norm import _eps_fixed
+from mexc.mx import SITES_PER_NODE
+from mexc.numerics import FixedScalar, product_cap
+from mexc.program import Program
+from mexc.types import Exp, Kind
+
+
+def c_name(name: str) -> str:
+    return "s_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def _fit_scratch(n: int, k: int) -> int:
+    return (n + 3) // 4 if product_cap(k, 8) < 0 else 0
+
+
+def _array(ctype: str, name: str, values: np.ndarray, const: bool = True) -> str:
+    flat = np.asarray(values).ravel()
+    body = ",".join(str(int(v)) for v in flat) or "0"
+    rows = re.sub(r"((?:[^,]*,){32})", "\\1\n  ", body)
+    qual = "static const " if const else "static "
+    return f"{qual}{ctype} {name}[{max(flat.size, 1)}] = {{\n  {rows}}};"
+
+
+@dataclass
+class _Emit:
+    g: Graph
+    prog: Program
+    offsets: dict[Value, int]
+    lines: list[str] = field(default_factory=list)
+    statics: list[str] = field(default_factory=list)
+    ptr: dict[Value, str] = field(default_factory=dict)  # C expression of the mantissa / data
+    exp: dict[Value, str] = field(default_factory=dict)  # C expression of the exponent (scalar)
+    exp_ptr: dict[Value, str] = field(default_factory=dict)  # exponent array (state)
+    scratch_words: int = 0
+    bn_saved: dict[int, str] = field(default_factory=dict)
+
+    def shape(self, v: Value) -> tuple[int, ...]:
+        return tuple(self.g.type_of(v).shape)
+
+    def numel(self, v: Value) -> int:
+        return int(np.prod(self.shape(v), dtype=np.int64))
+
+    def arena(self, v: Value, ctype: str) -> str:
+        expr = f"(({ctype} *)(arena + {self.offsets[v]}))"
+        self.ptr[v] = expr
+        return expr
+
+    def local_exp(self, v: Value) -> str:
+        name = f"e{v.node}_{v.index}"
+        self.lines.append(f"    int32_t {name};")
+        self.exp[v] = name
+        return name
+
+    def need(self, words: int) -> None:
+        self.scratch_words = max(self.scratch_words, words)
+
+    def emit(self, code: str) -> None:
+        self.lines.append("    " + code)
+
+
+def _tid(n: Node) -> int:
+    return int(n.attrs.rid) * SITES_PER_NODE
+
+
+def _x(e: _Emit, n: Node, i: int) -> tuple[str, str]:
+    v = n.inputs[i]
+    return e.ptr[v], e.exp[v]
+
+
+def _state(e: _Emit, n: Node) -> None:
+    name = c_name(str(n.attrs.name))
+    e.ptr[n.out] = name
+    e.exp_ptr[n.out] = name + "_e"
+    e.exp[n.out] = name + "_e[0]"
+
+
+def _label(e: _Emit, n: Node) -> None:
+    e.ptr[n.out] = "y"
+
+
+def _quantize(e: _Emit, n: Node) -> None:
+    e.ptr[n.out] = "x"
+    e.exp[n.out] = "x_e"
+
+
+def _conv_geom(e: _Emit, n: Node, x: Value, w: Value) -> str:
+    a = n.attrs
+    nn, c, h, wd = e.shape(x)
+    o, _, kh, kw = e.shape(w)
+    g = f"g{n.id}"
+    e.emit(f"mexc_conv_t {g};")
+    e.emit(
+        f"mexc_conv_init(&{g}, {nn}, {c}, {h}, {wd}, {o}, {kh}, {kw}, {a.stride[0]}, "
+        f"{a.stride[1]}, {a.padding[0]}, {a.padding[1]}, {a.groups});"
+    )
+    return g
+
+
+def _conv(e: _Emit, n: Node) -> None:
+    g = _conv_geom(e, n, n.inputs[0], n.inputs[1])
+    (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
+    y = e.arena(n.out, "int8_t")
+    nn, c, h, wd = e.shape(n.inputs[0])
+    k = c // n.attrs.groups * e.shape(n.inputs[1])[2] * e.shape(n.inputs[1])[3]
+    e.need(_fit_scratch(nn * c * h * wd, k))
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_conv2d_forward(&{g}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _linear(e: _Emit, n: Node) -> None:
+    (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
+    nn, k = _rows2(e.shape(n.inputs[0]))
+    o = e.shape(n.inputs[1])[0]
+    e.need(_fit_scratch(nn * k, k))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_linear_forward({nn}, {k}, {o}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, "
+        f"&ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _rows2(shape: tuple[int, ...]) -> tuple[int, int]:
+    """[..., K] -> (rows, K): linear layers act on the last axis (interp._rows)."""
+    return int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
+
+
+def _ncs(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    s = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
+    return shape[0], shape[1], s
+
+
+def _batchnorm(e: _Emit, n: Node) -> None:
+    (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
+    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    sv = f"bn{n.id}"
+    arrays = " ".join(
+        f"static int32_t {sv}_{f}[{c}];"
+        for f in ("rstd", "rstd_e", "mean", "var", "var_u", "var_e")
+    )
+    e.statics.append(arrays)
+    e.statics.append(f"static mexc_bn_saved_t {sv};")
+    e.bn_saved[n.id] = sv
+    xhat = e.arena(n.result(1), "int8_t")
+    e.need(6 * c)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    eps = _eps_fixed(float(n.attrs.eps))
+    e.emit(
+        f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e; "
+        f"{sv}.mean = {sv}_mean; {sv}.var = {sv}_var; {sv}.var_u = {sv}_var_u; "
+        f"{sv}.var_e = {sv}_var_e;"
+    )
+    e.emit(
+        f"{ey} = mexc_batchnorm_forward_train({nn}, {c}, {s}, {x}, {ex}, {gm}, {eg}, {bt}, "
+        f"{eb}, (mexc_fixed_t){{{eps.num}, {eps.shift}}}, {y}, &{sv}, &ctx, {_tid(n)}u, "
+        "scratch);"
+    )
+
+
+def _relu(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_relu_forward({x}, {y}, {e.numel(n.out)}u);")
+
+
+def _pool_geom(e: _Emit, n: Node, x_shape: tuple[int, ...]) -> str:
+    a = n.attrs
+    nn, c, h, w = x_shape
+    p = f"p{n.id}"
+    e.emit(f"mexc_pool_t {p};")
+    e.emit(
+        f"mexc_pool_init(&{p}, {nn}, {c}, {h}, {w}, {a.kernel[0]}, {a.kernel[1]}, "
+        f"{a.stride[0]}, {a.stride[1]}, {a.padding[0]}, {a.padding[1]});"
+    )
+    return p
+
+
+def _maxpool(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    p = _pool_geom(e, n, e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    arg = e.arena(n.result(1), "uint8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_maxpool2d_forward(&{p}, {x}, {y}, {arg});")
+
+
+def _reshape(e: _Emit, n: Node) -> None:
+    # a copy, not an alias: the plan gives the result its own lifetime and arena slot
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"copy8({y}, {x}, {e.numel(n.out)}u);")
+
+
+def _softmax_ce(e: _Emit, n: Node) -> None:
+    z, ez = _x(e, n, 0)
+    nn, k = e.shape(n.inputs[0])
+    probs = e.arena(n.out, "uint8_t")
+    e.emit(
+        f"loss = mexc_softmax_ce_forward({nn}, {k}, {z}, {ez}, y, {nn}, {probs}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _softmax_ce_grad(e: _Emit, n: Node) -> None:
+    probs = e.ptr[n.inputs[0]]
+    nn, k = e.shape(n.out)
+    dx = e.arena(n.out, "int8_t")
+    ed = e.local_exp(n.out)
+    e.emit(f"{ed} = mexc_softmax_ce_backward({nn}, {k}, {probs}, y, {nn}, {dx}, &ctx, {_tid(n)}u);")
+
+
+def _linear_grad_weight(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    nn, o = _rows2(e.shape(n.inputs[0]))
+    k = e.shape(n.inputs[1])[-1]
+    e.need(_fit_scratch(nn * o, nn))
+    dw = e.arena(n.out, "int32_t")
+    ew = e.local_exp(n.out)
+    e.emit(
+        f"{ew} = mexc_linear_backward_weight({nn}, {k}, {o}, {dy}, {ed}, {x}, {ex}, {dw}, "
+        f"&ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _linear_grad_input(e: _Emit, n: Node) -> None:
+    (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    nn, o = _rows2(e.shape(n.inputs[0]))
+    k = e.shape(n.inputs[1])[1]
+    e.need(_fit_scratch(nn * o, o))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_linear_backward_input({nn}, {k}, {o}, {dy}, {ed}, {w}, {ew}, {dx}, "
+        f"&ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _bias_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    shape = e.shape(n.inputs[0])
+    keep = [i for i in range(len(shape)) if i not in {a % len(shape) for a in n.attrs.axes}]
+    if len(keep) != 1:
+        raise UnsupportedOpError(f"bias_grad over axes {n.attrs.axes} of {shape}")
+    nn = int(np.prod(shape[: keep[0]], dtype=np.int64))
+    c = int(shape[keep[0]])
+    s = int(np.prod(shape[keep[0] + 1 :], dtype=np.int64))
+    db = e.arena(n.out, "int32_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_bias_backward({nn}, {c}, {s}, {dy}, {db});")
+
+
+def _maxpool_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), arg = _x(e, n, 0), e.ptr[n.inputs[1]]
+    p = _pool_geom(e, n, e.shape(n.out))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_maxpool2d_backward(&{p}, {dy}, {ed}, {arg}, {dx}, &ctx, {_tid(n)}u);")
+
+
+def _relu_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (y, _) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_relu_backward({dy}, {y}, {dx}, {e.numel(n.out)}u);")
+
+
+def _bn_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    sv = e.bn_saved[n.inputs[1].node]
+    gm, eg = _x(e, n, 3)
+    nn, c, s = _ncs(e.shape(n.out))
+    e.need(6 * c + _fit_scratch(nn * c * s, nn * s))
+    dx = e.arena(n.out, "int8_t") if n.out in e.offsets else "NULL"
+    dg = e.arena(n.result(1), "int32_t")
+    db = e.arena(n.result(2), "int32_t")
+    edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
+    e.exp[n.result(2)] = ed
+    e.emit(
+        f"mexc_batchnorm_backward({nn}, {c}, {s}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, "
+        f"&{edx}, {dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _conv_grad_weight(e: _Emit, n: Node) -> None:
+    g = _conv_geom(e, n, n.inputs[1], n.out)
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    nn, o, oh, ow = e.shape(n.inputs[0])
+    e.need(_fit_scratch(nn * o * oh * ow, nn * oh * ow))
+    dw = e.arena(n.out, "int32_t")
+    ew = e.local_exp(n.out)
+    e.emit(
+        f"{ew} = mexc_conv2d_backward_weight(&{g}, {dy}, {ed}, {x}, {ex}, {dw}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _conv_grad_input(e: _Emit, n: Node) -> None:
+    g = _conv_geom(e, n, n.out, n.inputs[1])
+    (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
+    nn, o, oh, ow = e.shape(n.inputs[0])
+    kh, kw = e.shape(n.inputs[1])[2:]
+    e.need(_fit_scratch(nn * o * oh * ow, o // n.attrs.groups * kh * kw))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_conv2d_backward_input(&{g}, {dy}, {ed}, {w}, {ew}, {dx}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _add(e: _Emit, n: Node) -> None:
+    (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1)
+    out = e.arena(n.out, "int8_t")
+    eo = e.local_exp(n.out)
+    e.emit(
+        f"{eo} = mexc_add_forward({a}, {ea}, {b}, {eb}, {e.numel(n.out)}u, {out}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
+def _grad_sum(e: _Emit, n: Node) -> None:
+    t = len(n.inputs)
+    ptrs = ", ".join(e.ptr[v] for v in n.inputs)
+    exps = ", ".join(e.exp[v] for v in n.inputs)
+    out = e.arena(n.out, "int8_t")
+    eo = e.local_exp(n.out)
+    e.emit(f"{{ const int8_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}")
+
+
+def _sgd_update(e: _Emit, n: Node) -> None:
+    w, grad, v = n.inputs
+    groups = int(n.attrs.groups)
+    per = e.numel(w) // groups
+    e.need(2 * groups)
+    e.emit(f"mexc_update_keys(ctx.seed, ctx.step, {_tid(n)}u, keys);")
+    e.emit(
+        f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
+        f"{e.ptr[v]}, {e.exp_ptr[v]}, {groups}u, {per}u, &cfg, keys, scratch);"
+    )
+
+
+def _bn_running(e: _Emit, n: Node) -> None:
+    rm, rv, saved = n.inputs
+    c = e.numel(rm)
+    sv = e.bn_saved[saved.node]
+    m = FixedScalar.of(float(n.attrs.momentum))
+    grouped = [int(e.g.type_of(v).exp is Exp.AXIS0) for v in (rm, rv)]
+    e.need(6 * c)
+    e.emit(
+        f"mexc_batchnorm_update_running({c}, {e.ptr[rm]}, {e.exp_ptr[rm]}, {grouped[0]}, "
+        f"{e.ptr[rv]}, {e.exp_ptr[rv]}, {grouped[1]}, &{sv}, (mexc_fixed_t){{{m.num}, "
+        f"{m.shift}}}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+RULES: dict[Op, Callable[[_Emit, Node], None]] = {
+    Op.INPUT: lambda e, n: None,
+    Op.LABEL: _label,
+    Op.PARAM: _state,
+    Op.STATE: _state,
+    Op.QUANTIZE: _quantize,
+    Op.CONV2D_COMPACT: _conv,
+    Op.LINEAR_COMPACT: _linear,
+    Op.BATCHNORM: _batchnorm,
+    Op.RELU: _relu,
+    Op.MAXPOOL2D: _maxpool,
+    Op.RESHAPE: _reshape,
+    Op.ADD: _add,
+    Op.SOFTMAX_CE: _softmax_ce,
+    Op.SOFTMAX_CE_GRAD: _softmax_ce_grad,
+    Op.LINEAR_GRAD_WEIGHT: _linear_grad_weight,
+    Op.LINEAR_GRAD_INPUT: _linear_grad_input,
+    Op.BIAS_GRAD: _bias_grad,
+    Op.MAXPOOL2D_GRAD: _maxpool_grad,
+    Op.RELU_GRAD: _relu_grad,
+    Op.BATCHNORM_GRAD: _bn_grad,
+    Op.CONV2D_GRAD_WEIGHT: _conv_grad_weight,
+    Op.CONV2D_GRAD_INPUT: _conv_grad_input,
+    Op.GRAD_SUM: _grad_sum,
+    Op.SGD_UPDATE: _sgd_update,
+    Op.BN_RUNNING_UPDATE: _bn_running,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# ReLU6, pooling by averages, dropout (runtime/mexc_kernels_extra.c) and the transformer ops
+# (runtime/mexc_kernels_transformer.c). Exponents that a kernel leaves unchanged are aliased.
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _fixed(f: FixedScalar) -> str:
+    return f"(mexc_fixed_t){{{int(f.num)}, {int(f.shift)}}}"
+
+
+def _optional_arena(e: _Emit, v: Value, ctype: str) -> str:
+    """The arena slot of v, or NULL when nothing reads v (plan-memory gives it no slot)."""
+    return e.arena(v, ctype) if v in e.offsets else "NULL"
+
+
+def _relu6(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_relu6_forward({x}, {ex}, {y}, {e.numel(n.out)}u);")
+
+
+def _relu6_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (y, ey) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_relu6_backward({dy}, {y}, {ey}, {dx}, {e.numel(n.out)}u);")
+
+
+def _gap(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_global_avgpool_forward({nn}, {c}, {s}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _gap_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    nn, c, s = _ncs(e.shape(n.out))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_global_avgpool_backward({nn}, {c}, {s}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _avgpool(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    p = _pool_geom(e, n, e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_avgpool2d_forward(&{p}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _avgpool_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    p = _pool_geom(e, n, e.shape(n.out))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_avgpool2d_backward(&{p}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);")
+
+
+def _dropout_consts(n: Node) -> tuple[int, str]:
+    pf = FixedScalar.of(float(n.attrs.p))
+    if float(pf) >= 1.0:
+        raise UnsupportedOpError("dropout probability must be < 1")
+    return (1 << 32) - _keep_threshold(pf), _fixed(dropout_scale(pf))
+
+
+def _dropout(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    drop, scale = _dropout_consts(n)
+    y = e.arena(n.out, "int8_t")
+    mask = e.arena(n.result(1), "uint8_t") if n.result(1) in e.offsets else None
+    if mask is None:  # nothing reads the mask: a static buffer still receives it
+        mask = f"dmask{n.id}"
+        e.statics.append(f"static uint8_t {mask}[{max(e.numel(n.out), 1)}];")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_dropout_forward({x}, {ex}, {e.numel(n.out)}u, {drop}u, {scale}, {y}, "
+        f"{mask}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _dropout_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), mask = _x(e, n, 0), e.ptr[n.inputs[1]]
+    _, scale = _dropout_consts(n)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_dropout_backward({dy}, {ed}, {mask}, {e.numel(n.out)}u, {scale}, {dx}, "
+        f"&ctx, {_tid(n)}u);"
+    )
+
+
+def _layernorm(e: _Emit, n: Node) -> None:
+    (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
+    rows, d = _rows2(e.shape(n.inputs[0]))
+    sv = f"ln{n.id}"
+    e.statics.append(f"static int32_t {sv}_rstd[{rows}]; static int32_t {sv}_rstd_e[{rows}];")
+    e.statics.append(f"static mexc_ln_saved_t {sv};")
+    e.bn_saved[n.id] = sv
+    if n.result(1) in e.offsets:
+        xhat = e.arena(n.result(1), "int8_t")
+    else:  # no backward reads it (cannot happen in a training step; kept for safety)
+        xhat = f"{sv}_xhat"
+        e.statics.append(f"static int8_t {xhat}[{rows * d}];")
+    e.need(5 * rows)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    eps = _eps_fixed(float(n.attrs.eps))
+    e.emit(f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e;")
+    e.emit(
+        f"{ey} = mexc_layernorm_forward({rows}, {d}, {x}, {ex}, {gm}, {eg}, {bt}, {eb}, "
+        f"{_fixed(eps)}, {y}, &{sv}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _layernorm_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    sv = e.bn_saved[n.inputs[1].node]
+    gm, eg = _x(e, n, 2)
+    rows, d = _rows2(e.shape(n.out))
+    e.need(5 * rows + _fit_scratch(rows * d, rows))
+    dx = _optional_arena(e, n.out, "int8_t")
+    dg = e.arena(n.result(1), "int32_t")
+    db = e.arena(n.result(2), "int32_t")
+    edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
+    e.exp[n.result(2)] = ed
+    e.emit(f"{edx} = 0;")
+    e.emit(
+        f"mexc_layernorm_backward({rows}, {d}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, &{edx}, "
+        f"{dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _gelu(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_gelu_forward({x}, {ex}, {e.numel(n.out)}u, {y}, &ctx, {_tid(n)}u);")
+
+
+def _gelu_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_gelu_backward({dy}, {ed}, {x}, {ex}, {e.numel(n.out)}u, {dx}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
+def _softmax(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    rows, k = _rows2(e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_softmax_forward({rows}, {k}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _softmax_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (p, ep) = _x(e, n, 0), _x(e, n, 1)
+    rows, k = _rows2(e.shape(n.out))
+    e.need(_fit_scratch(rows * k, k))
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_softmax_backward({rows}, {k}, {dy}, {ed}, {p}, {ep}, {dx}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _bmk(shape_a: tuple[int, ...], shape_b: tuple[int, ...]) -> tuple[int, int, int, int]:
+    return _numel(shape_a[:-2]), int(shape_a[-2]), int(shape_a[-1]), int(shape_b[-1])
+
+
+def _matmul(e: _Emit, n: Node) -> None:
+    (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1)
+    bt, m, k, nn = _bmk(e.shape(n.inputs[0]), e.shape(n.inputs[1]))
+    e.need(_fit_scratch(bt * m * k, k))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_matmul_forward({bt}, {m}, {k}, {nn}, {a}, {ea}, {b}, {eb}, {y}, &ctx, "
+        f"{_tid(n)}u, scratch);"
+    )
+
+
+def _matmul_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
+    bt, m, k, nn = _bmk(e.shape(n.inputs[1]), e.shape(n.inputs[2]))
+    e.need(max(_fit_scratch(bt * m * nn, nn), _fit_scratch(bt * k * m, m)))
+    da = _optional_arena(e, n.result(0), "int8_t")
+    db = _optional_arena(e, n.result(1), "int8_t")
+    eda, edb = e.local_exp(n.result(0)), e.local_exp(n.result(1))
+    e.emit(f"{eda} = 0; {edb} = 0;")
+    e.emit(
+        f"mexc_matmul_backward({bt}, {m}, {k}, {nn}, {dy}, {ed}, {a}, {ea}, {b}, {eb}, {da}, "
+        f"&{eda}, {db}, &{edb}, &ctx, {_tid(n)}u, scratch);"
+    )
+
+
+def _scale(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    f = _fixed(FixedScalar.of(float(n.attrs.value)))
+    e.emit(f"{ey} = mexc_scale_forward({x}, {ex}, {e.numel(n.out)}u, {f}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _transpose(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    shape = e.shape(n.inputs[0])
+    perm = tuple(int(p) % len(shape) for p in n.attrs.perm)
+    if len(shape) > 8:
+        raise UnsupportedOpError(f"transpose of a {len(shape)}-D tensor (at most 8)")
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    dims = ", ".join(f"{d}u" for d in shape)
+    order = ", ".join(f"{p}u" for p in perm)
+    nd = len(shape)
+    e.emit(
+        f"{{ static const uint32_t sh[{nd}] = {{{dims}}}, pm[{nd}] = {{{order}}}; "
+        f"mexc_transpose({x}, {y}, {nd}u, sh, pm); }}"
+    )
+
+
+def _slice_geom(n: Node, full: tuple[int, ...], part: tuple[int, ...]) -> str:
+    dim = int(n.attrs.dim) % len(full)
+    start = slice(n.attrs.start, n.attrs.stop).indices(full[dim])[0]
+    outer, inner = _numel(full[:dim]), _numel(full[dim + 1 :])
+    return f"{outer}u, {full[dim]}u, {start}u, {part[dim]}u, {inner}u"
+
+
+def _slice(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_slice_forward({_slice_geom(n, e.shape(n.inputs[0]), e.shape(n.out))}, {x}, {y});")
+
+
+def _slice_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    geom = _slice_geom(n, e.shape(n.out), e.shape(n.inputs[0]))
+    e.emit(f"mexc_slice_backward({geom}, {dy}, {dx});")
+
+
+def _add_param(e: _Emit, n: Node) -> None:
+    (x, ex), (p, ep) = _x(e, n, 0), _x(e, n, 1)
+    shape = e.shape(n.inputs[0])
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_add_broadcast_forward({x}, {ex}, {p}, {ep}, {shape[0]}u, "
+        f"{_numel(shape[1:])}u, {y}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _add_param_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    shape = e.shape(n.inputs[0])
+    dp = e.arena(n.out, "int32_t")
+    e.exp[n.out] = ed
+    e.emit(f"mexc_bias_backward({shape[0]}u, {_numel(shape[1:])}u, 1u, {dy}, {dp});")
+
+
+def _mean_tokens(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    b, t, d = e.shape(n.inputs[0])
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(f"{ey} = mexc_mean_axis_forward({b}, {t}, {d}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
+
+
+def _mean_tokens_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    b, t, d = e.shape(n.out)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(f"{edx} = mexc_mean_axis_backward({b}, {t}, {d}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);")
+
+
+RULES.update(
+    {
+        Op.RELU6: _relu6,
+        Op.RELU6_GRAD: _relu6_grad,
+        Op.GLOBAL_AVGPOOL: _gap,
+        Op.GLOBAL_AVGPOOL_GRAD: _gap_grad,
+        Op.AVGPOOL2D: _avgpool,
+        Op.AVGPOOL2D_GRAD: _avgpool_grad,
+        Op.DROPOUT: _dropout,
+        Op.DROPOUT_GRAD: _dropout_grad,
+        Op.LAYERNORM: _layernorm,
+        Op.LAYERNORM_GRAD: _layernorm_grad,
+        Op.GELU: _gelu,
+        Op.GELU_GRAD: _gelu_grad,
+        Op.SOFTMAX: _softmax,
+        Op.SOFTMAX_GRAD: _softmax_grad,
+        Op.MATMUL: _matmul,
+        Op.MATMUL_GRAD: _matmul_grad,
+        Op.SCALE: _scale,
+        Op.SCALE_GRAD: _scale,
+        Op.TRANSPOSE: _transpose,
+        Op.SLICE: _slice,
+        Op.SLICE_GRAD: _slice_grad,
+        Op.ADD_PARAM: _add_param,
+        Op.ADD_PARAM_GRAD: _add_param_grad,
+        Op.MEAN_TOKENS: _mean_tokens,
+        Op.MEAN_TOKENS_GRAD: _mean_tokens_grad,
+    }
+)
+
+
+@dataclass(frozen=True)
+class CModel:
+    source: str  # model.c
+    header: str  # model.h
+    state_names: tuple[str, ...]  # sorted, as the checksum hashes them
+    arena_bytes: int
+    scratch_words: int
+    state_bytes: int  # the state's RAM arrays (mantissas int8, exponents int32)
+
+    @property
+    def static_bytes(self) -> int:
+        """RAM of the generated step's static arrays: arena, scratch and state (the state's
+        initial values are const data, in flash on an MCU)."""
+        return self.arena_bytes + 4 * self.scratch_words + self.state_bytes
+
+
+def _state_decls(prog: Program) -> tuple[list[str], list[str], int]:
+    """Declarations and initialization of the state arrays, and their bytes of RAM."""
+    decls, init, ram = [], [], 0
+    for name in sorted(prog.state):
+        v = prog.state[name]
+        cn = c_name(name)
+        nm, ne = max(v.m.size, 1), max(v.e.size, 1)
+        decls.append(_array("int8_t", f"{cn}_init", v.m))
+        decls.append(_array("int32_t", f"{cn}_e_init", v.e))
+        decls.append(f"static int8_t {cn}[{nm}];")
+        decls.append(f"static int32_t {cn}_e[{ne}];")
+        init.append(f"    copy8({cn}, {cn}_init, {v.m.size}u);")
+        init.append(f"    copy32({cn}_e, {cn}_e_init, {ne}u);")
+        ram += nm + 4 * ne
+    return decls, init, ram
+
+
+def _checksum_body(prog: Program) -> list[str]:
+    out = ["    uint64_t h = MEXC_FNV64_OFFSET;"]
+    for name in sorted(prog.state):
+        v = prog.state[name]
+        cn = c_name(name)
+        out.append(f"    h = mexc_fnv1a64({cn}, {v.m.size}u, h);")
+        out.append(f"    h = mexc_fnv1a64_i32({cn}_e, {max(v.e.size, 1)}u, h);")
+    out.append("    return h;")
+    return out
+
+
+def _state_table(prog: Program) -> list[str]:
+    """Accessors of the state tensors in checksum order (for the host library and debugging)."""
+    rows = []
+    for name in sorted(prog.state):
+        v = prog.state[name]
+        cn = c_name(name)
+        rows.append(f"    {{{cn}, {v.m.size}u, {cn}_e, {max(v.e.size, 1)}u}},")
+    return [
+        "typedef struct { int8_t *m; uint32_t n; int32_t *e; uint32_t ne; } mexc_state_ref_t;",
+        f"static const mexc_state_ref_t state_refs[{max(len(rows), 1)}] = {{",
+        *rows,
+        "};",
+        "uint32_t mexc_model_state_count(void) { return " + str(len(rows)) + "u; }",
+        "int8_t *mexc_model_state(uint32_t i, uint32_t *n, int32_t **e, uint32_t *ne)",
+        "{",
+        "    *n = state_refs[i].n; *e = state_refs[i].e; *ne = state_refs[i].ne;",
+        "    return state_refs[i].m;",
+        "}",
+    ]
+
+
+def _lr_table(prog: Program, steps: int) -> str:
+    nums = [prog.lr_at(k).num for k in range(steps)]
+    shifts = [prog.lr_at(k).shift for k in range(steps)]
+    return "\n".join(
+        [
+            _array("int32_t", "lr_num", np.array(nums)),
+            _array("int32_t", "lr_shift", np.array(shifts)),
+            f"#define LR_STEPS {steps}u",
+        ]
+    )
+
+
+def emit_model(prog: Program, steps: int) -> CModel:
+    """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
+    g = prog.graph
+    mp = prog.memory_plan()  # the plan-memory pass's plan: its arena offsets are the C arena's
+    offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
+    e = _Emit(g, prog, offsets)
+    for n in g.nodes:
+        rule = RULES.get(n.op)
+        if rule is None:
+            raise UnsupportedOpError(
+                f"the C backend has no lowering for op {n.op.value} (node %{n.id}"
+                f"{', ' + n.loc if n.loc else ''}); supported: "
+                f"{', '.join(sorted(op.value for op in RULES))}"
+            )
+        rule(e, n)
+    for _, v in g.outputs:
+        if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
+            raise UnsupportedOpError("the C backend needs an integer-only program")
+    decls, init, state_bytes = _state_decls(prog)
+    o, opt = prog.options, prog.optimizer
+    mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
+    arena_bytes = max(mp.arena_bytes, 16)
+    scratch = max(e.scratch_words, 1)
+    src = [
+        "/* Generated by mexc: one integer-only training step. Do not edit. */",
+        '#include "mexc_kernels.h"',
+        '#include "model.h"',
+        "",
+        f"static int32_t arena_words[{(arena_bytes + 3) // 4}];",
+        "#define arena ((uint8_t *)arena_words)",
+        f"static int32_t scratch[{scratch}];",
+        *decls,
+        *e.statics,
+        _lr_table(prog, steps),
+        "",
+        "static void copy8(int8_t *d, const int8_t *s, uint32_t n) { while (n--) *d++ = *s++; }",
+        "static void copy32(int32_t *d, const int32_t *s, uint32_t n) { while (n--) *d++ = *s++; }",
+        "",
+        "void mexc_model_init(void)",
+        "{",
+        *init,
+        "}",
+        "",
+        "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y)",
+        "{",
+        f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, "
+        f"{int(o.rounding == 'stochastic')}}};",
+        "    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u;",
+        f"    mexc_update_cfg_t cfg = {{{o.bits}, {int(o.rounding == 'stochastic')}, "
+        f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}}};",
+        "    uint32_t keys[MEXC_UPDATE_SITES];",
+        "    int32_t loss = 0;",
+        *e.lines,
+        "    return loss;",
+        "}",
+        "",
+        "uint64_t mexc_model_checksum(void)",
+        "{",
+        *_checksum_body(prog),
+        "}",
+        "",
+        *_state_table(prog),
+        "",
+    ]
+    inp = g.nodes_of(Op.INPUT)[0].type.shape
+    header = "\n".join(
+        [
+            "/* Generated by mexc. */",
+            "#ifndef MEXC_MODEL_H",
+            "#define MEXC_MODEL_H",
+            "#include <stdint.h>",
+            f"#define MEXC_BATCH {inp[0]}u",
+            f"#define MEXC_INPUT_NUMEL {int(np.prod(inp[1:]))}u",
+            f"#define MEXC_NUM_CLASSES {prog.num_classes}u",
+            f"#define MEXC_ARENA_BYTES {arena_bytes}u",
+            f"#define MEXC_SCRATCH_WORDS {scratch}u",
+            "void mexc_model_init(void);",
+            "/* one training step; x: batch mantissas (quantized at the host boundary) with",
+            " * exponent x_e; y: labels. Returns the loss in thousandths (printing only). */",
+            "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e,",
+            "                        const int32_t *y);",
+            "uint64_t mexc_model_checksum(void);",
+            "uint32_t mexc_model_state_count(void);",
+            "/* state tensor i in sorted-name order: mantissas (returned), count, exponents */",
+            "int8_t *mexc_model_state(uint32_t i, uint32_t *n, int32_t **e, uint32_t *ne);",
+            "#endif",
+            "",
+        ]
+    )
+    names = tuple(sorted(prog.state))
+    return CModel("\n".join(src), header, names, arena_bytes, scratch, state_bytes)

@@ -1,0 +1,139 @@
+"""target="c" on the host: build the generated C with `cc` into a shared library and drive it
+through ctypes, so the exact C that runs on an MCU is tested here too."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from mexc.backends.c.emit import emit_model
+from mexc.backends.c.project import RUNTIME_DIR
+from mexc.backends.kernel_cache import CACHE, build_entry
+from mexc.errors import MexcError
+from mexc.kernels import quantize
+from mexc.mx import MX
+from mexc.program import Program
+
+LIBRARY = "libmexc_model.so"
+RUNTIME_SOURCES = ("mexc_numerics.c", "mexc_update.c", "mexc_tables.c")
+
+
+def _runtime_sources() -> list[Path]:
+    fixed = [RUNTIME_DIR / s for s in RUNTIME_SOURCES if (RUNTIME_DIR / s).exists()]
+    return fixed + sorted(RUNTIME_DIR.glob("mexc_kernels_*.c"))
+
+
+def build_library(model_c: str, model_h: str, flags: tuple[str, ...] = ("-O2",)) -> Path:
+    """Compile model + runtime into a cached shared library keyed by the sources and flags."""
+    h = hashlib.sha256(model_c.encode() + model_h.encode() + " ".join(flags).encode())
+    for src in _runtime_sources() + sorted(RUNTIME_DIR.glob("*.h")):
+        h.update(src.read_bytes())
+    folder = CACHE / f"c-{h.hexdigest()[:20]}"
+    lib = folder / LIBRARY
+    if not lib.exists():
+        build_entry(folder, lambda tmp: _compile_library(tmp, model_c, model_h, flags))
+    return lib
+
+
+def _compile_library(folder: Path, model_c: str, model_h: str, flags: tuple[str, ...]) -> None:
+    (folder / "model.c").write_text(model_c)
+    (folder / "model.h").write_text(model_h)
+    cmd = [
+        "cc",
+        *flags,
+        "-std=c99",
+        "-shared",
+        "-fPIC",
+        "-I",
+        str(folder),
+        "-I",
+        str(RUNTIME_DIR),
+        str(folder / "model.c"),
+        *map(str, _runtime_sources()),
+        "-o",
+        str(folder / LIBRARY),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise MexcError(f"building the C program failed:\n{res.stderr[-4000:]}")
+
+
+class CProgram(Program):
+    """A Program whose training step runs the generated C (host build, via ctypes).
+
+    predict/evaluate run the reference inference path on the state read back from C; both are
+    bit-exact by construction, so this changes no number.
+    """
+
+    def __init__(self, base: Program, steps_hint: int = 1 << 16) -> None:
+        super().__init__(
+            base.graph, dict(base.state), base.options, base.optimizer, base.step_count
+        )
+        self.carry_memory_plan(base._plan)
+        model = emit_model(base, steps_hint)
+        self._static_bytes = model.static_bytes
+        self._lib = ctypes.CDLL(str(build_library(model.source, model.header)))
+        self._lib.mexc_model_step.restype = ctypes.c_int32
+        self._lib.mexc_model_step.argtypes = [
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+        ]
+        self._lib.mexc_model_state.restype = ctypes.POINTER(ctypes.c_int8)
+        self._lib.mexc_model_state.argtypes = [
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
+            ctypes.POINTER(ctypes.c_uint32),
+        ]
+        self._lib.mexc_model_init()
+        self._names = model.state_names
+        self._steps_hint = steps_hint
+        self._push_state()
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {"host": self._static_bytes, "device": 0}
+
+    def _views(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for i in range(len(self._names)):
+            n, ne = ctypes.c_uint32(), ctypes.c_uint32()
+            e = ctypes.POINTER(ctypes.c_int32)()
+            m = self._lib.mexc_model_state(i, ctypes.byref(n), ctypes.byref(e), ctypes.byref(ne))
+            out.append(
+                (np.ctypeslib.as_array(m, (n.value,)), np.ctypeslib.as_array(e, (ne.value,)))
+            )
+        return out
+
+    def _push_state(self) -> None:
+        for name, (m, e) in zip(self._names, self._views()):
+            m[:] = self.state[name].m.reshape(-1)
+            e[:] = np.asarray(self.state[name].e).reshape(-1)
+
+    def _pull_state(self) -> None:
+        for name, (m, e) in zip(self._names, self._views()):
+            cur = self.state[name]
+            self.state[name] = MX.of(
+                m.reshape(cur.m.shape).copy(), e.reshape(cur.e.shape).astype(np.int64)
+            )
+
+    def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(sd)
+        self._push_state()
+
+    def step(self, x: object, y: object) -> float:
+        if self.step_count >= self._steps_hint:
+            raise MexcError(f"the C program's learning-rate table covers {self._steps_hint} steps")
+        xs = self._check_x(x, exact_batch=True)
+        ys = self._check_y(y, self.batch).astype(np.int32)
+        q = quantize(xs, self.options.bits)
+        xm = np.ascontiguousarray(q.m)
+        loss = self._lib.mexc_model_step(self.step_count, xm.ctypes.data, int(q.e), ys.ctypes.data)
+        self.step_count += 1
+        self._pull_state()
+        return loss / 1000.0

@@ -1,0 +1,198 @@
+"""target="cuda": the whole training step compiled ahead of time for an NVIDIA GPU (docs/cuda.md).
+
+`build_step(prog, archs, out)` needs TVM and nvcc but no GPU. It lowers the program with the GPU
+variant of the launch plan (`build_plan(..., device="gpu")`: every product as a padded GEMM form,
+update kernels per parameter shape), schedules every distinct kernel (the GEMMs on int8 tensor
+cores, `cuda_products.schedule_gemm_imma`, or with `__dp4a` under MEXC_CUDA_GEMM=dp4a; the rest
+with `cuda_schedule.schedule_gpu`), turns TE intermediates into plan buffers, and writes the
+artifact folder:
+
+    step<i>.cu           TVM's CUDA source of the kernels, in parts lowered in parallel
+    step<i>.<arch>.cubin nvcc -O3 for each of sm_80 / sm_90 (the runtime picks the GPU's)
+    plan.json            buffers, views, constants, state / input / key names (as the llvm
+                         backend's plan) and the kernel list: symbol, grid, block, buffer args
+    program.mexc         a checkpoint (IR, options, optimizer, initial state, step)
+
+`mexc.backends.cuda.program.load_cuda(out)` runs it with CuPy, without TVM or nvcc.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tvm import tirx
+
+from mexc.backends.cuda.nvcc import compile_cubin
+from mexc.backends.cuda.products import GEMM_SCHEDULES, gemm_schedule
+from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE
+from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
+from mexc.backends.kernel_cache import build_entry
+from mexc.backends.plan_layout import plan_layout
+from mexc.lowering.plan_core import is_gemm
+from mexc.lowering.step_plan import Launch, StepPlan, build_plan, distinct_kernels, plan_manifest
+from mexc.lowering.workers import forked_map, split_symbols
+from mexc.program import Program
+
+
+def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]], gemm: str) -> Any:
+    def schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
+        symbol = str(func.attrs["global_symbol"])
+        func, scratch[symbol] = promote_scratch(func)
+        if is_gemm(func):
+            return GEMM_SCHEDULES[gemm](func)
+        return schedule_gpu(func)
+
+    return schedule
+
+
+def build_step(
+    prog: Program,
+    archs: str | tuple[str, ...],
+    out_dir: str | Path,
+    pack_budget: int | None = None,
+) -> dict[str, Any]:
+    """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
+    ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
+    `out_dir`; returns the manifest (also in plan.json). `pack_budget`: build_plan's."""
+    archs = (archs,) if isinstance(archs, str) else tuple(archs)
+    bad = [a for a in archs if a not in ARCHS]
+    if bad or not archs:
+        raise ValueError(f"archs {list(archs)}: each must be one of {ARCHS}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
+    scratch: dict[str, list[tuple[str, tuple, str]]] = {}
+    gemm = gemm_schedule()
+    funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
+    parts = _lower_parts(funcs)
+    t_tvm = time.perf_counter() - t0
+    manifest = {"format": FORMAT, "archs": list(archs), "gemm": gemm, **plan_manifest(plan)}
+    module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
+    kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
+    manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
+    manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
+    t1 = time.perf_counter()
+    manifest["modules"] = _compile_modules([src for src, _ in parts], archs, out)
+    manifest["gemm_kernels"] = sorted(
+        k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
+    )
+    manifest["seconds"] = {"tvm": round(t_tvm, 2), "nvcc": round(time.perf_counter() - t1, 2)}
+    manifest["counts"] = {"plan_launches": len(plan.launches), "distinct_funcs": len(funcs)}
+    opts = replace(prog.options, target="cuda")
+    as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
+    as_cuda.save(out / PROGRAM_FILE)
+    manifest["program_sha256"] = hashlib.sha256((out / PROGRAM_FILE).read_bytes()).hexdigest()
+    (out / "plan.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, Any]:
+    """The device memory layout a CUDA artifact of `prog` would get (plan_layout: the state
+    region and the arena, every kernel's global scratch per launch), without lowering a kernel
+    to CUDA or running nvcc: what bench/memory.py reports where no artifact is built. Equal to
+    build_step's manifest["layout"] for the same program and budget."""
+    plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
+    return _layout(plan_manifest(plan), plan, lambda launch: promote_scratch(launch.func)[1])
+
+
+def _layout(
+    manifest: dict[str, Any],
+    plan: StepPlan,
+    scratch_of: Callable[[Launch], list[tuple[str, tuple, str]]],
+) -> dict[str, Any]:
+    """plan_layout of the GPU plan with every launch's own scratch (`scratch_of`: the global
+    intermediates its kernel allocates) added to the manifest's buffers."""
+    args = []
+    for i, launch in enumerate(plan.launches):
+        names = []
+        for name, shape, dtype in scratch_of(launch):
+            names.append(_scratch_name(i, name))
+            manifest["buffers"][names[-1]] = [list(shape), dtype]
+        args.append([*launch.args, *names])
+    return plan_layout(manifest, args)
+
+
+def _lower_part(symbols: list[str], shared: dict[str, Any]) -> tuple[str, dict]:
+    return lower_kernels({s: shared["funcs"][s] for s in symbols}, ARCHS[0])
+
+
+def _lower_parts(funcs: dict[str, tirx.PrimFunc]) -> list[tuple[str, dict[str, list[Kernel]]]]:
+    """TVM's CUDA lowering split over worker processes: one source and kernel table per part
+    (the source does not depend on the architecture: ARCHS[0] stands for all)."""
+    return forked_map(_lower_part, split_symbols(list(funcs), per_worker=16), {"funcs": funcs})
+
+
+def _compile_modules(sources: list[str], archs: tuple[str, ...], out: Path) -> list[dict[str, Any]]:
+    """step<i>.cu and nvcc's step<i>.<arch>.cubin for every part and architecture (nvcc runs
+    as parallel processes)."""
+    modules: list[dict[str, Any]] = []
+    jobs = []
+    for i, source in enumerate(sources):
+        cu = out / f"step{i}.cu"
+        cu.write_text(source)
+        modules.append({"source": cu.name, "cubins": {}})
+        jobs += [(i, arch, cu, out / f"step{i}.{arch}.cubin") for arch in archs]
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+        done = pool.map(lambda j: (j[0], j[1], compile_cubin(j[2], j[1], j[3])), jobs)
+        for i, arch, cubin in done:
+            sha = hashlib.sha256(cubin.read_bytes()).hexdigest()
+            modules[i]["cubins"][arch] = {"file": cubin.name, "sha256": sha}
+    return modules
+
+
+def _scratch_name(launch: int, name: str) -> str:
+    """The plan buffer of a kernel's global intermediate `name` at launch `launch`: live only
+    during that launch, so the layout lets every other buffer reuse its bytes."""
+    return f"scratch:{launch}.{name}"
+
+
+def _kernel_list(
+    launches: list,
+    funcs: dict,
+    alias: dict[str, str],
+    scratch: dict,
+    kernels_of: dict,
+    module_of: dict[str, int],
+) -> list[list[Any]]:
+    """[module, symbol, grid, block, [plan buffer per kernel parameter]] for every kernel of
+    the step, in launch order."""
+    out: list[list[Any]] = []
+    for i, launch in enumerate(launches):
+        symbol = alias[launch.symbol]
+        # the implementing kernel's own parameter names (an aliased launch's func is equal up
+        # to names), positionally bound to this launch's buffers
+        names = [str(p.name) for p in funcs[symbol].params][: len(launch.args)]
+        buffer_of = dict(zip(names, launch.args))
+        buffer_of.update({n: _scratch_name(i, n) for n, _, _ in scratch[symbol]})
+        for k in kernels_of[symbol]:
+            missing = [p for p in k.params if p not in buffer_of]
+            if missing:
+                raise ValueError(f"kernel {k.symbol}: parameters {missing} are not plan buffers")
+            args = [buffer_of[p] for p in k.params]
+            out.append([module_of[symbol], k.symbol, list(k.grid), list(k.block), args])
+    return out
+
+
+def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
+    """The artifact folder of `prog`'s step in the kernel cache (built when absent). Its
+    program file holds the state of the first build; callers bring their own state."""
+    from mexc.backends.llvm.step import CACHE, cache_key
+
+    what = f"cuda {','.join(archs)} gemm={gemm_schedule()}"
+    folder = CACHE / f"cuda-{cache_key(prog, what)}"
+    if (folder / "plan.json").exists():
+        return folder
+
+    def build(tmp: Path) -> None:
+        build_step(prog, archs, tmp)
+
+    return build_entry(folder, build)

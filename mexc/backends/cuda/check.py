@@ -1,0 +1,165 @@
+"""GPU check of ahead-of-time compiled training steps (bench/gpu_check.sh runs it).
+
+    python -m mexc.backends.cuda.check [--time-steps N] ARTIFACT_DIR [ARTIFACT_DIR ...]
+
+Each folder comes from `bench/make_gpu_artifacts.py`: a CUDA artifact (plan.json, cubins,
+program.mexc) plus `check.npz` (the batch) and `expected.json` (what the host computed: the loss
+and state checksum after every step, and the SHA-256 of every plan buffer after the first step,
+from the host twin that runs the same plan's TIR through TVM's llvm target). On the GPU:
+
+- bit-exactness: the same steps on the same batch give the same losses and checksums; when they
+  do not, the first buffer (in launch order) whose bytes differ after step 1 names the kernel
+  to look at;
+- speed (folders whose expected.json names a torch model): the median step time of mexc, of
+  PyTorch FP32 eager and of PyTorch BF16 autocast (same model, batch, SGD with momentum).
+
+Needs CuPy and a GPU, not TVM or nvcc. Prints a table; writes cuda_check.json to $OUT when set;
+exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mexc.backends.cuda.program import load_cuda
+
+
+def first_difference(got: dict[str, str], want: dict[str, str], kernels: list) -> str | None:
+    """The first buffer, in the order the kernels write it, whose digest differs."""
+    order: list[str] = []
+    for *_, args in kernels:
+        order += [a for a in args if a not in order]
+    order += [n for n in want if n not in order]
+    for name in order:
+        if name in want and got.get(name) != want[name]:
+            return name
+    return None
+
+
+def check_exact(folder: Path) -> dict[str, Any]:
+    expected = json.loads((folder / "expected.json").read_text())
+    batch = np.load(folder / "check.npz")
+    x, y = batch["x"], batch["y"]
+    prog = load_cuda(folder)
+    row: dict[str, Any] = {"artifact": folder.name, "arch": prog.arch, "exact": True}
+    # buffer by buffer, one step with an allocation per buffer (the twin's expected digests
+    # come from the same layout; in the arena, buffers share bytes)
+    diag = load_cuda(folder, layout="separate")
+    diag.step(x, y)
+    bad = first_difference(diag.buffer_digests(), expected["buffers"], diag.plan["kernels"])
+    row["first_differing_buffer"] = bad
+    del diag
+    for step, (loss, checksum) in enumerate(zip(expected["losses"], expected["checksums"])):
+        got = prog.step(x, y)
+        if got != loss or prog.state_checksum() != checksum:
+            row.update(exact=False, failed_step=step, loss=got, want_loss=loss)
+            break
+    row["steps"] = len(expected["losses"])
+    return row
+
+
+def _median_seconds(run: Any, sync: Any, steps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        run()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _torch_step_time(spec: dict[str, Any], bf16: bool, steps: int) -> float:
+    import torch
+
+    module, name = spec["model"].split(":")
+    model = getattr(importlib.import_module(module), name)().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(spec["batch"], *spec["input_shape"], device="cuda")
+    y = torch.randint(0, 10, (spec["batch"],), device="cuda")
+
+    def run() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+
+    return _median_seconds(run, torch.cuda.synchronize, steps)
+
+
+def time_step(folder: Path, steps: int) -> dict[str, Any]:
+    """Median step times: mexc cuda, PyTorch FP32 eager, PyTorch BF16 autocast."""
+    spec = json.loads((folder / "expected.json").read_text())["timing"]
+    prog = load_cuda(folder)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
+    y = rng.integers(0, prog.num_classes, prog.batch)
+    mexc_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
+    graph = prog.use_graph  # False where capture failed
+    prog.set_graph(False)
+    launches_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
+    kernels = prog.kernel_times(x, y, repeats=2)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    fp32 = _torch_step_time(spec, bf16=False, steps=steps)
+    bf16 = _torch_step_time(spec, bf16=True, steps=steps)
+    return {
+        "artifact": folder.name,
+        "arch": prog.arch,
+        "batch": prog.batch,
+        "mexc_cuda_s": mexc_s,
+        "cuda_graph": graph,
+        "mexc_cuda_no_graph_s": launches_s,
+        "torch_fp32_s": fp32,
+        "torch_bf16_s": bf16,
+        "mexc_over_fp32": mexc_s / fp32,
+        "mexc_over_bf16": mexc_s / bf16,
+        "kernel_sum_s": sum(kernels.values()),
+        "slowest_kernels_s": dict(top),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="GPU check of mexc CUDA artifacts")
+    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("--time-steps", type=int, default=20, help="steps per timing median")
+    args = ap.parse_args(argv)
+    exact, timing = [], []
+    for folder in args.folders:
+        spec = json.loads((folder / "expected.json").read_text())
+        if spec.get("losses"):
+            exact.append(check_exact(folder))
+            r = exact[-1]
+            status = "ok " if r["exact"] else "BAD"
+            print(f"{r['artifact']:24s} {r['arch']} {status} {r['steps']} steps", end="")
+            print(f"  first differing buffer: {r['first_differing_buffer']}")
+        if spec.get("timing"):
+            timing.append(time_step(folder, args.time_steps))
+            t = timing[-1]
+            print(
+                f"{t['artifact']:24s} batch {t['batch']}: mexc {1e3 * t['mexc_cuda_s']:.2f} ms, "
+                f"FP32 {1e3 * t['torch_fp32_s']:.2f} ms, BF16 {1e3 * t['torch_bf16_s']:.2f} ms, "
+                f"mexc/FP32 {t['mexc_over_fp32']:.2f}, mexc/BF16 {t['mexc_over_bf16']:.2f}"
+            )
+    bad = sum(not r["exact"] for r in exact)
+    print(f"{len(exact) - bad}/{len(exact)} artifacts bit-exact")
+    if os.environ.get("OUT"):
+        doc = {"exact": exact, "timing": timing}
+        Path(os.environ["OUT"], "cuda_check.json").write_text(json.dumps(doc, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

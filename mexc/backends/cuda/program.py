@@ -1,0 +1,307 @@
+"""Run an ahead-of-time compiled CUDA training step (docs/cuda.md). Needs neither TVM nor nvcc
+nor torch: the artifact folder holds the cubin, the launch plan and the program; running needs
+an NVIDIA GPU and CuPy. Loading and validating an artifact needs neither.
+
+    prog = mexc.load_cuda("build/fashion-sm_90")  # validates, then allocates on the GPU
+    loss = prog.step(x, y)                                     # same API and bits as the reference
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mexc.backends.cuda.runtime import ARCHS, ArtifactError, cupy_module
+from mexc.backends.plan_layout import (
+    POISON,
+    carve,
+    carve_separate,
+    check_layout,
+    nbytes,
+    region_bytes,
+    separate_bytes,
+)
+from mexc.backends.plan_runtime import PLAN_FIELDS, PlanProgram, window
+from mexc.errors import CheckpointError
+from mexc.program import Program
+from mexc.program import load as load_checkpoint
+
+FORMAT = "mexc-cuda-step-2"
+PROGRAM_FILE = "program.mexc"
+DTYPES = ("int8", "uint8", "int32", "int64")
+
+__all__ = ["ARCHS", "FORMAT", "CudaProgram", "StepArtifact", "load_cuda"]
+
+
+def _fail(path: Path, what: str) -> ArtifactError:
+    return ArtifactError(
+        f"CUDA artifact {path}: {what}. Rebuild it on a machine with TVM and nvcc: "
+        f"mexc compile MODEL --target cuda --arch sm_90 --out {path}"
+    )
+
+
+@dataclass(frozen=True)
+class StepArtifact:
+    """A validated artifact folder: its manifest, the cubins of each module per architecture
+    and the program it trains."""
+
+    path: Path
+    manifest: dict[str, Any]
+    cubins: list[dict[str, Path]]  # per module: {arch: cubin}
+    program: Program
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return tuple(self.manifest["archs"])
+
+    def arch_for(self, compute_capability: str) -> str:
+        """The artifact's architecture that runs on a GPU of `compute_capability` ("90" for
+        H100/H200, "80" for A100, "86" ...): a cubin runs on its own major version at an equal
+        or higher minor version."""
+        cc = int(compute_capability)
+        fits = [a for a in self.archs if int(a[3:]) // 10 == cc // 10 and int(a[3:]) <= cc]
+        if not fits:
+            raise _fail(
+                self.path,
+                f"it holds cubins for {list(self.archs)}, none runs on a GPU of compute "
+                f"capability {cc // 10}.{cc % 10}",
+            )
+        return max(fits, key=lambda a: int(a[3:]))
+
+    @staticmethod
+    def load(path: str | Path) -> StepArtifact:
+        root = Path(path)
+        man = _read_manifest(root)
+        cubins = [
+            {arch: _verified(root, entry["cubins"][arch]) for arch in man["archs"]}
+            for entry in man["modules"]
+        ]
+        prog_file = _verified(root, {"file": PROGRAM_FILE, "sha256": man["program_sha256"]})
+        try:
+            prog = load_checkpoint(prog_file)
+        except CheckpointError as err:
+            raise _fail(root, f"its program does not load ({err})") from None
+        _check_plan(root, man, prog)
+        return StepArtifact(root, man, cubins, prog)
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    try:
+        man = json.loads((root / "plan.json").read_text())
+    except FileNotFoundError:
+        raise _fail(root, "plan.json is missing") from None
+    except json.JSONDecodeError as exc:
+        raise _fail(root, f"plan.json is not valid JSON ({exc})") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        found = man.get("format") if isinstance(man, dict) else None
+        raise _fail(root, f"format is {found!r}, expected {FORMAT!r}")
+    missing = [k for k in (*PLAN_FIELDS, "layout", "archs", "kernels", "modules", "program_sha256")]
+    missing = [k for k in missing if k not in man]
+    if missing:
+        raise _fail(root, f"plan.json lacks {missing}")
+    archs = man["archs"]
+    if not archs or any(a not in ARCHS for a in archs):
+        raise _fail(root, f"archs {archs!r} are not among {ARCHS}")
+    for i, entry in enumerate(man["modules"]):
+        if set(entry.get("cubins", {})) != set(archs):
+            raise _fail(root, f"module {i} lacks a cubin for one of {archs}")
+    return man
+
+
+def _verified(root: Path, entry: dict[str, Any]) -> Path:
+    """The file of a manifest entry {file, sha256}, present and unchanged."""
+    path = root / str(entry["file"])
+    if not path.is_file():
+        raise _fail(root, f"{path.name} is missing")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != entry.get("sha256"):
+        raise _fail(root, f"{path.name} does not match its SHA-256 in plan.json")
+    return path
+
+
+def _check_plan(root: Path, man: dict[str, Any], prog: Program) -> None:
+    """Every name the kernels and the host use is a buffer or view of a known dtype, and the
+    state the plan holds is the program's."""
+    buffers, views = man["buffers"], man["views"]
+    for name, (shape, dtype) in buffers.items():
+        if dtype not in DTYPES or any(int(d) <= 0 for d in shape):
+            raise _fail(root, f"buffer {name} has shape {shape} / dtype {dtype}")
+    for name, (base, shape, offset) in views.items():
+        size = int(np.prod(shape))
+        if base not in buffers or offset + size > int(np.prod(buffers[base][0])):
+            raise _fail(root, f"view {name} does not fit in buffer {base}")
+    known = set(buffers) | set(views)
+    modules = len(man["modules"])
+    for module, symbol, grid, block, args in man["kernels"]:
+        if not 0 <= module < modules or len(grid) != 3 or len(block) != 3:
+            raise _fail(root, f"kernel {symbol} is malformed")
+        if any(a not in known for a in args):
+            raise _fail(root, f"kernel {symbol} names an unknown buffer")
+    if set(man["state"]) != set(prog.state):
+        raise _fail(root, "the plan's state tensors are not the program's")
+    try:
+        check_layout(man, [k[4] for k in man["kernels"]])
+    except ValueError as err:
+        raise _fail(root, str(err)) from None
+
+
+class CudaProgram(PlanProgram):
+    """The training step on the GPU: every plan buffer a window into two device allocations
+    (the state region and the arena of plan_layout), the kernels launched in plan order on one
+    stream of the program. Same API and bits as the reference; the state stays on the device
+    (reading it copies it out).
+
+    graph=True (default; MEXC_CUDA_GRAPH=0 turns it off) captures the step's launch sequence
+    once as a CUDA graph and replays it: a ResNet-18 step is thousands of small launches, and a
+    graph launch costs far less host time than as many kernel launches. The buffers never move
+    and every per-step input is written into them before the launch, so the captured graph is
+    the same step every time."""
+
+    def __init__(
+        self,
+        artifact: StepArtifact,
+        device: int = 0,
+        program: Program | None = None,
+        graph: bool | None = None,
+        layout: str = "arena",
+    ) -> None:
+        if layout not in ("arena", "separate"):
+            raise ValueError(f"layout {layout!r} is not 'arena' or 'separate'")
+        cp = cupy_module()
+        self.separate_buffers = layout == "separate"
+        self._cp = cp
+        self._device = cp.cuda.Device(device)
+        man = artifact.manifest
+        self.arch = artifact.arch_for(str(self._device.compute_capability))
+        self.use_graph = os.environ.get("MEXC_CUDA_GRAPH", "1") != "0" if graph is None else graph
+        self._graph: Any = None
+        with self._device:
+            self._stream = cp.cuda.Stream(non_blocking=True)
+            self._t, self._allocated = _allocate(cp, man, self.separate_buffers)
+            # SHA-256 checked at load
+            modules = [cp.RawModule(path=str(c[self.arch])) for c in artifact.cubins]
+            self._calls = [
+                (
+                    modules[module].get_function(symbol),
+                    tuple(grid),
+                    tuple(block),
+                    tuple(self._t[a] for a in args),
+                )
+                for module, symbol, grid, block, args in man["kernels"]
+            ]
+        self.artifact = artifact
+        super().__init__(program or artifact.program, man)
+
+    def _write(self, name: str, values: np.ndarray) -> None:
+        flat = self._t[name].reshape(-1)
+        with self._device:
+            flat[: values.size].set(np.ascontiguousarray(values).reshape(-1), self._stream)
+
+    def _read(self, name: str) -> np.ndarray:
+        with self._device:
+            out = np.asarray(self._cp.asnumpy(self._t[name], self._stream))
+            self._stream.synchronize()
+            return out
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {"host": 0, "device": self._allocated}
+
+    def _launch_all(self) -> None:
+        with self._stream:  # CuPy launches on the current stream
+            for fn, grid, block, args in self._calls:
+                fn(grid, block, args)
+
+    def _run(self) -> None:
+        with self._device:
+            if self.use_graph and self._graph is None:
+                self._graph = self._capture()
+            if self._graph is not None:
+                self._graph.launch(self._stream)
+            else:
+                self._launch_all()
+
+    def set_graph(self, enabled: bool) -> None:
+        """Replay the step as one CUDA graph (captured at the next step) or launch its kernels
+        one by one."""
+        self.use_graph = enabled
+        self._graph = None
+
+    def _capture(self) -> Any:
+        """The launch sequence as a CUDA graph, or None (with a note) where capture fails."""
+        try:
+            self._stream.begin_capture()
+            try:
+                self._launch_all()
+            finally:
+                graph = self._stream.end_capture()
+            return graph
+        except Exception as err:  # noqa: BLE001 - an old CuPy or driver: launch one by one
+            print(f"mexc: CUDA graph capture failed ({err}); launching kernels one by one")
+            self.use_graph = False
+            return None
+
+    def kernel_times(self, x: Any, y: Any, repeats: int = 3) -> dict[str, float]:
+        """Seconds per kernel (best of `repeats` steps, CUDA events), keyed by position and
+        symbol. Trains `repeats` steps."""
+        cp = self._cp
+        best: dict[str, float] = {}
+        for _ in range(repeats):
+            self.step(x, y)
+            with self._device:
+                for i, ((fn, grid, block, args), entry) in enumerate(
+                    zip(self._calls, self._plan_json["kernels"])
+                ):
+                    start, end = cp.cuda.Event(), cp.cuda.Event()
+                    start.record(self._stream)
+                    with self._stream:
+                        fn(grid, block, args)
+                    end.record(self._stream)
+                    end.synchronize()
+                    key = f"{i:04d} {entry[1]}"
+                    ms = cp.cuda.get_elapsed_time(start, end)
+                    best[key] = min(best.get(key, float("inf")), ms / 1e3)
+        return best
+
+    def synchronize(self) -> None:
+        with self._device:
+            self._stream.synchronize()
+
+
+def _allocate(cp: Any, man: dict[str, Any], separate: bool = False) -> tuple[dict[str, Any], int]:
+    """Two device allocations, the state region (zeroed) and the arena (poisoned:
+    plan_layout), every buffer and view a window into them, constants uploaded; and the bytes
+    allocated. `separate`: one allocation per buffer instead (poisoned where the layout puts
+    the buffer in the arena), for diagnosing a mismatch buffer by buffer."""
+    if separate:
+
+        def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> Any:
+            raw = cp.zeros(nbytes(shape, dtype), dtype="uint8")
+            if fill:
+                raw.fill(fill)
+            return raw.view(dtype).reshape(shape)
+
+        t = carve_separate(man, allocate, window)
+        allocated = separate_bytes(man)
+    else:
+        sizes = region_bytes(man)
+        regions = {k: cp.zeros(max(v, 1), dtype="uint8") for k, v in sizes.items()}
+        regions["arena"].fill(POISON)
+        t = carve(man, regions, window)
+        allocated = sum(int(r.nbytes) for r in regions.values())
+    for name, (dtype, values) in man["constants"].items():
+        t[name].set(np.asarray(values, np.dtype(dtype)).reshape(t[name].shape))
+    return t, allocated
+
+
+def load_cuda(
+    path: str | Path, device: int = 0, graph: bool | None = None, layout: str = "arena"
+) -> CudaProgram:
+    """The training program of a CUDA artifact folder, on GPU `device` (CuPy): its state and
+    step count are the artifact's (a checkpoint can be loaded with load_state_dict).
+    layout="separate": one device allocation per buffer (diagnosis; CudaProgram)."""
+    return CudaProgram(StepArtifact.load(path), device, graph=graph, layout=layout)

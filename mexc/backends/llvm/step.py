@@ -1,0 +1,255 @@
+"""target="llvm": the whole training step compiled by TVM for the host CPU (docs/cpu.md).
+
+`build_plan` turns the program into TIR kernels over named buffers; this module schedules them
+for the host (products: parallel outer axes, vectorized last axis, register accumulators; the
+rest as TVM lowers them), compiles them into one module, caches the compiled library on disk,
+allocates every buffer once, and runs the launch list per step. Python hands over the quantized
+batch, the labels, the learning rate pair and the stream keys; the state never leaves the
+buffers except when it is read (state_dict, checksum, checkpoints, evaluation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import tirx
+
+from mexc.backends.kernel_cache import CACHE, build_entry
+from mexc.backends.llvm.products import HostCpu, host_cpu
+from mexc.backends.plan_layout import (
+    ALIGN,
+    POISON,
+    carve,
+    carve_separate,
+    check_layout,
+    nbytes,
+    plan_layout,
+    region_bytes,
+    separate_bytes,
+)
+from mexc.backends.plan_runtime import PlanProgram, window
+from mexc.lowering.cpu_gemm import schedule_parallel
+from mexc.lowering.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
+from mexc.lowering.workers import forked_map, split_symbols
+from mexc.program import Program
+
+# TVM sizes its thread pool at hardware_concurrency / 2 on x86 (it assumes two hyperthreads per
+# core), which is one thread on a two-core machine without SMT. Use every CPU this process may
+# run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
+os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+MANIFEST_FORMAT = "mexc-llvm-plan-2"
+_MEXC = Path(__file__).resolve().parents[2]
+
+
+def _lowering_sources() -> list[Path]:
+    """Every source the compiled kernels depend on: the codegen, and the numerics and kernel
+    constants it imports (tables, caps, rounding sites)."""
+    return sorted(
+        [
+            *(_MEXC / "lowering").glob("*.py"),
+            *(_MEXC / "backends").glob("*.py"),
+            *(_MEXC / "backends" / "llvm").glob("*.py"),
+            *(_MEXC / "backends" / "cuda").glob("*.py"),
+            *(_MEXC / "ops").glob("*.py"),
+            _MEXC / "numerics.py",
+            _MEXC / "mx.py",
+            _MEXC / "arena.py",
+            *(_MEXC / "kernels").glob("*.py"),
+        ]
+    )
+
+
+def cache_key(prog: Program, target: str) -> str:
+    """Hash of what the compiled code depends on: the program IR (shapes, attributes, rounding
+    sites), bits / rounding / velocity grouping, momentum and weight decay (compile-time
+    constants of the update), the target, TVM, and the lowering code. Not the seed, the step or
+    the learning-rate schedule: they reach the kernels as run-time keys and scalars."""
+    o, opt = prog.options, prog.optimizer
+    h = hashlib.sha256()
+    fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
+    for part in (prog.ir, repr(fixed), target, tvm.__version__):
+        h.update(part.encode())
+    for src in _lowering_sources():
+        h.update(src.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _compile_part(job: tuple[list[str], str], shared: dict[str, Any]) -> str:
+    symbols, path = job
+    funcs = shared["funcs"]
+    ex = tvm.compile(tvm.IRModule({s: funcs[s] for s in symbols}), target=shared["target"])
+    ex.export_library(path)
+    return path
+
+
+def _compile_parts(funcs: dict[str, tirx.PrimFunc], target: Any, folder: Path) -> list[str]:
+    """Compile the kernels into one shared library per worker process."""
+    parts = split_symbols(list(funcs), per_worker=8)
+    jobs = [(symbols, str(folder / f"part{i}.so")) for i, symbols in enumerate(parts)]
+    return forked_map(_compile_part, jobs, {"funcs": funcs, "target": target})
+
+
+@dataclass
+class Compiled:
+    """The loaded kernels and the plan's launch list in a form that needs no TE: what the cache
+    stores next to the shared libraries (plan.json)."""
+
+    modules: list[Any]
+    manifest: dict[str, Any]
+
+    def function(self, symbol: str) -> Any:
+        for mod in self.modules:
+            if mod.implements_function(symbol, True):
+                return mod.get_function(symbol, True)
+        raise KeyError(f"compiled plan lacks kernel {symbol}")
+
+
+def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
+    launches = [[alias[x.symbol], list(x.args)] for x in plan.launches]
+    manifest = {"format": MANIFEST_FORMAT, **plan_manifest(plan), "launches": launches}
+    manifest["layout"] = plan_layout(manifest, [args for _, args in launches])
+    return manifest
+
+
+def compile_program(
+    prog: Program,
+    cpu: HostCpu | None = None,
+    plan_device: str = "cpu",
+    pack_budget: int | None = None,
+) -> Compiled:
+    """The compiled training step of `prog`, from the on-disk cache when the same program (IR,
+    options, target, TVM and lowering code) was built before; the cache skips TE and TVM.
+    plan_device="gpu" runs the GPU variant of the launch plan on the host (its GEMM forms and
+    per-shape update kernels): the host twin that checks the CUDA plan bit for bit."""
+    cpu = cpu or host_cpu()
+    target = cpu.target()
+    what = f"{target} plan={plan_device} gemm={cpu.gemm_kernel} packs={pack_budget}"
+    folder = CACHE / f"llvm-{cache_key(prog, what)}"
+    if (folder / "plan.json").exists():
+        try:
+            return _load(folder)
+        except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
+            print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
+            shutil.rmtree(folder, ignore_errors=True)
+    plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
+    # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
+    funcs, alias = distinct_kernels(plan, schedule_parallel)
+
+    def build(tmp: Path) -> None:
+        _compile_parts(funcs, target, tmp)
+        (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
+
+    return _load(build_entry(folder, build))
+
+
+def _load(folder: Path) -> Compiled:
+    manifest = json.loads((folder / "plan.json").read_text())
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"plan format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    parts = sorted(folder.glob("part*.so"))
+    if not parts:
+        raise ValueError("no compiled kernels")
+    check_layout(manifest, [args for _, args in manifest["launches"]])
+    compiled = Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest)
+    for symbol, _ in manifest["launches"]:
+        compiled.function(symbol)  # every kernel present
+    return compiled
+
+
+def aligned_bytes(size: int, fill: int) -> np.ndarray:
+    """`size` bytes (uint8) starting at an ALIGN-byte boundary, every byte `fill`."""
+    raw = np.full(size + ALIGN, fill, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + size]
+
+
+LAYOUTS = ("arena", "separate")
+
+
+class _Buffers:
+    """Every plan buffer on the host: views into one state region and one arena
+    (plan_layout), or with layout="separate" one allocation per buffer (as before the layout
+    existed: for A/B measurements and diagnosis). Constants are written once; views
+    included."""
+
+    def __init__(self, manifest: dict[str, Any], layout: str = "arena") -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+        if layout == "arena":
+            sizes = region_bytes(manifest)
+            regions = {
+                "state": aligned_bytes(sizes["state"], 0),
+                "arena": aligned_bytes(sizes["arena"], POISON),
+            }
+            self.np = carve(manifest, regions, window)
+            self.allocated = sum(r.nbytes for r in regions.values())
+        else:
+
+            def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> np.ndarray:
+                return aligned_bytes(nbytes(shape, dtype), fill).view(dtype).reshape(shape)
+
+            self.np = carve_separate(manifest, allocate, window)
+            self.allocated = separate_bytes(manifest)
+        for name, (dtype, values) in manifest["constants"].items():
+            self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
+        # zero-copy TVM tensors over the numpy windows (kernels expect byte_offset 0)
+        self.t: dict[str, Any] = {name: tvm.runtime.from_dlpack(a) for name, a in self.np.items()}
+
+
+class LlvmProgram(PlanProgram):
+    """A Program whose training step runs as TVM-compiled host code (same API, same bits)."""
+
+    def __init__(
+        self,
+        prog: Program,
+        plan_device: str = "cpu",
+        cpu: HostCpu | None = None,
+        layout: str = "arena",
+        pack_budget: int | None = None,
+    ) -> None:
+        compiled = compile_program(prog, cpu, plan_device, pack_budget)
+        self._bufs = _Buffers(compiled.manifest, layout)
+        self.separate_buffers = layout == "separate"
+        self._calls = [
+            (compiled.function(symbol), [self._bufs.t[a] for a in args])
+            for symbol, args in compiled.manifest["launches"]
+        ]
+        super().__init__(prog, compiled.manifest)
+
+    def _write(self, name: str, values: np.ndarray) -> None:
+        self._bufs.np[name].reshape(-1)[: values.size] = values.reshape(-1)
+
+    def _read(self, name: str) -> np.ndarray:
+        return self._bufs.np[name].copy()
+
+    def _run(self) -> None:
+        for fn, args in self._calls:
+            fn(*args)
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {"host": self._bufs.allocated, "device": 0}
+
+    def kernel_times(self, x: Any, y: Any, repeats: int = 3) -> dict[str, float]:
+        """Seconds per launch (best of `repeats` steps, each launch timed on its own), keyed by
+        launch position and kernel symbol: where a step's time goes. Trains `repeats` steps."""
+        best: dict[str, float] = {}
+        for _ in range(repeats):
+            self.step(x, y)  # sets the inputs of this step
+            for i, ((fn, args), (symbol, _)) in enumerate(
+                zip(self._calls, self._plan_json["launches"])
+            ):
+                t0 = time.perf_counter()
+                fn(*args)
+                key = f"{i:04d} {symbol}"
+                best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+        return best

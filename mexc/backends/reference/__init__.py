@@ -1,0 +1,1 @@
+"""target="reference": the numpy interpreter, the executable form of docs/numerics.md."""

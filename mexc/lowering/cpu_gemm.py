@@ -1,0 +1,525 @@
+"""Products on the host CPU as packed GEMMs (the forms of gemm_forms, re-tiled for SIMD).
+
+    pack_a   A[g, m, k]     the operand gathered K-contiguous (m padded to the tile)
+    pack_b   B[g, k, q]     q contiguous (q padded to the tile)
+    gemm     C[g, m, q] = sum_k A[g, m, k] * B[g, k, q]     (int32)
+    unpack   the native accumulator layout from C
+
+The GEMM runs an MT x QT register tile: for every k it broadcasts MT values of A and multiplies
+them with one contiguous QT-wide row of the B panel, so the inner loop is plain SIMD loads,
+widening, multiplies and adds with no gather and no bounds test (the gathers, im2col included,
+are done once by the packs). Padding rows and columns are zeros that are never read back, so
+the accumulator is the exact product; the schedule only reorders exact int32 sums (the caps of
+docs/numerics.md rule out overflow), which keeps it bit-exact.
+
+On AVX2 hosts the GEMM instead multiplies bytes (`x86_int8`: `vpmaddubsw` + `vpmaddwd`, 32
+multiply-accumulates per instruction pair), which wants four consecutive k of every column
+together: pack_b still writes B[g, k, q] (its gathers keep their contiguous rows), and
+`interleave_b` regroups it into column panels B4[g, q / QT, k / 4, q % QT, k % 4], each panel
+contiguous, with K padded to a multiple of 4 by zeros on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, te, tirx
+
+from mexc.lowering.gemm_forms import GemmForm
+from mexc.lowering.te_compaction import _flat_index, compacted, where
+from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_products import has_block
+from mexc.lowering.x86_int8 import COLUMNS, DEPTH
+from mexc.lowering.x86_int8 import registered as int8_dot_intrinsic
+
+I8, I32 = "int8", "int32"
+MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
+QT_VECTORS = 4  # columns of the tile, in vectors, where the column count allows
+PARALLEL_CHUNKS = 64  # parallel tasks a gather or a GEMM is given, at least, where it can
+VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one AVX2 register)
+SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
+PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
+GEMV_SPLIT = 32  # lanes of a one-column product's split reduction (64 measured 9x slower)
+GEMM_KERNELS = ("int32", "avx2_i8")  # int32 lanes everywhere; byte products on AVX2 hosts
+
+
+def tile_of(m: int, q: int, lanes: int) -> tuple[int, int]:
+    """(rows, columns) of the register tile for an m x q GEMM: the preferred 2 x 4 vectors,
+    narrowed so that padding does not multiply the work (a 16-column GEMM, e.g. a weight
+    gradient with 16 output channels, in 32-wide tiles would compute twice what it needs; odd
+    m, e.g. the 9 taps of a depthwise kernel, take 1-row tiles and keep natural packing)."""
+    mt = MT if m % MT == 0 else 1
+    for vectors in (QT_VECTORS, 2, 1):
+        if q % (vectors * lanes) == 0:
+            return mt, vectors * lanes
+    return mt, (QT_VECTORS if q >= QT_VECTORS * lanes else 1) * lanes
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class CpuGemm:
+    """The four PrimFuncs of one product and the shapes of the packed buffers. `b_shape` is
+    the GEMM's (g, K, Qp) view of B; `b_pack_shape` the shape pack_b writes it with (natural
+    axes of K and Q when Q needs no padding, so the im2col gather has no division per element)."""
+
+    pack_a: tirx.PrimFunc
+    pack_b: tirx.PrimFunc
+    gemm: tirx.PrimFunc
+    unpack: tirx.PrimFunc
+    a_shape: tuple[int, int, int]
+    b_shape: tuple[int, ...]
+    a_pack_shape: tuple[int, ...]  # a prefix of A's memory (rows past m stay zero)
+    b_pack_shape: tuple[int, ...]
+    c_shape: tuple[int, int, int]
+    # the byte-product kernel: pack_b writes (g, K, Qp) rows here, interleave_b the panels
+    b_rows_shape: tuple[int, int, int] | None = None
+    interleave_b: tirx.PrimFunc | None = None
+
+    def module(self) -> tvm.IRModule:
+        """The kernels as one module, each under its role's name (pack_a, pack_b,
+        interleave_b where there is one, gemm, unpack): for tests and benchmarks that run a
+        product outside a plan."""
+        funcs = {"pack_a": self.pack_a, "pack_b": self.pack_b, "gemm": self.gemm}
+        funcs["unpack"] = self.unpack
+        if self.interleave_b is not None:
+            funcs["interleave_b"] = self.interleave_b
+        return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return prim_func(args, name)
+
+
+def _flatten(idx: tuple, dims: tuple[int, ...]):
+    flat = idx[0]
+    for i, d in zip(idx[1:], dims[1:]):
+        flat = flat * d + i
+    return flat
+
+
+def _domain(
+    shape: tuple[int, ...], last_short: bool = False
+) -> tuple[tvm.sym.Analyzer, list[tirx.Var]]:
+    """Variables for the output index of a gather over `shape`, bound to their ranges (the
+    last one stopping one short when `last_short`, to compare neighbours along it)."""
+    analyzer = tvm.sym.Analyzer()
+    out_idx = [tirx.Var(f"i{d}", "int32") for d in range(len(shape))]
+    for d, (v, extent) in enumerate(zip(out_idx, shape)):
+        short = last_short and d == len(shape) - 1
+        analyzer.bind(v, tvm.ir.Range(0, max(extent - 1, 1) if short else extent))
+    return analyzer, out_idx
+
+
+def _index_bounds(
+    shape: tuple[int, ...], index: Callable[..., tuple], at: Callable[..., tuple]
+) -> list[tuple[int, int]]:
+    """(min, max) of every source index the gather can compute over its output `shape`
+    (TVM's constant-bound analysis: conservative, so a range may be wider than needed)."""
+    analyzer, out_idx = _domain(shape)
+    idx, _ = at(*index(*out_idx))
+    return [
+        (int(b.min_value), int(b.max_value))
+        for b in (analyzer.const_int_bound(analyzer.simplify(v)) for v in idx)
+    ]
+
+
+def _affine_rows(
+    shape: tuple[int, ...], index: Callable[..., tuple], at: Callable[..., tuple]
+) -> bool:
+    """Whether along the gather's innermost output axis every source index moves by a constant
+    step (a row is a contiguous or strided load, or a broadcast). The rows of the input
+    gradient of a strided convolution (a floor division by the stride) measured slower as
+    vectors than as scalar code; affine rows, strided ones included, faster."""
+    analyzer, out_idx = _domain(shape, last_short=True)
+    here, _ = at(*index(*out_idx))
+    there, _ = at(*index(*out_idx[:-1], out_idx[-1] + 1))
+    steps = [analyzer.simplify(b - a) for a, b in zip(here, there)]
+    return all(isinstance(d, tirx.IntImm) for d in steps)
+
+
+def zero_padded(src: te.Tensor, bounds: list[tuple[int, int]], which: str) -> te.Tensor:
+    """`src` copied into a zero-bordered tensor covering `bounds`: element i holds
+    src[i + lo] (0 outside src), so a gather from it needs no bounds test on its index."""
+    lows = [lo for lo, _ in bounds]
+    shape = [hi - lo + 1 for lo, hi in bounds]
+
+    def body(*p):
+        idx = [v + lo for v, lo in zip(p, lows)]
+        inside = tirx.all(*[tirx.all(i >= 0, i < int(e)) for i, e in zip(idx, src.shape)])
+        safe = [tirx.if_then_else(inside, i, 0) for i in idx]
+        return tirx.if_then_else(inside, src[tuple(safe)], tirx.const(0, I8))
+
+    return te.compute(shape, body, name=f"{which}{PADDED_SOURCE}")
+
+
+def _conjuncts(cond: tirx.PrimExpr) -> list[tirx.PrimExpr]:
+    if isinstance(cond, tirx.And):
+        return _conjuncts(cond.a) + _conjuncts(cond.b)
+    return [cond]
+
+
+def _range_test(term: tirx.PrimExpr, idx: tuple, extents: tuple[int, ...]) -> bool:
+    """Whether `term` is `idx[j] >= 0` or `idx[j] < extents[j]` for some j: a test that a
+    zero-bordered source answers by itself (out of range reads a zero)."""
+    for v, extent in zip(idx, extents):
+        if isinstance(term, tirx.GE) and tvm_ffi.structural_equal(term.a, v):
+            return isinstance(term.b, tirx.IntImm) and int(term.b.value) == 0
+        if isinstance(term, tirx.LT) and tvm_ffi.structural_equal(term.a, v):
+            return isinstance(term.b, tirx.IntImm) and int(term.b.value) == extent
+    return False
+
+
+def _gather(
+    form: GemmForm,
+    which: str,
+    shape: tuple[int, ...],
+    index: Callable[..., tuple],
+    k_padded: bool = False,
+) -> tuple[tirx.PrimFunc, bool]:
+    """Pack operand A or B: element (g, r, k) of the form goes where `index` puts it; with
+    whether its rows are worth vectorizing (`_affine_rows`). `k_padded`: the pack runs past
+    the form's K (to a multiple of 4), and those k are zeros.
+
+    Where the gather can index outside its source (convolution padding, padded rows), the
+    source is first copied into a zero-bordered tensor, so that the gather itself is an affine
+    load that LLVM vectorizes into contiguous loads (a bounds-tested index became a vector
+    gather: the im2col packs ran at under 1 GB/s)."""
+    src_i, at, rows = (
+        (form.a_src, form.a_at, form.m) if which == "a" else (form.b_src, form.b_at, form.q)
+    )
+    op = form.operands[src_i]
+    src = te.placeholder(op.shape, I8, name=op.name)
+    bounds = _index_bounds(shape, index, at)
+    inside = all(lo >= 0 and hi < extent for (lo, hi), extent in zip(bounds, op.shape))
+    padded = src if inside else zero_padded(src, bounds, which)
+    lows = [0] * len(bounds) if inside else [lo for lo, _ in bounds]
+
+    def body(*out_idx):
+        gi, r, k = index(*out_idx)
+        idx, ok = at(gi, r, k)
+        shifted = tuple(v - lo for v, lo in zip(idx, lows))
+        tests = [r < rows, *_conjuncts(ok), *([k < form.k] if k_padded else [])]
+        if not inside:  # the border answers the range tests of the form's validity
+            tests = [t for t in tests if not _range_test(t, idx, op.shape)]
+        return where(tirx.all(*tests), padded[shifted], tirx.const(0, I8))
+
+    packed = te.compute(shape, body, name=f"{which}_packed")
+    return _func([src, packed], f"{form.name}_pack_{which}"), _affine_rows(shape, index, at)
+
+
+def _schedule_gemm(func: tirx.PrimFunc, mt: int, qt: int, lanes: int) -> tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, q, k = sch.get_loops(blk)
+    mo, mi = sch.split(m, [None, mt])
+    qo, qi = sch.split(q, [None, qt])
+    sch.reorder(g, qo, mo, k, mi, qi)
+    # parallel over column panels; where there are few (a weight gradient has one or two, its
+    # rows the taps, and ran on one thread), over every register tile
+    panels = int(sch.get(g).extent) * int(sch.get(qo).extent)
+    outer = sch.fuse(g, qo) if panels >= PARALLEL_CHUNKS else sch.fuse(g, qo, mo)
+    acc = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(acc, outer)
+    sch.parallel(outer)
+    sch.unroll(mi)
+    qv, ql = sch.split(qi, [None, lanes])
+    sch.unroll(qv)
+    sch.vectorize(ql)
+    cw = sch.get_loops(acc)
+    sch.vectorize(cw[-1])
+    sch.decompose_reduction(blk, k)
+    return sch.mod["main"]
+
+
+def _schedule_gemv(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """One dot product per (g, m) along a K padded to GEMV_SPLIT: the reduction split into
+    GEMV_SPLIT vector lanes (rfactor) and summed at the end (a 32 x 9 x 25,088 depthwise
+    weight gradient: 0.23 ms, against 0.47 ms with LLVM's own loop and 1.3 ms as an 8-column
+    padded tile)."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, _, k = sch.get_loops(blk)
+    sch.parallel(sch.fuse(g, m))
+    _, ki = sch.split(k, [None, GEMV_SPLIT])
+    sch.vectorize(sch.get_loops(sch.rfactor(ki, 0))[-1])
+    return sch.mod["main"]
+
+
+def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int) -> tirx.PrimFunc:
+    """The MT x QT register tile of the byte-product kernel: for every 4 k, MT broadcasts of
+    4 bytes of A against QT / 8 vectors of the panel, each one tensorized `x86_int8` step."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("c")
+    g, m, q, k = sch.get_loops(blk)
+    mo, mi = sch.split(m, [None, mt])
+    qo, qv, q8 = sch.split(q, [None, qt // COLUMNS, COLUMNS])
+    k4, kk = sch.split(k, [None, DEPTH])
+    sch.reorder(g, qo, mo, k4, mi, qv, q8, kk)
+    panels = int(sch.get(g).extent) * int(sch.get(qo).extent)  # as in _schedule_gemm
+    outer = sch.fuse(g, qo) if panels >= PARALLEL_CHUNKS else sch.fuse(g, qo, mo)
+    acc = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(acc, mo if panels >= PARALLEL_CHUNKS else outer)  # one tile
+    sch.parallel(outer)
+    sch.unroll(mi)
+    sch.unroll(qv)
+    sch.vectorize(sch.get_loops(acc)[-1])
+    sch.decompose_reduction(blk, k4)  # loop kinds are set before, as TVM requires
+    sch.tensorize(q8, int8_dot_intrinsic())
+    return sch.mod["main"]
+
+
+def _schedule_elementwise(func: tirx.PrimFunc, vector_rows: bool = True) -> tirx.PrimFunc:
+    """Every block parallel over its leading axes, fused until they give PARALLEL_CHUNKS
+    iterations (packs, their zero-bordered source copies and the unpack are memory-bound
+    gathers). Fusing all outer axes would recover every inner index by division once per
+    innermost row: the im2col packs, whose rows are 14 to 28 bytes, spent most of their time
+    there."""
+    sch = s_tir.Schedule(func)
+    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+        loops, name = sch.get_loops(blk), sch.get(blk).name_hint
+        lead, extent = 1, int(sch.get(loops[0]).extent)
+        while extent < PARALLEL_CHUNKS and lead < len(loops) - 1:
+            extent *= int(sch.get(loops[lead]).extent)
+            lead += 1
+        sch.parallel(sch.fuse(*loops[:lead]) if lead > 1 else loops[0])
+        if vector_rows and lead < len(loops) and not name.endswith(PADDED_SOURCE):
+            inner = loops[-1]
+            if int(sch.get(inner).extent) > VECTOR_ROW:
+                _, inner = sch.split(inner, [None, VECTOR_ROW])
+            sch.vectorize(inner)
+    return sch.mod["main"]
+
+
+def swapped(form: GemmForm) -> GemmForm:
+    """The same product with A and B exchanged: C^T[g, q, m] = sum_k B[g, q, k] A[g, m, k]."""
+
+    def out_at(*idx):
+        gi, mm, qq = form.out_at(*idx)
+        return gi, qq, mm
+
+    return replace(
+        form,
+        m=form.q,
+        q=form.m,
+        a_src=form.b_src,
+        a_at=form.b_at,
+        b_src=form.a_src,
+        b_at=form.a_at,
+        out_at=out_at,
+    )
+
+
+def cpu_gemm(
+    form: GemmForm,
+    lanes: int,
+    k_dims: tuple[int, ...] | None = None,
+    q_dims: tuple[int, ...] | None = None,
+    m_dims: tuple[int, ...] | None = None,
+    kernel: str = "int32",
+) -> CpuGemm:
+    """The packed-GEMM PrimFuncs of `form`, scheduled for `lanes` int32 lanes per vector.
+    m_dims / k_dims / q_dims: the natural axes whose C-order flattening is the form's m / k / q
+    index; with them the packs loop over those axes and need no division per element.
+    `kernel`: one of GEMM_KERNELS ("avx2_i8" needs an AVX2 host and 8 lanes)."""
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {GEMM_KERNELS}")
+    if kernel == "avx2_i8" and lanes != COLUMNS:
+        raise ValueError(f"the {kernel} GEMM works on {COLUMNS} int32 lanes, not {lanes}")
+    # one column per group (a depthwise weight gradient): dot products along K, not a tile
+    # that would pad the column to a vector and multiply 8x the work
+    gemv = form.q == 1
+    panels = kernel == "avx2_i8" and _bytes_pay(form) and not gemv
+    mt, qt = (1, 1) if gemv else tile_of(form.m, form.q, lanes)
+    mp, qp, k = _round_up(form.m, mt), _round_up(form.q, qt), form.k
+    kp = _round_up(k, DEPTH) if panels else _round_up(k, GEMV_SPLIT) if gemv else k
+    a_shape = (form.g, mp, kp)
+    rows_shape = (form.g, kp if gemv else k, qp)  # the byte kernel's interleave pads K itself
+    b_shape: tuple[int, ...] = (form.g, qp // qt, kp // DEPTH, qt, DEPTH) if panels else rows_shape
+    if m_dims is not None and k_dims is not None and (mp == form.m or form.g == 1) and kp == k:
+        a_pack_shape: tuple[int, ...] = (form.g, *m_dims, *k_dims)
+        nm = len(m_dims)
+
+        def a_index(gi, *rest):
+            return gi, _flatten(rest[:nm], m_dims), _flatten(rest[nm:], k_dims)
+
+        pack_a, vec_a = _gather(form, "a", a_pack_shape, a_index)
+    else:
+        a_pack_shape = a_shape
+        pack_a, vec_a = _gather(form, "a", a_shape, lambda gi, r, kk: (gi, r, kk), kp > k)
+    natural = k_dims is not None and q_dims is not None and qp == form.q and (panels or kp == k)
+    if natural:
+        assert k_dims is not None and q_dims is not None
+        b_pack_shape: tuple[int, ...] = (form.g, *k_dims, *q_dims)
+        nk = len(k_dims)
+
+        def b_index(gi, *rest):
+            kk = _flatten(rest[:nk], k_dims)
+            qq = _flatten(rest[nk:], q_dims)
+            return gi, qq, kk
+
+        pack_b, vec_b = _gather(form, "b", b_pack_shape, b_index)
+    else:
+        b_pack_shape = rows_shape
+        k_padded = rows_shape[1] > k
+        pack_b, vec_b = _gather(form, "b", rows_shape, lambda gi, kk, qq: (gi, qq, kk), k_padded)
+    if gemv:
+        gemm = _schedule_gemv(_row_gemm(form.name, a_shape, rows_shape))
+        interleave = None
+    elif panels:
+        gemm = _schedule_panel_gemm(_panel_gemm(form.name, a_shape, b_shape), mt, qt)
+        interleave = _schedule_elementwise(_interleave(form.name, rows_shape, b_shape), False)
+    else:
+        gemm = _schedule_gemm(_row_gemm(form.name, a_shape, rows_shape), mt, qt, lanes)
+        interleave = None
+    cin = te.placeholder((form.g, mp, qp), I32, name="c")
+
+    def unpack_body(*idx):
+        gi, mm, qq = form.out_at(*idx)
+        return cin[gi, mm, qq]
+
+    out = te.compute(form.out_shape, unpack_body, name="acc")
+    unpack = _func([cin, out], f"{form.name}_unpack")
+
+    def named(func: tirx.PrimFunc, suffix: str) -> tirx.PrimFunc:
+        return func.with_attr("global_symbol", f"{form.name}_{suffix}")
+
+    return CpuGemm(
+        named(_schedule_elementwise(pack_a, vec_a), "pack_a"),
+        named(_schedule_elementwise(pack_b, vec_b), "pack_b"),
+        named(gemm, "gemm"),
+        named(_schedule_elementwise(unpack), "unpack"),
+        a_shape,
+        b_shape,
+        a_pack_shape,
+        b_pack_shape,
+        (form.g, mp, qp),
+        rows_shape if panels else None,
+        named(interleave, "interleave_b") if interleave is not None else None,
+    )
+
+
+def compact_from_c(
+    form: GemmForm, c_shape: tuple[int, int, int], bits: int, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """The compaction apply of a product read straight from its GEMM's C (the unpack's gather
+    with the rounding on the way): m[idx] = compacted(C[out_at(idx)], s), keyed by the native
+    flat index as compaction_apply is. C's padding is zero, so the compaction shift can take
+    its max over C too, and the int32 accumulator in the native layout is never written.
+    Parameters (c, s, key, m)."""
+    cin = te.placeholder(c_shape, I32, name="c")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), "int64", name="key")
+
+    def body(*idx):
+        flat = _flat_index(form.out_shape, idx)
+        return compacted(cin[form.out_at(*idx)], s_in[0], key[0], flat, bits, stochastic)
+
+    m = te.compute(form.out_shape, body, name="m")
+    return _schedule_elementwise(_func([cin, s_in, key, m], f"{name}_apply"))
+
+
+def _product(
+    name: str,
+    a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...],
+    columns: int,
+    b_at: Callable[..., tirx.PrimExpr],
+) -> tirx.PrimFunc:
+    """C[g, m, q] = sum_k A[g, m, k] * B(g, k, q) in int32, B read through `b_at`."""
+    a = te.placeholder(a_shape, I8, name="a")
+    b = te.placeholder(b_shape, I8, name="b")
+    rk = te.reduce_axis((0, a_shape[2]), "rk")
+
+    def body(gi, mm, qq):
+        return te.sum(a[gi, mm, rk].astype(I32) * b_at(b, gi, rk, qq).astype(I32), axis=rk)
+
+    c = te.compute((a_shape[0], a_shape[1], columns), body, name="c")
+    return _func([a, b, c], f"{name}_gemm")
+
+
+def _row_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The product with B in rows (g, K, Qp), q contiguous."""
+    return _product(name, a_shape, b_shape, b_shape[2], lambda b, gi, k, q: b[gi, k, q])
+
+
+def _panel_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The product with B in column panels (g, Qp / QT, Kp / 4, QT, 4)."""
+    qt = b_shape[3]
+
+    def b_at(b: te.Tensor, gi: tirx.PrimExpr, k: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
+        return b[gi, q // qt, k // DEPTH, q % qt, k % DEPTH]
+
+    return _product(name, a_shape, b_shape, b_shape[1] * qt, b_at)
+
+
+def _bytes_pay(form: GemmForm) -> bool:
+    """Whether the byte-product kernel beats the int32 tile on `form`: ungrouped products with
+    K >= 16; grouped ones (depthwise convolutions, their sub-pixel phases) only with a deep K
+    (their weight gradients). With one or two rows per group and K = 9 the byte kernel's tile
+    accumulator went to a heap workspace per task: a 32-group depthwise forward took 7.7 ms
+    against 2.1 ms; a 32-group 9 x 25,088 x 32 weight gradient 7.9 against 16.7 ms. A first
+    convolution (K = 9, padded to 12) measured 0.77-0.94x; K = 16 even (bench/gemm_kernels.py)."""
+    if form.g == 1:
+        return form.k >= 16
+    return form.k >= 256 and form.k % DEPTH == 0
+
+
+def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """B rows (g, K, Qp) -> column panels (g, Qp / QT, Kp / 4, QT, 4), zeros for k >= K."""
+    k, qt = rows_shape[1], b_shape[3]
+    rows = te.placeholder(rows_shape, I8, name="rows")
+    padded = b_shape[2] * DEPTH > k
+
+    def body(gi, qo, k4, qi, kk):
+        kr = k4 * DEPTH + kk
+        if not padded:
+            return rows[gi, kr, qo * qt + qi]
+        value = rows[gi, tirx.min(kr, k - 1), qo * qt + qi]  # a load inside the rows
+        return where(kr < k, value, tirx.const(0, I8))
+
+    return _func([rows, te.compute(b_shape, body, name="panels")], f"{name}_interleave_b")
+
+
+def _iterations(sch: s_tir.Schedule, loops: list) -> float:
+    """Loop iterations of a block (infinite where an extent is a shape variable)."""
+    total = 1.0
+    for lp in loops:
+        extent = sch.get(lp).extent
+        if not isinstance(extent, tirx.IntImm):
+            return float("inf")
+        total *= int(extent)
+    return total
+
+
+def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
+    """A generic host schedule for the non-product kernels: every root-level block runs its
+    outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
+    element); the inner loops stay as they are for LLVM's vectorizer. Blocks whose outer extent
+    is below `min_extent` (per-tensor reductions, one-element exponents) stay serial."""
+    sch = s_tir.Schedule(func)
+    root = sch.get_sblock("root") if has_block(sch, "root") else None
+    blocks = sch.get_child_blocks(root) if root is not None else []
+    for blk in blocks:
+        loops = sch.get_loops(blk)
+        kinds = [sch.get(lp).kind for lp in loops]
+        iters = sch.get(blk).iter_vars
+        spatial = [lp for lp, iv in zip(loops, iters) if iv.iter_type == 0]
+        if not spatial or len(spatial) != len([iv for iv in iters if iv.iter_type == 0]):
+            continue
+        if any(k != tirx.ForKind.SERIAL for k in kinds):
+            continue
+        if spatial[0] != loops[0]:
+            continue
+        extent = sch.get(spatial[0]).extent
+        if isinstance(extent, tirx.IntImm) and int(extent) < min_extent:
+            continue  # (a shape variable's extent is taken to be large)
+        if _iterations(sch, loops) < SERIAL_BELOW:
+            continue  # waking the pool costs more than the work
+        sch.parallel(spatial[0])  # the outer axis only: fusing would divide every index
+    return sch.mod["main"]

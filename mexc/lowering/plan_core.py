@@ -1,0 +1,503 @@
+"""The launch plan's data (named buffers, views, launches) and the builder core every op rule
+uses: buffer and key allocation, views, compaction, products as host GEMMs, 16-bit shifts and
+per-channel compaction. The op rules live in plan_dense, plan_norm and plan_pool; step_plan
+puts them together (docs/cpu.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from tvm import tirx
+
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Graph, Node, Value
+from mexc.lowering import gemm_forms as gf
+from mexc.lowering import te_norm, te_ops, te_pool
+from mexc.lowering.cpu_gemm import CpuGemm, compact_from_c, cpu_gemm
+from mexc.lowering.te_compaction import compaction_apply, compaction_shift
+from mexc.mx import SITES_PER_NODE
+from mexc.numerics import product_cap
+from mexc.program import Program
+
+I8, I32, I64 = "int8", "int32", "int64"
+KEY_ALIGN = 8  # int64 keys per 64 bytes
+# what the plan is lowered for: "cpu" (register-tiled host GEMMs, one symbolic update kernel set)
+# or "gpu" (the GEMM forms every GPU schedule shares, update kernels per parameter shape: a GPU
+# kernel takes buffer pointers only, no shape arguments)
+DEVICES = ("cpu", "gpu")
+GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
+# bytes a product's two operand packs (and, on a GPU, its padded C) may take; a product that
+# would take more runs over chunks of the batch (PlanBuilder.chunked). 2 MiB on the host keeps a
+# chunk's packed B near the caches; 4 MiB on a GPU is still a million outputs per GEMM launch.
+PACK_BUDGET = {"cpu": 2 << 20, "gpu": 4 << 20}
+
+
+def is_gemm(func: tirx.PrimFunc) -> bool:
+    """Whether `func` is the GEMM of a product form (GEMM_ATTR)."""
+    return str(func.attrs.get(GEMM_ATTR[0], "")) == GEMM_ATTR[1]
+
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Product:
+    """A product's GEMM form and the natural axes of its m / k / q indices (cpu_gemm)."""
+
+    form: gf.GemmForm
+    k_dims: tuple[int, ...] | None = None
+    q_dims: tuple[int, ...] | None = None
+    m_dims: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A product run over chunks of the batch: `full` the whole product, `chunk` that of one
+    chunk, `operands[j]` the operand buffers (views) of chunk j."""
+
+    full: Product
+    chunk: Product
+    operands: list[tuple[str, str]]
+
+    @property
+    def count(self) -> int:
+        return len(self.operands)
+
+
+def _tagged(func: tirx.PrimFunc, tag: str) -> tirx.PrimFunc:
+    """`func` under its symbol + tag (every launch has a symbol of its own; equal kernels are
+    compiled once: step_plan.distinct_kernels)."""
+    if not tag:
+        return func
+    return func.with_attr("global_symbol", f"{func.attrs['global_symbol']}{tag}")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call: the PrimFunc and the plan buffers it takes, in parameter order."""
+
+    func: tirx.PrimFunc
+    args: tuple[str, ...]
+
+    @property
+    def symbol(self) -> str:
+        return str(self.func.attrs["global_symbol"])
+
+
+@dataclass(frozen=True)
+class View:
+    """A buffer that is another buffer's memory seen with another shape (reshape), from
+    element `offset` on."""
+
+    base: str
+    shape: Shape
+    offset: int = 0
+
+
+@dataclass
+class StepPlan:
+    """Everything a backend needs to run one training step from named buffers."""
+
+    buffers: dict[str, tuple[Shape, str]] = field(default_factory=dict)
+    views: dict[str, View] = field(default_factory=dict)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    launches: list[Launch] = field(default_factory=list)
+    keys: str = "keys"  # every stream key of the step, one int64 buffer (views per kernel)
+    key_ids: list[int] = field(default_factory=list)  # keys[i] = stream_key(seed, step, id i)
+    state: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (m, e) buffers
+    input: tuple[str, str] = ("", "")  # quantized batch: mantissas, exponent
+    labels: str = ""
+    valid: str = ""
+    lr: str = "lr"
+    probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
+
+
+def shape4(shape: Shape) -> tuple[int, int, int, int]:
+    n, c, h, w = shape
+    return (n, c, h, w)
+
+
+def ncs_of(shape: Shape) -> te_norm.NCS:
+    """A batchnorm operand (N, C, H, W) or (N, C) as (N, C, S)."""
+    return (shape[0], shape[1], int(np.prod(shape[2:])))
+
+
+def unsupported(n: Node, why: str) -> UnsupportedOpError:
+    where = f" at {n.loc}" if n.loc else ""
+    return UnsupportedOpError(
+        f"node %{n.id} `{n.op.value}`{where}: {why}. The reference target runs every op; "
+        "compile with target='reference' (or 'c') for this model."
+    )
+
+
+class PlanBuilder:
+    """Buffers, keys, views and the shared lowering helpers of the op rules."""
+
+    def __init__(
+        self,
+        prog: Program,
+        lanes: int,
+        device: str = "cpu",
+        gemm_kernel: str = "int32",
+        pack_budget: int | None = None,
+    ) -> None:
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r} is not one of {DEVICES}")
+        self.pack_budget = PACK_BUDGET[device] if pack_budget is None else pack_budget
+        self.lanes = lanes
+        self.gemm_kernel = gemm_kernel  # cpu_gemm.GEMM_KERNELS
+        self.device = device
+        self.g: Graph = prog.graph
+        self.prog = prog
+        self.bits = prog.options.bits
+        self.stochastic = prog.options.rounding == "stochastic"
+        self.plan = StepPlan()
+        self.m: dict[Value, str] = {}  # value -> mantissa / accumulator buffer
+        self.e: dict[Value, str] = {}  # value -> exponent buffer
+        self.symbols: set[str] = set()
+        self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
+        # values plan-memory computes in place over their first input (which dies there)
+        self.in_place = {s.value for s in prog.memory_plan().slots if s.alias_of is not None}
+
+    # ----------------------------------------------------------------------------- buffers
+
+    def buf(self, name: str, shape: Shape, dtype: str) -> str:
+        self.plan.buffers[name] = (tuple(int(d) for d in shape), dtype)
+        return name
+
+    def shape(self, v: Value) -> Shape:
+        return tuple(int(d) for d in self.g.type_of(v).shape)
+
+    def out(self, n: Node, i: int, dtype: str, shape: Shape | None = None) -> str:
+        v = n.result(i)
+        self.m[v] = self.buf(f"v{n.id}_{i}", shape or self.shape(v), dtype)
+        return self.m[v]
+
+    def out_over(self, n: Node, src: Value) -> str:
+        """Result 0 of elementwise node n (int8, src's shape): in place over src's mantissas
+        where plan-memory computes it in place (src's last reader is n), else its own buffer.
+        An elementwise kernel reads each element before it writes it, at the same index."""
+        v = n.result(0)
+        if v in self.in_place and self.shape(v) == self.shape(src):
+            self.m[v] = self.m[src]
+            return self.m[v]
+        return self.out(n, 0, I8)
+
+    def out_exp(self, n: Node, i: int) -> str:
+        self.e[n.result(i)] = self.buf(f"v{n.id}_{i}.e", (1,), I32)
+        return self.e[n.result(i)]
+
+    def keys(self, n: Node, sites: tuple[int, ...], tag: str) -> str:
+        """A view of the step's key buffer holding the keys of n's rounding `sites`."""
+        base = int(n.attrs.rid) * SITES_PER_NODE
+        ids = self.plan.key_ids
+        ids.extend([0] * (-len(ids) % KEY_ALIGN))  # kernels take 64-byte aligned buffers
+        offset = len(ids)
+        ids.extend(base + s for s in sites)
+        name = f"n{n.id}.{tag}"
+        self.plan.views[name] = View(self.plan.keys, (len(sites),), offset)
+        return name
+
+    def const(self, name: str, values: np.ndarray, dtype: str) -> str:
+        arr = np.ascontiguousarray(values, dtype=dtype)
+        self.plan.constants[name] = arr
+        return self.buf(name, arr.shape, dtype)
+
+    def launch(self, func: tirx.PrimFunc, args: tuple[str, ...]) -> None:
+        symbol = str(func.attrs["global_symbol"])
+        assert symbol not in self.symbols, symbol
+        self.symbols.add(symbol)
+        self.plan.launches.append(Launch(func, args))
+
+    def rows_view(self, v: Value) -> str:
+        """v's mantissas as (rows, last axis): linear layers act on the last axis."""
+        shape = self.shape(v)
+        return self.view(self.m[v], (int(np.prod(shape[:-1])), shape[-1]))
+
+    @staticmethod
+    def rows_of(shape: Shape) -> Shape:
+        """(shape[0], the rest) for elementwise kernels: C-order flat indices (the rounding
+        keys) are those of `shape`, and long rows vectorize without remainder loops (a
+        128 x 16 x 14 x 14 aligned sum took 1.4 ms with rows of 14)."""
+        return (shape[0], int(np.prod(shape[1:]))) if len(shape) > 2 else shape
+
+    def ncs_view(self, name: str, shape: Shape) -> str:
+        """A batchnorm operand (N, C, H, W) or (N, C) seen as (N, C, S)."""
+        return self.view(name, (shape[0], shape[1], int(np.prod(shape[2:]))))
+
+    def view(self, base: str, shape: Shape, name: str | None = None) -> str:
+        """`base` (a buffer or a view, from its offset on) seen with `shape` (same element
+        count)."""
+        return self.view_at(base, shape, 0, name)
+
+    def view_at(self, base: str, shape: Shape, offset: int, name: str | None = None) -> str:
+        """Elements offset .. offset + prod(shape) of `base` (a buffer or a view) seen with
+        `shape`."""
+        root, at = base, offset
+        if base in self.plan.views:
+            root, at = self.plan.views[base].base, self.plan.views[base].offset + offset
+        if name is None:
+            if at == 0 and self.plan.buffers[root][0] == shape:
+                return root
+            name = f"{root}@{'x'.join(map(str, shape))}" + (f"+{at}" if at else "")
+        self.plan.views[name] = View(root, shape, at)
+        return name
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def compact(self, n: Node, acc: str, e_in: str, shape: Shape, site: int) -> None:
+        """Result 0 of n = compaction of int32 `acc` (exponent buffer e_in), rounding site."""
+        flat = self.rows_of(shape)  # both kernels
+        acc, m = self.view(acc, flat), self.view(self.out(n, 0, I8), flat)
+
+        def apply(name: str) -> tirx.PrimFunc:
+            return compaction_apply(flat, self.bits, False, self.stochastic, name)
+
+        self.compaction(n, site, (acc, flat), e_in, apply, acc, m)
+
+    def compaction(
+        self,
+        n: Node,
+        site: int,
+        rows: tuple[str, Shape],
+        e_in: str,
+        apply: Callable[[str], tirx.PrimFunc],
+        src: str,
+        out: str,
+    ) -> None:
+        """The launches of a per-tensor compaction into result 0 of n: its shift from the
+        accumulator's (view, 2-D shape) `rows`, then `apply(name)` (src, s, key, out)."""
+        name = f"n{n.id}_c{site}"
+        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        shift = compaction_shift(rows[1], self.bits, False, name)
+        self.launch(shift, (rows[0], e_in, s, self.out_exp(n, 0)))
+        key = self.keys(n, (site,), f"key{site}")
+        self.launch(apply(name), (src, s, key, out))
+
+    def buffer_shape(self, name: str) -> Shape:
+        """The shape of buffer or view `name`."""
+        if name in self.plan.views:
+            return self.plan.views[name].shape
+        return self.plan.buffers[name][0]
+
+    @staticmethod
+    def whole(product: Product, operands: tuple[str, str]) -> Chunks:
+        """`product` in one piece."""
+        return Chunks(product, product, [operands])
+
+    def chunked(
+        self,
+        make: Callable[[int], Product],
+        batch: int,
+        operands: tuple[str, str],
+        batched: tuple[bool, bool],
+    ) -> Chunks:
+        """A product over the batch in chunks whose operand packs fit PACK_BUDGET (the im2col
+        of a convolution is its taps times its source: at batch 128 a ResNet-18 input
+        gradient's took 151 MB). `make(samples)` builds the product of `samples` samples; the
+        chunk is the largest divisor of `batch` that fits (the whole batch where it fits: one
+        chunk, the plan as it was without chunking). Operands flagged in `batched` are sliced
+        along their leading (batch) axis: contiguous views."""
+        full = make(batch)
+        f = full.form
+        pack = f.g * f.k * (f.m + f.q)  # bytes of both packs, about
+        if self.device == "gpu":  # padded to the tiles, and the C unpacked chunk by chunk
+            pack = f.g * (f.kp * (f.mp + f.qp) + 4 * f.mp * f.qp)
+        budget = self.pack_budget
+        fits = [d for d in range(1, batch + 1) if batch % d == 0 and pack * d <= budget * batch]
+        samples = max(fits, default=1)
+        if samples == batch:
+            return Chunks(full, full, [operands])
+        chunk = make(samples)
+        views = []
+        for j in range(batch // samples):
+            ops = []
+            for name, sliced in zip(operands, batched):
+                if sliced:
+                    shape = self.buffer_shape(name)
+                    per = int(np.prod(shape[1:]))
+                    name = self.view_at(name, (samples, *shape[1:]), j * samples * per)
+                ops.append(name)
+            views.append((ops[0], ops[1]))
+        return Chunks(full, chunk, views)
+
+    def compact_unstored(
+        self,
+        n: Node,
+        site: int,
+        kernels: tuple[tirx.PrimFunc, tirx.PrimFunc],
+        inputs: tuple[str, ...],
+        out: str,
+    ) -> None:
+        """Result 0 of n (int8, into `out`) as a compaction (rounding site `site`) of a value
+        that is never stored: `kernels` are te_compaction.fused_compaction's shift (inputs ->
+        s, e_out) and apply (inputs, s, key -> m)."""
+        shift, apply = kernels
+        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
+        key = self.keys(n, (site,), f"key{site}")
+        self.launch(apply, (*inputs, s, key, out))
+
+    def compacted_product(self, n: Node, ch: Chunks, e_in: str) -> None:
+        """Result 0 of n = the compaction (site 0) of a product: on the host straight from the
+        GEMM's C (no unpacked accumulator: `compact_from_c`), elsewhere as gemm + compact. A
+        chunked product writes one C per chunk, side by side; the compaction spans them all."""
+        out_shape = ch.full.form.out_shape
+        if self.device == "gpu":
+            acc = self.buf(f"n{n.id}.acc", out_shape, I32)
+            self.gemm(ch, acc)
+            self.compact(n, acc, e_in, out_shape, 0)
+            return
+        c, c_shape = self.gemm(ch, None)
+        rows_shape = (c_shape[0] * c_shape[1], c_shape[2])
+        form = ch.full.form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
+
+        def apply(name: str) -> tirx.PrimFunc:
+            return compact_from_c(form, c_shape, self.bits, self.stochastic, name)
+
+        rows = (self.view(c, rows_shape), rows_shape)
+        self.compaction(n, 0, rows, e_in, apply, c, self.out(n, 0, I8, out_shape))
+
+    def gemm(
+        self, ch: Chunks, out: str | None, reduce: bool = False
+    ) -> tuple[str, tuple[int, int, int]]:
+        """A product as pack_a, pack_b, GEMM and unpack into `out`, chunk by chunk on shared
+        pack buffers: cpu_gemm's tiles on the host, the padded GEMM form (gemm_forms) for
+        GPUs. Chunks of the batch unpack into their slices of `out`; `reduce`: the batch is
+        the product's reduction (a weight gradient): the first chunk unpacks into `out`, every
+        later one adds its C to it in place. Returns the GEMM's C buffer and shape (out=None,
+        host only: every chunk's C side by side, the product left there unpacked)."""
+        form, count = ch.chunk.form, ch.count
+        rows: str | None = None
+        if self.device == "gpu":
+            funcs = gf.gemm_funcs(form)
+            a = self.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
+            b = self.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
+            c_shape = (form.g, form.mp, form.qp)
+            unpack = funcs.unpack
+        else:
+            p = ch.chunk
+            cg = cpu_gemm(form, self.lanes, p.k_dims, p.q_dims, p.m_dims, self.gemm_kernel)
+            a = self.buf(f"{form.name}.a", cg.a_shape, I8)
+            b = self.buf(f"{form.name}.b", cg.b_shape, I8)
+            c_shape = cg.c_shape
+            unpack = cg.unpack
+            if cg.interleave_b is not None:
+                assert cg.b_rows_shape is not None
+                rows = self.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
+        stacked = count > 1 and out is None
+        c_all = (c_shape[0] * (count if stacked else 1), c_shape[1], c_shape[2])
+        c = self.buf(f"{form.name}.c", c_all, I32)
+        size = int(np.prod(c_shape))
+        for j, operands in enumerate(ch.operands):
+            tag = f"_k{j}" if count > 1 else ""
+            c_j = self.view_at(c, c_shape, j * size) if stacked else self.view(c, c_shape)
+            if self.device == "gpu":
+                self.launch(_tagged(funcs.pack_a, tag), (operands[form.a_src], a))
+                self.launch(_tagged(funcs.pack_b, tag), (operands[form.b_src], b))
+                gemm = _tagged(funcs.gemm.with_attr(*GEMM_ATTR), tag)  # a GPU schedules it
+                self.launch(gemm, (a, b, c_j))
+            else:
+                self._cpu_gemm(cg, form, operands, (a, b, rows), c_j, tag)
+            if out is None:
+                continue
+            if reduce and j > 0:
+                add = gf.accumulate_unpack(form, c_shape, f"{form.name}_accumulate{tag}")
+                self.launch(add, (c_j, out, out))
+            elif reduce:
+                self.launch(_tagged(unpack, tag), (c_j, out))
+            else:
+                piece = form.out_shape
+                dst = out if count == 1 else self.view_at(out, piece, j * int(np.prod(piece)))
+                self.launch(_tagged(unpack, tag), (c_j, dst))
+        return c, c_all
+
+    def _cpu_gemm(
+        self,
+        cg: CpuGemm,
+        form: gf.GemmForm,
+        operands: tuple[str, str],
+        packs: tuple[str, str, str | None],
+        c: str,
+        tag: str,
+    ) -> None:
+        """pack_a, pack_b (and interleave_b) and the GEMM of one chunk into C `c`."""
+        a, b, rows = packs
+        a_pack = a
+        if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (the rest: 0)
+            a_pack = f"{a}@pack"
+            self.plan.views[a_pack] = View(a, cg.a_pack_shape)
+        self.launch(_tagged(cg.pack_a, tag), (operands[form.a_src], a_pack))
+        source = operands[form.b_src]
+        if cg.interleave_b is None:
+            self.launch(_tagged(cg.pack_b, tag), (source, self.view(b, cg.b_pack_shape)))
+        else:  # rows first (contiguous gathers), then the GEMM's column panels
+            assert rows is not None
+            self.launch(_tagged(cg.pack_b, tag), (source, self.view(rows, cg.b_pack_shape)))
+            self.launch(_tagged(cg.interleave_b, tag), (rows, b))
+        self.launch(_tagged(cg.gemm, tag), (a, b, c))
+
+    def product_exp(self, n: Node, a: Value | str, b: Value | str, tag: str = "e_acc") -> str:
+        """The exponent buffer of a product of a and b (values, or their exponent buffers)."""
+        ea = a if isinstance(a, str) else self.e[a]
+        eb = b if isinstance(b, str) else self.e[b]
+        e = self.buf(f"n{n.id}.{tag}", (1,), I32)
+        self.launch(te_ops.exponent_sum(f"n{n.id}_{tag}"), (ea, eb, e))
+        return e
+
+    def fit_operand(
+        self, n: Node, v: Value, k: int, site: int = 3, shape: Shape | None = None
+    ) -> tuple[str, str]:
+        """(mantissas, exponent) buffers of product operand `v` for a K-wide product: v's own
+        where product_cap(K, 8) >= 0, else v pre-shifted right by -cap with rounding site
+        `site` (kernels._common.fit_product: the operand's exponent grows by -cap, and the
+        int32 accumulator then holds K terms). `shape`: the shape the reference flattens v
+        with for the rounding keys' indices (C order either way)."""
+        cap = product_cap(k, 8)
+        if cap >= 0:
+            return self.m[v], self.e[v]
+        shape = shape or self.shape(v)
+        out = self.buf(f"n{n.id}.pre{site}", shape, I8)
+        key = self.keys(n, (site,), f"pre{site}_key")
+        func = te_ops.pre_shift(shape, -cap, self.stochastic, f"n{n.id}_pre{site}")
+        self.launch(func, (self.view(self.m[v], shape), key, out))
+        return out, self.exp_offset(n, self.e[v], -cap, f"pre{site}_e")
+
+    def exp_offset(self, n: Node, e: str, delta: int, tag: str) -> str:
+        out = self.buf(f"n{n.id}.{tag}", (1,), I32)
+        self.launch(te_pool.exponent_offset(delta, f"n{n.id}_{tag}"), (e, out))
+        return out
+
+    def common_compact(
+        self, n: Node, acc: str, e_grp: str, shape: te_norm.NCS, site: int, out: str
+    ) -> str:
+        """compact_common along the channel axis of an (N, C, S) accumulator into `out`;
+        returns the exponent buffer."""
+        tag = f"n{n.id}_cc{site}"
+        sh = self.buf(f"n{n.id}.sh{site}", (shape[1],), I32)
+        e_out = self.buf(f"n{n.id}.e{site}", (1,), I32)
+        self.launch(te_norm.common_shift(shape, self.bits, f"{tag}_shift"), (acc, e_grp, sh, e_out))
+        key = self.keys(n, (site,), f"key{site}")
+        apply = te_norm.common_apply(shape, self.bits, self.stochastic, f"{tag}_apply")
+        self.launch(apply, (acc, sh, key, out))
+        return e_out
+
+    def to_bits(
+        self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str
+    ) -> tuple[str, str, str]:
+        """numerics.compact_to_bits(x, e, 15) with rounding site `site`: (x16, s, e + s)."""
+        s, e_out = self.to_bits_shift(n, x, e, shape, tag)
+        out = self.buf(f"n{n.id}.{tag}", shape, I32)
+        key = self.keys(n, (site,), f"key{site}")
+        apply = te_norm.shift_apply(shape, self.stochastic, f"n{n.id}_{tag}_apply")
+        self.launch(apply, (x, s, key, out))
+        return out, s, e_out
+
+    def to_bits_shift(self, n: Node, x: str, e: str, shape: Shape, tag: str) -> tuple[str, str]:
+        """The shift half of to_bits: (s, e + s) from x's max |.| (x may hold row maxima)."""
+        s = self.buf(f"n{n.id}.{tag}_s", (1,), I32)
+        e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
+        self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
+        return s, e_out

@@ -1,0 +1,288 @@
+"""Op rules of the launch plan for the dense layers: inputs and state, reshape, ReLU, linear and
+convolution (with their gradients, as host GEMMs), bias gradients, the softmax cross-entropy
+head and the SGD-with-momentum update."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from mexc.ir import Node
+from mexc.kernels._common import product_bits
+from mexc.kernels.loss import GRAD_EXP
+from mexc.lowering import gemm_forms as gf
+from mexc.lowering import subpixel, te_depthwise, te_ops
+from mexc.lowering.cpu_gemm import swapped
+from mexc.lowering.plan_core import (
+    I8,
+    I32,
+    PlanBuilder,
+    Product,
+    Shape,
+)
+from mexc.lowering.te_products import ConvGeom
+from mexc.lowering.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
+from mexc.numerics import EXP_TABLE, FixedScalar
+
+
+class DenseRules(PlanBuilder):
+    def state(self, n: Node) -> None:
+        name = str(n.attrs.name)
+        v = n.result(0)
+        cur = self.prog.state[name]
+        self.m[v] = self.buf(f"state:{name}", self.shape(v), I8)
+        self.e[v] = self.buf(f"state:{name}.e", (max(cur.e.size, 1),), I32)
+        self.plan.state[name] = (self.m[v], self.e[v])
+
+    def input(self, n: Node) -> None:
+        pass  # the quantize node holds the batch
+
+    def quantize(self, n: Node) -> None:
+        self.plan.input = (self.out(n, 0, I8), self.out_exp(n, 0))
+
+    def label(self, n: Node) -> None:
+        self.plan.labels = self.out(n, 0, I32)
+
+    def reshape(self, n: Node) -> None:
+        src = n.inputs[0]
+        v = n.result(0)
+        self.m[v] = self.view(self.m[src], self.shape(v), f"v{n.id}_0")
+        self.e[v] = self.e[src]
+
+    def relu(self, n: Node) -> None:
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        y = self.view(self.out_over(n, x), rows)
+        self.e[n.result(0)] = self.e[x]  # the exponent passes through
+        func = te_ops.relu_forward(rows, f"n{n.id}_relu")
+        self.launch(func, (self.view(self.m[x], rows), y))
+
+    def relu_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        dx = self.view(self.out_over(n, dy), rows)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_ops.relu_backward(rows, f"n{n.id}_relu_grad")
+        self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), dx))
+
+    def linear(self, n: Node) -> None:
+        x, w = n.inputs[0], n.inputs[1]
+        o, k = self.shape(w)
+        rows = int(np.prod(self.shape(x)[:-1]))
+        xm, ex = self.fit_operand(n, x, k)
+        form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
+        whole = self.whole(Product(form, (k,), (o,)), (self.view(xm, (rows, k)), self.m[w]))
+        if not n.attrs.has_bias:
+            self.compacted_product(n, whole, self.product_exp(n, ex, w))
+            return
+        acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
+        self.gemm(whole, acc)
+        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), (rows, o), k)
+        self.compact(n, acc, e_acc, (rows, o), 0)
+
+    def add_bias(self, n: Node, acc: str, e_acc: str, shape: Shape, k: int) -> tuple[str, str]:
+        """kernels.linear.add_bias on a K-wide product accumulator (bias along axis 1, sites 1
+        and 2) when the node has one: the sum's buffer and exponent, else acc and e_acc."""
+        if not n.attrs.has_bias:
+            return acc, e_acc
+        b = n.inputs[2]
+        keys = self.keys(n, (1, 2), "bias_keys")
+        target = self.buf(f"n{n.id}.e_sum", (1,), I32)
+        total = self.buf(f"n{n.id}.sum", shape, I32)
+        func = te_ops.bias_add_acc(shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias")
+        self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
+        return total, target
+
+    def linear_grad_input(self, n: Node) -> None:
+        dy, w = n.inputs
+        o, k = self.shape(w)
+        rows = int(np.prod(self.shape(dy)[:-1]))
+        dym, ed = self.fit_operand(n, dy, o)
+        form = gf.linear_grad_input(f"n{n.id}_dx", rows, k, o)
+        whole = self.whole(Product(form, (o,), (k,)), (self.view(dym, (rows, o)), self.m[w]))
+        self.compacted_product(n, whole, self.product_exp(n, ed, w))
+
+    def linear_grad_weight(self, n: Node) -> None:
+        dy, x = n.inputs
+        o, k = self.shape(dy)[-1], self.shape(x)[-1]
+        rows = int(np.prod(self.shape(dy)[:-1]))
+        dym, ed = self.fit_operand(n, dy, rows)
+        acc = self.out(n, 0, I32, (o, k))
+        form = gf.linear_grad_weight(f"n{n.id}_dw", rows, k, o)
+        operands = (self.view(dym, (rows, o)), self.rows_view(x))
+        self.gemm(self.whole(Product(form, (rows,), (k,)), operands), acc, reduce=True)
+        self.e[n.result(0)] = self.product_exp(n, ed, x)
+
+    def bias_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        axes = tuple(int(a) for a in n.attrs.axes)
+        acc = self.out(n, 0, I32)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_ops.axis_sum(self.shape(dy), axes, f"n{n.id}_bias_grad")
+        self.launch(func, (self.m[dy], acc))
+
+    def softmax_ce(self, n: Node) -> None:
+        logits = n.inputs[0]
+        rows, k = self.shape(logits)
+        probs = self.out(n, 0, "uint8")
+        self.plan.probs = probs
+        key = self.keys(n, (0,), "key0")
+        table = self.const("exp_table", EXP_TABLE.values, I32)
+        func = te_ops.softmax_ce_forward(rows, k, self.stochastic, f"n{n.id}_softmax_ce")
+        self.launch(func, (self.m[logits], self.e[logits], key, table, probs))
+
+    def softmax_ce_grad(self, n: Node) -> None:
+        probs = n.inputs[0]
+        rows, k = self.shape(probs)
+        acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
+        self.plan.valid = self.buf("valid", (1,), I32)
+        func = te_ops.softmax_ce_backward_acc(rows, k, f"n{n.id}_softmax_ce_grad")
+        self.launch(func, (self.m[probs], self.plan.labels, self.plan.valid, acc))
+        e_in = self.const("grad_exp", np.array([GRAD_EXP]), I32)
+        self.compact(n, acc, e_in, (rows, k), 0)
+
+    def sgd_update(self, n: Node) -> None:
+        w, grad, v = n.inputs
+        opt = self.prog.optimizer
+        shape = self.shape(w)
+        gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
+        spec = UpdateSpec(
+            gr,
+            self.bits,
+            self.prog.options.per_group_velocity,
+            FixedScalar.of(opt.momentum),
+            FixedScalar.of(opt.weight_decay),
+            self.stochastic,
+            # on the host one compiled kernel set serves every parameter shape
+            symbolic=self.device == "cpu",
+        )
+        wm, gm, vm = (self.view(self.m[t], gr) for t in (w, grad, v))
+        # outputs land in the state buffers (the update is the last reader of the old values)
+        names = {
+            "w": wm,
+            "w_exp": self.e[w],
+            "grad": gm,
+            "grad_exp": self.e[grad],
+            "v": vm,
+            "v_exp": self.e[v],
+            "w_out": wm,
+            "w_exp_out": self.e[w],
+            "v_out": vm,
+            "v_exp_out": self.e[v],
+            "lr": self.buf("lr", (2,), I32),
+            "keys": self.keys(n, tuple(range(9)), "keys"),
+        }
+        for view, site in KEY_VIEWS.items():
+            names[view] = self.keys(n, (site,), view)
+        for local, (shape, dtype) in update_buffers(spec).items():
+            if local not in names:
+                names[local] = self.buf(f"n{n.id}.{local}", shape, dtype)
+        for i, t in enumerate((w, v)):
+            self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
+        for k in update_kernels(spec, f"n{n.id}_sgd"):
+            self.launch(k.func, tuple(names[a] for a in k.args))
+
+    # ----------------------------------------------------------------------------- convolution
+
+    def geom(self, n: Node, x_shape: Shape, w_shape: Shape) -> ConvGeom:
+        at = n.attrs
+        nb, c, h, w = x_shape
+        o, _, kh, kw = w_shape
+        return ConvGeom.of(nb, c, h, w, o, kh, kw, at.stride, at.padding, at.groups)
+
+    def conv(self, n: Node) -> None:
+        x, w = n.inputs[0], n.inputs[1]
+        g = self.geom(n, self.shape(x), self.shape(w))
+        k = g.cg * g.kh * g.kw
+        xm, ex = self.fit_operand(n, x, k)
+        if self.device == "cpu" and te_depthwise.applies(g):
+            acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+            func = te_depthwise.depthwise_acc(g, f"n{n.id}_fwd_depthwise")
+            self.launch(func, (xm, self.m[w], acc))
+            acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), g.y_shape, k)
+            self.compact(n, acc, e_acc, g.y_shape, 0)
+            return
+
+        def forward(samples: int) -> Product:
+            form = gf.conv_forward(f"n{n.id}_fwd", replace(g, n=samples))
+            return Product(form, (g.cg, g.kh, g.kw), (samples, g.oh, g.ow), (g.og,))
+
+        ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False))
+        if not n.attrs.has_bias:
+            self.compacted_product(n, ch, self.product_exp(n, ex, w))
+            return
+        acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+        self.gemm(ch, acc)
+        acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), g.y_shape, k)
+        self.compact(n, acc, e_acc, g.y_shape, 0)
+
+    def conv_grad_input(self, n: Node) -> None:
+        dy, w = n.inputs
+        g = self.geom(n, self.shape(n.result(0)), self.shape(w))
+        dym, ed = self.fit_operand(n, dy, g.og * g.kh * g.kw)
+        e_acc = self.product_exp(n, ed, w)
+        if self.device == "cpu" and te_depthwise.applies_to_input_gradient(g):
+            acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
+            flipped = te_depthwise.flipped(g)
+            func = te_depthwise.depthwise_acc(flipped, f"n{n.id}_dx_depthwise", flip=True)
+            self.launch(func, (dym, self.m[w], acc))
+            self.compact(n, acc, e_acc, g.x_shape, 0)
+            return
+        if self.device == "cpu" and subpixel.applies(g):
+            self.grad_input_by_phase(n, g, dym, e_acc)
+            return
+
+        def grad_input(samples: int) -> Product:
+            form = gf.conv_grad_input(f"n{n.id}_dx", replace(g, n=samples))
+            return Product(form, (g.og, g.kh, g.kw), (samples, g.h, g.w))
+
+        ch = self.chunked(grad_input, g.n, (dym, self.m[w]), (True, False))
+        self.compacted_product(n, ch, e_acc)
+
+    def grad_input_by_phase(self, n: Node, g: ConvGeom, dy: str, e_acc: str) -> None:
+        """Result 0 of n, a strided convolution's input gradient, as one GEMM per output phase
+        (subpixel.py) from the mantissas `dy`, compacted (site 0, exponent e_acc) straight from
+        the phases: the merged int32 accumulator is never stored."""
+        w = n.inputs[1]
+        phases = subpixel.phases(f"n{n.id}_dx", g)
+        outs = []
+        for i, p in enumerate(phases):
+            if p.form is None:
+                continue
+            out = self.buf(f"n{n.id}.dx{p.py}{p.px}", p.form.out_shape, I32)
+
+            def phase(samples: int, i: int = i) -> Product:
+                q = subpixel.phases(f"n{n.id}_dx", replace(g, n=samples))[i]
+                assert q.form is not None
+                return Product(q.form, q.k_dims, q.q_dims)
+
+            self.gemm(self.chunked(phase, g.n, (dy, self.m[w]), (True, False)), out)
+            outs.append(out)
+        by_phase = (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw)
+        tag = f"n{n.id}_dx_merge"
+        kernels = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
+        out = self.view(self.out(n, 0, I8), by_phase)
+        self.compact_unstored(n, 0, kernels, (*outs, e_acc), out)
+
+    def conv_grad_weight(self, n: Node) -> None:
+        dy, x = n.inputs
+        g = self.geom(n, self.shape(x), self.shape(n.result(0)))
+        dym, ed = self.fit_operand(n, dy, g.n * g.oh * g.ow)
+        acc = self.out(n, 0, I32)
+        if self.device == "cpu" and te_depthwise.applies_to_weight_grad(g):
+            func = te_depthwise.depthwise_weight_grad(g, f"n{n.id}_dw_depthwise")
+            self.launch(func, (dym, self.m[x], acc))
+            self.e[n.result(0)] = self.product_exp(n, ed, x)
+            return
+
+        # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
+        # in order along (n, y, x), where the form's own orientation gathers im2col per column
+        def grad_weight(samples: int) -> Product:
+            form = gf.conv_grad_weight(f"n{n.id}_dw", replace(g, n=samples))
+            form = swapped(form) if self.device == "cpu" else form
+            return Product(form, (samples, g.oh, g.ow), (g.og,), (g.cg, g.kh, g.kw))
+
+        ch = self.chunked(grad_weight, g.n, (dym, self.m[x]), (True, True))
+        self.gemm(ch, acc, reduce=True)
+        self.e[n.result(0)] = self.product_exp(n, ed, x)

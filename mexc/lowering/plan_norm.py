@@ -1,0 +1,126 @@
+"""Op rules of the launch plan for batch normalization: training forward, backward and the
+running statistics (te_norm's kernels)."""
+
+from __future__ import annotations
+
+from mexc.ir import Node
+from mexc.kernels.norm import _eps_fixed, mean_frac_bits
+from mexc.lowering import te_norm, te_ops
+from mexc.lowering.plan_core import (
+    I8,
+    I32,
+    PlanBuilder,
+    ncs_of,
+    unsupported,
+)
+from mexc.lowering.te_compaction import compaction_apply, compaction_shift
+from mexc.numerics import FixedScalar
+
+
+class NormRules(PlanBuilder):
+    def batchnorm(self, n: Node) -> None:
+        x, gamma, beta = n.inputs[0], n.inputs[1], n.inputs[2]
+        xs = self.shape(x)
+        ncs = ncs_of(xs)
+        m = ncs[0] * ncs[2]
+        f = mean_frac_bits(m)
+        cc = (ncs[1],)
+        b = {k: self.buf(f"n{n.id}.{k}", cc, I32) for k in ("mu", "r", "var", "var_u", "ev")}
+        b |= {k: self.buf(f"n{n.id}.{k}", cc, I32) for k in ("rstd", "rstd_e", "e_grp")}
+        b["e_c"] = self.buf(f"n{n.id}.e_c", (1,), I32)
+        xv = self.ncs_view(self.m[x], xs)
+        self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
+        key0 = self.keys(n, (0,), "key0")
+        var = te_norm.bn_var(
+            ncs, f, _eps_fixed(float(n.attrs.eps)), self.stochastic, f"n{n.id}_bn_var"
+        )
+        var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
+        self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
+        xhat = self.out(n, 1, I8, xs)
+        sh, e_xhat = self.buf(f"n{n.id}.sh1", cc, I32), self.buf(f"n{n.id}.e1", (1,), I32)
+        xhat_in = (xv, b["mu"], b["rstd"])
+        shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_bn_xhat_shift")
+        self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+        apply = te_norm.bn_xhat_apply(ncs, f, self.bits, self.stochastic, f"n{n.id}_bn_xhat_apply")
+        key1 = self.keys(n, (1,), "key1")
+        self.launch(apply, (*xhat_in, sh, key1, self.ncs_view(xhat, xs)))
+        self.e[n.result(1)] = e_xhat
+        keys = self.keys(n, (2, 3), "affine_keys")
+        args: tuple[str, ...] = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
+        args += (self.m[beta], self.e[beta], keys)
+        # the affine sum is compacted without being stored: scan, then round (no int32 tensor)
+        affine = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine")
+        self.compact_unstored(n, 4, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))
+        b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
+        self.bn[n.id] = b
+
+    def batchnorm_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        b = self.bn[n.inputs[1].node]
+        shape = self.shape(dy)
+        ncs = ncs_of(shape)
+        m = ncs[0] * ncs[2]
+        cc = (ncs[1],)
+        dyv, xhv = self.ncs_view(self.m[dy], shape), self.ncs_view(b["xhat"], shape)
+        dgamma, dbeta = self.out(n, 1, I32, cc), self.out(n, 2, I32, cc)
+        dp, e_dp = self.fit_operand(n, dy, m, site=7)  # dgamma's M-wide product
+        split = dp != self.m[dy]
+        sums = te_norm.bn_grad_sums(ncs, f"n{n.id}_bn_sums", pre_shifted=split)
+        dps = (self.ncs_view(dp, shape),) if split else ()
+        self.launch(sums, (dyv, *dps, xhv, dgamma, dbeta))
+        self.e[n.result(2)] = self.e[dy]
+        e_dg = self.buf(f"n{n.id}.e_dg", (1,), I32)
+        self.launch(te_ops.exponent_sum(f"n{n.id}_e_dg"), (e_dp, b["e_xhat"], e_dg))
+        self.e[n.result(1)] = e_dg
+        dg16, _, e_dg16 = self.to_bits(n, dgamma, e_dg, cc, 0, "dg16")
+        keys = self.keys(n, (1, 2, 3), "bracket_keys")
+        e_t = self.buf(f"n{n.id}.e_t", (1,), I32)
+        t = self.buf(f"n{n.id}.t", ncs, I32)
+        args: tuple[str, ...] = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16, keys)
+        args += (e_t, t)
+        # to_bits(t) to 16 bits: the shift here (on the host from the bracket's row maxima),
+        # its rounding (site 4) inside bn_dx_acc
+        host = self.device == "cpu"
+        bracket = te_norm.bn_bracket(ncs, self.stochastic, f"n{n.id}_bn_bracket", row_max=host)
+        amax = self.buf(f"n{n.id}.t_amax", ncs[:2], I32) if host else t
+        self.launch(bracket, (*args, amax) if host else args)
+        s16, e_bk = self.to_bits_shift(n, amax, e_t, ncs[:2] if host else ncs, "bk16")
+        f16, e_f = self.buf(f"n{n.id}.f16", cc, I32), self.buf(f"n{n.id}.e_f", cc, I32)
+        key5 = self.keys(n, (5,), "key5")
+        args = (b["gamma"], b["e_gamma"], b["rstd"], b["rstd_e"], key5, f16, e_f)
+        self.launch(te_norm.bn_dx_factor(ncs, self.stochastic, f"n{n.id}_bn_dx_factor"), args)
+        # dxa overwrites t, element by element (t's last reader is this kernel)
+        dxa, e_grp = t, self.buf(f"n{n.id}.e_grp", cc, I32)
+        dx_acc = te_norm.bn_dx_acc(ncs, self.stochastic, f"n{n.id}_bn_dx")
+        key4 = self.keys(n, (4,), "key4")
+        self.launch(dx_acc, (t, s16, key4, e_bk, f16, e_f, dxa, e_grp))
+        dx = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.common_compact(n, dxa, e_grp, ncs, 6, self.ncs_view(dx, shape))
+
+    def bn_running(self, n: Node) -> None:
+        rmean, rvar = n.inputs[0], n.inputs[1]
+        b = self.bn[n.inputs[2].node]
+        mom = FixedScalar.of(float(n.attrs.momentum))
+        c = self.shape(rmean)[0]
+        for j, (r, src, e_src) in enumerate(
+            ((rmean, b["mu"], b["e_c"]), (rvar, b["var_u"], b["ev"]))
+        ):
+            if self.prog.state[str(self.g.by_id()[r.node].attrs.name)].e.shape != (c,):
+                raise unsupported(n, "running statistics need per-channel exponents")
+            base = 4 * j
+            tag = ("mean", "var")[j]
+            e_in = e_src if j == 0 else b["e_c"]  # to_bits' own e_out is unused for the variance
+            b16, s, _ = self.to_bits(n, src, e_in, (c,), base, f"{tag}16")
+            keys = self.keys(n, (base + 1, base + 2), f"{tag}_keys")
+            target = self.buf(f"n{n.id}.{tag}_target", (c,), I32)
+            acc = self.buf(f"n{n.id}.{tag}_acc", (c,), I32)
+            ema = te_norm.bn_ema(c, j == 1, mom, self.stochastic, f"n{n.id}_{tag}_ema")
+            self.launch(ema, (self.m[r], self.e[r], b16, e_src, s, keys, target, acc))
+            name = f"n{n.id}_{tag}_c"
+            sh = self.buf(f"n{n.id}.{tag}_sh", (c,), I32)
+            # the new statistics overwrite the state buffers (their last reader is this node)
+            self.launch(compaction_shift((c,), self.bits, True, name), (acc, target, sh, self.e[r]))
+            key = self.keys(n, (base + 3,), f"{tag}_key")
+            apply = compaction_apply((c,), self.bits, True, self.stochastic, name)
+            self.launch(apply, (acc, sh, key, self.m[r]))
+            self.m[n.result(j)], self.e[n.result(j)] = self.m[r], self.e[r]

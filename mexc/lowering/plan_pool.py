@@ -1,0 +1,152 @@
+"""Op rules of the launch plan for pooling and elementwise ops: max / average / global pooling,
+ReLU6, residual and gradient sums, dropout (te_pool's and te_ops' kernels)."""
+
+from __future__ import annotations
+
+from mexc.ir import Node, Op
+from mexc.kernels._common import MAG
+from mexc.kernels.elementwise import _keep_threshold, dropout_scale
+from mexc.lowering import te_ops, te_pool
+from mexc.lowering.plan_core import (
+    I8,
+    I32,
+    PlanBuilder,
+    Shape,
+    shape4,
+    unsupported,
+)
+from mexc.lowering.te_products import IntPair, _pair
+from mexc.numerics import FixedScalar, ceil_log2
+
+
+class PoolRules(PlanBuilder):
+    def relu6(self, n: Node) -> None:
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        y = self.view(self.out_over(n, x), rows)
+        self.e[n.result(0)] = self.e[x]
+        func = te_pool.relu6_forward(rows, f"n{n.id}_relu6")
+        self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
+
+    def relu6_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        dx = self.view(self.out_over(n, dy), rows)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_pool.relu6_backward(rows, f"n{n.id}_relu6_grad")
+        self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
+
+    def grad_sum(self, n: Node) -> None:
+        terms = list(n.inputs)
+        if len(terms) == 1:
+            self.m[n.result(0)], self.e[n.result(0)] = self.m[terms[0]], self.e[terms[0]]
+            return
+        if len(terms) > 13:
+            raise unsupported(n, "a sum of more than 13 terms")
+        shape = self.shape(terms[0])
+        rows = self.rows_of(shape)
+        keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
+        # the sum is compacted without being stored: scan, then round (no int32 tensor)
+        tag = f"n{n.id}_sum"
+        kernels = te_ops.aligned_sum_compaction(rows, len(terms), self.bits, self.stochastic, tag)
+        ms = tuple(self.view(self.m[t], rows) for t in terms)
+        args = (*ms, *(self.e[t] for t in terms), keys)
+        out = self.view(self.out(n, 0, I8), rows)
+        self.compact_unstored(n, len(terms), kernels, args, out)
+
+    def dropout(self, n: Node) -> None:
+        x = n.inputs[0]
+        p = FixedScalar.of(float(n.attrs.p))
+        scale = dropout_scale(p)
+        shape = self.shape(x)
+        mask = self.out(n, 1, I8, shape)
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        key = self.keys(n, (0,), "key0")
+        func = te_pool.dropout_forward_acc(shape, _keep_threshold(p), scale.num, f"n{n.id}_drop")
+        self.launch(func, (self.m[x], key, mask, acc))
+        self.compact(n, acc, self.exp_offset(n, self.e[x], -scale.shift, "e_acc"), shape, 1)
+
+    def dropout_grad(self, n: Node) -> None:
+        dy, mask = n.inputs
+        scale = dropout_scale(FixedScalar.of(float(n.attrs.p)))
+        shape = self.shape(dy)
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        func = te_pool.masked_scale_acc(shape, scale.num, f"n{n.id}_drop_grad")
+        self.launch(func, (self.m[dy], self.m[mask], acc))
+        self.compact(n, acc, self.exp_offset(n, self.e[dy], -scale.shift, "e_acc"), shape, 0)
+
+    # ----------------------------------------------------------------------------- averages
+
+    def _pool_args(self, n: Node, x_shape: Shape) -> tuple[tuple[int, int], ...]:
+        if n.op in (Op.GLOBAL_AVGPOOL, Op.GLOBAL_AVGPOOL_GRAD):
+            k = (x_shape[2], x_shape[3])
+            return k, k, (0, 0)
+        at = n.attrs
+        k = _pair(at.kernel)
+        return k, _pair(at.stride if at.stride is not None else at.kernel), _pair(at.padding)
+
+    def avgpool(self, n: Node) -> None:
+        x = n.inputs[0]
+        xs = self.shape(x)
+        k, st, p = self._pool_args(n, xs)
+        kk = k[0] * k[1]
+        bound = MAG + ceil_log2(kk)
+        ys = te_pool.out_size(xs, k, st, p)  # type: ignore[arg-type]
+        acc = self.buf(f"n{n.id}.acc", ys, I32)
+        left = max(te_pool.DIV_BITS - bound, 0)
+        func = te_pool.window_sum(xs, k, st, p, left, f"n{n.id}_window_sum")  # type: ignore[arg-type]
+        self.launch(func, (self.m[x], acc))
+        if bound <= te_pool.DIV_BITS:
+            a, e_a = acc, self.exp_offset(n, self.e[x], -left, "e_a")
+        else:
+            a, _, e_a = self.to_bits(n, acc, self.e[x], ys, 0, "a16")
+        q, e_q = self.buf(f"n{n.id}.q", ys, I32), self.buf(f"n{n.id}.e_q", (1,), I32)
+        self.launch(te_pool.divide(ys, kk, f"n{n.id}_divide"), (a, e_a, q, e_q))
+        self.compact(n, q, e_q, ys, 1)
+
+    def avgpool_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        xs = self.shape(n.result(0))
+        k, st, p = self._pool_args(n, xs)
+        acc = self.buf(f"n{n.id}.acc", xs, I32)
+        e_acc = self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_pool.avgpool_backward_acc(xs, k, st, p, f"n{n.id}_avgpool_grad")  # type: ignore[arg-type]
+        self.launch(func, (self.m[dy], self.e[dy], acc, e_acc))
+        self.compact(n, acc, e_acc, xs, 0)
+
+    # ----------------------------------------------------------------------------- pooling
+
+    @staticmethod
+    def arg_dtype(kernel: IntPair) -> str:
+        """The window offsets of a max pool in int8 where they fit (windows of <= 127 taps)."""
+        kh, kw = _pair(kernel)
+        return I8 if kh * kw <= 127 else I32
+
+    def maxpool(self, n: Node) -> None:
+        x = n.inputs[0]
+        at = n.attrs
+        arg_dtype = self.arg_dtype(at.kernel)
+        y, arg = self.out(n, 0, I8), self.out(n, 1, arg_dtype)
+        self.e[n.result(0)] = self.e[x]
+        func = te_ops.maxpool_forward(
+            shape4(self.shape(x)), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool", arg_dtype
+        )
+        self.launch(func, (self.m[x], y, arg))
+
+    def maxpool_grad(self, n: Node) -> None:
+        dy, arg = n.inputs
+        at = n.attrs
+        shape = self.shape(n.result(0))
+        geometry = (shape4(shape), at.kernel, at.stride, at.padding)
+        name, arg_dtype = f"n{n.id}_maxpool_grad", self.arg_dtype(at.kernel)
+        if te_ops.tiles(*geometry):
+            # every dx is one dy or 0: its compaction has shift 0 and is dx itself
+            dx = self.out(n, 0, I8)
+            func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype, out_dtype=I8)
+            self.launch(func, (self.m[dy], self.m[arg], dx))
+            self.e[n.result(0)] = self.e[dy]
+            return
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype)
+        self.launch(func, (self.m[dy], self.m[arg], acc))
+        self.compact(n, acc, self.e[dy], shape, 0)

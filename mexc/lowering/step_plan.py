@@ -1,0 +1,165 @@
+"""The launch plan of a whole training step: every op of the program as TIR kernels over named
+device buffers. The kernels are target-independent TE except the products, which are lowered
+here as host GEMMs (cpu_gemm); the CUDA backend is to reuse the plan with its GEMM forms.
+
+A value of the graph lives in two buffers: its mantissas (int8, or int32 for an accumulator) and
+its exponent (int32[1], or int32[groups] for a per-group velocity). Exponents are computed on the
+device by the kernels themselves (compaction shifts, aligned-sum targets, exponent sums), so the
+host never reads one during a step. Per step the host writes only the batch (quantized at the
+float boundary, which is the one place float is allowed), the labels, the learning rate as a
+(numerator, shift) pair and the stream keys of the rounding sites (counter-based PRNG keys of
+(seed, step, tensor id)); everything else, the state included, stays in the plan's buffers.
+Parameters are updated in place: a parameter's update is the last reader of its old value.
+
+Ops lowered: every op of the CNN examples (convolutions incl. grouped and depthwise, linear,
+batch norm with running statistics, ReLU / ReLU6, max / average / global pooling, residual and
+gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update). The
+transformer ops raise UnsupportedOpError naming the node, so `compile(..., target="llvm")`
+refuses instead of computing something else (`auto` falls back to the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tvm_ffi
+from tvm import tirx
+
+from mexc.backends.plan_runtime import PLAN_FIELDS
+from mexc.ir import Graph, Node, Op, Value
+from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
+from mexc.lowering.plan_dense import DenseRules
+from mexc.lowering.plan_norm import NormRules
+from mexc.lowering.plan_pool import PoolRules
+from mexc.program import Program
+
+__all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
+
+
+class _Builder(DenseRules, NormRules, PoolRules):
+    """Every op rule over one builder state."""
+
+
+RULES: dict[Op, Callable[[_Builder, Node], None]] = {
+    Op.PARAM: _Builder.state,
+    Op.STATE: _Builder.state,
+    Op.INPUT: _Builder.input,
+    Op.QUANTIZE: _Builder.quantize,
+    Op.LABEL: _Builder.label,
+    Op.RESHAPE: _Builder.reshape,
+    Op.RELU: _Builder.relu,
+    Op.RELU_GRAD: _Builder.relu_grad,
+    Op.LINEAR_COMPACT: _Builder.linear,
+    Op.LINEAR_GRAD_INPUT: _Builder.linear_grad_input,
+    Op.LINEAR_GRAD_WEIGHT: _Builder.linear_grad_weight,
+    Op.BIAS_GRAD: _Builder.bias_grad,
+    Op.SOFTMAX_CE: _Builder.softmax_ce,
+    Op.SOFTMAX_CE_GRAD: _Builder.softmax_ce_grad,
+    Op.SGD_UPDATE: _Builder.sgd_update,
+    Op.CONV2D_COMPACT: _Builder.conv,
+    Op.CONV2D_GRAD_INPUT: _Builder.conv_grad_input,
+    Op.CONV2D_GRAD_WEIGHT: _Builder.conv_grad_weight,
+    Op.MAXPOOL2D: _Builder.maxpool,
+    Op.MAXPOOL2D_GRAD: _Builder.maxpool_grad,
+    Op.BATCHNORM: _Builder.batchnorm,
+    Op.BATCHNORM_GRAD: _Builder.batchnorm_grad,
+    Op.BN_RUNNING_UPDATE: _Builder.bn_running,
+    Op.RELU6: _Builder.relu6,
+    Op.RELU6_GRAD: _Builder.relu6_grad,
+    Op.ADD: _Builder.grad_sum,
+    Op.GRAD_SUM: _Builder.grad_sum,
+    Op.DROPOUT: _Builder.dropout,
+    Op.DROPOUT_GRAD: _Builder.dropout_grad,
+    Op.AVGPOOL2D: _Builder.avgpool,
+    Op.AVGPOOL2D_GRAD: _Builder.avgpool_grad,
+    Op.GLOBAL_AVGPOOL: _Builder.avgpool,
+    Op.GLOBAL_AVGPOOL_GRAD: _Builder.avgpool_grad,
+}
+SUPPORTED = tuple(sorted(op.value for op in RULES))
+
+
+# the state inputs each updating op overwrites in place (parameter and velocity; running mean
+# and variance)
+IN_PLACE_INPUTS = {Op.SGD_UPDATE: (0, 2), Op.BN_RUNNING_UPDATE: (0, 1)}
+
+
+def _check_in_place_updates(g: Graph) -> None:
+    """An update overwrites the buffers of the state it updates: no later node may read them."""
+    pos = {n.id: i for i, n in enumerate(g.nodes)}
+    readers: dict[Value, list[int]] = {}
+    for n in g.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(pos[n.id])
+    for n in g.nodes_of(*IN_PLACE_INPUTS):
+        for i in IN_PLACE_INPUTS[n.op]:
+            if max(readers.get(n.inputs[i], [0])) > pos[n.id]:
+                raise unsupported(n, "a node after the update reads the state it overwrites")
+
+
+def build_plan(
+    prog: Program,
+    lanes: int = 8,
+    device: str = "cpu",
+    gemm_kernel: str = "int32",
+    pack_budget: int | None = None,
+) -> StepPlan:
+    """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
+    `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: "cpu" or "gpu"
+    (plan_core.DEVICES); `gemm_kernel`: the host GEMM's kernel (cpu_gemm.GEMM_KERNELS);
+    `pack_budget`: bytes a product's packs may take before it runs in batch chunks (default
+    plan_core.PACK_BUDGET; a huge value turns chunking off, for measurements)."""
+    b = _Builder(prog, lanes, device, gemm_kernel, pack_budget)
+    for n in prog.graph.nodes:
+        rule = RULES.get(n.op)
+        if rule is None:
+            raise unsupported(
+                n,
+                f"op `{n.op.value}` is not lowered to TVM yet (lowered: {', '.join(SUPPORTED)})",
+            )
+        rule(b, n)
+    _check_in_place_updates(prog.graph)
+    b.buf(b.plan.keys, (max(len(b.plan.key_ids), 1),), I64)
+    return b.plan
+
+
+def distinct_kernels(
+    plan: StepPlan, schedule: Callable[[tirx.PrimFunc], tirx.PrimFunc]
+) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
+    """One scheduled PrimFunc per distinct kernel of the plan (equal up to its name, e.g. the
+    compactions of equal shapes), and every launch's symbol -> the symbol that implements it."""
+    reps: dict[int, list[tuple[str, tirx.PrimFunc]]] = {}
+    funcs: dict[str, tirx.PrimFunc] = {}
+    alias: dict[str, str] = {}
+    for launch in plan.launches:
+        anon = launch.func.with_attr("global_symbol", "k")
+        bucket = reps.setdefault(tvm_ffi.structural_hash(anon), [])
+        for symbol, other in bucket:
+            if tvm_ffi.structural_equal(anon, other):
+                alias[launch.symbol] = symbol
+                break
+        else:
+            bucket.append((launch.symbol, anon))
+            alias[launch.symbol] = launch.symbol
+            funcs[launch.symbol] = schedule(launch.func).with_attr("global_symbol", launch.symbol)
+    return funcs, alias
+
+
+def plan_manifest(plan: StepPlan) -> dict[str, Any]:
+    """The plan's buffers and host-facing names as JSON (plan_runtime.PLAN_FIELDS); each
+    backend adds how its kernels are launched."""
+    out = {
+        "buffers": {k: [list(s), d] for k, (s, d) in plan.buffers.items()},
+        "views": {k: [v.base, list(v.shape), v.offset] for k, v in plan.views.items()},
+        "constants": {k: [v.dtype.str, v.tolist()] for k, v in plan.constants.items()},
+        "keys": plan.keys,
+        "key_ids": plan.key_ids,
+        "state": plan.state,
+        "input": list(plan.input),
+        "labels": plan.labels,
+        "valid": plan.valid,
+        "lr": plan.lr,
+        "probs": plan.probs,
+    }
+    assert tuple(out) == PLAN_FIELDS
+    return out

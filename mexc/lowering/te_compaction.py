@@ -1,0 +1,305 @@
+"""Compaction (docs/numerics.md section 5) as TVM tensor expressions, for the GPU epilogue.
+
+    compact(acc, e) -> (m, e + s):  s = smallest s >= 0 with max|acc| <= qmax * 2^s (per tensor
+    or per group along axis 0), m = saturate(shift_right(acc, s)) with stochastic rounding keyed
+    by (key, flat index) through lowbias32, or round-half-up.
+
+Two PrimFuncs, because the shift needs a reduction over the whole tensor before any element can
+be rounded: `<name>_shift` (acc, e_in -> s, e_out) and `<name>_apply` (acc, s, key -> m). The key
+(the uint32 stream key held in int64) and the exponent are one-element buffers, so one compiled
+kernel serves every step. Everything is int32/int64 arithmetic that TVM lowers the same way for
+llvm and CUDA, so running the llvm build against `mexc.numerics.compact` checks the very TIR that
+becomes the CUDA kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import te, tirx
+
+from mexc.lowering.te_func import prim_func
+from mexc.numerics import GOLDEN32, qmax
+
+I32, I64, I8 = "int32", "int64", "int8"
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _i64(v: int) -> tirx.PrimExpr:
+    return tirx.const(v, I64)
+
+
+U32, U64 = "uint32", "uint64"
+
+
+def _mul32(x: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
+    """(x * c) mod 2^32 for a uint32 x: the product of the zero-extended operands in uint64
+    (below 2^64, so TVM's no-wrap flag on unsigned arithmetic is true), truncated. LLVM turns
+    trunc(zext(x) * c) into a plain 32-bit multiply (`vpmulld`, 8 lanes on AVX2), one it made
+    itself and so without TVM's flag: a wrapping uint32 multiply written in TIR is poison."""
+    wide = x.astype(U64) * tirx.const(c, U64)
+    return (wide & tirx.const(MASK32, U64)).astype(U32)  # the mask: TVM folds casts of constants
+
+
+def mix32(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """lowbias32 as mexc.numerics.mix32, on uint32 values.
+
+    Shifts and xors are uint32 (no flags), multiplies go through uint64 (`_mul32`). A form with
+    uint32 multiplies was miscompiled by TVM 0.27 once a run-time key entered the expression
+    (39 of 60 words wrong on llvm, docs/cuda.md: TVM marks them no-wrap); the form before this
+    one held the values in int64, where LLVM lost track of their zero high halves and spent
+    three 64-bit multiplies on some stages (the compaction apply kernel: 2.76 -> 2.11 ms)."""
+    x = _bound(x, lambda v: v ^ (v >> tirx.const(16, U32)))
+    x = _bound(x, lambda v: _mul32(v, 0x7FEB352D))
+    x = _bound(x, lambda v: v ^ (v >> tirx.const(15, U32)))
+    x = _bound(x, lambda v: _mul32(v, 0x846CA68B))
+    return _bound(x, lambda v: v ^ (v >> tirx.const(16, U32)))
+
+
+def _bound(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> tirx.PrimExpr:
+    """body(value) with value computed once (a Let): every hash stage reads its input several
+    times, and written inline the expression grows fourfold per stage (TVM's CSE leaves
+    expressions with buffer loads alone, so the CUDA source of an update kernel reached 180 KB)."""
+    if isinstance(value, (tirx.Var, tirx.IntImm)):
+        return body(value)
+    v = tirx.Var("h", _dtype(value))
+    return tirx.Let(v, value, body(v))
+
+
+def _dtype(e: tirx.PrimExpr) -> str:
+    return str(e.dtype) if hasattr(e, "dtype") else str(e.ty)  # a TE slice or an expression
+
+
+def _flat_index(shape: tuple[int, ...], idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
+    """C-order flat index (int64; tensors stay below 2^31 elements)."""
+    flat: tirx.PrimExpr = _i64(0)
+    for extent, i in zip(shape, idx):
+        ext = _i64(extent) if isinstance(extent, int) else extent.astype(I64)  # or a variable
+        flat = flat * ext + i.astype(I64)
+    return flat
+
+
+def _u32(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The low 32 bits of an int64 as uint32 (masked first: TVM folds casts of constants and
+    rejects one out of range)."""
+    return (v & _i64(MASK32)).astype(U32)
+
+
+def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.random_bits: mix32(key ^ (index * 0x9E3779B9 mod 2^32)), as int64 in [0, 2^32)
+    (the key: the uint32 stream key held in int64)."""
+    return mix32(_u32(key) ^ _mul32(_u32(flat), GOLDEN32)).astype(I64)
+
+
+def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """cond ? a : b with both sides evaluated: b ^ ((a ^ b) & -cond), in a's integer type.
+
+    `if_then_else` (and a `Select` whose sides load from buffers) becomes a branch around a
+    conditional load, which LLVM cannot vectorize: a ReLU gradient took 7.9 ms for 1.6M
+    elements that way and 0.13 ms branch-free. Bitwise, so no int8 or int64 arithmetic can
+    overflow (TVM marks signed arithmetic no-wrap). `b` appears twice: a chain of wheres nested
+    in `b` doubles per level (for exclusive cases OR masked values instead, as
+    subpixel.merge_compaction does)."""
+    dtype = _dtype(a)
+    a, b = a.astype(dtype), b.astype(dtype)
+    return b ^ ((a ^ b) & -(cond.astype(dtype)))
+
+
+def iabs(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """|v| without a branch (max(v, -v)); v above the type's minimum."""
+    return tirx.max(v, -v)
+
+
+def shift_signed(
+    x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
+) -> tirx.PrimExpr:
+    """numerics.shift_signed(x, t) for one element (int64): rounded right shift by t > 0
+    (t >= 32 gives 0), exact left shift by -t."""
+    tt = tirx.min(tirx.max(t, 0), 31)
+    mask = (tirx.const(1, I64) << tt) - 1
+    if stochastic:
+        r = random_word(key, flat) & mask
+    else:
+        r = where(tt > 0, tirx.const(1, I64) << tirx.max(tt - 1, 0), tirx.const(0, I64))
+    right = where(t >= 32, tirx.const(0, I64), (x >> tt) + (((x & mask) + r) >> tt))
+    # both sides are computed (branch-free, so the host vectorizes the PRNG); the left shift
+    # is bounded so that the unused side never shifts by 64 or more
+    return where(t > 0, right, x << tirx.min(tirx.max(-t, 0), 62))
+
+
+def shift_right32(
+    x: tirx.PrimExpr, t: tirx.PrimExpr, key: tirx.PrimExpr, flat: tirx.PrimExpr, stochastic: bool
+) -> tirx.PrimExpr:
+    """numerics.shift_right(x, t) for an int32 x and a shift t >= 0 (a compaction's), in 32-bit
+    lanes (`shift_signed` works in int64: twice the vectors). The split form of docs/numerics.md
+    section 4 never wraps: (x & mask) + r < 2^32 in uint32, and x >> t plus a carry of 0 or 1
+    stays inside int32, so TVM's no-wrap flags are true."""
+    tt = tirx.min(tirx.max(t, 0), 31)
+    one = tirx.const(1, I64)  # the loop-invariant mask and half in int64, then narrowed
+    mask = _u32((one << tt.astype(I64)) - one)
+    if stochastic:
+        r = _u32(random_word(key, flat)) & mask
+    else:
+        r = _u32(where(tt > 0, one << tirx.max(tt - 1, 0).astype(I64), tirx.const(0, I64)))
+    low = tirx.reinterpret(U32, x) & mask
+    carry = ((low + r) >> _u32(tt.astype(I64))).astype(I32)
+    return where(t >= 32, tirx.const(0, I32), (x >> tt) + carry)
+
+
+def shift_signed32(
+    x: tirx.PrimExpr,
+    t: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    stochastic: bool,
+    left_limit: int,
+) -> tirx.PrimExpr:
+    """numerics.shift_signed(x, t) in int32 lanes, for callers that know the exact left shift
+    fits: -t <= left_limit and |x| * 2^left_limit < 2^31 (e.g. an aligned sum's terms, whose
+    target exponent bounds them). The bound also keeps the unused side of the branch-free
+    select from overflowing."""
+    left = x << tirx.min(tirx.max(-t, 0), left_limit)
+    return where(t > 0, shift_right32(x, t, key, flat, stochastic), left)
+
+
+def shift_left_saturating(
+    x: tirx.PrimExpr, s: tirx.PrimExpr, limit_bits: int = 30
+) -> tirx.PrimExpr:
+    """numerics.shift_left_saturating for one element (int64): clamp(x << min(s, 54), +-2^limit)
+    with the reference's int64 wrap (|x| << 54 can exceed 2^63). The shift is done in uint64,
+    where wrapping is defined in C++ too (a signed overflowing shift is undefined for nvcc), and
+    reinterpreted: a Cast back to int64 would let TVM's simplifier assume a non-negative value
+    and drop the lower clamp."""
+    sh = tirx.max(tirx.min(s, 54), 0).astype("uint64")
+    wrapped = tirx.reinterpret(I64, x.astype("uint64") << sh)
+    lim = _i64(1 << limit_bits)
+    return tirx.max(tirx.min(wrapped, lim), -lim)
+
+
+def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
+    """(shape[0],) int32: max |x| over every axis but the first, in int32 (accumulators stay
+    above -2^31, so |x| does not wrap) so that the host vectorizes it and runs rows in parallel."""
+    shape = tuple(x.shape)  # static extents or shape variables
+    rest = [te.reduce_axis((0, d), f"{name}_r{i}") for i, d in enumerate(shape[1:])]
+
+    def body(r: tirx.PrimExpr) -> tirx.PrimExpr:
+        return te.max(iabs(x[(r, *rest)].astype(I32)), axis=rest)
+
+    if not rest:
+        return te.compute((shape[0],), lambda r: iabs(x[r].astype(I32)), name)
+    return te.compute((shape[0],), body, name=name)
+
+
+def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
+    """(1,) int32: max |x| over the whole tensor, in two stages (rows in parallel, then rows)."""
+    rows = abs_max_rows(x, f"{name}_rows")
+    r = te.reduce_axis((0, x.shape[0]), f"{name}_r")
+    return te.compute((1,), lambda _: te.max(rows[r], axis=r), name=name)
+
+
+def aligned_target(terms: list[tuple[tirx.PrimExpr, int]]) -> tirx.PrimExpr:
+    """numerics.aligned_sum's target exponent for terms (exponent, static magnitude bits):
+    max(min e_i, max(e_i + b_i) + bit_length(T) - 31)."""
+    lo, top = terms[0][0], terms[0][0] + terms[0][1]
+    for e, b in terms[1:]:
+        lo, top = tirx.min(lo, e), tirx.max(top, e + b)
+    return tirx.max(lo, top + (len(terms).bit_length() - 31))
+
+
+def fit_shift(amax: te.Tensor, limit: int, name: str = "s") -> te.Tensor:
+    """Per element of `amax` (a max |x|, int32 or int64): the smallest s >= 0 with
+    amax <= limit * 2^s, as the count of t in [0, 32) with amax > limit * 2^t (monotone in t)."""
+    t = te.reduce_axis((0, 32), f"{name}_t")
+    over = tirx.const(limit, I64) << t.var.astype(I64)
+    return te.compute(
+        amax.shape,
+        lambda *i: te.sum(tirx.if_then_else(amax[i].astype(I64) > over, 1, 0), axis=t),
+        name=name,
+    )
+
+
+def compaction_shift(
+    shape: tuple[int, ...], bits: int, grouped: bool, name: str, shared_exp: bool = False
+) -> tirx.PrimFunc:
+    """s[g] and e_out[g] = e_in[g] + s[g]; one group, or one per index of axis 0 when grouped.
+    shared_exp: e_in has one element for every group (an accumulator with one exponent
+    compacted per group, as the weight update does with the gradient)."""
+    groups = shape[0] if grouped else 1
+    acc = te.placeholder(shape, I32, name="acc")
+    e_in = te.placeholder((1 if shared_exp else groups,), I32, name="e_in")
+    amax = abs_max_rows(acc, "amax") if grouped else abs_max_all(acc, "amax")
+    s = fit_shift(amax, qmax(bits))
+    e_out = te.compute((groups,), lambda g: e_in[0 if shared_exp else g] + s[g], name="e_out")
+    return prim_func([acc, e_in, s, e_out], f"{name}_shift")
+
+
+def fused_compaction(
+    shape: tuple[int, ...],
+    inputs: list[te.Tensor],
+    target: te.Tensor,
+    value: Callable[..., tirx.PrimExpr],
+    bits: int,
+    stochastic: bool,
+    name: str,
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """The per-tensor compaction of an int32 value that is never stored: `value(*idx)` computes
+    element idx from `inputs` (an elementwise producer, e.g. an aligned sum), at exponent
+    target[0] (a one-element tensor computed from the inputs). Scan, then round: the shift
+    kernel (inputs -> s, e_out) computes every element for max |.|, the apply kernel (inputs, s,
+    key -> m) computes each again and rounds it, as compaction_shift and compaction_apply would
+    on the stored accumulator, bit for bit, without its 4 bytes per element."""
+    rest = [te.reduce_axis((0, d), f"amax_r{i}") for i, d in enumerate(shape[1:])]
+    rows = te.compute(
+        (shape[0],), lambda r: te.max(iabs(value(r, *rest)), axis=rest), name="amax_rows"
+    )
+    rr = te.reduce_axis((0, shape[0]), "amax_r")
+    amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
+    s = fit_shift(amax, qmax(bits))
+    e_out = te.compute((1,), lambda g: target[0] + s[g], name="e_out")
+    shift = prim_func([*inputs, s, e_out], f"{name}_shift")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        return compacted(value(*idx), s_in[0], key[0], _flat_index(shape, idx), bits, stochastic)
+
+    m = te.compute(shape, body, name="m")
+    return shift, prim_func([*inputs, s_in, key, m], f"{name}_apply")
+
+
+def compaction_apply(
+    shape: tuple[int, ...], bits: int, grouped: bool, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """m = saturate(shift_signed(acc, s[g])): the split form of numerics.shift_right for s >= 0,
+    an exact left shift for s < 0 (the weight update's rescale)."""
+    groups = shape[0] if grouped else 1
+    acc = te.placeholder(shape, I32, name="acc")
+    s_in = te.placeholder((groups,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")  # the uint32 stream key, held in int64
+
+    def body(*idx):
+        s = s_in[idx[0] if grouped else 0]
+        return compacted(acc[idx], s, key[0], _flat_index(shape, idx), bits, stochastic)
+
+    m = te.compute(shape, body, name="m")
+    return prim_func([acc, s_in, key, m], f"{name}_apply")
+
+
+def compacted(
+    x: tirx.PrimExpr,
+    s: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    bits: int,
+    stochastic: bool,
+    left_limit: int = 31,
+) -> tirx.PrimExpr:
+    """One element of a compaction: saturate(shift_signed(x, s)) to `bits`, int8. left_limit:
+    the largest left shift (-s) the caller can meet; 0 when s >= 0 wherever x is nonzero."""
+    # s < 0 is the weight's reactive rescale (numerics section 12): an exact left shift that
+    # keeps |x| * 2^-s <= qmax, so int32 holds it (the unused side may wrap: a plain shl)
+    q = qmax(bits)
+    v = shift_signed32(x, s, key, flat, stochastic, left_limit)
+    return tirx.max(tirx.min(v, q), -q).astype(I8)

@@ -1,0 +1,553 @@
+"""Batch normalization (training forward, backward, running statistics) as TIR kernels.
+
+The TE form of `mexc.kernels.norm` (docs/layers.md), kernel by kernel; the tests build each for
+llvm and compare it with the reference bit for bit. The input is seen as (N, C, S) with
+S = H*W (or 1), so the flat index of an element, which keys its random bits, is the natural one.
+Per-channel scalar work (statistics, the integer square root, the reciprocal, the dx factor) runs
+as chains of small (C,) stages. Divisions by the static count M use `tirx.floordiv` by a
+constant (an integer multiply-high on every target); the one run-time division, 2^29 / sigma, is
+`te_divide`'s long division. The integer square root is bit by bit: sixteen (C,) stages, each
+setting one bit of the root if its square still fits (floor(sqrt(n)) for n < 2^32).
+
+Kernels of the forward pass, in launch order (sites of kernels.batchnorm_forward_train):
+    bn_stats     mu = round((sum x) << f / M), r = the variance pre-shift        per channel
+    bn_var       var (biased / unbiased), its exponent ev, rstd and its exponent  [0]
+    bn_xhat_shift / bn_xhat_apply   xhat = compact_common(acc, e_grp) with
+                 acc = ((x << f) - mu) * rstd computed in both, e_grp = ex - f + rstd_e  [1]
+    bn_affine_compaction   gamma * xhat + beta aligned [2] [3], compacted without being
+                 stored (shift and apply kernels)                                 [4]
+Backward (kernels.batchnorm_backward): bn_grad_sums, to_bits (dgamma -> 16 bits [0]),
+bn_bracket [1] [2] [3], to_bits_shift (T -> 16 bits), bn_dx_factor [5], bn_dx_acc (with
+to_bits' rounding of T [4]), common_shift / common_apply [6]. Running statistics
+(kernels.batchnorm_update_running): to_bits, bn_ema, and a grouped compaction, once for the
+mean (sites 0-3) and once for the variance (4-7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import s_tir, te, tirx
+
+from mexc.kernels.norm import EPS_LIMIT, RSTD_NUM_LOG2
+from mexc.lowering.te_compaction import (
+    _flat_index,
+    abs_max_all,
+    aligned_target,
+    compacted,
+    fit_shift,
+    fused_compaction,
+    iabs,
+    shift_left_saturating,
+    shift_right32,
+    shift_signed,
+    shift_signed32,
+    where,
+)
+from mexc.lowering.te_compaction import _i64 as _c
+from mexc.lowering.te_divide import idiv_round
+from mexc.lowering.te_func import prim_func
+from mexc.numerics import FixedScalar, ceil_log2, qmax
+
+I8, I32, I64 = "int8", "int32", "int64"
+NCS = tuple[int, int, int]
+BIG = 1 << 20  # below every exponent the step produces
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return prim_func(args, name)
+
+
+def _div_const(a: tirx.PrimExpr, m: int) -> tirx.PrimExpr:
+    """numerics.idiv_round(a, m) for a constant m > 0 (int64)."""
+    q = tirx.floordiv(iabs(a) + _c(m // 2), _c(m))
+    return where(a < 0, -q, q)
+
+
+def _nearest(x: tirx.PrimExpr, t: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.shift_signed(x, t, "nearest")."""
+    return shift_signed(x, t, _c(0), _c(0), False)
+
+
+def _bitlen(v: te.Tensor, name: str) -> te.Tensor:
+    """Per element bit length of |v| for a (C,) int64 tensor with |v| < 2^62."""
+    t = te.reduce_axis((0, 62), f"{name}_t")
+    return te.compute(
+        v.shape,
+        lambda c: te.sum(tirx.if_then_else(iabs(v[c]) >= (_c(1) << t.var.astype(I64)), 1, 0), t),
+        name=name,
+    )
+
+
+def isqrt_stages(n: te.Tensor, name: str = "isqrt") -> te.Tensor:
+    """floor(sqrt(n)) of a (C,) int64 tensor with 0 <= n < 2^32, one stage per result bit."""
+
+    def stage(prev: te.Tensor, b: int) -> te.Tensor:
+        def step(c: tirx.PrimExpr) -> tirx.PrimExpr:
+            cand = prev[c] | _c(1 << b)
+            return tirx.if_then_else(cand * cand <= n[c], cand, prev[c])
+
+        return te.compute(n.shape, step, name=f"{name}_{b}")
+
+    res = te.compute(n.shape, lambda c: _c(0), name=f"{name}_16")
+    for b in range(15, -1, -1):
+        res = stage(res, b)
+    return res
+
+
+def _per_channel(shape: NCS, body: Callable[..., tirx.PrimExpr], name: str) -> te.Tensor:
+    return te.compute((shape[1],), body, name=name)
+
+
+def _to_i32(t: te.Tensor) -> te.Tensor:
+    return te.compute(t.shape, lambda c: t[c].astype(I32), name=f"{t.name}_out")
+
+
+def _ncs_sum(
+    shape: NCS, value: Callable[..., tirx.PrimExpr], name: str, dtype: str = I64
+) -> te.Tensor:
+    """Per channel sum over (n, s) of value(n, c, s), int64: per (n, c) over s first (rows in
+    parallel, s contiguous, in `dtype` where the caller bounds the sum), then over n."""
+    rs = te.reduce_axis((0, shape[2]), f"{name}_s")
+    part = te.compute(shape[:2], lambda n, c: te.sum(value(n, c, rs), axis=rs), name=f"{name}_nc")
+    rn = te.reduce_axis((0, shape[0]), f"{name}_n")
+    return _per_channel(shape, lambda c: te.sum(part[rn, c].astype(I64), axis=rn), name)
+
+
+# ----------------------------------------------------------------------------------- forward
+
+
+def bn_stats(shape: NCS, f: int, name: str = "bn_stats") -> tirx.PrimFunc:
+    """mu = idiv_round(sum x << f, M) and the variance pre-shift r (smallest with
+    M * ceil(max|xc| / 2^r)^2 <= 2^31 - 1, xc = (x << f) - mu). Parameters (x, mu, r)."""
+    m = shape[0] * shape[2]
+    x = te.placeholder(shape, I8, name="x")
+    ssum = _ncs_sum(shape, lambda n, c, s: x[n, c, s].astype(I64), "ssum")
+    mu = _per_channel(shape, lambda c: _div_const(ssum[c] << _c(f), m), "mu64")
+    rs = te.reduce_axis((0, shape[2]), "as")
+    part = te.compute(
+        shape[:2],
+        lambda n, c: te.max(iabs((x[n, c, rs].astype(I64) << _c(f)) - mu[c]), axis=rs),
+        name="amax_nc",
+    )
+    rn = te.reduce_axis((0, shape[0]), "an")
+    amax = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
+    t = te.reduce_axis((0, 32), "t")
+
+    def over(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        tt = t.var.astype(I64)
+        top = (amax[c] + (_c(1) << tt) - 1) >> tt
+        return te.sum(tirx.if_then_else(_c(m) * top * top > _c(2**31 - 1), 1, 0), axis=t)
+
+    r = _per_channel(shape, over, "r")
+    mu32 = _per_channel(shape, lambda c: mu[c].astype(I32), "mu")
+    return _func([x, mu32, r], name)
+
+
+def _rstd_stages(var_m: te.Tensor, ev: te.Tensor, eps: FixedScalar) -> tuple[te.Tensor, te.Tensor]:
+    """kernels.norm._rstd on (C,) int64 stages: (rstd, rstd_e)."""
+    shape = var_m.shape
+
+    def n0_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        sh = _c(-eps.shift) - ev[c]
+        left = tirx.min(shift_left_saturating(_c(eps.num), tirx.max(sh, 0), 29), _c(EPS_LIMIT))
+        right = _nearest(_c(eps.num), tirx.max(-sh, _c(0)))
+        return tirx.max(var_m[c] + tirx.if_then_else(sh >= 0, left, right), _c(1))
+
+    n0 = te.compute(shape, n0_body, name="n0")
+    bl = _bitlen(n0, "bl_n0")
+
+    def t_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        t0 = _c(29) - bl[c].astype(I64)
+        return t0 + ((ev[c] - t0) & _c(1))
+
+    t = te.compute(shape, t_body, name="t_norm")
+    n = te.compute(shape, lambda c: _nearest(n0[c], -t[c]), name="n_norm")
+    sigma = isqrt_stages(n)
+    rstd = te.compute(shape, lambda c: idiv_round(_c(1 << RSTD_NUM_LOG2), sigma[c]), name="rstd")
+    rstd_e = te.compute(shape, lambda c: _c(-RSTD_NUM_LOG2) - ((ev[c] - t[c]) >> _c(1)), name="re")
+    return rstd, rstd_e
+
+
+def bn_var(
+    shape: NCS, f: int, eps: FixedScalar, stochastic: bool, name: str = "bn_var"
+) -> tirx.PrimFunc:
+    """The batch variance and 1/sigma: tq = round(xc / 2^r) (site key), vsum = sum tq^2,
+    sv = max(30 - bitlen(vsum), 0), var = idiv_round(vsum << sv, M) (unbiased: M - 1),
+    ev = 2 (ex - f + r) - sv; rstd = 2^29 / isqrt(normalized var + eps) at rstd_e.
+    Parameters (x, mu, r, ex, key, var, var_u, ev, rstd, rstd_e, e_c); e_c = ex - f."""
+    m = shape[0] * shape[2]
+    x = te.placeholder(shape, I8, name="x")
+    mu = te.placeholder((shape[1],), I32, name="mu")
+    r = te.placeholder((shape[1],), I32, name="r")
+    ex = te.placeholder((1,), I32, name="ex")
+    key = te.placeholder((1,), I64, name="key")
+
+    # int32 lanes: |xc| < 2^16 (f <= 8) and r >= 0 is a right shift; r makes
+    # M * ceil(max|xc| / 2^r)^2 <= 2^31 - 1, so every tq^2 and their per-channel sum fit int32
+    def tq(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        xc = (x[n, c, s].astype(I32) << f) - mu[c]
+        v = shift_right32(xc, r[c], key[0], _flat_index(shape, (n, c, s)), stochastic)
+        return v * v
+
+    vsum = _ncs_sum(shape, tq, "vsum", I32)
+    bl = _bitlen(vsum, "bl_vsum")
+    vnum = _per_channel(
+        shape, lambda c: vsum[c] << tirx.max(_c(30) - bl[c].astype(I64), _c(0)), "vnum"
+    )
+    var_m = _per_channel(shape, lambda c: _div_const(vnum[c], m), "var_m")
+    var_u = _per_channel(shape, lambda c: _div_const(vnum[c], m - 1), "var_u64")
+
+    def ev_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        sv = tirx.max(_c(30) - bl[c].astype(I64), _c(0))
+        return _c(2) * (ex[0].astype(I64) - f + r[c].astype(I64)) - sv
+
+    ev = _per_channel(shape, ev_body, "ev64")
+    rstd, rstd_e = _rstd_stages(var_m, ev, eps)
+    outs = [_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)]
+    e_c = te.compute((1,), lambda _: ex[0] - f, name="e_c")
+    return _func([x, mu, r, ex, key, *outs, e_c], name)
+
+
+def _xhat_inputs(shape: NCS, f: int) -> tuple[list[te.Tensor], Callable[..., tirx.PrimExpr]]:
+    """(x, mu, rstd) and the xhat accumulator ((x << f) - mu) * rstd (int32, |.| < 2^31) as a
+    function of (n, c, s): computed where it is read instead of stored, so the normalization
+    moves one byte per element instead of nine (an int32 write and two reads)."""
+    x = te.placeholder(shape, I8, name="x")
+    mu, rstd = (te.placeholder((shape[1],), I32, name=n) for n in ("mu", "rstd"))
+
+    def acc(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        return ((x[n, c, s].astype(I32) << f) - mu[c]) * rstd[c]
+
+    return [x, mu, rstd], acc
+
+
+def bn_xhat_shift(shape: NCS, f: int, bits: int, name: str = "bn_xhat_shift") -> tirx.PrimFunc:
+    """common_shift of the xhat accumulator (`_xhat_inputs`), e_grp = e_c + rstd_e per channel.
+    Parameters (x, mu, rstd, rstd_e, e_c, e_grp, sh, e_out)."""
+    inputs, acc = _xhat_inputs(shape, f)
+    rstd_e = te.placeholder((shape[1],), I32, name="re")
+    e_c = te.placeholder((1,), I32, name="e_c")
+    e_grp = te.compute((shape[1],), lambda c: e_c[0] + rstd_e[c], name="e_grp")
+    sh, e_out = _common_shift(shape, acc, e_grp, bits)
+    return _func([*inputs, rstd_e, e_c, e_grp, sh, e_out], name)
+
+
+def bn_xhat_apply(
+    shape: NCS, f: int, bits: int, stochastic: bool, name: str = "bn_xhat_apply"
+) -> tirx.PrimFunc:
+    """common_apply of the xhat accumulator. Parameters (x, mu, rstd, sh, key, m)."""
+    inputs, acc = _xhat_inputs(shape, f)
+    sh = te.placeholder((shape[1],), I32, name="sh")
+    key = te.placeholder((1,), I64, name="key")
+    m = _common_apply(shape, acc, sh, key, bits, stochastic)
+    return _func([*inputs, sh, key, m], name)
+
+
+def _common_shift(
+    shape: NCS, acc: Callable[..., tirx.PrimExpr], e_grp: te.Tensor, bits: int
+) -> tuple[te.Tensor, te.Tensor]:
+    """(sh, e_out) of compact_common for the accumulator acc(n, c, s) (see common_shift)."""
+    # max |acc| per (n, c) with s innermost (n in parallel), then per channel over n
+    rs = te.reduce_axis((0, shape[2]), "rs")
+    part = te.compute(shape[:2], lambda n, c: te.max(iabs(acc(n, c, rs)), rs), name="amax_nc")
+    rn = te.reduce_axis((0, shape[0]), "rn")
+    amax = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
+    s = fit_shift(amax, qmax(bits))
+    rc = te.reduce_axis((0, shape[1]), "rc")
+    top = te.compute(
+        (1,),
+        lambda _: te.max(
+            tirx.if_then_else(amax[rc] > 0, e_grp[rc] + s[rc].astype(I32), -BIG), axis=rc
+        ),
+        name="top",
+    )
+    rc2 = te.reduce_axis((0, shape[1]), "rc2")
+    emax = te.compute((1,), lambda _: te.max(e_grp[rc2], axis=rc2), name="emax")
+    e_out = te.compute(
+        (1,), lambda i: tirx.if_then_else(top[i] > -BIG, top[i], emax[i]), name="e_out"
+    )
+    sh = _per_channel(shape, lambda c: e_out[0] - e_grp[c], "sh")
+    return sh, e_out
+
+
+def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.PrimFunc:
+    """kernels._common.compact_common's plan along axis 1: s_c = compaction shift of channel c,
+    e_out = max over non-zero channels of e_grp + s_c (max e_grp if all are zero),
+    sh_c = e_out - e_grp_c. Parameters (acc, e_grp, sh, e_out)."""
+    acc = te.placeholder(shape, I32, name="acc")
+    e_grp = te.placeholder((shape[1],), I32, name="e_grp")
+    sh, e_out = _common_shift(shape, lambda n, c, s: acc[n, c, s], e_grp, bits)
+    return _func([acc, e_grp, sh, e_out], name)
+
+
+def _common_apply(
+    shape: NCS,
+    acc: Callable[..., tirx.PrimExpr],
+    sh: te.Tensor,
+    key: te.Tensor,
+    bits: int,
+    stochastic: bool,
+) -> te.Tensor:
+    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        # sh_c >= 0 wherever the channel has a nonzero value (common_shift's e_out is at least
+        # e_grp_c + s_c there): int32 lanes, and no left shift (a zero channel stays 0)
+        flat = _flat_index(shape, (n, c, s))
+        return compacted(acc(n, c, s), sh[c], key[0], flat, bits, stochastic, left_limit=0)
+
+    return te.compute(shape, body, name="m")
+
+
+def common_apply(
+    shape: NCS, bits: int, stochastic: bool, name: str = "common_apply"
+) -> tirx.PrimFunc:
+    """m = clip(shift_signed(acc, sh_c), +-qmax) keyed by the flat index. Parameters
+    (acc, sh, key, m)."""
+    acc = te.placeholder(shape, I32, name="acc")
+    sh = te.placeholder((shape[1],), I32, name="sh")
+    key = te.placeholder((1,), I64, name="key")
+    m = _common_apply(shape, lambda n, c, s: acc[n, c, s], sh, key, bits, stochastic)
+    return _func([acc, sh, key, m], name)
+
+
+def bn_affine_compaction(
+    shape: NCS, bits: int, stochastic: bool, name: str = "bn_affine"
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """The aligned sum of gamma * xhat (14 bits, key 0) and beta (7 bits, key 1, flat index c),
+    compacted (site 4 of the caller) without storing it (te_compaction.fused_compaction):
+    `<name>_shift` (xhat, e_xhat, gamma, e_g, beta, e_b, keys, s, e_out) and `<name>_apply`
+    (the same inputs, s, key, m)."""
+    inputs, target, value = _bn_affine_terms(shape, stochastic)
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
+
+
+def _bn_affine_terms(
+    shape: NCS, stochastic: bool
+) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
+    """The affine sum's inputs, target exponent and element."""
+    xhat = te.placeholder(shape, I8, name="xhat")
+    e_x = te.placeholder((1,), I32, name="e_x")
+    gamma = te.placeholder((shape[1],), I8, name="gamma")
+    e_g = te.placeholder((1,), I32, name="e_g")
+    beta = te.placeholder((shape[1],), I8, name="beta")
+    e_b = te.placeholder((1,), I32, name="e_b")
+    keys = te.placeholder((2,), I64, name="keys")
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e_x[0] + e_g[0], 14), (e_b[0], 7)]), name="target"
+    )
+
+    # int32 lanes: the target is at least max(e + bits) - 29, so gamma * xhat (|.| <= 2^14)
+    # shifts left by at most 15 bits and beta (<= 2^7) by at most 22: every term <= 2^29
+    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        p = xhat[n, c, s].astype(I32) * gamma[c].astype(I32)
+        tp = target[0] - e_x[0] - e_g[0]
+        tb = target[0] - e_b[0]
+        a = shift_signed32(p, tp, keys[0], _flat_index(shape, (n, c, s)), stochastic, 15)
+        b = shift_signed32(beta[c].astype(I32), tb, keys[1], c.astype(I64), stochastic, 22)
+        return a + b
+
+    return [xhat, e_x, gamma, e_g, beta, e_b, keys], target, body
+
+
+# ----------------------------------------------------------------------------------- backward
+
+
+def bn_grad_sums(
+    shape: NCS, name: str = "bn_grad_sums", pre_shifted: bool = False
+) -> tirx.PrimFunc:
+    """dbeta = sum dy, dgamma = sum dy * xhat per channel (int32). Parameters
+    (dy, xhat, dgamma, dbeta); with `pre_shifted` (dy, dp, xhat, dgamma, dbeta): dgamma from
+    dp, dy pre-shifted for the M-wide product (site 7 of kernels.norm.batchnorm_backward)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    dp = te.placeholder(shape, I8, name="dp") if pre_shifted else dy
+    xh = te.placeholder(shape, I8, name="xh")
+    db = _ncs_sum(shape, lambda n, c, s: dy[n, c, s].astype(I64), "db64")
+    dg = _ncs_sum(shape, lambda n, c, s: dp[n, c, s].astype(I64) * xh[n, c, s].astype(I64), "dg64")
+    dgamma = _per_channel(shape, lambda c: dg[c].astype(I32), "dgamma")
+    dbeta = _per_channel(shape, lambda c: db[c].astype(I32), "dbeta")
+    return _func([dy, *([dp] if pre_shifted else []), xh, dgamma, dbeta], name)
+
+
+def to_bits_shift(shape: tuple[int, ...], limit_bits: int, name: str) -> tirx.PrimFunc:
+    """numerics.compact_to_bits' shift: smallest s with max|x| <= 2^limit << s, e_out = e + s.
+    Parameters (x int32, e (1,), s (1,), e_out (1,))."""
+    x = te.placeholder(shape, I32, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    s = fit_shift(abs_max_all(x, "amax"), 1 << limit_bits)
+    e_out = te.compute((1,), lambda i: e[i] + s[i], name="e_out")
+    return _func([x, e, s, e_out], name)
+
+
+def shift_apply(shape: tuple[int, ...], stochastic: bool, name: str) -> tirx.PrimFunc:
+    """y = shift_right(x, s) keyed by the flat index (int32 out; s >= 0, to_bits_shift's, so
+    in int32 lanes). Parameters (x, s, key, y)."""
+    x = te.placeholder(shape, I32, name="x")
+    s = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        return shift_right32(x[idx], s[0], key[0], _flat_index(shape, idx), stochastic)
+
+    y = te.compute(shape, body, name="y")
+    return _func([x, s, key, y], name)
+
+
+def bn_bracket(
+    shape: NCS, stochastic: bool, name: str = "bn_bracket", row_max: bool = False
+) -> tirx.PrimFunc:
+    """T = aligned sum of M*dy (key 0), -dbeta (key 1, flat index c) and -xhat * dg16 (key 2)
+    (kernels.batchnorm_backward's bracket; magnitude bits 7 + ceil log2 M, the same, 22).
+    Parameters (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys, target, t), and with
+    `row_max` a last one, amax (N, C): max |T| over s, computed as each row of T is written
+    (host schedule), so that to_bits' shift reads (N, C) values instead of all of T."""
+    m = shape[0] * shape[2]
+    lg = ceil_log2(m)
+    dy = te.placeholder(shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    dbeta = te.placeholder((shape[1],), I32, name="dbeta")
+    xh = te.placeholder(shape, I8, name="xh")
+    e_xh = te.placeholder((1,), I32, name="e_xh")
+    dg16 = te.placeholder((shape[1],), I32, name="dg16")
+    e_dg = te.placeholder((1,), I32, name="e_dg")
+    keys = te.placeholder((3,), I64, name="keys")
+    e3 = e_xh[0] + e_dg[0]
+    target = te.compute(
+        (1,),
+        lambda _: aligned_target([(e_dy[0], 7 + lg), (e_dy[0], 7 + lg), (e3, 22)]),
+        name="target",
+    )
+
+    # int32 lanes where M allows: the target is at least max(e + bits) - 29, so M * dy and
+    # dbeta (< 2^(7 + lg)) shift left by at most 22 - lg bits and xhat * dg16 (< 2^22) by at
+    # most 7: every term < 2^29, their sum inside int32
+    wide = 22 - lg < 0
+
+    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, (n, c, s))
+        if wide:
+            td = (target[0] - e_dy[0]).astype(I64)
+            t3 = (target[0] - e3).astype(I64)
+            a = shift_signed(dy[n, c, s].astype(I64) * m, td, keys[0], flat, stochastic)
+            b = shift_signed(-dbeta[c].astype(I64), td, keys[1], c.astype(I64), stochastic)
+            p = -(xh[n, c, s].astype(I64) * dg16[c].astype(I64))
+            return (a + b + shift_signed(p, t3, keys[2], flat, stochastic)).astype(I32)
+        td, t3 = target[0] - e_dy[0], target[0] - e3
+        a = shift_signed32(dy[n, c, s].astype(I32) * m, td, keys[0], flat, stochastic, 22 - lg)
+        b = shift_signed32(-dbeta[c], td, keys[1], c.astype(I64), stochastic, 22 - lg)
+        p = -(xh[n, c, s].astype(I32) * dg16[c])
+        return a + b + shift_signed32(p, t3, keys[2], flat, stochastic, 7)
+
+    t = te.compute(shape, body, name="t")
+    args = [dy, e_dy, dbeta, xh, e_xh, dg16, e_dg, keys, target, t]
+    if not row_max:
+        return _func(args, name)
+    rs = te.reduce_axis((0, shape[2]), "rs")
+    amax = te.compute(shape[:2], lambda n, c: te.max(iabs(t[n, c, rs]), axis=rs), name="amax")
+    sch = s_tir.Schedule(_func([*args, amax], name))
+    n_loop, c_loop, _ = sch.get_loops(sch.get_sblock("t"))
+    sch.reverse_compute_at(sch.get_sblock("amax"), c_loop)  # the row is still in L1
+    sch.parallel(n_loop)
+    return sch.mod["main"]
+
+
+def bn_dx_factor(shape: NCS, stochastic: bool, name: str = "bn_dx_factor") -> tirx.PrimFunc:
+    """kernels.norm._dx_factor: fac = gamma * rstd, L = 30 - bitlen(fac),
+    q = idiv_round(fac * 2^L, M), sf = max(bitlen(q) - 15, 0), f16 = round(q / 2^sf) (key,
+    flat index c), e_f = e_g + rstd_e - L + sf. Parameters (gamma, e_g, rstd, rstd_e, key,
+    f16, e_f)."""
+    m = shape[0] * shape[2]
+    c_ = shape[1]
+    gamma = te.placeholder((c_,), I8, name="gamma")
+    e_g = te.placeholder((1,), I32, name="e_g")
+    rstd = te.placeholder((c_,), I32, name="rstd")
+    rstd_e = te.placeholder((c_,), I32, name="rstd_e")
+    key = te.placeholder((1,), I64, name="key")
+    fac = te.compute((c_,), lambda c: gamma[c].astype(I64) * rstd[c].astype(I64), name="fac")
+    bl = _bitlen(fac, "bl_fac")
+    q = te.compute(
+        (c_,),
+        lambda c: _div_const(fac[c] * (_c(1) << (_c(30) - bl[c].astype(I64))), m),
+        name="q",
+    )
+    blq = _bitlen(q, "bl_q")
+    sf = te.compute((c_,), lambda c: tirx.max(blq[c].astype(I64) - 15, _c(0)), name="sf")
+    f16 = te.compute(
+        (c_,),
+        lambda c: shift_signed(q[c], sf[c], key[0], c.astype(I64), stochastic).astype(I32),
+        name="f16",
+    )
+    e_f = te.compute(
+        (c_,),
+        lambda c: (
+            e_g[0].astype(I64) + rstd_e[c].astype(I64) - (30 - bl[c].astype(I64)) + sf[c]
+        ).astype(I32),
+        name="e_f",
+    )
+    return _func([gamma, e_g, rstd, rstd_e, key, f16, e_f], name)
+
+
+def bn_dx_acc(shape: NCS, stochastic: bool, name: str = "bn_dx_acc") -> tirx.PrimFunc:
+    """dxa = bk16 * f16_c (int32) with bk16 = shift_right(t, s) (to_bits' apply, keyed by the
+    flat index, done here instead of through an int32 buffer), e_grp = e_bk + e_f_c.
+    Parameters (t, s, key, e_bk, f16, e_f, dxa, e_grp)."""
+    t = te.placeholder(shape, I32, name="t")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
+    e_bk = te.placeholder((1,), I32, name="e_bk")
+    f16 = te.placeholder((shape[1],), I32, name="f16")
+    e_f = te.placeholder((shape[1],), I32, name="e_f")
+
+    def body(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, (n, c, s))
+        return shift_right32(t[n, c, s], s_in[0], key[0], flat, stochastic) * f16[c]
+
+    dxa = te.compute(shape, body, name="dxa")
+    e_grp = te.compute((shape[1],), lambda c: e_bk[0] + e_f[c], name="e_grp")
+    return _func([t, s_in, key, e_bk, f16, e_f, dxa, e_grp], name)
+
+
+# ----------------------------------------------------------------------------------- running
+
+
+def bn_ema(
+    channels: int, per_channel_b: bool, momentum: FixedScalar, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """kernels.norm._ema's aligned sum: (2^shift - num) * r at r_e - shift and num * b16 at
+    e_b + s - shift (b16 = b compacted to 16 bits by s), keys 0 / 1, flat index c, per channel
+    target. Parameters (r, r_e, b16, e_b, s, keys, target, acc); e_b has C elements when
+    per_channel_b (the variance) else one (the mean)."""
+    one_minus = (1 << momentum.shift) - momentum.num
+    r = te.placeholder((channels,), I8, name="r")
+    r_e = te.placeholder((channels,), I32, name="r_e")
+    b16 = te.placeholder((channels,), I32, name="b16")
+    e_b = te.placeholder((channels if per_channel_b else 1,), I32, name="e_b")
+    s = te.placeholder((1,), I32, name="s")
+    keys = te.placeholder((2,), I64, name="keys")
+
+    def e1(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        return r_e[c] - momentum.shift
+
+    def e2(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        return e_b[c if per_channel_b else 0] + s[0] - momentum.shift
+
+    b1, b2 = 7 + one_minus.bit_length(), 15 + momentum.num.bit_length()
+    target = te.compute(
+        (channels,), lambda c: aligned_target([(e1(c), b1), (e2(c), b2)]), name="target"
+    )
+
+    def body(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = c.astype(I64)
+        a = shift_signed(
+            r[c].astype(I64) * one_minus, (target[c] - e1(c)).astype(I64), keys[0], flat, stochastic
+        )
+        b = shift_signed(
+            b16[c].astype(I64) * momentum.num,
+            (target[c] - e2(c)).astype(I64),
+            keys[1],
+            flat,
+            stochastic,
+        )
+        return (a + b).astype(I32)
+
+    acc = te.compute((channels,), body, name="acc")
+    return _func([r, r_e, b16, e_b, s, keys, target, acc], name)

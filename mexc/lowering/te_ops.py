@@ -1,0 +1,395 @@
+"""Non-product ops of the training step as TVM tensor expressions (target independent).
+
+The GPU (and later the TVM CPU) backend lowers every op of the step from one TE definition; the
+tests build the same PrimFuncs for llvm and compare them with `mexc.kernels` bit for bit, so the
+CUDA build of the TIR is checked on a machine without a GPU. Ops whose result may need rounding
+produce an int32 accumulator for `te_compaction` (compaction with shift 0 is the identity on
+values within qmax, which is how the reference's "compact only if it exceeds qmax" comes out).
+
+So far: ReLU forward/backward, max pooling forward (value and first-maximum offset) and
+backward, the aligned sum of residual adds and gradient sums, and the softmax cross-entropy head
+(probabilities forward, gradient backward; its run-time divisions are `te_divide`'s integer long
+division, since nvcc would divide with a float reciprocal). The remaining ops of docs/layers.md
+are listed in docs/cuda.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import te, tirx
+
+from mexc.lowering.te_compaction import (
+    _flat_index,
+    aligned_target,
+    fused_compaction,
+    shift_left_saturating,
+    shift_right32,
+    shift_signed,
+    shift_signed32,
+    where,
+)
+from mexc.lowering.te_divide import idiv_round
+from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_products import IntPair, _pair
+from mexc.numerics import EXP_IN_EXP
+
+I8, I32, I64 = "int8", "int32", "int64"
+PAD = -(1 << 14)  # below every int8 mantissa: padding never wins a max
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    # run-time divisions become integer long divisions (nvcc would use a float reciprocal)
+    return prim_func(args, name)
+
+
+def relu_forward(shape: tuple[int, ...], name: str = "relu_forward") -> tirx.PrimFunc:
+    """y = max(m, 0); the exponent passes through unchanged (kernels.relu_forward)."""
+    x = te.placeholder(shape, I8, name="x")
+    y = te.compute(shape, lambda *i: tirx.max(x[i], tirx.const(0, I8)), name="y")
+    return _func([x, y], name)
+
+
+def relu_backward(shape: tuple[int, ...], name: str = "relu_backward") -> tirx.PrimFunc:
+    """dx = dy where x > 0 else 0 (kernels.relu_backward with the ReLU input or output)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    x = te.placeholder(shape, I8, name="x")
+    dx = te.compute(shape, lambda *i: where(x[i] > 0, dy[i], tirx.const(0, I8)), name="dx")
+    return _func([dy, x, dx], name)
+
+
+def _pool_geometry(
+    x_shape: tuple[int, int, int, int], kernel: IntPair, stride: IntPair | None, padding: IntPair
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int, int, int]]:
+    k = _pair(kernel)
+    s = _pair(stride if stride is not None else kernel)
+    p = _pair(padding)
+    n, c, h, w = x_shape
+    oh = (h + 2 * p[0] - k[0]) // s[0] + 1
+    ow = (w + 2 * p[1] - k[1]) // s[1] + 1
+    return k, s, p, (n, c, oh, ow)
+
+
+def maxpool_forward(
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+    name: str = "maxpool_forward",
+    arg_dtype: str = I32,
+) -> tirx.PrimFunc:
+    """y = window max; arg = offset i*KW + j of the first maximum in row-major window order
+    (kernels.maxpool2d_forward), stored as `arg_dtype` (int8 holds windows of up to 127
+    taps). Parameters (x, y, arg)."""
+    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
+    _, _, h, w = x_shape
+    x = te.placeholder(x_shape, I8, name="x")
+
+    def tap(o: tuple, i: tirx.Var, j: tirx.Var) -> tirx.PrimExpr:
+        n, c, oy, ox = o
+        iy, ix = oy * s[0] + i - p[0], ox * s[1] + j - p[1]
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        safe_y = tirx.if_then_else(ok, iy, 0)
+        safe_x = tirx.if_then_else(ok, ix, 0)
+        return where(ok, x[n, c, safe_y, safe_x].astype(I32), tirx.const(PAD, I32))
+
+    ri = te.reduce_axis((0, k[0]), "ri")
+    rj = te.reduce_axis((0, k[1]), "rj")
+    ymax = te.compute(y_shape, lambda *o: te.max(tap(o, ri, rj), axis=[ri, rj]), name="ymax")
+    qi = te.reduce_axis((0, k[0]), "qi")
+    qj = te.reduce_axis((0, k[1]), "qj")
+    none = tirx.const(k[0] * k[1], arg_dtype)
+    arg = te.compute(
+        y_shape,
+        lambda *o: te.min(
+            tirx.if_then_else(tap(o, qi, qj) == ymax[o], (qi * k[1] + qj).astype(arg_dtype), none),
+            axis=[qi, qj],
+        ),
+        name="arg",
+    )
+    y = te.compute(y_shape, lambda *o: ymax[o].astype(I8), name="y")
+    return _func([x, y, arg], name)
+
+
+def window_through(
+    yy: tirx.PrimExpr,
+    xx: tirx.PrimExpr,
+    ri: tirx.PrimExpr,
+    rj: tirx.PrimExpr,
+    s: tuple[int, int],
+    p: tuple[int, int],
+    out_hw: tuple[int, int],
+) -> tuple[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr]:
+    """The pooling window (oy, ox) that covers input pixel (yy, xx) through tap (ri, rj)
+    (oy*s + ri - p == yy), clamped to (0, 0) when there is none, and whether there is one: the
+    gather form of a pooling backward scatter."""
+    ty, tx = yy + p[0] - ri, xx + p[1] - rj
+    oy, ox = tirx.floordiv(ty, s[0]), tirx.floordiv(tx, s[1])
+    ok = tirx.all(
+        ty >= 0,
+        tx >= 0,
+        tirx.floormod(ty, s[0]) == 0,
+        tirx.floormod(tx, s[1]) == 0,
+        oy < out_hw[0],
+        ox < out_hw[1],
+    )
+    return tirx.if_then_else(ok, oy, 0), tirx.if_then_else(ok, ox, 0), ok
+
+
+def maxpool_backward_acc(
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+    name: str = "maxpool_backward_acc",
+    arg_dtype: str = I32,
+    out_dtype: str = I32,
+) -> tirx.PrimFunc:
+    """acc[n,c,y,x] = sum of dy over the windows whose first maximum sits at (y, x), written as a
+    gather (each input pixel visits the windows that contain it). Parameters (dy, arg, acc).
+    out_dtype int8: only where windows tile the input (`tiles`), where every acc is one dy or
+    0, so that its compaction is the identity (shift 0) and dx is acc itself."""
+    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
+    _, _, oh, ow = y_shape
+    dy = te.placeholder(y_shape, I8, name="dy")
+    arg = te.placeholder(y_shape, arg_dtype, name="arg")
+    if tiles(x_shape, kernel, stride, padding):  # each pixel is in at most one window
+        return _maxpool_backward_tiled(x_shape, k, y_shape, dy, arg, name, out_dtype)
+    if out_dtype != I32:
+        raise ValueError("overlapping windows sum gradients: their accumulator is int32")
+    ri = te.reduce_axis((0, k[0]), "ri")
+    rj = te.reduce_axis((0, k[1]), "rj")
+
+    def body(n, c, yy, xx):
+        sy, sx, ok = window_through(yy, xx, ri, rj, s, p, (oh, ow))
+        hit = tirx.all(ok, arg[n, c, sy, sx].astype(I32) == ri * k[1] + rj)
+        return te.sum(
+            where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)),
+            axis=[ri, rj],
+        )
+
+    acc = te.compute(x_shape, body, name="acc")
+    return _func([dy, arg, acc], name)
+
+
+def _maxpool_backward_tiled(
+    x_shape: tuple[int, int, int, int],
+    k: tuple[int, int],
+    y_shape: tuple[int, int, int, int],
+    dy: te.Tensor,
+    arg: te.Tensor,
+    name: str,
+    out_dtype: str = I32,
+) -> tirx.PrimFunc:
+    """maxpool_backward_acc for non-overlapping windows: a gather with no reduction."""
+    _, _, oh, ow = y_shape
+
+    def body(n, c, yy, xx):
+        oy, ox = yy // k[0], xx // k[1]
+        inside = tirx.all(oy < oh, ox < ow)
+        sy, sx = tirx.min(oy, oh - 1), tirx.min(ox, ow - 1)
+        hit = tirx.all(inside, arg[n, c, sy, sx].astype(I32) == (yy % k[0]) * k[1] + xx % k[1])
+        return where(hit, dy[n, c, sy, sx].astype(I32), tirx.const(0, I32)).astype(out_dtype)
+
+    acc = te.compute(x_shape, body, name="acc")
+    return _func([dy, arg, acc], name)
+
+
+def tiles(
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+) -> bool:
+    """Whether pooling windows tile the input: every pixel in at most one window."""
+    k, s, p, _ = _pool_geometry(x_shape, kernel, stride, padding)
+    return k == s and p == (0, 0)
+
+
+def aligned_sum_acc(
+    shape: tuple[int, ...],
+    terms: int,
+    stochastic: bool,
+    name: str = "aligned_sum",
+    exponent_buffers: bool = False,
+) -> tirx.PrimFunc:
+    """Sum of `terms` int8 tensors with per-tensor exponents (kernels.grad_sum / add_forward
+    before their compaction): target = max(min e_i, max(e_i + 7) + c - 31), c = bit_length(T);
+    term i shifted by target - e_i with rounding key i. Parameters (m_0 .. m_{T-1}, e, keys,
+    target, acc): e int32[T], keys int64[T] (the uint32 site keys), target int32[1]; with
+    `exponent_buffers` e is T one-element buffers e_0 .. e_{T-1} (each term's own)."""
+    inputs, target, value = _aligned_sum_terms(shape, terms, stochastic, exponent_buffers)
+    acc = te.compute(shape, value, name="acc")
+    return _func([*inputs, target, acc], name)
+
+
+def aligned_sum_compaction(
+    shape: tuple[int, ...], terms: int, bits: int, stochastic: bool, name: str = "aligned_sum"
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """aligned_sum_acc (exponent_buffers) compacted without storing the sum
+    (te_compaction.fused_compaction): `<name>_shift` (m_0 .. m_{T-1}, e_0 .. e_{T-1}, keys, s,
+    e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    inputs, target, value = _aligned_sum_terms(shape, terms, stochastic, True)
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
+
+
+def _aligned_sum_terms(
+    shape: tuple[int, ...], terms: int, stochastic: bool, exponent_buffers: bool
+) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
+    """aligned_sum_acc's inputs, target exponent and element."""
+    if terms < 2:
+        raise ValueError("aligned_sum_acc needs at least two terms")
+    ms = [te.placeholder(shape, I8, name=f"m{i}") for i in range(terms)]
+    if exponent_buffers:
+        e_args = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
+        exps = [e[0] for e in e_args]
+    else:
+        e_args = [te.placeholder((terms,), I32, name="e")]
+        exps = [e_args[0][i] for i in range(terms)]
+    keys = te.placeholder((terms,), "int64", name="keys")
+    target = te.compute((1,), lambda _: aligned_target([(e, 7) for e in exps]), name="target")
+
+    # int32 lanes: the target is at least max(e_i) + 7 + c - 31 (c = bit_length(T)), so every
+    # left shift is at most 24 - c bits, a term below 2^(31 - c) and the sum of T < 2^c terms
+    # inside int32 (the int64 form took twice the vectors)
+    left_limit = 24 - terms.bit_length()
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        total: tirx.PrimExpr = tirx.const(0, I32)
+        for i in range(terms):
+            t = target[0] - exps[i]
+            x = ms[i][idx].astype(I32)
+            total = total + shift_signed32(x, t, keys[i], flat, stochastic, left_limit)
+        return total
+
+    return [*ms, *e_args, keys], target, body
+
+
+def softmax_ce_forward(
+    n: int, k: int, stochastic: bool, name: str = "softmax_ce_forward"
+) -> tirx.PrimFunc:
+    """kernels.softmax_ce_forward without the host-side loss: p in [0, 255] (value p / 256).
+
+    d = m - rowmax; index = d shifted to the exp table's exponent (rounding key site 0, flat
+    index r*K + j; a left shift saturates at 2^30), clamped to [-128, 127]; E = table[index + 128];
+    p = min(idiv_round(E << 8, sum_j E), 255). Parameters (logits, e, key, table, probs):
+    e int32[1] the logits' exponent, key int64[1], table int32[256] (numerics.EXP_TABLE)."""
+    i64 = "int64"
+    logits = te.placeholder((n, k), I8, name="logits")
+    e = te.placeholder((1,), I32, name="e")
+    key = te.placeholder((1,), i64, name="key")
+    table = te.placeholder((256,), I32, name="table")
+    rj = te.reduce_axis((0, k), "rj")
+    rowmax = te.compute((n,), lambda r: te.max(logits[r, rj], axis=rj), name="rowmax")
+
+    def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        d = logits[r, j].astype(i64) - rowmax[r].astype(i64)  # int8 - int8 would wrap
+        s = (EXP_IN_EXP - e[0]).astype(i64)
+        flat = r.astype(i64) * k + j.astype(i64)
+        right = shift_signed(d, s, key[0], flat, stochastic)
+        left = shift_left_saturating(d, -s)
+        idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
+        return table[(idx + 128).astype(I32)].astype(i64)
+
+    ex = te.compute((n, k), lookup, name="ex")
+    rs = te.reduce_axis((0, k), "rs")
+    srow = te.compute((n,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
+    probs = te.compute(
+        (n, k),
+        lambda r, j: tirx.min(idiv_round(ex[r, j] << 8, srow[r]), 255).astype("uint8"),
+        name="probs",
+    )
+    return _func([logits, e, key, table, probs], name)
+
+
+def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc") -> tirx.PrimFunc:
+    """kernels.softmax_ce_backward before its compaction: t = p - 256 * onehot on the first
+    `valid` rows (0 below), acc = idiv_round(t << 7, valid) at exponent -15. Parameters
+    (probs uint8 (N,K), labels int32 (N,), valid int32[1], acc int32 (N,K))."""
+    i64 = "int64"
+    probs = te.placeholder((n, k), "uint8", name="probs")
+    labels = te.placeholder((n,), I32, name="labels")
+    valid = te.placeholder((1,), I32, name="valid")
+
+    def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        rows = tirx.max(tirx.min(valid[0], n), 0)
+        t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, 256, 0).astype(i64)
+        t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
+        return idiv_round(t << 7, tirx.max(rows, 1).astype(i64)).astype(I32)
+
+    acc = te.compute((n, k), body, name="acc")
+    return _func([probs, labels, valid, acc], name)
+
+
+def pre_shift(
+    shape: tuple[int, ...], shift: int, stochastic: bool, name: str = "pre_shift"
+) -> tirx.PrimFunc:
+    """kernels._common.fit_product's operand pre-shift: m_out = shift_right(m, shift) (int8 in,
+    int8 out: |m| <= 127 shrinks), rounding keyed by the C-order flat index of `shape`.
+    Parameters (m, key, out)."""
+    m = te.placeholder(shape, I8, name="m")
+    key = te.placeholder((1,), I64, name="key")
+    sh = tirx.const(shift, I32)
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        v = shift_right32(m[idx].astype(I32), sh, key[0], _flat_index(shape, idx), stochastic)
+        return v.astype(I8)
+
+    return _func([m, key, te.compute(shape, body, name="out")], name)
+
+
+def exponent_sum(name: str = "exponent_sum") -> tirx.PrimFunc:
+    """e = a + b on one-element int32 buffers: a product's exponent e_x + e_w, on the device so
+    that the host never reads an exponent during a step."""
+    a = te.placeholder((1,), I32, name="a")
+    b = te.placeholder((1,), I32, name="b")
+    e = te.compute((1,), lambda i: a[i] + b[i], name="e")
+    return _func([a, b, e], name)
+
+
+def bias_add_acc(
+    shape: tuple[int, ...], axis: int, acc_bits: int, stochastic: bool, name: str = "bias_add"
+) -> tirx.PrimFunc:
+    """kernels.linear.add_bias: the aligned sum of an int32 product accumulator (magnitude bits
+    `acc_bits`, rounding key 0, flat index in `shape`) and an int8 bias broadcast along `axis`
+    (7 bits, key 1, flat index = the bias element's own index). Parameters (acc, e_acc, bias,
+    e_b, keys, target, out): keys int64[2], target int32[1] the sum's exponent."""
+    i64 = "int64"
+    acc = te.placeholder(shape, I32, name="acc")
+    e_acc = te.placeholder((1,), I32, name="e_acc")
+    bias = te.placeholder((shape[axis],), I8, name="bias")
+    e_b = te.placeholder((1,), I32, name="e_b")
+    keys = te.placeholder((2,), i64, name="keys")
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e_acc[0], acc_bits), (e_b[0], 7)]), name="target"
+    )
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        ta = (target[0] - e_acc[0]).astype(i64)
+        tb = (target[0] - e_b[0]).astype(i64)
+        a = shift_signed(acc[idx].astype(i64), ta, keys[0], _flat_index(shape, idx), stochastic)
+        j = idx[axis]
+        b = shift_signed(bias[j].astype(i64), tb, keys[1], j.astype(i64), stochastic)
+        return (a + b).astype(I32)
+
+    out = te.compute(shape, body, name="out")
+    return _func([acc, e_acc, bias, e_b, keys, target, out], name)
+
+
+def axis_sum(
+    shape: tuple[int, ...], axes: tuple[int, ...], name: str = "axis_sum"
+) -> tirx.PrimFunc:
+    """kernels.bias_backward: int32 sum of int8 dy over `axes` (the bias gradient accumulator;
+    its exponent is dy's). Parameters (dy, acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    keep = [d for i, d in enumerate(shape) if i not in axes]
+    red = {a: te.reduce_axis((0, shape[a]), f"r{a}") for a in axes}
+
+    def body(*out_idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        it = iter(out_idx)
+        idx = [red[a] if a in red else next(it) for a in range(len(shape))]
+        return te.sum(dy[tuple(idx)].astype(I32), axis=list(red.values()))
+
+    acc = te.compute(tuple(keep) or (1,), body, name="acc")
+    return _func([dy, acc], name)

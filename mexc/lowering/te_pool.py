@@ -1,0 +1,179 @@
+"""Average pooling, global average pooling, ReLU6 and dropout as TIR kernels.
+
+The TE form of kernels.pool (avgpool2d_*, global_avgpool_*: a global pool is an average pool
+whose one window is the whole image, with the same rounding sites and flat indices),
+kernels.activation.relu6_*, kernels.elementwise's dropout (residual and gradient sums are
+te_ops.aligned_sum_acc). Exponents are one-element run-time buffers; the divisions by the
+window size are numerics.div_const (multiply-and-shift by the precomputed reciprocal of the
+odd part).
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from mexc.lowering.te_compaction import _flat_index, iabs, random_word, where
+from mexc.lowering.te_compaction import _i64 as _c
+from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_ops import window_through
+from mexc.numerics import Reciprocal
+
+I8, I32, I64 = "int8", "int32", "int64"
+Pair = tuple[int, int]
+Shape4 = tuple[int, int, int, int]
+DIV_BITS = 15
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return prim_func(args, name)
+
+
+def div_const(x: tirx.PrimExpr, recip: Reciprocal) -> tirx.PrimExpr:
+    """numerics.div_const's mantissa: sign(x) * (((|x| + (o-1)/2) * mult) >> shift), int64."""
+    q = ((iabs(x) + (recip.odd - 1) // 2) * _c(recip.mult)) >> _c(recip.shift)
+    return where(x < 0, -q, q)
+
+
+def exponent_offset(delta: int, name: str) -> tirx.PrimFunc:
+    """e_out = e + delta (a static change of exponent: a pre-shift, a power-of-two divisor)."""
+    e = te.placeholder((1,), I32, name="e")
+    out = te.compute((1,), lambda i: e[i] + delta, name="e_out")
+    return _func([e, out], name)
+
+
+def out_size(x_shape: Shape4, k: Pair, s: Pair, p: Pair) -> Shape4:
+    n, c, h, w = x_shape
+    return (n, c, (h + 2 * p[0] - k[0]) // s[0] + 1, (w + 2 * p[1] - k[1]) // s[1] + 1)
+
+
+def window_sum(x_shape: Shape4, k: Pair, s: Pair, p: Pair, left: int, name: str) -> tirx.PrimFunc:
+    """acc = (sum of each window, zero padding counted) << left. Parameters (x, acc)."""
+    _, _, h, w = x_shape
+    x = te.placeholder(x_shape, I8, name="x")
+    ri, rj = te.reduce_axis((0, k[0]), "ri"), te.reduce_axis((0, k[1]), "rj")
+
+    def body(n, c, oy, ox):
+        iy, ix = oy * s[0] + ri - p[0], ox * s[1] + rj - p[1]
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        v = x[n, c, tirx.if_then_else(ok, iy, 0), tirx.if_then_else(ok, ix, 0)].astype(I32)
+        return te.sum(where(ok, v, tirx.const(0, I32)), axis=[ri, rj])
+
+    total = te.compute(out_size(x_shape, k, s, p), body, name="total")
+    acc = te.compute(total.shape, lambda *i: total[i] << left, name="acc")
+    return _func([x, acc], name)
+
+
+def divide(shape: tuple[int, ...], divisor: int, name: str) -> tirx.PrimFunc:
+    """q = div_const(a) (|a| <= 2^15), e_q = e_a - pow2. Parameters (a, e_a, q, e_q)."""
+    recip = Reciprocal.of(divisor)
+    a = te.placeholder(shape, I32, name="a")
+    e_a = te.placeholder((1,), I32, name="e_a")
+    q = te.compute(shape, lambda *i: div_const(a[i].astype(I64), recip).astype(I32), name="q")
+    e_q = te.compute((1,), lambda i: e_a[i] - recip.pow2, name="e_q")
+    return _func([a, e_a, q, e_q], name)
+
+
+def avgpool_backward_acc(x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str) -> tirx.PrimFunc:
+    """acc[x] = sum over the windows holding x of g, g = div_const(dy << 8, K*K) (exponent
+    e_dy - 8 - pow2, exact). Parameters (dy, e_dy, acc, e_acc)."""
+    y_shape = out_size(x_shape, k, s, p)
+    _, _, oh, ow = y_shape
+    recip = Reciprocal.of(k[0] * k[1])
+    dy = te.placeholder(y_shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+
+    def share(n, c, sy, sx):  # one window's gradient, spread over its K*K pixels
+        return div_const(dy[n, c, sy, sx].astype(I64) << _c(DIV_BITS - 7), recip)
+
+    if tuple(k) == tuple(s) and tuple(p) == (0, 0):
+        # windows tile the input without overlap (a global pool, 2x2 stride 2): each pixel is
+        # in at most one window, so the sum over taps has one term; the sum form tested all
+        # K*K taps per pixel (SmallResNet's 8x8 global pool: 64 per pixel, 2.8 ms a step)
+        def single(n, c, yy, xx):
+            sy, sx = yy // s[0], xx // s[1]
+            ok = tirx.all(sy < oh, sx < ow)
+            g = share(n, c, tirx.min(sy, oh - 1), tirx.min(sx, ow - 1))
+            return where(ok, g, _c(0)).astype(I32)
+
+        acc = te.compute(x_shape, single, name="acc")
+    else:
+        ri, rj = te.reduce_axis((0, k[0]), "ri"), te.reduce_axis((0, k[1]), "rj")
+
+        def body(n, c, yy, xx):
+            sy, sx, ok = window_through(yy, xx, ri, rj, s, p, (oh, ow))
+            return te.sum(where(ok, share(n, c, sy, sx), _c(0)), axis=[ri, rj])
+
+        total = te.compute(x_shape, body, name="total")
+        acc = te.compute(x_shape, lambda *i: total[i].astype(I32), name="acc")
+    e_acc = te.compute((1,), lambda i: e_dy[i] - (DIV_BITS - 7) - recip.pow2, name="e_acc")
+    return _func([dy, e_dy, acc, e_acc], name)
+
+
+def relu6_forward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """y = clip(m, 0, relu6_cap(e)). Parameters (x, e, y)."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def cap_of(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        ev = e[0].astype(I64)
+        pos = tirx.min(_c(6) >> tirx.min(ev, _c(62)), _c(127))
+        neg = tirx.min(_c(6) << tirx.min(-ev, _c(40)), _c(127))
+        return tirx.if_then_else(ev >= 0, pos, neg).astype(I32)
+
+    cap = te.compute((1,), cap_of, name="cap")
+    y = te.compute(
+        shape, lambda *i: tirx.max(tirx.min(x[i].astype(I32), cap[0]), 0).astype(I8), name="y"
+    )
+    return _func([x, e, y], name)
+
+
+def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """dx = dy where 0 < m * 2^e < 6 (m, e of the ReLU6 input). Parameters (dy, x, e, dx)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def body(*i):  # int32 lanes: both sides stay below 2^15
+        ev = e[0]
+        m = x[i].astype(I32)
+        lhs = m << tirx.min(tirx.max(ev, 0), 8)
+        rhs = tirx.const(6, I32) << tirx.min(tirx.max(-ev, 0), 8)
+        keep = tirx.all(m > 0, lhs < rhs)
+        return where(keep, dy[i], tirx.const(0, I8))
+
+    dx = te.compute(shape, body, name="dx")
+    return _func([dy, x, e, dx], name)
+
+
+def dropout_forward_acc(
+    shape: tuple[int, ...], keep_below: int, scale_num: int, name: str
+) -> tirx.PrimFunc:
+    """mask = random word (key, flat index) < keep_below; acc = mask ? m * scale_num : 0.
+    Parameters (x, key, mask (int8 0/1), acc)."""
+    x = te.placeholder(shape, I8, name="x")
+    key = te.placeholder((1,), I64, name="key")
+    mask = te.compute(
+        shape,
+        lambda *i: tirx.if_then_else(
+            random_word(key[0], _flat_index(shape, i)) < _c(keep_below), 1, 0
+        ).astype(I8),
+        name="mask",
+    )
+    acc = te.compute(
+        shape,
+        lambda *i: where(mask[i] > 0, x[i].astype(I32) * scale_num, tirx.const(0, I32)),
+        name="acc",
+    )
+    return _func([x, key, mask, acc], name)
+
+
+def masked_scale_acc(shape: tuple[int, ...], scale_num: int, name: str) -> tirx.PrimFunc:
+    """acc = mask ? dy * scale_num : 0 (dropout backward). Parameters (dy, mask, acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    mask = te.placeholder(shape, I8, name="mask")
+    acc = te.compute(
+        shape,
+        lambda *i: where(mask[i] > 0, dy[i].astype(I32) * scale_num, tirx.const(0, I32)),
+        name="acc",
+    )
+    return _func([dy, mask, acc], name)
