@@ -1,6 +1,10 @@
 """Golden IR files for pass tests: Before (input IR) -> Expected (output IR).
 
-Regenerate with `MEXC_UPDATE_GOLDEN=1 pytest tests/passes` and review the diff.
+The golden files under `golden/` are read, never written, unless the environment variable
+MEXC_UPDATE_GOLDEN is set to 1: `MEXC_UPDATE_GOLDEN=1 pytest tests/passes` regenerates (or
+creates) every golden file the selected tests use; review the diff before committing. Without
+the flag a missing golden file fails the test (it is not silently created), so a deleted or
+misnamed file cannot turn a golden test into a test that compares its output with itself.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mexc.frontend import import_model
@@ -43,10 +48,29 @@ def _model_graph(case: str) -> Graph:
     return import_model(model, torch.zeros(4, *shape)).graph
 
 
+def _require(path: Path) -> None:
+    """Fail the calling test when a golden file is missing (never create it implicitly)."""
+    if not path.exists():
+        pytest.fail(
+            f"golden file {_shown(path)} is missing; create it with "
+            f"`MEXC_UPDATE_GOLDEN=1 pytest {_caller_hint()}` and review it before committing",
+            pytrace=False,
+        )
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _caller_hint() -> str:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "")
+    return test.split("::", 1)[0] if test else "tests/passes"
+
+
 def graph_before(case: str, pass_name: str) -> Graph:
     """The input of `pass_name`: from the golden file, or (when updating) from the pipeline."""
     path = GOLDEN / f"{pass_name}.{case}.before.mexir"
-    if UPDATE or not path.exists():
+    if UPDATE:
         g = _model_graph(case)
         ctx = context()
         for p in PIPELINE:
@@ -54,14 +78,16 @@ def graph_before(case: str, pass_name: str) -> Graph:
                 break
             g = p.fn(g, ctx)
         path.write_text(print_graph(g))
+    _require(path)
     return parse_graph(path.read_text())
 
 
 def check_golden(case: str, pass_name: str, after: Graph) -> None:
     path = GOLDEN / f"{pass_name}.{case}.expected.mexir"
     text = print_graph(after)
-    if UPDATE or not path.exists():
+    if UPDATE:
         path.write_text(text)
+    _require(path)
     assert text == path.read_text(), f"{path.name} differs; rerun with MEXC_UPDATE_GOLDEN=1"
 
 
