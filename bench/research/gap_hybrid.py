@@ -1,6 +1,6 @@
 """Integer forward/backward with a float optimizer: is the accuracy gap made by the update?
 
-    python bench/gap_hybrid.py            # Fashion CNN, the recipe of bench/accuracy.py, 5 epochs
+    python bench/research/gap_hybrid.py   # Fashion CNN, the recipe of bench/accuracy.py, 5 epochs
 
 Each step runs the compiled integer program (reference executor, the same rounding keys as a real
 run) with the integer update switched off (learning rate 0), reads the integer weight gradients,
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402

@@ -5,7 +5,7 @@ the same packed operands and their results are checked against numpy; the table 
 of `--repeats` runs of the GEMM kernel alone, its GMAC/s, and the byte kernel's extra pass that
 regroups B into column panels (`interleave_b`), threaded as the compiled step (`kernel_timing`).
 
-    python bench/gemm_kernels.py [--repeats 10] [--out bench/results/gemm_kernels.json]
+    python bench/research/gemm_kernels.py [--repeats 10] [--out bench/results/gemm_kernels.json]
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kernel_timing import best_seconds  # noqa: E402  (bench/, the script's folder)
+from kernel_timing import best_seconds  # noqa: E402  (bench/research/, the script's folder)
 
 from mexc.backends.llvm.products import host_cpu  # noqa: E402
 from mexc.lowering import gemm_forms as gf  # noqa: E402

@@ -1,11 +1,11 @@
 """Where along the backward chain the Fashion CNN's integer gradients part from FP32.
 
-    python bench/gap_chain.py [--epochs 3] [--batches 6]
+    python bench/research/gap_chain.py [--epochs 3] [--batches 6]
 
-After `--epochs` of FP32 training (as bench/gap_gradients.py), the integer program's gradient
-arriving at each layer output (dlogits, pool 2, BN 2, conv 2, pool 1, BN 1, conv 1) is compared
-with PyTorch float64 autograd on the same dequantized weights and quantized input: mean cosine,
-fraction of nonzero mantissas, and the share of nonzero mantissas with |m| <= 2. Writes
+After `--epochs` of FP32 training (as bench/research/gap_gradients.py), the integer program's
+gradient arriving at each layer output (dlogits, pool 2, BN 2, conv 2, pool 1, BN 1, conv 1) is
+compared with PyTorch float64 autograd on the same dequantized weights and quantized input: mean
+cosine, fraction of nonzero mantissas, and the share of nonzero mantissas with |m| <= 2. Writes
 bench/results/gap_chain.json.
 """
 
@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
-from bench.gap_gradients import trained_program  # noqa: E402
+from bench.research.gap_gradients import trained_program  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
 from mexc.ir import Op  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402

@@ -1,6 +1,6 @@
 """How long TVM takes to produce an int8 tensor-core (IMMA) GEMM, beside mexc's dp4a schedule.
 
-    python bench/imma_lowering.py [--m 256 --n 512 --k 576]
+    python bench/research/imma_lowering.py [--m 256 --n 512 --k 576]
 
 Schedules one int8 GEMM with TVM's `dlight` MatmulInt8Tensorization (WMMA fragments; its
 software-pipeline annotations are removed, which TVM 0.27 cannot lower for wmma), and the same
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import tvm  # noqa: E402

@@ -1,6 +1,6 @@
 """Gradient agreement with FP32 at the same weights: integer program vs simulated INT8 rounding.
 
-    python bench/gap_gradients.py [--epochs 3] [--batches 10] [--patch x16]
+    python bench/research/gap_gradients.py [--epochs 3] [--batches 10] [--patch x16]
 
 Trains the Fashion CNN in FP32 for a few epochs (SGD lr 0.02, momentum 0.9, wd 5e-4), loads the
 weights into a compiled integer program (INT8, one exponent per tensor), and for `--batches`
@@ -9,7 +9,7 @@ dequantized weights and quantized input: the integer program's (`int`), and thos
 model with simulated 8-bit stochastic rounding of every conv / BN / linear output in the forward
 pass and of the gradients arriving there in the backward pass (`sim`). Prints the mean cosine per
 parameter; writes bench/results/gap_gradients.json. `--patch` applies one of
-bench/gap_leads.py's reference-kernel patches first.
+bench/research/gap_leads.py's reference-kernel patches first.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
-from bench.gap_leads import PATCHES  # noqa: E402
-from bench.gap_sim import Rounder, hook_activations  # noqa: E402
+from bench.research.gap_leads import PATCHES  # noqa: E402
+from bench.research.gap_sim import Rounder, hook_activations  # noqa: E402
 from examples.models import FashionCNN  # noqa: E402
 from mexc.data import batches, load_splits  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402

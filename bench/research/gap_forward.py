@@ -1,14 +1,15 @@
 """Forward-pass error of the integer program and of the rounding simulation, at the same weights.
 
-    python bench/gap_forward.py [--epochs 3] [--batches 4] [--patch x16]
+    python bench/research/gap_forward.py [--epochs 3] [--batches 4] [--patch x16]
 
-After `--epochs` of FP32 training (as bench/gap_gradients.py), the Fashion CNN's weights go into
-a compiled integer program (INT8, one exponent per tensor). For `--batches` training batches the
-output of every layer (conv, BN, ReLU, pool, ..., classifier) is compared with PyTorch float64 on
-the same dequantized weights and quantized input: relative error ||a - ref|| / ||ref|| of the
+After `--epochs` of FP32 training (as bench/research/gap_gradients.py), the Fashion CNN's weights go
+into a compiled integer program (INT8, one exponent per tensor). For `--batches` training batches
+the output of every layer (conv, BN, ReLU, pool, ..., classifier) is compared with PyTorch float64
+on the same dequantized weights and quantized input: relative error ||a - ref|| / ||ref|| of the
 integer program's value and of the simulation's (float layers with 8-bit stochastic rounding of
-every conv / BN / linear output, bench/gap_sim.py). `--patch` applies one of bench/gap_leads.py's
-reference-kernel patches first. Writes bench/results/gap_forward[-PATCH].json.
+every conv / BN / linear output, bench/research/gap_sim.py). `--patch` applies one of
+bench/research/gap_leads.py's reference-kernel patches first. Writes
+bench/results/gap_forward[-PATCH].json.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.gap_gradients import experiment_args, patched_setup  # noqa: E402
-from bench.gap_sim import Rounder, hook_activations  # noqa: E402
+from bench.research.gap_gradients import experiment_args, patched_setup  # noqa: E402
+from bench.research.gap_sim import Rounder, hook_activations  # noqa: E402
 from mexc.data import batches  # noqa: E402
 from mexc.ir import Op  # noqa: E402
 from mexc.kernels import quantize  # noqa: E402

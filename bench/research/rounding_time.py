@@ -1,7 +1,7 @@
 """Time of the stochastic-rounding kernels alone: a compaction's shift-and-round and a two-term
 aligned sum, as the llvm step schedules and threads them (best of `--repeats`).
 
-    python bench/rounding_time.py [--repeats 20] [--out bench/results/rounding_time.json]
+    python bench/research/rounding_time.py [--repeats 20] [--out bench/results/rounding_time.json]
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kernel_timing import best_seconds  # noqa: E402  (bench/, the script's folder)
+from kernel_timing import best_seconds  # noqa: E402  (bench/research/, the script's folder)
 
 from mexc.backends.llvm.products import host_cpu  # noqa: E402
-from mexc.codegen import te_ops  # noqa: E402
+from mexc.lowering import te_ops  # noqa: E402
 from mexc.lowering.cpu_gemm import schedule_parallel  # noqa: E402
 from mexc.lowering.te_compaction import compaction_apply  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402

@@ -1,7 +1,7 @@
 """Leads for the Fashion accuracy gap, tested as patches of the reference kernels (not shipped).
 
-    OMP_NUM_THREADS=1 python bench/gap_leads.py x16 --configs fashion --quiet --out OUT.json
-    OMP_NUM_THREADS=1 python bench/gap_leads.py ties --configs fashion --quiet --out OUT.json
+    OMP_NUM_THREADS=1 python bench/research/gap_leads.py x16 --configs fashion --quiet --out O.json
+    OMP_NUM_THREADS=1 python bench/research/gap_leads.py ties --configs fashion --quiet --out O.json
 
 The first argument names the patch; the rest goes to bench/accuracy.py. Patches:
 
@@ -14,8 +14,9 @@ The first argument names the patch; the rest goes to bench/accuracy.py. Patches:
           PRNG), instead of the first maximum.
 
 Both only change the reference executor, so the integer runs use `--target reference` (added
-here). Results are in docs/benchmarks.md ("Leads tested without effect", section 7 for x16 at
-three seeds). bench/gap_forward.py and bench/gap_gradients.py take `--patch` too.
+here). Results are in docs/notes.md ("Where the Fashion gap comes from": section 6, "Leads tested
+without effect", and section 7 for x16 at three seeds). bench/research/gap_forward.py and
+bench/research/gap_gradients.py take `--patch` too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mexc.kernels as K  # noqa: E402
@@ -85,6 +86,9 @@ PATCHES = {"x16": patch_x16, "ties": patch_ties}
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     if not argv or argv[0] not in PATCHES:
         print(f"usage: gap_leads.py {{{','.join(PATCHES)}}} [accuracy.py options]")
         return 2

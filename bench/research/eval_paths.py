@@ -5,7 +5,7 @@ dequantized integer weights (running / batch statistics), float with the integer
 simulated, and the integer path with 8-bit logits (before docs/numerics.md §15), counting the test
 rows whose 8-bit logits tie. Prints a table; writes bench/results/eval_paths.json.
 
-    OMP_NUM_THREADS=1 python bench/eval_paths.py [--train 12800] [--test 2560] [--epochs 2]
+    OMP_NUM_THREADS=1 python bench/research/eval_paths.py [--train 12800] [--test 2560] [--epochs 2]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402

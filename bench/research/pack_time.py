@@ -6,11 +6,12 @@ strides that do not divide the input) and pack_b of the weight gradient, built b
 `cpu_gemm.cpu_gemm` for this CPU, median of 15 calls, with the bytes written and GB/s. Prints a
 table and writes bench/results/pack_time.json.
 
-    python bench/pack_time.py
+    python bench/research/pack_time.py [--out bench/results/pack_time.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mexc.backends.llvm.step  # noqa: E402,F401  (sets TVM_NUM_THREADS to the usable CPUs)
@@ -73,13 +74,16 @@ def measure(g: ConvGeom) -> dict[str, dict]:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pack_time.json"))
+    args = ap.parse_args()
     rows = []
     print(f"{'geometry':<30} {'pack':<12} {'ms':>8} {'MB':>7} {'GB/s':>6}")
     for name, g in GEOMETRIES.items():
         for pack, r in measure(g).items():
             rows.append({"geometry": name, "pack": pack, **r})
             print(f"{name:<30} {pack:<12} {r['ms']:>8.3f} {r['mb']:>7.2f} {r['gb_s']:>6.2f}")
-    out = ROOT / "bench" / "results" / "pack_time.json"
+    out = Path(args.out)
     write_json_atomic(
         out, {**provenance("mexc-bench-pack-time-1", ["python", *sys.argv]), "rows": rows}
     )

@@ -1,7 +1,8 @@
 """Where does the integer-vs-FP32 accuracy gap come from? FP32 training with simulated INT8 parts.
 
-    python bench/gap_sim.py --modes fp32,w,wc,wv,wvg,wvga,wvgab,s     # Fashion CNN, 5 epochs each
-    python bench/gap_sim.py --bits 4 --velocity-bits 8 --modes wv,wva  # 4-bit parts, 8-bit velocity
+    # Fashion CNN, 5 epochs per mode; the second line rounds to 4 bits with an 8-bit velocity
+    python bench/research/gap_sim.py --modes fp32,w,wc,wv,wvg,wvga,wvgab,s
+    python bench/research/gap_sim.py --bits 4 --velocity-bits 8 --modes wv,wva
 
 Each mode trains the Fashion CNN in PyTorch with the recipe of bench/accuracy.py (SGD lr 0.05,
 momentum 0.9, wd 5e-4, cosine with 1 epoch warmup, batch 128, same init and data order) and
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from examples.models import FashionCNN  # noqa: E402
