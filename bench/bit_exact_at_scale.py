@@ -2,7 +2,7 @@
 tests take: both programs, compiled from the same model with the same seed, train on the same
 Fashion-MNIST batches in the same order, and their state checksums are compared every `--every`
 steps; the first difference stops the run. (A defect of a rare path, such as the weight
-update's left rescale, showed only after 95 steps once: docs/cpu.md.)
+update's left rescale, showed only after 95 steps once: docs/notes.md.)
 
     python bench/bit_exact_at_scale.py [--models MobileNetV2Tiny,SmallResNet] [--steps 150]
 """
