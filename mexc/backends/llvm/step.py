@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +53,14 @@ _MEXC = Path(__file__).resolve().parents[2]
 
 def _lowering_sources() -> list[Path]:
     """Every source the compiled kernels depend on: the codegen, and the numerics and kernel
-    constants it imports (tables, caps, rounding sites)."""
+    constants it imports (tables, caps, rounding sites). Not float_check.py: it reads the
+    compiled libraries and changes nothing in them."""
+    llvm = [p for p in (_MEXC / "backends" / "llvm").glob("*.py") if p.name != "float_check.py"]
     return sorted(
         [
             *(_MEXC / "lowering").glob("*.py"),
             *(_MEXC / "backends").glob("*.py"),
-            *(_MEXC / "backends" / "llvm").glob("*.py"),
+            *llvm,
             *(_MEXC / "backends" / "cuda").glob("*.py"),
             *(_MEXC / "ops").glob("*.py"),
             _MEXC / "numerics.py",
@@ -106,6 +108,7 @@ class Compiled:
 
     modules: list[Any]
     manifest: dict[str, Any]
+    libraries: list[Path] = field(default_factory=list)  # the shared libraries (float_check)
 
     def function(self, symbol: str) -> Any:
         for mod in self.modules:
@@ -160,7 +163,7 @@ def _load(folder: Path) -> Compiled:
     if not parts:
         raise ValueError("no compiled kernels")
     check_layout(manifest, [args for _, args in manifest["launches"]])
-    compiled = Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest)
+    compiled = Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest, parts)
     for symbol, _ in manifest["launches"]:
         compiled.function(symbol)  # every kernel present
     return compiled
@@ -218,6 +221,7 @@ class LlvmProgram(PlanProgram):
         pack_budget: int | None = None,
     ) -> None:
         compiled = compile_program(prog, cpu, plan_device, pack_budget)
+        self.libraries = compiled.libraries
         self._bufs = _Buffers(compiled.manifest, layout)
         self.separate_buffers = layout == "separate"
         self._calls = [
