@@ -8,6 +8,7 @@ control flow makes it fail with a TraceError that we rewrap with the offending l
 
 from __future__ import annotations
 
+import importlib
 import operator
 import re
 import traceback
@@ -18,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
-from mexc.ops import attrs
+from mexc.ops import REGISTRY, attrs
+from mexc.ops.common import static_int
 from mexc.types import Kind, TensorType, f32
 
 
@@ -80,18 +81,20 @@ class _Ctx:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
         return node.out
 
+    def describe(self, n: torch.fx.Node, what: str) -> str:
+        """ "node 'x' (call_module Conv2d) at model.py:12 <what>", for error messages."""
+        return _describe(n, what)
 
-def _int(v: Any) -> int:
-    """A static integer argument of a traced call (dims, sizes, indices)."""
-    return int(v)
+    def is_node(self, a: Any) -> bool:
+        """A traced value (not a Python constant)."""
+        return isinstance(a, torch.fx.Node)
 
+    def is_param(self, a: Any) -> bool:
+        """A module parameter read directly (get_attr), e.g. a positional embedding."""
+        return isinstance(a, torch.fx.Node) and a.op == "get_attr"
 
-def _pair(v: Any) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    if isinstance(v, str):
-        raise UnsupportedOpError(f"string padding {v!r} is not supported; give integers")
-    return (int(v[0]), int(v[1]))
+    def get_param(self, a: Any, role: str) -> Value:
+        return _get_param(self, a, role)
 
 
 # ----------------------------------------------------------------------------- source locations
@@ -119,112 +122,13 @@ def _target_name(n: torch.fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-# ----------------------------------------------------------------------------- module handlers
+# ----------------------------------------------------------------------------- handlers
+# Each op's frontend patterns live in its definition (OpDef.frontend, mexc.ops); the tables below
+# are built from them, plus the structural nodes that make no op (identity, contiguous).
 
 
-def _conv(c: _Ctx, n: torch.fx.Node, m: nn.Conv2d) -> Value:
-    if m.padding_mode != "zeros" or m.dilation not in ((1, 1), 1):
-        raise UnsupportedOpError(_describe(n, "uses dilation or non-zero padding mode"))
-    w = c.param(f"{n.target}.weight", m.weight, "weight")
-    ins = [c.arg(n.args[0]), w]
-    if m.bias is not None:
-        ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
-    return c.emit(
-        Op.CONV2D,
-        ins,
-        n,
-        stride=_pair(m.stride),
-        padding=_pair(m.padding),
-        groups=m.groups,
-        has_bias=m.bias is not None,
-    )
-
-
-def _linear(c: _Ctx, n: torch.fx.Node, m: nn.Linear) -> Value:
-    ins = [c.arg(n.args[0]), c.param(f"{n.target}.weight", m.weight, "weight")]
-    if m.bias is not None:
-        ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
-    return c.emit(Op.LINEAR, ins, n, has_bias=m.bias is not None)
-
-
-def _batchnorm(c: _Ctx, n: torch.fx.Node, m: nn.modules.batchnorm._BatchNorm) -> Value:
-    if not m.affine or not m.track_running_stats:
-        raise UnsupportedOpError(_describe(n, "needs affine=True and track_running_stats=True"))
-    assert m.running_mean is not None and m.running_var is not None
-    name = str(n.target)
-    ins = [
-        c.arg(n.args[0]),
-        c.param(f"{name}.weight", m.weight, "bn_weight"),
-        c.param(f"{name}.bias", m.bias, "bn_bias"),
-        c.state(f"{name}.running_mean", m.running_mean, "running_mean", name),
-        c.state(f"{name}.running_var", m.running_var, "running_var", name),
-    ]
-    momentum = 0.1 if m.momentum is None else float(m.momentum)
-    return c.emit(Op.BATCHNORM, ins, n, eps=float(m.eps), momentum=momentum)
-
-
-def _pool(op: Op) -> Callable[[_Ctx, torch.fx.Node, Any], Value]:
-    def handler(c: _Ctx, n: torch.fx.Node, m: Any) -> Value:
-        if getattr(m, "ceil_mode", False) or getattr(m, "dilation", 1) not in (1, (1, 1)):
-            raise UnsupportedOpError(_describe(n, "uses ceil_mode or dilation"))
-        stride = m.stride if m.stride is not None else m.kernel_size
-        return c.emit(
-            op,
-            [c.arg(n.args[0])],
-            n,
-            kernel=_pair(m.kernel_size),
-            stride=_pair(stride),
-            padding=_pair(m.padding),
-        )
-
-    return handler
-
-
-def _adaptive_avgpool(c: _Ctx, n: torch.fx.Node, m: nn.AdaptiveAvgPool2d) -> Value:
-    if _pair(m.output_size) != (1, 1):
-        raise UnsupportedOpError(_describe(n, "AdaptiveAvgPool2d supports output size 1 only"))
-    return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(n.args[0])], n)
-
-
-def _unary(op: Op) -> Callable[[_Ctx, torch.fx.Node, Any], Value]:
-    def handler(c: _Ctx, n: torch.fx.Node, m: Any) -> Value:
-        return c.emit(op, [c.arg(n.args[0])], n)
-
-    return handler
-
-
-def _dropout(c: _Ctx, n: torch.fx.Node, m: nn.Dropout) -> Value:
-    if m.p == 0.0:
-        return c.arg(n.args[0])
-    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=float(m.p))
-
-
-def _identity(c: _Ctx, n: torch.fx.Node, m: Any) -> Value:
+def _identity(c: _Ctx, n: torch.fx.Node, m: Any = None) -> Value:
     return c.arg(n.args[0])
-
-
-def _flatten_module(c: _Ctx, n: torch.fx.Node, m: nn.Flatten) -> Value:
-    return _reshape(c, n)
-
-
-def _layernorm(c: _Ctx, n: torch.fx.Node, m: nn.LayerNorm) -> Value:
-    if len(m.normalized_shape) != 1 or not m.elementwise_affine or m.bias is None:
-        raise UnsupportedOpError(
-            _describe(n, "needs LayerNorm over the last axis with affine weight and bias")
-        )
-    name = str(n.target)
-    ins = [
-        c.arg(n.args[0]),
-        c.param(f"{name}.weight", m.weight, "ln_weight"),
-        c.param(f"{name}.bias", m.bias, "ln_bias"),
-    ]
-    return c.emit(Op.LAYERNORM, ins, n, eps=float(m.eps))
-
-
-def _gelu_module(c: _Ctx, n: torch.fx.Node, m: nn.GELU) -> Value:
-    if m.approximate != "none":
-        raise UnsupportedOpError(_describe(n, "uses approximate GELU; use nn.GELU()"))
-    return c.emit(Op.GELU, [c.arg(n.args[0])], n)
 
 
 def _mha(c: _Ctx, n: torch.fx.Node, m: nn.Module) -> Value:
@@ -235,211 +139,49 @@ def _mha(c: _Ctx, n: torch.fx.Node, m: nn.Module) -> Value:
     )
 
 
-MODULE_HANDLERS: dict[type, Callable[[_Ctx, torch.fx.Node, Any], Value]] = {
-    nn.Conv2d: _conv,
-    nn.Linear: _linear,
-    nn.BatchNorm2d: _batchnorm,
-    nn.BatchNorm1d: _batchnorm,
-    nn.ReLU: _unary(Op.RELU),
-    nn.ReLU6: _unary(Op.RELU6),
-    nn.MaxPool2d: _pool(Op.MAXPOOL2D),
-    nn.AvgPool2d: _pool(Op.AVGPOOL2D),
-    nn.AdaptiveAvgPool2d: _adaptive_avgpool,
-    nn.Dropout: _dropout,
-    nn.Identity: _identity,
-    nn.Flatten: _flatten_module,
-    nn.LayerNorm: _layernorm,
-    nn.GELU: _gelu_module,
-    nn.MultiheadAttention: _mha,
-}
-
-
-# ----------------------------------------------------------------------------- function handlers
-
-
-def _reshape(c: _Ctx, n: torch.fx.Node) -> Value:
-    shape = c.shape(n)
-    return c.emit(Op.RESHAPE, [c.arg(n.args[0])], n, shape=shape)
-
-
-def _add(c: _Ctx, n: torch.fx.Node) -> Value:
-    a, b = n.args[0], n.args[1]
-    if not isinstance(a, torch.fx.Node) or not isinstance(b, torch.fx.Node):
-        raise UnsupportedOpError(_describe(n, "adds a constant; only tensor + tensor is supported"))
-    if n.kwargs.get("alpha", 1) != 1:
-        raise UnsupportedOpError(_describe(n, "uses alpha != 1"))
-    if c.shape(a) != c.shape(b):
-        raise UnsupportedOpError(_describe(n, "adds tensors of different shapes (no broadcast)"))
-    return c.emit(Op.ADD, [c.arg(a), c.arg(b)], n)
-
-
-def _is_param_node(c: _Ctx, a: Any) -> bool:
-    return isinstance(a, torch.fx.Node) and a.op == "get_attr"
-
-
-def _add_any(c: _Ctx, n: torch.fx.Node) -> Value:
-    """tensor + tensor, or activation + a broadcast parameter (positional embedding)."""
-    a, b = n.args[0], n.args[1]
-    if _is_param_node(c, b) and not _is_param_node(c, a):
-        a, b = b, a
-    if _is_param_node(c, a) and isinstance(b, torch.fx.Node):
-        p = _get_param(c, a, "embedding")
-        if c.shape(a)[0] != 1 or c.shape(a)[1:] != c.shape(b)[1:]:
-            raise UnsupportedOpError(
-                _describe(
-                    n, "adds a parameter that is not [1, ...] of the activation's per-sample shape"
-                )
-            )
-        return c.emit(Op.ADD_PARAM, [c.arg(b), p], n)
-    return _add(c, n)
-
-
-def _matmul(c: _Ctx, n: torch.fx.Node) -> Value:
-    a, b = n.args[0], n.args[1]
-    sa, sb = c.shape(a), c.shape(b)
-    if len(sa) < 3 or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
-        raise UnsupportedOpError(
-            _describe(
-                n,
-                f"multiplies {list(sa)} by {list(sb)}; mexc "
-                "supports batched [..., M, K] @ [..., K, N] with "
-                "equal batch dims (use nn.Linear for weights)",
-            )
-        )
-    return c.emit(Op.MATMUL, [c.arg(a), c.arg(b)], n)
-
-
-def _scale(c: _Ctx, n: torch.fx.Node) -> Value:
-    a, b = n.args[0], n.args[1]
-    x, k = (a, b) if isinstance(a, torch.fx.Node) else (b, a)
-    if n.target in (operator.truediv, torch.div) and x is a:
-        k = 1.0 / float(k)  # type: ignore[arg-type]
-    if not isinstance(x, torch.fx.Node) or not isinstance(k, (int, float)):
-        raise UnsupportedOpError(
-            _describe(n, "multiplies two tensors; only tensor * constant is supported")
-        )
-    if not float(k) > 0:
-        raise UnsupportedOpError(_describe(n, f"scales by {k}; only positive constants"))
-    return c.emit(Op.SCALE, [c.arg(x)], n, value=float(k))
-
-
-def _transpose(c: _Ctx, n: torch.fx.Node) -> Value:
-    x = n.args[0]
-    rank = len(c.shape(x))
-    if n.target == "permute" or n.target is torch.permute:
-        dims = n.args[1:] if not isinstance(n.args[1], (list, tuple)) else n.args[1]
-        perm = tuple(_int(d) % rank for d in dims)
-    else:
-        d0, d1 = _int(n.args[1]) % rank, _int(n.args[2]) % rank
-        order = list(range(rank))
-        order[d0], order[d1] = order[d1], order[d0]
-        perm = tuple(order)
-    return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=perm)
-
-
-def _softmax(c: _Ctx, n: torch.fx.Node) -> Value:
-    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    if dim is None or _int(dim) % len(c.shape(n.args[0])) != len(c.shape(n.args[0])) - 1:
-        raise UnsupportedOpError(_describe(n, "softmax is supported over the last axis only"))
-    return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
-
-
-def _mean(c: _Ctx, n: torch.fx.Node) -> Value:
-    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    shape = c.shape(n.args[0])
-    if len(shape) != 3 or dim is None or _int(dim) % 3 != 1 or n.kwargs.get("keepdim"):
-        raise UnsupportedOpError(
-            _describe(n, "mean is supported over the token axis of [B, T, D] (x.mean(dim=1))")
-        )
-    return c.emit(Op.MEAN_TOKENS, [c.arg(n.args[0])], n)
-
-
 def _chunk_item(c: _Ctx, n: torch.fx.Node) -> Value | None:
     """getitem of a chunk: a SLICE of the chunked tensor."""
     src, index = n.args[0], n.args[1]
     if not isinstance(src, torch.fx.Node) or src.target not in ("chunk", torch.chunk):
         return None
     x = src.args[0]
-    chunks = _int(src.args[1] if len(src.args) > 1 else src.kwargs["chunks"])
+    chunks = static_int(src.args[1] if len(src.args) > 1 else src.kwargs["chunks"])
     dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
     shape = c.shape(x)
-    dim = _int(dim) % len(shape)
+    dim = static_int(dim) % len(shape)
     if shape[dim] % chunks:
         raise UnsupportedOpError(_describe(src, "chunks an axis that does not divide evenly"))
     size = shape[dim] // chunks
-    i = _int(index)
+    i = static_int(index)
     return c.emit(Op.SLICE, [c.arg(x)], n, dim=dim, start=i * size, stop=(i + 1) * size)
 
 
-def _fn_unary(op: Op) -> Callable[[_Ctx, torch.fx.Node], Value]:
-    def handler(c: _Ctx, n: torch.fx.Node) -> Value:
-        return c.emit(op, [c.arg(n.args[0])], n)
-
-    return handler
-
-
-def _fn_conv(c: _Ctx, n: torch.fx.Node) -> Value:
-    x, w, *rest = n.args
-    bias = rest[0] if rest else n.kwargs.get("bias")
-    stride = rest[1] if len(rest) > 1 else n.kwargs.get("stride", 1)
-    padding = rest[2] if len(rest) > 2 else n.kwargs.get("padding", 0)
-    dilation = rest[3] if len(rest) > 3 else n.kwargs.get("dilation", 1)
-    groups = rest[4] if len(rest) > 4 else n.kwargs.get("groups", 1)
-    if _pair(dilation) != (1, 1):
-        raise UnsupportedOpError(_describe(n, "uses dilation"))
-    ins = [c.arg(x), _get_param(c, w, "weight")]
-    if bias is not None:
-        ins.append(_get_param(c, bias, "bias"))
-    return c.emit(
-        Op.CONV2D,
-        ins,
-        n,
-        stride=_pair(stride),
-        padding=_pair(padding),
-        groups=int(groups),  # type: ignore[arg-type]
-        has_bias=bias is not None,
-    )
+def _resolve(dotted: str) -> Any:
+    """ "torch.nn.Conv2d" -> the object."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
-def _fn_linear(c: _Ctx, n: torch.fx.Node) -> Value:
-    x, w, *rest = n.args
-    bias = rest[0] if rest else n.kwargs.get("bias")
-    ins = [c.arg(x), _get_param(c, w, "weight")]
-    if bias is not None:
-        ins.append(_get_param(c, bias, "bias"))
-    return c.emit(Op.LINEAR, ins, n, has_bias=bias is not None)
+def _handlers(kind: str) -> dict[Any, Callable[..., Value]]:
+    out: dict[Any, Callable[..., Value]] = {}
+    for d in REGISTRY.values():
+        for p in d.frontend:
+            if p.kind == kind:
+                for t in p.targets:
+                    out[t if kind == "method" else _resolve(t)] = p.convert
+    return out
 
 
-def _fn_pool(op: Op) -> Callable[[_Ctx, torch.fx.Node], Value]:
-    def handler(c: _Ctx, n: torch.fx.Node) -> Value:
-        kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
-        stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
-        padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
-        stride = kernel if stride in (None, []) else stride
-        return c.emit(
-            op,
-            [c.arg(n.args[0])],
-            n,
-            kernel=_pair(kernel),
-            stride=_pair(stride),
-            padding=_pair(padding),
-        )
-
-    return handler
-
-
-def _fn_adaptive(c: _Ctx, n: torch.fx.Node) -> Value:
-    size = n.args[1] if len(n.args) > 1 else n.kwargs["output_size"]
-    if _pair(size) != (1, 1):
-        raise UnsupportedOpError(_describe(n, "adaptive_avg_pool2d supports output size 1 only"))
-    return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(n.args[0])], n)
-
-
-def _fn_dropout(c: _Ctx, n: torch.fx.Node) -> Value:
-    p = float(n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))  # type: ignore[arg-type]
-    if p == 0.0:
-        return c.arg(n.args[0])
-    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=p)
+MODULE_HANDLERS: dict[Any, Callable[..., Value]] = {
+    **_handlers("module"),
+    nn.Identity: _identity,
+    nn.MultiheadAttention: _mha,
+}
+FUNCTION_HANDLERS: dict[Any, Callable[..., Value]] = _handlers("function")
+METHOD_HANDLERS: dict[Any, Callable[..., Value]] = {
+    **_handlers("method"),
+    "contiguous": _identity,
+}
 
 
 def _get_param(c: _Ctx, a: Any, role: str) -> Value:
@@ -457,49 +199,6 @@ def _fetch_attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
         obj = getattr(obj, part)
     return obj
 
-
-FUNCTION_HANDLERS: dict[Any, Callable[[_Ctx, torch.fx.Node], Value]] = {
-    operator.add: _add_any,
-    torch.add: _add_any,
-    operator.iadd: _add_any,
-    operator.matmul: _matmul,
-    torch.matmul: _matmul,
-    torch.bmm: _matmul,
-    operator.mul: _scale,
-    operator.truediv: _scale,
-    torch.mul: _scale,
-    torch.transpose: _transpose,
-    torch.permute: _transpose,
-    torch.softmax: _softmax,
-    F.softmax: _softmax,
-    F.gelu: _fn_unary(Op.GELU),
-    torch.mean: _mean,
-    torch.relu: _fn_unary(Op.RELU),
-    F.relu: _fn_unary(Op.RELU),
-    F.relu6: _fn_unary(Op.RELU6),
-    torch.flatten: _reshape,
-    torch.reshape: _reshape,
-    F.conv2d: _fn_conv,
-    F.linear: _fn_linear,
-    F.max_pool2d: _fn_pool(Op.MAXPOOL2D),
-    F.avg_pool2d: _fn_pool(Op.AVGPOOL2D),
-    F.adaptive_avg_pool2d: _fn_adaptive,
-    F.dropout: _fn_dropout,
-}
-
-METHOD_HANDLERS: dict[str, Callable[[_Ctx, torch.fx.Node], Value]] = {
-    "view": _reshape,
-    "reshape": _reshape,
-    "flatten": _reshape,
-    "relu": _fn_unary(Op.RELU),
-    "add": _add_any,
-    "contiguous": lambda c, n: c.arg(n.args[0]),
-    "transpose": _transpose,
-    "permute": _transpose,
-    "softmax": _softmax,
-    "mean": _mean,
-    "mul": _scale,
-}
 
 # nodes computing Python ints from static shapes (x.size(0), x.shape) are folded by ShapeProp
 _SHAPE_METHODS = {"size", "dim", "chunk"}  # chunk: its getitems become SLICE ops

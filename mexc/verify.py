@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from mexc.errors import VerificationError
 from mexc.ir import Graph, Node, Op, Value
-from mexc.ops import ATTRS, BOUNDARY_OPS, PRODUCT_OPS
+from mexc.ops import ATTRS, BOUNDARY_OPS, PRODUCT_OPS, REGISTRY, op_def
 from mexc.types import Kind, TensorType
 
-CAPPED_OPS = PRODUCT_OPS | {Op.ADD, Op.GRAD_SUM}
+CAPPED_OPS = PRODUCT_OPS | {op for op, d in REGISTRY.items() if d.aligned_sum}
 
 
 @dataclass
@@ -109,12 +109,13 @@ def _boundary_no_inputs(n: Node, cx: VerifyContext) -> str | None:
 
 
 def _f32_allowed(n: Node, index: int, cx: VerifyContext) -> bool:
-    if n.op is Op.INPUT:
-        return True
-    if n.op is Op.SOFTMAX_CE and n.types[index].shape == ():
+    d = op_def(n.op)
+    if index in d.float_results:
+        return True  # the float batch
+    if d.loss_head and n.types[index].shape == ():
         return True  # the logging-only loss
     users = cx.users.get(Value(n.id, index), [])
-    return bool(users) and all(u.op is Op.QUANTIZE for u in users)
+    return bool(users) and all(op_def(u.op).reads_float for u in users)
 
 
 def _integer_only(n: Node, cx: VerifyContext) -> str | None:
@@ -126,7 +127,7 @@ def _integer_only(n: Node, cx: VerifyContext) -> str | None:
                 f"result {i} has float type {t} in an integer-only program (float is allowed "
                 "only for input nodes, values read only by quantize, and the scalar loss)."
             )
-    if n.op is not Op.QUANTIZE:
+    if not op_def(n.op).reads_float:
         for i, v in enumerate(n.inputs):
             t = cx.earlier[v.node].types[v.index]
             if t.kind is Kind.F32:

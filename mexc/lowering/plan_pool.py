@@ -3,7 +3,7 @@ ReLU6, residual and gradient sums, dropout (te_pool's and te_ops' kernels)."""
 
 from __future__ import annotations
 
-from mexc.ir import Node, Op
+from mexc.ir import Node
 from mexc.kernels._common import MAG
 from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.lowering import te_ops, te_pool
@@ -78,7 +78,7 @@ class PoolRules(PlanBuilder):
     # ----------------------------------------------------------------------------- averages
 
     def _pool_args(self, n: Node, x_shape: Shape) -> tuple[tuple[int, int], ...]:
-        if n.op in (Op.GLOBAL_AVGPOOL, Op.GLOBAL_AVGPOOL_GRAD):
+        if not hasattr(n.attrs, "kernel"):  # global pooling: one window over H x W
             k = (x_shape[2], x_shape[3])
             return k, k, (0, 0)
         at = n.attrs

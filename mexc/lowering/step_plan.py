@@ -27,61 +27,23 @@ import tvm_ffi
 from tvm import tirx
 
 from mexc.backends.plan_runtime import PLAN_FIELDS
-from mexc.ir import Graph, Node, Op, Value
+from mexc.ir import Graph, Value
 from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
 from mexc.lowering.plan_pool import PoolRules
+from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
 
 __all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
 
 
-class _Builder(DenseRules, NormRules, PoolRules):
-    """Every op rule over one builder state."""
+class PlanRules(DenseRules, NormRules, PoolRules):
+    """Every op's TIR lowering over one builder state; the registry (OpDef.lower["tir"]) names
+    the method of each op."""
 
 
-RULES: dict[Op, Callable[[_Builder, Node], None]] = {
-    Op.PARAM: _Builder.state,
-    Op.STATE: _Builder.state,
-    Op.INPUT: _Builder.input,
-    Op.QUANTIZE: _Builder.quantize,
-    Op.LABEL: _Builder.label,
-    Op.RESHAPE: _Builder.reshape,
-    Op.RELU: _Builder.relu,
-    Op.RELU_GRAD: _Builder.relu_grad,
-    Op.LINEAR_COMPACT: _Builder.linear,
-    Op.LINEAR_GRAD_INPUT: _Builder.linear_grad_input,
-    Op.LINEAR_GRAD_WEIGHT: _Builder.linear_grad_weight,
-    Op.BIAS_GRAD: _Builder.bias_grad,
-    Op.SOFTMAX_CE: _Builder.softmax_ce,
-    Op.SOFTMAX_CE_GRAD: _Builder.softmax_ce_grad,
-    Op.SGD_UPDATE: _Builder.sgd_update,
-    Op.CONV2D_COMPACT: _Builder.conv,
-    Op.CONV2D_GRAD_INPUT: _Builder.conv_grad_input,
-    Op.CONV2D_GRAD_WEIGHT: _Builder.conv_grad_weight,
-    Op.MAXPOOL2D: _Builder.maxpool,
-    Op.MAXPOOL2D_GRAD: _Builder.maxpool_grad,
-    Op.BATCHNORM: _Builder.batchnorm,
-    Op.BATCHNORM_GRAD: _Builder.batchnorm_grad,
-    Op.BN_RUNNING_UPDATE: _Builder.bn_running,
-    Op.RELU6: _Builder.relu6,
-    Op.RELU6_GRAD: _Builder.relu6_grad,
-    Op.ADD: _Builder.grad_sum,
-    Op.GRAD_SUM: _Builder.grad_sum,
-    Op.DROPOUT: _Builder.dropout,
-    Op.DROPOUT_GRAD: _Builder.dropout_grad,
-    Op.AVGPOOL2D: _Builder.avgpool,
-    Op.AVGPOOL2D_GRAD: _Builder.avgpool_grad,
-    Op.GLOBAL_AVGPOOL: _Builder.avgpool,
-    Op.GLOBAL_AVGPOOL_GRAD: _Builder.avgpool_grad,
-}
-SUPPORTED = tuple(sorted(op.value for op in RULES))
-
-
-# the state inputs each updating op overwrites in place (parameter and velocity; running mean
-# and variance)
-IN_PLACE_INPUTS = {Op.SGD_UPDATE: (0, 2), Op.BN_RUNNING_UPDATE: (0, 1)}
+SUPPORTED = tuple(sorted(op.value for op, d in REGISTRY.items() if "tir" in d.lower))
 
 
 def _check_in_place_updates(g: Graph) -> None:
@@ -91,8 +53,8 @@ def _check_in_place_updates(g: Graph) -> None:
     for n in g.nodes:
         for v in n.inputs:
             readers.setdefault(v, []).append(pos[n.id])
-    for n in g.nodes_of(*IN_PLACE_INPUTS):
-        for i in IN_PLACE_INPUTS[n.op]:
+    for n in g.nodes:
+        for i in op_def(n.op).overwrites:
             if max(readers.get(n.inputs[i], [0])) > pos[n.id]:
                 raise unsupported(n, "a node after the update reads the state it overwrites")
 
@@ -109,9 +71,9 @@ def build_plan(
     (plan_core.DEVICES); `gemm_kernel`: the host GEMM's kernel (cpu_gemm.GEMM_KERNELS);
     `pack_budget`: bytes a product's packs may take before it runs in batch chunks (default
     plan_core.PACK_BUDGET; a huge value turns chunking off, for measurements)."""
-    b = _Builder(prog, lanes, device, gemm_kernel, pack_budget)
+    b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
     for n in prog.graph.nodes:
-        rule = RULES.get(n.op)
+        rule = op_def(n.op).lowering("llvm")
         if rule is None:
             raise unsupported(
                 n,

@@ -1,18 +1,17 @@
 """fuse-products: a product and the compaction of its int32 accumulator become one op.
 
 Requires: MX-typed graph (after insert-mx-types).
-Ensures: every CONV2D / LINEAR whose only user is a COMPACT is replaced by CONV2D_COMPACT /
-  LINEAR_COMPACT carrying the compaction's bits and rounding site (so results are bit-identical to
-  the unfused pair). Products with other users are left unfused.
+Ensures: every product with a fused form (OpDef.fused: CONV2D, LINEAR) whose only user is a
+  compaction is replaced by its fused op (CONV2D_COMPACT, LINEAR_COMPACT) carrying the
+  compaction's bits and rounding site (so results are bit-identical to the unfused pair).
+  Products with other users are left unfused.
 """
 
 from __future__ import annotations
 
-from mexc.ir import Graph, GraphBuilder, Op, Value
-from mexc.ops import SCHEMA, attr_items, attrs
+from mexc.ir import Graph, GraphBuilder, Value
+from mexc.ops import SCHEMA, attr_items, attrs, op_def
 from mexc.pass_manager import PassContext
-
-FUSED = {Op.CONV2D: Op.CONV2D_COMPACT, Op.LINEAR: Op.LINEAR_COMPACT}
 
 
 def fuse_products(g: Graph, ctx: PassContext) -> Graph:
@@ -23,16 +22,17 @@ def fuse_products(g: Graph, ctx: PassContext) -> Graph:
     env: dict[Value, Value] = {}
     fused_into: dict[int, int] = {}  # compact node id -> product node id
     for n in g.nodes:
-        if n.op in FUSED:
+        if op_def(n.op).fused is not None:
             readers = users.get(n.out, [])
-            if len(readers) == 1 and readers[0].op is Op.COMPACT:
+            if len(readers) == 1 and op_def(readers[0].op).compaction:
                 fused_into[readers[0].id] = n.id
                 continue
         if n.id in fused_into:
             prod = by_id[fused_into[n.id]]
             fields = dict(attr_items(prod.op, prod.attrs))
             fields.update(bits=n.attrs.bits, rid=n.attrs.rid)
-            op = FUSED[prod.op]
+            op = op_def(prod.op).fused
+            assert op is not None
             kept = {k: v for k, v in fields.items() if k in SCHEMA[op]}
             new = b.keep(
                 n.with_(

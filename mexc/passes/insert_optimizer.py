@@ -5,16 +5,17 @@ Ensures: every parameter has a velocity STATE (one exponent per slice along axis
   ctx.per_group_velocity, else one per tensor) and an SGD_UPDATE node reading the parameter, its
   gradient accumulator and its velocity, placed right after the last node that produces the
   gradient or reads the parameter (so the int32 gradient dies early and a backend may update
-  the weight in place); every BATCHNORM has a BN_RUNNING_UPDATE of its running
-  mean and variance. The outputs "grad:*" are replaced by "state:<name>" outputs: the new values the
-  program writes back. The optimizer's momentum, weight decay and learning-rate schedule are graph
-  attributes; the per-step learning rate is precomputed on the host as numerator/shift pairs.
+  the weight in place); every op with a running-state update (OpDef.running_update: batch
+  norm's BN_RUNNING_UPDATE of its running mean and variance) gets it. The outputs "grad:*" are
+  replaced by "state:<name>" outputs: the new values the program writes back. The optimizer's
+  momentum, weight decay and learning-rate schedule are graph attributes; the per-step
+  learning rate is precomputed on the host as numerator/shift pairs.
 """
 
 from __future__ import annotations
 
 from mexc.ir import Graph, GraphBuilder, Op, Value
-from mexc.ops import attrs
+from mexc.ops import attrs, op_def
 from mexc.pass_manager import PassContext
 from mexc.types import Exp, TensorType, mx
 
@@ -66,18 +67,11 @@ def insert_optimizer(g: Graph, ctx: PassContext) -> Graph:
                 p.loc,
             )
             outputs += [(f"state:{name}", upd.result(0)), (f"state:{name}.velocity", upd.result(1))]
-    for bn in g.nodes_of(Op.BATCHNORM):
-        rm, rv = bn.inputs[3], bn.inputs[4]
-        upd = b.add(
-            Op.BN_RUNNING_UPDATE,
-            [rm, rv, bn.result(2)],
-            (g.type_of(rm), g.type_of(rv)),
-            attrs(Op.BN_RUNNING_UPDATE, momentum=bn.attrs.momentum, rid=rid),
-            bn.loc,
-        )
-        rid += 1
-        for i, v in enumerate((rm, rv)):
-            outputs.append((f"state:{g.node(v.node).attrs.name}", upd.result(i)))
+    for n in g.nodes:  # non-gradient state updates (batch norm's running statistics)
+        running = op_def(n.op).running_update
+        if running is not None:
+            outputs += running(b, g, n, rid)
+            rid += 1
     opt = ctx.optimizer
     extra = {"per_group_velocity": ctx.per_group_velocity}
     if opt is not None:

@@ -16,12 +16,9 @@ import networkx as nx
 
 from mexc.arena import place
 from mexc.ir import Graph, Op, Value
+from mexc.ops import op_def
 from mexc.pass_manager import PassContext
 from mexc.types import Kind, TensorType
-
-FORWARD_END_OPS = frozenset({Op.SOFTMAX_CE})
-# elementwise ops whose result may overwrite their first input when that input dies there
-IN_PLACE_OPS = frozenset({Op.RELU, Op.RELU6, Op.RELU_GRAD, Op.RELU6_GRAD, Op.RESHAPE})
 
 
 def type_bytes(t: TensorType) -> int:
@@ -79,10 +76,11 @@ def _positions(g: Graph) -> dict[int, int]:
 def _in_place_roots(
     g: Graph, pos: dict[int, int], last_use: dict[Value, int], in_arena: set[Value]
 ) -> dict[Value, Value]:
-    """Results of IN_PLACE_OPS that may reuse their input's bytes -> the value owning them."""
+    """Results of in-place ops (OpDef.in_place) that may reuse their input's bytes -> the value
+    owning them."""
     roots: dict[Value, Value] = {}
     for n in g.nodes:
-        if n.op not in IN_PLACE_OPS or not n.inputs:
+        if not op_def(n.op).in_place or not n.inputs:
             continue
         src = n.inputs[0]
         same_size = type_bytes(g.type_of(src)) == type_bytes(n.type)
@@ -93,7 +91,7 @@ def _in_place_roots(
 
 def plan(g: Graph) -> MemoryPlan:
     pos = _positions(g)
-    head = next((pos[n.id] for n in g.nodes if n.op in FORWARD_END_OPS), len(g.nodes))
+    head = next((pos[n.id] for n in g.nodes if op_def(n.op).loss_head), len(g.nodes))
     last_use: dict[Value, int] = {}
     backward_reads: set[Value] = set()
     for n in g.nodes:
@@ -118,7 +116,7 @@ def plan(g: Graph) -> MemoryPlan:
                 state_offset += (size + 15) // 16 * 16
                 params += t.numel if n.op is Op.PARAM else 0
                 continue
-            if n.op is Op.INPUT or n.op in (Op.SGD_UPDATE, Op.BN_RUNNING_UPDATE):
+            if n.op is Op.INPUT or op_def(n.op).updates_state:
                 continue  # the batch lives in the caller's buffer; updates write state in place
             if v not in last_use:
                 continue  # never read: a backend need not store it (e.g. BN dx of layer one)

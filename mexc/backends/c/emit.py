@@ -9,7 +9,6 @@ IR op. No float type, no heap, no recursion.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +19,7 @@ from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.kernels.norm import _eps_fixed
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import FixedScalar, product_cap
+from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -91,6 +91,10 @@ def _state(e: _Emit, n: Node) -> None:
     e.ptr[n.out] = name
     e.exp_ptr[n.out] = name + "_e"
     e.exp[n.out] = name + "_e[0]"
+
+
+def _input(e: _Emit, n: Node) -> None:
+    """The float batch is the caller's; QUANTIZE reads it."""
 
 
 def _label(e: _Emit, n: Node) -> None:
@@ -378,35 +382,6 @@ def _bn_running(e: _Emit, n: Node) -> None:
         f"{e.ptr[rv]}, {e.exp_ptr[rv]}, {grouped[1]}, &{sv}, (mexc_fixed_t){{{m.num}, "
         f"{m.shift}}}, &ctx, {_tid(n)}u, scratch);"
     )
-
-
-RULES: dict[Op, Callable[[_Emit, Node], None]] = {
-    Op.INPUT: lambda e, n: None,
-    Op.LABEL: _label,
-    Op.PARAM: _state,
-    Op.STATE: _state,
-    Op.QUANTIZE: _quantize,
-    Op.CONV2D_COMPACT: _conv,
-    Op.LINEAR_COMPACT: _linear,
-    Op.BATCHNORM: _batchnorm,
-    Op.RELU: _relu,
-    Op.MAXPOOL2D: _maxpool,
-    Op.RESHAPE: _reshape,
-    Op.ADD: _add,
-    Op.SOFTMAX_CE: _softmax_ce,
-    Op.SOFTMAX_CE_GRAD: _softmax_ce_grad,
-    Op.LINEAR_GRAD_WEIGHT: _linear_grad_weight,
-    Op.LINEAR_GRAD_INPUT: _linear_grad_input,
-    Op.BIAS_GRAD: _bias_grad,
-    Op.MAXPOOL2D_GRAD: _maxpool_grad,
-    Op.RELU_GRAD: _relu_grad,
-    Op.BATCHNORM_GRAD: _bn_grad,
-    Op.CONV2D_GRAD_WEIGHT: _conv_grad_weight,
-    Op.CONV2D_GRAD_INPUT: _conv_grad_input,
-    Op.GRAD_SUM: _grad_sum,
-    Op.SGD_UPDATE: _sgd_update,
-    Op.BN_RUNNING_UPDATE: _bn_running,
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -698,37 +673,6 @@ def _mean_tokens_grad(e: _Emit, n: Node) -> None:
     e.emit(f"{edx} = mexc_mean_axis_backward({b}, {t}, {d}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);")
 
 
-RULES.update(
-    {
-        Op.RELU6: _relu6,
-        Op.RELU6_GRAD: _relu6_grad,
-        Op.GLOBAL_AVGPOOL: _gap,
-        Op.GLOBAL_AVGPOOL_GRAD: _gap_grad,
-        Op.AVGPOOL2D: _avgpool,
-        Op.AVGPOOL2D_GRAD: _avgpool_grad,
-        Op.DROPOUT: _dropout,
-        Op.DROPOUT_GRAD: _dropout_grad,
-        Op.LAYERNORM: _layernorm,
-        Op.LAYERNORM_GRAD: _layernorm_grad,
-        Op.GELU: _gelu,
-        Op.GELU_GRAD: _gelu_grad,
-        Op.SOFTMAX: _softmax,
-        Op.SOFTMAX_GRAD: _softmax_grad,
-        Op.MATMUL: _matmul,
-        Op.MATMUL_GRAD: _matmul_grad,
-        Op.SCALE: _scale,
-        Op.SCALE_GRAD: _scale,
-        Op.TRANSPOSE: _transpose,
-        Op.SLICE: _slice,
-        Op.SLICE_GRAD: _slice_grad,
-        Op.ADD_PARAM: _add_param,
-        Op.ADD_PARAM_GRAD: _add_param_grad,
-        Op.MEAN_TOKENS: _mean_tokens,
-        Op.MEAN_TOKENS_GRAD: _mean_tokens_grad,
-    }
-)
-
-
 @dataclass(frozen=True)
 class CModel:
     source: str  # model.c
@@ -813,12 +757,12 @@ def emit_model(prog: Program, steps: int) -> CModel:
     offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
     e = _Emit(g, prog, offsets)
     for n in g.nodes:
-        rule = RULES.get(n.op)
+        rule = op_def(n.op).lowering("c")
         if rule is None:
+            supported = sorted(op.value for op, d in REGISTRY.items() if d.supports("c"))
             raise UnsupportedOpError(
                 f"the C backend has no lowering for op {n.op.value} (node %{n.id}"
-                f"{', ' + n.loc if n.loc else ''}); supported: "
-                f"{', '.join(sorted(op.value for op in RULES))}"
+                f"{', ' + n.loc if n.loc else ''}); supported: {', '.join(supported)}"
             )
         rule(e, n)
     for _, v in g.outputs:

@@ -31,28 +31,14 @@ from tvm import tirx
 from mexc.backends.cuda.nvcc import compile_cubin
 from mexc.backends.cuda.products import schedule_product
 from mexc.backends.cuda.schedule import Kernel, lower_kernels
-from mexc.ir import Graph, Node, Op
+from mexc.ir import Graph, Node
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering.te_products import ConvGeom, params
+from mexc.ops import op_def
 from mexc.program import Program
 
 INDEX_LIMIT = 2**31 - 1  # kernels index with int32
 FORMAT = "mexc-cuda-products-1"
-
-
-# Which node input feeds each GEMM-form operand, per (op, role): the form's operands are
-# (x, w), (dy, w), (dy, x) for conv / linear and (x, y) for batched matmuls.
-OPERAND_INPUTS: dict[tuple[Op, str], tuple[int, int]] = {
-    (Op.CONV2D_COMPACT, "fwd"): (0, 1),
-    (Op.CONV2D_GRAD_INPUT, "dx"): (0, 1),
-    (Op.CONV2D_GRAD_WEIGHT, "dw"): (0, 1),
-    (Op.LINEAR_COMPACT, "fwd"): (0, 1),
-    (Op.LINEAR_GRAD_INPUT, "dx"): (0, 1),
-    (Op.LINEAR_GRAD_WEIGHT, "dw"): (0, 1),
-    (Op.MATMUL, "fwd"): (0, 1),
-    (Op.MATMUL_GRAD, "da"): (0, 2),  # dy . b^T
-    (Op.MATMUL_GRAD, "db"): (1, 0),  # a^T . dy
-}
 
 
 @dataclass(frozen=True)
@@ -95,37 +81,64 @@ def _bmk(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, int, int, int]:
     return bt, a[-2], a[-1], b[-1]
 
 
-def _forms_of(g: Graph, n: Node) -> list[tuple[str, gf.GemmForm]]:
-    """(role, form) of every product computed by node `n` (none for non-product ops)."""
+# Each product op's forms, named by the registry (OpDef.lower["gemm"]): (role, form, the node
+# input feeding each form operand). The forms' operands are (x, w), (dy, w), (dy, x) for conv /
+# linear and (x, y) for batched matmuls.
+Forms = list[tuple[str, gf.GemmForm, tuple[int, int]]]
+
+
+def conv_forms(g: Graph, n: Node) -> Forms:
+    form = gf.conv_forward(f"n{n.id}", _conv_geom(n, _shape(g, n, 0), _shape(g, n, 1)))
+    return [("fwd", form, (0, 1))]
+
+
+def conv_grad_input_forms(g: Graph, n: Node) -> Forms:
+    geom = _conv_geom(n, _out_shape(g, n), _shape(g, n, 1))
+    return [("dx", gf.conv_grad_input(f"n{n.id}", geom), (0, 1))]
+
+
+def conv_grad_weight_forms(g: Graph, n: Node) -> Forms:
+    geom = _conv_geom(n, _shape(g, n, 1), _out_shape(g, n))
+    return [("dw", gf.conv_grad_weight(f"n{n.id}", geom), (0, 1))]
+
+
+def linear_forms(g: Graph, n: Node) -> Forms:
+    rows, k = _rows(_shape(g, n, 0))
+    return [("fwd", gf.linear_forward(f"n{n.id}", rows, k, _shape(g, n, 1)[0]), (0, 1))]
+
+
+def linear_grad_input_forms(g: Graph, n: Node) -> Forms:
+    rows, o = _rows(_shape(g, n, 0))
+    return [("dx", gf.linear_grad_input(f"n{n.id}", rows, _shape(g, n, 1)[1], o), (0, 1))]
+
+
+def linear_grad_weight_forms(g: Graph, n: Node) -> Forms:
+    rows, o = _rows(_shape(g, n, 0))
+    form = gf.linear_grad_weight(f"n{n.id}", rows, _rows(_shape(g, n, 1))[1], o)
+    return [("dw", form, (0, 1))]
+
+
+def matmul_forms(g: Graph, n: Node) -> Forms:
+    bt, m, k, nn = _bmk(_shape(g, n, 0), _shape(g, n, 1))
+    return [("fwd", gf.batched_matmul(f"n{n.id}", bt, m, k, nn), (0, 1))]
+
+
+def matmul_grad_forms(g: Graph, n: Node) -> Forms:
+    bt, m, k, nn = _bmk(_shape(g, n, 1), _shape(g, n, 2))
     key = f"n{n.id}"
-    if n.op is Op.CONV2D_COMPACT:
-        return [("fwd", gf.conv_forward(key, _conv_geom(n, _shape(g, n, 0), _shape(g, n, 1))))]
-    if n.op is Op.CONV2D_GRAD_INPUT:
-        geom = _conv_geom(n, _out_shape(g, n), _shape(g, n, 1))
-        return [("dx", gf.conv_grad_input(key, geom))]
-    if n.op is Op.CONV2D_GRAD_WEIGHT:
-        return [("dw", gf.conv_grad_weight(key, _conv_geom(n, _shape(g, n, 1), _out_shape(g, n))))]
-    if n.op is Op.LINEAR_COMPACT:
-        rows, k = _rows(_shape(g, n, 0))
-        return [("fwd", gf.linear_forward(key, rows, k, _shape(g, n, 1)[0]))]
-    if n.op is Op.LINEAR_GRAD_INPUT:
-        rows, o = _rows(_shape(g, n, 0))
-        return [("dx", gf.linear_grad_input(key, rows, _shape(g, n, 1)[1], o))]
-    if n.op is Op.LINEAR_GRAD_WEIGHT:
-        rows, o = _rows(_shape(g, n, 0))
-        return [("dw", gf.linear_grad_weight(key, rows, _rows(_shape(g, n, 1))[1], o))]
-    if n.op is Op.MATMUL:
-        bt, m, k, nn = _bmk(_shape(g, n, 0), _shape(g, n, 1))
-        return [("fwd", gf.batched_matmul(key, bt, m, k, nn))]
-    if n.op is Op.MATMUL_GRAD:
-        bt, m, k, nn = _bmk(_shape(g, n, 1), _shape(g, n, 2))
-        return [
-            ("da", gf.batched_matmul(key + "a", bt, m, nn, k, trans_b=True)),  # dy . b^T
-            ("db", gf.batched_matmul(key + "b", bt, k, m, nn, trans_a=True)),  # a^T . dy
-        ]
-    if n.op in (Op.CONV2D, Op.LINEAR):
+    return [
+        ("da", gf.batched_matmul(key + "a", bt, m, nn, k, trans_b=True), (0, 2)),  # dy . b^T
+        ("db", gf.batched_matmul(key + "b", bt, k, m, nn, trans_a=True), (1, 0)),  # a^T . dy
+    ]
+
+
+def _forms_of(g: Graph, n: Node) -> Forms:
+    """(role, form, operand inputs) of every product computed by node `n` (none for others)."""
+    d = op_def(n.op)
+    if d.fused is not None:
         raise ValueError(f"node %{n.id} ({n.op.value}) should have been fused by fuse-products")
-    return []
+    forms = d.resolve("gemm")
+    return [] if forms is None else forms(g, n)
 
 
 def _geometry_name(form: gf.GemmForm, kind: str) -> str:
@@ -139,8 +152,8 @@ def product_forms(prog: Program) -> list[ProductUse]:
     g = prog.graph
     out = []
     for n in g.nodes:
-        for role, form in _forms_of(g, n):
-            out.append(ProductUse(n.id, n.op.value, role, form, OPERAND_INPUTS[(n.op, role)]))
+        for role, form, inputs in _forms_of(g, n):
+            out.append(ProductUse(n.id, n.op.value, role, form, inputs))
     return out
 
 

@@ -1,0 +1,131 @@
+"""Activations: ReLU, ReLU6 and GELU, and their gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Node, Op, Value
+from mexc.ops.common import (
+    Grads,
+    elementwise_types,
+    pointwise_vjp,
+    tid,
+    unary_function,
+    unary_module,
+)
+from mexc.ops.registry import OpDef, Pattern, define
+
+
+def _relu_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    if n.id in w.masked_relus:
+        return [dys[0]]  # the max pool after it already applied the mask
+    return pointwise_vjp(Op.RELU_GRAD, lambda m: m.out)(w, n, dys)
+
+
+def _gelu_module(c: Any, n: Any, m: Any) -> Value:
+    if m.approximate != "none":
+        raise UnsupportedOpError(c.describe(n, "uses approximate GELU; use nn.GELU()"))
+    return c.emit(Op.GELU, [c.arg(n.args[0])], n)
+
+
+def _relu(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.relu_forward(a[0]),)
+
+
+def _relu6(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.relu6_forward(a[0]),)
+
+
+def _relu_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.relu_backward(a[0], a[1]),)
+
+
+def _relu6_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.relu6_backward(a[0], a[1]),)
+
+
+def _gelu(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.gelu_forward(a[0], env.ctx, tid(n)),)
+
+
+def _gelu_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.gelu_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _tir(name: str) -> str:
+    return f"step_plan:PlanRules.{name}"
+
+
+define(
+    OpDef(
+        Op.RELU,
+        {},
+        types=elementwise_types,
+        vjp=_relu_vjp,
+        reference=_relu,
+        frontend=(
+            Pattern("module", ("torch.nn.ReLU",), unary_module(Op.RELU)),
+            Pattern(
+                "function",
+                ("torch.relu", "torch.nn.functional.relu"),
+                unary_function(Op.RELU),
+            ),
+            Pattern("method", ("relu",), unary_function(Op.RELU)),
+        ),
+        lower={"tir": _tir("relu"), "c": "emit:_relu"},
+        in_place=True,
+        doc="max(x, 0) on mantissas; the exponent is kept",
+    ),
+    OpDef(
+        Op.RELU6,
+        {},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.RELU6_GRAD, lambda n: n.out),
+        reference=_relu6,
+        frontend=(
+            Pattern("module", ("torch.nn.ReLU6",), unary_module(Op.RELU6)),
+            Pattern("function", ("torch.nn.functional.relu6",), unary_function(Op.RELU6)),
+        ),
+        lower={"tir": _tir("relu6"), "c": "emit:_relu6"},
+        in_place=True,
+        doc="min(max(x, 0), 6) with 6 at the input's exponent",
+    ),
+    OpDef(
+        Op.GELU,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.GELU_GRAD, lambda n: n.inputs[0]),
+        reference=_gelu,
+        frontend=(
+            Pattern("module", ("torch.nn.GELU",), _gelu_module),
+            Pattern("function", ("torch.nn.functional.gelu",), unary_function(Op.GELU)),
+        ),
+        lower={"c": "emit:_gelu"},
+        doc="exact GELU through an integer lookup table (docs/numerics.md)",
+    ),
+    OpDef(
+        Op.RELU_GRAD,
+        {},
+        reference=_relu_grad,
+        lower={"tir": _tir("relu_grad"), "c": "emit:_relu_grad"},
+        in_place=True,
+        doc="dy masked by the ReLU output's sign",
+    ),
+    OpDef(
+        Op.RELU6_GRAD,
+        {},
+        reference=_relu6_grad,
+        lower={"tir": _tir("relu6_grad"), "c": "emit:_relu6_grad"},
+        in_place=True,
+        doc="dy masked where the ReLU6 output is strictly inside (0, 6)",
+    ),
+    OpDef(
+        Op.GELU_GRAD,
+        {"rid": -1},
+        reference=_gelu_grad,
+        lower={"c": "emit:_gelu_grad"},
+        doc="dy times GELU'(x) through a lookup table",
+    ),
+)

@@ -1,0 +1,122 @@
+"""Helpers shared by the op definitions: result types, VJP shapes and reference-kernel plumbing.
+
+Rules receive the pass or executor state duck-typed, so that this package imports neither the
+passes, the executor nor torch:
+- type rules get insert-mx-types' rewriter `r` (r.copy, r.b, r.env, r.rid(), r.ctx.bits);
+- VJP rules get derive-backward's walker `w` (w.emit, w.type, w.needs, w.set_param_grad, w.g);
+- reference rules get the executor's StepEnv (env.ctx, env.train, env.x, env.y, env.state, ...);
+- frontend converters get the frontend context `c` (c.arg, c.emit, c.shape, c.param, c.describe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mexc.ir import Node, Op, Value
+from mexc.mx import MX, SITES_PER_NODE
+from mexc.numerics import FixedScalar
+from mexc.types import Kind, TensorType, mx
+
+Grads = list[Value | None]
+
+
+# ----------------------------------------------------------------------------- result types
+
+
+def mx_like(t: TensorType) -> TensorType:
+    return mx(*t.shape)
+
+
+def elementwise_types(r: Any, n: Node) -> None:
+    """One MX result of the float result's shape."""
+    r.copy(n, (mx_like(n.type),))
+
+
+def with_index_types(r: Any, n: Node) -> None:
+    """An MX result and an index result of the same shape (max-pool argmax, dropout mask)."""
+    new = r.copy(n, (mx_like(n.type), TensorType(Kind.IDX, n.type.shape)))
+    r.env[n.out] = new.out
+
+
+# ----------------------------------------------------------------------------- VJP rules
+
+
+def no_saved(n: Node) -> Value:
+    return Value(-1)
+
+
+def pointwise_vjp(grad_op: Op, saved: Callable[[Node], Value]) -> Callable[..., Grads]:
+    """dx = grad_op(dy[, saved]) with the forward op's attributes (those grad_op has)."""
+
+    def rule(w: Any, n: Node, dys: Grads) -> Grads:
+        dy = dys[0]
+        assert dy is not None
+        if not w.needs[n.inputs[0]]:
+            return [None]
+        from mexc.ops import op_def
+
+        schema = op_def(grad_op).attrs
+        a = {k: getattr(n.attrs, k) for k in schema if k != "rid" and hasattr(n.attrs, k)}
+        ins = [dy] if saved is no_saved else [dy, saved(n)]
+        return [w.emit(grad_op, ins, mx(*w.type(n.inputs[0]).shape), n.loc, **a).out]
+
+    return rule
+
+
+def pass_through(w: Any, n: Node, dys: Grads) -> Grads:
+    """The gradient flows unchanged to the first input."""
+    return [dys[0]]
+
+
+# ----------------------------------------------------------------------------- reference rules
+
+
+def tid(n: Node) -> int:
+    """The node's first PRNG tensor id (rid * SITES_PER_NODE)."""
+    return int(n.attrs.rid) * SITES_PER_NODE
+
+
+def rows(x: MX) -> MX:
+    """[..., K] -> [rows, K]: linear layers act on the last axis (tokens of a transformer)."""
+    return MX(x.m.reshape(-1, x.m.shape[-1]), x.e)
+
+
+def shape(n: Node) -> tuple[int, ...]:
+    return tuple(n.type.shape)
+
+
+def scalar(n: Node) -> FixedScalar:
+    return FixedScalar.of(float(n.attrs.value))
+
+
+# ----------------------------------------------------------------------------- frontend
+
+
+def static_int(v: Any) -> int:
+    """A static integer argument of a traced call (dims, sizes, indices)."""
+    return int(v)
+
+
+def pair(v: Any) -> tuple[int, int]:
+    from mexc.errors import UnsupportedOpError
+
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, str):
+        raise UnsupportedOpError(f"string padding {v!r} is not supported; give integers")
+    return (int(v[0]), int(v[1]))
+
+
+def unary_module(op: Op) -> Callable[..., Value]:
+    def convert(c: Any, n: Any, m: Any) -> Value:
+        return c.emit(op, [c.arg(n.args[0])], n)
+
+    return convert
+
+
+def unary_function(op: Op) -> Callable[..., Value]:
+    def convert(c: Any, n: Any) -> Value:
+        return c.emit(op, [c.arg(n.args[0])], n)
+
+    return convert

@@ -1,0 +1,340 @@
+"""Products: conv2d and linear, their compactions and their gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Node, Op, Value
+from mexc.mx import MX, Acc
+from mexc.ops.common import Grads, mx_like, pair, pass_through, rows, shape, tid
+from mexc.ops.registry import OpDef, Pattern, define
+from mexc.types import acc, mx
+
+_CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
+CAP: dict[str, Any] = {"shift_cap": None, "pre_shift": 0}
+
+
+# ----------------------------------------------------------------------------- types
+
+
+def product_types(r: Any, n: Node) -> None:
+    """A product yields an int32 accumulator, compacted by an explicit COMPACT node."""
+    from mexc.ops.registry import op_def
+
+    prod = r.copy(n, (acc(*n.type.shape),))
+    a = op_def(Op.COMPACT).make(bits=r.ctx.bits, rid=r.rid())
+    compact = r.b.add(Op.COMPACT, [prod.out], mx_like(n.type), a, n.loc)
+    r.env[n.out] = compact.out
+
+
+# ----------------------------------------------------------------------------- VJPs
+
+
+def _conv_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, wt = n.inputs[0], n.inputs[1]
+    conv = {"stride": n.attrs.stride, "padding": n.attrs.padding, "groups": n.attrs.groups}
+    dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [dy, x], acc(*w.type(wt).shape), n.loc, **conv)
+    w.set_param_grad(wt, dw.out, n)
+    grads: Grads = [None, None]
+    if w.needs[x]:
+        grads[0] = w.emit(Op.CONV2D_GRAD_INPUT, [dy, wt], mx(*w.type(x).shape), n.loc, **conv).out
+    if n.attrs.has_bias:
+        db = w.emit(Op.BIAS_GRAD, [dy], acc(*w.type(n.inputs[2]).shape), n.loc, axes=(0, 2, 3))
+        w.set_param_grad(n.inputs[2], db.out, n)
+        grads.append(None)
+    return grads
+
+
+def _linear_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, wt = n.inputs[0], n.inputs[1]
+    dw = w.emit(Op.LINEAR_GRAD_WEIGHT, [dy, x], acc(*w.type(wt).shape), n.loc)
+    w.set_param_grad(wt, dw.out, n)
+    grads: Grads = [None, None]
+    if w.needs[x]:
+        grads[0] = w.emit(Op.LINEAR_GRAD_INPUT, [dy, wt], mx(*w.type(x).shape), n.loc).out
+    if n.attrs.has_bias:
+        axes = tuple(range(len(w.type(dy).shape) - 1))  # tokens too for [B, T, D] input
+        db = w.emit(Op.BIAS_GRAD, [dy], acc(*w.type(n.inputs[2]).shape), n.loc, axes=axes)
+        w.set_param_grad(n.inputs[2], db.out, n)
+        grads.append(None)
+    return grads
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _conv(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    at = n.attrs
+    bias = a[2] if at.has_bias else None
+    return (K.conv2d_forward(a[0], a[1], bias, at.stride, at.padding, at.groups, env.ctx, tid(n)),)
+
+
+def _conv_wide(n: Node, a: list[Any], env: Any) -> Acc:
+    at = n.attrs
+    bias = a[2] if at.has_bias else None
+    return K.conv2d_accumulate(a[0], a[1], bias, at.stride, at.padding, at.groups, env.ctx, tid(n))
+
+
+def _linear(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    bias = a[2] if n.attrs.has_bias else None
+    y = K.linear_forward(rows(a[0]), a[1], bias, env.ctx, tid(n))
+    return (MX(y.m.reshape(n.type.shape), y.e),)
+
+
+def _linear_wide(n: Node, a: list[Any], env: Any) -> Acc:
+    bias = a[2] if n.attrs.has_bias else None
+    out = K.linear_accumulate(rows(a[0]), a[1], bias, env.ctx, tid(n))
+    return Acc(out.a.reshape(n.type.shape), out.e)
+
+
+def _conv_grad_input(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    at = n.attrs
+    return (
+        K.conv2d_backward_input(
+            a[0], a[1], shape(n), at.stride, at.padding, at.groups, env.ctx, tid(n)
+        ),
+    )
+
+
+def _conv_grad_weight(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    at = n.attrs
+    return (
+        K.conv2d_backward_weight(
+            a[0], a[1], shape(n), at.stride, at.padding, at.groups, env.ctx, tid(n)
+        ),
+    )
+
+
+def _linear_grad_input(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    dx = K.linear_backward_input(rows(a[0]), a[1], env.ctx, tid(n))
+    return (MX(dx.m.reshape(n.type.shape), dx.e),)
+
+
+def _linear_grad_weight(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.linear_backward_weight(rows(a[0]), rows(a[1]), env.ctx, tid(n)),)
+
+
+def _bias_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.bias_backward(a[0], tuple(n.attrs.axes)),)
+
+
+# ----------------------------------------------------------------------------- reduction widths
+
+
+def _conv_k(n: Node, t: Any) -> int:
+    w = t(1).shape
+    return int(w[1] * w[2] * w[3] + (1 if n.attrs.has_bias else 0))
+
+
+def _linear_k(n: Node, t: Any) -> int:
+    return int(t(1).shape[1] + (1 if n.attrs.has_bias else 0))
+
+
+def _conv_grad_input_k(n: Node, t: Any) -> int:
+    w = t(1).shape  # inputs: dy, w
+    return int((w[0] // n.attrs.groups) * w[2] * w[3])
+
+
+def _conv_grad_weight_k(n: Node, t: Any) -> int:
+    dy = t(0).shape  # inputs: dy, x
+    return int(dy[0] * dy[2] * dy[3])
+
+
+def _linear_grad_input_k(n: Node, t: Any) -> int:
+    return int(t(1).shape[0])  # inputs: dy, w[out, in]
+
+
+def _linear_grad_weight_k(n: Node, t: Any) -> int:
+    out = 1
+    for d in t(0).shape[:-1]:  # inputs: dy[..., out], x[..., in]
+        out *= d
+    return out
+
+
+# ----------------------------------------------------------------------------- frontend
+
+
+def _conv_module(c: Any, n: Any, m: Any) -> Value:
+    if m.padding_mode != "zeros" or m.dilation not in ((1, 1), 1):
+        raise UnsupportedOpError(c.describe(n, "uses dilation or non-zero padding mode"))
+    ins = [c.arg(n.args[0]), c.param(f"{n.target}.weight", m.weight, "weight")]
+    if m.bias is not None:
+        ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
+    return c.emit(
+        Op.CONV2D,
+        ins,
+        n,
+        stride=pair(m.stride),
+        padding=pair(m.padding),
+        groups=m.groups,
+        has_bias=m.bias is not None,
+    )
+
+
+def _conv_function(c: Any, n: Any) -> Value:
+    x, w, *rest = n.args
+    bias = rest[0] if rest else n.kwargs.get("bias")
+    stride = rest[1] if len(rest) > 1 else n.kwargs.get("stride", 1)
+    padding = rest[2] if len(rest) > 2 else n.kwargs.get("padding", 0)
+    dilation = rest[3] if len(rest) > 3 else n.kwargs.get("dilation", 1)
+    groups = rest[4] if len(rest) > 4 else n.kwargs.get("groups", 1)
+    if pair(dilation) != (1, 1):
+        raise UnsupportedOpError(c.describe(n, "uses dilation"))
+    ins = [c.arg(x), c.get_param(w, "weight")]
+    if bias is not None:
+        ins.append(c.get_param(bias, "bias"))
+    return c.emit(
+        Op.CONV2D,
+        ins,
+        n,
+        stride=pair(stride),
+        padding=pair(padding),
+        groups=int(groups),
+        has_bias=bias is not None,
+    )
+
+
+def _linear_module(c: Any, n: Any, m: Any) -> Value:
+    ins = [c.arg(n.args[0]), c.param(f"{n.target}.weight", m.weight, "weight")]
+    if m.bias is not None:
+        ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
+    return c.emit(Op.LINEAR, ins, n, has_bias=m.bias is not None)
+
+
+def _linear_function(c: Any, n: Any) -> Value:
+    x, w, *rest = n.args
+    bias = rest[0] if rest else n.kwargs.get("bias")
+    ins = [c.arg(x), c.get_param(w, "weight")]
+    if bias is not None:
+        ins.append(c.get_param(bias, "bias"))
+    return c.emit(Op.LINEAR, ins, n, has_bias=bias is not None)
+
+
+def _tir(name: str) -> str:
+    return f"step_plan:PlanRules.{name}"
+
+
+define(
+    OpDef(
+        Op.CONV2D,
+        {**_CONV, **CAP},
+        types=product_types,
+        vjp=_conv_vjp,
+        frontend=(
+            Pattern("module", ("torch.nn.Conv2d",), _conv_module),
+            Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
+        ),
+        product=True,
+        reduction=_conv_k,
+        fused=Op.CONV2D_COMPACT,
+        doc="2-D convolution (grouped and depthwise included), before fuse-products",
+    ),
+    OpDef(
+        Op.LINEAR,
+        {"has_bias": False, **CAP},
+        types=product_types,
+        vjp=_linear_vjp,
+        frontend=(
+            Pattern("module", ("torch.nn.Linear",), _linear_module),
+            Pattern("function", ("torch.nn.functional.linear",), _linear_function),
+        ),
+        product=True,
+        reduction=_linear_k,
+        fused=Op.LINEAR_COMPACT,
+        doc="fully connected layer over the last axis, before fuse-products",
+    ),
+    OpDef(
+        Op.COMPACT,
+        {"bits": 8, "rid": -1},
+        vjp=pass_through,
+        compaction=True,
+        doc="int32 accumulator -> MX (shift with rounding); fused into its product",
+    ),
+    OpDef(
+        Op.CONV2D_COMPACT,
+        {**_CONV, **CAP, "bits": 8, "rid": -1},
+        vjp=_conv_vjp,
+        reference=_conv,
+        reference_wide=_conv_wide,
+        lower={"tir": _tir("conv"), "c": "emit:_conv", "gemm": "products_build:conv_forms"},
+        product=True,
+        reduction=_conv_k,
+        doc="convolution fused with its compaction",
+    ),
+    OpDef(
+        Op.LINEAR_COMPACT,
+        {"has_bias": False, **CAP, "bits": 8, "rid": -1},
+        vjp=_linear_vjp,
+        reference=_linear,
+        reference_wide=_linear_wide,
+        lower={"tir": _tir("linear"), "c": "emit:_linear", "gemm": "products_build:linear_forms"},
+        product=True,
+        reduction=_linear_k,
+        doc="linear layer fused with its compaction",
+    ),
+    OpDef(
+        Op.CONV2D_GRAD_INPUT,
+        {**_CONV, **CAP, "rid": -1},
+        reference=_conv_grad_input,
+        lower={
+            "tir": _tir("conv_grad_input"),
+            "c": "emit:_conv_grad_input",
+            "gemm": "products_build:conv_grad_input_forms",
+        },
+        product=True,
+        reduction=_conv_grad_input_k,
+        doc="dx of a convolution (transposed convolution), compacted",
+    ),
+    OpDef(
+        Op.CONV2D_GRAD_WEIGHT,
+        {**_CONV, **CAP, "rid": -1},
+        reference=_conv_grad_weight,
+        lower={
+            "tir": _tir("conv_grad_weight"),
+            "c": "emit:_conv_grad_weight",
+            "gemm": "products_build:conv_grad_weight_forms",
+        },
+        product=True,
+        reduction=_conv_grad_weight_k,
+        doc="dw of a convolution: an int32 accumulator for the update",
+    ),
+    OpDef(
+        Op.LINEAR_GRAD_INPUT,
+        {**CAP, "rid": -1},
+        reference=_linear_grad_input,
+        lower={
+            "tir": _tir("linear_grad_input"),
+            "c": "emit:_linear_grad_input",
+            "gemm": "products_build:linear_grad_input_forms",
+        },
+        product=True,
+        reduction=_linear_grad_input_k,
+        doc="dx of a linear layer, compacted",
+    ),
+    OpDef(
+        Op.LINEAR_GRAD_WEIGHT,
+        {**CAP, "rid": -1},
+        reference=_linear_grad_weight,
+        lower={
+            "tir": _tir("linear_grad_weight"),
+            "c": "emit:_linear_grad_weight",
+            "gemm": "products_build:linear_grad_weight_forms",
+        },
+        product=True,
+        reduction=_linear_grad_weight_k,
+        doc="dw of a linear layer: an int32 accumulator for the update",
+    ),
+    OpDef(
+        Op.BIAS_GRAD,
+        {"axes": (0,)},
+        reference=_bias_grad,
+        lower={"tir": _tir("bias_grad"), "c": "emit:_bias_grad"},
+        doc="db: the sum of dy over the batch (and spatial or token) axes, int32",
+    ),
+)

@@ -1,0 +1,183 @@
+"""Normalization: batch norm (with its running statistics) and layer norm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Node, Op, Value
+from mexc.numerics import FixedScalar
+from mexc.ops.common import Grads, mx_like, tid
+from mexc.ops.registry import OpDef, Pattern, define, op_def
+from mexc.types import Exp, Kind, TensorType, acc, mx
+
+
+def _batchnorm_types(r: Any, n: Node) -> None:
+    c = n.type.shape[1]
+    # results: y, saved normalized input (xhat), batch statistics (mean, var) per channel
+    stats = TensorType(Kind.ACC, (2, c), Exp.AXIS0)
+    new = r.copy(n, (mx_like(n.type), mx_like(n.type), stats))
+    r.env[n.out] = new.out
+
+
+def _layernorm_types(r: Any, n: Node) -> None:
+    # results: y and the saved normalized input (xhat) for the backward pass
+    new = r.copy(n, (mx_like(n.type), mx_like(n.type)))
+    r.env[n.out] = new.out
+
+
+def _batchnorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, gamma, beta = n.inputs[0], n.inputs[1], n.inputs[2]
+    c = w.type(gamma).shape
+    node = w.emit(
+        Op.BATCHNORM_GRAD,
+        [dy, n.result(1), n.result(2), gamma],
+        (mx(*w.type(x).shape), acc(*c), acc(*c)),
+        n.loc,
+    )
+    w.set_param_grad(gamma, node.result(1), n)
+    w.set_param_grad(beta, node.result(2), n)
+    return [node.result(0) if w.needs[x] else None, None, None, None, None]
+
+
+def _layernorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, gamma, beta = n.inputs
+    d = w.type(gamma).shape
+    node = w.emit(
+        Op.LAYERNORM_GRAD, [dy, n.result(1), gamma], (mx(*w.type(x).shape), acc(*d), acc(*d)), n.loc
+    )
+    w.set_param_grad(gamma, node.result(1), n)
+    w.set_param_grad(beta, node.result(2), n)
+    return [node.result(0) if w.needs[x] else None, None, None]
+
+
+def _running_update(b: Any, g: Any, bn: Node, rid: int) -> list[tuple[str, Value]]:
+    """BN_RUNNING_UPDATE of the running mean and variance from the batch statistics."""
+    rm, rv = bn.inputs[3], bn.inputs[4]
+    upd = b.add(
+        Op.BN_RUNNING_UPDATE,
+        [rm, rv, bn.result(2)],
+        (g.type_of(rm), g.type_of(rv)),
+        op_def(Op.BN_RUNNING_UPDATE).make(momentum=bn.attrs.momentum, rid=rid),
+        bn.loc,
+    )
+    return [(f"state:{g.node(v.node).attrs.name}", upd.result(i)) for i, v in enumerate((rm, rv))]
+
+
+def _batchnorm(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    x, gamma, beta, rmean, rvar = a
+    if env.train:
+        y, saved = K.batchnorm_forward_train(x, gamma, beta, float(n.attrs.eps), env.ctx, tid(n))
+        return (y, saved, saved)
+    y = K.batchnorm_forward_eval(
+        x, gamma, beta, rmean, rvar, env.ctx, tid(n), eps=float(n.attrs.eps)
+    )
+    return (y, None, None)
+
+
+def _bn_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return tuple(K.batchnorm_backward(a[0], a[1], env.ctx, tid(n)))
+
+
+def _bn_running(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    rmean, rvar, saved = a
+    momentum = FixedScalar.of(float(n.attrs.momentum))
+    return tuple(
+        K.batchnorm_update_running(
+            rmean, rvar, saved.mean, saved.var_unbiased, momentum, env.ctx, tid(n)
+        )
+    )
+
+
+def _layernorm(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    y, saved = K.layernorm_forward(a[0], a[1], a[2], float(n.attrs.eps), env.ctx, tid(n))
+    return (y, saved)
+
+
+def _layernorm_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return tuple(K.layernorm_backward(a[0], a[1], env.ctx, tid(n)))
+
+
+def _batchnorm_module(c: Any, n: Any, m: Any) -> Value:
+    if not m.affine or not m.track_running_stats:
+        raise UnsupportedOpError(c.describe(n, "needs affine=True and track_running_stats=True"))
+    assert m.running_mean is not None and m.running_var is not None
+    name = str(n.target)
+    ins = [
+        c.arg(n.args[0]),
+        c.param(f"{name}.weight", m.weight, "bn_weight"),
+        c.param(f"{name}.bias", m.bias, "bn_bias"),
+        c.state(f"{name}.running_mean", m.running_mean, "running_mean", name),
+        c.state(f"{name}.running_var", m.running_var, "running_var", name),
+    ]
+    momentum = 0.1 if m.momentum is None else float(m.momentum)
+    return c.emit(Op.BATCHNORM, ins, n, eps=float(m.eps), momentum=momentum)
+
+
+def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
+    if len(m.normalized_shape) != 1 or not m.elementwise_affine or m.bias is None:
+        raise UnsupportedOpError(
+            c.describe(n, "needs LayerNorm over the last axis with affine weight and bias")
+        )
+    name = str(n.target)
+    ins = [
+        c.arg(n.args[0]),
+        c.param(f"{name}.weight", m.weight, "ln_weight"),
+        c.param(f"{name}.bias", m.bias, "ln_bias"),
+    ]
+    return c.emit(Op.LAYERNORM, ins, n, eps=float(m.eps))
+
+
+define(
+    OpDef(
+        Op.BATCHNORM,
+        {"eps": 1e-5, "momentum": 0.1, "rid": -1},
+        types=_batchnorm_types,
+        vjp=_batchnorm_vjp,
+        reference=_batchnorm,
+        running_update=_running_update,
+        frontend=(
+            Pattern("module", ("torch.nn.BatchNorm2d", "torch.nn.BatchNorm1d"), _batchnorm_module),
+        ),
+        lower={"tir": "step_plan:PlanRules.batchnorm", "c": "emit:_batchnorm"},
+        doc="batch norm: batch statistics in training, running statistics in evaluation",
+    ),
+    OpDef(
+        Op.BATCHNORM_GRAD,
+        {"rid": -1},
+        reference=_bn_grad,
+        lower={"tir": "step_plan:PlanRules.batchnorm_grad", "c": "emit:_bn_grad"},
+        doc="dx, dgamma, dbeta of batch norm",
+    ),
+    OpDef(
+        Op.BN_RUNNING_UPDATE,
+        {"momentum": 0.1, "rid": -1},
+        reference=_bn_running,
+        lower={"tir": "step_plan:PlanRules.bn_running", "c": "emit:_bn_running"},
+        overwrites=(0, 1),
+        updates_state=True,
+        doc="running mean and variance <- momentum blend with the batch statistics",
+    ),
+    OpDef(
+        Op.LAYERNORM,
+        {"eps": 1e-5, "rid": -1},
+        types=_layernorm_types,
+        vjp=_layernorm_vjp,
+        reference=_layernorm,
+        frontend=(Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),),
+        lower={"c": "emit:_layernorm"},
+        doc="layer norm over the last axis",
+    ),
+    OpDef(
+        Op.LAYERNORM_GRAD,
+        {"rid": -1},
+        reference=_layernorm_grad,
+        lower={"c": "emit:_layernorm_grad"},
+        doc="dx, dgamma, dbeta of layer norm",
+    ),
+)

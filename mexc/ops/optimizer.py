@@ -1,0 +1,34 @@
+"""The optimizer step: integer SGD with momentum and weight decay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mexc.ir import Node, Op
+from mexc.mx import MX, Acc
+from mexc.numerics import UpdateConfig, sgd_momentum_update, update_keys
+from mexc.ops.common import tid
+from mexc.ops.registry import OpDef, define
+
+
+def _sgd_update(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    w, grad, v = a
+    assert isinstance(w, MX) and isinstance(grad, Acc) and isinstance(v, MX)
+    cfg = UpdateConfig(env.ctx.bits, env.lr, env.momentum, env.weight_decay, env.ctx.rounding)
+    v_exp = v.e.reshape(-1)
+    keys = update_keys(env.ctx.seed, env.ctx.step, tid(n))
+    wm, we, vm, ve = sgd_momentum_update(w.m, int(w.e), grad.a, int(grad.e), v.m, v_exp, cfg, keys)
+    return (MX.of(wm, we), MX.of(vm, ve.reshape(v.e.shape)))
+
+
+define(
+    OpDef(
+        Op.SGD_UPDATE,
+        {"param": "", "groups": 1, "rid": -1},
+        reference=_sgd_update,
+        lower={"tir": "step_plan:PlanRules.sgd_update", "c": "emit:_sgd_update"},
+        overwrites=(0, 2),
+        updates_state=True,
+        doc="w, v <- SGD with momentum and decoupled weight decay (docs/numerics.md)",
+    ),
+)

@@ -1,0 +1,381 @@
+"""Tensor ops: sums, reshapes, dropout, scaling, transposes, slices, broadcast parameters and
+token means, and their gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Node, Op, Value
+from mexc.mx import MX
+from mexc.ops.common import (
+    Grads,
+    elementwise_types,
+    no_saved,
+    pointwise_vjp,
+    scalar,
+    static_int,
+    tid,
+    with_index_types,
+)
+from mexc.ops.registry import OpDef, Pattern, define
+from mexc.types import acc, mx
+
+# ----------------------------------------------------------------------------- VJPs
+
+
+def _add_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    return [dys[0] if w.needs[v] else None for v in n.inputs]
+
+
+def _reshape_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x = n.inputs[0]
+    if not w.needs[x]:
+        return [None]
+    shape = w.type(x).shape
+    return [w.emit(Op.RESHAPE, [dy], mx(*shape), n.loc, shape=shape).out]
+
+
+def _transpose_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    perm = tuple(n.attrs.perm)
+    inverse = tuple(perm.index(i) for i in range(len(perm)))
+    return [w.emit(Op.TRANSPOSE, [dy], mx(*w.type(n.inputs[0]).shape), n.loc, perm=inverse).out]
+
+
+def _add_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    dy = dys[0]
+    assert dy is not None
+    x, p = n.inputs
+    dp = w.emit(Op.ADD_PARAM_GRAD, [dy], acc(*w.type(p).shape), n.loc)
+    w.set_param_grad(p, dp.out, n)
+    return [dy if w.needs[x] else None, None]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _add(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.add_forward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _grad_sum(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.grad_sum(list(a), env.ctx, tid(n)),)
+
+
+def _reshape(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    x: MX = a[0]
+    return (MX(x.m.reshape(n.attrs.shape), x.e),)
+
+
+def _dropout(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    if not env.train:
+        return (a[0], None)
+    return tuple(K.dropout_forward(a[0], float(n.attrs.p), env.ctx, tid(n)))
+
+
+def _dropout_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.dropout_backward(a[0], a[1], float(n.attrs.p), env.ctx, tid(n)),)
+
+
+def _scale(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.scale_forward(a[0], scalar(n), env.ctx, tid(n)),)
+
+
+def _scale_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.scale_backward(a[0], scalar(n), env.ctx, tid(n)),)
+
+
+def _transpose(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    x: MX = a[0]
+    return (MX(np.ascontiguousarray(x.m.transpose(n.attrs.perm)), x.e),)
+
+
+def _slice(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    x: MX = a[0]
+    index = [slice(None)] * x.m.ndim
+    index[n.attrs.dim] = slice(n.attrs.start, n.attrs.stop)
+    return (MX(np.ascontiguousarray(x.m[tuple(index)]), x.e),)
+
+
+def _slice_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    dy: MX = a[0]
+    out = np.zeros(n.type.shape, np.int8)
+    index = [slice(None)] * out.ndim
+    index[n.attrs.dim] = slice(n.attrs.start, n.attrs.stop)
+    out[tuple(index)] = dy.m
+    return (MX(out, dy.e),)
+
+
+def _add_param(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.add_broadcast_forward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _add_param_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.add_broadcast_param_grad(a[0]),)
+
+
+def _mean_tokens(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.mean_tokens_forward(a[0], env.ctx, tid(n)),)
+
+
+def _mean_tokens_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.mean_tokens_backward(a[0], n.type.shape[1], env.ctx, tid(n)),)
+
+
+# ----------------------------------------------------------------------------- frontend
+
+
+def _add_tensors(c: Any, n: Any) -> Value:
+    a, b = n.args[0], n.args[1]
+    if not c.is_node(a) or not c.is_node(b):
+        raise UnsupportedOpError(
+            c.describe(n, "adds a constant; only tensor + tensor is supported")
+        )
+    if n.kwargs.get("alpha", 1) != 1:
+        raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
+    if c.shape(a) != c.shape(b):
+        raise UnsupportedOpError(c.describe(n, "adds tensors of different shapes (no broadcast)"))
+    return c.emit(Op.ADD, [c.arg(a), c.arg(b)], n)
+
+
+def _add_any(c: Any, n: Any) -> Value:
+    """tensor + tensor, or activation + a broadcast parameter (positional embedding)."""
+    a, b = n.args[0], n.args[1]
+    if c.is_param(b) and not c.is_param(a):
+        a, b = b, a
+    if c.is_param(a) and c.is_node(b):
+        p = c.get_param(a, "embedding")
+        if c.shape(a)[0] != 1 or c.shape(a)[1:] != c.shape(b)[1:]:
+            raise UnsupportedOpError(
+                c.describe(
+                    n, "adds a parameter that is not [1, ...] of the activation's per-sample shape"
+                )
+            )
+        return c.emit(Op.ADD_PARAM, [c.arg(b), p], n)
+    return _add_tensors(c, n)
+
+
+def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value:
+    return c.emit(Op.RESHAPE, [c.arg(n.args[0])], n, shape=c.shape(n))
+
+
+def _dropout_module(c: Any, n: Any, m: Any) -> Value:
+    if m.p == 0.0:
+        return c.arg(n.args[0])
+    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=float(m.p))
+
+
+def _dropout_function(c: Any, n: Any) -> Value:
+    p = float(n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))
+    if p == 0.0:
+        return c.arg(n.args[0])
+    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=p)
+
+
+def _scale_by(c: Any, n: Any, divide: bool) -> Value:
+    a, b = n.args[0], n.args[1]
+    x, k = (a, b) if c.is_node(a) else (b, a)
+    if divide and x is a:
+        k = 1.0 / float(k)
+    if not c.is_node(x) or not isinstance(k, (int, float)):
+        raise UnsupportedOpError(
+            c.describe(n, "multiplies two tensors; only tensor * constant is supported")
+        )
+    if not float(k) > 0:
+        raise UnsupportedOpError(c.describe(n, f"scales by {k}; only positive constants"))
+    return c.emit(Op.SCALE, [c.arg(x)], n, value=float(k))
+
+
+def _mul(c: Any, n: Any) -> Value:
+    return _scale_by(c, n, divide=False)
+
+
+def _div(c: Any, n: Any) -> Value:
+    return _scale_by(c, n, divide=True)
+
+
+def _permute(c: Any, n: Any) -> Value:
+    x = n.args[0]
+    rank = len(c.shape(x))
+    dims = n.args[1:] if not isinstance(n.args[1], (list, tuple)) else n.args[1]
+    perm = tuple(static_int(d) % rank for d in dims)
+    return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=perm)
+
+
+def _transpose_two(c: Any, n: Any) -> Value:
+    x = n.args[0]
+    rank = len(c.shape(x))
+    d0, d1 = static_int(n.args[1]) % rank, static_int(n.args[2]) % rank
+    order = list(range(rank))
+    order[d0], order[d1] = order[d1], order[d0]
+    return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=tuple(order))
+
+
+def _mean(c: Any, n: Any) -> Value:
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    shape = c.shape(n.args[0])
+    if len(shape) != 3 or dim is None or static_int(dim) % 3 != 1 or n.kwargs.get("keepdim"):
+        raise UnsupportedOpError(
+            c.describe(n, "mean is supported over the token axis of [B, T, D] (x.mean(dim=1))")
+        )
+    return c.emit(Op.MEAN_TOKENS, [c.arg(n.args[0])], n)
+
+
+def _tir(name: str) -> str:
+    return f"step_plan:PlanRules.{name}"
+
+
+define(
+    OpDef(
+        Op.ADD,
+        {"rid": -1, "shift_cap": None},
+        types=elementwise_types,
+        vjp=_add_vjp,
+        reference=_add,
+        frontend=(
+            Pattern("function", ("operator.add", "torch.add", "operator.iadd"), _add_any),
+            Pattern("method", ("add",), _add_any),
+        ),
+        lower={"tir": _tir("grad_sum"), "c": "emit:_add"},
+        aligned_sum=True,
+        doc="sum of two activations (residual), aligned to the larger exponent",
+    ),
+    OpDef(
+        Op.GRAD_SUM,
+        {"rid": -1, "shift_cap": None},
+        reference=_grad_sum,
+        lower={"tir": _tir("grad_sum"), "c": "emit:_grad_sum"},
+        aligned_sum=True,
+        doc="sum of the gradients of a value read by several ops",
+    ),
+    OpDef(
+        Op.RESHAPE,
+        {"shape": ()},
+        types=elementwise_types,
+        vjp=_reshape_vjp,
+        reference=_reshape,
+        frontend=(
+            Pattern("module", ("torch.nn.Flatten",), _reshape_to_result),
+            Pattern("function", ("torch.flatten", "torch.reshape"), _reshape_to_result),
+            Pattern("method", ("view", "reshape", "flatten"), _reshape_to_result),
+        ),
+        lower={"tir": _tir("reshape"), "c": "emit:_reshape"},
+        in_place=True,
+        doc="a view of the same mantissas",
+    ),
+    OpDef(
+        Op.DROPOUT,
+        {"p": 0.5, "rid": -1},
+        types=with_index_types,
+        vjp=pointwise_vjp(Op.DROPOUT_GRAD, lambda n: n.result(1)),
+        reference=_dropout,
+        frontend=(
+            Pattern("module", ("torch.nn.Dropout",), _dropout_module),
+            Pattern("function", ("torch.nn.functional.dropout",), _dropout_function),
+        ),
+        lower={"tir": _tir("dropout"), "c": "emit:_dropout"},
+        doc="inverted dropout with an integer keep mask from the PRNG",
+    ),
+    OpDef(
+        Op.DROPOUT_GRAD,
+        {"p": 0.5, "rid": -1},
+        reference=_dropout_grad,
+        lower={"tir": _tir("dropout_grad"), "c": "emit:_dropout_grad"},
+        doc="dy masked and scaled by the forward mask",
+    ),
+    OpDef(
+        Op.SCALE,
+        {"value": 1.0, "rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.SCALE_GRAD, no_saved),
+        reference=_scale,
+        frontend=(
+            Pattern("function", ("operator.mul", "torch.mul"), _mul),
+            Pattern("function", ("operator.truediv",), _div),
+            Pattern("method", ("mul",), _mul),
+        ),
+        lower={"c": "emit:_scale"},
+        doc="x times a positive host constant, as a numerator/shift pair",
+    ),
+    OpDef(
+        Op.SCALE_GRAD,
+        {"value": 1.0, "rid": -1},
+        reference=_scale_grad,
+        lower={"c": "emit:_scale"},
+        doc="dy times the same constant",
+    ),
+    OpDef(
+        Op.TRANSPOSE,
+        {"perm": ()},
+        types=elementwise_types,
+        vjp=_transpose_vjp,
+        reference=_transpose,
+        frontend=(
+            Pattern("function", ("torch.permute",), _permute),
+            Pattern("method", ("permute",), _permute),
+            Pattern("function", ("torch.transpose",), _transpose_two),
+            Pattern("method", ("transpose",), _transpose_two),
+        ),
+        lower={"c": "emit:_transpose"},
+        doc="axis permutation of the mantissas",
+    ),
+    OpDef(
+        Op.SLICE,
+        {"dim": 0, "start": 0, "stop": 0},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.SLICE_GRAD, no_saved),
+        reference=_slice,
+        lower={"c": "emit:_slice"},
+        doc="[start, stop) along one axis (the frontend makes it from chunk)",
+    ),
+    OpDef(
+        Op.SLICE_GRAD,
+        {"dim": 0, "start": 0, "stop": 0},
+        reference=_slice_grad,
+        lower={"c": "emit:_slice_grad"},
+        doc="dy placed into zeros of the sliced tensor's shape",
+    ),
+    OpDef(
+        Op.ADD_PARAM,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=_add_param_vjp,
+        reference=_add_param,
+        lower={"c": "emit:_add_param"},
+        doc="activation + a [1, ...] parameter broadcast over the batch (positional embedding)",
+    ),
+    OpDef(
+        Op.ADD_PARAM_GRAD,
+        {},
+        reference=_add_param_grad,
+        lower={"c": "emit:_add_param_grad"},
+        doc="the parameter's gradient: dy summed over the batch, int32",
+    ),
+    OpDef(
+        Op.MEAN_TOKENS,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.MEAN_TOKENS_GRAD, no_saved),
+        reference=_mean_tokens,
+        frontend=(
+            Pattern("function", ("torch.mean",), _mean),
+            Pattern("method", ("mean",), _mean),
+        ),
+        lower={"c": "emit:_mean_tokens"},
+        doc="mean over the token axis: [B, T, D] -> [B, D]",
+    ),
+    OpDef(
+        Op.MEAN_TOKENS_GRAD,
+        {"rid": -1},
+        reference=_mean_tokens_grad,
+        lower={"c": "emit:_mean_tokens_grad"},
+        doc="dy spread evenly over the tokens",
+    ),
+)
