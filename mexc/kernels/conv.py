@@ -1,4 +1,5 @@
-"""2-D convolution (groups, incl. depthwise) by im2col + numerics.matmul_exact, and gradients.
+"""2-D convolution (groups, incl. depthwise) by im2col + int_matmul (== numerics.matmul_exact), and
+gradients.
 
 Layouts: x (N, C, H, W), w (O, C/G, KH, KW), y (N, O, OH, OW). Dilation 1. Zero padding.
 """
@@ -9,6 +10,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mexc.kernels._common import (
+    F32_EXACT,
+    F64_EXACT,
+    INT8_CONTAINER,
     compact_mx,
     debug_on,
     fit_product,
@@ -46,7 +50,7 @@ def _im2col(
     return cols.reshape(groups, n * oh * ow, cg * kh * kw), oh, ow
 
 
-F32_EXACT = 2**24  # float32 partial sums are exact integers below this
+W8 = INT8_CONTAINER**2  # bound of one int8 x int8 product (|v| <= 128, -128 included)
 
 
 def _cols_t(xm: np.ndarray, kh: int, kw: int, ph: int, pw: int, dtype: type) -> np.ndarray:
@@ -65,11 +69,13 @@ def _cols_t(xm: np.ndarray, kh: int, kw: int, ph: int, pw: int, dtype: type) -> 
 
 
 def _conv_s1_f32(xm: np.ndarray, wm: np.ndarray, ph: int, pw: int) -> np.ndarray | None:
-    """Exact stride-1, groups-1 convolution (N, O, OH, OW) as int32 via float32 BLAS, when every
-    partial sum is an integer below 2^24 (|x|, |w| <= 128). None if the bound does not hold."""
+    """Exact stride-1, groups-1 convolution (N, O, OH, OW) as int32 via float32 BLAS: exact (as
+    int_matmul's float paths are) when every partial sum, a sum of at most K = C*KH*KW products
+    of int8 values (|x|, |w| <= 128), is below 2^24: 128^2 * K < 2^24, K <= 1023. None when the
+    bound does not hold (and in overflow_debug mode): the caller takes the int_matmul path."""
     o, c, kh, kw = wm.shape
     k = c * kh * kw
-    if 128 * 128 * k >= F32_EXACT or debug_on():
+    if W8 * k >= F32_EXACT or debug_on():
         return None
     n, _, h, w = xm.shape
     oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
@@ -82,8 +88,8 @@ def _conv_s1_f32(xm: np.ndarray, wm: np.ndarray, ph: int, pw: int) -> np.ndarray
 
 
 def _exact_chunk(total: int) -> int:
-    """Largest divisor L of `total` with 128*128*L < 2^24 (float32-exact L-wide sums)."""
-    for cand in range(min(total, (F32_EXACT - 1) // (128 * 128)), 0, -1):
+    """Largest divisor L of `total` with 128^2 * L < 2^24 (float32-exact L-wide sums)."""
+    for cand in range(min(total, (F32_EXACT - 1) // W8), 0, -1):
         if total % cand == 0:
             return cand
     return 1
@@ -92,11 +98,16 @@ def _exact_chunk(total: int) -> int:
 def _grad_weight_gemm(
     xm: np.ndarray, dm: np.ndarray, kh: int, kw: int, ph: int, pw: int
 ) -> np.ndarray:
-    """dW (O, C*KH*KW) int64 = sum over (n, oh, ow) of dy * cols, exactly: the reduction is cut
-    into chunks of L columns whose float32 sums are exact (< 2^24), one batched GEMM over the
-    chunks, then an exact float64 sum of the chunk results (|dW| < 2^31 < 2^53)."""
+    """dW (O, C*KH*KW) int64 = sum over (n, oh, ow) of dy * cols, exactly, for int8 operands
+    (|v| <= 128): the reduction of width T = N*OH*OW is cut into chunks of L columns whose
+    float32 sums are exact (128^2 * L < 2^24), one batched GEMM over the chunks, then a float64
+    sum of the chunk results; without a chunk of 64 or more, one float64 GEMM. Every float64
+    partial sum is a sum of at most T products, exact when 128^2 * T < 2^53 (T < 2^39): checked
+    here, raising when it does not hold (the caller guards it and takes int_matmul instead)."""
     n, o = dm.shape[0], dm.shape[1]
     total = n * dm.shape[2] * dm.shape[3]
+    if W8 * total >= F64_EXACT:
+        raise ValueError(f"reduction of {total} products is beyond float64's exact range")
     chunk = _exact_chunk(total)
     if chunk >= 64:
         cols = _cols_t(xm, kh, kw, ph, pw, np.float32)  # (K, N*P)
@@ -109,7 +120,7 @@ def _grad_weight_gemm(
         )  # (nb, K, O), every entry exact
         part = part.sum(axis=0, dtype=np.float64).T  # (O, K)
         return part.astype(np.int64, order="C")
-    cols64 = _cols_t(xm, kh, kw, ph, pw, np.float64)  # float64: sums < 2^53 are exact
+    cols64 = _cols_t(xm, kh, kw, ph, pw, np.float64)  # float64: partial sums < 2^53, exact
     d64 = np.asarray(dm).transpose(1, 0, 2, 3).astype(np.float64, order="C").reshape(o, -1)
     return (cols64 @ d64.T).T.astype(np.int64, order="C")
 
@@ -250,7 +261,7 @@ def conv2d_backward_weight(
         groups == 1
         and _pair(stride) == (1, 1)
         and not debug_on()
-        and 128 * 128 * n * oh * ow < 2**53
+        and W8 * n * oh * ow < F64_EXACT
         and (oh, ow) == (x.shape[2] + 2 * ph - kh + 1, x.shape[3] + 2 * pw - kw + 1)
     ):
         acc = _grad_weight_gemm(x.m, dm, kh, kw, ph, pw)
