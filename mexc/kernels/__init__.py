@@ -5,6 +5,8 @@ site id `tid` (site j uses ctx.key(tid + j)). The recipes are in docs/layers.md.
 """
 
 from mexc.kernels.activation import (
+    hardswish_backward,
+    hardswish_forward,
     relu6_backward,
     relu6_cap,
     relu6_forward,
@@ -51,6 +53,8 @@ from mexc.kernels.quantize import quantize
 __all__ = [
     "BatchNormSaved",
     "add_forward",
+    "hardswish_backward",
+    "hardswish_forward",
     "avgpool2d_backward",
     "avgpool2d_forward",
     "batchnorm_backward",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mexc.kernels._common import i64, scalar_exp
-from mexc.mx import MX
+from mexc.kernels._common import compact_mx, fast_compact_to_bits, i64, scalar_exp, site_key
+from mexc.mx import MX, RoundCtx
+from mexc.numerics import Reciprocal, div_const, shift_right
 
 
 def relu_forward(x: MX) -> MX:
@@ -51,3 +52,48 @@ def relu6_backward(dy: MX, x: MX) -> MX:
     m = i64(x.m)  # |m| <= 127 < 6 << 5 and 1 << 3 > 6, so shifts of 8 decide every case
     keep = (m > 0) & ((m << min(max(e, 0), 8)) < (6 << min(max(-e, 0), 8)))
     return MX(np.where(keep, dy.m, 0).astype(np.int8), dy.e)
+
+
+# ----------------------------------------------------------------------------- hardswish
+
+HS_GRID = 16  # K: x + 3 is clamped on the 2^-k grid, k = clamp(-e, 0, K) (docs/layers.md)
+HS_DIVISOR = 6
+
+
+def _hardswish_grid(m: np.ndarray, e: int) -> tuple[np.ndarray, int]:
+    """(xk, k): the input on the 2^-k grid, k = clamp(-e, 0, K). Shifts left by at most 3 (|x|
+    >= 8 saturates the clamp either way); below 2^-K the input rounds to nearest on the grid."""
+    k = min(max(-e, 0), HS_GRID)
+    s = k + e
+    if s >= 0:
+        return i64(m) << min(s, 3), k
+    return shift_right(i64(m), -s, "nearest"), k
+
+
+def _divide_by_six(acc: np.ndarray, e: int, ctx: RoundCtx, tid: int) -> MX:
+    """acc 2^e / 6: compact_to_bits(acc, 15) (site 0), div_const by 6, compaction (site 1)."""
+    a, ea = fast_compact_to_bits(acc, e, 15, ctx.rounding, site_key(ctx, tid, 0))
+    q, eq = div_const(a, ea, Reciprocal.of(HS_DIVISOR))
+    return compact_mx(q, eq, ctx, site_key(ctx, tid, 1))
+
+
+def hardswish_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """y = x relu6(x + 3) / 6: acc = (m c) << max(0, 5 - k) with c = clamp(xk + 3 2^k, 0,
+    6 2^k), then _divide_by_six (sites 0, 1)."""
+    e = scalar_exp(x, "hardswish input")
+    xk, k = _hardswish_grid(x.m, e)
+    c = np.clip(xk + (3 << k), 0, 6 << k)
+    left = max(0, 5 - k)
+    return _divide_by_six((i64(x.m) * c) << left, e - k - left, ctx, tid)
+
+
+def hardswish_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """dx = dy g(x), g = 0 (x <= -3), 1 (x >= 3), (2x + 3) / 6 between: acc = (m_dy G) <<
+    max(0, 4 - k) with G = 6 g 2^k on the grid, then _divide_by_six (sites 0, 1)."""
+    e = scalar_exp(x, "hardswish input")
+    ed = scalar_exp(dy, "dy")
+    xk, k = _hardswish_grid(x.m, e)
+    three = 3 << k
+    g = np.where(xk <= -three, 0, np.where(xk >= three, 2 * three, 2 * xk + three))
+    left = max(0, 4 - k)
+    return _divide_by_six((i64(dy.m) * g) << left, ed - k - left, ctx, tid)

@@ -1,10 +1,11 @@
 """Op rules of the launch plan for pooling and elementwise ops: max / average / global pooling,
-ReLU6, residual and gradient sums, dropout (te_pool's and te_ops' kernels)."""
+ReLU6, Hardswish, residual and gradient sums, dropout (te_pool's and te_ops' kernels)."""
 
 from __future__ import annotations
 
 from mexc.ir import Node
 from mexc.kernels._common import MAG
+from mexc.kernels.activation import HS_DIVISOR
 from mexc.kernels.elementwise import _keep_threshold, dropout_scale
 from mexc.lowering import te_ops, te_pool
 from mexc.lowering.plan_core import (
@@ -100,9 +101,35 @@ class PoolRules(PlanBuilder):
             a, e_a = acc, self.exp_offset(n, self.e[x], -left, "e_a")
         else:
             a, _, e_a = self.to_bits(n, acc, self.e[x], ys, 0, "a16")
-        q, e_q = self.buf(f"n{n.id}.q", ys, I32), self.buf(f"n{n.id}.e_q", (1,), I32)
-        self.launch(te_pool.divide(ys, kk, f"n{n.id}_divide"), (a, e_a, q, e_q))
-        self.compact(n, q, e_q, ys, 1)
+        self.divide_compact(n, a, e_a, ys, kk)
+
+    def divide_compact(self, n: Node, a: str, e_a: str, shape: Shape, divisor: int) -> None:
+        """Result 0 of n = compaction (site 1) of div_const(a, divisor), |a| <= 2^15."""
+        q, e_q = self.buf(f"n{n.id}.q", shape, I32), self.buf(f"n{n.id}.e_q", (1,), I32)
+        self.launch(te_pool.divide(shape, divisor, f"n{n.id}_divide"), (a, e_a, q, e_q))
+        self.compact(n, q, e_q, shape, 1)
+
+    def _divide_by_six(self, n: Node, acc: str, e_acc: str, rows: Shape) -> None:
+        """kernels.activation._divide_by_six: compact_to_bits(acc, 15) (site 0), / 6, site 1."""
+        a, _, e_a = self.to_bits(n, acc, e_acc, rows, 0, "a16")
+        self.divide_compact(n, a, e_a, rows, HS_DIVISOR)
+
+    def hardswish(self, n: Node) -> None:
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_pool.hardswish_acc(rows, f"n{n.id}_hardswish")
+        self.launch(func, (self.view(self.m[x], rows), self.e[x], acc, e_acc))
+        self._divide_by_six(n, acc, e_acc, rows)
+
+    def hardswish_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_pool.hardswish_grad_acc(rows, f"n{n.id}_hardswish_grad")
+        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])
+        self.launch(func, (*args, acc, e_acc))
+        self._divide_by_six(n, acc, e_acc, rows)
 
     def avgpool_grad(self, n: Node) -> None:
         dy = n.inputs[0]

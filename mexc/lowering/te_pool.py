@@ -1,4 +1,4 @@
-"""Average pooling, global average pooling, ReLU6 and dropout as TIR kernels.
+"""Average pooling, global average pooling, ReLU6, Hardswish and dropout as TIR kernels.
 
 The TE form of kernels.pool (avgpool2d_*, global_avgpool_*: a global pool is an average pool
 whose one window is the whole image, with the same rounding sites and flat indices),
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
+from mexc.kernels.activation import HS_GRID
 from mexc.lowering.te_compaction import _flat_index, iabs, random_word, where
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
@@ -143,6 +144,62 @@ def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
 
     dx = te.compute(shape, body, name="dx")
     return _func([dy, x, e, dx], name)
+
+
+def _hardswish_grid(m: tirx.PrimExpr, e: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    """kernels.activation._hardswish_grid on int64 values: (xk, k), k = clamp(-e, 0, 16)."""
+    k = tirx.min(tirx.max(-e, _c(0)), _c(HS_GRID))
+    s = k + e
+    left = m << tirx.min(tirx.max(s, _c(0)), _c(3))
+    r = tirx.min(tirx.max(-s, _c(1)), _c(31))  # the nearest right shift, used when s < 0
+    right = (m + (_c(1) << (r - 1))) >> r
+    return where(s >= 0, left, right), k
+
+
+def hardswish_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """acc = (m c) << max(0, 5 - k), c = clamp(xk + 3 2^k, 0, 6 2^k); e_acc = e - k - left
+    (kernels.activation.hardswish_forward before its division). Parameters (x, e, acc, e_acc)."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        m = x[i].astype(I64)
+        xk, k = _hardswish_grid(m, e[0].astype(I64))
+        c = tirx.min(tirx.max(xk + (_c(3) << k), _c(0)), _c(6) << k)
+        return ((m * c) << tirx.max(_c(5) - k, _c(0))).astype(I32)
+
+    def exponent(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        ev = e[i].astype(I64)
+        k = tirx.min(tirx.max(-ev, _c(0)), _c(HS_GRID))
+        return (ev - k - tirx.max(_c(5) - k, _c(0))).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), exponent, name="e_acc")
+    return _func([x, e, acc, e_acc], name)
+
+
+def hardswish_grad_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """acc = (m_dy G) << max(0, 4 - k), G = 0 | 6 2^k | 2 xk + 3 2^k; e_acc = e_dy - k - left
+    (kernels.activation.hardswish_backward before its division). Parameters (dy, e_dy, x, e,
+    acc, e_acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+        three = _c(3) << k
+        g = where(xk <= -three, _c(0), where(xk >= three, three * 2, xk * 2 + three))
+        return ((dy[i].astype(I64) * g) << tirx.max(_c(4) - k, _c(0))).astype(I32)
+
+    def exponent(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        k = tirx.min(tirx.max(-e[0].astype(I64), _c(0)), _c(HS_GRID))
+        return (e_dy[i].astype(I64) - k - tirx.max(_c(4) - k, _c(0))).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), exponent, name="e_acc")
+    return _func([dy, e_dy, x, e, acc, e_acc], name)
 
 
 def dropout_forward_acc(

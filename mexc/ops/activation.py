@@ -1,4 +1,4 @@
-"""Activations: ReLU, ReLU6 and GELU, and their gradients."""
+"""Activations: ReLU, ReLU6, Hardswish and GELU, and their gradients."""
 
 from __future__ import annotations
 
@@ -54,6 +54,14 @@ def _gelu_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.gelu_backward(a[0], a[1], env.ctx, tid(n)),)
 
 
+def _hardswish(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.hardswish_forward(a[0], env.ctx, tid(n)),)
+
+
+def _hardswish_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.hardswish_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
 def _tir(name: str) -> str:
     return f"step_plan:PlanRules.{name}"
 
@@ -106,6 +114,19 @@ define(
         doc="exact GELU through an integer lookup table (docs/numerics.md)",
     ),
     OpDef(
+        Op.HARDSWISH,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.HARDSWISH_GRAD, lambda n: n.inputs[0]),
+        reference=_hardswish,
+        frontend=(
+            Pattern("module", ("torch.nn.Hardswish",), unary_module(Op.HARDSWISH)),
+            Pattern("function", ("torch.nn.functional.hardswish",), unary_function(Op.HARDSWISH)),
+        ),
+        lower={"tir": _tir("hardswish"), "c": "emit:_hardswish"},
+        doc="x relu6(x + 3) / 6, exact on the 2^-16 grid, one division by 6 (docs/layers.md)",
+    ),
+    OpDef(
         Op.RELU_GRAD,
         {},
         reference=_relu_grad,
@@ -120,6 +141,13 @@ define(
         lower={"tir": _tir("relu6_grad"), "c": "emit:_relu6_grad"},
         in_place=True,
         doc="dy masked where the ReLU6 output is strictly inside (0, 6)",
+    ),
+    OpDef(
+        Op.HARDSWISH_GRAD,
+        {"rid": -1},
+        reference=_hardswish_grad,
+        lower={"tir": _tir("hardswish_grad"), "c": "emit:_hardswish_grad"},
+        doc="dy (2x + 3) / 6 inside (-3, 3), dy above, 0 below",
     ),
     OpDef(
         Op.GELU_GRAD,

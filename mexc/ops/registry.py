@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,13 +125,16 @@ class OpDef:
 
 
 REGISTRY: dict[Op, OpDef] = {}
+DEFINED_IN: dict[Op, str] = {}  # op -> the family module that defines it
 
 
 def define(*defs: OpDef) -> None:
+    module = sys._getframe(1).f_globals["__name__"]
     for d in defs:
         if d.op in REGISTRY:
-            raise ValueError(f"op {d.op.value} is defined twice")
+            raise ValueError(f"op {d.op.value} is defined twice ({DEFINED_IN[d.op]}, {module})")
         REGISTRY[d.op] = d
+        DEFINED_IN[d.op] = module
 
 
 def op_def(op: Op) -> OpDef:

@@ -416,6 +416,24 @@ def _relu6_grad(e: _Emit, n: Node) -> None:
     e.emit(f"mexc_relu6_backward({dy}, {y}, {ey}, {dx}, {e.numel(n.out)}u);")
 
 
+def _hardswish(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    numel = e.numel(n.out)
+    e.emit(f"{ey} = mexc_hardswish_forward({x}, {ex}, {numel}u, {y}, &ctx, {_tid(n)}u);")
+
+
+def _hardswish_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_hardswish_backward({dy}, {ed}, {x}, {ex}, {e.numel(n.out)}u, {dx}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
 def _gap(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
     nn, c, s = _ncs(e.shape(n.inputs[0]))

@@ -165,6 +165,13 @@ int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t e
 int32_t mexc_relu6_cap(int32_t e);
 void mexc_relu6_forward(const int8_t *x, int32_t e, int8_t *y, uint32_t n);
 void mexc_relu6_backward(const int8_t *dy, const int8_t *x, int32_t e, int8_t *dx, uint32_t n);
+/* hardswish (activation.py): y = x relu6(x + 3) / 6 and dx = dy g(x) on the 2^-k grid,
+ * k = clamp(-e, 0, 16); compact_to_bits(., 15) (site 0), div_const by 6, compaction (site 1).
+ * Return the result's exponent. */
+int32_t mexc_hardswish_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
+                               const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_hardswish_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t e,
+                                uint32_t n, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
 /* avgpool2d (pool.py, count_include_pad): sites 0 (compact_to_bits of the sums, only when
  * 7 + ceil log2(KH*KW) > 15), 1 compaction. Backward: site 0. No scratch. */
 int32_t mexc_avgpool2d_forward(const mexc_pool_t *p, const int8_t *x, int32_t e, int8_t *y,

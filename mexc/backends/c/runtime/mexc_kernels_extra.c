@@ -1,5 +1,5 @@
-/* ReLU6, average pooling, global average pooling and dropout: the C form of
- * mexc/kernels/activation.py (relu6), pool.py (avgpool2d, global_avgpool) and elementwise.py
+/* ReLU6, Hardswish, average pooling, global average pooling and dropout: the C form of
+ * mexc/kernels/activation.py (relu6, hardswish), pool.py (avgpool2d, global_avgpool) and elementwise.py
  * (dropout). Flat element indices and rounding sites as the numpy kernels. */
 #include "mexc_kernels.h"
 
@@ -69,6 +69,83 @@ static int32_t pool_div(const pool_div_t *d, int32_t acc, uint32_t idx)
     int32_t a = d->left ? mexc_shift_left(acc, d->sl)
                         : mexc_shift_right(acc, d->s0, d->stoch, d->key0, idx);
     return mexc_div_const(a, &d->r);
+}
+
+/* ------------------------------------------------------------------ hardswish (activation.py) */
+
+#define HS_GRID 16
+
+static int32_t hs_k(int32_t e) { return e >= 0 ? 0 : (-e < HS_GRID ? -e : HS_GRID); }
+
+/* the input on the 2^-k grid: m << min(k + e, 3), or nearest m >> -(k + e) below 2^-16 */
+static int32_t hs_grid(int32_t m, int32_t e, int32_t k)
+{
+    const int32_t s = k + e;
+    if (s >= 0) return m * (1 << (s < 3 ? s : 3));
+    return mexc_shift_right(m, -s, 0, 0u, 0u);
+}
+
+/* acc(i) of the forward (a = x) or the backward (a = dy, b = x); e: x's exponent */
+typedef int32_t (*hs_acc_fn)(const int8_t *a, const int8_t *b, uint32_t i, int32_t e, int32_t k,
+                             int32_t left);
+
+static int32_t hs_forward_acc(const int8_t *x, const int8_t *unused, uint32_t i, int32_t e,
+                              int32_t k, int32_t left)
+{
+    const int32_t three = 3 << k, m = x[i];
+    int32_t c = hs_grid(m, e, k) + three;
+    (void)unused;
+    c = c < 0 ? 0 : (c > 2 * three ? 2 * three : c);
+    return mexc_shift_left(m * c, left);
+}
+
+static int32_t hs_backward_acc(const int8_t *dy, const int8_t *x, uint32_t i, int32_t e,
+                               int32_t k, int32_t left)
+{
+    const int32_t three = 3 << k, xk = hs_grid(x[i], e, k);
+    const int32_t g = xk <= -three ? 0 : (xk >= three ? 2 * three : 2 * xk + three);
+    return mexc_shift_left(dy[i] * g, left);
+}
+
+/* _divide_by_six over acc(i) 2^ea in three passes: max |acc|; then div_const of the 15-bit
+ * compaction (site 0), scanned and written by the output compaction (site 1) */
+static int32_t hs_divide(hs_acc_fn f, const int8_t *a, const int8_t *b, int32_t e, int32_t left,
+                         int32_t ea, uint32_t n, int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const int32_t k = hs_k(e);
+    uint32_t i, amax = 0, mag;
+    int32_t pass, acc, eq = 0, e_out = 0;
+    pool_div_t d;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    for (pass = 0; pass < 3; pass++) {
+        if (pass == 1) eq = pool_div_init(&d, 16, 6u, amax, ea, ctx, tid);
+        if (pass == 2) e_out = mexc_sink_finish(&sink, eq);
+        for (i = 0; i < n; i++) {
+            acc = f(a, b, i, e, k, left);
+            if (pass == 0) {
+                mag = mexc_uabs(acc);
+                amax = mag > amax ? mag : amax;
+            } else {
+                mexc_sink_put(&sink, i, 0u, pool_div(&d, acc, i));
+            }
+        }
+    }
+    return e_out;
+}
+
+int32_t mexc_hardswish_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
+                               const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const int32_t k = hs_k(e), left = k < 5 ? 5 - k : 0;
+    return hs_divide(hs_forward_acc, x, x, e, left, e - k - left, n, y, ctx, tid);
+}
+
+int32_t mexc_hardswish_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t e,
+                                uint32_t n, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const int32_t k = hs_k(e), left = k < 4 ? 4 - k : 0;
+    return hs_divide(hs_backward_acc, dy, x, e, left, ed - k - left, n, dx, ctx, tid);
 }
 
 /* ------------------------------------------------------------------ avgpool2d (pool.py) */
