@@ -464,7 +464,8 @@ def _bytes_pay(form: GemmForm) -> bool:
     (their weight gradients). With one or two rows per group and K = 9 the byte kernel's tile
     accumulator went to a heap workspace per task: a 32-group depthwise forward took 7.7 ms
     against 2.1 ms; a 32-group 9 x 25,088 x 32 weight gradient 7.9 against 16.7 ms. A first
-    convolution (K = 9, padded to 12) measured 0.77-0.94x; K = 16 even (bench/gemm_kernels.py)."""
+    convolution (K = 9, padded to 12) measured 0.77-0.94x; K = 16 even
+    (bench/research/gemm_kernels.py)."""
     if form.g == 1:
         return form.k >= 16
     return form.k >= 256 and form.k % DEPTH == 0

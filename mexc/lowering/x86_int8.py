@@ -10,7 +10,7 @@ sign(A)·B as the signed one (`vpsignb`), a pair is at most 2·127·127 = 32,258
 saturation for mantissas in [-127, 127] (-128 never occurs, docs/numerics.md section 1).
 `vpmaddwd` by ones then adds the pairs into int32 lanes. One instruction pair does 32
 multiply-accumulates where the int32 tile's `vpmulld` does 8: 2.3-3.9x the int32 tile's GEMM
-throughput on this Zen 3 host (bench/gemm_kernels.py, docs/cpu.md).
+throughput on this Zen 3 host (bench/research/gemm_kernels.py, docs/cpu.md).
 """
 
 from __future__ import annotations
