@@ -41,7 +41,7 @@ def run_case(name: str, work: Path) -> dict[str, object]:
     prog = mexc.compile(cls(), (torch.zeros(batch, *shape),))
     x, y = loader("train")
     data = (x[: 4 * batch], y[: 4 * batch])
-    project = prog.export(work / name, data=data, steps=steps)
+    project = mexc.export(prog, work / name, data=data, steps=steps)
     prog.replay(data, steps)
     row: dict[str, object] = {
         "model": name,

@@ -21,11 +21,13 @@ from mexc.errors import (
 )
 
 if TYPE_CHECKING:
+    from mexc.backends.c.project import export
     from mexc.backends.cuda.program import load_cuda
     from mexc.compiler import compile
     from mexc.optim import SGD, Constant, Cosine, Step
     from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
-    from mexc.program import Program, load
+    from mexc.program import Program
+    from mexc.targets import load
     from mexc.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -42,7 +44,8 @@ _LAZY = {
     "PrintAfterChange": "mexc.pass_manager",
     "Timing": "mexc.pass_manager",
     "Program": "mexc.program",
-    "load": "mexc.program",
+    "load": "mexc.targets",
+    "export": "mexc.backends.c.project",
     "load_cuda": "mexc.backends.cuda.program",
     "Trainer": "mexc.trainer",
 }
@@ -77,6 +80,7 @@ __all__ = [
     "UnsupportedOpError",
     "VerificationError",
     "compile",
+    "export",
     "load",
     "load_cuda",
 ]

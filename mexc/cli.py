@@ -190,7 +190,9 @@ def _export(prog: Any, args: argparse.Namespace) -> None:
             f"--train-data {args.train_data} has inputs of shape {list(x.shape[1:])}, "
             f"the model was compiled for {list(prog.input_shape)}"
         )
-    out = prog.export(args.out, board=args.board, data=(x[:want], y[:want]), steps=args.steps)
+    from mexc.backends.c.project import export
+
+    out = export(prog, args.out, data=(x[:want], y[:want]), steps=args.steps, board=args.board)
     print(
         f"C project written to {out} ({args.steps} steps over {want} embedded samples); "
         f"build and run with: make -C {out} run-qemu   (or: make -C {out} run-host)"
@@ -286,9 +288,12 @@ def _compile_flags(
     p: argparse.ArgumentParser,
     rounding: Sequence[str],
     default: str,
+    targets: Sequence[str],
     target: str = "reference",
-    targets: Sequence[str] = ("reference", "llvm", "c", "auto"),
 ) -> None:
+    from mexc.targets import TARGETS
+
+    shown = "; ".join(f"{name} = {TARGETS[name].summary}" for name in targets)
     p.add_argument("model", help="path/to/file.py:Name (nn.Module class or function)")
     p.add_argument(
         "--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8); velocity: 8"
@@ -298,7 +303,7 @@ def _compile_flags(
         "--target",
         default=target,
         choices=targets,
-        help=f"backend (default: {target}; auto = llvm where TVM lowers every op, else reference)",
+        help=f"backend (default: {target}; {shown})",
     )
     p.add_argument(
         "--no-per-group-velocity",
@@ -309,6 +314,8 @@ def _compile_flags(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mexc.targets import HOST_NAMES, NAMES  # compile: every target; train: the host's
+
     parser = argparse.ArgumentParser(
         prog="mexc",
         description="Compile float PyTorch models into integer-only training programs.",
@@ -320,12 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_passes)
 
     p = sub.add_parser("compile", help="compile a model and show its IR / memory")
-    _compile_flags(
-        p,
-        ("stochastic", "nearest", "deterministic"),
-        "stochastic",
-        targets=("reference", "llvm", "c", "auto", "cuda"),
-    )
+    _compile_flags(p, ("stochastic", "nearest", "deterministic"), "stochastic", NAMES)
     p.add_argument("--input-shape", required=True, help="shape of one input, e.g. 1,28,28")
     p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
     p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
@@ -377,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("train", help="train a model integer-only (optionally beside FP32)")
-    _compile_flags(p, ("stochastic", "deterministic", "nearest"), "stochastic", target="auto")
+    _compile_flags(p, ("stochastic", "deterministic", "nearest"), "stochastic", HOST_NAMES, "auto")
     p.add_argument("--data", default="fashion-mnist", help="fashion-mnist | digits | npz:PATH")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from mexc.errors import UnsupportedOpError
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize
@@ -19,9 +18,8 @@ from mexc.optim import SGD
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
+from mexc.targets import get as get_target
 from mexc.types import Exp
-
-TARGETS = ("reference", "c", "llvm", "auto", "cuda")
 
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
@@ -71,9 +69,9 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     instruments: Sequence[Instrument] = (),
     verify_each: bool = True,
 ) -> Program:
-    """Trace `model`, run the pass pipeline and return a Program on `target`."""
-    if target not in TARGETS:
-        raise ValueError(f"target {target!r} is not available yet; choose one of {TARGETS}")
+    """Trace `model`, run the pass pipeline and return a Program on `target` (one of
+    mexc.targets.NAMES)."""
+    chosen = get_target(target)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if not 2 <= bits <= 8:
@@ -96,55 +94,4 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     opts = Options(bits, seed, rounding, per_group_velocity, target)
     prog = Program(graph, state, opts, opt)
     prog.carry_memory_plan(ctx.results.get("memory_plan"))
-    if target == "c":
-        from mexc.backends.c.host import CProgram  # builds the generated C with the host cc
-
-        return CProgram(prog, steps_hint=_steps_hint(opt))
-    if target in ("llvm", "auto"):
-        return on_host_backend(prog, required=target == "llvm")
-    if target == "cuda":
-        return on_gpu(prog)
-    return prog
-
-
-def on_gpu(prog: Program) -> Program:
-    """`prog` with its step compiled for the GPU of this machine (TVM and nvcc build the artifact
-    into the kernel cache; CuPy runs it). A GPU machine without TVM runs an artifact built
-    elsewhere: `mexc compile ... --target cuda --out DIR`, then `mexc.load_cuda(DIR)`."""
-    from mexc.backends.cuda.program import CudaProgram, StepArtifact
-    from mexc.backends.cuda.runtime import cupy_module
-
-    cupy_module()  # a clear error before a minute of building, where CuPy is missing
-    from mexc.backends.cuda.build import cached_artifact
-
-    folder = cached_artifact(prog)
-    return CudaProgram(StepArtifact.load(folder), program=prog.retargeted("cuda"))
-
-
-def on_host_backend(prog: Program, required: bool = True) -> Program:
-    """`prog` with its step compiled by TVM for the host CPU (target "llvm"). Not required
-    ("auto"): a model with an op the llvm backend does not lower yet, or a machine without TVM,
-    keeps the reference executor (same results, slower), with a note on stderr."""
-    import sys
-
-    try:
-        from mexc.backends.llvm.step import LlvmProgram  # TVM builds the step for the host
-    except ImportError as err:
-        if required:
-            raise
-        print(f"mexc: TVM is not available ({err}); using the reference executor", file=sys.stderr)
-        return prog.retargeted("reference")
-    try:
-        return LlvmProgram(prog.retargeted("llvm"))
-    except UnsupportedOpError as err:
-        if required:
-            raise
-        first = str(err).split(". ")[0]
-        print(f"mexc: {first}; using the reference executor", file=sys.stderr)
-        return prog.retargeted("reference")
-
-
-def _steps_hint(opt: SGD) -> int:
-    """Length of the C program's learning-rate table."""
-    total = getattr(opt.schedule, "total_steps", 0)
-    return max(int(total), 1 << 16)
+    return chosen.build(prog)

@@ -1,4 +1,9 @@
-"""A compiled integer training program: step / predict / evaluate / state / checkpoints."""
+"""A compiled integer training program: step / predict / evaluate / state / checkpoints.
+
+The run side: this module needs numpy and the reference executor, never the compile side
+(torch, torch.fx, TVM) nor a compiled backend; the backends build on `Program`, and
+`mexc.targets` (above both) turns a Program or a checkpoint into one of them.
+"""
 
 from __future__ import annotations
 
@@ -46,12 +51,18 @@ class Options:
     target: str = "reference"
 
 
-def _as_numpy(x: Any, what: str) -> np.ndarray:
+def as_numpy(x: Any, what: str) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
     if not isinstance(x, np.ndarray):
         raise InputError(f"{what} must be a torch.Tensor or numpy array, got {type(x).__name__}")
     return x
+
+
+def replay_indices(n_samples: int, batch: int, step: int) -> np.ndarray:
+    """Sample indices of batch `step` in the replay order (Program.replay, exported C projects):
+    k*B .. k*B+B-1 wrapping around the data."""
+    return (step * batch + np.arange(batch)) % n_samples
 
 
 class Program:
@@ -79,7 +90,7 @@ class Program:
     # ----------------------------------------------------------------------------- inputs
 
     def _check_x(self, x: Any, exact_batch: bool) -> np.ndarray:
-        arr = _as_numpy(x, "x")
+        arr = as_numpy(x, "x")
         if not np.issubdtype(arr.dtype, np.floating):
             raise InputError(
                 f"x must be a float tensor, got dtype {arr.dtype}; convert images "
@@ -106,7 +117,7 @@ class Program:
         return arr.astype(np.float64)
 
     def _check_y(self, y: Any, n: int) -> np.ndarray:
-        arr = _as_numpy(y, "y")
+        arr = as_numpy(y, "y")
         if not np.issubdtype(arr.dtype, np.integer):
             raise InputError(f"y must hold integer class ids, got dtype {arr.dtype}")
         if arr.shape != (n,):
@@ -269,33 +280,11 @@ class Program:
             "formula_fp32_bytes": 12 * p + 4 * a,
         }
 
-    # ----------------------------------------------------------------------------- C projects
-
-    def export(
-        self,
-        out_dir: str | os.PathLike[str],
-        board: str = "mps2-an385",
-        data: tuple[Any, Any] | None = None,
-        steps: int = 1,
-    ) -> Path:
-        """Write a standalone C project that trains `steps` steps over `data` from this state.
-
-        Step k uses samples k*B .. k*B+B-1 (wrapping around `data`), so
-        `replay(data, steps)` on the reference reproduces its final STATE line.
-        """
-        from mexc.backends.c.project import export_project
-
-        if data is None:
-            raise ValueError("export needs data=(x, y) to embed in the project")
-        x, y = _as_numpy(data[0], "x"), _as_numpy(data[1], "y")
-        return export_project(self, Path(out_dir), (x, y), steps, board)
-
     def replay(self, data: tuple[Any, Any], steps: int) -> list[float]:
-        """Train `steps` steps in the order an exported project does (its k-th step uses samples
-        k*B .. k*B+B-1 of `data`, wrapping around); returns the losses."""
-        from mexc.backends.c.project import replay_indices
-
-        x, y = _as_numpy(data[0], "x"), _as_numpy(data[1], "y")
+        """Train `steps` steps in the order an exported C project does (its k-th step uses
+        samples k*B .. k*B+B-1 of `data`, wrapping around: `replay_indices`); returns the
+        losses."""
+        x, y = as_numpy(data[0], "x"), as_numpy(data[1], "y")
         return [
             self.step(x[idx], y[idx])
             for idx in (replay_indices(x.shape[0], self.batch, k) for k in range(steps))
@@ -378,8 +367,10 @@ def _verified_bytes(p: Path) -> bytes:
     return data
 
 
-def load(path: str | os.PathLike[str]) -> Program:
-    """Load a checkpoint written by Program.save (no pickle); verifies its checksum."""
+def read_checkpoint(path: str | os.PathLike[str]) -> Program:
+    """The program of a checkpoint written by Program.save (no pickle; its SHA-256 and state
+    checksum verified), run by the reference executor whatever target it was saved from:
+    `options.target` keeps the saved one. `mexc.load` (mexc.targets) rebuilds that target."""
     p = Path(path)
     try:
         with zipfile.ZipFile(io.BytesIO(_verified_bytes(p))) as z:
@@ -417,8 +408,4 @@ def load(path: str | os.PathLike[str]) -> Program:
             f"checkpoint {p} is corrupt: its state checksum {prog.state_checksum()} differs "
             f"from the recorded {meta['checksum']}; use another checkpoint."
         )
-    if opts.target == "llvm":  # resume on the compiled host step (the reference without TVM)
-        from mexc.compiler import on_host_backend
-
-        return on_host_backend(prog, required=False)
     return prog

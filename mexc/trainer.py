@@ -53,7 +53,7 @@ import numpy as np
 from mexc.data import Arrays, batches
 from mexc.errors import CheckpointError
 from mexc.program import Program
-from mexc.program import load as load_program
+from mexc.targets import load as load_program
 
 TRAINER_FORMAT = "mexc-trainer-1"
 RESULTS_FORMAT = "mexc-results-1"
@@ -245,9 +245,11 @@ class Trainer:
         progress: bool = True,
         checkpoint: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
+        target: str | None = None,
     ) -> Trainer:
         """A Trainer continuing the run checkpointed in `directory` (the same data is required).
-        Checkpoints keep going to `directory` unless `checkpoint` names another folder."""
+        Checkpoints keep going to `directory` unless `checkpoint` names another folder. The
+        program resumes on the target it was saved from, or on `target` (mexc.load)."""
         d = Path(directory)
         state_path = d / STATE_FILE
         if not state_path.is_file() or not (d / PROGRAM_FILE).is_file():
@@ -259,7 +261,7 @@ class Trainer:
             st = json.loads(state_path.read_text())
             if not isinstance(st, dict) or st.get("format") != TRAINER_FORMAT:
                 raise CheckpointError(f"{state_path} is not a mexc trainer state")
-            prog = load_program(d / PROGRAM_FILE)
+            prog = load_program(d / PROGRAM_FILE, target)
             trainer = cls(
                 prog,
                 train_data,
@@ -569,7 +571,7 @@ def run_training(
 
     import torch
 
-    import mexc
+    from mexc.compiler import compile as compile_model
     from mexc.fp32 import train_fp32
 
     fp32_model = copy.deepcopy(model) if compare_fp32 else None
@@ -590,7 +592,7 @@ def run_training(
             )
         opt = make_optimizer(lr, momentum, weight_decay, schedule, spe, epochs, warmup)
         example = torch.zeros(batch, *train[0].shape[1:])
-        prog = mexc.compile(
+        prog = compile_model(
             model,
             (example,),
             optimizer=opt,

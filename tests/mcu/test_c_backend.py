@@ -94,7 +94,7 @@ def test_unsupported_op_in_c_backend_is_a_clear_error(monkeypatch: pytest.Monkey
 def digits_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     prog = _model("DigitsCNN", 8)
     data = _data("DigitsCNN", 64)
-    out = prog.export(tmp_path_factory.mktemp("digits"), data=data, steps=10)
+    out = mexc.export(prog, tmp_path_factory.mktemp("digits"), data=data, steps=10)
     prog.replay(data, 10)
     return out, prog.state_checksum()
 
@@ -103,7 +103,7 @@ def digits_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]
 def fashion_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     prog = _model("FashionCNN", 4)
     data = _data("FashionCNN", 16)
-    out = prog.export(tmp_path_factory.mktemp("fashion"), data=data, steps=4)
+    out = mexc.export(prog, tmp_path_factory.mktemp("fashion"), data=data, steps=4)
     prog.replay(data, 4)
     return out, prog.state_checksum()
 

@@ -106,7 +106,7 @@ def test_vit_on_cortex_m3_matches_reference_after_10_steps(tmp_path: Path) -> No
     x, y = load_fashion_mnist("train")
     data = (x[:8], y[:8])
     prog = _model("ViTTiny", 4)
-    project = prog.export(tmp_path / "vit", data=data, steps=10)
+    project = mexc.export(prog, tmp_path / "vit", data=data, steps=10)
     prog.replay(data, 10)
     run = subprocess.run(
         ["make", "-s", "-C", str(project), "run-qemu"], capture_output=True, text=True, timeout=600

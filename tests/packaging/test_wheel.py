@@ -85,7 +85,7 @@ CHECK = textwrap.dedent(
         c.step(x[4 * k : 4 * k + 4], y[4 * k : 4 * k + 4])
     assert c.state_checksum() == ref.state_checksum() != start
 
-    out = c.export(project, board="host", data=(x, y), steps=2)
+    out = mexc.export(c, project, data=(x, y), steps=2, board="host")
     c.replay((x, y), 2)
     print("RUNTIME", *sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()))
     print("EXPECTED", c.state_checksum())

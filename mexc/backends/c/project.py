@@ -12,12 +12,13 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mexc.backends.c.emit import emit_model
 from mexc.kernels import quantize
-from mexc.program import Program
+from mexc.program import Program, as_numpy, replay_indices
 
 RUNTIME_DIR = Path(__file__).resolve().with_name("runtime")
 BOARDS = ("mps2-an385", "host")
@@ -69,11 +70,6 @@ class Batches:
     x: np.ndarray  # int8 [nb, B * numel]
     xe: np.ndarray  # int32 [nb]
     y: np.ndarray  # int32 [nb, B]
-
-
-def replay_indices(n_samples: int, batch: int, step: int) -> np.ndarray:
-    """Sample indices of batch `step`: k*B .. k*B+B-1 wrapping around the data."""
-    return (step * batch + np.arange(batch)) % n_samples
 
 
 def data_period(n_samples: int, batch: int) -> int:
@@ -133,23 +129,29 @@ def copy_runtime(dest: Path) -> None:
     shutil.copytree(RUNTIME_DIR, rt, ignore=shutil.ignore_patterns("*.o", "*.so", "__pycache__"))
 
 
-def export_project(
+def export(
     prog: Program,
     out_dir: str | Path,
-    data: tuple[np.ndarray, np.ndarray],
-    steps: int,
+    data: tuple[Any, Any],
+    steps: int = 1,
     board: str = "mps2-an385",
 ) -> Path:
-    """Write the C project training `steps` steps over `data` from the program's current state."""
+    """Write a standalone C project that trains `steps` steps over `data` (x, y: torch tensors
+    or numpy arrays) from the program's current state and step; returns its folder.
+
+    Step k uses samples k*B .. k*B+B-1 (wrapping around `data`: `replay_indices`), so
+    `prog.replay(data, steps)` on the reference reproduces its final STATE line.
+    `mexc.export` is this function."""
     if board not in BOARDS:
         raise ValueError(f"board must be one of {BOARDS}, got {board!r}")
     if steps < 1:
         raise ValueError("steps must be >= 1")
+    x, y = as_numpy(data[0], "x"), as_numpy(data[1], "y")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = prog.step_count
     model = emit_model(prog, start + steps)
-    batches = quantize_batches(prog, np.asarray(data[0]), np.asarray(data[1]), steps)
+    batches = quantize_batches(prog, x, y, steps)
     (out / "model.c").write_text(model.source)
     (out / "model.h").write_text(model.header)
     data_c, data_h = _data_sources(batches, steps, start)

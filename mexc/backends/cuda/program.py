@@ -29,8 +29,7 @@ from mexc.backends.plan_layout import (
 )
 from mexc.backends.plan_runtime import PLAN_FIELDS, PlanProgram, window
 from mexc.errors import CheckpointError
-from mexc.program import Program
-from mexc.program import load as load_checkpoint
+from mexc.program import Program, read_checkpoint
 
 FORMAT = "mexc-cuda-step-2"
 PROGRAM_FILE = "program.mexc"
@@ -84,7 +83,7 @@ class StepArtifact:
         ]
         prog_file = _verified(root, {"file": PROGRAM_FILE, "sha256": man["program_sha256"]})
         try:
-            prog = load_checkpoint(prog_file)
+            prog = read_checkpoint(prog_file)  # the reference executor on its program
         except CheckpointError as err:
             raise _fail(root, f"its program does not load ({err})") from None
         _check_plan(root, man, prog)

@@ -1,0 +1,189 @@
+"""The targets a Program runs on, in one registry, and `mexc.load`.
+
+Layering (tests/unit/test_import_graph.py keeps it free of import cycles):
+
+    mexc.program        the run side: Program (the reference executor), checkpoints
+    mexc.backends.*     the compiled backends, each a Program subclass built from a Program
+    mexc.targets        this registry: name -> how to build that backend from a Program
+    mexc.compiler       the compile side (torch.fx, the pass pipeline), then a target's build
+
+A target's `build` imports its backend when called, so importing this module (or loading a
+checkpoint onto the reference) pulls in neither TVM nor torch.
+
+    prog = mexc.load("run.mexc")                       # the target it was saved from
+    prog = mexc.load("run.mexc", target="reference")   # or another one
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from mexc.errors import CheckpointError, MexcError, UnsupportedOpError
+from mexc.program import Program, read_checkpoint
+
+# what building a target may need on this machine, as the error messages name it
+NEEDS = {
+    "tvm": "TVM",
+    "cc": "a C compiler (cc)",
+    "nvcc": "nvcc",
+    "gpu": "CuPy with an NVIDIA GPU",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: `build(prog)` is `prog` (a Program of any target: its graph, state,
+    optimizer and step count are what counts) on this target, with options.target set to the
+    target it ended up on ("auto" ends up on llvm or reference)."""
+
+    name: str
+    summary: str  # what runs the training step (CLI help)
+    needs: tuple[str, ...]  # keys of NEEDS: what building it needs here
+    host: bool  # runs on the host CPU (the targets `mexc train` offers)
+    build: Callable[[Program], Program]
+
+
+def _reference(prog: Program) -> Program:
+    if type(prog) is Program and prog.options.target == "reference":
+        return prog
+    return prog.retargeted("reference")
+
+
+def on_host_backend(prog: Program, required: bool = True) -> Program:
+    """`prog` with its step compiled by TVM for the host CPU (target "llvm"). Not required
+    ("auto"): a model with an op the llvm backend does not lower yet, or a machine without TVM,
+    keeps the reference executor (same results, slower), with a note on stderr."""
+    try:
+        from mexc.backends.llvm.step import LlvmProgram  # TVM builds the step for the host
+    except ImportError as err:
+        if required:
+            raise
+        print(f"mexc: TVM is not available ({err}); using the reference executor", file=sys.stderr)
+        return prog.retargeted("reference")
+    try:
+        return LlvmProgram(prog.retargeted("llvm"))
+    except UnsupportedOpError as err:
+        if required:
+            raise
+        first = str(err).split(". ")[0]
+        print(f"mexc: {first}; using the reference executor", file=sys.stderr)
+        return prog.retargeted("reference")
+
+
+def c_steps_hint(prog: Program) -> int:
+    """Length of the C program's learning-rate table: the schedule's steps, at least 2^16,
+    doubled until at least 2^15 steps remain past the program's step (a loaded checkpoint)."""
+    hint = max(int(getattr(prog.optimizer.schedule, "total_steps", 0)), 1 << 16)
+    while hint - prog.step_count < 1 << 15:
+        hint *= 2
+    return hint
+
+
+def on_host_c(prog: Program) -> Program:
+    """`prog` with its step running the generated C, built by the host's cc (ctypes)."""
+    from mexc.backends.c.host import CProgram
+
+    return CProgram(prog.retargeted("c"), steps_hint=c_steps_hint(prog))
+
+
+def on_gpu(prog: Program) -> Program:
+    """`prog` with its step compiled for the GPU of this machine (TVM and nvcc build the artifact
+    into the kernel cache; CuPy runs it). A GPU machine without TVM runs an artifact built
+    elsewhere: `mexc compile ... --target cuda --out DIR`, then `mexc.load_cuda(DIR)`."""
+    from mexc.backends.cuda.program import CudaProgram, StepArtifact
+    from mexc.backends.cuda.runtime import cupy_module
+
+    cupy_module()  # a clear error before a minute of building, where CuPy is missing
+    from mexc.backends.cuda.build import cached_artifact
+
+    folder = cached_artifact(prog)
+    return CudaProgram(StepArtifact.load(folder), program=prog.retargeted("cuda"))
+
+
+def _registry(*targets: Target) -> Mapping[str, Target]:
+    return MappingProxyType({t.name: t for t in targets})
+
+
+TARGETS: Mapping[str, Target] = _registry(
+    Target("reference", "the reference executor (numpy)", (), True, _reference),
+    Target("llvm", "TVM-compiled host code", ("tvm",), True, on_host_backend),
+    Target("c", "the generated C, built by the host cc", ("cc",), True, on_host_c),
+    Target(
+        "auto",
+        "llvm where TVM lowers every op, else reference",
+        (),
+        True,
+        lambda prog: on_host_backend(prog, required=False),
+    ),
+    Target(
+        "cuda",
+        "the GPU (an ahead-of-time CUDA artifact, run by CuPy)",
+        ("tvm", "nvcc", "gpu"),
+        False,
+        on_gpu,
+    ),
+)
+NAMES = tuple(TARGETS)  # mexc.compile's and `mexc compile --target`'s choices
+HOST_NAMES = tuple(name for name, t in TARGETS.items() if t.host)  # `mexc train --target`
+
+
+def get(name: str) -> Target:
+    """The target called `name`; a ValueError naming the choices otherwise."""
+    if name not in TARGETS:
+        raise ValueError(f"target {name!r} is not available yet; choose one of {NAMES}")
+    return TARGETS[name]
+
+
+def build(prog: Program, name: str) -> Program:
+    """`prog` on target `name` (Target.build)."""
+    return get(name).build(prog)
+
+
+def load(path: str | os.PathLike[str], target: str | None = None) -> Program:
+    """Load a checkpoint written by Program.save (no pickle; verified) onto the target it was
+    saved from, or onto `target` when given. Where that target cannot be built on this machine
+    (no TVM, cc, nvcc, GPU or CuPy; an op it does not lower) the CheckpointError names it and
+    how to load the checkpoint elsewhere: target="reference" runs anywhere, same bits."""
+    p = Path(path)
+    asked = None if target is None else get(target)
+    prog = read_checkpoint(p)
+    saved = prog.options.target
+    if asked is None and saved not in TARGETS:
+        raise CheckpointError(
+            f"checkpoint {p} was saved from target {saved!r}, which this mexc does not know "
+            f"(it knows {NAMES}); load it with mexc.load({str(p)!r}, target='reference')."
+        )
+    chosen = asked or TARGETS[saved]
+    try:
+        return chosen.build(prog)
+    except (ImportError, OSError, RuntimeError, MexcError) as err:
+        raise _unavailable(p, saved, chosen, err) from err
+
+
+def _unavailable(p: Path, saved: str, chosen: Target, err: BaseException) -> CheckpointError:
+    asked = (
+        f"its saved target {saved!r}"
+        if chosen.name == saved
+        else f"target {chosen.name!r} (saved from {saved!r})"
+    )
+    *most, last = [NEEDS[n] for n in chosen.needs] or [""]
+    needs = f"{', '.join(most)} and {last}" if most else last
+    reason = " ".join(str(err).split())[:400].rstrip(".")
+    text = (
+        f"cannot load checkpoint {p} onto {asked} on this machine"
+        + (f" (it needs {needs})" if needs else "")
+        + f": {type(err).__name__}: {reason}. Pass target= to load it onto another target, "
+        f"e.g. mexc.load({str(p)!r}, target='reference'): the same results, run by the "
+        "reference executor"
+    )
+    if chosen.name == "cuda":
+        text += (
+            "; or run an artifact built on a machine with TVM and nvcc (mexc compile ... "
+            "--target cuda --out DIR) with mexc.load_cuda(DIR) and load_state_dict"
+        )
+    return CheckpointError(text + ".")
