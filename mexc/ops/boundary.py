@@ -7,14 +7,12 @@ from typing import Any
 from mexc import kernels as K
 from mexc.ir import Node, Op
 from mexc.ops.common import mx_like
-from mexc.ops.registry import OpDef, define
+from mexc.ops.registry import OpDef, define, op_def
 from mexc.types import Exp, mx
 
 
 def _input_types(r: Any, n: Node) -> None:
     """The float batch is quantized once, by a QUANTIZE node."""
-    from mexc.ops.registry import op_def
-
     raw = r.b.add(Op.INPUT, (), n.types, n.attrs, n.loc)
     q = r.b.add(
         Op.QUANTIZE, [raw.out], mx_like(n.type), op_def(Op.QUANTIZE).make(bits=r.ctx.bits), n.loc

@@ -16,6 +16,7 @@ from typing import Any
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, SITES_PER_NODE
 from mexc.numerics import FixedScalar
+from mexc.ops.registry import op_def
 from mexc.types import Kind, TensorType, mx
 
 Grads = list[Value | None]
@@ -54,8 +55,6 @@ def pointwise_vjp(grad_op: Op, saved: Callable[[Node], Value]) -> Callable[..., 
         assert dy is not None
         if not w.needs[n.inputs[0]]:
             return [None]
-        from mexc.ops import op_def
-
         schema = op_def(grad_op).attrs
         a = {k: getattr(n.attrs, k) for k in schema if k != "rid" and hasattr(n.attrs, k)}
         ins = [dy] if saved is no_saved else [dy, saved(n)]

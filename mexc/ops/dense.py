@@ -9,7 +9,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
 from mexc.ops.common import Grads, mx_like, pair, pass_through, rows, shape, tid
-from mexc.ops.registry import OpDef, Pattern, define
+from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -21,8 +21,6 @@ CAP: dict[str, Any] = {"shift_cap": None, "pre_shift": 0}
 
 def product_types(r: Any, n: Node) -> None:
     """A product yields an int32 accumulator, compacted by an explicit COMPACT node."""
-    from mexc.ops.registry import op_def
-
     prod = r.copy(n, (acc(*n.type.shape),))
     a = op_def(Op.COMPACT).make(bits=r.ctx.bits, rid=r.rid())
     compact = r.b.add(Op.COMPACT, [prod.out], mx_like(n.type), a, n.loc)

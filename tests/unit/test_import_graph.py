@@ -16,10 +16,6 @@ that imports its own submodules would otherwise be a cycle by construction). Not
 the op registry's lowering references ("module:qualname" strings in mexc/ops, imported by
 OpDef.lowering when a backend asks for its own lowering): data a backend resolves, not an
 import of the registry.
-
-KNOWN_CYCLE_EDGES lists edges that close a cycle in code this test's change could not touch,
-each with its fix; the test fails when one is gone or no longer closes a cycle, so the list
-only shrinks.
 """
 
 from __future__ import annotations
@@ -30,14 +26,6 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[2] / "mexc"
-
-KNOWN_CYCLE_EDGES = {
-    ("mexc.ops.common", "mexc.ops"): (
-        "grad_rule's function-level `from mexc.ops import op_def` imports the package, whose "
-        "__init__ imports every op family module, which import mexc.ops.common: import op_def "
-        "from mexc.ops.registry instead"
-    ),
-}
 
 
 def module_names() -> dict[str, Path]:
@@ -145,17 +133,9 @@ def _cycles(g: nx.DiGraph) -> list[list[str]]:
 
 def test_no_import_cycles() -> None:
     g = import_graph()
-    g.remove_edges_from(KNOWN_CYCLE_EDGES)
     cycles = _cycles(g)
     shown = []
     for component in cycles:
         loop = next(nx.simple_cycles(g.subgraph(component)))
         shown.append(f"{len(component)} modules {component}; e.g. {' -> '.join([*loop, loop[0]])}")
     assert not cycles, "import cycles:\n" + "\n".join(shown)
-
-
-def test_known_cycle_edges_still_close_a_cycle() -> None:
-    g = import_graph()
-    for (src, dst), fix in KNOWN_CYCLE_EDGES.items():
-        assert g.has_edge(src, dst), f"{src} -> {dst} is gone: remove it from KNOWN_CYCLE_EDGES"
-        assert nx.has_path(g, dst, src), f"{src} -> {dst} closes no cycle any more ({fix})"
