@@ -1,12 +1,15 @@
 """The launch plan's data (named buffers, views, launches) and the builder core every op rule
-uses: buffer and key allocation, views, compaction, products as host GEMMs, 16-bit shifts and
-per-channel compaction. The op rules live in plan_dense, plan_norm and plan_pool; step_plan
-puts them together (docs/cpu.md)."""
+uses: buffer and key allocation, views, compaction, products (batch chunks, GEMMs, compacted
+products, through the target device's GEMM strategy), 16-bit shifts and per-channel compaction.
+What differs between devices is described by a devices.Device (its GEMM strategy and named
+capabilities), which the builder and the rules read; no rule tests a device's name. The op
+rules live in plan_dense, plan_norm and plan_pool; step_plan puts them together (docs/cpu.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tvm import tirx
@@ -15,23 +18,17 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_ops, te_pool
-from mexc.lowering.cpu_gemm import CpuGemm, compact_from_c, cpu_gemm
 from mexc.lowering.te_compaction import compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import product_cap
 from mexc.program import Program
 
+if TYPE_CHECKING:
+    from mexc.lowering.devices import Device
+
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_ALIGN = 8  # int64 keys per 64 bytes
-# what the plan is lowered for: "cpu" (register-tiled host GEMMs, one symbolic update kernel set)
-# or "gpu" (the GEMM forms every GPU schedule shares, update kernels per parameter shape: a GPU
-# kernel takes buffer pointers only, no shape arguments)
-DEVICES = ("cpu", "gpu")
 GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
-# bytes a product's two operand packs (and, on a GPU, its padded C) may take; a product that
-# would take more runs over chunks of the batch (PlanBuilder.chunked). 2 MiB on the host keeps a
-# chunk's packed B near the caches; 4 MiB on a GPU is still a million outputs per GEMM launch.
-PACK_BUDGET = {"cpu": 2 << 20, "gpu": 4 << 20}
 
 
 def is_gemm(func: tirx.PrimFunc) -> bool:
@@ -66,7 +63,7 @@ class Chunks:
         return len(self.operands)
 
 
-def _tagged(func: tirx.PrimFunc, tag: str) -> tirx.PrimFunc:
+def tagged(func: tirx.PrimFunc, tag: str) -> tirx.PrimFunc:
     """`func` under its symbol + tag (every launch has a symbol of its own; equal kernels are
     compiled once: step_plan.distinct_kernels)."""
     if not tag:
@@ -139,15 +136,13 @@ class PlanBuilder:
         self,
         prog: Program,
         lanes: int,
-        device: str = "cpu",
+        device: Device,
         gemm_kernel: str = "int32",
         pack_budget: int | None = None,
     ) -> None:
-        if device not in DEVICES:
-            raise ValueError(f"device {device!r} is not one of {DEVICES}")
-        self.pack_budget = PACK_BUDGET[device] if pack_budget is None else pack_budget
-        self.lanes = lanes
-        self.gemm_kernel = gemm_kernel  # cpu_gemm.GEMM_KERNELS
+        self.pack_budget = device.pack_budget if pack_budget is None else pack_budget
+        self.lanes = lanes  # int32 lanes of the host's vectors (HostGemm's tiles)
+        self.gemm_kernel = gemm_kernel  # cpu_gemm.GEMM_KERNELS (HostGemm)
         self.device = device
         self.g: Graph = prog.graph
         self.prog = prog
@@ -294,17 +289,15 @@ class PlanBuilder:
         operands: tuple[str, str],
         batched: tuple[bool, bool],
     ) -> Chunks:
-        """A product over the batch in chunks whose operand packs fit PACK_BUDGET (the im2col
+        """A product over the batch in chunks whose packs fit the pack budget (the im2col
         of a convolution is its taps times its source: at batch 128 a ResNet-18 input
         gradient's took 151 MB). `make(samples)` builds the product of `samples` samples; the
         chunk is the largest divisor of `batch` that fits (the whole batch where it fits: one
-        chunk, the plan as it was without chunking). Operands flagged in `batched` are sliced
-        along their leading (batch) axis: contiguous views."""
+        chunk, the plan as it was without chunking). The packs' bytes are the GEMM strategy's
+        count. Operands flagged in `batched` are sliced along their leading (batch) axis:
+        contiguous views."""
         full = make(batch)
-        f = full.form
-        pack = f.g * f.k * (f.m + f.q)  # bytes of both packs, about
-        if self.device == "gpu":  # padded to the tiles, and the C unpacked chunk by chunk
-            pack = f.g * (f.kp * (f.mp + f.qp) + 4 * f.mp * f.qp)
+        pack = self.device.gemm.pack_bytes(full.form)
         budget = self.pack_budget
         fits = [d for d in range(1, batch + 1) if batch % d == 0 and pack * d <= budget * batch]
         samples = max(fits, default=1)
@@ -341,52 +334,24 @@ class PlanBuilder:
         self.launch(apply, (*inputs, s, key, out))
 
     def compacted_product(self, n: Node, ch: Chunks, e_in: str) -> None:
-        """Result 0 of n = the compaction (site 0) of a product: on the host straight from the
-        GEMM's C (no unpacked accumulator: `compact_from_c`), elsewhere as gemm + compact. A
-        chunked product writes one C per chunk, side by side; the compaction spans them all."""
-        out_shape = ch.full.form.out_shape
-        if self.device == "gpu":
-            acc = self.buf(f"n{n.id}.acc", out_shape, I32)
-            self.gemm(ch, acc)
-            self.compact(n, acc, e_in, out_shape, 0)
-            return
-        c, c_shape = self.gemm(ch, None)
-        rows_shape = (c_shape[0] * c_shape[1], c_shape[2])
-        form = ch.full.form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
-
-        def apply(name: str) -> tirx.PrimFunc:
-            return compact_from_c(form, c_shape, self.bits, self.stochastic, name)
-
-        rows = (self.view(c, rows_shape), rows_shape)
-        self.compaction(n, 0, rows, e_in, apply, c, self.out(n, 0, I8, out_shape))
+        """Result 0 of n = the compaction (site 0) of a product, as the device's GEMM strategy
+        does it: on the host straight from the GEMM's C (no unpacked accumulator:
+        `compact_from_c`), on a GPU as gemm + compact."""
+        self.device.gemm.compacted_product(self, n, ch, e_in)
 
     def gemm(
         self, ch: Chunks, out: str | None, reduce: bool = False
     ) -> tuple[str, tuple[int, int, int]]:
-        """A product as pack_a, pack_b, GEMM and unpack into `out`, chunk by chunk on shared
-        pack buffers: cpu_gemm's tiles on the host, the padded GEMM form (gemm_forms) for
-        GPUs. Chunks of the batch unpack into their slices of `out`; `reduce`: the batch is
-        the product's reduction (a weight gradient): the first chunk unpacks into `out`, every
-        later one adds its C to it in place. Returns the GEMM's C buffer and shape (out=None,
-        host only: every chunk's C side by side, the product left there unpacked)."""
+        """A product as packs, GEMM and unpack into `out`, chunk by chunk on shared pack
+        buffers (the device's GEMM strategy: cpu_gemm's tiles on the host, the padded GEMM form
+        of gemm_forms for GPUs). Chunks of the batch unpack into their slices of `out`;
+        `reduce`: the batch is the product's reduction (a weight gradient): the first chunk
+        unpacks into `out`, every later one adds its C to it in place. Returns the GEMM's C
+        buffer and shape (out=None: every chunk's C side by side, the product left there
+        unpacked, for HostGemm.compacted_product)."""
         form, count = ch.chunk.form, ch.count
-        rows: str | None = None
-        if self.device == "gpu":
-            funcs = gf.gemm_funcs(form)
-            a = self.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
-            b = self.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
-            c_shape = (form.g, form.mp, form.qp)
-            unpack = funcs.unpack
-        else:
-            p = ch.chunk
-            cg = cpu_gemm(form, self.lanes, p.k_dims, p.q_dims, p.m_dims, self.gemm_kernel)
-            a = self.buf(f"{form.name}.a", cg.a_shape, I8)
-            b = self.buf(f"{form.name}.b", cg.b_shape, I8)
-            c_shape = cg.c_shape
-            unpack = cg.unpack
-            if cg.interleave_b is not None:
-                assert cg.b_rows_shape is not None
-                rows = self.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
+        chunk = self.device.gemm.prepare(self, ch.chunk)
+        c_shape = chunk.c_shape
         stacked = count > 1 and out is None
         c_all = (c_shape[0] * (count if stacked else 1), c_shape[1], c_shape[2])
         c = self.buf(f"{form.name}.c", c_all, I32)
@@ -394,50 +359,19 @@ class PlanBuilder:
         for j, operands in enumerate(ch.operands):
             tag = f"_k{j}" if count > 1 else ""
             c_j = self.view_at(c, c_shape, j * size) if stacked else self.view(c, c_shape)
-            if self.device == "gpu":
-                self.launch(_tagged(funcs.pack_a, tag), (operands[form.a_src], a))
-                self.launch(_tagged(funcs.pack_b, tag), (operands[form.b_src], b))
-                gemm = _tagged(funcs.gemm.with_attr(*GEMM_ATTR), tag)  # a GPU schedules it
-                self.launch(gemm, (a, b, c_j))
-            else:
-                self._cpu_gemm(cg, form, operands, (a, b, rows), c_j, tag)
+            chunk.launch(operands, c_j, tag)
             if out is None:
                 continue
             if reduce and j > 0:
                 add = gf.accumulate_unpack(form, c_shape, f"{form.name}_accumulate{tag}")
                 self.launch(add, (c_j, out, out))
             elif reduce:
-                self.launch(_tagged(unpack, tag), (c_j, out))
+                self.launch(tagged(chunk.unpack, tag), (c_j, out))
             else:
                 piece = form.out_shape
                 dst = out if count == 1 else self.view_at(out, piece, j * int(np.prod(piece)))
-                self.launch(_tagged(unpack, tag), (c_j, dst))
+                self.launch(tagged(chunk.unpack, tag), (c_j, dst))
         return c, c_all
-
-    def _cpu_gemm(
-        self,
-        cg: CpuGemm,
-        form: gf.GemmForm,
-        operands: tuple[str, str],
-        packs: tuple[str, str, str | None],
-        c: str,
-        tag: str,
-    ) -> None:
-        """pack_a, pack_b (and interleave_b) and the GEMM of one chunk into C `c`."""
-        a, b, rows = packs
-        a_pack = a
-        if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (the rest: 0)
-            a_pack = f"{a}@pack"
-            self.plan.views[a_pack] = View(a, cg.a_pack_shape)
-        self.launch(_tagged(cg.pack_a, tag), (operands[form.a_src], a_pack))
-        source = operands[form.b_src]
-        if cg.interleave_b is None:
-            self.launch(_tagged(cg.pack_b, tag), (source, self.view(b, cg.b_pack_shape)))
-        else:  # rows first (contiguous gathers), then the GEMM's column panels
-            assert rows is not None
-            self.launch(_tagged(cg.pack_b, tag), (source, self.view(rows, cg.b_pack_shape)))
-            self.launch(_tagged(cg.interleave_b, tag), (rows, b))
-        self.launch(_tagged(cg.gemm, tag), (a, b, c))
 
     def product_exp(self, n: Node, a: Value | str, b: Value | str, tag: str = "e_acc") -> str:
         """The exponent buffer of a product of a and b (values, or their exponent buffers)."""

@@ -1,6 +1,7 @@
 """Op rules of the launch plan for the dense layers: inputs and state, reshape, ReLU, linear and
-convolution (with their gradients, as host GEMMs), bias gradients, the softmax cross-entropy
-head and the SGD-with-momentum update."""
+convolution (with their gradients, as GEMMs, or as the direct and sub-pixel kernels where the
+device has them: devices.Device), bias gradients, the softmax cross-entropy head and the
+SGD-with-momentum update."""
 
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ class DenseRules(PlanBuilder):
             FixedScalar.of(opt.weight_decay),
             self.stochastic,
             # on the host one compiled kernel set serves every parameter shape
-            symbolic=self.device == "cpu",
+            symbolic=self.device.symbolic_update,
         )
         wm, gm, vm = (self.view(self.m[t], gr) for t in (w, grad, v))
         # outputs land in the state buffers (the update is the last reader of the old values)
@@ -196,7 +197,7 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(x), self.shape(w))
         k = g.cg * g.kh * g.kw
         xm, ex = self.fit_operand(n, x, k)
-        if self.device == "cpu" and te_depthwise.applies(g):
+        if self.device.direct_depthwise and te_depthwise.applies(g):
             acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
             func = te_depthwise.depthwise_acc(g, f"n{n.id}_fwd_depthwise")
             self.launch(func, (xm, self.m[w], acc))
@@ -222,14 +223,14 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(n.result(0)), self.shape(w))
         dym, ed = self.fit_operand(n, dy, g.og * g.kh * g.kw)
         e_acc = self.product_exp(n, ed, w)
-        if self.device == "cpu" and te_depthwise.applies_to_input_gradient(g):
+        if self.device.direct_depthwise and te_depthwise.applies_to_input_gradient(g):
             acc = self.buf(f"n{n.id}.acc", g.x_shape, I32)
             flipped = te_depthwise.flipped(g)
             func = te_depthwise.depthwise_acc(flipped, f"n{n.id}_dx_depthwise", flip=True)
             self.launch(func, (dym, self.m[w], acc))
             self.compact(n, acc, e_acc, g.x_shape, 0)
             return
-        if self.device == "cpu" and subpixel.applies(g):
+        if self.device.subpixel_input_grad and subpixel.applies(g):
             self.grad_input_by_phase(n, g, dym, e_acc)
             return
 
@@ -270,17 +271,20 @@ class DenseRules(PlanBuilder):
         g = self.geom(n, self.shape(x), self.shape(n.result(0)))
         dym, ed = self.fit_operand(n, dy, g.n * g.oh * g.ow)
         acc = self.out(n, 0, I32)
-        if self.device == "cpu" and te_depthwise.applies_to_weight_grad(g):
+        if self.device.direct_depthwise and te_depthwise.applies_to_weight_grad(g):
             func = te_depthwise.depthwise_weight_grad(g, f"n{n.id}_dw_depthwise")
             self.launch(func, (dym, self.m[x], acc))
             self.e[n.result(0)] = self.product_exp(n, ed, x)
             return
 
-        # A = im2col (c', i, j) x (n, y, x) and B = dy^T: both packs then read their source
-        # in order along (n, y, x), where the form's own orientation gathers im2col per column
+        # swapped_weight_grad: A = im2col (c', i, j) x (n, y, x) and B = dy^T: both host packs
+        # then read their source in order along (n, y, x), where the form's own orientation
+        # gathers im2col per column
+        swap = self.device.swapped_weight_grad
+
         def grad_weight(samples: int) -> Product:
             form = gf.conv_grad_weight(f"n{n.id}_dw", replace(g, n=samples))
-            form = swapped(form) if self.device == "cpu" else form
+            form = swapped(form) if swap else form
             return Product(form, (samples, g.oh, g.ow), (g.og,), (g.cg, g.kh, g.kw))
 
         ch = self.chunked(grad_weight, g.n, (dym, self.m[x]), (True, True))

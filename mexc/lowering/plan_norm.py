@@ -78,13 +78,13 @@ class NormRules(PlanBuilder):
         t = self.buf(f"n{n.id}.t", ncs, I32)
         args: tuple[str, ...] = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16, keys)
         args += (e_t, t)
-        # to_bits(t) to 16 bits: the shift here (on the host from the bracket's row maxima),
-        # its rounding (site 4) inside bn_dx_acc
-        host = self.device == "cpu"
-        bracket = te_norm.bn_bracket(ncs, self.stochastic, f"n{n.id}_bn_bracket", row_max=host)
-        amax = self.buf(f"n{n.id}.t_amax", ncs[:2], I32) if host else t
-        self.launch(bracket, (*args, amax) if host else args)
-        s16, e_bk = self.to_bits_shift(n, amax, e_t, ncs[:2] if host else ncs, "bk16")
+        # to_bits(t) to 16 bits: the shift here (from the bracket's row maxima where the device
+        # keeps them: Device.row_max_bracket), its rounding (site 4) inside bn_dx_acc
+        row_max = self.device.row_max_bracket
+        bracket = te_norm.bn_bracket(ncs, self.stochastic, f"n{n.id}_bn_bracket", row_max=row_max)
+        amax = self.buf(f"n{n.id}.t_amax", ncs[:2], I32) if row_max else t
+        self.launch(bracket, (*args, amax) if row_max else args)
+        s16, e_bk = self.to_bits_shift(n, amax, e_t, ncs[:2] if row_max else ncs, "bk16")
         f16, e_f = self.buf(f"n{n.id}.f16", cc, I32), self.buf(f"n{n.id}.e_f", cc, I32)
         key5 = self.keys(n, (5,), "key5")
         args = (b["gamma"], b["e_gamma"], b["rstd"], b["rstd_e"], key5, f16, e_f)

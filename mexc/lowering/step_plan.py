@@ -1,6 +1,9 @@
 """The launch plan of a whole training step: every op of the program as TIR kernels over named
-device buffers. The kernels are target-independent TE except the products, which are lowered
-here as host GEMMs (cpu_gemm); the CUDA backend is to reuse the plan with its GEMM forms.
+device buffers, for one target device (devices.Device: HOST for the llvm backend, GPU for the
+CUDA backend). The kernels are target-independent TE except the products, which the device's
+GEMM strategy lowers (cpu_gemm's register tiles on the host, gemm_forms' padded GEMMs on a
+GPU), and the few rules a device's capabilities choose (direct depthwise and sub-pixel kernels,
+symbolic update kernels, the weight gradient's orientation, the batch-norm bracket's maxima).
 
 A value of the graph lives in two buffers: its mantissas (int8, or int32 for an accumulator) and
 its exponent (int32[1], or int32[groups] for a per-group velocity). Exponents are computed on the
@@ -28,6 +31,7 @@ from tvm import tirx
 
 from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.ir import Graph, Value
+from mexc.lowering.devices import Device, device_of
 from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
@@ -62,16 +66,17 @@ def _check_in_place_updates(g: Graph) -> None:
 def build_plan(
     prog: Program,
     lanes: int = 8,
-    device: str = "cpu",
+    device: str | Device = "cpu",
     gemm_kernel: str = "int32",
     pack_budget: int | None = None,
 ) -> StepPlan:
     """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
-    `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: "cpu" or "gpu"
-    (plan_core.DEVICES); `gemm_kernel`: the host GEMM's kernel (cpu_gemm.GEMM_KERNELS);
-    `pack_budget`: bytes a product's packs may take before it runs in batch chunks (default
-    plan_core.PACK_BUDGET; a huge value turns chunking off, for measurements)."""
-    b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
+    `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: a devices.Device
+    or its name, "cpu" (devices.HOST) or "gpu" (devices.GPU); `gemm_kernel`: the host GEMM's
+    kernel (cpu_gemm.GEMM_KERNELS); `pack_budget`: bytes a product's packs may take before it
+    runs in batch chunks (default the device's pack_budget; a huge value turns chunking off,
+    for measurements)."""
+    b = PlanRules(prog, lanes, device_of(device), gemm_kernel, pack_budget)
     for n in prog.graph.nodes:
         rule = op_def(n.op).lowering("llvm")
         if rule is None:

@@ -1,0 +1,197 @@
+"""The devices a launch plan is lowered for, as what the op rules need to know of them: a
+`Device` names its capabilities (which kernels pay there, what its kernels may take) and its
+GEMM strategy, the object that turns a product's GEMM form into buffers and launches. The plan
+rules read these fields and call the strategy; they never test a device's name.
+
+Two devices: HOST, the CPU the llvm backend compiles for (cpu_gemm's register-tiled GEMMs, the
+direct kernels that beat them there), and GPU, what the CUDA backend builds (gemm_forms' padded
+GEMMs, which every GPU schedule shares, and kernels that take buffer pointers only). The llvm
+backend also runs the GPU plan on the host, as the CUDA plan's bit-exact twin."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tvm import tirx
+
+from mexc.ir import Node
+from mexc.lowering import gemm_forms as gf
+from mexc.lowering.cpu_gemm import compact_from_c, cpu_gemm
+from mexc.lowering.plan_core import GEMM_ATTR, I8, I32, Chunks, Product, View, tagged
+
+if TYPE_CHECKING:
+    from mexc.lowering.plan_core import PlanBuilder
+
+C3 = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ChunkGemm:
+    """One chunk's GEMM on the pack buffers `GemmStrategy.prepare` allocated for it: the shape
+    of its C (g, rows, columns), the kernel that unpacks C into the product's natural layout
+    (C, out), and `launch(operands, c, tag)`, which launches the packs of the chunk's operand
+    buffers and the GEMM into C `c` (every symbol suffixed with `tag`)."""
+
+    c_shape: C3
+    unpack: tirx.PrimFunc
+    launch: Callable[[tuple[str, str], str, str], None]
+
+
+class GemmStrategy(Protocol):
+    """How a device computes products (PlanBuilder.chunked, gemm, compacted_product)."""
+
+    def pack_bytes(self, form: gf.GemmForm) -> int:
+        """Bytes the product of `form` takes in pack buffers (what the pack budget bounds)."""
+        ...
+
+    def prepare(self, b: PlanBuilder, chunk: Product) -> ChunkGemm:
+        """Allocate the pack buffers of one chunk's product (shared by all chunks)."""
+        ...
+
+    def compacted_product(self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str) -> None:
+        """Result 0 of n = the compaction (rounding site 0, exponent buffer e_in) of the
+        product `ch`."""
+        ...
+
+
+@dataclass(frozen=True)
+class HostGemm:
+    """cpu_gemm's products: packs in the register tile's layout (natural axes, no division per
+    element), a tiled GEMM (int32 lanes or AVX2 byte products: the builder's gemm_kernel, for
+    its `lanes`), and compactions read straight from C."""
+
+    def pack_bytes(self, form: gf.GemmForm) -> int:
+        return form.g * form.k * (form.m + form.q)  # both packs, about
+
+    def prepare(self, b: PlanBuilder, chunk: Product) -> ChunkGemm:
+        form = chunk.form
+        cg = cpu_gemm(form, b.lanes, chunk.k_dims, chunk.q_dims, chunk.m_dims, b.gemm_kernel)
+        a = b.buf(f"{form.name}.a", cg.a_shape, I8)
+        packed_b = b.buf(f"{form.name}.b", cg.b_shape, I8)
+        rows: str | None = None
+        if cg.interleave_b is not None:
+            assert cg.b_rows_shape is not None
+            rows = b.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
+
+        def launch(operands: tuple[str, str], c: str, tag: str) -> None:
+            """pack_a, pack_b (and interleave_b) and the GEMM of one chunk into C `c`."""
+            a_pack = a
+            if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (rest: 0)
+                a_pack = f"{a}@pack"
+                b.plan.views[a_pack] = View(a, cg.a_pack_shape)
+            b.launch(tagged(cg.pack_a, tag), (operands[form.a_src], a_pack))
+            source = operands[form.b_src]
+            if cg.interleave_b is None:
+                b.launch(tagged(cg.pack_b, tag), (source, b.view(packed_b, cg.b_pack_shape)))
+            else:  # rows first (contiguous gathers), then the GEMM's column panels
+                assert rows is not None
+                b.launch(tagged(cg.pack_b, tag), (source, b.view(rows, cg.b_pack_shape)))
+                b.launch(tagged(cg.interleave_b, tag), (rows, packed_b))
+            b.launch(tagged(cg.gemm, tag), (a, packed_b, c))
+
+        return ChunkGemm(cg.c_shape, cg.unpack, launch)
+
+    def compacted_product(self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str) -> None:
+        """Straight from the GEMM's C (no unpacked accumulator: `compact_from_c`); a chunked
+        product's Cs lie side by side, and the compaction spans them all."""
+        c, c_shape = b.gemm(ch, None)
+        rows_shape = (c_shape[0] * c_shape[1], c_shape[2])
+        form = ch.full.form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
+
+        def apply(name: str) -> tirx.PrimFunc:
+            return compact_from_c(form, c_shape, b.bits, b.stochastic, name)
+
+        rows = (b.view(c, rows_shape), rows_shape)
+        b.compaction(n, 0, rows, e_in, apply, c, b.out(n, 0, I8, ch.full.form.out_shape))
+
+
+@dataclass(frozen=True)
+class TileGemm:
+    """gemm_forms' products: pack A and B padded to the GEMM tiles, one batched GEMM marked
+    GEMM_ATTR (a GPU backend schedules it), unpack into an int32 accumulator, then compact."""
+
+    def pack_bytes(self, form: gf.GemmForm) -> int:
+        f = form  # padded to the tiles, and the C unpacked chunk by chunk
+        return f.g * (f.kp * (f.mp + f.qp) + 4 * f.mp * f.qp)
+
+    def prepare(self, b: PlanBuilder, chunk: Product) -> ChunkGemm:
+        form = chunk.form
+        funcs = gf.gemm_funcs(form)
+        a = b.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
+        packed_b = b.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
+
+        def launch(operands: tuple[str, str], c: str, tag: str) -> None:
+            b.launch(tagged(funcs.pack_a, tag), (operands[form.a_src], a))
+            b.launch(tagged(funcs.pack_b, tag), (operands[form.b_src], packed_b))
+            b.launch(tagged(funcs.gemm.with_attr(*GEMM_ATTR), tag), (a, packed_b, c))
+
+        return ChunkGemm((form.g, form.mp, form.qp), funcs.unpack, launch)
+
+    def compacted_product(self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str) -> None:
+        out_shape = ch.full.form.out_shape
+        acc = b.buf(f"n{n.id}.acc", out_shape, I32)
+        b.gemm(ch, acc)
+        b.compact(n, acc, e_in, out_shape, 0)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a launch plan targets: its GEMM strategy and the capabilities the op rules choose
+    their kernels by."""
+
+    name: str  # what build_plan's callers pass for it (device="cpu" / "gpu")
+    gemm: GemmStrategy  # how products become pack buffers and launches
+    # bytes a product's packs (plus its padded C, where the strategy counts it) may take; a
+    # product that would take more runs over chunks of the batch (PlanBuilder.chunked)
+    pack_budget: int
+    # depthwise convolutions and their gradients as direct loops (te_depthwise): on a CPU they
+    # beat a GEMM of one-row tiles against an im2col of KH * KW shifted input copies
+    direct_depthwise: bool
+    # strided convolutions' input gradients as one GEMM per output phase (subpixel): no
+    # products with the zeros a stride-dilated dy would hold; a CPU pays for those products
+    subpixel_input_grad: bool
+    # one SGD update kernel set over a symbolic (G, R) shape for every parameter; a GPU kernel
+    # takes buffer pointers only (no shape scalars), so it gets kernels per parameter shape
+    symbolic_update: bool
+    # conv weight gradients as A = im2col, B = dy^T (cpu_gemm.swapped): both host packs then
+    # read their source in order along (n, y, x); GEMM forms keep their own orientation
+    swapped_weight_grad: bool
+    # batch-norm's backward bracket keeps max |T| per (n, c) row as it writes the row (still
+    # in a CPU's L1), so to_bits' shift reads N * C maxima instead of all of T
+    row_max_bracket: bool
+
+
+# 2 MiB on the host keeps a chunk's packed B near the caches; 4 MiB on a GPU is still a million
+# outputs per GEMM launch
+HOST = Device(
+    name="cpu",
+    gemm=HostGemm(),
+    pack_budget=2 << 20,
+    direct_depthwise=True,
+    subpixel_input_grad=True,
+    symbolic_update=True,
+    swapped_weight_grad=True,
+    row_max_bracket=True,
+)
+GPU = Device(
+    name="gpu",
+    gemm=TileGemm(),
+    pack_budget=4 << 20,
+    direct_depthwise=False,
+    subpixel_input_grad=False,
+    symbolic_update=False,
+    swapped_weight_grad=False,
+    row_max_bracket=False,
+)
+DEVICES = {d.name: d for d in (HOST, GPU)}  # build_plan's device strings
+
+
+def device_of(device: str | Device) -> Device:
+    """`device` itself, or the Device its name ("cpu", "gpu") stands for."""
+    if isinstance(device, Device):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {tuple(DEVICES)}")
+    return DEVICES[device]
