@@ -3,7 +3,8 @@ uses: buffer and key allocation, views, compaction, products (batch chunks, GEMM
 products, through the target device's GEMM strategy), 16-bit shifts and per-channel compaction.
 What differs between devices is described by a devices.Device (its GEMM strategy and named
 capabilities), which the builder and the rules read; no rule tests a device's name. The op
-rules live in plan_dense, plan_norm and plan_pool; step_plan puts them together (docs/cpu.md)."""
+rules live in plan_dense, plan_norm, plan_pool and plan_transformer; step_plan puts them together
+(docs/cpu.md)."""
 
 from __future__ import annotations
 

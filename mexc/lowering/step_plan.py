@@ -16,9 +16,11 @@ Parameters are updated in place: a parameter's update is the last reader of its 
 
 Ops lowered: every op of the CNN examples (convolutions incl. grouped and depthwise, linear,
 batch norm with running statistics, ReLU / ReLU6, max / average / global pooling, residual and
-gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update). The
-transformer ops raise UnsupportedOpError naming the node, so `compile(..., target="llvm")`
-refuses instead of computing something else (`auto` falls back to the reference).
+gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update), and
+the tensor ops of a ViT (transpose, slice, scale, broadcast parameter add, token mean, GELU and
+their gradients: plan_transformer). Ops without a "tir" lowering raise UnsupportedOpError naming
+the node, so `compile(..., target="llvm")` refuses instead of computing something else (`auto`
+falls back to the reference).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
 from mexc.lowering.plan_pool import PoolRules
+from mexc.lowering.plan_transformer import TransformerRules
 from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
 
 __all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
 
 
-class PlanRules(DenseRules, NormRules, PoolRules):
+class PlanRules(DenseRules, NormRules, PoolRules, TransformerRules):
     """Every op's TIR lowering over one builder state; the registry (OpDef.lower["tir"]) names
     the method of each op."""
 

@@ -110,7 +110,7 @@ define(
             Pattern("module", ("torch.nn.GELU",), _gelu_module),
             Pattern("function", ("torch.nn.functional.gelu",), unary_function(Op.GELU)),
         ),
-        lower={"c": "emit:_gelu"},
+        lower={"tir": _tir("gelu"), "c": "emit:_gelu"},
         doc="exact GELU through an integer lookup table (docs/numerics.md)",
     ),
     OpDef(
@@ -153,7 +153,7 @@ define(
         Op.GELU_GRAD,
         {"rid": -1},
         reference=_gelu_grad,
-        lower={"c": "emit:_gelu_grad"},
+        lower={"tir": _tir("gelu_grad"), "c": "emit:_gelu_grad"},
         doc="dy times GELU'(x) through a lookup table",
     ),
 )

@@ -1,0 +1,164 @@
+"""Op rules of the launch plan for the tensor ops of a Vision Transformer: transpose, slice and
+its gradient, scaling by a constant, the broadcast parameter add (positional embedding) and its
+gradient, the mean over tokens and its gradient, GELU and its gradient (te_transformer's
+kernels). Transposes and slices are copies into buffers of their own, as the reference's
+ascontiguousarray makes them: a later in-place op may then overwrite them freely."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mexc.ir import Node, Value
+from mexc.kernels._common import MAG
+from mexc.kernels.pool import DIV_BITS
+from mexc.lowering import te_ops, te_pool, te_transformer
+from mexc.lowering.plan_core import I8, I32, PlanBuilder, Shape, unsupported
+from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, FixedScalar, ceil_log2
+
+
+class TransformerRules(PlanBuilder):
+    def as_shaped(self, v: Value) -> str:
+        """v's mantissas seen with v's own shape (a linear layer's result lives in a (rows,
+        features) buffer)."""
+        return self.view(self.m[v], self.shape(v))
+
+    @staticmethod
+    def _flat2(shape: Shape) -> tuple[int, int]:
+        """(shape[0], the rest): the batch and one sample, in C order."""
+        return shape[0], int(np.prod(shape[1:], dtype=np.int64))
+
+    # ----------------------------------------------------------------------------- data movement
+
+    def transpose(self, n: Node) -> None:
+        x = n.inputs[0]
+        shape = self.shape(x)
+        perm = tuple(int(p) % len(shape) for p in n.attrs.perm)
+        if sorted(perm) != list(range(len(shape))):
+            raise unsupported(n, f"perm {perm} is not a permutation of {len(shape)} axes")
+        y = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[x]
+        func = te_transformer.transpose(shape, perm, f"n{n.id}_transpose")
+        self.launch(func, (self.as_shaped(x), y))
+
+    def _slice_range(self, n: Node, full: Shape) -> tuple[int, int, int]:
+        dim = int(n.attrs.dim) % len(full)
+        start, stop, _ = slice(int(n.attrs.start), int(n.attrs.stop)).indices(full[dim])
+        if stop <= start:
+            raise unsupported(n, "an empty slice")
+        return dim, start, stop
+
+    def slice(self, n: Node) -> None:
+        x = n.inputs[0]
+        shape = self.shape(x)
+        dim, start, stop = self._slice_range(n, shape)
+        y = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[x]
+        func = te_transformer.slice_copy(shape, dim, start, stop, f"n{n.id}_slice")
+        self.launch(func, (self.as_shaped(x), y))
+
+    def slice_grad(self, n: Node) -> None:
+        dy = n.inputs[0]
+        shape = self.shape(n.result(0))
+        dim, start, stop = self._slice_range(n, shape)
+        dx = self.out(n, 0, I8)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_transformer.slice_grad(shape, dim, start, stop, f"n{n.id}_slice_grad")
+        self.launch(func, (self.as_shaped(dy), dx))
+
+    # ----------------------------------------------------------------------------- elementwise
+
+    def scale(self, n: Node) -> None:
+        """kernels.transformer.scale_forward (and scale_backward, the same on dy): the product
+        with the constant compacted without being stored (site 0)."""
+        x = n.inputs[0]
+        s = FixedScalar.of(float(n.attrs.value))
+        rows = self.rows_of(self.shape(x))
+        kernels = te_transformer.scale_compaction(
+            rows, s.num, s.shift, self.bits, self.stochastic, f"n{n.id}_scale"
+        )
+        out = self.view(self.out(n, 0, I8), rows)
+        self.compact_unstored(n, 0, kernels, (self.view(self.m[x], rows), self.e[x]), out)
+
+    scale_grad = scale
+
+    def add_param(self, n: Node) -> None:
+        """kernels.transformer.add_broadcast_forward: the aligned sum (sites 0, 1) compacted
+        without being stored (site 2)."""
+        x, p = n.inputs
+        rows = self._flat2(self.shape(x))
+        keys = self.keys(n, (0, 1), "sum_keys")
+        kernels = te_transformer.add_param_compaction(
+            rows, self.bits, self.stochastic, f"n{n.id}_add_param"
+        )
+        xm, pm = self.view(self.m[x], rows), self.view(self.m[p], (rows[1],))
+        out = self.view(self.out(n, 0, I8), rows)
+        self.compact_unstored(n, 2, kernels, (xm, self.e[x], pm, self.e[p], keys), out)
+
+    def add_param_grad(self, n: Node) -> None:
+        """kernels.transformer.add_broadcast_param_grad: the int32 sum of dy over the batch (an
+        accumulator for the update, at dy's exponent)."""
+        dy = n.inputs[0]
+        rows = self._flat2(self.shape(dy))
+        acc = self.out(n, 0, I32)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_ops.axis_sum(rows, (0,), f"n{n.id}_add_param_grad")
+        self.launch(func, (self.view(self.m[dy], rows), self.view(acc, (rows[1],))))
+
+    # ----------------------------------------------------------------------------- token mean
+
+    def mean_tokens(self, n: Node) -> None:
+        """kernels.transformer.mean_tokens_forward: the token sum, pool._divide's exact shift
+        (or compact_to_bits to 15 bits, site 0), div_const by T and the compaction (site 1)."""
+        x = n.inputs[0]
+        b, t, d = self.shape(x)
+        bound = MAG + ceil_log2(t)
+        left = max(DIV_BITS - bound, 0)
+        acc = self.buf(f"n{n.id}.acc", (b, d), I32)
+        func = te_transformer.token_sum((b, t, d), left, f"n{n.id}_token_sum")
+        self.launch(func, (self.as_shaped(x), acc))
+        if bound <= DIV_BITS:
+            a, e_a = acc, self.exp_offset(n, self.e[x], -left, "e_a")
+        else:
+            a, _, e_a = self.to_bits(n, acc, self.e[x], (b, d), 0, "a16")
+        q, e_q = self.buf(f"n{n.id}.q", (b, d), I32), self.buf(f"n{n.id}.e_q", (1,), I32)
+        self.launch(te_pool.divide((b, d), t, f"n{n.id}_divide"), (a, e_a, q, e_q))
+        self.compact(n, q, e_q, (b, d), 1)
+
+    def mean_tokens_grad(self, n: Node) -> None:
+        """kernels.transformer.mean_tokens_backward: div_const(dy << 8, T) spread over the
+        tokens, compacted (site 0, flat index over [B, T, D])."""
+        dy = n.inputs[0]
+        shape = self.shape(n.result(0))
+        b, t, d = shape
+        acc = self.buf(f"n{n.id}.acc", shape, I32)
+        e_acc = self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_transformer.mean_tokens_grad_acc((b, t, d), f"n{n.id}_mean_tokens_grad")
+        self.launch(func, (self.as_shaped(dy), self.e[dy], acc, e_acc))
+        self.compact(n, acc, e_acc, shape, 0)
+
+    # ----------------------------------------------------------------------------- GELU
+
+    def gelu(self, n: Node) -> None:
+        """kernels.transformer.gelu_forward: the table lookup (index rounding site 0) and its
+        exact continuation past +-4, then the compaction (site 1)."""
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        key = self.keys(n, (0,), "key0")
+        table = self.const("gelu_table", GELU_TABLE.values, I32)
+        func = te_transformer.gelu_acc(rows, self.stochastic, f"n{n.id}_gelu")
+        self.launch(func, (self.view(self.m[x], rows), self.e[x], key, table, acc, e_acc))
+        self.compact(n, acc, e_acc, rows, 1)
+
+    def gelu_grad(self, n: Node) -> None:
+        """kernels.transformer.gelu_backward: dy times the derivative's table (index rounding
+        site 0), compacted (site 1)."""
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        key = self.keys(n, (0,), "key0")
+        table = self.const("gelu_grad_table", GELU_GRAD_TABLE.values, I32)
+        func = te_transformer.gelu_grad_acc(rows, self.stochastic, f"n{n.id}_gelu_grad")
+        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])
+        self.launch(func, (*args, key, table, acc, e_acc))
+        self.compact(n, acc, e_acc, rows, 1)

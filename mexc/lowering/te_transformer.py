@@ -1,0 +1,242 @@
+"""The data movement and elementwise ops of a Vision Transformer as TIR kernels: transpose,
+slice (and its gradient), scaling by a host constant, the broadcast add of a [1, ...] parameter,
+the mean over tokens (and its gradient) and GELU through its lookup tables (and its gradient).
+
+The TE form of kernels.transformer (scale_*, add_broadcast_*, mean_tokens_*, gelu_*) and of the
+reference rules of ops/tensor.py (transpose, slice): the same integer arithmetic, rounding sites
+and C-order flat indices. Exponents are one-element run-time buffers, so every decision the
+reference takes on an exponent (GELU's range test, the table index's shift) is a branch-free
+select in the kernel. Products of a rounded sum are compacted by te_compaction (through
+fused_compaction where the value is cheap to compute twice)."""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from mexc.kernels.transformer import GELU_RANGE_LOG2
+from mexc.lowering.te_compaction import (
+    _flat_index,
+    aligned_target,
+    fused_compaction,
+    shift_left_saturating,
+    shift_signed,
+    shift_signed32,
+    where,
+)
+from mexc.lowering.te_compaction import _i64 as _c
+from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_pool import div_const
+from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, LookupTable, Reciprocal
+
+I8, I32, I64 = "int8", "int32", "int64"
+Shape = tuple[int, ...]
+Kernels = tuple[tirx.PrimFunc, tirx.PrimFunc]
+
+
+def transpose(shape: Shape, perm: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """y = x.transpose(perm) as a copy (the reference's ascontiguousarray): y[o] = x[i] with
+    i[perm[a]] = o[a]. Parameters (x, y)."""
+    x = te.placeholder(shape, I8, name="x")
+    out_shape = tuple(shape[p] for p in perm)
+
+    def body(*o: tirx.PrimExpr) -> tirx.PrimExpr:
+        idx: list[tirx.PrimExpr] = [tirx.const(0, I32)] * len(shape)
+        for a, p in enumerate(perm):
+            idx[p] = o[a]
+        return x[tuple(idx)]
+
+    return prim_func([x, te.compute(out_shape, body, name="y")], name)
+
+
+def slice_copy(shape: Shape, dim: int, start: int, stop: int, name: str) -> tirx.PrimFunc:
+    """y = x[..., start:stop, ...] along `dim` (a copy). Parameters (x, y)."""
+    x = te.placeholder(shape, I8, name="x")
+    out_shape = tuple(stop - start if a == dim else d for a, d in enumerate(shape))
+
+    def body(*o: tirx.PrimExpr) -> tirx.PrimExpr:
+        return x[tuple(o[a] + start if a == dim else o[a] for a in range(len(shape)))]
+
+    return prim_func([x, te.compute(out_shape, body, name="y")], name)
+
+
+def slice_grad(shape: Shape, dim: int, start: int, stop: int, name: str) -> tirx.PrimFunc:
+    """dx (of `shape`) = dy inside [start, stop) along `dim`, 0 elsewhere. Parameters (dy, dx)."""
+    dy_shape = tuple(stop - start if a == dim else d for a, d in enumerate(shape))
+    dy = te.placeholder(dy_shape, I8, name="dy")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        j = i[dim]
+        inside = tirx.all(j >= start, j < stop)
+        src = tirx.min(tirx.max(j - start, 0), stop - start - 1)
+        v = dy[tuple(src if a == dim else i[a] for a in range(len(shape)))]
+        return where(inside, v, tirx.const(0, I8))
+
+    return prim_func([dy, te.compute(shape, body, name="dx")], name)
+
+
+def scale_compaction(
+    shape: Shape, num: int, shift: int, bits: int, stochastic: bool, name: str
+) -> Kernels:
+    """kernels.transformer.scale_forward: acc = m num (|.| < 2^22) at e - shift, compacted
+    without being stored (fused_compaction: `<name>_shift` (x, e, s, e_out), `<name>_apply`
+    (x, e, s, key, m))."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    target = te.compute((1,), lambda i: e[i] - shift, name="target")
+
+    def value(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        return x[i].astype(I32) * num
+
+    return fused_compaction(shape, [x, e], target, value, bits, stochastic, name)
+
+
+def add_param_compaction(rows: tuple[int, int], bits: int, stochastic: bool, name: str) -> Kernels:
+    """kernels.transformer.add_broadcast_forward on x (B, P) and p (P,): aligned_sum of (x, e_x,
+    7) (key 0, x's flat index) and (p, e_p, 7) (key 1, p's own flat index), compacted without
+    being stored. Parameters of both kernels start (x, e_x, p, e_p, keys int64[2])."""
+    _, per = rows
+    x = te.placeholder(rows, I8, name="x")
+    e_x = te.placeholder((1,), I32, name="e_x")
+    p = te.placeholder((per,), I8, name="p")
+    e_p = te.placeholder((1,), I32, name="e_p")
+    keys = te.placeholder((2,), I64, name="keys")
+    target = te.compute((1,), lambda _: aligned_target([(e_x[0], 7), (e_p[0], 7)]), name="target")
+    # the target is at least max(e) + 7 + 2 - 31: left shifts of at most 22 bits (int32 lanes)
+    left_limit = 22
+
+    def value(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(rows, (b, i))
+        xa = shift_signed32(
+            x[b, i].astype(I32), target[0] - e_x[0], keys[0], flat, stochastic, left_limit
+        )
+        pa = shift_signed32(
+            p[i].astype(I32), target[0] - e_p[0], keys[1], i.astype(I64), stochastic, left_limit
+        )
+        return xa + pa
+
+    return fused_compaction(rows, [x, e_x, p, e_p, keys], target, value, bits, stochastic, name)
+
+
+def token_sum(shape: tuple[int, int, int], left: int, name: str) -> tirx.PrimFunc:
+    """acc[b, d] = (sum_t x[b, t, d]) << left (kernels.transformer.mean_tokens_forward's sum,
+    the exact shift of pool._divide where the sum's bound is at most 15 bits). Parameters
+    (x, acc)."""
+    b, t, d = shape
+    x = te.placeholder(shape, I8, name="x")
+    rt = te.reduce_axis((0, t), "rt")
+    total = te.compute((b, d), lambda i, j: te.sum(x[i, rt, j].astype(I32), axis=rt), name="total")
+    acc = te.compute((b, d), lambda i, j: total[i, j] << left, name="acc")
+    return prim_func([x, acc], name)
+
+
+def mean_tokens_grad_acc(shape: tuple[int, int, int], name: str) -> tirx.PrimFunc:
+    """acc[b, t, d] = div_const(dy[b, d] << 8, T) at e_dy - 8 - pow2 (exact; the reference's
+    broadcast of g over the tokens). Parameters (dy, e_dy, acc, e_acc)."""
+    b, t, d = shape
+    recip = Reciprocal.of(t)
+    dy = te.placeholder((b, d), I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+
+    def body(i: tirx.PrimExpr, _: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return div_const(dy[i, j].astype(I64) << _c(8), recip).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), lambda i: e_dy[i] - 8 - recip.pow2, name="e_acc")
+    return prim_func([dy, e_dy, acc, e_acc], name)
+
+
+def _lookup(
+    table: te.Tensor,
+    spec: LookupTable,
+    m: tirx.PrimExpr,
+    e: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    stochastic: bool,
+) -> tirx.PrimExpr:
+    """numerics.LookupTable.lookup for one int64 mantissa m at the run-time exponent e (int64):
+    the index is m shifted by in_exp - e (rounded right shift, or a left shift saturating at
+    2^30), clamped to [-128, 127]; returns the table entry (int64)."""
+    s = _c(spec.in_exp) - e
+    right = shift_signed(m, s, key, flat, stochastic)
+    left = shift_left_saturating(m, -s)
+    idx = tirx.max(tirx.min(where(s >= 0, right, left), _c(127)), _c(-128))
+    return table[(idx + 128).astype(I32)].astype(I64)
+
+
+def _gelu_value(
+    table: te.Tensor,
+    m: tirx.PrimExpr,
+    e: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    stochastic: bool,
+) -> tirx.PrimExpr:
+    """kernels.transformer.gelu_forward's accumulator for one int64 mantissa m at exponent e:
+    max(m, 0) where e > 2 (at e), else the table with the exact asymptotes past +-4 (at -5)."""
+    tab = _lookup(table, GELU_TABLE, m, e, key, flat, stochastic)
+    k = e - _c(GELU_TABLE.out_exp)
+    th = _c(1) << tirx.min(tirx.max(_c(GELU_RANGE_LOG2) - e, _c(0)), _c(32))
+    past = where(m >= th, m << tirx.min(tirx.max(k, _c(0)), _c(7)), where(m < -th, _c(0), tab))
+    in_range = where(k > 0, past, tab)
+    return where(e > GELU_RANGE_LOG2, tirx.max(m, _c(0)), in_range)
+
+
+def gelu_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """acc = gelu_forward's value before its compaction (index rounding site 0: key0, flat
+    index), e_acc = e where e > 2 else GELU_TABLE.out_exp. Parameters (x, e, key0, table
+    int32[256] (GELU_TABLE), acc, e_acc)."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    key = te.placeholder((1,), I64, name="key0")
+    table = te.placeholder((256,), I32, name="table")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        v = _gelu_value(
+            table, x[i].astype(I64), e[0].astype(I64), key[0], _flat_index(shape, i), stochastic
+        )
+        return v.astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute(
+        (1,),
+        lambda i: tirx.if_then_else(e[i] > GELU_RANGE_LOG2, e[i], GELU_TABLE.out_exp),
+        name="e_acc",
+    )
+    return prim_func([x, e, key, table, acc, e_acc], name)
+
+
+def gelu_grad_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """acc = dy_m GELU_GRAD_TABLE.lookup(x) (|.| < 2^14; index rounding site 0) at e_dy - 6:
+    gelu_backward before its compaction. Parameters (dy, e_dy, x, e_x, key0, table, acc,
+    e_acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    x = te.placeholder(shape, I8, name="x")
+    e_x = te.placeholder((1,), I32, name="e_x")
+    key = te.placeholder((1,), I64, name="key0")
+    table = te.placeholder((256,), I32, name="table")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, i)
+        g = _lookup(
+            table, GELU_GRAD_TABLE, x[i].astype(I64), e_x[0].astype(I64), key[0], flat, stochastic
+        )
+        return (dy[i].astype(I64) * g).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), lambda i: e_dy[i] + GELU_GRAD_TABLE.out_exp, name="e_acc")
+    return prim_func([dy, e_dy, x, e_x, key, table, acc, e_acc], name)
+
+
+__all__ = [
+    "add_param_compaction",
+    "gelu_acc",
+    "gelu_grad_acc",
+    "mean_tokens_grad_acc",
+    "scale_compaction",
+    "slice_copy",
+    "slice_grad",
+    "token_sum",
+    "transpose",
+]
