@@ -116,3 +116,29 @@ def test_vit_on_cortex_m3_matches_reference_after_10_steps(tmp_path: Path) -> No
         ln.split()[1] for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("STATE ")
     ]
     assert states == [prog.state_checksum()]
+
+
+def test_an_unread_result_is_not_emitted() -> None:
+    """A chunk whose second half nothing reads: plan-memory gives it no bytes, and the C step
+    skips its node instead of failing on the missing slot (the state is unaffected)."""
+    from torch import nn
+
+    class HalfUsed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(16, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first, _ = self.fc1(torch.flatten(x, 1)).chunk(2, dim=1)
+            return self.fc2(first)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 4)
+    progs = []
+    for target in ("reference", "c"):
+        torch.manual_seed(0)
+        progs.append(mexc.compile(HalfUsed(), (torch.from_numpy(x),), target=target))
+    for _ in range(3):
+        for p in progs:
+            p.step(x, y)
+        assert progs[0].state_checksum() == progs[1].state_checksum()

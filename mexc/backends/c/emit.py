@@ -774,8 +774,13 @@ def emit_model(prog: Program, steps: int) -> CModel:
     mp = prog.memory_plan()  # the plan-memory pass's plan: its arena offsets are the C arena's
     offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
     e = _Emit(g, prog, offsets)
+    users, outputs = g.users(), {v for _, v in g.outputs}
     for n in g.nodes:
-        rule = op_def(n.op).lowering("c")
+        d = op_def(n.op)
+        read = any(users.get(n.result(i)) or n.result(i) in outputs for i in range(len(n.types)))
+        if not read and not (d.boundary or d.updates_state):
+            continue  # nothing reads it and plan-memory gave it no bytes (an unused chunk)
+        rule = d.lowering("c")
         if rule is None:
             supported = sorted(op.value for op, d in REGISTRY.items() if d.supports("c"))
             raise UnsupportedOpError(
