@@ -1,6 +1,7 @@
 """Training-step time of mexc beside PyTorch FP32 eager, interleaved in one run.
 
-For each model at batch 128: the median wall time of one training step of mexc (`llvm`, the
+For each model (examples/models.py, the ViT of examples/vit.py, and that ViT in timm's
+ViT-Ti configuration) at batch 128: the median wall time of one training step of mexc (`llvm`, the
 step compiled by TVM for this CPU; `reference`, the numpy executor; optionally `c`, the generated
 C built with the host compiler) and of PyTorch FP32 eager (same model, SGD with momentum),
 measured in alternation so machine noise hits all alike; compile time of each target cold (empty
@@ -31,6 +32,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import platform
 import sys
@@ -47,6 +49,18 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
+from examples.vit import ViTTiny  # noqa: E402
+
+MODELS: dict[str, tuple[type[nn.Module] | functools.partial[nn.Module], tuple[int, ...]]] = {
+    **EXAMPLES,
+    "ViTTiny": (ViTTiny, (1, 28, 28)),  # examples/vit.py: dim 64, depth 2, 16 tokens
+    # timm's vit_tiny_patch16 configuration (dim 192, depth 12, 3 heads, MLP ratio 4) on 28x28
+    # images in patches of 4 (49 tokens)
+    "ViT-Ti": (
+        functools.partial(ViTTiny, dim=192, depth=12, heads=3, mlp_ratio=4, patch=4),
+        (1, 28, 28),
+    ),
+}
 
 
 def _fp32_step(
@@ -63,7 +77,7 @@ UNPLANNED = "llvm-unplanned"
 def measure(
     name: str, batch: int, repeats: int, targets: list[str], settle: float, baseline: bool = False
 ) -> dict[str, object]:
-    cls, shape = EXAMPLES[name]
+    cls, shape = MODELS[name]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, *shape)).astype(np.float32)
     y = rng.integers(0, 10, batch)
