@@ -16,7 +16,8 @@ Parameters are updated in place: a parameter's update is the last reader of its 
 
 Ops lowered: every op of the CNN examples (convolutions incl. grouped and depthwise, linear,
 batch norm with running statistics, ReLU / ReLU6, max / average / global pooling, residual and
-gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update). The
+gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update), and
+of attention the batched matmul, the row softmax and LayerNorm (plan_attention). The other
 transformer ops raise UnsupportedOpError naming the node, so `compile(..., target="llvm")`
 refuses instead of computing something else (`auto` falls back to the reference).
 """
@@ -32,6 +33,7 @@ from tvm import tirx
 from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.ir import Graph, Value
 from mexc.lowering.devices import Device, device_of
+from mexc.lowering.plan_attention import AttentionRules
 from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
@@ -42,7 +44,7 @@ from mexc.program import Program
 __all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
 
 
-class PlanRules(DenseRules, NormRules, PoolRules):
+class PlanRules(DenseRules, NormRules, PoolRules, AttentionRules):
     """Every op's TIR lowering over one builder state; the registry (OpDef.lower["tir"]) names
     the method of each op."""
 
