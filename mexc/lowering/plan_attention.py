@@ -168,20 +168,18 @@ class AttentionRules(PlanBuilder):
         shape = self.shape(dy)
         rows, d = self._rows2(shape)
         r2, rr = (rows, d), (rows,)
-        cols = (rows, d, 1)  # column sums as te_norm's per-channel sums
         dgamma, dbeta = self.out(n, 1, I32, (d,)), self.out(n, 2, I32, (d,))
         dp, e_dp = self.fit_operand(n, dy, rows, site=7, shape=r2)
         split = dp != self.m[dy]
-        sums = te_norm.bn_grad_sums(cols, f"n{n.id}_ln_sums", pre_shifted=split)
-        dps = (self.view(dp, cols),) if split else ()
-        dyc, xhc = self.view(self.m[dy], cols), self.view(self.m[xhat], cols)
-        self.launch(sums, (dyc, *dps, xhc, dgamma, dbeta))
+        sums = te_attention.ln_param_grads(rows, d, split, f"n{n.id}_ln_sums")
+        dps = (self.view(dp, r2),) if split else ()
+        dyv, xhv = self.view(self.m[dy], r2), self.view(self.m[xhat], r2)
+        self.launch(sums, (dyv, *dps, xhv, dgamma, dbeta))
         self.e[n.result(2)] = self.e[dy]
         self.e[n.result(1)] = self.product_exp(n, e_dp, xhat, "e_dg")
         g, e_g = self.buf(f"n{n.id}.g", r2, I32), self.buf(f"n{n.id}.e_g", (1,), I32)
         sg, sgx = self.buf(f"n{n.id}.sg", rr, I32), self.buf(f"n{n.id}.sgx", rr, I32)
         key5 = self.keys(n, (5,), "key5")
-        dyv, xhv = self.view(self.m[dy], r2), self.view(self.m[xhat], r2)
         func = te_attention.ln_grad_g(rows, d, self.stochastic, f"n{n.id}_ln_g")
         self.launch(
             func, (dyv, self.e[dy], self.m[gamma], self.e[gamma], xhv, key5, g, e_g, sg, sgx)

@@ -185,6 +185,25 @@ def ln_affine_compaction(
     return fused_compaction(shape, inputs, target, body, bits, stochastic, name)
 
 
+def ln_param_grads(rows: int, d: int, pre_shifted: bool, name: str) -> tirx.PrimFunc:
+    """kernels.layernorm_backward step 1: dbeta[d] = sum_r dy, dgamma[d] = sum_r dp xhat (dp:
+    dy, or dy pre-shifted for the R-wide product), int32 column sums (the caps bound every
+    partial sum). Parameters (dy, [dp,] xhat, dgamma, dbeta)."""
+    shape = (rows, d)
+    dy = te.placeholder(shape, I8, name="dy")
+    dp = te.placeholder(shape, I8, name="dp") if pre_shifted else dy
+    xhat = te.placeholder(shape, I8, name="xhat")
+    rb = te.reduce_axis((0, rows), "rb")
+    dbeta = te.compute((d,), lambda j: te.sum(dy[rb, j].astype(I32), axis=rb), name="dbeta")
+    rg = te.reduce_axis((0, rows), "rg")
+    dgamma = te.compute(
+        (d,),
+        lambda j: te.sum(dp[rg, j].astype(I32) * xhat[rg, j].astype(I32), axis=rg),
+        name="dgamma",
+    )
+    return _func([dy, *([dp] if pre_shifted else []), xhat, dgamma, dbeta], name)
+
+
 def ln_grad_pre(d: int) -> int:
     """kernels.layernorm_backward's static pre-shift of g = dy gamma (site 5): the excess of
     21 + ceil log2 D over 31 bits (0: none)."""

@@ -5,6 +5,8 @@ orders. The models use only these ops and ones lowered before them (conv, linear
 
 from __future__ import annotations
 
+import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from mexc.ir import Op
 from mexc.kernels._common import fast_shift_right
 from mexc.lowering import te_attention
 from mexc.mx import MX, RoundCtx
-from mexc.numerics import EXP_TABLE
+from mexc.numerics import EXP_TABLE, Rounding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -115,13 +117,25 @@ def test_gpu_plan_and_batch_chunks_train_bit_exact(
     assert _train(llvm) == want
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
+def test_llvm_step_is_integer_only() -> None:
+    from mexc.backends.llvm import float_check as fc
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the float scan reads x86-64 code")
+    prog = _program(_model("all"), "llvm")
+    fc.check_integer_only(prog)  # type: ignore[arg-type]  # an LlvmProgram
+
+
 @needs_cuda_tools
 @pytest.mark.slow
 def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     from mexc.backends.cuda.build import build_step
     from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
+    from mexc.backends.cuda.sass_check import verify_artifact
 
-    build_step(_program(_model("all"), "reference"), ("sm_80",), tmp_path)
+    manifest = build_step(_program(_model("all"), "reference"), ("sm_80",), tmp_path)
+    assert verify_artifact(tmp_path, manifest) == []  # integer-only SASS, every kernel built
     for order in ("forward", "reverse"):
         rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
         assert all(r["exact"] for r in rows), rows
@@ -167,7 +181,7 @@ def _run(func: object, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], st
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("e", [-12, -6, -4, -2, 0, 3])
-def test_softmax_kernel_equals_the_reference(rounding: str, e: int) -> None:
+def test_softmax_kernel_equals_the_reference(rounding: Rounding, e: int) -> None:
     rng = np.random.default_rng(e + 50)
     shape = (3, 5, 37)
     x = MX.of(rng.integers(-128, 128, shape, dtype=np.int8), e)
