@@ -62,9 +62,10 @@ class MatmulNet(nn.Module):
         return self.head(y.reshape(x.size(0), T * D))
 
 
-def _program(model: nn.Module, target: str) -> mexc.Program:
+def _program(model: nn.Module, target: str, rounding: str = "stochastic") -> mexc.Program:
     opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
-    return mexc.compile(model, (torch.zeros(B, 1, 8, 8),), optimizer=opt, target=target)
+    x = (torch.zeros(B, 1, 8, 8),)
+    return mexc.compile(model, x, optimizer=opt, target=target, rounding=rounding)
 
 
 def _batch() -> tuple[np.ndarray, np.ndarray]:
@@ -100,6 +101,11 @@ def test_trains_bit_exact_on_reference_and_llvm(kind: str) -> None:
     want = _train(ref)
     assert len(set(want)) == 3  # the state changes every step
     assert _train(_program(_model(kind), "llvm")) == want
+
+
+def test_nearest_rounding_trains_bit_exact() -> None:
+    want = _train(_program(_model("all"), "reference", "nearest"))
+    assert _train(_program(_model("all"), "llvm", "nearest")) == want
 
 
 @pytest.mark.parametrize("kind", list(OPS))
