@@ -50,9 +50,11 @@ class GemmStrategy(Protocol):
         """Allocate the pack buffers of one chunk's product (shared by all chunks)."""
         ...
 
-    def compacted_product(self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str) -> None:
-        """Result 0 of n = the compaction (rounding site 0, exponent buffer e_in) of the
-        product `ch`."""
+    def compacted_product(
+        self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0
+    ) -> None:
+        """Result `result` of n = the compaction (rounding site `site`, exponent buffer e_in)
+        of the product `ch`."""
         ...
 
 
@@ -93,7 +95,9 @@ class HostGemm:
 
         return ChunkGemm(cg.c_shape, cg.unpack, launch)
 
-    def compacted_product(self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str) -> None:
+    def compacted_product(
+        self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0
+    ) -> None:
         """Straight from the GEMM's C (no unpacked accumulator: `compact_from_c`); a chunked
         product's Cs lie side by side, and the compaction spans them all."""
         c, c_shape = b.gemm(ch, None)
@@ -104,7 +108,8 @@ class HostGemm:
             return compact_from_c(form, c_shape, b.bits, b.stochastic, name)
 
         rows = (b.view(c, rows_shape), rows_shape)
-        b.compaction(n, 0, rows, e_in, apply, c, b.out(n, 0, I8, ch.full.form.out_shape))
+        out = b.out(n, result, I8, ch.full.form.out_shape)
+        b.compaction(n, site, rows, e_in, apply, c, out, result)
 
 
 @dataclass(frozen=True)
@@ -129,11 +134,13 @@ class TileGemm:
 
         return ChunkGemm((form.g, form.mp, form.qp), funcs.unpack, launch)
 
-    def compacted_product(self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str) -> None:
+    def compacted_product(
+        self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0
+    ) -> None:
         out_shape = ch.full.form.out_shape
-        acc = b.buf(f"n{n.id}.acc", out_shape, I32)
+        acc = b.buf(f"n{n.id}.acc{result or ''}", out_shape, I32)
         b.gemm(ch, acc)
-        b.compact(n, acc, e_in, out_shape, 0)
+        b.compact(n, acc, e_in, out_shape, site, result)
 
 
 @dataclass(frozen=True)

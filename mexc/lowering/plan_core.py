@@ -3,7 +3,8 @@ uses: buffer and key allocation, views, compaction, products (batch chunks, GEMM
 products, through the target device's GEMM strategy), 16-bit shifts and per-channel compaction.
 What differs between devices is described by a devices.Device (its GEMM strategy and named
 capabilities), which the builder and the rules read; no rule tests a device's name. The op
-rules live in plan_dense, plan_norm, plan_pool and plan_transformer; step_plan puts them together
+rules live in plan_dense, plan_norm, plan_pool, plan_transformer and plan_attention; step_plan puts
+them together
 (docs/cpu.md)."""
 
 from __future__ import annotations
@@ -243,15 +244,18 @@ class PlanBuilder:
 
     # ----------------------------------------------------------------------------- helpers
 
-    def compact(self, n: Node, acc: str, e_in: str, shape: Shape, site: int) -> None:
-        """Result 0 of n = compaction of int32 `acc` (exponent buffer e_in), rounding site."""
+    def compact(
+        self, n: Node, acc: str, e_in: str, shape: Shape, site: int, result: int = 0
+    ) -> None:
+        """Result `result` (0) of n = compaction of int32 `acc` (exponent buffer e_in),
+        rounding site."""
         flat = self.rows_of(shape)  # both kernels
-        acc, m = self.view(acc, flat), self.view(self.out(n, 0, I8), flat)
+        acc, m = self.view(acc, flat), self.view(self.out(n, result, I8), flat)
 
         def apply(name: str) -> tirx.PrimFunc:
             return compaction_apply(flat, self.bits, False, self.stochastic, name)
 
-        self.compaction(n, site, (acc, flat), e_in, apply, acc, m)
+        self.compaction(n, site, (acc, flat), e_in, apply, acc, m, result)
 
     def compaction(
         self,
@@ -262,13 +266,15 @@ class PlanBuilder:
         apply: Callable[[str], tirx.PrimFunc],
         src: str,
         out: str,
+        result: int = 0,
     ) -> None:
-        """The launches of a per-tensor compaction into result 0 of n: its shift from the
-        accumulator's (view, 2-D shape) `rows`, then `apply(name)` (src, s, key, out)."""
+        """The launches of a per-tensor compaction into result `result` (0) of n: its shift
+        from the accumulator's (view, 2-D shape) `rows`, then `apply(name)` (src, s, key,
+        out)."""
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         shift = compaction_shift(rows[1], self.bits, False, name)
-        self.launch(shift, (rows[0], e_in, s, self.out_exp(n, 0)))
+        self.launch(shift, (rows[0], e_in, s, self.out_exp(n, result)))
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply(name), (src, s, key, out))
 
@@ -334,11 +340,13 @@ class PlanBuilder:
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply, (*inputs, s, key, out))
 
-    def compacted_product(self, n: Node, ch: Chunks, e_in: str) -> None:
-        """Result 0 of n = the compaction (site 0) of a product, as the device's GEMM strategy
-        does it: on the host straight from the GEMM's C (no unpacked accumulator:
-        `compact_from_c`), on a GPU as gemm + compact."""
-        self.device.gemm.compacted_product(self, n, ch, e_in)
+    def compacted_product(
+        self, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0
+    ) -> None:
+        """Result `result` (0) of n = the compaction (rounding site `site`, 0) of a product, as
+        the device's GEMM strategy does it: on the host straight from the GEMM's C (no unpacked
+        accumulator: `compact_from_c`), on a GPU as gemm + compact."""
+        self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
 
     def gemm(
         self, ch: Chunks, out: str | None, reduce: bool = False

@@ -17,10 +17,11 @@ Parameters are updated in place: a parameter's update is the last reader of its 
 Ops lowered: every op of the CNN examples (convolutions incl. grouped and depthwise, linear,
 batch norm with running statistics, ReLU / ReLU6, max / average / global pooling, residual and
 gradient sums, dropout, the softmax cross-entropy head, their gradients, the SGD update), and
-the tensor ops of a ViT (transpose, slice, scale, broadcast parameter add, token mean, GELU and
-their gradients: plan_transformer). Ops without a "tir" lowering raise UnsupportedOpError naming
-the node, so `compile(..., target="llvm")` refuses instead of computing something else (`auto`
-falls back to the reference).
+the ops of a ViT: the tensor ops (transpose, slice, scale, broadcast parameter add, token
+mean, GELU and their gradients: plan_transformer) and attention's batched matmul, the row softmax
+and LayerNorm (plan_attention). Ops without a "tir" lowering raise UnsupportedOpError naming the
+node, so `compile(..., target="llvm")` refuses instead of computing something else (`auto` falls
+back to the reference).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tvm import tirx
 from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.ir import Graph, Value
 from mexc.lowering.devices import Device, device_of
+from mexc.lowering.plan_attention import AttentionRules
 from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
@@ -45,7 +47,7 @@ from mexc.program import Program
 __all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
 
 
-class PlanRules(DenseRules, NormRules, PoolRules, TransformerRules):
+class PlanRules(DenseRules, NormRules, PoolRules, TransformerRules, AttentionRules):
     """Every op's TIR lowering over one builder state; the registry (OpDef.lower["tir"]) names
     the method of each op."""
 

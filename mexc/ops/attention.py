@@ -80,14 +80,14 @@ define(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
         ),
-        lower={"c": "emit:_softmax"},
+        lower={"tir": "step_plan:PlanRules.softmax", "c": "emit:_softmax"},
         doc="softmax over the last axis through the integer exp table",
     ),
     OpDef(
         Op.SOFTMAX_GRAD,
         {"rid": -1},
         reference=_softmax_grad,
-        lower={"c": "emit:_softmax_grad"},
+        lower={"tir": "step_plan:PlanRules.softmax_grad", "c": "emit:_softmax_grad"},
         doc="dx = p * (dy - sum(p * dy))",
     ),
     OpDef(
@@ -99,7 +99,11 @@ define(
         frontend=(
             Pattern("function", ("operator.matmul", "torch.matmul", "torch.bmm"), _matmul_convert),
         ),
-        lower={"c": "emit:_matmul", "gemm": "products_build:matmul_forms"},
+        lower={
+            "tir": "step_plan:PlanRules.matmul",
+            "c": "emit:_matmul",
+            "gemm": "products_build:matmul_forms",
+        },
         product=True,
         reduction=_matmul_k,
         doc="batched [..., M, K] @ [..., K, N] of two activations, compacted",
@@ -108,7 +112,11 @@ define(
         Op.MATMUL_GRAD,
         {"rid": -1, **CAP},
         reference=_matmul_grad,
-        lower={"c": "emit:_matmul_grad", "gemm": "products_build:matmul_grad_forms"},
+        lower={
+            "tir": "step_plan:PlanRules.matmul_grad",
+            "c": "emit:_matmul_grad",
+            "gemm": "products_build:matmul_grad_forms",
+        },
         product=True,
         reduction=_matmul_grad_k,
         doc="da = dy @ b^T and db = a^T @ dy, compacted",

@@ -170,14 +170,14 @@ define(
         vjp=_layernorm_vjp,
         reference=_layernorm,
         frontend=(Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),),
-        lower={"c": "emit:_layernorm"},
+        lower={"tir": "step_plan:PlanRules.layernorm", "c": "emit:_layernorm"},
         doc="layer norm over the last axis",
     ),
     OpDef(
         Op.LAYERNORM_GRAD,
         {"rid": -1},
         reference=_layernorm_grad,
-        lower={"c": "emit:_layernorm_grad"},
+        lower={"tir": "step_plan:PlanRules.layernorm_grad", "c": "emit:_layernorm_grad"},
         doc="dx, dgamma, dbeta of layer norm",
     ),
 )

@@ -1,0 +1,300 @@
+"""Attention and LayerNorm kernels of the training step as TVM tensor expressions (target
+independent): the operand transpose of the batched matmul's weight-side gradient, the row
+softmax and its gradient, LayerNorm's row statistics, normalization and gradient. Each is the
+arithmetic of mexc/kernels/transformer.py element for element (rounding keys: the C-order flat
+index of the array the reference rounds)."""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from mexc.kernels.transformer import SOFTMAX_RECIP_LOG2
+from mexc.lowering.te_compaction import (
+    _flat_index,
+    aligned_target,
+    fused_compaction,
+    shift_left_saturating,
+    shift_right32,
+    shift_signed,
+    shift_signed32,
+)
+from mexc.lowering.te_divide import idiv_round
+from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_pool import div_const
+from mexc.numerics import EXP_IN_EXP, Reciprocal, ceil_log2, qmax
+
+I8, I32, I64 = "int8", "int32", "int64"
+
+
+def _func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    return prim_func(args, name)
+
+
+def transposed_pre_shift(
+    shape: tuple[int, int, int], shift: int, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """kernels._common.fit_product on swapaxes(a, -1, -2): a (B, M, K) int8 in, out (B, K, M)
+    int8 = shift_right(a[b, m, k], shift), rounding keyed by the flat index of (B, K, M) (the
+    transposed array the reference rounds). Parameters (a, key, out)."""
+    bt, m, k = shape
+    a = te.placeholder(shape, I8, name="a")
+    key = te.placeholder((1,), I64, name="key")
+    sh = tirx.const(shift, I32)
+    out_shape = (bt, k, m)
+
+    def body(b: tirx.PrimExpr, j: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(out_shape, (b, j, i))
+        return shift_right32(a[b, i, j].astype(I32), sh, key[0], flat, stochastic).astype(I8)
+
+    return _func([a, key, te.compute(out_shape, body, name="out")], name)
+
+
+# ----------------------------------------------------------------------------------- softmax
+
+
+def softmax_forward(rows: int, k: int, bits: int, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """kernels.softmax_forward on (rows, K): d = m - rowmax; E = EXP_TABLE[clamp(shift(d,
+    EXP_IN_EXP - e_x)) + 128] (a right shift rounded with keys[0], a left shift saturating);
+    S = row sum; R = idiv_round(2^30, S); p = min(shift_right(E R, 30 - (B - 1)) (keys[1]),
+    qmax(B)) at the fixed exponent -(B - 1). Flat index r K + j for both sites. Parameters
+    (x, e, keys, table, p): keys int64[2], table int32[256] (numerics.EXP_TABLE)."""
+    x = te.placeholder((rows, k), I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    keys = te.placeholder((2,), I64, name="keys")
+    table = te.placeholder((256,), I32, name="table")
+    rj = te.reduce_axis((0, k), "rj")
+    rowmax = te.compute((rows,), lambda r: te.max(x[r, rj], axis=rj), name="rowmax")
+
+    def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        d = x[r, j].astype(I64) - rowmax[r].astype(I64)  # int8 - int8 would wrap
+        s = (EXP_IN_EXP - e[0]).astype(I64)
+        flat = r.astype(I64) * k + j.astype(I64)
+        right = shift_signed(d, s, keys[0], flat, stochastic)
+        left = shift_left_saturating(d, -s)
+        idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
+        return table[(idx + 128).astype(I32)]
+
+    ex = te.compute((rows, k), lookup, name="ex")
+    rs = te.reduce_axis((0, k), "rs")
+    srow = te.compute((rows,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
+    one = tirx.const(1 << SOFTMAX_RECIP_LOG2, I64)
+    recip = te.compute((rows,), lambda r: idiv_round(one, srow[r]).astype(I32), name="recip")
+    shift = tirx.const(SOFTMAX_RECIP_LOG2 - (bits - 1), I32)
+
+    def prob(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = r.astype(I64) * k + j.astype(I64)
+        v = shift_right32(ex[r, j] * recip[r], shift, keys[1], flat, stochastic)  # E R <= 2^30
+        return tirx.min(v, qmax(bits)).astype(I8)
+
+    p = te.compute((rows, k), prob, name="p")
+    return _func([x, e, keys, table, p], name)
+
+
+def softmax_grad_terms(
+    rows: int, k: int, acc_bits: int, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """kernels.softmax_backward's aligned sum: s_r = sum_j dm p (dm: dy, pre-shifted for the
+    K-wide product, at e_s = e_dm + e_p); t = shift(dy, target - e_dy) (keys[0], flat index
+    r K + j) - shift(s_r, target - e_s) (keys[1], flat index r: the (rows, 1) term) with
+    target = aligned_target([(e_dy, 7), (e_s, acc_bits)]). Parameters (dy, e_dy, dm, e_dm, p,
+    e_p, keys, target, t): t int32 (rows, K), target int32[1]."""
+    dy = te.placeholder((rows, k), I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    dm = te.placeholder((rows, k), I8, name="dm")
+    e_dm = te.placeholder((1,), I32, name="e_dm")
+    p = te.placeholder((rows, k), I8, name="p")
+    e_p = te.placeholder((1,), I32, name="e_p")
+    keys = te.placeholder((2,), I64, name="keys")
+    rj = te.reduce_axis((0, k), "rj")
+    srow = te.compute(
+        (rows,),
+        lambda r: te.sum(dm[r, rj].astype(I32) * p[r, rj].astype(I32), axis=rj),
+        name="srow",
+    )
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e_dy[0], 7), (e_dm[0] + e_p[0], acc_bits)]), "target"
+    )
+    srow_aligned = te.compute(
+        (rows,),
+        lambda r: shift_signed(
+            -srow[r].astype(I64),
+            (target[0] - e_dm[0] - e_p[0]).astype(I64),
+            keys[1],
+            r.astype(I64),
+            stochastic,
+        ),
+        name="srow_aligned",
+    )
+
+    def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = r.astype(I64) * k + j.astype(I64)
+        t = (target[0] - e_dy[0]).astype(I64)
+        a = shift_signed(dy[r, j].astype(I64), t, keys[0], flat, stochastic)
+        return (a + srow_aligned[r]).astype(I32)
+
+    t = te.compute((rows, k), body, name="t")
+    return _func([dy, e_dy, dm, e_dm, p, e_p, keys, target, t], name)
+
+
+def product_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """acc = p * x: int8 p times int32 x (|.| < 2^31 by the caller's bounds). Parameters
+    (p, x, acc)."""
+    p = te.placeholder(shape, I8, name="p")
+    x = te.placeholder(shape, I32, name="x")
+    acc = te.compute(shape, lambda *i: p[i].astype(I32) * x[i], name="acc")
+    return _func([p, x, acc], name)
+
+
+# --------------------------------------------------------------------------------- LayerNorm
+# The statistics, 1/sigma and xhat are te_norm's batch-norm kernels on x seen as (1, R, D): the
+# "channels" are the rows, each reduced over its D elements, and the flat index of (1, R, D) is
+# that of (R, D). What differs is below: gamma and beta run along D (the reduction axis).
+
+LN_MAG = 7  # int8 mantissa magnitude bits (kernels._common.MAG)
+
+
+def ln_affine_compaction(
+    rows: int, d: int, bits: int, stochastic: bool, name: str
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """kernels.layernorm_forward's affine: aligned_sum of xhat * gamma[d] (14 bits, key 0, flat
+    index r D + d) and beta[d] (7 bits, key 1, flat index d: the (1, D) term), compacted without
+    being stored (te_compaction.fused_compaction): `<name>_shift` (xhat, e_x, gamma, e_g, beta,
+    e_b, keys, s, e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    shape = (rows, d)
+    xhat = te.placeholder(shape, I8, name="xhat")
+    e_x = te.placeholder((1,), I32, name="e_x")
+    gamma = te.placeholder((d,), I8, name="gamma")
+    e_g = te.placeholder((1,), I32, name="e_g")
+    beta = te.placeholder((d,), I8, name="beta")
+    e_b = te.placeholder((1,), I32, name="e_b")
+    keys = te.placeholder((2,), I64, name="keys")
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e_x[0] + e_g[0], 14), (e_b[0], 7)]), name="target"
+    )
+
+    # int32 lanes, as te_norm's batch-norm affine: every term stays below 2^29
+    def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        p = xhat[r, j].astype(I32) * gamma[j].astype(I32)
+        tp = target[0] - e_x[0] - e_g[0]
+        tb = target[0] - e_b[0]
+        a = shift_signed32(p, tp, keys[0], _flat_index(shape, (r, j)), stochastic, 15)
+        b = shift_signed32(beta[j].astype(I32), tb, keys[1], j.astype(I64), stochastic, 22)
+        return a + b
+
+    inputs = [xhat, e_x, gamma, e_g, beta, e_b, keys]
+    return fused_compaction(shape, inputs, target, body, bits, stochastic, name)
+
+
+def ln_param_grads(rows: int, d: int, pre_shifted: bool, name: str) -> tirx.PrimFunc:
+    """kernels.layernorm_backward step 1: dbeta[d] = sum_r dy, dgamma[d] = sum_r dp xhat (dp:
+    dy, or dy pre-shifted for the R-wide product), int32 column sums (the caps bound every
+    partial sum). Parameters (dy, [dp,] xhat, dgamma, dbeta)."""
+    shape = (rows, d)
+    dy = te.placeholder(shape, I8, name="dy")
+    dp = te.placeholder(shape, I8, name="dp") if pre_shifted else dy
+    xhat = te.placeholder(shape, I8, name="xhat")
+    rb = te.reduce_axis((0, rows), "rb")
+    dbeta = te.compute((d,), lambda j: te.sum(dy[rb, j].astype(I32), axis=rb), name="dbeta")
+    rg = te.reduce_axis((0, rows), "rg")
+    dgamma = te.compute(
+        (d,),
+        lambda j: te.sum(dp[rg, j].astype(I32) * xhat[rg, j].astype(I32), axis=rg),
+        name="dgamma",
+    )
+    return _func([dy, *([dp] if pre_shifted else []), xhat, dgamma, dbeta], name)
+
+
+def ln_grad_pre(d: int) -> int:
+    """kernels.layernorm_backward's static pre-shift of g = dy gamma (site 5): the excess of
+    21 + ceil log2 D over 31 bits (0: none)."""
+    return max(2 * LN_MAG + LN_MAG + ceil_log2(d) - 31, 0)
+
+
+def ln_grad_g(rows: int, d: int, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """kernels.layernorm_backward steps 2-3 before sgx's compaction: g = dy gamma[d]
+    (pre-shifted by ln_grad_pre(D) with key, flat index r D + d) at e_g = e_dy + e_gamma (+ the
+    pre-shift); sg_r = sum_d g, sgx_r = sum_d g xhat. Parameters (dy, e_dy, gamma, e_gamma,
+    xhat, key, g, e_g, sg, sgx): g int32 (R, D), sg and sgx int32 (R,)."""
+    shape = (rows, d)
+    pre = ln_grad_pre(d)
+    dy = te.placeholder(shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    gamma = te.placeholder((d,), I8, name="gamma")
+    e_gamma = te.placeholder((1,), I32, name="e_gamma")
+    xhat = te.placeholder(shape, I8, name="xhat")
+    key = te.placeholder((1,), I64, name="key")
+
+    def g_body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        v = dy[r, j].astype(I32) * gamma[j].astype(I32)  # |.| < 2^14
+        if pre == 0:
+            return v
+        flat = _flat_index(shape, (r, j))
+        return shift_right32(v, tirx.const(pre, I32), key[0], flat, stochastic)
+
+    g = te.compute(shape, g_body, name="g")
+    e_g = te.compute((1,), lambda i: e_dy[i] + e_gamma[i] + pre, name="e_g")
+    rj = te.reduce_axis((0, d), "rj")
+    sg = te.compute((rows,), lambda r: te.sum(g[r, rj], axis=rj), name="sg")
+    rk = te.reduce_axis((0, d), "rk")
+    sgx = te.compute(
+        (rows,), lambda r: te.sum(g[r, rk] * xhat[r, rk].astype(I32), axis=rk), name="sgx"
+    )
+    return _func([dy, e_dy, gamma, e_gamma, xhat, key, g, e_g, sg, sgx], name)
+
+
+def ln_grad_bracket(rows: int, d: int, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """kernels.layernorm_backward step 4: T = aligned_sum([(D g, e_g, 14 + lg), (-sg_r, e_g,
+    14 + lg), (-(xhat sgx16_r), e_xhat + e_sgx16, 22)]) with keys 0, 1, 2 (flat index r D + d,
+    r for the (R, 1) term, r D + d). Parameters (g, e_g, sg, xhat, e_xhat, sgx16, e_sgx16,
+    keys, target, t)."""
+    shape = (rows, d)
+    lg = ceil_log2(d)
+    g = te.placeholder(shape, I32, name="g")
+    e_g = te.placeholder((1,), I32, name="e_g")
+    sg = te.placeholder((rows,), I32, name="sg")
+    xhat = te.placeholder(shape, I8, name="xhat")
+    e_xhat = te.placeholder((1,), I32, name="e_xhat")
+    sgx16 = te.placeholder((rows,), I32, name="sgx16")
+    e_sgx16 = te.placeholder((1,), I32, name="e_sgx16")
+    keys = te.placeholder((3,), I64, name="keys")
+    e_x = e_xhat[0] + e_sgx16[0]
+    top = 2 * LN_MAG + lg
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e_g[0], top), (e_g[0], top), (e_x, 22)]), "target"
+    )
+    t_g = (target[0] - e_g[0]).astype(I64)
+    sg_aligned = te.compute(
+        (rows,),
+        lambda r: shift_signed(-sg[r].astype(I64), t_g, keys[1], r.astype(I64), stochastic),
+        name="sg_aligned",
+    )
+
+    def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, (r, j))
+        a = shift_signed(g[r, j].astype(I64) * d, t_g, keys[0], flat, stochastic)
+        px = -(xhat[r, j].astype(I64) * sgx16[r].astype(I64))
+        c = shift_signed(px, (target[0] - e_x).astype(I64), keys[2], flat, stochastic)
+        return (a + sg_aligned[r] + c).astype(I32)
+
+    t = te.compute(shape, body, name="t")
+    return _func([g, e_g, sg, xhat, e_xhat, sgx16, e_sgx16, keys, target, t], name)
+
+
+def ln_dx_acc(rows: int, d: int, name: str) -> tirx.PrimFunc:
+    """kernels.layernorm_backward steps 5-6 after T's compaction to 16 bits: Bk = div_const(T16,
+    Reciprocal.of(D)) at e_t16 - pow2, dx_acc = Bk rstd_r (<= 2^30) at e_grp_r = e_t16 - pow2 +
+    rstd_e_r. Parameters (t16, e_t16, rstd, rstd_e, acc, e_grp)."""
+    shape = (rows, d)
+    recip = Reciprocal.of(d)
+    t16 = te.placeholder(shape, I32, name="t16")
+    e_t16 = te.placeholder((1,), I32, name="e_t16")
+    rstd = te.placeholder((rows,), I32, name="rstd")
+    rstd_e = te.placeholder((rows,), I32, name="rstd_e")
+
+    def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        bk = div_const(t16[r, j].astype(I64), recip).astype(I32)
+        return bk * rstd[r]
+
+    acc = te.compute(shape, body, name="acc")
+    e_grp = te.compute((rows,), lambda r: e_t16[0] - recip.pow2 + rstd_e[r], name="e_grp")
+    return _func([t16, e_t16, rstd, rstd_e, acc, e_grp], name)
