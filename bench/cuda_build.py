@@ -7,8 +7,8 @@ For each model (batch 128) it builds the CUDA artifact of the whole training ste
 architectures (one TVM lowering, nvcc per architecture) and reads the SASS back: the table shows
 the kernel launches per step, the distinct kernels, TVM and nvcc seconds, the fewest IDP.4A / IMMA
 instructions in any GEMM kernel, floating-point instructions in any kernel (must be 0), and the
-GMACs of the step's products. ViT-tiny, whose transformer ops the step plan does not lower yet,
-builds its product kernels only (marked "products"). Writes bench/results/cuda_build.json.
+GMACs of the step's products (the ViT's whole step too: every op of it is lowered). Writes
+bench/results/cuda_build.json.
 Needs nvcc and `pip install -e .[cuda-tools]`; no GPU. With --check it exits 1 when a build
 breaks the rules of mexc.backends.cuda.sass_check (CI runs it for the models the test suite leaves
 out: SmallResNet, MobileNetV2Tiny, ResNet-18).
@@ -33,8 +33,8 @@ from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.backends.cuda.build import build_step  # noqa: E402
-from mexc.backends.cuda.nvcc import ARCHS, float_opcodes, integer_mma, sass_opcodes  # noqa: E402
-from mexc.backends.cuda.products_build import build_products, product_forms  # noqa: E402
+from mexc.backends.cuda.nvcc import ARCHS, float_opcodes, integer_mma  # noqa: E402
+from mexc.backends.cuda.products_build import product_forms  # noqa: E402
 from mexc.backends.cuda.sass_check import artifact_opcodes, verify_artifact  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
@@ -54,29 +54,15 @@ def measure(name: str, archs: tuple[str, ...], batch: int) -> dict[str, Any]:
     gmacs = round(sum(u.form.macs for u in product_forms(prog)) / 1e9, 3)
     ops: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if name == "ViTTiny":
-            secs = {"tvm": 0.0, "nvcc": 0.0}
-            for arch in archs:  # products only, one build per architecture
-                man = build_products(prog, arch, tmp)
-                found = sass_opcodes(Path(tmp) / man["cubin"])
+        man = build_step(prog, archs, tmp)
+        modules = artifact_opcodes(Path(tmp), man)
+        problems = verify_artifact(Path(tmp), man, modules)
+        for by_arch in modules:
+            for arch, found in by_arch.items():
                 ops.update({f"{arch}:{k}": v for k, v in found.items()})
-                secs = {k: secs[k] + man["seconds"][k] for k in secs}
-            kind, launches = "products", len(ops) // len(archs)
-            problems = [
-                f"{k}: float {float_opcodes(v)}" for k, v in ops.items() if float_opcodes(v)
-            ]
-            counts = {"plan_launches": 0, "distinct_funcs": 0}
-            gemms = [k for k in ops if k.endswith("_gemm_kernel")]
-        else:
-            man = build_step(prog, archs, tmp)
-            modules = artifact_opcodes(Path(tmp), man)
-            problems = verify_artifact(Path(tmp), man, modules)
-            for by_arch in modules:
-                for arch, found in by_arch.items():
-                    ops.update({f"{arch}:{k}": v for k, v in found.items()})
-            secs, launches, kind = man["seconds"], len(man["kernels"]), "step"
-            counts = man["counts"]
-            gemms = [f"{a}:{k}" for a in archs for k in man["gemm_kernels"]]
+        secs, launches, kind = man["seconds"], len(man["kernels"]), "step"
+        counts = man["counts"]
+        gemms = [f"{a}:{k}" for a in archs for k in man["gemm_kernels"]]
     return {
         "model": name,
         "build": kind,

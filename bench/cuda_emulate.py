@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
 from examples.resnet import ResNet18  # noqa: E402
+from examples.vit import ViTTiny  # noqa: E402
 from mexc.backends.cuda.build import build_step  # noqa: E402
 from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
@@ -37,6 +38,7 @@ from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
     **EXAMPLES,
     "ResNet18": (ResNet18, (3, 32, 32)),
+    "ViTTiny": (ViTTiny, (1, 28, 28)),
 }
 
 

@@ -98,9 +98,17 @@ def test_second_compile_comes_from_the_cache_and_the_key_follows_the_program(tmp
     assert np.isfinite(again.step(x, np.arange(8) % 10))
 
 
-def test_unsupported_op_names_the_node_and_the_way_out() -> None:
-    from examples.vit import ViTTiny
+def test_unsupported_op_names_the_node_and_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
 
+    from examples.vit import ViTTiny
+    from mexc.ir import Op
+    from mexc.ops import REGISTRY
+
+    # every op is lowered now: take the TIR lowering of one away to see the refusal
+    d = REGISTRY[Op.SOFTMAX]
+    lower = {k: v for k, v in d.lower.items() if k != "tir"}
+    monkeypatch.setitem(REGISTRY, Op.SOFTMAX, dataclasses.replace(d, lower=lower))
     torch.manual_seed(0)
     with pytest.raises(UnsupportedOpError) as err:
         mexc.compile(ViTTiny(depth=1), (torch.zeros(2, 1, 28, 28),), target="llvm")
