@@ -23,6 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
+from examples.vit import ViTTiny  # noqa: E402
+
+MODELS = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 KINDS = {"a": "pack_a", "b": "pack_b / interleave_b"}  # symbols ending in _pack_a / _pack_b
@@ -34,7 +37,7 @@ def kind_of(symbol: str) -> str:
 
 
 def measure(name: str, repeats: int, top: int) -> dict[str, object]:
-    cls, shape = EXAMPLES[name]
+    cls, shape = MODELS[name]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((128, *shape)).astype(np.float32)
     y = rng.integers(0, 10, 128)
