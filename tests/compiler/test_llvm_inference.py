@@ -1,4 +1,5 @@
-"""Compiled inference on target="llvm": predict / evaluate / logits run the inference launch plan
+"""Compiled inference on target="llvm" (and the CUDA artifact of the same plan on the emulator,
+and the GPU plan's llvm twin): predict / evaluate / logits run the inference launch plan
 (step_plan.build_inference_plan: eval-mode batch norm on the running statistics, dropout off,
 the logits as the classifier's int32 accumulator) over the training step's state buffers, and
 equal the reference bit for bit: the logits' accumulators and exponents batch by batch, the
@@ -6,6 +7,9 @@ predictions and the accuracy, after a few training steps, for a row count that i
 multiple of the batch (the last batch padded with zero rows, as the reference does)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,9 @@ from mexc.backends.llvm.step import LlvmProgram
 from mexc.lowering.step_plan import build_inference_plan
 from mexc.mx import Acc
 from tests.compiler.helpers import EXAMPLES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
 
 
 def _optimizer() -> mexc.SGD:
@@ -37,7 +44,7 @@ def _pair(factory, batch: int, shape: tuple[int, ...]) -> tuple[mexc.Program, Ll
     return ref, llvm
 
 
-def _assert_same_inference(ref: mexc.Program, llvm: LlvmProgram, x: np.ndarray) -> None:
+def _assert_same_inference(ref: mexc.Program, llvm: mexc.Program, x: np.ndarray) -> None:
     want, got = ref.logit_batches(x), llvm.logit_batches(x)
     assert [n for _, n in got] == [n for _, n in want]
     for (a, _), (b, _) in zip(want, got):
@@ -115,3 +122,42 @@ def test_the_inference_plan_shares_the_state_and_leaves_it_alone() -> None:
     for name in state:  # the same memory, not a copy
         assert np.shares_memory(bufs.np[name], llvm._bufs.np[name])
     assert llvm.buffer_digests() == before
+
+
+def _trained_reference(name: str, batch: int, steps: int = 2) -> tuple[mexc.Program, tuple]:
+    cls, shape = EXAMPLES[name]
+    torch.manual_seed(0)
+    ref = mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=_optimizer())
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((batch, *shape)), rng.integers(0, 10, batch)
+    for _ in range(steps):
+        ref.step(x, y)
+    return ref, shape
+
+
+def test_gpu_variant_of_the_inference_plan_on_the_host() -> None:
+    """The GPU plan's inference (padded GEMM forms, the GPU's rules) run by the llvm twin."""
+    ref, shape = _trained_reference("SmallResNet", 2)
+    twin = LlvmProgram(ref.retargeted("llvm"), plan_device="gpu")
+    x = np.random.default_rng(8).standard_normal((5, *shape))
+    _assert_same_inference(ref, twin, x)
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("name", ["SmallResNet", "MLP"])
+def test_cuda_inference_artifact_on_the_emulator(name: str, tmp_path: Path) -> None:
+    """The CUDA artifact of the inference plan (build_step(..., inference=True)), its own
+    kernel source emulated on the CPU in both launch orders, equals the reference."""
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import ORDER_LAYOUT, EmulatedCudaProgram
+    from mexc.backends.cuda.program import StepArtifact
+
+    ref, shape = _trained_reference(name, 2)
+    man = build_step(ref, ("sm_80",), tmp_path, inference=True)
+    assert "logits" in man and set(man["state"]) < set(ref.state)  # no velocities
+    x = np.random.default_rng(9).standard_normal((5, *shape))
+    for order, layout in ORDER_LAYOUT.items():
+        emu = EmulatedCudaProgram(
+            StepArtifact.load(tmp_path), ref, reverse=order == "reverse", layout=layout
+        )
+        _assert_same_inference(ref, emu, x)
