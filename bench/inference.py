@@ -15,14 +15,16 @@ is timed on its own as `compile s`. Prints a table; writes bench/results/inferen
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as bench/step_time.py
+# a cold compile: this run's own kernel cache (read when mexc is imported, so set it first)
+os.environ["MEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mexc-bench-cache-")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -93,7 +95,6 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "inference.json"))
     args = ap.parse_args()
-    os.environ["MEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mexc-bench-cache-")  # cold compile
     os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())  # same threads as PyTorch
     rows = [
         measure(m, args.batch, args.rows, args.repeats, args.settle, args.train_steps)

@@ -38,6 +38,7 @@ from mexc.backends.plan_layout import (
     separate_bytes,
 )
 from mexc.backends.plan_runtime import PlanProgram, window
+from mexc.errors import UnsupportedOpError
 from mexc.lowering.cpu_gemm import schedule_parallel
 from mexc.lowering.step_plan import (
     StepPlan,
@@ -255,6 +256,8 @@ class LlvmProgram(PlanProgram):
         compiled = compile_program(prog, cpu, plan_device, pack_budget)
         self._build = (cpu, plan_device, pack_budget, layout)
         self._inf: tuple[dict[str, Any], _Buffers, list[tuple[Any, list[Any]]]] | None = None
+        # why predict runs the reference instead of an inference plan ("": it does not)
+        self.inference_fallback = ""
         self.libraries = compiled.libraries
         self._bufs = _Buffers(compiled.manifest, layout)
         self.separate_buffers = layout == "separate"
@@ -281,9 +284,15 @@ class LlvmProgram(PlanProgram):
     # the inference plan: compiled on first use (predict, evaluate, logits), over the training
     # step's state buffers (shared: no copy) and, where it fits, its arena
     def _inference_plan(self) -> dict[str, Any] | None:
+        if self.inference_fallback:
+            return None
         if self._inf is None:
             cpu, plan_device, pack_budget, layout = self._build
-            compiled = compile_program(self, cpu, plan_device, pack_budget, inference=True)
+            try:
+                compiled = compile_program(self, cpu, plan_device, pack_budget, inference=True)
+            except UnsupportedOpError as err:  # the reference's inference path: exact too
+                self.inference_fallback = str(err)
+                return None
             bufs = _Buffers(compiled.manifest, layout, shared=self._bufs)
             calls = [
                 (compiled.function(symbol), [bufs.t[a] for a in args])
