@@ -104,6 +104,22 @@ def test_dropout_and_batchnorm1d_eval() -> None:
     _assert_same_inference(ref, llvm, rng.standard_normal((13, 12)))
 
 
+def test_inference_follows_a_loaded_state_and_the_separate_layout() -> None:
+    """load_state_dict writes the shared buffers: predict sees it. layout="separate" (no arena
+    to share) gives the same bits."""
+    ref, llvm = _pair(_DropoutHead, 6, (12,))
+    rng = np.random.default_rng(6)
+    x, y = rng.standard_normal((6, 12)), rng.integers(0, 10, 6)
+    xe = rng.standard_normal((7, 12))
+    _assert_same_inference(ref, llvm, xe)  # compiles the inference plan on the initial state
+    for _ in range(3):
+        ref.step(x, y)
+    llvm.load_state_dict(ref.state_dict())
+    _assert_same_inference(ref, llvm, xe)
+    separate = LlvmProgram(ref.retargeted("llvm"), layout="separate")
+    _assert_same_inference(ref, separate, xe)
+
+
 def test_the_inference_plan_shares_the_state_and_leaves_it_alone() -> None:
     cls, shape = EXAMPLES["SmallResNet"]
     _, llvm = _pair(cls, 2, shape)
