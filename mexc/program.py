@@ -30,7 +30,7 @@ from mexc.backends.reference.interp import (
 )
 from mexc.errors import CheckpointError, InputError
 from mexc.ir import Graph, Op
-from mexc.mx import MX, RoundCtx
+from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, state_checksum
 from mexc.optim import SGD, Constant, Cosine, Step
 from mexc.parser import parse_graph
@@ -168,8 +168,13 @@ class Program:
         self.step_count += 1
         return float(values[self.graph.output("loss")])
 
-    def logits(self, x: Any) -> np.ndarray:
-        """Dequantized logits (float64) of the inference path, for any number of rows."""
+    def logit_batches(self, x: Any) -> list[tuple[MX | Acc, int]]:
+        """The inference path's logits, batch by batch: (the logits of one full batch, as the
+        int32 accumulator and its exponent (Acc) when a product computes them, else an MX;
+        how many of its rows are x's). x's rows run in batches of the compiled batch size; the
+        last one is padded with zero rows, whose logits are dropped. Rows of a batch are not
+        independent (per-tensor exponents, batch norm's per-channel shifts take maxima over
+        the batch), so every backend pads the same way: this is the definition."""
         xs = self._check_x(x, exact_batch=False)
         out = []
         for start in range(0, xs.shape[0], self.batch):
@@ -178,15 +183,23 @@ class Program:
             if n < self.batch:
                 pad = np.zeros((self.batch - n, *self.input_shape))
                 chunk = np.concatenate([chunk, pad])
-            env = StepEnv(
-                ctx=RoundCtx("nearest", self.options.seed, 0, self.options.bits),
-                train=False,
-                x=chunk,
-                y=None,
-                state=self.state,
-            )
-            logits = infer(self._eval_nodes, env, self.graph.output("logits"), self._eval_last_use)
-            out.append(logits.dequantize()[:n])
+            out.append((self._infer_batch(chunk), n))
+        return out
+
+    def _infer_batch(self, xs: np.ndarray) -> MX | Acc:
+        """The logits of one full batch (float64, checked): the reference's inference nodes."""
+        env = StepEnv(
+            ctx=RoundCtx("nearest", self.options.seed, 0, self.options.bits),
+            train=False,
+            x=xs,
+            y=None,
+            state=self.state,
+        )
+        return infer(self._eval_nodes, env, self.graph.output("logits"), self._eval_last_use)
+
+    def logits(self, x: Any) -> np.ndarray:
+        """Dequantized logits (float64) of the inference path, for any number of rows."""
+        out = [v.dequantize()[:n] for v, n in self.logit_batches(x)]
         return np.concatenate(out) if out else np.zeros((0, self.num_classes))
 
     def predict(self, x: Any) -> np.ndarray:

@@ -5,7 +5,8 @@ The layout puts every buffer at a byte offset of one of two allocations:
 
 - **state**: what must survive between steps or is touched by the host: the parameters,
   velocities and running statistics, the constants, and the per-step host inputs and outputs
-  (quantized batch, labels, valid count, learning rate, stream keys, probabilities);
+  (quantized batch, labels, valid count, learning rate, stream keys, probabilities; the
+  logits of an inference plan);
 - **arena**: everything else (activations saved for the backward pass, gradients, GEMM packs and
   accumulators, exponents, kernel scratch). A buffer is live from the first launch that names it
   (through any view) to the last; buffers whose lifetimes do not overlap share bytes
@@ -47,6 +48,7 @@ def persistent_names(manifest: dict[str, Any]) -> set[str]:
         names |= {m, e}
     names |= set(manifest["input"])
     names |= {manifest[k] for k in ("keys", "labels", "valid", "lr", "probs") if manifest[k]}
+    names |= set(manifest.get("logits", ()))  # the inference plan's result
     return {_root(views, n) for n in names if n}
 
 

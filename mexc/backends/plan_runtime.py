@@ -19,7 +19,7 @@ import numpy as np
 
 from mexc.kernels.loss import ce_loss
 from mexc.kernels.quantize import quantize
-from mexc.mx import MX
+from mexc.mx import MX, Acc
 from mexc.numerics import stream_keys
 from mexc.program import Program
 
@@ -37,6 +37,7 @@ PLAN_FIELDS = (
     "lr",
     "probs",
 )
+# and, in an inference plan's manifest only (step_plan.build_inference_plan): "logits"
 
 
 def window(base: Any, shape: Sequence[int], offset: int) -> Any:
@@ -127,6 +128,41 @@ class PlanProgram(Program):
         self._write(plan["lr"], np.array([lr.num, lr.shift], np.int32))
         keys = stream_keys(self.options.seed, self.step_count, self._key_ids)
         self._write(plan["keys"], keys.astype(np.int64))
+
+    # ----------------------------------------------------------------------------- inference
+    # A backend with a compiled inference plan (step_plan.build_inference_plan: the eval-mode
+    # logits over the training plan's state buffers) returns its manifest from
+    # `_inference_plan` and runs it with the `_infer_*` hooks; without one (None), predict and
+    # evaluate run the reference's inference nodes on a copy of the state.
+
+    def _inference_plan(self) -> dict[str, Any] | None:
+        """The inference plan's manifest (built on first use), or None: the reference runs."""
+        return None
+
+    def _infer_write(self, name: str, values: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _infer_read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _infer_run(self) -> None:
+        raise NotImplementedError
+
+    def _infer_batch(self, xs: np.ndarray) -> MX | Acc:
+        plan = self._inference_plan()
+        if plan is None:
+            return super()._infer_batch(xs)
+        q = quantize(xs, self.options.bits)  # the float boundary, on the host
+        xm, xe = plan["input"]
+        self._infer_write(xm, q.m)
+        self._infer_write(xe, np.array([int(q.e)], np.int32))
+        self._infer_run()
+        m, e = plan["logits"]
+        shape = tuple(int(d) for d in self.graph.type_of(self.graph.output("logits")).shape)
+        mant, exp = self._infer_read(m).reshape(shape), np.int64(self._infer_read(e)[0])
+        if mant.dtype == np.int32:  # the product's accumulator (docs/numerics.md section 15)
+            return Acc(mant.astype(np.int64), np.asarray(exp))
+        return MX.of(mant, int(exp))
 
     def step(self, x: Any, y: Any) -> float:
         xs = self._check_x(x, exact_batch=True)

@@ -111,6 +111,8 @@ class StepPlan:
     valid: str = ""
     lr: str = "lr"
     probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
+    # the inference plan's logits: mantissas (int8) or int32 accumulator, exponent
+    logits: tuple[str, str] = ("", "")
 
 
 def shape4(shape: Shape) -> tuple[int, int, int, int]:

@@ -67,20 +67,33 @@ class DenseRules(PlanBuilder):
         func = te_ops.relu_backward(rows, f"n{n.id}_relu_grad")
         self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), dx))
 
-    def linear(self, n: Node) -> None:
+    def linear(self, n: Node, wide: bool = False) -> None:
         x, w = n.inputs[0], n.inputs[1]
         o, k = self.shape(w)
         rows = int(np.prod(self.shape(x)[:-1]))
         xm, ex = self.fit_operand(n, x, k)
         form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
         whole = self.whole(Product(form, (k,), (o,)), (self.view(xm, (rows, k)), self.m[w]))
-        if not n.attrs.has_bias:
+        if not n.attrs.has_bias and not wide:
             self.compacted_product(n, whole, self.product_exp(n, ex, w))
             return
         acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
         self.gemm(whole, acc)
         acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), (rows, o), k)
+        if wide:
+            self.keep_wide(n, acc, e_acc)
+            return
         self.compact(n, acc, e_acc, (rows, o), 0)
+
+    def linear_wide(self, n: Node) -> None:
+        """The linear layer that computes the inference logits ("tir_wide"): its int32
+        accumulator (bias aligned, kernels.linear_accumulate) is the result, not compacted."""
+        self.linear(n, wide=True)
+
+    def keep_wide(self, n: Node, acc: str, e_acc: str) -> None:
+        """Result 0 of product n is its accumulator `acc` (int32, the result's shape) at e_acc."""
+        v = n.result(0)
+        self.m[v], self.e[v] = self.view(acc, self.shape(v)), e_acc
 
     def add_bias(self, n: Node, acc: str, e_acc: str, shape: Shape, k: int) -> tuple[str, str]:
         """kernels.linear.add_bias on a K-wide product accumulator (bias along axis 1, sites 1
@@ -192,31 +205,38 @@ class DenseRules(PlanBuilder):
         o, _, kh, kw = w_shape
         return ConvGeom.of(nb, c, h, w, o, kh, kw, at.stride, at.padding, at.groups)
 
-    def conv(self, n: Node) -> None:
+    def conv(self, n: Node, wide: bool = False) -> None:
         x, w = n.inputs[0], n.inputs[1]
         g = self.geom(n, self.shape(x), self.shape(w))
         k = g.cg * g.kh * g.kw
         xm, ex = self.fit_operand(n, x, k)
+        acc = ""
         if self.device.direct_depthwise and te_depthwise.applies(g):
             acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
             func = te_depthwise.depthwise_acc(g, f"n{n.id}_fwd_depthwise")
             self.launch(func, (xm, self.m[w], acc))
-            acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), g.y_shape, k)
-            self.compact(n, acc, e_acc, g.y_shape, 0)
-            return
+        else:
 
-        def forward(samples: int) -> Product:
-            form = gf.conv_forward(f"n{n.id}_fwd", replace(g, n=samples))
-            return Product(form, (g.cg, g.kh, g.kw), (samples, g.oh, g.ow), (g.og,))
+            def forward(samples: int) -> Product:
+                form = gf.conv_forward(f"n{n.id}_fwd", replace(g, n=samples))
+                return Product(form, (g.cg, g.kh, g.kw), (samples, g.oh, g.ow), (g.og,))
 
-        ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False))
-        if not n.attrs.has_bias:
-            self.compacted_product(n, ch, self.product_exp(n, ex, w))
-            return
-        acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
-        self.gemm(ch, acc)
+            ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False))
+            if not n.attrs.has_bias and not wide:
+                self.compacted_product(n, ch, self.product_exp(n, ex, w))
+                return
+            acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
+            self.gemm(ch, acc)
         acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), g.y_shape, k)
+        if wide:
+            self.keep_wide(n, acc, e_acc)
+            return
         self.compact(n, acc, e_acc, g.y_shape, 0)
+
+    def conv_wide(self, n: Node) -> None:
+        """The convolution that computes the inference logits ("tir_wide"): its int32
+        accumulator (kernels.conv2d_accumulate) is the result, not compacted."""
+        self.conv(n, wide=True)
 
     def conv_grad_input(self, n: Node) -> None:
         dy, w = n.inputs

@@ -1,5 +1,5 @@
-"""Op rules of the launch plan for batch normalization: training forward, backward and the
-running statistics (te_norm's kernels)."""
+"""Op rules of the launch plan for batch normalization: training forward, backward, the
+running statistics, and the eval-mode forward of the inference plan (te_norm's kernels)."""
 
 from __future__ import annotations
 
@@ -124,3 +124,31 @@ class NormRules(PlanBuilder):
             apply = compaction_apply((c,), self.bits, True, self.stochastic, name)
             self.launch(apply, (acc, sh, key, self.m[r]))
             self.m[n.result(j)], self.e[n.result(j)] = self.m[r], self.e[r]
+
+    def batchnorm_eval(self, n: Node) -> None:
+        """Eval-mode batch norm on the running statistics (kernels.batchnorm_forward_eval), the
+        inference plan's rule ("tir_eval"): results 1 and 2 (what the backward pass saves) are
+        not computed. The running statistics are read in their state buffers."""
+        if self.stochastic:
+            raise unsupported(n, "eval-mode batch norm rounds to nearest")
+        x, gamma, beta, rm, rv = n.inputs
+        xs = self.shape(x)
+        ncs = ncs_of(xs)
+        cc = (ncs[1],)
+        eps = _eps_fixed(float(n.attrs.eps))
+        c_rm, c_rv = (self.buffer_shape(self.e[v])[0] for v in (rm, rv))
+        xc16 = self.buf(f"n{n.id}.xc16", ncs, I32)
+        rstd, e_grp = self.buf(f"n{n.id}.rstd", cc, I32), self.buf(f"n{n.id}.e_grp", cc, I32)
+        center = te_norm.bn_eval_center(ncs, c_rm, c_rv, eps, f"n{n.id}_bn_eval_center")
+        args: tuple[str, ...] = (self.ncs_view(self.m[x], xs), self.e[x], self.m[rm], self.e[rm])
+        self.launch(center, (*args, self.m[rv], self.e[rv], xc16, rstd, e_grp))
+        sh, e_xhat = self.buf(f"n{n.id}.sh3", cc, I32), self.buf(f"n{n.id}.e3", (1,), I32)
+        shift = te_norm.bn_eval_xhat_shift(ncs, self.bits, f"n{n.id}_bn_eval_xhat_shift")
+        self.launch(shift, (xc16, rstd, e_grp, sh, e_xhat))
+        xhat = self.ncs_view(self.buf(f"n{n.id}.xhat", xs, I8), xs)
+        apply = te_norm.bn_eval_xhat_apply(ncs, self.bits, f"n{n.id}_bn_eval_xhat_apply")
+        self.launch(apply, (xc16, rstd, sh, self.keys(n, (3,), "key3"), xhat))
+        keys = self.keys(n, (4, 5), "affine_keys")
+        args = (xhat, e_xhat, self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
+        affine = te_norm.bn_affine_compaction(ncs, self.bits, False, f"n{n.id}_bn_affine")
+        self.compact_unstored(n, 6, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))

@@ -67,6 +67,11 @@ class PoolRules(PlanBuilder):
         self.launch(func, (self.m[x], key, mask, acc))
         self.compact(n, acc, self.exp_offset(n, self.e[x], -scale.shift, "e_acc"), shape, 1)
 
+    def dropout_eval(self, n: Node) -> None:
+        """Dropout off (the inference plan, "tir_eval"): result 0 is the input, no mask."""
+        x, v = n.inputs[0], n.result(0)
+        self.m[v], self.e[v] = self.m[x], self.e[x]
+
     def dropout_grad(self, n: Node) -> None:
         dy, mask = n.inputs
         scale = dropout_scale(FixedScalar.of(float(n.attrs.p)))

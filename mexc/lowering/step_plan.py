@@ -33,6 +33,7 @@ import tvm_ffi
 from tvm import tirx
 
 from mexc.backends.plan_runtime import PLAN_FIELDS
+from mexc.backends.reference.interp import needed_nodes
 from mexc.ir import Graph, Value
 from mexc.lowering.devices import Device, device_of
 from mexc.lowering.plan_attention import AttentionRules
@@ -44,7 +45,7 @@ from mexc.lowering.plan_transformer import TransformerRules
 from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
 
-__all__ = ["Launch", "StepPlan", "View", "build_plan", "SUPPORTED"]
+__all__ = ["Launch", "StepPlan", "View", "build_inference_plan", "build_plan", "SUPPORTED"]
 
 
 class PlanRules(DenseRules, NormRules, PoolRules, TransformerRules, AttentionRules):
@@ -95,6 +96,43 @@ def build_plan(
     return b.plan
 
 
+def build_inference_plan(
+    prog: Program,
+    lanes: int = 8,
+    device: str | Device = "cpu",
+    gemm_kernel: str = "int32",
+    pack_budget: int | None = None,
+) -> StepPlan:
+    """The launch plan of `prog`'s inference path (Program.logits): the nodes the logits need
+    (interp.needed_nodes), in eval mode and rounding to nearest, as the reference's `infer`
+    runs them. An op's "tir_eval" rule where it has one (batch norm on the running statistics,
+    dropout off), else its "tir" rule; the product that computes the logits by its "tir_wide"
+    rule (the int32 accumulator and its exponent, OpDef.reference_wide). The parameters and
+    running statistics are the training plan's state buffers, by the same names ("state:<name>"):
+    a runtime that shares them sees the live state without copying it. No rule writes in place
+    (the training step's memory plan does not hold for this subgraph), and nothing writes the
+    state. Batch: the program's; plan.logits names the result."""
+    b = PlanRules(prog, lanes, device_of(device), gemm_kernel, pack_budget)
+    b.stochastic = False  # the inference path rounds to nearest (Program.logits)
+    b.in_place = set()
+    out = prog.graph.output("logits")
+    nodes = needed_nodes(prog.graph, ["logits"])
+    for n in nodes:
+        d = op_def(n.op)
+        if n is nodes[-1] and d.reference_wide is not None and n.result(0) == out:
+            rule = d.resolve("tir_wide")
+            missing = "its accumulator form for the logits (tir_wide)"
+        else:
+            rule = d.resolve("tir_eval") or d.resolve("tir")
+            missing = "its eval-mode form"
+        if rule is None:
+            raise unsupported(n, f"op `{n.op.value}` is not lowered to TVM yet ({missing})")
+        rule(b, n)
+    b.plan.logits = (b.m[out], b.e[out])
+    b.buf(b.plan.keys, (max(len(b.plan.key_ids), 1),), I64)
+    return b.plan
+
+
 def distinct_kernels(
     plan: StepPlan, schedule: Callable[[tirx.PrimFunc], tirx.PrimFunc]
 ) -> tuple[dict[str, tirx.PrimFunc], dict[str, str]]:
@@ -134,4 +172,6 @@ def plan_manifest(plan: StepPlan) -> dict[str, Any]:
         "probs": plan.probs,
     }
     assert tuple(out) == PLAN_FIELDS
+    if any(plan.logits):  # an inference plan (build_inference_plan)
+        out["logits"] = list(plan.logits)
     return out

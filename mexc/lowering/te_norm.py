@@ -551,3 +551,84 @@ def bn_ema(
 
     acc = te.compute((channels,), body, name="acc")
     return _func([r, r_e, b16, e_b, s, keys, target, acc], name)
+
+
+# ----------------------------------------------------------------------------------- evaluation
+
+
+def bn_eval_center(
+    shape: NCS, c_rm: int, c_rv: int, eps: FixedScalar, name: str = "bn_eval_center"
+) -> tirx.PrimFunc:
+    """kernels.norm.batchnorm_forward_eval up to its xhat accumulator, rounding to nearest (the
+    inference path's rounding: no keys). Per channel target t_c of
+    aligned_sum([(x, ex, 7), (-rm_c, e_rm_c, 7)]) and xc = the aligned sum (sites 0, 1);
+    sx_c = max(bitlen(max |xc|) - 15, 0) over the channel's (n, s); xc16 = shift_right(xc, sx_c)
+    (site 2); rstd, rstd_e from (rv, e_rv) (kernels.norm._rstd: `_rstd_stages`);
+    e_grp = t_c + sx_c + rstd_e_c, the exponent of xc16 * rstd in channel c.
+    Parameters (x, ex, rm, e_rm, rv, e_rv, xc16, rstd, e_grp); e_rm, e_rv hold one exponent per
+    channel (c_rm = C) or one for all (c_rm = 1)."""
+    c = shape[1]
+    x = te.placeholder(shape, I8, name="x")
+    ex = te.placeholder((1,), I32, name="ex")
+    rm = te.placeholder((c,), I8, name="rm")
+    e_rm = te.placeholder((c_rm,), I32, name="e_rm")
+    rv = te.placeholder((c,), I8, name="rv")
+    e_rv = te.placeholder((c_rv,), I32, name="e_rv")
+    zero = _c(0)
+
+    def erm(ch: tirx.PrimExpr) -> tirx.PrimExpr:
+        return e_rm[ch if c_rm > 1 else 0].astype(I64)
+
+    tgt = _per_channel(
+        shape, lambda ch: aligned_target([(ex[0].astype(I64), 7), (erm(ch), 7)]), "tgt"
+    )
+
+    def xc(n: tirx.PrimExpr, ch: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        a = shift_signed(x[n, ch, s].astype(I64), tgt[ch] - ex[0].astype(I64), zero, zero, False)
+        b = shift_signed(-rm[ch].astype(I64), tgt[ch] - erm(ch), zero, zero, False)
+        return a + b
+
+    rs = te.reduce_axis((0, shape[2]), "xs")
+    part = te.compute(
+        shape[:2], lambda n, ch: te.max(iabs(xc(n, ch, rs)), axis=rs), name="xc_amax_nc"
+    )
+    rn = te.reduce_axis((0, shape[0]), "xn")
+    amax = _per_channel(shape, lambda ch: te.max(part[rn, ch], axis=rn), "xc_amax")
+    bl = _bitlen(amax, "bl_xc")
+    sx = _per_channel(shape, lambda ch: tirx.max(bl[ch].astype(I64) - 15, zero), "sx")
+    xc16 = te.compute(
+        shape,
+        lambda n, ch, s: shift_signed(xc(n, ch, s), sx[ch], zero, zero, False).astype(I32),
+        name="xc16",
+    )
+    var_m = _per_channel(shape, lambda ch: rv[ch].astype(I64), "var_m")
+    ev = _per_channel(shape, lambda ch: e_rv[ch if c_rv > 1 else 0].astype(I64), "ev")
+    rstd, rstd_e = _rstd_stages(var_m, ev, eps)
+    e_grp = _per_channel(shape, lambda ch: (tgt[ch] + sx[ch] + rstd_e[ch]).astype(I32), "e_grp")
+    return _func([x, ex, rm, e_rm, rv, e_rv, xc16, _to_i32(rstd), e_grp], name)
+
+
+def _eval_xhat_inputs(shape: NCS) -> tuple[list[te.Tensor], Callable[..., tirx.PrimExpr]]:
+    """(xc16, rstd) and the eval xhat accumulator xc16 * rstd (|.| <= 2^30), computed where it
+    is read."""
+    xc16 = te.placeholder(shape, I32, name="xc16")
+    rstd = te.placeholder((shape[1],), I32, name="rstd")
+    return [xc16, rstd], lambda n, c, s: xc16[n, c, s] * rstd[c]
+
+
+def bn_eval_xhat_shift(shape: NCS, bits: int, name: str = "bn_eval_xhat_shift") -> tirx.PrimFunc:
+    """common_shift of the eval xhat accumulator. Parameters (xc16, rstd, e_grp, sh, e_out)."""
+    inputs, acc = _eval_xhat_inputs(shape)
+    e_grp = te.placeholder((shape[1],), I32, name="e_grp")
+    sh, e_out = _common_shift(shape, acc, e_grp, bits)
+    return _func([*inputs, e_grp, sh, e_out], name)
+
+
+def bn_eval_xhat_apply(shape: NCS, bits: int, name: str = "bn_eval_xhat_apply") -> tirx.PrimFunc:
+    """common_apply of the eval xhat accumulator, nearest (site 3). Parameters
+    (xc16, rstd, sh, key, m)."""
+    inputs, acc = _eval_xhat_inputs(shape)
+    sh = te.placeholder((shape[1],), I32, name="sh")
+    key = te.placeholder((1,), I64, name="key")
+    m = _common_apply(shape, acc, sh, key, bits, False)
+    return _func([*inputs, sh, key, m], name)

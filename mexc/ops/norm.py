@@ -144,7 +144,11 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.BatchNorm2d", "torch.nn.BatchNorm1d"), _batchnorm_module),
         ),
-        lower={"tir": "step_plan:PlanRules.batchnorm", "c": "emit:_batchnorm"},
+        lower={
+            "tir": "step_plan:PlanRules.batchnorm",
+            "tir_eval": "step_plan:PlanRules.batchnorm_eval",
+            "c": "emit:_batchnorm",
+        },
         doc="batch norm: batch statistics in training, running statistics in evaluation",
     ),
     OpDef(

@@ -28,9 +28,16 @@ AttrValue = int | bool | str | float | tuple[int, ...] | None
 
 # backend -> the lowering key it executes: llvm and cuda share the TIR launch plan
 BACKEND_LOWERING = {"reference": "reference", "llvm": "tir", "cuda": "tir", "c": "c"}
+# the inference launch plan (step_plan.build_inference_plan) of the TIR backends: "tir_eval" is
+# an op's eval-mode rule where it differs from training (batch norm on running statistics,
+# dropout off; the op's "tir" rule otherwise), "tir_wide" a product's rule when it computes the
+# logits, kept as its int32 accumulator (OpDef.reference_wide, docs/numerics.md section 15)
+INFERENCE_LOWERING = ("tir_eval", "tir_wide")
 # prefixes of the lowering references
 _LOWERING_MODULES = {
     "tir": "mexc.lowering.",
+    "tir_eval": "mexc.lowering.",
+    "tir_wide": "mexc.lowering.",
     "c": "mexc.backends.c.",
     "gemm": "mexc.backends.cuda.",
 }
@@ -66,8 +73,9 @@ class OpDef:
     reference_wide: Callable[[Node, list[Any], Any], Any] | None = None
     frontend: tuple[Pattern, ...] = ()
     # lowering key -> "module:qualname": "tir" under mexc.lowering (a PlanRules method, taking
-    # (builder, node)), "c" under mexc.backends.c (an emitter taking (emitter, node)), "gemm"
-    # under mexc.backends.cuda (a product's GEMM forms, taking (graph, node))
+    # (builder, node); "tir_eval" / "tir_wide" the same for the inference plan:
+    # INFERENCE_LOWERING), "c" under mexc.backends.c (an emitter taking (emitter, node)),
+    # "gemm" under mexc.backends.cuda (a product's GEMM forms, taking (graph, node))
     lower: Mapping[str, str] = field(default_factory=dict)
     boundary: bool = False  # graph boundary: no inputs, no gradient, not computed
     no_grad: bool = False  # no gradient flows through it (besides the boundary: quantization)

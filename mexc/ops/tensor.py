@@ -280,7 +280,7 @@ define(
             Pattern("module", ("torch.nn.Dropout",), _dropout_module),
             Pattern("function", ("torch.nn.functional.dropout",), _dropout_function),
         ),
-        lower={"tir": _tir("dropout"), "c": "emit:_dropout"},
+        lower={"tir": _tir("dropout"), "tir_eval": _tir("dropout_eval"), "c": "emit:_dropout"},
         doc="inverted dropout with an integer keep mask from the PRNG",
     ),
     OpDef(

@@ -10,7 +10,7 @@ import pytest
 from mexc.ir import Op
 from mexc.ops import REGISTRY
 from mexc.ops.coverage import table
-from mexc.ops.registry import BACKEND_LOWERING
+from mexc.ops.registry import BACKEND_LOWERING, INFERENCE_LOWERING
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_every_named_lowering_exists(op: Op) -> None:
         assert callable(d.resolve(key)), (op, key)
     for p in d.frontend:
         assert p.kind in ("module", "function", "method") and callable(p.convert)
-    assert set(d.lower) <= {*BACKEND_LOWERING.values(), "gemm"}
+    assert set(d.lower) <= {*BACKEND_LOWERING.values(), *INFERENCE_LOWERING, "gemm"}
 
 
 def test_forward_ops_are_named_in_at_most_three_files() -> None:

@@ -37,7 +37,14 @@ from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, 
 from mexc.backends.kernel_cache import build_entry
 from mexc.backends.plan_layout import plan_layout
 from mexc.lowering.plan_core import is_gemm
-from mexc.lowering.step_plan import Launch, StepPlan, build_plan, distinct_kernels, plan_manifest
+from mexc.lowering.step_plan import (
+    Launch,
+    StepPlan,
+    build_inference_plan,
+    build_plan,
+    distinct_kernels,
+    plan_manifest,
+)
 from mexc.lowering.workers import forked_map, split_symbols
 from mexc.program import Program
 
@@ -58,10 +65,13 @@ def build_step(
     archs: str | tuple[str, ...],
     out_dir: str | Path,
     pack_budget: int | None = None,
+    inference: bool = False,
 ) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
-    `out_dir`; returns the manifest (also in plan.json). `pack_budget`: build_plan's."""
+    `out_dir`; returns the manifest (also in plan.json). `pack_budget`: build_plan's.
+    inference=True: the artifact of the inference plan instead (step_plan.build_inference_plan;
+    its manifest has "logits", its state is the eval path's parameters and statistics)."""
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
@@ -69,7 +79,8 @@ def build_step(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
+    build_any = build_inference_plan if inference else build_plan
+    plan = build_any(prog, device="gpu", pack_budget=pack_budget)
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))

@@ -210,6 +210,20 @@ class EmulatedCudaProgram(PlanProgram):
     def _read(self, name: str) -> np.ndarray:
         return self._t[name].copy()
 
+    # an inference artifact (build_step(..., inference=True)): logits / predict / evaluate run
+    # its emulated kernels on the state set on this program (its plan holds no training step)
+    def _inference_plan(self) -> dict[str, Any] | None:
+        return self.plan if "logits" in self.plan else None
+
+    def _infer_write(self, name: str, values: np.ndarray) -> None:
+        self._write(name, values)
+
+    def _infer_read(self, name: str) -> np.ndarray:
+        return self._read(name)
+
+    def _infer_run(self) -> None:
+        self._run()
+
     def _run(self) -> None:
         for symbol, launch, guarded in self._calls:
             launch(self.reverse)

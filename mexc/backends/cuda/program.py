@@ -141,7 +141,11 @@ def _check_plan(root: Path, man: dict[str, Any], prog: Program) -> None:
             raise _fail(root, f"kernel {symbol} is malformed")
         if any(a not in known for a in args):
             raise _fail(root, f"kernel {symbol} names an unknown buffer")
-    if set(man["state"]) != set(prog.state):
+    # an inference plan ("logits") holds the eval path's part of the state
+    inference = "logits" in man
+    if not set(man["state"]) <= set(prog.state) or (
+        not inference and set(man["state"]) != set(prog.state)
+    ):
         raise _fail(root, "the plan's state tensors are not the program's")
     try:
         check_layout(man, [k[4] for k in man["kernels"]])

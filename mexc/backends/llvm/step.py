@@ -38,9 +38,17 @@ from mexc.backends.plan_layout import (
     separate_bytes,
 )
 from mexc.backends.plan_runtime import PlanProgram, window
+from mexc.errors import UnsupportedOpError
 from mexc.lowering.cpu_gemm import schedule_parallel
-from mexc.lowering.step_plan import StepPlan, build_plan, distinct_kernels, plan_manifest
+from mexc.lowering.step_plan import (
+    StepPlan,
+    build_inference_plan,
+    build_plan,
+    distinct_kernels,
+    plan_manifest,
+)
 from mexc.lowering.workers import forked_map, split_symbols
+from mexc.numerics import stream_keys
 from mexc.program import Program
 
 # TVM sizes its thread pool at hardware_concurrency / 2 on x86 (it assumes two hyperthreads per
@@ -129,14 +137,17 @@ def compile_program(
     cpu: HostCpu | None = None,
     plan_device: str = "cpu",
     pack_budget: int | None = None,
+    inference: bool = False,
 ) -> Compiled:
     """The compiled training step of `prog`, from the on-disk cache when the same program (IR,
     options, target, TVM and lowering code) was built before; the cache skips TE and TVM.
     plan_device="gpu" runs the GPU variant of the launch plan on the host (its GEMM forms and
-    per-shape update kernels): the host twin that checks the CUDA plan bit for bit."""
+    per-shape update kernels): the host twin that checks the CUDA plan bit for bit.
+    inference=True: the inference plan instead (step_plan.build_inference_plan)."""
     cpu = cpu or host_cpu()
     target = cpu.target()
     what = f"{target} plan={plan_device} gemm={cpu.gemm_kernel} packs={pack_budget}"
+    what += " inference" if inference else ""
     folder = CACHE / f"llvm-{cache_key(prog, what)}"
     if (folder / "plan.json").exists():
         try:
@@ -144,7 +155,8 @@ def compile_program(
         except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
             print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)
-    plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
+    build_any = build_inference_plan if inference else build_plan
+    plan = build_any(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
 
@@ -185,24 +197,45 @@ class _Buffers:
     existed: for A/B measurements and diagnosis). Constants are written once; views
     included."""
 
-    def __init__(self, manifest: dict[str, Any], layout: str = "arena") -> None:
+    def __init__(
+        self,
+        manifest: dict[str, Any],
+        layout: str = "arena",
+        shared: _Buffers | None = None,
+    ) -> None:
+        """shared: the buffers of another plan over the same state (the training step's, for
+        the inference plan): its state buffers are used instead of this plan's own, and its
+        arena too where it is large enough (the plans never run at the same time, and every
+        launch writes the arena bytes it reads)."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
         if layout == "arena":
             sizes = region_bytes(manifest)
-            regions = {
-                "state": aligned_bytes(sizes["state"], 0),
-                "arena": aligned_bytes(sizes["arena"], POISON),
-            }
+            regions = {"state": aligned_bytes(sizes["state"], 0)}
+            self.allocated = sizes["state"]
+            other = shared.arena if shared is not None else None
+            if other is not None and other.nbytes >= sizes["arena"]:
+                regions["arena"] = other[: sizes["arena"]]
+            if "arena" not in regions:
+                regions["arena"] = aligned_bytes(sizes["arena"], POISON)
+                self.allocated += sizes["arena"]
+            self.arena: np.ndarray | None = regions["arena"]
             self.np = carve(manifest, regions, window)
-            self.allocated = sum(r.nbytes for r in regions.values())
         else:
+            self.arena = None
 
             def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> np.ndarray:
                 return aligned_bytes(nbytes(shape, dtype), fill).view(dtype).reshape(shape)
 
             self.np = carve_separate(manifest, allocate, window)
             self.allocated = separate_bytes(manifest)
+        if shared is not None:
+            for pair in manifest["state"].values():
+                for name in pair:
+                    self.np[name] = shared.np[name]
+            for name, (base, shape, offset) in manifest["views"].items():
+                if base in self.np and any(base in pair for pair in manifest["state"].values()):
+                    self.np[name] = window(self.np[base], shape, offset)
         for name, (dtype, values) in manifest["constants"].items():
             self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
         # zero-copy TVM tensors over the numpy windows (kernels expect byte_offset 0)
@@ -221,6 +254,10 @@ class LlvmProgram(PlanProgram):
         pack_budget: int | None = None,
     ) -> None:
         compiled = compile_program(prog, cpu, plan_device, pack_budget)
+        self._build = (cpu, plan_device, pack_budget, layout)
+        self._inf: tuple[dict[str, Any], _Buffers, list[tuple[Any, list[Any]]]] | None = None
+        # why predict runs the reference instead of an inference plan ("": it does not)
+        self.inference_fallback = ""
         self.libraries = compiled.libraries
         self._bufs = _Buffers(compiled.manifest, layout)
         self.separate_buffers = layout == "separate"
@@ -241,7 +278,43 @@ class LlvmProgram(PlanProgram):
             fn(*args)
 
     def allocated_bytes(self) -> dict[str, int]:
-        return {"host": self._bufs.allocated, "device": 0}
+        inference = self._inf[1].allocated if self._inf is not None else 0
+        return {"host": self._bufs.allocated + inference, "device": 0}
+
+    # the inference plan: compiled on first use (predict, evaluate, logits), over the training
+    # step's state buffers (shared: no copy) and, where it fits, its arena
+    def _inference_plan(self) -> dict[str, Any] | None:
+        if self.inference_fallback:
+            return None
+        if self._inf is None:
+            cpu, plan_device, pack_budget, layout = self._build
+            try:
+                compiled = compile_program(self, cpu, plan_device, pack_budget, inference=True)
+            except UnsupportedOpError as err:  # the reference's inference path: exact too
+                self.inference_fallback = str(err)
+                return None
+            bufs = _Buffers(compiled.manifest, layout, shared=self._bufs)
+            calls = [
+                (compiled.function(symbol), [bufs.t[a] for a in args])
+                for symbol, args in compiled.manifest["launches"]
+            ]
+            self._inf = (compiled.manifest, bufs, calls)
+            keys = stream_keys(self.options.seed, 0, np.asarray(compiled.manifest["key_ids"]))
+            bufs.np[compiled.manifest["keys"]][...] = keys.astype(np.int64)
+        return self._inf[0]
+
+    def _infer_write(self, name: str, values: np.ndarray) -> None:
+        assert self._inf is not None
+        self._inf[1].np[name].reshape(-1)[: values.size] = values.reshape(-1)
+
+    def _infer_read(self, name: str) -> np.ndarray:
+        assert self._inf is not None
+        return self._inf[1].np[name].copy()
+
+    def _infer_run(self) -> None:
+        assert self._inf is not None
+        for fn, args in self._inf[2]:
+            fn(*args)
 
     def kernel_times(self, x: Any, y: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per launch (best of `repeats` steps, each launch timed on its own), keyed by
