@@ -13,15 +13,15 @@ from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
     fused_compaction,
-    shift_left_saturating,
     shift_right32,
     shift_signed,
     shift_signed32,
 )
 from mexc.lowering.te_divide import idiv_round
 from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_ops import exp_lookup
 from mexc.lowering.te_pool import div_const
-from mexc.numerics import EXP_IN_EXP, Reciprocal, ceil_log2, qmax
+from mexc.numerics import Reciprocal, ceil_log2, qmax
 
 I8, I32, I64 = "int8", "int32", "int64"
 
@@ -66,13 +66,7 @@ def softmax_forward(rows: int, k: int, bits: int, stochastic: bool, name: str) -
     rowmax = te.compute((rows,), lambda r: te.max(x[r, rj], axis=rj), name="rowmax")
 
     def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        d = x[r, j].astype(I64) - rowmax[r].astype(I64)  # int8 - int8 would wrap
-        s = (EXP_IN_EXP - e[0]).astype(I64)
-        flat = r.astype(I64) * k + j.astype(I64)
-        right = shift_signed(d, s, keys[0], flat, stochastic)
-        left = shift_left_saturating(d, -s)
-        idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
-        return table[(idx + 128).astype(I32)]
+        return exp_lookup(x, rowmax, e, keys[0], table, stochastic, r, j)
 
     ex = te.compute((rows, k), lookup, name="ex")
     rs = te.reduce_axis((0, k), "rs")

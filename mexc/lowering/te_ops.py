@@ -266,6 +266,29 @@ def _aligned_sum_terms(
     return [*ms, *e_args, keys], target, body
 
 
+def exp_lookup(
+    x: te.Tensor,
+    rowmax: te.Tensor,
+    e: te.Tensor,
+    key: tirx.PrimExpr,
+    table: te.Tensor,
+    stochastic: bool,
+    r: tirx.PrimExpr,
+    j: tirx.PrimExpr,
+) -> tirx.PrimExpr:
+    """EXP_TABLE[clamp(shift(x[r, j] - rowmax[r], EXP_IN_EXP - e), -128, 127) + 128] (int32):
+    a right shift rounded with `key` at the flat index r K + j, a left shift saturating at 2^30
+    (docs/numerics.md §9); the softmax head and the row softmax share it."""
+    i64 = "int64"
+    d = x[r, j].astype(i64) - rowmax[r].astype(i64)  # int8 - int8 would wrap
+    s = (EXP_IN_EXP - e[0]).astype(i64)
+    flat = r.astype(i64) * int(x.shape[1]) + j.astype(i64)
+    right = shift_signed(d, s, key, flat, stochastic)
+    left = shift_left_saturating(d, -s)
+    idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
+    return table[(idx + 128).astype(I32)]
+
+
 def softmax_ce_forward(
     n: int, k: int, stochastic: bool, name: str = "softmax_ce_forward"
 ) -> tirx.PrimFunc:
@@ -284,13 +307,7 @@ def softmax_ce_forward(
     rowmax = te.compute((n,), lambda r: te.max(logits[r, rj], axis=rj), name="rowmax")
 
     def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        d = logits[r, j].astype(i64) - rowmax[r].astype(i64)  # int8 - int8 would wrap
-        s = (EXP_IN_EXP - e[0]).astype(i64)
-        flat = r.astype(i64) * k + j.astype(i64)
-        right = shift_signed(d, s, key[0], flat, stochastic)
-        left = shift_left_saturating(d, -s)
-        idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
-        return table[(idx + 128).astype(I32)].astype(i64)
+        return exp_lookup(logits, rowmax, e, key[0], table, stochastic, r, j).astype(i64)
 
     ex = te.compute((n, k), lookup, name="ex")
     rs = te.reduce_axis((0, k), "rs")
