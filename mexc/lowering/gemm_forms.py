@@ -226,6 +226,15 @@ def linear_grad_weight(name: str, n: int, k: int, o: int) -> GemmForm:
     )
 
 
+def matmul_dims(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(batch, M, K, N) of a [..., M, K] @ b [..., K, N]: the batch is the product of the leading
+    axes."""
+    batch = 1
+    for d in a[:-2]:
+        batch *= int(d)
+    return batch, int(a[-2]), int(a[-1]), int(b[-1])
+
+
 def batched_matmul(
     name: str, b: int, m: int, k: int, n: int, trans_a: bool = False, trans_b: bool = False
 ) -> GemmForm:

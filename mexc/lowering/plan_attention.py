@@ -18,17 +18,12 @@ from mexc.lowering.plan_core import I8, I32, PlanBuilder, Product, Shape, unsupp
 from mexc.numerics import EXP_TABLE, product_cap
 
 
-def _bmk(a: Shape, b: Shape) -> tuple[int, int, int, int]:
-    """(batch, M, K, N) of a [..., M, K] @ b [..., K, N]."""
-    return int(np.prod(a[:-2])), int(a[-2]), int(a[-1]), int(b[-1])
-
-
 class AttentionRules(PlanBuilder):
     def matmul(self, n: Node) -> None:
         """kernels.matmul_forward: a pre-shifted (site 3) if product_cap(K, 8) < 0, the exact
         int32 product at e_a + e_b, compacted over the whole tensor (site 0)."""
         a, b = n.inputs
-        bt, m, k, nn = _bmk(self.shape(a), self.shape(b))
+        bt, m, k, nn = gf.matmul_dims(self.shape(a), self.shape(b))
         am, ea = self.fit_operand(n, a, k)
 
         def forward(samples: int) -> Product:
@@ -44,7 +39,7 @@ class AttentionRules(PlanBuilder):
         < 0; compaction site 0), db = a^T @ dy (a^T pre-shifted, site 3, keyed over [B, K, M],
         if product_cap(M, 8) < 0; compaction site 1)."""
         dy, a, b = n.inputs
-        bt, m, k, nn = _bmk(self.shape(a), self.shape(b))
+        bt, m, k, nn = gf.matmul_dims(self.shape(a), self.shape(b))
         dym, ed = self.fit_operand(n, dy, nn, site=2)
 
         def grad_a(samples: int) -> Product:

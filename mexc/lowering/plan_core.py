@@ -429,6 +429,23 @@ class PlanBuilder:
         self.launch(apply, (acc, sh, key, out))
         return e_out
 
+    def divide_compact(self, n: Node, a: str, e_a: str, shape: Shape, divisor: int) -> None:
+        """Result 0 of n = compaction (site 1) of div_const(a, divisor), |a| <= 2^15."""
+        q, e_q = self.buf(f"n{n.id}.q", shape, I32), self.buf(f"n{n.id}.e_q", (1,), I32)
+        self.launch(te_pool.divide(shape, divisor, f"n{n.id}_divide"), (a, e_a, q, e_q))
+        self.compact(n, q, e_q, shape, 1)
+
+    def divide_sum(self, n: Node, acc: str, e: str, shape: Shape, bound: int, divisor: int) -> None:
+        """kernels.pool._divide: result 0 of n = acc 2^e / divisor for a sum |acc| < 2^bound
+        that its kernel already shifted left by max(0, 15 - bound): where bound <= 15 that
+        shift was exact (the exponent follows), else compact_to_bits(acc, 15) (site 0); then
+        divide_compact (site 1)."""
+        if bound <= te_pool.DIV_BITS:
+            a, e_a = acc, self.exp_offset(n, e, bound - te_pool.DIV_BITS, "e_a")
+        else:
+            a, _, e_a = self.to_bits(n, acc, e, shape, 0, "a16")
+        self.divide_compact(n, a, e_a, shape, divisor)
+
     def to_bits(
         self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str
     ) -> tuple[str, str, str]:

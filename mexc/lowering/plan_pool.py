@@ -102,17 +102,7 @@ class PoolRules(PlanBuilder):
         left = max(te_pool.DIV_BITS - bound, 0)
         func = te_pool.window_sum(xs, k, st, p, left, f"n{n.id}_window_sum")  # type: ignore[arg-type]
         self.launch(func, (self.m[x], acc))
-        if bound <= te_pool.DIV_BITS:
-            a, e_a = acc, self.exp_offset(n, self.e[x], -left, "e_a")
-        else:
-            a, _, e_a = self.to_bits(n, acc, self.e[x], ys, 0, "a16")
-        self.divide_compact(n, a, e_a, ys, kk)
-
-    def divide_compact(self, n: Node, a: str, e_a: str, shape: Shape, divisor: int) -> None:
-        """Result 0 of n = compaction (site 1) of div_const(a, divisor), |a| <= 2^15."""
-        q, e_q = self.buf(f"n{n.id}.q", shape, I32), self.buf(f"n{n.id}.e_q", (1,), I32)
-        self.launch(te_pool.divide(shape, divisor, f"n{n.id}_divide"), (a, e_a, q, e_q))
-        self.compact(n, q, e_q, shape, 1)
+        self.divide_sum(n, acc, self.e[x], ys, bound, kk)
 
     def _divide_by_six(self, n: Node, acc: str, e_acc: str, rows: Shape) -> None:
         """kernels.activation._divide_by_six: compact_to_bits(acc, 15) (site 0), / 6, site 1."""

@@ -6,12 +6,10 @@ ascontiguousarray makes them: a later in-place op may then overwrite them freely
 
 from __future__ import annotations
 
-import numpy as np
-
 from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
 from mexc.kernels.pool import DIV_BITS
-from mexc.lowering import te_ops, te_pool, te_transformer
+from mexc.lowering import te_ops, te_transformer
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Shape, unsupported
 from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, FixedScalar, ceil_log2
 
@@ -21,11 +19,6 @@ class TransformerRules(PlanBuilder):
         """v's mantissas seen with v's own shape (a linear layer's result lives in a (rows,
         features) buffer)."""
         return self.view(self.m[v], self.shape(v))
-
-    @staticmethod
-    def _flat2(shape: Shape) -> tuple[int, int]:
-        """(shape[0], the rest): the batch and one sample, in C order."""
-        return shape[0], int(np.prod(shape[1:], dtype=np.int64))
 
     # ----------------------------------------------------------------------------- data movement
 
@@ -85,7 +78,8 @@ class TransformerRules(PlanBuilder):
         """kernels.transformer.add_broadcast_forward: the aligned sum (sites 0, 1) compacted
         without being stored (site 2)."""
         x, p = n.inputs
-        rows = self._flat2(self.shape(x))
+        batch, sample = self.rows_of(self.shape(x))  # x is [B, ...]: (B, one sample)
+        rows = (batch, sample)
         keys = self.keys(n, (0, 1), "sum_keys")
         kernels = te_transformer.add_param_compaction(
             rows, self.bits, self.stochastic, f"n{n.id}_add_param"
@@ -98,7 +92,7 @@ class TransformerRules(PlanBuilder):
         """kernels.transformer.add_broadcast_param_grad: the int32 sum of dy over the batch (an
         accumulator for the update, at dy's exponent)."""
         dy = n.inputs[0]
-        rows = self._flat2(self.shape(dy))
+        rows = self.rows_of(self.shape(dy))
         acc = self.out(n, 0, I32)
         self.e[n.result(0)] = self.e[dy]
         func = te_ops.axis_sum(rows, (0,), f"n{n.id}_add_param_grad")
@@ -116,13 +110,7 @@ class TransformerRules(PlanBuilder):
         acc = self.buf(f"n{n.id}.acc", (b, d), I32)
         func = te_transformer.token_sum((b, t, d), left, f"n{n.id}_token_sum")
         self.launch(func, (self.as_shaped(x), acc))
-        if bound <= DIV_BITS:
-            a, e_a = acc, self.exp_offset(n, self.e[x], -left, "e_a")
-        else:
-            a, _, e_a = self.to_bits(n, acc, self.e[x], (b, d), 0, "a16")
-        q, e_q = self.buf(f"n{n.id}.q", (b, d), I32), self.buf(f"n{n.id}.e_q", (1,), I32)
-        self.launch(te_pool.divide((b, d), t, f"n{n.id}_divide"), (a, e_a, q, e_q))
-        self.compact(n, q, e_q, (b, d), 1)
+        self.divide_sum(n, acc, self.e[x], (b, d), bound, t)
 
     def mean_tokens_grad(self, n: Node) -> None:
         """kernels.transformer.mean_tokens_backward: div_const(dy << 8, T) spread over the

@@ -266,6 +266,26 @@ def _aligned_sum_terms(
     return [*ms, *e_args, keys], target, body
 
 
+def table_lookup(
+    table: te.Tensor,
+    in_exp: int,
+    m: tirx.PrimExpr,
+    e: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    stochastic: bool,
+) -> tirx.PrimExpr:
+    """numerics.LookupTable.lookup of one int64 value m at the run-time exponent e (int64): the
+    index is m shifted by in_exp - e (a right shift rounded with `key` at flat index `flat`, or
+    a left shift saturating at 2^30), clamped to [-128, 127]; returns table[index + 128] (the
+    table's dtype). docs/numerics.md §9; the GELU tables and the exp table share it."""
+    s = tirx.const(in_exp, "int64") - e
+    right = shift_signed(m, s, key, flat, stochastic)
+    left = shift_left_saturating(m, -s)
+    idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
+    return table[(idx + 128).astype(I32)]
+
+
 def exp_lookup(
     x: te.Tensor,
     rowmax: te.Tensor,
@@ -276,17 +296,12 @@ def exp_lookup(
     r: tirx.PrimExpr,
     j: tirx.PrimExpr,
 ) -> tirx.PrimExpr:
-    """EXP_TABLE[clamp(shift(x[r, j] - rowmax[r], EXP_IN_EXP - e), -128, 127) + 128] (int32):
-    a right shift rounded with `key` at the flat index r K + j, a left shift saturating at 2^30
-    (docs/numerics.md §9); the softmax head and the row softmax share it."""
+    """EXP_TABLE of x[r, j] - rowmax[r] at x's exponent e[0], rounded at the flat index r K + j
+    (int32); the softmax head and the row softmax share it."""
     i64 = "int64"
     d = x[r, j].astype(i64) - rowmax[r].astype(i64)  # int8 - int8 would wrap
-    s = (EXP_IN_EXP - e[0]).astype(i64)
     flat = r.astype(i64) * int(x.shape[1]) + j.astype(i64)
-    right = shift_signed(d, s, key, flat, stochastic)
-    left = shift_left_saturating(d, -s)
-    idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
-    return table[(idx + 128).astype(I32)]
+    return table_lookup(table, EXP_IN_EXP, d, e[0].astype(i64), key, flat, stochastic)
 
 
 def softmax_ce_forward(

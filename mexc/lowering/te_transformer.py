@@ -18,15 +18,14 @@ from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
     fused_compaction,
-    shift_left_saturating,
-    shift_signed,
     shift_signed32,
     where,
 )
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_ops import table_lookup
 from mexc.lowering.te_pool import div_const
-from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, LookupTable, Reciprocal
+from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, Reciprocal
 
 I8, I32, I64 = "int8", "int32", "int64"
 Shape = tuple[int, ...]
@@ -145,25 +144,6 @@ def mean_tokens_grad_acc(shape: tuple[int, int, int], name: str) -> tirx.PrimFun
     return prim_func([dy, e_dy, acc, e_acc], name)
 
 
-def _lookup(
-    table: te.Tensor,
-    spec: LookupTable,
-    m: tirx.PrimExpr,
-    e: tirx.PrimExpr,
-    key: tirx.PrimExpr,
-    flat: tirx.PrimExpr,
-    stochastic: bool,
-) -> tirx.PrimExpr:
-    """numerics.LookupTable.lookup for one int64 mantissa m at the run-time exponent e (int64):
-    the index is m shifted by in_exp - e (rounded right shift, or a left shift saturating at
-    2^30), clamped to [-128, 127]; returns the table entry (int64)."""
-    s = _c(spec.in_exp) - e
-    right = shift_signed(m, s, key, flat, stochastic)
-    left = shift_left_saturating(m, -s)
-    idx = tirx.max(tirx.min(where(s >= 0, right, left), _c(127)), _c(-128))
-    return table[(idx + 128).astype(I32)].astype(I64)
-
-
 def _gelu_value(
     table: te.Tensor,
     m: tirx.PrimExpr,
@@ -174,7 +154,7 @@ def _gelu_value(
 ) -> tirx.PrimExpr:
     """kernels.transformer.gelu_forward's accumulator for one int64 mantissa m at exponent e:
     max(m, 0) where e > 2 (at e), else the table with the exact asymptotes past +-4 (at -5)."""
-    tab = _lookup(table, GELU_TABLE, m, e, key, flat, stochastic)
+    tab = table_lookup(table, GELU_TABLE.in_exp, m, e, key, flat, stochastic).astype(I64)
     k = e - _c(GELU_TABLE.out_exp)
     th = _c(1) << tirx.min(tirx.max(_c(GELU_RANGE_LOG2) - e, _c(0)), _c(32))
     past = where(m >= th, m << tirx.min(tirx.max(k, _c(0)), _c(7)), where(m < -th, _c(0), tab))
@@ -219,9 +199,8 @@ def gelu_grad_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
 
     def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, i)
-        g = _lookup(
-            table, GELU_GRAD_TABLE, x[i].astype(I64), e_x[0].astype(I64), key[0], flat, stochastic
-        )
+        m, e = x[i].astype(I64), e_x[0].astype(I64)
+        g = table_lookup(table, GELU_GRAD_TABLE.in_exp, m, e, key[0], flat, stochastic).astype(I64)
         return (dy[i].astype(I64) * g).astype(I32)
 
     acc = te.compute(shape, body, name="acc")

@@ -74,13 +74,6 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, shape[-1]
 
 
-def _bmk(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, int, int, int]:
-    bt = 1
-    for d in a[:-2]:
-        bt *= d
-    return bt, a[-2], a[-1], b[-1]
-
-
 # Each product op's forms, named by the registry (OpDef.lower["gemm"]): (role, form, the node
 # input feeding each form operand). The forms' operands are (x, w), (dy, w), (dy, x) for conv /
 # linear and (x, y) for batched matmuls.
@@ -119,12 +112,12 @@ def linear_grad_weight_forms(g: Graph, n: Node) -> Forms:
 
 
 def matmul_forms(g: Graph, n: Node) -> Forms:
-    bt, m, k, nn = _bmk(_shape(g, n, 0), _shape(g, n, 1))
+    bt, m, k, nn = gf.matmul_dims(_shape(g, n, 0), _shape(g, n, 1))
     return [("fwd", gf.batched_matmul(f"n{n.id}", bt, m, k, nn), (0, 1))]
 
 
 def matmul_grad_forms(g: Graph, n: Node) -> Forms:
-    bt, m, k, nn = _bmk(_shape(g, n, 1), _shape(g, n, 2))
+    bt, m, k, nn = gf.matmul_dims(_shape(g, n, 1), _shape(g, n, 2))
     key = f"n{n.id}"
     return [
         ("da", gf.batched_matmul(key + "a", bt, m, nn, k, trans_b=True), (0, 2)),  # dy . b^T
