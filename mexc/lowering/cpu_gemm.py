@@ -405,23 +405,31 @@ def cpu_gemm(
 
 
 def compact_from_c(
-    form: GemmForm, c_shape: tuple[int, int, int], bits: int, stochastic: bool, name: str
+    form: GemmForm,
+    c_shape: tuple[int, int, int],
+    bits: int,
+    stochastic: bool,
+    name: str,
+    offset: bool = False,
 ) -> tirx.PrimFunc:
     """The compaction apply of a product read straight from its GEMM's C (the unpack's gather
     with the rounding on the way): m[idx] = compacted(C[out_at(idx)], s), keyed by the native
     flat index as compaction_apply is. C's padding is zero, so the compaction shift can take
     its max over C too, and the int32 accumulator in the native layout is never written.
-    Parameters (c, s, key, m)."""
+    Parameters (c, s, key, m); with `offset` (c, s, key, off, m): the keys' flat indices start
+    at off[0] (a chunk of a lean product: its piece of the whole result)."""
     cin = te.placeholder(c_shape, I32, name="c")
     s_in = te.placeholder((1,), I32, name="s")
     key = te.placeholder((1,), "int64", name="key")
+    off = te.placeholder((1,), "int64", name="off")
 
     def body(*idx):
-        flat = _flat_index(form.out_shape, idx)
+        flat = _flat_index(form.out_shape, idx) + (off[0] if offset else 0)
         return compacted(cin[form.out_at(*idx)], s_in[0], key[0], flat, bits, stochastic)
 
     m = te.compute(form.out_shape, body, name="m")
-    return _schedule_elementwise(_func([cin, s_in, key, m], f"{name}_apply"))
+    params = [cin, s_in, key, off, m] if offset else [cin, s_in, key, m]
+    return _schedule_elementwise(_func(params, f"{name}_apply"))
 
 
 def _product(

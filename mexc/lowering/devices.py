@@ -42,6 +42,11 @@ class ChunkGemm:
 class GemmStrategy(Protocol):
     """How a device computes products (PlanBuilder.chunked, gemm, compacted_product)."""
 
+    @property
+    def lean(self) -> bool:
+        """Whether its products can run lean (PlanBuilder.lean_product)."""
+        ...
+
     def pack_bytes(self, form: gf.GemmForm) -> int:
         """Bytes the product of `form` takes in pack buffers (what the pack budget bounds)."""
         ...
@@ -63,6 +68,8 @@ class HostGemm:
     """cpu_gemm's products: packs in the register tile's layout (natural axes, no division per
     element), a tiled GEMM (int32 lanes or AVX2 byte products: the builder's gemm_kernel, for
     its `lanes`), and compactions read straight from C."""
+
+    lean: bool = True
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
         return form.g * form.k * (form.m + form.q)  # both packs, about
@@ -116,6 +123,8 @@ class HostGemm:
 class TileGemm:
     """gemm_forms' products: pack A and B padded to the GEMM tiles, one batched GEMM marked
     GEMM_ATTR (a GPU backend schedules it), unpack into an int32 accumulator, then compact."""
+
+    lean: bool = False  # not yet: the apply from C has the host's elementwise schedule
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
         f = form  # padded to the tiles, and the C unpacked chunk by chunk

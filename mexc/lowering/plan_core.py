@@ -9,7 +9,7 @@ them together
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,8 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_ops, te_pool
-from mexc.lowering.te_compaction import compaction_apply, compaction_shift
+from mexc.lowering.cpu_gemm import compact_from_c
+from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import product_cap
 from mexc.program import Program
@@ -30,7 +31,18 @@ if TYPE_CHECKING:
 
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_ALIGN = 8  # int64 keys per 64 bytes
+SLOT_I32 = 16  # int32 per 64 bytes
+# work of one element of a non-GEMM kernel in GEMM multiply-accumulates: measured on the
+# Fashion CNN's llvm step (2026-12-01), 22 ps per MAC of the int32 tile, 150 ps per element
+ELEM_WORK = 7
+# and of one launch (its call from the step's loop): 7 us, the digits CNN's step less its kernels
+LAUNCH_WORK = 300_000
 GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
+# a product's lean levels (PlanBuilder.lean_product), cheapest first: (the fewest chunks of the
+# batch, whether it scans, then rounds); more chunks mean smaller packs, and a scan keeps one
+# chunk's C live instead of the whole product's, for a second GEMM
+LEAN_LEVELS = ((1, False), (2, False), (8, False), (2, True), (8, True))
+SCAN_FREE_LEVELS = 2  # the levels without a scan, past level 0
 
 
 def is_gemm(func: tirx.PrimFunc) -> bool:
@@ -159,12 +171,28 @@ class PlanBuilder:
         self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
         # values plan-memory computes in place over their first input (which dies there)
         self.in_place = {s.value for s in prog.memory_plan().slots if s.alias_of is not None}
+        # lean nodes (lean.py): their products and brackets scan, then round, in small chunks
+        self.lean: Mapping[int, int] = {}  # node -> its lean level (0: not lean)
+        self.leanable: dict[int, int] = {}  # node -> the levels its rule has
+        self.node = -1  # the node whose rule runs (the owner of the buffers it allocates)
+        self.owner: dict[str, int] = {}  # buffer -> the node that allocated it
+        # the step's estimated work (lean.py weighs a lean node's cost by it): GEMM
+        # multiply-accumulates, and ELEM_WORK per element of every other launch's largest
+        # argument
+        self.work = 0
 
     # ----------------------------------------------------------------------------- buffers
 
     def buf(self, name: str, shape: Shape, dtype: str) -> str:
         self.plan.buffers[name] = (tuple(int(d) for d in shape), dtype)
+        self.owner.setdefault(name, self.node)
         return name
+
+    def is_lean(self, n: Node, levels: int = 1) -> int:
+        """n's lean level (0: not lean); a rule with `levels` lean forms asks, and so marks n as
+        leanable."""
+        self.leanable[n.id] = levels
+        return self.lean.get(n.id, 0)
 
     def shape(self, v: Value) -> Shape:
         return tuple(int(d) for d in self.g.type_of(v).shape)
@@ -209,6 +237,12 @@ class PlanBuilder:
         assert symbol not in self.symbols, symbol
         self.symbols.add(symbol)
         self.plan.launches.append(Launch(func, args))
+        elements = max((int(np.prod(self.buffer_shape(a))) for a in args), default=0)
+        self.work += LAUNCH_WORK + ELEM_WORK * elements
+
+    def gemm_work(self, form: gf.GemmForm) -> None:
+        """Count one GEMM of `form` in the step's work."""
+        self.work += form.g * form.m * form.q * form.k
 
     def rows_view(self, v: Value) -> str:
         """v's mantissas as (rows, last axis): linear layers act on the last axis."""
@@ -280,6 +314,11 @@ class PlanBuilder:
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply(name), (src, s, key, out))
 
+    def buffer_dtype(self, name: str) -> str:
+        """The dtype of buffer or view `name`."""
+        root = self.plan.views[name].base if name in self.plan.views else name
+        return self.plan.buffers[root][1]
+
     def buffer_shape(self, name: str) -> Shape:
         """The shape of buffer or view `name`."""
         if name in self.plan.views:
@@ -297,6 +336,9 @@ class PlanBuilder:
         batch: int,
         operands: tuple[str, str],
         batched: tuple[bool, bool],
+        chunks: int = 1,
+        reduce: bool = False,
+        samples: int | None = None,
     ) -> Chunks:
         """A product over the batch in chunks whose packs fit the pack budget (the im2col
         of a convolution is its taps times its source: at batch 128 a ResNet-18 input
@@ -304,12 +346,31 @@ class PlanBuilder:
         chunk is the largest divisor of `batch` that fits (the whole batch where it fits: one
         chunk, the plan as it was without chunking). The packs' bytes are the GEMM strategy's
         count. Operands flagged in `batched` are sliced along their leading (batch) axis:
-        contiguous views."""
+        contiguous views. `chunks`: at least that many (a lean product's: lean_chunks).
+        `reduce`: the batch is the product's reduction (a weight gradient), so chunks do not
+        slice the result. `samples`: that chunk size,
+        chosen by the caller."""
         full = make(batch)
         pack = self.device.gemm.pack_bytes(full.form)
         budget = self.pack_budget
-        fits = [d for d in range(1, batch + 1) if batch % d == 0 and pack * d <= budget * batch]
-        samples = max(fits, default=1)
+        # per-sample bytes of every view a chunk takes: its operand slices and its piece of
+        # the result (int8, the smallest); each must start on a 64-byte boundary
+        steps = [] if reduce else [int(np.prod(full.form.out_shape[1:]))]
+        for name, sliced in zip(operands, batched):
+            if sliced:
+                shape, dtype = self.buffer_shape(name), self.buffer_dtype(name)
+                steps.append(int(np.prod(shape[1:])) * np.dtype(dtype).itemsize)
+        sizes = [
+            d for d in range(1, batch) if batch % d == 0 and all(d * z % 64 == 0 for z in steps)
+        ]
+        sizes = [d for d in sizes if d * chunks <= batch]
+        fits = [d for d in sizes if pack * d <= budget * batch]
+        if samples is not None:
+            pass
+        elif pack <= budget and chunks == 1:
+            samples = batch
+        else:  # the largest chunk that fits, else the smallest there is
+            samples = max(fits) if fits else min(sizes, default=batch)
         if samples == batch:
             return Chunks(full, full, [operands])
         chunk = make(samples)
@@ -342,13 +403,88 @@ class PlanBuilder:
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply, (*inputs, s, key, out))
 
+    def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
+        """Product n's lean level (LEAN_LEVELS) where the device's GEMM strategy has lean
+        forms, else 0; a rule whose product cannot scan (a weight gradient) asks for the
+        levels without a scan."""
+        return self.is_lean(n, levels) if self.device.gemm.lean else 0
+
+    @staticmethod
+    def lean_chunks(level: int) -> int:
+        """The fewest chunks of the batch a product at lean `level` runs over."""
+        return LEAN_LEVELS[level][0]
+
+    @staticmethod
+    def scans(level: int) -> bool:
+        """Whether a product at lean `level` scans, then rounds (PlanBuilder.lean_compaction)."""
+        return LEAN_LEVELS[level][1]
+
     def compacted_product(
-        self, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0
+        self, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0, lean: bool = False
     ) -> None:
         """Result `result` (0) of n = the compaction (rounding site `site`, 0) of a product, as
         the device's GEMM strategy does it: on the host straight from the GEMM's C (no unpacked
-        accumulator: `compact_from_c`), on a GPU as gemm + compact."""
-        self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
+        accumulator: `compact_from_c`), on a GPU as gemm + compact; `lean` (chunks from
+        `chunked(..., lean=True)`): scan, then round, chunk by chunk (`lean_compaction`)."""
+        if not lean:
+            self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
+            return
+        form, bits, stochastic = ch.chunk.form, self.bits, self.stochastic
+
+        def apply(c_shapes: list[tuple[int, int, int]], name: str) -> tirx.PrimFunc:
+            return compact_from_c(form, c_shapes[0], bits, stochastic, name, offset=True)
+
+        out = self.out(n, result, I8, ch.full.form.out_shape)
+        self.lean_compaction(n, [ch], apply, out, form.out_shape, e_in, site, result)
+
+    def lean_compaction(
+        self,
+        n: Node,
+        parts: list[Chunks],
+        apply: Callable[[list[tuple[int, int, int]], str], tirx.PrimFunc],
+        out: str,
+        piece: Shape,
+        e_in: str,
+        site: int = 0,
+        result: int = 0,
+    ) -> None:
+        """Result `result` (0) of n (int8 `out`) = the per-tensor compaction (rounding site
+        `site`, exponent e_in) of products that are never stored whole: scan, then round. Every
+        chunk of every part (products with the same chunks of the batch) runs twice on one
+        chunk's C: first for its max |.|, then to round it, `apply(c_shapes, name)` with
+        parameters (every part's C, s, key, off, m): chunk j of the result is the contiguous
+        `piece` j of `out`, whose keys' flat indices start at off[0]."""
+        count = parts[0].count
+        gemms = [self.device.gemm.prepare(self, p.chunk) for p in parts]
+        cs = [self.buf(f"{p.chunk.form.name}.c", g.c_shape, I32) for p, g in zip(parts, gemms)]
+        # one 64-byte slot per chunk and part (kernel arguments are 64-byte aligned)
+        slots = count * len(parts)
+        amax = self.buf(f"n{n.id}.amax{site}", (slots, SLOT_I32), I32)
+        for j in range(count):
+            for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
+                g.launch(p.operands[j], c, f"_k{j}")
+                self.gemm_work(p.chunk.form)
+                rows = (g.c_shape[0] * g.c_shape[1], g.c_shape[2])
+                func = abs_max_kernel(rows, f"{p.chunk.form.name}_amax_k{j}", SLOT_I32)
+                slot = self.view_at(amax, (SLOT_I32,), (j * len(parts) + i) * SLOT_I32)
+                self.launch(func, (self.view(c, rows), slot))
+        name = f"n{n.id}_c{site}"
+        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        shift = compaction_shift((slots, SLOT_I32), self.bits, False, name)
+        self.launch(shift, (amax, e_in, s, self.out_exp(n, result)))
+        key = self.keys(n, (site,), f"key{site}")
+        per = int(np.prod(piece))
+        starts = np.zeros((count, KEY_ALIGN), np.int64)
+        starts[:, 0] = np.arange(count) * per
+        offs = self.const(f"n{n.id}.off{site}", starts, I64)
+        func = apply([g.c_shape for g in gemms], name)
+        for j in range(count):
+            for p, g, c in zip(parts, gemms, cs):
+                g.launch(p.operands[j], c, f"_r{j}")
+                self.gemm_work(p.chunk.form)
+            off = self.view_at(offs, (1,), j * KEY_ALIGN)
+            args = (*cs, s, key, off, self.view_at(out, piece, j * per))
+            self.launch(tagged(func, f"_r{j}"), args)
 
     def gemm(
         self, ch: Chunks, out: str | None, reduce: bool = False
@@ -371,6 +507,7 @@ class PlanBuilder:
             tag = f"_k{j}" if count > 1 else ""
             c_j = self.view_at(c, c_shape, j * size) if stacked else self.view(c, c_shape)
             chunk.launch(operands, c_j, tag)
+            self.gemm_work(form)
             if out is None:
                 continue
             if reduce and j > 0:

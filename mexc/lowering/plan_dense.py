@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+from tvm import tirx
 
 from mexc.ir import Node
 from mexc.kernels._common import product_bits
@@ -18,6 +19,8 @@ from mexc.lowering.cpu_gemm import swapped
 from mexc.lowering.plan_core import (
     I8,
     I32,
+    SCAN_FREE_LEVELS,
+    Chunks,
     PlanBuilder,
     Product,
     Shape,
@@ -221,9 +224,11 @@ class DenseRules(PlanBuilder):
                 form = gf.conv_forward(f"n{n.id}_fwd", replace(g, n=samples))
                 return Product(form, (g.cg, g.kh, g.kw), (samples, g.oh, g.ow), (g.og,))
 
-            ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False))
+            lean = 0 if n.attrs.has_bias or wide else self.lean_product(n)
+            parts = self.lean_chunks(lean)
+            ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False), parts)
             if not n.attrs.has_bias and not wide:
-                self.compacted_product(n, ch, self.product_exp(n, ex, w))
+                self.compacted_product(n, ch, self.product_exp(n, ex, w), lean=self.scans(lean))
                 return
             acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
             self.gemm(ch, acc)
@@ -258,8 +263,9 @@ class DenseRules(PlanBuilder):
             form = gf.conv_grad_input(f"n{n.id}_dx", replace(g, n=samples))
             return Product(form, (g.og, g.kh, g.kw), (samples, g.h, g.w))
 
-        ch = self.chunked(grad_input, g.n, (dym, self.m[w]), (True, False))
-        self.compacted_product(n, ch, e_acc)
+        lean = self.lean_product(n)
+        ch = self.chunked(grad_input, g.n, (dym, self.m[w]), (True, False), self.lean_chunks(lean))
+        self.compacted_product(n, ch, e_acc, lean=self.scans(lean))
 
     def grad_input_by_phase(self, n: Node, g: ConvGeom, dy: str, e_acc: str) -> None:
         """Result 0 of n, a strided convolution's input gradient, as one GEMM per output phase
@@ -267,23 +273,42 @@ class DenseRules(PlanBuilder):
         the phases: the merged int32 accumulator is never stored."""
         w = n.inputs[1]
         phases = subpixel.phases(f"n{n.id}_dx", g)
-        outs = []
+        by_phase = (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw)
+        tag = f"n{n.id}_dx_merge"
+        lean = self.lean_product(n)
+        parts: list[Chunks] = []
         for i, p in enumerate(phases):
             if p.form is None:
                 continue
-            out = self.buf(f"n{n.id}.dx{p.py}{p.px}", p.form.out_shape, I32)
 
             def phase(samples: int, i: int = i) -> Product:
                 q = subpixel.phases(f"n{n.id}_dx", replace(g, n=samples))[i]
                 assert q.form is not None
                 return Product(q.form, q.k_dims, q.q_dims)
 
-            self.gemm(self.chunked(phase, g.n, (dy, self.m[w]), (True, False)), out)
-            outs.append(out)
-        by_phase = (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw)
-        tag = f"n{n.id}_dx_merge"
-        kernels = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
+            # a lean merge takes every phase of a chunk at once: the first phase's chunks
+            samples = g.n // parts[0].count if self.scans(lean) and parts else None
+            ops, least = (dy, self.m[w]), self.lean_chunks(lean)
+            parts.append(self.chunked(phase, g.n, ops, (True, False), least, samples=samples))
         out = self.view(self.out(n, 0, I8), by_phase)
+        if self.scans(lean):
+            count = parts[0].count
+            piece = (g.n // count, *by_phase[1:])
+            sub = replace(g, n=g.n // count)
+            bits, stochastic = self.bits, self.stochastic
+            present = subpixel.phases(f"n{n.id}_dx", sub)
+
+            def apply(c_shapes: list[tuple[int, int, int]], name: str) -> tirx.PrimFunc:
+                return subpixel.merge_from_c(sub, present, c_shapes, bits, stochastic, name)
+
+            self.lean_compaction(n, parts, apply, out, piece, e_acc)
+            return
+        outs = []
+        for p, ch in zip((p for p in phases if p.form is not None), parts):
+            acc = self.buf(f"n{n.id}.dx{p.py}{p.px}", ch.full.form.out_shape, I32)
+            self.gemm(ch, acc)
+            outs.append(acc)
+        kernels = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
         self.compact_unstored(n, 0, kernels, (*outs, e_acc), out)
 
     def conv_grad_weight(self, n: Node) -> None:
@@ -307,6 +332,8 @@ class DenseRules(PlanBuilder):
             form = swapped(form) if swap else form
             return Product(form, (samples, g.oh, g.ow), (g.og,), (g.cg, g.kh, g.kw))
 
-        ch = self.chunked(grad_weight, g.n, (dym, self.m[x]), (True, True))
+        # lean: smaller chunks of the batch, so that smaller packs are live
+        parts = self.lean_chunks(self.lean_product(n, levels=SCAN_FREE_LEVELS))
+        ch = self.chunked(grad_weight, g.n, (dym, self.m[x]), (True, True), parts, reduce=True)
         self.gemm(ch, acc, reduce=True)
         self.e[n.result(0)] = self.product_exp(n, ed, x)

@@ -26,12 +26,15 @@ back to the reference).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import tvm_ffi
 from tvm import tirx
 
+from mexc.backends.plan_layout import lifetimes, nbytes, persistent_names
 from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.backends.reference.interp import needed_nodes
 from mexc.ir import Graph, Value
@@ -69,20 +72,115 @@ def _check_in_place_updates(g: Graph) -> None:
                 raise unsupported(n, "a node after the update reads the state it overwrites")
 
 
+# the lean search (build_plan): at most LEAN_TRIALS rounds; a node is tried only where its
+# buffers hold at least 1/LEAN_MIN_SHARE of the peak, and a level kept only where it lowers
+# the peak by 1/LEAN_MIN_DROP; the lean nodes together may add at most LEAN_WORK_SHARE to the
+# step's estimated work (PlanBuilder.work)
+LEAN_TRIALS = 16
+LEAN_MIN_SHARE = 16
+LEAN_MIN_DROP = 256
+LEAN_WORK_SHARE = 0.08
+
+
 def build_plan(
     prog: Program,
     lanes: int = 8,
     device: str | Device = "cpu",
     gemm_kernel: str = "int32",
     pack_budget: int | None = None,
+    lean: Mapping[int, int] | None = None,
 ) -> StepPlan:
     """The launch plan of `prog`'s training step (UnsupportedOpError for ops not lowered yet);
     `lanes`: int32 lanes of the host's vectors, for the GEMM tiles; `device`: a devices.Device
     or its name, "cpu" (devices.HOST) or "gpu" (devices.GPU); `gemm_kernel`: the host GEMM's
     kernel (cpu_gemm.GEMM_KERNELS); `pack_budget`: bytes a product's packs may take before it
     runs in batch chunks (default the device's pack_budget; a huge value turns chunking off,
-    for measurements)."""
-    b = PlanRules(prog, lanes, device_of(device), gemm_kernel, pack_budget)
+    for measurements). `lean`: node -> lean level (PlanBuilder.lean_product: smaller chunks,
+    then scan-then-round: no int32 tensor of the node's stored whole); None: chosen by
+    `lean_nodes` where they lower the step's peak."""
+    args = (prog, lanes, device_of(device), gemm_kernel, pack_budget)
+    if lean is not None:
+        return plan_builder(*args, lean).plan
+    return plan_builder(*args, lean_nodes(lambda chosen: plan_builder(*args, chosen))).plan
+
+
+def leanest(prog: Program, device: str | Device = "cpu") -> dict[int, int]:
+    """Every leanable node of `prog` at its highest lean level (tests and measurements)."""
+    return dict(plan_builder(prog, 8, device_of(device), "int32", None, {}).leanable)
+
+
+def lean_nodes(build: Callable[[Mapping[int, int]], PlanRules]) -> dict[int, int]:
+    """The lean level of each node. A lean node trades time (more chunks; a product computed
+    twice, a bracket three times) for memory, so only the nodes that set the step's peak may
+    pay it: while the live buffers at the peak (plan_peak) include those of a node whose rule
+    has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one holding the most
+    bytes there goes one level up if that lowers the peak within the work budget
+    (LEAN_WORK_SHARE of the step's work); otherwise the next one is tried."""
+    chosen: dict[int, int] = {}
+    b = build(chosen)
+    base = b.work
+    budget = base * (1 + LEAN_WORK_SHARE)
+    peak, live = plan_peak(b.plan)
+    tried: set[tuple[int, int]] = set()
+    for _ in range(LEAN_TRIALS):
+        held: dict[int, int] = {}
+        for name, size in live.items():
+            o = b.owner.get(name, -1)
+            up = chosen.get(o, 0) + 1
+            if up <= b.leanable.get(o, 0) and (o, up) not in tried:
+                held[o] = held.get(o, 0) + size
+        order = sorted(held, key=lambda o: -held[o])
+        worth = [o for o in order if held[o] * LEAN_MIN_SHARE >= peak]
+        if not worth:
+            break
+        node = worth[0]
+        # its cheapest level above the present one that lowers the peak by at least
+        # 1/LEAN_MIN_DROP within the work budget (the others are not tried again)
+        for level in range(chosen.get(node, 0) + 1, b.leanable[node] + 1):
+            trial = build({**chosen, node: level})
+            trial_peak, trial_live = plan_peak(trial.plan)
+            if os.environ.get("MEXC_LEAN_TRACE"):
+                print(
+                    f"lean: node {node} level {level} holds {held[node]} of {peak}: peak "
+                    f"{trial_peak}, work {trial.work / base - 1:+.3f}"
+                )
+            tried.add((node, level))
+            if trial.work <= budget and (peak - trial_peak) * LEAN_MIN_DROP >= peak:
+                chosen, b, peak, live = {**chosen, node: level}, trial, trial_peak, trial_live
+                break
+    return chosen
+
+
+def plan_peak(plan: StepPlan) -> tuple[int, dict[str, int]]:
+    """The most arena bytes live during one launch (plan_layout's lifetimes; the persistent
+    region apart), and the bytes of each buffer live there."""
+    m = plan_manifest(plan)
+    args = [list(x.args) for x in plan.launches]
+    life = lifetimes(m, args)
+    keep = persistent_names(m)
+    sizes = {k: nbytes(s, d) for k, (s, d) in plan.buffers.items() if k in life and k not in keep}
+    delta = np.zeros(len(args) + 1, np.int64)
+    for k, size in sizes.items():
+        delta[life[k][0]] += size
+        delta[life[k][1] + 1] -= size
+    curve = np.cumsum(delta)[:-1]
+    if not len(curve):
+        return 0, {}
+    t = int(curve.argmax())
+    return int(curve[t]), {k: z for k, z in sizes.items() if life[k][0] <= t <= life[k][1]}
+
+
+def plan_builder(
+    prog: Program,
+    lanes: int,
+    device: Device,
+    gemm_kernel: str,
+    pack_budget: int | None,
+    lean: Mapping[int, int],
+) -> PlanRules:
+    """The builder after every op's rule has run (its plan, its lean candidates and work)."""
+    b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
+    b.lean = lean
     for n in prog.graph.nodes:
         rule = op_def(n.op).lowering("llvm")
         if rule is None:
@@ -90,10 +188,11 @@ def build_plan(
                 n,
                 f"op `{n.op.value}` is not lowered to TVM yet (lowered: {', '.join(SUPPORTED)})",
             )
+        b.node = n.id
         rule(b, n)
     _check_in_place_updates(prog.graph)
     b.buf(b.plan.keys, (max(len(b.plan.key_ids), 1),), I64)
-    return b.plan
+    return b
 
 
 def build_inference_plan(

@@ -23,7 +23,8 @@ from typing import Any
 from tvm import te, tirx
 
 from mexc.lowering.gemm_forms import GemmForm, Operand
-from mexc.lowering.te_compaction import fused_compaction
+from mexc.lowering.te_compaction import _flat_index, compacted, fused_compaction
+from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_products import ConvGeom
 
 I32 = "int32"
@@ -125,3 +126,36 @@ def _merged(g: ConvGeom, present: list[Phase]) -> tuple[list[te.Tensor], tuple[i
         return value
 
     return list(bufs.values()), (g.n, g.c, hc, g.sh, wc, g.sw), body
+
+
+def merge_from_c(
+    g: ConvGeom,
+    present: list[Phase],
+    c_shapes: list[tuple[int, int, int]],
+    bits: int,
+    stochastic: bool,
+    name: str,
+) -> tirx.PrimFunc:
+    """The lean merge's apply for the samples of `g` (one chunk of the batch): every phase read
+    straight from its GEMM's C (form.out_at), interleaved as merge_compaction does and rounded,
+    keyed by the by-phase flat index plus off[0] (the chunk's first element in the whole
+    result). Parameters (one C per phase with a form, in order, s, key, off, m by phase)."""
+    hc, wc = g.h // g.sh, g.w // g.sw
+    forms = [p for p in present if p.form is not None]
+    cs = [te.placeholder(shape, I32, name=f"c{p.py}{p.px}") for p, shape in zip(forms, c_shapes)]
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), "int64", name="key")
+    off = te.placeholder((1,), "int64", name="off")
+    shape = (g.n, g.c, hc, g.sh, wc, g.sw)
+
+    def body(n, c, yy, py, xx, px):
+        value = tirx.const(0, I32)
+        for p, buf in zip(forms, cs):
+            assert p.form is not None
+            mask = -(tirx.all(py == p.py, px == p.px).astype(I32))
+            value = value | (buf[p.form.out_at(n, c, yy, xx)] & mask)
+        flat = _flat_index(shape, (n, c, yy, py, xx, px)) + off[0]
+        return compacted(value, s_in[0], key[0], flat, bits, stochastic)
+
+    m = te.compute(shape, body, name="m")
+    return prim_func([*cs, s_in, key, off, m], f"{name}_apply")

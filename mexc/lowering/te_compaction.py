@@ -15,6 +15,7 @@ becomes the CUDA kernel.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from tvm import te, tirx
 
@@ -182,14 +183,24 @@ def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
     """(shape[0],) int32: max |x| over every axis but the first, in int32 (accumulators stay
     above -2^31, so |x| does not wrap) so that the host vectorizes it and runs rows in parallel."""
     shape = tuple(x.shape)  # static extents or shape variables
-    rest = [te.reduce_axis((0, d), f"{name}_r{i}") for i, d in enumerate(shape[1:])]
-
-    def body(r: tirx.PrimExpr) -> tirx.PrimExpr:
-        return te.max(iabs(x[(r, *rest)].astype(I32)), axis=rest)
-
-    if not rest:
+    if len(shape) == 1:
         return te.compute((shape[0],), lambda r: iabs(x[r].astype(I32)), name)
-    return te.compute((shape[0],), body, name=name)
+    return _max_rows(shape, lambda *i: iabs(x[i].astype(I32)), name)
+
+
+def _max_rows(shape: tuple[Any, ...], value: Callable[..., tirx.PrimExpr], name: str) -> te.Tensor:
+    """(shape[0],): max of value(*idx) (>= 0) over every axis but the first. Over the last axis
+    first, into partial maxima over the leading ones, then over those: one reduction axis per
+    loop nest vectorizes (an affine sum's shift over (C, S) in one nest took 3.4 ms, in two
+    0.19 ms: 128 x 16 x 784, 2026-12-01)."""
+    last = te.reduce_axis((0, shape[-1]), f"{name}_s")
+    if len(shape) == 2:
+        return te.compute((shape[0],), lambda r: te.max(value(r, last), axis=last), name=name)
+    part = te.compute(
+        shape[:-1], lambda *i: te.max(value(*i, last), axis=last), name=f"{name}_part"
+    )
+    mid = [te.reduce_axis((0, d), f"{name}_m{i}") for i, d in enumerate(shape[1:-1])]
+    return te.compute((shape[0],), lambda r: te.max(part[(r, *mid)], axis=mid), name=name)
 
 
 def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
@@ -197,6 +208,17 @@ def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
     rows = abs_max_rows(x, f"{name}_rows")
     r = te.reduce_axis((0, x.shape[0]), f"{name}_r")
     return te.compute((1,), lambda _: te.max(rows[r], axis=r), name=name)
+
+
+def abs_max_kernel(shape: tuple[int, ...], name: str, width: int = 1) -> tirx.PrimFunc:
+    """amax (width,) = max |x| of an int32 tensor in element 0, zeros after it (rows along
+    axis 0 in parallel; `width` pads a slot of a buffer of maxima to 64 bytes, the alignment
+    every kernel argument has). Parameters (x, amax)."""
+    x = te.placeholder(shape, I32, name="x")
+    top = abs_max_all(x, "top")
+    zero = tirx.const(0, I32)
+    amax = te.compute((width,), lambda i: tirx.Select(i == 0, top[0], zero), name="amax")
+    return prim_func([x, amax], name)
 
 
 def aligned_target(terms: list[tuple[tirx.PrimExpr, int]]) -> tirx.PrimExpr:
@@ -250,10 +272,10 @@ def fused_compaction(
     kernel (inputs -> s, e_out) computes every element for max |.|, the apply kernel (inputs, s,
     key -> m) computes each again and rounds it, as compaction_shift and compaction_apply would
     on the stored accumulator, bit for bit, without its 4 bytes per element."""
-    rest = [te.reduce_axis((0, d), f"amax_r{i}") for i, d in enumerate(shape[1:])]
-    rows = te.compute(
-        (shape[0],), lambda r: te.max(iabs(value(r, *rest)), axis=rest), name="amax_rows"
-    )
+    if len(shape) == 1:
+        rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
+    else:
+        rows = _max_rows(shape, lambda *i: iabs(value(*i)), "amax_rows")
     rr = te.reduce_axis((0, shape[0]), "amax_r")
     amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
     s = fit_shift(amax, qmax(bits))

@@ -18,7 +18,8 @@ Kernels of the forward pass, in launch order (sites of kernels.batchnorm_forward
                  stored (shift and apply kernels)                                 [4]
 Backward (kernels.batchnorm_backward): bn_grad_sums, to_bits (dgamma -> 16 bits [0]),
 bn_bracket [1] [2] [3], to_bits_shift (T -> 16 bits), bn_dx_factor [5], bn_dx_acc (with
-to_bits' rounding of T [4]), common_shift / common_apply [6]. Running statistics
+to_bits' rounding of T [4]), common_shift / common_apply [6]. Lean (no int32 tensor stored):
+bn_bracket_max, then bn_dx_unstored's shift and apply, which compute T again. Running statistics
 (kernels.batchnorm_update_running): to_bits, bn_ema, and a grouped compaction, once for the
 mean (sites 0-3) and once for the variance (4-7).
 """
@@ -392,14 +393,11 @@ def shift_apply(shape: tuple[int, ...], stochastic: bool, name: str) -> tirx.Pri
     return _func([x, s, key, y], name)
 
 
-def bn_bracket(
-    shape: NCS, stochastic: bool, name: str = "bn_bracket", row_max: bool = False
-) -> tirx.PrimFunc:
-    """T = aligned sum of M*dy (key 0), -dbeta (key 1, flat index c) and -xhat * dg16 (key 2)
-    (kernels.batchnorm_backward's bracket; magnitude bits 7 + ceil log2 M, the same, 22).
-    Parameters (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys, target, t), and with
-    `row_max` a last one, amax (N, C): max |T| over s, computed as each row of T is written
-    (host schedule), so that to_bits' shift reads (N, C) values instead of all of T."""
+def _bracket(
+    shape: NCS, stochastic: bool
+) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
+    """The bracket's inputs (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys), its target
+    exponent (a (1,) tensor) and its element T(n, c, s) (int32)."""
     m = shape[0] * shape[2]
     lg = ceil_log2(m)
     dy = te.placeholder(shape, I8, name="dy")
@@ -437,8 +435,27 @@ def bn_bracket(
         p = -(xh[n, c, s].astype(I32) * dg16[c])
         return a + b + shift_signed32(p, t3, keys[2], flat, stochastic, 7)
 
+    return [dy, e_dy, dbeta, xh, e_xh, dg16, e_dg, keys], target, body
+
+
+def _rows_parallel(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
+    """`func` with the outer loop of sblock `block` in parallel."""
+    sch = s_tir.Schedule(func)
+    sch.parallel(sch.get_loops(sch.get_sblock(block))[0])
+    return sch.mod["main"]
+
+
+def bn_bracket(
+    shape: NCS, stochastic: bool, name: str = "bn_bracket", row_max: bool = False
+) -> tirx.PrimFunc:
+    """T = aligned sum of M*dy (key 0), -dbeta (key 1, flat index c) and -xhat * dg16 (key 2)
+    (kernels.batchnorm_backward's bracket; magnitude bits 7 + ceil log2 M, the same, 22).
+    Parameters (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys, target, t), and with
+    `row_max` a last one, amax (N, C): max |T| over s, computed as each row of T is written
+    (host schedule), so that to_bits' shift reads (N, C) values instead of all of T."""
+    inputs, target, body = _bracket(shape, stochastic)
     t = te.compute(shape, body, name="t")
-    args = [dy, e_dy, dbeta, xh, e_xh, dg16, e_dg, keys, target, t]
+    args = [*inputs, target, t]
     if not row_max:
         return _func(args, name)
     rs = te.reduce_axis((0, shape[2]), "rs")
@@ -448,6 +465,44 @@ def bn_bracket(
     sch.reverse_compute_at(sch.get_sblock("amax"), c_loop)  # the row is still in L1
     sch.parallel(n_loop)
     return sch.mod["main"]
+
+
+def bn_bracket_max(shape: NCS, stochastic: bool, name: str = "bn_bracket_max") -> tirx.PrimFunc:
+    """The lean bracket's first pass: max |T| per (n, c) row and T's exponent, T computed and
+    never stored. Parameters (the bracket's inputs, target, amax (N, C))."""
+    inputs, target, body = _bracket(shape, stochastic)
+    rs = te.reduce_axis((0, shape[2]), "rs")
+    amax = te.compute(shape[:2], lambda n, c: te.max(iabs(body(n, c, rs)), axis=rs), name="amax")
+    return _rows_parallel(_func([*inputs, target, amax], name), "amax")
+
+
+def bn_dx_unstored(
+    shape: NCS, bits: int, stochastic: bool, name: str
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """The lean batch-norm dx: dxa = shift_right(T, s) * f16_c (bn_dx_acc's element, T the
+    bracket's, both recomputed) compacted along the channels (common_shift / common_apply, site
+    key6) without storing T or dxa, bit for bit as bn_bracket, bn_dx_acc and common_compact.
+    `<name>_shift` (bracket inputs, s, key4, e_bk, f16, e_f, e_grp, sh, e_out) and
+    `<name>_apply` (bracket inputs, s, key4, f16, sh, key6, m)."""
+    inputs, target, body = _bracket(shape, stochastic)
+    s_in = te.placeholder((1,), I32, name="s")
+    key4 = te.placeholder((1,), I64, name="key4")
+    f16 = te.placeholder((shape[1],), I32, name="f16")
+
+    def dxa(n: tirx.PrimExpr, c: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, (n, c, s))
+        return shift_right32(body(n, c, s), s_in[0], key4[0], flat, stochastic) * f16[c]
+
+    e_bk = te.placeholder((1,), I32, name="e_bk")
+    e_f = te.placeholder((shape[1],), I32, name="e_f")
+    e_grp = te.compute((shape[1],), lambda c: e_bk[0] + e_f[c], name="e_grp")
+    sh, e_out = _common_shift(shape, dxa, e_grp, bits)
+    lead = [*inputs, s_in, key4]
+    shift = _func([*lead, e_bk, f16, e_f, e_grp, sh, e_out], f"{name}_shift")
+    sh_in = te.placeholder((shape[1],), I32, name="sh")
+    key6 = te.placeholder((1,), I64, name="key6")
+    m = _common_apply(shape, dxa, sh_in, key6, bits, stochastic)
+    return shift, _func([*lead, f16, sh_in, key6, m], f"{name}_apply")
 
 
 def bn_dx_factor(shape: NCS, stochastic: bool, name: str = "bn_dx_factor") -> tirx.PrimFunc:

@@ -110,17 +110,17 @@ def test_device_names_stand_for_the_devices(prog: mexc.Program) -> None:
     with pytest.raises(ValueError, match="not one of"):
         device_of("tpu")
     for name, device in (("cpu", HOST), ("gpu", GPU)):
-        by_name = build_plan(prog, device=name)
-        assert fingerprint(by_name) == fingerprint(build_plan(prog, device=device))
+        by_name = build_plan(prog, device=name, lean={})
+        assert fingerprint(by_name) == fingerprint(build_plan(prog, device=device, lean={}))
     budget = dataclasses.replace(HOST, pack_budget=2048)
-    assert fingerprint(build_plan(prog, device=budget)) == fingerprint(
-        build_plan(prog, device="cpu", pack_budget=2048)
+    assert fingerprint(build_plan(prog, device=budget, lean={})) == fingerprint(
+        build_plan(prog, device="cpu", pack_budget=2048, lean={})
     )
 
 
 def test_the_devices_differ_in_every_capability(prog: mexc.Program) -> None:
     assert set(markers(prog)) == {f.name for f in dataclasses.fields(Device)} - {"name"}
-    host, gpu = build_plan(prog, device=HOST), build_plan(prog, device=GPU)
+    host, gpu = build_plan(prog, device=HOST, lean={}), build_plan(prog, device=GPU, lean={})
     for field, shows in markers(prog).items():
         if field == "pack_budget":  # the tiny model fits both budgets
             continue
@@ -131,7 +131,7 @@ def test_the_devices_differ_in_every_capability(prog: mexc.Program) -> None:
 def test_each_capability_switches_its_own_kernels_only(prog: mexc.Program, field: str) -> None:
     flipped: Any = {"pack_budget": 2048, "gemm": TileGemm()}.get(field, not getattr(HOST, field))
     device = dataclasses.replace(HOST, **{field: flipped})
-    base, plan = build_plan(prog, device=HOST), build_plan(prog, device=device)
+    base, plan = build_plan(prog, device=HOST, lean={}), build_plan(prog, device=device, lean={})
     for name, shows in markers(prog).items():
         changed = shows(base) != shows(plan)
         assert changed == (name == field), (field, name)

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ def compile_program(
     plan_device: str = "cpu",
     pack_budget: int | None = None,
     inference: bool = False,
+    lean: Mapping[int, int] | None = None,
 ) -> Compiled:
     """The compiled training step of `prog`, from the on-disk cache when the same program (IR,
     options, target, TVM and lowering code) was built before; the cache skips TE and TVM.
@@ -147,6 +149,7 @@ def compile_program(
     cpu = cpu or host_cpu()
     target = cpu.target()
     what = f"{target} plan={plan_device} gemm={cpu.gemm_kernel} packs={pack_budget}"
+    what += f" lean={sorted(lean.items())}" if lean is not None else ""
     what += " inference" if inference else ""
     folder = CACHE / f"llvm-{cache_key(prog, what)}"
     if (folder / "plan.json").exists():
@@ -155,8 +158,10 @@ def compile_program(
         except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, not trusted
             print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)
-    build_any = build_inference_plan if inference else build_plan
-    plan = build_any(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
+    if inference:
+        plan = build_inference_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
+    else:
+        plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget, lean)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
 
@@ -252,8 +257,9 @@ class LlvmProgram(PlanProgram):
         cpu: HostCpu | None = None,
         layout: str = "arena",
         pack_budget: int | None = None,
+        lean: Mapping[int, int] | None = None,
     ) -> None:
-        compiled = compile_program(prog, cpu, plan_device, pack_budget)
+        compiled = compile_program(prog, cpu, plan_device, pack_budget, lean=lean)
         self._build = (cpu, plan_device, pack_budget, layout)
         self._inf: tuple[dict[str, Any], _Buffers, list[tuple[Any, list[Any]]]] | None = None
         # why predict runs the reference instead of an inference plan ("": it does not)
