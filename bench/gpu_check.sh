@@ -4,8 +4,10 @@
 #     python bench/make_gpu_artifacts.py            # writes build/gpu/{fashion,resnet18,resnet18-b128}
 # then carry the repository with build/gpu along and run:  bash bench/gpu_check.sh [build/gpu]
 # Checks the Fashion CNN and ResNet-18 steps bit for bit against the host's checksums, times
-# ResNet-18 at batch 128 against PyTorch FP32 eager and BF16 autocast, writes cuda_check.json to
-# $OUT when set; exits non-zero on any mismatch. A few minutes on one GPU.
+# ResNet-18 at batch 128 (replaying a CUDA graph and kernel by kernel) against PyTorch FP32 eager
+# and BF16 autocast, sets each kernel group's time beside the roofline estimate
+# (bench/roofline.py), writes cuda_check.json to $OUT when set; exits non-zero on any mismatch.
+# A few minutes on one GPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-build/gpu}"

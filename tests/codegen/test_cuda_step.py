@@ -321,6 +321,9 @@ class _FakeCupy:
     def __init__(self) -> None:
         self.launches: list[tuple[str, tuple, tuple, tuple[int, ...]]] = []
         self.capturing = False
+        self.captures = 0  # stream captures begun
+        self.replays = 0  # graph launches
+        self.events = 0  # CUDA events recorded
         fake = self
 
         class Device:
@@ -343,6 +346,7 @@ class _FakeCupy:
                 self.calls = calls
 
             def launch(self, stream: object = None) -> None:
+                fake.replays += 1
                 fake.launches.extend(self.calls)
 
         class Stream(Device):
@@ -351,6 +355,7 @@ class _FakeCupy:
 
             def begin_capture(self) -> None:
                 fake.capturing, fake.captured = True, []
+                fake.captures += 1
 
             def end_capture(self) -> Graph:
                 fake.capturing = False
@@ -372,7 +377,27 @@ class _FakeCupy:
 
                 return launch
 
-        self.cuda = type("cuda", (), {"Device": Device, "Stream": Stream})
+        class Event:
+            def record(self, stream: object = None) -> None:
+                assert not fake.capturing
+                fake.events += 1
+
+            def synchronize(self) -> None:
+                pass
+
+        def get_elapsed_time(start: Event, end: Event) -> float:
+            return 0.5  # milliseconds
+
+        self.cuda = type(
+            "cuda",
+            (),
+            {
+                "Device": Device,
+                "Stream": Stream,
+                "Event": Event,
+                "get_elapsed_time": staticmethod(get_elapsed_time),
+            },
+        )
         self.RawModule = Module
 
     @staticmethod
@@ -419,6 +444,113 @@ def test_cuda_runtime_host_logic_on_a_fake_cupy(digits_artifact, monkeypatch) ->
     fake.captured = []
     gpu.step(x, y)
     assert [c[0] for c in fake.launches] == symbols * 3 and fake.captured == []
+
+
+def _pointers(gpu) -> dict[str, int]:
+    return {name: a.__array_interface__["data"][0] for name, a in gpu._t.items()}
+
+
+def _planned_launches(gpu) -> list[tuple[str, tuple, tuple, tuple[int, ...]]]:
+    """The step as plan.json orders it, bound to `gpu`'s own device buffers."""
+    ptr = _pointers(gpu)
+    return [
+        (symbol, tuple(grid), tuple(block), tuple(ptr[a] for a in args))
+        for _, symbol, grid, block, args in gpu.plan["kernels"]
+    ]
+
+
+@needs_cuda_tools
+def test_cuda_graph_replays_the_launch_by_launch_step_on_a_fake_cupy(
+    digits_artifact, monkeypatch
+) -> None:
+    """Launched kernel by kernel, a step is plan.json's list in order, bound to the program's
+    buffers. With graphs, the first step is that list launched directly, the second captures
+    the same list once and replays it, later steps only replay; the per-step inputs and
+    load_state_dict write into the buffers the graph points at, which never move; kernel_times
+    still launches kernel by kernel."""
+    import mexc.backends.cuda.program as cuda_program
+    from mexc.backends.cuda.program import StepArtifact
+    from mexc.kernels.quantize import quantize
+
+    out, prog = digits_artifact
+    monkeypatch.delenv("MEXC_CUDA_GRAPH", raising=False)
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.standard_normal((8, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 8))
+        for _ in range(4)
+    ]
+    eager_fake = _FakeCupy()
+    monkeypatch.setattr(cuda_program, "cupy_module", lambda: eager_fake)
+    eager = cuda_program.load_cuda(out, graph=False)
+    eager.step(*batches[0])
+    eager.step(*batches[1])
+    assert eager_fake.launches == _planned_launches(eager) * 2 and eager_fake.captures == 0
+
+    fake = _FakeCupy()
+    monkeypatch.setattr(cuda_program, "cupy_module", lambda: fake)
+    gpu = cuda_program.load_cuda(out)
+    assert gpu.use_graph
+    pointers, step = _pointers(gpu), _planned_launches(gpu)
+    gpu.step(*batches[0])  # launch by launch, no capture yet
+    assert (fake.captures, fake.replays) == (0, 0) and fake.launches == step
+    gpu.step(*batches[1])  # captured once, then replayed
+    assert (fake.captures, fake.replays) == (1, 1) and fake.captured == step
+    gpu.load_state_dict(StepArtifact.load(out).program.state_dict())  # in place
+    gpu.step(*batches[2])
+    gpu.step(*batches[3])
+    assert (fake.captures, fake.replays) == (1, 3) and fake.launches == step * 4
+    assert _pointers(gpu) == pointers  # no buffer moved: the graph's pointers stay valid
+    assert gpu.read_buffer(gpu.plan["input"][0]).tolist() == (
+        quantize(batches[3][0], prog.options.bits).m.tolist()
+    )
+    assert gpu.read_buffer(gpu.plan["labels"]).tolist() == batches[3][1].tolist()
+    # kernel timing: one step (a replay), then every kernel alone between two events
+    times = gpu.kernel_times(*batches[0], repeats=1)
+    assert (fake.captures, fake.replays) == (1, 4) and fake.events == 2 * len(step)
+    assert fake.launches == step * 6
+    assert len(times) == len(step) and set(times.values()) == {0.5e-3}
+    gpu.set_graph(False)  # launch by launch again, no capture
+    gpu.step(*batches[0])
+    assert (fake.captures, fake.replays) == (1, 4) and fake.launches == step * 7
+
+
+@needs_cuda_tools
+def test_gpu_check_sets_kernel_times_beside_the_roofline(digits_artifact) -> None:
+    from mexc.backends.cuda.check import against_roofline
+    from mexc.backends.cuda.program import StepArtifact
+    from mexc.backends.cuda.roofline import kernel_costs
+
+    man = StepArtifact.load(digits_artifact[0]).manifest
+    measured = {f"{i:04d} {k[1]}": (i + 1) * 1e-6 for i, k in enumerate(man["kernels"])}
+    groups = against_roofline(man, measured, "H200")
+    n = len(man["kernels"])
+    assert sum(g["measured_ms"] for g in groups.values()) == pytest.approx(n * (n + 1) / 2e3)
+    gemm_ms = sum((c.index + 1) * 1e-3 for c in kernel_costs(man) if c.gemm)
+    assert groups["gemm"]["measured_ms"] == pytest.approx(gemm_ms)
+    assert all(0 < g["roofline_ms"] <= g["capped_ms"] for g in groups.values())
+
+
+@needs_cuda_tools
+def test_cuda_graph_capture_failure_falls_back_to_launches(digits_artifact, monkeypatch) -> None:
+    """A CuPy or driver without stream capture: one note, then kernel by kernel, same list."""
+    import mexc.backends.cuda.program as cuda_program
+
+    out, _ = digits_artifact
+    fake = _FakeCupy()
+
+    def no_capture(self) -> None:
+        raise RuntimeError("stream capture is not supported")
+
+    monkeypatch.setattr(cuda_program, "cupy_module", lambda: fake)
+    gpu = cuda_program.load_cuda(out, graph=True)
+    monkeypatch.setattr(type(gpu._stream), "begin_capture", no_capture)
+    x = np.zeros((8, 1, 8, 8), np.float32)
+    y = np.arange(8) % 10
+    gpu.step(x, y)
+    gpu.step(x, y)
+    gpu.step(x, y)
+    assert not gpu.use_graph and fake.replays == 0
+    assert fake.launches == fake.launches[: len(gpu.plan["kernels"])] * 3
 
 
 @needs_cuda_tools

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,41 @@ def _scheduler(scratch: dict[str, list[tuple[str, tuple, str]]], gemm: str) -> A
     return schedule
 
 
+@dataclass(frozen=True)
+class LoweredStep:
+    """A training step lowered to CUDA source, before nvcc: the manifest without its modules
+    (buffers, views, layout, the kernel list with grids and blocks, gemm_kernels, counts) and
+    the CUDA source of every part."""
+
+    manifest: dict[str, Any]
+    sources: list[str]
+    tvm_seconds: float
+
+
+def lower_step(
+    prog: Program, pack_budget: int | None = None, inference: bool = False
+) -> LoweredStep:
+    """`prog`'s step (or inference plan) lowered by TVM to CUDA source and a launch list; needs
+    TVM, not nvcc. `pack_budget`: build_plan's."""
+    t0 = time.perf_counter()
+    build_any = build_inference_plan if inference else build_plan
+    plan = build_any(prog, device="gpu", pack_budget=pack_budget)
+    scratch: dict[str, list[tuple[str, tuple, str]]] = {}
+    gemm = gemm_schedule()
+    funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
+    parts = _lower_parts(funcs)
+    manifest: dict[str, Any] = {"format": FORMAT, "gemm": gemm, **plan_manifest(plan)}
+    module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
+    kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
+    manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
+    manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
+    manifest["gemm_kernels"] = sorted(
+        k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
+    )
+    manifest["counts"] = {"plan_launches": len(plan.launches), "distinct_funcs": len(funcs)}
+    return LoweredStep(manifest, [src for src, _ in parts], time.perf_counter() - t0)
+
+
 def build_step(
     prog: Program,
     archs: str | tuple[str, ...],
@@ -78,26 +113,14 @@ def build_step(
         raise ValueError(f"archs {list(archs)}: each must be one of {ARCHS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    build_any = build_inference_plan if inference else build_plan
-    plan = build_any(prog, device="gpu", pack_budget=pack_budget)
-    scratch: dict[str, list[tuple[str, tuple, str]]] = {}
-    gemm = gemm_schedule()
-    funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
-    parts = _lower_parts(funcs)
-    t_tvm = time.perf_counter() - t0
-    manifest = {"format": FORMAT, "archs": list(archs), "gemm": gemm, **plan_manifest(plan)}
-    module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
-    kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
-    manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
-    manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
+    lowered = lower_step(prog, pack_budget, inference)
+    manifest = {**lowered.manifest, "archs": list(archs)}
     t1 = time.perf_counter()
-    manifest["modules"] = _compile_modules([src for src, _ in parts], archs, out)
-    manifest["gemm_kernels"] = sorted(
-        k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
-    )
-    manifest["seconds"] = {"tvm": round(t_tvm, 2), "nvcc": round(time.perf_counter() - t1, 2)}
-    manifest["counts"] = {"plan_launches": len(plan.launches), "distinct_funcs": len(funcs)}
+    manifest["modules"] = _compile_modules(lowered.sources, archs, out)
+    manifest["seconds"] = {
+        "tvm": round(lowered.tvm_seconds, 2),
+        "nvcc": round(time.perf_counter() - t1, 2),
+    }
     opts = replace(prog.options, target="cuda")
     as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
     as_cuda.save(out / PROGRAM_FILE)

@@ -10,8 +10,10 @@ from the host twin that runs the same plan's TIR through TVM's llvm target). On 
 - bit-exactness: the same steps on the same batch give the same losses and checksums; when they
   do not, the first buffer (in launch order) whose bytes differ after step 1 names the kernel
   to look at;
-- speed (folders whose expected.json names a torch model): the median step time of mexc, of
-  PyTorch FP32 eager and of PyTorch BF16 autocast (same model, batch, SGD with momentum).
+- speed (folders whose expected.json names a torch model): the median step time of mexc
+  replaying its CUDA graph and launching kernel by kernel, of PyTorch FP32 eager and of
+  PyTorch BF16 autocast (same model, batch, SGD with momentum), and the time of every kernel
+  alone (the ten slowest are reported).
 
 Needs CuPy and a GPU, not TVM or nvcc. Prints a table; writes cuda_check.json to $OUT when set;
 exits 1 on any mismatch.
@@ -32,6 +34,9 @@ from typing import Any
 import numpy as np
 
 from mexc.backends.cuda.program import load_cuda
+from mexc.backends.cuda.roofline import GPUS, estimate, kernel_costs
+
+ROOFLINE_GPU = {"sm_80": "A100", "sm_90": "H200"}  # the GPUs of docs/cuda.md's estimate
 
 
 def first_difference(got: dict[str, str], want: dict[str, str], kernels: list) -> str | None:
@@ -44,6 +49,24 @@ def first_difference(got: dict[str, str], want: dict[str, str], kernels: list) -
         if name in want and got.get(name) != want[name]:
             return name
     return None
+
+
+def against_roofline(
+    plan: dict[str, Any], kernel_s: dict[str, float], gpu: str
+) -> dict[str, dict[str, float]]:
+    """Measured milliseconds per kernel group (`kernel_s`: kernel_times, keyed "<index>
+    <symbol>") beside the roofline estimate's for `gpu` (a key of roofline.GPUS): the plain
+    roofline and the one capped by each launch's parallelism."""
+    costs = kernel_costs(plan)
+    est = estimate(costs, GPUS[gpu], gemm=plan.get("gemm", "imma"))
+    out: dict[str, dict[str, float]] = {}
+    measured = {int(key.split()[0]): s for key, s in kernel_s.items()}
+    for c in costs:
+        row = out.setdefault(c.group, {"measured_ms": 0.0, "roofline_ms": 0.0, "capped_ms": 0.0})
+        row["measured_ms"] += measured.get(c.index, 0.0) * 1e3
+        row["roofline_ms"] += est.peak_s[c.index] * 1e3
+        row["capped_ms"] += est.kernel_s[c.index] * 1e3
+    return out
 
 
 def check_exact(folder: Path) -> dict[str, Any]:
@@ -113,6 +136,7 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     launches_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
     kernels = prog.kernel_times(x, y, repeats=2)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    launches = len(prog.plan["kernels"])
     fp32 = _torch_step_time(spec, bf16=False, steps=steps)
     bf16 = _torch_step_time(spec, bf16=True, steps=steps)
     return {
@@ -122,11 +146,16 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
         "mexc_cuda_s": mexc_s,
         "cuda_graph": graph,
         "mexc_cuda_no_graph_s": launches_s,
+        "launches": launches,
+        # what the graph saves per kernel launch (host launch cost not hidden by the device)
+        "graph_saving_per_launch_us": (launches_s - mexc_s) / launches * 1e6,
         "torch_fp32_s": fp32,
         "torch_bf16_s": bf16,
         "mexc_over_fp32": mexc_s / fp32,
         "mexc_over_bf16": mexc_s / bf16,
         "kernel_sum_s": sum(kernels.values()),
+        # the roofline estimate of the GPU the artifact's cubin is for (docs/cuda.md)
+        "kernel_groups": against_roofline(prog.plan, kernels, ROOFLINE_GPU[prog.arch]),
         "slowest_kernels_s": dict(top),
     }
 
@@ -149,10 +178,20 @@ def main(argv: list[str] | None = None) -> int:
             timing.append(time_step(folder, args.time_steps))
             t = timing[-1]
             print(
-                f"{t['artifact']:24s} batch {t['batch']}: mexc {1e3 * t['mexc_cuda_s']:.2f} ms, "
+                f"{t['artifact']:24s} batch {t['batch']}: mexc {1e3 * t['mexc_cuda_s']:.2f} ms "
+                f"(graph {t['cuda_graph']}; launch by launch "
+                f"{1e3 * t['mexc_cuda_no_graph_s']:.2f} ms, {t['launches']} launches), "
                 f"FP32 {1e3 * t['torch_fp32_s']:.2f} ms, BF16 {1e3 * t['torch_bf16_s']:.2f} ms, "
                 f"mexc/FP32 {t['mexc_over_fp32']:.2f}, mexc/BF16 {t['mexc_over_bf16']:.2f}"
             )
+            print(f"  {'kernel group':28s} measured ms  roofline ms  capped ms")
+            for group, g in sorted(
+                t["kernel_groups"].items(), key=lambda kv: -kv[1]["measured_ms"]
+            ):
+                print(
+                    f"  {group:28s} {g['measured_ms']:11.3f}  {g['roofline_ms']:11.3f}  "
+                    f"{g['capped_ms']:9.3f}"
+                )
     bad = sum(not r["exact"] for r in exact)
     print(f"{len(exact) - bad}/{len(exact)} artifacts bit-exact")
     if os.environ.get("OUT"):

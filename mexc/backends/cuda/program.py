@@ -160,10 +160,14 @@ class CudaProgram(PlanProgram):
     (reading it copies it out).
 
     graph=True (default; MEXC_CUDA_GRAPH=0 turns it off) captures the step's launch sequence
-    once as a CUDA graph and replays it: a ResNet-18 step is thousands of small launches, and a
-    graph launch costs far less host time than as many kernel launches. The buffers never move
-    and every per-step input is written into them before the launch, so the captured graph is
-    the same step every time."""
+    as a CUDA graph at the second step and replays it from then on: a ResNet-18 step is
+    thousands of small launches, and one graph launch costs far less host time than as many
+    kernel launches. The first step launches kernel by kernel, so that a kernel that fails to
+    launch says so at its launch and every kernel has run once before the capture. The kernel
+    arguments (device pointers, grids, blocks) are resolved once here; the buffers are
+    allocated once and never move, and every per-step input (batch, labels, learning rate,
+    keys) and load_state_dict write into them in place, so the captured graph is the same step
+    every time."""
 
     def __init__(
         self,
@@ -183,6 +187,7 @@ class CudaProgram(PlanProgram):
         self.arch = artifact.arch_for(str(self._device.compute_capability))
         self.use_graph = os.environ.get("MEXC_CUDA_GRAPH", "1") != "0" if graph is None else graph
         self._graph: Any = None
+        self._launched = False  # a step has run launch by launch (the capture comes after)
         with self._device:
             self._stream = cp.cuda.Stream(non_blocking=True)
             self._t, self._allocated = _allocate(cp, man, self.separate_buffers)
@@ -221,16 +226,17 @@ class CudaProgram(PlanProgram):
 
     def _run(self) -> None:
         with self._device:
-            if self.use_graph and self._graph is None:
+            if self.use_graph and self._graph is None and self._launched:
                 self._graph = self._capture()
             if self._graph is not None:
                 self._graph.launch(self._stream)
             else:
                 self._launch_all()
+                self._launched = True
 
     def set_graph(self, enabled: bool) -> None:
-        """Replay the step as one CUDA graph (captured at the next step) or launch its kernels
-        one by one."""
+        """Replay the step as one CUDA graph (captured at the next step once a step has run
+        launch by launch) or launch its kernels one by one."""
         self.use_graph = enabled
         self._graph = None
 
