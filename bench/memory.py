@@ -15,7 +15,8 @@ For each model and batch (default 32 and 128):
 - `c`: the static arrays of the generated C (arena, scratch, state), as an MCU links them;
 - `cuda`: the device bytes of the CUDA artifact's layout (mexc.backends.cuda.build.device_layout:
   state region, arena, kernel scratch), without nvcc;
-- with RSS (default on): the peak resident set per extra sample of a fresh process that trains
+- with RSS (default on; each figure the median of RSS_RUNS fresh processes): the peak resident
+  set per extra sample of a fresh process that trains
   3 steps with mexc (target "auto": llvm, or the reference where llvm does not lower the model;
   compile from a warm kernel cache, then steps) and in FP32 eager,
   ((peak at the larger batch) - (peak at the smaller)) / (batch difference): fixed costs
@@ -56,6 +57,7 @@ MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
     "ResNet18": (ResNet18, (3, 32, 32)),
 }
 STEPS = 3  # steps of an RSS child
+RSS_RUNS = 3  # fresh processes per batch and contender (their median)
 
 
 def _batch(shape: tuple[int, ...], batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -167,18 +169,25 @@ def child(name: str, batch: int, who: str) -> int:
 
 
 def rss_slope(name: str, batches: list[int], who: str) -> dict[str, Any]:
-    """Per-sample peak-RSS growth from fresh processes at the smallest and largest batch."""
-    peaks, target = {}, "fp32"
+    """Per-sample peak-RSS growth from fresh processes at the smallest and largest batch, each
+    the median of RSS_RUNS processes: the fixed part of a fresh process's peak (the libraries,
+    about 515 MiB for mexc) varies by up to 13 MiB between runs, more than a small model's
+    whole per-sample growth."""
+    peaks, runs, target = {}, {}, "fp32"
     for b in (min(batches), max(batches)):
         cmd = [sys.executable, __file__, "--child", name, str(b), who]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-        lines = out.stdout.strip().splitlines()
-        peaks[b] = int(lines[-1])
-        target = lines[-2] if who != "fp32" else target
+        runs[b] = []
+        for _ in range(RSS_RUNS):
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+            lines = out.stdout.strip().splitlines()
+            runs[b].append(int(lines[-1]))
+            target = lines[-2] if who != "fp32" else target
+        peaks[b] = int(np.median(runs[b]))
     lo, hi = min(batches), max(batches)
     return {
         "target": target,
         "peak_rss_kib": peaks,
+        "runs_kib": runs,
         "kib_per_sample": (peaks[hi] - peaks[lo]) / (hi - lo),
     }
 

@@ -8,6 +8,7 @@ control flow makes it fail with a TraceError that we rewrap with the offending l
 
 from __future__ import annotations
 
+import copy
 import importlib
 import operator
 import re
@@ -239,6 +240,8 @@ def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
             raise TraceError(_control_flow_message(model, err)) from None
         raise
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    if _propagate_on_meta(gm, example):
+        return gm
     prop = _ShapeProp(gm)
     try:
         # no autograd: it would keep every activation of the float forward alive at once (at
@@ -248,6 +251,24 @@ def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     except Exception as err:  # noqa: BLE001 - report the model's own failure plainly
         raise InputError(_example_failure(model, example, prop.failed, err)) from None
     return gm
+
+
+def _propagate_on_meta(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
+    """Shapes and dtypes of every node from a copy of `gm` on the meta device (no data): a
+    float forward at the full batch set the compile's peak RSS (FashionCNN at batch 128: about
+    95 KiB per sample, twice the integer step's). False where an op has no meta kernel or the
+    model fails; the real propagation then runs, and reports the model's own error."""
+    try:
+        meta = copy.deepcopy(gm).to("meta")
+        with torch.no_grad():
+            ShapeProp(meta).propagate(example.to("meta"))
+    except Exception:  # noqa: BLE001 - any failure: the real propagation decides
+        return False
+    for real, fake in zip(gm.graph.nodes, meta.graph.nodes):
+        for key in ("tensor_meta", "type"):
+            if key in fake.meta:
+                real.meta[key] = fake.meta[key]
+    return True
 
 
 class _ShapeProp(ShapeProp):

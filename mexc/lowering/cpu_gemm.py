@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import tvm
 import tvm_ffi
@@ -506,6 +507,10 @@ def _iterations(sch: s_tir.Schedule, loops: list) -> float:
     return total
 
 
+def _unit(extent: Any) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
 def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
     """A generic host schedule for the non-product kernels: every root-level block runs its
     outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
@@ -523,12 +528,17 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
             continue
         if any(k != tirx.ForKind.SERIAL for k in kinds):
             continue
-        if spatial[0] != loops[0]:
+        # the outermost loop whose extent is not 1 (a (1, R, D) LayerNorm's statistics have a
+        # unit batch axis in front of their rows)
+        outer = 0
+        while outer + 1 < len(spatial) and _unit(sch.get(spatial[outer]).extent):
+            outer += 1
+        if spatial[outer] != loops[outer]:
             continue
-        extent = sch.get(spatial[0]).extent
+        extent = sch.get(spatial[outer]).extent
         if isinstance(extent, tirx.IntImm) and int(extent) < min_extent:
             continue  # (a shape variable's extent is taken to be large)
         if _iterations(sch, loops) < SERIAL_BELOW:
             continue  # waking the pool costs more than the work
-        sch.parallel(spatial[0])  # the outer axis only: fusing would divide every index
+        sch.parallel(spatial[outer])  # the outer axis only: fusing would divide every index
     return sch.mod["main"]

@@ -171,12 +171,12 @@ class PlanBuilder:
         self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
         # values plan-memory computes in place over their first input (which dies there)
         self.in_place = {s.value for s in prog.memory_plan().slots if s.alias_of is not None}
-        # lean nodes (lean.py): their products and brackets scan, then round, in small chunks
+        # lean nodes (step_plan.lean_nodes): more chunks, or scan, then round
         self.lean: Mapping[int, int] = {}  # node -> its lean level (0: not lean)
         self.leanable: dict[int, int] = {}  # node -> the levels its rule has
         self.node = -1  # the node whose rule runs (the owner of the buffers it allocates)
         self.owner: dict[str, int] = {}  # buffer -> the node that allocated it
-        # the step's estimated work (lean.py weighs a lean node's cost by it): GEMM
+        # the step's estimated work (lean_nodes weighs a lean node's cost by it): GEMM
         # multiply-accumulates, and ELEM_WORK per element of every other launch's largest
         # argument
         self.work = 0
@@ -348,8 +348,7 @@ class PlanBuilder:
         count. Operands flagged in `batched` are sliced along their leading (batch) axis:
         contiguous views. `chunks`: at least that many (a lean product's: lean_chunks).
         `reduce`: the batch is the product's reduction (a weight gradient), so chunks do not
-        slice the result. `samples`: that chunk size,
-        chosen by the caller."""
+        slice the result. `samples`: that chunk size, chosen by the caller."""
         full = make(batch)
         pack = self.device.gemm.pack_bytes(full.form)
         budget = self.pack_budget
@@ -365,11 +364,9 @@ class PlanBuilder:
         ]
         sizes = [d for d in sizes if d * chunks <= batch]
         fits = [d for d in sizes if pack * d <= budget * batch]
-        if samples is not None:
-            pass
-        elif pack <= budget and chunks == 1:
+        if samples is None and pack <= budget and chunks == 1:
             samples = batch
-        else:  # the largest chunk that fits, else the smallest there is
+        elif samples is None:  # the largest chunk that fits, else the smallest there is
             samples = max(fits) if fits else min(sizes, default=batch)
         if samples == batch:
             return Chunks(full, full, [operands])
@@ -424,8 +421,8 @@ class PlanBuilder:
     ) -> None:
         """Result `result` (0) of n = the compaction (rounding site `site`, 0) of a product, as
         the device's GEMM strategy does it: on the host straight from the GEMM's C (no unpacked
-        accumulator: `compact_from_c`), on a GPU as gemm + compact; `lean` (chunks from
-        `chunked(..., lean=True)`): scan, then round, chunk by chunk (`lean_compaction`)."""
+        accumulator: `compact_from_c`), on a GPU as gemm + compact; `lean`: scan, then round,
+        chunk by chunk (`lean_compaction`)."""
         if not lean:
             self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
             return
