@@ -412,13 +412,15 @@ def compact_from_c(
     stochastic: bool,
     name: str,
     offset: bool = False,
+    schedule: bool = True,
 ) -> tirx.PrimFunc:
     """The compaction apply of a product read straight from its GEMM's C (the unpack's gather
     with the rounding on the way): m[idx] = compacted(C[out_at(idx)], s), keyed by the native
     flat index as compaction_apply is. C's padding is zero, so the compaction shift can take
     its max over C too, and the int32 accumulator in the native layout is never written.
     Parameters (c, s, key, m); with `offset` (c, s, key, off, m): the keys' flat indices start
-    at off[0] (a chunk of a lean product: its piece of the whole result)."""
+    at off[0] (a chunk of a lean product: its piece of the whole result). `schedule`: the
+    host's elementwise schedule (off for a GPU, whose backend schedules every kernel)."""
     cin = te.placeholder(c_shape, I32, name="c")
     s_in = te.placeholder((1,), I32, name="s")
     key = te.placeholder((1,), "int64", name="key")
@@ -430,7 +432,8 @@ def compact_from_c(
 
     m = te.compute(form.out_shape, body, name="m")
     params = [cin, s_in, key, off, m] if offset else [cin, s_in, key, m]
-    return _schedule_elementwise(_func(params, f"{name}_apply"))
+    func = _func(params, f"{name}_apply")
+    return _schedule_elementwise(func) if schedule else func
 
 
 def _product(

@@ -47,6 +47,18 @@ class GemmStrategy(Protocol):
         """Whether its products can run lean (PlanBuilder.lean_product)."""
         ...
 
+    def apply_from_c(
+        self,
+        form: gf.GemmForm,
+        c_shape: tuple[int, int, int],
+        bits: int,
+        stochastic: bool,
+        name: str,
+    ) -> tirx.PrimFunc:
+        """A lean product's apply: one chunk's C rounded into its piece of the result
+        (cpu_gemm.compact_from_c with a key offset)."""
+        ...
+
     def pack_bytes(self, form: gf.GemmForm) -> int:
         """Bytes the product of `form` takes in pack buffers (what the pack budget bounds)."""
         ...
@@ -70,6 +82,16 @@ class HostGemm:
     its `lanes`), and compactions read straight from C."""
 
     lean: bool = True
+
+    def apply_from_c(
+        self,
+        form: gf.GemmForm,
+        c_shape: tuple[int, int, int],
+        bits: int,
+        stochastic: bool,
+        name: str,
+    ) -> tirx.PrimFunc:
+        return compact_from_c(form, c_shape, bits, stochastic, name, offset=True)
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
         return form.g * form.k * (form.m + form.q)  # both packs, about
@@ -124,7 +146,18 @@ class TileGemm:
     """gemm_forms' products: pack A and B padded to the GEMM tiles, one batched GEMM marked
     GEMM_ATTR (a GPU backend schedules it), unpack into an int32 accumulator, then compact."""
 
-    lean: bool = False  # not yet: the apply from C has the host's elementwise schedule
+    lean: bool = True
+
+    def apply_from_c(
+        self,
+        form: gf.GemmForm,
+        c_shape: tuple[int, int, int],
+        bits: int,
+        stochastic: bool,
+        name: str,
+    ) -> tirx.PrimFunc:
+        # C padded to the tiles: out_at indexes its real rows and columns
+        return compact_from_c(form, c_shape, bits, stochastic, name, offset=True, schedule=False)
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
         f = form  # padded to the tiles, and the C unpacked chunk by chunk

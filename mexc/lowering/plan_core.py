@@ -20,7 +20,6 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_ops, te_pool
-from mexc.lowering.cpu_gemm import compact_from_c
 from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import product_cap
@@ -426,10 +425,10 @@ class PlanBuilder:
         if not lean:
             self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
             return
-        form, bits, stochastic = ch.chunk.form, self.bits, self.stochastic
+        form, bits, stochastic, gemm = ch.chunk.form, self.bits, self.stochastic, self.device.gemm
 
         def apply(c_shapes: list[tuple[int, int, int]], name: str) -> tirx.PrimFunc:
-            return compact_from_c(form, c_shapes[0], bits, stochastic, name, offset=True)
+            return gemm.apply_from_c(form, c_shapes[0], bits, stochastic, name)
 
         out = self.out(n, result, I8, ch.full.form.out_shape)
         self.lean_compaction(n, [ch], apply, out, form.out_shape, e_in, site, result)

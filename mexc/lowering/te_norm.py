@@ -485,7 +485,7 @@ def bn_dx_unstored(
     `<name>_shift` (bracket inputs, s, key4, e_bk, f16, e_f, e_grp, sh, e_out) and
     `<name>_apply` (bracket inputs, s, key4, f16, sh, key6, m)."""
     inputs, target, body = _bracket(shape, stochastic)
-    s_in = te.placeholder((1,), I32, name="s")
+    s_in = te.placeholder((1,), I32, name="s16")  # not "s": common_shift's own
     key4 = te.placeholder((1,), I64, name="key4")
     f16 = te.placeholder((shape[1],), I32, name="f16")
 

@@ -600,3 +600,22 @@ def test_emulated_cuda_pre_shift_of_wide_reductions_is_bit_exact(tmp_path: Path)
     for reverse, layout in ((False, "arena"), (True, "separate")):
         emu = load_emulated(tmp_path, reverse=reverse, layout=layout)
         _trains_like(emu, StepArtifact.load(tmp_path).program, steps=2)
+
+
+@needs_cuda_tools
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_emulated_cuda_of_the_leanest_step_is_bit_exact(tmp_path: Path) -> None:
+    """Every node of the GPU plan at its leanest (convolutions scanned, then rounded, from one
+    chunk's padded C; weight gradients in chunks; batch norms without a stored bracket): the
+    artifact's own CUDA source trains as the reference does, in both orders."""
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import load_emulated
+    from mexc.backends.cuda.program import StepArtifact
+    from mexc.lowering.step_plan import leanest
+
+    prog = _program(EXAMPLES["DigitsCNN"][0], 4, EXAMPLES["DigitsCNN"][1])
+    man = build_step(prog, ("sm_80",), tmp_path, lean=leanest(prog, "gpu"))
+    assert any("_amax_k" in k[1] for k in man["kernels"])
+    for reverse, layout in ((False, "arena"), (True, "separate")):
+        emu = load_emulated(tmp_path, reverse=reverse, layout=layout)
+        _trains_like(emu, StepArtifact.load(tmp_path).program, steps=2)

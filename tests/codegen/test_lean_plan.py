@@ -23,12 +23,19 @@ from mexc.lowering.step_plan import (
 
 
 @pytest.mark.parametrize(
-    "name,batch", [("FashionCNN", 8), ("SmallResNet", 4), ("MobileNetV2Tiny", 4)]
+    "name,batch,device",
+    [
+        ("FashionCNN", 8, "cpu"),
+        ("SmallResNet", 4, "cpu"),
+        ("MobileNetV2Tiny", 4, "cpu"),
+        ("FashionCNN", 8, "gpu"),
+        ("MobileNetV2Tiny", 4, "gpu"),
+    ],
 )
-def test_every_node_at_its_leanest_trains_bit_exact(name: str, batch: int) -> None:
+def test_every_node_at_its_leanest_trains_bit_exact(name: str, batch: int, device: str) -> None:
     """Every lean form at once (8-chunk scans of the convolutions and of the strided input
     gradients' phases, weight gradients in chunks, batch norms without a stored bracket)
-    trains as the reference does."""
+    trains as the reference does; on the host plan and on the GPU plan (run on the host)."""
     from mexc.backends.llvm.step import LlvmProgram
 
     cls, shape = EXAMPLES[name]
@@ -37,9 +44,10 @@ def test_every_node_at_its_leanest_trains_bit_exact(name: str, batch: int) -> No
     x = np.random.default_rng(3).standard_normal((batch, *shape)).astype(np.float32)
     y = np.arange(batch) % 10
     ref = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),))
-    lean = leanest(ref)
+    lean = leanest(ref, device)
     assert len(lean) >= 4
-    prog = LlvmProgram(mexc.compile(model, (torch.from_numpy(x),)).retargeted("llvm"), lean=lean)
+    llvm = mexc.compile(model, (torch.from_numpy(x),)).retargeted("llvm")
+    prog = LlvmProgram(llvm, plan_device=device, lean=lean)
     symbols = [s for s, _ in prog.plan["launches"]]
     assert any(s.endswith("_bn_bracket_max") for s in symbols)
     assert any("_amax_k" in s for s in symbols)  # a product's scan

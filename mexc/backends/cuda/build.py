@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -72,13 +72,18 @@ class LoweredStep:
 
 
 def lower_step(
-    prog: Program, pack_budget: int | None = None, inference: bool = False
+    prog: Program,
+    pack_budget: int | None = None,
+    inference: bool = False,
+    lean: Mapping[int, int] | None = None,
 ) -> LoweredStep:
     """`prog`'s step (or inference plan) lowered by TVM to CUDA source and a launch list; needs
-    TVM, not nvcc. `pack_budget`: build_plan's."""
+    TVM, not nvcc. `pack_budget`, `lean`: build_plan's."""
     t0 = time.perf_counter()
-    build_any = build_inference_plan if inference else build_plan
-    plan = build_any(prog, device="gpu", pack_budget=pack_budget)
+    if inference:
+        plan = build_inference_plan(prog, device="gpu", pack_budget=pack_budget)
+    else:
+        plan = build_plan(prog, device="gpu", pack_budget=pack_budget, lean=lean)
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
@@ -101,10 +106,11 @@ def build_step(
     out_dir: str | Path,
     pack_budget: int | None = None,
     inference: bool = False,
+    lean: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
-    `out_dir`; returns the manifest (also in plan.json). `pack_budget`: build_plan's.
+    `out_dir`; returns the manifest (also in plan.json). `pack_budget`, `lean`: build_plan's.
     inference=True: the artifact of the inference plan instead (step_plan.build_inference_plan;
     its manifest has "logits", its state is the eval path's parameters and statistics)."""
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
@@ -113,7 +119,7 @@ def build_step(
         raise ValueError(f"archs {list(archs)}: each must be one of {ARCHS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lowered = lower_step(prog, pack_budget, inference)
+    lowered = lower_step(prog, pack_budget, inference, lean)
     manifest = {**lowered.manifest, "archs": list(archs)}
     t1 = time.perf_counter()
     manifest["modules"] = _compile_modules(lowered.sources, archs, out)
