@@ -43,20 +43,9 @@ class GemmStrategy(Protocol):
     """How a device computes products (PlanBuilder.chunked, gemm, compacted_product)."""
 
     @property
-    def lean(self) -> bool:
-        """Whether its products can run lean (PlanBuilder.lean_product)."""
-        ...
-
-    def apply_from_c(
-        self,
-        form: gf.GemmForm,
-        c_shape: tuple[int, int, int],
-        bits: int,
-        stochastic: bool,
-        name: str,
-    ) -> tirx.PrimFunc:
-        """A lean product's apply: one chunk's C rounded into its piece of the result
-        (cpu_gemm.compact_from_c with a key offset)."""
+    def host_scheduled(self) -> bool:
+        """Whether the kernels of its products come with the host's schedule (cpu_gemm): a
+        lean product's apply from C (cpu_gemm.compact_from_c) then gets it too."""
         ...
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
@@ -81,17 +70,7 @@ class HostGemm:
     element), a tiled GEMM (int32 lanes or AVX2 byte products: the builder's gemm_kernel, for
     its `lanes`), and compactions read straight from C."""
 
-    lean: bool = True
-
-    def apply_from_c(
-        self,
-        form: gf.GemmForm,
-        c_shape: tuple[int, int, int],
-        bits: int,
-        stochastic: bool,
-        name: str,
-    ) -> tirx.PrimFunc:
-        return compact_from_c(form, c_shape, bits, stochastic, name, offset=True)
+    host_scheduled: bool = True
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
         return form.g * form.k * (form.m + form.q)  # both packs, about
@@ -146,18 +125,7 @@ class TileGemm:
     """gemm_forms' products: pack A and B padded to the GEMM tiles, one batched GEMM marked
     GEMM_ATTR (a GPU backend schedules it), unpack into an int32 accumulator, then compact."""
 
-    lean: bool = True
-
-    def apply_from_c(
-        self,
-        form: gf.GemmForm,
-        c_shape: tuple[int, int, int],
-        bits: int,
-        stochastic: bool,
-        name: str,
-    ) -> tirx.PrimFunc:
-        # C padded to the tiles: out_at indexes its real rows and columns
-        return compact_from_c(form, c_shape, bits, stochastic, name, offset=True, schedule=False)
+    host_scheduled: bool = False  # a GPU backend schedules every kernel
 
     def pack_bytes(self, form: gf.GemmForm) -> int:
         f = form  # padded to the tiles, and the C unpacked chunk by chunk

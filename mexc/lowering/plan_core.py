@@ -20,6 +20,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_ops, te_pool
+from mexc.lowering.cpu_gemm import compact_from_c
 from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import product_cap
@@ -400,10 +401,9 @@ class PlanBuilder:
         self.launch(apply, (*inputs, s, key, out))
 
     def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
-        """Product n's lean level (LEAN_LEVELS) where the device's GEMM strategy has lean
-        forms, else 0; a rule whose product cannot scan (a weight gradient) asks for the
-        levels without a scan."""
-        return self.is_lean(n, levels) if self.device.gemm.lean else 0
+        """Product n's lean level (LEAN_LEVELS); a rule whose product cannot scan (a weight
+        gradient) asks for the levels without a scan."""
+        return self.is_lean(n, levels)
 
     @staticmethod
     def lean_chunks(level: int) -> int:
@@ -425,10 +425,13 @@ class PlanBuilder:
         if not lean:
             self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
             return
-        form, bits, stochastic, gemm = ch.chunk.form, self.bits, self.stochastic, self.device.gemm
+        form, bits, stochastic = ch.chunk.form, self.bits, self.stochastic
+        host = self.device.gemm.host_scheduled
 
         def apply(c_shapes: list[tuple[int, int, int]], name: str) -> tirx.PrimFunc:
-            return gemm.apply_from_c(form, c_shapes[0], bits, stochastic, name)
+            # C padded to the tiles on a GPU: out_at indexes its real rows and columns
+            c = c_shapes[0]
+            return compact_from_c(form, c, bits, stochastic, name, offset=True, schedule=host)
 
         out = self.out(n, result, I8, ch.full.form.out_shape)
         self.lean_compaction(n, [ch], apply, out, form.out_shape, e_in, site, result)

@@ -17,6 +17,7 @@ other shapes keep the one-GEMM form.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,17 +116,34 @@ def _merged(g: ConvGeom, present: list[Phase]) -> tuple[list[te.Tensor], tuple[i
         for p in present
         if p.form is not None
     }
+    reads = [(qy, qx, _reader(buf)) for (qy, qx), buf in bufs.items()]
+    return list(bufs.values()), (g.n, g.c, hc, g.sh, wc, g.sw), _interleave(reads)
+
+
+Read = Callable[[Any, Any, Any, Any], Any]  # (n, c, y', x') -> a phase's element (PrimExpr)
+
+
+def _reader(buf: te.Tensor, form: GemmForm | None = None) -> Read:
+    """A phase's element (n, c, y', x') from its buffer, or from its GEMM's C (form.out_at)."""
+    if form is None:
+        return lambda n, c, yy, xx: buf[n, c, yy, xx]
+    return lambda n, c, yy, xx: buf[form.out_at(n, c, yy, xx)]
+
+
+def _interleave(reads: list[tuple[int, int, Read]]) -> Callable[..., tirx.PrimExpr]:
+    """Element (n, c, y', py, x', px) of the accumulator seen by phase, from each phase's
+    (py, px, read)."""
 
     def body(n, c, yy, py, xx, px):
         # the phases are exclusive: an OR of masked loads (branch-free; a chain of selects
         # would repeat its tail in both arms and grow as 2^phases)
         value = tirx.const(0, I32)
-        for (qy, qx), buf in bufs.items():
+        for qy, qx, read in reads:
             mask = -(tirx.all(py == qy, px == qx).astype(I32))
-            value = value | (buf[n, c, yy, xx] & mask)
+            value = value | (read(n, c, yy, xx) & mask)
         return value
 
-    return list(bufs.values()), (g.n, g.c, hc, g.sh, wc, g.sw), body
+    return body
 
 
 def merge_from_c(
@@ -148,14 +166,11 @@ def merge_from_c(
     off = te.placeholder((1,), "int64", name="off")
     shape = (g.n, g.c, hc, g.sh, wc, g.sw)
 
+    merged = _interleave([(p.py, p.px, _reader(buf, p.form)) for p, buf in zip(forms, cs)])
+
     def body(n, c, yy, py, xx, px):
-        value = tirx.const(0, I32)
-        for p, buf in zip(forms, cs):
-            assert p.form is not None
-            mask = -(tirx.all(py == p.py, px == p.px).astype(I32))
-            value = value | (buf[p.form.out_at(n, c, yy, xx)] & mask)
         flat = _flat_index(shape, (n, c, yy, py, xx, px)) + off[0]
-        return compacted(value, s_in[0], key[0], flat, bits, stochastic)
+        return compacted(merged(n, c, yy, py, xx, px), s_in[0], key[0], flat, bits, stochastic)
 
     m = te.compute(shape, body, name="m")
     return prim_func([*cs, s_in, key, off, m], f"{name}_apply")
