@@ -114,8 +114,9 @@ def lean_nodes(build: Callable[[Mapping[int, int]], PlanRules]) -> dict[int, int
     twice, a bracket three times) for memory, so only the nodes that set the step's peak may
     pay it: while the live buffers at the peak (plan_peak) include those of a node whose rule
     has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one holding the most
-    bytes there goes one level up if that lowers the peak within the work budget
-    (LEAN_WORK_SHARE of the step's work); otherwise the next one is tried."""
+    bytes there goes to its cheapest higher level that lowers the peak (by 1/LEAN_MIN_DROP)
+    within the work budget (LEAN_WORK_SHARE of the step's work); the levels tried are not
+    tried again, and the next node is taken where none did."""
     chosen: dict[int, int] = {}
     b = build(chosen)
     base = b.work
