@@ -33,7 +33,7 @@ from mexc.lowering.gemm_forms import GemmForm
 from mexc.lowering.te_compaction import _flat_index, compacted, where
 from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_products import has_block
-from mexc.lowering.x86_int8 import COLUMNS, DEPTH
+from mexc.lowering.x86_int8 import BYTE_KERNELS, COLUMNS, DEPTH
 from mexc.lowering.x86_int8 import registered as int8_dot_intrinsic
 
 I8, I32 = "int8", "int32"
@@ -44,7 +44,8 @@ VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one 
 SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
 PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
 GEMV_SPLIT = 32  # lanes of a one-column product's split reduction (64 measured 9x slower)
-GEMM_KERNELS = ("int32", "avx2_i8")  # int32 lanes everywhere; byte products on AVX2 hosts
+# int32 lanes everywhere; byte products on AVX2 hosts, and with vpdpbusd on VNNI hosts
+GEMM_KERNELS = ("int32", *BYTE_KERNELS)
 
 
 def tile_of(m: int, q: int, lanes: int) -> tuple[int, int]:
@@ -252,7 +253,7 @@ def _schedule_gemv(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
-def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int) -> tirx.PrimFunc:
+def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int, kernel: str) -> tirx.PrimFunc:
     """The MT x QT register tile of the byte-product kernel: for every 4 k, MT broadcasts of
     4 bytes of A against QT / 8 vectors of the panel, each one tensorized `x86_int8` step."""
     sch = s_tir.Schedule(func)
@@ -271,7 +272,7 @@ def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int) -> tirx.PrimFunc
     sch.unroll(qv)
     sch.vectorize(sch.get_loops(acc)[-1])
     sch.decompose_reduction(blk, k4)  # loop kinds are set before, as TVM requires
-    sch.tensorize(q8, int8_dot_intrinsic())
+    sch.tensorize(q8, int8_dot_intrinsic(kernel))
     return sch.mod["main"]
 
 
@@ -327,15 +328,15 @@ def cpu_gemm(
     """The packed-GEMM PrimFuncs of `form`, scheduled for `lanes` int32 lanes per vector.
     m_dims / k_dims / q_dims: the natural axes whose C-order flattening is the form's m / k / q
     index; with them the packs loop over those axes and need no division per element.
-    `kernel`: one of GEMM_KERNELS ("avx2_i8" needs an AVX2 host and 8 lanes)."""
+    `kernel`: one of GEMM_KERNELS (the byte kernels need an AVX2 or a VNNI host and 8 lanes)."""
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"kernel {kernel!r} is not one of {GEMM_KERNELS}")
-    if kernel == "avx2_i8" and lanes != COLUMNS:
+    if kernel in BYTE_KERNELS and lanes != COLUMNS:
         raise ValueError(f"the {kernel} GEMM works on {COLUMNS} int32 lanes, not {lanes}")
     # one column per group (a depthwise weight gradient): dot products along K, not a tile
     # that would pad the column to a vector and multiply 8x the work
     gemv = form.q == 1
-    panels = kernel == "avx2_i8" and _bytes_pay(form) and not gemv
+    panels = kernel in BYTE_KERNELS and _bytes_pay(form) and not gemv
     mt, qt = (1, 1) if gemv else tile_of(form.m, form.q, lanes)
     mp, qp, k = _round_up(form.m, mt), _round_up(form.q, qt), form.k
     kp = _round_up(k, DEPTH) if panels else _round_up(k, GEMV_SPLIT) if gemv else k
@@ -373,7 +374,7 @@ def cpu_gemm(
         gemm = _schedule_gemv(_row_gemm(form.name, a_shape, rows_shape))
         interleave = None
     elif panels:
-        gemm = _schedule_panel_gemm(_panel_gemm(form.name, a_shape, b_shape), mt, qt)
+        gemm = _schedule_panel_gemm(_panel_gemm(form.name, a_shape, b_shape), mt, qt, kernel)
         interleave = _schedule_elementwise(_interleave(form.name, rows_shape, b_shape), False)
     else:
         gemm = _schedule_gemm(_row_gemm(form.name, a_shape, rows_shape), mt, qt, lanes)

@@ -12,9 +12,14 @@ from mexc.backends.llvm.products import host_cpu
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm
 
-needs_avx2 = pytest.mark.skipif(
-    host_cpu().gemm_kernel != "avx2_i8", reason="the byte-product kernel needs an AVX2 host"
-)
+_HOST = host_cpu()
+# every kernel this host can run: the AVX2 byte kernel on any host that picks a byte kernel
+_RUNS = {"int32": True, "avx2_i8": _HOST.gemm_kernel != "int32", "vnni_i8": _HOST.vnni256}
+KERNELS = [
+    pytest.param(k, marks=pytest.mark.skipif(not _RUNS[k], reason=f"this host cannot run {k}"))
+    for k in GEMM_KERNELS
+]
+BYTE_KERNELS = [p for p in KERNELS if p.values[0] != "int32"]
 
 
 def _run(cg: CpuGemm, x: np.ndarray, y: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
@@ -46,7 +51,7 @@ def _operands(rng: np.random.Generator, *shapes: tuple[int, ...]) -> list[np.nda
     return out
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("avx2_i8", marks=needs_avx2), "int32"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "n,k,o", [(16, 144, 40), (3, 7, 5), (5, 37, 40), (2, 1568, 10), (9, 4, 33), (1, 18, 8)]
 )
@@ -58,19 +63,21 @@ def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
     np.testing.assert_array_equal(_run(cg, x, w, (n, o)), want)
 
 
-@needs_avx2
+@pytest.mark.parametrize("kernel", BYTE_KERNELS)
 @pytest.mark.parametrize("groups", [1, 3])
-def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(groups: int) -> None:
+def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(
+    kernel: str, groups: int
+) -> None:
     form = gf.batched_matmul("t", groups, 6, 18, 24, trans_a=True, trans_b=True)
     x, y = _operands(np.random.default_rng(5), (groups, 18, 6), (groups, 24, 18))
-    cg = cpu_gemm(form, 8, kernel="avx2_i8")
+    cg = cpu_gemm(form, 8, kernel=kernel)
     # one group: three 8-column panels, K = 18 padded to 20; groups: rows, as the int32 tile
     assert cg.b_shape == ((1, 3, 5, 8, 4) if groups == 1 else (groups, 18, 24))
     want = np.einsum("gkm,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
     np.testing.assert_array_equal(_run(cg, x, y, (groups, 6, 24)), want)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("avx2_i8", marks=needs_avx2), "int32"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("k", [64, 37])
 def test_one_column_products_are_dot_products_along_k(kernel: str, k: int) -> None:
     """q = 1 per group (a depthwise weight gradient): no column padding, K padded to 32."""

@@ -38,6 +38,14 @@ def test_parse_cpuinfo() -> None:
     cpu = parse_cpuinfo(x86, "x86_64")
     assert cpu.vnni and cpu.lanes32 == 16
     assert "+avx512vnni" in [str(a) for a in cpu.target().attrs["mattr"]]
+    # vpdpbusd on 256-bit panels needs VL (or AVX-VNNI); else the AVX2 byte kernel
+    assert (cpu.gemm_kernel, cpu.gemm_lanes) == ("avx2_i8", 8)
+    assert parse_cpuinfo(x86.replace("avx512bw", "avx512bw avx512vl"), "x86_64").gemm_kernel == (
+        "vnni_i8"
+    )
+    avx_vnni = parse_cpuinfo("flags\t: avx2 avx_vnni\n", "x86_64")
+    assert (avx_vnni.gemm_kernel, avx_vnni.gemm_lanes) == ("vnni_i8", 8)
+    assert "+avxvnni" in [str(a) for a in avx_vnni.target().attrs["mattr"]]
     arm = "processor\t: 0\nFeatures\t: fp asimd asimddp\n"
     cpu = parse_cpuinfo(arm, "aarch64")
     assert not cpu.vnni and cpu.lanes32 == 4

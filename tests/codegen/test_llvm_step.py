@@ -16,7 +16,7 @@ from torch import nn
 
 import mexc
 from mexc.backends.llvm import step as llvm_step
-from mexc.backends.llvm.products import HostCpu
+from mexc.backends.llvm.products import HostCpu, host_cpu
 from mexc.errors import UnsupportedOpError
 from tests.compiler.helpers import EXAMPLES
 from tests.compiler.test_fuzz import models as random_models
@@ -164,14 +164,20 @@ def test_strided_input_gradients_by_phase_are_bit_exact() -> None:
     _assert_same_training(ref, llvm, x, np.array([1, 4, 9]), steps=2)
 
 
-def test_the_int32_gemm_of_hosts_without_avx2_is_bit_exact_too() -> None:
-    """This machine picks the byte-product GEMM (AVX2); a host without AVX2 (e.g. aarch64, or
-    an SSE-only x86) gets the int32 tile, built here for SSE 4.2 with 4 lanes."""
-    sse = HostCpu("x86_64", frozenset({"sse4_2"}))
-    assert (sse.gemm_kernel, sse.lanes32) == ("int32", 4)
+@pytest.mark.parametrize("kernel", ["int32", "avx2_i8"])
+def test_the_gemms_of_other_hosts_are_bit_exact_too(kernel: str) -> None:
+    """This machine picks the host's byte-product GEMM (vpdpbusd on a VNNI host); a host
+    without AVX2 (e.g. aarch64, or an SSE-only x86) gets the int32 tile, built here for SSE 4.2
+    with 4 lanes, and an AVX2 host without VNNI the AVX2 byte kernel."""
+    host = host_cpu()
+    if kernel == "avx2_i8" and host.gemm_kernel == "int32":
+        pytest.skip("this host has no AVX2")
+    features = {"sse4_2"} if kernel == "int32" else host.features - {"avx512_vnni", "avx_vnni"}
+    cpu = HostCpu("x86_64", frozenset(features))
+    assert cpu.gemm_kernel == kernel and cpu.gemm_lanes == (4 if kernel == "int32" else 8)
     torch.manual_seed(0)
     ref = mexc.compile(_StridedConvs(), (torch.zeros(3, 1, 16, 16),), optimizer=_optimizer())
-    llvm = llvm_step.LlvmProgram(ref.retargeted("llvm"), cpu=sse)
+    llvm = llvm_step.LlvmProgram(ref.retargeted("llvm"), cpu=cpu)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, 1, 16, 16)).astype(np.float32)
     _assert_same_training(ref, llvm, x, np.array([2, 0, 7]), steps=2)

@@ -2,8 +2,9 @@
 
 Schedule (any product of te_products): the output's last axis is split by the int32 vector width
 of the host and vectorized, the other output axes are fused and run in parallel, the whole
-reduction sits between them, and the accumulator tile lives in registers (`local`). No VNNI yet:
-the int8 dot-product intrinsic path of ../shared/probes/tvm-0.27 needs a packed weight layout.
+reduction sits between them, and the accumulator tile lives in registers (`local`). These are
+the standalone product kernels of tests and research; the training step's GEMMs are
+lowering/cpu_gemm's (byte products where HostCpu.gemm_kernel says so).
 """
 
 from __future__ import annotations
@@ -42,12 +43,24 @@ class HostCpu:
         return 4
 
     @property
+    def vnni256(self) -> bool:
+        """`vpdpbusd` on 256-bit registers: AVX-512 VNNI with VL, or AVX-VNNI."""
+        return (self.vnni and "avx512vl" in self.features) or "avx_vnni" in self.features
+
+    @property
     def gemm_kernel(self) -> str:
-        """cpu_gemm's kernel for this host: byte products on AVX2 (measured here, docs/cpu.md);
-        AVX-512 hosts keep the 16-lane int32 tile (no such host to measure on yet)."""
-        if self.arch == "x86_64" and "avx2" in self.features and self.lanes32 == 8:
-            return "avx2_i8"
-        return "int32"
+        """cpu_gemm's kernel for this host: byte products on x86 hosts with AVX2, with
+        `vpdpbusd` where the host has it (both measured, docs/cpu.md); the int32 tile
+        elsewhere."""
+        if self.arch != "x86_64" or "avx2" not in self.features:
+            return "int32"
+        return "vnni_i8" if self.vnni256 else "avx2_i8"
+
+    @property
+    def gemm_lanes(self) -> int:
+        """int32 lanes of the GEMM tile's vectors: the byte kernels work on 256-bit panels
+        (x86_int8.COLUMNS), also on AVX-512 hosts."""
+        return 8 if self.gemm_kernel != "int32" else self.lanes32
 
     def target(self) -> tvm.target.Target:
         attrs: list[str] = []
@@ -64,6 +77,8 @@ class HostCpu:
                     attrs.append(attr)
             if self.vnni:
                 attrs.append("+avx512vnni")
+            if "avx_vnni" in self.features:
+                attrs.append("+avxvnni")
         elif self.arch == "aarch64":
             attrs.append("+neon")
             if "asimddp" in self.features:

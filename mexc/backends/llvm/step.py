@@ -159,9 +159,9 @@ def compile_program(
             print(f"mexc: rebuilding the damaged cache entry {folder} ({err})", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)
     if inference:
-        plan = build_inference_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget)
+        plan = build_inference_plan(prog, cpu.gemm_lanes, plan_device, cpu.gemm_kernel, pack_budget)
     else:
-        plan = build_plan(prog, cpu.lanes32, plan_device, cpu.gemm_kernel, pack_budget, lean)
+        plan = build_plan(prog, cpu.gemm_lanes, plan_device, cpu.gemm_kernel, pack_budget, lean)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
 
