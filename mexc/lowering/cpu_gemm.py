@@ -43,6 +43,8 @@ PARALLEL_CHUNKS = 64  # parallel tasks a gather or a GEMM is given, at least, wh
 VECTOR_ROW = 32  # innermost elements a gather handles as one vector (int8: one AVX2 register)
 SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
 PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
+PANELS = "panels"  # the block of a GEMM that builds its B panels from rows
+PANEL_TASKS = 16  # panels a GEMM needs to build them itself, one per parallel task
 GEMV_SPLIT = 32  # lanes of a one-column product's split reduction (64 measured 9x slower)
 # int32 lanes everywhere; byte products on AVX2 hosts, and with vpdpbusd on VNNI hosts
 GEMM_KERNELS = ("int32", *BYTE_KERNELS)
@@ -255,7 +257,9 @@ def _schedule_gemv(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int, kernel: str) -> tirx.PrimFunc:
     """The MT x QT register tile of the byte-product kernel: for every 4 k, MT broadcasts of
-    4 bytes of A against QT / 8 vectors of the panel, each one tensorized `x86_int8` step."""
+    4 bytes of A against QT / 8 vectors of the panel, each one tensorized `x86_int8` step.
+    Where the GEMM reads B in rows, each parallel task first builds its own panel (QT columns,
+    all of K) into a scratch block, from which every row tile of A reads it."""
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock("c")
     g, m, q, k = sch.get_loops(blk)
@@ -264,9 +268,14 @@ def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int, kernel: str) -> 
     k4, kk = sch.split(k, [None, DEPTH])
     sch.reorder(g, qo, mo, k4, mi, qv, q8, kk)
     panels = int(sch.get(g).extent) * int(sch.get(qo).extent)  # as in _schedule_gemm
-    outer = sch.fuse(g, qo) if panels >= PARALLEL_CHUNKS else sch.fuse(g, qo, mo)
+    # a task per panel where it builds its panel (with fewer tasks than PARALLEL_CHUNKS: it
+    # would rebuild the panel for every row tile otherwise)
+    per_panel = panels >= PARALLEL_CHUNKS or has_block(sch, PANELS)
+    outer = sch.fuse(g, qo) if per_panel else sch.fuse(g, qo, mo)
+    if has_block(sch, PANELS):
+        sch.compute_at(sch.get_sblock(PANELS), outer)
     acc = sch.cache_write(blk, 0, "local")
-    sch.reverse_compute_at(acc, mo if panels >= PARALLEL_CHUNKS else outer)  # one tile
+    sch.reverse_compute_at(acc, mo if per_panel else outer)  # one tile
     sch.parallel(outer)
     sch.unroll(mi)
     sch.unroll(qv)
@@ -342,7 +351,11 @@ def cpu_gemm(
     kp = _round_up(k, DEPTH) if panels else _round_up(k, GEMV_SPLIT) if gemv else k
     a_shape = (form.g, mp, kp)
     rows_shape = (form.g, kp if gemv else k, qp)  # the byte kernel's interleave pads K itself
-    b_shape: tuple[int, ...] = (form.g, qp // qt, kp // DEPTH, qt, DEPTH) if panels else rows_shape
+    panel_shape = (form.g, qp // qt, kp // DEPTH, qt, DEPTH)
+    # enough panels for the GEMM's parallel tasks: each builds its own from the rows, and no
+    # whole-product panel copy of B is stored (half the pack memory, and measured as fast)
+    in_gemm = panels and form.g * (qp // qt) >= PANEL_TASKS
+    b_shape: tuple[int, ...] = panel_shape if panels and not in_gemm else rows_shape
     if m_dims is not None and k_dims is not None and (mp == form.m or form.g == 1) and kp == k:
         a_pack_shape: tuple[int, ...] = (form.g, *m_dims, *k_dims)
         nm = len(m_dims)
@@ -373,6 +386,10 @@ def cpu_gemm(
     if gemv:
         gemm = _schedule_gemv(_row_gemm(form.name, a_shape, rows_shape))
         interleave = None
+    elif in_gemm:
+        gemm_func = _panel_gemm(form.name, a_shape, panel_shape, rows_shape)
+        gemm = _schedule_panel_gemm(gemm_func, mt, qt, kernel)
+        interleave = None
     elif panels:
         gemm = _schedule_panel_gemm(_panel_gemm(form.name, a_shape, b_shape), mt, qt, kernel)
         interleave = _schedule_elementwise(_interleave(form.name, rows_shape, b_shape), False)
@@ -401,7 +418,7 @@ def cpu_gemm(
         a_pack_shape,
         b_pack_shape,
         (form.g, mp, qp),
-        rows_shape if panels else None,
+        rows_shape if interleave is not None else None,
         named(interleave, "interleave_b") if interleave is not None else None,
     )
 
@@ -461,14 +478,32 @@ def _row_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> 
     return _product(name, a_shape, b_shape, b_shape[2], lambda b, gi, k, q: b[gi, k, q])
 
 
-def _panel_gemm(name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
-    """The product with B in column panels (g, Qp / QT, Kp / 4, QT, 4)."""
+def _panel_gemm(
+    name: str,
+    a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...],
+    rows_shape: tuple[int, int, int] | None = None,
+) -> tirx.PrimFunc:
+    """The product with B in column panels (g, Qp / QT, Kp / 4, QT, 4). With `rows_shape`, B
+    comes in rows (g, K, Qp) and the panels are a block of the GEMM itself (`interleaved`),
+    which its schedule builds one panel at a time (`_schedule_panel_gemm`)."""
     qt = b_shape[3]
 
     def b_at(b: te.Tensor, gi: tirx.PrimExpr, k: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
         return b[gi, q // qt, k // DEPTH, q % qt, k % DEPTH]
 
-    return _product(name, a_shape, b_shape, b_shape[1] * qt, b_at)
+    if rows_shape is None:
+        return _product(name, a_shape, b_shape, b_shape[1] * qt, b_at)
+    a = te.placeholder(a_shape, I8, name="a")
+    rows = te.placeholder(rows_shape, I8, name="b")
+    panels = interleaved(rows, b_shape)
+    rk = te.reduce_axis((0, a_shape[2]), "rk")
+
+    def body(gi, mm, qq):
+        return te.sum(a[gi, mm, rk].astype(I32) * b_at(panels, gi, rk, qq).astype(I32), axis=rk)
+
+    c = te.compute((a_shape[0], a_shape[1], b_shape[1] * qt), body, name="c")
+    return _func([a, rows, c], f"{name}_gemm")
 
 
 def _bytes_pay(form: GemmForm) -> bool:
@@ -484,10 +519,9 @@ def _bytes_pay(form: GemmForm) -> bool:
     return form.k >= 256 and form.k % DEPTH == 0
 
 
-def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
-    """B rows (g, K, Qp) -> column panels (g, Qp / QT, Kp / 4, QT, 4), zeros for k >= K."""
-    k, qt = rows_shape[1], b_shape[3]
-    rows = te.placeholder(rows_shape, I8, name="rows")
+def interleaved(rows: te.Tensor, b_shape: tuple[int, ...]) -> te.Tensor:
+    """B rows (g, K, Qp) as column panels (g, Qp / QT, Kp / 4, QT, 4), zeros for k >= K."""
+    k, qt = int(rows.shape[1]), b_shape[3]
     padded = b_shape[2] * DEPTH > k
 
     def body(gi, qo, k4, qi, kk):
@@ -497,7 +531,14 @@ def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]
         value = rows[gi, tirx.min(kr, k - 1), qo * qt + qi]  # a load inside the rows
         return where(kr < k, value, tirx.const(0, I8))
 
-    return _func([rows, te.compute(b_shape, body, name="panels")], f"{name}_interleave_b")
+    return te.compute(b_shape, body, name=PANELS)
+
+
+def _interleave(name: str, rows_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The panels of B as a kernel of their own (products with too few panels to build them
+    inside the GEMM's parallel loop)."""
+    rows = te.placeholder(rows_shape, I8, name="rows")
+    return _func([rows, interleaved(rows, b_shape)], f"{name}_interleave_b")
 
 
 def _iterations(sch: s_tir.Schedule, loops: list) -> float:

@@ -32,11 +32,15 @@ if TYPE_CHECKING:
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_ALIGN = 8  # int64 keys per 64 bytes
 SLOT_I32 = 16  # int32 per 64 bytes
-# work of one element of a non-GEMM kernel in GEMM multiply-accumulates: measured on the
-# Fashion CNN's llvm step (2026-12-01), 22 ps per MAC of the int32 tile, 150 ps per element
-ELEM_WORK = 7
-# and of one launch (its call from the step's loop): 7 us, the digits CNN's step less its kernels
-LAUNCH_WORK = 300_000
+# the step's estimated work (PlanBuilder.work), in picoseconds of the host: one GEMM
+# multiply-accumulate of each host GEMM kernel, one element of any other kernel, one launch
+# (its call from the step's loop). Fitted to every launch of the example CNNs' llvm steps
+# (LlvmProgram.kernel_times, 2-core VNNI machine, 2026-12-01): vpdpbusd 9-16 ps per MAC, other
+# kernels 110-180 ps per element of their largest argument and 3-14 us per launch; the int32
+# tile 22 ps per MAC, the AVX2 byte kernel 1.35x vpdpbusd's time (bench/research/gemm_kernels.py)
+MAC_PS = {"int32": 22, "avx2_i8": 16, "vnni_i8": 12}
+ELEM_PS = 150
+LAUNCH_PS = 7_000_000
 GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
 # a product's lean levels (PlanBuilder.lean_product), cheapest first: (the fewest chunks of the
 # batch, whether it scans, then rounds); more chunks mean smaller packs, and a scan keeps one
@@ -176,9 +180,8 @@ class PlanBuilder:
         self.leanable: dict[int, int] = {}  # node -> the levels its rule has
         self.node = -1  # the node whose rule runs (the owner of the buffers it allocates)
         self.owner: dict[str, int] = {}  # buffer -> the node that allocated it
-        # the step's estimated work (lean_nodes weighs a lean node's cost by it): GEMM
-        # multiply-accumulates, and ELEM_WORK per element of every other launch's largest
-        # argument
+        # the step's estimated work in picoseconds (MAC_PS, ELEM_PS, LAUNCH_PS): lean_nodes
+        # weighs a lean node's cost by it
         self.work = 0
 
     # ----------------------------------------------------------------------------- buffers
@@ -238,11 +241,13 @@ class PlanBuilder:
         self.symbols.add(symbol)
         self.plan.launches.append(Launch(func, args))
         elements = max((int(np.prod(self.buffer_shape(a))) for a in args), default=0)
-        self.work += LAUNCH_WORK + ELEM_WORK * elements
+        self.work += LAUNCH_PS + ELEM_PS * elements
 
     def gemm_work(self, form: gf.GemmForm) -> None:
         """Count one GEMM of `form` in the step's work."""
-        self.work += form.g * form.m * form.q * form.k
+        self.work += (
+            MAC_PS.get(self.gemm_kernel, MAC_PS["int32"]) * form.g * form.m * form.q * form.k
+        )
 
     def rows_view(self, v: Value) -> str:
         """v's mantissas as (rows, last axis): linear layers act on the last axis."""

@@ -18,9 +18,9 @@ from mexc.lowering.plan_core import (
 from mexc.lowering.te_compaction import compaction_apply, compaction_shift
 from mexc.numerics import FixedScalar
 
-# work of recomputing one bracket element (three keyed roundings) in GEMM multiply-accumulates
-# (PlanBuilder.work): 0.35 ms for 1.6 M elements against 22 ps per MAC, 2026-12-01
-BRACKET_WORK = 10
+# picoseconds of recomputing one bracket element (three keyed roundings; PlanBuilder.work):
+# 0.35 ms for 1.6 M elements, 2026-12-01
+BRACKET_PS = 220
 
 
 class NormRules(PlanBuilder):
@@ -91,7 +91,7 @@ class NormRules(PlanBuilder):
         amax = self.buf(f"n{n.id}.t_amax", ncs[:2], I32) if row_max else ""
         t = "" if lean else self.buf(f"n{n.id}.t", ncs, I32)
         if lean:  # T is computed here for its maxima and twice more below, never stored
-            self.work += 2 * BRACKET_WORK * int(np.prod(ncs))
+            self.work += 2 * BRACKET_PS * int(np.prod(ncs))
             func = te_norm.bn_bracket_max(ncs, self.stochastic, f"n{n.id}_bn_bracket_max")
             self.launch(func, (*bracket_in, e_t, amax))
         else:

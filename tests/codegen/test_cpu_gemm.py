@@ -77,6 +77,19 @@ def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(
     np.testing.assert_array_equal(_run(cg, x, y, (groups, 6, 24)), want)
 
 
+@pytest.mark.parametrize("kernel", BYTE_KERNELS)
+@pytest.mark.parametrize("k", [144, 37])
+def test_panels_built_inside_the_gemm_are_exact(kernel: str, k: int) -> None:
+    """With enough column panels for the GEMM's tasks (here 17 of 32 columns), each task
+    builds its panel from B's rows: no interleave kernel, no panel copy of B."""
+    n, o = 530, 6
+    x, w = _operands(np.random.default_rng(k), (o, k), (n, k))
+    cg = cpu_gemm(gf.linear_forward("t", o, k, n), 8, kernel=kernel)
+    assert cg.interleave_b is None and cg.b_rows_shape is None and len(cg.b_shape) == 3
+    want = x.astype(np.int64) @ w.astype(np.int64).T
+    np.testing.assert_array_equal(_run(cg, x, w, (o, n)), want)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("k", [64, 37])
 def test_one_column_products_are_dot_products_along_k(kernel: str, k: int) -> None:
