@@ -454,8 +454,9 @@ class PlanBuilder:
     ) -> None:
         """Result `result` (0) of n (int8 `out`) = the per-tensor compaction (rounding site
         `site`, exponent e_in) of products that are never stored whole: scan, then round. Every
-        chunk of every part (products with the same chunks of the batch) runs twice on one
-        chunk's C: first for its max |.|, then to round it, `apply(c_shapes, name)` with
+        chunk of every part (products with the same chunks of the batch) runs on one chunk's C
+        for its max |.|, then again to round it (but the last, whose C is still there),
+        `apply(c_shapes, name)` with
         parameters (every part's C, s, key, off, m): chunk j of the result is the contiguous
         `piece` j of `out`, whose keys' flat indices start at off[0]."""
         count = parts[0].count
@@ -482,10 +483,12 @@ class PlanBuilder:
         starts[:, 0] = np.arange(count) * per
         offs = self.const(f"n{n.id}.off{site}", starts, I64)
         func = apply([g.c_shape for g in gemms], name)
-        for j in range(count):
+        # the last chunk first: its C is still there from the max pass (one GEMM fewer)
+        for j in reversed(range(count)):
             for p, g, c in zip(parts, gemms, cs):
-                g.launch(p.operands[j], c, f"_r{j}")
-                self.gemm_work(p.chunk.form)
+                if j < count - 1:
+                    g.launch(p.operands[j], c, f"_r{j}")
+                    self.gemm_work(p.chunk.form)
             off = self.view_at(offs, (1,), j * KEY_ALIGN)
             args = (*cs, s, key, off, self.view_at(out, piece, j * per))
             self.launch(tagged(func, f"_r{j}"), args)

@@ -92,7 +92,9 @@ class NormRules(PlanBuilder):
         t = "" if lean else self.buf(f"n{n.id}.t", ncs, I32)
         if lean:  # T is computed here for its maxima and twice more below, never stored
             self.work += 2 * BRACKET_PS * int(np.prod(ncs))
-            func = te_norm.bn_bracket_max(ncs, self.stochastic, f"n{n.id}_bn_bracket_max")
+            cached = self.device.row_max_bracket
+            name = f"n{n.id}_bn_bracket_max"
+            func = te_norm.bn_bracket_max(ncs, self.stochastic, name, cached_rows=cached)
             self.launch(func, (*bracket_in, e_t, amax))
         else:
             bracket = te_norm.bn_bracket(
@@ -108,7 +110,9 @@ class NormRules(PlanBuilder):
         e_grp = self.buf(f"n{n.id}.e_grp", cc, I32)
         dx = self.out(n, 0, I8)
         if lean:
-            shift, apply = te_norm.bn_dx_unstored(ncs, self.bits, self.stochastic, f"n{n.id}_bn_dx")
+            shift, apply = te_norm.bn_dx_unstored(
+                ncs, self.bits, self.stochastic, f"n{n.id}_bn_dx", self.device.row_max_bracket
+            )
             sh, e_out = self.buf(f"n{n.id}.sh6", cc, I32), self.buf(f"n{n.id}.e6", (1,), I32)
             lead = (*bracket_in, s16, key4)
             self.launch(shift, (*lead, e_bk, f16, e_f, e_grp, sh, e_out))

@@ -467,23 +467,43 @@ def bn_bracket(
     return sch.mod["main"]
 
 
-def bn_bracket_max(shape: NCS, stochastic: bool, name: str = "bn_bracket_max") -> tirx.PrimFunc:
+def _row_cached(func: tirx.PrimFunc, row: str, reduce: str) -> tirx.PrimFunc:
+    """`func` with block `row` (an (N, C, S) value computed for the (N, C) reduction block
+    `reduce`) computed one (n, c) row at a time into a scratch row just before `reduce` reads
+    it, n in parallel: the row's elements vectorize, where the value inside the reduction was
+    scalar code (a host schedule)."""
+    sch = s_tir.Schedule(func)
+    n_loop, c_loop, _ = sch.get_loops(sch.get_sblock(reduce))
+    sch.compute_at(sch.get_sblock(row), c_loop)
+    sch.parallel(n_loop)
+    return sch.mod["main"]
+
+
+def bn_bracket_max(
+    shape: NCS, stochastic: bool, name: str = "bn_bracket_max", cached_rows: bool = False
+) -> tirx.PrimFunc:
     """The lean bracket's first pass: max |T| per (n, c) row and T's exponent, T computed and
-    never stored. Parameters (the bracket's inputs, target, amax (N, C))."""
+    never stored. Parameters (the bracket's inputs, target, amax (N, C)). `cached_rows`: each
+    row of T goes through a scratch row (`_row_cached`; host schedule)."""
     inputs, target, body = _bracket(shape, stochastic)
     rs = te.reduce_axis((0, shape[2]), "rs")
+    if cached_rows:
+        t = te.compute(shape, body, name="t")
+        amax = te.compute(shape[:2], lambda n, c: te.max(iabs(t[n, c, rs]), axis=rs), name="amax")
+        return _row_cached(_func([*inputs, target, amax], name), "t", "amax")
     amax = te.compute(shape[:2], lambda n, c: te.max(iabs(body(n, c, rs)), axis=rs), name="amax")
     return _rows_parallel(_func([*inputs, target, amax], name), "amax")
 
 
 def bn_dx_unstored(
-    shape: NCS, bits: int, stochastic: bool, name: str
+    shape: NCS, bits: int, stochastic: bool, name: str, cached_rows: bool = False
 ) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
     """The lean batch-norm dx: dxa = shift_right(T, s) * f16_c (bn_dx_acc's element, T the
     bracket's, both recomputed) compacted along the channels (common_shift / common_apply, site
     key6) without storing T or dxa, bit for bit as bn_bracket, bn_dx_acc and common_compact.
     `<name>_shift` (bracket inputs, s, key4, e_bk, f16, e_f, e_grp, sh, e_out) and
-    `<name>_apply` (bracket inputs, s, key4, f16, sh, key6, m)."""
+    `<name>_apply` (bracket inputs, s, key4, f16, sh, key6, m). `cached_rows`: the shift's
+    maxima read each row of dxa from a scratch row (`_row_cached`; host schedule)."""
     inputs, target, body = _bracket(shape, stochastic)
     s_in = te.placeholder((1,), I32, name="s16")  # not "s": common_shift's own
     key4 = te.placeholder((1,), I64, name="key4")
@@ -496,9 +516,13 @@ def bn_dx_unstored(
     e_bk = te.placeholder((1,), I32, name="e_bk")
     e_f = te.placeholder((shape[1],), I32, name="e_f")
     e_grp = te.compute((shape[1],), lambda c: e_bk[0] + e_f[c], name="e_grp")
-    sh, e_out = _common_shift(shape, dxa, e_grp, bits)
+    rows = te.compute(shape, dxa, name="dxa_row") if cached_rows else None
+    acc = (lambda n, c, s: rows[n, c, s]) if rows is not None else dxa
+    sh, e_out = _common_shift(shape, acc, e_grp, bits)
     lead = [*inputs, s_in, key4]
     shift = _func([*lead, e_bk, f16, e_f, e_grp, sh, e_out], f"{name}_shift")
+    if cached_rows:
+        shift = _row_cached(shift, "dxa_row", "amax_nc")
     sh_in = te.placeholder((shape[1],), I32, name="sh")
     key6 = te.placeholder((1,), I64, name="key6")
     m = _common_apply(shape, dxa, sh_in, key6, bits, stochastic)
