@@ -81,6 +81,28 @@ def test_random_models_bit_exact(model: nn.Module, seed: int) -> None:
     _assert_same_training(ref, llvm, x, y, steps=3)
 
 
+def test_batch_norm_of_constant_channels_is_bit_exact() -> None:
+    """An all-zero batch: every channel reaching the batch norms is constant up to stochastic
+    rounding, and the all-zero xhat groups lie above the common exponent (compact_common's
+    negative shift of an all-zero group, docs/numerics.md section 5; the fuzz campaign's
+    crash of issue 29). The reference and the compiled step both keep them 0."""
+
+    def factory() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(4, 16, 1, groups=4),
+            nn.Conv2d(16, 16, 1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.BatchNorm2d(16),
+            nn.Flatten(),
+            nn.Linear(16, 3),
+        )
+
+    ref, llvm = _pair(factory, 16, (4, 1, 1), seed=1)
+    x = np.zeros((16, 4, 1, 1), np.float32)
+    y = np.random.default_rng(1).integers(0, 3, 16)
+    _assert_same_training(ref, llvm, x, y, steps=3)
+
+
 def test_second_compile_comes_from_the_cache_and_the_key_follows_the_program(tmp_path, monkeypatch):
     monkeypatch.setattr(llvm_step, "CACHE", tmp_path)
     cls, shape = EXAMPLES["MLP"]
