@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 import traceback
 from collections.abc import Sequence
@@ -403,8 +404,9 @@ class Campaign:
         self.counts[out.kind] += 1
         self.by_bits[case.bits] = self.by_bits.get(case.bits, 0) + 1
         self.with_bn += out.has_bn
-        if out.kind == "refused":
-            self.refusals[out.message] = self.refusals.get(out.message, 0) + 1
+        if out.kind == "refused":  # one count per message, whatever node it names
+            key = re.sub(r"%\d+", "%N", out.message)
+            self.refusals[key] = self.refusals.get(key, 0) + 1
         elif out.kind != "compiled":
             self.findings.append(case_record(case, out))
 
