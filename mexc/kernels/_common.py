@@ -236,6 +236,12 @@ def compact_mx(acc: np.ndarray, e: np.ndarray | int, ctx: RoundCtx, key: int) ->
     return MX.of(m, e2)
 
 
+def common_shifts(e_out: int, e_grp: np.ndarray, amax: np.ndarray) -> np.ndarray:
+    """compact_common's per-group right shifts e_out - e_g, 0 for an all-zero group (amax_g = 0),
+    whose shift may be negative and whose result is 0 at any shift."""
+    return np.where(amax > 0, e_out - i64(e_grp), 0)
+
+
 def compact_common(
     acc: np.ndarray,
     e_grp: np.ndarray,
@@ -247,8 +253,11 @@ def compact_common(
     """Compact an accumulator whose exponent differs per index along `axis` to one exponent.
 
     s_g = compaction_shift(max|acc_g|); e_out = max over non-zero groups of (e_g + s_g) (max e_g if
-    all are zero); every group is right-shifted by e_out - e_g >= s_g with one rounding (key),
-    so every result fits qmax. amax: max|acc_g| per group if the caller knows it exactly.
+    all are zero); every group is shift_signed by e_out - e_g with one rounding (key). A group
+    with a non-zero value has e_out - e_g >= s_g >= 0, so its result fits qmax; an all-zero group
+    may have e_out - e_g < 0, and its exact left shift is 0, as is any shift of it: it is shifted
+    by 0 here (docs/numerics.md section 5). amax: max|acc_g| per group if the caller knows it
+    exactly.
     """
     a = np.asarray(acc)
     if a.dtype.kind not in "iu" or debug_on():
@@ -267,7 +276,7 @@ def compact_common(
     e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(eg.max())
     shape = [1] * a.ndim
     shape[axis] = a.shape[axis]
-    sh = (e_out - eg).reshape(shape)
+    sh = common_shifts(e_out, eg, amax).reshape(shape)
     q = qmax(ctx.bits)
     if not debug_on() and a.size and int(sh.max()) <= 30:
         # every group's shift is >= its compaction shift: the result fits qmax without a clip

@@ -16,6 +16,7 @@ from mexc.kernels._common import (
     aligned_sum_fast,
     bit_length,
     block_rows,
+    common_shifts,
     compact_common,
     compact_mx,
     debug_on,
@@ -142,11 +143,12 @@ def _var_shift(amax: np.ndarray, m: int) -> np.ndarray:
 
 
 def _compact_plan(amax: np.ndarray, e_grp: np.ndarray, bits: int) -> tuple[int, np.ndarray]:
-    """compact_common's target exponent and per-group shifts for exact per-group max |acc|."""
+    """compact_common's target exponent and per-group shifts for exact per-group max |acc|
+    (common_shifts: 0 for an all-zero group)."""
     s = compaction_shift(amax, bits)
     cand = e_grp + s
     e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(e_grp.max())
-    return e_out, e_out - e_grp
+    return e_out, common_shifts(e_out, e_grp, amax)
 
 
 def _forward_train_fast(

@@ -211,6 +211,8 @@ def _gather(
         tests = [r < rows, *_conjuncts(ok), *([k < form.k] if k_padded else [])]
         if not inside:  # the border answers the range tests of the form's validity
             tests = [t for t in tests if not _range_test(t, idx, op.shape)]
+        if not tests:  # the border answers them all (e.g. a 3x3 tap of a 1x1 image)
+            return padded[shifted]
         return where(tirx.all(*tests), padded[shifted], tirx.const(0, I8))
 
     packed = te.compute(shape, body, name=f"{which}_packed")

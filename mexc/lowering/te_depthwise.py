@@ -89,8 +89,17 @@ def _schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch.parallel(plane)
     sch.compute_at(sch.get_sblock(BORDERED), plane)
     sch.vectorize(x)
-    sch.vectorize(sch.get_loops(sch.get_sblock(BORDERED))[-1])
+    _vectorize_innermost(sch, BORDERED)
     return sch.mod["main"]
+
+
+def _vectorize_innermost(sch: s_tir.Schedule, block: str) -> None:
+    """Vectorize the innermost loop of `block`, computed at the parallel plane loop, if it has
+    one of its own: compute_at drops unit loops, so a one-element copy per plane (a 1x1 output
+    of a 1x1 kernel) has none, and its last loop would be the plane loop itself."""
+    loops = sch.get_loops(sch.get_sblock(block))
+    if len(loops) > 1:
+        sch.vectorize(loops[-1])
 
 
 def depthwise_weight_grad(g: ConvGeom, name: str) -> tirx.PrimFunc:
@@ -126,8 +135,8 @@ def depthwise_weight_grad(g: ConvGeom, name: str) -> tirx.PrimFunc:
     sch.parallel(planes)
     sch.compute_at(sch.get_sblock("by_x"), planes)
     sch.compute_at(sch.get_sblock(BORDERED), planes)
-    sch.vectorize(sch.get_loops(sch.get_sblock("by_x"))[-1])
-    sch.vectorize(sch.get_loops(sch.get_sblock(BORDERED))[-1])
+    _vectorize_innermost(sch, "by_x")
+    _vectorize_innermost(sch, BORDERED)
     return sch.mod["main"]
 
 

@@ -81,6 +81,56 @@ def test_random_models_bit_exact(model: nn.Module, seed: int) -> None:
     _assert_same_training(ref, llvm, x, y, steps=3)
 
 
+def test_batch_norm_of_constant_channels_is_bit_exact() -> None:
+    """An all-zero batch: every channel reaching the batch norms is constant up to stochastic
+    rounding, and the all-zero xhat groups lie above the common exponent (compact_common's
+    negative shift of an all-zero group, docs/numerics.md section 5; the fuzz campaign's
+    crash of issue 29). The reference and the compiled step both keep them 0."""
+
+    def factory() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(4, 16, 1, groups=4),
+            nn.Conv2d(16, 16, 1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.BatchNorm2d(16),
+            nn.Flatten(),
+            nn.Linear(16, 3),
+        )
+
+    ref, llvm = _pair(factory, 16, (4, 1, 1), seed=1)
+    x = np.zeros((16, 4, 1, 1), np.float32)
+    y = np.random.default_rng(1).integers(0, 3, 16)
+    _assert_same_training(ref, llvm, x, y, steps=3)
+
+
+TINY_IMAGES = {
+    # a 3x3 padded convolution of a 1x1 image: every tap outside it is the pack's zero border,
+    # so the pack keeps no range test (cpu_gemm._pack had none to combine)
+    "conv3x3 of 1x1": (
+        lambda: nn.Sequential(
+            nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(4, 3)
+        ),
+        (4, 1, 1),
+    ),
+    # a depthwise 1x1 stride-2 convolution to a 1x1 output: one element per plane
+    "depthwise 1x1/2 of 2x2": (
+        lambda: nn.Sequential(nn.Conv2d(4, 4, 1, 2, groups=4), nn.Flatten(), nn.Linear(4, 3)),
+        (4, 2, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY_IMAGES))
+def test_convolutions_of_tiny_images_are_bit_exact(name: str) -> None:
+    """Geometries bench/fuzz.py found: a crash of the llvm build and wrong llvm sums."""
+    factory, shape = TINY_IMAGES[name]
+    ref, llvm = _pair(factory, 8, shape)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((8, *shape)) * 100).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    _assert_same_training(ref, llvm, x, y, steps=2)
+
+
 def test_second_compile_comes_from_the_cache_and_the_key_follows_the_program(tmp_path, monkeypatch):
     monkeypatch.setattr(llvm_step, "CACHE", tmp_path)
     cls, shape = EXAMPLES["MLP"]

@@ -74,6 +74,28 @@ def test_compact_common_fits_and_is_one_exponent() -> None:
     assert np.allclose(out.dequantize(), want, atol=2.0 ** float(out.e))
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("debug", [False, True])
+def test_compact_common_zero_group_above_the_common_exponent(rounding: str, debug: bool) -> None:
+    """An all-zero group whose exponent lies above the common one (E - e_g < 0, as a
+    zero-variance channel in batch norm) stays 0; it is neither refused nor filled with
+    rounding bits (docs/numerics.md section 5)."""
+    from mexc.mx import RoundCtx
+    from mexc.numerics import overflow_debug
+
+    rng = np.random.default_rng(7)
+    acc = rng.integers(-(2**20), 2**20, (64, 3, 70))  # >= 4096 elements: the int32 fast path too
+    acc[:, 1] = 0
+    e = np.array([-24, 0, -21])
+    ctx = RoundCtx(rounding, seed=1, step=2, bits=8)  # type: ignore[arg-type]
+    with overflow_debug(debug):
+        out = C.compact_common(acc, e, 1, ctx, 5)
+    assert int(out.e) < 0 and not np.any(out.m[:, 1])
+    with overflow_debug(debug):
+        alone = C.compact_common(acc[:, [0, 2]], e[[0, 2]], 1, ctx, 5)
+    assert int(alone.e) == int(out.e)
+
+
 def test_aligned_sum_per_channel_matches() -> None:
     rng = np.random.default_rng(6)
     a = rng.integers(-(2**14), 2**14, (4, 3, 5))

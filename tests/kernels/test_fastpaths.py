@@ -60,6 +60,27 @@ def test_batchnorm_train_and_backward(rounding, shape):
     _both(K.batchnorm_backward, dy, saved, ctx, 96)
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("ex", [-20, 16])
+def test_batchnorm_zero_variance_channel(rounding, ex):
+    """A constant channel beside channels of large variance: its 1/sigma (from eps) puts its
+    xhat and dx groups above the common exponent; both paths give it zeros, as the lowered
+    kernels do (docs/numerics.md section 5: compaction to a common exponent)."""
+    shape = (64, 3, 8, 8)
+    rng = np.random.default_rng(1)
+    ctx = RoundCtx(seed=5, step=1, bits=4, rounding=rounding)
+    c = shape[1]
+    x = _mx(rng, shape, ex, -60, 100)
+    x.m[:, 1] = 0
+    gamma, beta = _mx(rng, (c,), -6, 1, 128), _mx(rng, (c,), 0, -3, 4)
+    y, saved = _both(K.batchnorm_forward_train, x, gamma, beta, 1e-5, ctx, 64)
+    assert not np.any(saved.xhat.m[:, 1])
+    dy = _mx(rng, shape, -17)
+    dy.m[:, 1] = 0
+    dx, _, _ = _both(K.batchnorm_backward, dy, saved, ctx, 96)
+    assert not np.any(dx.m[:, 1])
+
+
 @pytest.mark.parametrize("shape", [(4, 3, 8, 8), (2, 5, 7, 9), (3, 2, 2, 2)])
 def test_maxpool_2x2(shape):
     rng = np.random.default_rng(shape[3])

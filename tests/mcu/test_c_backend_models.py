@@ -142,3 +142,19 @@ def test_an_unread_result_is_not_emitted() -> None:
         for p in progs:
             p.step(x, y)
         assert progs[0].state_checksum() == progs[1].state_checksum()
+
+
+def test_a_max_pool_on_the_input_writes_no_window_offsets() -> None:
+    """A max pool whose input needs no gradient: no backward reads its window offsets, plan-memory
+    gives them no slot, and the C step passes NULL for them (found by bench/fuzz.py)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 3, 4)
+    progs = []
+    for target in ("reference", "c"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16, 3))
+        progs.append(mexc.compile(model, (torch.from_numpy(x),), target=target))
+    for _ in range(2):
+        for p in progs:
+            p.step(x, y)
+        assert progs[0].state_checksum() == progs[1].state_checksum()

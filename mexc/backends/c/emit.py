@@ -209,7 +209,9 @@ def _maxpool(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
     p = _pool_geom(e, n, e.shape(n.inputs[0]))
     y = e.arena(n.out, "int8_t")
-    arg = e.arena(n.result(1), "uint8_t")
+    # the window offsets have no arena slot when no backward reads them (a max pool on the
+    # input, whose gradient nothing needs): the kernel then writes none
+    arg = e.arena(n.result(1), "uint8_t") if n.result(1) in e.offsets else "NULL"
     e.exp[n.out] = ex
     e.emit(f"mexc_maxpool2d_forward(&{p}, {x}, {y}, {arg});")
 

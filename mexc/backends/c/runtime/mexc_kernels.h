@@ -86,7 +86,8 @@ typedef struct {
 } mexc_pool_t;
 void mexc_pool_init(mexc_pool_t *p, uint32_t n, uint32_t c, uint32_t h, uint32_t w, uint32_t kh,
                     uint32_t kw, uint32_t sh, uint32_t sw, uint32_t ph, uint32_t pw);
-/* maxpool2d_forward: y (N, C, OH, OW) same exponent, argmax = offset i*KW + j of the first max */
+/* maxpool2d_forward: y (N, C, OH, OW) same exponent, argmax = offset i*KW + j of the first max
+ * (argmax NULL: not written) */
 void mexc_maxpool2d_forward(const mexc_pool_t *p, const int8_t *x, int8_t *y, uint8_t *argmax);
 /* maxpool2d_backward: scatter-add of dy at argmax; exponent e_dy unless compacted (site 0). */
 int32_t mexc_maxpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t ed,

@@ -61,7 +61,7 @@ void mexc_maxpool2d_forward(const mexc_pool_t *p, const int8_t *x, int8_t *y, ui
                     }
                 /* int16 -> int8 cast of numpy (an all-padding window wraps to 0) */
                 *y++ = (int8_t)(uint8_t)((uint32_t)best & 0xFFu);
-                *argmax++ = (uint8_t)best_at;
+                if (argmax) *argmax++ = (uint8_t)best_at;
             }
     }
 }
