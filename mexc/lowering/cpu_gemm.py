@@ -272,9 +272,10 @@ def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int, kernel: str) -> 
     panels = int(sch.get(g).extent) * int(sch.get(qo).extent)  # as in _schedule_gemm
     # a task per panel where it builds its panel (with fewer tasks than PARALLEL_CHUNKS: it
     # would rebuild the panel for every row tile otherwise)
-    per_panel = panels >= PARALLEL_CHUNKS or has_block(sch, PANELS)
+    builds = has_block(sch, PANELS)
+    per_panel = panels >= PARALLEL_CHUNKS or builds
     outer = sch.fuse(g, qo) if per_panel else sch.fuse(g, qo, mo)
-    if has_block(sch, PANELS):
+    if builds:
         sch.compute_at(sch.get_sblock(PANELS), outer)
     acc = sch.cache_write(blk, 0, "local")
     sch.reverse_compute_at(acc, mo if per_panel else outer)  # one tile
@@ -462,14 +463,17 @@ def _product(
     b_shape: tuple[int, ...],
     columns: int,
     b_at: Callable[..., tirx.PrimExpr],
+    b_of: Callable[[te.Tensor], te.Tensor] = lambda b: b,
 ) -> tirx.PrimFunc:
-    """C[g, m, q] = sum_k A[g, m, k] * B(g, k, q) in int32, B read through `b_at`."""
+    """C[g, m, q] = sum_k A[g, m, k] * B(g, k, q) in int32, B read through `b_at` from
+    `b_of(b)`: the parameter b itself, or a tensor the GEMM computes from it."""
     a = te.placeholder(a_shape, I8, name="a")
     b = te.placeholder(b_shape, I8, name="b")
+    src = b_of(b)
     rk = te.reduce_axis((0, a_shape[2]), "rk")
 
     def body(gi, mm, qq):
-        return te.sum(a[gi, mm, rk].astype(I32) * b_at(b, gi, rk, qq).astype(I32), axis=rk)
+        return te.sum(a[gi, mm, rk].astype(I32) * b_at(src, gi, rk, qq).astype(I32), axis=rk)
 
     c = te.compute((a_shape[0], a_shape[1], columns), body, name="c")
     return _func([a, b, c], f"{name}_gemm")
@@ -496,16 +500,9 @@ def _panel_gemm(
 
     if rows_shape is None:
         return _product(name, a_shape, b_shape, b_shape[1] * qt, b_at)
-    a = te.placeholder(a_shape, I8, name="a")
-    rows = te.placeholder(rows_shape, I8, name="b")
-    panels = interleaved(rows, b_shape)
-    rk = te.reduce_axis((0, a_shape[2]), "rk")
-
-    def body(gi, mm, qq):
-        return te.sum(a[gi, mm, rk].astype(I32) * b_at(panels, gi, rk, qq).astype(I32), axis=rk)
-
-    c = te.compute((a_shape[0], a_shape[1], b_shape[1] * qt), body, name="c")
-    return _func([a, rows, c], f"{name}_gemm")
+    return _product(
+        name, a_shape, rows_shape, b_shape[1] * qt, b_at, lambda rows: interleaved(rows, b_shape)
+    )
 
 
 def _bytes_pay(form: GemmForm) -> bool:

@@ -245,9 +245,7 @@ class PlanBuilder:
 
     def gemm_work(self, form: gf.GemmForm) -> None:
         """Count one GEMM of `form` in the step's work."""
-        self.work += (
-            MAC_PS.get(self.gemm_kernel, MAC_PS["int32"]) * form.g * form.m * form.q * form.k
-        )
+        self.work += MAC_PS[self.gemm_kernel] * form.g * form.m * form.q * form.k
 
     def rows_view(self, v: Value) -> str:
         """v's mantissas as (rows, last axis): linear layers act on the last axis."""

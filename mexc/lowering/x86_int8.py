@@ -49,6 +49,16 @@ def _desc(
                     C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
 
 
+def _signed_operands(A, B):  # noqa: N803 - the intrinsics' buffer names
+    """|A| (broadcast to every lane) and sign(A)·B, as `vpsignb` makes them: the unsigned and
+    the signed side of both kernels' byte products."""
+    a_word = T.reinterpret(A.vload([0], "int8x4"), dtype="int32")
+    a = T.reinterpret(T.broadcast(a_word, 8), dtype="int8x32")
+    b = B.vload([0, 0], dtype="int8x32")
+    a_abs = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", a, a)
+    return a_abs, T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", b, a)
+
+
 @T.prim_func(s_tir=True)
 def _impl_avx2(
     A: T.Buffer((4,), "int8", offset_factor=1),
@@ -58,11 +68,7 @@ def _impl_avx2(
     with T.sblock("root"):
         T.reads(C[0:8], A[0:4], B[0:8, 0:4])
         T.writes(C[0:8])
-        a_word = T.reinterpret(A.vload([0], "int8x4"), dtype="int32")
-        a = T.reinterpret(T.broadcast(a_word, 8), dtype="int8x32")
-        b = B.vload([0, 0], dtype="int8x32")
-        a_abs = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", a, a)
-        b_signed = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", b, a)
+        a_abs, b_signed = T.meta_var(_signed_operands(A, B))
         pairs = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", a_abs, b_signed)
         quads = T.call_llvm_pure_intrin(
             "int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.broadcast(T.int16(1), 16)
@@ -79,11 +85,7 @@ def _impl_vnni(
     with T.sblock("root"):
         T.reads(C[0:8], A[0:4], B[0:8, 0:4])
         T.writes(C[0:8])
-        a_word = T.reinterpret(A.vload([0], "int8x4"), dtype="int32")
-        a = T.reinterpret(T.broadcast(a_word, 8), dtype="int8x32")
-        b = B.vload([0, 0], dtype="int8x32")
-        a_abs = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", a, a)
-        b_signed = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", b, a)
+        a_abs, b_signed = T.meta_var(_signed_operands(A, B))
         # LLVM 22 declares the byte operands as <32 x i8> (../shared/probes/tvm-0.27)
         C[T.ramp(T.int32(0), 1, 8)] = T.call_llvm_pure_intrin(
             "int32x8",

@@ -20,6 +20,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from mexc.lowering.te_products import Param, acc_block, params
+from mexc.lowering.x86_int8 import COLUMNS
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class HostCpu:
     def gemm_lanes(self) -> int:
         """int32 lanes of the GEMM tile's vectors: the byte kernels work on 256-bit panels
         (x86_int8.COLUMNS), also on AVX-512 hosts."""
-        return 8 if self.gemm_kernel != "int32" else self.lanes32
+        return COLUMNS if self.gemm_kernel != "int32" else self.lanes32
 
     def target(self) -> tvm.target.Target:
         attrs: list[str] = []
