@@ -5,7 +5,11 @@ and the launch-plan layout of the llvm and CUDA backends (plan_layout).
 An item is (start, end, size, key): the buffer is live from position `start` to position `end`,
 both inclusive. Placement tries several orders, each with first-fit and best-fit, and keeps the
 smallest peak: a greedy placement's quality depends on the order, and none of the four orders
-wins on every graph (measured on the example CNNs). Vectorized over the placed items with numpy,
+wins on every graph (measured on the example CNNs). Where the best of them still lies above the
+live peak (the most bytes live at one position: no placement is lower), it is refined by
+"squeaky wheel" rounds: the items that end above the live peak are moved earlier in the size
+order and everything is placed again (SmallResNet's step at batch 128: 4.4 % above the live peak
+after the fixed orders, 0.005 % after 7 rounds). Vectorized over the placed items with numpy,
 so that plans of thousands of buffers (ResNet-18's launch plan) place in about a second.
 """
 
@@ -24,6 +28,11 @@ ORDERS: dict[str, Callable[[Item], tuple[int, int]]] = {
     "duration": lambda it: (-(it[1] - it[0]), -it[2]),
     "area": lambda it: (-(it[1] - it[0] + 1) * it[2], it[0]),
 }
+
+
+SQUEAKY_ROUNDS = 32  # refinement rounds at most (SmallResNet reaches its live peak in 7)
+SQUEAKY_ITEMS = 200_000  # ... and at most this many item placements in all (large plans)
+SQUEAKY_BOOST = 1.5  # priority factor of an item that ended above the live peak
 
 
 def _round_up(v: int, align: int) -> int:
@@ -69,7 +78,44 @@ def place(items: Sequence[Item], align: int = 16) -> tuple[dict[Hashable, int], 
         return {}, 0
     orders = [sorted(items, key=key) for key in ORDERS.values()]
     results = [_place(order, best, align) for order in orders for best in (False, True)]
-    return min(results, key=lambda r: r[1])
+    best = min(results, key=lambda r: r[1])
+    return _refined(items, best, align)
+
+
+def live_peak(items: Sequence[Item], align: int = 1) -> int:
+    """The most bytes (sizes rounded up to `align`) live at one position: no placement of the
+    items has a lower peak."""
+    if not items:
+        return 0
+    ends = max(it[1] for it in items) + 2
+    delta = np.zeros(ends, np.int64)
+    for start, end, size, _ in items:
+        delta[start] += _round_up(size, align)
+        delta[end + 1] -= _round_up(size, align)
+    return int(np.cumsum(delta).max())
+
+
+def _refined(
+    items: Sequence[Item], best: tuple[dict[Hashable, int], int], align: int
+) -> tuple[dict[Hashable, int], int]:
+    """`best` improved by squeaky-wheel rounds (first fit in a priority order that starts as
+    the size order): after each, the items that end above the live peak have their priority
+    raised, so that the next round places them before the ones that pushed them up.
+    Deterministic: no randomness, a fixed number of rounds."""
+    bound = live_peak(items, align)
+    rounds = min(SQUEAKY_ROUNDS, SQUEAKY_ITEMS // len(items))
+    priority = {it[3]: float(it[2]) for it in items}
+    for _ in range(rounds):
+        if best[1] <= bound:
+            break
+        order = sorted(items, key=lambda it: (-priority[it[3]], it[0]))
+        offsets, peak = _place(order, False, align)
+        if peak < best[1]:
+            best = offsets, peak
+        for _, _, size, key in items:
+            if offsets[key] + size > bound:
+                priority[key] *= SQUEAKY_BOOST
+    return best
 
 
 def overlaps(items: Sequence[Item], offsets: Mapping[Any, int]) -> list[tuple[Hashable, Hashable]]:

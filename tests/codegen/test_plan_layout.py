@@ -12,6 +12,7 @@ import torch
 
 import mexc
 from examples.models import DigitsCNN
+from mexc import arena
 from mexc.arena import overlaps, place
 from mexc.backends.plan_layout import check_layout, lifetimes, plan_layout, separate_bytes
 
@@ -75,6 +76,18 @@ def test_place_never_overlaps_live_items_and_reaches_the_live_peak() -> None:
         assert all(offsets[k] % 16 == 0 and offsets[k] + z <= peak for _, _, z, k in items)
         live = max(sum(z for a, b, z, _ in items if a <= t <= b) for t in range(50))
         assert live <= peak
+
+
+def test_place_refines_a_fragmented_placement_down_to_the_live_peak() -> None:
+    # every fixed order with first or best fit leaves a 16-byte hole here (peak 160)
+    items = [(2, 5, 64, 0), (7, 8, 48, 1), (4, 7, 48, 2), (7, 7, 48, 3), (1, 4, 16, 4)]
+    fixed = [
+        arena._place(sorted(items, key=k), b, 16)[1] for k in arena.ORDERS.values() for b in (0, 1)
+    ]
+    assert min(fixed) == 160
+    offsets, peak = place(items, 16)
+    assert peak == arena.live_peak(items, 16) == 144
+    assert not overlaps(items, offsets)
 
 
 def test_llvm_allocates_the_layout_and_trains_in_it_bit_exact() -> None:
