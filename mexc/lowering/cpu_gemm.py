@@ -45,6 +45,8 @@ SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling th
 PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
 PANELS = "panels"  # the block of a GEMM that builds its B panels from rows
 PANEL_TASKS = 16  # panels a GEMM needs to build them itself, one per parallel task
+COLUMN_TASKS = 16  # parallel bands of rows of a column reduction (_column_reduction)
+VECTOR_MIN = 8  # columns a column reduction needs to run them as vectors
 GEMV_SPLIT = 32  # lanes of a one-column product's split reduction (64 measured 9x slower)
 # int32 lanes everywhere; byte products on AVX2 hosts, and with vpdpbusd on VNNI hosts
 GEMM_KERNELS = ("int32", *BYTE_KERNELS)
@@ -555,15 +557,53 @@ def _unit(extent: Any) -> bool:
     return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
+def _column_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
+    """Schedule a sum or max over leading axes whose kept axes end in every read's contiguous
+    one (bias and LayerNorm parameter gradients: columns of a (rows, D) tensor), if `blk` is
+    one: the rows split into COLUMN_TASKS parallel bands (rfactor), each adding whole rows
+    into a vector of partial column results, then the bands combined. The plain schedule ran
+    one column per task down a stride of D bytes: a 2048 x 64 bias gradient took 75 us, 5 us
+    this way. Exact: integer sums and maxima in any order."""
+    block = sch.get(blk)
+    loops = sch.get_loops(blk)
+    kinds = [iv.iter_type for iv in block.iter_vars]
+    if len(loops) != len(kinds) or 2 not in kinds or kinds != sorted(kinds):
+        return False  # not spatial loops then reduce loops, one per iter var
+    keep = [iv.var for iv, k in zip(block.iter_vars, kinds) if k == 0]
+    if not keep or any(
+        not tvm_ffi.structural_equal(r.region[-1].min, keep[-1]) for r in block.reads
+    ):
+        return False
+    reduce = [lp for lp, k in zip(loops, kinds) if k == 2]
+    rows = _iterations(sch, reduce)
+    bands = next((b for b in (COLUMN_TASKS, 8, 4, 2) if rows % b == 0 and rows >= 8 * b), 0)
+    if not bands or int(sch.get(loops[len(keep) - 1]).extent) < VECTOR_MIN:
+        return False
+    if _iterations(sch, loops) < SERIAL_BELOW:
+        return False  # (a batch norm's per-channel sum of its (N, C) partials) stays serial
+    band, _ = sch.split(sch.fuse(*reduce) if len(reduce) > 1 else reduce[0], [bands, None])
+    rf = sch.rfactor(band, 0)
+    rf_loops = sch.get_loops(rf)  # the kept axes, the band, the rows in a band
+    cols = rf_loops[: len(keep)]
+    sch.reorder(rf_loops[len(keep)], rf_loops[len(keep) + 1], *cols)
+    sch.parallel(rf_loops[len(keep)])
+    sch.vectorize(cols[-1])
+    sch.decompose_reduction(rf, rf_loops[len(keep) + 1])
+    return True
+
+
 def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
     """A generic host schedule for the non-product kernels: every root-level block runs its
     outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
-    element); the inner loops stay as they are for LLVM's vectorizer. Blocks whose outer extent
-    is below `min_extent` (per-tensor reductions, one-element exponents) stay serial."""
+    element; column reductions `_column_reduction`); the inner loops stay as they are for
+    LLVM's vectorizer. Blocks whose outer extent is below `min_extent` (per-tensor reductions,
+    one-element exponents) stay serial."""
     sch = s_tir.Schedule(func)
     root = sch.get_sblock("root") if has_block(sch, "root") else None
     blocks = sch.get_child_blocks(root) if root is not None else []
     for blk in blocks:
+        if _column_reduction(sch, blk):
+            continue
         loops = sch.get_loops(blk)
         kinds = [sch.get(lp).kind for lp in loops]
         iters = sch.get(blk).iter_vars

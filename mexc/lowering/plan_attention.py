@@ -87,7 +87,9 @@ class AttentionRules(PlanBuilder):
         self.e[n.result(0)] = self.const(f"softmax_exp{-pe}", np.array([pe]), I32)
         keys = self.keys(n, (0, 1), "keys")
         table = self.const("exp_table", EXP_TABLE.values, I32)
-        func = te_attention.softmax_forward(rows, k, self.bits, self.stochastic, f"n{n.id}_softmax")
+        func = te_attention.softmax_forward(
+            rows, k, self.bits, self.stochastic, f"n{n.id}_softmax", self.device.native_division
+        )
         self.launch(func, (self.view(self.m[x], (rows, k)), self.e[x], keys, table, p))
 
     def softmax_grad(self, n: Node) -> None:
@@ -132,7 +134,9 @@ class AttentionRules(PlanBuilder):
         self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_ln_stats"), (xv, b["mu"], b["r"]))
         key0 = self.keys(n, (0,), "key0")
         eps = _eps_fixed(float(n.attrs.eps))
-        var = te_norm.bn_var(ncs, f, eps, self.stochastic, f"n{n.id}_ln_var")
+        var = te_norm.bn_var(
+            ncs, f, eps, self.stochastic, f"n{n.id}_ln_var", self.device.native_division
+        )
         var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
         self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
         xhat = self.out(n, 1, I8, xs)

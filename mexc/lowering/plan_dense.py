@@ -146,7 +146,9 @@ class DenseRules(PlanBuilder):
         self.plan.probs = probs
         key = self.keys(n, (0,), "key0")
         table = self.const("exp_table", EXP_TABLE.values, I32)
-        func = te_ops.softmax_ce_forward(rows, k, self.stochastic, f"n{n.id}_softmax_ce")
+        func = te_ops.softmax_ce_forward(
+            rows, k, self.stochastic, f"n{n.id}_softmax_ce", self.device.native_division
+        )
         self.launch(func, (self.m[logits], self.e[logits], key, table, probs))
 
     def softmax_ce_grad(self, n: Node) -> None:
@@ -154,7 +156,9 @@ class DenseRules(PlanBuilder):
         rows, k = self.shape(probs)
         acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
         self.plan.valid = self.buf("valid", (1,), I32)
-        func = te_ops.softmax_ce_backward_acc(rows, k, f"n{n.id}_softmax_ce_grad")
+        func = te_ops.softmax_ce_backward_acc(
+            rows, k, f"n{n.id}_softmax_ce_grad", self.device.native_division
+        )
         self.launch(func, (self.m[probs], self.plan.labels, self.plan.valid, acc))
         e_in = self.const("grad_exp", np.array([GRAD_EXP]), I32)
         self.compact(n, acc, e_in, (rows, k), 0)

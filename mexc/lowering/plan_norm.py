@@ -37,9 +37,9 @@ class NormRules(PlanBuilder):
         xv = self.ncs_view(self.m[x], xs)
         self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
         key0 = self.keys(n, (0,), "key0")
-        var = te_norm.bn_var(
-            ncs, f, _eps_fixed(float(n.attrs.eps)), self.stochastic, f"n{n.id}_bn_var"
-        )
+        eps = _eps_fixed(float(n.attrs.eps))
+        native = self.device.native_division
+        var = te_norm.bn_var(ncs, f, eps, self.stochastic, f"n{n.id}_bn_var", native)
         var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
         self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
         xhat = self.out(n, 1, I8, xs)
@@ -168,7 +168,9 @@ class NormRules(PlanBuilder):
         c_rm, c_rv = (self.buffer_shape(self.e[v])[0] for v in (rm, rv))
         xc16 = self.buf(f"n{n.id}.xc16", ncs, I32)
         rstd, e_grp = self.buf(f"n{n.id}.rstd", cc, I32), self.buf(f"n{n.id}.e_grp", cc, I32)
-        center = te_norm.bn_eval_center(ncs, c_rm, c_rv, eps, f"n{n.id}_bn_eval_center")
+        center = te_norm.bn_eval_center(
+            ncs, c_rm, c_rv, eps, f"n{n.id}_bn_eval_center", self.device.native_division
+        )
         args: tuple[str, ...] = (self.ncs_view(self.m[x], xs), self.e[x], self.m[rm], self.e[rm])
         self.launch(center, (*args, self.m[rv], self.e[rv], xc16, rstd, e_grp))
         sh, e_xhat = self.buf(f"n{n.id}.sh3", cc, I32), self.buf(f"n{n.id}.e3", (1,), I32)

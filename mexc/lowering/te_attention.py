@@ -52,7 +52,9 @@ def transposed_pre_shift(
 # ----------------------------------------------------------------------------------- softmax
 
 
-def softmax_forward(rows: int, k: int, bits: int, stochastic: bool, name: str) -> tirx.PrimFunc:
+def softmax_forward(
+    rows: int, k: int, bits: int, stochastic: bool, name: str, native_division: bool = False
+) -> tirx.PrimFunc:
     """kernels.softmax_forward on (rows, K): d = m - rowmax; E = EXP_TABLE[clamp(shift(d,
     EXP_IN_EXP - e_x)) + 128] (a right shift rounded with keys[0], a left shift saturating);
     S = row sum; R = idiv_round(2^30, S); p = min(shift_right(E R, 30 - (B - 1)) (keys[1]),
@@ -72,7 +74,9 @@ def softmax_forward(rows: int, k: int, bits: int, stochastic: bool, name: str) -
     rs = te.reduce_axis((0, k), "rs")
     srow = te.compute((rows,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
     one = tirx.const(1 << SOFTMAX_RECIP_LOG2, I64)
-    recip = te.compute((rows,), lambda r: idiv_round(one, srow[r]).astype(I32), name="recip")
+    recip = te.compute(
+        (rows,), lambda r: idiv_round(one, srow[r], native_division).astype(I32), name="recip"
+    )
     shift = tirx.const(SOFTMAX_RECIP_LOG2 - (bits - 1), I32)
 
     def prob(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -9,6 +9,9 @@ dividend and `0 <= r < b`. 32 fixed steps cover every dividend `|a| + b // 2 < 2
 `|a| < 2^31` and `0 < b < 2^31` (the int32 operands the numerics produce). An integer
 Newton-Raphson reciprocal would take fewer steps but needs a table seed, multiply-highs and a
 final correction whose exactness argument is longer; the heads that divide are small (N x K).
+A CPU host's plan divides natively instead (`idiv_round(..., native=True)`, chosen by
+`Device.native_division`): x86 and Arm have integer divide instructions, and the long division's
+32 dependent steps per row were half of a LayerNorm's 1/sigma kernel (2048 rows: 330 -> 170 us).
 
 `idiv_round(a, b)` is a placeholder expression (a call to an extern that does not exist, so a
 forgotten lowering fails to link); `lower_divisions(func)` replaces each one by the loop, written
@@ -30,10 +33,16 @@ STEPS = 32  # dividend bits: |a| + b // 2 < 2^32
 _A, _B, _N, _R, _Q, _X = range(6)
 
 
-def idiv_round(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+def idiv_round(a: tirx.PrimExpr, b: tirx.PrimExpr, native: bool = False) -> tirx.PrimExpr:
     """numerics.idiv_round(a, b) = sign(a) * floor((|a| + b // 2) / b) for |a| < 2^31,
-    0 < b < 2^31, as int64; valid only inside a func passed through `lower_divisions`."""
-    return tirx.call_pure_extern(I64, MARKER, a.astype(I64), b.astype(I64))
+    0 < b < 2^31, as int64; valid only inside a func passed through `lower_divisions`.
+    `native`: by the target's integer division instead (a CPU host: `Device.native_division`;
+    the dividend |a| + b // 2 and the divisor are positive, so truncation is the floor)."""
+    a64, b64 = a.astype(I64), b.astype(I64)
+    if not native:
+        return tirx.call_pure_extern(I64, MARKER, a64, b64)
+    q = tirx.truncdiv(tirx.if_then_else(a64 < 0, -a64, a64) + (b64 >> tirx.const(1, I64)), b64)
+    return tirx.if_then_else(a64 < 0, -q, q)
 
 
 def _is_marker(call: tvm.ir.expr.Call) -> bool:

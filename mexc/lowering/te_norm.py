@@ -145,8 +145,11 @@ def bn_stats(shape: NCS, f: int, name: str = "bn_stats") -> tirx.PrimFunc:
     return _func([x, mu32, r], name)
 
 
-def _rstd_stages(var_m: te.Tensor, ev: te.Tensor, eps: FixedScalar) -> tuple[te.Tensor, te.Tensor]:
-    """kernels.norm._rstd on (C,) int64 stages: (rstd, rstd_e)."""
+def _rstd_stages(
+    var_m: te.Tensor, ev: te.Tensor, eps: FixedScalar, native: bool
+) -> tuple[te.Tensor, te.Tensor]:
+    """kernels.norm._rstd on (C,) int64 stages: (rstd, rstd_e); `native`: the division by the
+    target's integer divide (te_divide.idiv_round)."""
     shape = var_m.shape
 
     def n0_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -165,13 +168,20 @@ def _rstd_stages(var_m: te.Tensor, ev: te.Tensor, eps: FixedScalar) -> tuple[te.
     t = te.compute(shape, t_body, name="t_norm")
     n = te.compute(shape, lambda c: _nearest(n0[c], -t[c]), name="n_norm")
     sigma = isqrt_stages(n)
-    rstd = te.compute(shape, lambda c: idiv_round(_c(1 << RSTD_NUM_LOG2), sigma[c]), name="rstd")
+    rstd = te.compute(
+        shape, lambda c: idiv_round(_c(1 << RSTD_NUM_LOG2), sigma[c], native), name="rstd"
+    )
     rstd_e = te.compute(shape, lambda c: _c(-RSTD_NUM_LOG2) - ((ev[c] - t[c]) >> _c(1)), name="re")
     return rstd, rstd_e
 
 
 def bn_var(
-    shape: NCS, f: int, eps: FixedScalar, stochastic: bool, name: str = "bn_var"
+    shape: NCS,
+    f: int,
+    eps: FixedScalar,
+    stochastic: bool,
+    name: str = "bn_var",
+    native_division: bool = False,
 ) -> tirx.PrimFunc:
     """The batch variance and 1/sigma: tq = round(xc / 2^r) (site key), vsum = sum tq^2,
     sv = max(30 - bitlen(vsum), 0), var = idiv_round(vsum << sv, M) (unbiased: M - 1),
@@ -204,7 +214,7 @@ def bn_var(
         return _c(2) * (ex[0].astype(I64) - f + r[c].astype(I64)) - sv
 
     ev = _per_channel(shape, ev_body, "ev64")
-    rstd, rstd_e = _rstd_stages(var_m, ev, eps)
+    rstd, rstd_e = _rstd_stages(var_m, ev, eps, native_division)
     outs = [_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)]
     e_c = te.compute((1,), lambda _: ex[0] - f, name="e_c")
     return _func([x, mu, r, ex, key, *outs, e_c], name)
@@ -636,7 +646,12 @@ def bn_ema(
 
 
 def bn_eval_center(
-    shape: NCS, c_rm: int, c_rv: int, eps: FixedScalar, name: str = "bn_eval_center"
+    shape: NCS,
+    c_rm: int,
+    c_rv: int,
+    eps: FixedScalar,
+    name: str = "bn_eval_center",
+    native_division: bool = False,
 ) -> tirx.PrimFunc:
     """kernels.norm.batchnorm_forward_eval up to its xhat accumulator, rounding to nearest (the
     inference path's rounding: no keys). Per channel target t_c of
@@ -682,7 +697,7 @@ def bn_eval_center(
     )
     var_m = _per_channel(shape, lambda ch: rv[ch].astype(I64), "var_m")
     ev = _per_channel(shape, lambda ch: e_rv[ch if c_rv > 1 else 0].astype(I64), "ev")
-    rstd, rstd_e = _rstd_stages(var_m, ev, eps)
+    rstd, rstd_e = _rstd_stages(var_m, ev, eps, native_division)
     e_grp = _per_channel(shape, lambda ch: (tgt[ch] + sx[ch] + rstd_e[ch]).astype(I32), "e_grp")
     return _func([x, ex, rm, e_rm, rv, e_rv, xc16, _to_i32(rstd), e_grp], name)
 

@@ -305,7 +305,11 @@ def exp_lookup(
 
 
 def softmax_ce_forward(
-    n: int, k: int, stochastic: bool, name: str = "softmax_ce_forward"
+    n: int,
+    k: int,
+    stochastic: bool,
+    name: str = "softmax_ce_forward",
+    native_division: bool = False,
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_forward without the host-side loss: p in [0, 255] (value p / 256).
 
@@ -329,13 +333,17 @@ def softmax_ce_forward(
     srow = te.compute((n,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
     probs = te.compute(
         (n, k),
-        lambda r, j: tirx.min(idiv_round(ex[r, j] << 8, srow[r]), 255).astype("uint8"),
+        lambda r, j: tirx.min(idiv_round(ex[r, j] << 8, srow[r], native_division), 255).astype(
+            "uint8"
+        ),
         name="probs",
     )
     return _func([logits, e, key, table, probs], name)
 
 
-def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc") -> tirx.PrimFunc:
+def softmax_ce_backward_acc(
+    n: int, k: int, name: str = "softmax_ce_backward_acc", native_division: bool = False
+) -> tirx.PrimFunc:
     """kernels.softmax_ce_backward before its compaction: t = p - 256 * onehot on the first
     `valid` rows (0 below), acc = idiv_round(t << 7, valid) at exponent -15. Parameters
     (probs uint8 (N,K), labels int32 (N,), valid int32[1], acc int32 (N,K))."""
@@ -348,7 +356,7 @@ def softmax_ce_backward_acc(n: int, k: int, name: str = "softmax_ce_backward_acc
         rows = tirx.max(tirx.min(valid[0], n), 0)
         t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, 256, 0).astype(i64)
         t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
-        return idiv_round(t << 7, tirx.max(rows, 1).astype(i64)).astype(I32)
+        return idiv_round(t << 7, tirx.max(rows, 1).astype(i64), native_division).astype(I32)
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)

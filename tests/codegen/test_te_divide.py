@@ -25,25 +25,30 @@ N = 64
 MAX = 2**31 - 1
 
 
-def _division_func() -> tvm.tirx.PrimFunc:
+def _division_func(native: bool = False) -> tvm.tirx.PrimFunc:
     a = te.placeholder((N,), "int32", name="a")
     b = te.placeholder((N,), "int32", name="b")
-    q = te.compute((N,), lambda i: idiv_round(a[i], b[i]).astype("int32"), name="q")
+    q = te.compute((N,), lambda i: idiv_round(a[i], b[i], native).astype("int32"), name="q")
     return lower_divisions(te.create_prim_func([a, b, q])).with_attr("global_symbol", "div")
 
 
 @cache
-def _built() -> tvm.runtime.Module:
-    return tvm.compile(_division_func(), target="llvm")
+def _built(native: bool) -> tvm.runtime.Module:
+    return tvm.compile(_division_func(native), target="llvm")
 
 
 def _check(a: list[int], b: list[int]) -> None:
+    for native in (False, True):  # the long division, and the host's integer divide
+        _check_one(a, b, native)
+
+
+def _check_one(a: list[int], b: list[int], native: bool) -> None:
     av = np.zeros(N, np.int32)
     bv = np.ones(N, np.int32)
     av[: len(a)], bv[: len(b)] = a, b
     dev = tvm.cpu()
     q = tvm.runtime.empty((N,), "int32", dev)
-    _built()(tvm.runtime.tensor(av, dev), tvm.runtime.tensor(bv, dev), q)
+    _built(native)(tvm.runtime.tensor(av, dev), tvm.runtime.tensor(bv, dev), q)
     np.testing.assert_array_equal(q.numpy(), ref_idiv_round(av, bv))
 
 
