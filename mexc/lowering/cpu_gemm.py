@@ -577,8 +577,9 @@ def _column_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
     reduce = [lp for lp, k in zip(loops, kinds) if k == 2]
     rows = _iterations(sch, reduce)
     bands = next((b for b in (COLUMN_TASKS, 8, 4, 2) if rows % b == 0 and rows >= 8 * b), 0)
-    if not bands or int(sch.get(loops[len(keep) - 1]).extent) < VECTOR_MIN:
-        return False
+    columns = sch.get(loops[len(keep) - 1]).extent
+    if not bands or not isinstance(columns, tirx.IntImm) or int(columns) < VECTOR_MIN:
+        return False  # (a shape variable's extent: the symbolic update kernels)
     if _iterations(sch, loops) < SERIAL_BELOW:
         return False  # (a batch norm's per-channel sum of its (N, C) partials) stays serial
     band, _ = sch.split(sch.fuse(*reduce) if len(reduce) > 1 else reduce[0], [bands, None])
