@@ -10,7 +10,8 @@ import tvm
 
 from mexc.backends.llvm.products import host_cpu
 from mexc.lowering import gemm_forms as gf
-from mexc.lowering.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm
+from mexc.lowering import te_ops
+from mexc.lowering.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm, schedule_parallel
 
 _HOST = host_cpu()
 # every kernel this host can run: the AVX2 byte kernel on any host that picks a byte kernel
@@ -108,3 +109,27 @@ def test_kernel_and_lanes_are_checked() -> None:
         cpu_gemm(form, 8, kernel="vnni")
     with pytest.raises(ValueError, match="8 int32 lanes"):
         cpu_gemm(form, 16, kernel="avx2_i8")
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes", "bands"),
+    [
+        ((2048, 64), (0,), True),  # a bias gradient of 2048 token rows
+        ((128, 16, 48), (0, 1), True),  # two leading axes summed
+        ((1000, 24), (0,), True),  # rows not a multiple of 16: 8 bands
+        ((8, 128, 256), (0,), False),  # too few rows for bands
+        ((64, 16, 9), (0, 2), False),  # the last axis summed: not a column reduction
+    ],
+)
+def test_column_sums_run_in_bands_and_stay_exact(
+    shape: tuple[int, ...], axes: tuple[int, ...], bands: bool
+) -> None:
+    func = schedule_parallel(te_ops.axis_sum(shape, axes, "s")).with_attr("global_symbol", "s")
+    assert ("acc_rf" in func.script()) == bands
+    x = np.random.default_rng(1).integers(-128, 128, shape).astype(np.int8)
+    x.flat[::7] = 127  # long runs of one sign: sums far from zero
+    keep = tuple(d for i, d in enumerate(shape) if i not in axes)
+    dev = tvm.cpu()
+    acc = tvm.runtime.empty(keep, "int32", dev)
+    tvm.compile(func, target=host_cpu().target())(tvm.runtime.tensor(x, dev), acc)
+    np.testing.assert_array_equal(acc.numpy(), x.astype(np.int64).sum(axis=axes))
