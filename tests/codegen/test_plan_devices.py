@@ -101,6 +101,11 @@ def markers(prog: mexc.Program) -> dict[str, Callable[[StepPlan], bool]]:
         ),
         "swapped_weight_grad": _swapped(prog),
         "row_max_bracket": lambda p: any(k.endswith(".t_amax") for k in p.buffers),
+        # the loss head's probabilities divide by the row sum: by the target's division
+        # (TIR's Div) or by te_divide's long division (shifts and selects in a loop)
+        "native_division": lambda p: any(
+            x.symbol.endswith("_softmax_ce") and "T.Div(" in x.func.script() for x in p.launches
+        ),
     }
 
 
