@@ -80,9 +80,6 @@ class DenseRules(PlanBuilder):
         if not n.attrs.has_bias and not wide:
             self.compacted_product(n, whole, self.product_exp(n, ex, w))
             return
-        if not wide:
-            self.biased_product(n, whole, self.product_exp(n, ex, w), k)
-            return
         acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
         self.gemm(whole, acc)
         acc, e_acc = self.add_bias(n, acc, self.product_exp(n, ex, w), (rows, o), k)
@@ -101,27 +98,6 @@ class DenseRules(PlanBuilder):
         v = n.result(0)
         self.m[v], self.e[v] = self.view(acc, self.shape(v)), e_acc
 
-    def biased_product(self, n: Node, ch: Chunks, e_acc: str, k: int) -> None:
-        """Result 0 of product n (K-wide, with a bias: kernels.linear.add_bias, sites 1 and 2)
-        compacted (site 0) straight from the GEMM's C: the sum of product and bias is computed
-        by the compaction's shift and again by its apply, never stored
-        (te_ops.bias_compaction_from_c)."""
-        c, c_shape = self.gemm(ch, None)
-        form = ch.full.form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
-        b = n.inputs[2]
-        keys = self.keys(n, (1, 2), "bias_keys")
-        kernels = te_ops.bias_compaction_from_c(
-            form.out_shape,
-            form.out_at,
-            c_shape,
-            product_bits(k),
-            self.bits,
-            self.stochastic,
-            f"n{n.id}_bias_c0",
-        )
-        inputs = (c, e_acc, self.m[b], self.e[b], keys)
-        self.compact_unstored(n, 0, kernels, inputs, self.out(n, 0, I8, form.out_shape))
-
     def add_bias(self, n: Node, acc: str, e_acc: str, shape: Shape, k: int) -> tuple[str, str]:
         """kernels.linear.add_bias on a K-wide product accumulator (bias along axis 1, sites 1
         and 2) when the node has one: the sum's buffer and exponent, else acc and e_acc."""
@@ -131,7 +107,7 @@ class DenseRules(PlanBuilder):
         keys = self.keys(n, (1, 2), "bias_keys")
         target = self.buf(f"n{n.id}.e_sum", (1,), I32)
         total = self.buf(f"n{n.id}.sum", shape, I32)
-        func = te_ops.bias_add_acc(shape, product_bits(k), self.stochastic, f"n{n.id}_bias")
+        func = te_ops.bias_add_acc(shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias")
         self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
         return total, target
 
@@ -257,9 +233,6 @@ class DenseRules(PlanBuilder):
             ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False), parts)
             if not n.attrs.has_bias and not wide:
                 self.compacted_product(n, ch, self.product_exp(n, ex, w), lean=self.scans(lean))
-                return
-            if not wide:
-                self.biased_product(n, ch, self.product_exp(n, ex, w), k)
                 return
             acc = self.buf(f"n{n.id}.acc", g.y_shape, I32)
             self.gemm(ch, acc)

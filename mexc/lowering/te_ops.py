@@ -388,66 +388,33 @@ def exponent_sum(name: str = "exponent_sum") -> tirx.PrimFunc:
     return _func([a, b, e], name)
 
 
-def _bias_terms(
-    shape: tuple[int, ...], acc_bits: int
-) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
-    """kernels.linear.add_bias as an expression: the inputs (e_acc, bias, e_b, keys), the
-    target exponent, and sum(acc_value, *idx) = the aligned sum of the accumulator's value at
-    idx (magnitude bits `acc_bits`, rounding key 0, flat index in `shape`) and the int8 bias
-    along axis 1 (7 bits, key 1, flat index = the bias element's own index)."""
+def bias_add_acc(
+    shape: tuple[int, ...], axis: int, acc_bits: int, stochastic: bool, name: str = "bias_add"
+) -> tirx.PrimFunc:
+    """kernels.linear.add_bias: the aligned sum of an int32 product accumulator (magnitude bits
+    `acc_bits`, rounding key 0, flat index in `shape`) and an int8 bias broadcast along `axis`
+    (7 bits, key 1, flat index = the bias element's own index). Parameters (acc, e_acc, bias,
+    e_b, keys, target, out): keys int64[2], target int32[1] the sum's exponent."""
     i64 = "int64"
+    acc = te.placeholder(shape, I32, name="acc")
     e_acc = te.placeholder((1,), I32, name="e_acc")
-    bias = te.placeholder((shape[1],), I8, name="bias")
+    bias = te.placeholder((shape[axis],), I8, name="bias")
     e_b = te.placeholder((1,), I32, name="e_b")
     keys = te.placeholder((2,), i64, name="keys")
     target = te.compute(
         (1,), lambda _: aligned_target([(e_acc[0], acc_bits), (e_b[0], 7)]), name="target"
     )
 
-    def terms(value: tirx.PrimExpr, stochastic: bool, *idx: tirx.PrimExpr) -> tirx.PrimExpr:
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         ta = (target[0] - e_acc[0]).astype(i64)
         tb = (target[0] - e_b[0]).astype(i64)
-        a = shift_signed(value.astype(i64), ta, keys[0], _flat_index(shape, idx), stochastic)
-        j = idx[1]
+        a = shift_signed(acc[idx].astype(i64), ta, keys[0], _flat_index(shape, idx), stochastic)
+        j = idx[axis]
         b = shift_signed(bias[j].astype(i64), tb, keys[1], j.astype(i64), stochastic)
         return (a + b).astype(I32)
 
-    return [e_acc, bias, e_b, keys], target, terms
-
-
-def bias_add_acc(
-    shape: tuple[int, ...], acc_bits: int, stochastic: bool, name: str = "bias_add"
-) -> tirx.PrimFunc:
-    """kernels.linear.add_bias of an int32 product accumulator and an int8 bias broadcast
-    along axis 1 (`_bias_terms`). Parameters (acc, e_acc, bias, e_b, keys, target, out): keys
-    int64[2], target int32[1] the sum's exponent."""
-    acc = te.placeholder(shape, I32, name="acc")
-    inputs, target, terms = _bias_terms(shape, acc_bits)
-    out = te.compute(shape, lambda *idx: terms(acc[idx], stochastic, *idx), name="out")
-    return _func([acc, *inputs, target, out], name)
-
-
-def bias_compaction_from_c(
-    out_shape: tuple[int, ...],
-    out_at: Callable[..., tuple[tirx.PrimExpr, ...]],
-    c_shape: tuple[int, int, int],
-    acc_bits: int,
-    bits: int,
-    stochastic: bool,
-    name: str,
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
-    """bias_add_acc, then the per-tensor compaction of the sum, read straight from a GEMM's C
-    (element idx of the product at C[out_at(idx)]) and never stored: fused_compaction's
-    `<name>_shift` (c, e_acc, bias, e_b, keys, s, e_out) and `<name>_apply` (the same
-    inputs, s, key, m). No unpacked accumulator and no int32 sum: a linear layer with a bias
-    moves its C twice instead of five int32 tensors."""
-    c = te.placeholder(c_shape, I32, name="c")
-    inputs, target, terms = _bias_terms(out_shape, acc_bits)
-
-    def value(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
-        return terms(c[out_at(*idx)], stochastic, *idx)
-
-    return fused_compaction(out_shape, [c, *inputs], target, value, bits, stochastic, name)
+    out = te.compute(shape, body, name="out")
+    return _func([acc, e_acc, bias, e_b, keys, target, out], name)
 
 
 def axis_sum(
