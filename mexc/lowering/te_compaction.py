@@ -188,16 +188,30 @@ def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
     return _max_rows(shape, lambda *i: iabs(x[i].astype(I32)), name)
 
 
-def _max_rows(shape: tuple[Any, ...], value: Callable[..., tirx.PrimExpr], name: str) -> te.Tensor:
+# block annotation of a reduction along its contiguous last axis whose value is computed (a
+# fused compaction's shift): the host schedule reduces it in vector lanes (cpu_gemm)
+LANE_REDUCE = "mexc_lane_reduce"
+
+
+def _max_rows(
+    shape: tuple[Any, ...], value: Callable[..., tirx.PrimExpr], name: str, lanes: bool = False
+) -> te.Tensor:
     """(shape[0],): max of value(*idx) (>= 0) over every axis but the first. Over the last axis
     first, into partial maxima over the leading ones, then over those: one reduction axis per
     loop nest vectorizes (an affine sum's shift over (C, S) in one nest took 3.4 ms, in two
-    0.19 ms: 128 x 16 x 784, 2026-12-01)."""
+    0.19 ms: 128 x 16 x 784, 2026-12-01). `lanes`: the last-axis reduction is marked
+    LANE_REDUCE (a computed value LLVM does not vectorize as a horizontal max)."""
     last = te.reduce_axis((0, shape[-1]), f"{name}_s")
+    attrs = {LANE_REDUCE: 1} if lanes else None
     if len(shape) == 2:
-        return te.compute((shape[0],), lambda r: te.max(value(r, last), axis=last), name=name)
+        return te.compute(
+            (shape[0],), lambda r: te.max(value(r, last), axis=last), name=name, attrs=attrs
+        )
     part = te.compute(
-        shape[:-1], lambda *i: te.max(value(*i, last), axis=last), name=f"{name}_part"
+        shape[:-1],
+        lambda *i: te.max(value(*i, last), axis=last),
+        name=f"{name}_part",
+        attrs=attrs,
     )
     mid = [te.reduce_axis((0, d), f"{name}_m{i}") for i, d in enumerate(shape[1:-1])]
     return te.compute((shape[0],), lambda r: te.max(part[(r, *mid)], axis=mid), name=name)
@@ -275,7 +289,7 @@ def fused_compaction(
     if len(shape) == 1:
         rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
     else:
-        rows = _max_rows(shape, lambda *i: iabs(value(*i)), "amax_rows")
+        rows = _max_rows(shape, lambda *i: iabs(value(*i)), "amax_rows", lanes=True)
     rr = te.reduce_axis((0, shape[0]), "amax_r")
     amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
     s = fit_shift(amax, qmax(bits))
