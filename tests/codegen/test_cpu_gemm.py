@@ -10,7 +10,7 @@ import tvm
 
 from mexc.backends.llvm.products import host_cpu
 from mexc.lowering import gemm_forms as gf
-from mexc.lowering import te_ops
+from mexc.lowering import te_attention, te_ops
 from mexc.lowering.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm, schedule_parallel
 
 _HOST = host_cpu()
@@ -133,3 +133,30 @@ def test_column_sums_run_in_bands_and_stay_exact(
     acc = tvm.runtime.empty(keep, "int32", dev)
     tvm.compile(func, target=host_cpu().target())(tvm.runtime.tensor(x, dev), acc)
     np.testing.assert_array_equal(acc.numpy(), x.astype(np.int64).sum(axis=axes))
+
+
+@pytest.mark.parametrize(("rows", "d"), [(2048, 64), (96, 24), (33, 7)])
+def test_a_fused_compactions_shift_reduces_in_lanes_and_stays_exact(rows: int, d: int) -> None:
+    shift, _ = te_attention.ln_affine_compaction(rows, d, 8, True, "ln")
+    lanes = d % 8 == 0  # 7 columns: no lane width divides them, the plain schedule stays
+    scheduled = schedule_parallel(shift)
+    assert ("amax_rows_rf" in scheduled.script()) == lanes
+    rng = np.random.default_rng(2)
+    dev = tvm.cpu()
+    inputs = [
+        rng.integers(-127, 128, (rows, d)).astype(np.int8),
+        np.array([-7], np.int32),
+        rng.integers(-127, 128, (d,)).astype(np.int8),
+        np.array([-6], np.int32),
+        rng.integers(-127, 128, (d,)).astype(np.int8),
+        np.array([-3], np.int32),
+        np.array([11, 22], np.int64),
+    ]
+    results = []
+    for func in (shift, scheduled):  # unscheduled: one loop nest, as written
+        ex = tvm.compile(func.with_attr("global_symbol", "s"), target=host_cpu().target())
+        s, e = tvm.runtime.empty((1,), "int32", dev), tvm.runtime.empty((1,), "int32", dev)
+        ex(*[tvm.runtime.tensor(a, dev) for a in inputs], s, e)
+        results.append((int(s.numpy()[0]), int(e.numpy()[0])))
+    assert results[0] == results[1]
+    assert results[0][0] > 0  # the sums need a shift: the max is a real one
