@@ -48,6 +48,9 @@ PANEL_TASKS = 16  # panels a GEMM needs to build them itself, one per parallel t
 COLUMN_TASKS = 16  # parallel bands of rows of a column reduction (_column_reduction)
 VECTOR_MIN = 8  # columns a column reduction needs to run them as vectors
 LANES = (32, 16, 8)  # widths a lane reduction tries (32: 3.1x, 8: 1.6x on a 64-wide row)
+# the longest rows a lane reduction takes: LLVM's own loop wins on long ones (a LayerNorm affine's
+# shift in lanes: 3.5x at 64 columns, 1.3x at 192, 0.8x at 784; an aligned sum's: 0.94x at 12,544)
+LANE_ROW_MAX = 256
 GEMV_SPLIT = 32  # lanes of a one-column product's split reduction (64 measured 9x slower)
 # int32 lanes everywhere; byte products on AVX2 hosts, and with vpdpbusd on VNNI hosts
 GEMM_KERNELS = ("int32", *BYTE_KERNELS)
@@ -596,10 +599,10 @@ def _column_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
 
 def _lane_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
     """Schedule a reduction marked LANE_REDUCE (te_compaction: the max of a value computed
-    along a contiguous last axis), if `blk` is one: the last axis split into LANES-wide
-    vectors of partial maxima (rfactor), the rows in parallel. LLVM left these loops scalar
-    where the value has a rounding's hash in it: a 2048 x 64 LayerNorm affine's shift took
-    216 us, 70 us in lanes; its apply, the same values vectorized, 45 us."""
+    along a contiguous last axis of at most LANE_ROW_MAX), if `blk` is one: the axis split
+    into LANES-wide vectors of partial maxima (rfactor), the rows in parallel. LLVM left such
+    short loops scalar where the value has a rounding's hash in it: a 2048 x 64 LayerNorm
+    affine's shift took 216 us, 70 us in lanes; its apply, the same values vectorized, 45 us."""
     block = sch.get(blk)
     if LANE_REDUCE not in block.annotations:
         return False
@@ -609,7 +612,7 @@ def _lane_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
     if kinds[-1] != 2 or kinds.count(2) != 1 or not isinstance(extent, tirx.IntImm):
         return False
     lanes = next((v for v in LANES if int(extent) % v == 0), 0)
-    if not lanes:
+    if not lanes or int(extent) > LANE_ROW_MAX:
         return False
     _, lane = sch.split(loops[-1], [None, lanes])
     rf = sch.rfactor(lane, len(loops) - 1)
