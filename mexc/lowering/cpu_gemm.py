@@ -630,9 +630,9 @@ def _lane_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
 def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
     """A generic host schedule for the non-product kernels: every root-level block runs its
     outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
-    element; column reductions `_column_reduction`); the inner loops stay as they are for
-    LLVM's vectorizer. Blocks whose outer extent is below `min_extent` (per-tensor reductions,
-    one-element exponents) stay serial."""
+    element; column reductions `_column_reduction`, short marked rows `_lane_reduction`);
+    the inner loops stay as they are for LLVM's vectorizer. Blocks whose outer extent is below
+    `min_extent` (per-tensor reductions, one-element exponents) stay serial."""
     sch = s_tir.Schedule(func)
     root = sch.get_sblock("root") if has_block(sch, "root") else None
     blocks = sch.get_child_blocks(root) if root is not None else []
