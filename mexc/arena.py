@@ -82,17 +82,22 @@ def place(items: Sequence[Item], align: int = 16) -> tuple[dict[Hashable, int], 
     return _refined(items, best, align)
 
 
-def live_peak(items: Sequence[Item], align: int = 1) -> int:
-    """The most bytes (sizes rounded up to `align`) live at one position: no placement of the
-    items has a lower peak."""
+def live_bytes(items: Sequence[Item], align: int = 1) -> np.ndarray:
+    """The bytes (sizes rounded up to `align`) live at each position from 0 to the last end."""
     if not items:
-        return 0
-    ends = max(it[1] for it in items) + 2
-    delta = np.zeros(ends, np.int64)
+        return np.zeros(0, np.int64)
+    delta = np.zeros(max(it[1] for it in items) + 2, np.int64)
     for start, end, size, _ in items:
         delta[start] += _round_up(size, align)
         delta[end + 1] -= _round_up(size, align)
-    return int(np.cumsum(delta).max())
+    return np.cumsum(delta)[:-1]
+
+
+def live_peak(items: Sequence[Item], align: int = 1) -> int:
+    """The most bytes (sizes rounded up to `align`) live at one position: no placement of the
+    items has a lower peak."""
+    live = live_bytes(items, align)
+    return int(live.max()) if len(live) else 0
 
 
 def _refined(

@@ -30,10 +30,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import tvm_ffi
 from tvm import tirx
 
+from mexc.arena import live_bytes
 from mexc.backends.plan_layout import lifetimes, nbytes, persistent_names
 from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.backends.reference.interp import needed_nodes
@@ -160,11 +160,7 @@ def plan_peak(plan: StepPlan) -> tuple[int, dict[str, int]]:
     life = lifetimes(m, args)
     keep = persistent_names(m)
     sizes = {k: nbytes(s, d) for k, (s, d) in plan.buffers.items() if k in life and k not in keep}
-    delta = np.zeros(len(args) + 1, np.int64)
-    for k, size in sizes.items():
-        delta[life[k][0]] += size
-        delta[life[k][1] + 1] -= size
-    curve = np.cumsum(delta)[:-1]
+    curve = live_bytes([(*life[k], size, k) for k, size in sizes.items()])
     if not len(curve):
         return 0, {}
     t = int(curve.argmax())
