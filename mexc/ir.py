@@ -51,6 +51,7 @@ class Op(enum.Enum):
     SLICE = "slice"
     ADD_PARAM = "add_param"
     MEAN_TOKENS = "mean_tokens"
+    CONCAT = "concat"
     # backward
     SOFTMAX_CE_GRAD = "softmax_ce_grad"
     CONV2D_GRAD_INPUT = "conv2d_grad_input"

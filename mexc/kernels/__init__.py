@@ -21,6 +21,7 @@ from mexc.kernels.conv import (
 )
 from mexc.kernels.elementwise import (
     add_forward,
+    concat_forward,
     dropout_backward,
     dropout_forward,
     grad_sum,
@@ -53,6 +54,7 @@ from mexc.kernels.quantize import quantize
 __all__ = [
     "BatchNormSaved",
     "add_forward",
+    "concat_forward",
     "hardswish_backward",
     "hardswish_forward",
     "avgpool2d_backward",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mexc.kernels._common import MAG, aligned_sum_fast, compact_mx, i64, site_key
+from mexc.kernels._common import MAG, aligned_sum_fast, compact_mx, i64, scalar_exp, site_key
 from mexc.mx import MX, RoundCtx
-from mexc.numerics import FixedScalar, element_bits
+from mexc.numerics import FixedScalar, element_bits, shift_signed
 
 
 def add_forward(a: MX, b: MX, ctx: RoundCtx, tid: int) -> MX:
@@ -64,3 +64,23 @@ def _scale_masked(x: MX, mask: np.ndarray, p: FixedScalar, ctx: RoundCtx, key: i
     s = dropout_scale(p)
     acc = np.where(mask, i64(x.m) * s.num, 0)  # |.| < 2^7 * 2^15
     return compact_mx(acc, x.e - s.shift, ctx, key)
+
+
+def concat_target(exps: list[int]) -> int:
+    """The exponent a concatenation aligns its inputs to: max(min e_i, max e_i + 7 - 31), the
+    smallest at which every aligned int8 mantissa stays inside int32 (aligned_sum's target for
+    one term per element)."""
+    return max(min(exps), max(exps) + MAG - 31)
+
+
+def concat_forward(xs: list[MX], dim: int, ctx: RoundCtx, tid: int) -> MX:
+    """torch.cat along `dim` (docs/layers.md): each input shifted by concat_target - e_i (right
+    shifts rounded, site 0, PRNG index = the output's flat index), then one compaction (site 1)."""
+    exps = [scalar_exp(x, "concat input") for x in xs]
+    target = concat_target(exps)
+    m = np.concatenate([i64(x.m) for x in xs], axis=dim)
+    s = np.concatenate(
+        [np.full(x.m.shape, target - e, np.int64) for x, e in zip(xs, exps)], axis=dim
+    )
+    acc = shift_signed(m, s, ctx.rounding, site_key(ctx, tid, 0))
+    return compact_mx(acc, target, ctx, site_key(ctx, tid, 1))

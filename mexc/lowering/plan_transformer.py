@@ -1,10 +1,12 @@
 """Op rules of the launch plan for the tensor ops of a Vision Transformer: transpose, slice and
 its gradient, scaling by a constant, the broadcast parameter add (positional embedding) and its
-gradient, the mean over tokens and its gradient, GELU and its gradient (te_transformer's
+gradient, the mean over tokens and its gradient, GELU and its gradient, concatenation (te_transformer's
 kernels). Transposes and slices are copies into buffers of their own, as the reference's
 ascontiguousarray makes them: a later in-place op may then overwrite them freely."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
@@ -57,6 +59,22 @@ class TransformerRules(PlanBuilder):
         self.e[n.result(0)] = self.e[dy]
         func = te_transformer.slice_grad(shape, dim, start, stop, f"n{n.id}_slice_grad")
         self.launch(func, (self.as_shaped(dy), dx))
+
+    def concat(self, n: Node) -> None:
+        """kernels.elementwise.concat_forward: the aligned inputs compacted without being
+        stored (site 0 alignment, site 1 compaction)."""
+        shape = self.shape(n.result(0))
+        dim = int(n.attrs.dim)
+        outer, inner = int(np.prod(shape[:dim])), int(np.prod(shape[dim + 1 :]))
+        sizes = tuple(self.shape(x)[dim] for x in n.inputs)
+        tail = (inner,) if inner > 1 else ()
+        ms = tuple(self.view(self.m[x], (outer, k, *tail)) for x, k in zip(n.inputs, sizes))
+        args = (*ms, *(self.e[x] for x in n.inputs), self.keys(n, (0,), "key0"))
+        kernels = te_ops.concat_compaction(
+            outer, sizes, inner, self.bits, self.stochastic, f"n{n.id}_concat"
+        )
+        out = self.view(self.out(n, 0, I8), (outer, sum(sizes), *tail))
+        self.compact_unstored(n, 1, kernels, args, out)
 
     # ----------------------------------------------------------------------------- elementwise
 

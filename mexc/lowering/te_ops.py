@@ -233,6 +233,42 @@ def aligned_sum_compaction(
     return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
 
 
+def concat_compaction(
+    outer: int, sizes: tuple[int, ...], inner: int, bits: int, stochastic: bool, name: str
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """kernels.elementwise.concat_forward compacted without storing the aligned int32 tensor:
+    the inputs seen as (outer, sizes[i], inner) (2-D when inner is 1), the output as (outer,
+    sum(sizes), inner). Parameters of both kernels: m_0 .. m_{T-1}, e_0 .. e_{T-1}, key (site 0),
+    then fused_compaction's."""
+    tail = (inner,) if inner > 1 else ()
+    ms = [te.placeholder((outer, k, *tail), I8, name=f"m{i}") for i, k in enumerate(sizes)]
+    es = [te.placeholder((1,), I32, name=f"e{i}") for i in range(len(sizes))]
+    key = te.placeholder((1,), I64, name="align_key")  # "key" is the compaction's
+    lo = es[0][0]
+    hi = es[0][0]
+    for e in es[1:]:
+        lo, hi = tirx.min(lo, e[0]), tirx.max(hi, e[0])
+    target = te.compute((1,), lambda _: tirx.max(lo, hi + (7 - 31)), name="target")
+    shape = (outer, sum(sizes), *tail)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        c = idx[1]
+        out: tirx.PrimExpr | None = None
+        # the last input first: every other one is chosen by c < its end; indices are clamped
+        # into each input, so the branch-free selects never read out of bounds
+        for i in reversed(range(len(sizes))):
+            local = tirx.min(tirx.max(c - starts[i], 0), sizes[i] - 1)
+            x = ms[i][(idx[0], local, *idx[2:])].astype(I32)
+            v = shift_signed32(x, target[0] - es[i][0], key[0], flat, stochastic, 24)
+            out = v if out is None else where(c < starts[i] + sizes[i], v, out)
+        assert out is not None
+        return out
+
+    return fused_compaction(shape, [*ms, *es, key], target, body, bits, stochastic, name)
+
+
 def _aligned_sum_terms(
     shape: tuple[int, ...], terms: int, stochastic: bool, exponent_buffers: bool
 ) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:

@@ -49,6 +49,23 @@ def _transpose_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return [w.emit(Op.TRANSPOSE, [dy], mx(*w.type(n.inputs[0]).shape), n.loc, perm=inverse).out]
 
 
+def _concat_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """dx_i = dy[start_i:stop_i] along the concatenated axis (exponent e_dy, no rounding)."""
+    dy = dys[0]
+    assert dy is not None
+    dim, start, out = int(n.attrs.dim), 0, []
+    for x in n.inputs:
+        shape = w.type(x).shape
+        stop = start + shape[dim]
+        out.append(
+            w.emit(Op.SLICE, [dy], mx(*shape), n.loc, dim=dim, start=start, stop=stop).out
+            if w.needs[x]
+            else None
+        )
+        start = stop
+    return out
+
+
 def _add_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
@@ -63,6 +80,10 @@ def _add_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
 
 def _add(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.add_forward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _concat(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.concat_forward(list(a), int(n.attrs.dim), env.ctx, tid(n)),)
 
 
 def _grad_sum(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -160,6 +181,23 @@ def _add_any(c: Any, n: Any) -> Value:
             )
         return c.emit(Op.ADD_PARAM, [c.arg(b), p], n)
     return _add_tensors(c, n)
+
+
+def _concat_tensors(c: Any, n: Any) -> Value:
+    """torch.cat / torch.concat(tensors, dim): a single tensor is itself."""
+    items = n.args[0] if n.args else n.kwargs["tensors"]
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+    if not isinstance(items, (list, tuple)) or not all(c.is_node(t) for t in items):
+        raise UnsupportedOpError(c.describe(n, "concatenates something other than tensors"))
+    if len(items) == 1:
+        return c.arg(items[0])
+    rank = len(c.shape(n))
+    d = static_int(dim) % rank
+    if rank < 2 or d == 0:
+        raise UnsupportedOpError(
+            c.describe(n, "concatenates along the batch axis; concatenate along a feature axis")
+        )
+    return c.emit(Op.CONCAT, [c.arg(t) for t in items], n, dim=d)
 
 
 def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value:
@@ -357,6 +395,20 @@ define(
         reference=_add_param_grad,
         lower={"tir": _tir("add_param_grad"), "c": "emit:_add_param_grad"},
         doc="the parameter's gradient: dy summed over the batch, int32",
+    ),
+    OpDef(
+        Op.CONCAT,
+        {"dim": 1, "rid": -1},
+        types=elementwise_types,
+        vjp=_concat_vjp,
+        reference=_concat,
+        frontend=(
+            Pattern(
+                "function", ("torch.cat", "torch.concat", "torch.concatenate"), _concat_tensors
+            ),
+        ),
+        lower={"tir": _tir("concat"), "c": "emit:_concat"},
+        doc="concatenation along a feature axis, aligned to a common exponent, one compaction",
     ),
     OpDef(
         Op.MEAN_TOKENS,

@@ -360,6 +360,22 @@ def _grad_sum(e: _Emit, n: Node) -> None:
     e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}")
 
 
+def _concat(e: _Emit, n: Node) -> None:
+    t, dim = len(n.inputs), int(n.attrs.dim)
+    shape = e.shape(n.out)
+    outer, inner = int(np.prod(shape[:dim])), int(np.prod(shape[dim + 1 :]))
+    ptrs = ", ".join(e.ptr[v] for v in n.inputs)
+    exps = ", ".join(e.exp[v] for v in n.inputs)
+    sizes = ", ".join(f"{e.shape(v)[dim]}u" for v in n.inputs)
+    out = e.arena(n.out, "int8_t")
+    eo = e.local_exp(n.out)
+    e.emit(f"{{ const int8_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    e.emit(f"  const uint32_t ks[{t}] = {{{sizes}}};")
+    e.emit(
+        f"  {eo} = mexc_concat({t}u, xs, es, ks, {outer}u, {inner}u, {out}, &ctx, {_tid(n)}u); }}"
+    )
+
+
 def _sgd_update(e: _Emit, n: Node) -> None:
     w, grad, v = n.inputs
     groups = int(n.attrs.groups)

@@ -154,6 +154,11 @@ int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
                                  const mexc_ctx_t *ctx, uint32_t tid);
 
 /* ------------------------------------------------------------------ elementwise */
+/* concat along one axis, input i seen as (outer, k[i] * inner): site 0 alignment, site 1
+   compaction (docs/layers.md). */
+int32_t mexc_concat(uint32_t t, const int8_t *const *x, const int32_t *e, const uint32_t *k,
+                    uint32_t outer, uint32_t inner, int8_t *out, const mexc_ctx_t *ctx,
+                    uint32_t tid);
 /* grad_sum of t <= 13 same-shape tensors (sites 0..t-1 alignment, t compaction); t = 1 copies. */
 int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint32_t n,
                       int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);

@@ -188,6 +188,40 @@ int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint
     return e_out;
 }
 
+/* concat of t tensors along one axis, input i seen as (outer, k[i] * inner): each mantissa
+   shifted to max(min e, max e - 24) (right shifts rounded: site 0, index = the output's flat
+   index), then one compaction (site 1). */
+int32_t mexc_concat(uint32_t t, const int8_t *const *x, const int32_t *e, const uint32_t *k,
+                    uint32_t outer, uint32_t inner, int8_t *out, const mexc_ctx_t *ctx,
+                    uint32_t tid)
+{
+    int32_t lo = e[0], hi = e[0], target, e_out = 0;
+    uint32_t key = mexc_site_key(ctx, tid, 0u), i, o, j, idx, len;
+    const int8_t *src;
+    mexc_sink_t sink;
+    for (i = 1; i < t; i++) {
+        if (e[i] < lo) lo = e[i];
+        if (e[i] > hi) hi = e[i];
+    }
+    target = hi - 24 > lo ? hi - 24 : lo;
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1u), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, target);
+        idx = 0;
+        for (o = 0; o < outer; o++) {
+            for (i = 0; i < t; i++) {
+                len = k[i] * inner;
+                src = x[i] + (size_t)o * len;
+                for (j = 0; j < len; j++, idx++)
+                    mexc_sink_put(&sink, idx, 0u,
+                                  mexc_shift_signed(src[j], target - e[i], ctx->stochastic, key,
+                                                    idx));
+            }
+        }
+    }
+    return e_out;
+}
+
 int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
                          int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
 {
