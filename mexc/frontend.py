@@ -47,6 +47,7 @@ class _Ctx:
     params: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     param_values: dict[str, Value] = field(default_factory=dict)
+    static: set[torch.fx.Node] = field(default_factory=set)  # shape-only Python values
     loc: str = ""
 
     def shape(self, n: Any) -> tuple[int, ...]:
@@ -81,6 +82,11 @@ class _Ctx:
     def emit(self, op: Op, inputs: list[Value], n: torch.fx.Node, **kw: Any) -> Value:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
         return node.out
+
+    def emit_as(self, op: Op, inputs: list[Value], result: tuple[int, ...], **kw: Any) -> Value:
+        """An op whose result (of shape `result`) is not a traced node's: a step of a
+        decomposition."""
+        return self.b.add(op, inputs, f32(*result), attrs(op, **kw), self.loc).out
 
     def describe(self, n: torch.fx.Node, what: str) -> str:
         """ "node 'x' (call_module Conv2d) at model.py:12 <what>", for error messages."""
@@ -315,7 +321,28 @@ def _control_flow_message(model: nn.Module, err: Exception) -> str:
     )
 
 
+def _static(c: _Ctx, n: torch.fx.Node) -> bool:
+    """n computes a Python value from static shapes only (x.size(1) // groups, h == 224, a
+    torch._assert on them): shape propagation already ran it on the example, so it needs no
+    op. A value that depends on tensor data (x.sum().item()) is not static."""
+    if _is_tensor(n):
+        return False
+    if n.op == "call_function" and n.target is getattr:
+        ok = True  # x.shape, x.ndim, x.dtype
+    elif n.op == "call_method" and n.target in ("size", "dim"):
+        ok = True
+    else:
+        args: list[Any] = []
+        torch.fx.node.map_arg((n.args, n.kwargs), args.append)
+        ok = all(a in c.static for a in args)
+    if ok:
+        c.static.add(n)
+    return ok
+
+
 def _translate(c: _Ctx, n: torch.fx.Node) -> Value | None:
+    if n.op in ("call_function", "call_method") and _static(c, n):
+        return None
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
         handler = MODULE_HANDLERS.get(type(mod))

@@ -8,6 +8,8 @@ from mexc.kernels._common import MAG, aligned_sum_fast, compact_mx, i64, scalar_
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import FixedScalar, element_bits, shift_signed
 
+MAX_SUM_TERMS = 13  # a sum's rounding sites: one per term, one for its compaction (of 16)
+
 
 def add_forward(a: MX, b: MX, ctx: RoundCtx, tid: int) -> MX:
     """a + b: aligned_sum (sites 0 for a, 1 for b), compaction (site 2)."""
@@ -21,8 +23,8 @@ def grad_sum(terms: list[MX], ctx: RoundCtx, tid: int) -> MX:
         raise ValueError("grad_sum needs at least one term")
     if len(terms) == 1:
         return terms[0]
-    if len(terms) > 13:
-        raise ValueError("grad_sum supports at most 13 terms (rounding sites)")
+    if len(terms) > MAX_SUM_TERMS:
+        raise ValueError(f"grad_sum supports at most {MAX_SUM_TERMS} terms (rounding sites)")
     keys = [site_key(ctx, tid, i) for i in range(len(terms))]
     acc, e = aligned_sum_fast([(i64(t.m), t.e, MAG) for t in terms], ctx.rounding, keys)
     return compact_mx(acc, e, ctx, site_key(ctx, tid, len(terms)))

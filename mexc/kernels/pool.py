@@ -30,24 +30,36 @@ DIV_BITS = 15  # div_const inputs are brought to |x| <= 2^15
 
 
 def _windows(
-    xm: np.ndarray, k: tuple[int, int], s: tuple[int, int], p: tuple[int, int], fill: int
+    xm: np.ndarray,
+    k: tuple[int, int],
+    s: tuple[int, int],
+    p: tuple[int, int],
+    fill: int,
+    extra: tuple[int, int] = (0, 0),
 ) -> np.ndarray:
-    xp = np.pad(xm, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=fill)
+    """Every pooling window; `extra` pads the bottom and right once more (ceil_mode)."""
+    pads = ((0, 0), (0, 0), (p[0], p[0] + extra[0]), (p[1], p[1] + extra[1]))
+    xp = np.pad(xm, pads, constant_values=fill)
     return sliding_window_view(xp, k, axis=(2, 3))[:, :, :: s[0], :: s[1]]
 
 
 def maxpool2d_forward(
-    x: MX, kernel: IntPair, stride: IntPair | None = None, padding: IntPair = 0
+    x: MX,
+    kernel: IntPair,
+    stride: IntPair | None = None,
+    padding: IntPair = 0,
+    extra: tuple[int, int] = (0, 0),
 ) -> tuple[MX, np.ndarray]:
     """y = window max (exponent unchanged; padding never wins). Returns (y, argmax) where argmax
-    is the offset i*KW + j inside the window of the first maximum (row-major), int8/int64."""
+    is the offset i*KW + j inside the window of the first maximum (row-major), int8/int64.
+    `extra`: padding added at the bottom and right only (torch's ceil_mode windows)."""
     k = _pair(kernel)
     s = _pair(stride if stride is not None else kernel)
-    if k == (2, 2) and s == (2, 2) and _pair(padding) == (0, 0):
+    if k == (2, 2) and s == (2, 2) and _pair(padding) == (0, 0) and tuple(extra) == (0, 0):
         fast = _maxpool2x2(x)
         if fast is not None:
             return fast
-    win = _windows(np.asarray(x.m, np.int16), k, s, _pair(padding), -(1 << 14))
+    win = _windows(np.asarray(x.m, np.int16), k, s, _pair(padding), -(1 << 14), _pair(extra))
     flat = win.reshape(win.shape[:4] + (k[0] * k[1],))
     arg = flat.argmax(axis=-1)
     y = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
@@ -104,11 +116,12 @@ def _scatter(
     k: tuple[int, int],
     s: tuple[int, int],
     p: tuple[int, int],
+    extra: tuple[int, int] = (0, 0),
 ) -> np.ndarray:
     """Sum vals (N, C, OH, OW) into every window position (where sel == offset, if given)."""
     n, c, h, w = x_shape
     oh, ow = vals.shape[2], vals.shape[3]
-    out = np.zeros((n, c, h + 2 * p[0], w + 2 * p[1]), np.int64)
+    out = np.zeros((n, c, h + 2 * p[0] + extra[0], w + 2 * p[1] + extra[1]), np.int64)
     for i in range(k[0]):
         for j in range(k[1]):
             v = vals if sel is None else np.where(sel == i * k[1] + j, vals, 0)
@@ -125,16 +138,18 @@ def maxpool2d_backward(
     padding: IntPair,
     ctx: RoundCtx,
     tid: int,
+    extra: tuple[int, int] = (0, 0),
 ) -> MX:
     """dx = scatter-add of dy at the argmax positions (integer add: one exponent). Without
     overlap the result is dy's mantissas exactly; else compaction if it exceeds qmax (site 0)."""
     k = _pair(kernel)
     s = _pair(stride if stride is not None else kernel)
-    if k == (2, 2) and s == (2, 2) and _pair(padding) == (0, 0) and not debug_on():
+    plain = _pair(padding) == (0, 0) and tuple(extra) == (0, 0)
+    if k == (2, 2) and s == (2, 2) and plain and not debug_on():
         fast = _maxpool2x2_backward(dy, np.asarray(argmax), tuple(x_shape))
         if fast is not None and (not fast.size or abs_max(fast) <= qmax(ctx.bits)):
             return MX(fast, dy.e)
-    acc = _scatter(i64(dy.m), argmax, tuple(x_shape), k, s, _pair(padding))
+    acc = _scatter(i64(dy.m), argmax, tuple(x_shape), k, s, _pair(padding), _pair(extra))
     check_int32(acc, "maxpool2d_backward")
     if acc.size and int(np.abs(acc).max()) <= qmax(ctx.bits):
         return MX(acc.astype(np.int8), dy.e)

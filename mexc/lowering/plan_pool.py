@@ -6,7 +6,7 @@ from __future__ import annotations
 from mexc.ir import Node
 from mexc.kernels._common import MAG
 from mexc.kernels.activation import HS_DIVISOR
-from mexc.kernels.elementwise import _keep_threshold, dropout_scale
+from mexc.kernels.elementwise import MAX_SUM_TERMS, _keep_threshold, dropout_scale
 from mexc.lowering import te_ops, te_pool
 from mexc.lowering.plan_core import (
     I8,
@@ -42,8 +42,8 @@ class PoolRules(PlanBuilder):
         if len(terms) == 1:
             self.m[n.result(0)], self.e[n.result(0)] = self.m[terms[0]], self.e[terms[0]]
             return
-        if len(terms) > 13:
-            raise unsupported(n, "a sum of more than 13 terms")
+        if len(terms) > MAX_SUM_TERMS:
+            raise unsupported(n, f"a sum of more than {MAX_SUM_TERMS} terms")
         shape = self.shape(terms[0])
         rows = self.rows_of(shape)
         keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
@@ -151,7 +151,13 @@ class PoolRules(PlanBuilder):
         y, arg = self.out(n, 0, I8), self.out(n, 1, arg_dtype)
         self.e[n.result(0)] = self.e[x]
         func = te_ops.maxpool_forward(
-            shape4(self.shape(x)), at.kernel, at.stride, at.padding, f"n{n.id}_maxpool", arg_dtype
+            shape4(self.shape(x)),
+            at.kernel,
+            at.stride,
+            at.padding,
+            f"n{n.id}_maxpool",
+            arg_dtype,
+            extra=at.extra,
         )
         self.launch(func, (self.m[x], y, arg))
 
@@ -164,11 +170,13 @@ class PoolRules(PlanBuilder):
         if te_ops.tiles(*geometry):
             # every dx is one dy or 0: its compaction has shift 0 and is dx itself
             dx = self.out(n, 0, I8)
-            func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype, out_dtype=I8)
+            func = te_ops.maxpool_backward_acc(
+                *geometry, name, arg_dtype, out_dtype=I8, extra=at.extra
+            )
             self.launch(func, (self.m[dy], self.m[arg], dx))
             self.e[n.result(0)] = self.e[dy]
             return
         acc = self.buf(f"n{n.id}.acc", shape, I32)
-        func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype)
+        func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype, extra=at.extra)
         self.launch(func, (self.m[dy], self.m[arg], acc))
         self.compact(n, acc, self.e[dy], shape, 0)

@@ -1,8 +1,9 @@
 """Op rules of the launch plan for the tensor ops of a Vision Transformer: transpose, slice and
-its gradient, scaling by a constant, the broadcast parameter add (positional embedding) and its
-gradient, the mean over tokens and its gradient, GELU and its gradient, concatenation (te_transformer's
-kernels). Transposes and slices are copies into buffers of their own, as the reference's
-ascontiguousarray makes them: a later in-place op may then overwrite them freely."""
+its gradient, concatenation, scaling by a constant, the broadcast parameter add (positional
+embedding) and its gradient, the mean over tokens and its gradient, GELU and its gradient
+(te_transformer's and te_ops' kernels). Transposes and slices are copies into buffers of their
+own, as the reference's ascontiguousarray makes them: a later in-place op may then overwrite
+them freely."""
 
 from __future__ import annotations
 

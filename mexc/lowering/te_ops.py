@@ -59,14 +59,21 @@ def relu_backward(shape: tuple[int, ...], name: str = "relu_backward") -> tirx.P
 
 
 def _pool_geometry(
-    x_shape: tuple[int, int, int, int], kernel: IntPair, stride: IntPair | None, padding: IntPair
+    x_shape: tuple[int, int, int, int],
+    kernel: IntPair,
+    stride: IntPair | None,
+    padding: IntPair,
+    extra: IntPair = 0,
 ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int, int, int]]:
+    """(kernel, stride, padding, output shape); `extra` pads the bottom and right only
+    (ceil_mode windows)."""
     k = _pair(kernel)
     s = _pair(stride if stride is not None else kernel)
     p = _pair(padding)
+    ex = _pair(extra)
     n, c, h, w = x_shape
-    oh = (h + 2 * p[0] - k[0]) // s[0] + 1
-    ow = (w + 2 * p[1] - k[1]) // s[1] + 1
+    oh = (h + 2 * p[0] + ex[0] - k[0]) // s[0] + 1
+    ow = (w + 2 * p[1] + ex[1] - k[1]) // s[1] + 1
     return k, s, p, (n, c, oh, ow)
 
 
@@ -77,11 +84,12 @@ def maxpool_forward(
     padding: IntPair = 0,
     name: str = "maxpool_forward",
     arg_dtype: str = I32,
+    extra: IntPair = 0,
 ) -> tirx.PrimFunc:
     """y = window max; arg = offset i*KW + j of the first maximum in row-major window order
     (kernels.maxpool2d_forward), stored as `arg_dtype` (int8 holds windows of up to 127
-    taps). Parameters (x, y, arg)."""
-    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
+    taps). `extra`: ceil_mode's padding at the bottom and right. Parameters (x, y, arg)."""
+    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding, extra)
     _, _, h, w = x_shape
     x = te.placeholder(x_shape, I8, name="x")
 
@@ -144,12 +152,14 @@ def maxpool_backward_acc(
     name: str = "maxpool_backward_acc",
     arg_dtype: str = I32,
     out_dtype: str = I32,
+    extra: IntPair = 0,
 ) -> tirx.PrimFunc:
     """acc[n,c,y,x] = sum of dy over the windows whose first maximum sits at (y, x), written as a
     gather (each input pixel visits the windows that contain it). Parameters (dy, arg, acc).
     out_dtype int8: only where windows tile the input (`tiles`), where every acc is one dy or
-    0, so that its compaction is the identity (shift 0) and dx is acc itself."""
-    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding)
+    0, so that its compaction is the identity (shift 0) and dx is acc itself. `extra`:
+    ceil_mode's padding at the bottom and right."""
+    k, s, p, y_shape = _pool_geometry(x_shape, kernel, stride, padding, extra)
     _, _, oh, ow = y_shape
     dy = te.placeholder(y_shape, I8, name="dy")
     arg = te.placeholder(y_shape, arg_dtype, name="arg")

@@ -22,6 +22,9 @@ from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import mx
 
 _POOL: dict[str, Any] = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}
+# max pooling with torch's ceil_mode: `extra` pads the bottom and right once more, so that the
+# last windows reach past the input (the padding never wins a max)
+_MAXPOOL: dict[str, Any] = {**_POOL, "extra": (0, 0)}
 
 
 def _relu_before_pool(w: Any, pool: Node) -> Node | None:
@@ -29,7 +32,8 @@ def _relu_before_pool(w: Any, pool: Node) -> Node | None:
     a = pool.attrs
     src = w.g.node(pool.inputs[0].node)
     overlapping = a.stride[0] < a.kernel[0] or a.stride[1] < a.kernel[1]
-    if src.op is not Op.RELU or overlapping or tuple(a.padding) != (0, 0):
+    padded = tuple(a.padding) != (0, 0) or tuple(a.extra) != (0, 0)
+    if src.op is not Op.RELU or overlapping or padded:
         return None
     return src if len(w.users.get(src.out, [])) == 1 else None
 
@@ -56,13 +60,14 @@ def _maxpool_vjp(w: Any, n: Node, dys: Grads) -> Grads:
         kernel=a.kernel,
         stride=a.stride,
         padding=a.padding,
+        extra=a.extra,
     )
     return [grad.out]
 
 
 def _maxpool(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     at = n.attrs
-    return tuple(K.maxpool2d_forward(a[0], at.kernel, at.stride, at.padding))
+    return tuple(K.maxpool2d_forward(a[0], at.kernel, at.stride, at.padding, at.extra))
 
 
 def _avgpool(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -78,7 +83,7 @@ def _maxpool_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     at = n.attrs
     return (
         K.maxpool2d_backward(
-            a[0], a[1], shape(n), at.kernel, at.stride, at.padding, env.ctx, tid(n)
+            a[0], a[1], shape(n), at.kernel, at.stride, at.padding, env.ctx, tid(n), at.extra
         ),
     )
 
@@ -94,19 +99,56 @@ def _gap_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.global_avgpool_backward(a[0], shape(n), env.ctx, tid(n)),)
 
 
+def _pool(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: dict) -> Value:
+    """A max or average pool of the traced call: the window geometry, and the output size of
+    ceil_mode as extra bottom/right padding (read off the traced result's shape)."""
+    k, p = pair(kernel), pair(padding)
+    s = k if stride in (None, []) else pair(stride)
+    if opts.get("dilation", 1) not in (1, (1, 1), [1, 1]):
+        raise UnsupportedOpError(c.describe(n, "uses dilation; only dilation 1 is supported"))
+    h, w = c.shape(n.args[0])[2:]
+    oh, ow = c.shape(n)[2:]
+    extra = tuple(
+        max((o - 1) * st + kk - (size + 2 * pp), 0)
+        for o, st, kk, size, pp in zip((oh, ow), s, k, (h, w), p)
+    )
+    if op is Op.MAXPOOL2D:
+        if opts.get("return_indices"):
+            raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
+        return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p, extra=extra)
+    if extra != (0, 0):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "is an average pool whose ceil_mode windows reach past the input (their "
+                "divisors differ); pad the input or use ceil_mode=False",
+            )
+        )
+    if p != (0, 0) and not opts.get("count_include_pad", True):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "averages padded windows without counting the padding; use "
+                "count_include_pad=True or padding=0",
+            )
+        )
+    if opts.get("divisor_override") is not None:
+        raise UnsupportedOpError(c.describe(n, "uses divisor_override"))
+    return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p)
+
+
+_OPTIONS = ("ceil_mode", "count_include_pad", "divisor_override", "dilation", "return_indices")
+# F.max_pool2d's and F.avg_pool2d's positional parameters after (input, kernel, stride, padding)
+_POSITIONAL = {
+    Op.MAXPOOL2D: ("dilation", "ceil_mode", "return_indices"),
+    Op.AVGPOOL2D: ("ceil_mode", "count_include_pad", "divisor_override"),
+}
+
+
 def _pool_module(op: Op) -> Callable[..., Value]:
     def convert(c: Any, n: Any, m: Any) -> Value:
-        if getattr(m, "ceil_mode", False) or getattr(m, "dilation", 1) not in (1, (1, 1)):
-            raise UnsupportedOpError(c.describe(n, "uses ceil_mode or dilation"))
-        stride = m.stride if m.stride is not None else m.kernel_size
-        return c.emit(
-            op,
-            [c.arg(n.args[0])],
-            n,
-            kernel=pair(m.kernel_size),
-            stride=pair(stride),
-            padding=pair(m.padding),
-        )
+        opts = {o: getattr(m, o) for o in _OPTIONS if hasattr(m, o)}
+        return _pool(c, n, op, m.kernel_size, m.stride, m.padding, opts)
 
     return convert
 
@@ -116,15 +158,9 @@ def _pool_function(op: Op) -> Callable[..., Value]:
         kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
         stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
         padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
-        stride = kernel if stride in (None, []) else stride
-        return c.emit(
-            op,
-            [c.arg(n.args[0])],
-            n,
-            kernel=pair(kernel),
-            stride=pair(stride),
-            padding=pair(padding),
-        )
+        opts = dict(zip(_POSITIONAL[op], n.args[4:]))
+        opts.update({k: v for k, v in n.kwargs.items() if k in _OPTIONS})
+        return _pool(c, n, op, kernel, stride, padding, opts)
 
     return convert
 
@@ -149,7 +185,7 @@ def _tir(name: str) -> str:
 define(
     OpDef(
         Op.MAXPOOL2D,
-        dict(_POOL),
+        dict(_MAXPOOL),
         types=with_index_types,
         vjp=_maxpool_vjp,
         reference=_maxpool,
@@ -188,7 +224,7 @@ define(
     ),
     OpDef(
         Op.MAXPOOL2D_GRAD,
-        {**_POOL, "rid": -1},
+        {**_MAXPOOL, "rid": -1},
         reference=_maxpool_grad,
         lower={"tir": _tir("maxpool_grad"), "c": "emit:_maxpool_grad"},
         doc="dy scattered to the argmax of each window",

@@ -257,13 +257,37 @@ def _transpose_two(c: Any, n: Any) -> Value:
 
 
 def _mean(c: Any, n: Any) -> Value:
+    """x.mean(dims, keepdim) over any non-batch axes: the spatial axes of [N, C, H, W] are a
+    global average pool; other axes are moved behind the batch axis and flattened, [B, R, K],
+    for the mean over tokens (R = the reduced elements), then reshaped to the result."""
+    x = n.args[0]
+    shape = c.shape(x)
+    rank = len(shape)
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    shape = c.shape(n.args[0])
-    if len(shape) != 3 or dim is None or static_int(dim) % 3 != 1 or n.kwargs.get("keepdim"):
+    keep = bool(n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False))
+    if dim is None or n.kwargs.get("dtype") is not None:
+        raise UnsupportedOpError(c.describe(n, "takes a mean without dims; name the axes"))
+    axes = dim if isinstance(dim, (list, tuple)) else [dim]
+    dims = sorted({static_int(d) % rank for d in axes})
+    if 0 in dims:
         raise UnsupportedOpError(
-            c.describe(n, "mean is supported over the token axis of [B, T, D] (x.mean(dim=1))")
+            c.describe(n, "takes a mean over the batch axis; only per-sample means are supported")
         )
-    return c.emit(Op.MEAN_TOKENS, [c.arg(n.args[0])], n)
+    out = c.shape(n)
+    if rank == 4 and dims == [2, 3]:
+        y = c.emit_as(Op.GLOBAL_AVGPOOL, [c.arg(x)], (shape[0], shape[1], 1, 1))
+        return y if keep else c.emit_as(Op.RESHAPE, [y], out, shape=out)
+    kept = [d for d in range(1, rank) if d not in dims]
+    perm = (0, *dims, *kept)
+    v = c.arg(x)
+    if perm != tuple(range(rank)):
+        v = c.emit_as(Op.TRANSPOSE, [v], tuple(shape[p] for p in perm), perm=perm)
+    r = int(np.prod([shape[d] for d in dims]))
+    k = int(np.prod([shape[d] for d in kept]))
+    if (shape[0], r, k) != tuple(shape[p] for p in perm):
+        v = c.emit_as(Op.RESHAPE, [v], (shape[0], r, k), shape=(shape[0], r, k))
+    y = c.emit_as(Op.MEAN_TOKENS, [v], (shape[0], k))
+    return y if tuple(out) == (shape[0], k) else c.emit_as(Op.RESHAPE, [y], out, shape=out)
 
 
 def _tir(name: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Node, Op, Value
+from mexc.kernels.elementwise import MAX_SUM_TERMS
 from mexc.ops import SCHEMA, attrs, op_def
 from mexc.pass_manager import PassContext
 from mexc.passes.assign_shift_caps import cap_for
@@ -132,4 +133,12 @@ def _collect(w: _Walker, pending: dict[Value, list[Value]], v: Value, loc: str) 
     if len(grads) == 1:
         return grads[0]
     t = w.type(grads[0])
-    return w.emit(Op.GRAD_SUM, grads, TensorType(Kind.MX, t.shape, t.exp), loc).out
+    typ = TensorType(Kind.MX, t.shape, t.exp)
+    # a GRAD_SUM has rounding sites for at most MAX_SUM_TERMS terms (docs/layers.md): a value
+    # read by more ops (a DenseNet feature, read by every later layer's concat) sums in a tree
+    while len(grads) > MAX_SUM_TERMS:
+        grads = [
+            w.emit(Op.GRAD_SUM, part, typ, loc).out if len(part) > 1 else part[0]
+            for part in (grads[i : i + MAX_SUM_TERMS] for i in range(0, len(grads), MAX_SUM_TERMS))
+        ]
+    return w.emit(Op.GRAD_SUM, grads, typ, loc).out

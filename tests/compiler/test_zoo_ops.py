@@ -118,8 +118,78 @@ class CatNet(nn.Module):
         return self.fc(torch.cat((y, y * 0.5), dim=1))
 
 
+# ----------------------------------------------------------------------------- ceil_mode pooling
+
+
+@pytest.mark.parametrize(
+    "kernel,stride,padding,size", [(3, 2, 0, 8), (2, 2, 0, 7), (3, 2, 1, 6), (3, 3, 0, 5)]
+)
+def test_ceil_mode_max_pool_is_torch(kernel: int, stride: int, padding: int, size: int) -> None:
+    """The reference and the TIR kernels (forward, and the backward's gather) against torch's
+    ceil_mode windows: the same maxima and the same first-maximum positions."""
+    from mexc.lowering import te_ops
+
+    rng = np.random.default_rng(size)
+    x = rng.integers(-127, 128, (2, 3, size, size), dtype=np.int8)
+    pool = nn.MaxPool2d(kernel, stride, padding, ceil_mode=True, return_indices=True)
+    want, where = pool(torch.from_numpy(x.astype(np.float32)))
+    oh = want.shape[2]
+    extra = (oh - 1) * stride + kernel - (size + 2 * padding)
+    assert extra > 0  # the case ceil_mode adds windows for
+    y, arg = K.maxpool2d_forward(MX.of(x, -3), kernel, stride, padding, (extra, extra))
+    np.testing.assert_array_equal(y.m, want.numpy().astype(np.int8))
+    ty, targ = _run(
+        te_ops.maxpool_forward(
+            x.shape, kernel, stride, padding, "k", "int32", extra=(extra, extra)
+        ),
+        x,
+        outs=[(want.shape, "int8"), (want.shape, "int32")],
+    )
+    np.testing.assert_array_equal(ty, y.m)
+    np.testing.assert_array_equal(targ, arg)
+    dy = rng.integers(-60, 60, want.shape, dtype=np.int8)
+    ctx = RoundCtx("nearest", 0, 0, 8)
+    dx = K.maxpool2d_backward(
+        MX.of(dy, -4), arg, x.shape, kernel, stride, padding, ctx, 0, (extra, extra)
+    )
+    flat = np.zeros(x.size, np.int64)  # torch's indices: dy summed where each window's max is
+    np.add.at(
+        flat,
+        (where.numpy() + np.arange(6)[:, None, None].reshape(2, 3, 1, 1) * size**2).ravel(),
+        dy.astype(np.int64).ravel(),
+    )
+    np.testing.assert_array_equal(dx.m.astype(np.int64).ravel(), flat)
+    (tacc,) = _run(
+        te_ops.maxpool_backward_acc(
+            x.shape, kernel, stride, padding, "g", "int32", extra=(extra, extra)
+        ),
+        dy,
+        arg.astype(np.int32),
+        outs=[(x.shape, "int32")],
+    )
+    np.testing.assert_array_equal(tacc.ravel(), flat)
+
+
+class CeilPoolNet(nn.Module):
+    """Max pools whose ceil_mode windows reach past the input (3, stride 2: 8 -> 4 after a ReLU,
+    4 -> 2 on a convolution's signed output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.pool1 = nn.MaxPool2d(3, 2, ceil_mode=True)
+        self.conv2 = nn.Conv2d(6, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 2 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool1(torch.relu(self.conv1(x)))  # 8 -> 4
+        x = nn.functional.max_pool2d(self.conv2(x), 3, 2, 0, 1, True)  # 4 -> 2 (ceil)
+        return self.fc(torch.flatten(x, 1))
+
+
 MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...], set[Op]]] = {
     "concat": (CatNet, (1, 8, 8), {Op.CONCAT}),
+    "ceil_pool": (CeilPoolNet, (1, 8, 8), {Op.MAXPOOL2D}),
 }
 
 
@@ -147,6 +217,8 @@ def _train(name: str, prog: mexc.Program, steps: int = 3) -> list[str]:
 def test_model_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
     ref = _program(name, "reference")
     assert MODELS[name][2] <= {n.op for n in ref.graph.nodes}
+    if name == "ceil_pool":
+        assert all(tuple(n.attrs.extra) == (1, 1) for n in ref.graph.nodes_of(Op.MAXPOOL2D))
     want = _train(name, ref)
     assert len(set(want)) == 3  # the state changes every step
     assert _train(name, _program(name, "llvm")) == want

@@ -202,6 +202,11 @@ def _pool_geom(e: _Emit, n: Node, x_shape: tuple[int, ...]) -> str:
         f"mexc_pool_init(&{p}, {nn}, {c}, {h}, {w}, {a.kernel[0]}, {a.kernel[1]}, "
         f"{a.stride[0]}, {a.stride[1]}, {a.padding[0]}, {a.padding[1]});"
     )
+    extra = tuple(getattr(a, "extra", (0, 0)))
+    if extra != (0, 0):  # ceil_mode: the windows reach past the bottom and right padding
+        oh = (h + 2 * a.padding[0] + extra[0] - a.kernel[0]) // a.stride[0] + 1
+        ow = (w + 2 * a.padding[1] + extra[1] - a.kernel[1]) // a.stride[1] + 1
+        e.emit(f"{p}.oh = {oh}u; {p}.ow = {ow}u;")
     return p
 
 
