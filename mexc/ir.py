@@ -34,6 +34,7 @@ class Op(enum.Enum):
     RELU = "relu"
     RELU6 = "relu6"
     HARDSWISH = "hardswish"
+    HARDSIGMOID = "hardsigmoid"
     MAXPOOL2D = "maxpool2d"
     AVGPOOL2D = "avgpool2d"
     GLOBAL_AVGPOOL = "global_avgpool"
@@ -52,6 +53,7 @@ class Op(enum.Enum):
     ADD_PARAM = "add_param"
     MEAN_TOKENS = "mean_tokens"
     CONCAT = "concat"
+    MUL = "mul"
     # backward
     SOFTMAX_CE_GRAD = "softmax_ce_grad"
     CONV2D_GRAD_INPUT = "conv2d_grad_input"
@@ -63,6 +65,7 @@ class Op(enum.Enum):
     RELU_GRAD = "relu_grad"
     RELU6_GRAD = "relu6_grad"
     HARDSWISH_GRAD = "hardswish_grad"
+    HARDSIGMOID_GRAD = "hardsigmoid_grad"
     MAXPOOL2D_GRAD = "maxpool2d_grad"
     AVGPOOL2D_GRAD = "avgpool2d_grad"
     GLOBAL_AVGPOOL_GRAD = "global_avgpool_grad"
@@ -76,6 +79,7 @@ class Op(enum.Enum):
     SLICE_GRAD = "slice_grad"
     ADD_PARAM_GRAD = "add_param_grad"
     MEAN_TOKENS_GRAD = "mean_tokens_grad"
+    MUL_GRAD = "mul_grad"
     # optimizer
     SGD_UPDATE = "sgd_update"
     BN_RUNNING_UPDATE = "bn_running_update"

@@ -5,6 +5,8 @@ site id `tid` (site j uses ctx.key(tid + j)). The recipes are in docs/layers.md.
 """
 
 from mexc.kernels.activation import (
+    hardsigmoid_backward,
+    hardsigmoid_forward,
     hardswish_backward,
     hardswish_forward,
     relu6_backward,
@@ -24,7 +26,10 @@ from mexc.kernels.elementwise import (
     concat_forward,
     dropout_backward,
     dropout_forward,
+    factor_view,
     grad_sum,
+    mul_backward_factor,
+    mul_forward,
 )
 from mexc.kernels.linear import (
     bias_backward,
@@ -54,7 +59,12 @@ from mexc.kernels.quantize import quantize
 __all__ = [
     "BatchNormSaved",
     "add_forward",
+    "hardsigmoid_backward",
+    "hardsigmoid_forward",
     "concat_forward",
+    "factor_view",
+    "mul_backward_factor",
+    "mul_forward",
     "hardswish_backward",
     "hardswish_forward",
     "avgpool2d_backward",

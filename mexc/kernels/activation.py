@@ -97,3 +97,32 @@ def hardswish_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
     g = np.where(xk <= -three, 0, np.where(xk >= three, 2 * three, 2 * xk + three))
     left = max(0, 4 - k)
     return _divide_by_six((i64(dy.m) * g) << left, ed - k - left, ctx, tid)
+
+
+# ----------------------------------------------------------------------------- hardsigmoid
+
+HSIG_BITS = 12  # relu6(x + 3) on the 2^-k grid is shifted up to 6 2^12 < 2^15 before / 6
+HSIG_GRAD_LEFT = 8  # dy << 8 < 2^15: the division by 6 keeps dy's 7 bits
+
+
+def hardsigmoid_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """y = relu6(x + 3) / 6: acc = c << max(0, 12 - k) with c = clamp(xk + 3 2^k, 0, 6 2^k)
+    on hardswish's grid, then _divide_by_six (sites 0, 1)."""
+    e = scalar_exp(x, "hardsigmoid input")
+    xk, k = _hardswish_grid(x.m, e)
+    c = np.clip(xk + (3 << k), 0, 6 << k)
+    left = max(0, HSIG_BITS - k)
+    return _divide_by_six(c << left, -k - left, ctx, tid)
+
+
+def hardsigmoid_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    """dx = dy / 6 strictly inside (-3, 3), else 0 (torch's hardsigmoid_backward), decided
+    exactly on the grid: acc = (m_dy << 8) where -3 2^k < xk < 3 2^k, then _divide_by_six
+    (sites 0, 1)."""
+    e = scalar_exp(x, "hardsigmoid input")
+    ed = scalar_exp(dy, "dy")
+    xk, k = _hardswish_grid(x.m, e)
+    three = 3 << k
+    inside = (xk > -three) & (xk < three)
+    acc = np.where(inside, i64(dy.m) << HSIG_GRAD_LEFT, 0)
+    return _divide_by_six(acc, ed - HSIG_GRAD_LEFT, ctx, tid)

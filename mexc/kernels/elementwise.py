@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from mexc.kernels._common import MAG, aligned_sum_fast, compact_mx, i64, scalar_exp, site_key
-from mexc.mx import MX, RoundCtx
-from mexc.numerics import FixedScalar, element_bits, shift_signed
+from mexc.kernels._common import (
+    MAG,
+    aligned_sum_fast,
+    compact_mx,
+    i64,
+    scalar_exp,
+    site_key,
+)
+from mexc.mx import MX, Acc, RoundCtx
+from mexc.numerics import (
+    FixedScalar,
+    ceil_log2,
+    check_int32,
+    element_bits,
+    shift_right,
+    shift_signed,
+)
 
 MAX_SUM_TERMS = 13  # a sum's rounding sites: one per term, one for its compaction (of 16)
 
@@ -86,3 +100,68 @@ def concat_forward(xs: list[MX], dim: int, ctx: RoundCtx, tid: int) -> MX:
     )
     acc = shift_signed(m, s, ctx.rounding, site_key(ctx, tid, 0))
     return compact_mx(acc, target, ctx, site_key(ctx, tid, 1))
+
+
+# ----------------------------------------------------------------------------- products
+
+
+MUL_SUM_BITS = 15  # |dy_m x_m| < 2^14, plus a bit for the rounded-up shifted products
+
+
+def mul_grad_shift(terms: int) -> int:
+    """The right shift of each product dy_m x_m before a sum of `terms` of them, so that the
+    sum stays inside int32 (0 below 2^16 terms)."""
+    return max(0, MUL_SUM_BITS + ceil_log2(max(terms, 1)) - 31)
+
+
+def mul_forward(x: MX, g: MX, ctx: RoundCtx, tid: int) -> MX:
+    """x * g, g broadcast against x (numpy rules; g may equal x's shape): acc = m_x m_g (< 2^14,
+    exact) at e_x + e_g, compaction (site 0). dx of a product is mul_forward(dy, g)."""
+    ex, eg = scalar_exp(x, "mul input"), scalar_exp(g, "mul factor")
+    acc = np.broadcast_to(i64(x.m) * i64(g.m), x.m.shape)
+    return compact_mx(acc, ex + eg, ctx, site_key(ctx, tid, 0))
+
+
+def broadcast_axes(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of x_shape that a factor of g_shape is broadcast along (numpy rules)."""
+    pad = (1,) * (len(x_shape) - len(g_shape)) + tuple(g_shape)
+    return tuple(i for i, (a, b) in enumerate(zip(x_shape, pad)) if b == 1 and a != 1)
+
+
+def mul_backward_factor(
+    dy: MX, x: MX, g_shape: tuple[int, ...], ctx: RoundCtx, tid: int, param: bool
+) -> MX | Acc:
+    """dg of y = x * g: the sum of dy_m x_m over the axes g is broadcast along (R terms), each
+    product first shifted right by t = mul_grad_shift(R) (site 1, PRNG index = x's flat index;
+    t = 0 for R < 2^16), at e_dy + e_x + t. A parameter's gradient is that int32 accumulator
+    (for the update); an activation's is compacted (site 0)."""
+    ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "mul input")
+    axes = broadcast_axes(x.m.shape, g_shape)
+    terms = int(np.prod([x.m.shape[a] for a in axes], dtype=np.int64))
+    t = mul_grad_shift(terms)
+    prod = i64(dy.m) * i64(x.m)
+    if t:
+        prod = shift_right(prod, t, ctx.rounding, site_key(ctx, tid, 1))
+    acc = prod.sum(axis=axes, keepdims=True).reshape(g_shape)
+    check_int32(acc, "mul_backward_factor")
+    if param:
+        return Acc(acc, np.asarray(ed + ex + t, np.int64))
+    return compact_mx(acc, ed + ex + t, ctx, site_key(ctx, tid, 0))
+
+
+def factor_view(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """(O, M, I) such that x seen as (O, M, I) multiplies a factor seen as (M,) along its middle
+    axis (SE gating [N, C, 1, 1]: (1, N C, H W); a layer scale [C, 1, 1]: (N, C, H W); channels
+    last [C]: (N H W, C, 1); equal shapes: (1, size, 1)); None where the factor's own axes are
+    not contiguous in x (a [N, 1, H, W] factor) or do not broadcast."""
+    pad = (1,) * (len(x_shape) - len(g_shape)) + tuple(g_shape)
+    if len(pad) != len(x_shape) or any(b not in (1, a) for a, b in zip(x_shape, pad)):
+        return None
+    own = [i for i, (a, b) in enumerate(zip(x_shape, pad)) if a != 1 and b == a]
+    if not own:
+        return (int(np.prod(x_shape, dtype=np.int64)), 1, 1)
+    lo, hi = own[0], own[-1]
+    if any(pad[i] == 1 and x_shape[i] != 1 for i in range(lo, hi + 1)):
+        return None
+    prod = lambda axes: int(np.prod([x_shape[i] for i in axes], dtype=np.int64))  # noqa: E731
+    return prod(range(lo)), prod(range(lo, hi + 1)), prod(range(hi + 1, len(x_shape)))

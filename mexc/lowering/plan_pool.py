@@ -126,6 +126,23 @@ class PoolRules(PlanBuilder):
         self.launch(func, (*args, acc, e_acc))
         self._divide_by_six(n, acc, e_acc, rows)
 
+    def hardsigmoid(self, n: Node) -> None:
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_pool.hardsigmoid_acc(rows, f"n{n.id}_hardsigmoid")
+        self.launch(func, (self.view(self.m[x], rows), self.e[x], acc, e_acc))
+        self._divide_by_six(n, acc, e_acc, rows)
+
+    def hardsigmoid_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        func = te_pool.hardsigmoid_grad_acc(rows, f"n{n.id}_hardsigmoid_grad")
+        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])
+        self.launch(func, (*args, acc, e_acc))
+        self._divide_by_six(n, acc, e_acc, rows)
+
     def avgpool_grad(self, n: Node) -> None:
         dy = n.inputs[0]
         xs = self.shape(n.result(0))

@@ -11,6 +11,7 @@ import numpy as np
 
 from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
+from mexc.kernels.elementwise import factor_view, mul_grad_shift
 from mexc.kernels.pool import DIV_BITS
 from mexc.lowering import te_ops, te_transformer
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Shape, unsupported
@@ -76,6 +77,47 @@ class TransformerRules(PlanBuilder):
         )
         out = self.view(self.out(n, 0, I8), (outer, sum(sizes), *tail))
         self.compact_unstored(n, 1, kernels, args, out)
+
+    def _factor(self, x_shape: Shape, g_shape: Shape) -> tuple[Shape, int | None]:
+        """The kernels' view of x * g: x's rows and g alike for equal shapes (g_axis None),
+        else elementwise.factor_view's (O, M, I) without a leading or trailing 1 and the axis
+        of M, along which g varies."""
+        if tuple(g_shape) == tuple(x_shape):
+            return self.rows_of(x_shape), None
+        view = factor_view(tuple(x_shape), tuple(g_shape))
+        assert view is not None  # the frontend refuses other factors
+        o, m, i = view
+        return (*((o,) if o > 1 else ()), m, *((i,) if i > 1 else ())), 1 if o > 1 else 0
+
+    def mul(self, n: Node) -> None:
+        """kernels.elementwise.mul_forward: the product compacted without being stored
+        (site 0)."""
+        x, g = n.inputs
+        shape, g_axis = self._factor(self.shape(x), self.shape(g))
+        gv = self.view(self.m[g], shape if g_axis is None else (shape[g_axis],))
+        args = (self.view(self.m[x], shape), self.e[x], gv, self.e[g])
+        kernels = te_ops.mul_compaction(shape, g_axis, self.bits, self.stochastic, f"n{n.id}_mul")
+        self.compact_unstored(n, 0, kernels, args, self.view(self.out(n, 0, I8), shape))
+
+    def mul_grad(self, n: Node) -> None:
+        """kernels.elementwise.mul_backward_factor: the sum (products pre-shifted at site 1
+        where it is long), a parameter's as its int32 accumulator, else compacted (site 0)."""
+        dy, x = n.inputs
+        x_shape, g_shape = self.shape(x), self.shape(n.result(0))
+        shape, g_axis = self._factor(x_shape, g_shape)
+        t = mul_grad_shift(int(np.prod(x_shape)) // int(np.prod(g_shape)))
+        acc_shape = shape if g_axis is None else (shape[g_axis],)
+        func = te_ops.mul_factor_grad(shape, g_axis, t, self.stochastic, f"n{n.id}_mul_grad")
+        inputs = (self.view(self.m[dy], shape), self.e[dy], self.view(self.m[x], shape))
+        key = self.keys(n, (1,), "key1")
+        if n.attrs.param:
+            acc, e_acc = self.view(self.out(n, 0, I32), acc_shape), self.out_exp(n, 0)
+            self.launch(func, (*inputs, self.e[x], key, acc, e_acc))
+            return
+        acc = self.buf(f"n{n.id}.acc", acc_shape, I32)
+        e_acc = self.buf(f"n{n.id}.e_acc", (1,), I32)
+        self.launch(func, (*inputs, self.e[x], key, acc, e_acc))
+        self.compact(n, acc, e_acc, g_shape, 0)
 
     # ----------------------------------------------------------------------------- elementwise
 

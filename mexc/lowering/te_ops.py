@@ -479,3 +479,56 @@ def axis_sum(
 
     acc = te.compute(tuple(keep) or (1,), body, name="acc")
     return _func([dy, acc], name)
+
+
+# ----------------------------------------------------------------------------- products x * g
+
+
+def mul_compaction(
+    shape: tuple[int, ...], g_axis: int | None, bits: int, stochastic: bool, name: str
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """kernels.elementwise.mul_forward compacted without storing the product: x seen as
+    `shape`, the factor g as (shape[g_axis],) indexed along that axis, or (g_axis None) as
+    `shape` itself. Parameters of both kernels: x, e_x, g, e_g, then fused_compaction's."""
+    x = te.placeholder(shape, I8, name="x")
+    g = te.placeholder(shape if g_axis is None else (shape[g_axis],), I8, name="g")
+    ex, eg = te.placeholder((1,), I32, name="e_x"), te.placeholder((1,), I32, name="e_g")
+    target = te.compute((1,), lambda _: ex[0] + eg[0], name="target")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        gv = g[idx] if g_axis is None else g[idx[g_axis]]
+        return x[idx].astype(I32) * gv.astype(I32)
+
+    return fused_compaction(shape, [x, ex, g, eg], target, body, bits, stochastic, name)
+
+
+def mul_factor_grad(
+    shape: tuple[int, ...], g_axis: int | None, t: int, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """kernels.elementwise.mul_backward_factor before its compaction: acc = the sum of
+    dy_m x_m (each shifted right by t, rounded with `key` at x's flat index) over every axis
+    of `shape` but g_axis (over none where g_axis is None), at e_acc = e_dy + e_x + t.
+    Parameters (dy, e_dy, x, e_x, key, acc, e_acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    x = te.placeholder(shape, I8, name="x")
+    ed, ex = te.placeholder((1,), I32, name="e_dy"), te.placeholder((1,), I32, name="e_x")
+    key = te.placeholder((1,), I64, name="key")
+
+    def term(idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
+        p = dy[idx].astype(I32) * x[idx].astype(I32)
+        if t == 0:
+            return p
+        return shift_right32(p, tirx.const(t, I32), key[0], _flat_index(shape, idx), stochastic)
+
+    if g_axis is None:
+        acc = te.compute(shape, lambda *i: term(i), name="acc")
+    else:
+        red = {a: te.reduce_axis((0, d), f"r{a}") for a, d in enumerate(shape) if a != g_axis}
+
+        def body(m: tirx.PrimExpr) -> tirx.PrimExpr:
+            idx = tuple(m if a == g_axis else red[a] for a in range(len(shape)))
+            return te.sum(term(idx), axis=list(red.values()))
+
+        acc = te.compute((shape[g_axis],), body, name="acc")
+    e_acc = te.compute((1,), lambda _: ed[0] + ex[0] + t, name="e_acc")
+    return _func([dy, ed, x, ex, key, acc, e_acc], name)

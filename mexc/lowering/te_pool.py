@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from mexc.kernels.activation import HS_GRID
+from mexc.kernels.activation import HS_GRID, HSIG_BITS, HSIG_GRAD_LEFT
 from mexc.lowering.te_compaction import _flat_index, iabs, random_word, where
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
@@ -199,6 +199,48 @@ def hardswish_grad_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
 
     acc = te.compute(shape, body, name="acc")
     e_acc = te.compute((1,), exponent, name="e_acc")
+    return _func([dy, e_dy, x, e, acc, e_acc], name)
+
+
+def hardsigmoid_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """acc = c << max(0, 12 - k), c = clamp(xk + 3 2^k, 0, 6 2^k); e_acc = -k - left
+    (kernels.activation.hardsigmoid_forward before its division). Parameters (x, e, acc,
+    e_acc)."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+        c = tirx.min(tirx.max(xk + (_c(3) << k), _c(0)), _c(6) << k)
+        return (c << tirx.max(_c(HSIG_BITS) - k, _c(0))).astype(I32)
+
+    def exponent(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        k = tirx.min(tirx.max(-e[i].astype(I64), _c(0)), _c(HS_GRID))
+        return (-k - tirx.max(_c(HSIG_BITS) - k, _c(0))).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), exponent, name="e_acc")
+    return _func([x, e, acc, e_acc], name)
+
+
+def hardsigmoid_grad_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
+    """acc = dy << 8 where -3 2^k < xk < 3 2^k, else 0; e_acc = e_dy - 8
+    (kernels.activation.hardsigmoid_backward before its division). Parameters (dy, e_dy, x, e,
+    acc, e_acc)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+        three = _c(3) << k
+        inside = tirx.all(xk > -three, xk < three)
+        scaled = dy[i].astype(I32) << HSIG_GRAD_LEFT
+        return where(inside, scaled, tirx.const(0, I32))
+
+    e_acc = te.compute((1,), lambda i: e_dy[i] - HSIG_GRAD_LEFT, name="e_acc")
+    acc = te.compute(shape, body, name="acc")
     return _func([dy, e_dy, x, e, acc, e_acc], name)
 
 

@@ -1,4 +1,4 @@
-"""Activations: ReLU, ReLU6, Hardswish and GELU, and their gradients."""
+"""Activations: ReLU, ReLU6, Hardswish, Hardsigmoid and GELU, and their gradients."""
 
 from __future__ import annotations
 
@@ -60,6 +60,14 @@ def _hardswish(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _hardswish_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.hardswish_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _hardsigmoid(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.hardsigmoid_forward(a[0], env.ctx, tid(n)),)
+
+
+def _hardsigmoid_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.hardsigmoid_backward(a[0], a[1], env.ctx, tid(n)),)
 
 
 def _tir(name: str) -> str:
@@ -127,6 +135,21 @@ define(
         doc="x relu6(x + 3) / 6, exact on the 2^-16 grid, one division by 6 (docs/layers.md)",
     ),
     OpDef(
+        Op.HARDSIGMOID,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.HARDSIGMOID_GRAD, lambda n: n.inputs[0]),
+        reference=_hardsigmoid,
+        frontend=(
+            Pattern("module", ("torch.nn.Hardsigmoid",), unary_module(Op.HARDSIGMOID)),
+            Pattern(
+                "function", ("torch.nn.functional.hardsigmoid",), unary_function(Op.HARDSIGMOID)
+            ),
+        ),
+        lower={"tir": _tir("hardsigmoid"), "c": "emit:_hardsigmoid"},
+        doc="relu6(x + 3) / 6 on hardswish's grid, one division by 6 (docs/layers.md)",
+    ),
+    OpDef(
         Op.RELU_GRAD,
         {},
         reference=_relu_grad,
@@ -148,6 +171,13 @@ define(
         reference=_hardswish_grad,
         lower={"tir": _tir("hardswish_grad"), "c": "emit:_hardswish_grad"},
         doc="dy (2x + 3) / 6 inside (-3, 3), dy above, 0 below",
+    ),
+    OpDef(
+        Op.HARDSIGMOID_GRAD,
+        {"rid": -1},
+        reference=_hardsigmoid_grad,
+        lower={"tir": _tir("hardsigmoid_grad"), "c": "emit:_hardsigmoid_grad"},
+        doc="dy / 6 strictly inside (-3, 3), else 0",
     ),
     OpDef(
         Op.GELU_GRAD,

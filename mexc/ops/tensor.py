@@ -66,6 +66,23 @@ def _concat_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return out
 
 
+def _mul_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """dx = dy * g (the forward op on dy); dg = the sum of dy * x over g's broadcast axes: a
+    parameter's as an int32 accumulator for the update, an activation's compacted."""
+    dy = dys[0]
+    assert dy is not None
+    x, g = n.inputs
+    dx = w.emit(Op.MUL, [dy, g], mx(*w.type(x).shape), n.loc).out if w.needs[x] else None
+    shape = w.type(g).shape
+    if w.g.node(g.node).op is Op.PARAM:
+        dp = w.emit(Op.MUL_GRAD, [dy, x], acc(*shape), n.loc, param=True)
+        w.set_param_grad(g, dp.out, n)
+        return [dx, None]
+    if not w.needs[g]:
+        return [dx, None]
+    return [dx, w.emit(Op.MUL_GRAD, [dy, x], mx(*shape), n.loc, param=False).out]
+
+
 def _add_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
@@ -84,6 +101,15 @@ def _add(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _concat(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.concat_forward(list(a), int(n.attrs.dim), env.ctx, tid(n)),)
+
+
+def _mul_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.mul_forward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _mul_grad_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    g_shape = tuple(n.type.shape)
+    return (K.mul_backward_factor(a[0], a[1], g_shape, env.ctx, tid(n), bool(n.attrs.param)),)
 
 
 def _grad_sum(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -232,7 +258,35 @@ def _scale_by(c: Any, n: Any, divide: bool) -> Value:
 
 
 def _mul(c: Any, n: Any) -> Value:
-    return _scale_by(c, n, divide=False)
+    """tensor * constant (SCALE), or tensor * tensor (MUL): gating by an activation that
+    broadcasts (squeeze-and-excitation), a product of equal shapes, or a broadcast parameter
+    (layer scale)."""
+    a, b = n.args[0], n.args[1]
+    if not (c.is_node(a) and c.is_node(b)):
+        return _scale_by(c, n, divide=False)
+    out = c.shape(n)
+    if c.shape(a) != out or (c.is_param(a) and not c.is_param(b)):
+        a, b = b, a
+    if c.shape(a) != out or c.is_param(a):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"multiplies {list(c.shape(n.args[0]))} by {list(c.shape(n.args[1]))}: both "
+                "broadcast, or an activation scales a parameter; one operand must be an "
+                "activation of the result's shape",
+            )
+        )
+    if K.factor_view(out, c.shape(b)) is None:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"multiplies by a factor of shape {list(c.shape(b))} whose own axes are not "
+                f"contiguous in {list(out)}; supported factors vary along one run of axes "
+                "([N, C, 1, 1], [C, 1, 1], [C], or the full shape)",
+            )
+        )
+    g = c.get_param(b, "scale") if c.is_param(b) else c.arg(b)
+    return c.emit(Op.MUL, [c.arg(a), g], n)
 
 
 def _div(c: Any, n: Any) -> Value:
@@ -358,11 +412,7 @@ define(
         types=elementwise_types,
         vjp=pointwise_vjp(Op.SCALE_GRAD, no_saved),
         reference=_scale,
-        frontend=(
-            Pattern("function", ("operator.mul", "torch.mul"), _mul),
-            Pattern("function", ("operator.truediv",), _div),
-            Pattern("method", ("mul",), _mul),
-        ),
+        frontend=(Pattern("function", ("operator.truediv",), _div),),
         lower={"tir": _tir("scale"), "c": "emit:_scale"},
         doc="x times a positive host constant, as a numerator/shift pair",
     ),
@@ -433,6 +483,26 @@ define(
         ),
         lower={"tir": _tir("concat"), "c": "emit:_concat"},
         doc="concatenation along a feature axis, aligned to a common exponent, one compaction",
+    ),
+    OpDef(
+        Op.MUL,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=_mul_vjp,
+        reference=_mul_ref,
+        frontend=(
+            Pattern("function", ("operator.mul", "torch.mul"), _mul),
+            Pattern("method", ("mul",), _mul),
+        ),
+        lower={"tir": _tir("mul"), "c": "emit:_mul"},
+        doc="x * g, g an activation or parameter broadcast along x's axes (or a constant: scale)",
+    ),
+    OpDef(
+        Op.MUL_GRAD,
+        {"param": False, "rid": -1},
+        reference=_mul_grad_ref,
+        lower={"tir": _tir("mul_grad"), "c": "emit:_mul_grad"},
+        doc="dg of x * g: dy * x summed over g's broadcast axes (int32 for a parameter)",
     ),
     OpDef(
         Op.MEAN_TOKENS,

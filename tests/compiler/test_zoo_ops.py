@@ -1,5 +1,6 @@
 """The ops that torchvision and timm models need beyond the example models (issue: models users
-bring): concatenation, ... Each op's TIR kernels against mexc.kernels where its recipe branches,
+bring): concatenation, ceil_mode max pooling, Hardsigmoid, products of two tensors (gating and
+layer scale). Each op's TIR kernels against mexc.kernels where its recipe branches,
 its integer form against torch's float op, and a small model that uses it trained bit-exact on
 every backend: reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
 
@@ -187,7 +188,175 @@ class CeilPoolNet(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+# ----------------------------------------------------------------------------- hardsigmoid
+
+HS_TOLERANCE = 0.51  # units of the result's exponent, as Hardswish's (test_hardswish.py)
+MANTISSAS = np.arange(-128, 128).astype(np.int8)
+
+
+@pytest.mark.parametrize("e", [-20, -14, -9, -5, -3, -1, 0, 1, 4])
+def test_hardsigmoid_is_torch_rounded_once(e: int) -> None:
+    x = MX.of(MANTISSAS, e)
+    ctx = RoundCtx("nearest", 0, 0, 8)
+    y = K.hardsigmoid_forward(x, ctx, 0)
+    xt = torch.from_numpy(_float(x)).requires_grad_()
+    want = nn.functional.hardsigmoid(xt)
+    assert np.abs(_float(y) - want.detach().numpy()).max() <= HS_TOLERANCE * 2.0 ** float(y.e)
+    dy = MX.of(np.random.default_rng(e + 30).integers(-127, 128, 256).astype(np.int8), -5)
+    want.backward(torch.from_numpy(_float(dy)))
+    dx = K.hardsigmoid_backward(dy, x, ctx, 0)
+    assert xt.grad is not None
+    assert np.abs(_float(dx) - xt.grad.numpy()).max() <= HS_TOLERANCE * 2.0 ** float(dx.e)
+
+
+def test_hardsigmoid_gradient_is_zero_at_the_breakpoints() -> None:
+    """torch: dy / 6 strictly inside (-3, 3), 0 at -3 and 3 themselves."""
+    x = MX.of(np.array([-48, -47, 47, 48], np.int8), -4)  # -3, -2.9375, 2.9375, 3
+    dy = MX.of(np.full(4, 96, np.int8), -5)  # 3.0
+    got = _float(K.hardsigmoid_backward(dy, x, RoundCtx("nearest", 0, 0, 8), 0))
+    np.testing.assert_allclose(got, [0.0, 0.5, 0.5, 0.0], atol=2**-6)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("e", [-20, -13, -12, -4, 0, 3])
+def test_hardsigmoid_kernels_equal_the_reference(e: int, rounding: str) -> None:
+    """The accumulators of te_pool (before the shared division by 6) against the reference's:
+    k above and below the 12-bit shift, and an exponent without a grid shift."""
+    from mexc.kernels.activation import _divide_by_six
+    from mexc.lowering import te_pool
+
+    ctx = RoundCtx(rounding, 3, 1, 8)  # type: ignore[arg-type]
+    x = MANTISSAS.reshape(8, 32)
+    acc, e_acc = _run(
+        te_pool.hardsigmoid_acc(x.shape, "k"),
+        x,
+        _i32(e),
+        outs=[(x.shape, "int32"), ((1,), "int32")],
+    )
+    got = _divide_by_six(acc.astype(np.int64), int(e_acc[0]), ctx, 5)
+    want = K.hardsigmoid_forward(MX.of(x, e), ctx, 5)
+    np.testing.assert_array_equal(got.m, want.m)
+    assert int(got.e) == int(want.e)
+    dy = np.random.default_rng(abs(e)).integers(-127, 128, x.shape).astype(np.int8)
+    acc, e_acc = _run(
+        te_pool.hardsigmoid_grad_acc(x.shape, "g"),
+        dy,
+        _i32(-6),
+        x,
+        _i32(e),
+        outs=[(x.shape, "int32"), ((1,), "int32")],
+    )
+    got = _divide_by_six(acc.astype(np.int64), int(e_acc[0]), ctx, 6)
+    want = K.hardsigmoid_backward(MX.of(dy, -6), MX.of(x, e), ctx, 6)
+    np.testing.assert_array_equal(got.m, want.m)
+    assert int(got.e) == int(want.e)
+
+
+# ----------------------------------------------------------------------------- products x * g
+
+
+@pytest.mark.parametrize(
+    "x_shape,g_shape,view",
+    [
+        ((4, 8, 5, 5), (4, 8, 1, 1), (1, 32, 25)),
+        ((4, 8, 5, 5), (8, 1, 1), (4, 8, 25)),
+        ((4, 5, 5, 8), (8,), (100, 8, 1)),
+        ((4, 8, 5, 5), (4, 8, 5, 5), (1, 800, 1)),
+        ((4, 8, 5, 5), (4, 1, 1, 1), (1, 4, 200)),
+        ((4, 8, 5, 5), (4, 1, 5, 5), None),
+        ((4, 8, 5, 5), (1, 1, 1, 1), (800, 1, 1)),
+    ],
+)
+def test_factor_view(x_shape, g_shape, view) -> None:
+    assert K.factor_view(x_shape, g_shape) == view
+
+
+def test_mul_is_torch_rounded_once_and_its_factor_gradient_exact() -> None:
+    ctx = RoundCtx("nearest", 0, 0, 8)
+    rng = np.random.default_rng(3)
+    x = MX.of(rng.integers(-127, 128, (3, 4, 5, 5), dtype=np.int8), -5)
+    g = MX.of(rng.integers(0, 128, (3, 4, 1, 1), dtype=np.int8), -7)
+    y = K.mul_forward(x, g, ctx, 0)
+    want = _float(x) * _float(g)
+    assert np.abs(_float(y) - want).max() <= 0.5 * 2.0 ** float(y.e)
+    dy = MX.of(rng.integers(-127, 128, x.m.shape, dtype=np.int8), -9)
+    dg = K.mul_backward_factor(dy, x, (3, 4, 1, 1), ctx, 0, param=True)
+    exact = (_float(dy) * _float(x)).sum(axis=(2, 3), keepdims=True)
+    np.testing.assert_array_equal(dg.dequantize(), exact)  # 25 terms: no pre-shift
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize(
+    "shape,g_axis",
+    [((6, 40), 0), ((3, 8, 10), 1), ((48, 5), 1), ((16, 15), None), ((2, 3, 40000), 1)],
+)
+def test_mul_kernels_equal_the_reference(shape, g_axis, rounding: str) -> None:
+    """mul_compaction and mul_factor_grad against the reference, on the kernels' views; the
+    last case sums 80,000 terms per factor element: each product is first shifted right by
+    mul_grad_shift = 1, rounded at site 1."""
+    from mexc.kernels.elementwise import mul_grad_shift
+    from mexc.lowering import te_ops
+
+    ctx = RoundCtx(rounding, 3, 1, 8)  # type: ignore[arg-type]
+    rng = np.random.default_rng(len(shape) + (g_axis or 5))
+    g_shape = (
+        shape if g_axis is None else tuple(d if a == g_axis else 1 for a, d in enumerate(shape))
+    )
+    x = rng.integers(-127, 128, shape, dtype=np.int8)
+    g = rng.integers(-127, 128, g_shape, dtype=np.int8)
+    dy = rng.integers(-127, 128, shape, dtype=np.int8)
+    stochastic = rounding == "stochastic"
+    kernels = te_ops.mul_compaction(shape, g_axis, 8, stochastic, "k")
+    m, e = _fused(
+        kernels,
+        [x, _i32(-4), g.reshape(-1) if g_axis is not None else g, _i32(-6)],
+        _key(ctx, 7, 0),
+        shape,
+    )
+    want = K.mul_forward(MX.of(x, -4), MX.of(g, -6), ctx, 7)
+    np.testing.assert_array_equal(m, want.m)
+    assert e == int(want.e)
+    t = mul_grad_shift(x.size // g.size)
+    assert (t == 1) == (x.size // g.size > 65536)
+    acc_shape = shape if g_axis is None else (shape[g_axis],)
+    acc, e_acc = _run(
+        te_ops.mul_factor_grad(shape, g_axis, t, stochastic, "g"),
+        dy,
+        _i32(-8),
+        x,
+        _i32(-4),
+        _key(ctx, 7, 1),
+        outs=[(acc_shape, "int32"), ((1,), "int32")],
+    )
+    want_acc = K.mul_backward_factor(MX.of(dy, -8), MX.of(x, -4), g_shape, ctx, 7, param=True)
+    np.testing.assert_array_equal(acc.reshape(g_shape), want_acc.a)
+    assert int(e_acc[0]) == int(want_acc.e)
+
+
+class GatedNet(nn.Module):
+    """Squeeze-and-excitation with Hardsigmoid gating (MobileNetV3's), a layer-scale parameter
+    [C, 1, 1] (ConvNeXt's), and a product of two activations of one shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc1 = nn.Conv2d(8, 4, 1)
+        self.fc2 = nn.Conv2d(4, 8, 1)
+        self.gate = nn.Hardsigmoid()
+        self.scale = nn.Parameter(torch.full((8, 1, 1), 0.5))
+        self.other = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.conv(x))
+        s = self.gate(self.fc2(torch.relu(self.fc1(nn.functional.adaptive_avg_pool2d(a, 1)))))
+        y = self.scale * (a * s)
+        y = y * nn.functional.hardsigmoid(self.other(x))
+        return self.fc(torch.flatten(nn.functional.max_pool2d(y, 2), 1))
+
+
 MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...], set[Op]]] = {
+    "gated": (GatedNet, (1, 8, 8), {Op.MUL, Op.MUL_GRAD, Op.HARDSIGMOID, Op.HARDSIGMOID_GRAD}),
     "concat": (CatNet, (1, 8, 8), {Op.CONCAT}),
     "ceil_pool": (CeilPoolNet, (1, 8, 8), {Op.MAXPOOL2D}),
 }

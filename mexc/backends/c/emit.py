@@ -15,7 +15,7 @@ import numpy as np
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
-from mexc.kernels.elementwise import _keep_threshold, dropout_scale
+from mexc.kernels.elementwise import _keep_threshold, dropout_scale, factor_view, mul_grad_shift
 from mexc.kernels.norm import _eps_fixed
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import FixedScalar, product_cap
@@ -381,6 +381,43 @@ def _concat(e: _Emit, n: Node) -> None:
     )
 
 
+def _factor_dims(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """x seen as (o, m, inner) and the factor as (m,) (elementwise.factor_view)."""
+    if tuple(g_shape) == tuple(x_shape):
+        return 1, _numel(x_shape), 1
+    view = factor_view(x_shape, g_shape)
+    assert view is not None  # the frontend refuses other factors
+    return view
+
+
+def _mul(e: _Emit, n: Node) -> None:
+    (x, ex), (g, eg) = _x(e, n, 0), _x(e, n, 1)
+    o, m, inner = _factor_dims(e.shape(n.inputs[0]), e.shape(n.inputs[1]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_mul_forward({x}, {ex}, {g}, {eg}, {o}u, {m}u, {inner}u, {y}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
+def _mul_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    x_shape = e.shape(n.inputs[1])
+    o, m, inner = _factor_dims(x_shape, e.shape(n.out))
+    t = mul_grad_shift(_numel(x_shape) // m)
+    eo = e.local_exp(n.out)
+    if n.attrs.param:
+        acc, out = e.arena(n.out, "int32_t"), "NULL"
+    else:
+        e.need(m)
+        acc, out = "scratch", e.arena(n.out, "int8_t")
+    e.emit(
+        f"{eo} = mexc_mul_backward_factor({dy}, {ed}, {x}, {ex}, {o}u, {m}u, {inner}u, {t}u, "
+        f"{acc}, {out}, &ctx, {_tid(n)}u);"
+    )
+
+
 def _sgd_update(e: _Emit, n: Node) -> None:
     w, grad, v = n.inputs
     groups = int(n.attrs.groups)
@@ -447,12 +484,30 @@ def _hardswish(e: _Emit, n: Node) -> None:
     e.emit(f"{ey} = mexc_hardswish_forward({x}, {ex}, {numel}u, {y}, &ctx, {_tid(n)}u);")
 
 
+def _hardsigmoid(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    numel = e.numel(n.out)
+    e.emit(f"{ey} = mexc_hardsigmoid_forward({x}, {ex}, {numel}u, {y}, &ctx, {_tid(n)}u);")
+
+
 def _hardswish_grad(e: _Emit, n: Node) -> None:
     (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
     dx = e.arena(n.out, "int8_t")
     edx = e.local_exp(n.out)
     e.emit(
         f"{edx} = mexc_hardswish_backward({dy}, {ed}, {x}, {ex}, {e.numel(n.out)}u, {dx}, &ctx, "
+        f"{_tid(n)}u);"
+    )
+
+
+def _hardsigmoid_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_hardsigmoid_backward({dy}, {ed}, {x}, {ex}, {e.numel(n.out)}u, {dx}, &ctx, "
         f"{_tid(n)}u);"
     )
 

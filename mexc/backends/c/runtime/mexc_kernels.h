@@ -159,6 +159,15 @@ int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
 int32_t mexc_concat(uint32_t t, const int8_t *const *x, const int32_t *e, const uint32_t *k,
                     uint32_t outer, uint32_t inner, int8_t *out, const mexc_ctx_t *ctx,
                     uint32_t tid);
+/* x * g, x seen as (o, m, inner) and g as (m,): compaction site 0 (docs/layers.md). */
+int32_t mexc_mul_forward(const int8_t *x, int32_t ex, const int8_t *g, int32_t eg, uint32_t o,
+                         uint32_t m, uint32_t inner, int8_t *out, const mexc_ctx_t *ctx,
+                         uint32_t tid);
+/* dg of x * g into acc (m int32): pre-shift t (site 1); out NULL: acc is the result, else
+   compacted into out (site 0). Returns the result's exponent. */
+int32_t mexc_mul_backward_factor(const int8_t *dy, int32_t ed, const int8_t *x, int32_t ex,
+                                 uint32_t o, uint32_t m, uint32_t inner, uint32_t t,
+                                 int32_t *acc, int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
 /* grad_sum of t <= 13 same-shape tensors (sites 0..t-1 alignment, t compaction); t = 1 copies. */
 int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint32_t n,
                       int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
@@ -178,6 +187,11 @@ int32_t mexc_hardswish_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y
                                const mexc_ctx_t *ctx, uint32_t tid);
 int32_t mexc_hardswish_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t e,
                                 uint32_t n, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
+/* hardsigmoid_forward / backward (activation.py): _divide_by_six, sites 0, 1. */
+int32_t mexc_hardsigmoid_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
+                                 const mexc_ctx_t *ctx, uint32_t tid);
+int32_t mexc_hardsigmoid_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t e,
+                                  uint32_t n, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
 /* avgpool2d (pool.py, count_include_pad): sites 0 (compact_to_bits of the sums, only when
  * 7 + ceil log2(KH*KW) > 15), 1 compaction. Backward: site 0. No scratch. */
 int32_t mexc_avgpool2d_forward(const mexc_pool_t *p, const int8_t *x, int32_t e, int8_t *y,

@@ -107,6 +107,26 @@ static int32_t hs_backward_acc(const int8_t *dy, const int8_t *x, uint32_t i, in
     return mexc_shift_left(dy[i] * g, left);
 }
 
+#define HSIG_BITS 12     /* activation.HSIG_BITS */
+#define HSIG_GRAD_LEFT 8 /* activation.HSIG_GRAD_LEFT */
+
+static int32_t hsig_forward_acc(const int8_t *x, const int8_t *unused, uint32_t i, int32_t e,
+                                int32_t k, int32_t left)
+{
+    const int32_t three = 3 << k;
+    int32_t c = hs_grid(x[i], e, k) + three;
+    (void)unused;
+    c = c < 0 ? 0 : (c > 2 * three ? 2 * three : c);
+    return mexc_shift_left(c, left);
+}
+
+static int32_t hsig_backward_acc(const int8_t *dy, const int8_t *x, uint32_t i, int32_t e,
+                                 int32_t k, int32_t left)
+{
+    const int32_t three = 3 << k, xk = hs_grid(x[i], e, k);
+    return xk > -three && xk < three ? mexc_shift_left(dy[i], left) : 0;
+}
+
 /* _divide_by_six over acc(i) 2^ea in three passes: max |acc|; then div_const of the 15-bit
  * compaction (site 0), scanned and written by the output compaction (site 1) */
 static int32_t hs_divide(hs_acc_fn f, const int8_t *a, const int8_t *b, int32_t e, int32_t left,
@@ -146,6 +166,20 @@ int32_t mexc_hardswish_backward(const int8_t *dy, int32_t ed, const int8_t *x, i
 {
     const int32_t k = hs_k(e), left = k < 4 ? 4 - k : 0;
     return hs_divide(hs_backward_acc, dy, x, e, left, ed - k - left, n, dx, ctx, tid);
+}
+
+int32_t mexc_hardsigmoid_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
+                                 const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const int32_t k = hs_k(e), left = k < HSIG_BITS ? HSIG_BITS - k : 0;
+    return hs_divide(hsig_forward_acc, x, x, e, left, -k - left, n, y, ctx, tid);
+}
+
+int32_t mexc_hardsigmoid_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t e,
+                                  uint32_t n, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    return hs_divide(hsig_backward_acc, dy, x, e, HSIG_GRAD_LEFT, ed - HSIG_GRAD_LEFT, n, dx, ctx,
+                     tid);
 }
 
 /* ------------------------------------------------------------------ avgpool2d (pool.py) */

@@ -222,6 +222,56 @@ int32_t mexc_concat(uint32_t t, const int8_t *const *x, const int32_t *e, const 
     return e_out;
 }
 
+/* ------------------------------------------------------------------ mul (elementwise.py) */
+
+/* x * g: x seen as (o, m, inner), g as (m,) along the middle axis (equal shapes: o = inner =
+   1): acc = m_x m_g at e_x + e_g, compaction site 0. */
+int32_t mexc_mul_forward(const int8_t *x, int32_t ex, const int8_t *g, int32_t eg, uint32_t o,
+                         uint32_t m, uint32_t inner, int8_t *out, const mexc_ctx_t *ctx,
+                         uint32_t tid)
+{
+    int32_t e_out = 0;
+    uint32_t a, b, c, idx;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ex + eg);
+        idx = 0;
+        for (a = 0; a < o; a++)
+            for (b = 0; b < m; b++)
+                for (c = 0; c < inner; c++, idx++)
+                    mexc_sink_put(&sink, idx, 0u, (int32_t)x[idx] * (int32_t)g[b]);
+    }
+    return e_out;
+}
+
+/* dg of x * g: acc[b] = sum over (a, c) of dy_m x_m, each shifted right by t (site 1 at x's
+   flat index; t = 0: exact), at e_dy + e_x + t. out NULL: acc is the result (a parameter's
+   int32 gradient) and its exponent is returned; else acc (caller scratch) is compacted into out
+   (site 0) and the result's exponent is returned. */
+int32_t mexc_mul_backward_factor(const int8_t *dy, int32_t ed, const int8_t *x, int32_t ex,
+                                 uint32_t o, uint32_t m, uint32_t inner, uint32_t t,
+                                 int32_t *acc, int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    uint32_t a, b, c, idx = 0, key = mexc_site_key(ctx, tid, 1u);
+    int32_t p, e = ed + ex + (int32_t)t, e_out = 0;
+    mexc_sink_t sink;
+    for (b = 0; b < m; b++) acc[b] = 0;
+    for (a = 0; a < o; a++)
+        for (b = 0; b < m; b++)
+            for (c = 0; c < inner; c++, idx++) {
+                p = (int32_t)dy[idx] * (int32_t)x[idx];
+                acc[b] += t ? mexc_shift_signed(p, (int32_t)t, ctx->stochastic, key, idx) : p;
+            }
+    if (!out) return e;
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, e);
+        for (b = 0; b < m; b++) mexc_sink_put(&sink, b, 0u, acc[b]);
+    }
+    return e_out;
+}
+
 int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
                          int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
 {
