@@ -169,14 +169,25 @@ def _resolve(dotted: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+# functions of model libraries are matched by their qualified name: importing torchvision or
+# timm to resolve them would slow every compile, and neither need be installed
+_BY_NAME = ("torchvision.", "timm.")
+
+
 def _handlers(kind: str) -> dict[Any, Callable[..., Value]]:
     out: dict[Any, Callable[..., Value]] = {}
     for d in REGISTRY.values():
         for p in d.frontend:
             if p.kind == kind:
                 for t in p.targets:
-                    out[t if kind == "method" else _resolve(t)] = p.convert
+                    named = kind == "method" or t.startswith(_BY_NAME)
+                    out[t if named else _resolve(t)] = p.convert
     return out
+
+
+def _qualified(target: Any) -> str:
+    name = getattr(target, "__qualname__", getattr(target, "__name__", ""))
+    return f"{getattr(target, '__module__', '')}.{name}"
 
 
 MODULE_HANDLERS: dict[Any, Callable[..., Value]] = {
@@ -354,7 +365,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Value | None:
             return None  # x.shape
         if n.target is torch.chunk:
             return None  # its getitems become SLICE ops
-        fhandler = FUNCTION_HANDLERS.get(n.target)
+        fhandler = FUNCTION_HANDLERS.get(n.target) or FUNCTION_HANDLERS.get(_qualified(n.target))
         if fhandler is None:
             if n.target is operator.getitem and not _is_tensor(n):
                 return None

@@ -466,6 +466,29 @@ GELU_IN_EXP = -5  # inputs in [-4, 4) at resolution 1/32
 GELU_TABLE = LookupTable.build("gelu", gelu_float, GELU_IN_EXP, -5, -127, 127)
 # derivative in [-0.13, 1.13]; B_G = 6 fractional bits keeps it inside int8
 GELU_GRAD_TABLE = LookupTable.build("gelu_grad", gelu_grad_float, GELU_IN_EXP, -6, -127, 127)
+# the logistic function and SiLU (x sigmoid(x)) on [-8, 8) at 1/16, values at 2^-15 (sigmoid)
+# and 2^-14 (SiLU's derivative, in [-0.1, 1.1]); past the range the clamped index gives
+# sigmoid(+-7.94) and the derivatives' asymptotes within 0.003
+SIGMOID_IN_EXP = -4
+SIGMOID_TABLE = LookupTable.build(
+    "sigmoid", lambda v: 1.0 / (1.0 + math.exp(-v)), SIGMOID_IN_EXP, -15, 0, 1 << 15
+)
+SIGMOID_GRAD_TABLE = LookupTable.build(
+    "sigmoid_grad",
+    lambda v: math.exp(-abs(v)) / (1.0 + math.exp(-abs(v))) ** 2,
+    SIGMOID_IN_EXP,
+    -15,
+    0,
+    1 << 13,
+)
+SILU_GRAD_TABLE = LookupTable.build(
+    "silu_grad",
+    lambda v: (1.0 / (1.0 + math.exp(-v))) * (1.0 + v * (1.0 - 1.0 / (1.0 + math.exp(-v)))),
+    SIGMOID_IN_EXP,
+    -14,
+    -(1 << 15),
+    1 << 15,
+)
 EXP_IN_EXP = -4  # exp(x) for x in [-8, 0]; positive indices are never used (x <= 0)
 EXP_OUT_EXP = -15
 EXP_TABLE = LookupTable.build(

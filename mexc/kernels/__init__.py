@@ -14,6 +14,10 @@ from mexc.kernels.activation import (
     relu6_forward,
     relu_backward,
     relu_forward,
+    sigmoid_backward,
+    sigmoid_forward,
+    silu_backward,
+    silu_forward,
 )
 from mexc.kernels.conv import (
     conv2d_accumulate,
@@ -59,6 +63,10 @@ from mexc.kernels.quantize import quantize
 __all__ = [
     "BatchNormSaved",
     "add_forward",
+    "sigmoid_backward",
+    "sigmoid_forward",
+    "silu_backward",
+    "silu_forward",
     "hardsigmoid_backward",
     "hardsigmoid_forward",
     "concat_forward",

@@ -1,4 +1,4 @@
-"""ReLU and ReLU6: exponent unchanged, no rounding."""
+"""ReLU, ReLU6, Hardswish, Hardsigmoid, sigmoid and SiLU, and their gradients."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import numpy as np
 
 from mexc.kernels._common import compact_mx, fast_compact_to_bits, i64, scalar_exp, site_key
 from mexc.mx import MX, RoundCtx
-from mexc.numerics import Reciprocal, div_const, shift_right
+from mexc.numerics import (
+    SIGMOID_GRAD_TABLE,
+    SIGMOID_TABLE,
+    SILU_GRAD_TABLE,
+    LookupTable,
+    Reciprocal,
+    div_const,
+    shift_right,
+)
 
 
 def relu_forward(x: MX) -> MX:
@@ -126,3 +134,36 @@ def hardsigmoid_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
     inside = (xk > -three) & (xk < three)
     acc = np.where(inside, i64(dy.m) << HSIG_GRAD_LEFT, 0)
     return _divide_by_six(acc, ed - HSIG_GRAD_LEFT, ctx, tid)
+
+
+# ----------------------------------------------------------------------------- sigmoid, SiLU
+
+
+def table_product(a: MX | None, x: MX, table: LookupTable, ctx: RoundCtx, tid: int) -> MX:
+    """a times table(x) (a None: table(x) alone): the table's index is x shifted to its
+    in_exp (site 0, PRNG index = x's flat index; saturating, clamped); acc = m_a T (|.| <
+    2^22) at e_a + out_exp; compaction (site 1). Sigmoid is table_product(None, x,
+    SIGMOID_TABLE), SiLU table_product(x, x, SIGMOID_TABLE); their gradients
+    table_product(dy, x, SIGMOID_GRAD_TABLE | SILU_GRAD_TABLE)."""
+    ex = scalar_exp(x, f"{table.name} input")
+    t = table.lookup(i64(x.m), ex, ctx.rounding, site_key(ctx, tid, 0))
+    if a is None:
+        return compact_mx(t, table.out_exp, ctx, site_key(ctx, tid, 1))
+    ea = scalar_exp(a, "factor")
+    return compact_mx(i64(a.m) * t, ea + table.out_exp, ctx, site_key(ctx, tid, 1))
+
+
+def sigmoid_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(None, x, SIGMOID_TABLE, ctx, tid)
+
+
+def sigmoid_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(dy, x, SIGMOID_GRAD_TABLE, ctx, tid)
+
+
+def silu_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(x, x, SIGMOID_TABLE, ctx, tid)
+
+
+def silu_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(dy, x, SILU_GRAD_TABLE, ctx, tid)

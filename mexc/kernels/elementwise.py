@@ -55,15 +55,29 @@ def dropout_scale(p: FixedScalar) -> FixedScalar:
     return FixedScalar.of(1.0 / (1.0 - float(p)))
 
 
+DROPOUT_MODES = ("element", "row", "batch")
+
+
+def dropout_group(shape: tuple[int, ...], mode: str) -> int:
+    """Elements per keep decision: 1 (dropout), a sample (stochastic depth, torchvision's "row"
+    mode), or the whole batch ("batch")."""
+    size = int(np.prod(shape, dtype=np.int64))
+    return {"element": 1, "row": size // max(shape[0], 1), "batch": size}[mode]
+
+
 def dropout_forward(
-    x: MX, p: FixedScalar | float, ctx: RoundCtx, tid: int
+    x: MX, p: FixedScalar | float, ctx: RoundCtx, tid: int, per: int = 1
 ) -> tuple[MX, np.ndarray]:
-    """Inverted dropout. mask = element_bits(key site 0, shape) < 2^32 - p*2^32 (uint32 compare);
-    y = compact(m * mask * s.num) at exponent e - s.shift (site 1), s = FixedScalar(1/(1-p))."""
+    """Inverted dropout. mask = element_bits(key site 0, size / per) < 2^32 - p*2^32 (uint32
+    compare), word j deciding elements [j per, (j + 1) per) (per = dropout_group: 1 for
+    dropout, a sample for stochastic depth); y = compact(m * mask * s.num) at exponent e -
+    s.shift (site 1), s = FixedScalar(1/(1-p))."""
     pf = p if isinstance(p, FixedScalar) else FixedScalar.of(float(p))
     if float(pf) >= 1.0:
         raise ValueError("dropout probability must be < 1")
-    words = element_bits(site_key(ctx, tid, 0), x.shape).astype(np.int64)
+    size = int(np.prod(x.shape, dtype=np.int64))
+    words = element_bits(site_key(ctx, tid, 0), (size // per,)).astype(np.int64)
+    words = np.repeat(words, per).reshape(x.shape)
     mask = words < _keep_threshold(pf)
     return _scale_masked(x, mask, pf, ctx, site_key(ctx, tid, 1)), mask
 

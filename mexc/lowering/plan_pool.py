@@ -3,10 +3,15 @@ ReLU6, Hardswish, residual and gradient sums, dropout (te_pool's and te_ops' ker
 
 from __future__ import annotations
 
-from mexc.ir import Node
+from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
 from mexc.kernels.activation import HS_DIVISOR
-from mexc.kernels.elementwise import MAX_SUM_TERMS, _keep_threshold, dropout_scale
+from mexc.kernels.elementwise import (
+    MAX_SUM_TERMS,
+    _keep_threshold,
+    dropout_group,
+    dropout_scale,
+)
 from mexc.lowering import te_ops, te_pool
 from mexc.lowering.plan_core import (
     I8,
@@ -17,7 +22,14 @@ from mexc.lowering.plan_core import (
     unsupported,
 )
 from mexc.lowering.te_products import IntPair, _pair
-from mexc.numerics import FixedScalar, ceil_log2
+from mexc.numerics import (
+    SIGMOID_GRAD_TABLE,
+    SIGMOID_TABLE,
+    SILU_GRAD_TABLE,
+    FixedScalar,
+    LookupTable,
+    ceil_log2,
+)
 
 
 class PoolRules(PlanBuilder):
@@ -63,7 +75,10 @@ class PoolRules(PlanBuilder):
         mask = self.out(n, 1, I8, shape)
         acc = self.buf(f"n{n.id}.acc", shape, I32)
         key = self.keys(n, (0,), "key0")
-        func = te_pool.dropout_forward_acc(shape, _keep_threshold(p), scale.num, f"n{n.id}_drop")
+        per = dropout_group(shape, str(n.attrs.mode))
+        func = te_pool.dropout_forward_acc(
+            shape, _keep_threshold(p), scale.num, f"n{n.id}_drop", per
+        )
         self.launch(func, (self.m[x], key, mask, acc))
         self.compact(n, acc, self.exp_offset(n, self.e[x], -scale.shift, "e_acc"), shape, 1)
 
@@ -142,6 +157,37 @@ class PoolRules(PlanBuilder):
         args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])
         self.launch(func, (*args, acc, e_acc))
         self._divide_by_six(n, acc, e_acc, rows)
+
+    def _table_product(self, n: Node, a: Value | None, x: Value, table: LookupTable) -> None:
+        """kernels.activation.table_product: a times table(x) (index rounding site 0),
+        compacted without being stored (site 1)."""
+        rows = self.rows_of(self.shape(x))
+        key = self.keys(n, (0,), "key0")
+        tab = self.const(f"{table.name}_table", table.values, I32)
+        kernels = te_ops.table_product_compaction(
+            rows,
+            table.in_exp,
+            table.out_exp,
+            a is not None,
+            self.bits,
+            self.stochastic,
+            f"n{n.id}_{table.name}",
+        )
+        lead = () if a is None else (self.view(self.m[a], rows), self.e[a])
+        args = (*lead, self.view(self.m[x], rows), self.e[x], key, tab)
+        self.compact_unstored(n, 1, kernels, args, self.view(self.out(n, 0, I8), rows))
+
+    def sigmoid(self, n: Node) -> None:
+        self._table_product(n, None, n.inputs[0], SIGMOID_TABLE)
+
+    def sigmoid_grad(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[1], SIGMOID_GRAD_TABLE)
+
+    def silu(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[0], SIGMOID_TABLE)
+
+    def silu_grad(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
 
     def avgpool_grad(self, n: Node) -> None:
         dy = n.inputs[0]

@@ -532,3 +532,40 @@ def mul_factor_grad(
         acc = te.compute((shape[g_axis],), body, name="acc")
     e_acc = te.compute((1,), lambda _: ed[0] + ex[0] + t, name="e_acc")
     return _func([dy, ed, x, ex, key, acc, e_acc], name)
+
+
+# ----------------------------------------------------------------------------- table products
+
+
+def table_product_compaction(
+    shape: tuple[int, ...],
+    in_exp: int,
+    out_exp: int,
+    factor: bool,
+    bits: int,
+    stochastic: bool,
+    name: str,
+) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """kernels.activation.table_product compacted without storing the product: a times
+    table(x) (factor False: table(x) alone). Parameters of both kernels: (a, e_a,) x, e_x,
+    key0 (the index rounding, site 0), table int32[256], then fused_compaction's."""
+    x = te.placeholder(shape, I8, name="x")
+    ex = te.placeholder((1,), I32, name="e_x")
+    key0 = te.placeholder((1,), I64, name="key0")
+    table = te.placeholder((256,), I32, name="table")
+    lead: list[te.Tensor] = []
+    if factor:
+        a, ea = te.placeholder(shape, I8, name="a"), te.placeholder((1,), I32, name="e_a")
+        lead = [a, ea]
+        target = te.compute((1,), lambda _: ea[0] + out_exp, name="target")
+    else:
+        target = te.compute((1,), lambda _: tirx.const(out_exp, I32), name="target")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        m, e = x[idx].astype(I64), ex[0].astype(I64)
+        t = table_lookup(table, in_exp, m, e, key0[0], flat, stochastic)
+        return t * lead[0][idx].astype(I32) if factor else t
+
+    inputs = [*lead, x, ex, key0, table]
+    return fused_compaction(shape, inputs, target, body, bits, stochastic, name)

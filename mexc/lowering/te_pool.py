@@ -245,17 +245,20 @@ def hardsigmoid_grad_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
 
 
 def dropout_forward_acc(
-    shape: tuple[int, ...], keep_below: int, scale_num: int, name: str
+    shape: tuple[int, ...], keep_below: int, scale_num: int, name: str, per: int = 1
 ) -> tirx.PrimFunc:
-    """mask = random word (key, flat index) < keep_below; acc = mask ? m * scale_num : 0.
-    Parameters (x, key, mask (int8 0/1), acc)."""
+    """mask = random word (key, flat index / per) < keep_below; acc = mask ? m * scale_num :
+    0. Parameters (x, key, mask (int8 0/1), acc)."""
     x = te.placeholder(shape, I8, name="x")
     key = te.placeholder((1,), I64, name="key")
+
+    def word(i: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
+        flat = _flat_index(shape, i)
+        return random_word(key[0], flat if per == 1 else tirx.floordiv(flat, per))
+
     mask = te.compute(
         shape,
-        lambda *i: tirx.if_then_else(
-            random_word(key[0], _flat_index(shape, i)) < _c(keep_below), 1, 0
-        ).astype(I8),
+        lambda *i: tirx.if_then_else(word(i) < _c(keep_below), 1, 0).astype(I8),
         name="mask",
     )
     acc = te.compute(

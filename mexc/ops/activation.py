@@ -1,4 +1,5 @@
-"""Activations: ReLU, ReLU6, Hardswish, Hardsigmoid and GELU, and their gradients."""
+"""Activations: ReLU, ReLU6, Hardswish, Hardsigmoid, sigmoid, SiLU and GELU, and their
+gradients."""
 
 from __future__ import annotations
 
@@ -68,6 +69,22 @@ def _hardsigmoid(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _hardsigmoid_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.hardsigmoid_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _sigmoid(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.sigmoid_forward(a[0], env.ctx, tid(n)),)
+
+
+def _sigmoid_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.sigmoid_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _silu(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.silu_forward(a[0], env.ctx, tid(n)),)
+
+
+def _silu_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.silu_backward(a[0], a[1], env.ctx, tid(n)),)
 
 
 def _tir(name: str) -> str:
@@ -150,6 +167,37 @@ define(
         doc="relu6(x + 3) / 6 on hardswish's grid, one division by 6 (docs/layers.md)",
     ),
     OpDef(
+        Op.SIGMOID,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.SIGMOID_GRAD, lambda n: n.inputs[0]),
+        reference=_sigmoid,
+        frontend=(
+            Pattern("module", ("torch.nn.Sigmoid",), unary_module(Op.SIGMOID)),
+            Pattern(
+                "function",
+                ("torch.sigmoid", "torch.nn.functional.sigmoid"),
+                unary_function(Op.SIGMOID),
+            ),
+            Pattern("method", ("sigmoid",), unary_function(Op.SIGMOID)),
+        ),
+        lower={"tir": _tir("sigmoid"), "c": "emit:_sigmoid"},
+        doc="the logistic function through an integer table at 2^-15 (docs/layers.md)",
+    ),
+    OpDef(
+        Op.SILU,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.SILU_GRAD, lambda n: n.inputs[0]),
+        reference=_silu,
+        frontend=(
+            Pattern("module", ("torch.nn.SiLU",), unary_module(Op.SILU)),
+            Pattern("function", ("torch.nn.functional.silu",), unary_function(Op.SILU)),
+        ),
+        lower={"tir": _tir("silu"), "c": "emit:_silu"},
+        doc="x sigmoid(x): the mantissa times the sigmoid table, one compaction",
+    ),
+    OpDef(
         Op.RELU_GRAD,
         {},
         reference=_relu_grad,
@@ -178,6 +226,20 @@ define(
         reference=_hardsigmoid_grad,
         lower={"tir": _tir("hardsigmoid_grad"), "c": "emit:_hardsigmoid_grad"},
         doc="dy / 6 strictly inside (-3, 3), else 0",
+    ),
+    OpDef(
+        Op.SIGMOID_GRAD,
+        {"rid": -1},
+        reference=_sigmoid_grad,
+        lower={"tir": _tir("sigmoid_grad"), "c": "emit:_sigmoid_grad"},
+        doc="dy sigmoid'(x) through a table",
+    ),
+    OpDef(
+        Op.SILU_GRAD,
+        {"rid": -1},
+        reference=_silu_grad,
+        lower={"tir": _tir("silu_grad"), "c": "emit:_silu_grad"},
+        doc="dy SiLU'(x) through a table",
     ),
     OpDef(
         Op.GELU_GRAD,

@@ -10,6 +10,7 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
+from mexc.kernels.elementwise import dropout_group
 from mexc.mx import MX
 from mexc.ops.common import (
     Grads,
@@ -124,7 +125,8 @@ def _reshape(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 def _dropout(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     if not env.train:
         return (a[0], None)
-    return tuple(K.dropout_forward(a[0], float(n.attrs.p), env.ctx, tid(n)))
+    per = dropout_group(tuple(n.type.shape), str(n.attrs.mode))
+    return tuple(K.dropout_forward(a[0], float(n.attrs.p), env.ctx, tid(n), per))
 
 
 def _dropout_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -241,6 +243,21 @@ def _dropout_function(c: Any, n: Any) -> Value:
     if p == 0.0:
         return c.arg(n.args[0])
     return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=p)
+
+
+def _stochastic_depth(c: Any, n: Any) -> Value:
+    """torchvision.ops.stochastic_depth(x, p, mode, training): whole samples (mode "row") or
+    the whole batch ("batch") dropped with probability p in training, as torchvision does when
+    the module trains; the traced `training` flag is that of tracing (eval), not of the step."""
+    args = dict(zip(("input", "p", "mode", "training"), n.args)) | dict(n.kwargs)
+    p, mode = float(args["p"]), str(args["mode"])
+    if mode not in ("row", "batch"):
+        raise UnsupportedOpError(c.describe(n, f"uses stochastic depth mode {mode!r}"))
+    if p == 0.0:
+        return c.arg(args["input"])
+    if p >= 1.0:
+        raise UnsupportedOpError(c.describe(n, "drops every path (p = 1)"))
+    return c.emit(Op.DROPOUT, [c.arg(args["input"])], n, p=p, mode=mode)
 
 
 def _scale_by(c: Any, n: Any, divide: bool) -> Value:
@@ -388,16 +405,21 @@ define(
     ),
     OpDef(
         Op.DROPOUT,
-        {"p": 0.5, "rid": -1},
+        {"p": 0.5, "mode": "element", "rid": -1},
         types=with_index_types,
         vjp=pointwise_vjp(Op.DROPOUT_GRAD, lambda n: n.result(1)),
         reference=_dropout,
         frontend=(
             Pattern("module", ("torch.nn.Dropout",), _dropout_module),
             Pattern("function", ("torch.nn.functional.dropout",), _dropout_function),
+            Pattern(
+                "function",
+                ("torchvision.ops.stochastic_depth.stochastic_depth",),
+                _stochastic_depth,
+            ),
         ),
         lower={"tir": _tir("dropout"), "tir_eval": _tir("dropout_eval"), "c": "emit:_dropout"},
-        doc="inverted dropout with an integer keep mask from the PRNG",
+        doc="inverted dropout, or stochastic depth (one keep decision per sample), from the PRNG",
     ),
     OpDef(
         Op.DROPOUT_GRAD,

@@ -1,7 +1,7 @@
 """The ops that torchvision and timm models need beyond the example models (issue: models users
 bring): concatenation, ceil_mode max pooling, Hardsigmoid, products of two tensors (gating and
-layer scale). Each op's TIR kernels against mexc.kernels where its recipe branches,
-its integer form against torch's float op, and a small model that uses it trained bit-exact on
+layer scale), sigmoid and SiLU, stochastic depth. Each op's TIR kernels against mexc.kernels
+where its recipe branches, its integer form against torch's float op, and a small model that uses it trained bit-exact on
 every backend: reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
 
 from __future__ import annotations
@@ -333,6 +333,104 @@ def test_mul_kernels_equal_the_reference(shape, g_axis, rounding: str) -> None:
     assert int(e_acc[0]) == int(want_acc.e)
 
 
+# ----------------------------------------------------------------------------- sigmoid, SiLU
+
+
+@pytest.mark.parametrize("e", [-9, -6, -4, -2, 0, 3])
+def test_sigmoid_and_silu_are_torch_within_their_tables(e: int) -> None:
+    """The tables sample [-8, 8) at 1/16. With the index rounded to nearest, an input finer
+    than the table moves by at most 2^-5: sigmoid (slope <= 1/4) is then within 2^-7, SiLU =
+    x sigmoid(x) within |x| 2^-7, the derivatives (slopes <= 0.1 and 0.5) within 2^-6; past
+    +-8 the clamped index keeps each within 0.003; plus the result's rounding."""
+    ctx = RoundCtx("nearest", 0, 0, 8)
+    x = MX.of(MANTISSAS, e)
+    xf = _float(x)
+    xt = torch.from_numpy(xf)
+    step = 2.0**-5 if e < -4 else 0.0  # inputs on the table's grid need no index rounding
+    sig = step / 4 + 0.0004
+    for fwd, fn, slack in (
+        (K.sigmoid_forward, torch.sigmoid, sig),
+        (K.silu_forward, nn.functional.silu, np.abs(xf) * sig),
+    ):
+        y = fwd(x, ctx, 0)
+        assert np.all(np.abs(_float(y) - fn(xt).numpy()) <= slack + 0.5 * 2.0 ** float(y.e))
+    dy = MX.of(np.full(256, 64, np.int8), -6)  # 1.0
+    for bwd, fn in ((K.sigmoid_backward, torch.sigmoid), (K.silu_backward, nn.functional.silu)):
+        xg = xt.clone().requires_grad_()
+        fn(xg).backward(torch.ones(256, dtype=torch.float64))
+        dx = bwd(dy, x, ctx, 0)
+        assert xg.grad is not None
+        err = np.abs(_float(dx) - xg.grad.numpy())
+        assert np.all(err <= step / 2 + 0.003 + 0.5 * 2.0 ** float(dx.e))
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("e", [-9, -4, -1, 2, 9])
+@pytest.mark.parametrize("which", ["sigmoid", "silu", "sigmoid_grad", "silu_grad"])
+def test_table_product_kernels_equal_the_reference(which: str, e: int, rounding: str) -> None:
+    from mexc.kernels.activation import table_product
+    from mexc.lowering import te_ops
+    from mexc.numerics import SIGMOID_GRAD_TABLE, SIGMOID_TABLE, SILU_GRAD_TABLE
+
+    table = {"sigmoid": SIGMOID_TABLE, "silu": SIGMOID_TABLE}.get(
+        which, SIGMOID_GRAD_TABLE if which == "sigmoid_grad" else SILU_GRAD_TABLE
+    )
+    ctx = RoundCtx(rounding, 3, 1, 8)  # type: ignore[arg-type]
+    x = MANTISSAS.reshape(8, 32)
+    factor = which != "sigmoid"
+    a = x if which == "silu" else np.random.default_rng(abs(e)).integers(-127, 128, x.shape)
+    a = a.astype(np.int8)
+    ea = e if which == "silu" else -6
+    kernels = te_ops.table_product_compaction(
+        x.shape, table.in_exp, table.out_exp, factor, 8, rounding == "stochastic", "k"
+    )
+    lead = [a, _i32(ea)] if factor else []
+    inputs = [*lead, x, _i32(e), _key(ctx, 11, 0), table.values]
+    m, e_out = _fused(kernels, inputs, _key(ctx, 11, 1), x.shape)
+    want = table_product(MX.of(a, ea) if factor else None, MX.of(x, e), table, ctx, 11)
+    np.testing.assert_array_equal(m, want.m)
+    assert e_out == int(want.e)
+
+
+class SwishNet(nn.Module):
+    """EfficientNet's pieces: SiLU after batch norm, squeeze-and-excitation with SiLU and
+    sigmoid gating, and torchvision's stochastic depth on a residual branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.ops import StochasticDepth
+
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.SiLU()
+        self.fc1 = nn.Conv2d(8, 4, 1)
+        self.fc2 = nn.Conv2d(4, 8, 1)
+        self.branch = nn.Conv2d(8, 8, 3, padding=1)
+        self.drop = StochasticDepth(0.5, "row")
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.bn(self.conv(x)))
+        s = nn.functional.adaptive_avg_pool2d(x, 1)
+        x = x * torch.sigmoid(self.fc2(nn.functional.silu(self.fc1(s))))
+        x = x + self.drop(self.branch(x))
+        return self.fc(torch.flatten(nn.functional.max_pool2d(x, 2), 1))
+
+
+def test_stochastic_depth_keeps_or_drops_whole_samples() -> None:
+    ctx = RoundCtx("stochastic", 5, 2, 8)
+    x = MX.of(np.random.default_rng(0).integers(1, 127, (64, 3, 4, 4)).astype(np.int8), -4)
+    per = K.elementwise.dropout_group(x.m.shape, "row")
+    assert per == 48
+    y, mask = K.dropout_forward(x, 0.5, ctx, 9, per)
+    rows = mask.reshape(64, -1)
+    assert np.all(rows == rows[:, :1])  # one decision per sample
+    assert 16 < rows[:, 0].sum() < 48  # about half of 64 kept
+    kept = rows[:, 0].astype(bool)
+    np.testing.assert_array_equal(_float(y)[~kept], 0)
+    np.testing.assert_allclose(_float(y)[kept], 2 * _float(x)[kept], rtol=0.02)
+
+
 class GatedNet(nn.Module):
     """Squeeze-and-excitation with Hardsigmoid gating (MobileNetV3's), a layer-scale parameter
     [C, 1, 1] (ConvNeXt's), and a product of two activations of one shape."""
@@ -356,6 +454,7 @@ class GatedNet(nn.Module):
 
 
 MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...], set[Op]]] = {
+    "swish": (SwishNet, (1, 8, 8), {Op.SILU, Op.SIGMOID, Op.SILU_GRAD, Op.SIGMOID_GRAD}),
     "gated": (GatedNet, (1, 8, 8), {Op.MUL, Op.MUL_GRAD, Op.HARDSIGMOID, Op.HARDSIGMOID_GRAD}),
     "concat": (CatNet, (1, 8, 8), {Op.CONCAT}),
     "ceil_pool": (CeilPoolNet, (1, 8, 8), {Op.MAXPOOL2D}),

@@ -24,7 +24,7 @@ SIGS = {
     "mexc_global_avgpool_backward": "i uuupippu",
     "mexc_mean_axis_forward": "i uuupippu",
     "mexc_mean_axis_backward": "i uuupippu",
-    "mexc_dropout_forward": "i piuuFpppu",
+    "mexc_dropout_forward": "i piuuFpppuu",
     "mexc_dropout_backward": "i pipuFppu",
 }
 
@@ -125,7 +125,9 @@ def test_dropout(lib, p, ci):
     s = dropout_scale(pf)
     fs = Fixed(s.num, s.shift)
     y, m = _out(shape), np.zeros(shape, np.uint8)
-    e = lib.mexc_dropout_forward(P(i8(x.m)), -3, x.m.size, drop, fs, P(y), P(m), C.byref(c_ctx), 80)
+    e = lib.mexc_dropout_forward(
+        P(i8(x.m)), -3, x.m.size, drop, fs, P(y), P(m), C.byref(c_ctx), 80, 1
+    )
     assert e == int(ref.e) and np.array_equal(y, ref.m) and np.array_equal(m.astype(bool), mask)
     dy = MX.of(rng.integers(-127, 128, shape), -5)
     r = K.dropout_backward(dy, mask, p, ctx, 96)

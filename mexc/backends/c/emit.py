@@ -15,10 +15,23 @@ import numpy as np
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
-from mexc.kernels.elementwise import _keep_threshold, dropout_scale, factor_view, mul_grad_shift
+from mexc.kernels.elementwise import (
+    _keep_threshold,
+    dropout_group,
+    dropout_scale,
+    factor_view,
+    mul_grad_shift,
+)
 from mexc.kernels.norm import _eps_fixed
 from mexc.mx import SITES_PER_NODE
-from mexc.numerics import FixedScalar, product_cap
+from mexc.numerics import (
+    SIGMOID_GRAD_TABLE,
+    SIGMOID_TABLE,
+    SILU_GRAD_TABLE,
+    FixedScalar,
+    LookupTable,
+    product_cap,
+)
 from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
 from mexc.types import Exp, Kind
@@ -564,7 +577,7 @@ def _dropout(e: _Emit, n: Node) -> None:
     ey = e.local_exp(n.out)
     e.emit(
         f"{ey} = mexc_dropout_forward({x}, {ex}, {e.numel(n.out)}u, {drop}u, {scale}, {y}, "
-        f"{mask}, &ctx, {_tid(n)}u);"
+        f"{mask}, &ctx, {_tid(n)}u, {dropout_group(e.shape(n.out), str(n.attrs.mode))}u);"
     )
 
 
@@ -618,6 +631,38 @@ def _layernorm_grad(e: _Emit, n: Node) -> None:
         f"mexc_layernorm_backward({rows}, {d}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, &{edx}, "
         f"{dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
     )
+
+
+def _table_product(e: _Emit, n: Node, a: Value | None, x: Value, table: LookupTable) -> None:
+    """activation.table_product; the table is a static array of the generated program, from
+    numerics (one definition)."""
+    name = f"mexc_{table.name}_table"
+    if not any(f" {name}[" in line for line in e.statics):
+        e.statics.append(_array("int32_t", name, table.values))
+    xp, ex = e.ptr[x], e.exp[x]
+    ap, ea = ("NULL", "0") if a is None else (e.ptr[a], e.exp[a])
+    out = e.arena(n.out, "int8_t")
+    eo = e.local_exp(n.out)
+    e.emit(
+        f"{eo} = mexc_table_product({ap}, {ea}, {xp}, {ex}, {name}, {table.in_exp}, "
+        f"{table.out_exp}, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u);"
+    )
+
+
+def _sigmoid(e: _Emit, n: Node) -> None:
+    _table_product(e, n, None, n.inputs[0], SIGMOID_TABLE)
+
+
+def _sigmoid_grad(e: _Emit, n: Node) -> None:
+    _table_product(e, n, n.inputs[0], n.inputs[1], SIGMOID_GRAD_TABLE)
+
+
+def _silu(e: _Emit, n: Node) -> None:
+    _table_product(e, n, n.inputs[0], n.inputs[0], SIGMOID_TABLE)
+
+
+def _silu_grad(e: _Emit, n: Node) -> None:
+    _table_product(e, n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
 
 
 def _gelu(e: _Emit, n: Node) -> None:

@@ -209,12 +209,13 @@ int32_t mexc_global_avgpool_forward(uint32_t n, uint32_t c, uint32_t s, const in
                                     int32_t e, int8_t *y, const mexc_ctx_t *ctx, uint32_t tid);
 int32_t mexc_global_avgpool_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy,
                                      int32_t ed, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
-/* dropout (elementwise.py): mask[i] = rand(site 0, i) < 2^32 - drop (all kept if drop == 0),
+/* dropout (elementwise.py): mask[i] = rand(site 0, i / per) < 2^32 - drop (all kept if drop == 0;
+ * per: elements per decision, 1, or a sample for stochastic depth),
  * drop = round-down(p 2^32) and scale = FixedScalar.of(1/(1-p)) are host constants;
  * y = compact(mask m scale.num) at e - scale.shift (site 1). Backward: site 0. */
 int32_t mexc_dropout_forward(const int8_t *x, int32_t e, uint32_t n, uint32_t drop,
                              mexc_fixed_t scale, int8_t *y, uint8_t *mask, const mexc_ctx_t *ctx,
-                             uint32_t tid);
+                             uint32_t tid, uint32_t per);
 int32_t mexc_dropout_backward(const int8_t *dy, int32_t ed, const uint8_t *mask, uint32_t n,
                               mexc_fixed_t scale, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
 
@@ -249,6 +250,11 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
                              int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
                              int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
                              int32_t *scratch);
+/* activation.table_product: a (NULL: none) times a 256-entry table of x (sites 0, 1); sigmoid,
+   SiLU and their gradients, with the tables the generated program defines. */
+int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t ex,
+                           const int32_t *tab, int32_t in_exp, int32_t out_exp, uint32_t n,
+                           int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
 /* gelu_forward (sites 0 index rounding, 1 compaction); gelu_backward(dy, x = GELU input). */
 int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
                           const mexc_ctx_t *ctx, uint32_t tid);

@@ -352,11 +352,12 @@ static int32_t dropout_scaled(const int8_t *x, int32_t e, const uint8_t *mask, u
 
 int32_t mexc_dropout_forward(const int8_t *x, int32_t e, uint32_t n, uint32_t drop,
                              mexc_fixed_t scale, int8_t *y, uint8_t *mask, const mexc_ctx_t *ctx,
-                             uint32_t tid)
+                             uint32_t tid, uint32_t per)
 {
     const uint32_t k0 = mexc_site_key(ctx, tid, 0), keep_below = 0u - drop;
     uint32_t i;
-    for (i = 0; i < n; i++) mask[i] = (uint8_t)(drop == 0u || mexc_rand(k0, i) < keep_below);
+    for (i = 0; i < n; i++)
+        mask[i] = (uint8_t)(drop == 0u || mexc_rand(k0, i / per) < keep_below);
     return dropout_scaled(x, e, mask, n, scale, y, ctx, mexc_site_key(ctx, tid, 1));
 }
 

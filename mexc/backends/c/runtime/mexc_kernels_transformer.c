@@ -243,6 +243,27 @@ static int32_t table_lookup(const int32_t *tab, int32_t in_exp, int32_t x, int32
     return tab[t + 128];
 }
 
+/* activation.table_product: a[i] (a NULL: 1) times tab[x[i] shifted to in_exp] (site 0), at
+   e_a + out_exp (e_a = 0 without a factor); compaction site 1. */
+int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t ex,
+                           const int32_t *tab, int32_t in_exp, int32_t out_exp, uint32_t n,
+                           int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    const uint32_t key0 = mexc_site_key(ctx, tid, 0);
+    int32_t v, e_out = 0;
+    uint32_t i;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, (a ? ea : 0) + out_exp);
+        for (i = 0; i < n; i++) {
+            v = table_lookup(tab, in_exp, x[i], ex, ctx, key0, i);
+            mexc_sink_put(&sink, i, 0u, a ? (int32_t)a[i] * v : v);
+        }
+    }
+    return e_out;
+}
+
 int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
                           const mexc_ctx_t *ctx, uint32_t tid)
 {
