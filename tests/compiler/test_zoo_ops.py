@@ -1,8 +1,9 @@
 """The ops that torchvision and timm models need beyond the example models (issue: models users
 bring): concatenation, ceil_mode max pooling, Hardsigmoid, products of two tensors (gating and
 layer scale), sigmoid and SiLU, stochastic depth. Each op's TIR kernels against mexc.kernels
-where its recipe branches, its integer form against torch's float op, and a small model that uses it trained bit-exact on
-every backend: reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
+where its recipe branches, its integer form against torch's float op, and a small model that
+uses it trained bit-exact on every backend: reference, llvm, C, and the CUDA artifact's own
+source on the CPU emulator."""
 
 from __future__ import annotations
 
