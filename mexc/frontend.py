@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import operator
 import re
 import traceback
@@ -43,7 +44,8 @@ class FrontendResult:
 class _Ctx:
     gm: torch.fx.GraphModule
     b: GraphBuilder
-    env: dict[torch.fx.Node, Value] = field(default_factory=dict)
+    # a Value, or what a getitem reads: _Pieces (chunk, split, unbind), a tuple of results
+    env: dict[torch.fx.Node, Any] = field(default_factory=dict)
     params: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     param_values: dict[str, Value] = field(default_factory=dict)
@@ -77,7 +79,10 @@ class _Ctx:
     def arg(self, a: Any) -> Value:
         if not isinstance(a, torch.fx.Node):
             raise UnsupportedOpError(f"expected a tensor argument, got {a!r}")
-        return self.env[a]
+        v = self.env[a]
+        if not isinstance(v, Value):
+            raise UnsupportedOpError(_describe(a, "is a tuple of tensors where a tensor is used"))
+        return v
 
     def emit(self, op: Op, inputs: list[Value], n: torch.fx.Node, **kw: Any) -> Value:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
@@ -138,29 +143,103 @@ def _identity(c: _Ctx, n: torch.fx.Node, m: Any = None) -> Value:
     return c.arg(n.args[0])
 
 
-def _mha(c: _Ctx, n: torch.fx.Node, m: nn.Module) -> Value:
-    raise UnsupportedOpError(
-        f"Unsupported op MultiheadAttention: {_describe(n, 'is not supported yet')}. Write the "
-        "attention by hand: q, k, v = Linear layers; (q @ k.transpose(-2, -1)) * scale; "
-        ".softmax(-1); @ v (see examples/vit.py)."
-    )
+@dataclass(frozen=True)
+class _Pieces:
+    """The result of chunk, split or unbind: pieces [start, stop) of `src` along `dim`, each a
+    SLICE made when a getitem reads it (`squeeze`: unbind drops the axis)."""
+
+    src: torch.fx.Node
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    squeeze: bool = False
 
 
-def _chunk_item(c: _Ctx, n: torch.fx.Node) -> Value | None:
-    """getitem of a chunk: a SLICE of the chunked tensor."""
-    src, index = n.args[0], n.args[1]
-    if not isinstance(src, torch.fx.Node) or src.target not in ("chunk", torch.chunk):
-        return None
-    x = src.args[0]
-    chunks = static_int(src.args[1] if len(src.args) > 1 else src.kwargs["chunks"])
-    dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+def _pieces(c: _Ctx, n: torch.fx.Node) -> _Pieces:
+    """chunk(x, chunks, dim), split(x, size_or_sizes, dim), unbind(x, dim), as functions or
+    methods."""
+    name = n.target if isinstance(n.target, str) else n.target.__name__
+    x: Any = n.args[0]
     shape = c.shape(x)
-    dim = static_int(dim) % len(shape)
-    if shape[dim] % chunks:
-        raise UnsupportedOpError(_describe(src, "chunks an axis that does not divide evenly"))
-    size = shape[dim] // chunks
-    i = static_int(index)
-    return c.emit(Op.SLICE, [c.arg(x)], n, dim=dim, start=i * size, stop=(i + 1) * size)
+    first = n.args[1] if len(n.args) > 1 else None
+    dim_arg = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    if name == "unbind":
+        dim_arg = first if first is not None else n.kwargs.get("dim", 0)
+    dim = static_int(dim_arg) % len(shape)
+    size = shape[dim]
+    if name == "unbind":
+        return _Pieces(x, dim, tuple((i, i + 1) for i in range(size)), squeeze=True)
+    if name == "chunk":
+        chunks = static_int(first if first is not None else n.kwargs["chunks"])
+        step = -(-size // chunks)  # torch.chunk: pieces of ceil(size / chunks)
+        sizes = [min(step, size - s) for s in range(0, size, step)]
+    else:
+        spec = first if first is not None else n.kwargs["split_size_or_sections"]
+        if isinstance(spec, (list, tuple)):
+            sizes = [static_int(v) for v in spec]
+        else:
+            sizes = [min(static_int(spec), size - s) for s in range(0, size, static_int(spec))]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return _Pieces(x, dim, tuple((s, s + k) for s, k in zip(starts, sizes)))
+
+
+def _piece(c: _Ctx, n: torch.fx.Node, parts: _Pieces, index: int) -> Value:
+    start, stop = parts.ranges[index]
+    shape = list(c.shape(parts.src))
+    if (start, stop) == (0, shape[parts.dim]):
+        v = c.arg(parts.src)
+    else:
+        shape[parts.dim] = stop - start
+        v = c.emit_as(
+            Op.SLICE, [c.arg(parts.src)], tuple(shape), dim=parts.dim, start=start, stop=stop
+        )
+    out = c.shape(n)
+    return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
+
+
+def _index(c: _Ctx, n: torch.fx.Node) -> Value:
+    """x[...] with integers and unit-step slices along non-batch axes (x[:, 0], x[:, 1:]): a
+    SLICE per indexed axis, then a RESHAPE that drops the integer-indexed ones."""
+    x, index = n.args[0], n.args[1]
+    shape = list(c.shape(x))
+    items: list[Any] = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    if len(items) > len(shape) or any(
+        not isinstance(t, (int, slice)) or (isinstance(t, slice) and t.step not in (None, 1))
+        for t in items
+    ):
+        raise UnsupportedOpError(
+            _describe(n, "indexes with something other than integers and unit-step slices")
+        )
+    v = c.arg(x)
+    for dim, item in enumerate(items):
+        start, stop, _ = (
+            slice(item, item + 1 if item != -1 else None) if isinstance(item, int) else item
+        ).indices(shape[dim])
+        if (start, stop) == (0, shape[dim]):
+            continue
+        if dim == 0:
+            raise UnsupportedOpError(_describe(n, "indexes the batch axis"))
+        shape[dim] = stop - start
+        v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
+    out = c.shape(n)
+    return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
+
+
+def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
+    src, index = n.args[0], n.args[1]
+    held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
+    if isinstance(held, _Pieces):
+        return _piece(c, n, held, static_int(index))
+    if isinstance(held, tuple):  # a module with several results (MultiheadAttention)
+        item = held[static_int(index)]
+        if item is None and n.users:
+            raise UnsupportedOpError(_describe(n, "reads a result mexc does not compute"))
+        return item
+    if not _is_tensor(n):
+        return None
+    return _index(c, n)
 
 
 def _resolve(dotted: str) -> Any:
@@ -193,7 +272,6 @@ def _qualified(target: Any) -> str:
 MODULE_HANDLERS: dict[Any, Callable[..., Value]] = {
     **_handlers("module"),
     nn.Identity: _identity,
-    nn.MultiheadAttention: _mha,
 }
 FUNCTION_HANDLERS: dict[Any, Callable[..., Value]] = _handlers("function")
 METHOD_HANDLERS: dict[Any, Callable[..., Value]] = {
@@ -219,7 +297,8 @@ def _fetch_attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
 
 
 # nodes computing Python ints from static shapes (x.size(0), x.shape) are folded by ShapeProp
-_SHAPE_METHODS = {"size", "dim", "chunk"}  # chunk: its getitems become SLICE ops
+_SHAPE_METHODS = {"size", "dim"}
+_PIECES = {"chunk", "split", "unbind", torch.chunk, torch.split, torch.unbind}  # getitem: SLICE
 
 
 def supported_ops() -> list[str]:
@@ -248,8 +327,12 @@ class _Tracer(torch.fx.Tracer):
 def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     """symbolic_trace with source locations and a clear error for dynamic control flow."""
     tracer = _Tracer()
+    # forward's optional arguments (timm's attn_mask=None) keep their defaults: the model
+    # takes one tensor
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
+    concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=concrete or None)
     except torch.fx.proxy.TraceError as err:
         raise TraceError(_control_flow_message(model, err)) from None
     except Exception as err:  # noqa: BLE001 - anything symbolic tracing trips over
@@ -351,7 +434,7 @@ def _static(c: _Ctx, n: torch.fx.Node) -> bool:
     return ok
 
 
-def _translate(c: _Ctx, n: torch.fx.Node) -> Value | None:
+def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
     if n.op in ("call_function", "call_method") and _static(c, n):
         return None
     if n.op == "call_module":
@@ -363,21 +446,19 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Value | None:
     if n.op == "call_function":
         if n.target is getattr:
             return None  # x.shape
-        if n.target is torch.chunk:
-            return None  # its getitems become SLICE ops
+        if n.target in _PIECES:
+            return _pieces(c, n)  # read by getitem
+        if n.target is operator.getitem:
+            return _getitem(c, n)
         fhandler = FUNCTION_HANDLERS.get(n.target) or FUNCTION_HANDLERS.get(_qualified(n.target))
         if fhandler is None:
-            if n.target is operator.getitem and not _is_tensor(n):
-                return None
-            if n.target is operator.getitem:
-                item = _chunk_item(c, n)
-                if item is not None:
-                    return item
             raise _unsupported(n, _target_name(n))
         return fhandler(c, n)
     if n.op == "call_method":
         if n.target in _SHAPE_METHODS:
             return None
+        if n.target in _PIECES:
+            return _pieces(c, n)
         mhandler = METHOD_HANDLERS.get(str(n.target))
         if mhandler is None:
             raise _unsupported(n, f"Tensor.{n.target}")
@@ -410,6 +491,9 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     for n in gm.graph.nodes:
         c.loc = _user_location(n)
         if n.op == "placeholder":
+            if c.env and not _is_tensor(n):
+                c.static.add(n)  # an optional argument traced at its default (concrete_args)
+                continue
             if c.env:
                 raise UnsupportedOpError("mexc models take exactly one input tensor")
             node = b.add(Op.INPUT, (), f32(*c.shape(n)), attrs(Op.INPUT, name=n.name))

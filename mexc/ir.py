@@ -56,6 +56,7 @@ class Op(enum.Enum):
     MEAN_TOKENS = "mean_tokens"
     CONCAT = "concat"
     MUL = "mul"
+    EXPAND_PARAM = "expand_param"
     # backward
     SOFTMAX_CE_GRAD = "softmax_ce_grad"
     CONV2D_GRAD_INPUT = "conv2d_grad_input"

@@ -149,6 +149,15 @@ class TransformerRules(PlanBuilder):
         out = self.view(self.out(n, 0, I8), rows)
         self.compact_unstored(n, 2, kernels, (xm, self.e[x], pm, self.e[p], keys), out)
 
+    def expand_param(self, n: Node) -> None:
+        """The parameter's mantissas repeated over the batch, its exponent kept."""
+        p = n.inputs[0]
+        batch, sample = self.rows_of(self.shape(n.result(0)))
+        self.e[n.result(0)] = self.e[p]
+        func = te_transformer.repeat_rows((batch, sample), f"n{n.id}_expand")
+        out = self.view(self.out(n, 0, I8), (batch, sample))
+        self.launch(func, (self.view(self.m[p], (sample,)), out))
+
     def add_param_grad(self, n: Node) -> None:
         """kernels.transformer.add_broadcast_param_grad: the int32 sum of dy over the batch (an
         accumulator for the update, at dy's exponent)."""

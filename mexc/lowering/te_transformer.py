@@ -213,7 +213,15 @@ def gelu_grad_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
     return prim_func([dy, e_dy, x, e_x, key, table, acc, e_acc], name)
 
 
+def repeat_rows(rows: Shape, name: str) -> tirx.PrimFunc:
+    """y[b, j] = p[j]: a [1, ...] parameter repeated over the batch. Parameters (p, y)."""
+    p = te.placeholder((rows[1],), I8, name="p")
+    y = te.compute(rows, lambda b, j: p[j], name="y")
+    return prim_func([p, y], name)
+
+
 __all__ = [
+    "repeat_rows",
     "add_param_compaction",
     "gelu_acc",
     "gelu_grad_acc",

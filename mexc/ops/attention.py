@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mexc import kernels as K
@@ -69,6 +70,84 @@ def _matmul_convert(c: Any, n: Any) -> Value:
     return c.emit(Op.MATMUL, [c.arg(a), c.arg(b)], n)
 
 
+# ----------------------------------------------------------------------------- attention
+
+
+def _attention(
+    c: Any, q: Value, k: Value, v: Value, shape: tuple[int, ...], scale: float, dropout: float
+) -> Value:
+    """softmax(q k^T scale) v over [..., T, d] (the ops examples/vit.py writes by hand): a
+    transpose, two matmuls, a scale, a softmax and, in training, dropout on the weights."""
+    *lead, t, d = shape
+    s = (*lead, t, t)
+    rank = len(shape)
+    perm = (*range(rank - 2), rank - 1, rank - 2)
+    kt = c.emit_as(Op.TRANSPOSE, [k], (*lead, d, t), perm=perm)
+    scores = c.emit_as(Op.SCALE, [c.emit_as(Op.MATMUL, [q, kt], s)], s, value=scale)
+    p = c.emit_as(Op.SOFTMAX, [scores], s)
+    if dropout > 0.0:
+        p = c.emit_as(Op.DROPOUT, [p], s, p=dropout)
+    return c.emit_as(Op.MATMUL, [p, v], shape)
+
+
+def _sdpa(c: Any, n: Any) -> Value:
+    """F.scaled_dot_product_attention(q, k, v) without a mask (timm's fused attention). Its
+    dropout_p is the traced one: models pass 0 outside training, and mexc traces in eval."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    if args.get("attn_mask") is not None or args.get("is_causal") or args.get("enable_gqa"):
+        raise UnsupportedOpError(
+            c.describe(n, "uses an attention mask, causal or grouped attention")
+        )
+    shape = c.shape(args["query"])
+    if c.shape(args["key"]) != shape or c.shape(args["value"]) != shape:
+        raise UnsupportedOpError(c.describe(n, "attends with q, k, v of different shapes"))
+    scale = args.get("scale") or 1.0 / math.sqrt(shape[-1])
+    q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
+    return _attention(c, q, k, v, shape, float(scale), float(args.get("dropout_p") or 0.0))
+
+
+def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
+    """nn.MultiheadAttention(x, x, x) with batch_first=True and no masks, as its ops: the fused
+    input projection (one LINEAR of in_proj_weight), the heads split by slices and transposes,
+    the attention, the heads merged, the output projection. Results: (output, None), the
+    attention weights are not computed (need_weights=False)."""
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    if not (args["query"] is args["key"] is args["value"]):
+        raise UnsupportedOpError(c.describe(n, "is not self-attention (query, key, value differ)"))
+    if args.get("key_padding_mask") is not None or args.get("attn_mask") is not None:
+        raise UnsupportedOpError(c.describe(n, "uses an attention mask"))
+    if args.get("is_causal") or not m.batch_first or not m._qkv_same_embed_dim:
+        raise UnsupportedOpError(
+            c.describe(n, "needs batch_first=True, no causal mask and kdim = vdim = embed_dim")
+        )
+    if m.bias_k is not None or m.add_zero_attn:
+        raise UnsupportedOpError(c.describe(n, "uses add_bias_kv or add_zero_attn"))
+    x = args["query"]
+    b, t, d = c.shape(x)
+    h = m.num_heads
+    name = str(n.target)
+    ins = [c.arg(x), c.param(f"{name}.in_proj_weight", m.in_proj_weight, "weight")]
+    if m.in_proj_bias is not None:
+        ins.append(c.param(f"{name}.in_proj_bias", m.in_proj_bias, "bias"))
+    qkv = c.emit_as(Op.LINEAR, ins, (b, t, 3 * d), has_bias=m.in_proj_bias is not None)
+    heads = []
+    for i in range(3):
+        part = c.emit_as(Op.SLICE, [qkv], (b, t, d), dim=2, start=i * d, stop=(i + 1) * d)
+        split = c.emit_as(Op.RESHAPE, [part], (b, t, h, d // h), shape=(b, t, h, d // h))
+        heads.append(c.emit_as(Op.TRANSPOSE, [split], (b, h, t, d // h), perm=(0, 2, 1, 3)))
+    q, k, v = heads
+    y = _attention(c, q, k, v, (b, h, t, d // h), 1.0 / math.sqrt(d // h), float(m.dropout))
+    merged = c.emit_as(Op.TRANSPOSE, [y], (b, t, h, d // h), perm=(0, 2, 1, 3))
+    merged = c.emit_as(Op.RESHAPE, [merged], (b, t, d), shape=(b, t, d))
+    out = m.out_proj
+    ins = [merged, c.param(f"{name}.out_proj.weight", out.weight, "weight")]
+    if out.bias is not None:
+        ins.append(c.param(f"{name}.out_proj.bias", out.bias, "bias"))
+    return c.emit_as(Op.LINEAR, ins, (b, t, d), has_bias=out.bias is not None), None
+
+
 define(
     OpDef(
         Op.SOFTMAX,
@@ -98,6 +177,8 @@ define(
         reference=_matmul,
         frontend=(
             Pattern("function", ("operator.matmul", "torch.matmul", "torch.bmm"), _matmul_convert),
+            Pattern("function", ("torch.nn.functional.scaled_dot_product_attention",), _sdpa),
+            Pattern("module", ("torch.nn.MultiheadAttention",), _mha_module),
         ),
         lower={
             "tir": "step_plan:PlanRules.matmul",

@@ -133,6 +133,27 @@ def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
     return c.emit(Op.LAYERNORM, ins, n, eps=float(m.eps))
 
 
+def _layernorm_function(c: Any, n: Any) -> Value:
+    """F.layer_norm(x, normalized_shape, weight, bias, eps) with a module's weight and bias
+    (ConvNeXt's LayerNorm2d on channels-last activations)."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    shape = args["normalized_shape"]
+    last = c.shape(n.args[0])[-1]
+    if tuple(shape if isinstance(shape, (list, tuple)) else (shape,)) != (last,):
+        raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
+    if not (c.is_param(args.get("weight")) and c.is_param(args.get("bias"))):
+        raise UnsupportedOpError(
+            c.describe(n, "needs a weight and a bias that are module parameters")
+        )
+    ins = [
+        c.arg(args["input"]),
+        c.get_param(args["weight"], "ln_weight"),
+        c.get_param(args["bias"], "ln_bias"),
+    ]
+    return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
+
+
 define(
     OpDef(
         Op.BATCHNORM,
@@ -173,7 +194,10 @@ define(
         types=_layernorm_types,
         vjp=_layernorm_vjp,
         reference=_layernorm,
-        frontend=(Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),),
+        frontend=(
+            Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),
+            Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
+        ),
         lower={"tir": "step_plan:PlanRules.layernorm", "c": "emit:_layernorm"},
         doc="layer norm over the last axis",
     ),

@@ -84,6 +84,16 @@ def _mul_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return [dx, w.emit(Op.MUL_GRAD, [dy, x], mx(*shape), n.loc, param=False).out]
 
 
+def _expand_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """The parameter's gradient: dy summed over the batch (ADD_PARAM_GRAD)."""
+    dy = dys[0]
+    assert dy is not None
+    p = n.inputs[0]
+    dp = w.emit(Op.ADD_PARAM_GRAD, [dy], acc(*w.type(p).shape), n.loc)
+    w.set_param_grad(p, dp.out, n)
+    return [None]
+
+
 def _add_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
@@ -162,6 +172,11 @@ def _slice_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (MX(out, dy.e),)
 
 
+def _expand_param(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    p: MX = a[0]
+    return (MX(np.ascontiguousarray(np.broadcast_to(p.m, n.type.shape)), p.e),)
+
+
 def _add_param(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.add_broadcast_forward(a[0], a[1], env.ctx, tid(n)),)
 
@@ -226,6 +241,21 @@ def _concat_tensors(c: Any, n: Any) -> Value:
             c.describe(n, "concatenates along the batch axis; concatenate along a feature axis")
         )
     return c.emit(Op.CONCAT, [c.arg(t) for t in items], n, dim=d)
+
+
+def _expand(c: Any, n: Any) -> Value:
+    """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token)."""
+    x = n.args[0]
+    out = c.shape(n)
+    if not c.is_param(x) or c.shape(x)[0] != 1 or tuple(c.shape(x)[1:]) != tuple(out[1:]):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "expands something other than a [1, ...] parameter along the batch axis (a "
+                "class token); write the broadcast as an op that broadcasts itself",
+            )
+        )
+    return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
 
 
 def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value:
@@ -484,6 +514,16 @@ define(
         reference=_add_param,
         lower={"tir": _tir("add_param"), "c": "emit:_add_param"},
         doc="activation + a [1, ...] parameter broadcast over the batch (positional embedding)",
+    ),
+    OpDef(
+        Op.EXPAND_PARAM,
+        {},
+        types=elementwise_types,
+        vjp=_expand_param_vjp,
+        reference=_expand_param,
+        frontend=(Pattern("method", ("expand",), _expand),),
+        lower={"tir": _tir("expand_param"), "c": "emit:_expand_param"},
+        doc="a [1, ...] parameter repeated over the batch (a class token); exponent kept",
     ),
     OpDef(
         Op.ADD_PARAM_GRAD,

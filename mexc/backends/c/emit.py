@@ -790,6 +790,15 @@ def _add_param(e: _Emit, n: Node) -> None:
     )
 
 
+def _expand_param(e: _Emit, n: Node) -> None:
+    p, ep = _x(e, n, 0)
+    shape = e.shape(n.out)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ep
+    per = _numel(shape[1:])
+    e.emit(f"for (uint32_t b = 0; b < {shape[0]}u; b++) copy8({y} + b * {per}u, {p}, {per}u);")
+
+
 def _add_param_grad(e: _Emit, n: Node) -> None:
     dy, ed = _x(e, n, 0)
     shape = e.shape(n.inputs[0])
