@@ -1,8 +1,9 @@
 """torch.fx frontend: trace an nn.Module into a float mexc graph.
 
-We use `torch.fx.symbolic_trace` rather than `torch.export`: it keeps modules (Conv2d, BatchNorm2d,
-...) as single call_module nodes with their qualified names, which map one to one onto mexc ops and
-give readable parameter names, and it records the user's source line for every node. Data-dependent
+We use `torch.fx.symbolic_trace` rather than `torch.export` (docs/frontend.md, with the
+measurements): it keeps modules (Conv2d, BatchNorm2d, MultiheadAttention, ...) as single
+call_module nodes with their qualified names, which map one to one onto mexc ops and give
+readable parameter names, and it records the user's source line for every node. Data-dependent
 control flow makes it fail with a TraceError that we rewrap with the offending line.
 """
 

@@ -263,18 +263,23 @@ def concat_compaction(
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
-        flat = _flat_index(shape, idx)
         c = idx[1]
-        out: tirx.PrimExpr | None = None
-        # the last input first: every other one is chosen by c < its end; indices are clamped
-        # into each input, so the branch-free selects never read out of bounds
+        x: tirx.PrimExpr | None = None
+        e: tirx.PrimExpr | None = None
+        # the element's mantissa and exponent are selected (the last input first: every other
+        # one is chosen by c < its end; indices are clamped into each input, so the
+        # branch-free selects never read out of bounds), then shifted once: one rounding
+        # hash per element, not one per input
         for i in reversed(range(len(sizes))):
             local = tirx.min(tirx.max(c - starts[i], 0), sizes[i] - 1)
-            x = ms[i][(idx[0], local, *idx[2:])].astype(I32)
-            v = shift_signed32(x, target[0] - es[i][0], key[0], flat, stochastic, 24)
-            out = v if out is None else where(c < starts[i] + sizes[i], v, out)
-        assert out is not None
-        return out
+            xi = ms[i][(idx[0], local, *idx[2:])].astype(I32)
+            if x is None or e is None:
+                x, e = xi, es[i][0]
+            else:
+                inside = c < starts[i] + sizes[i]
+                x, e = where(inside, xi, x), where(inside, es[i][0], e)
+        assert x is not None and e is not None
+        return shift_signed32(x, target[0] - e, key[0], _flat_index(shape, idx), stochastic, 24)
 
     return fused_compaction(shape, [*ms, *es, key], target, body, bits, stochastic, name)
 

@@ -139,13 +139,16 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     shape = args["normalized_shape"]
-    last = c.shape(n.args[0])[-1]
-    if tuple(shape if isinstance(shape, (list, tuple)) else (shape,)) != (last,):
-        raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
     if not (c.is_param(args.get("weight")) and c.is_param(args.get("bias"))):
         raise UnsupportedOpError(
             c.describe(n, "needs a weight and a bias that are module parameters")
         )
+    # the sizes may be traced values (x.shape[-1]); the weight's shape is static
+    last = c.shape(n.args[0])[-1]
+    if len(shape if isinstance(shape, (list, tuple)) else (shape,)) != 1 or c.shape(
+        args["weight"]
+    ) != (last,):
+        raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
     ins = [
         c.arg(args["input"]),
         c.get_param(args["weight"], "ln_weight"),

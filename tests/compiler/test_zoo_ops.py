@@ -1,6 +1,7 @@
 """The ops that torchvision and timm models need beyond the example models (issue: models users
 bring): concatenation, ceil_mode max pooling, Hardsigmoid, products of two tensors (gating and
-layer scale), sigmoid and SiLU, stochastic depth. Each op's TIR kernels against mexc.kernels
+layer scale), sigmoid and SiLU, stochastic depth, a class token (a parameter expanded over the
+batch) and the attention modules of timm and torchvision. Each op's TIR kernels against mexc.kernels
 where its recipe branches, its integer form against torch's float op, and a small model that
 uses it trained bit-exact on every backend: reference, llvm, C, and the CUDA artifact's own
 source on the CPU emulator."""
@@ -454,7 +455,40 @@ class GatedNet(nn.Module):
         return self.fc(torch.flatten(nn.functional.max_pool2d(y, 2), 1))
 
 
+# ----------------------------------------------------------------------------- ViT pieces
+
+
+class TokenNet(nn.Module):
+    """timm's and torchvision's ViT pieces: a class token expanded over the batch and
+    concatenated before the patch tokens, a positional parameter, F.scaled_dot_product_attention
+    on heads from one qkv projection (reshape, permute, unbind), an nn.MultiheadAttention
+    layer, F.layer_norm, and the class token read back with x[:, 0]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(1, 16, 4, stride=4)
+        self.cls = nn.Parameter(torch.randn(1, 1, 16) * 0.2)
+        self.pos = nn.Parameter(torch.randn(1, 5, 16) * 0.1)
+        self.qkv = nn.Linear(16, 48)
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ln_w = nn.Parameter(torch.ones(16))
+        self.ln_b = nn.Parameter(torch.zeros(16))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.patch(x).flatten(2).transpose(1, 2)  # [B, 4, 16]
+        t = torch.cat([self.cls.expand(t.shape[0], -1, -1), t], dim=1) + self.pos
+        b, n, d = t.shape
+        q, k, v = self.qkv(t).reshape(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        t = t + a.transpose(1, 2).reshape(b, n, d)
+        t = t + self.mha(t, t, t, need_weights=False)[0]
+        t = nn.functional.layer_norm(t, (d,), self.ln_w, self.ln_b)
+        return self.head(t[:, 0])
+
+
 MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...], set[Op]]] = {
+    "tokens": (TokenNet, (1, 8, 8), {Op.EXPAND_PARAM, Op.CONCAT, Op.MATMUL, Op.LAYERNORM}),
     "swish": (SwishNet, (1, 8, 8), {Op.SILU, Op.SIGMOID, Op.SILU_GRAD, Op.SIGMOID_GRAD}),
     "gated": (GatedNet, (1, 8, 8), {Op.MUL, Op.MUL_GRAD, Op.HARDSIGMOID, Op.HARDSIGMOID_GRAD}),
     "concat": (CatNet, (1, 8, 8), {Op.CONCAT}),
