@@ -264,21 +264,17 @@ def concat_compaction(
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         c = idx[1]
-        x: tirx.PrimExpr | None = None
-        e: tirx.PrimExpr | None = None
-        # the element's mantissa and exponent are selected (the last input first: every other
-        # one is chosen by c < its end; indices are clamped into each input, so the
-        # branch-free selects never read out of bounds), then shifted once: one rounding
-        # hash per element, not one per input
-        for i in reversed(range(len(sizes))):
+        x: tirx.PrimExpr = tirx.const(0, I32)
+        e: tirx.PrimExpr = tirx.const(0, I32)
+        # the element's mantissa and exponent, as an OR of the inputs' values masked by which
+        # input holds it (exclusive cases: a chain of `where`s would double per input), with
+        # indices clamped into each input so that no load is out of bounds; then one shift
+        # and one rounding hash per element
+        for i in range(len(sizes)):
             local = tirx.min(tirx.max(c - starts[i], 0), sizes[i] - 1)
             xi = ms[i][(idx[0], local, *idx[2:])].astype(I32)
-            if x is None or e is None:
-                x, e = xi, es[i][0]
-            else:
-                inside = c < starts[i] + sizes[i]
-                x, e = where(inside, xi, x), where(inside, es[i][0], e)
-        assert x is not None and e is not None
+            mask = -(tirx.all(c >= starts[i], c < starts[i] + sizes[i]).astype(I32))
+            x, e = x | (xi & mask), e | (es[i][0] & mask)
         return shift_signed32(x, target[0] - e, key[0], _flat_index(shape, idx), stochastic, 24)
 
     return fused_compaction(shape, [*ms, *es, key], target, body, bits, stochastic, name)
