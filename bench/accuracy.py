@@ -14,6 +14,11 @@ Configurations (`--configs` picks a comma-separated subset):
     vit            ViTTiny (examples/vit.py: patch 7, dim 64, 2 blocks, 4 heads, MLP ratio 2),
                    Fashion-MNIST with the fashion recipe; and FP32
     digits         DigitsCNN, scikit-learn digits, 10 epochs, batch 32; and FP32
+    fashion-mnv3   torchvision mobilenet_v3_small(width_mult=0.5), built unchanged, on
+                   Fashion-MNIST padded to 32 x 32 and replicated to 3 channels, the fashion
+                   recipe; and FP32
+    fashion-timm-vit   timm VisionTransformer(img_size 28, patch 7, 1 channel, embed 64, depth
+                   2, 4 heads), the fashion recipe; and FP32
 
 The FP32 run of `fashion` is the reference of every fashion-* row (the FP32 baseline does not
 depend on bits, rounding or velocity grouping). Results go to bench/results/accuracy.json
@@ -27,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,12 +65,45 @@ CONFIGS: dict[str, dict[str, Any]] = {
         fp32=True,
         ref=None,
     ),  # fmt: skip
+    "fashion-mnv3": {**FASHION, "model": "mobilenet_v3_small", "fp32": True, "ref": None,
+                     "transform": "rgb32"},
+    "fashion-timm-vit": {**FASHION, "model": "timm_vit", "fp32": True, "ref": None},
+}  # fmt: skip
+
+
+def _mobilenet_v3_small() -> torch.nn.Module:
+    from torchvision.models import mobilenet_v3_small
+
+    return mobilenet_v3_small(width_mult=0.5, num_classes=10)
+
+
+def _timm_vit() -> torch.nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(
+        img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=64, depth=2, num_heads=4
+    )
+
+
+MODELS = {
+    "FashionCNN": FashionCNN,
+    "DigitsCNN": DigitsCNN,
+    "ViTTiny": ViTTiny,
+    "mobilenet_v3_small": _mobilenet_v3_small,
+    "timm_vit": _timm_vit,
 }
-MODELS = {"FashionCNN": FashionCNN, "DigitsCNN": DigitsCNN, "ViTTiny": ViTTiny}
+
+
+def _rgb32(x: np.ndarray) -> np.ndarray:
+    """[N, 1, 28, 28] -> [N, 3, 32, 32]: zero padding of 2, the channel replicated."""
+    padded = np.pad(x, ((0, 0), (0, 0), (2, 2), (2, 2)))
+    return np.ascontiguousarray(np.repeat(padded, 3, axis=1))
 
 
 def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     train, test = load_splits(cfg["data"], args.limit_train, args.limit_test)
+    if cfg.get("transform") == "rgb32":
+        train, test = (_rgb32(train[0]), train[1]), (_rgb32(test[0]), test[1])
     torch.manual_seed(args.seed)
     model = MODELS[cfg["model"]]()
     print(f"== {name}: {cfg['model']} on {cfg['data']} ({len(train[1])} train images)", flush=True)
