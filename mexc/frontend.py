@@ -265,6 +265,11 @@ def _handlers(kind: str) -> dict[Any, Callable[..., Value]]:
     return out
 
 
+def _module_handler(mod: nn.Module) -> Callable[..., Value] | None:
+    """The converter of a module's class (a torch class, or a model library's by name)."""
+    return MODULE_HANDLERS.get(type(mod)) or MODULE_HANDLERS.get(_qualified(type(mod)))
+
+
 def _qualified(target: Any) -> str:
     name = getattr(target, "__qualname__", getattr(target, "__name__", ""))
     return f"{getattr(target, '__module__', '')}.{name}"
@@ -303,8 +308,11 @@ _PIECES = {"chunk", "split", "unbind", torch.chunk, torch.split, torch.unbind}  
 
 
 def supported_ops() -> list[str]:
-    mods = [t.__name__ for t in MODULE_HANDLERS]
-    fns = [getattr(f, "__name__", str(f)) for f in FUNCTION_HANDLERS]
+    mods = [t.rsplit(".", 1)[-1] if isinstance(t, str) else t.__name__ for t in MODULE_HANDLERS]
+    fns = [
+        f.rsplit(".", 1)[-1] if isinstance(f, str) else getattr(f, "__name__", str(f))
+        for f in FUNCTION_HANDLERS
+    ]
     return sorted(set(mods)) + sorted(set(fns)) + sorted(f"Tensor.{m}" for m in METHOD_HANDLERS)
 
 
@@ -323,6 +331,11 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.record_stack_traces = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """Modules with a pattern stay one call_module node (timm's DropPath, whose forward
+        reads self.training and would trace as the identity in eval mode)."""
+        return _module_handler(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
 
 def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
@@ -440,7 +453,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         return None
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
-        handler = MODULE_HANDLERS.get(type(mod))
+        handler = _module_handler(mod)
         if handler is None:
             raise _unsupported(n, type(mod).__name__)
         return handler(c, n, mod)

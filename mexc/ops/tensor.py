@@ -290,6 +290,15 @@ def _stochastic_depth(c: Any, n: Any) -> Value:
     return c.emit(Op.DROPOUT, [c.arg(args["input"])], n, p=p, mode=mode)
 
 
+def _drop_path_module(c: Any, n: Any, m: Any) -> Value:
+    """timm's DropPath(drop_prob, scale_by_keep): stochastic depth per sample."""
+    if m.drop_prob == 0.0:
+        return c.arg(n.args[0])
+    if not m.scale_by_keep:
+        raise UnsupportedOpError(c.describe(n, "drops paths without rescaling (scale_by_keep)"))
+    return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=float(m.drop_prob), mode="row")
+
+
 def _scale_by(c: Any, n: Any, divide: bool) -> Value:
     a, b = n.args[0], n.args[1]
     x, k = (a, b) if c.is_node(a) else (b, a)
@@ -447,6 +456,7 @@ define(
                 ("torchvision.ops.stochastic_depth.stochastic_depth",),
                 _stochastic_depth,
             ),
+            Pattern("module", ("timm.layers.drop.DropPath",), _drop_path_module),
         ),
         lower={"tir": _tir("dropout"), "tir_eval": _tir("dropout_eval"), "c": "emit:_dropout"},
         doc="inverted dropout, or stochastic depth (one keep decision per sample), from the PRNG",

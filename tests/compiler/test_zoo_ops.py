@@ -8,6 +8,7 @@ source on the CPU emulator."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -489,11 +490,35 @@ class TokenNet(nn.Module):
 
 MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...], set[Op]]] = {
     "tokens": (TokenNet, (1, 8, 8), {Op.EXPAND_PARAM, Op.CONCAT, Op.MATMUL, Op.LAYERNORM}),
-    "swish": (SwishNet, (1, 8, 8), {Op.SILU, Op.SIGMOID, Op.SILU_GRAD, Op.SIGMOID_GRAD}),
     "gated": (GatedNet, (1, 8, 8), {Op.MUL, Op.MUL_GRAD, Op.HARDSIGMOID, Op.HARDSIGMOID_GRAD}),
     "concat": (CatNet, (1, 8, 8), {Op.CONCAT}),
     "ceil_pool": (CeilPoolNet, (1, 8, 8), {Op.MAXPOOL2D}),
 }
+
+
+if importlib.util.find_spec("torchvision") is not None:  # SwishNet's stochastic depth
+    MODELS["swish"] = (SwishNet, (1, 8, 8), {Op.SILU, Op.SIGMOID, Op.SILU_GRAD, Op.SIGMOID_GRAD})
+
+
+def test_timm_drop_path_is_stochastic_depth_per_sample() -> None:
+    """timm's DropPath stays one node (its forward reads self.training, and tracing runs in
+    eval mode): a row-mode dropout that the training step applies."""
+    drop = pytest.importorskip("timm.layers.drop")
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.drop = drop.DropPath(0.25)
+            self.head = nn.Linear(16, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.flatten(1)
+            return self.head(x + self.drop(self.fc(x)))
+
+    prog = mexc.compile(Residual(), (torch.zeros(8, 1, 4, 4),))
+    (node,) = prog.graph.nodes_of(Op.DROPOUT)
+    assert (node.attrs.p, node.attrs.mode) == (0.25, "row")
 
 
 def _program(name: str, target: str) -> mexc.Program:
