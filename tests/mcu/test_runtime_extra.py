@@ -1,5 +1,6 @@
-"""runtime/mexc_kernels_extra.c vs activation.py (relu6), pool.py (avgpool2d, global_avgpool)
-and elementwise.py (dropout), bit for bit."""
+"""runtime/mexc_kernels_extra.c and mexc_kernels_misc.c vs activation.py (relu6), pool.py
+(avgpool2d, global_avgpool) and elementwise.py (dropout and stochastic depth, products of two
+tensors, concatenation), bit for bit."""
 
 from __future__ import annotations
 
@@ -134,3 +135,85 @@ def test_dropout(lib, p, ci):
     dx = _out(shape)
     e = lib.mexc_dropout_backward(P(i8(dy.m)), -5, P(m), x.m.size, fs, P(dx), C.byref(c_ctx), 96)
     assert e == int(r.e) and np.array_equal(dx, r.m)
+
+
+# ----------------------------------------------------------------------------- zoo ops
+
+ZOO_SIGS = {
+    "mexc_mul_forward": "i pipiuuuppu",
+    "mexc_mul_backward_factor": "i pipiuuuupppu",
+    "mexc_concat": "i upppuuppu",
+}
+
+
+@pytest.fixture(scope="module")
+def zoo(rt):
+    for name, sig in ZOO_SIGS.items():
+        _sig(rt, name, sig)
+    return rt
+
+
+@pytest.mark.parametrize("ci", range(len(CTXS)))
+def test_stochastic_depth_rows(lib, ci):
+    """Dropout with one decision per sample (per = a sample's size)."""
+    ctx = CTXS[ci]
+    x = MX.of(np.random.default_rng(ci).integers(-127, 128, (16, 3, 5)), -3)
+    ref, mask = K.dropout_forward(x, 0.5, ctx, 80, 15)
+    pf = FixedScalar.of(0.5)
+    s = dropout_scale(pf)
+    y, m = _out(x.m.shape), np.zeros(x.m.shape, np.uint8)
+    drop = (1 << 32) - _keep_threshold(pf)
+    e = lib.mexc_dropout_forward(
+        P(i8(x.m)), -3, x.m.size, drop, Fixed(s.num, s.shift), P(y), P(m), C.byref(ctx_of(ctx)),
+        80, 15,
+    )  # fmt: skip
+    assert e == int(ref.e) and np.array_equal(y, ref.m) and np.array_equal(m.astype(bool), mask)
+
+
+@pytest.mark.parametrize("ci", range(len(CTXS)))
+@pytest.mark.parametrize("view", [(2, 3, 40000), (1, 12, 25), (5, 6, 1)])
+def test_mul_and_its_factor_gradient(zoo, view, ci):
+    """x (o, m, inner) times g (m,); the factor's gradient sums o * inner terms: 80,000 in the
+    first view, where each product is first shifted right by 1 (site 1)."""
+    from mexc.kernels.elementwise import mul_grad_shift
+
+    ctx, c_ctx = CTXS[ci], ctx_of(CTXS[ci])
+    o, m, inner = view
+    rng = np.random.default_rng(ci + m)
+    x = MX.of(rng.integers(-127, 128, view), -4)
+    g = MX.of(rng.integers(-127, 128, (1, m, 1)), -6)
+    y = _out(view)
+    e = zoo.mexc_mul_forward(P(i8(x.m)), -4, P(i8(g.m)), -6, o, m, inner, P(y), C.byref(c_ctx), 3)
+    ref = K.mul_forward(x, g, ctx, 3)
+    assert e == int(ref.e) and np.array_equal(y, ref.m)
+    dy = MX.of(rng.integers(-127, 128, view), -8)
+    t = mul_grad_shift(o * inner)
+    assert (t == 1) == (o * inner > 65536)
+    acc = np.zeros(m, np.int32)
+    e = zoo.mexc_mul_backward_factor(
+        P(i8(dy.m)), -8, P(i8(x.m)), -4, o, m, inner, t, P(acc), None, C.byref(c_ctx), 5
+    )
+    want = K.mul_backward_factor(dy, x, (1, m, 1), ctx, 5, param=True)
+    assert e == int(want.e) and np.array_equal(acc, want.a.ravel())
+    dg = _out(m)
+    e = zoo.mexc_mul_backward_factor(
+        P(i8(dy.m)), -8, P(i8(x.m)), -4, o, m, inner, t, P(acc), P(dg), C.byref(c_ctx), 5
+    )
+    want = K.mul_backward_factor(dy, x, (1, m, 1), ctx, 5, param=False)
+    assert e == int(want.e) and np.array_equal(dg, want.m.ravel())
+
+
+@pytest.mark.parametrize("ci", range(len(CTXS)))
+@pytest.mark.parametrize("exps", [(-5, -5, -5), (-3, -9, -4), (-40, -2, -9)])
+def test_concat(zoo, exps, ci):
+    ctx, c_ctx = CTXS[ci], ctx_of(CTXS[ci])
+    rng = np.random.default_rng(ci + 3)
+    sizes = (3, 5, 2)
+    xs = [i8(rng.integers(-127, 128, (4, k, 6))) for k in sizes]
+    ref = K.concat_forward([MX.of(x, e) for x, e in zip(xs, exps)], 1, ctx, 9)
+    ptrs = (C.c_void_p * 3)(*[x.ctypes.data for x in xs])
+    es = np.array(exps, np.int32)
+    ks = np.array(sizes, np.uint32)
+    y = _out(ref.m.shape)
+    e = zoo.mexc_concat(3, ptrs, P(es), P(ks), 4, 6, P(y), C.byref(c_ctx), 9)
+    assert e == int(ref.e) and np.array_equal(y, ref.m)
