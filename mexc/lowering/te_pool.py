@@ -10,6 +10,9 @@ odd part).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeAlias
+
 from tvm import te, tirx
 
 from mexc.kernels.activation import HS_GRID, HSIG_BITS, HSIG_GRAD_LEFT
@@ -156,92 +159,88 @@ def _hardswish_grid(m: tirx.PrimExpr, e: tirx.PrimExpr) -> tuple[tirx.PrimExpr, 
     return where(s >= 0, left, right), k
 
 
+GridValue: TypeAlias = "Callable[[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr]"
+
+
+def _grid_acc(
+    shape: tuple[int, ...],
+    backward: bool,
+    value: GridValue,
+    exponent: Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr],
+    name: str,
+) -> tirx.PrimFunc:
+    """The accumulator of a hardswish-grid activation before its division by 6: acc =
+    value(a, xk, k) (int64) with (xk, k) = x on the 2^-k grid, a = x's mantissa (forward) or
+    dy's (backward); e_acc = exponent(e, k) (e: x's exponent) plus dy's exponent (backward).
+    Parameters (x, e, acc, e_acc), or (dy, e_dy, x, e, acc, e_acc) for a gradient."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    lead = [te.placeholder(shape, I8, name="dy"), te.placeholder((1,), I32, name="e_dy")]
+    a = lead[0] if backward else x
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+        return value(a[i].astype(I64), xk, k).astype(I32)
+
+    def exp(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        ev = e[i].astype(I64)
+        k = tirx.min(tirx.max(-ev, _c(0)), _c(HS_GRID))
+        base = lead[1][i].astype(I64) if backward else _c(0)
+        return (base + exponent(ev, k)).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), exp, name="e_acc")
+    return _func([*(lead if backward else []), x, e, acc, e_acc], name)
+
+
 def hardswish_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
     """acc = (m c) << max(0, 5 - k), c = clamp(xk + 3 2^k, 0, 6 2^k); e_acc = e - k - left
     (kernels.activation.hardswish_forward before its division). Parameters (x, e, acc, e_acc)."""
-    x = te.placeholder(shape, I8, name="x")
-    e = te.placeholder((1,), I32, name="e")
 
-    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-        m = x[i].astype(I64)
-        xk, k = _hardswish_grid(m, e[0].astype(I64))
+    def value(m: tirx.PrimExpr, xk: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
         c = tirx.min(tirx.max(xk + (_c(3) << k), _c(0)), _c(6) << k)
-        return ((m * c) << tirx.max(_c(5) - k, _c(0))).astype(I32)
+        return (m * c) << tirx.max(_c(5) - k, _c(0))
 
-    def exponent(i: tirx.PrimExpr) -> tirx.PrimExpr:
-        ev = e[i].astype(I64)
-        k = tirx.min(tirx.max(-ev, _c(0)), _c(HS_GRID))
-        return (ev - k - tirx.max(_c(5) - k, _c(0))).astype(I32)
-
-    acc = te.compute(shape, body, name="acc")
-    e_acc = te.compute((1,), exponent, name="e_acc")
-    return _func([x, e, acc, e_acc], name)
+    return _grid_acc(shape, False, value, lambda e, k: e - k - tirx.max(_c(5) - k, _c(0)), name)
 
 
 def hardswish_grad_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
     """acc = (m_dy G) << max(0, 4 - k), G = 0 | 6 2^k | 2 xk + 3 2^k; e_acc = e_dy - k - left
     (kernels.activation.hardswish_backward before its division). Parameters (dy, e_dy, x, e,
     acc, e_acc)."""
-    dy = te.placeholder(shape, I8, name="dy")
-    e_dy = te.placeholder((1,), I32, name="e_dy")
-    x = te.placeholder(shape, I8, name="x")
-    e = te.placeholder((1,), I32, name="e")
 
-    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+    def value(m: tirx.PrimExpr, xk: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
         three = _c(3) << k
         g = where(xk <= -three, _c(0), where(xk >= three, three * 2, xk * 2 + three))
-        return ((dy[i].astype(I64) * g) << tirx.max(_c(4) - k, _c(0))).astype(I32)
+        return (m * g) << tirx.max(_c(4) - k, _c(0))
 
-    def exponent(i: tirx.PrimExpr) -> tirx.PrimExpr:
-        k = tirx.min(tirx.max(-e[0].astype(I64), _c(0)), _c(HS_GRID))
-        return (e_dy[i].astype(I64) - k - tirx.max(_c(4) - k, _c(0))).astype(I32)
-
-    acc = te.compute(shape, body, name="acc")
-    e_acc = te.compute((1,), exponent, name="e_acc")
-    return _func([dy, e_dy, x, e, acc, e_acc], name)
+    return _grid_acc(shape, True, value, lambda e, k: -k - tirx.max(_c(4) - k, _c(0)), name)
 
 
 def hardsigmoid_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
     """acc = c << max(0, 12 - k), c = clamp(xk + 3 2^k, 0, 6 2^k); e_acc = -k - left
     (kernels.activation.hardsigmoid_forward before its division). Parameters (x, e, acc,
     e_acc)."""
-    x = te.placeholder(shape, I8, name="x")
-    e = te.placeholder((1,), I32, name="e")
 
-    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+    def value(m: tirx.PrimExpr, xk: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
         c = tirx.min(tirx.max(xk + (_c(3) << k), _c(0)), _c(6) << k)
-        return (c << tirx.max(_c(HSIG_BITS) - k, _c(0))).astype(I32)
+        return c << tirx.max(_c(HSIG_BITS) - k, _c(0))
 
-    def exponent(i: tirx.PrimExpr) -> tirx.PrimExpr:
-        k = tirx.min(tirx.max(-e[i].astype(I64), _c(0)), _c(HS_GRID))
-        return (-k - tirx.max(_c(HSIG_BITS) - k, _c(0))).astype(I32)
-
-    acc = te.compute(shape, body, name="acc")
-    e_acc = te.compute((1,), exponent, name="e_acc")
-    return _func([x, e, acc, e_acc], name)
+    return _grid_acc(
+        shape, False, value, lambda e, k: -k - tirx.max(_c(HSIG_BITS) - k, _c(0)), name
+    )
 
 
 def hardsigmoid_grad_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
     """acc = dy << 8 where -3 2^k < xk < 3 2^k, else 0; e_acc = e_dy - 8
     (kernels.activation.hardsigmoid_backward before its division). Parameters (dy, e_dy, x, e,
     acc, e_acc)."""
-    dy = te.placeholder(shape, I8, name="dy")
-    e_dy = te.placeholder((1,), I32, name="e_dy")
-    x = te.placeholder(shape, I8, name="x")
-    e = te.placeholder((1,), I32, name="e")
 
-    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-        xk, k = _hardswish_grid(x[i].astype(I64), e[0].astype(I64))
+    def value(m: tirx.PrimExpr, xk: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
         three = _c(3) << k
-        inside = tirx.all(xk > -three, xk < three)
-        scaled = dy[i].astype(I32) << HSIG_GRAD_LEFT
-        return where(inside, scaled, tirx.const(0, I32))
+        return where(tirx.all(xk > -three, xk < three), m << HSIG_GRAD_LEFT, _c(0))
 
-    e_acc = te.compute((1,), lambda i: e_dy[i] - HSIG_GRAD_LEFT, name="e_acc")
-    acc = te.compute(shape, body, name="acc")
-    return _func([dy, e_dy, x, e, acc, e_acc], name)
+    return _grid_acc(shape, True, value, lambda e, k: _c(-HSIG_GRAD_LEFT), name)
 
 
 def dropout_forward_acc(
