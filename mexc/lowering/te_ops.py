@@ -287,7 +287,10 @@ def _concat_kernels(
         for i in range(len(sizes)):
             local = tirx.min(tirx.max(c - starts[i], 0), sizes[i] - 1)
             xi = ms[i][(idx[0], local, *idx[2:])].astype(I32)
-            mask = -(tirx.all(c >= starts[i], c < starts[i] + sizes[i]).astype(I32))
+            # -1 where starts[i] <= c < its end, else 0, in int32 arithmetic: a bool cast
+            # vectorized along c (inner 1: c is the last axis) fails in TVM's simplifier
+            gap = (c - starts[i]) | (starts[i] + sizes[i] - 1 - c)
+            mask = ~(gap.astype(I32) >> 31)
             x, e = x | (xi & mask), e | (es[i][0] & mask)
         return shift_signed32(x, target[0] - e, key[0], _flat_index(shape, idx), stochastic, 24)
 
