@@ -28,7 +28,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs
-from mexc.ops.common import static_int
+from mexc.ops.common import ParamView, static_int
 from mexc.types import Kind, TensorType, f32
 
 
@@ -102,12 +102,21 @@ class _Ctx:
         """A traced value (not a Python constant)."""
         return isinstance(a, torch.fx.Node)
 
+    def param_view(self, a: Any) -> ParamView | None:
+        """A parameter seen through a reshape (ParamView), if `a` is one."""
+        held = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+        return held if isinstance(held, ParamView) else None
+
     def is_param(self, a: Any) -> bool:
         """A module parameter read directly (get_attr), e.g. a positional embedding."""
         return isinstance(a, torch.fx.Node) and a.op == "get_attr"
 
     def get_param(self, a: Any, role: str) -> Value:
         return _get_param(self, a, role)
+
+    def get_state(self, a: Any, role: str, owner: str) -> Value:
+        """A module buffer read directly (get_attr) as persistent state (BN running stats)."""
+        return self.state(str(a.target), _fetch_attr(self.gm, str(a.target)), role, owner)
 
 
 # ----------------------------------------------------------------------------- source locations

@@ -93,7 +93,7 @@ class TransformerRules(PlanBuilder):
         """kernels.elementwise.mul_forward: the product compacted without being stored
         (site 0)."""
         x, g = n.inputs
-        shape, g_axis = self._factor(self.shape(x), self.shape(g))
+        shape, g_axis = self._factor(self.shape(x), tuple(n.attrs.view) or self.shape(g))
         gv = self.view(self.m[g], shape if g_axis is None else (shape[g_axis],))
         args = (self.view(self.m[x], shape), self.e[x], gv, self.e[g])
         kernels = te_ops.mul_compaction(shape, g_axis, self.bits, self.stochastic, f"n{n.id}_mul")
@@ -103,7 +103,7 @@ class TransformerRules(PlanBuilder):
         """kernels.elementwise.mul_backward_factor: the sum (products pre-shifted at site 1
         where it is long), a parameter's as its int32 accumulator, else compacted (site 0)."""
         dy, x = n.inputs
-        x_shape, g_shape = self.shape(x), self.shape(n.result(0))
+        x_shape, g_shape = self.shape(x), tuple(n.attrs.view) or self.shape(n.result(0))
         shape, g_axis = self._factor(x_shape, g_shape)
         t = mul_grad_shift(int(np.prod(x_shape)) // int(np.prod(g_shape)))
         acc_shape = shape if g_axis is None else (shape[g_axis],)

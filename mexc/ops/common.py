@@ -10,6 +10,8 @@ passes, the executor nor torch:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +92,15 @@ def scalar(n: Node) -> FixedScalar:
 
 
 # ----------------------------------------------------------------------------- frontend
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """A parameter read through a reshape (timm's `x * self.gamma.reshape(1, -1, 1, 1)`): the
+    get_attr node and the shape it is seen with; an op that takes parameters reads it."""
+
+    source: Any
+    shape: tuple[int, ...]
 
 
 def static_int(v: Any) -> int:

@@ -119,6 +119,39 @@ def _batchnorm_module(c: Any, n: Any, m: Any) -> Value:
     return c.emit(Op.BATCHNORM, ins, n, eps=float(m.eps), momentum=momentum)
 
 
+def _batchnorm_function(c: Any, n: Any) -> Value:
+    """F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps) on a
+    module's buffers and parameters: timm's BatchNormAct2d, a BatchNorm2d subclass whose forward
+    calls it. Its `training` argument is the traced (eval) one; like a BatchNorm2d module it
+    normalizes with batch statistics in the step and running statistics in evaluation."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
+    args = dict(zip((*names, "eps"), n.args)) | dict(n.kwargs)
+    parts = [args.get(k) for k in ("running_mean", "running_var", "weight", "bias")]
+    if not all(c.is_param(p) for p in parts):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "needs running statistics, weight and bias that are module buffers and "
+                "parameters (affine=True, track_running_stats=True)",
+            )
+        )
+    momentum = float(args.get("momentum", 0.1))
+    if momentum <= 0.0:
+        raise UnsupportedOpError(
+            c.describe(n, "uses a cumulative running average (momentum=None); give a momentum")
+        )
+    mean, var, weight, bias = parts
+    owner = str(mean.target).rsplit(".", 1)[0]
+    ins = [
+        c.arg(args["input"]),
+        c.get_param(weight, "bn_weight"),
+        c.get_param(bias, "bn_bias"),
+        c.get_state(mean, "running_mean", owner),
+        c.get_state(var, "running_var", owner),
+    ]
+    return c.emit(Op.BATCHNORM, ins, n, eps=float(args.get("eps", 1e-5)), momentum=momentum)
+
+
 def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
     if len(m.normalized_shape) != 1 or not m.elementwise_affine or m.bias is None:
         raise UnsupportedOpError(
@@ -167,6 +200,7 @@ define(
         running_update=_running_update,
         frontend=(
             Pattern("module", ("torch.nn.BatchNorm2d", "torch.nn.BatchNorm1d"), _batchnorm_module),
+            Pattern("function", ("torch.nn.functional.batch_norm",), _batchnorm_function),
         ),
         lower={
             "tir": "step_plan:PlanRules.batchnorm",

@@ -14,6 +14,7 @@ from mexc.kernels.elementwise import dropout_group
 from mexc.mx import MX
 from mexc.ops.common import (
     Grads,
+    ParamView,
     elementwise_types,
     no_saved,
     pointwise_vjp,
@@ -73,10 +74,13 @@ def _mul_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
     x, g = n.inputs
-    dx = w.emit(Op.MUL, [dy, g], mx(*w.type(x).shape), n.loc).out if w.needs[x] else None
+    view = tuple(n.attrs.view)
+    dx = None
+    if w.needs[x]:
+        dx = w.emit(Op.MUL, [dy, g], mx(*w.type(x).shape), n.loc, view=view).out
     shape = w.type(g).shape
     if w.g.node(g.node).op is Op.PARAM:
-        dp = w.emit(Op.MUL_GRAD, [dy, x], acc(*shape), n.loc, param=True)
+        dp = w.emit(Op.MUL_GRAD, [dy, x], acc(*shape), n.loc, param=True, view=view)
         w.set_param_grad(g, dp.out, n)
         return [dx, None]
     if not w.needs[g]:
@@ -115,12 +119,18 @@ def _concat(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 
 def _mul_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.mul_forward(a[0], a[1], env.ctx, tid(n)),)
+    g: MX = a[1]
+    if n.attrs.view:
+        g = MX(g.m.reshape(n.attrs.view), g.e)
+    return (K.mul_forward(a[0], g, env.ctx, tid(n)),)
 
 
 def _mul_grad_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    g_shape = tuple(n.type.shape)
-    return (K.mul_backward_factor(a[0], a[1], g_shape, env.ctx, tid(n), bool(n.attrs.param)),)
+    g_shape = tuple(n.attrs.view or n.type.shape)
+    dg = K.mul_backward_factor(a[0], a[1], g_shape, env.ctx, tid(n), bool(n.attrs.param))
+    if isinstance(dg, MX):
+        return (MX(dg.m.reshape(n.type.shape), dg.e),)
+    return (type(dg)(dg.a.reshape(n.type.shape), dg.e),)
 
 
 def _grad_sum(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -258,7 +268,9 @@ def _expand(c: Any, n: Any) -> Value:
     return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
 
 
-def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value:
+def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value | ParamView:
+    if m is None and c.is_param(n.args[0]):
+        return ParamView(n.args[0], tuple(c.shape(n)))  # read by the op that takes it
     return c.emit(Op.RESHAPE, [c.arg(n.args[0])], n, shape=c.shape(n))
 
 
@@ -321,6 +333,15 @@ def _mul(c: Any, n: Any) -> Value:
     if not (c.is_node(a) and c.is_node(b)):
         return _scale_by(c, n, divide=False)
     out = c.shape(n)
+    view = c.param_view(b) or c.param_view(a)
+    if view is not None:  # a parameter seen through a reshape
+        x = b if c.param_view(a) is not None else a
+        if c.shape(x) != out or K.factor_view(out, view.shape) is None:
+            raise UnsupportedOpError(
+                c.describe(n, f"multiplies by a parameter seen as {list(view.shape)}")
+            )
+        g = c.get_param(view.source, "scale")
+        return c.emit(Op.MUL, [c.arg(x), g], n, view=view.shape)
     if c.shape(a) != out or (c.is_param(a) and not c.is_param(b)):
         a, b = b, a
     if c.shape(a) != out or c.is_param(a):
@@ -558,7 +579,7 @@ define(
     ),
     OpDef(
         Op.MUL,
-        {"rid": -1},
+        {"view": (), "rid": -1},
         types=elementwise_types,
         vjp=_mul_vjp,
         reference=_mul_ref,
@@ -571,7 +592,7 @@ define(
     ),
     OpDef(
         Op.MUL_GRAD,
-        {"param": False, "rid": -1},
+        {"param": False, "view": (), "rid": -1},
         reference=_mul_grad_ref,
         lower={"tir": _tir("mul_grad"), "c": "emit:_mul_grad"},
         doc="dg of x * g: dy * x summed over g's broadcast axes (int32 for a parameter)",

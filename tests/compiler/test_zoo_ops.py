@@ -434,13 +434,27 @@ def test_stochastic_depth_keeps_or_drops_whole_samples() -> None:
     np.testing.assert_allclose(_float(y)[kept], 2 * _float(x)[kept], rtol=0.02)
 
 
+class FunctionalBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm2d subclass whose forward calls F.batch_norm on its own buffers (timm's
+    BatchNormAct2d): traced through, into the function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+            self.momentum, self.eps,
+        )  # fmt: skip
+
+
 class GatedNet(nn.Module):
     """Squeeze-and-excitation with Hardsigmoid gating (MobileNetV3's), a layer-scale parameter
-    [C, 1, 1] (ConvNeXt's), and a product of two activations of one shape."""
+    [C, 1, 1] (ConvNeXt's) and one [C] seen through a reshape (timm's), a product of two
+    activations of one shape, batch norm through F.batch_norm."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = FunctionalBatchNorm(8)
+        self.gamma = nn.Parameter(torch.full((8,), 0.75))
         self.fc1 = nn.Conv2d(8, 4, 1)
         self.fc2 = nn.Conv2d(4, 8, 1)
         self.gate = nn.Hardsigmoid()
@@ -449,9 +463,9 @@ class GatedNet(nn.Module):
         self.fc = nn.Linear(8 * 4 * 4, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = torch.relu(self.conv(x))
+        a = torch.relu(self.bn(self.conv(x)))
         s = self.gate(self.fc2(torch.relu(self.fc1(nn.functional.adaptive_avg_pool2d(a, 1)))))
-        y = self.scale * (a * s)
+        y = self.scale * (a * s) * self.gamma.reshape(1, -1, 1, 1)
         y = y * nn.functional.hardsigmoid(self.other(x))
         return self.fc(torch.flatten(nn.functional.max_pool2d(y, 2), 1))
 
@@ -490,7 +504,11 @@ class TokenNet(nn.Module):
 
 MODELS: dict[str, tuple[type[nn.Module], tuple[int, ...], set[Op]]] = {
     "tokens": (TokenNet, (1, 8, 8), {Op.EXPAND_PARAM, Op.CONCAT, Op.MATMUL, Op.LAYERNORM}),
-    "gated": (GatedNet, (1, 8, 8), {Op.MUL, Op.MUL_GRAD, Op.HARDSIGMOID, Op.HARDSIGMOID_GRAD}),
+    "gated": (
+        GatedNet,
+        (1, 8, 8),
+        {Op.MUL, Op.MUL_GRAD, Op.HARDSIGMOID, Op.HARDSIGMOID_GRAD, Op.BATCHNORM},
+    ),
     "concat": (CatNet, (1, 8, 8), {Op.CONCAT}),
     "ceil_pool": (CeilPoolNet, (1, 8, 8), {Op.MAXPOOL2D}),
 }

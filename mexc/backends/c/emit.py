@@ -405,7 +405,7 @@ def _factor_dims(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[in
 
 def _mul(e: _Emit, n: Node) -> None:
     (x, ex), (g, eg) = _x(e, n, 0), _x(e, n, 1)
-    o, m, inner = _factor_dims(e.shape(n.inputs[0]), e.shape(n.inputs[1]))
+    o, m, inner = _factor_dims(e.shape(n.inputs[0]), tuple(n.attrs.view) or e.shape(n.inputs[1]))
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
     e.emit(
@@ -417,7 +417,7 @@ def _mul(e: _Emit, n: Node) -> None:
 def _mul_grad(e: _Emit, n: Node) -> None:
     (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
     x_shape = e.shape(n.inputs[1])
-    o, m, inner = _factor_dims(x_shape, e.shape(n.out))
+    o, m, inner = _factor_dims(x_shape, tuple(n.attrs.view) or e.shape(n.out))
     t = mul_grad_shift(_numel(x_shape) // m)
     eo = e.local_exp(n.out)
     if n.attrs.param:
