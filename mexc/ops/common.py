@@ -10,9 +10,8 @@ passes, the executor nor torch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mexc.ir import Node, Op, Value

@@ -141,6 +141,7 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
             c.describe(n, "uses a cumulative running average (momentum=None); give a momentum")
         )
     mean, var, weight, bias = parts
+    assert mean is not None  # is_param: a get_attr node
     owner = str(mean.target).rsplit(".", 1)[0]
     ins = [
         c.arg(args["input"]),
