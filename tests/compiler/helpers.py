@@ -88,3 +88,37 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+# ----------------------------------------------------------------------------- TIR kernels
+
+
+def run_kernel(func: Any, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], str]]) -> list:
+    """Build a PrimFunc for llvm and run it on `arrays`, returning the `outs` buffers."""
+    import tvm
+
+    dev = tvm.cpu()
+    ex = tvm.compile(func, target="llvm")
+    out = [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in outs]
+    ex(*[tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in arrays], *out)
+    return [o.numpy() for o in out]
+
+
+def one_i32(v: int) -> np.ndarray:
+    """A one-element int32 buffer (a run-time exponent)."""
+    return np.array([v], np.int32)
+
+
+def site_key_buffer(ctx: RoundCtx, tid: int, site: int) -> np.ndarray:
+    """The one-element key buffer of rounding site `site` of node `tid`."""
+    from mexc.kernels._common import site_key
+
+    return np.array([site_key(ctx, tid, site)], np.int64)
+
+
+def run_fused(kernels: Any, inputs: list[np.ndarray], key: np.ndarray, shape: Any) -> tuple:
+    """te_compaction.fused_compaction's shift and apply kernels: (m, e_out)."""
+    shift, apply = kernels
+    s, e_out = run_kernel(shift, *inputs, outs=[((1,), "int32"), ((1,), "int32")])
+    (m,) = run_kernel(apply, *inputs, s, key, outs=[(shape, "int8")])
+    return m, int(e_out[0])

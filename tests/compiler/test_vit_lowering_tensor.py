@@ -24,6 +24,10 @@ from mexc.ir import Op
 from mexc.kernels._common import compact_mx, site_key
 from mexc.mx import MX, RoundCtx
 from mexc.ops import REGISTRY
+from tests.compiler.helpers import one_i32 as _i32
+from tests.compiler.helpers import run_fused as _fused
+from tests.compiler.helpers import run_kernel as _run
+from tests.compiler.helpers import site_key_buffer as _key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -50,24 +54,6 @@ def test_registry_lowers_the_tensor_ops_to_tir() -> None:
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-def _run(func, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
-    import tvm
-
-    dev = tvm.cpu()
-    ex = tvm.compile(func, target="llvm")
-    out = [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in outs]
-    ex(*[tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in arrays], *out)
-    return [o.numpy() for o in out]
-
-
-def _i32(v: int) -> np.ndarray:
-    return np.array([v], np.int32)
-
-
-def _key(ctx: RoundCtx, tid: int, site: int) -> np.ndarray:
-    return np.array([site_key(ctx, tid, site)], np.int64)
 
 
 MANTISSAS = np.arange(-128, 128, dtype=np.int8).reshape(8, 32)
@@ -116,13 +102,6 @@ def test_gelu_kernels_equal_the_reference(e: int, rounding: str) -> None:
     got = compact_mx(acc, int(e_acc[0]), ctx, site_key(ctx, 48, 1))
     np.testing.assert_array_equal(got.m, want.m)
     assert int(got.e) == int(want.e)
-
-
-def _fused(kernels, inputs: list[np.ndarray], key: np.ndarray, shape) -> tuple[np.ndarray, int]:
-    shift, apply = kernels
-    s, e_out = _run(shift, *inputs, outs=[((1,), "int32"), ((1,), "int32")])
-    (m,) = _run(apply, *inputs, s, key, outs=[(shape, "int8")])
-    return m, int(e_out[0])
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
