@@ -39,14 +39,13 @@ from mexc.numerics import (
     isqrt,
     product_cap,
     shift_left,
-    shift_left_saturating,
     shift_signed,
     sum_cap,
 )
 
 MEAN_FRAC_BITS = 8  # at most 8 fractional bits below the input exponent for the mean
 RSTD_NUM_LOG2 = 29  # rstd = round(2^29 / sigma), sigma in [2^14, 2^15] -> rstd in [2^14, 2^15]
-EPS_LIMIT = 1 << 29  # the aligned eps saturates here
+EPS_BITS = 30  # the aligned eps stays below 2^EPS_BITS (docs/layers.md, BatchNorm step 4)
 
 
 @dataclass(frozen=True)
@@ -95,18 +94,21 @@ def mean_frac_bits(m: int) -> int:
 def _rstd(var_m: np.ndarray, ev: np.ndarray, eps: FixedScalar) -> tuple[np.ndarray, np.ndarray]:
     """Per channel 1/sqrt(var * 2^ev + eps) as (rstd in [2^14, 2^15], exponent); var_m <= 2^30.
 
-    eps = num * 2^-shift is aligned to 2^ev (saturating left shift to 2^29, or nearest right
-    shift). n0 = max(var + eps, 1) is normalized by t = 29 - bitlen(n0) (+1 if ev - t is odd)
-    so n = n0 * 2^t lies in [2^28, 2^30] with an even exponent (nearest rounding if t < 0);
-    sigma = isqrt(n) in [2^14, 2^15], exponent (ev - t) / 2; rstd = idiv_round(2^29, sigma),
-    exponent -29 - (ev - t) / 2.
+    var + eps is summed at ev' = ev + k with k = eps_rise(sh) (sh = -eps.shift - ev), so the
+    aligned eps num << (sh - k) is exact and below 2^30 (or a nearest right shift if sh < 0),
+    and var is rounded to nearest by k. n0 = max(var + eps, 1) is normalized by
+    t = 29 - bitlen(n0) (+1 if ev' - t is odd) so n = n0 * 2^t lies in [2^28, 2^30] with an
+    even exponent (nearest rounding if t < 0); sigma = isqrt(n) in [2^14, 2^15], exponent
+    (ev' - t) / 2; rstd = idiv_round(2^29, sigma), exponent -29 - (ev' - t) / 2.
     """
-    ev = i64(ev)
-    sh = -eps.shift - ev
+    sh = -eps.shift - i64(ev)
+    k = eps_rise(eps, sh)
+    ev = i64(ev) + k
     num = np.full(ev.shape, eps.num, np.int64)
-    left = np.minimum(shift_left_saturating(num, np.maximum(sh, 0), 29), EPS_LIMIT)
+    left = num << np.maximum(sh - k, 0)
     right = fast_shift_right(num, np.maximum(-sh, 0), "nearest")
-    n0 = np.maximum(i64(var_m) + np.where(sh >= 0, left, right), 1)
+    var_a = fast_shift_right(i64(var_m), k, "nearest")
+    n0 = np.maximum(var_a + np.where(sh >= 0, left, right), 1)
     check_int32(n0, "batchnorm_var")
     t = 29 - bit_length(n0)
     t = np.where((ev - t) % 2 != 0, t + 1, t)
@@ -115,6 +117,14 @@ def _rstd(var_m: np.ndarray, ev: np.ndarray, eps: FixedScalar) -> tuple[np.ndarr
     es = (ev - t) // 2
     rstd = idiv_round(np.asarray(1 << RSTD_NUM_LOG2, np.int64), sigma)
     return rstd, -RSTD_NUM_LOG2 - es
+
+
+def eps_rise(eps: FixedScalar, sh: np.ndarray) -> np.ndarray:
+    """k = max(0, bitlen(num) + sh - EPS_BITS) (0 for eps = 0): how far var + eps is summed
+    above var's exponent so that eps aligned there stays below 2^EPS_BITS."""
+    if eps.num == 0:
+        return np.zeros_like(i64(sh))
+    return np.maximum(eps.num.bit_length() + i64(sh) - EPS_BITS, 0)
 
 
 def _affine(

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from tvm import s_tir, te, tirx
 
-from mexc.kernels.norm import EPS_LIMIT, RSTD_NUM_LOG2
+from mexc.kernels.norm import EPS_BITS, RSTD_NUM_LOG2
 from mexc.lowering.te_compaction import (
     _flat_index,
     abs_max_all,
@@ -39,7 +39,6 @@ from mexc.lowering.te_compaction import (
     fit_shift,
     fused_compaction,
     iabs,
-    shift_left_saturating,
     shift_right32,
     shift_signed,
     shift_signed32,
@@ -152,18 +151,27 @@ def _rstd_stages(
     target's integer divide (te_divide.idiv_round)."""
     shape = var_m.shape
 
+    def rise(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        """eps_rise: k for channel c."""
+        if eps.num == 0:
+            return _c(0)
+        return tirx.max(_c(eps.num.bit_length() - EPS_BITS - eps.shift) - ev[c], _c(0))
+
+    k = te.compute(shape, rise, name="eps_rise")
+
     def n0_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
         sh = _c(-eps.shift) - ev[c]
-        left = tirx.min(shift_left_saturating(_c(eps.num), tirx.max(sh, 0), 29), _c(EPS_LIMIT))
+        left = _c(eps.num) << tirx.max(sh - k[c], _c(0))
         right = _nearest(_c(eps.num), tirx.max(-sh, _c(0)))
-        return tirx.max(var_m[c] + tirx.if_then_else(sh >= 0, left, right), _c(1))
+        var_a = _nearest(var_m[c], k[c])
+        return tirx.max(var_a + tirx.if_then_else(sh >= 0, left, right), _c(1))
 
     n0 = te.compute(shape, n0_body, name="n0")
     bl = _bitlen(n0, "bl_n0")
 
     def t_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
         t0 = _c(29) - bl[c].astype(I64)
-        return t0 + ((ev[c] - t0) & _c(1))
+        return t0 + ((ev[c] + k[c] - t0) & _c(1))
 
     t = te.compute(shape, t_body, name="t_norm")
     n = te.compute(shape, lambda c: _nearest(n0[c], -t[c]), name="n_norm")
@@ -171,7 +179,9 @@ def _rstd_stages(
     rstd = te.compute(
         shape, lambda c: idiv_round(_c(1 << RSTD_NUM_LOG2), sigma[c], native), name="rstd"
     )
-    rstd_e = te.compute(shape, lambda c: _c(-RSTD_NUM_LOG2) - ((ev[c] - t[c]) >> _c(1)), name="re")
+    rstd_e = te.compute(
+        shape, lambda c: _c(-RSTD_NUM_LOG2) - ((ev[c] + k[c] - t[c]) >> _c(1)), name="re"
+    )
     return rstd, rstd_e
 
 

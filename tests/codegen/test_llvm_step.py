@@ -103,6 +103,28 @@ def test_batch_norm_of_constant_channels_is_bit_exact() -> None:
     _assert_same_training(ref, llvm, x, y, steps=3)
 
 
+def test_norms_of_a_variance_far_below_eps_are_bit_exact() -> None:
+    """Inputs at 1e-9: every batch- and layer-norm variance lies far below eps, so var + eps is
+    summed above the variance's exponent (docs/layers.md, BatchNorm step 4); the compiled
+    step's rstd and the reference's agree, and the normalized values stay near 0 as in float."""
+
+    def factory() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.LayerNorm(8 * 16),
+            nn.Linear(8 * 16, 4),
+        )
+
+    ref, llvm = _pair(factory, 8, (3, 4, 4), seed=3)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((8, 3, 4, 4)) * 1e-9).astype(np.float32)
+    y = rng.integers(0, 4, 8)
+    _assert_same_training(ref, llvm, x, y, steps=3)
+
+
 TINY_IMAGES = {
     # a 3x3 padded convolution of a 1x1 image: every tap outside it is the pack's zero border,
     # so the pack keeps no range test (cpu_gemm._pack had none to combine)

@@ -129,6 +129,7 @@ SIGS = {
     "mexc_maxpool2d_backward": "i ppipppu",
     "mexc_softmax_ce_forward": "i uupipuppu",
     "mexc_softmax_ce_backward": "i uuppuppu",
+    "mexc_rstd": "i iiFp",
     "mexc_batchnorm_forward_train": "i uuupipipiFpppup",
     "mexc_batchnorm_backward": "v uuupippippppppup",
     "mexc_batchnorm_update_running": "v uppippipFpup",

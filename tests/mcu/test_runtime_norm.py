@@ -161,3 +161,19 @@ def test_batchnorm(rt, shape, ci):
             P(scratch(6 * c)),
         )
         assert ee == int(ye_ref.e) and np.array_equal(ye, ye_ref.m)
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3, 0.0])
+def test_rstd_of_every_variance_scale(rt, eps: float) -> None:
+    """mexc_rstd against norm._rstd where eps dominates the variance (the summing exponent
+    rises above ev), where the two are comparable and where eps vanishes below a unit."""
+    from mexc.kernels.norm import _rstd
+
+    fixed = FixedScalar.of(eps)
+    var = np.array([0, 1, 7, 1 << 12, (1 << 29) + 12345, 1 << 30], np.int64)
+    for ev in (-300, -120, -47, -46, -45, -30, -17, 0, 30):
+        want, want_e = _rstd(var, np.full(var.shape, ev, np.int64), fixed)
+        for v, w, we in zip(var, want, want_e, strict=True):
+            e = C.c_int32(0)
+            got = rt.mexc_rstd(int(v), ev, Fixed(fixed.num, fixed.shift), C.byref(e))
+            assert (got, e.value) == (int(w), int(we)), (int(v), ev)

@@ -110,6 +110,8 @@ typedef struct {
     uint32_t count;    /* M = N*S */
 } mexc_bn_saved_t;
 
+/* norm._rstd: 1/sqrt(var * 2^ev + eps) as rstd in [2^14, 2^15] at *rstd_e (BatchNorm, LayerNorm). */
+int32_t mexc_rstd(int32_t var, int32_t ev, mexc_fixed_t eps, int32_t *rstd_e);
 /* Scratch words of every batchnorm function (backward: plus mexc_fit_scratch(N*C*S, N*S)). */
 #define MEXC_BN_SCRATCH(C) (6u * (uint32_t)(C))
 /* batchnorm_forward_train. Sites 0 var pre-shift, 1 xhat, 2/3 affine alignment, 4 output. */

@@ -3,16 +3,23 @@
 #include "mexc_kernels.h"
 
 #define RSTD_NUM_LOG2 29
-#define EPS_LIMIT_BITS 29
+#define EPS_BITS 30
 
-/* norm._rstd for one channel: 1/sqrt(var * 2^ev + eps) as rstd in [2^14, 2^15], *rstd_e. */
-static int32_t bn_rstd(int32_t var, int32_t ev, mexc_fixed_t eps, int32_t *rstd_e)
+/* norm._rstd for one channel or row: 1/sqrt(var * 2^ev + eps) as rstd in [2^14, 2^15] at
+ * *rstd_e (var <= 2^30). var + eps is summed at ev + k (norm.eps_rise), so that eps aligned
+ * there stays exact and below 2^30 when it dominates the variance. */
+int32_t mexc_rstd(int32_t var, int32_t ev, mexc_fixed_t eps, int32_t *rstd_e)
 {
-    int32_t sh = -eps.shift - ev, n0, t;
+    int32_t sh = -eps.shift - ev, k = 0, n0, t;
     uint32_t sigma;
-    n0 = var + (sh >= 0 ? mexc_shift_left_sat(eps.num, sh, EPS_LIMIT_BITS)
-                        : mexc_shift_right(eps.num, -sh, 0, 0u, 0u));
+    if (eps.num > 0) {
+        k = mexc_bit_length((uint32_t)eps.num) + sh - EPS_BITS;
+        if (k < 0) k = 0;
+    }
+    n0 = mexc_shift_right(var, k, 0, 0u, 0u)
+         + (sh >= 0 ? mexc_shift_left(eps.num, sh - k) : mexc_shift_right(eps.num, -sh, 0, 0u, 0u));
     if (n0 < 1) n0 = 1;
+    ev += k;
     t = 29 - mexc_bit_length((uint32_t)n0);
     if ((ev - t) & 1) t++;
     sigma = mexc_isqrt32((uint32_t)mexc_shift_signed(n0, -t, 0, 0u, 0u));
@@ -93,7 +100,7 @@ static void bn_stats(uint32_t n, uint32_t c, uint32_t s, const int8_t *x, int32_
         sv->var[cc] = mexc_idiv_round(vnum, m);
         sv->var_u[cc] = mexc_idiv_round(vnum, m - 1u);
         sv->var_e[cc] = 2 * (e_c + r[cc]) - shv;
-        sv->rstd[cc] = bn_rstd(sv->var[cc], sv->var_e[cc], eps, &sv->rstd_e[cc]);
+        sv->rstd[cc] = mexc_rstd(sv->var[cc], sv->var_e[cc], eps, &sv->rstd_e[cc]);
     }
 }
 
@@ -303,7 +310,7 @@ int32_t mexc_batchnorm_forward_eval(uint32_t n, uint32_t c, uint32_t s, const in
     for (cc = 0; cc < c; cc++) {
         erm = mexc_bit_length(camax[cc]) - 15;
         sx[cc] = erm > 0 ? erm : 0;
-        rstd[cc] = bn_rstd(rv[cc], rv_e[rv_grouped ? cc : 0u], eps, &re);
+        rstd[cc] = mexc_rstd(rv[cc], rv_e[rv_grouped ? cc : 0u], eps, &re);
         e16[cc] = tg[cc] + sx[cc] + re;
     }
     /* xhat (written into y) = compact_common(xc16 * rstd, e16 + rstd_e, axis 1) [3] */

@@ -46,26 +46,9 @@ const int32_t mexc_gelu_grad_table[256] = {
     64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64,
 };
 
-#define LN_RSTD_NUM_LOG2 29
-#define LN_EPS_LIMIT_BITS 29
 #define SOFTMAX_RECIP_LOG2 30
 
 /* ------------------------------------------------------------------ LayerNorm */
-
-/* norm._rstd for one row: 1/sqrt(var * 2^ev + eps) as rstd in [2^14, 2^15], *rstd_e. */
-static int32_t ln_rstd(int32_t var, int32_t ev, mexc_fixed_t eps, int32_t *rstd_e)
-{
-    int32_t sh = -eps.shift - ev, n0, t;
-    uint32_t sigma;
-    n0 = var + (sh >= 0 ? mexc_shift_left_sat(eps.num, sh, LN_EPS_LIMIT_BITS)
-                        : mexc_shift_right(eps.num, -sh, 0, 0u, 0u));
-    if (n0 < 1) n0 = 1;
-    t = 29 - mexc_bit_length((uint32_t)n0);
-    if ((ev - t) & 1) t++;
-    sigma = mexc_isqrt32((uint32_t)mexc_shift_signed(n0, -t, 0, 0u, 0u));
-    *rstd_e = -LN_RSTD_NUM_LOG2 - (ev - t) / 2;
-    return mexc_idiv_round((int32_t)1 << LN_RSTD_NUM_LOG2, sigma);
-}
 
 int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32_t ex,
                                const int8_t *gamma, int32_t eg, const int8_t *beta, int32_t eb,
@@ -111,7 +94,7 @@ int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32
         shv = shv > 0 ? shv : 0;
         var = mexc_idiv_round((int32_t)(vsum << shv), d);
         ev = 2 * (e_c + r) - shv;
-        sv->rstd[rr] = ln_rstd(var, ev, eps, &sv->rstd_e[rr]);
+        sv->rstd[rr] = mexc_rstd(var, ev, eps, &sv->rstd_e[rr]);
         e_grp[rr] = e_c + sv->rstd_e[rr];
     }
     /* xhat = compact_common(xc * rstd, e_c + rstd_e, axis 0 = rows) [1] */
