@@ -18,7 +18,7 @@ from mexc.numerics import (
 
 PROB_EXP = -8  # probabilities p * 2^-8, p in [0, 255]
 PROB_ONE = 256
-GRAD_EXP = -15  # (p - 256*onehot) << 7 / n lies at exponent -15
+GRAD_EXP = -15  # (p - S*onehot) << 7 / n lies at exponent -15
 
 
 def softmax_ce_forward(
@@ -60,8 +60,9 @@ def softmax_ce_backward(
 ) -> MX:
     """dlogits = (softmax - onehot) / n, n = valid rows; padding rows (>= valid) are zero.
 
-    t = p - 256*onehot (|t| <= 256); g = idiv_round(t << 7, n) at exponent -15
-    (|g| <= 2^15); compaction to ctx.bits (site 0).
+    t = p - S*onehot with S the row's sum of p, so every row of t sums to 0 as in float
+    (|t| <= 256 + K/2); g = idiv_round(t << 7, n) at exponent -15; compaction to ctx.bits
+    (site 0).
     """
     p = i64(probs)
     nrows = p.shape[0]
@@ -69,7 +70,7 @@ def softmax_ce_backward(
     lab = np.asarray(labels, np.int64)
     t = p.copy()
     if n:
-        t[np.arange(n), lab[:n]] -= PROB_ONE
+        t[np.arange(n), lab[:n]] -= p[:n].sum(axis=1)
     t[n:] = 0
     g = idiv_round(t << 7, max(n, 1))
     mm, ee = compact(g, GRAD_EXP, ctx.bits, ctx.rounding, site_key(ctx, tid, 0))

@@ -143,17 +143,20 @@ int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
                                  const mexc_ctx_t *ctx, uint32_t tid)
 {
     uint32_t r, j, rows = valid < n ? valid : n, div = rows ? rows : 1u;
-    int32_t t, e_out = 0;
+    int32_t t, s, e_out = 0;
     mexc_sink_t sink;
     mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, MEXC_SOFTMAX_GRAD_EXP);
-        for (r = 0; r < n; r++)
+        for (r = 0; r < n; r++) {
+            /* t = p - S onehot, S the row's sum: each row of t sums to 0 (loss.py) */
+            for (s = 0, j = 0; j < k; j++) s += probs[r * k + j];
             for (j = 0; j < k; j++) {
                 t = 0;
-                if (r < rows) t = (int32_t)probs[r * k + j] - ((uint32_t)labels[r] == j ? 256 : 0);
+                if (r < rows) t = (int32_t)probs[r * k + j] - ((uint32_t)labels[r] == j ? s : 0);
                 mexc_sink_put(&sink, r * k + j, 0u, mexc_idiv_round(t * 128, div));
             }
+        }
     }
     return e_out;
 }
