@@ -30,6 +30,7 @@ from mexc.kernels._common import (
     scalar_exp,
     site_key,
 )
+from mexc.kernels.activation import table_product
 from mexc.kernels.norm import _eps_fixed, _rstd, _var_shift, mean_frac_bits
 from mexc.kernels.pool import DIV_BITS, _divide
 from mexc.mx import MX, Acc, RoundCtx
@@ -231,11 +232,8 @@ def gelu_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
 def gelu_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
     """dx = dy GELU'(x): G = GELU_GRAD_TABLE.lookup(x) (index rounding **site 0**, clamped, so
     x >= 4 gives GELU'(3.97) = 64 * 2^-6 = 1 and x < -4 gives 0: the right asymptotes);
-    acc = dy_m G (|.| < 2^14) at e_dy - 6; compaction **site 1**."""
-    ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "gelu input")
-    gd = GELU_GRAD_TABLE.lookup(i64(x.m), ex, ctx.rounding, site_key(ctx, tid, 0))
-    acc = i64(dy.m) * gd
-    return compact_mx(acc, ed + GELU_GRAD_TABLE.out_exp, ctx, site_key(ctx, tid, 1))
+    acc = dy_m G (|.| < 2^14) at e_dy - 6; compaction **site 1**: activation.table_product."""
+    return table_product(dy, x, GELU_GRAD_TABLE, ctx, tid)
 
 
 # ----------------------------------------------------------------------------------- softmax

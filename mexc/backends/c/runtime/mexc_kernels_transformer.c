@@ -276,19 +276,8 @@ int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
 int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t ex, uint32_t n,
                            int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid)
 {
-    const uint32_t key0 = mexc_site_key(ctx, tid, 0);
-    int32_t gd, e_out = 0;
-    uint32_t i;
-    mexc_sink_t sink;
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
-    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
-        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ed + MEXC_GELU_GRAD_OUT_EXP);
-        for (i = 0; i < n; i++) {
-            gd = table_lookup(mexc_gelu_grad_table, MEXC_GELU_IN_EXP, x[i], ex, ctx, key0, i);
-            mexc_sink_put(&sink, i, 0u, (int32_t)dy[i] * gd);
-        }
-    }
-    return e_out;
+    return mexc_table_product(dy, ed, x, ex, mexc_gelu_grad_table, MEXC_GELU_IN_EXP,
+                              MEXC_GELU_GRAD_OUT_EXP, n, dx, ctx, tid);
 }
 
 /* ------------------------------------------------------------------ softmax */
