@@ -101,9 +101,10 @@ def _rstd(var_m: np.ndarray, ev: np.ndarray, eps: FixedScalar) -> tuple[np.ndarr
     even exponent (nearest rounding if t < 0); sigma = isqrt(n) in [2^14, 2^15], exponent
     (ev' - t) / 2; rstd = idiv_round(2^29, sigma), exponent -29 - (ev' - t) / 2.
     """
-    sh = -eps.shift - i64(ev)
+    ev = i64(ev)
+    sh = -eps.shift - ev
     k = eps_rise(eps, sh)
-    ev = i64(ev) + k
+    ev = ev + k
     num = np.full(ev.shape, eps.num, np.int64)
     left = num << np.maximum(sh - k, 0)
     right = fast_shift_right(num, np.maximum(-sh, 0), "nearest")

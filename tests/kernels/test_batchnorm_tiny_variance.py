@@ -1,7 +1,7 @@
 """Batch norm on a channel whose variance is far below eps: as in float, x - mean is divided by
 about sqrt(eps), so the channel stays near 0 instead of being normalized to unit scale
-(docs/layers.md, BatchNorm step 4). The saturating eps of an earlier form got this wrong, and
-MobileNetV3-Small's integer training diverged (docs/benchmarks.md)."""
+(docs/layers.md, BatchNorm step 4). The saturating eps of an earlier form got this wrong; the
+MobileNetV3-Small accuracy run found it (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from kernel_helpers import cos, rand_mx, tt
 
 from mexc.kernels import softmax_ce_backward, softmax_ce_forward
-from mexc.mx import RoundCtx
+from mexc.mx import MX, RoundCtx
 
 
 def test_softmax_ce() -> None:
@@ -46,8 +46,6 @@ def test_a_confidently_right_sample_gives_no_gradient_and_rows_sum_to_zero() -> 
     m = np.zeros((n, k), np.int8)
     m[np.arange(n), labels] = 127  # logit margin 127 * 2^-2 = 32: p_y rounds to 255
     m[:4] += np.random.default_rng(2).integers(-40, 41, (4, k)).astype(np.int8)
-    from mexc.mx import MX
-
     logits = MX.of(m, -2)
     probs, _ = softmax_ce_forward(logits, labels, n, ctx, 0)
     assert np.all(probs[4:, :][np.arange(4), labels[4:]] == 255)

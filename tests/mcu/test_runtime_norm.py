@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mexc import kernels as K
+from mexc.kernels.norm import _rstd
 from mexc.mx import MX
 from mexc.numerics import FixedScalar
 from tests.mcu.test_runtime_lib import (  # noqa: F401
@@ -167,8 +168,6 @@ def test_batchnorm(rt, shape, ci):
 def test_rstd_of_every_variance_scale(rt, eps: float) -> None:
     """mexc_rstd against norm._rstd where eps dominates the variance (the summing exponent
     rises above ev), where the two are comparable and where eps vanishes below a unit."""
-    from mexc.kernels.norm import _rstd
-
     fixed = FixedScalar.of(eps)
     var = np.array([0, 1, 7, 1 << 12, (1 << 29) + 12345, 1 << 30], np.int64)
     for ev in (-300, -120, -47, -46, -45, -30, -17, 0, 30):
