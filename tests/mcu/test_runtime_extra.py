@@ -27,6 +27,9 @@ SIGS = {
     "mexc_mean_axis_backward": "i uuupippu",
     "mexc_dropout_forward": "i piuuFpppuu",
     "mexc_dropout_backward": "i pipuFppu",
+    "mexc_mul_forward": "i pipiuuuppu",
+    "mexc_mul_backward_factor": "i pipiuuuupppu",
+    "mexc_concat": "i upppuuppu",
 }
 
 
@@ -139,19 +142,6 @@ def test_dropout(lib, p, ci):
 
 # ----------------------------------------------------------------------------- zoo ops
 
-ZOO_SIGS = {
-    "mexc_mul_forward": "i pipiuuuppu",
-    "mexc_mul_backward_factor": "i pipiuuuupppu",
-    "mexc_concat": "i upppuuppu",
-}
-
-
-@pytest.fixture(scope="module")
-def zoo(rt):
-    for name, sig in ZOO_SIGS.items():
-        _sig(rt, name, sig)
-    return rt
-
 
 @pytest.mark.parametrize("ci", range(len(CTXS)))
 def test_stochastic_depth_rows(lib, ci):
@@ -172,7 +162,7 @@ def test_stochastic_depth_rows(lib, ci):
 
 @pytest.mark.parametrize("ci", range(len(CTXS)))
 @pytest.mark.parametrize("view", [(2, 3, 40000), (1, 12, 25), (5, 6, 1)])
-def test_mul_and_its_factor_gradient(zoo, view, ci):
+def test_mul_and_its_factor_gradient(lib, view, ci):
     """x (o, m, inner) times g (m,); the factor's gradient sums o * inner terms: 80,000 in the
     first view, where each product is first shifted right by 1 (site 1)."""
     from mexc.kernels.elementwise import mul_grad_shift
@@ -183,20 +173,20 @@ def test_mul_and_its_factor_gradient(zoo, view, ci):
     x = MX.of(rng.integers(-127, 128, view), -4)
     g = MX.of(rng.integers(-127, 128, (1, m, 1)), -6)
     y = _out(view)
-    e = zoo.mexc_mul_forward(P(i8(x.m)), -4, P(i8(g.m)), -6, o, m, inner, P(y), C.byref(c_ctx), 3)
+    e = lib.mexc_mul_forward(P(i8(x.m)), -4, P(i8(g.m)), -6, o, m, inner, P(y), C.byref(c_ctx), 3)
     ref = K.mul_forward(x, g, ctx, 3)
     assert e == int(ref.e) and np.array_equal(y, ref.m)
     dy = MX.of(rng.integers(-127, 128, view), -8)
     t = mul_grad_shift(o * inner)
     assert (t == 1) == (o * inner > 65536)
     acc = np.zeros(m, np.int32)
-    e = zoo.mexc_mul_backward_factor(
+    e = lib.mexc_mul_backward_factor(
         P(i8(dy.m)), -8, P(i8(x.m)), -4, o, m, inner, t, P(acc), None, C.byref(c_ctx), 5
     )
     want = K.mul_backward_factor(dy, x, (1, m, 1), ctx, 5, param=True)
     assert e == int(want.e) and np.array_equal(acc, want.a.ravel())
     dg = _out(m)
-    e = zoo.mexc_mul_backward_factor(
+    e = lib.mexc_mul_backward_factor(
         P(i8(dy.m)), -8, P(i8(x.m)), -4, o, m, inner, t, P(acc), P(dg), C.byref(c_ctx), 5
     )
     want = K.mul_backward_factor(dy, x, (1, m, 1), ctx, 5, param=False)
@@ -205,7 +195,7 @@ def test_mul_and_its_factor_gradient(zoo, view, ci):
 
 @pytest.mark.parametrize("ci", range(len(CTXS)))
 @pytest.mark.parametrize("exps", [(-5, -5, -5), (-3, -9, -4), (-40, -2, -9)])
-def test_concat(zoo, exps, ci):
+def test_concat(lib, exps, ci):
     ctx, c_ctx = CTXS[ci], ctx_of(CTXS[ci])
     rng = np.random.default_rng(ci + 3)
     sizes = (3, 5, 2)
@@ -215,5 +205,5 @@ def test_concat(zoo, exps, ci):
     es = np.array(exps, np.int32)
     ks = np.array(sizes, np.uint32)
     y = _out(ref.m.shape)
-    e = zoo.mexc_concat(3, ptrs, P(es), P(ks), 4, 6, P(y), C.byref(c_ctx), 9)
+    e = lib.mexc_concat(3, ptrs, P(es), P(ks), 4, 6, P(y), C.byref(c_ctx), 9)
     assert e == int(ref.e) and np.array_equal(y, ref.m)
