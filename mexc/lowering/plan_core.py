@@ -23,7 +23,7 @@ from mexc.lowering import te_norm, te_ops, te_pool
 from mexc.lowering.cpu_gemm import compact_from_c
 from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
-from mexc.numerics import LookupTable, product_cap
+from mexc.numerics import product_cap
 from mexc.program import Program
 
 if TYPE_CHECKING:
@@ -402,25 +402,6 @@ class PlanBuilder:
         self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply, (*inputs, s, key, out))
-
-    def table_product(self, n: Node, a: Value | None, x: Value, table: LookupTable) -> None:
-        """kernels.activation.table_product: a times table(x) (index rounding site 0),
-        compacted without being stored (site 1)."""
-        rows = self.rows_of(self.shape(x))
-        key = self.keys(n, (0,), "key0")
-        tab = self.const(f"{table.name}_table", table.values, I32)
-        kernels = te_ops.table_product_compaction(
-            rows,
-            table.in_exp,
-            table.out_exp,
-            a is not None,
-            self.bits,
-            self.stochastic,
-            f"n{n.id}_{table.name}",
-        )
-        lead = () if a is None else (self.view(self.m[a], rows), self.e[a])
-        args = (*lead, self.view(self.m[x], rows), self.e[x], key, tab)
-        self.compact_unstored(n, 1, kernels, args, self.view(self.out(n, 0, I8), rows))
 
     def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
         """Product n's lean level (LEAN_LEVELS); a rule whose product cannot scan (a weight

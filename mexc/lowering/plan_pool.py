@@ -3,7 +3,7 @@ ReLU6, Hardswish, residual and gradient sums, dropout (te_pool's and te_ops' ker
 
 from __future__ import annotations
 
-from mexc.ir import Node
+from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
 from mexc.kernels.activation import HS_DIVISOR
 from mexc.kernels.elementwise import (
@@ -27,6 +27,7 @@ from mexc.numerics import (
     SIGMOID_TABLE,
     SILU_GRAD_TABLE,
     FixedScalar,
+    LookupTable,
     ceil_log2,
 )
 
@@ -157,17 +158,36 @@ class PoolRules(PlanBuilder):
         self.launch(func, (*args, acc, e_acc))
         self._divide_by_six(n, acc, e_acc, rows)
 
+    def _table_product(self, n: Node, a: Value | None, x: Value, table: LookupTable) -> None:
+        """kernels.activation.table_product: a times table(x) (index rounding site 0),
+        compacted without being stored (site 1)."""
+        rows = self.rows_of(self.shape(x))
+        key = self.keys(n, (0,), "key0")
+        tab = self.const(f"{table.name}_table", table.values, I32)
+        kernels = te_ops.table_product_compaction(
+            rows,
+            table.in_exp,
+            table.out_exp,
+            a is not None,
+            self.bits,
+            self.stochastic,
+            f"n{n.id}_{table.name}",
+        )
+        lead = () if a is None else (self.view(self.m[a], rows), self.e[a])
+        args = (*lead, self.view(self.m[x], rows), self.e[x], key, tab)
+        self.compact_unstored(n, 1, kernels, args, self.view(self.out(n, 0, I8), rows))
+
     def sigmoid(self, n: Node) -> None:
-        self.table_product(n, None, n.inputs[0], SIGMOID_TABLE)
+        self._table_product(n, None, n.inputs[0], SIGMOID_TABLE)
 
     def sigmoid_grad(self, n: Node) -> None:
-        self.table_product(n, n.inputs[0], n.inputs[1], SIGMOID_GRAD_TABLE)
+        self._table_product(n, n.inputs[0], n.inputs[1], SIGMOID_GRAD_TABLE)
 
     def silu(self, n: Node) -> None:
-        self.table_product(n, n.inputs[0], n.inputs[0], SIGMOID_TABLE)
+        self._table_product(n, n.inputs[0], n.inputs[0], SIGMOID_TABLE)
 
     def silu_grad(self, n: Node) -> None:
-        self.table_product(n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
+        self._table_product(n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
 
     def avgpool_grad(self, n: Node) -> None:
         dy = n.inputs[0]

@@ -209,6 +209,14 @@ class TransformerRules(PlanBuilder):
         self.compact(n, acc, e_acc, rows, 1)
 
     def gelu_grad(self, n: Node) -> None:
-        """kernels.transformer.gelu_backward: dy times the derivative's table, a table product
-        (index rounding site 0, compaction site 1)."""
-        self.table_product(n, n.inputs[0], n.inputs[1], GELU_GRAD_TABLE)
+        """kernels.transformer.gelu_backward: dy times the derivative's table (index rounding
+        site 0), compacted (site 1)."""
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
+        key = self.keys(n, (0,), "key0")
+        table = self.const("gelu_grad_table", GELU_GRAD_TABLE.values, I32)
+        func = te_transformer.gelu_grad_acc(rows, self.stochastic, f"n{n.id}_gelu_grad")
+        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])
+        self.launch(func, (*args, key, table, acc, e_acc))
+        self.compact(n, acc, e_acc, rows, 1)

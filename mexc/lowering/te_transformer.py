@@ -25,7 +25,7 @@ from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_ops import table_lookup
 from mexc.lowering.te_pool import div_const
-from mexc.numerics import GELU_TABLE, Reciprocal
+from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, Reciprocal
 
 I8, I32, I64 = "int8", "int32", "int64"
 Shape = tuple[int, ...]
@@ -191,6 +191,31 @@ def gelu_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
     return prim_func([x, e, key, table, acc, e_acc], name)
 
 
+def gelu_grad_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
+    """acc = dy_m GELU_GRAD_TABLE.lookup(x) (|.| < 2^14; index rounding site 0) at e_dy - 6:
+    gelu_backward (a table product) before its compaction. Parameters (dy, e_dy, x, e_x, key0,
+    table, acc, e_acc). Kept beside te_ops.table_product_compaction, which computes the same
+    without storing acc: through that kernel the ViTTiny step at batch 128 took 1.31-1.32x as
+    long, where two trees with this same kernel measured 1.08-1.15x (bench/research/
+    ab_commits.py --models ViTTiny, 2026-12-02)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    e_dy = te.placeholder((1,), I32, name="e_dy")
+    x = te.placeholder(shape, I8, name="x")
+    e_x = te.placeholder((1,), I32, name="e_x")
+    key = te.placeholder((1,), I64, name="key0")
+    table = te.placeholder((256,), I32, name="table")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, i)
+        m, e = x[i].astype(I64), e_x[0].astype(I64)
+        g = table_lookup(table, GELU_GRAD_TABLE.in_exp, m, e, key[0], flat, stochastic).astype(I64)
+        return (dy[i].astype(I64) * g).astype(I32)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), lambda i: e_dy[i] + GELU_GRAD_TABLE.out_exp, name="e_acc")
+    return prim_func([dy, e_dy, x, e_x, key, table, acc, e_acc], name)
+
+
 def repeat_rows(rows: Shape, name: str) -> tirx.PrimFunc:
     """y[b, j] = p[j]: a [1, ...] parameter repeated over the batch. Parameters (p, y)."""
     p = te.placeholder((rows[1],), I8, name="p")
@@ -202,6 +227,7 @@ __all__ = [
     "repeat_rows",
     "add_param_compaction",
     "gelu_acc",
+    "gelu_grad_acc",
     "mean_tokens_grad_acc",
     "scale_compaction",
     "slice_copy",

@@ -67,7 +67,7 @@ GELU_EXPONENTS = (-40, -12, -6, -5, -4, -2, 0, 1, 2, 3, 9)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("e", GELU_EXPONENTS)
 def test_gelu_kernels_equal_the_reference(e: int, rounding: str) -> None:
-    from mexc.lowering import te_ops, te_transformer
+    from mexc.lowering import te_transformer
     from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE
 
     ctx = RoundCtx(rounding, 3, 1, 8)  # type: ignore[arg-type]
@@ -86,17 +86,22 @@ def test_gelu_kernels_equal_the_reference(e: int, rounding: str) -> None:
     np.testing.assert_array_equal(got.m, want.m)
     assert int(got.e) == int(want.e)
 
-    # the gradient: the table product's kernels (the same lowering as sigmoid's and SiLU's)
-    dy = np.random.default_rng(e + 50).integers(-128, 128, shape, dtype=np.int8)
-    tab = GELU_GRAD_TABLE
-    kernels = te_ops.table_product_compaction(
-        shape, tab.in_exp, tab.out_exp, True, 8, stochastic, "gelu_grad"
+    rng = np.random.default_rng(e + 50)
+    dy = rng.integers(-128, 128, shape, dtype=np.int8)
+    acc, e_acc = _run(
+        te_transformer.gelu_grad_acc(shape, stochastic, "gelu_grad"),
+        dy,
+        _i32(-7),
+        MANTISSAS,
+        _i32(e),
+        _key(ctx, 48, 0),
+        GELU_GRAD_TABLE.values,
+        outs=[(shape, "int32"), ((1,), "int32")],
     )
-    inputs = [dy, _i32(-7), MANTISSAS, _i32(e), _key(ctx, 48, 0), tab.values]
-    m, e_out = _fused(kernels, inputs, _key(ctx, 48, 1), shape)
     want = K.gelu_backward(MX.of(dy, -7), MX.of(MANTISSAS, e), ctx, 48)
-    np.testing.assert_array_equal(m, want.m)
-    assert e_out == int(want.e)
+    got = compact_mx(acc, int(e_acc[0]), ctx, site_key(ctx, 48, 1))
+    np.testing.assert_array_equal(got.m, want.m)
+    assert int(got.e) == int(want.e)
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
