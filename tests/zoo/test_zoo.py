@@ -63,6 +63,9 @@ FAMILIES = {
 LLVM_IN_CI = {"squeezenet1_1", "torchvision_vit"}
 FULL = os.environ.get("MEXC_ZOO") == "all"
 BATCH, STEPS, LR = 8, 3, 0.01
+# ResNet-50 at lr 0.01 rises in FP32 too (torch, the same batch and draws: 2.05 before, 7.00
+# after 3 steps); at 0.003 FP32 falls (2.05 to 1.56)
+LR_OF = {"resnet50": 0.003}
 
 
 def _cases(ci: set[str]) -> list:
@@ -79,7 +82,7 @@ def _batch() -> tuple[np.ndarray, np.ndarray]:
 def _compile(name: str, target: str) -> mexc.Program:
     torch.manual_seed(0)
     x, _ = _batch()
-    opt = mexc.SGD(lr=LR, momentum=0.9, weight_decay=5e-4)
+    opt = mexc.SGD(lr=LR_OF.get(name, LR), momentum=0.9, weight_decay=5e-4)
     return mexc.compile(MODELS[name](), (torch.from_numpy(x),), optimizer=opt, target=target)
 
 
