@@ -19,10 +19,16 @@ Configurations (`--configs` picks a comma-separated subset):
                    recipe; and FP32
     fashion-timm-vit   timm VisionTransformer(img_size 28, patch 7, 1 channel, embed 64, depth
                    2, 4 heads), the fashion recipe; and FP32
+    mnv2, resnet   MobileNetV2Tiny / SmallResNet (examples/models.py), the fashion recipe; and FP32
+    vit-no-pgv, mnv2-no-pgv, resnet-no-pgv
+                   the per-group velocity ablation of vit, mnv2 and resnet
+    digits-bits6, digits-bits4, resnet-bits6, resnet-bits4
+                   digits and resnet at B = 6 and B = 4
 
-The FP32 run of `fashion` is the reference of every fashion-* row (the FP32 baseline does not
-depend on bits, rounding or velocity grouping). Results go to bench/results/accuracy.json
-(`--out`) with the command, date and machine.
+The FP32 run of `fashion` is the reference of every fashion-* row, and likewise `vit`, `mnv2`,
+`resnet` and `digits` of their variants (the FP32 baseline does not depend on bits, rounding or
+velocity grouping; a variant's gap is printed when its reference runs in the same command).
+Results go to bench/results/accuracy.json (`--out`) with the command, date and machine.
 """
 
 from __future__ import annotations
@@ -38,14 +44,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.models import DigitsCNN, FashionCNN  # noqa: E402
+from examples.models import DigitsCNN, FashionCNN, MobileNetV2Tiny, SmallResNet  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.data import load_splits  # noqa: E402
 from mexc.trainer import provenance, run_training, write_json_atomic  # noqa: E402
 
 FASHION: dict[str, Any] = dict(
     model="FashionCNN", data="fashion-mnist", epochs=5, batch=128, bits=8,
-    rounding="stochastic", per_group_velocity=True, fp32=False, ref="fashion",
+    rounding="auto", per_group_velocity=True, fp32=False, ref="fashion",
+)  # fmt: skip
+DIGITS: dict[str, Any] = dict(
+    model="DigitsCNN", data="digits", epochs=10, batch=32, bits=8, rounding="auto",
+    per_group_velocity=True, fp32=True, ref=None,
 )  # fmt: skip
 CONFIGS: dict[str, dict[str, Any]] = {
     "fashion": {**FASHION, "fp32": True, "ref": None},
@@ -54,20 +64,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fashion-bits6": {**FASHION, "bits": 6},
     "fashion-bits4": {**FASHION, "bits": 4},
     "vit": {**FASHION, "model": "ViTTiny", "fp32": True, "ref": None},
-    "digits": dict(
-        model="DigitsCNN",
-        data="digits",
-        epochs=10,
-        batch=32,
-        bits=8,
-        rounding="stochastic",
-        per_group_velocity=True,
-        fp32=True,
-        ref=None,
-    ),  # fmt: skip
+    "digits": DIGITS,
     "fashion-mnv3": {**FASHION, "model": "mobilenet_v3_small", "fp32": True, "ref": None,
                      "transform": "rgb32"},
     "fashion-timm-vit": {**FASHION, "model": "timm_vit", "fp32": True, "ref": None},
+    # the per-group velocity ablation on the models where the paper finds it matters
+    "vit-no-pgv": {**FASHION, "model": "ViTTiny", "per_group_velocity": False, "ref": "vit"},
+    "mnv2": {**FASHION, "model": "MobileNetV2Tiny", "fp32": True, "ref": None},
+    "mnv2-no-pgv": {**FASHION, "model": "MobileNetV2Tiny", "per_group_velocity": False,
+                    "ref": "mnv2"},
+    "resnet": {**FASHION, "model": "SmallResNet", "fp32": True, "ref": None},
+    "resnet-no-pgv": {**FASHION, "model": "SmallResNet", "per_group_velocity": False,
+                      "ref": "resnet"},
+    # low bit widths on a second dataset and model
+    "digits-bits6": {**DIGITS, "bits": 6, "fp32": False, "ref": "digits"},
+    "digits-bits4": {**DIGITS, "bits": 4, "fp32": False, "ref": "digits"},
+    "resnet-bits6": {**FASHION, "model": "SmallResNet", "bits": 6, "ref": "resnet"},
+    "resnet-bits4": {**FASHION, "model": "SmallResNet", "bits": 4, "ref": "resnet"},
 }  # fmt: skip
 
 
@@ -89,6 +102,8 @@ MODELS = {
     "FashionCNN": FashionCNN,
     "DigitsCNN": DigitsCNN,
     "ViTTiny": ViTTiny,
+    "MobileNetV2Tiny": MobileNetV2Tiny,
+    "SmallResNet": SmallResNet,
     "mobilenet_v3_small": _mobilenet_v3_small,
     "timm_vit": _timm_vit,
 }
@@ -115,13 +130,13 @@ def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict
         dataset=cfg["data"],
         epochs=args.epochs or cfg["epochs"],
         batch=cfg["batch"],
-        lr=0.05,
+        lr=args.lr,
         momentum=0.9,
         weight_decay=5e-4,
         schedule="cosine",
         warmup=None,
         bits=cfg["bits"],
-        rounding=cfg["rounding"],
+        rounding=args.rounding or cfg["rounding"],
         per_group_velocity=cfg["per_group_velocity"],
         seed=args.seed,
         target=args.target,
@@ -172,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-train", type=int, default=None, help="first N training images")
     ap.add_argument("--limit-test", type=int, default=None, help="first N test images")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.05, help="peak learning rate of every run")
+    ap.add_argument(
+        "--rounding",
+        default=None,
+        help="rounding mode of every integer run (default: each config's; see mexc.compile)",
+    )
     ap.add_argument("--target", default="auto", help="mexc target of the integer runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
     ap.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -84,6 +84,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+ROUNDING_CHOICES = ("auto", "stochastic", "nearest-forward", "nearest", "deterministic")
+
+
 def rounding_mode(text: str) -> str:
     return "nearest" if text == "deterministic" else text
 
@@ -310,7 +313,13 @@ def _compile_flags(
         action="store_true",
         help="one velocity exponent per tensor instead of one per output channel/neuron",
     )
-    p.add_argument("--rounding", choices=rounding, default=default, help="rounding of updates")
+    p.add_argument(
+        "--rounding",
+        choices=rounding,
+        default=default,
+        help="rounding mode (default auto: nearest-forward below 8 bits, else stochastic; "
+        "deterministic = nearest; docs/numerics.md section 4)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_passes)
 
     p = sub.add_parser("compile", help="compile a model and show its IR / memory")
-    _compile_flags(p, ("stochastic", "nearest", "deterministic"), "stochastic", NAMES)
+    _compile_flags(p, ROUNDING_CHOICES, "auto", NAMES)
     p.add_argument("--input-shape", required=True, help="shape of one input, e.g. 1,28,28")
     p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
     p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
@@ -379,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("train", help="train a model integer-only (optionally beside FP32)")
-    _compile_flags(p, ("stochastic", "deterministic", "nearest"), "stochastic", HOST_NAMES, "auto")
+    _compile_flags(p, ROUNDING_CHOICES, "auto", HOST_NAMES, "auto")
     p.add_argument("--data", default="fashion-mnist", help="fashion-mnist | digits | npz:PATH")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)

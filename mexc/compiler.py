@@ -13,7 +13,7 @@ from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize
 from mexc.mx import MX
-from mexc.numerics import ROUNDINGS
+from mexc.numerics import rounding_mode_for
 from mexc.optim import SGD
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
@@ -65,17 +65,16 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     seed: int = 0,
     target: str = "reference",
     per_group_velocity: bool = True,
-    rounding: str = "stochastic",
+    rounding: str = "auto",
     instruments: Sequence[Instrument] = (),
     verify_each: bool = True,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
     mexc.targets.NAMES)."""
     chosen = get_target(target)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
+    rounding = rounding_mode_for(rounding, bits)
     opt = optimizer or SGD()
     x = _example_batch(example_inputs)
     front = import_model(model, x)

@@ -126,6 +126,13 @@ class Node:
         return replace(self, **changes)
 
 
+def in_forward(n: Node, forward_rids: int) -> bool:
+    """Whether `n` rounds as a node of the forward graph: its rounding-site id is below the graph's
+    `forward_rids` (Graph.is_forward). Nodes without a rid do not round."""
+    rid = getattr(n.attrs, "rid", -1)
+    return 0 <= int(rid) < forward_rids
+
+
 @dataclass(frozen=True)
 class Graph:
     """Nodes in execution order plus named outputs. Immutable; passes build new graphs."""
@@ -157,6 +164,12 @@ class Graph:
 
     def attr(self, name: str, default: Any = None) -> Any:
         return dict(self.attrs).get(name, default)
+
+    def is_forward(self, n: Node) -> bool:
+        """Whether `n` is a node of the forward graph: derive-backward records in the attribute
+        `forward_rids` how many rounding-site ids the forward graph used, and the nodes of later
+        passes (the backward pass, the updates) number theirs from there."""
+        return in_forward(n, int(self.attr("forward_rids", 0)))
 
     def with_attrs(self, **updates: Any) -> Graph:
         merged = dict(self.attrs)

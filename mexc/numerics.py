@@ -22,6 +22,29 @@ import numpy as np
 
 Rounding = Literal["stochastic", "nearest"]
 ROUNDINGS: tuple[Rounding, ...] = ("stochastic", "nearest")
+# How a training program rounds (docs/numerics.md §4, "Rounding modes of a program"): every site
+# alike, or the forward nodes to nearest and the backward pass and updates stochastically.
+# "auto" picks nearest-forward below 8 bits and stochastic at 8.
+NEAREST_FORWARD = "nearest-forward"
+ROUNDING_MODES: tuple[str, ...] = ("stochastic", "nearest", NEAREST_FORWARD)
+
+
+def rounding_mode_for(mode: str, bits: int) -> str:
+    """The program-level rounding mode that `mode` ("auto" or one of ROUNDING_MODES) means."""
+    if mode == "auto":
+        return NEAREST_FORWARD if bits < 8 else "stochastic"
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be 'auto' or one of {ROUNDING_MODES}, got {mode!r}")
+    return mode
+
+
+def site_rounding(mode: str, forward: bool) -> Rounding:
+    """The rounding of a node's sites under program mode `mode`; `forward`: the node belongs to
+    the forward graph (its rid is below the graph's `forward_rids`)."""
+    if mode == NEAREST_FORWARD:
+        return "nearest" if forward else "stochastic"
+    return "nearest" if mode == "nearest" else "stochastic"
+
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

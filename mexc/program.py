@@ -31,7 +31,7 @@ from mexc.backends.reference.interp import (
 from mexc.errors import CheckpointError, InputError
 from mexc.ir import Graph, Op
 from mexc.mx import MX, Acc, RoundCtx
-from mexc.numerics import FixedScalar, state_checksum
+from mexc.numerics import FixedScalar, site_rounding, state_checksum
 from mexc.optim import SGD, Constant, Cosine, Step
 from mexc.parser import parse_graph
 from mexc.printer import print_graph
@@ -147,8 +147,11 @@ class Program:
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch)
         o = self.options
+        ctx = RoundCtx(site_rounding(o.rounding, False), o.seed, self.step_count, o.bits)
         env = StepEnv(
-            ctx=RoundCtx(o.rounding, o.seed, self.step_count, o.bits),  # type: ignore[arg-type]
+            ctx=ctx,
+            forward_ctx=replace(ctx, rounding=site_rounding(o.rounding, True)),
+            forward_rids=int(self.graph.attr("forward_rids", 0)),
             train=True,
             x=xs,
             y=ys,

@@ -553,7 +553,7 @@ def run_training(
     schedule: str = "cosine",
     warmup: float | None = None,
     bits: int = 8,
-    rounding: str = "stochastic",
+    rounding: str = "auto",
     per_group_velocity: bool = True,
     seed: int = 0,
     target: str = "auto",

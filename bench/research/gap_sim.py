@@ -3,6 +3,7 @@
     # Fashion CNN, 5 epochs per mode; the second line rounds to 4 bits with an 8-bit velocity
     python bench/research/gap_sim.py --modes fp32,w,wc,wv,wvg,wvga,wvgab,s
     python bench/research/gap_sim.py --bits 4 --velocity-bits 8 --modes wv,wva
+    python bench/research/gap_sim.py --bits 4 --velocity-bits 8 --act-exp channel --modes wvgab
 
 Each mode trains the Fashion CNN in PyTorch with the recipe of bench/accuracy.py (SGD lr 0.05,
 momentum 0.9, wd 5e-4, cosine with 1 epoch warmup, batch 128, same init and data order) and
@@ -13,9 +14,11 @@ as the integer program stores them. Mode letters:
     c  (with w) one exponent per output channel instead
     v  momentum buffers after every update, one exponent per output channel (per-group velocity)
     g  weight gradients before the update, one exponent per output channel
-    a  forward outputs of every conv / BN / linear (training only), one exponent per tensor
-    b  gradients arriving at those outputs in the backward pass, one exponent per tensor
+    a  forward outputs of every conv / BN / linear (training only), exponents by --act-exp
+    b  gradients arriving at those outputs in the backward pass, exponents by --act-exp
     s  softmax probabilities in the loss gradient at 1/256 resolution, capped at 255/256
+    l  (with a or b) leave the last layer's output, the logits, unrounded
+    n  (with a) round the forward activations to nearest instead of stochastically
     i  the input images (train and test) quantized as the integer program's boundary does
        (kernels.quantize: 8-bit mantissas, one power-of-two exponent; for normalized Fashion-MNIST
        every batch has the same exponent as the whole set, so the set is quantized once)
@@ -55,14 +58,17 @@ class Rounder:
         self.gen = torch.Generator().manual_seed(1234 + seed)
         self.q = float(2 ** (bits - 1) - 1)
 
-    def __call__(self, w: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    def __call__(
+        self, w: torch.Tensor, per_channel: bool, axis: int = 0, nearest: bool = False
+    ) -> torch.Tensor:
         if per_channel and w.dim() >= 2:
-            shape = (-1,) + (1,) * (w.dim() - 1)
-            m = w.abs().flatten(1).amax(1).clamp_min(1e-30).view(shape)
+            shape = [1] * w.dim()
+            shape[axis] = -1
+            m = w.abs().transpose(0, axis).flatten(1).amax(1).clamp_min(1e-30).view(shape)
         else:
             m = w.abs().max().clamp_min(1e-30)
         scale = torch.pow(2.0, torch.ceil(torch.log2(m / self.q)))
-        u = torch.rand(w.shape, generator=self.gen, dtype=w.dtype)
+        u = torch.full_like(w, 0.5) if nearest else torch.rand(w.shape, generator=self.gen)
         return torch.clamp(torch.floor(w / scale + u), -self.q, self.q) * scale
 
 
@@ -84,34 +90,57 @@ def coarse_softmax_loss() -> Any:
     return CoarseSoftmaxCE.apply
 
 
-def hook_activations(model: nn.Module, rnd: Rounder, fwd: bool, bwd: bool) -> None:
+def hook_activations(
+    model: nn.Module,
+    rnd: Rounder,
+    fwd: bool,
+    bwd: bool,
+    act_exp: str,
+    logits: bool,
+    nearest: bool,
+    kinds: tuple[str, ...] = ("Conv2d", "BatchNorm2d", "Linear"),
+) -> None:
+    grouped, axis = act_exp != "tensor", 1 if act_exp == "channel" else 0
+
     class RoundAct(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return rnd(x, False) if fwd else x
+            return rnd(x, grouped, axis, nearest) if fwd else x
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return rnd(g, False) if bwd else g
+            return rnd(g, grouped, axis) if bwd else g
 
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear)):
-            m.register_forward_hook(lambda mod, i, o: RoundAct.apply(o) if mod.training else o)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))]
+    for m in layers if logits else layers[:-1]:
+        if type(m).__name__ not in kinds:
+            continue
+        m.register_forward_hook(lambda mod, i, o: RoundAct.apply(o) if mod.training else o)
 
 
 def run_mode(
-    mode: str, seed: int, train: Any, test: Any, bits: int = 8, velocity_bits: int = 8
+    mode: str,
+    seed: int,
+    train: Any,
+    test: Any,
+    bits: int = 8,
+    velocity_bits: int = 8,
+    act_exp: str = "tensor",
+    lr: float = 0.05,
+    kinds: tuple[str, ...] = ("Conv2d", "BatchNorm2d", "Linear"),
 ) -> list[dict[str, float]]:
     flags = "" if mode == "fp32" else mode
     torch.manual_seed(seed)
     model = FashionCNN()
     rnd = Rounder(seed, bits)
     rnd_v = rnd if velocity_bits == bits else Rounder(seed + 1, velocity_bits)
-    sched = make_optimizer(0.05, 0.9, 5e-4, "cosine", len(train[1]) // BATCH, EPOCHS, None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    sched = make_optimizer(lr, 0.9, 5e-4, "cosine", len(train[1]) // BATCH, EPOCHS, None)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
     loss_fn = coarse_softmax_loss() if "s" in flags else nn.CrossEntropyLoss()
     if "a" in flags or "b" in flags:
-        hook_activations(model, rnd, "a" in flags, "b" in flags)
+        hook_activations(
+            model, rnd, "a" in flags, "b" in flags, act_exp, "l" not in flags, "n" in flags, kinds
+        )
     params = list(model.parameters())
 
     @torch.no_grad()
@@ -163,16 +192,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="fp32,w,wc,wv,wvg,wvga,wvgab,s")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
     ap.add_argument("--bits", type=int, default=8, help="mantissa bits of w, g, a, b")
     ap.add_argument("--velocity-bits", type=int, default=None, help="of v (default: --bits)")
+    ap.add_argument(
+        "--act-exp",
+        choices=("tensor", "channel", "sample"),
+        default="tensor",
+        help="exponent groups of a and b: one per tensor, per channel (axis 1) or per sample",
+    )
+    ap.add_argument(
+        "--act-layers",
+        default="Conv2d,BatchNorm2d,Linear",
+        help="module classes whose outputs a and b round",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gap_sim.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     train, test = load_splits("fashion-mnist", None, None)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m != "fp32" and set(m) - set("wcvgabsi")]
+    bad = [m for m in modes if m != "fp32" and set(m) - set("wcvgabsiln")]
     if bad:
-        ap.error(f"unknown mode letters in {bad}; use fp32 or letters from 'wcvgabsi'")
+        ap.error(f"unknown mode letters in {bad}; use fp32 or letters from 'wcvgabsiln'")
     velocity_bits = args.velocity_bits or args.bits
     results = {
         m: run_mode(
@@ -181,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             *((quantized(train), quantized(test)) if "i" in m else (train, test)),
             bits=args.bits,
             velocity_bits=velocity_bits,
+            act_exp=args.act_exp,
+            lr=args.lr,
+            kinds=tuple(args.act_layers.split(",")),
         )
         for m in modes
     }
@@ -194,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "bits": args.bits,
             "velocity_bits": velocity_bits,
+            "act_exp": args.act_exp,
+            "lr": args.lr,
+            "act_layers": args.act_layers,
             "results": results,
         },
     )

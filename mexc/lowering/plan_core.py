@@ -23,7 +23,7 @@ from mexc.lowering import te_norm, te_ops, te_pool
 from mexc.lowering.cpu_gemm import compact_from_c
 from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
-from mexc.numerics import product_cap
+from mexc.numerics import product_cap, site_rounding
 from mexc.program import Program
 
 if TYPE_CHECKING:
@@ -167,7 +167,8 @@ class PlanBuilder:
         self.g: Graph = prog.graph
         self.prog = prog
         self.bits = prog.options.bits
-        self.stochastic = prog.options.rounding == "stochastic"
+        # set per node by step_plan (the rounding mode may treat forward nodes differently)
+        self.stochastic = site_rounding(prog.options.rounding, False) == "stochastic"
         self.plan = StepPlan()
         self.m: dict[Value, str] = {}  # value -> mantissa / accumulator buffer
         self.e: dict[Value, str] = {}  # value -> exponent buffer

@@ -45,6 +45,7 @@ from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
 from mexc.lowering.plan_pool import PoolRules
 from mexc.lowering.plan_transformer import TransformerRules
+from mexc.numerics import site_rounding
 from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
 
@@ -178,6 +179,7 @@ def plan_builder(
     """The builder after every op's rule has run (its plan, its lean candidates and work)."""
     b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
     b.lean = lean
+    mode = prog.options.rounding
     for n in prog.graph.nodes:
         rule = op_def(n.op).lowering("llvm")
         if rule is None:
@@ -186,6 +188,8 @@ def plan_builder(
                 f"op `{n.op.value}` is not lowered to TVM yet (lowered: {', '.join(SUPPORTED)})",
             )
         b.node = n.id
+        # the program's rounding mode may round the forward nodes differently (numerics §4)
+        b.stochastic = site_rounding(mode, prog.graph.is_forward(n)) == "stochastic"
         rule(b, n)
     _check_in_place_updates(prog.graph)
     b.buf(b.plan.keys, (max(len(b.plan.key_ids), 1),), I64)

@@ -6,7 +6,9 @@ Ensures: the graph computes the gradient of the loss w.r.t. every parameter. Bac
   the forward nodes; a value read by several consumers gets a GRAD_SUM of its gradients. Parameter
   gradients are int32 accumulators (acc<i32>) exposed as outputs "grad:<param name>", to be consumed
   by insert-optimizer. Values that depend on no parameter (the quantized input) get no gradient.
-  Backward products carry their shift caps and every rounding backward op a fresh rid.
+  Backward products carry their shift caps and every rounding backward op a fresh rid. The graph
+  attribute `forward_rids` records how many rids the forward graph used (Graph.is_forward): the
+  rounding mode nearest-forward rounds those nodes to nearest (docs/numerics.md §4).
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
             if grad is not None:
                 pending.setdefault(v, []).append(grad)
     outputs = list(g.outputs) + [(f"grad:{k}", v) for k, v in sorted(w.param_grads.items())]
-    return b.build(outputs, g.attrs)
+    return b.build(outputs, g.with_attrs(forward_rids=_max_rid(g) + 1).attrs)
 
 
 def _collect(w: _Walker, pending: dict[Value, list[Value]], v: Value, loc: str) -> Value | None:

@@ -122,7 +122,7 @@ def test_compile_argument_errors() -> None:
     model, x, _ = example("MLP", batch=4)
     with pytest.raises(ValueError, match="bits must be in 2..8"):
         mexc.compile(model, (x,), bits=9)
-    with pytest.raises(ValueError, match="rounding must be one of"):
+    with pytest.raises(ValueError, match="rounding must be .auto. or one of"):
         mexc.compile(model, (x,), rounding="up")
     with pytest.raises(ValueError, match="not available yet"):
         mexc.compile(model, (x,), target="tpu")

@@ -31,6 +31,7 @@ from mexc.numerics import (
     FixedScalar,
     LookupTable,
     product_cap,
+    site_rounding,
 )
 from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
@@ -907,6 +908,8 @@ def emit_model(prog: Program, steps: int) -> CModel:
     offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
     e = _Emit(g, prog, offsets)
     users, outputs = g.users(), {v for _, v in g.outputs}
+    stochastic = int(site_rounding(prog.options.rounding, False) == "stochastic")
+    fctx = site_rounding(prog.options.rounding, True) != site_rounding(prog.options.rounding, False)
     for n in g.nodes:
         d = op_def(n.op)
         read = any(users.get(n.result(i)) or n.result(i) in outputs for i in range(len(n.types)))
@@ -919,7 +922,11 @@ def emit_model(prog: Program, steps: int) -> CModel:
                 f"the C backend has no lowering for op {n.op.value} (node %{n.id}"
                 f"{', ' + n.loc if n.loc else ''}); supported: {', '.join(supported)}"
             )
+        start = len(e.lines)
         rule(e, n)
+        if fctx and g.is_forward(n):
+            # the rounding mode rounds forward nodes to nearest (docs/numerics.md §4)
+            e.lines[start:] = [line.replace("&ctx,", "&fctx,") for line in e.lines[start:]]
     for _, v in g.outputs:
         if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
             raise UnsupportedOpError("the C backend needs an integer-only program")
@@ -950,10 +957,14 @@ def emit_model(prog: Program, steps: int) -> CModel:
         "",
         "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y)",
         "{",
-        f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, "
-        f"{int(o.rounding == 'stochastic')}}};",
+        f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, {stochastic}}};",
+        *(
+            ["    mexc_ctx_t fctx = ctx; /* forward nodes: nearest */", "    fctx.stochastic = 0;"]
+            if fctx
+            else []
+        ),
         "    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u;",
-        f"    mexc_update_cfg_t cfg = {{{o.bits}, {int(o.rounding == 'stochastic')}, "
+        f"    mexc_update_cfg_t cfg = {{{o.bits}, {stochastic}, "
         f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}}};",
         "    uint32_t keys[MEXC_UPDATE_SITES];",
         "    int32_t loss = 0;",

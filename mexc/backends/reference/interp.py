@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mexc.ir import Graph, Node, Value
+from mexc.ir import Graph, Node, Value, in_forward
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar
 from mexc.ops import op_def
@@ -33,6 +33,10 @@ class StepEnv:
     weight_decay: FixedScalar = field(default_factory=lambda: FixedScalar(0, 0))
     valid: int = 0
     peak_bytes: int = 0  # set by execute: the most bytes its live values held at once
+    # the context of the forward graph's nodes (rid < forward_rids; Graph.is_forward), where the
+    # program's rounding mode rounds them differently from the rest (docs/numerics.md §4)
+    forward_ctx: RoundCtx | None = None
+    forward_rids: int = 0
 
 
 Rule = Callable[[Node, list[Any], StepEnv], tuple[Any, ...]]
@@ -95,7 +99,10 @@ def execute(
     env.peak_bytes gets the peak of the live values' bytes (kernel temporaries not counted)."""
     values: dict[Value, Any] = {}
     live = peak = 0
+    base = env.ctx
     for pos, n in enumerate(nodes):
+        if env.forward_ctx is not None:
+            env.ctx = env.forward_ctx if in_forward(n, env.forward_rids) else base
         results = _rule(n)(n, [values[v] for v in n.inputs], env)
         for i, r in enumerate(results):
             values[n.result(i)] = r
@@ -105,6 +112,7 @@ def execute(
             for v in n.inputs:
                 if last_use.get(v, -1) == pos:
                     live -= value_bytes(values.pop(v))
+    env.ctx = base
     env.peak_bytes = peak
     return values
 
