@@ -140,7 +140,7 @@ def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict
         per_group_velocity=cfg["per_group_velocity"],
         seed=args.seed,
         target=args.target,
-        compare_fp32=cfg["fp32"],
+        compare_fp32=cfg["fp32"] and not args.no_fp32,
         progress=not args.quiet,
         command=sys.argv,
     )
@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="auto", help="mexc target of the integer runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accuracy.json"))
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument(
+        "--no-fp32", action="store_true", help="integer runs only (an ablation's second seed)"
+    )
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

@@ -281,6 +281,26 @@ def test_emulated_cuda_of_random_models_is_bit_exact(model, seed: int) -> None:
 
 
 @needs_cuda_tools
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_emulated_cuda_under_nearest_forward_rounding_is_bit_exact() -> None:
+    """The MLP at B = 6, where the rounding mode `auto` means nearest-forward (forward nodes
+    round to nearest, the rest stochastically; docs/numerics.md section 4)."""
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import EmulatedCudaProgram
+    from mexc.backends.cuda.program import StepArtifact
+
+    cls, shape = EXAMPLES["MLP"]
+    torch.manual_seed(0)
+    prog = mexc.compile(cls(), (torch.zeros(4, *shape),), optimizer=_optimizer(), bits=6)
+    assert prog.options.rounding == "nearest-forward"
+    with tempfile.TemporaryDirectory() as out:
+        build_step(prog, ("sm_80",), out)
+        artifact = StepArtifact.load(out)
+        _trains_like(EmulatedCudaProgram(artifact), artifact.program, steps=3)
+
+
+@needs_cuda_tools
 def test_cli_writes_a_checked_cuda_artifact(digits_artifact) -> None:
     from mexc.backends.cuda.program import StepArtifact
 
