@@ -180,6 +180,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    """Write the rows so far to args.out (atomically) and return their table."""
+    text = table(rows)
+    doc = {
+        **provenance("mexc-bench-accuracy-1", ["python", *sys.argv]),
+        "limits": {
+            "epochs": args.epochs,
+            "limit_train": args.limit_train,
+            "limit_test": args.limit_test,
+        },  # fmt: skip
+        "table": text,
+        "rows": rows,
+    }
+    write_json_atomic(args.out, doc)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
@@ -206,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     rows: list[dict[str, Any]] = []
     fp32_of: dict[str, float | None] = {}
+    text = table(rows)
     for name in names:
         cfg = CONFIGS[name]
         res = run_config(name, cfg, args)
@@ -214,19 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         if fp is None and cfg["ref"] is not None:
             fp = fp32_of.get(cfg["ref"])
         rows.append({"name": name, "fp32_accuracy": fp, "results": res})
-    text = table(rows)
+        # written after every config, so a stopped multi-config run keeps what it finished
+        text = _write(args, rows)
     print(text, end="")
-    doc = {
-        **provenance("mexc-bench-accuracy-1", ["python", *sys.argv]),
-        "limits": {
-            "epochs": args.epochs,
-            "limit_train": args.limit_train,
-            "limit_test": args.limit_test,
-        },  # fmt: skip
-        "table": text,
-        "rows": rows,
-    }
-    write_json_atomic(args.out, doc)
     print(f"written to {args.out}")
     return 0
 
