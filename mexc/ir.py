@@ -165,11 +165,16 @@ class Graph:
     def attr(self, name: str, default: Any = None) -> Any:
         return dict(self.attrs).get(name, default)
 
+    @property
+    def forward_rids(self) -> int:
+        """How many rounding-site ids the forward graph used, as derive-backward records it in
+        the attribute `forward_rids` (0 before it runs); the nodes of later passes (the backward
+        pass, the updates) number theirs from there."""
+        return int(self.attr("forward_rids", 0))
+
     def is_forward(self, n: Node) -> bool:
-        """Whether `n` is a node of the forward graph: derive-backward records in the attribute
-        `forward_rids` how many rounding-site ids the forward graph used, and the nodes of later
-        passes (the backward pass, the updates) number theirs from there."""
-        return in_forward(n, int(self.attr("forward_rids", 0)))
+        """Whether `n` is a node of the forward graph (its rid is below `forward_rids`)."""
+        return in_forward(n, self.forward_rids)
 
     def with_attrs(self, **updates: Any) -> Graph:
         merged = dict(self.attrs)

@@ -151,7 +151,7 @@ class Program:
         env = StepEnv(
             ctx=ctx,
             forward_ctx=replace(ctx, rounding=site_rounding(o.rounding, True)),
-            forward_rids=int(self.graph.attr("forward_rids", 0)),
+            forward_rids=self.graph.forward_rids,
             train=True,
             x=xs,
             y=ys,

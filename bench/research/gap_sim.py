@@ -49,6 +49,7 @@ from mexc.kernels import quantize  # noqa: E402
 from mexc.trainer import make_optimizer, provenance, write_json_atomic  # noqa: E402
 
 EPOCHS, BATCH = 5, 128
+ACT_LAYERS = ("Conv2d", "BatchNorm2d", "Linear")  # the layers whose outputs a and b round
 
 
 class Rounder:
@@ -98,7 +99,7 @@ def hook_activations(
     act_exp: str,
     logits: bool,
     nearest: bool,
-    kinds: tuple[str, ...] = ("Conv2d", "BatchNorm2d", "Linear"),
+    kinds: tuple[str, ...] = ACT_LAYERS,
 ) -> None:
     grouped, axis = act_exp != "tensor", 1 if act_exp == "channel" else 0
 
@@ -111,7 +112,7 @@ def hook_activations(
         def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
             return rnd(g, grouped, axis) if bwd else g
 
-    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))]
+    layers = [m for m in model.modules() if type(m).__name__ in ACT_LAYERS]
     for m in layers if logits else layers[:-1]:
         if type(m).__name__ not in kinds:
             continue
@@ -127,7 +128,7 @@ def run_mode(
     velocity_bits: int = 8,
     act_exp: str = "tensor",
     lr: float = 0.05,
-    kinds: tuple[str, ...] = ("Conv2d", "BatchNorm2d", "Linear"),
+    kinds: tuple[str, ...] = ACT_LAYERS,
 ) -> list[dict[str, float]]:
     flags = "" if mode == "fp32" else mode
     torch.manual_seed(seed)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--act-layers",
-        default="Conv2d,BatchNorm2d,Linear",
+        default=",".join(ACT_LAYERS),
         help="module classes whose outputs a and b round",
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gap_sim.json"))

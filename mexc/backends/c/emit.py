@@ -91,6 +91,10 @@ class _Emit:
         self.lines.append("    " + code)
 
 
+# every kernel call takes the step's context as `&ctx`; a forward node's calls take `&fctx`
+_FORWARD_CTX = re.compile(r"&ctx\b")
+
+
 def _tid(n: Node) -> int:
     return int(n.attrs.rid) * SITES_PER_NODE
 
@@ -926,7 +930,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         rule(e, n)
         if fctx and g.is_forward(n):
             # the rounding mode rounds forward nodes to nearest (docs/numerics.md §4)
-            e.lines[start:] = [line.replace("&ctx,", "&fctx,") for line in e.lines[start:]]
+            e.lines[start:] = [_FORWARD_CTX.sub("&fctx", line) for line in e.lines[start:]]
     for _, v in g.outputs:
         if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
             raise UnsupportedOpError("the C backend needs an integer-only program")
