@@ -1,6 +1,6 @@
 """Where a compiled (llvm) training step spends its time, by kernel kind.
 
-For each model at batch 128: the median step time, then every launch of the step timed on its
+For each model at batch 128 (`--batch`): the median step time, then every launch of the step timed on its
 own (`LlvmProgram.kernel_times`, best of `--repeats` steps per launch) and summed by kind (the
 last word of the kernel's symbol: gemm, apply, shift, pack_b, ...), and the slowest launches.
 
@@ -22,10 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
-from examples.models import EXAMPLES  # noqa: E402
-from examples.vit import ViTTiny  # noqa: E402
-
-MODELS = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}
+from bench.step_time import MODELS  # noqa: E402  (one list of benchmark models)
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 KINDS = {"a": "pack_a", "b": "pack_b / interleave_b"}  # symbols ending in _pack_a / _pack_b
@@ -36,11 +33,11 @@ def kind_of(symbol: str) -> str:
     return KINDS.get(last, last)
 
 
-def measure(name: str, repeats: int, top: int) -> dict[str, object]:
+def measure(name: str, repeats: int, top: int, batch: int) -> dict[str, object]:
     cls, shape = MODELS[name]
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((128, *shape)).astype(np.float32)
-    y = rng.integers(0, 10, 128)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
     torch.manual_seed(0)
     prog = mexc.compile(cls(), (x,), target="llvm")
     for _ in range(2):
@@ -71,11 +68,12 @@ def main() -> None:
     ap.add_argument("--models", default="FashionCNN,SmallResNet,MobileNetV2Tiny")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "bench/results/kernel_times.json"))
     args = ap.parse_args()
     results = []
     for name in args.models.split(","):
-        r = measure(name, args.repeats, args.top)
+        r = measure(name, args.repeats, args.top, args.batch)
         results.append(r)
         print(
             f"\n{name}: step {r['step_s'] * 1e3:.1f} ms (median of 7), kernels "
@@ -86,7 +84,7 @@ def main() -> None:
         print("  slowest launches:")
         for key, sec in r["slowest"]:  # type: ignore[attr-defined]
             print(f"    {sec * 1e3:7.3f} ms  {key}")
-    doc = {**provenance("mexc-bench-kernel-times-1"), "batch": 128, "models": results}
+    doc = {**provenance("mexc-bench-kernel-times-1"), "batch": args.batch, "models": results}
     write_json_atomic(args.out, doc)
     print(f"written {args.out}")
 
