@@ -76,6 +76,11 @@ class HostCpu:
             ]:
                 if flag in self.features:
                     attrs.append(attr)
+            if "avx2" in self.features:
+                # LLVM's generic x86 tuning takes vector gathers to be slow, so it left every
+                # table lookup (GELU, softmax's exp, sigmoid) scalar; with gathers a GELU over
+                # 3136 x 768 took 1.32 ms instead of 3.88 on a 2-core Zen 3 (2026-12-02)
+                attrs.append("+fast-gather")
             if self.vnni:
                 attrs.append("+avx512vnni")
             if "avx_vnni" in self.features:
