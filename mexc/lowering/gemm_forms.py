@@ -172,6 +172,23 @@ def conv_grad_weight(name: str, geom: ConvGeom) -> GemmForm:
     )
 
 
+def c_is_out(form: GemmForm, c_shape: tuple[int, int, int]) -> bool:
+    """Whether a GEMM's C[g, m, q] (`c_shape`, padded to its tiles) is laid out exactly as the
+    form's accumulator: one group, no padding, and out_at the identity (acc[r, c] = C[0, r, c],
+    as for a linear layer), so that the GEMM can write the accumulator itself."""
+    if form.g != 1 or len(form.out_shape) != 2 or tuple(c_shape) != (1, *form.out_shape):
+        return False
+    r, c = tirx.Var("r", "int32"), tirx.Var("c", "int32")
+    at = form.out_at(r, c)
+    return (
+        len(at) == 3
+        and isinstance(at[0], (int, tirx.IntImm))
+        and int(at[0]) == 0
+        and at[1].same_as(r)
+        and at[2].same_as(c)
+    )
+
+
 def linear_forward(name: str, n: int, k: int, o: int) -> GemmForm:
     """acc[n,o] = sum_k x[n,k] w[o,k]: A = x, B = w."""
     return GemmForm(

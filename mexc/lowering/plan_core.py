@@ -505,12 +505,18 @@ class PlanBuilder:
         form, count = ch.chunk.form, ch.count
         chunk = self.device.gemm.prepare(self, ch.chunk)
         c_shape = chunk.c_shape
+        size = int(np.prod(c_shape))
+        if out is not None and not reduce and gf.c_is_out(form, c_shape):
+            # C is the accumulator's own layout: the GEMM writes it there, no unpack
+            for j, operands in enumerate(ch.operands):
+                chunk.launch(operands, self.view_at(out, c_shape, j * size), _chunk_tag(j, count))
+                self.gemm_work(form)
+            return out, (c_shape[0] * count, c_shape[1], c_shape[2])
         stacked = count > 1 and out is None
         c_all = (c_shape[0] * (count if stacked else 1), c_shape[1], c_shape[2])
         c = self.buf(f"{form.name}.c", c_all, I32)
-        size = int(np.prod(c_shape))
         for j, operands in enumerate(ch.operands):
-            tag = f"_k{j}" if count > 1 else ""
+            tag = _chunk_tag(j, count)
             c_j = self.view_at(c, c_shape, j * size) if stacked else self.view(c, c_shape)
             chunk.launch(operands, c_j, tag)
             self.gemm_work(form)
@@ -606,3 +612,8 @@ class PlanBuilder:
         e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
         self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
         return s, e_out
+
+
+def _chunk_tag(j: int, count: int) -> str:
+    """The symbol suffix of chunk j's kernels where a product runs in `count` chunks."""
+    return f"_k{j}" if count > 1 else ""

@@ -4,6 +4,8 @@ kind of padding (odd rows, columns off the tile, K off a multiple of 4)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tvm
@@ -54,7 +56,18 @@ def _operands(rng: np.random.Generator, *shapes: tuple[int, ...]) -> list[np.nda
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
-    "n,k,o", [(16, 144, 40), (3, 7, 5), (5, 37, 40), (2, 1568, 10), (9, 4, 33), (1, 18, 8)]
+    "n,k,o",
+    # (256, 64, 64): 2 column panels, tasks of 4 row tiles; (512, 36, 8): 1 panel, 8 tiles
+    [
+        (16, 144, 40),
+        (3, 7, 5),
+        (5, 37, 40),
+        (2, 1568, 10),
+        (9, 4, 33),
+        (1, 18, 8),
+        (256, 64, 64),
+        (512, 36, 8),
+    ],
 )
 def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
     assert kernel in GEMM_KERNELS
@@ -62,6 +75,19 @@ def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
     cg = cpu_gemm(gf.linear_forward("t", n, k, o), 8, kernel=kernel)
     want = x.astype(np.int64) @ w.astype(np.int64).T
     np.testing.assert_array_equal(_run(cg, x, w, (n, o)), want)
+
+
+def test_a_linear_accumulator_is_its_gemms_c_only_where_nothing_is_padded() -> None:
+    """gemm_forms.c_is_out: the plan lets the GEMM write a linear layer's accumulator itself
+    (no unpack) only where C has its layout."""
+    plain = gf.linear_forward("t", 64, 32, 64)
+    assert gf.c_is_out(plain, cpu_gemm(plain, 8).c_shape)
+    padded = gf.linear_forward("t", 5, 32, 36)  # 36 columns padded to a 32-wide tile's 64
+    assert not gf.c_is_out(padded, cpu_gemm(padded, 8).c_shape)
+    transposed = dataclasses.replace(plain, out_at=lambda r, c: (0, c, r))
+    assert not gf.c_is_out(transposed, (1, 64, 64))
+    grouped = gf.batched_matmul("t", 2, 8, 16, 8)
+    assert not gf.c_is_out(grouped, (2, 8, 8))
 
 
 @pytest.mark.parametrize("kernel", BYTE_KERNELS)
