@@ -431,6 +431,13 @@ def _control_flow_message(model: nn.Module, err: Exception) -> str:
         if user
         else ""
     )
+    if "cannot be iterated" in str(err):  # a loop or a generator over a tensor, not a branch
+        return (
+            f"{type(model).__name__} iterates over a tensor{where}. mexc traces the model "
+            "symbolically (torch.fx), where a tensor, or the result of chunk or split, has no "
+            "length to loop over. Unpack a fixed number of parts instead (q, k, v = "
+            "t.chunk(3, dim=-1)), or index them (parts[0])."
+        )
     return (
         f"{type(model).__name__} has data-dependent control flow{where}: {err}. mexc compiles a "
         "static training graph, so branches and loops may depend only on shapes and constants, "

@@ -67,6 +67,25 @@ def test_data_dependent_control_flow() -> None:
         mexc.compile(DataDependent(), (torch.zeros(4, 1, 8, 8),))
 
 
+class IteratesChunks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = (part * 2 for part in torch.flatten(x, 1).chunk(2, dim=-1))
+        return self.fc(torch.cat([a, b], dim=-1))
+
+
+def test_iterating_over_a_traced_tensor_says_how_to_unpack() -> None:
+    line = _line_of("a, b = (part * 2")
+    with pytest.raises(mexc.TraceError) as err:
+        mexc.compile(IteratesChunks(), (torch.zeros(4, 1, 8, 8),))
+    msg = str(err.value)
+    assert f"iterates over a tensor at test_bad_input.py:{line}" in msg
+    assert "q, k, v = t.chunk(3, dim=-1)" in msg and "control flow" not in msg
+
+
 @pytest.fixture(scope="module")
 def prog() -> mexc.Program:
     model, x, _ = example("MLP", batch=8)
