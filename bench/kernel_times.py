@@ -1,8 +1,9 @@
 """Where a compiled (llvm) training step spends its time, by kernel kind.
 
-For each model at batch 128 (`--batch`): the median step time, then every launch of the step timed on its
-own (`LlvmProgram.kernel_times`, best of `--repeats` steps per launch) and summed by kind (the
-last word of the kernel's symbol: gemm, apply, shift, pack_b, ...), and the slowest launches.
+For each model (those of bench/step_time.py) at batch 128 (`--batch`): the median step time,
+then every launch of the step timed on its own (`LlvmProgram.kernel_times`, best of `--repeats`
+steps per launch) and summed by kind (the last word of the kernel's symbol: gemm, apply, shift,
+pack_b, ...), and the slowest launches.
 
     python bench/kernel_times.py [--models FashionCNN,SmallResNet,MobileNetV2Tiny] [--top 8]
 """
