@@ -6,6 +6,7 @@ steps per launch) and summed by kind (the last word of the kernel's symbol: gemm
 pack_b, ...), and the slowest launches.
 
     python bench/kernel_times.py [--models FashionCNN,SmallResNet,MobileNetV2Tiny] [--top 8]
+                                 [--batch 128]
 """
 
 from __future__ import annotations

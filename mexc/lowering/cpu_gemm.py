@@ -234,7 +234,7 @@ def _schedule_gemm(func: tirx.PrimFunc, mt: int, qt: int, lanes: int) -> tirx.Pr
     qo, qi = sch.split(q, [None, qt])
     sch.reorder(g, qo, mo, k, mi, qi)
     # parallel over column panels; where there are few (a weight gradient has one or two, its
-    # rows the taps, and ran on one thread), over every register tile
+    # rows the taps, and ran on one thread), over bands of row tiles too
     outer, tile = _parallel_tasks(sch, g, qo, mo)
     acc = sch.cache_write(blk, 0, "local")
     sch.reverse_compute_at(acc, tile)

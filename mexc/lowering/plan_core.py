@@ -499,28 +499,25 @@ class PlanBuilder:
         buffers (the device's GEMM strategy: cpu_gemm's tiles on the host, the padded GEMM form
         of gemm_forms for GPUs). Chunks of the batch unpack into their slices of `out`;
         `reduce`: the batch is the product's reduction (a weight gradient): the first chunk
-        unpacks into `out`, every later one adds its C to it in place. Returns the GEMM's C
-        buffer and shape (out=None: every chunk's C side by side, the product left there
-        unpacked, for HostGemm.compacted_product)."""
+        unpacks into `out`, every later one adds its C to it in place. Where C has the
+        accumulator's layout (gemm_forms.c_is_out), the GEMM writes `out` itself. Returns the
+        GEMM's C buffer and shape (out=None: every chunk's C side by side, the product left
+        there unpacked, for HostGemm.compacted_product)."""
         form, count = ch.chunk.form, ch.count
         chunk = self.device.gemm.prepare(self, ch.chunk)
         c_shape = chunk.c_shape
         size = int(np.prod(c_shape))
-        if out is not None and not reduce and gf.c_is_out(form, c_shape):
-            # C is the accumulator's own layout: the GEMM writes it there, no unpack
-            for j, operands in enumerate(ch.operands):
-                chunk.launch(operands, self.view_at(out, c_shape, j * size), _chunk_tag(j, count))
-                self.gemm_work(form)
-            return out, (c_shape[0] * count, c_shape[1], c_shape[2])
-        stacked = count > 1 and out is None
+        # where C is the accumulator's own layout, the GEMM writes `out` itself: no unpack
+        direct = out is not None and not reduce and gf.c_is_out(form, c_shape)
+        stacked = count > 1 and (out is None or direct)
         c_all = (c_shape[0] * (count if stacked else 1), c_shape[1], c_shape[2])
-        c = self.buf(f"{form.name}.c", c_all, I32)
+        c = out if direct and out is not None else self.buf(f"{form.name}.c", c_all, I32)
         for j, operands in enumerate(ch.operands):
-            tag = _chunk_tag(j, count)
+            tag = f"_k{j}" if count > 1 else ""
             c_j = self.view_at(c, c_shape, j * size) if stacked else self.view(c, c_shape)
             chunk.launch(operands, c_j, tag)
             self.gemm_work(form)
-            if out is None:
+            if out is None or direct:
                 continue
             if reduce and j > 0:
                 add = gf.accumulate_unpack(form, c_shape, f"{form.name}_accumulate{tag}")
@@ -612,8 +609,3 @@ class PlanBuilder:
         e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
         self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
         return s, e_out
-
-
-def _chunk_tag(j: int, count: int) -> str:
-    """The symbol suffix of chunk j's kernels where a product runs in `count` chunks."""
-    return f"_k{j}" if count > 1 else ""
