@@ -52,6 +52,7 @@ LANES = (32, 16, 8)  # widths a lane reduction tries (32: 3.1x, 8: 1.6x on a 64-
 # the longest rows a lane reduction takes: LLVM's own loop wins on long ones (a LayerNorm affine's
 # shift in lanes: 3.5x at 64 columns, 1.3x at 192, 0.8x at 784; an aligned sum's: 0.94x at 12,544)
 LANE_ROW_MAX = 256
+GROUPED_ROWS = 16  # rows per group from which a grouped product pays in bytes (_bytes_pay)
 GEMV_SPLIT = 32  # lanes of a one-column product's split reduction (64 measured 9x slower)
 # int32 lanes everywhere; byte products on AVX2 hosts, and with vpdpbusd on VNNI hosts
 GEMM_KERNELS = ("int32", *BYTE_KERNELS)
@@ -548,14 +549,17 @@ def _panel_gemm(
 
 
 def _bytes_pay(form: GemmForm) -> bool:
-    """Whether the byte-product kernel beats the int32 tile on `form`: ungrouped products with
-    K >= 16; grouped ones (depthwise convolutions, their sub-pixel phases) only with a deep K
-    (their weight gradients). With one or two rows per group and K = 9 the byte kernel's tile
-    accumulator went to a heap workspace per task: a 32-group depthwise forward took 7.7 ms
-    against 2.1 ms; a 32-group 9 x 25,088 x 32 weight gradient 7.9 against 16.7 ms. A first
-    convolution (K = 9, padded to 12) measured 0.77-0.94x; K = 16 even
-    (bench/research/gemm_kernels.py)."""
-    if form.g == 1:
+    """Whether the byte-product kernel beats the int32 tile on `form`: products with K >= 16,
+    ungrouped or with GROUPED_ROWS rows or more per group (attention's batched products);
+    grouped ones with fewer rows (depthwise convolutions, their sub-pixel phases) only with a
+    deep K (their weight gradients). With one or two rows per group and K = 9 the byte
+    kernel's tile accumulator went to a heap workspace per task: a 32-group depthwise forward
+    took 7.7 ms against 2.1 ms; a 32-group 9 x 25,088 x 32 weight gradient 7.9 against
+    16.7 ms. A first convolution (K = 9, padded to 12) measured 0.77-0.94x; K = 16 even
+    (bench/research/gemm_kernels.py). 192 groups of 49 x 16 x 49 (a ViT's q k^T, 2-core Zen 3,
+    2026-12-02): 0.31 ms as int32 tiles, 0.15 ms in bytes; 8 rows per group 1.1x slower in
+    bytes, 16 rows 1.2x faster."""
+    if form.g == 1 or form.m >= GROUPED_ROWS:
         return form.k >= 16
     return form.k >= 256 and form.k % DEPTH == 0
 

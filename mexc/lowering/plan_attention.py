@@ -88,7 +88,13 @@ class AttentionRules(PlanBuilder):
         keys = self.keys(n, (0, 1), "keys")
         table = self.const("exp_table", EXP_TABLE.values, I32)
         func = te_attention.softmax_forward(
-            rows, k, self.bits, self.stochastic, f"n{n.id}_softmax", self.device.native_division
+            rows,
+            k,
+            self.bits,
+            self.stochastic,
+            f"n{n.id}_softmax",
+            self.device.native_division,
+            host_schedule=self.device.gemm.host_scheduled,
         )
         self.launch(func, (self.view(self.m[x], (rows, k)), self.e[x], keys, table, p))
 

@@ -6,7 +6,7 @@ index of the array the reference rounds)."""
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import s_tir, te, tirx
 
 from mexc.kernels.transformer import SOFTMAX_RECIP_LOG2
 from mexc.lowering.te_compaction import (
@@ -52,14 +52,36 @@ def transposed_pre_shift(
 # ----------------------------------------------------------------------------------- softmax
 
 
+def _a_row_at_a_time(func: tirx.PrimFunc, out: str) -> tirx.PrimFunc:
+    """`func` (blocks over rows, and the row block `out` last) with every block computed inside
+    `out`'s row loop, that loop in parallel (a host schedule): a row's intermediates stay in a
+    scratch row in L1 instead of whole (rows, K) int32 tensors, and the pool starts once, not
+    once per block. A 9408 x 49 softmax (2-core Zen 3, 2026-12-02): 8.0 ms a block at a time
+    (schedule_parallel), 1.5 ms a row at a time."""
+    sch = s_tir.Schedule(func)
+    row = sch.get_loops(sch.get_sblock(out))[0]
+    blocks = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    for name in reversed(blocks[: blocks.index(out)]):
+        sch.compute_at(sch.get_sblock(name), row)
+    sch.parallel(row)
+    return sch.mod["main"]
+
+
 def softmax_forward(
-    rows: int, k: int, bits: int, stochastic: bool, name: str, native_division: bool = False
+    rows: int,
+    k: int,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    native_division: bool = False,
+    host_schedule: bool = False,
 ) -> tirx.PrimFunc:
     """kernels.softmax_forward on (rows, K): d = m - rowmax; E = EXP_TABLE[clamp(shift(d,
     EXP_IN_EXP - e_x)) + 128] (a right shift rounded with keys[0], a left shift saturating);
     S = row sum; R = idiv_round(2^30, S); p = min(shift_right(E R, 30 - (B - 1)) (keys[1]),
     qmax(B)) at the fixed exponent -(B - 1). Flat index r K + j for both sites. Parameters
-    (x, e, keys, table, p): keys int64[2], table int32[256] (numerics.EXP_TABLE)."""
+    (x, e, keys, table, p): keys int64[2], table int32[256] (numerics.EXP_TABLE).
+    `host_schedule`: a row at a time (`_a_row_at_a_time`)."""
     x = te.placeholder((rows, k), I8, name="x")
     e = te.placeholder((1,), I32, name="e")
     keys = te.placeholder((2,), I64, name="keys")
@@ -85,7 +107,8 @@ def softmax_forward(
         return tirx.min(v, qmax(bits)).astype(I8)
 
     p = te.compute((rows, k), prob, name="p")
-    return _func([x, e, keys, table, p], name)
+    func = _func([x, e, keys, table, p], name)
+    return _a_row_at_a_time(func, "p") if host_schedule else func
 
 
 def softmax_grad_terms(

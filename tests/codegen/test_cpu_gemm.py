@@ -98,10 +98,28 @@ def test_transposed_products_are_exact_and_groups_keep_the_int32_tile(
     form = gf.batched_matmul("t", groups, 6, 18, 24, trans_a=True, trans_b=True)
     x, y = _operands(np.random.default_rng(5), (groups, 18, 6), (groups, 24, 18))
     cg = cpu_gemm(form, 8, kernel=kernel)
-    # one group: three 8-column panels, K = 18 padded to 20; groups: rows, as the int32 tile
+    # one group: three 8-column panels, K = 18 padded to 20; groups of 6 rows (fewer than
+    # GROUPED_ROWS): rows, as the int32 tile
     assert cg.b_shape == ((1, 3, 5, 8, 4) if groups == 1 else (groups, 18, 24))
     want = np.einsum("gkm,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
     np.testing.assert_array_equal(_run(cg, x, y, (groups, 6, 24)), want)
+
+
+@pytest.mark.parametrize("kernel", BYTE_KERNELS)
+@pytest.mark.parametrize("groups,k", [(3, 16), (8, 16), (3, 49)])
+def test_attention_products_run_in_bytes_and_are_exact(kernel: str, groups: int, k: int) -> None:
+    """Groups of GROUPED_ROWS rows or more (attention's q k^T, 49 tokens: odd rows, columns
+    off the tile) take the byte kernel: 3 groups x 2 panels are too few for the GEMM to build
+    them (an interleave kernel), 8 x 2 enough."""
+    form = gf.batched_matmul("t", groups, 49, k, 49, trans_b=True)
+    x, y = _operands(np.random.default_rng(groups + k), (groups, 49, k), (groups, 49, k))
+    cg = cpu_gemm(form, 8, kernel=kernel)
+    kp = -(-k // 4)
+    built_in_gemm = groups * 2 >= 16
+    assert cg.b_shape == ((groups, k, 64) if built_in_gemm else (groups, 2, kp, 32, 4))
+    assert (cg.interleave_b is None) == built_in_gemm
+    want = np.einsum("gmk,gqk->gmq", x.astype(np.int64), y.astype(np.int64))
+    np.testing.assert_array_equal(_run(cg, x, y, (groups, 49, 49)), want)
 
 
 @pytest.mark.parametrize("kernel", BYTE_KERNELS)

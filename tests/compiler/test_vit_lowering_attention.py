@@ -17,6 +17,7 @@ from torch import nn
 
 import mexc
 from mexc import kernels as K
+from mexc.backends.llvm.products import host_cpu
 from mexc.ir import Op
 from mexc.kernels._common import fast_shift_right
 from mexc.lowering import te_attention
@@ -123,6 +124,46 @@ def test_gpu_plan_and_batch_chunks_train_bit_exact(
     assert _train(llvm) == want
 
 
+class SixteenTokens(nn.Module):
+    """A ViT block on 16 tokens of 16 features, one head, q k v from one linear split with
+    chunk: every batched matmul has 16 rows per group and K = 16, so on an AVX2 host the llvm
+    step runs them on the byte kernel (cpu_gemm.GROUPED_ROWS)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(1, D, 2, stride=2)  # 8 x 8 -> 16 tokens
+        self.norm = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(self.norm(t)).chunk(3, dim=-1)
+        att = torch.softmax((q @ k.transpose(-2, -1)) * D**-0.5, dim=-1)
+        return self.head((t + att @ v).mean(dim=1))
+
+
+def test_attention_of_sixteen_tokens_trains_bit_exact_on_the_byte_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mexc.lowering import cpu_gemm
+
+    grouped_in_bytes = []
+    pays = cpu_gemm._bytes_pay
+
+    def spy(form: cpu_gemm.GemmForm) -> bool:
+        grouped_in_bytes.append(form.g > 1 and pays(form))
+        return pays(form)
+
+    monkeypatch.setattr(cpu_gemm, "_bytes_pay", spy)
+    torch.manual_seed(0)
+    want = _train(_program(SixteenTokens(), "reference"))
+    torch.manual_seed(0)
+    assert _train(_program(SixteenTokens(), "llvm")) == want
+    if host_cpu().gemm_kernel != "int32":  # q k^T, att v and the four products of their grads
+        assert sum(grouped_in_bytes) >= 6
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
 def test_llvm_step_is_integer_only() -> None:
     from mexc.backends.llvm import float_check as fc
@@ -185,16 +226,20 @@ def _run(func: object, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], st
     return [o.numpy() for o in out]
 
 
+@pytest.mark.parametrize("host_schedule", [False, True])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("e", [-12, -6, -4, -2, 0, 3])
-def test_softmax_kernel_equals_the_reference(rounding: Rounding, e: int) -> None:
+def test_softmax_kernel_equals_the_reference(
+    rounding: Rounding, e: int, host_schedule: bool
+) -> None:
     rng = np.random.default_rng(e + 50)
     shape = (3, 5, 37)
     x = MX.of(rng.integers(-128, 128, shape, dtype=np.int8), e)
     ctx = RoundCtx(rounding, 7, 2, 8)
     want = K.softmax_forward(x, ctx, 48)
     rows = 15
-    func = te_attention.softmax_forward(rows, 37, 8, rounding == "stochastic", "sm")
+    stochastic = rounding == "stochastic"
+    func = te_attention.softmax_forward(rows, 37, 8, stochastic, "sm", host_schedule=host_schedule)
     keys = np.array([ctx.key(48), ctx.key(49)], np.int64)
     (p,) = _run(
         func,
