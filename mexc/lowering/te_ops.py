@@ -454,6 +454,9 @@ def exponent_sum(name: str = "exponent_sum") -> tirx.PrimFunc:
     return _func([a, b, e], name)
 
 
+BIAS_LANES_BITS = 29  # accumulators of at most this many bits take bias_add_acc's int32 lanes
+
+
 def bias_add_acc(
     shape: tuple[int, ...], axis: int, acc_bits: int, stochastic: bool, name: str = "bias_add"
 ) -> tirx.PrimFunc:
@@ -472,10 +475,18 @@ def bias_add_acc(
     )
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        j = idx[axis]
+        flat = _flat_index(shape, idx)
+        if acc_bits <= BIAS_LANES_BITS:
+            # int32 lanes (half the vectors): the target bounds every term's left shift by
+            # 29 - its bits (aligned_target), so each stays below 2^29 and their sum in int32
+            ta, tb = target[0] - e_acc[0], target[0] - e_b[0]
+            a = shift_signed32(acc[idx], ta, keys[0], flat, stochastic, 29 - acc_bits)
+            b = shift_signed32(bias[j].astype(I32), tb, keys[1], j.astype(i64), stochastic, 22)
+            return a + b
         ta = (target[0] - e_acc[0]).astype(i64)
         tb = (target[0] - e_b[0]).astype(i64)
-        a = shift_signed(acc[idx].astype(i64), ta, keys[0], _flat_index(shape, idx), stochastic)
-        j = idx[axis]
+        a = shift_signed(acc[idx].astype(i64), ta, keys[0], flat, stochastic)
         b = shift_signed(bias[j].astype(i64), tb, keys[1], j.astype(i64), stochastic)
         return (a + b).astype(I32)
 

@@ -22,6 +22,8 @@ from mexc.kernels import (
     softmax_ce_backward,
     softmax_ce_forward,
 )
+from mexc.kernels._common import product_bits
+from mexc.kernels.linear import add_bias
 from mexc.kernels.loss import GRAD_EXP
 from mexc.lowering import te_ops
 from mexc.lowering.te_compaction import compaction_apply, compaction_shift
@@ -172,6 +174,33 @@ def test_aligned_sum_then_compaction_equals_grad_sum(rounding: str, exps: tuple[
     )
     np.testing.assert_array_equal(m, want.m)
     assert int(e_out[0]) == int(want.e)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("k", [192, 1 << 15, 1 << 17])  # 22, 29 (int32 lanes), 31 bits (int64)
+@pytest.mark.parametrize("e_acc,e_b", [(-12, -6), (-12, -40), (-30, -2), (5, 5), (-3, 20)])
+def test_bias_add_equals_the_reference(rounding: str, k: int, e_acc: int, e_b: int) -> None:
+    """kernels.linear.add_bias: accumulators at both ends of their static bits, every shift
+    direction of both terms, in int32 lanes (at most 29 bits) and int64."""
+    rng = np.random.default_rng(k + e_acc - e_b)
+    top = (1 << product_bits(k)) - 1
+    acc = rng.integers(-top, top + 1, (6, 40), dtype=np.int64)
+    acc[0, :3], acc[1, :3] = top, -top
+    bias = MX.of(_rand(rng, (40,)).clip(-127, 127), e_b)
+    ctx = RoundCtx(rounding, 5, 2, 8)
+    want, e_want = add_bias(acc, e_acc, k, bias, 1, ctx, 17)
+    keys = np.array([ctx.key(17 + 1), ctx.key(17 + 2)], np.int64)  # sites 1 and 2
+    target, got = _run(
+        te_ops.bias_add_acc((6, 40), 1, product_bits(k), rounding == "stochastic"),
+        acc.astype(np.int32),
+        np.array([e_acc], np.int32),
+        bias.m,
+        np.array([e_b], np.int32),
+        keys,
+        outs=[((1,), "int32"), ((6, 40), "int32")],
+    )
+    assert int(target[0]) == int(e_want)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
