@@ -5,12 +5,12 @@
 
 For each model it builds the CUDA artifact of the training step (sm_80, batch 2 by default: the
 emulator runs every thread of every kernel on one core) and trains `--steps` steps on one random
-batch through mexc.backends.cuda.emulator, with blocks and threads in launch order and in reverse
-order,
-beside the reference interpreter. The table shows the build seconds, the emulated seconds per
-step and whether every step's loss and state checksum equal the reference's. Writes
-bench/results/cuda_emulate.json; with --check it exits 1 on any difference (CI runs it for the
-models the test suite leaves out). Needs TVM, nvcc and g++; no GPU.
+batch through mexc.backends.cuda.emulator, with blocks and threads in launch order and in
+reverse order (the two in two processes), beside the reference interpreter. The table shows the
+build seconds, the emulated seconds per step and whether every step's loss and state checksum
+equal the reference's. Writes bench/results/cuda_emulate.json; with --check it exits 1 on any
+difference (CI runs it for the models the test suite leaves out). Needs TVM, nvcc and g++; no
+GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.backends.cuda.build import build_step  # noqa: E402
 from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare  # noqa: E402
+from mexc.lowering.workers import forked_map  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
 MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {
@@ -49,15 +50,20 @@ def _program(name: str, batch: int) -> mexc.Program:
     return mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=opt)
 
 
+def _emulate_order(order: str, shared: dict[str, Any]) -> list[dict]:
+    """compare() of the artifact in shared["dir"], blocks and threads in `order`."""
+    return compare(shared["dir"], shared["steps"], order == "reverse", layout=ORDER_LAYOUT[order])
+
+
 def measure(name: str, batch: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         man = build_step(_program(name, batch), ("sm_80",), tmp)
         build_s = time.perf_counter() - t0
-        orders = {
-            o: compare(tmp, steps, o == "reverse", layout=ORDER_LAYOUT[o])
-            for o in ("forward", "reverse")
-        }
+        # the two orders in forked processes, one per CPU: each emulates on one core
+        names = ["forward", "reverse"]
+        shared = {"dir": tmp, "steps": steps}
+        orders = dict(zip(names, forked_map(_emulate_order, names, shared)))
     exact = all(r["exact"] for rows in orders.values() for r in rows)
     per_step = [r["seconds"] for rows in orders.values() for r in rows]
     return {
