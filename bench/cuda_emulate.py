@@ -8,9 +8,9 @@ emulator runs every thread of every kernel on one core) and trains `--steps` ste
 batch through mexc.backends.cuda.emulator, with blocks and threads in launch order and in
 reverse order (the two in two processes), beside the reference interpreter. The table shows the
 build seconds, the emulated seconds per step and whether every step's loss and state checksum
-equal the reference's. Writes bench/results/cuda_emulate.json; with --check it exits 1 on any
-difference (CI runs it for the models the test suite leaves out). Needs TVM, nvcc and g++; no
-GPU.
+equal the reference's, and how many rules of cuda_verify the SASS of every `--archs` breaks.
+Writes bench/results/cuda_emulate.json; with --check it exits 1 on any difference or broken
+rule (CI runs it for the models the test suite leaves out). Needs TVM, nvcc and g++; no GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from examples.resnet import ResNet18  # noqa: E402
 from examples.vit import ViTTiny  # noqa: E402
 from mexc.backends.cuda.build import build_step  # noqa: E402
 from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare  # noqa: E402
+from mexc.backends.cuda.sass_check import verify_artifact  # noqa: E402
 from mexc.lowering.workers import forked_map  # noqa: E402
 from mexc.trainer import provenance, write_json_atomic  # noqa: E402
 
@@ -55,11 +56,12 @@ def _emulate_order(order: str, shared: dict[str, Any]) -> list[dict]:
     return compare(shared["dir"], shared["steps"], order == "reverse", layout=ORDER_LAYOUT[order])
 
 
-def measure(name: str, batch: int, steps: int) -> dict[str, Any]:
+def measure(name: str, batch: int, steps: int, archs: tuple[str, ...]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        man = build_step(_program(name, batch), ("sm_80",), tmp)
+        man = build_step(_program(name, batch), archs, tmp)
         build_s = time.perf_counter() - t0
+        problems = verify_artifact(Path(tmp), man)  # integer-only SASS, tensor-core GEMMs
         # the two orders in forked processes, one per CPU: each emulates on one core
         names = ["forward", "reverse"]
         shared = {"dir": tmp, "steps": steps}
@@ -74,6 +76,7 @@ def measure(name: str, batch: int, steps: int) -> dict[str, Any]:
         "emulated_s_per_step": round(sorted(per_step)[len(per_step) // 2], 1),
         "steps": steps,
         "bit_exact_both_orders": exact,
+        "sass_problems": len(problems),
         "final_checksum": orders["forward"][-1]["checksum"],
     }
 
@@ -83,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--archs", default="sm_80", help="built and checked; sm_80 is emulated")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every model is exact")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_emulate.json"))
     args = ap.parse_args(argv)
+    archs = tuple(a.strip() for a in args.archs.split(","))
     rows = []
     for name in args.models.split(","):
-        rows.append(measure(name.strip(), args.batch, args.steps))
+        rows.append(measure(name.strip(), args.batch, args.steps, archs))
         print(rows[-1], flush=True)
     cols = list(rows[0])
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
@@ -100,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r["model"] for r in rows if not r["bit_exact_both_orders"]]
     if bad:
         print(f"not bit-exact under emulation: {bad}", file=sys.stderr)
-    return 1 if args.check and bad else 0
+    broken = [r["model"] for r in rows if r["sass_problems"]]
+    if broken:
+        print(
+            f"SASS breaks cuda_verify's rules (bench/cuda_build.py says how): {broken}",
+            file=sys.stderr,
+        )
+    return 1 if args.check and (bad or broken) else 0
 
 
 if __name__ == "__main__":
