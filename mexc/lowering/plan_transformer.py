@@ -59,7 +59,8 @@ class TransformerRules(PlanBuilder):
         dim, start, stop = self._slice_range(n, shape)
         dx = self.out(n, 0, I8)
         self.e[n.result(0)] = self.e[dy]
-        func = te_transformer.slice_grad(shape, dim, start, stop, f"n{n.id}_slice_grad")
+        host = self.device.gemm.host_scheduled
+        func = te_transformer.slice_grad(shape, dim, start, stop, f"n{n.id}_slice_grad", host)
         self.launch(func, (self.as_shaped(dy), dx))
 
     def concat(self, n: Node) -> None:

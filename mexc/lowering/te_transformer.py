@@ -11,7 +11,7 @@ fused_compaction where the value is cheap to compute twice)."""
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import s_tir, te, tirx
 
 from mexc.kernels.transformer import GELU_RANGE_LOG2
 from mexc.lowering.te_compaction import (
@@ -58,8 +58,14 @@ def slice_copy(shape: Shape, dim: int, start: int, stop: int, name: str) -> tirx
     return prim_func([x, te.compute(out_shape, body, name="y")], name)
 
 
-def slice_grad(shape: Shape, dim: int, start: int, stop: int, name: str) -> tirx.PrimFunc:
-    """dx (of `shape`) = dy inside [start, stop) along `dim`, 0 elsewhere. Parameters (dy, dx)."""
+def slice_grad(
+    shape: Shape, dim: int, start: int, stop: int, name: str, host_schedule: bool = False
+) -> tirx.PrimFunc:
+    """dx (of `shape`) = dy inside [start, stop) along `dim`, 0 elsewhere. Parameters (dy, dx).
+    `host_schedule`: a slice along the last axis gets that loop partitioned at start and stop
+    (zeros, a copy, zeros: each part a plain vector loop). Unpartitioned, the clamped index of
+    dy made every row a gather: 6272 x 144 from a 48-wide slice (the gradient of one part of
+    a fused q k v, 2-core Zen 3, 2026-12-02) took 0.31 ms, partitioned 0.03-0.04 ms."""
     dy_shape = tuple(stop - start if a == dim else d for a, d in enumerate(shape))
     dy = te.placeholder(dy_shape, I8, name="dy")
 
@@ -70,7 +76,13 @@ def slice_grad(shape: Shape, dim: int, start: int, stop: int, name: str) -> tirx
         v = dy[tuple(src if a == dim else i[a] for a in range(len(shape)))]
         return where(inside, v, tirx.const(0, I8))
 
-    return prim_func([dy, te.compute(shape, body, name="dx")], name)
+    func = prim_func([dy, te.compute(shape, body, name="dx")], name)
+    parts = [v for v in (start, stop - start, shape[dim] - stop) if v > 0]
+    if not host_schedule or dim != len(shape) - 1 or len(parts) < 2:
+        return func
+    sch = s_tir.Schedule(func)
+    sch.loop_partition(sch.get_loops(sch.get_sblock("dx"))[dim], [*parts[:-1], None])
+    return sch.mod["main"]
 
 
 def scale_compaction(

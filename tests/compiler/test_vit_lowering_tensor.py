@@ -64,6 +64,29 @@ ROUNDINGS = ("stochastic", "nearest")
 GELU_EXPONENTS = (-40, -12, -6, -5, -4, -2, 0, 1, 2, 3, 9)
 
 
+@pytest.mark.parametrize("host_schedule", [False, True])
+@pytest.mark.parametrize(
+    "shape,dim,start,stop",
+    [((5, 3, 12), 2, 0, 4), ((5, 3, 12), 2, 4, 8), ((5, 3, 12), 2, 8, 12), ((4, 9), 1, 2, 7)]
+    + [((6, 5, 4), 1, 1, 3), ((6, 4), 0, 0, 5), ((4, 9), 1, 0, 9)],
+)
+def test_slice_grad_places_dy_in_zeros(
+    shape: tuple[int, ...], dim: int, start: int, stop: int, host_schedule: bool
+) -> None:
+    """Every slice of a chunk along the last axis (the host partitions that loop at start and
+    stop), one in the middle of a row, other axes, and the whole axis."""
+    from mexc.lowering import te_transformer
+    from mexc.lowering.cpu_gemm import schedule_parallel
+
+    dy_shape = tuple(stop - start if a == dim else d for a, d in enumerate(shape))
+    dy = np.random.default_rng(stop).integers(-127, 128, dy_shape).astype(np.int8)
+    func = te_transformer.slice_grad(shape, dim, start, stop, "sg", host_schedule)
+    (dx,) = _run(schedule_parallel(func) if host_schedule else func, dy, outs=[(shape, "int8")])
+    want = np.zeros(shape, np.int8)
+    want[tuple(slice(start, stop) if a == dim else slice(None) for a in range(len(shape)))] = dy
+    np.testing.assert_array_equal(dx, want)
+
+
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("e", GELU_EXPONENTS)
 def test_gelu_kernels_equal_the_reference(e: int, rounding: str) -> None:
