@@ -677,15 +677,15 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
     root = sch.get_sblock("root") if has_block(sch, "root") else None
     blocks = sch.get_child_blocks(root) if root is not None else []
     for blk in blocks:
-        if _column_reduction(sch, blk) or _lane_reduction(sch, blk):
-            continue
         loops = sch.get_loops(blk)
         kinds = [sch.get(lp).kind for lp in loops]
+        if any(k != tirx.ForKind.SERIAL for k in kinds):
+            continue  # scheduled by the kernel itself (te_func.a_row_at_a_time)
+        if _column_reduction(sch, blk) or _lane_reduction(sch, blk):
+            continue
         iters = sch.get(blk).iter_vars
         spatial = [lp for lp, iv in zip(loops, iters) if iv.iter_type == 0]
         if not spatial or len(spatial) != len([iv for iv in iters if iv.iter_type == 0]):
-            continue
-        if any(k != tirx.ForKind.SERIAL for k in kinds):
             continue
         # the outermost loop whose extent is not 1 (a (1, R, D) LayerNorm's statistics have a
         # unit batch axis in front of their rows)

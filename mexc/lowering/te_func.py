@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tvm
-from tvm import te, tirx
+from tvm import s_tir, te, tirx
 
 from mexc.lowering.te_divide import lower_divisions
 
@@ -16,3 +16,27 @@ def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     func = lower_divisions(te.create_prim_func(args))
     mod = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))
     return mod["main"].with_attr("global_symbol", name)
+
+
+def a_row_at_a_time(func: tirx.PrimFunc, out: str, readers: tuple[str, ...] = ()) -> tirx.PrimFunc:
+    """`func` with every block that `out` reads, directly or not, computed inside `out`'s outer
+    loop, and that loop in parallel (a host schedule for kernels of many short rows: a row
+    softmax, LayerNorm's per-row statistics). A row's intermediates stay in a scratch row in L1
+    instead of whole tensors, and the thread pool starts once, not once per block."""
+    sch = s_tir.Schedule(func)
+    target = sch.get_sblock(out)
+    row = sch.get_loops(target)[0]
+    needed: set[str] = set()
+    todo = [target]
+    while todo:
+        for producer in sch.get_producers(todo.pop()):
+            name = sch.get(producer).name_hint
+            if name not in needed:
+                needed.add(name)
+                todo.append(producer)
+    blocks = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    for name in reversed(blocks[: blocks.index(out)]):
+        if name in needed:
+            sch.compute_at(sch.get_sblock(name), row)
+    sch.parallel(row)
+    return sch.mod["main"]

@@ -32,6 +32,7 @@ from tvm import s_tir, te, tirx
 
 from mexc.kernels.norm import EPS_BITS, RSTD_NUM_LOG2
 from mexc.lowering.te_compaction import (
+    LANE_REDUCE,
     _flat_index,
     abs_max_all,
     aligned_target,
@@ -70,13 +71,25 @@ def _nearest(x: tirx.PrimExpr, t: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _bitlen(v: te.Tensor, name: str) -> te.Tensor:
-    """Per element bit length of |v| for a (C,) int64 tensor with |v| < 2^62."""
-    t = te.reduce_axis((0, 62), f"{name}_t")
-    return te.compute(
-        v.shape,
-        lambda c: te.sum(tirx.if_then_else(iabs(v[c]) >= (_c(1) << t.var.astype(I64)), 1, 0), t),
-        name=name,
-    )
+    """Per element bit length of |v| for a (C,) int64 tensor with |v| < 2^62: the top bit's
+    index by a six-step binary search (shifts and compares, one expression per element), plus
+    one where |v| > 0. A 62-step count per element was a serial inner loop, and LayerNorm's
+    rows are its channels (its 1/sigma kernel on 6272 x 48, 2-core Zen 3, 2026-12-02: 0.45 ->
+    0.40 ms)."""
+
+    def body(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        a = iabs(v[c])
+        top = tirx.Var(f"{name}_top", I64)  # bound once per step: each step reads it twice
+        value: tirx.PrimExpr = top + (a > _c(0)).astype(I64)
+        for step in (1, 2, 4, 8, 16, 32):
+            nxt = tirx.Var(f"{name}_top{step}", I64)
+            value = tirx.Let(
+                top, nxt + where((a >> (nxt + _c(step))) > _c(0), _c(step), _c(0)), value
+            )
+            top = nxt
+        return tirx.Let(top, _c(0), value).astype(I32)
+
+    return te.compute(v.shape, body, name=name)
 
 
 def isqrt_stages(n: te.Tensor, name: str = "isqrt") -> te.Tensor:
@@ -104,12 +117,23 @@ def _to_i32(t: te.Tensor) -> te.Tensor:
 
 
 def _ncs_sum(
-    shape: NCS, value: Callable[..., tirx.PrimExpr], name: str, dtype: str = I64
+    shape: NCS,
+    value: Callable[..., tirx.PrimExpr],
+    name: str,
+    dtype: str = I64,
+    lanes: bool = False,
 ) -> te.Tensor:
     """Per channel sum over (n, s) of value(n, c, s), int64: per (n, c) over s first (rows in
-    parallel, s contiguous, in `dtype` where the caller bounds the sum), then over n."""
+    parallel, s contiguous, in `dtype` where the caller bounds the sum), then over n. `lanes`:
+    the sum over s is marked LANE_REDUCE (a value with a rounding's hash in it, which LLVM
+    leaves scalar in a short loop: LayerNorm's 1/sigma kernel on 6272 x 48, 0.40 -> 0.29 ms)."""
     rs = te.reduce_axis((0, shape[2]), f"{name}_s")
-    part = te.compute(shape[:2], lambda n, c: te.sum(value(n, c, rs), axis=rs), name=f"{name}_nc")
+    part = te.compute(
+        shape[:2],
+        lambda n, c: te.sum(value(n, c, rs), axis=rs),
+        name=f"{name}_nc",
+        attrs={LANE_REDUCE: 1} if lanes else None,
+    )
     rn = te.reduce_axis((0, shape[0]), f"{name}_n")
     return _per_channel(shape, lambda c: te.sum(part[rn, c].astype(I64), axis=rn), name)
 
@@ -211,7 +235,7 @@ def bn_var(
         v = shift_right32(xc, r[c], key[0], _flat_index(shape, (n, c, s)), stochastic)
         return v * v
 
-    vsum = _ncs_sum(shape, tq, "vsum", I32)
+    vsum = _ncs_sum(shape, tq, "vsum", I32, lanes=True)
     bl = _bitlen(vsum, "bl_vsum")
     vnum = _per_channel(
         shape, lambda c: vsum[c] << tirx.max(_c(30) - bl[c].astype(I64), _c(0)), "vnum"
@@ -225,8 +249,8 @@ def bn_var(
 
     ev = _per_channel(shape, ev_body, "ev64")
     rstd, rstd_e = _rstd_stages(var_m, ev, eps, native_division)
-    outs = [_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)]
     e_c = te.compute((1,), lambda _: ex[0] - f, name="e_c")
+    outs = [_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)]
     return _func([x, mu, r, ex, key, *outs, e_c], name)
 
 

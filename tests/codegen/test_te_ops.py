@@ -249,3 +249,19 @@ def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: in
     )
     np.testing.assert_array_equal(m, want_g.m)
     assert int(e_out[0]) == int(want_g.e)
+
+
+def test_bit_lengths_of_every_power_of_two_and_its_neighbours() -> None:
+    """te_norm._bitlen (the six-step binary search) against Python's int.bit_length."""
+    from tvm import te
+
+    from mexc.lowering.te_norm import _bitlen
+
+    values = [0, 1, -1, 2, 3, -5, 127]
+    for k in range(2, 62):
+        values += [(1 << k) - 1, 1 << k, (1 << k) + 1, -(1 << k)]
+    v = np.array(values, np.int64)
+    x = te.placeholder(v.shape, "int64", name="x")
+    func = te.create_prim_func([x, _bitlen(x, "bl")])
+    (got,) = _run(func, v, outs=[(v.shape, "int32")])
+    np.testing.assert_array_equal(got, [abs(int(a)).bit_length() for a in values])
