@@ -13,7 +13,13 @@ import tvm
 from mexc.backends.llvm.products import host_cpu
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_attention, te_ops
-from mexc.lowering.cpu_gemm import GEMM_KERNELS, CpuGemm, cpu_gemm, schedule_parallel
+from mexc.lowering.cpu_gemm import (
+    GEMM_KERNELS,
+    TRANSPOSE_STRIDE,
+    CpuGemm,
+    cpu_gemm,
+    schedule_parallel,
+)
 
 _HOST = host_cpu()
 # every kernel this host can run: the AVX2 byte kernel on any host that picks a byte kernel
@@ -75,6 +81,20 @@ def test_linear_products_are_exact(kernel: str, n: int, k: int, o: int) -> None:
     cg = cpu_gemm(gf.linear_forward("t", n, k, o), 8, kernel=kernel)
     want = x.astype(np.int64) @ w.astype(np.int64).T
     np.testing.assert_array_equal(_run(cg, x, w, (n, o)), want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("o", [72, 40])
+def test_weight_gradients_transpose_dy_in_tiles_and_are_exact(kernel: str, o: int) -> None:
+    """A linear weight gradient's A is dy transposed: 72 bytes apart (TRANSPOSE_STRIDE or
+    more) its pack runs in 64-column tiles, 1280 / 64 = 20 parallel tasks; 40 apart, a row
+    at a time."""
+    rows, k = 1280, 40
+    dy, x = _operands(np.random.default_rng(o), (rows, o), (rows, k))
+    cg = cpu_gemm(gf.linear_grad_weight("t", rows, k, o), 8, kernel=kernel)
+    assert ("T.parallel(20)" in cg.pack_a.script()) == (o >= TRANSPOSE_STRIDE)
+    want = dy.astype(np.int64).T @ x.astype(np.int64)
+    np.testing.assert_array_equal(_run(cg, dy, x, (o, k)), want)
 
 
 def test_a_linear_accumulator_is_its_gemms_c_only_where_nothing_is_padded() -> None:
