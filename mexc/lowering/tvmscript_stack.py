@@ -13,6 +13,7 @@ the first three frames and no source context for the rest. Patched on TVM's pars
 from __future__ import annotations
 
 import inspect
+import linecache
 import sys
 from types import FrameType
 from typing import Any
@@ -32,14 +33,30 @@ class _InspectWithLightStack:
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if len(frames) < FULL_FRAMES:
-                info = inspect.getframeinfo(frame, context)
-                frames.append(inspect.FrameInfo(frame, *info))
+                frames.append(_full_entry(frame, context))
             else:
                 code = frame.f_code
                 where = (code.co_filename, frame.f_lineno, code.co_name)
                 frames.append(inspect.FrameInfo(frame, *where, None, None))
             frame = frame.f_back
         return frames
+
+
+def _full_entry(frame: FrameType, context: int) -> inspect.FrameInfo:
+    """inspect.getframeinfo's entry, its source lines read from linecache by file name:
+    inspect's own lookup (findsource -> getmodule) walks sys.modules whenever a file is not a
+    module's, and with torch loaded those walks were most of the 13 s that registering TVM's
+    CUDA intrinsics still took (2-core Zen 3, 2026-12-02)."""
+    code = frame.f_code
+    lineno = frame.f_lineno
+    lines: list[str] | None = None
+    index: int | None = None
+    if context > 0:
+        source = linecache.getlines(code.co_filename, frame.f_globals)
+        if source:
+            start = max(0, min(lineno - 1 - context // 2, len(source) - context))
+            lines, index = source[start : start + context], lineno - 1 - start
+    return inspect.FrameInfo(frame, code.co_filename, lineno, code.co_name, lines, index)
 
 
 def install() -> None:
