@@ -27,7 +27,11 @@ from test_cuda_products import needs_cuda_tools  # noqa: E402
 
 
 def _optimizer() -> mexc.SGD:
-    return mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+    # tests/codegen/test_llvm_step.py's: the same models at the same batch are then the same
+    # programs, and their compiled steps come from the kernel cache
+    return mexc.SGD(
+        lr=0.05, momentum=0.9, weight_decay=5e-4, schedule=mexc.Cosine(40, warmup_steps=2)
+    )
 
 
 def _pair(factory, batch: int, shape: tuple[int, ...]) -> tuple[mexc.Program, LlvmProgram]:
@@ -56,7 +60,7 @@ def _assert_same_inference(ref: mexc.Program, llvm: mexc.Program, x: np.ndarray)
 
 
 @pytest.mark.parametrize(
-    "name,batch", [("MLP", 8), ("FashionCNN", 4), ("SmallResNet", 4), ("MobileNetV2Tiny", 4)]
+    "name,batch", [("MLP", 8), ("FashionCNN", 4), ("SmallResNet", 2), ("MobileNetV2Tiny", 2)]
 )
 def test_compiled_inference_is_the_reference(name: str, batch: int) -> None:
     cls, shape = EXAMPLES[name]
