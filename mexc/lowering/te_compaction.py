@@ -188,8 +188,9 @@ def abs_max_rows(x: te.Tensor, name: str = "amax_rows") -> te.Tensor:
     return _max_rows(shape, lambda *i: iabs(x[i].astype(I32)), name)
 
 
-# block annotation of a reduction along its contiguous last axis whose value is computed (a
-# fused compaction's shift): the host schedule reduces it in vector lanes (cpu_gemm)
+# block annotation of a max or sum along its contiguous last axis whose value is computed (a
+# fused compaction's shift, a variance's rounded squares): the host schedule reduces it in
+# vector lanes (cpu_gemm)
 LANE_REDUCE = "mexc_lane_reduce"
 
 

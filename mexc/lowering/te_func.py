@@ -18,11 +18,11 @@ def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return mod["main"].with_attr("global_symbol", name)
 
 
-def a_row_at_a_time(func: tirx.PrimFunc, out: str, readers: tuple[str, ...] = ()) -> tirx.PrimFunc:
+def a_row_at_a_time(func: tirx.PrimFunc, out: str) -> tirx.PrimFunc:
     """`func` with every block that `out` reads, directly or not, computed inside `out`'s outer
-    loop, and that loop in parallel (a host schedule for kernels of many short rows: a row
-    softmax, LayerNorm's per-row statistics). A row's intermediates stay in a scratch row in L1
-    instead of whole tensors, and the thread pool starts once, not once per block."""
+    loop, and that loop in parallel (a host schedule for kernels of many short rows, such as
+    the row softmax). A row's intermediates stay in a scratch row in L1 instead of whole
+    tensors, and the thread pool starts once, not once per block."""
     sch = s_tir.Schedule(func)
     target = sch.get_sblock(out)
     row = sch.get_loops(target)[0]

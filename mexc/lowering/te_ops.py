@@ -477,7 +477,9 @@ def exponent_sum(name: str = "exponent_sum") -> tirx.PrimFunc:
     return _func([a, b, e], name)
 
 
-BIAS_LANES_BITS = 29  # accumulators of at most this many bits take bias_add_acc's int32 lanes
+# aligned_target's bound for two terms: every aligned term is below 2^(31 - bit_length(2)), so
+# accumulators of at most this many bits take bias_add_acc's int32 lanes
+BIAS_LANES_BITS = 31 - (2).bit_length()
 
 
 def bias_add_acc(
@@ -502,10 +504,11 @@ def bias_add_acc(
         flat = _flat_index(shape, idx)
         if acc_bits <= BIAS_LANES_BITS:
             # int32 lanes (half the vectors): the target bounds every term's left shift by
-            # 29 - its bits (aligned_target), so each stays below 2^29 and their sum in int32
+            # BIAS_LANES_BITS - its bits, so each stays below 2^29 and their sum in int32
             ta, tb = target[0] - e_acc[0], target[0] - e_b[0]
-            a = shift_signed32(acc[idx], ta, keys[0], flat, stochastic, 29 - acc_bits)
-            b = shift_signed32(bias[j].astype(I32), tb, keys[1], j.astype(i64), stochastic, 22)
+            left_acc, left_b = BIAS_LANES_BITS - acc_bits, BIAS_LANES_BITS - 7
+            a = shift_signed32(acc[idx], ta, keys[0], flat, stochastic, left_acc)
+            b = shift_signed32(bias[j].astype(I32), tb, keys[1], j.astype(i64), stochastic, left_b)
             return a + b
         ta = (target[0] - e_acc[0]).astype(i64)
         tb = (target[0] - e_b[0]).astype(i64)
