@@ -144,8 +144,9 @@ class SixteenTokens(nn.Module):
 
 
 def test_attention_of_sixteen_tokens_trains_bit_exact_on_the_byte_kernel(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from mexc.backends.llvm import step as llvm_step
     from mexc.lowering import cpu_gemm
 
     grouped_in_bytes = []
@@ -156,6 +157,7 @@ def test_attention_of_sixteen_tokens_trains_bit_exact_on_the_byte_kernel(
         return pays(form)
 
     monkeypatch.setattr(cpu_gemm, "_bytes_pay", spy)
+    monkeypatch.setattr(llvm_step, "CACHE", tmp_path)  # a cached step would skip the TE build
     torch.manual_seed(0)
     want = _train(_program(SixteenTokens(), "reference"))
     torch.manual_seed(0)
