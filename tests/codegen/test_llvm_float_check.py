@@ -180,7 +180,8 @@ def _shared_library(tmp_path: Path, source: str, *libs: str) -> Path:
 
 
 def _fake_program(so: Path) -> Any:
-    return SimpleNamespace(libraries=[so], _plan_json={"launches": [["k", ["a", "out"]]]})
+    plan = {"launches": [["n0_k", ["a", "out"]]], "kernels": {"n0_k": [so.name, "k"]}}
+    return SimpleNamespace(libraries=[so], _plan_json=plan)
 
 
 @needs_gcc

@@ -170,6 +170,34 @@ def test_second_compile_comes_from_the_cache_and_the_key_follows_the_program(tmp
     assert np.isfinite(again.step(x, np.arange(8) % 10))
 
 
+def test_programs_share_the_kernels_they_have_in_common(tmp_path, monkeypatch):
+    """Another momentum changes only the update kernels: the second program compiles those
+    and takes the rest from the kernel store, and both train bit-exact."""
+    from mexc.backends.llvm.float_check import launch_symbols
+
+    monkeypatch.setattr(llvm_step, "CACHE", tmp_path)
+    index = tmp_path / "llvm-kernels" / "index"
+    cls, shape = EXAMPLES["MLP"]
+    pairs = []
+    for momentum in (0.9, 0.5):
+        opt = mexc.SGD(lr=0.05, momentum=momentum, weight_decay=5e-4)
+        progs = []
+        for target in ("reference", "llvm"):
+            torch.manual_seed(0)
+            progs.append(
+                mexc.compile(cls(), (torch.zeros(8, *shape),), optimizer=opt, target=target)
+            )
+        pairs.append(progs)
+        if momentum == 0.9:
+            first = {p.name for p in index.iterdir()}
+    names = [set(launch_symbols(llvm._plan_json)) for _, llvm in pairs]
+    assert names[0] == first and {p.name for p in index.iterdir()} == names[0] | names[1]
+    assert 0 < len(names[1] - names[0]) < len(names[1]) / 2  # only the update kernels are new
+    x = np.random.default_rng(0).standard_normal((8, *shape)).astype(np.float32)
+    for ref, llvm in pairs:
+        _assert_same_training(ref, llvm, x, np.arange(8) % 10, steps=2)
+
+
 def test_unsupported_op_names_the_node_and_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
@@ -193,10 +221,10 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(llvm_step, "CACHE", first)
     cls, shape = EXAMPLES["MLP"]
     ref, _ = _pair(cls, 8, shape)
-    (entry,) = first.glob("llvm-*")
-    damaged = second / entry.name  # a copy this process never loaded (the first is mapped)
-    shutil.copytree(entry, damaged)
-    for part in damaged.glob("part*.so"):
+    shutil.copytree(first, second)  # a copy this process never loaded (the first is mapped)
+    parts = list((second / "llvm-kernels" / "parts").glob("*.so"))
+    assert parts
+    for part in parts:
         part.write_bytes(b"not a shared library")
     monkeypatch.setattr(llvm_step, "CACHE", second)
     _, llvm = _pair(cls, 8, shape)

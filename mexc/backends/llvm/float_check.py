@@ -54,6 +54,7 @@ than pass.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -63,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mexc.backends.llvm.kernel_store import KERNEL_PREFIX
 from mexc.errors import MexcError
 
 if TYPE_CHECKING:
@@ -71,6 +73,9 @@ if TYPE_CHECKING:
 # ELF e_machine values (the only architecture with rules is x86-64)
 _MACHINES = {3: "i386", 40: "arm", 62: "x86-64", 183: "aarch64", 243: "riscv"}
 SUPPORTED = ("x86-64",)
+# the wrapper of a kernel-store kernel, as objdump labels it; group 1: the kernel's name
+STORE_KERNEL = re.compile(rf"<__tvm_ffi_({KERNEL_PREFIX}[0-9a-f]+)>:")
+STORE_NAME = re.compile(rf"{KERNEL_PREFIX}[0-9a-f]+")
 
 PREFIXES = frozenset(
     ("lock", "rep", "repe", "repz", "repne", "repnz", "bnd", "notrack", "data16", "data32")
@@ -300,7 +305,10 @@ def check_libraries(libraries: Sequence[Path], symbols: Iterable[str]) -> Report
     unexpected: list[str] = []
     foreign: list[str] = []
     for path in libraries:
-        scan = scan_disassembly(disassemble(path), path.name, wanted)
+        text = disassemble(path)
+        # a part of the kernel store may hold kernels of other programs too: kernel code as well
+        others = set(STORE_KERNEL.findall(text)) - set(wanted)
+        scan = scan_disassembly(text, path.name, [*wanted, *others])
         counts.update(scan.instructions)
         excluded.update(scan.excluded)
         floats += scan.floats
@@ -313,13 +321,24 @@ def check_libraries(libraries: Sequence[Path], symbols: Iterable[str]) -> Report
 
 
 def launch_symbols(manifest: dict[str, Any]) -> list[str]:
-    """The kernel symbols the plan launches."""
-    return sorted({symbol for symbol, _ in manifest["launches"]})
+    """The compiled symbols of the kernels the plan launches (in the kernel store's parts)."""
+    kernels = manifest["kernels"]
+    return sorted({kernels[symbol][1] for symbol, _ in manifest["launches"]})
 
 
 def float_check(prog: LlvmProgram) -> Report:
-    """The float check of `prog`'s compiled training step (raises nothing when it fails)."""
-    return check_libraries(prog.libraries, launch_symbols(prog._plan_json))
+    """The float check of `prog`'s compiled training step (raises nothing when it fails);
+    offending functions are named by the launch symbols whose kernels they are."""
+    report = check_libraries(prog.libraries, launch_symbols(prog._plan_json))
+    readable: dict[str, str] = {}
+    for symbol, (_, name) in prog._plan_json["kernels"].items():
+        readable.setdefault(name, symbol)
+    for i, f in enumerate(report.floats):
+        found = STORE_NAME.search(f.function)
+        if found and found.group(0) in readable:
+            named = f.function.replace(found.group(0), readable[found.group(0)])
+            report.floats[i] = dataclasses.replace(f, function=named)
+    return report
 
 
 def float_instructions(prog: LlvmProgram) -> list[FloatInstruction]:

@@ -2,10 +2,10 @@
 
 `build_plan` turns the program into TIR kernels over named buffers; this module schedules them
 for the host (products: parallel outer axes, vectorized last axis, register accumulators; the
-rest as TVM lowers them), compiles them into one module, caches the compiled library on disk,
-allocates every buffer once, and runs the launch list per step. Python hands over the quantized
-batch, the labels, the learning rate pair and the stream keys; the state never leaves the
-buffers except when it is read (state_dict, checksum, checkpoints, evaluation).
+rest as TVM lowers them), compiles those the kernel store lacks (kernel_store.py), caches the
+plan on disk, allocates every buffer once, and runs the launch list per step. Python hands over
+the quantized batch, the labels, the learning rate pair and the stream keys; the state never
+leaves the buffers except when it is read (state_dict, checksum, checkpoints, evaluation).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 import tvm
-from tvm import tirx
 
 from mexc.backends.kernel_cache import CACHE, build_entry
+from mexc.backends.llvm.kernel_store import KernelStore
 from mexc.backends.llvm.products import HostCpu, host_cpu
 from mexc.backends.plan_layout import (
     ALIGN,
@@ -48,7 +48,6 @@ from mexc.lowering.step_plan import (
     distinct_kernels,
     plan_manifest,
 )
-from mexc.lowering.workers import forked_map, split_symbols
 from mexc.numerics import stream_keys
 from mexc.program import Program
 
@@ -56,7 +55,7 @@ from mexc.program import Program
 # core), which is one thread on a two-core machine without SMT. Use every CPU this process may
 # run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-MANIFEST_FORMAT = "mexc-llvm-plan-2"
+MANIFEST_FORMAT = "mexc-llvm-plan-3"  # 3: kernels in the kernel store
 _MEXC = Path(__file__).resolve().parents[2]
 
 
@@ -80,6 +79,14 @@ def _lowering_sources() -> list[Path]:
     )
 
 
+def _lowering_digest() -> str:
+    """Hash of the lowering code the compiled kernels depend on (_lowering_sources)."""
+    h = hashlib.sha256()
+    for src in _lowering_sources():
+        h.update(src.read_bytes())
+    return h.hexdigest()
+
+
 def cache_key(prog: Program, target: str) -> str:
     """Hash of what the compiled code depends on: the program IR (shapes, attributes, rounding
     sites), bits / rounding / velocity grouping, momentum and weight decay (compile-time
@@ -88,42 +95,23 @@ def cache_key(prog: Program, target: str) -> str:
     o, opt = prog.options, prog.optimizer
     h = hashlib.sha256()
     fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
-    for part in (prog.ir, repr(fixed), target, tvm.__version__):
+    for part in (prog.ir, repr(fixed), target, tvm.__version__, _lowering_digest()):
         h.update(part.encode())
-    for src in _lowering_sources():
-        h.update(src.read_bytes())
     return h.hexdigest()[:24]
-
-
-def _compile_part(job: tuple[list[str], str], shared: dict[str, Any]) -> str:
-    symbols, path = job
-    funcs = shared["funcs"]
-    ex = tvm.compile(tvm.IRModule({s: funcs[s] for s in symbols}), target=shared["target"])
-    ex.export_library(path)
-    return path
-
-
-def _compile_parts(funcs: dict[str, tirx.PrimFunc], target: Any, folder: Path) -> list[str]:
-    """Compile the kernels into one shared library per worker process."""
-    parts = split_symbols(list(funcs), per_worker=8)
-    jobs = [(symbols, str(folder / f"part{i}.so")) for i, symbols in enumerate(parts)]
-    return forked_map(_compile_part, jobs, {"funcs": funcs, "target": target})
 
 
 @dataclass
 class Compiled:
     """The loaded kernels and the plan's launch list in a form that needs no TE: what the cache
-    stores next to the shared libraries (plan.json)."""
+    stores (plan.json; the kernels themselves are in the kernel store)."""
 
-    modules: list[Any]
+    modules: dict[str, Any]  # part file name -> loaded module
     manifest: dict[str, Any]
     libraries: list[Path] = field(default_factory=list)  # the shared libraries (float_check)
 
     def function(self, symbol: str) -> Any:
-        for mod in self.modules:
-            if mod.implements_function(symbol, True):
-                return mod.get_function(symbol, True)
-        raise KeyError(f"compiled plan lacks kernel {symbol}")
+        part, name = self.manifest["kernels"][symbol]
+        return self.modules[part].get_function(name, True)
 
 
 def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
@@ -164,25 +152,43 @@ def compile_program(
         plan = build_plan(prog, cpu.gemm_lanes, plan_device, cpu.gemm_kernel, pack_budget, lean)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
+    salt = f"{target} {tvm.__version__} {_lowering_digest()}"
+    kernels = KernelStore(CACHE).compile(funcs, target, salt)
 
     def build(tmp: Path) -> None:
-        _compile_parts(funcs, target, tmp)
-        (tmp / "plan.json").write_text(json.dumps(_manifest(plan, alias)))
+        manifest = {**_manifest(plan, alias), "kernels": kernels}
+        (tmp / "plan.json").write_text(json.dumps(manifest))
 
     return _load(build_entry(folder, build))
+
+
+_LOADED: dict[Path, Any] = {}  # part -> its module: a process loads each part once
 
 
 def _load(folder: Path) -> Compiled:
     manifest = json.loads((folder / "plan.json").read_text())
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"plan format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-    parts = sorted(folder.glob("part*.so"))
-    if not parts:
-        raise ValueError("no compiled kernels")
     check_layout(manifest, [args for _, args in manifest["launches"]])
-    compiled = Compiled([tvm.runtime.load_module(str(p)) for p in parts], manifest, parts)
+    store = KernelStore(CACHE)
+    modules: dict[str, Any] = {}
+    damaged: list[str] = []
+    for part in sorted({part for part, _ in manifest["kernels"].values()}):
+        path = store.parts / part
+        if path not in _LOADED:
+            try:
+                _LOADED[path] = tvm.runtime.load_module(str(path))
+            except Exception as err:  # noqa: BLE001 - reported below, its kernels rebuilt
+                store.forget(part)
+                damaged.append(f"{part}: {str(err).splitlines()[0]}")
+                continue
+        modules[part] = _LOADED[path]
+    if damaged:
+        raise ValueError(f"kernel libraries that do not load: {'; '.join(damaged)}")
+    compiled = Compiled(modules, manifest, [store.parts / p for p in modules])
     for symbol, _ in manifest["launches"]:
-        compiled.function(symbol)  # every kernel present
+        if compiled.function(symbol) is None:
+            raise ValueError(f"kernel {symbol} is missing from {manifest['kernels'][symbol][0]}")
     return compiled
 
 

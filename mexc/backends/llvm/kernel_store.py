@@ -1,0 +1,114 @@
+"""Compiled host kernels shared by every program built with the same kernel cache.
+
+Programs that differ only in a few nodes (another optimizer setting, lean levels, the inference
+plan of a trained step, the same model in another test) have most kernels in common. Each
+distinct scheduled PrimFunc is compiled once per cache, whichever program it came from:
+
+- a kernel's name is a hash of its scheduled PrimFunc (TVM's structural hash, the workload key
+  meta_schedule's tuning database persists too), the target, TVM's version and the lowering
+  code (`salt`), so equal kernels have equal names and are found again;
+- the kernels a program lacks are compiled together into new shared libraries ("parts"), one
+  per worker process (workers.forked_map), under `parts/` with content-derived names;
+- one small index file per kernel, written after its part, names that part.
+
+Every file is written to a temporary name and renamed into place, so readers see whole files
+only; two processes that compile the same kernel at once each write a valid part and index
+entry, and either is used. A part that fails to load is deleted (`forget`): the next build
+compiles its kernels again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from mexc.lowering.workers import forked_map, split_symbols
+
+STORE = "llvm-kernels"
+KERNEL_PREFIX = "mexc_k"  # the compiled name of every kernel: this, then a hash
+PER_WORKER = 8  # fewest kernels per worker process (a fork and a TVM build each)
+
+
+def kernel_name(func: tirx.PrimFunc, salt: str) -> str:
+    """The compiled symbol of scheduled `func`: equal for structurally equal kernels."""
+    shape = tvm_ffi.structural_hash(func.with_attr("global_symbol", "k"))
+    return KERNEL_PREFIX + hashlib.sha256(f"{shape} {salt}".encode()).hexdigest()[:24]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class KernelStore:
+    """The compiled kernels under `root` (the kernel cache folder)."""
+
+    def __init__(self, root: Path) -> None:
+        self.parts = root / STORE / "parts"
+        self.index = root / STORE / "index"
+
+    def part_of(self, name: str) -> Path | None:
+        """The part holding kernel `name`, if it was compiled and its part is still there."""
+        try:
+            part = self.parts / (self.index / name).read_text()
+        except (OSError, ValueError):
+            return None
+        return part if part.is_file() else None
+
+    def compile(self, funcs: dict[str, tirx.PrimFunc], target: Any, salt: str) -> dict[str, Any]:
+        """symbol -> [part file name, compiled name] for every kernel of `funcs` (keyed by launch
+        symbol), compiling those the store lacks."""
+        names = {s: kernel_name(f, salt) for s, f in funcs.items()}
+        todo = {}
+        for symbol, name in names.items():
+            if name not in todo and self.part_of(name) is None:
+                todo[name] = funcs[symbol].with_attr("global_symbol", name)
+        if todo:
+            self.parts.mkdir(parents=True, exist_ok=True)
+            self.index.mkdir(parents=True, exist_ok=True)
+            groups = split_symbols(list(todo), PER_WORKER)
+            jobs = [(group, str(self.parts)) for group in groups]
+            built = forked_map(_compile_part, jobs, {"funcs": todo, "target": target})
+            for group, part in zip(groups, built):
+                for name in group:
+                    _write_atomic(self.index / name, part.encode())
+        out: dict[str, Any] = {}
+        for symbol, name in names.items():
+            path = self.part_of(name)
+            if path is None:
+                raise RuntimeError(f"kernel {symbol} ({name}) is missing from {self.parts}")
+            out[symbol] = [path.name, name]
+        return out
+
+    def forget(self, part: str) -> None:
+        """Delete a part that does not load: its kernels are compiled again on the next build."""
+        (self.parts / part).unlink(missing_ok=True)
+
+
+def _compile_part(job: tuple[list[str], str], shared: dict[str, Any]) -> str:
+    names, folder = job
+    funcs, target = shared["funcs"], shared["target"]
+    part = hashlib.sha256(" ".join(sorted(names)).encode()).hexdigest()[:24] + ".so"
+    ex = tvm.compile(tvm.IRModule({n: funcs[n] for n in names}), target=target)
+    fd, tmp = tempfile.mkstemp(prefix=part + ".", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        ex.export_library(tmp)
+        os.replace(tmp, Path(folder) / part)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return part
