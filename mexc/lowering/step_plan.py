@@ -102,7 +102,7 @@ def build_plan(
     args = (prog, lanes, device_of(device), gemm_kernel, pack_budget)
     if lean is not None:
         return plan_builder(*args, lean).plan
-    return plan_builder(*args, lean_nodes(lambda chosen: plan_builder(*args, chosen))).plan
+    return lean_search(lambda chosen: plan_builder(*args, chosen))[1].plan
 
 
 def leanest(prog: Program, device: str | Device = "cpu") -> dict[int, int]:
@@ -111,13 +111,21 @@ def leanest(prog: Program, device: str | Device = "cpu") -> dict[int, int]:
 
 
 def lean_nodes(build: Callable[[Mapping[int, int]], PlanRules]) -> dict[int, int]:
-    """The lean level of each node. A lean node trades time (more chunks; a product computed
-    twice, a bracket three times) for memory, so only the nodes that set the step's peak may
-    pay it: while the live buffers at the peak (plan_peak) include those of a node whose rule
-    has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one holding the most
-    bytes there goes to its cheapest higher level that lowers the peak (by 1/LEAN_MIN_DROP)
-    within the work budget (LEAN_WORK_SHARE of the step's work); the levels tried are not
-    tried again, and the next node is taken where none did."""
+    """The lean level of each node (lean_search)."""
+    return lean_search(build)[0]
+
+
+def lean_search(
+    build: Callable[[Mapping[int, int]], PlanRules],
+) -> tuple[dict[int, int], PlanRules]:
+    """The lean level of each node, and the build with those levels (the search built it already:
+    the plan needs no build of its own). A lean node trades time (more chunks; a product
+    computed twice, a bracket three times) for memory, so only the nodes that set the step's
+    peak may pay it: while the live buffers at the peak (plan_peak) include those of a node
+    whose rule has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one
+    holding the most bytes there goes to its cheapest higher level that lowers the peak (by
+    1/LEAN_MIN_DROP) within the work budget (LEAN_WORK_SHARE of the step's work); the levels
+    tried are not tried again, and the next node is taken where none did."""
     chosen: dict[int, int] = {}
     b = build(chosen)
     base = b.work
@@ -150,7 +158,7 @@ def lean_nodes(build: Callable[[Mapping[int, int]], PlanRules]) -> dict[int, int
             if trial.work <= budget and (peak - trial_peak) * LEAN_MIN_DROP >= peak:
                 chosen, b, peak, live = {**chosen, node: level}, trial, trial_peak, trial_live
                 break
-    return chosen
+    return chosen, b
 
 
 def plan_peak(plan: StepPlan) -> tuple[int, dict[str, int]]:
