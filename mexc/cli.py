@@ -272,6 +272,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        # --target beside --resume moves the checkpointed program (its default does not)
+        resume_target=args.target if "target" in getattr(args, "given", ()) else None,
         command=["mexc", *args.argv],
     )
     print(format_table(results), end="")
@@ -282,6 +284,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         plot_curves(results, args.plot)
         print(f"curves written to {args.plot}")
     return 0
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes in `namespace.given` that the command line set it (a
+    default is not a choice: `--resume` keeps the checkpoint's target unless --target is
+    given)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
 
 
 # --- parser -------------------------------------------------------------------------------------
@@ -306,6 +324,7 @@ def _compile_flags(
         "--target",
         default=target,
         choices=targets,
+        action=_Given,
         help=f"backend (default: {target}; {shown})",
     )
     p.add_argument(
@@ -409,7 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps"
     )
-    p.add_argument("--resume", metavar="DIR", help="continue the run checkpointed in DIR")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run checkpointed in DIR (on its target, or on --target when given)",
+    )
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="first N images")
     p.add_argument("--limit-test", type=int, default=None, metavar="N", help="first N images")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -562,11 +562,13 @@ def run_training(
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 0,
     resume: str | os.PathLike[str] | None = None,
+    resume_target: str | None = None,
     command: list[str] | None = None,
 ) -> dict[str, Any]:
     """Compile `model` (its current weights are the initial weights), train it integer-only,
     optionally train a deepcopy in FP32 the same way, and return the results document. With
-    `resume`, the program, position and options come from that checkpoint instead."""
+    `resume`, the program, position and options come from that checkpoint instead, on the
+    target it was saved from or on `resume_target` (same bits on every target)."""
     import copy
 
     import torch
@@ -583,6 +585,7 @@ def run_training(
             progress=progress,
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every or None,
+            target=resume_target,
         )
     else:
         spe = len(train[1]) // batch

@@ -65,6 +65,27 @@ def test_compile_print_after_named(capsys: pytest.CaptureFixture[str]) -> None:
     ]
 
 
+def test_resume_keeps_the_checkpoints_target_unless_target_is_given(tmp_path: Path) -> None:
+    base = [
+        "train", f"{MODELS}:MLP", "--data", "digits", "--epochs", "1", "--batch", "32",
+        "--limit-train", "256", "--limit-test", "100", "--quiet",
+    ]  # fmt: skip
+    ck, runs = tmp_path / "ck", {}
+    for name, extra in {
+        "first": ["--target", "reference", "--checkpoint", str(ck)],
+        "kept": ["--resume", str(ck)],  # the parser's default target is not a choice
+        "moved": ["--resume", str(ck), "--target", "llvm"],
+    }.items():
+        out = tmp_path / f"{name}.json"
+        assert main([*base, *extra, "--out", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert [r["config"]["target"] for r in runs.values()] == ["reference", "reference", "llvm"]
+    first = runs["first"]["integer"]
+    for name in ("kept", "moved"):  # the same state, evaluated on either target
+        run = runs[name]["integer"]
+        assert (run["checksum"], run["accuracy"]) == (first["checksum"], first["accuracy"])
+
+
 def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, png = tmp_path / "r.json", tmp_path / "c.png"
     args = [
