@@ -100,16 +100,18 @@ class DenseRules(PlanBuilder):
 
     def add_bias(self, n: Node, acc: str, e_acc: str, shape: Shape, k: int) -> tuple[str, str]:
         """kernels.linear.add_bias on a K-wide product accumulator (bias along axis 1, sites 1
-        and 2) when the node has one: the sum's buffer and exponent, else acc and e_acc."""
+        and 2) when the node has one: the sum (in place over acc: each element of the sum reads
+        only its own accumulator element, and nothing else reads acc) and its exponent, else
+        acc and e_acc. A sum of its own doubled the int32 bytes live there: ViTTiny's MLP
+        at batch 128 held 2 MiB of its 5.2 MiB peak in the two."""
         if not n.attrs.has_bias:
             return acc, e_acc
         b = n.inputs[2]
         keys = self.keys(n, (1, 2), "bias_keys")
         target = self.buf(f"n{n.id}.e_sum", (1,), I32)
-        total = self.buf(f"n{n.id}.sum", shape, I32)
         func = te_ops.bias_add_acc(shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias")
-        self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, total))
-        return total, target
+        self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, acc))
+        return acc, target
 
     def linear_grad_input(self, n: Node) -> None:
         dy, w = n.inputs
