@@ -234,6 +234,24 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
     _assert_same_training(ref, llvm, x, y, steps=2)
 
 
+def test_a_library_that_lacks_its_kernels_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """A part that loads but lacks the kernels the entry names (replaced by another part): the
+    entry and those kernels' index entries are dropped, and they are compiled again."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setattr(llvm_step, "CACHE", first)
+    cls, shape = EXAMPLES["MLP"]
+    ref, _ = _pair(cls, 8, shape)
+    shutil.copytree(first, second)  # a copy this process never loaded
+    parts = sorted((second / "llvm-kernels" / "parts").glob("*.so"))
+    assert len(parts) >= 2
+    shutil.copyfile(parts[1], parts[0])
+    monkeypatch.setattr(llvm_step, "CACHE", second)
+    _, llvm = _pair(cls, 8, shape)
+    assert "kernels missing from their libraries" in capsys.readouterr().err
+    x = np.random.default_rng(0).standard_normal((8, *shape)).astype(np.float32)
+    _assert_same_training(ref, llvm, x, np.arange(8) % 10, steps=2)
+
+
 class _StridedConvs(nn.Module):
     """Strided convolutions whose input gradients the plan builds by output phase: a 1x1 at
     stride 2 (three of four phases have no tap, their dx is 0), a 5x3 kernel strided along one

@@ -97,6 +97,10 @@ class KernelStore:
         """Delete a part that does not load: its kernels are compiled again on the next build."""
         (self.parts / part).unlink(missing_ok=True)
 
+    def forget_kernel(self, name: str) -> None:
+        """Drop kernel `name`'s index entry (its part lacks it): the next build compiles it."""
+        (self.index / name).unlink(missing_ok=True)
+
 
 def _compile_part(job: tuple[list[str], str], shared: dict[str, Any]) -> str:
     names, folder = job

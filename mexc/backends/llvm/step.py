@@ -186,9 +186,16 @@ def _load(folder: Path) -> Compiled:
     if damaged:
         raise ValueError(f"kernel libraries that do not load: {'; '.join(damaged)}")
     compiled = Compiled(modules, manifest, [store.parts / p for p in modules])
-    for symbol, _ in manifest["launches"]:
-        if compiled.function(symbol) is None:
-            raise ValueError(f"kernel {symbol} is missing from {manifest['kernels'][symbol][0]}")
+    kernels = manifest["kernels"]
+    missing = {
+        s
+        for s, _ in manifest["launches"]
+        if not modules[kernels[s][0]].implements_function(kernels[s][1], True)
+    }
+    for symbol in sorted(missing):
+        store.forget_kernel(kernels[symbol][1])  # compiled again on the rebuild
+    if missing:
+        raise ValueError(f"kernels missing from their libraries: {', '.join(sorted(missing))}")
     return compiled
 
 
