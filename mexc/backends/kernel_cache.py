@@ -32,3 +32,17 @@ def build_entry(folder: Path, build: Callable[[Path], None]) -> Path:
     except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Run `write(tmp)` to a fresh temporary file beside `path`, then rename it to `path`:
+    readers see the old file or the whole new one, never part of it."""
+    fd, name = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

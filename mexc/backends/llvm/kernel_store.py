@@ -19,9 +19,8 @@ compiles its kernels again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from mexc.backends.kernel_cache import write_atomic
 from mexc.lowering.workers import forked_map, split_symbols
 
 STORE = "llvm-kernels"
@@ -40,17 +40,6 @@ def kernel_name(func: tirx.PrimFunc, salt: str) -> str:
     """The compiled symbol of scheduled `func`: equal for structurally equal kernels."""
     shape = tvm_ffi.structural_hash(func.with_attr("global_symbol", "k"))
     return KERNEL_PREFIX + hashlib.sha256(f"{shape} {salt}".encode()).hexdigest()[:24]
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class KernelStore:
@@ -72,26 +61,27 @@ class KernelStore:
         """symbol -> [part file name, compiled name] for every kernel of `funcs` (keyed by launch
         symbol), compiling those the store lacks."""
         names = {s: kernel_name(f, salt) for s, f in funcs.items()}
-        todo = {}
+        part: dict[str, str] = {}  # compiled name -> its part's file name
+        todo: dict[str, tirx.PrimFunc] = {}
         for symbol, name in names.items():
-            if name not in todo and self.part_of(name) is None:
+            if name in part or name in todo:
+                continue
+            path = self.part_of(name)
+            if path is not None:
+                part[name] = path.name
+            else:
                 todo[name] = funcs[symbol].with_attr("global_symbol", name)
         if todo:
             self.parts.mkdir(parents=True, exist_ok=True)
             self.index.mkdir(parents=True, exist_ok=True)
             groups = split_symbols(list(todo), PER_WORKER)
-            jobs = [(group, str(self.parts)) for group in groups]
+            jobs = [(group, self.parts) for group in groups]
             built = forked_map(_compile_part, jobs, {"funcs": todo, "target": target})
-            for group, part in zip(groups, built):
+            for group, file in zip(groups, built):
                 for name in group:
-                    _write_atomic(self.index / name, part.encode())
-        out: dict[str, Any] = {}
-        for symbol, name in names.items():
-            path = self.part_of(name)
-            if path is None:
-                raise RuntimeError(f"kernel {symbol} ({name}) is missing from {self.parts}")
-            out[symbol] = [path.name, name]
-        return out
+                    write_atomic(self.index / name, functools.partial(Path.write_text, data=file))
+                    part[name] = file
+        return {symbol: [part[name], name] for symbol, name in names.items()}
 
     def forget(self, part: str) -> None:
         """Delete a part that does not load: its kernels are compiled again on the next build."""
@@ -102,17 +92,10 @@ class KernelStore:
         (self.index / name).unlink(missing_ok=True)
 
 
-def _compile_part(job: tuple[list[str], str], shared: dict[str, Any]) -> str:
+def _compile_part(job: tuple[list[str], Path], shared: dict[str, Any]) -> str:
     names, folder = job
     funcs, target = shared["funcs"], shared["target"]
     part = hashlib.sha256(" ".join(sorted(names)).encode()).hexdigest()[:24] + ".so"
     ex = tvm.compile(tvm.IRModule({n: funcs[n] for n in names}), target=target)
-    fd, tmp = tempfile.mkstemp(prefix=part + ".", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        ex.export_library(tmp)
-        os.replace(tmp, Path(folder) / part)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(folder / part, lambda tmp: ex.export_library(str(tmp)))
     return part
