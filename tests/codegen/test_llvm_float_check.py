@@ -135,6 +135,16 @@ def test_sample_flags_exactly_the_float_instructions() -> None:
     assert scan.instructions == {"__tvm_ffi_k": 5, "k_compute_": 20}
 
 
+def test_the_entry_alias_of_a_one_kernel_library_is_glue() -> None:
+    """A kernel-store part that compiled one kernel: TVM adds __tvm_ffi_main, a jmp to it."""
+    alias = "\n0000000000001300 <__tvm_ffi_main>:\n    1300:\tjmp    1050 <__tvm_ffi_k@plt>\n"
+    scan = fc.scan_disassembly(SAMPLE + alias, "k.so", ["k"])
+    assert scan.unexpected == [] and scan.instructions["__tvm_ffi_main"] == 1
+    float_alias = alias + "    1305:\taddss  xmm0,xmm1\n"  # still scanned for floats
+    scan = fc.scan_disassembly(SAMPLE + float_alias, "k.so", ["k"])
+    assert [f.function for f in scan.floats if f.address == 0x1305] == ["__tvm_ffi_main"]
+
+
 def test_unknown_function_and_missing_kernel_are_reported() -> None:
     scan = fc.scan_disassembly(SAMPLE, "k.so", ["other"])
     assert scan.unexpected == ["__tvm_ffi_k", "k_compute_"]

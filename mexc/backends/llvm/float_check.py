@@ -83,9 +83,11 @@ PREFIXES = frozenset(
     + ("{evex}", "{disp8}", "{disp32}", "{load}", "{store}")
 )
 FLOAT_BUILTIN = re.compile(r"^__(extend|trunc)[a-z]f[a-z]f2$")
+# __tvm_ffi_main: TVM's entry alias of a module with one function (a kernel-store part that
+# compiled a single kernel), a jmp to that kernel's wrapper
 GLUE = re.compile(
     r"^(_init|_fini|frame_dummy|register_tm_clones|deregister_tm_clones|__do_global_dtors_aux"
-    r"|__tvm_set_raised_\d+|\S+@plt(-0x[0-9a-f]+)?|\.plt(\.got|\.sec)?)$"
+    r"|__tvm_set_raised_\d+|__tvm_ffi_main|\S+@plt(-0x[0-9a-f]+)?|\.plt(\.got|\.sec)?)$"
 )
 INTEGER_IMPORT = frozenset(
     ("memset", "memcpy", "memmove", "TVMFFIErrorSetRaisedFromCStrParts", "TVMAPISetLastError")
