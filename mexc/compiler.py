@@ -68,9 +68,12 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     rounding: str = "auto",
     instruments: Sequence[Instrument] = (),
     verify_each: bool = True,
+    recompute: bool = True,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
-    mexc.targets.NAMES)."""
+    mexc.targets.NAMES). `recompute`: the backward pass computes batch-norm outputs again
+    from their saved xhat instead of keeping them (the rematerialize pass; the same bits, less
+    memory, one more elementwise pass per batch norm)."""
     chosen = get_target(target)
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
@@ -83,6 +86,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         seed=seed,
         rounding=rounding,
         per_group_velocity=per_group_velocity,
+        recompute=recompute,
         optimizer=opt,
         batch=x.shape[0],
         num_classes=front.num_classes,

@@ -65,6 +65,7 @@ class Op(enum.Enum):
     LINEAR_GRAD_WEIGHT = "linear_grad_weight"
     BIAS_GRAD = "bias_grad"
     BATCHNORM_GRAD = "batchnorm_grad"
+    BATCHNORM_AFFINE = "batchnorm_affine"
     RELU_GRAD = "relu_grad"
     RELU6_GRAD = "relu6_grad"
     HARDSWISH_GRAD = "hardswish_grad"

@@ -35,6 +35,7 @@ class PassContext:
     seed: int = 0
     rounding: str = "stochastic"
     per_group_velocity: bool = True
+    recompute: bool = True  # rematerialize: batch-norm outputs recomputed in the backward pass
     optimizer: Any = None  # mexc SGD config, set by mexc.compile
     batch: int = 0
     num_classes: int = 0
@@ -44,8 +45,8 @@ class PassContext:
         """One line of the options (for reproducer files)."""
         return (
             f"bits={self.bits} seed={self.seed} rounding={self.rounding} "
-            f"per_group_velocity={self.per_group_velocity} batch={self.batch} "
-            f"num_classes={self.num_classes} optimizer={self.optimizer!r}"
+            f"per_group_velocity={self.per_group_velocity} recompute={self.recompute} "
+            f"batch={self.batch} num_classes={self.num_classes} optimizer={self.optimizer!r}"
         )
 
 

@@ -9,6 +9,7 @@ from mexc.passes.fuse_products import fuse_products
 from mexc.passes.insert_mx_types import insert_mx_types
 from mexc.passes.insert_optimizer import insert_optimizer
 from mexc.passes.plan_memory import plan_memory
+from mexc.passes.rematerialize import rematerialize
 
 PIPELINE: tuple[Pass, ...] = (
     Pass(
@@ -28,6 +29,11 @@ PIPELINE: tuple[Pass, ...] = (
         "derive-backward",
         derive_backward,
         "append the backward graph from per-op VJP rules; gradients of all parameters",
+    ),
+    Pass(
+        "rematerialize",
+        rematerialize,
+        "recompute batch-norm outputs (and their ReLU) for the backward pass, not saving them",
     ),
     Pass(
         "insert-optimizer",

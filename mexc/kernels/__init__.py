@@ -45,6 +45,7 @@ from mexc.kernels.linear import (
 from mexc.kernels.loss import softmax_ce_backward, softmax_ce_forward
 from mexc.kernels.norm import (
     BatchNormSaved,
+    batchnorm_affine,
     batchnorm_backward,
     batchnorm_forward_eval,
     batchnorm_forward_train,
@@ -77,6 +78,7 @@ __all__ = [
     "hardswish_forward",
     "avgpool2d_backward",
     "avgpool2d_forward",
+    "batchnorm_affine",
     "batchnorm_backward",
     "batchnorm_forward_eval",
     "batchnorm_forward_train",

@@ -142,6 +142,19 @@ def _affine(
     return compact_mx(acc.reshape(shape), e, ctx, site_key(ctx, tid, j + 2))
 
 
+def batchnorm_affine(xhat: MX, gamma: MX, beta: MX, ctx: RoundCtx, tid: int) -> MX:
+    """The output of batchnorm_forward_train computed again from its saved xhat: the affine
+    sites 2, 3 and 4 of node `tid`, with the same keys, so the bits are the forward's
+    (docs/layers.md, "Batch norm's output, recomputed"). The backward pass uses it in place of
+    a stored output (the rematerialize pass)."""
+    xh = _as_ncs(xhat.m).astype(np.int8, copy=False)
+    if not debug_on():
+        y = _affine_fast(xh, xhat, gamma, beta, ctx, tid, 2, xhat.shape)
+        if y is not None:
+            return y
+    return _affine(xhat, gamma, beta, ctx, tid, 2, xhat.shape)
+
+
 def _var_shift(amax: np.ndarray, m: int) -> np.ndarray:
     """Per-channel pre-shift r: smallest with m * ceil(amax / 2^r)^2 <= 2^31 - 1."""
     r = np.zeros(amax.shape, np.int64)

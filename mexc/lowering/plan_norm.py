@@ -60,6 +60,18 @@ class NormRules(PlanBuilder):
         b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
         self.bn[n.id] = b
 
+    def batchnorm_affine(self, n: Node) -> None:
+        """The batch norm's output again from its saved xhat (the rematerialize pass): the
+        forward's affine compaction, sites 2-4 of the batch norm's rid (n's), so the same bits."""
+        xhat, gamma, beta = n.inputs
+        xs = self.shape(xhat)
+        ncs = ncs_of(xs)
+        keys = self.keys(n, (2, 3), "affine_keys")
+        args: tuple[str, ...] = (self.ncs_view(self.m[xhat], xs), self.e[xhat])
+        args += (self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
+        affine = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine")
+        self.compact_unstored(n, 4, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))
+
     def batchnorm_grad(self, n: Node) -> None:
         dy = n.inputs[0]
         b = self.bn[n.inputs[1].node]

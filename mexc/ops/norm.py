@@ -84,6 +84,11 @@ def _bn_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return tuple(K.batchnorm_backward(a[0], a[1], env.ctx, tid(n)))
 
 
+def _bn_affine(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    saved, gamma, beta = a
+    return (K.batchnorm_affine(saved.xhat, gamma, beta, env.ctx, tid(n)),)
+
+
 def _bn_running(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     rmean, rvar, saved = a
     momentum = FixedScalar.of(float(n.attrs.momentum))
@@ -216,6 +221,14 @@ define(
         reference=_bn_grad,
         lower={"tir": "step_plan:PlanRules.batchnorm_grad", "c": "emit:_bn_grad"},
         doc="dx, dgamma, dbeta of batch norm",
+    ),
+    OpDef(
+        Op.BATCHNORM_AFFINE,
+        {"rid": -1},
+        reference=_bn_affine,
+        lower={"tir": "step_plan:PlanRules.batchnorm_affine", "c": "emit:_bn_affine"},
+        doc="batch norm's training output again from its saved xhat, gamma and beta, with the "
+        "batch norm's rid: the same bits (the rematerialize pass)",
     ),
     OpDef(
         Op.BN_RUNNING_UPDATE,

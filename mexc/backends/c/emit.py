@@ -204,6 +204,19 @@ def _batchnorm(e: _Emit, n: Node) -> None:
     )
 
 
+def _bn_affine(e: _Emit, n: Node) -> None:
+    """The batch norm's output again from its saved xhat (the rematerialize pass)."""
+    sv = e.bn_saved[n.inputs[0].node]
+    (gm, eg), (bt, eb) = _x(e, n, 1), _x(e, n, 2)
+    nn, c, s = _ncs(e.shape(n.inputs[0]))
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    e.emit(
+        f"{ey} = mexc_batchnorm_affine({nn}, {c}, {s}, &{sv}, {gm}, {eg}, {bt}, {eb}, {y}, "
+        f"&ctx, {_tid(n)}u);"
+    )
+
+
 def _relu(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
     y = e.arena(n.out, "int8_t")

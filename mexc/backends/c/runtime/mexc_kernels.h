@@ -120,6 +120,11 @@ int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const i
                                      const int8_t *beta, int32_t eb, mexc_fixed_t eps, int8_t *y,
                                      mexc_bn_saved_t *saved, const mexc_ctx_t *ctx, uint32_t tid,
                                      int32_t *scratch);
+/* batchnorm_affine: mexc_batchnorm_forward_train's y again from saved->xhat (sites 2-4 of the
+ * forward's tid): the rematerialize pass's copy of a batch norm's output. Returns y's exponent. */
+int32_t mexc_batchnorm_affine(uint32_t n, uint32_t c, uint32_t s, const mexc_bn_saved_t *saved,
+                              const int8_t *gamma, int32_t eg, const int8_t *beta, int32_t eb,
+                              int8_t *y, const mexc_ctx_t *ctx, uint32_t tid);
 /* batchnorm_backward: dx (exponent *e_dx), dgamma[C] (exponent *e_dgamma), dbeta[C]
  * (exponent e_dy). dx = NULL skips the input gradient (dgamma and dbeta are unchanged). Scratch: MEXC_BN_SCRATCH(C) + mexc_fit_scratch(N*C*S, N*S). */
 void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t ed,

@@ -136,6 +136,13 @@ int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const i
     return bn_affine(n, c, s, sv->xhat, sv->xhat_e, gamma, eg, beta, eb, y, ctx, tid, 2u);
 }
 
+int32_t mexc_batchnorm_affine(uint32_t n, uint32_t c, uint32_t s, const mexc_bn_saved_t *saved,
+                              const int8_t *gamma, int32_t eg, const int8_t *beta, int32_t eb,
+                              int8_t *y, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    return bn_affine(n, c, s, saved->xhat, saved->xhat_e, gamma, eg, beta, eb, y, ctx, tid, 2u);
+}
+
 /* ------------------------------------------------------------------ backward */
 
 /* T = aligned_sum(M*dy, -dbeta, -xhat*dg16) [1,2,3] (the 1/M is in the per-channel factor). */

@@ -1,0 +1,113 @@
+"""rematerialize: the backward pass computes a batch norm's output again instead of keeping it.
+
+Requires: the joint forward/backward graph (after derive-backward, before insert-optimizer).
+Ensures: where a training batch norm's output y, or relu(y) / relu6(y), is read by the backward
+  pass, those backward readers read a copy computed from the batch norm's saved xhat, gamma and
+  beta (BATCHNORM_AFFINE with the batch norm's rid, then the same activation) right before the
+  first of them. The forward value then dies in the forward pass. Every value keeps its bits:
+  the copy rounds at the batch norm's sites with the batch norm's keys (docs/layers.md).
+
+Why: a conv-BN-ReLU layer otherwise keeps two int8 tensors of its size from the forward pass
+to the backward pass: xhat, for the batch norm's gradient, and the ReLU's output, the next
+convolution's input, for that convolution's weight gradient and the ReLU's mask. The second
+costs one elementwise pass to recompute (docs/memory.md, "Recomputed activations"). gamma and
+beta are read before their update: insert-optimizer places an update after the last reader of
+its parameter, and the copy is such a reader.
+"""
+
+from __future__ import annotations
+
+from mexc.ir import Graph, GraphBuilder, Node, Op, Value
+from mexc.ops import attrs, op_def
+from mexc.pass_manager import PassContext
+
+ACTIVATIONS = (Op.RELU, Op.RELU6)  # exact functions of y: recomputing them needs no rounding
+
+
+def _forward_nodes(g: Graph) -> set[int]:
+    """The ids of the nodes the loss and the logits need (the forward pass)."""
+    producer = {n.id: n for n in g.nodes}
+    todo = [v.node for k, v in g.outputs if k in ("loss", "logits", "probs")]
+    seen: set[int] = set()
+    while todo:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        todo.extend(v.node for v in producer[i].inputs)
+    return seen
+
+
+def _candidates(g: Graph, forward: set[int]) -> dict[Value, tuple[Node, Node | None]]:
+    """Forward values worth recomputing -> (their batch norm, their activation or None)."""
+    users = g.users()
+    bns = {n.id: n for n in g.nodes_of(Op.BATCHNORM)}
+    found: dict[Value, tuple[Node, Node | None]] = {}
+    for n in g.nodes:
+        if n.id not in forward:
+            continue
+        if n.op is Op.BATCHNORM:
+            found[n.out] = (n, None)
+        elif n.op in ACTIVATIONS and n.inputs[0].index == 0 and n.inputs[0].node in bns:
+            found[n.out] = (bns[n.inputs[0].node], n)
+    keep = {}
+    for v, (bn, act) in found.items():
+        back = [u for u in users.get(v, []) if u.id not in forward]
+        saved = [u for u in users.get(bn.result(1), []) if u.id not in forward]
+        # xhat must be kept for the backward pass anyway, and v's bytes must die in the forward
+        # pass (no view of v, e.g. a flatten, that the backward reads), or recomputing costs bytes
+        if back and saved and not _aliased_later(v, users, forward):
+            keep[v] = (bn, act)
+    return keep
+
+
+def _aliased_later(v: Value, users: dict[Value, list[Node]], forward: set[int]) -> bool:
+    """Whether a forward view or in-place result of v (which shares v's bytes) is read by the
+    backward pass."""
+    for u in users.get(v, []):
+        if u.id not in forward:
+            continue
+        if op_def(u.op).in_place and u.inputs[0] == v:  # a reshape is a view: in_place too
+            results = [u.result(i) for i in range(len(u.types))]
+            if any(w.id not in forward for r in results for w in users.get(r, [])):
+                return True
+            if any(_aliased_later(r, users, forward) for r in results):
+                return True
+    return False
+
+
+def rematerialize(g: Graph, ctx: PassContext) -> Graph:
+    """Recompute batch-norm outputs (and their ReLU) for their backward readers."""
+    if not ctx.recompute:
+        return g
+    forward = _forward_nodes(g)
+    todo = _candidates(g, forward)
+    if not todo:
+        return g
+    position = {n.id: i for i, n in enumerate(g.nodes)}
+    users = g.users()
+    first: dict[int, list[Value]] = {}  # node id -> values to recompute right before it
+    for v in todo:
+        back = min((u for u in users[v] if u.id not in forward), key=lambda u: position[u.id])
+        first.setdefault(back.id, []).append(v)
+    b = GraphBuilder(g.next_id())
+    copy: dict[Value, Value] = {}
+    for n in g.nodes:
+        for v in first.get(n.id, []):
+            bn, act = todo[v]
+            y = b.add(
+                Op.BATCHNORM_AFFINE,
+                [bn.result(1), bn.inputs[1], bn.inputs[2]],
+                bn.types[0],
+                attrs(Op.BATCHNORM_AFFINE, rid=int(bn.attrs.rid)),
+                bn.loc,
+            )
+            out = y.out
+            if act is not None:
+                out = b.add(act.op, [out], act.types[0], act.attrs, act.loc).out
+            copy[v] = out
+        if n.id in forward:
+            b.keep(n)
+        else:
+            b.keep(n.with_(inputs=tuple(copy.get(v, v) for v in n.inputs)))
+    return b.build(g.outputs, g.attrs)
