@@ -179,11 +179,31 @@ class PlanBuilder:
         # lean nodes (step_plan.lean_nodes): more chunks, or scan, then round
         self.lean: Mapping[int, int] = {}  # node -> its lean level (0: not lean)
         self.leanable: dict[int, int] = {}  # node -> the levels its rule has
+        # batchnorm_affine nodes (the rematerialize pass) that recompute; the others keep the
+        # forward value (None: all recompute). step_plan.recompute_search chooses.
+        self.recompute: set[int] | None = None
+        self.recomputable: dict[int, str] = {}  # batchnorm_affine node -> the kept buffer
+        self.kept: dict[Value, Value] = {}  # a copy that is not recomputed -> its forward value
+        self._users: dict[Value, list[Node]] | None = None
         self.node = -1  # the node whose rule runs (the owner of the buffers it allocates)
         self.owner: dict[str, int] = {}  # buffer -> the node that allocated it
         # the step's estimated work in picoseconds (MAC_PS, ELEM_PS, LAUNCH_PS): lean_nodes
         # weighs a lean node's cost by it
         self.work = 0
+
+    def take(self, n: Node, forward: Value) -> None:
+        """n, a copy the rematerialize pass made that does not recompute here (`recompute`),
+        takes the buffers of the forward value it copies: it launches nothing."""
+        self.m[n.out], self.e[n.out] = self.m[forward], self.e[forward]
+        self.kept[n.out] = forward
+
+    def forward_activation(self, n: Node) -> Value | None:
+        """The forward value an activation copy n (the rematerialize pass) copies: the same
+        activation's output on the kept batch-norm output n reads."""
+        if self._users is None:
+            self._users = self.g.users()
+        src = self.kept[n.inputs[0]]
+        return next((u.out for u in self._users.get(src, []) if u.op is n.op), None)
 
     # ----------------------------------------------------------------------------- buffers
 

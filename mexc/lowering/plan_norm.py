@@ -64,13 +64,24 @@ class NormRules(PlanBuilder):
         """The batch norm's output again from its saved xhat (the rematerialize pass): the
         forward's affine compaction, sites 2-4 of the batch norm's rid (n's), so the same bits."""
         xhat, gamma, beta = n.inputs
+        y = self.g.node(xhat.node).result(0)
+        self.recomputable[n.id] = self.m[y]
+        if self.recompute is not None and n.id not in self.recompute:
+            self.take(n, y)  # the forward's y is kept: where it does not set the step's peak
+            return
         xs = self.shape(xhat)
         ncs = ncs_of(xs)
         keys = self.keys(n, (2, 3), "affine_keys")
         args: tuple[str, ...] = (self.ncs_view(self.m[xhat], xs), self.e[xhat])
         args += (self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
-        affine = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine")
-        self.compact_unstored(n, 4, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))
+        name = f"n{n.id}_bn_affine"
+        _, apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name)
+        # the forward's compaction shift and exponent (compact_unstored's buffers, kept: 8
+        # bytes) are the copy's, since its sums are the same: only the rounding pass runs
+        shift = f"n{xhat.node}.s4"
+        key = self.keys(n, (4,), "key4")
+        self.launch(apply, (*args, shift, key, self.ncs_view(self.out(n, 0, I8, xs), xs)))
+        self.e[n.result(0)] = self.e[y]
 
     def batchnorm_grad(self, n: Node) -> None:
         dy = n.inputs[0]

@@ -102,7 +102,36 @@ def build_plan(
     args = (prog, lanes, device_of(device), gemm_kernel, pack_budget)
     if lean is not None:
         return plan_builder(*args, lean).plan
-    return lean_search(lambda chosen: plan_builder(*args, chosen))[1].plan
+    recompute, first = recompute_search(lambda r: plan_builder(*args, {}, r))
+    return lean_search(lambda chosen: plan_builder(*args, chosen, recompute), first)[1].plan
+
+
+# recompute_search: at most this many rounds
+RECOMPUTE_ROUNDS = 4
+
+
+def recompute_search(
+    build: Callable[[set[int] | None], PlanRules],
+) -> tuple[set[int], PlanRules]:
+    """The batchnorm_affine nodes (the rematerialize pass's copies) that recompute, and the
+    build with them. A copy costs an elementwise pass and saves bytes only where its kept
+    forward value would be live at the step's peak: starting from none, every copy whose
+    forward value is live at the peak recomputes, while that lowers the peak by
+    1/LEAN_MIN_DROP (FashionCNN's peak is in its forward pass: no copy; ResNet-18's is where
+    its backward pass starts: every copy of a value kept to there)."""
+    chosen: set[int] = set()
+    b = build(chosen)
+    peak, live = plan_peak(b.plan)
+    for _ in range(RECOMPUTE_ROUNDS):
+        more = {a for a, name in b.recomputable.items() if a not in chosen and name in live}
+        if not more:
+            break
+        trial = build(chosen | more)
+        trial_peak, trial_live = plan_peak(trial.plan)
+        if (peak - trial_peak) * LEAN_MIN_DROP < peak:
+            break
+        chosen, b, peak, live = chosen | more, trial, trial_peak, trial_live
+    return chosen, b
 
 
 def leanest(prog: Program, device: str | Device = "cpu") -> dict[int, int]:
@@ -116,7 +145,7 @@ def lean_nodes(build: Callable[[Mapping[int, int]], PlanRules]) -> dict[int, int
 
 
 def lean_search(
-    build: Callable[[Mapping[int, int]], PlanRules],
+    build: Callable[[Mapping[int, int]], PlanRules], first: PlanRules | None = None
 ) -> tuple[dict[int, int], PlanRules]:
     """The lean level of each node, and the build with those levels (the search built it already:
     the plan needs no build of its own). A lean node trades time (more chunks; a product
@@ -125,9 +154,10 @@ def lean_search(
     whose rule has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one
     holding the most bytes there goes to its cheapest higher level that lowers the peak (by
     1/LEAN_MIN_DROP) within the work budget (LEAN_WORK_SHARE of the step's work); the levels
-    tried are not tried again, and the next node is taken where none did."""
+    tried are not tried again, and the next node is taken where none did. `first`: the build
+    without lean nodes, where the caller has it."""
     chosen: dict[int, int] = {}
-    b = build(chosen)
+    b = first if first is not None else build(chosen)
     base = b.work
     budget = base * (1 + LEAN_WORK_SHARE)
     peak, live = plan_peak(b.plan)
@@ -183,10 +213,13 @@ def plan_builder(
     gemm_kernel: str,
     pack_budget: int | None,
     lean: Mapping[int, int],
+    recompute: set[int] | None = None,
 ) -> PlanRules:
-    """The builder after every op's rule has run (its plan, its lean candidates and work)."""
+    """The builder after every op's rule has run (its plan, its lean candidates and work);
+    `recompute`: the batchnorm_affine nodes that recompute (None: all)."""
     b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
     b.lean = lean
+    b.recompute = recompute
     mode = prog.options.rounding
     for n in prog.graph.nodes:
         rule = op_def(n.op).lowering("llvm")
