@@ -269,13 +269,15 @@ class Program:
         """Bytes the backend holds for training, on the host and on the device. The reference:
         the state plus the peak of the live values of the last step (numpy's kernel
         temporaries not counted: bench/memory.py measures them with tracemalloc); 0 before the
-        first step."""
+        first step. A backend with a compiled evaluation plan adds "eval_host": that plan's
+        own bytes."""
         state = sum(value_bytes(v) for v in self.state.values())
         live = self._step_peak_bytes
         return {"host": state + live if live else 0, "device": 0}
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes, three ways, each labelled: what the backend really allocated (`allocated_*`),
+        """Bytes, three ways, each labelled: what the backend really allocated for the training
+        step (`allocated_*`; the inference plan's own bytes apart, `allocated_eval_bytes`),
         what plan-memory planned for the IR values (`planned_*`: persistent state, saved
         activations, the arena peak), and the paper's formula (`formula_*`: 3 bytes per
         parameter and 1 per saved activation element for int8; 12 and 4 for FP32)."""
@@ -287,6 +289,8 @@ class Program:
             "allocated_host_bytes": got["host"],
             "allocated_device_bytes": got["device"],
             "allocated_bytes": got["host"] + got["device"],
+            # the compiled inference plan's own bytes (predict, evaluate), not the step's
+            "allocated_eval_bytes": got.get("eval_host", 0),
             "planned_persistent_bytes": mp.persistent_bytes,
             "planned_saved_activation_bytes": mp.saved_bytes,
             "planned_arena_bytes": mp.arena_bytes,

@@ -28,7 +28,8 @@ results.json (`build_results`, format "mexc-results-1"):
   fp32 (same keys but checksum, or null without --compare-fp32),
   gap_points (100 * (fp32 accuracy - integer accuracy), or null),
   memory {backend, allocated_host_bytes, allocated_device_bytes, allocated_bytes (what the
-    backend allocated), planned_persistent_bytes, planned_saved_activation_bytes,
+    backend allocated for the training step), allocated_eval_bytes (what the compiled
+    evaluation plan allocated of its own), planned_persistent_bytes, planned_saved_activation_bytes,
     planned_arena_bytes (plan-memory over the IR values), params, saved_activation_elements,
     formula_int_bytes, formula_fp32_bytes, formula_ratio (the paper's formula), fp32_measured
     ({persistent_bytes, step_peak_bytes, peak_bytes} of one PyTorch FP32 step, or null without
@@ -443,6 +444,8 @@ def format_table(results: dict[str, Any]) -> str:
             f"{_kib(fm['peak_bytes'])} (measured)" if fm else "",
         )
     )
+    if m.get("allocated_eval_bytes"):
+        rows.append(("evaluation plan (allocated)", _kib(m["allocated_eval_bytes"]), ""))
     if m.get("measured_ratio") is not None:
         rows.append(("memory ratio int/FP32 (measured)", f"{m['measured_ratio']:.3f}", ""))
     rows.append(

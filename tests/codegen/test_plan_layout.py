@@ -111,6 +111,13 @@ def test_llvm_allocates_the_layout_and_trains_in_it_bit_exact() -> None:
         assert llvm.step(x, y) == ref.step(x, y)
         assert llvm.state_checksum() == ref.state_checksum()
     assert ref.memory_report()["allocated_bytes"] > report["planned_persistent_bytes"]
+    # predict compiles the inference plan: its own bytes (its input buffer at least) are
+    # reported apart from the training step's, which do not change
+    assert report["allocated_eval_bytes"] == 0
+    assert llvm.predict(x).shape == (32,)
+    after = llvm.memory_report()
+    assert after["allocated_bytes"] == report["allocated_bytes"]
+    assert after["allocated_eval_bytes"] >= 32 * 64
 
 
 def test_the_reference_reports_its_live_values_after_a_step() -> None:

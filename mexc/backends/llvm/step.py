@@ -297,8 +297,12 @@ class LlvmProgram(PlanProgram):
             fn(*args)
 
     def allocated_bytes(self) -> dict[str, int]:
+        """The training step's state region and arena ("host"), and apart from them what the
+        inference plan (predict, evaluate) allocated of its own once it ran ("eval_host": its
+        per-call buffers, and its arena where the step's is too small for the evaluation
+        batch)."""
         inference = self._inf[1].allocated if self._inf is not None else 0
-        return {"host": self._bufs.allocated + inference, "device": 0}
+        return {"host": self._bufs.allocated, "device": 0, "eval_host": inference}
 
     # the inference plan: compiled on first use (predict, evaluate, logits), over the training
     # step's state buffers (shared: no copy) and, where it fits, its arena
