@@ -197,6 +197,20 @@ class Graph:
         return max((n.id for n in self.nodes), default=-1) + 1
 
 
+def needed_nodes(g: Graph, outputs: list[str]) -> list[Node]:
+    """The nodes (in order) that the named outputs depend on."""
+    by_id = g.by_id()
+    need: set[int] = set()
+    stack = [g.output(name).node for name in outputs]
+    while stack:
+        nid = stack.pop()
+        if nid in need:
+            continue
+        need.add(nid)
+        stack.extend(v.node for v in by_id[nid].inputs)
+    return [n for n in g.nodes if n.id in need]
+
+
 class GraphBuilder:
     """Appends nodes with fresh ids; used by the frontend and by passes that rebuild graphs."""
 

@@ -25,11 +25,10 @@ from mexc.backends.reference.interp import (
     execute,
     infer,
     last_uses,
-    needed_nodes,
     value_bytes,
 )
 from mexc.errors import CheckpointError, InputError
-from mexc.ir import Graph, Op
+from mexc.ir import Graph, Op, needed_nodes
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, site_rounding, state_checksum
 from mexc.optim import SGD, Constant, Cosine, Step

@@ -260,9 +260,7 @@ def _forward_train_fast(
             b >>= sh32
         xh[i0:i1] = b
     xhat = MX.of(xh.reshape(shape), e_x)
-    y = _affine_fast(xh, xhat, gamma, beta, ctx, tid, 2, shape)
-    if y is None:
-        y = _affine(xhat, gamma, beta, ctx, tid, 2, shape)
+    y = batchnorm_affine(xhat, gamma, beta, ctx, tid)
     saved = BatchNormSaved(
         xhat=xhat,
         rstd=rstd,

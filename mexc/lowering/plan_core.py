@@ -197,13 +197,20 @@ class PlanBuilder:
         self.m[n.out], self.e[n.out] = self.m[forward], self.e[forward]
         self.kept[n.out] = forward
 
-    def forward_activation(self, n: Node) -> Value | None:
-        """The forward value an activation copy n (the rematerialize pass) copies: the same
-        activation's output on the kept batch-norm output n reads."""
+    def takes_kept_activation(self, n: Node) -> bool:
+        """Whether activation n is a copy (the rematerialize pass) of a kept batch-norm output's
+        activation: then it takes the forward activation's buffers (`take`) and launches
+        nothing."""
+        src = self.kept.get(n.inputs[0])
+        if src is None:
+            return False
         if self._users is None:
             self._users = self.g.users()
-        src = self.kept[n.inputs[0]]
-        return next((u.out for u in self._users.get(src, []) if u.op is n.op), None)
+        fwd = next((u.out for u in self._users.get(src, []) if u.op is n.op), None)
+        if fwd is None:
+            return False
+        self.take(n, fwd)
+        return True
 
     # ----------------------------------------------------------------------------- buffers
 
@@ -414,15 +421,16 @@ class PlanBuilder:
         kernels: tuple[tirx.PrimFunc, tirx.PrimFunc],
         inputs: tuple[str, ...],
         out: str,
-    ) -> None:
+    ) -> str:
         """Result 0 of n (int8, into `out`) as a compaction (rounding site `site`) of a value
         that is never stored: `kernels` are te_compaction.fused_compaction's shift (inputs ->
-        s, e_out) and apply (inputs, s, key -> m)."""
+        s, e_out) and apply (inputs, s, key -> m). Returns the shift's buffer s."""
         shift, apply = kernels
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
         key = self.keys(n, (site,), f"key{site}")
         self.launch(apply, (*inputs, s, key, out))
+        return s
 
     def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
         """Product n's lean level (LEAN_LEVELS); a rule whose product cannot scan (a weight

@@ -56,9 +56,7 @@ class DenseRules(PlanBuilder):
 
     def relu(self, n: Node) -> None:
         x = n.inputs[0]
-        fwd = self.forward_activation(n) if x in self.kept else None
-        if fwd is not None:  # a copy of a kept batch-norm output: its forward relu is kept too
-            self.take(n, fwd)
+        if self.takes_kept_activation(n):
             return
         rows = self.rows_of(self.shape(x))
         y = self.view(self.out_over(n, x), rows)

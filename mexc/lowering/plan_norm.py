@@ -56,7 +56,8 @@ class NormRules(PlanBuilder):
         args += (self.m[beta], self.e[beta], keys)
         # the affine sum is compacted without being stored: scan, then round (no int32 tensor)
         affine = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine")
-        self.compact_unstored(n, 4, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))
+        y = self.ncs_view(self.out(n, 0, I8, xs), xs)
+        b["affine_shift"] = self.compact_unstored(n, 4, affine, args, y)
         b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
         self.bn[n.id] = b
 
@@ -76,9 +77,9 @@ class NormRules(PlanBuilder):
         args += (self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
         name = f"n{n.id}_bn_affine"
         _, apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name)
-        # the forward's compaction shift and exponent (compact_unstored's buffers, kept: 8
-        # bytes) are the copy's, since its sums are the same: only the rounding pass runs
-        shift = f"n{xhat.node}.s4"
+        # the forward's compaction shift and exponent (kept: 8 bytes) are the copy's, since
+        # its sums are the same: only the rounding pass runs
+        shift = self.bn[xhat.node]["affine_shift"]
         key = self.keys(n, (4,), "key4")
         self.launch(apply, (*args, shift, key, self.ncs_view(self.out(n, 0, I8, xs), xs)))
         self.e[n.result(0)] = self.e[y]

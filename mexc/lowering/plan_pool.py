@@ -35,9 +35,7 @@ from mexc.numerics import (
 class PoolRules(PlanBuilder):
     def relu6(self, n: Node) -> None:
         x = n.inputs[0]
-        fwd = self.forward_activation(n) if x in self.kept else None
-        if fwd is not None:  # a copy of a kept batch-norm output: its forward relu6 is kept too
-            self.take(n, fwd)
+        if self.takes_kept_activation(n):
             return
         rows = self.rows_of(self.shape(x))
         y = self.view(self.out_over(n, x), rows)

@@ -36,8 +36,7 @@ from tvm import tirx
 from mexc.arena import live_bytes
 from mexc.backends.plan_layout import lifetimes, nbytes, persistent_names
 from mexc.backends.plan_runtime import PLAN_FIELDS
-from mexc.backends.reference.interp import needed_nodes
-from mexc.ir import Graph, Value
+from mexc.ir import Graph, Value, needed_nodes
 from mexc.lowering.devices import Device, device_of
 from mexc.lowering.plan_attention import AttentionRules
 from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
@@ -245,7 +244,7 @@ def build_inference_plan(
     pack_budget: int | None = None,
 ) -> StepPlan:
     """The launch plan of `prog`'s inference path (Program.logits): the nodes the logits need
-    (interp.needed_nodes), in eval mode and rounding to nearest, as the reference's `infer`
+    (ir.needed_nodes), in eval mode and rounding to nearest, as the reference's `infer`
     runs them. An op's "tir_eval" rule where it has one (batch norm on the running statistics,
     dropout off), else its "tir" rule; the product that computes the logits by its "tir_wide"
     rule (the int32 accumulator and its exponent, OpDef.reference_wide). The parameters and

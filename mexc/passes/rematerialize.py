@@ -17,7 +17,7 @@ its parameter, and the copy is such a reader.
 
 from __future__ import annotations
 
-from mexc.ir import Graph, GraphBuilder, Node, Op, Value
+from mexc.ir import Graph, GraphBuilder, Node, Op, Value, needed_nodes
 from mexc.ops import attrs, op_def
 from mexc.pass_manager import PassContext
 
@@ -26,16 +26,8 @@ ACTIVATIONS = (Op.RELU, Op.RELU6)  # exact functions of y: recomputing them need
 
 def _forward_nodes(g: Graph) -> set[int]:
     """The ids of the nodes the loss and the logits need (the forward pass)."""
-    producer = {n.id: n for n in g.nodes}
-    todo = [v.node for k, v in g.outputs if k in ("loss", "logits", "probs")]
-    seen: set[int] = set()
-    while todo:
-        i = todo.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        todo.extend(v.node for v in producer[i].inputs)
-    return seen
+    heads = [k for k, _ in g.outputs if k in ("loss", "logits", "probs")]
+    return {n.id for n in needed_nodes(g, heads)}
 
 
 def _candidates(g: Graph, forward: set[int]) -> dict[Value, tuple[Node, Node | None]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mexc.ir import Graph, Node, Value, in_forward
+from mexc.ir import Node, Value, in_forward
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar
 from mexc.ops import op_def
@@ -56,20 +56,6 @@ def infer(
         return wide(last, args, env)
     results = _rule(last)(last, args, env)
     return next(r for i, r in enumerate(results) if last.result(i) == output)
-
-
-def needed_nodes(g: Graph, outputs: list[str]) -> list[Node]:
-    """The nodes (in order) that the named outputs depend on."""
-    by_id = g.by_id()
-    need: set[int] = set()
-    stack = [g.output(name).node for name in outputs]
-    while stack:
-        nid = stack.pop()
-        if nid in need:
-            continue
-        need.add(nid)
-        stack.extend(v.node for v in by_id[nid].inputs)
-    return [n for n in g.nodes if n.id in need]
 
 
 def _rule(n: Node) -> Rule:
