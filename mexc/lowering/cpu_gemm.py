@@ -706,6 +706,26 @@ def _lane_reduction(sch: s_tir.Schedule, blk: Any) -> bool:
     return True
 
 
+def _partial_maxima_per_row(sch: s_tir.Schedule, blk: Any) -> bool:
+    """te_compaction._max_rows' partial maxima (one per row of its last axis, int32) computed
+    row by row of the result inside the loop that reduces them, where no lane reduction takes
+    them (a last axis under 8): stored whole, they were a workspace TVM allocates outside the
+    arena, half the int32 accumulator of a strided gradient's merge (3.2 MB for SmallResNet at
+    batch 128); a row's are one sample's. Returns whether it placed `blk` so."""
+    name = sch.get(blk).name_hint
+    if not name.endswith("_part"):
+        return False
+    loops = sch.get_loops(blk)
+    extent = sch.get(loops[-1]).extent
+    if not isinstance(extent, tirx.IntImm) or int(extent) >= min(LANES):
+        return False
+    consumers = sch.get_consumers(blk)
+    if len(consumers) != 1:
+        return False
+    sch.compute_at(blk, sch.get_loops(consumers[0])[0])
+    return True
+
+
 def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc:
     """A generic host schedule for the non-product kernels: every root-level block runs its
     outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
@@ -715,7 +735,11 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
     sch = s_tir.Schedule(func)
     root = sch.get_sblock("root") if has_block(sch, "root") else None
     blocks = sch.get_child_blocks(root) if root is not None else []
+    placed = {sch.get(blk).name_hint for blk in blocks if _partial_maxima_per_row(sch, blk)}
+    blocks = sch.get_child_blocks(root) if root is not None else []
     for blk in blocks:
+        if sch.get(blk).name_hint in placed:
+            continue  # inside its consumer's loop: scheduled with it
         loops = sch.get_loops(blk)
         kinds = [sch.get(lp).kind for lp in loops]
         if any(k != tirx.ForKind.SERIAL for k in kinds):

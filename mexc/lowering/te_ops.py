@@ -94,29 +94,37 @@ def maxpool_forward(
     _, _, h, w = x_shape
     x = te.placeholder(x_shape, I8, name="x")
 
-    def tap(o: tuple, i: tirx.Var, j: tirx.Var) -> tirx.PrimExpr:
+    def tap(o: tuple, i: tirx.Var, j: tirx.Var, pad: int = PAD) -> tirx.PrimExpr:
         n, c, oy, ox = o
         iy, ix = oy * s[0] + i - p[0], ox * s[1] + j - p[1]
         ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
         safe_y = tirx.if_then_else(ok, iy, 0)
         safe_x = tirx.if_then_else(ok, ix, 0)
-        return where(ok, x[n, c, safe_y, safe_x].astype(I32), tirx.const(PAD, I32))
+        return where(ok, x[n, c, safe_y, safe_x].astype(I32), tirx.const(pad, I32))
 
     ri = te.reduce_axis((0, k[0]), "ri")
     rj = te.reduce_axis((0, k[1]), "rj")
-    ymax = te.compute(y_shape, lambda *o: te.max(tap(o, ri, rj), axis=[ri, rj]), name="ymax")
+    # y straight in int8 (padding as -128): every window holds an input pixel (torch's pooling
+    # geometry), so the max is the input's; an int32 max in between was a batch-sized
+    # workspace TVM allocates outside the arena
+    y = te.compute(
+        y_shape,
+        lambda *o: te.max(tap(o, ri, rj, pad=-128).astype(I8), axis=[ri, rj]),
+        name="y",
+    )
     qi = te.reduce_axis((0, k[0]), "qi")
     qj = te.reduce_axis((0, k[1]), "qj")
     none = tirx.const(k[0] * k[1], arg_dtype)
     arg = te.compute(
         y_shape,
         lambda *o: te.min(
-            tirx.if_then_else(tap(o, qi, qj) == ymax[o], (qi * k[1] + qj).astype(arg_dtype), none),
+            tirx.if_then_else(
+                tap(o, qi, qj) == y[o].astype(I32), (qi * k[1] + qj).astype(arg_dtype), none
+            ),
             axis=[qi, qj],
         ),
         name="arg",
     )
-    y = te.compute(y_shape, lambda *o: ymax[o].astype(I8), name="y")
     return _func([x, y, arg], name)
 
 

@@ -132,6 +132,24 @@ def test_torch_tensors_are_accepted(prog: mexc.Program) -> None:
     assert np.isfinite(loss)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_narrow_float_batches_train_as_their_float64_values(dtype) -> None:  # type: ignore[no-untyped-def]
+    """The batch is checked and quantized in the caller's dtype (no float64 copy of it): the
+    same bits as the same values in float64, and a lone -inf or NaN is still found."""
+    model, x, y = example("DigitsCNN", batch=8)
+    xs = (x * 3).astype(dtype)
+    xt = torch.from_numpy(x)
+    a, b = mexc.compile(model, (xt,)), mexc.compile(model, (xt,))
+    for _ in range(2):
+        assert a.step(xs, y) == b.step(xs.astype(np.float64), y)
+    assert a.state_checksum() == b.state_checksum()
+    for bad in (-np.inf, np.nan):
+        xb = xs.copy()
+        xb[3, 0, 2, 5] = bad
+        with pytest.raises(mexc.InputError, match="1 NaN or infinite"):
+            a.step(xb, y)
+
+
 def test_predict_handles_any_number_of_rows(prog: mexc.Program) -> None:
     assert prog.predict(np.zeros((3, 1, 8, 8), np.float32)).shape == (3,)
     assert prog.predict(np.zeros((19, 1, 8, 8), np.float32)).shape == (19,)
