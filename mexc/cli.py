@@ -342,6 +342,7 @@ def _compile_flags(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mexc.backends.c.project import BOARDS
     from mexc.targets import HOST_NAMES, NAMES  # compile: every target; train: the host's
 
     parser = argparse.ArgumentParser(
@@ -389,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--board",
         default="mps2-an385",
-        choices=("mps2-an385", "host"),
-        help="board of the C project (default mps2-an385, QEMU's Cortex-M3 board)",
+        choices=BOARDS,
+        help="board of the C project (default mps2-an385, QEMU's Cortex-M3 board; "
+        "netduinoplus2: an STM32F405, Cortex-M4)",
     )
     p.add_argument(
         "--train-data",

@@ -15,6 +15,7 @@ import torch
 
 import mexc
 from mexc.backends.c.mcu_sizes import measure
+from mexc.backends.c.project import ICOUNT_SHIFT, MCU_BOARDS
 from mexc.data import load_digits, load_fashion_mnist
 from tests.compiler.helpers import EXAMPLES
 
@@ -122,7 +123,91 @@ def test_host_build_matches_reference_under_sanitizers(digits_project: tuple[Pat
 @pytest.mark.parametrize("which", ["digits_project", "fashion_project"])
 def test_qemu_cortex_m3_matches_reference(which: str, request: pytest.FixtureRequest) -> None:
     project, expected = request.getfixturevalue(which)
-    assert _state_line(_make(project, "run-qemu")) == expected
+    out = _make(project, "run-qemu")
+    assert _state_line(out) == expected
+    # every step line carries its instruction count, and equal steps cost about the same
+    insns = [int(m) for m in re.findall(r"^step \d+ loss -?[\d.]+ insns (\d+)$", out, re.M)]
+    assert len(insns) == len([ln for ln in out.splitlines() if ln.startswith("step ")]) > 0
+    assert min(insns) > 10**6 and max(insns) < 1.05 * min(insns), insns
+
+
+COUNT_LOOP = r"""
+#include <stdint.h>
+void mexc_io_puts(const char *s);
+void mexc_io_count_start(void);
+uint64_t mexc_io_count_read(void);
+static const uint32_t lengths[3] = {1000u, 200000u, 60000000u};
+int main(void)
+{
+    char line[24];
+    uint32_t i, j;
+    for (i = 0; i < 3u; i++) {
+        uint32_t n = lengths[i], c;
+        mexc_io_count_start();
+        __asm__ volatile("1: subs %0, #1\n bne 1b" : "+r"(n)); /* 2 instructions a turn */
+        c = (uint32_t)mexc_io_count_read();
+        for (j = 0; j < 10u; j++) {
+            line[9u - j] = (char)('0' + c % 10u);
+            c /= 10u;
+        }
+        line[10] = '\n';
+        line[11] = 0;
+        mexc_io_puts(line);
+    }
+    return 0;
+}
+"""
+
+
+@needs_qemu
+@pytest.mark.mcu
+@pytest.mark.parametrize("board", list(MCU_BOARDS))
+def test_instruction_counts_count_instructions(board: str, tmp_path: Path) -> None:
+    """The counting method (SysTick on the core clock of QEMU's -icount time): a loop of 2
+    instructions a turn reads as 2 per turn, to within one tick and the calls, also past a
+    wrap of the 24-bit counter (120M instructions: 20M ticks at netduinoplus2's 168 MHz)."""
+    spec = MCU_BOARDS[board]
+    rt = Path(mexc.__file__).parent / "backends" / "c" / "runtime" / "board"
+    (tmp_path / "loop.c").write_text(COUNT_LOOP)
+    elf = tmp_path / "loop.elf"
+    cpu = [f"-mcpu={spec.cpu}", "-mthumb", "-mfloat-abi=soft", "-O2", "-ffreestanding"]
+    flags = [
+        f"-DMEXC_SYSTICK_HZ={spec.clock_hz}u",
+        f"-DMEXC_ICOUNT_SHIFT={ICOUNT_SHIFT}",
+    ]
+    subprocess.run(
+        ["arm-none-eabi-gcc", *cpu, *flags, "-nostdlib", "-T", str(rt / spec.linker_script)]
+        + [str(rt / "cortex_m_semihosting.c"), str(tmp_path / "loop.c"), "-lgcc", "-o", str(elf)],
+        check=True,
+    )
+    run = subprocess.run(
+        ["qemu-system-arm", "-M", spec.machine, "-cpu", spec.cpu, "-nographic", "-monitor"]
+        + ["none", "-icount", f"shift={ICOUNT_SHIFT}", "-semihosting-config"]
+        + ["enable=on,target=native", "-kernel", str(elf)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    counts = [int(v) for v in (run.stdout + run.stderr).split()]
+    tick = -(-(10**9) // (spec.clock_hz << ICOUNT_SHIFT))  # instructions a tick, about
+    for turns, got in zip((1000, 200000, 60000000), counts, strict=True):
+        assert abs(got - 2 * turns) <= tick + 50, (turns, got)
+
+
+@needs_qemu
+@pytest.mark.mcu
+def test_stm32f405_board_matches_reference(tmp_path: Path) -> None:
+    """board="netduinoplus2": the STM32F405's linker script (flash at 0x08000000, 128 KB of
+    SRAM) and QEMU's Netduino Plus 2 (Cortex-M4): the same STATE as the reference, and the
+    program's RAM, stack included, within the chip's SRAM."""
+    prog = _model("DigitsCNN", 8)
+    data = _data("DigitsCNN", 64)
+    out = mexc.export(prog, tmp_path, data=data, steps=10, board="netduinoplus2")
+    prog.replay(data, 10)
+    assert "QEMU_MACHINE := netduinoplus2" in (out / "Makefile").read_text()
+    assert _state_line(_make(out, "run-qemu")) == prog.state_checksum()
+    sizes = measure(out, "cortex-m4")
+    assert 0 < sizes.ram <= MCU_BOARDS["netduinoplus2"].ram, sizes
 
 
 @needs_arm

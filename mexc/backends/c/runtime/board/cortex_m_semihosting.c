@@ -1,5 +1,6 @@
-/* Cortex-M startup for QEMU's mps2-an385: vector table, .data/.bss setup, ARM semihosting for
- * output and exit (bkpt 0xAB). No libc. */
+/* Cortex-M startup for every board (its linker script: board/BOARD.ld): vector table, .data/.bss
+ * setup, ARM semihosting for output and exit (bkpt 0xAB: QEMU, or a board under a debug probe).
+ * No libc. */
 #include <stdint.h>
 
 extern uint32_t __data_load, __data_start, __data_end, __bss_start, __bss_end, __stack_top;
@@ -27,6 +28,45 @@ static void semihost_exit(int ok)
     }
 }
 
+/* Instruction counts (docs/mcu.md, "Instructions per step"). Under QEMU's -icount shift=S
+ * every instruction advances the virtual clock by 2^S ns, and SysTick counts that clock at
+ * the core clock, MEXC_SYSTICK_HZ: instructions = ticks * 10^9 / (MEXC_SYSTICK_HZ * 2^S), to
+ * within one tick's worth. Each wrap of the 24-bit counter interrupts and is counted. */
+#if defined(MEXC_SYSTICK_HZ) && defined(MEXC_ICOUNT_SHIFT)
+#define SYST_CSR (*(volatile uint32_t *)0xE000E010u)
+#define SYST_RVR (*(volatile uint32_t *)0xE000E014u)
+#define SYST_CVR (*(volatile uint32_t *)0xE000E018u)
+#define SYST_TOP 0xFFFFFFu
+
+static volatile uint32_t systick_wraps;
+
+void SysTick_Handler(void)
+{
+    systick_wraps++;
+}
+
+void mexc_io_count_start(void)
+{
+    SYST_CSR = 0u;
+    SYST_RVR = SYST_TOP;
+    SYST_CVR = 0u; /* any write clears it: the first tick reloads SYST_TOP */
+    systick_wraps = 0u;
+    SYST_CSR = 7u; /* the core clock, the wrap interrupt, enabled */
+}
+
+uint64_t mexc_io_count_read(void)
+{
+    uint32_t wraps, value;
+    uint64_t ticks;
+    do { /* a wrap between the two reads shows as a changed count: read again */
+        wraps = systick_wraps;
+        value = SYST_CVR;
+    } while (wraps != systick_wraps);
+    ticks = (uint64_t)wraps * (SYST_TOP + 1u) + (SYST_TOP - value);
+    return ticks * 1000000000u / ((uint64_t)MEXC_SYSTICK_HZ << MEXC_ICOUNT_SHIFT);
+}
+#endif
+
 void Reset_Handler(void)
 {
     uint32_t *s, *d;
@@ -44,4 +84,7 @@ void Fault_Handler(void)
 __attribute__((section(".vectors"), used)) const void *const vectors[16] = {
     &__stack_top, Reset_Handler, Fault_Handler, Fault_Handler, Fault_Handler, Fault_Handler,
     Fault_Handler,
+#if defined(MEXC_SYSTICK_HZ) && defined(MEXC_ICOUNT_SHIFT)
+    [15] = SysTick_Handler,
+#endif
 };
