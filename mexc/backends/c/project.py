@@ -21,7 +21,6 @@ from mexc.kernels import quantize
 from mexc.program import Program, as_numpy, replay_indices
 
 RUNTIME_DIR = Path(__file__).resolve().with_name("runtime")
-MCU_CPUS = ("cortex-m0", "cortex-m3", "cortex-m4", "cortex-m7")
 
 
 @dataclass(frozen=True)
