@@ -24,6 +24,10 @@ Configurations (`--configs` picks a comma-separated subset):
                    the per-group velocity ablation of vit, mnv2 and resnet
     digits-bits6, digits-bits4, resnet-bits6, resnet-bits4
                    digits and resnet at B = 6 and B = 4
+    vit-adamw, fashion-adamw
+                   ViTTiny / FashionCNN with integer AdamW (lr 1e-3, betas (0.9, 0.999), eps
+                   1e-8, decoupled weight decay 0.01), the fashion recipe otherwise; and FP32
+                   AdamW (torch.optim.AdamW) with the same hyperparameters
 
 The FP32 run of `fashion` is the reference of every fashion-* row, and likewise `vit`, `mnv2`,
 `resnet` and `digits` of their variants (the FP32 baseline does not depend on bits, rounding or
@@ -57,6 +61,7 @@ DIGITS: dict[str, Any] = dict(
     model="DigitsCNN", data="digits", epochs=10, batch=32, bits=8, rounding="auto",
     per_group_velocity=True, fp32=True, ref=None,
 )  # fmt: skip
+ADAMW: dict[str, Any] = dict(optimizer="adamw", lr=1e-3, weight_decay=0.01)
 CONFIGS: dict[str, dict[str, Any]] = {
     "fashion": {**FASHION, "fp32": True, "ref": None},
     "fashion-no-pgv": {**FASHION, "per_group_velocity": False},
@@ -81,6 +86,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "digits-bits4": {**DIGITS, "bits": 4, "fp32": False, "ref": "digits"},
     "resnet-bits6": {**FASHION, "model": "SmallResNet", "bits": 6, "ref": "resnet"},
     "resnet-bits4": {**FASHION, "model": "SmallResNet", "bits": 4, "ref": "resnet"},
+    # integer AdamW against FP32 AdamW (docs/numerics.md section 12b)
+    "vit-adamw": {**FASHION, **ADAMW, "model": "ViTTiny", "fp32": True, "ref": None},
+    "fashion-adamw": {**FASHION, **ADAMW, "fp32": True, "ref": None},
 }  # fmt: skip
 
 
@@ -130,9 +138,10 @@ def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict
         dataset=cfg["data"],
         epochs=args.epochs or cfg["epochs"],
         batch=cfg["batch"],
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else cfg.get("lr", 0.05),
         momentum=0.9,
-        weight_decay=5e-4,
+        weight_decay=cfg.get("weight_decay", 5e-4),
+        optimizer=cfg.get("optimizer", "sgd"),
         schedule="cosine",
         warmup=None,
         bits=cfg["bits"],
@@ -204,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-train", type=int, default=None, help="first N training images")
     ap.add_argument("--limit-test", type=int, default=None, help="first N test images")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=0.05, help="peak learning rate of every run")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate of every run (default: each config's; SGD 0.05, AdamW 1e-3)",
+    )
     ap.add_argument(
         "--rounding",
         default=None,

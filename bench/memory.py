@@ -102,7 +102,7 @@ def measure(name: str, batch: int, targets: list[str]) -> dict[str, Any]:
     x, y = _batch(shape, batch)
     model = _model(name)
     row: dict[str, Any] = {"model": name, "batch": batch}
-    fp32 = step_memory(copy.deepcopy(model), torch.from_numpy(x), torch.from_numpy(y), 0.9, 5e-4)
+    fp32 = step_memory(copy.deepcopy(model), torch.from_numpy(x), torch.from_numpy(y))
     row["fp32"] = fp32
     prog = mexc.compile(model, (torch.from_numpy(x),))
     got: dict[str, int | None] = {}

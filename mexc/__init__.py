@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from mexc.backends.c.project import export
     from mexc.backends.cuda.program import load_cuda
     from mexc.compiler import compile
-    from mexc.optim import SGD, Constant, Cosine, Step
+    from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Step
     from mexc.pass_manager import DumpIR, PrintAfter, PrintAfterAll, PrintAfterChange, Timing
     from mexc.program import Program
     from mexc.targets import load
@@ -35,6 +35,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "compile": "mexc.compiler",
     "SGD": "mexc.optim",
+    "Adam": "mexc.optim",
+    "AdamW": "mexc.optim",
     "Constant": "mexc.optim",
     "Cosine": "mexc.optim",
     "Step": "mexc.optim",
@@ -62,6 +64,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "SGD",
+    "Adam",
+    "AdamW",
     "CheckpointError",
     "Constant",
     "Cosine",

@@ -249,6 +249,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                         )
             except (OSError, ValueError):
                 pass  # Trainer.resume reports a corrupt state file
+    from mexc.optim import DEFAULT_DECAY, DEFAULT_LR
+
     results = run_training(
         model,
         train,
@@ -257,10 +259,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         dataset=args.data,
         epochs=args.epochs,
         batch=args.batch,
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else DEFAULT_LR[args.optimizer],
         momentum=args.momentum,
-        weight_decay=args.weight_decay,
+        weight_decay=(
+            args.weight_decay if args.weight_decay is not None else DEFAULT_DECAY[args.optimizer]
+        ),
         schedule=args.schedule,
+        optimizer=args.optimizer,
+        betas=(args.beta1, args.beta2),
+        eps=args.eps,
         warmup=args.warmup,
         bits=args.bits,
         rounding=rounding_mode(args.rounding),
@@ -343,6 +350,7 @@ def _compile_flags(
 
 def build_parser() -> argparse.ArgumentParser:
     from mexc.backends.c.project import BOARDS
+    from mexc.optim import OPTIMIZERS
     from mexc.targets import HOST_NAMES, NAMES  # compile: every target; train: the host's
 
     parser = argparse.ArgumentParser(
@@ -413,9 +421,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="fashion-mnist", help="fashion-mnist | digits | npz:PATH")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="integer SGD with momentum, AdamW (decoupled decay) or Adam (docs/numerics.md)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: sgd 0.05, adam 1e-3)"
+    )
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="default: sgd 5e-4 (L2 as a gradient term), adamw 0.01 (decoupled), adam 0",
+    )
+    p.add_argument("--beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    p.add_argument("--beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    p.add_argument("--eps", type=float, default=1e-8, help="Adam's epsilon")
     p.add_argument("--schedule", choices=("cosine", "step", "constant"), default="cosine")
     p.add_argument(
         "--warmup",

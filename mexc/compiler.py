@@ -13,8 +13,8 @@ from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize
 from mexc.mx import MX
-from mexc.numerics import rounding_mode_for
-from mexc.optim import SGD
+from mexc.numerics import MOMENT_EXP0, rounding_mode_for
+from mexc.optim import SGD, Optimizer
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
@@ -31,18 +31,24 @@ def _example_batch(example_inputs: Any) -> torch.Tensor:
     return x.detach().float()
 
 
+# optimizer state that starts at zero: role -> its initial exponent
+ZERO_START = {"velocity": 0, "moment": MOMENT_EXP0, "root_moment": MOMENT_EXP0}
+
+
 def initial_state(
     graph: Graph, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray], bits: int
 ) -> dict[str, MX]:
-    """Quantize parameters and buffers once (host boundary); velocities start at zero."""
+    """Quantize parameters and buffers once (host boundary); velocities start at zero with
+    exponent 0, AdamW's moments at zero with exponent MOMENT_EXP0 (docs/numerics.md §12b)."""
     state: dict[str, MX] = {}
     for n in graph.nodes_of(Op.PARAM, Op.STATE):
         name = str(n.attrs.name)
         if n.op is Op.PARAM:
             state[name] = quantize(params[name], bits)
-        elif n.attrs.role == "velocity":
+        elif n.attrs.role in ZERO_START:
             groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
-            e = np.zeros(groups, np.int64) if groups is not None else np.asarray(0, np.int64)
+            e0 = ZERO_START[str(n.attrs.role)]
+            e = np.full(groups, e0, np.int64) if groups is not None else np.asarray(e0, np.int64)
             state[name] = MX.of(np.zeros(n.type.shape, np.int8), e)
         elif n.type.exp is Exp.AXIS0:
             state[name] = quantize_per_group(buffers[name], bits)
@@ -60,7 +66,7 @@ def quantize_per_group(x: np.ndarray, bits: int) -> MX:
 def compile(  # noqa: A001 - the public name is part of the API contract
     model: nn.Module,
     example_inputs: Any,
-    optimizer: SGD | None = None,
+    optimizer: Optimizer | None = None,
     bits: int = 8,
     seed: int = 0,
     target: str = "reference",

@@ -2,8 +2,9 @@
 
 Matched: initial weights (pass a deepcopy of the model taken before `mexc.compile`), data order
 (`mexc.data.batches` with the same seed), batch size (incomplete last batch dropped), optimizer
-(`torch.optim.SGD` with the same momentum and weight decay, dampening 0, no Nesterov; weight decay
-on every parameter, as mexc's L2-as-gradient term) and the per-step learning rate
+(`torch.optim.SGD` with the same momentum and weight decay, dampening 0, no Nesterov, weight decay
+on every parameter as mexc's L2-as-gradient term; or `torch.optim.AdamW` / `Adam` with the same
+betas, eps and decoupled decay) and the per-step learning rate
 `lr * schedule.factor(step)` of the integer program's optimizer. The loss is the mean softmax
 cross-entropy. Evaluation uses eval mode (BN running statistics), as `Program.predict` does.
 """
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from mexc.data import Arrays, batches
-from mexc.optim import SGD
+from mexc.optim import SGD, Adam, AdamW, Optimizer
 
 
 def cpu_threads() -> int:
@@ -46,11 +47,35 @@ def evaluate(model: nn.Module, data: Arrays, batch: int = 1000) -> float:
     return correct / len(y)
 
 
+def torch_optimizer(model: nn.Module, optimizer: Optimizer) -> torch.optim.Optimizer:
+    """PyTorch's optimizer with `optimizer`'s hyperparameters: SGD with momentum (dampening 0,
+    no Nesterov, coupled weight decay), AdamW, or Adam (no weight decay)."""
+    params = model.parameters()
+    if isinstance(optimizer, Adam):
+        return torch.optim.Adam(params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps)
+    if isinstance(optimizer, AdamW):
+        return torch.optim.AdamW(
+            params,
+            lr=optimizer.lr,
+            betas=optimizer.betas,
+            eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+        )
+    return torch.optim.SGD(
+        params,
+        lr=optimizer.lr,
+        momentum=optimizer.momentum,
+        weight_decay=optimizer.weight_decay,
+        dampening=0.0,
+        nesterov=False,
+    )
+
+
 def train_fp32(
     model: nn.Module,
     train: Arrays,
     test: Arrays,
-    optimizer: SGD,
+    optimizer: Optimizer,
     batch: int,
     seed: int,
     epochs: int,
@@ -58,14 +83,7 @@ def train_fp32(
 ) -> list[dict[str, Any]]:
     """Train `model` in place; one history dict per epoch (same keys as the integer Trainer)."""
     torch.set_num_threads(cpu_threads())
-    opt = torch.optim.SGD(
-        model.parameters(),
-        lr=optimizer.lr,
-        momentum=optimizer.momentum,
-        weight_decay=optimizer.weight_decay,
-        dampening=0.0,
-        nesterov=False,
-    )
+    opt = torch_optimizer(model, optimizer)
     loss_fn = nn.CrossEntropyLoss()
     x_all, y_all = train
     history: list[dict[str, Any]] = []
@@ -116,22 +134,23 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 def step_memory(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, momentum: float, weight_decay: float
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: Optimizer | None = None
 ) -> dict[str, int]:
     """Bytes PyTorch FP32 eager holds for one training step of `model` (trained in place) on
-    (x, y), SGD with momentum: `persistent_bytes` (parameters, buffers, momentum) and
+    (x, y) with `optimizer`'s torch counterpart (default SGD with momentum 0.9, weight decay
+    5e-4): `persistent_bytes` (parameters, buffers, the optimizer's state) and
     `step_peak_bytes`, the peak of the tensor bytes allocated during one step above that
     (activations saved for the backward pass, gradients, temporaries), summed from the torch
     profiler's memory events in time order. `peak_bytes` is their sum: what the step needs."""
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum, weight_decay=weight_decay)
+    opt = torch_optimizer(model, optimizer or SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
-    step()  # the momentum buffers exist from here on
+    step()  # the optimizer's state (momentum, moments) exists from here on
     opt.zero_grad(set_to_none=True)
     cpu = torch.profiler.ProfilerActivity.CPU
     with _quiet_stderr(), torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:

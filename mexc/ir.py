@@ -88,6 +88,7 @@ class Op(enum.Enum):
     MUL_GRAD = "mul_grad"
     # optimizer
     SGD_UPDATE = "sgd_update"
+    ADAMW_UPDATE = "adamw_update"
     BN_RUNNING_UPDATE = "bn_running_update"
 
 

@@ -662,6 +662,127 @@ def sgd_momentum_update(
     return w_new.reshape(w.shape), w_exp_new, v_new.reshape(v.shape), v_exp_new
 
 
+@dataclass(frozen=True)
+class AdamConfig:
+    """The constants of one AdamW step (docs/numerics.md section 12b): static betas as
+    FixedScalars of beta and of 1 - beta, and the per-step lr_t, eps_t and wd_t."""
+
+    bits: int
+    beta1: FixedScalar
+    one_minus_beta1: FixedScalar
+    beta2: FixedScalar
+    one_minus_beta2: FixedScalar
+    lr: FixedScalar
+    eps: FixedScalar
+    weight_decay: FixedScalar
+    rounding: Rounding = "stochastic"
+
+
+MOMENT_BITS = 8  # AdamW's m and r keep 8-bit mantissas at every B (as the SGD velocity)
+MOMENT_EXP0 = -(1 << 14)  # the exponent of a zero moment at the start: below every step's
+RATIO_FRAC = 7  # fraction bits of q = m / (r + eps)
+RATIO_CAP = 16 << RATIO_FRAC  # |q| <= 16 (the exact ratio is below 7.3 at the default betas)
+DENOM_FRAC = 8  # fraction bits of D = r + eps
+ADAMW_SITES = 10
+
+
+def adamw_keys(seed: int, step: int, tensor_id_base: int) -> list[int]:
+    """Keys of the rounding sites of one parameter's AdamW update: tensor ids base + 0..9."""
+    return [stream_key(seed, step, tensor_id_base + site) for site in range(ADAMW_SITES)]
+
+
+def root_exponent_shift(e_v: np.ndarray) -> np.ndarray:
+    """k of section 12b step 4: 30 or 31, so that e_v - k is even."""
+    return 30 + (np.asarray(e_v, np.int64) - 30) % 2
+
+
+def adam_ratio(
+    m: np.ndarray, m_exp: np.ndarray, r: np.ndarray, r_exp: np.ndarray, eps: FixedScalar
+) -> tuple[np.ndarray, np.ndarray]:
+    """q = m / (r + eps) with RATIO_FRAC fraction bits, clamped to +-RATIO_CAP, per group
+    exponents e_m - e_r - RATIO_FRAC (section 12b step 5). m, r: (G, -1); exponents (G,)."""
+    s = eps.shift + np.asarray(r_exp, np.int64) - DENOM_FRAC
+    num = np.full(s.shape, eps.num, np.int64)
+    right = shift_right(num, np.maximum(s, 0), "nearest")
+    e_units = np.where(s >= 0, right, shift_left_saturating(num, np.maximum(-s, 0)))
+    d = (np.asarray(r, np.int64) << DENOM_FRAC) + e_units[:, None]
+    mv = np.asarray(m, np.int64)
+    q = idiv_round(mv << (DENOM_FRAC + RATIO_FRAC), np.maximum(d, 1))
+    q = np.where(d == 0, np.sign(mv) * RATIO_CAP, np.clip(q, -RATIO_CAP, RATIO_CAP))
+    return q, np.asarray(m_exp, np.int64) - np.asarray(r_exp, np.int64) - RATIO_FRAC
+
+
+def adamw_update(
+    w: np.ndarray,
+    w_exp: int,
+    grad_acc: np.ndarray,
+    grad_exp: int,
+    m: np.ndarray,
+    m_exp: np.ndarray,
+    r: np.ndarray,
+    r_exp: np.ndarray,
+    cfg: AdamConfig,
+    keys: list[int],
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Integer AdamW (docs/numerics.md section 12b) for one parameter tensor: w (B-bit, one
+    exponent), the first moment m and the root second moment r (8-bit, exponents of shape
+    (G,)), the int32 gradient accumulator. keys: the ADAMW_SITES keys from `adamw_keys`.
+    Returns (w, w_exp, m, m_exp, r, r_exp)."""
+    bits, rnd = cfg.bits, cfg.rounding
+    groups = int(np.size(m_exp))
+
+    def grp(x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.int64).reshape(groups, -1)
+
+    b = bits - 1
+    g8, e_g = compact(grp(grad_acc), np.full(groups, grad_exp), bits, rnd, keys[0], grouped=True)
+    g = g8.astype(np.int64)
+    b1, c1, b2, c2 = cfg.beta1, cfg.one_minus_beta1, cfg.beta2, cfg.one_minus_beta2
+    e_m0 = np.asarray(m_exp, np.int64).reshape(groups)
+    e_r0 = np.asarray(r_exp, np.int64).reshape(groups)
+    acc, e_acc = aligned_sum(
+        [
+            (grp(m) * b1.num, e_m0 - b1.shift, MOMENT_BITS - 1 + b1.num.bit_length()),
+            (g * c1.num, e_g - c1.shift, b + c1.num.bit_length()),
+        ],
+        rnd,
+        keys[1:3],
+    )
+    m_new, e_m = compact(acc, e_acc.reshape(groups), MOMENT_BITS, rnd, keys[3], grouped=True)
+    rr = grp(r)
+    acc, e_v = aligned_sum(
+        [
+            (rr * rr * b2.num, 2 * e_r0 - b2.shift, 2 * (MOMENT_BITS - 1) + b2.num.bit_length()),
+            (g * g * c2.num, 2 * e_g - c2.shift, 2 * b + c2.num.bit_length()),
+        ],
+        rnd,
+        keys[4:6],
+    )
+    e_v = e_v.reshape(groups)
+    k = root_exponent_shift(e_v)
+    rho = isqrt(acc << k[:, None])
+    r_new, e_r = compact(rho, (e_v - k) // 2, MOMENT_BITS, rnd, keys[6], grouped=True)
+    q, e_q = adam_ratio(m_new, e_m, r_new, e_r, cfg.eps)
+    u = q * cfg.lr.num
+    w_exp = zero_weight_exponent(w, w_exp, u, e_q - cfg.lr.shift)
+    d = np.broadcast_to(expand_exponent(w_exp - (e_q - cfg.lr.shift), 2), u.shape)
+    right = shift_right(u, np.maximum(d, 0), rnd, keys[7])
+    left = shift_left_saturating(u, np.maximum(-d, 0))
+    decay = shift_right(grp(w) * cfg.weight_decay.num, cfg.weight_decay.shift, rnd, keys[8])
+    w_acc = grp(w) - np.where(d >= 0, right, left) - decay
+    check_int32(w_acc, "weight_update")
+    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[9])
+    shape = np.shape(w)
+    return (
+        w_new.reshape(shape),
+        w_exp_new,
+        m_new.reshape(shape),
+        e_m,
+        r_new.reshape(shape),
+        e_r,
+    )
+
+
 def zero_weight_exponent(w: np.ndarray, w_exp: int, u: np.ndarray, e_u: np.ndarray) -> int:
     """The exponent the update aligns to: w_exp, or, if every mantissa of w is zero, the largest
     exponent e_u of a group whose update is nonzero.

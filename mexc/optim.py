@@ -1,7 +1,8 @@
-"""Optimizer configuration: SGD with momentum and learning-rate schedules.
+"""Optimizer configuration: SGD with momentum, Adam and AdamW, and learning-rate schedules.
 
 Hyperparameters are host-side floats; `mexc.compile` turns them into integer numerator/shift pairs
-(docs/numerics.md, "Scalars"): momentum and weight decay once, the learning rate once per step.
+(docs/numerics.md, "FixedScalar"): the static ones once, the per-step ones (the learning rate; for
+Adam also its bias corrections, epsilon and the decoupled decay) once per step.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mexc.numerics import FixedScalar
+from mexc.numerics import AdamConfig, FixedScalar
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,105 @@ class SGD:
             "momentum": (m.num, m.shift),
             "weight_decay": (wd.num, wd.shift),
         }
+
+    def static_constants(self) -> tuple[object, ...]:
+        """What compiled update kernels are specialized on (the rest reaches them per step)."""
+        return (self.momentum, self.weight_decay)
+
+    def step_scalars(self, step: int) -> tuple[FixedScalar, ...]:
+        """The per-step integer scalars the update kernels read: (lr,)."""
+        return (self.lr_at(step),)
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """Integer AdamW (docs/numerics.md section 12b): decoupled weight decay, bias-corrected
+    moments; the first moment and the root of the second are 8-bit mantissa-exponent tensors."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    schedule: Schedule = field(default_factory=Constant)
+
+    def __post_init__(self) -> None:
+        kind = type(self).__name__
+        for name in ("lr", "eps", "weight_decay"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{kind} {name} must be finite and >= 0, got {value}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"{kind} betas must be two values in [0, 1), got {self.betas}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+
+    def static_constants(self) -> tuple[object, ...]:
+        """What compiled update kernels are specialized on: the betas (lr, eps and the decay
+        reach them per step)."""
+        return ("adamw", *self.betas)
+
+    def rate(self, step: int) -> float:
+        return self.lr * self.schedule.factor(step)
+
+    def step_scalars(self, step: int) -> tuple[FixedScalar, ...]:
+        """(lr_t, eps_t, wd_t) of step `step` (0-based; t = step + 1), section 12b."""
+        b1, b2 = self.betas
+        t = step + 1
+        root = math.sqrt(1.0 - b2**t)
+        lr_t = self.rate(step) * root / (1.0 - b1**t)
+        return (
+            FixedScalar.of(lr_t),
+            FixedScalar.of(self.eps * root),
+            FixedScalar.of(self.rate(step) * self.weight_decay),
+        )
+
+    def lr_at(self, step: int) -> FixedScalar:
+        return FixedScalar.of(self.rate(step))
+
+    def config(self, bits: int, step: int, rounding: str) -> AdamConfig:
+        b1, b2 = self.betas
+        lr_t, eps_t, wd_t = self.step_scalars(step)
+        return AdamConfig(
+            bits,
+            FixedScalar.of(b1),
+            FixedScalar.of(1.0 - b1),
+            FixedScalar.of(b2),
+            FixedScalar.of(1.0 - b2),
+            lr_t,
+            eps_t,
+            wd_t,
+            rounding,  # type: ignore[arg-type]
+        )
+
+    def graph_attrs(self) -> dict[str, object]:
+        return {
+            "optimizer": "adamw",
+            "lr": self.lr,
+            "lr_schedule": self.schedule.describe(),
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+
+
+@dataclass(frozen=True)
+class Adam(AdamW):
+    """Integer Adam: AdamW without weight decay (torch's Adam with weight_decay = 0; a coupled
+    L2 decay is not built, AdamW's decoupled one is what adaptive training uses)."""
+
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weight_decay:
+            raise ValueError(
+                "mexc.Adam takes no weight_decay (torch's coupled L2 decay is not built): "
+                "use mexc.AdamW(weight_decay=...) for decoupled decay"
+            )
+
+
+Optimizer = SGD | AdamW
+
+# the optimizers `mexc train --optimizer` offers, and their default peak rate and weight decay
+OPTIMIZERS = ("sgd", "adamw", "adam")
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3, "adam": 1e-3}
+DEFAULT_DECAY = {"sgd": 5e-4, "adamw": 0.01, "adam": 0.0}

@@ -31,7 +31,7 @@ from mexc.errors import CheckpointError, InputError
 from mexc.ir import Graph, Op, needed_nodes
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, site_rounding, state_checksum
-from mexc.optim import SGD, Constant, Cosine, Step
+from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Optimizer, Step
 from mexc.parser import parse_graph
 from mexc.printer import print_graph
 
@@ -68,7 +68,12 @@ class Program:
     """An integer-only training step for one model, run by the reference executor."""
 
     def __init__(
-        self, graph: Graph, state: dict[str, MX], options: Options, optimizer: SGD, step: int = 0
+        self,
+        graph: Graph,
+        state: dict[str, MX],
+        options: Options,
+        optimizer: Optimizer,
+        step: int = 0,
     ) -> None:
         self.graph = graph
         self.state = state
@@ -159,10 +164,14 @@ class Program:
             y=ys,
             state=self.state,
             lr=self.lr_at(self.step_count),
-            momentum=FixedScalar.of(self.optimizer.momentum),
-            weight_decay=FixedScalar.of(self.optimizer.weight_decay),
             valid=self.batch,
         )
+        opt = self.optimizer
+        if isinstance(opt, AdamW):
+            env.adam = opt.config(o.bits, self.step_count, site_rounding(o.rounding, False))
+        else:
+            env.momentum = FixedScalar.of(opt.momentum)
+            env.weight_decay = FixedScalar.of(opt.weight_decay)
         values = execute(self._train_nodes, env, self._train_last_use)
         self._step_peak_bytes = env.peak_bytes
         new_state = dict(self.state)
@@ -349,23 +358,33 @@ class Program:
             raise
 
 
-def _optimizer_json(opt: SGD) -> dict[str, Any]:
+def _optimizer_json(opt: Optimizer) -> dict[str, Any]:
     sched = opt.schedule
-    return {
+    out: dict[str, Any] = {
+        "kind": type(opt).__name__,
         "lr": opt.lr,
-        "momentum": opt.momentum,
         "weight_decay": opt.weight_decay,
         "schedule": type(sched).__name__,
         "schedule_args": asdict(sched),
     }
+    if isinstance(opt, AdamW):
+        out |= {"betas": list(opt.betas), "eps": opt.eps}
+    else:
+        out["momentum"] = opt.momentum
+    return out
 
 
-def _optimizer_from_json(d: dict[str, Any]) -> SGD:
+def _optimizer_from_json(d: dict[str, Any]) -> Optimizer:
     kinds: dict[str, Any] = {"Constant": Constant, "Step": Step, "Cosine": Cosine}
     args = d["schedule_args"]
     if "milestones" in args:
         args["milestones"] = tuple(args["milestones"])
-    return SGD(d["lr"], d["momentum"], d["weight_decay"], kinds[d["schedule"]](**args))
+    schedule = kinds[d["schedule"]](**args)
+    kind = d.get("kind", "SGD")  # checkpoints before AdamW name no kind
+    if kind in ("AdamW", "Adam"):
+        cls = AdamW if kind == "AdamW" else Adam
+        return cls(d["lr"], tuple(d["betas"]), d["eps"], d["weight_decay"], schedule)
+    return SGD(d["lr"], d["momentum"], d["weight_decay"], schedule)
 
 
 _DIGEST_TAG = b"mexc-sha256="

@@ -23,7 +23,8 @@ results.json (`build_results`, format "mexc-results-1"):
   format, date (UTC ISO 8601), command (argv list), machine {platform, python, processor,
   cpu_count, cpus_usable},
   config {model, dataset, bits, rounding, per_group_velocity, target, seed, batch, epochs,
-    steps_per_epoch, train_size, test_size, lr, momentum, weight_decay, schedule, resumed_from},
+    steps_per_epoch, train_size, test_size, optimizer, lr, momentum (SGD) or betas and eps (AdamW,
+    Adam), weight_decay, schedule, resumed_from},
   integer {accuracy, final_loss, steps, seconds, images_per_s, checksum, history[...]},
   fp32 (same keys but checksum, or null without --compare-fp32),
   gap_points (100 * (fp32 accuracy - integer accuracy), or null),
@@ -397,10 +398,7 @@ def build_results(
         "steps_per_epoch": trainer.steps_per_epoch,
         "train_size": len(trainer.train_data[1]),
         "test_size": len(trainer.test_data[1]),
-        "lr": opt.lr,
-        "momentum": opt.momentum,
-        "weight_decay": opt.weight_decay,
-        "schedule": opt.schedule.describe(),
+        **optimizer_config(opt),
         **(config or {}),
     }
     return {
@@ -510,6 +508,18 @@ def plot_curves(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
+def optimizer_config(opt: Any) -> dict[str, Any]:
+    """The results document's optimizer keys: its kind and hyperparameters."""
+    from mexc.optim import AdamW
+
+    out: dict[str, Any] = {"optimizer": type(opt).__name__, "lr": opt.lr}
+    if isinstance(opt, AdamW):
+        out |= {"betas": list(opt.betas), "eps": opt.eps}
+    else:
+        out["momentum"] = opt.momentum
+    return out | {"weight_decay": opt.weight_decay, "schedule": opt.schedule.describe()}
+
+
 # --- one complete run (used by `mexc train` and bench/accuracy.py) ------------------------------
 
 
@@ -521,24 +531,37 @@ def make_optimizer(
     steps_per_epoch: int,
     epochs: int,
     warmup_epochs: float | None = None,
+    kind: str = "sgd",
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
 ) -> Any:
-    """mexc.SGD with a schedule in steps. cosine: linear warmup over `warmup_epochs` (default
-    min(1, epochs / 5) epochs), then cosine decay to 0 at the last step; step: x0.1 at 50 % and
-    75 % of the steps (no warmup); constant: no change."""
-    from mexc.optim import SGD, Constant, Cosine, Step
+    """mexc.SGD (`kind` "sgd", with `momentum`), mexc.AdamW ("adamw", with `betas`, `eps`) or
+    mexc.Adam ("adam": no weight decay), with a schedule in steps. cosine: linear warmup over
+    `warmup_epochs` (default min(1, epochs / 5) epochs), then cosine decay to 0 at the last
+    step; step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no change."""
+    from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Schedule, Step
 
     total = steps_per_epoch * epochs
+    sched: Schedule
     if schedule == "cosine":
         w = min(1.0, epochs / 5) if warmup_epochs is None else warmup_epochs
         if w < 0:
             raise ValueError(f"warmup must be >= 0 epochs, got {w}")
         warm = min(int(round(w * steps_per_epoch)), total)
-        return SGD(lr, momentum, weight_decay, Cosine(total_steps=total, warmup_steps=warm))
-    if schedule == "step":
-        return SGD(lr, momentum, weight_decay, Step(milestones=(total // 2, (3 * total) // 4)))
-    if schedule == "constant":
-        return SGD(lr, momentum, weight_decay, Constant())
-    raise ValueError(f"schedule must be cosine, step or constant, got {schedule!r}")
+        sched = Cosine(total_steps=total, warmup_steps=warm)
+    elif schedule == "step":
+        sched = Step(milestones=(total // 2, (3 * total) // 4))
+    elif schedule == "constant":
+        sched = Constant()
+    else:
+        raise ValueError(f"schedule must be cosine, step or constant, got {schedule!r}")
+    if kind == "sgd":
+        return SGD(lr, momentum, weight_decay, sched)
+    if kind == "adamw":
+        return AdamW(lr, betas, eps, weight_decay, sched)
+    if kind == "adam":
+        return Adam(lr, betas, eps, weight_decay, sched)
+    raise ValueError(f"optimizer must be sgd, adamw or adam, got {kind!r}")
 
 
 def run_training(
@@ -555,6 +578,9 @@ def run_training(
     weight_decay: float = 5e-4,
     schedule: str = "cosine",
     warmup: float | None = None,
+    optimizer: str = "sgd",
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
     bits: int = 8,
     rounding: str = "auto",
     per_group_velocity: bool = True,
@@ -596,7 +622,9 @@ def run_training(
             raise ValueError(
                 f"the training set has {len(train[1])} images, fewer than one batch of {batch}"
             )
-        opt = make_optimizer(lr, momentum, weight_decay, schedule, spe, epochs, warmup)
+        opt = make_optimizer(
+            lr, momentum, weight_decay, schedule, spe, epochs, warmup, optimizer, betas, eps
+        )
         example = torch.zeros(batch, *train[0].shape[1:])
         prog = compile_model(
             model,
@@ -626,7 +654,7 @@ def run_training(
         p, b = trainer.program.optimizer, trainer.batch
         xb = torch.from_numpy(np.ascontiguousarray(train[0][:b], np.float32))
         yb = torch.from_numpy(np.asarray(train[1][:b], np.int64))
-        fp32_memory = step_memory(copy.deepcopy(fp32_model), xb, yb, p.momentum, p.weight_decay)
+        fp32_memory = step_memory(copy.deepcopy(fp32_model), xb, yb, p)
     trainer.fit()
     fp32_history = None
     if fp32_model is not None:

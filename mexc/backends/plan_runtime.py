@@ -124,8 +124,11 @@ class PlanProgram(Program):
         self._write(plan["labels"], ys.astype(np.int32))
         if plan["valid"]:
             self._write(plan["valid"], np.array([self.batch], np.int32))
-        lr = self.lr_at(self.step_count)
-        self._write(plan["lr"], np.array([lr.num, lr.shift], np.int32))
+        # the optimizer's per-step scalars as (num, shift) pairs: SGD (lr,), AdamW (lr_t,
+        # eps_t, wd_t)
+        scalars = self.optimizer.step_scalars(self.step_count)
+        pairs = [v for f in scalars for v in (f.num, f.shift)]
+        self._write(plan["lr"], np.array(pairs, np.int32))
         keys = stream_keys(self.options.seed, self.step_count, self._key_ids)
         self._write(plan["keys"], keys.astype(np.int64))
 

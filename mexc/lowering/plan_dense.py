@@ -25,9 +25,13 @@ from mexc.lowering.plan_core import (
     Product,
     Shape,
 )
+from mexc.lowering.te_adamw import KEY_VIEWS as ADAM_KEY_VIEWS
+from mexc.lowering.te_adamw import STEP_SCALARS as ADAM_STEP_SCALARS
+from mexc.lowering.te_adamw import AdamSpec, adamw_buffers, adamw_kernels
 from mexc.lowering.te_products import ConvGeom
 from mexc.lowering.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
-from mexc.numerics import EXP_TABLE, FixedScalar
+from mexc.numerics import ADAMW_SITES, EXP_TABLE, FixedScalar
+from mexc.optim import SGD, AdamW
 
 
 class DenseRules(PlanBuilder):
@@ -170,6 +174,7 @@ class DenseRules(PlanBuilder):
     def sgd_update(self, n: Node) -> None:
         w, grad, v = n.inputs
         opt = self.prog.optimizer
+        assert isinstance(opt, SGD)  # insert-optimizer chose the op from it
         shape = self.shape(w)
         gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
         spec = UpdateSpec(
@@ -206,6 +211,61 @@ class DenseRules(PlanBuilder):
         for i, t in enumerate((w, v)):
             self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
         for k in update_kernels(spec, f"n{n.id}_sgd"):
+            self.launch(k.func, tuple(names[a] for a in k.args))
+
+    def adamw_update(self, n: Node) -> None:
+        w, grad, m, r = n.inputs
+        opt = self.prog.optimizer
+        assert isinstance(opt, AdamW)  # insert-optimizer chose the op from it
+        shape = self.shape(w)
+        gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
+        none = FixedScalar(0, 0)
+        layout = UpdateSpec(
+            gr,
+            self.bits,
+            self.prog.options.per_group_velocity,
+            none,
+            none,
+            self.stochastic,
+            symbolic=self.device.symbolic_update,
+        )
+        b1, b2 = opt.betas
+        spec = AdamSpec(
+            layout,
+            FixedScalar.of(b1),
+            FixedScalar.of(1.0 - b1),
+            FixedScalar.of(b2),
+            FixedScalar.of(1.0 - b2),
+        )
+        wm, gm, mm, rm = (self.view(self.m[t], gr) for t in (w, grad, m, r))
+        # outputs land in the state buffers (the update is the last reader of the old values)
+        names = {
+            "w": wm,
+            "w_exp": self.e[w],
+            "grad": gm,
+            "grad_exp": self.e[grad],
+            "m": mm,
+            "m_exp": self.e[m],
+            "r": rm,
+            "r_exp": self.e[r],
+            "w_out": wm,
+            "w_exp_out": self.e[w],
+            "m_out": mm,
+            "m_exp_out": self.e[m],
+            "r_out": rm,
+            "r_exp_out": self.e[r],
+            "lr": self.buf("lr", (ADAM_STEP_SCALARS,), I32),
+            "keys": self.keys(n, tuple(range(ADAMW_SITES)), "keys"),
+        }
+        for view, site in ADAM_KEY_VIEWS.items():
+            names[view] = self.keys(n, (site,), view)
+        for local, (bshape, dtype) in adamw_buffers(spec).items():
+            if local not in names:
+                names[local] = self.buf(f"n{n.id}.{local}", bshape, dtype)
+        for i, t in enumerate((w, m, r)):
+            self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
+        native = self.device.native_division
+        for k in adamw_kernels(spec, f"n{n.id}_adamw", native):
             self.launch(k.func, tuple(names[a] for a in k.args))
 
     # ----------------------------------------------------------------------------- convolution

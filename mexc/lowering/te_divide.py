@@ -28,6 +28,8 @@ from tvm import s_tir, tirx
 
 I32, I64 = "int32", "int64"
 MARKER = "mexc_idiv_round"
+ISQRT_MARKER = "mexc_isqrt"
+ISQRT_BITS = 31  # result bits of isqrt for n < 2^62
 STEPS = 32  # dividend bits: |a| + b // 2 < 2^32
 # slots of the per-division local buffer
 _A, _B, _N, _R, _Q, _X = range(6)
@@ -45,10 +47,43 @@ def idiv_round(a: tirx.PrimExpr, b: tirx.PrimExpr, native: bool = False) -> tirx
     return tirx.if_then_else(a64 < 0, -q, q)
 
 
-def _is_marker(call: tvm.ir.expr.Call) -> bool:
+def isqrt(n: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.isqrt(n) = floor(sqrt(n)) for 0 <= n < 2^62, as int64; valid only inside a func
+    passed through `lower_divisions`, which writes it as ISQRT_BITS digit-by-digit steps on a
+    local buffer, as the long division (a staged te.compute per result bit would store a
+    whole tensor per bit)."""
+    return tirx.call_pure_extern(I64, ISQRT_MARKER, n.astype(I64))
+
+
+def _marker(call: tvm.ir.expr.Call) -> str | None:
     op = call.op
     extern = isinstance(op, tvm.ir.Op) and op.name == "tirx.call_pure_extern"
-    return extern and str(call.args[0].value) == MARKER
+    name = str(call.args[0].value) if extern else None
+    return name if name in (MARKER, ISQRT_MARKER) else None
+
+
+def _digit_sqrt(n: tirx.PrimExpr, st: tirx.Buffer) -> tuple[list[tirx.Stmt], tirx.PrimExpr]:
+    """Statements computing isqrt(n) in `st`, and the expression of the result: from the top
+    result bit down, keep a bit where the candidate's square stays <= n (< 2^62: no overflow)."""
+
+    def ld(slot: int) -> tirx.PrimExpr:
+        return tirx.BufferLoad(st, [tirx.const(slot, I32)])
+
+    def put(slot: int, value: tirx.PrimExpr) -> tirx.Stmt:
+        return tirx.BufferStore(st, value, [tirx.const(slot, I32)])
+
+    k = tirx.Var("root_bit", I32)
+    one = tirx.const(1, I64)
+    cand = ld(_Q) | (one << (tirx.const(ISQRT_BITS - 1, I64) - k.astype(I64)))
+    step = tirx.SeqStmt(
+        [put(_X, cand), put(_Q, tirx.if_then_else(ld(_X) * ld(_X) <= ld(_A), ld(_X), ld(_Q)))]
+    )
+    stmts = [
+        put(_A, n),
+        put(_Q, tirx.const(0, I64)),
+        tirx.For(k, tirx.const(0, I32), tirx.const(ISQRT_BITS, I32), tirx.ForKind.SERIAL, step),
+    ]
+    return stmts, ld(_Q)
 
 
 def _long_division(
@@ -87,18 +122,23 @@ def _long_division(
 
 
 def lower_divisions(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Replace every `idiv_round` placeholder of `func` by its long division (no-op without)."""
+    """Replace every `idiv_round` placeholder of `func` by its long division and every `isqrt`
+    placeholder by its digit-by-digit loop (no-op without)."""
     before: list[tirx.Stmt] = []  # statements the next enclosing store must run first
     buffers: list[tirx.Buffer] = []  # local buffers the next enclosing block must allocate
 
     def on_call(call: tvm.ir.expr.Call) -> tirx.PrimExpr:
-        if not _is_marker(call):
+        which = _marker(call)
+        if which is None:
             return call
         st = tirx.decl_buffer((6,), I64, name="div", scope="local")
-        stmts, quotient = _long_division(call.args[1], call.args[2], st)
+        if which == MARKER:
+            stmts, result = _long_division(call.args[1], call.args[2], st)
+        else:
+            stmts, result = _digit_sqrt(call.args[1], st)
         before.extend(stmts)
         buffers.append(st)
-        return quotient
+        return result
 
     def on_store(store: tirx.BufferStore) -> tirx.Stmt:
         if not before:

@@ -210,6 +210,29 @@ def test_stm32f405_board_matches_reference(tmp_path: Path) -> None:
     assert 0 < sizes.ram <= MCU_BOARDS["netduinoplus2"].ram, sizes
 
 
+@needs_qemu
+@pytest.mark.mcu
+def test_adamw_on_cortex_m4_matches_reference(tmp_path: Path) -> None:
+    """Integer AdamW (docs/numerics.md section 12b) in the exported project, under QEMU's
+    mps2-an386 (Cortex-M4): the same STATE as the reference after 10 steps, and no float
+    anywhere in the image (the runtime's AdamW has an isqrt and a division per element)."""
+    cls, shape = EXAMPLES["DigitsCNN"]
+    torch.manual_seed(0)
+    opt = mexc.AdamW(lr=3e-3, schedule=mexc.Cosine(total_steps=40, warmup_steps=4))
+    prog = mexc.compile(cls(), (torch.zeros(8, *shape),), optimizer=opt)
+    data = _data("DigitsCNN", 64)
+    out = mexc.export(prog, tmp_path, data=data, steps=10, board="mps2-an386")
+    prog.replay(data, 10)
+    assert _state_line(_make(out, "run-qemu")) == prog.state_checksum()
+    symbols = subprocess.run(
+        ["arm-none-eabi-nm", str(out / "train_cortex-m4.elf")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "mexc_adamw_update" in symbols and not SOFT_FLOAT.findall(symbols)
+
+
 @needs_arm
 @pytest.mark.mcu
 @pytest.mark.parametrize("cpu", ["cortex-m0", "cortex-m3", "cortex-m4"])

@@ -34,6 +34,7 @@ from mexc.numerics import (
     site_rounding,
 )
 from mexc.ops import REGISTRY, op_def
+from mexc.optim import AdamW
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -458,6 +459,19 @@ def _sgd_update(e: _Emit, n: Node) -> None:
     e.emit(
         f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
         f"{e.ptr[v]}, {e.exp_ptr[v]}, {groups}u, {per}u, &cfg, keys, scratch);"
+    )
+
+
+def _adamw_update(e: _Emit, n: Node) -> None:
+    w, grad, m, r = n.inputs
+    groups = int(n.attrs.groups)
+    per = e.numel(w) // groups
+    e.need(2 * groups + per)  # MEXC_ADAMW_SCRATCH
+    e.emit(f"mexc_adamw_keys(ctx.seed, ctx.step, {_tid(n)}u, adam_keys);")
+    e.emit(
+        f"mexc_adamw_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
+        f"{e.ptr[m]}, {e.exp_ptr[m]}, {e.ptr[r]}, {e.exp_ptr[r]}, {groups}u, {per}u, &adam, "
+        "adam_keys, scratch);"
     )
 
 
@@ -906,16 +920,44 @@ def _state_table(prog: Program) -> list[str]:
     ]
 
 
+# the C tables of the optimizer's per-step scalars (Optimizer.step_scalars), in their order
+STEP_TABLES = {"SGD": ("lr",), "AdamW": ("lr", "eps", "wd")}
+
+
+def _table_names(prog: Program) -> tuple[str, ...]:
+    return STEP_TABLES["AdamW" if isinstance(prog.optimizer, AdamW) else "SGD"]
+
+
 def _lr_table(prog: Program, steps: int) -> str:
-    nums = [prog.lr_at(k).num for k in range(steps)]
-    shifts = [prog.lr_at(k).shift for k in range(steps)]
-    return "\n".join(
-        [
-            _array("int32_t", "lr_num", np.array(nums)),
-            _array("int32_t", "lr_shift", np.array(shifts)),
-            f"#define LR_STEPS {steps}u",
+    """The per-step scalars of `steps` steps as (name_num, name_shift) int32 tables."""
+    per_step = [prog.optimizer.step_scalars(k) for k in range(steps)]
+    tables = []
+    for i, name in enumerate(_table_names(prog)):
+        tables.append(_array("int32_t", f"{name}_num", np.array([s[i].num for s in per_step])))
+        tables.append(_array("int32_t", f"{name}_shift", np.array([s[i].shift for s in per_step])))
+    return "\n".join([*tables, f"#define LR_STEPS {steps}u"])
+
+
+def _update_config(prog: Program, stochastic: int) -> list[str]:
+    """mexc_model_step's lines that set up the optimizer's configuration of step k."""
+    o, opt = prog.options, prog.optimizer
+    if isinstance(opt, AdamW):
+        b1, b2 = opt.betas
+        static = ", ".join(
+            _fixed(FixedScalar.of(v)).replace("(mexc_fixed_t)", "")
+            for v in (b1, 1.0 - b1, b2, 1.0 - b2)
+        )
+        return [
+            f"    mexc_adamw_cfg_t adam = {{{o.bits}, {stochastic}, {static}, "
+            "{lr_num[k], lr_shift[k]}, {eps_num[k], eps_shift[k]}, {wd_num[k], wd_shift[k]}};",
+            "    uint32_t adam_keys[MEXC_ADAMW_SITES];",
         ]
-    )
+    mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
+    return [
+        f"    mexc_update_cfg_t cfg = {{{o.bits}, {stochastic}, "
+        f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}}};",
+        "    uint32_t keys[MEXC_UPDATE_SITES];",
+    ]
 
 
 def emit_model(prog: Program, steps: int) -> CModel:
@@ -948,8 +990,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
             raise UnsupportedOpError("the C backend needs an integer-only program")
     decls, init, state_bytes = _state_decls(prog)
-    o, opt = prog.options, prog.optimizer
-    mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
+    o = prog.options
     arena_bytes = max(mp.arena_bytes, 16)
     scratch = max(e.scratch_words, 1)
     src = [
@@ -981,9 +1022,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
             else []
         ),
         "    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u;",
-        f"    mexc_update_cfg_t cfg = {{{o.bits}, {stochastic}, "
-        f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}}};",
-        "    uint32_t keys[MEXC_UPDATE_SITES];",
+        *_update_config(prog, stochastic),
         "    int32_t loss = 0;",
         *e.lines,
         "    return loss;",

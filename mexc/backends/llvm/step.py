@@ -89,12 +89,13 @@ def _lowering_digest() -> str:
 
 def cache_key(prog: Program, target: str) -> str:
     """Hash of what the compiled code depends on: the program IR (shapes, attributes, rounding
-    sites), bits / rounding / velocity grouping, momentum and weight decay (compile-time
-    constants of the update), the target, TVM, and the lowering code. Not the seed, the step or
-    the learning-rate schedule: they reach the kernels as run-time keys and scalars."""
+    sites), bits / rounding / velocity grouping, the optimizer's static constants (SGD's
+    momentum and weight decay, AdamW's betas), the target, TVM, and the lowering code. Not the
+    seed, the step or the learning-rate schedule: they reach the kernels as run-time keys and
+    scalars."""
     o, opt = prog.options, prog.optimizer
     h = hashlib.sha256()
-    fixed = (o.bits, o.rounding, o.per_group_velocity, opt.momentum, opt.weight_decay)
+    fixed = (o.bits, o.rounding, o.per_group_velocity, *opt.static_constants())
     for part in (prog.ir, repr(fixed), target, tvm.__version__, _lowering_digest()):
         h.update(part.encode())
     return h.hexdigest()[:24]

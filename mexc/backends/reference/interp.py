@@ -15,7 +15,7 @@ import numpy as np
 
 from mexc.ir import Node, Value, in_forward
 from mexc.mx import MX, Acc, RoundCtx
-from mexc.numerics import FixedScalar
+from mexc.numerics import AdamConfig, FixedScalar
 from mexc.ops import op_def
 
 
@@ -37,6 +37,7 @@ class StepEnv:
     # program's rounding mode rounds them differently from the rest (docs/numerics.md §4)
     forward_ctx: RoundCtx | None = None
     forward_rids: int = 0
+    adam: AdamConfig | None = None  # an AdamW program's constants of this step
 
 
 Rule = Callable[[Node, list[Any], StepEnv], tuple[Any, ...]]

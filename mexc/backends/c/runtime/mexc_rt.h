@@ -107,6 +107,30 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad_acc, int3
                               int8_t *v, int32_t *v_exp, uint32_t groups, uint32_t per,
                               const mexc_update_cfg_t *cfg, const uint32_t keys[9],
                               int32_t *scratch);
+/* Integer AdamW (docs/numerics.md section 12b). */
+typedef struct {
+    int32_t bits;
+    int32_t stochastic;
+    mexc_fixed_t beta1, one_minus_beta1, beta2, one_minus_beta2; /* static */
+    mexc_fixed_t lr, eps, weight_decay;                         /* lr_t, eps_t, wd_t of the step */
+} mexc_adamw_cfg_t;
+
+#define MEXC_ADAMW_SITES 10u
+#define MEXC_MOMENT_BITS 8  /* numerics.MOMENT_BITS */
+#define MEXC_RATIO_FRAC 7   /* numerics.RATIO_FRAC */
+#define MEXC_DENOM_FRAC 8   /* numerics.DENOM_FRAC */
+#define MEXC_RATIO_CAP (16 << MEXC_RATIO_FRAC) /* numerics.RATIO_CAP */
+void mexc_adamw_keys(uint32_t seed, uint32_t step, uint32_t tid_base,
+                     uint32_t keys[MEXC_ADAMW_SITES]);
+/* Scratch (int32 words) of mexc_adamw_update for G groups of `per` elements. */
+#define MEXC_ADAMW_SCRATCH(G, per) (2u * (uint32_t)(G) + (uint32_t)(per))
+/* numerics.adamw_update. w (G*per) int8 with exponent *w_exp (updated); grad_acc int32 (G*per)
+ * with exponent grad_exp -- DESTROYED (the work buffer); m, r (G*per) int8 and m_exp[G],
+ * r_exp[G] updated in place. keys from mexc_adamw_keys. */
+void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad_acc, int32_t grad_exp, int8_t *m,
+                       int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t groups, uint32_t per,
+                       const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES],
+                       int32_t *scratch);
 /* numerics.reactive_rescale: w_acc (n) -> w (int8); returns the new exponent. */
 int32_t mexc_reactive_rescale(const int32_t *w_acc, int8_t *w, uint32_t n, int32_t w_exp,
                               int32_t bits, int32_t stoch, uint32_t key);

@@ -132,3 +132,113 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t 
     /* 6. reactive rescale [8] */
     *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[8]);
 }
+
+/* ------------------------------------------------------------------ AdamW (numerics 12b) */
+
+void mexc_adamw_keys(uint32_t seed, uint32_t step, uint32_t tid_base,
+                     uint32_t keys[MEXC_ADAMW_SITES])
+{
+    uint32_t j;
+    for (j = 0; j < MEXC_ADAMW_SITES; j++) keys[j] = mexc_stream_key(seed, step, tid_base + j);
+}
+
+/* One group of numerics.compact(grouped=True): tmp[0..per) -> out[0..per), rounding keyed by
+ * the flat index base + i; returns e + s. */
+static int32_t compact_group(const int32_t *tmp, int8_t *out, uint32_t per, uint32_t base,
+                             int32_t e, int32_t bits, int32_t st, uint32_t key)
+{
+    int32_t s = mexc_compaction_shift(mexc_max_abs(tmp, per), bits);
+    uint32_t i;
+    for (i = 0; i < per; i++)
+        out[i] = mexc_saturate(mexc_shift_right(tmp[i], s, st, key, base + i), bits);
+    return e + s;
+}
+
+/* numerics.adam_ratio of one element: m / (r + eps) with MEXC_RATIO_FRAC fraction bits. */
+static int32_t adam_ratio(int32_t m, int32_t r, int32_t eps_units)
+{
+    int32_t d = (r << MEXC_DENOM_FRAC) + eps_units, q;
+    if (m == 0) return 0;
+    if (d == 0) return m < 0 ? -MEXC_RATIO_CAP : MEXC_RATIO_CAP;
+    q = mexc_idiv_round(m << (MEXC_DENOM_FRAC + MEXC_RATIO_FRAC), (uint32_t)d);
+    return q > MEXC_RATIO_CAP ? MEXC_RATIO_CAP : (q < -MEXC_RATIO_CAP ? -MEXC_RATIO_CAP : q);
+}
+
+void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp, int8_t *m,
+                       int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t groups, uint32_t per,
+                       const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES],
+                       int32_t *scratch)
+{
+    const int32_t bits = cfg->bits, st = cfg->stochastic, b = bits - 1;
+    int32_t *e_g = scratch, *e_q = scratch + groups, *tmp = scratch + 2u * groups;
+    const mexc_fixed_t b1 = cfg->beta1, c1 = cfg->one_minus_beta1;
+    const mexc_fixed_t b2 = cfg->beta2, c2 = cfg->one_minus_beta2;
+    const int32_t mb = MEXC_MOMENT_BITS - 1 + mexc_bit_length((uint32_t)b1.num);
+    const int32_t gb = b + mexc_bit_length((uint32_t)c1.num);
+    const int32_t rb = 2 * (MEXC_MOMENT_BITS - 1) + mexc_bit_length((uint32_t)b2.num);
+    const int32_t g2b = 2 * b + mexc_bit_length((uint32_t)c2.num);
+    int32_t t, k, we = *w_exp, d, sh, eps_units, s, found = 0, any_w = 0;
+    uint32_t g, i, base;
+    /* 1. g = compact(grad_acc) per group [0]; grad then holds g */
+    mexc_fill32(e_g, grad_exp, groups);
+    compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
+    for (g = 0; g < groups; g++) {
+        base = g * per;
+        /* 2. m = compact(m * beta1 + g * c1) [1, 2], [3] */
+        t = target2(m_exp[g] - b1.shift, mb, e_g[g] - c1.shift, gb);
+        for (i = 0; i < per; i++)
+            tmp[i] = mexc_shift_signed((int32_t)m[base + i] * b1.num, t - (m_exp[g] - b1.shift),
+                                       st, keys[1], base + i) +
+                     mexc_shift_signed(grad[base + i] * c1.num, t - (e_g[g] - c1.shift), st,
+                                       keys[2], base + i);
+        m_exp[g] = compact_group(tmp, m + base, per, base, t, MEXC_MOMENT_BITS, st, keys[3]);
+        /* 3. acc_v = r^2 * beta2 + g^2 * c2 [4, 5] */
+        t = target2(2 * r_exp[g] - b2.shift, rb, 2 * e_g[g] - c2.shift, g2b);
+        for (i = 0; i < per; i++) {
+            int32_t rv = r[base + i], gv = grad[base + i];
+            tmp[i] = mexc_shift_signed(rv * rv * b2.num, t - (2 * r_exp[g] - b2.shift), st,
+                                       keys[4], base + i) +
+                     mexc_shift_signed(gv * gv * c2.num, t - (2 * e_g[g] - c2.shift), st,
+                                       keys[5], base + i);
+        }
+        /* 4. r = compact(isqrt(acc_v << k)) [6], k = 30 or 31 so that t - k is even */
+        k = 30 + ((t - 30) & 1);
+        for (i = 0; i < per; i++) tmp[i] = (int32_t)mexc_isqrt64((uint64_t)tmp[i] << k);
+        r_exp[g] = compact_group(tmp, r + base, per, base, (t - k) / 2, MEXC_MOMENT_BITS, st,
+                                 keys[6]);
+        /* 5. q = m / (r + eps) into grad (g is no longer read), e_q per group */
+        s = cfg->eps.shift + r_exp[g] - MEXC_DENOM_FRAC;
+        eps_units = s >= 0 ? mexc_shift_right(cfg->eps.num, s, 0, 0u, 0u)
+                           : mexc_shift_left_sat(cfg->eps.num, -s, 30);
+        for (i = base; i < base + per; i++) grad[i] = adam_ratio(m[i], r[i], eps_units);
+        e_q[g] = m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC;
+    }
+    /* 6. an all-zero w takes the coarsest exponent of a nonzero update (zero_weight_exponent) */
+    for (i = 0; i < groups * per; i++)
+        if (w[i] != 0) any_w = 1;
+    if (!any_w && cfg->lr.num != 0) {
+        int32_t best = we;
+        for (g = 0; g < groups; g++)
+            for (i = g * per; i < (g + 1u) * per; i++)
+                if (grad[i] != 0) {
+                    if (!found || e_q[g] - cfg->lr.shift > best) best = e_q[g] - cfg->lr.shift;
+                    found = 1;
+                    break;
+                }
+        we = best;
+    }
+    /* 7. w_acc = w - align(q * lr) [7] - shift_right(w * wd, wd.shift) [8], into grad */
+    for (g = 0; g < groups; g++) {
+        base = g * per;
+        d = we - (e_q[g] - cfg->lr.shift);
+        for (i = base; i < base + per; i++) {
+            int32_t u = grad[i] * cfg->lr.num;
+            sh = d >= 0 ? mexc_shift_right(u, d, st, keys[7], i) : mexc_shift_left_sat(u, -d, 30);
+            grad[i] = (int32_t)w[i] - sh -
+                      mexc_shift_right((int32_t)w[i] * cfg->weight_decay.num,
+                                       cfg->weight_decay.shift, st, keys[8], i);
+        }
+    }
+    /* 8. reactive rescale [9] */
+    *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[9]);
+}

@@ -1,0 +1,338 @@
+"""Integer AdamW (docs/numerics.md section 12b) as TIR kernels, for the host and the GPU.
+
+One parameter's update is a fixed sequence of kernels over named buffers (`adamw_kernels`), in
+launch order ([n] = rounding site n of `numerics.adamw_keys`):
+
+    grad_shift   s_g, e_g: per-group compaction shift of the gradient accumulator
+    m_sum        acc_m = aligned sum of m * beta1 [1] and g (compacted on the fly [0]) * c1 [2]
+    m_shift      s_m, m_exp_out;  m_apply: m_out = compaction of acc_m [3]
+    v_sum        acc_v = aligned sum of r^2 * beta2 [4] and g^2 * c2 [5] (g again from [0])
+    root         rho = isqrt(acc_v << k), rho_exp = (e_v - k) / 2
+    r_shift      s_r, r_exp_out;  r_apply: r_out = compaction of rho [6]
+    ratio        q = m_out / (r_out + eps) with RATIO_FRAC fraction bits, clamped
+    w_target     e_w: w's exponent, or the update's for an all-zero w (zero_weight_exponent)
+    w_step       w_acc = w - align(q * lr) [7] - shift_right(w * wd, wd.shift) [8]
+    w_rescale    s_w, w_exp_out;  w_apply: w_out [9]
+
+The shifts reuse `te_compaction` and the weight's rescale `te_update`, as the SGD update does.
+Run-time values are small buffers, so one compiled set serves every step: exponents (int32),
+`lr` = the step's (lr_t, eps_t, wd_t) as (num, shift) pairs, int32[6], and the ten site keys.
+Static: shape, bits, grouping, rounding and the betas' FixedScalars.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import te, tirx
+
+from mexc.lowering.te_compaction import (
+    aligned_target,
+    compaction_apply,
+    compaction_shift,
+    shift_left_saturating,
+    shift_signed,
+)
+from mexc.lowering.te_divide import idiv_round, isqrt
+from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_update import NO_EXP, Kernel, UpdateSpec, _Ops, w_rescale
+from mexc.numerics import (
+    ADAMW_SITES,
+    DENOM_FRAC,
+    MOMENT_BITS,
+    RATIO_CAP,
+    RATIO_FRAC,
+    FixedScalar,
+)
+
+I8, I32, I64 = "int8", "int32", "int64"
+KEY_VIEWS = {"key_m": 3, "key_r": 6, "key_w": 9}  # one-element views of `keys`
+STEP_SCALARS = 6  # lr: (lr_t, eps_t, wd_t) as (num, shift) pairs
+
+
+@dataclass(frozen=True)
+class AdamSpec:
+    """What a compiled AdamW kernel set is specialized on: the tensor layout, grouping and
+    rounding (`layout`, an UpdateSpec whose momentum and decay are unused) and the betas."""
+
+    layout: UpdateSpec
+    beta1: FixedScalar
+    one_minus_beta1: FixedScalar
+    beta2: FixedScalar
+    one_minus_beta2: FixedScalar
+
+
+def adamw_buffers(spec: AdamSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of every buffer the kernels name, except the views in KEY_VIEWS.
+    Inputs w, w_exp, grad, grad_exp, m, m_exp, r, r_exp, lr, keys; outputs w_out, w_exp_out,
+    m_out, m_exp_out, r_out, r_exp_out; the rest is scratch."""
+    lay = spec.layout
+    full, g, one = lay.shape, (lay.groups,), (1,)
+    out = {"w": (full, I8), "w_exp": (one, I32), "grad": (full, I32), "grad_exp": (one, I32)}
+    out |= {"m": (full, I8), "m_exp": (g, I32), "r": (full, I8), "r_exp": (g, I32)}
+    out |= {"lr": ((STEP_SCALARS,), I32), "keys": ((ADAMW_SITES,), I64)}
+    out |= {"s_g": (g, I32), "e_g": (g, I32), "t_m": (g, I32), "acc_m": (full, I32)}
+    out |= {"s_m": (g, I32), "m_exp_out": (g, I32), "m_out": (full, I8)}
+    out |= {"t_v": (g, I32), "acc_v": (full, I32), "rho": (full, I32), "rho_exp": (g, I32)}
+    out |= {"s_r": (g, I32), "r_exp_out": (g, I32), "r_out": (full, I8), "q": (full, I32)}
+    out |= {"eps_units": (g, I32)}
+    out |= {"w_acc": (full, I32), "e_w": (one, I32), "s_w": (one, I32)}
+    out |= {"w_exp_out": (one, I32), "w_out": (full, I8)}
+    return out
+
+
+def _grad_inputs(lay: UpdateSpec) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
+    gshape = (lay.kgroups,)
+    return (
+        te.placeholder(lay.kshape, I32, name="grad"),
+        te.placeholder(gshape, I32, name="s_g"),
+        te.placeholder(gshape, I32, name="e_g"),
+    )
+
+
+def m_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
+    """acc_m = m * beta1 + g * c1 aligned (step 2), g = compaction of grad by s_g [0].
+    Parameters (grad, s_g, e_g, m, m_exp, keys, t_m, acc_m)."""
+    lay = spec.layout
+    op, b = _Ops(lay), lay.bits - 1
+    b1, c1 = spec.beta1, spec.one_minus_beta1
+    grad, s_g, e_g = _grad_inputs(lay)
+    m = te.placeholder(lay.kshape, I8, name="m")
+    m_exp = te.placeholder((lay.kgroups,), I32, name="m_exp")
+    keys = te.placeholder((ADAMW_SITES,), I64, name="keys")
+    m_bits = MOMENT_BITS - 1 + b1.num.bit_length()
+    t = te.compute(
+        (lay.kgroups,),
+        lambda g: aligned_target(
+            [(m_exp[g] - b1.shift, m_bits), (e_g[g] - c1.shift, b + c1.num.bit_length())]
+        ),
+        name="t",
+    )
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        g, flat = op.gi(idx), op.flat(idx)
+        gm = op.compacted(grad[idx], s_g[g], keys[0], flat)
+        m_term = op.term(m[idx].astype(I64) * b1.num, t[g] - (m_exp[g] - b1.shift), keys[1], flat)
+        g_term = op.term(gm * c1.num, t[g] - (e_g[g] - c1.shift), keys[2], flat)
+        return (m_term + g_term).astype(I32)
+
+    acc = te.compute(lay.kshape, body, name="acc")
+    return prim_func([grad, s_g, e_g, m, m_exp, keys, t, acc], name)
+
+
+def v_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
+    """acc_v = r^2 * beta2 + g^2 * c2 aligned (step 3), g = compaction of grad by s_g [0].
+    Parameters (grad, s_g, e_g, r, r_exp, keys, t_v, acc_v)."""
+    lay = spec.layout
+    op, b = _Ops(lay), lay.bits - 1
+    b2, c2 = spec.beta2, spec.one_minus_beta2
+    grad, s_g, e_g = _grad_inputs(lay)
+    r = te.placeholder(lay.kshape, I8, name="r")
+    r_exp = te.placeholder((lay.kgroups,), I32, name="r_exp")
+    keys = te.placeholder((ADAMW_SITES,), I64, name="keys")
+    r_bits = 2 * (MOMENT_BITS - 1) + b2.num.bit_length()
+    t = te.compute(
+        (lay.kgroups,),
+        lambda g: aligned_target(
+            [
+                (2 * r_exp[g] - b2.shift, r_bits),
+                (2 * e_g[g] - c2.shift, 2 * b + c2.num.bit_length()),
+            ]
+        ),
+        name="t",
+    )
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        g, flat = op.gi(idx), op.flat(idx)
+        gm = op.compacted(grad[idx], s_g[g], keys[0], flat)
+        rv = r[idx].astype(I64)
+        r_term = op.term(rv * rv * b2.num, t[g] - (2 * r_exp[g] - b2.shift), keys[4], flat)
+        g_term = op.term(gm * gm * c2.num, t[g] - (2 * e_g[g] - c2.shift), keys[5], flat)
+        return (r_term + g_term).astype(I32)
+
+    acc = te.compute(lay.kshape, body, name="acc")
+    return prim_func([grad, s_g, e_g, r, r_exp, keys, t, acc], name)
+
+
+def _root_shift(e_v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """numerics.root_exponent_shift: 30 or 31, so that e_v - k is even."""
+    return 30 + tirx.floormod(e_v - 30, 2)
+
+
+def root(spec: AdamSpec, name: str) -> tirx.PrimFunc:
+    """rho = isqrt(acc_v << k) and rho_exp = (e_v - k) / 2 per group (step 4).
+    Parameters (acc_v, t_v, rho, rho_exp)."""
+    lay = spec.layout
+    op = _Ops(lay)
+    acc = te.placeholder(lay.kshape, I32, name="acc_v")
+    e_v = te.placeholder((lay.kgroups,), I32, name="t_v")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        k = _root_shift(e_v[op.gi(idx)]).astype(I64)
+        return isqrt(acc[idx].astype(I64) << k).astype(I32)
+
+    rho = te.compute(lay.kshape, body, name="rho")
+    rho_exp = te.compute(
+        (lay.kgroups,), lambda g: tirx.floordiv(e_v[g] - _root_shift(e_v[g]), 2), name="rho_exp"
+    )
+    return prim_func([acc, e_v, rho, rho_exp], name)
+
+
+def _ratio_exp(m_exp: te.Tensor, r_exp: te.Tensor, g: tirx.PrimExpr) -> tirx.PrimExpr:
+    """e_q = e_m - e_r - RATIO_FRAC of one group."""
+    return m_exp[g] - r_exp[g] - RATIO_FRAC
+
+
+def ratio(spec: AdamSpec, name: str, native_division: bool) -> tirx.PrimFunc:
+    """q = clamp(idiv_round(m << 15, (r << 8) + E), +-RATIO_CAP) (step 5; numerics.adam_ratio),
+    E = eps_t in units of 2^(e_r - 8) per group. Parameters (m_out, m_exp_out, r_out,
+    r_exp_out, lr, eps_units, q); lr[2], lr[3] = eps_t; eps_units: E per group (scratch)."""
+    lay = spec.layout
+    op = _Ops(lay)
+    m = te.placeholder(lay.kshape, I8, name="m_out")
+    m_exp = te.placeholder((lay.kgroups,), I32, name="m_exp_out")
+    r = te.placeholder(lay.kshape, I8, name="r_out")
+    r_exp = te.placeholder((lay.kgroups,), I32, name="r_exp_out")
+    lr = te.placeholder((STEP_SCALARS,), I32, name="lr")
+    zero = tirx.const(0, I64)
+
+    def eps_units(g: tirx.PrimExpr) -> tirx.PrimExpr:
+        s = (lr[3] + r_exp[g] - DENOM_FRAC).astype(I64)
+        num = lr[2].astype(I64)
+        right = shift_signed(num, tirx.max(s, zero), zero, zero, False)
+        return tirx.if_then_else(s >= 0, right, shift_left_saturating(num, -s)).astype(I32)
+
+    e = te.compute((lay.kgroups,), eps_units, name="eps_units")
+    cap = tirx.const(RATIO_CAP, I64)
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        mv = m[idx].astype(I64)
+        d = (r[idx].astype(I64) << DENOM_FRAC) + e[op.gi(idx)].astype(I64)
+        q = idiv_round(mv << (DENOM_FRAC + RATIO_FRAC), tirx.max(d, 1), native_division)
+        signed_cap = tirx.if_then_else(mv < 0, -cap, cap)
+        out = tirx.if_then_else(d == 0, signed_cap, tirx.max(tirx.min(q, cap), -cap))
+        return tirx.if_then_else(mv == 0, zero, out).astype(I32)
+
+    q = te.compute(lay.kshape, body, name="q")
+    return prim_func([m, m_exp, r, r_exp, lr, e, q], name)
+
+
+def _step_inputs(lay: UpdateSpec) -> tuple[te.Tensor, ...]:
+    """The placeholders w_target and w_step share: w, w_exp, q, m_exp_out, r_exp_out, lr."""
+    gshape = (lay.kgroups,)
+    return (
+        te.placeholder(lay.kshape, I8, name="w"),
+        te.placeholder((1,), I32, name="w_exp"),
+        te.placeholder(lay.kshape, I32, name="q"),
+        te.placeholder(gshape, I32, name="m_exp_out"),
+        te.placeholder(gshape, I32, name="r_exp_out"),
+        te.placeholder((STEP_SCALARS,), I32, name="lr"),
+    )
+
+
+def w_target(spec: AdamSpec, name: str) -> tirx.PrimFunc:
+    """numerics.zero_weight_exponent: e_w = w_exp, or, if every w is 0, the largest
+    e_q - lr.shift over groups with a nonzero update q * lr.num (none: w_exp).
+    Parameters (w, w_exp, q, m_exp_out, r_exp_out, lr, e_w); serial reductions."""
+    lay = spec.layout
+    op = _Ops(lay)
+    w, w_exp, q, m_exp, r_exp, lr = _step_inputs(lay)
+    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(lay.kshape)]
+    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(lay.kshape)]
+
+    def any_w(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        return te.max(tirx.if_then_else(w[tuple(r1)] != 0, 1, 0), axis=r1)
+
+    def best_exp(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        idx = tuple(r2)
+        live = tirx.all(q[idx] != 0, lr[0] != 0)
+        e_u = _ratio_exp(m_exp, r_exp, op.gi(idx)) - lr[1]
+        return te.max(tirx.if_then_else(live, e_u, NO_EXP), axis=r2)
+
+    nz = te.compute((1,), any_w, name="w_nonzero")
+    best = te.compute((1,), best_exp, name="u_exp")
+    keep = tirx.any(nz[0] > 0, best[0] == NO_EXP)
+    e_w = te.compute((1,), lambda i: tirx.if_then_else(keep, w_exp[i], best[0]), name="e_w")
+    return prim_func([w, w_exp, q, m_exp, r_exp, lr, e_w], name)
+
+
+def w_step(spec: AdamSpec, name: str) -> tirx.PrimFunc:
+    """w_acc = w - align(q * lr_t.num) [7] - shift_right(w * wd_t.num, wd_t.shift) [8]
+    (steps 6 and 7). Parameters (w, e_w, q, m_exp_out, r_exp_out, lr, keys, w_acc)."""
+    lay = spec.layout
+    op = _Ops(lay)
+    w, w_exp, q, m_exp, r_exp, lr = _step_inputs(lay)
+    keys = te.placeholder((ADAMW_SITES,), I64, name="keys")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = op.flat(idx)
+        u = q[idx].astype(I64) * lr[0].astype(I64)  # |u| < 2^26
+        d = (w_exp[0] - (_ratio_exp(m_exp, r_exp, op.gi(idx)) - lr[1])).astype(I64)
+        right = shift_signed(u, tirx.max(d, 0), keys[7], flat, lay.stochastic)
+        step = tirx.if_then_else(d >= 0, right, shift_left_saturating(u, -d))
+        wv = w[idx].astype(I64)
+        wd = wv * lr[4].astype(I64)
+        decay = shift_signed(wd, lr[5].astype(I64), keys[8], flat, lay.stochastic)
+        return (wv - step - decay).astype(I32)
+
+    w_acc = te.compute(lay.kshape, body, name="w_acc")
+    return prim_func([w, w_exp, q, m_exp, r_exp, lr, keys, w_acc], name)
+
+
+def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kernel]:
+    """The kernels of one parameter's AdamW update in launch order (module docstring);
+    `native_division`: the target divides natively (te_divide.idiv_round)."""
+    lay = spec.layout
+    shape, bits, grouped, st = lay.kshape, lay.bits, lay.grouped, lay.stochastic
+    grad = ("grad", "s_g", "e_g")
+    return [
+        Kernel(
+            compaction_shift(shape, bits, grouped, f"{name}_grad", shared_exp=True),
+            ("grad", "grad_exp", "s_g", "e_g"),
+            reduce=True,
+        ),
+        Kernel(m_sum(spec, f"{name}_m_sum"), (*grad, "m", "m_exp", "keys", "t_m", "acc_m"), False),
+        Kernel(
+            compaction_shift(shape, MOMENT_BITS, grouped, f"{name}_m"),
+            ("acc_m", "t_m", "s_m", "m_exp_out"),
+            reduce=True,
+        ),
+        Kernel(
+            compaction_apply(shape, MOMENT_BITS, grouped, st, f"{name}_m"),
+            ("acc_m", "s_m", "key_m", "m_out"),
+            reduce=False,
+        ),
+        Kernel(v_sum(spec, f"{name}_v_sum"), (*grad, "r", "r_exp", "keys", "t_v", "acc_v"), False),
+        Kernel(root(spec, f"{name}_root"), ("acc_v", "t_v", "rho", "rho_exp"), reduce=False),
+        Kernel(
+            compaction_shift(shape, MOMENT_BITS, grouped, f"{name}_r"),
+            ("rho", "rho_exp", "s_r", "r_exp_out"),
+            reduce=True,
+        ),
+        Kernel(
+            compaction_apply(shape, MOMENT_BITS, grouped, st, f"{name}_r"),
+            ("rho", "s_r", "key_r", "r_out"),
+            reduce=False,
+        ),
+        Kernel(
+            ratio(spec, f"{name}_ratio", native_division),
+            ("m_out", "m_exp_out", "r_out", "r_exp_out", "lr", "eps_units", "q"),
+            reduce=False,
+        ),
+        Kernel(
+            w_target(spec, f"{name}_w_target"),
+            ("w", "w_exp", "q", "m_exp_out", "r_exp_out", "lr", "e_w"),
+            reduce=False,
+        ),
+        Kernel(
+            w_step(spec, f"{name}_w_step"),
+            ("w", "e_w", "q", "m_exp_out", "r_exp_out", "lr", "keys", "w_acc"),
+            reduce=False,
+        ),
+        Kernel(w_rescale(lay, f"{name}_w_rescale"), ("w_acc", "e_w", "s_w", "w_exp_out"), True),
+        Kernel(
+            compaction_apply(shape, bits, False, st, f"{name}_w"),
+            ("w_acc", "s_w", "key_w", "w_out"),
+            reduce=False,
+        ),
+    ]
