@@ -160,17 +160,20 @@ def _pct(v: float | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("config", "bits", "rounding", "pgv", "epochs", "int %", "fp32 %", "gap pts",
-            "mem int/fp32", "int s", "img/s")  # fmt: skip
+    head = ("config", "optimizer", "bits", "rounding", "pgv", "epochs", "int %", "fp32 %",
+            "gap pts", "mem int/fp32", "state B/param", "int s", "img/s")  # fmt: skip
     lines = [head]
     for r in rows:
         res, c = r["results"], r["results"]["config"]
         fp = r["fp32_accuracy"]
         gap = None if fp is None else 100 * (fp - res["integer"]["accuracy"])
         pgv = "on" if c["per_group_velocity"] else "off"
+        mem = res["memory"]
+        per_param = mem.get("param_state_bytes", 0) / max(mem.get("params", 0), 1)
         lines.append(
             (
                 r["name"],
+                c.get("optimizer", "SGD"),
                 str(c["bits"]),
                 c["rounding"],
                 pgv,
@@ -178,7 +181,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 _pct(res["integer"]["accuracy"]),
                 _pct(fp),
                 "-" if gap is None else f"{gap:+.2f}",
-                f"{res['memory']['formula_ratio']:.3f}",
+                f"{mem['formula_ratio']:.3f}",
+                f"{per_param:.2f}",
                 f"{res['integer']['seconds']:.0f}",
                 f"{res['integer']['images_per_s']:.0f}",
             )

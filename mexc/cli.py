@@ -134,6 +134,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import torch
 
     import mexc
+    from mexc.optim import OPTIMIZER_CLASSES
 
     shape = parse_shape(args.input_shape)
     if args.batch <= 0:
@@ -147,6 +148,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     prog = mexc.compile(
         model,
         (example,),
+        optimizer=OPTIMIZER_CLASSES[args.optimizer](),
         bits=args.bits,
         seed=args.seed,
         target="reference" if args.target == "cuda" else args.target,
@@ -319,6 +321,7 @@ def _compile_flags(
     targets: Sequence[str],
     target: str = "reference",
 ) -> None:
+    from mexc.optim import OPTIMIZERS
     from mexc.targets import TARGETS
 
     shown = "; ".join(f"{name} = {TARGETS[name].summary}" for name in targets)
@@ -340,6 +343,13 @@ def _compile_flags(
         help="one velocity exponent per tensor instead of one per output channel/neuron",
     )
     p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="integer SGD with momentum, AdamW (decoupled decay) or Adam (docs/numerics.md); "
+        "compile uses its default hyperparameters",
+    )
+    p.add_argument(
         "--rounding",
         choices=rounding,
         default=default,
@@ -350,7 +360,6 @@ def _compile_flags(
 
 def build_parser() -> argparse.ArgumentParser:
     from mexc.backends.c.project import BOARDS
-    from mexc.optim import OPTIMIZERS
     from mexc.targets import HOST_NAMES, NAMES  # compile: every target; train: the host's
 
     parser = argparse.ArgumentParser(
@@ -421,12 +430,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="fashion-mnist", help="fashion-mnist | digits | npz:PATH")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="sgd",
-        help="integer SGD with momentum, AdamW (decoupled decay) or Adam (docs/numerics.md)",
-    )
     p.add_argument(
         "--lr", type=float, default=None, help="peak learning rate (default: sgd 0.05, adam 1e-3)"
     )

@@ -85,6 +85,10 @@ class SGD:
             "weight_decay": (wd.num, wd.shift),
         }
 
+    def formula_bytes_per_param(self) -> tuple[int, int]:
+        """The paper's per-parameter bytes, int8 and FP32: weight, gradient and velocity."""
+        return 3, 12
+
     def static_constants(self) -> tuple[object, ...]:
         """What compiled update kernels are specialized on (the rest reaches them per step)."""
         return (self.momentum, self.weight_decay)
@@ -114,6 +118,10 @@ class AdamW:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"{kind} betas must be two values in [0, 1), got {self.betas}")
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+
+    def formula_bytes_per_param(self) -> tuple[int, int]:
+        """The formula's per-parameter bytes, int8 and FP32: weight, gradient and two moments."""
+        return 4, 16
 
     def static_constants(self) -> tuple[object, ...]:
         """What compiled update kernels are specialized on: the betas (lr, eps and the decay
@@ -186,3 +194,4 @@ Optimizer = SGD | AdamW
 OPTIMIZERS = ("sgd", "adamw", "adam")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3, "adam": 1e-3}
 DEFAULT_DECAY = {"sgd": 5e-4, "adamw": 0.01, "adam": 0.0}
+OPTIMIZER_CLASSES: dict[str, type[SGD] | type[AdamW]] = {"sgd": SGD, "adamw": AdamW, "adam": Adam}

@@ -290,10 +290,19 @@ class Program:
         """Bytes, three ways, each labelled: what the backend really allocated for the training
         step (`allocated_*`; the inference plan's own bytes apart, `allocated_eval_bytes`),
         what plan-memory planned for the IR values (`planned_*`: persistent state, saved
-        activations, the arena peak), and the paper's formula (`formula_*`: 3 bytes per
-        parameter and 1 per saved activation element for int8; 12 and 4 for FP32)."""
+        activations, the arena peak), and the paper's formula (`formula_*`: per parameter
+        SGD's 3 bytes for int8 and 12 for FP32, AdamW's 4 and 16; 1 and 4 per saved
+        activation element). `param_state_bytes`: the parameters and their optimizer state, int8
+        mantissas and int32 exponents (as the compiled backends hold them)."""
         mp = self.memory_plan()
         p, a = mp.param_count, mp.saved_elements
+        per_int, per_fp32 = self.optimizer.formula_bytes_per_param()
+        owned = {str(n.attrs.name) for n in self.graph.nodes_of(Op.PARAM)}
+        owned |= {
+            str(n.attrs.name)
+            for n in self.graph.nodes_of(Op.STATE)
+            if str(getattr(n.attrs, "owner", "")) in owned
+        }
         got = self.allocated_bytes()
         return {
             "backend": self.options.target,
@@ -307,8 +316,11 @@ class Program:
             "planned_arena_bytes": mp.arena_bytes,
             "params": p,
             "saved_activation_elements": a,
-            "formula_int_bytes": 3 * p + 1 * a,
-            "formula_fp32_bytes": 12 * p + 4 * a,
+            "param_state_bytes": sum(
+                self.state[k].m.size + 4 * np.size(self.state[k].e) for k in owned
+            ),
+            "formula_int_bytes": per_int * p + 1 * a,
+            "formula_fp32_bytes": per_fp32 * p + 4 * a,
         }
 
     def replay(self, data: tuple[Any, Any], steps: int) -> list[float]:

@@ -5,8 +5,11 @@ checked in tests/mcu/test_c_backend.py."""
 
 from __future__ import annotations
 
+import json
+import platform
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,6 +60,20 @@ def test_llvm_is_bit_exact(name: str, bits: int) -> None:
     _trains_like(_program(name, 4, "llvm", bits), _program(name, 4, bits=bits), steps=3)
 
 
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("objdump") is None,
+    reason="the float scan reads x86-64 objdump output",
+)
+def test_llvm_update_kernels_are_integer_only() -> None:
+    from mexc.backends.llvm import float_check as fc
+
+    prog = _program("DigitsCNN", 4, "llvm")
+    report = fc.check_integer_only(prog)  # raises, naming each float instruction, if any
+    assert report.floats == [] and report.missing == []
+    assert set(report.kernels) == set(fc.launch_symbols(prog._plan_json))  # the update's too
+    assert all(n > 0 for n in report.kernels.values())
+
+
 def test_gpu_plan_on_the_host_is_bit_exact() -> None:
     gpu = LlvmProgram(_program("DigitsCNN", 4), plan_device="gpu")
     _trains_like(gpu, _program("DigitsCNN", 4), steps=3)
@@ -73,9 +90,12 @@ def test_emulated_cuda_is_bit_exact() -> None:
     from mexc.backends.cuda.build import build_step
     from mexc.backends.cuda.emulator import EmulatedCudaProgram
     from mexc.backends.cuda.program import StepArtifact
+    from mexc.backends.cuda.sass_check import verify_artifact
 
     with tempfile.TemporaryDirectory() as out:
         build_step(_program("MLP", 2), ("sm_80",), out)
+        manifest = json.loads((Path(out) / "plan.json").read_text())
+        assert verify_artifact(Path(out), manifest) == []  # no float in the source or the SASS
         artifact = StepArtifact.load(out)
         assert isinstance(artifact.program.optimizer, mexc.AdamW)
         _trains_like(EmulatedCudaProgram(artifact, reverse=True), artifact.program, steps=3)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import mexc
 from mexc.cli import main
 from mexc.pipeline import PIPELINE
 
@@ -119,6 +120,30 @@ def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     assert (tmp_path / "ck" / "last.mexc").is_file() and (
         tmp_path / "ck" / "trainer.json"
     ).is_file()
+
+
+def test_train_with_adamw_beside_fp32_adamw(tmp_path: Path) -> None:
+    """--optimizer adamw: integer AdamW with its default rate and decay, FP32 AdamW beside it,
+    the optimizer in the results and the checkpoint; a resumed run keeps it."""
+    out_json = tmp_path / "r.json"
+    args = [
+        "train", f"{MODELS}:DigitsCNN", "--data", "digits", "--epochs", "2", "--batch", "32",
+        "--limit-train", "256", "--limit-test", "100", "--compare-fp32", "--quiet",
+        "--optimizer", "adamw", "--target", "reference", "--out", str(out_json),
+        "--checkpoint", str(tmp_path / "ck"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    res = json.loads(out_json.read_text())
+    cfg = res["config"]
+    assert (cfg["optimizer"], cfg["lr"], cfg["weight_decay"]) == ("AdamW", 1e-3, 0.01)
+    assert cfg["betas"] == [0.9, 0.999] and "momentum" not in cfg
+    losses = [h["train_loss"] for h in res["integer"]["history"]]
+    assert losses[1] < losses[0] and res["integer"]["accuracy"] > 0.3
+    mem = res["memory"]
+    assert mem["formula_int_bytes"] * 4 <= mem["formula_fp32_bytes"]
+    assert mem["param_state_bytes"] <= 4 * mem["params"]  # w, m, r and their exponents
+    prog = mexc.load(tmp_path / "ck" / "last.mexc")
+    assert isinstance(prog.optimizer, mexc.AdamW) and prog.optimizer.weight_decay == 0.01
 
 
 UNSUPPORTED = """
