@@ -149,6 +149,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         model,
         (example,),
         optimizer=OPTIMIZER_CLASSES[args.optimizer](),
+        trainable=args.trainable,
         bits=args.bits,
         seed=args.seed,
         target="reference" if args.target == "cuda" else args.target,
@@ -164,6 +165,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"input            [{args.batch}, {', '.join(map(str, shape))}] (batch fixed)")
     print(f"nodes            {len(prog.graph.nodes)}")
     print(f"parameters       {mem['params']}")
+    frozen = int(prog.graph.attr("frozen_params", 0))
+    if frozen:
+        print(f"trainable        {args.trainable} ({frozen} parameter tensors frozen)")
     print(f"bits             {args.bits}")
     if mem["allocated_bytes"]:
         print(f"allocated        {_kib(mem['allocated_bytes'])}  ({mem['backend']} backend)")
@@ -270,6 +274,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         betas=(args.beta1, args.beta2),
         eps=args.eps,
+        trainable=args.trainable,
         warmup=args.warmup,
         bits=args.bits,
         rounding=rounding_mode(args.rounding),
@@ -348,6 +353,14 @@ def _compile_flags(
         default="sgd",
         help="integer SGD with momentum, AdamW (decoupled decay) or Adam (docs/numerics.md); "
         "compile uses its default hyperparameters",
+    )
+    p.add_argument(
+        "--trainable",
+        metavar="SPEC",
+        default=None,
+        help="sparse update: train only these parameters (last:K = the last K weight layers "
+        "and what follows them; bias-norm = biases and norm affines; or comma-separated name "
+        "patterns such as 'fc.*,*.bias'); default all",
     )
     p.add_argument(
         "--rounding",

@@ -19,6 +19,7 @@ from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_
 from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
 from mexc.targets import get as get_target
+from mexc.trainable import TrainableSpec, resolve_trainable
 from mexc.types import Exp
 
 
@@ -75,11 +76,13 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     instruments: Sequence[Instrument] = (),
     verify_each: bool = True,
     recompute: bool = True,
+    trainable: TrainableSpec = None,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
     mexc.targets.NAMES). `recompute`: the backward pass computes batch-norm outputs again
     from their saved xhat instead of keeping them (the rematerialize pass; the same bits, less
-    memory, one more elementwise pass per batch norm)."""
+    memory, one more elementwise pass per batch norm). `trainable`: the parameters to train
+    (sparse update; mexc.trainable: "last:K", "bias-norm", name patterns; None: all)."""
     chosen = get_target(target)
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
@@ -88,6 +91,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     x = _example_batch(example_inputs)
     front = import_model(model, x)
     ctx = PassContext(
+        trainable=resolve_trainable(trainable, front.graph),
         bits=bits,
         seed=seed,
         rounding=rounding,

@@ -80,9 +80,15 @@ def train_fp32(
     seed: int,
     epochs: int,
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
+    trainable: frozenset[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train `model` in place; one history dict per epoch (same keys as the integer Trainer)."""
+    """Train `model` in place; one history dict per epoch (same keys as the integer Trainer).
+    `trainable`: the parameter names to train, as the integer program's (None: all); the
+    others are frozen (requires_grad off: no gradient, no decay)."""
     torch.set_num_threads(cpu_threads())
+    if trainable is not None:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in trainable)
     opt = torch_optimizer(model, optimizer)
     loss_fn = nn.CrossEntropyLoss()
     x_all, y_all = train

@@ -36,7 +36,8 @@ class PassContext:
     rounding: str = "stochastic"
     per_group_velocity: bool = True
     recompute: bool = True  # rematerialize: batch-norm outputs recomputed in the backward pass
-    optimizer: Any = None  # mexc SGD config, set by mexc.compile
+    optimizer: Any = None  # the mexc optimizer (SGD, AdamW), set by mexc.compile
+    trainable: frozenset[str] | None = None  # the parameters trained (None: all; mexc.trainable)
     batch: int = 0
     num_classes: int = 0
     results: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +47,7 @@ class PassContext:
         return (
             f"bits={self.bits} seed={self.seed} rounding={self.rounding} "
             f"per_group_velocity={self.per_group_velocity} recompute={self.recompute} "
+            f"trainable={sorted(self.trainable) if self.trainable is not None else 'all'} "
             f"batch={self.batch} num_classes={self.num_classes} optimizer={self.optimizer!r}"
         )
 

@@ -38,7 +38,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(
         "insert-optimizer",
         insert_optimizer,
-        "integer SGD+momentum with per-group velocity, reactive rescale, BN running stats",
+        "integer SGD+momentum or AdamW with per-group state, reactive rescale, BN running stats",
     ),
     Pass(
         "plan-memory",

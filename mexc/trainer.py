@@ -24,7 +24,7 @@ results.json (`build_results`, format "mexc-results-1"):
   cpu_count, cpus_usable},
   config {model, dataset, bits, rounding, per_group_velocity, target, seed, batch, epochs,
     steps_per_epoch, train_size, test_size, optimizer, lr, momentum (SGD) or betas and eps (AdamW,
-    Adam), weight_decay, schedule, resumed_from},
+    Adam), weight_decay, schedule, resumed_from, trainable (the spec, or "all"), frozen_params},
   integer {accuracy, final_loss, steps, seconds, images_per_s, checksum, history[...]},
   fp32 (same keys but checksum, or null without --compare-fp32),
   gap_points (100 * (fp32 accuracy - integer accuracy), or null),
@@ -508,6 +508,14 @@ def plot_curves(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
+def trained_params(prog: Program) -> frozenset[str]:
+    """The parameters `prog` updates (all of them unless compiled with `trainable`)."""
+    from mexc.ir import Op
+
+    updates = prog.graph.nodes_of(Op.SGD_UPDATE, Op.ADAMW_UPDATE)
+    return frozenset(str(n.attrs.param) for n in updates)
+
+
 def optimizer_config(opt: Any) -> dict[str, Any]:
     """The results document's optimizer keys: its kind and hyperparameters."""
     from mexc.optim import AdamW
@@ -581,6 +589,7 @@ def run_training(
     optimizer: str = "sgd",
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    trainable: str | None = None,
     bits: int = 8,
     rounding: str = "auto",
     per_group_velocity: bool = True,
@@ -635,6 +644,7 @@ def run_training(
             target=target,
             per_group_velocity=per_group_velocity,
             rounding=rounding,
+            trainable=trainable,
         )
         trainer = Trainer(
             prog,
@@ -668,11 +678,18 @@ def run_training(
             trainer.batch,
             trainer.seed,
             trainer.epochs,
+            trainable=trained_params(trainer.program) if trainable else None,
         )
     return build_results(
         trainer,
         fp32_history,
-        config={"model": model_name, "dataset": dataset, "resumed_from": str(resume or "")},
+        config={
+            "model": model_name,
+            "dataset": dataset,
+            "resumed_from": str(resume or ""),
+            "trainable": trainable or "all",
+            "frozen_params": int(trainer.program.graph.attr("frozen_params", 0)),
+        },
         command=command,
         fp32_memory=fp32_memory,
     )

@@ -2,7 +2,9 @@
 generic walker.
 
 Requires: MX-typed graph with shift caps (after assign-shift-caps), a SOFTMAX_CE loss head.
-Ensures: the graph computes the gradient of the loss w.r.t. every parameter. Backward nodes follow
+Ensures: the graph computes the gradient of the loss w.r.t. every trained parameter (all, or
+  ctx.trainable: a frozen one gets no gradient, and no backward node that only its gradient
+  needed is built: mexc.trainable). Backward nodes follow
   the forward nodes; a value read by several consumers gets a GRAD_SUM of its gradients. Parameter
   gradients are int32 accumulators (acc<i32>) exposed as outputs "grad:<param name>", to be consumed
   by insert-optimizer. Values that depend on no parameter (the quantized input) get no gradient.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mexc.errors import UnsupportedOpError
-from mexc.ir import Graph, GraphBuilder, Node, Op, Value
+from mexc.ir import Graph, GraphBuilder, Node, Op, Value, needed_nodes
 from mexc.kernels.elementwise import MAX_SUM_TERMS
 from mexc.ops import SCHEMA, attrs, op_def
 from mexc.pass_manager import PassContext
@@ -84,11 +86,12 @@ def _no_grad(n: Node) -> bool:
     return d.boundary or d.no_grad
 
 
-def _needs_grad(g: Graph) -> dict[Value, bool]:
-    """A value needs a gradient when it is a parameter or computed from one."""
+def _needs_grad(g: Graph, trainable: frozenset[str] | None) -> dict[Value, bool]:
+    """A value needs a gradient when it is a trained parameter or computed from one."""
     needs: dict[Value, bool] = {}
     for n in g.nodes:
-        flag = n.op is Op.PARAM or (not _no_grad(n) and any(needs[v] for v in n.inputs))
+        trained = n.op is Op.PARAM and (trainable is None or str(n.attrs.name) in trainable)
+        flag = trained or (not _no_grad(n) and any(needs[v] for v in n.inputs))
         for i in range(len(n.types)):
             needs[n.result(i)] = flag
     return needs
@@ -106,7 +109,8 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     b = GraphBuilder(g.next_id())
     for n in g.nodes:
         b.keep(n)
-    w = _Walker(g, int(g.attr("bits", ctx.bits)), b, _max_rid(g) + 1, _needs_grad(g))
+    needs = _needs_grad(g, ctx.trainable)
+    w = _Walker(g, int(g.attr("bits", ctx.bits)), b, _max_rid(g) + 1, needs)
     w.users = g.users()
     for n in g.nodes:
         for i, t in enumerate(n.types):
@@ -124,8 +128,24 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
         for v, grad in zip(n.inputs, d.vjp(w, n, dys)):
             if grad is not None:
                 pending.setdefault(v, []).append(grad)
-    outputs = list(g.outputs) + [(f"grad:{k}", v) for k, v in sorted(w.param_grads.items())]
-    return b.build(outputs, g.with_attrs(forward_rids=_max_rid(g) + 1).attrs)
+    trained = {
+        k: v for k, v in w.param_grads.items() if ctx.trainable is None or k in ctx.trainable
+    }
+    outputs = list(g.outputs) + [(f"grad:{k}", v) for k, v in sorted(trained.items())]
+    attrs = g.with_attrs(forward_rids=_max_rid(g) + 1)
+    if ctx.trainable is not None:
+        frozen = len(g.nodes_of(Op.PARAM)) - len(trained)
+        attrs = attrs.with_attrs(frozen_params=frozen)
+    out = b.build(outputs, attrs.attrs)
+    return out if ctx.trainable is None else _prune_backward(out, g.next_id())
+
+
+def _prune_backward(g: Graph, first_backward: int) -> Graph:
+    """`g` without the backward nodes (ids from `first_backward`) that no output needs: a frozen
+    parameter's weight gradient, and what only it read."""
+    keep = {n.id for n in needed_nodes(g, [name for name, _ in g.outputs])}
+    nodes = [n for n in g.nodes if n.id < first_backward or n.id in keep]
+    return Graph(tuple(nodes), g.outputs, g.attrs)
 
 
 def _collect(w: _Walker, pending: dict[Value, list[Value]], v: Value, loc: str) -> Value | None:

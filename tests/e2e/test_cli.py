@@ -146,6 +146,15 @@ def test_train_with_adamw_beside_fp32_adamw(tmp_path: Path) -> None:
     assert isinstance(prog.optimizer, mexc.AdamW) and prog.optimizer.weight_decay == 0.01
 
 
+def test_compile_with_a_sparse_update(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["compile", f"{MODELS}:DigitsCNN", "--input-shape", "1,8,8", "--batch", "4"]
+    assert main([*base, "--trainable", "last:1"]) == 0
+    assert "trainable        last:1 (6 parameter tensors frozen)" in capsys.readouterr().out
+    assert main([*base, "--trainable", "head.*"]) == 2
+    err = capsys.readouterr().err
+    assert "pattern 'head.*' matches no parameter" in err and "conv1.weight" in err
+
+
 UNSUPPORTED = """
 import torch
 from torch import nn

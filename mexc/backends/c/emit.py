@@ -188,9 +188,11 @@ def _batchnorm(e: _Emit, n: Node) -> None:
     e.statics.append(arrays)
     e.statics.append(f"static mexc_bn_saved_t {sv};")
     e.bn_saved[n.id] = sv
-    xhat = e.arena(n.result(1), "int8_t")
     e.need(6 * c)
     y = e.arena(n.out, "int8_t")
+    # where no backward node reads xhat (a frozen batch norm that no gradient passes:
+    # mexc.trainable), it is computed into y, which the affine may overwrite in place
+    xhat = e.arena(n.result(1), "int8_t") if n.result(1) in e.offsets else y
     ey = e.local_exp(n.out)
     eps = _eps_fixed(float(n.attrs.eps))
     e.emit(
@@ -340,8 +342,8 @@ def _bn_grad(e: _Emit, n: Node) -> None:
     nn, c, s = _ncs(e.shape(n.out))
     e.need(6 * c + _fit_scratch(nn * c * s, nn * s))
     dx = e.arena(n.out, "int8_t") if n.out in e.offsets else "NULL"
-    dg = e.arena(n.result(1), "int32_t")
-    db = e.arena(n.result(2), "int32_t")
+    dg = _slot_or_static(e, n.result(1), "int32_t", f"bn{n.id}_dgamma")
+    db = _slot_or_static(e, n.result(2), "int32_t", f"bn{n.id}_dbeta")
     edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
     e.exp[n.result(2)] = ed
     e.emit(
@@ -507,6 +509,15 @@ def _optional_arena(e: _Emit, v: Value, ctype: str) -> str:
     return e.arena(v, ctype) if v in e.offsets else "NULL"
 
 
+def _slot_or_static(e: _Emit, v: Value, ctype: str, name: str) -> str:
+    """The arena slot of v, or a static array of its size where nothing reads v but the kernel
+    needs it as scratch (a frozen norm's dgamma and dbeta: mexc.trainable)."""
+    if v in e.offsets:
+        return e.arena(v, ctype)
+    e.statics.append(f"static {ctype} {name}[{e.numel(v)}];")
+    return name
+
+
 def _relu6(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
     y = e.arena(n.out, "int8_t")
@@ -633,7 +644,7 @@ def _layernorm(e: _Emit, n: Node) -> None:
     e.bn_saved[n.id] = sv
     if n.result(1) in e.offsets:
         xhat = e.arena(n.result(1), "int8_t")
-    else:  # no backward reads it (cannot happen in a training step; kept for safety)
+    else:  # no backward node reads it (a frozen LayerNorm no gradient passes: mexc.trainable)
         xhat = f"{sv}_xhat"
         e.statics.append(f"static int8_t {xhat}[{rows * d}];")
     e.need(5 * rows)
@@ -654,8 +665,8 @@ def _layernorm_grad(e: _Emit, n: Node) -> None:
     rows, d = _rows2(e.shape(n.out))
     e.need(5 * rows + _fit_scratch(rows * d, rows))
     dx = _optional_arena(e, n.out, "int8_t")
-    dg = e.arena(n.result(1), "int32_t")
-    db = e.arena(n.result(2), "int32_t")
+    dg = _slot_or_static(e, n.result(1), "int32_t", f"ln{n.id}_dgamma")
+    db = _slot_or_static(e, n.result(2), "int32_t", f"ln{n.id}_dbeta")
     edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
     e.exp[n.result(2)] = ed
     e.emit(f"{edx} = 0;")

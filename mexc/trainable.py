@@ -1,0 +1,89 @@
+"""Which parameters a program trains (sparse update): `mexc.compile(..., trainable=SPEC)`.
+
+A frozen parameter keeps its initial value: derive-backward gives it no gradient, insert-optimizer
+no state and no update, and the backward nodes only it needed are not built, so the activations
+only its weight gradient read are not saved either (the memory a sparse update saves on an MCU).
+
+SPEC is one of
+    None                 every parameter (the default)
+    "last:K"             the last K weight layers (convolutions and linear layers, in graph order)
+                         and every parameter first used after the first of them (their biases,
+                         the batch norms between them)
+    "bias-norm"          biases and the affine parameters of batch and layer norms
+    a pattern            fnmatch over parameter names ("fc.*", "layer4.*", "*.bias")
+    several              a comma-separated string or a sequence of the above, united
+                         ("last:1,bias-norm")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+
+from mexc.errors import MexcError
+from mexc.ir import Graph, Op
+
+WEIGHT_LAYERS = (Op.CONV2D, Op.LINEAR)
+NORMS = (Op.BATCHNORM, Op.LAYERNORM)
+TrainableSpec = str | Sequence[str] | None
+
+
+class TrainableError(MexcError, ValueError):
+    """A trainable spec that selects nothing, or names what the model does not have."""
+
+
+def _first_users(g: Graph) -> dict[str, tuple[int, Op]]:
+    """Each parameter's first consumer: (its position in the graph, its op)."""
+    names = {n.out: str(n.attrs.name) for n in g.nodes_of(Op.PARAM)}
+    first: dict[str, tuple[int, Op]] = {}
+    for i, n in enumerate(g.nodes):
+        for v in n.inputs:
+            name = names.get(v)
+            if name is not None and name not in first:
+                first[name] = (i, n.op)
+    return first
+
+
+def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:
+    """The names of the parameters `spec` trains in the frontend graph `g` (None: all). The
+    parts of a comma-separated string (or the items of a sequence) are united."""
+    if spec is None:
+        return None
+    first = _first_users(g)
+    params = sorted(first, key=lambda k: first[k][0])
+    parts = [p.strip() for p in (spec.split(",") if isinstance(spec, str) else spec)]
+    chosen: set[str] = set()
+    for part in parts:
+        chosen |= _resolve_part(part, first, params)
+    if not chosen:
+        raise TrainableError(
+            f"trainable={spec!r} selects no parameter; the model has {_listing(params)}"
+        )
+    return frozenset(chosen)
+
+
+def _listing(params: list[str]) -> str:
+    return ", ".join(params[:12]) + (", ..." if len(params) > 12 else "")
+
+
+def _resolve_part(part: str, first: dict[str, tuple[int, Op]], params: list[str]) -> set[str]:
+    if part.startswith("last:"):
+        try:
+            k = int(part[5:])
+        except ValueError:
+            k = 0
+        layers = sorted({i for i, op in first.values() if op in WEIGHT_LAYERS})
+        if not 1 <= k <= len(layers):
+            raise TrainableError(
+                f"trainable {part!r}: K must be 1..{len(layers)}, the model's weight layers "
+                "(convolutions and linear layers)"
+            )
+        return {name for name, (i, _) in first.items() if i >= layers[-k]}
+    if part == "bias-norm":
+        return {n for n, (_, op) in first.items() if n.endswith(".bias") or op in NORMS}
+    hits = {n for n in params if fnmatchcase(n, part)}
+    if not hits:
+        raise TrainableError(
+            f"trainable pattern {part!r} matches no parameter; the model has {_listing(params)}"
+        )
+    return hits
