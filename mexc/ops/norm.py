@@ -213,6 +213,9 @@ define(
             "tir_eval": "step_plan:PlanRules.batchnorm_eval",
             "c": "emit:_batchnorm",
         },
+        # y over x where x dies here (a convolution's output): the C kernel reads each element
+        # of x before it writes that element of xhat or y (docs/mcu.md)
+        in_place=True,
         doc="batch norm: batch statistics in training, running statistics in evaluation",
     ),
     OpDef(

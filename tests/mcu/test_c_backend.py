@@ -212,6 +212,23 @@ def test_stm32f405_board_matches_reference(tmp_path: Path) -> None:
 
 @needs_qemu
 @pytest.mark.mcu
+def test_fashion_cnn_fine_tunes_its_classifier_on_the_stm32f405(tmp_path: Path) -> None:
+    """Sparse update (trainable="last:1"): the Fashion CNN at batch 4 trains its classifier in
+    the STM32F405's 128 KB of SRAM, stack included (all of it trained needs 230 KB), with the
+    same STATE as the reference."""
+    cls, shape = EXAMPLES["FashionCNN"]
+    torch.manual_seed(0)
+    prog = mexc.compile(cls(), (torch.zeros(4, *shape),), trainable="last:1")
+    data = _data("FashionCNN", 32)
+    out = mexc.export(prog, tmp_path, data=data, steps=6, board="netduinoplus2")
+    prog.replay(data, 6)
+    assert _state_line(_make(out, "run-qemu")) == prog.state_checksum()
+    sizes = measure(out, "cortex-m4")
+    assert 0 < sizes.ram <= 128 * 1024, sizes
+
+
+@needs_qemu
+@pytest.mark.mcu
 def test_adamw_on_cortex_m4_matches_reference(tmp_path: Path) -> None:
     """Integer AdamW (docs/numerics.md section 12b) in the exported project, under QEMU's
     mps2-an386 (Cortex-M4): the same STATE as the reference after 10 steps, and no float
