@@ -223,6 +223,9 @@ define(
         {"rid": -1},
         reference=_bn_grad,
         lower={"tir": "step_plan:PlanRules.batchnorm_grad", "c": "emit:_bn_grad"},
+        # dx over dy where dy dies here: the C kernel's last pass reads each element of dy
+        # before it writes that element of dx, its earlier passes write nothing of dx
+        in_place=True,
         doc="dx, dgamma, dbeta of batch norm",
     ),
     OpDef(
