@@ -49,10 +49,16 @@ def evaluate(model: nn.Module, data: Arrays, batch: int = 1000) -> float:
 
 def torch_optimizer(model: nn.Module, optimizer: Optimizer) -> torch.optim.Optimizer:
     """PyTorch's optimizer with `optimizer`'s hyperparameters: SGD with momentum (dampening 0,
-    no Nesterov, coupled weight decay), AdamW, or Adam (no weight decay)."""
+    no Nesterov, coupled weight decay), AdamW, or Adam (coupled weight decay)."""
     params = model.parameters()
     if isinstance(optimizer, Adam):
-        return torch.optim.Adam(params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps)
+        return torch.optim.Adam(
+            params,
+            lr=optimizer.lr,
+            betas=optimizer.betas,
+            eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+        )
     if isinstance(optimizer, AdamW):
         return torch.optim.AdamW(
             params,

@@ -676,6 +676,7 @@ class AdamConfig:
     eps: FixedScalar
     weight_decay: FixedScalar
     rounding: Rounding = "stochastic"
+    l2: FixedScalar = FixedScalar(0, 0)  # Adam's coupled decay (step 1b); AdamW: 0
 
 
 MOMENT_BITS = 8  # AdamW's m and r keep 8-bit mantissas at every B (as the SGD velocity)
@@ -683,11 +684,11 @@ MOMENT_EXP0 = -(1 << 14)  # the exponent of a zero moment at the start: below ev
 RATIO_FRAC = 7  # fraction bits of q = m / (r + eps)
 RATIO_CAP = 16 << RATIO_FRAC  # |q| <= 16 (the exact ratio is below 7.3 at the default betas)
 DENOM_FRAC = 8  # fraction bits of D = r + eps
-ADAMW_SITES = 10
+ADAMW_SITES = 13
 
 
 def adamw_keys(seed: int, step: int, tensor_id_base: int) -> list[int]:
-    """Keys of the rounding sites of one parameter's AdamW update: tensor ids base + 0..9."""
+    """Keys of the rounding sites of one parameter's AdamW update: tensor ids base + 0..12."""
     return [stream_key(seed, step, tensor_id_base + site) for site in range(ADAMW_SITES)]
 
 
@@ -736,6 +737,13 @@ def adamw_update(
 
     b = bits - 1
     g8, e_g = compact(grp(grad_acc), np.full(groups, grad_exp), bits, rnd, keys[0], grouped=True)
+    if cfg.l2.num:  # Adam's L2 as a gradient term (step 1b)
+        wd_term = grp(w) * cfg.l2.num
+        wd_exp = np.full(groups, w_exp - cfg.l2.shift)
+        acc, e_acc = aligned_sum(
+            [(g8, e_g, b), (wd_term, wd_exp, b + cfg.l2.num.bit_length())], rnd, keys[10:12]
+        )
+        g8, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[12], grouped=True)
     g = g8.astype(np.int64)
     b1, c1, b2, c2 = cfg.beta1, cfg.one_minus_beta1, cfg.beta2, cfg.one_minus_beta2
     e_m0 = np.asarray(m_exp, np.int64).reshape(groups)

@@ -146,6 +146,10 @@ class AdamW:
     def lr_at(self, step: int) -> FixedScalar:
         return FixedScalar.of(self.rate(step))
 
+    def l2(self) -> FixedScalar:
+        """The coupled (L2) decay of step 1b: none for AdamW (its decay is decoupled)."""
+        return FixedScalar(0, 0)
+
     def config(self, bits: int, step: int, rounding: str) -> AdamConfig:
         b1, b2 = self.betas
         lr_t, eps_t, wd_t = self.step_scalars(step)
@@ -159,6 +163,7 @@ class AdamW:
             eps_t,
             wd_t,
             rounding,  # type: ignore[arg-type]
+            self.l2(),
         )
 
     def graph_attrs(self) -> dict[str, object]:
@@ -174,18 +179,21 @@ class AdamW:
 
 @dataclass(frozen=True)
 class Adam(AdamW):
-    """Integer Adam: AdamW without weight decay (torch's Adam with weight_decay = 0; a coupled
-    L2 decay is not built, AdamW's decoupled one is what adaptive training uses)."""
+    """Integer Adam: torch's Adam, whose weight decay is an L2 term added to the gradient
+    before the moments (docs/numerics.md section 12b, step 1b), not AdamW's decoupled one."""
 
     weight_decay: float = 0.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.weight_decay:
-            raise ValueError(
-                "mexc.Adam takes no weight_decay (torch's coupled L2 decay is not built): "
-                "use mexc.AdamW(weight_decay=...) for decoupled decay"
-            )
+    def step_scalars(self, step: int) -> tuple[FixedScalar, ...]:
+        """(lr_t, eps_t, 0): the decay is static and coupled (AdamConfig.l2)."""
+        lr_t, eps_t, _ = super().step_scalars(step)
+        return lr_t, eps_t, FixedScalar(0, 0)
+
+    def l2(self) -> FixedScalar:
+        return FixedScalar.of(self.weight_decay)
+
+    def static_constants(self) -> tuple[object, ...]:
+        return ("adam", *self.betas, self.weight_decay)
 
 
 Optimizer = SGD | AdamW

@@ -4,6 +4,8 @@ One parameter's update is a fixed sequence of kernels over named buffers (`adamw
 launch order ([n] = rounding site n of `numerics.adamw_keys`):
 
     grad_shift   s_g, e_g: per-group compaction shift of the gradient accumulator
+    l2_sum       Adam's decay only: acc_l2 = g (compacted on the fly [0]) [10] + w * wd [11]
+    l2_shift     s_l2, e_l2; the sums below then read g as acc_l2 compacted by s_l2 [12]
     m_sum        acc_m = aligned sum of m * beta1 [1] and g (compacted on the fly [0]) * c1 [2]
     m_shift      s_m, m_exp_out;  m_apply: m_out = compaction of acc_m [3]
     v_sum        acc_v = aligned sum of r^2 * beta2 [4] and g^2 * c2 [5] (g again from [0])
@@ -22,7 +24,7 @@ Static: shape, bits, grouping, rounding and the betas' FixedScalars.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import te, tirx
 
@@ -35,7 +37,7 @@ from mexc.lowering.te_compaction import (
 )
 from mexc.lowering.te_divide import idiv_round, isqrt
 from mexc.lowering.te_func import prim_func
-from mexc.lowering.te_update import NO_EXP, Kernel, UpdateSpec, _Ops, w_rescale
+from mexc.lowering.te_update import NO_EXP, Kernel, UpdateSpec, _Ops, w_rescale, wd_sum
 from mexc.numerics import (
     ADAMW_SITES,
     DENOM_FRAC,
@@ -60,6 +62,7 @@ class AdamSpec:
     one_minus_beta1: FixedScalar
     beta2: FixedScalar
     one_minus_beta2: FixedScalar
+    l2: FixedScalar = FixedScalar(0, 0)  # Adam's coupled decay (numerics 12b step 1b)
 
 
 def adamw_buffers(spec: AdamSpec) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -78,6 +81,8 @@ def adamw_buffers(spec: AdamSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     out |= {"eps_units": (g, I32)}
     out |= {"w_acc": (full, I32), "e_w": (one, I32), "s_w": (one, I32)}
     out |= {"w_exp_out": (one, I32), "w_out": (full, I8)}
+    if spec.l2.num:
+        out |= {"t_l2": (g, I32), "acc_l2": (full, I32), "s_l2": (g, I32), "e_l2": (g, I32)}
     return out
 
 
@@ -90,8 +95,8 @@ def _grad_inputs(lay: UpdateSpec) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
     )
 
 
-def m_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
-    """acc_m = m * beta1 + g * c1 aligned (step 2), g = compaction of grad by s_g [0].
+def m_sum(spec: AdamSpec, name: str, g_site: int) -> tirx.PrimFunc:
+    """acc_m = m * beta1 + g * c1 aligned (step 2), g = compaction of grad by s_g [g_site].
     Parameters (grad, s_g, e_g, m, m_exp, keys, t_m, acc_m)."""
     lay = spec.layout
     op, b = _Ops(lay), lay.bits - 1
@@ -111,7 +116,7 @@ def m_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         g, flat = op.gi(idx), op.flat(idx)
-        gm = op.compacted(grad[idx], s_g[g], keys[0], flat)
+        gm = op.compacted(grad[idx], s_g[g], keys[g_site], flat)
         m_term = op.term(m[idx].astype(I64) * b1.num, t[g] - (m_exp[g] - b1.shift), keys[1], flat)
         g_term = op.term(gm * c1.num, t[g] - (e_g[g] - c1.shift), keys[2], flat)
         return (m_term + g_term).astype(I32)
@@ -120,8 +125,8 @@ def m_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
     return prim_func([grad, s_g, e_g, m, m_exp, keys, t, acc], name)
 
 
-def v_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
-    """acc_v = r^2 * beta2 + g^2 * c2 aligned (step 3), g = compaction of grad by s_g [0].
+def v_sum(spec: AdamSpec, name: str, g_site: int) -> tirx.PrimFunc:
+    """acc_v = r^2 * beta2 + g^2 * c2 aligned (step 3), g = compaction of grad by s_g [g_site].
     Parameters (grad, s_g, e_g, r, r_exp, keys, t_v, acc_v)."""
     lay = spec.layout
     op, b = _Ops(lay), lay.bits - 1
@@ -144,7 +149,7 @@ def v_sum(spec: AdamSpec, name: str) -> tirx.PrimFunc:
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         g, flat = op.gi(idx), op.flat(idx)
-        gm = op.compacted(grad[idx], s_g[g], keys[0], flat)
+        gm = op.compacted(grad[idx], s_g[g], keys[g_site], flat)
         rv = r[idx].astype(I64)
         r_term = op.term(rv * rv * b2.num, t[g] - (2 * r_exp[g] - b2.shift), keys[4], flat)
         g_term = op.term(gm * gm * c2.num, t[g] - (2 * e_g[g] - c2.shift), keys[5], flat)
@@ -284,14 +289,27 @@ def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kern
     `native_division`: the target divides natively (te_divide.idiv_round)."""
     lay = spec.layout
     shape, bits, grouped, st = lay.kshape, lay.bits, lay.grouped, lay.stochastic
-    grad = ("grad", "s_g", "e_g")
-    return [
+    out = [
         Kernel(
             compaction_shift(shape, bits, grouped, f"{name}_grad", shared_exp=True),
             ("grad", "grad_exp", "s_g", "e_g"),
             reduce=True,
-        ),
-        Kernel(m_sum(spec, f"{name}_m_sum"), (*grad, "m", "m_exp", "keys", "t_m", "acc_m"), False),
+        )
+    ]
+    grad, g_site = ("grad", "s_g", "e_g"), 0
+    if spec.l2.num:  # Adam's L2 term (step 1b), sites 10, 11 and 12
+        l2_args = (*grad, "w", "w_exp", "keys", "t_l2", "acc_l2")
+        l2 = replace(lay, weight_decay=spec.l2)
+        l2_func = wd_sum(l2, f"{name}_l2_sum", (0, 10, 11), ADAMW_SITES)
+        out.append(Kernel(l2_func, l2_args, reduce=False))
+        l2_shift = compaction_shift(shape, bits, grouped, f"{name}_l2")
+        out.append(Kernel(l2_shift, ("acc_l2", "t_l2", "s_l2", "e_l2"), reduce=True))
+        grad, g_site = ("acc_l2", "s_l2", "e_l2"), 12
+    m_args = (*grad, "m", "m_exp", "keys", "t_m", "acc_m")
+    v_args = (*grad, "r", "r_exp", "keys", "t_v", "acc_v")
+    return [
+        *out,
+        Kernel(m_sum(spec, f"{name}_m_sum", g_site), m_args, False),
         Kernel(
             compaction_shift(shape, MOMENT_BITS, grouped, f"{name}_m"),
             ("acc_m", "t_m", "s_m", "m_exp_out"),
@@ -302,7 +320,7 @@ def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kern
             ("acc_m", "s_m", "key_m", "m_out"),
             reduce=False,
         ),
-        Kernel(v_sum(spec, f"{name}_v_sum"), (*grad, "r", "r_exp", "keys", "t_v", "acc_v"), False),
+        Kernel(v_sum(spec, f"{name}_v_sum", g_site), v_args, False),
         Kernel(root(spec, f"{name}_root"), ("acc_v", "t_v", "rho", "rho_exp"), reduce=False),
         Kernel(
             compaction_shift(shape, MOMENT_BITS, grouped, f"{name}_r"),

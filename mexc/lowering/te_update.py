@@ -139,8 +139,12 @@ class _Ops:
         return shift_signed(x, shift.astype(I64), key, flat, self.spec.stochastic)
 
 
-def wd_sum(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
-    """acc_wd = g + w * wd aligned (section 12 step 2), g = compaction of grad by s_g [0].
+def wd_sum(
+    spec: UpdateSpec, name: str, sites: tuple[int, int, int] = (0, 1, 2), n_keys: int = 9
+) -> tirx.PrimFunc:
+    """acc_wd = g + w * wd aligned (section 12 step 2), g = compaction of grad by s_g; `sites`:
+    the keys of g's compaction and of the two terms ([0], [1], [2] in SGD; AdamW's update
+    reuses it for Adam's L2 step with its own sites, `n_keys` of them).
     Parameters (grad, s_g, e_g, w, w_exp, keys, t_wd, acc_wd)."""
     op, b, wd = _Ops(spec), spec.bits - 1, spec.weight_decay
     grad = te.placeholder(spec.kshape, I32, name="grad")
@@ -148,7 +152,7 @@ def wd_sum(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     e_g = te.placeholder((spec.kgroups,), I32, name="e_g")
     w = te.placeholder(spec.kshape, I8, name="w")
     w_exp = te.placeholder((1,), I32, name="w_exp")
-    keys = te.placeholder((9,), I64, name="keys")
+    keys = te.placeholder((n_keys,), I64, name="keys")
     wd_exp = w_exp[0] - wd.shift
     t = te.compute(
         (spec.kgroups,),
@@ -158,9 +162,9 @@ def wd_sum(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         g, flat = op.gi(idx), op.flat(idx)
-        gm = op.compacted(grad[idx], s_g[g], keys[0], flat)
-        g_term = op.term(gm, t[g] - e_g[g], keys[1], flat)
-        wd_term = op.term(w[idx].astype(I64) * wd.num, t[g] - wd_exp, keys[2], flat)
+        gm = op.compacted(grad[idx], s_g[g], keys[sites[0]], flat)
+        g_term = op.term(gm, t[g] - e_g[g], keys[sites[1]], flat)
+        wd_term = op.term(w[idx].astype(I64) * wd.num, t[g] - wd_exp, keys[sites[2]], flat)
         return (g_term + wd_term).astype(I32)
 
     acc = te.compute(spec.kshape, body, name="acc")

@@ -77,19 +77,22 @@ def test_root_shift_makes_the_exponent_even(e_v: int) -> None:
     assert k in (30, 31) and (e_v - k) % 2 == 0
 
 
-def test_a_noisy_quadratic_trains_as_torch_adamw() -> None:
-    """300 steps of AdamW on w -> target with noisy gradients: the integer weights end as
-    close to the target as torch's (within 5 %), and far from where they started."""
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_noisy_quadratic_trains_as_torch_adam(decoupled: bool) -> None:
+    """300 steps of AdamW (or Adam with its coupled L2 decay) on w -> target with noisy
+    gradients: the integer weights end as close to the target as torch's (within 5 %), and far
+    from where they started."""
     rng = np.random.default_rng(0)
     target = rng.normal(size=(8, 64)) * np.exp(rng.normal(size=(8, 1)))
     w0 = rng.normal(size=(8, 64)) * 0.1
-    opt = AdamW(lr=1e-2, weight_decay=0.1)
+    opt = AdamW(lr=1e-2, weight_decay=0.1) if decoupled else Adam(lr=1e-2, weight_decay=0.1)
     e_w = int(np.ceil(np.log2(np.abs(w0).max() / 127)))
     wm, we = np.round(w0 / 2.0**e_w).astype(np.int8), e_w
     m = r = np.zeros((8, 64), np.int8)
     me = re = np.full(8, MOMENT_EXP0)
     tw = torch.tensor(w0, requires_grad=True)
-    topt = torch.optim.AdamW([tw], lr=1e-2, weight_decay=0.1)
+    kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+    topt = kind([tw], lr=1e-2, weight_decay=0.1)
     for step in range(300):
         noise = 0.5 * rng.normal(size=(8, 64))
         grad = wm * 2.0**we - target + noise
@@ -111,6 +114,6 @@ def test_hyperparameters_are_checked() -> None:
         AdamW(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="eps"):
         AdamW(eps=float("nan"))
-    with pytest.raises(ValueError, match="AdamW"):
-        Adam(weight_decay=0.01)
-    assert Adam().step_scalars(0)[2] == FixedScalar(0, 0)
+    adam = Adam(weight_decay=0.01)  # coupled: a static L2 term, no per-step decoupled decay
+    assert adam.step_scalars(0)[2] == FixedScalar(0, 0) and adam.l2() == FixedScalar.of(0.01)
+    assert AdamW(weight_decay=0.01).l2() == FixedScalar(0, 0)

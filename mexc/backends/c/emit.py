@@ -958,9 +958,11 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
             _fixed(FixedScalar.of(v)).replace("(mexc_fixed_t)", "")
             for v in (b1, 1.0 - b1, b2, 1.0 - b2)
         )
+        l2 = _fixed(opt.l2()).replace("(mexc_fixed_t)", "")
         return [
             f"    mexc_adamw_cfg_t adam = {{{o.bits}, {stochastic}, {static}, "
-            "{lr_num[k], lr_shift[k]}, {eps_num[k], eps_shift[k]}, {wd_num[k], wd_shift[k]}};",
+            "{lr_num[k], lr_shift[k]}, {eps_num[k], eps_shift[k]}, {wd_num[k], wd_shift[k]}, "
+            f"{l2}}};",
             "    uint32_t adam_keys[MEXC_ADAMW_SITES];",
         ]
     mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)

@@ -182,6 +182,20 @@ void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_ex
     /* 1. g = compact(grad_acc) per group [0]; grad then holds g */
     mexc_fill32(e_g, grad_exp, groups);
     compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
+    /* 1b. Adam's L2 term: g = compact(g + wd * w) per group [10, 11], [12] */
+    if (cfg->l2.num) {
+        int32_t wd = cfg->l2.num, wd_exp = we - cfg->l2.shift;
+        int32_t wd_bits = b + mexc_bit_length((uint32_t)wd);
+        for (g = 0; g < groups; g++) {
+            base = g * per;
+            t = target2(e_g[g], b, wd_exp, wd_bits);
+            for (i = base; i < base + per; i++)
+                grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[10], i) +
+                          mexc_shift_signed((int32_t)w[i] * wd, t - wd_exp, st, keys[11], i);
+            e_g[g] = t;
+        }
+        compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[12]);
+    }
     for (g = 0; g < groups; g++) {
         base = g * per;
         /* 2. m = compact(m * beta1 + g * c1) [1, 2], [3] */
