@@ -351,8 +351,8 @@ def _compile_flags(
         "--optimizer",
         choices=OPTIMIZERS,
         default="sgd",
-        help="integer SGD with momentum, AdamW (decoupled decay) or Adam (L2 decay; docs/numerics.md); "
-        "compile uses its default hyperparameters",
+        help="integer SGD with momentum, AdamW (decoupled decay) or Adam (L2 decay); "
+        "docs/numerics.md; compile uses its default hyperparameters",
     )
     p.add_argument(
         "--trainable",
