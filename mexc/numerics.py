@@ -664,13 +664,11 @@ def sgd_momentum_update(
 
 @dataclass(frozen=True)
 class AdamConfig:
-    """The constants of one AdamW step (docs/numerics.md section 12b): static betas as
-    FixedScalars of beta and of 1 - beta, and the per-step lr_t, eps_t and wd_t."""
+    """The constants of one AdamW step (docs/numerics.md section 12b): the static 1 - beta of
+    each moment, the per-step lr_t, eps_t and wd_t, and Adam's static L2 decay."""
 
     bits: int
-    beta1: FixedScalar
     one_minus_beta1: FixedScalar
-    beta2: FixedScalar
     one_minus_beta2: FixedScalar
     lr: FixedScalar
     eps: FixedScalar
@@ -684,11 +682,11 @@ MOMENT_EXP0 = -(1 << 14)  # the exponent of a zero moment at the start: below ev
 RATIO_FRAC = 7  # fraction bits of q = m / (r + eps)
 RATIO_CAP = 16 << RATIO_FRAC  # |q| <= 16 (the exact ratio is below 7.3 at the default betas)
 DENOM_FRAC = 8  # fraction bits of D = r + eps
-ADAMW_SITES = 13
+ADAMW_SITES = 15
 
 
 def adamw_keys(seed: int, step: int, tensor_id_base: int) -> list[int]:
-    """Keys of the rounding sites of one parameter's AdamW update: tensor ids base + 0..12."""
+    """Keys of the rounding sites of one parameter's AdamW update: tensor ids base + 0..14."""
     return [stream_key(seed, step, tensor_id_base + site) for site in range(ADAMW_SITES)]
 
 
@@ -741,45 +739,50 @@ def adamw_update(
         wd_term = grp(w) * cfg.l2.num
         wd_exp = np.full(groups, w_exp - cfg.l2.shift)
         acc, e_acc = aligned_sum(
-            [(g8, e_g, b), (wd_term, wd_exp, b + cfg.l2.num.bit_length())], rnd, keys[10:12]
+            [(g8, e_g, b), (wd_term, wd_exp, b + cfg.l2.num.bit_length())], rnd, keys[12:14]
         )
-        g8, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[12], grouped=True)
+        g8, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[14], grouped=True)
     g = g8.astype(np.int64)
-    b1, c1, b2, c2 = cfg.beta1, cfg.one_minus_beta1, cfg.beta2, cfg.one_minus_beta2
+    c1, c2 = cfg.one_minus_beta1, cfg.one_minus_beta2
+    mm = grp(m)
     e_m0 = np.asarray(m_exp, np.int64).reshape(groups)
-    e_r0 = np.asarray(r_exp, np.int64).reshape(groups)
+    m_bits = MOMENT_BITS - 1
+    # m + c1 (g - m): beta1 itself is never rounded (docs/numerics.md 12b, "Constants")
     acc, e_acc = aligned_sum(
         [
-            (grp(m) * b1.num, e_m0 - b1.shift, MOMENT_BITS - 1 + b1.num.bit_length()),
+            (mm, e_m0, m_bits),
+            (-mm * c1.num, e_m0 - c1.shift, m_bits + c1.num.bit_length()),
             (g * c1.num, e_g - c1.shift, b + c1.num.bit_length()),
         ],
         rnd,
-        keys[1:3],
+        keys[1:4],
     )
-    m_new, e_m = compact(acc, e_acc.reshape(groups), MOMENT_BITS, rnd, keys[3], grouped=True)
-    rr = grp(r)
+    m_new, e_m = compact(acc, e_acc.reshape(groups), MOMENT_BITS, rnd, keys[4], grouped=True)
+    r2 = grp(r) ** 2
+    e_r2 = 2 * np.asarray(r_exp, np.int64).reshape(groups)
     acc, e_v = aligned_sum(
         [
-            (rr * rr * b2.num, 2 * e_r0 - b2.shift, 2 * (MOMENT_BITS - 1) + b2.num.bit_length()),
+            (r2, e_r2, 2 * m_bits),
+            (-r2 * c2.num, e_r2 - c2.shift, 2 * m_bits + c2.num.bit_length()),
             (g * g * c2.num, 2 * e_g - c2.shift, 2 * b + c2.num.bit_length()),
         ],
         rnd,
-        keys[4:6],
+        keys[5:8],
     )
     e_v = e_v.reshape(groups)
     k = root_exponent_shift(e_v)
-    rho = isqrt(acc << k[:, None])
-    r_new, e_r = compact(rho, (e_v - k) // 2, MOMENT_BITS, rnd, keys[6], grouped=True)
+    rho = isqrt(np.maximum(acc, 0) << k[:, None])
+    r_new, e_r = compact(rho, (e_v - k) // 2, MOMENT_BITS, rnd, keys[8], grouped=True)
     q, e_q = adam_ratio(m_new, e_m, r_new, e_r, cfg.eps)
     u = q * cfg.lr.num
     w_exp = zero_weight_exponent(w, w_exp, u, e_q - cfg.lr.shift)
     d = np.broadcast_to(expand_exponent(w_exp - (e_q - cfg.lr.shift), 2), u.shape)
-    right = shift_right(u, np.maximum(d, 0), rnd, keys[7])
+    right = shift_right(u, np.maximum(d, 0), rnd, keys[9])
     left = shift_left_saturating(u, np.maximum(-d, 0))
-    decay = shift_right(grp(w) * cfg.weight_decay.num, cfg.weight_decay.shift, rnd, keys[8])
+    decay = shift_right(grp(w) * cfg.weight_decay.num, cfg.weight_decay.shift, rnd, keys[10])
     w_acc = grp(w) - np.where(d >= 0, right, left) - decay
     check_int32(w_acc, "weight_update")
-    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[9])
+    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[11])
     shape = np.shape(w)
     return (
         w_new.reshape(shape),

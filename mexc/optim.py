@@ -113,11 +113,24 @@ class AdamW:
         kind = type(self).__name__
         for name in ("lr", "eps", "weight_decay"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{kind} {name} must be finite and >= 0, got {value}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{kind} {name} must be a finite number >= 0, got {value!r}")
+        # the per-step scalars are fractions (numerics 12b): a rate of 1 or more, or a decay
+        # that would remove the whole weight in one step, is a mistake
+        if self.lr >= 1 or self.lr * self.weight_decay >= 1:
+            raise ValueError(
+                f"{kind} needs lr < 1 and lr * weight_decay < 1, got lr={self.lr}, "
+                f"weight_decay={self.weight_decay}"
+            )
+        try:
+            b1, b2 = (float(b) for b in self.betas)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{kind} betas must be two numbers in [0, 1), got {self.betas!r}"
+            ) from None
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"{kind} betas must be two values in [0, 1), got {self.betas}")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        object.__setattr__(self, "betas", (b1, b2))
 
     def formula_bytes_per_param(self) -> tuple[int, int]:
         """The formula's per-parameter bytes, int8 and FP32: weight, gradient and two moments."""
@@ -155,9 +168,7 @@ class AdamW:
         lr_t, eps_t, wd_t = self.step_scalars(step)
         return AdamConfig(
             bits,
-            FixedScalar.of(b1),
             FixedScalar.of(1.0 - b1),
-            FixedScalar.of(b2),
             FixedScalar.of(1.0 - b2),
             lr_t,
             eps_t,

@@ -51,7 +51,10 @@ def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:
         return None
     first = _first_users(g)
     params = sorted(first, key=lambda k: first[k][0])
-    parts = [p.strip() for p in (spec.split(",") if isinstance(spec, str) else spec)]
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    if not all(isinstance(p, str) for p in items):
+        raise TrainableError(f"trainable={spec!r}: give names, patterns, last:K or bias-norm")
+    parts = [p.strip() for p in items if p.strip()]
     chosen: set[str] = set()
     for part in parts:
         chosen |= _resolve_part(part, first, params)

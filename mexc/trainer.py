@@ -544,9 +544,9 @@ def make_optimizer(
     eps: float = 1e-8,
 ) -> Any:
     """mexc.SGD (`kind` "sgd", with `momentum`), mexc.AdamW ("adamw", with `betas`, `eps`) or
-    mexc.Adam ("adam": no weight decay), with a schedule in steps. cosine: linear warmup over
-    `warmup_epochs` (default min(1, epochs / 5) epochs), then cosine decay to 0 at the last
-    step; step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no change."""
+    mexc.Adam ("adam": the decay as torch's L2 term), with a schedule in steps. cosine: linear
+    warmup over `warmup_epochs` (default min(1, epochs / 5) epochs), then cosine decay to 0 at
+    the last step; step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no change."""
     from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Schedule, Step
 
     total = steps_per_epoch * epochs

@@ -230,14 +230,7 @@ class DenseRules(PlanBuilder):
             symbolic=self.device.symbolic_update,
         )
         b1, b2 = opt.betas
-        spec = AdamSpec(
-            layout,
-            FixedScalar.of(b1),
-            FixedScalar.of(1.0 - b1),
-            FixedScalar.of(b2),
-            FixedScalar.of(1.0 - b2),
-            opt.l2(),
-        )
+        spec = AdamSpec(layout, FixedScalar.of(1.0 - b1), FixedScalar.of(1.0 - b2), opt.l2())
         wm, gm, mm, rm = (self.view(self.m[t], gr) for t in (w, grad, m, r))
         # outputs land in the state buffers (the update is the last reader of the old values)
         names = {

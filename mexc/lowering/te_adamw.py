@@ -4,22 +4,22 @@ One parameter's update is a fixed sequence of kernels over named buffers (`adamw
 launch order ([n] = rounding site n of `numerics.adamw_keys`):
 
     grad_shift   s_g, e_g: per-group compaction shift of the gradient accumulator
-    l2_sum       Adam's decay only: acc_l2 = g (compacted on the fly [0]) [10] + w * wd [11]
-    l2_shift     s_l2, e_l2; the sums below then read g as acc_l2 compacted by s_l2 [12]
-    m_sum        acc_m = aligned sum of m * beta1 [1] and g (compacted on the fly [0]) * c1 [2]
-    m_shift      s_m, m_exp_out;  m_apply: m_out = compaction of acc_m [3]
-    v_sum        acc_v = aligned sum of r^2 * beta2 [4] and g^2 * c2 [5] (g again from [0])
-    root         rho = isqrt(acc_v << k), rho_exp = (e_v - k) / 2
-    r_shift      s_r, r_exp_out;  r_apply: r_out = compaction of rho [6]
+    l2_sum       Adam's decay only: acc_l2 = g (compacted on the fly [0]) [12] + w * wd [13]
+    l2_shift     s_l2, e_l2; the sums below then read g as acc_l2 compacted by s_l2 [14]
+    m_sum        acc_m = aligned sum of m [1], -m * c1 [2] and g (compacted on the fly [0]) * c1 [3]
+    m_shift      s_m, m_exp_out;  m_apply: m_out = compaction of acc_m [4]
+    v_sum        acc_v = aligned sum of r^2 [5], -r^2 * c2 [6] and g^2 * c2 [7] (g again from [0])
+    root         rho = isqrt(max(acc_v, 0) << k), rho_exp = (e_v - k) / 2
+    r_shift      s_r, r_exp_out;  r_apply: r_out = compaction of rho [8]
     ratio        q = m_out / (r_out + eps) with RATIO_FRAC fraction bits, clamped
     w_target     e_w: w's exponent, or the update's for an all-zero w (zero_weight_exponent)
-    w_step       w_acc = w - align(q * lr) [7] - shift_right(w * wd, wd.shift) [8]
-    w_rescale    s_w, w_exp_out;  w_apply: w_out [9]
+    w_step       w_acc = w - align(q * lr) [9] - shift_right(w * wd, wd.shift) [10]
+    w_rescale    s_w, w_exp_out;  w_apply: w_out [11]
 
 The shifts reuse `te_compaction` and the weight's rescale `te_update`, as the SGD update does.
 Run-time values are small buffers, so one compiled set serves every step: exponents (int32),
-`lr` = the step's (lr_t, eps_t, wd_t) as (num, shift) pairs, int32[6], and the ten site keys.
-Static: shape, bits, grouping, rounding and the betas' FixedScalars.
+`lr` = the step's (lr_t, eps_t, wd_t) as (num, shift) pairs, int32[6], and the ADAMW_SITES site
+keys. Static: shape, bits, grouping, rounding, the FixedScalars of 1 - beta and Adam's L2 decay.
 """
 
 from __future__ import annotations
@@ -48,19 +48,17 @@ from mexc.numerics import (
 )
 
 I8, I32, I64 = "int8", "int32", "int64"
-KEY_VIEWS = {"key_m": 3, "key_r": 6, "key_w": 9}  # one-element views of `keys`
+KEY_VIEWS = {"key_m": 4, "key_r": 8, "key_w": 11}  # one-element views of `keys`
 STEP_SCALARS = 6  # lr: (lr_t, eps_t, wd_t) as (num, shift) pairs
 
 
 @dataclass(frozen=True)
 class AdamSpec:
     """What a compiled AdamW kernel set is specialized on: the tensor layout, grouping and
-    rounding (`layout`, an UpdateSpec whose momentum and decay are unused) and the betas."""
+    rounding (`layout`, an UpdateSpec whose momentum and decay are unused) and 1 - beta."""
 
     layout: UpdateSpec
-    beta1: FixedScalar
     one_minus_beta1: FixedScalar
-    beta2: FixedScalar
     one_minus_beta2: FixedScalar
     l2: FixedScalar = FixedScalar(0, 0)  # Adam's coupled decay (numerics 12b step 1b)
 
@@ -96,20 +94,20 @@ def _grad_inputs(lay: UpdateSpec) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
 
 
 def m_sum(spec: AdamSpec, name: str, g_site: int) -> tirx.PrimFunc:
-    """acc_m = m * beta1 + g * c1 aligned (step 2), g = compaction of grad by s_g [g_site].
-    Parameters (grad, s_g, e_g, m, m_exp, keys, t_m, acc_m)."""
+    """acc_m = m + c1 (g - m) as three aligned terms (step 2), g = compaction of grad by s_g
+    [g_site]. Parameters (grad, s_g, e_g, m, m_exp, keys, t_m, acc_m)."""
     lay = spec.layout
     op, b = _Ops(lay), lay.bits - 1
-    b1, c1 = spec.beta1, spec.one_minus_beta1
+    c1 = spec.one_minus_beta1
     grad, s_g, e_g = _grad_inputs(lay)
     m = te.placeholder(lay.kshape, I8, name="m")
     m_exp = te.placeholder((lay.kgroups,), I32, name="m_exp")
     keys = te.placeholder((ADAMW_SITES,), I64, name="keys")
-    m_bits = MOMENT_BITS - 1 + b1.num.bit_length()
+    mb, cb = MOMENT_BITS - 1, c1.num.bit_length()
     t = te.compute(
         (lay.kgroups,),
         lambda g: aligned_target(
-            [(m_exp[g] - b1.shift, m_bits), (e_g[g] - c1.shift, b + c1.num.bit_length())]
+            [(m_exp[g], mb), (m_exp[g] - c1.shift, mb + cb), (e_g[g] - c1.shift, b + cb)]
         ),
         name="t",
     )
@@ -117,31 +115,34 @@ def m_sum(spec: AdamSpec, name: str, g_site: int) -> tirx.PrimFunc:
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         g, flat = op.gi(idx), op.flat(idx)
         gm = op.compacted(grad[idx], s_g[g], keys[g_site], flat)
-        m_term = op.term(m[idx].astype(I64) * b1.num, t[g] - (m_exp[g] - b1.shift), keys[1], flat)
-        g_term = op.term(gm * c1.num, t[g] - (e_g[g] - c1.shift), keys[2], flat)
-        return (m_term + g_term).astype(I32)
+        mv = m[idx].astype(I64)
+        m_term = op.term(mv, t[g] - m_exp[g], keys[1], flat)
+        mc_term = op.term(-mv * c1.num, t[g] - (m_exp[g] - c1.shift), keys[2], flat)
+        g_term = op.term(gm * c1.num, t[g] - (e_g[g] - c1.shift), keys[3], flat)
+        return (m_term + mc_term + g_term).astype(I32)
 
     acc = te.compute(lay.kshape, body, name="acc")
     return prim_func([grad, s_g, e_g, m, m_exp, keys, t, acc], name)
 
 
 def v_sum(spec: AdamSpec, name: str, g_site: int) -> tirx.PrimFunc:
-    """acc_v = r^2 * beta2 + g^2 * c2 aligned (step 3), g = compaction of grad by s_g [g_site].
-    Parameters (grad, s_g, e_g, r, r_exp, keys, t_v, acc_v)."""
+    """acc_v = r^2 + c2 (g^2 - r^2) as three aligned terms (step 3), g = compaction of grad by
+    s_g [g_site]. Parameters (grad, s_g, e_g, r, r_exp, keys, t_v, acc_v)."""
     lay = spec.layout
     op, b = _Ops(lay), lay.bits - 1
-    b2, c2 = spec.beta2, spec.one_minus_beta2
+    c2 = spec.one_minus_beta2
     grad, s_g, e_g = _grad_inputs(lay)
     r = te.placeholder(lay.kshape, I8, name="r")
     r_exp = te.placeholder((lay.kgroups,), I32, name="r_exp")
     keys = te.placeholder((ADAMW_SITES,), I64, name="keys")
-    r_bits = 2 * (MOMENT_BITS - 1) + b2.num.bit_length()
+    rb, cb = 2 * (MOMENT_BITS - 1), c2.num.bit_length()
     t = te.compute(
         (lay.kgroups,),
         lambda g: aligned_target(
             [
-                (2 * r_exp[g] - b2.shift, r_bits),
-                (2 * e_g[g] - c2.shift, 2 * b + c2.num.bit_length()),
+                (2 * r_exp[g], rb),
+                (2 * r_exp[g] - c2.shift, rb + cb),
+                (2 * e_g[g] - c2.shift, 2 * b + cb),
             ]
         ),
         name="t",
@@ -151,9 +152,11 @@ def v_sum(spec: AdamSpec, name: str, g_site: int) -> tirx.PrimFunc:
         g, flat = op.gi(idx), op.flat(idx)
         gm = op.compacted(grad[idx], s_g[g], keys[g_site], flat)
         rv = r[idx].astype(I64)
-        r_term = op.term(rv * rv * b2.num, t[g] - (2 * r_exp[g] - b2.shift), keys[4], flat)
-        g_term = op.term(gm * gm * c2.num, t[g] - (2 * e_g[g] - c2.shift), keys[5], flat)
-        return (r_term + g_term).astype(I32)
+        r2 = rv * rv
+        r_term = op.term(r2, t[g] - 2 * r_exp[g], keys[5], flat)
+        rc_term = op.term(-r2 * c2.num, t[g] - (2 * r_exp[g] - c2.shift), keys[6], flat)
+        g_term = op.term(gm * gm * c2.num, t[g] - (2 * e_g[g] - c2.shift), keys[7], flat)
+        return (r_term + rc_term + g_term).astype(I32)
 
     acc = te.compute(lay.kshape, body, name="acc")
     return prim_func([grad, s_g, e_g, r, r_exp, keys, t, acc], name)
@@ -165,7 +168,7 @@ def _root_shift(e_v: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def root(spec: AdamSpec, name: str) -> tirx.PrimFunc:
-    """rho = isqrt(acc_v << k) and rho_exp = (e_v - k) / 2 per group (step 4).
+    """rho = isqrt(max(acc_v, 0) << k) and rho_exp = (e_v - k) / 2 per group (step 4).
     Parameters (acc_v, t_v, rho, rho_exp)."""
     lay = spec.layout
     op = _Ops(lay)
@@ -174,7 +177,7 @@ def root(spec: AdamSpec, name: str) -> tirx.PrimFunc:
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         k = _root_shift(e_v[op.gi(idx)]).astype(I64)
-        return isqrt(acc[idx].astype(I64) << k).astype(I32)
+        return isqrt(tirx.max(acc[idx].astype(I64), tirx.const(0, I64)) << k).astype(I32)
 
     rho = te.compute(lay.kshape, body, name="rho")
     rho_exp = te.compute(
@@ -213,7 +216,8 @@ def ratio(spec: AdamSpec, name: str, native_division: bool) -> tirx.PrimFunc:
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         mv = m[idx].astype(I64)
         d = (r[idx].astype(I64) << DENOM_FRAC) + e[op.gi(idx)].astype(I64)
-        q = idiv_round(mv << (DENOM_FRAC + RATIO_FRAC), tirx.max(d, 1), native_division)
+        # a product, not a shift: a left shift of a negative value is undefined in C++
+        q = idiv_round(mv * (1 << (DENOM_FRAC + RATIO_FRAC)), tirx.max(d, 1), native_division)
         signed_cap = tirx.if_then_else(mv < 0, -cap, cap)
         out = tirx.if_then_else(d == 0, signed_cap, tirx.max(tirx.min(q, cap), -cap))
         return tirx.if_then_else(mv == 0, zero, out).astype(I32)
@@ -262,7 +266,7 @@ def w_target(spec: AdamSpec, name: str) -> tirx.PrimFunc:
 
 
 def w_step(spec: AdamSpec, name: str) -> tirx.PrimFunc:
-    """w_acc = w - align(q * lr_t.num) [7] - shift_right(w * wd_t.num, wd_t.shift) [8]
+    """w_acc = w - align(q * lr_t.num) [9] - shift_right(w * wd_t.num, wd_t.shift) [10]
     (steps 6 and 7). Parameters (w, e_w, q, m_exp_out, r_exp_out, lr, keys, w_acc)."""
     lay = spec.layout
     op = _Ops(lay)
@@ -273,11 +277,11 @@ def w_step(spec: AdamSpec, name: str) -> tirx.PrimFunc:
         flat = op.flat(idx)
         u = q[idx].astype(I64) * lr[0].astype(I64)  # |u| < 2^26
         d = (w_exp[0] - (_ratio_exp(m_exp, r_exp, op.gi(idx)) - lr[1])).astype(I64)
-        right = shift_signed(u, tirx.max(d, 0), keys[7], flat, lay.stochastic)
+        right = shift_signed(u, tirx.max(d, 0), keys[9], flat, lay.stochastic)
         step = tirx.if_then_else(d >= 0, right, shift_left_saturating(u, -d))
         wv = w[idx].astype(I64)
         wd = wv * lr[4].astype(I64)
-        decay = shift_signed(wd, lr[5].astype(I64), keys[8], flat, lay.stochastic)
+        decay = shift_signed(wd, lr[5].astype(I64), keys[10], flat, lay.stochastic)
         return (wv - step - decay).astype(I32)
 
     w_acc = te.compute(lay.kshape, body, name="w_acc")
@@ -297,14 +301,14 @@ def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kern
         )
     ]
     grad, g_site = ("grad", "s_g", "e_g"), 0
-    if spec.l2.num:  # Adam's L2 term (step 1b), sites 10, 11 and 12
+    if spec.l2.num:  # Adam's L2 term (step 1b), sites 12, 13 and 14
         l2_args = (*grad, "w", "w_exp", "keys", "t_l2", "acc_l2")
         l2 = replace(lay, weight_decay=spec.l2)
-        l2_func = wd_sum(l2, f"{name}_l2_sum", (0, 10, 11), ADAMW_SITES)
+        l2_func = wd_sum(l2, f"{name}_l2_sum", (0, 12, 13), ADAMW_SITES)
         out.append(Kernel(l2_func, l2_args, reduce=False))
         l2_shift = compaction_shift(shape, bits, grouped, f"{name}_l2")
         out.append(Kernel(l2_shift, ("acc_l2", "t_l2", "s_l2", "e_l2"), reduce=True))
-        grad, g_site = ("acc_l2", "s_l2", "e_l2"), 12
+        grad, g_site = ("acc_l2", "s_l2", "e_l2"), 14
     m_args = (*grad, "m", "m_exp", "keys", "t_m", "acc_m")
     v_args = (*grad, "r", "r_exp", "keys", "t_v", "acc_v")
     return [

@@ -60,7 +60,7 @@ def _aliased_later(v: Value, users: dict[Value, list[Node]], forward: set[int]) 
         if u.id not in forward:
             continue
         if op_def(u.op).in_place and u.inputs[0] == v:  # a reshape is a view: in_place too
-            results = [u.result(i) for i in range(len(u.types))]
+            results = [u.result(0)]  # only result 0 shares v's bytes (a batch norm's xhat not)
             if any(w.id not in forward for r in results for w in users.get(r, [])):
                 return True
             if any(_aliased_later(r, users, forward) for r in results):

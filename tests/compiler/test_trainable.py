@@ -47,7 +47,13 @@ def test_specs_select_layers_biases_norms_and_patterns() -> None:
 
 @pytest.mark.parametrize(
     "spec,match",
-    [("last:9", "K must be 1..3"), ("last:x", "K must be"), ("head.*", "matches no parameter")],
+    [
+        ("last:9", "K must be 1..3"),
+        ("last:x", "K must be"),
+        ("head.*", "matches no parameter"),
+        (["fc*", 3], "give names"),
+        (" , ", "selects no parameter"),
+    ],
 )
 def test_bad_specs_are_refused_with_the_parameters_named(spec: str, match: str) -> None:
     with pytest.raises(TrainableError, match=match) as err:

@@ -955,8 +955,7 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
     if isinstance(opt, AdamW):
         b1, b2 = opt.betas
         static = ", ".join(
-            _fixed(FixedScalar.of(v)).replace("(mexc_fixed_t)", "")
-            for v in (b1, 1.0 - b1, b2, 1.0 - b2)
+            _fixed(FixedScalar.of(v)).replace("(mexc_fixed_t)", "") for v in (1.0 - b1, 1.0 - b2)
         )
         l2 = _fixed(opt.l2()).replace("(mexc_fixed_t)", "")
         return [

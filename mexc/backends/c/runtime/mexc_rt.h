@@ -111,12 +111,12 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad_acc, int3
 typedef struct {
     int32_t bits;
     int32_t stochastic;
-    mexc_fixed_t beta1, one_minus_beta1, beta2, one_minus_beta2; /* static */
-    mexc_fixed_t lr, eps, weight_decay;                         /* lr_t, eps_t, wd_t of the step */
+    mexc_fixed_t one_minus_beta1, one_minus_beta2; /* static */
+    mexc_fixed_t lr, eps, weight_decay;           /* lr_t, eps_t, wd_t of the step */
     mexc_fixed_t l2; /* Adam's coupled decay (step 1b), static; AdamW: {0, 0} */
 } mexc_adamw_cfg_t;
 
-#define MEXC_ADAMW_SITES 13u
+#define MEXC_ADAMW_SITES 15u
 #define MEXC_MOMENT_BITS 8  /* numerics.MOMENT_BITS */
 #define MEXC_RATIO_FRAC 7   /* numerics.RATIO_FRAC */
 #define MEXC_DENOM_FRAC 8   /* numerics.DENOM_FRAC */

@@ -160,8 +160,22 @@ static int32_t adam_ratio(int32_t m, int32_t r, int32_t eps_units)
     int32_t d = (r << MEXC_DENOM_FRAC) + eps_units, q;
     if (m == 0) return 0;
     if (d == 0) return m < 0 ? -MEXC_RATIO_CAP : MEXC_RATIO_CAP;
-    q = mexc_idiv_round(m << (MEXC_DENOM_FRAC + MEXC_RATIO_FRAC), (uint32_t)d);
+    /* a product, not a shift: a left shift of a negative value is undefined in C99 */
+    q = mexc_idiv_round(m * (1 << (MEXC_DENOM_FRAC + MEXC_RATIO_FRAC)), (uint32_t)d);
     return q > MEXC_RATIO_CAP ? MEXC_RATIO_CAP : (q < -MEXC_RATIO_CAP ? -MEXC_RATIO_CAP : q);
+}
+
+/* Three-term per-group aligned_sum target: x + c (y - x) as (x, -x c, y c). */
+static int32_t target3(int32_t e1, int32_t b1, int32_t e2, int32_t b2, int32_t e3, int32_t b3)
+{
+    int32_t e[3], b[3];
+    e[0] = e1;
+    e[1] = e2;
+    e[2] = e3;
+    b[0] = b1;
+    b[1] = b2;
+    b[2] = b3;
+    return mexc_aligned_target(3u, e, b);
 }
 
 void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp, int8_t *m,
@@ -171,18 +185,15 @@ void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_ex
 {
     const int32_t bits = cfg->bits, st = cfg->stochastic, b = bits - 1;
     int32_t *e_g = scratch, *e_q = scratch + groups, *tmp = scratch + 2u * groups;
-    const mexc_fixed_t b1 = cfg->beta1, c1 = cfg->one_minus_beta1;
-    const mexc_fixed_t b2 = cfg->beta2, c2 = cfg->one_minus_beta2;
-    const int32_t mb = MEXC_MOMENT_BITS - 1 + mexc_bit_length((uint32_t)b1.num);
-    const int32_t gb = b + mexc_bit_length((uint32_t)c1.num);
-    const int32_t rb = 2 * (MEXC_MOMENT_BITS - 1) + mexc_bit_length((uint32_t)b2.num);
-    const int32_t g2b = 2 * b + mexc_bit_length((uint32_t)c2.num);
-    int32_t t, k, we = *w_exp, d, sh, eps_units, s, found = 0, any_w = 0;
+    const mexc_fixed_t c1 = cfg->one_minus_beta1, c2 = cfg->one_minus_beta2;
+    const int32_t mb = MEXC_MOMENT_BITS - 1, rb = 2 * mb;
+    const int32_t cb1 = mexc_bit_length((uint32_t)c1.num), cb2 = mexc_bit_length((uint32_t)c2.num);
+    int32_t t, k, we = *w_exp, d, sh, eps_units, s, found = 0, any_w = 0, em, er2, eg2;
     uint32_t g, i, base;
     /* 1. g = compact(grad_acc) per group [0]; grad then holds g */
     mexc_fill32(e_g, grad_exp, groups);
     compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
-    /* 1b. Adam's L2 term: g = compact(g + wd * w) per group [10, 11], [12] */
+    /* 1b. Adam's L2 term: g = compact(g + wd * w) per group [12, 13], [14] */
     if (cfg->l2.num) {
         int32_t wd = cfg->l2.num, wd_exp = we - cfg->l2.shift;
         int32_t wd_bits = b + mexc_bit_length((uint32_t)wd);
@@ -190,36 +201,43 @@ void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_ex
             base = g * per;
             t = target2(e_g[g], b, wd_exp, wd_bits);
             for (i = base; i < base + per; i++)
-                grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[10], i) +
-                          mexc_shift_signed((int32_t)w[i] * wd, t - wd_exp, st, keys[11], i);
+                grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[12], i) +
+                          mexc_shift_signed((int32_t)w[i] * wd, t - wd_exp, st, keys[13], i);
             e_g[g] = t;
         }
-        compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[12]);
+        compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[14]);
     }
     for (g = 0; g < groups; g++) {
         base = g * per;
-        /* 2. m = compact(m * beta1 + g * c1) [1, 2], [3] */
-        t = target2(m_exp[g] - b1.shift, mb, e_g[g] - c1.shift, gb);
-        for (i = 0; i < per; i++)
-            tmp[i] = mexc_shift_signed((int32_t)m[base + i] * b1.num, t - (m_exp[g] - b1.shift),
-                                       st, keys[1], base + i) +
+        /* 2. m = compact(m + c1 (g - m)) as (m, -m c1, g c1) [1, 2, 3], [4] */
+        em = m_exp[g];
+        t = target3(em, mb, em - c1.shift, mb + cb1, e_g[g] - c1.shift, b + cb1);
+        for (i = 0; i < per; i++) {
+            int32_t mv = m[base + i];
+            tmp[i] = mexc_shift_signed(mv, t - em, st, keys[1], base + i) +
+                     mexc_shift_signed(-mv * c1.num, t - (em - c1.shift), st, keys[2], base + i) +
                      mexc_shift_signed(grad[base + i] * c1.num, t - (e_g[g] - c1.shift), st,
-                                       keys[2], base + i);
-        m_exp[g] = compact_group(tmp, m + base, per, base, t, MEXC_MOMENT_BITS, st, keys[3]);
-        /* 3. acc_v = r^2 * beta2 + g^2 * c2 [4, 5] */
-        t = target2(2 * r_exp[g] - b2.shift, rb, 2 * e_g[g] - c2.shift, g2b);
+                                       keys[3], base + i);
+        }
+        m_exp[g] = compact_group(tmp, m + base, per, base, t, MEXC_MOMENT_BITS, st, keys[4]);
+        /* 3. acc_v = r^2 + c2 (g^2 - r^2) as (r^2, -r^2 c2, g^2 c2) [5, 6, 7] */
+        er2 = 2 * r_exp[g];
+        eg2 = 2 * e_g[g];
+        t = target3(er2, rb, er2 - c2.shift, rb + cb2, eg2 - c2.shift, 2 * b + cb2);
         for (i = 0; i < per; i++) {
             int32_t rv = r[base + i], gv = grad[base + i];
-            tmp[i] = mexc_shift_signed(rv * rv * b2.num, t - (2 * r_exp[g] - b2.shift), st,
-                                       keys[4], base + i) +
-                     mexc_shift_signed(gv * gv * c2.num, t - (2 * e_g[g] - c2.shift), st,
-                                       keys[5], base + i);
+            tmp[i] = mexc_shift_signed(rv * rv, t - er2, st, keys[5], base + i) +
+                     mexc_shift_signed(-rv * rv * c2.num, t - (er2 - c2.shift), st, keys[6],
+                                       base + i) +
+                     mexc_shift_signed(gv * gv * c2.num, t - (eg2 - c2.shift), st, keys[7],
+                                       base + i);
         }
-        /* 4. r = compact(isqrt(acc_v << k)) [6], k = 30 or 31 so that t - k is even */
+        /* 4. r = compact(isqrt(max(acc_v, 0) << k)) [8], k = 30 or 31 so that t - k is even */
         k = 30 + ((t - 30) & 1);
-        for (i = 0; i < per; i++) tmp[i] = (int32_t)mexc_isqrt64((uint64_t)tmp[i] << k);
+        for (i = 0; i < per; i++)
+            tmp[i] = tmp[i] > 0 ? (int32_t)mexc_isqrt64((uint64_t)tmp[i] << k) : 0;
         r_exp[g] = compact_group(tmp, r + base, per, base, (t - k) / 2, MEXC_MOMENT_BITS, st,
-                                 keys[6]);
+                                 keys[8]);
         /* 5. q = m / (r + eps) into grad (g is no longer read), e_q per group */
         s = cfg->eps.shift + r_exp[g] - MEXC_DENOM_FRAC;
         eps_units = s >= 0 ? mexc_shift_right(cfg->eps.num, s, 0, 0u, 0u)
@@ -241,18 +259,18 @@ void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_ex
                 }
         we = best;
     }
-    /* 7. w_acc = w - align(q * lr) [7] - shift_right(w * wd, wd.shift) [8], into grad */
+    /* 7. w_acc = w - align(q * lr) [9] - shift_right(w * wd, wd.shift) [10], into grad */
     for (g = 0; g < groups; g++) {
         base = g * per;
         d = we - (e_q[g] - cfg->lr.shift);
         for (i = base; i < base + per; i++) {
             int32_t u = grad[i] * cfg->lr.num;
-            sh = d >= 0 ? mexc_shift_right(u, d, st, keys[7], i) : mexc_shift_left_sat(u, -d, 30);
+            sh = d >= 0 ? mexc_shift_right(u, d, st, keys[9], i) : mexc_shift_left_sat(u, -d, 30);
             grad[i] = (int32_t)w[i] - sh -
                       mexc_shift_right((int32_t)w[i] * cfg->weight_decay.num,
-                                       cfg->weight_decay.shift, st, keys[8], i);
+                                       cfg->weight_decay.shift, st, keys[10], i);
         }
     }
-    /* 8. reactive rescale [9] */
-    *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[9]);
+    /* 8. reactive rescale [11] */
+    *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[11]);
 }
