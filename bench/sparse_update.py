@@ -63,18 +63,16 @@ def mcu_ram(model: torch.nn.Module, trainable: str | None, data: Arrays) -> dict
     """Static RAM of the exported project at MCU_BATCH: measured on the ELF where the ARM
     toolchain is installed, else the C target's static arrays (what the project declares);
     and the number of parameters it trains."""
+    arm = shutil.which("arm-none-eabi-gcc") is not None
     prog = mexc.compile(
-        copy.deepcopy(model), (torch.zeros(MCU_BATCH, 1, 28, 28),), trainable=trainable
+        copy.deepcopy(model),
+        (torch.zeros(MCU_BATCH, 1, 28, 28),),
+        trainable=trainable,
+        target="reference" if arm else "c",
     )
     trained = sum(prog.state[k].m.size for k in trained_params(prog))
-    if shutil.which("arm-none-eabi-gcc") is None:
-        c = mexc.compile(
-            copy.deepcopy(model),
-            (torch.zeros(MCU_BATCH, 1, 28, 28),),
-            trainable=trainable,
-            target="c",
-        )
-        ram = c.memory_report()["allocated_bytes"]
+    if not arm:
+        ram = prog.memory_report()["allocated_bytes"]
         return {"how": "c target static arrays", "ram": ram, "trained_params": trained}
     from mexc.backends.c.mcu_sizes import measure
 

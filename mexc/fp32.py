@@ -51,16 +51,9 @@ def torch_optimizer(model: nn.Module, optimizer: Optimizer) -> torch.optim.Optim
     """PyTorch's optimizer with `optimizer`'s hyperparameters: SGD with momentum (dampening 0,
     no Nesterov, coupled weight decay), AdamW, or Adam (coupled weight decay)."""
     params = model.parameters()
-    if isinstance(optimizer, Adam):
-        return torch.optim.Adam(
-            params,
-            lr=optimizer.lr,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-            weight_decay=optimizer.weight_decay,
-        )
-    if isinstance(optimizer, AdamW):
-        return torch.optim.AdamW(
+    if isinstance(optimizer, AdamW):  # Adam is an AdamW whose decay is coupled
+        kind = torch.optim.Adam if isinstance(optimizer, Adam) else torch.optim.AdamW
+        return kind(
             params,
             lr=optimizer.lr,
             betas=optimizer.betas,

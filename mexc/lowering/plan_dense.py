@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 from tvm import tirx
 
-from mexc.ir import Node
+from mexc.ir import Node, Value
 from mexc.kernels._common import product_bits
 from mexc.kernels.loss import GRAD_EXP
 from mexc.lowering import gemm_forms as gf
@@ -29,7 +29,13 @@ from mexc.lowering.te_adamw import KEY_VIEWS as ADAM_KEY_VIEWS
 from mexc.lowering.te_adamw import STEP_SCALARS as ADAM_STEP_SCALARS
 from mexc.lowering.te_adamw import AdamSpec, adamw_buffers, adamw_kernels
 from mexc.lowering.te_products import ConvGeom
-from mexc.lowering.te_update import KEY_VIEWS, UpdateSpec, update_buffers, update_kernels
+from mexc.lowering.te_update import (
+    KEY_VIEWS,
+    Kernel,
+    UpdateSpec,
+    update_buffers,
+    update_kernels,
+)
 from mexc.numerics import ADAMW_SITES, EXP_TABLE, FixedScalar
 from mexc.optim import SGD, AdamW
 
@@ -171,96 +177,80 @@ class DenseRules(PlanBuilder):
         e_in = self.const("grad_exp", np.array([GRAD_EXP]), I32)
         self.compact(n, acc, e_in, (rows, k), 0)
 
-    def sgd_update(self, n: Node) -> None:
-        w, grad, v = n.inputs
-        opt = self.prog.optimizer
-        assert isinstance(opt, SGD)  # insert-optimizer chose the op from it
+    def update_groups(self, w: Value) -> tuple[int, int]:
+        """(groups, rest) of parameter w: the layout its update kernels see, in C order."""
         shape = self.shape(w)
-        gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
-        spec = UpdateSpec(
-            gr,
+        return shape[0], int(np.prod(shape[1:]))
+
+    def update_spec(self, w: Value, momentum: FixedScalar, decay: FixedScalar) -> UpdateSpec:
+        return UpdateSpec(
+            self.update_groups(w),
             self.bits,
             self.prog.options.per_group_velocity,
-            FixedScalar.of(opt.momentum),
-            FixedScalar.of(opt.weight_decay),
+            momentum,
+            decay,
             self.stochastic,
             # on the host one compiled kernel set serves every parameter shape
             symbolic=self.device.symbolic_update,
         )
-        wm, gm, vm = (self.view(self.m[t], gr) for t in (w, grad, v))
-        # outputs land in the state buffers (the update is the last reader of the old values)
+
+    def launch_update(
+        self,
+        n: Node,
+        slots: tuple[str, ...],
+        scalars: int,
+        sites: int,
+        key_views: dict[str, int],
+        buffers: dict[str, tuple[tuple[int, ...], str]],
+        kernels: list[Kernel],
+    ) -> None:
+        """The kernels of update node n (inputs: the weight, its gradient, its optimizer
+        state), over the buffers they name: `slots` names the weight and each state input
+        ("w", "v" / "w", "m", "r"), each read as <slot>, <slot>_exp and written in place as
+        <slot>_out, <slot>_exp_out (the update is the last reader of the old values); `scalars`
+        int32 per-step scalars in "lr"; `sites` rounding keys; the rest scratch."""
+        w, grad, *state = n.inputs
+        gr = self.update_groups(w)
         names = {
-            "w": wm,
-            "w_exp": self.e[w],
-            "grad": gm,
+            "grad": self.view(self.m[grad], gr),
             "grad_exp": self.e[grad],
-            "v": vm,
-            "v_exp": self.e[v],
-            "w_out": wm,
-            "w_exp_out": self.e[w],
-            "v_out": vm,
-            "v_exp_out": self.e[v],
-            "lr": self.buf("lr", (2,), I32),
-            "keys": self.keys(n, tuple(range(9)), "keys"),
+            "lr": self.buf("lr", (scalars,), I32),
+            "keys": self.keys(n, tuple(range(sites)), "keys"),
         }
-        for view, site in KEY_VIEWS.items():
+        for slot, t in zip(slots, (w, *state), strict=True):
+            mant = self.view(self.m[t], gr)
+            names |= {slot: mant, f"{slot}_exp": self.e[t]}
+            names |= {f"{slot}_out": mant, f"{slot}_exp_out": self.e[t]}
+        for view, site in key_views.items():
             names[view] = self.keys(n, (site,), view)
-        for local, (shape, dtype) in update_buffers(spec).items():
+        for local, (shape, dtype) in buffers.items():
             if local not in names:
                 names[local] = self.buf(f"n{n.id}.{local}", shape, dtype)
-        for i, t in enumerate((w, v)):
+        for i, t in enumerate((w, *state)):
             self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
-        for k in update_kernels(spec, f"n{n.id}_sgd"):
+        for k in kernels:
             self.launch(k.func, tuple(names[a] for a in k.args))
 
+    def sgd_update(self, n: Node) -> None:
+        opt = self.prog.optimizer
+        assert isinstance(opt, SGD)  # insert-optimizer chose the op from it
+        mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
+        spec = self.update_spec(n.inputs[0], mom, wd)
+        kernels = update_kernels(spec, f"n{n.id}_sgd")
+        self.launch_update(n, ("w", "v"), 2, 9, KEY_VIEWS, update_buffers(spec), kernels)
+
     def adamw_update(self, n: Node) -> None:
-        w, grad, m, r = n.inputs
         opt = self.prog.optimizer
         assert isinstance(opt, AdamW)  # insert-optimizer chose the op from it
-        shape = self.shape(w)
-        gr = (shape[0], int(np.prod(shape[1:])))  # (groups, rest): the same C element order
         none = FixedScalar(0, 0)
-        layout = UpdateSpec(
-            gr,
-            self.bits,
-            self.prog.options.per_group_velocity,
-            none,
-            none,
-            self.stochastic,
-            symbolic=self.device.symbolic_update,
-        )
         b1, b2 = opt.betas
-        spec = AdamSpec(layout, FixedScalar.of(1.0 - b1), FixedScalar.of(1.0 - b2), opt.l2())
-        wm, gm, mm, rm = (self.view(self.m[t], gr) for t in (w, grad, m, r))
-        # outputs land in the state buffers (the update is the last reader of the old values)
-        names = {
-            "w": wm,
-            "w_exp": self.e[w],
-            "grad": gm,
-            "grad_exp": self.e[grad],
-            "m": mm,
-            "m_exp": self.e[m],
-            "r": rm,
-            "r_exp": self.e[r],
-            "w_out": wm,
-            "w_exp_out": self.e[w],
-            "m_out": mm,
-            "m_exp_out": self.e[m],
-            "r_out": rm,
-            "r_exp_out": self.e[r],
-            "lr": self.buf("lr", (ADAM_STEP_SCALARS,), I32),
-            "keys": self.keys(n, tuple(range(ADAMW_SITES)), "keys"),
-        }
-        for view, site in ADAM_KEY_VIEWS.items():
-            names[view] = self.keys(n, (site,), view)
-        for local, (bshape, dtype) in adamw_buffers(spec).items():
-            if local not in names:
-                names[local] = self.buf(f"n{n.id}.{local}", bshape, dtype)
-        for i, t in enumerate((w, m, r)):
-            self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
-        native = self.device.native_division
-        for k in adamw_kernels(spec, f"n{n.id}_adamw", native):
-            self.launch(k.func, tuple(names[a] for a in k.args))
+        c1, c2 = FixedScalar.of(1.0 - b1), FixedScalar.of(1.0 - b2)
+        spec = AdamSpec(self.update_spec(n.inputs[0], none, none), c1, c2, opt.l2())
+        kernels = adamw_kernels(spec, f"n{n.id}_adamw", self.device.native_division)
+        slots, buffers = ("w", "m", "r"), adamw_buffers(spec)
+        self.launch_update(
+            n, slots, ADAM_STEP_SCALARS, ADAMW_SITES, ADAM_KEY_VIEWS, buffers, kernels
+        )
 
     # ----------------------------------------------------------------------------- convolution
 

@@ -37,7 +37,15 @@ from mexc.lowering.te_compaction import (
 )
 from mexc.lowering.te_divide import idiv_round, isqrt
 from mexc.lowering.te_func import prim_func
-from mexc.lowering.te_update import NO_EXP, Kernel, UpdateSpec, _Ops, w_rescale, wd_sum
+from mexc.lowering.te_update import (
+    Kernel,
+    UpdateSpec,
+    _Ops,
+    compaction_kernels,
+    l2_kernels,
+    w_rescale,
+    zero_weight_target,
+)
 from mexc.numerics import (
     ADAMW_SITES,
     DENOM_FRAC,
@@ -240,28 +248,17 @@ def _step_inputs(lay: UpdateSpec) -> tuple[te.Tensor, ...]:
 
 
 def w_target(spec: AdamSpec, name: str) -> tirx.PrimFunc:
-    """numerics.zero_weight_exponent: e_w = w_exp, or, if every w is 0, the largest
-    e_q - lr.shift over groups with a nonzero update q * lr.num (none: w_exp).
-    Parameters (w, w_exp, q, m_exp_out, r_exp_out, lr, e_w); serial reductions."""
+    """e_w of step 6 (te_update.zero_weight_target), the update being q * lr.num at
+    e_q = m_exp_out - r_exp_out - RATIO_FRAC. Parameters (w, w_exp, q, m_exp_out, r_exp_out,
+    lr, e_w)."""
     lay = spec.layout
     op = _Ops(lay)
     w, w_exp, q, m_exp, r_exp, lr = _step_inputs(lay)
-    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(lay.kshape)]
-    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(lay.kshape)]
 
-    def any_w(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        return te.max(tirx.if_then_else(w[tuple(r1)] != 0, 1, 0), axis=r1)
+    def e_q(idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
+        return _ratio_exp(m_exp, r_exp, op.gi(idx))
 
-    def best_exp(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        idx = tuple(r2)
-        live = tirx.all(q[idx] != 0, lr[0] != 0)
-        e_u = _ratio_exp(m_exp, r_exp, op.gi(idx)) - lr[1]
-        return te.max(tirx.if_then_else(live, e_u, NO_EXP), axis=r2)
-
-    nz = te.compute((1,), any_w, name="w_nonzero")
-    best = te.compute((1,), best_exp, name="u_exp")
-    keep = tirx.any(nz[0] > 0, best[0] == NO_EXP)
-    e_w = te.compute((1,), lambda i: tirx.if_then_else(keep, w_exp[i], best[0]), name="e_w")
+    e_w = zero_weight_target(lay.kshape, w, w_exp, q, e_q, lr)
     return prim_func([w, w_exp, q, m_exp, r_exp, lr, e_w], name)
 
 
@@ -302,40 +299,21 @@ def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kern
     ]
     grad, g_site = ("grad", "s_g", "e_g"), 0
     if spec.l2.num:  # Adam's L2 term (step 1b), sites 12, 13 and 14
-        l2_args = (*grad, "w", "w_exp", "keys", "t_l2", "acc_l2")
         l2 = replace(lay, weight_decay=spec.l2)
-        l2_func = wd_sum(l2, f"{name}_l2_sum", (0, 12, 13), ADAMW_SITES)
-        out.append(Kernel(l2_func, l2_args, reduce=False))
-        l2_shift = compaction_shift(shape, bits, grouped, f"{name}_l2")
-        out.append(Kernel(l2_shift, ("acc_l2", "t_l2", "s_l2", "e_l2"), reduce=True))
-        grad, g_site = ("acc_l2", "s_l2", "e_l2"), 14
+        decay, grad = l2_kernels(l2, grad, name, "l2", (0, 12, 13), ADAMW_SITES)
+        out += decay
+        g_site = 14
     m_args = (*grad, "m", "m_exp", "keys", "t_m", "acc_m")
     v_args = (*grad, "r", "r_exp", "keys", "t_v", "acc_v")
+    m_buffers = ("acc_m", "t_m", "s_m", "m_exp_out", "key_m", "m_out")
+    r_buffers = ("rho", "rho_exp", "s_r", "r_exp_out", "key_r", "r_out")
     return [
         *out,
         Kernel(m_sum(spec, f"{name}_m_sum", g_site), m_args, False),
-        Kernel(
-            compaction_shift(shape, MOMENT_BITS, grouped, f"{name}_m"),
-            ("acc_m", "t_m", "s_m", "m_exp_out"),
-            reduce=True,
-        ),
-        Kernel(
-            compaction_apply(shape, MOMENT_BITS, grouped, st, f"{name}_m"),
-            ("acc_m", "s_m", "key_m", "m_out"),
-            reduce=False,
-        ),
+        *compaction_kernels(shape, MOMENT_BITS, grouped, st, f"{name}_m", m_buffers),
         Kernel(v_sum(spec, f"{name}_v_sum", g_site), v_args, False),
         Kernel(root(spec, f"{name}_root"), ("acc_v", "t_v", "rho", "rho_exp"), reduce=False),
-        Kernel(
-            compaction_shift(shape, MOMENT_BITS, grouped, f"{name}_r"),
-            ("rho", "rho_exp", "s_r", "r_exp_out"),
-            reduce=True,
-        ),
-        Kernel(
-            compaction_apply(shape, MOMENT_BITS, grouped, st, f"{name}_r"),
-            ("rho", "s_r", "key_r", "r_out"),
-            reduce=False,
-        ),
+        *compaction_kernels(shape, MOMENT_BITS, grouped, st, f"{name}_r", r_buffers),
         Kernel(
             ratio(spec, f"{name}_ratio", native_division),
             ("m_out", "m_exp_out", "r_out", "r_exp_out", "lr", "eps_units", "q"),

@@ -25,6 +25,7 @@ the momentum / weight-decay FixedScalars (fixed for a compiled program; wd = 0 d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tvm import te, tirx
@@ -212,27 +213,40 @@ def _step_inputs(spec: UpdateSpec) -> tuple[te.Tensor, ...]:
 NO_EXP = -(1 << 30)  # below every update exponent: "no group has a nonzero update"
 
 
-def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
-    """numerics.zero_weight_exponent: e_w = w_exp, or, if every w is 0, the largest
-    v_exp_out - lr.shift over groups with a nonzero update v_out * lr.num (none: w_exp).
-    Parameters (w, w_exp, v_out, v_exp_out, lr, e_w); serial reductions (one output)."""
-    op = _Ops(spec)
-    w, w_exp, v, v_exp, lr = _step_inputs(spec)
-    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(spec.kshape)]
-    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(spec.kshape)]
+def zero_weight_target(
+    kshape: tuple,
+    w: te.Tensor,
+    w_exp: te.Tensor,
+    u: te.Tensor,
+    u_exp: Callable[[tuple[tirx.PrimExpr, ...]], tirx.PrimExpr],
+    lr: te.Tensor,
+) -> te.Tensor:
+    """numerics.zero_weight_exponent as a (1,) tensor: w_exp, or, if every w is 0, the largest
+    u_exp(idx) - lr.shift over the elements whose update u * lr.num is nonzero (none: w_exp).
+    Serial reductions (one output); the SGD and the AdamW updates share it."""
+    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(kshape)]
+    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(kshape)]
 
     def any_w(_: tirx.PrimExpr) -> tirx.PrimExpr:
         return te.max(tirx.if_then_else(w[tuple(r1)] != 0, 1, 0), axis=r1)
 
     def best_exp(_: tirx.PrimExpr) -> tirx.PrimExpr:
         idx = tuple(r2)
-        live = tirx.all(v[idx] != 0, lr[0] != 0)
-        return te.max(tirx.if_then_else(live, v_exp[op.gi(idx)] - lr[1], NO_EXP), axis=r2)
+        live = tirx.all(u[idx] != 0, lr[0] != 0)
+        return te.max(tirx.if_then_else(live, u_exp(idx) - lr[1], NO_EXP), axis=r2)
 
     nz = te.compute((1,), any_w, name="w_nonzero")
     best = te.compute((1,), best_exp, name="u_exp")
     keep = tirx.any(nz[0] > 0, best[0] == NO_EXP)
-    e_w = te.compute((1,), lambda i: tirx.if_then_else(keep, w_exp[i], best[0]), name="e_w")
+    return te.compute((1,), lambda i: tirx.if_then_else(keep, w_exp[i], best[0]), name="e_w")
+
+
+def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
+    """e_w of step 4 (zero_weight_target), the update being v_out * lr.num at v_exp_out.
+    Parameters (w, w_exp, v_out, v_exp_out, lr, e_w)."""
+    op = _Ops(spec)
+    w, w_exp, v, v_exp, lr = _step_inputs(spec)
+    e_w = zero_weight_target(spec.kshape, w, w_exp, v, lambda idx: v_exp[op.gi(idx)], lr)
     return _func([w, w_exp, v, v_exp, lr, e_w], name)
 
 
@@ -278,6 +292,45 @@ def w_rescale(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     return _func([w_acc, w_exp, s, e_out], name)
 
 
+def compaction_kernels(
+    shape: tuple,
+    bits: int,
+    grouped: bool,
+    stochastic: bool,
+    name: str,
+    buffers: tuple[str, str, str, str, str, str],
+) -> list[Kernel]:
+    """The shift and the apply of one compaction; `buffers` = (acc, e_in, s, e_out, key,
+    out), the update buffers they read and write."""
+    acc, e_in, s, e_out, key, out = buffers
+    return [
+        Kernel(compaction_shift(shape, bits, grouped, name), (acc, e_in, s, e_out), reduce=True),
+        Kernel(compaction_apply(shape, bits, grouped, stochastic, name), (acc, s, key, out), False),
+    ]
+
+
+def l2_kernels(
+    spec: UpdateSpec,
+    src: tuple[str, str, str],
+    name: str,
+    tag: str,
+    sites: tuple[int, int, int],
+    n_keys: int,
+) -> tuple[list[Kernel], tuple[str, str, str]]:
+    """The L2 term of the gradient, g = compact(g + w * spec.weight_decay) (section 12 step 2,
+    12b step 1b): the aligned sum of g (read as `src` = (acc, s, e)) and the decay into
+    acc_<tag>, and its compaction shift s_<tag>, e_<tag>; and the new `src` of g, which the
+    sums after it compact on the fly (with a key of the caller's)."""
+    shape, bits, grouped = spec.kshape, spec.bits, spec.grouped
+    args = (*src, "w", "w_exp", "keys", f"t_{tag}", f"acc_{tag}")
+    shift = compaction_shift(shape, bits, grouped, f"{name}_{tag}")
+    kernels = [
+        Kernel(wd_sum(spec, f"{name}_{tag}_sum", sites, n_keys), args, reduce=False),
+        Kernel(shift, (f"acc_{tag}", f"t_{tag}", f"s_{tag}", f"e_{tag}"), reduce=True),
+    ]
+    return kernels, (f"acc_{tag}", f"s_{tag}", f"e_{tag}")
+
+
 def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
     """The kernels of one parameter's update in launch order (module docstring)."""
     shape, bits, grouped = spec.kshape, spec.bits, spec.grouped
@@ -290,24 +343,16 @@ def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
     ]
     src = ("grad", "s_g", "e_g")
     if spec.weight_decay.num:
-        sum_args = (*src, "w", "w_exp", "keys", "t_wd", "acc_wd")
-        out.append(Kernel(wd_sum(spec, f"{name}_wd_sum"), sum_args, reduce=False))
-        wd_shift = compaction_shift(shape, bits, grouped, f"{name}_wd")
-        out.append(Kernel(wd_shift, ("acc_wd", "t_wd", "s_wd", "e_wd"), reduce=True))
-        src = ("acc_wd", "s_wd", "e_wd")
+        wd, src = l2_kernels(spec, src, name, "wd", (0, 1, 2), 9)
+        out += wd
     site = 3 if spec.weight_decay.num else 0
     v_args = (*src, "v", "v_exp", "keys", "t_v", "acc_v")
-    v_apply = compaction_apply(shape, VELOCITY_BITS, grouped, spec.stochastic, f"{name}_v")
+    v_buffers = ("acc_v", "t_v", "s_v", "v_exp_out", "key_v", "v_out")
     w_apply = compaction_apply(shape, bits, False, spec.stochastic, f"{name}_w")
     return [
         *out,
         Kernel(v_sum(spec, site, f"{name}_v_sum"), v_args, reduce=False),
-        Kernel(
-            compaction_shift(shape, VELOCITY_BITS, grouped, f"{name}_v"),
-            ("acc_v", "t_v", "s_v", "v_exp_out"),
-            reduce=True,
-        ),
-        Kernel(v_apply, ("acc_v", "s_v", "key_v", "v_out"), reduce=False),
+        *compaction_kernels(shape, VELOCITY_BITS, grouped, spec.stochastic, f"{name}_v", v_buffers),
         Kernel(
             w_target(spec, f"{name}_w_target"),
             ("w", "w_exp", "v_out", "v_exp_out", "lr", "e_w"),

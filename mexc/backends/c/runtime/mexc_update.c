@@ -35,6 +35,28 @@ static int32_t target2(int32_t e1, int32_t b1, int32_t e2, int32_t b2)
     return mexc_aligned_target(2u, e, b);
 }
 
+/* numerics section 12 step 2 (SGD) and 12b step 1b (Adam): g = compact(g + wd * w) per group,
+ * in place over g (int32 holding B-bit values, exponents e_g); keys: the two terms' sites and
+ * the compaction's. */
+static void add_l2_term(int32_t *grad, const int8_t *w, uint32_t groups, uint32_t per,
+                        int32_t *e_g, int32_t we, mexc_fixed_t wd, int32_t bits, int32_t st,
+                        const uint32_t keys[3])
+{
+    const int32_t b = bits - 1, wd_exp = we - wd.shift;
+    const int32_t wd_bits = b + mexc_bit_length((uint32_t)wd.num);
+    int32_t t;
+    uint32_t g, i, base;
+    for (g = 0; g < groups; g++) {
+        base = g * per;
+        t = target2(e_g[g], b, wd_exp, wd_bits);
+        for (i = base; i < base + per; i++)
+            grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[0], i) +
+                      mexc_shift_signed((int32_t)w[i] * wd.num, t - wd_exp, st, keys[1], i);
+        e_g[g] = t;
+    }
+    compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[2]);
+}
+
 int32_t mexc_reactive_rescale(const int32_t *w_acc, int8_t *w, uint32_t n, int32_t w_exp,
                               int32_t bits, int32_t stoch, uint32_t key)
 {
@@ -90,19 +112,8 @@ void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t 
     mexc_fill32(e_g, grad_exp, groups);
     compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
     /* 2. g = compact(g + wd * w) [1, 2], [3] */
-    if (cfg->weight_decay.num) {
-        int32_t wd = cfg->weight_decay.num, wd_exp = we - cfg->weight_decay.shift;
-        int32_t wd_bits = b + mexc_bit_length((uint32_t)wd);
-        for (g = 0; g < groups; g++) {
-            base = g * per;
-            t = target2(e_g[g], b, wd_exp, wd_bits);
-            for (i = base; i < base + per; i++)
-                grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[1], i) +
-                          mexc_shift_signed((int32_t)w[i] * wd, t - wd_exp, st, keys[2], i);
-            e_g[g] = t;
-        }
-        compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[3]);
-    }
+    if (cfg->weight_decay.num)
+        add_l2_term(grad, w, groups, per, e_g, we, cfg->weight_decay, bits, st, keys + 1);
     /* 3. v = compact(momentum * v + g) [4, 5], [6] */
     /* the velocity keeps MEXC_VELOCITY_BITS at every B (docs/numerics.md section 12) */
     mb = MEXC_VELOCITY_BITS - 1 +
@@ -194,19 +205,7 @@ void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_ex
     mexc_fill32(e_g, grad_exp, groups);
     compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
     /* 1b. Adam's L2 term: g = compact(g + wd * w) per group [12, 13], [14] */
-    if (cfg->l2.num) {
-        int32_t wd = cfg->l2.num, wd_exp = we - cfg->l2.shift;
-        int32_t wd_bits = b + mexc_bit_length((uint32_t)wd);
-        for (g = 0; g < groups; g++) {
-            base = g * per;
-            t = target2(e_g[g], b, wd_exp, wd_bits);
-            for (i = base; i < base + per; i++)
-                grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[12], i) +
-                          mexc_shift_signed((int32_t)w[i] * wd, t - wd_exp, st, keys[13], i);
-            e_g[g] = t;
-        }
-        compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[14]);
-    }
+    if (cfg->l2.num) add_l2_term(grad, w, groups, per, e_g, we, cfg->l2, bits, st, keys + 12);
     for (g = 0; g < groups; g++) {
         base = g * per;
         /* 2. m = compact(m + c1 (g - m)) as (m, -m c1, g c1) [1, 2, 3], [4] */
