@@ -1,15 +1,23 @@
-"""runtime/mexc_kernels_conv.c vs mexc/kernels/conv.py and linear.py, bit for bit."""
+"""The C products (TIR-generated loops of kernels.c around the runtime's mexc_product_begin /
+mexc_product_end) against mexc/kernels/conv.py and linear.py, bit for bit."""
 
 from __future__ import annotations
 
 import ctypes as C
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mexc import kernels as K
-from mexc.mx import MX
-from tests.mcu.test_runtime_lib import CTXS, ConvGeom, P, ctx_of, i8, i32, scratch  # noqa: F401
+from mexc.backends.c.tir_kernels import HEADER, SOURCE, KernelSet
+from mexc.lowering.te_products import ConvGeom
+from mexc.mx import MX, RoundCtx
+from tests.mcu.test_runtime_lib import CFLAGS, CTXS, RUNTIME, P, ctx_of, i8, lib_sources, scratch
 
 # (N, C, H, W, O, KH, KW, stride, padding, groups)
 CONVS = [
@@ -21,70 +29,161 @@ CONVS = [
     (1, 160, 3, 3, 2, 3, 3, 1, 1, 1),  # K = 1440
     (600, 1, 16, 16, 2, 3, 3, 1, 1, 1),  # N*OH*OW = 153600 > 2^17: weight-grad pre-shift
 ]
+# (N, K, O)
+LINEARS = [(8, 256, 10), (4, 1568, 10), (3, 7, 5), (300, 20, 4), (1, 1, 1)]
+PRESHIFT = (2, 140000, 2)  # product_cap(K, 8) < 0 (K > 2^17): the operand pre-shifts (site 3)
 
 
-def _geom(rt, cfg):
+class Product(C.Structure):
+    """mexc_product_t."""
+
+    _fields_ = [
+        *((f, C.c_int32) for f in ("e_acc", "ta", "tb", "e_val", "stoch", "bits")),
+        *((f, C.c_uint32) for f in ("k0", "k1", "k2")),
+        ("amax", C.c_int32),
+        ("s", C.c_int32),
+    ]
+
+
+def _geom(cfg: tuple) -> ConvGeom:
     n, c, h, w, o, kh, kw, s, p, g = cfg
-    geom = ConvGeom()
-    rt.mexc_conv_init(C.byref(geom), n, c, h, w, o, kh, kw, s, s, p, p, g)
-    return geom
+    return ConvGeom.of(n, c, h, w, o, kh, kw, s, p, g)
+
+
+def _linear(n: int, k: int, o: int) -> ConvGeom:
+    return ConvGeom.of(n, k, 1, 1, o, 1, 1)
+
+
+def _geometries() -> list[ConvGeom]:
+    return [
+        *map(_geom, CONVS),
+        *(_linear(*nko) for nko in LINEARS),
+        _linear(*PRESHIFT),
+        _linear(PRESHIFT[1], 3, PRESHIFT[2]),  # the weight gradient's pre-shift
+    ]
+
+
+class Lib:
+    """The runtime plus the generated kernels of every geometry above."""
+
+    def __init__(self) -> None:
+        self.kernels = KernelSet()
+        for g in _geometries():
+            for bias in (False, True):
+                self.kernels.conv_forward(g, bias)
+            self.kernels.conv_grad_input(g)
+            self.kernels.conv_grad_weight(g)
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            pytest.skip("no host C compiler (cc)")
+        d = Path(tempfile.mkdtemp(prefix="mexc_products_"))
+        src, hdr = self.kernels.sources()
+        (d / SOURCE).write_text(src)
+        (d / HEADER).write_text(hdr)
+        srcs = [str(d / SOURCE), *map(str, lib_sources())]
+        subprocess.run(
+            [cc, *CFLAGS, "-I", str(d), "-I", str(RUNTIME), *srcs, "-o", str(d / "lib.so")],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        self.lib = C.CDLL(str(d / "lib.so"))
+        self.lib.mexc_product_begin.restype = C.c_void_p
+        self.lib.mexc_product_begin.argtypes = [
+            C.c_void_p, C.c_void_p, C.c_uint32, C.c_int32, C.c_int32, C.c_uint32,
+            C.c_int32, C.c_int32, C.c_void_p, C.c_uint32, C.c_void_p,
+        ]  # fmt: skip
+        self.lib.mexc_product_end.restype = C.c_int32
+
+    def fn(self, name: str) -> Callable[..., None]:
+        f = getattr(self.lib, name)
+        f.restype = None
+        return f
+
+    def compacted(
+        self,
+        stem: str,
+        a: MX,
+        b: MX,
+        k: int,
+        out: np.ndarray,
+        ctx: RoundCtx,
+        tid: int,
+        bias: MX | None = None,
+    ) -> int:
+        """One compacted product as model.c runs it; returns the output's exponent."""
+        p, c_ctx, am = Product(), ctx_of(ctx), i8(a.m)
+        scr = scratch(am.size // 4 + 1)
+        eb = int(bias.e) if bias is not None else 0
+        op = self.lib.mexc_product_begin(
+            C.byref(p), P(am), am.size, int(a.e), int(b.e), k, int(bias is not None), eb,
+            C.byref(c_ctx), tid, P(scr),
+        )  # fmt: skip
+        ops = [C.c_void_p(op), P(i8(b.m))]
+        if bias is not None:
+            ops += [P(i8(bias.m)), C.c_int32(p.ta), C.c_int32(p.tb), C.c_int32(p.stoch)]
+            ops += [C.c_uint32(p.k1), C.c_uint32(p.k2)]
+        self.fn(f"{stem}_scan")(*ops, C.byref(p, Product.amax.offset))
+        e = self.lib.mexc_product_end(C.byref(p))
+        rounding = [C.c_int32(p.s), C.c_uint32(p.k0), C.c_int32(p.bits)]
+        if bias is None:
+            rounding.insert(1, C.c_int32(p.stoch))
+        self.fn(f"{stem}_round")(*ops, *rounding, P(out))
+        return int(e)
+
+    def weight_gradient(
+        self, name: str, dy: MX, x: MX, k: int, out: np.ndarray, ctx: RoundCtx, tid: int
+    ) -> int:
+        p, c_ctx, dm = Product(), ctx_of(ctx), i8(dy.m)
+        scr = scratch(dm.size // 4 + 1)
+        op = self.lib.mexc_product_begin(
+            C.byref(p), P(dm), dm.size, int(dy.e), int(x.e), k, 0, 0, C.byref(c_ctx), tid, P(scr)
+        )
+        self.fn(name)(C.c_void_p(op), P(i8(x.m)), P(out))
+        return int(p.e_acc)
+
+
+@pytest.fixture(scope="module")
+def lib() -> Lib:
+    return Lib()
 
 
 @pytest.mark.parametrize("cfg", CONVS)
 @pytest.mark.parametrize("ci", range(len(CTXS)))
-def test_conv2d(rt, cfg, ci):
+def test_conv2d(lib: Lib, cfg: tuple, ci: int) -> None:
     ctx = CTXS[ci]
-    c_ctx = ctx_of(ctx)
     n, c, h, w, o, kh, kw, s, p, g = cfg
+    geom = _geom(cfg)
     rng = np.random.default_rng(ci * 31 + c)
-    geom = _geom(rt, cfg)
     x = MX.of(rng.integers(-127, 128, (n, c, h, w)), -5)
     wt = MX.of(rng.integers(-127, 128, (o, c // g, kh, kw)), -7)
     tid = 16 * (3 + ci)
     for bias in (None, MX.of(rng.integers(-127, 128, (o,)), -9)):
         ref = K.conv2d_forward(x, wt, bias, s, p, g, ctx, tid)
         y = np.zeros(ref.m.shape, np.int8)
-        scr = scratch(rt.mexc_conv2d_forward_scratch(C.byref(geom)))
-        e = rt.mexc_conv2d_forward(
-            C.byref(geom),
-            P(i8(x.m)),
-            -5,
-            P(i8(wt.m)),
-            -7,
-            P(None if bias is None else i8(bias.m)),
-            -9,
-            P(y),
-            C.byref(c_ctx),
-            tid,
-            P(scr),
-        )
+        stem = lib.kernels.conv_forward(geom, bias is not None)
+        e = lib.compacted(stem, x, wt, geom.cg * kh * kw, y, ctx, tid, bias)
         assert e == int(ref.e) and np.array_equal(y, ref.m)
     dy = MX.of(rng.integers(-127, 128, ref.m.shape), -11)
     ref = K.conv2d_backward_input(dy, wt, x.shape, s, p, g, ctx, tid + 16)
     dx = np.zeros(x.shape, np.int8)
-    scr = scratch(rt.mexc_conv2d_backward_input_scratch(C.byref(geom)))
-    e = rt.mexc_conv2d_backward_input(
-        C.byref(geom), P(i8(dy.m)), -11, P(i8(wt.m)), -7, P(dx), C.byref(c_ctx), tid + 16, P(scr)
+    e = lib.compacted(
+        lib.kernels.conv_grad_input(geom), dy, wt, geom.og * kh * kw, dx, ctx, tid + 16
     )
     assert e == int(ref.e) and np.array_equal(dx, ref.m)
     ref = K.conv2d_backward_weight(dy, x, wt.shape, s, p, g, ctx, tid + 32)
     dw = np.zeros(wt.shape, np.int32)
-    scr = scratch(rt.mexc_conv2d_backward_weight_scratch(C.byref(geom)))
-    e = rt.mexc_conv2d_backward_weight(
-        C.byref(geom), P(i8(dy.m)), -11, P(i8(x.m)), -5, P(dw), C.byref(c_ctx), tid + 32, P(scr)
-    )
+    k = n * geom.oh * geom.ow
+    e = lib.weight_gradient(lib.kernels.conv_grad_weight(geom), dy, x, k, dw, ctx, tid + 32)
     assert e == int(ref.e) and np.array_equal(dw, ref.a)
-    db = np.zeros(o, np.int32)
-    rt.mexc_bias_backward(n, o, geom.oh * geom.ow, P(i8(dy.m)), P(db))
-    assert np.array_equal(db, K.bias_backward(dy, (0, 2, 3)).a)
 
 
-@pytest.mark.parametrize("nko", [(8, 256, 10), (4, 1568, 10), (3, 7, 5), (300, 20, 4)])
+@pytest.mark.parametrize("nko", LINEARS)
 @pytest.mark.parametrize("ci", range(len(CTXS)))
-def test_linear(rt, nko, ci):
+def test_linear(lib: Lib, nko: tuple[int, int, int], ci: int) -> None:
     ctx = CTXS[ci]
-    c_ctx = ctx_of(ctx)
     n, k, o = nko
+    geom = _linear(n, k, o)
     rng = np.random.default_rng(ci + k)
     x = MX.of(rng.integers(-127, 128, (n, k)), -4)
     w = MX.of(rng.integers(-127, 128, (o, k)), -8)
@@ -93,66 +192,49 @@ def test_linear(rt, nko, ci):
     for bias in (b, None):
         ref = K.linear_forward(x, w, bias, ctx, tid)
         y = np.zeros((n, o), np.int8)
-        scr = scratch(rt.mexc_fit_scratch(n * k, k))
-        e = rt.mexc_linear_forward(
-            n,
-            k,
-            o,
-            P(i8(x.m)),
-            -4,
-            P(i8(w.m)),
-            -8,
-            P(None if bias is None else i8(bias.m)),
-            -6,
-            P(y),
-            C.byref(c_ctx),
-            tid,
-            P(scr),
+        e = lib.compacted(
+            lib.kernels.conv_forward(geom, bias is not None), x, w, k, y, ctx, tid, bias
         )
         assert e == int(ref.e) and np.array_equal(y, ref.m)
     dy = MX.of(rng.integers(-127, 128, (n, o)), -10)
     ref = K.linear_backward_input(dy, w, ctx, tid + 16)
     dx = np.zeros((n, k), np.int8)
-    scr = scratch(rt.mexc_fit_scratch(n * o, o))
-    e = rt.mexc_linear_backward_input(
-        n, k, o, P(i8(dy.m)), -10, P(i8(w.m)), -8, P(dx), C.byref(c_ctx), tid + 16, P(scr)
-    )
+    e = lib.compacted(lib.kernels.conv_grad_input(geom), dy, w, o, dx, ctx, tid + 16)
     assert e == int(ref.e) and np.array_equal(dx, ref.m)
     ref = K.linear_backward_weight(dy, x, ctx, tid + 32)
     dw = np.zeros((o, k), np.int32)
-    scr = scratch(rt.mexc_fit_scratch(n * o, n))
-    e = rt.mexc_linear_backward_weight(
-        n, k, o, P(i8(dy.m)), -10, P(i8(x.m)), -4, P(dw), C.byref(c_ctx), tid + 32, P(scr)
-    )
+    e = lib.weight_gradient(lib.kernels.conv_grad_weight(geom), dy, x, n, dw, ctx, tid + 32)
     assert e == int(ref.e) and np.array_equal(dw, ref.a)
-    db = np.zeros(o, np.int32)
-    rt.mexc_bias_backward(n, o, 1, P(i8(dy.m)), P(db))
-    assert np.array_equal(db, K.bias_backward(dy, (0,)).a)
 
 
 @pytest.mark.parametrize("ci", range(len(CTXS)))
-def test_linear_preshift(rt, ci):
+def test_linear_preshift(lib: Lib, ci: int) -> None:
     """product_cap(K, 8) < 0 (K > 2^17): x (forward) / dy (weight gradient) pre-shift, site 3."""
     ctx = CTXS[ci]
-    c_ctx = ctx_of(ctx)
     rng = np.random.default_rng(ci)
-    n, k, o = 2, 140000, 2
+    n, k, o = PRESHIFT
     x = MX.of(rng.integers(-127, 128, (n, k)), -4)
     w = MX.of(rng.integers(-127, 128, (o, k)), -8)
     ref = K.linear_forward(x, w, None, ctx, 32)
     y = np.zeros((n, o), np.int8)
-    scr = scratch(rt.mexc_fit_scratch(n * k, k))
-    assert scr.size == (n * k + 3) // 4
-    e = rt.mexc_linear_forward(
-        n, k, o, P(i8(x.m)), -4, P(i8(w.m)), -8, None, 0, P(y), C.byref(c_ctx), 32, P(scr)
-    )
+    e = lib.compacted(lib.kernels.conv_forward(_linear(n, k, o), False), x, w, k, y, ctx, 32)
     assert e == int(ref.e) and np.array_equal(y, ref.m)
     dy = MX.of(rng.integers(-127, 128, (k, o)), -9)
     xt = MX.of(rng.integers(-127, 128, (k, 3)), -4)
     ref = K.linear_backward_weight(dy, xt, ctx, 48)
     dw = np.zeros((o, 3), np.int32)
-    scr = scratch(rt.mexc_fit_scratch(k * o, k))
-    e = rt.mexc_linear_backward_weight(
-        k, 3, o, P(i8(dy.m)), -9, P(i8(xt.m)), -4, P(dw), C.byref(c_ctx), 48, P(scr)
-    )
+    name = lib.kernels.conv_grad_weight(_linear(k, 3, o))
+    e = lib.weight_gradient(name, dy, xt, k, dw, ctx, 48)
     assert e == int(ref.e) and np.array_equal(dw, ref.a)
+
+
+def test_bias_backward(rt: C.CDLL) -> None:
+    rng = np.random.default_rng(0)
+    dy = MX.of(rng.integers(-127, 128, (3, 5, 4, 2)), -3)
+    db = np.zeros(5, np.int32)
+    rt.mexc_bias_backward(3, 5, 8, P(i8(dy.m)), P(db))
+    assert np.array_equal(db, K.bias_backward(dy, (0, 2, 3)).a)
+    db = np.zeros(5 * 4 * 2, np.int32)
+    flat = MX.of(dy.m.reshape(3, 40), -3)
+    rt.mexc_bias_backward(3, 40, 1, P(i8(flat.m)), P(db))
+    assert np.array_equal(db, K.bias_backward(flat, (0,)).a)

@@ -57,13 +57,6 @@ class Recip(C.Structure):
     _fields_ = [(f, C.c_uint32) for f in ("divisor", "pow2", "odd", "mult", "shift")]
 
 
-class ConvGeom(C.Structure):
-    _fields_ = [
-        (f, C.c_uint32)
-        for f in ("n", "c", "h", "w", "o", "kh", "kw", "sh", "sw", "ph", "pw", "groups", "oh", "ow")
-    ]
-
-
 class PoolGeom(C.Structure):
     _fields_ = [
         (f, C.c_uint32)
@@ -110,16 +103,6 @@ SIGS = {
     "mexc_reactive_rescale": "i ppuiiiu",
     "mexc_fnv1a64": "Q puQ",
     "mexc_fnv1a64_i32": "Q puQ",
-    "mexc_conv_init": "v puuuuuuuuuuuu",
-    "mexc_conv2d_forward": "i ppipipippup",
-    "mexc_conv2d_backward_input": "i ppipippup",
-    "mexc_conv2d_backward_weight": "i ppipippup",
-    "mexc_conv2d_forward_scratch": "u p",
-    "mexc_conv2d_backward_input_scratch": "u p",
-    "mexc_conv2d_backward_weight_scratch": "u p",
-    "mexc_linear_forward": "i uuupipipippup",
-    "mexc_linear_backward_input": "i uuupipippup",
-    "mexc_linear_backward_weight": "i uuupipippup",
     "mexc_bias_backward": "v uuupp",
     "mexc_fit_scratch": "u uu",
     "mexc_relu_forward": "v ppu",

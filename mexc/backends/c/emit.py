@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mexc.backends.c.tir_kernels import KernelSet
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
 from mexc.kernels.elementwise import (
@@ -23,6 +24,7 @@ from mexc.kernels.elementwise import (
     mul_grad_shift,
 )
 from mexc.kernels.norm import _eps_fixed
+from mexc.lowering.te_products import ConvGeom
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import (
     SIGMOID_GRAD_TABLE,
@@ -67,6 +69,7 @@ class _Emit:
     exp_ptr: dict[Value, str] = field(default_factory=dict)  # exponent array (state)
     scratch_words: int = 0
     bn_saved: dict[int, str] = field(default_factory=dict)
+    kernels: KernelSet = field(default_factory=KernelSet)  # the TIR-generated product loops
 
     def shape(self, v: Value) -> tuple[int, ...]:
         return tuple(self.g.type_of(v).shape)
@@ -125,46 +128,83 @@ def _quantize(e: _Emit, n: Node) -> None:
     e.exp[n.out] = "x_e"
 
 
-def _conv_geom(e: _Emit, n: Node, x: Value, w: Value) -> str:
+def _conv_geometry(e: _Emit, n: Node, x: Value, w: Value) -> ConvGeom:
+    """The forward geometry of a convolution node or of its gradients (input x, weight w)."""
     a = n.attrs
     nn, c, h, wd = e.shape(x)
     o, _, kh, kw = e.shape(w)
-    g = f"g{n.id}"
-    e.emit(f"mexc_conv_t {g};")
+    return ConvGeom.of(nn, c, h, wd, o, kh, kw, tuple(a.stride), tuple(a.padding), a.groups)
+
+
+def _linear_geometry(e: _Emit, x_shape: tuple[int, ...], o: int) -> ConvGeom:
+    """A linear layer on the last axis as a 1x1 convolution of (rows, K, 1, 1)."""
+    nn, k = _rows2(x_shape)
+    return ConvGeom.of(nn, k, 1, 1, o, 1, 1)
+
+
+def _product(
+    e: _Emit,
+    n: Node,
+    stem: str,
+    operand: tuple[str, str, int, int],
+    other: tuple[str, str],
+    out: Value,
+    bias: tuple[str, str] | None = None,
+) -> None:
+    """A compacted product: the runtime's bookkeeping around the generated scan and round
+    kernels. operand: (mantissas, exponent, elements, reduction width) of the operand that a
+    negative cap pre-shifts; other: (mantissas, exponent) of the second operand."""
+    a, ea, numel, k = operand
+    b, eb = other
+    e.need(_fit_scratch(numel, k))
+    y = e.arena(out, "int8_t")
+    ey = e.local_exp(out)
+    p, op = f"pr{n.id}", f"op{n.id}"
+    bias_args = f"{bias[0]}, {p}.ta, {p}.tb, {p}.stoch, {p}.k1, {p}.k2, " if bias else ""
+    rounding = f"{p}.s, {p}.k0, {p}.bits" if bias else f"{p}.s, {p}.stoch, {p}.k0, {p}.bits"
+    e.emit(f"mexc_product_t {p};")
     e.emit(
-        f"mexc_conv_init(&{g}, {nn}, {c}, {h}, {wd}, {o}, {kh}, {kw}, {a.stride[0]}, "
-        f"{a.stride[1]}, {a.padding[0]}, {a.padding[1]}, {a.groups});"
+        f"const int8_t *{op} = mexc_product_begin(&{p}, {a}, {numel}u, {ea}, {eb}, {k}u, "
+        f"{int(bias is not None)}, {bias[1] if bias else 0}, &ctx, {_tid(n)}u, scratch);"
     )
-    return g
+    e.emit(f"{stem}_scan({op}, {b}, {bias_args}&{p}.amax);")
+    e.emit(f"{ey} = mexc_product_end(&{p});")
+    e.emit(f"{stem}_round({op}, {b}, {bias_args}{rounding}, {y});")
+
+
+def _weight_gradient(
+    e: _Emit, n: Node, name: str, dy: tuple[str, str, int, int], x: tuple[str, str]
+) -> None:
+    """An int32 weight gradient: dy pre-shifted as the cap needs, then the generated kernel."""
+    d, ed, numel, k = dy
+    e.need(_fit_scratch(numel, k))
+    dw = e.arena(n.out, "int32_t")
+    ew = e.local_exp(n.out)
+    p, op = f"pr{n.id}", f"op{n.id}"
+    e.emit(f"mexc_product_t {p};")
+    e.emit(
+        f"const int8_t *{op} = mexc_product_begin(&{p}, {d}, {numel}u, {ed}, {x[1]}, {k}u, "
+        f"0, 0, &ctx, {_tid(n)}u, scratch);"
+    )
+    e.emit(f"{name}({op}, {x[0]}, {dw});")
+    e.emit(f"{ew} = {p}.e_acc;")
 
 
 def _conv(e: _Emit, n: Node) -> None:
-    g = _conv_geom(e, n, n.inputs[0], n.inputs[1])
-    (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
-    b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
-    y = e.arena(n.out, "int8_t")
-    nn, c, h, wd = e.shape(n.inputs[0])
-    k = c // n.attrs.groups * e.shape(n.inputs[1])[2] * e.shape(n.inputs[1])[3]
-    e.need(_fit_scratch(nn * c * h * wd, k))
-    ey = e.local_exp(n.out)
-    e.emit(
-        f"{ey} = mexc_conv2d_forward(&{g}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, &ctx, "
-        f"{_tid(n)}u, scratch);"
-    )
+    g = _conv_geometry(e, n, n.inputs[0], n.inputs[1])
+    (x, ex), w = _x(e, n, 0), _x(e, n, 1)
+    bias = _x(e, n, 2) if n.attrs.has_bias else None
+    stem = e.kernels.conv_forward(g, bias is not None)
+    k = g.cg * g.kh * g.kw
+    _product(e, n, stem, (x, ex, e.numel(n.inputs[0]), k), w, n.out, bias)
 
 
 def _linear(e: _Emit, n: Node) -> None:
-    (x, ex), (w, ew) = _x(e, n, 0), _x(e, n, 1)
-    b, eb = _x(e, n, 2) if n.attrs.has_bias else ("NULL", "0")
-    nn, k = _rows2(e.shape(n.inputs[0]))
-    o = e.shape(n.inputs[1])[0]
-    e.need(_fit_scratch(nn * k, k))
-    y = e.arena(n.out, "int8_t")
-    ey = e.local_exp(n.out)
-    e.emit(
-        f"{ey} = mexc_linear_forward({nn}, {k}, {o}, {x}, {ex}, {w}, {ew}, {b}, {eb}, {y}, "
-        f"&ctx, {_tid(n)}u, scratch);"
-    )
+    (x, ex), w = _x(e, n, 0), _x(e, n, 1)
+    bias = _x(e, n, 2) if n.attrs.has_bias else None
+    g = _linear_geometry(e, e.shape(n.inputs[0]), e.shape(n.inputs[1])[0])
+    stem = e.kernels.conv_forward(g, bias is not None)
+    _product(e, n, stem, (x, ex, e.numel(n.inputs[0]), g.c), w, n.out, bias)
 
 
 def _rows2(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -281,29 +321,19 @@ def _softmax_ce_grad(e: _Emit, n: Node) -> None:
 
 
 def _linear_grad_weight(e: _Emit, n: Node) -> None:
-    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
-    nn, o = _rows2(e.shape(n.inputs[0]))
-    k = e.shape(n.inputs[1])[-1]
-    e.need(_fit_scratch(nn * o, nn))
-    dw = e.arena(n.out, "int32_t")
-    ew = e.local_exp(n.out)
-    e.emit(
-        f"{ew} = mexc_linear_backward_weight({nn}, {k}, {o}, {dy}, {ed}, {x}, {ex}, {dw}, "
-        f"&ctx, {_tid(n)}u, scratch);"
-    )
+    (dy, ed), x = _x(e, n, 0), _x(e, n, 1)
+    o = e.shape(n.inputs[0])[-1]
+    g = _linear_geometry(e, e.shape(n.inputs[1]), o)
+    name = e.kernels.conv_grad_weight(g)
+    _weight_gradient(e, n, name, (dy, ed, e.numel(n.inputs[0]), g.n), x)
 
 
 def _linear_grad_input(e: _Emit, n: Node) -> None:
-    (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
-    nn, o = _rows2(e.shape(n.inputs[0]))
-    k = e.shape(n.inputs[1])[1]
-    e.need(_fit_scratch(nn * o, o))
-    dx = e.arena(n.out, "int8_t")
-    edx = e.local_exp(n.out)
-    e.emit(
-        f"{edx} = mexc_linear_backward_input({nn}, {k}, {o}, {dy}, {ed}, {w}, {ew}, {dx}, "
-        f"&ctx, {_tid(n)}u, scratch);"
-    )
+    (dy, ed), w = _x(e, n, 0), _x(e, n, 1)
+    o, _ = e.shape(n.inputs[1])
+    g = _linear_geometry(e, e.shape(n.out), o)
+    stem = e.kernels.conv_grad_input(g)
+    _product(e, n, stem, (dy, ed, e.numel(n.inputs[0]), o), w, n.out)
 
 
 def _bias_grad(e: _Emit, n: Node) -> None:
@@ -353,30 +383,17 @@ def _bn_grad(e: _Emit, n: Node) -> None:
 
 
 def _conv_grad_weight(e: _Emit, n: Node) -> None:
-    g = _conv_geom(e, n, n.inputs[1], n.out)
-    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
-    nn, o, oh, ow = e.shape(n.inputs[0])
-    e.need(_fit_scratch(nn * o * oh * ow, nn * oh * ow))
-    dw = e.arena(n.out, "int32_t")
-    ew = e.local_exp(n.out)
-    e.emit(
-        f"{ew} = mexc_conv2d_backward_weight(&{g}, {dy}, {ed}, {x}, {ex}, {dw}, &ctx, "
-        f"{_tid(n)}u, scratch);"
-    )
+    g = _conv_geometry(e, n, n.inputs[1], n.out)
+    (dy, ed), x = _x(e, n, 0), _x(e, n, 1)
+    name = e.kernels.conv_grad_weight(g)
+    _weight_gradient(e, n, name, (dy, ed, e.numel(n.inputs[0]), g.n * g.oh * g.ow), x)
 
 
 def _conv_grad_input(e: _Emit, n: Node) -> None:
-    g = _conv_geom(e, n, n.out, n.inputs[1])
-    (dy, ed), (w, ew) = _x(e, n, 0), _x(e, n, 1)
-    nn, o, oh, ow = e.shape(n.inputs[0])
-    kh, kw = e.shape(n.inputs[1])[2:]
-    e.need(_fit_scratch(nn * o * oh * ow, o // n.attrs.groups * kh * kw))
-    dx = e.arena(n.out, "int8_t")
-    edx = e.local_exp(n.out)
-    e.emit(
-        f"{edx} = mexc_conv2d_backward_input(&{g}, {dy}, {ed}, {w}, {ew}, {dx}, &ctx, "
-        f"{_tid(n)}u, scratch);"
-    )
+    g = _conv_geometry(e, n, n.out, n.inputs[1])
+    (dy, ed), w = _x(e, n, 0), _x(e, n, 1)
+    stem = e.kernels.conv_grad_input(g)
+    _product(e, n, stem, (dy, ed, e.numel(n.inputs[0]), g.og * g.kh * g.kw), w, n.out)
 
 
 def _add(e: _Emit, n: Node) -> None:
@@ -874,6 +891,8 @@ class CModel:
     arena_bytes: int
     scratch_words: int
     state_bytes: int  # the state's RAM arrays (mantissas int8, exponents int32)
+    kernels_source: str = ""  # kernels.c: the product loops, generated from TVM TIR
+    kernels_header: str = ""  # kernels.h
 
     @property
     def static_bytes(self) -> int:
@@ -1008,6 +1027,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
     src = [
         "/* Generated by mexc: one integer-only training step. Do not edit. */",
         '#include "mexc_kernels.h"',
+        '#include "kernels.h"',
         '#include "model.h"',
         "",
         f"static int32_t arena_words[{(arena_bytes + 3) // 4}];",
@@ -1074,4 +1094,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         ]
     )
     names = tuple(sorted(prog.state))
-    return CModel("\n".join(src), header, names, arena_bytes, scratch, state_bytes)
+    kernels_c, kernels_h = e.kernels.sources()
+    return CModel(
+        "\n".join(src), header, names, arena_bytes, scratch, state_bytes, kernels_c, kernels_h
+    )

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mexc.backends.c.emit import emit_model
+from mexc.backends.c.emit import CModel, emit_model
 from mexc.backends.c.project import RUNTIME_DIR
+from mexc.backends.c.tir_kernels import HEADER, SOURCE
 from mexc.backends.kernel_cache import CACHE, build_entry
 from mexc.errors import MexcError
 from mexc.kernels import quantize
@@ -27,21 +28,35 @@ def _runtime_sources() -> list[Path]:
     return fixed + sorted(RUNTIME_DIR.glob("mexc_kernels_*.c"))
 
 
-def build_library(model_c: str, model_h: str, flags: tuple[str, ...] = ("-O2",)) -> Path:
-    """Compile model + runtime into a cached shared library keyed by the sources and flags."""
-    h = hashlib.sha256(model_c.encode() + model_h.encode() + " ".join(flags).encode())
+def _generated(model: CModel) -> dict[str, str]:
+    """The generated files of a program, by name."""
+    return {
+        "model.c": model.source,
+        "model.h": model.header,
+        SOURCE: model.kernels_source,
+        HEADER: model.kernels_header,
+    }
+
+
+def build_library(model: CModel, flags: tuple[str, ...] = ("-O2",)) -> Path:
+    """Compile model, kernels and runtime into a cached shared library keyed by the sources and
+    flags."""
+    files = _generated(model)
+    h = hashlib.sha256(" ".join(flags).encode())
+    for name in sorted(files):
+        h.update(name.encode() + files[name].encode())
     for src in _runtime_sources() + sorted(RUNTIME_DIR.glob("*.h")):
         h.update(src.read_bytes())
     folder = CACHE / f"c-{h.hexdigest()[:20]}"
     lib = folder / LIBRARY
     if not lib.exists():
-        build_entry(folder, lambda tmp: _compile_library(tmp, model_c, model_h, flags))
+        build_entry(folder, lambda tmp: _compile_library(tmp, files, flags))
     return lib
 
 
-def _compile_library(folder: Path, model_c: str, model_h: str, flags: tuple[str, ...]) -> None:
-    (folder / "model.c").write_text(model_c)
-    (folder / "model.h").write_text(model_h)
+def _compile_library(folder: Path, files: dict[str, str], flags: tuple[str, ...]) -> None:
+    for name, text in files.items():
+        (folder / name).write_text(text)
     cmd = [
         "cc",
         *flags,
@@ -53,6 +68,7 @@ def _compile_library(folder: Path, model_c: str, model_h: str, flags: tuple[str,
         "-I",
         str(RUNTIME_DIR),
         str(folder / "model.c"),
+        str(folder / SOURCE),
         *map(str, _runtime_sources()),
         "-o",
         str(folder / LIBRARY),
@@ -76,7 +92,7 @@ class CProgram(Program):
         self.carry_memory_plan(base._plan)
         model = emit_model(base, steps_hint)
         self._static_bytes = model.static_bytes
-        self._lib = ctypes.CDLL(str(build_library(model.source, model.header)))
+        self._lib = ctypes.CDLL(str(build_library(model)))
         self._lib.mexc_model_step.restype = ctypes.c_int32
         self._lib.mexc_model_step.argtypes = [
             ctypes.c_uint32,

@@ -3,6 +3,7 @@
 Layout of the project folder:
     Makefile            targets host, mcu, run-host, run-qemu, sizes
     model.c, model.h    the generated training step (mexc.backends.c.emit)
+    kernels.c, .h       its product loops, generated from TVM TIR (mexc.backends.c.tir_kernels)
     data.c, data.h      the embedded training batches, quantized at the host boundary
     runtime/            the mexc C runtime (numerics, kernels, driver, board files)
 """
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mexc.backends.c.emit import emit_model
+from mexc.backends.c.tir_kernels import HEADER, SOURCE
 from mexc.kernels import quantize
 from mexc.program import Program, as_numpy, replay_indices
 
@@ -64,7 +66,7 @@ STARTUP := $(RT)/board/cortex_m_semihosting.c
 # instruction counts: QEMU's -icount clock, read through SysTick (docs/mcu.md)
 ICOUNT_SHIFT := {icount_shift}
 COUNT_FLAGS := -DMEXC_SYSTICK_HZ={clock_hz}u -DMEXC_ICOUNT_SHIFT=$(ICOUNT_SHIFT)
-SRC := model.c data.c $(RT)/mexc_main.c $(wildcard $(RT)/mexc_numerics.c $(RT)/mexc_update.c \\
+SRC := model.c kernels.c data.c $(RT)/mexc_main.c $(wildcard $(RT)/mexc_numerics.c $(RT)/mexc_update.c \\
        $(RT)/mexc_tables.c $(RT)/mexc_kernels_*.c)
 WARN := -std=c99 -Wall -Wextra -Wno-unused-parameter -Wno-unused-variable -Wno-unused-function
 INC := -I. -I$(RT)
@@ -74,11 +76,11 @@ MCU_FLAGS := -mcpu=$(CPU) -mthumb -mfloat-abi=soft -O2 -ffreestanding -fno-built
 
 .PHONY: host mcu run-host run-qemu sizes clean
 host: train_host
-train_host: $(SRC) $(RT)/board/host_io.c model.h data.h
+train_host: $(SRC) $(RT)/board/host_io.c model.h kernels.h data.h
 \t$(CC) $(HOST_CFLAGS) $(WARN) $(INC) $(SRC) $(RT)/board/host_io.c -o $@
 
 mcu: train_$(CPU).elf
-train_$(CPU).elf: $(SRC) $(STARTUP) $(LDSCRIPT) model.h data.h
+train_$(CPU).elf: $(SRC) $(STARTUP) $(LDSCRIPT) model.h kernels.h data.h
 \t$(ARM_CC) $(MCU_FLAGS) $(COUNT_FLAGS) $(WARN) $(INC) -nostdlib -Wl,--gc-sections \\
 \t  -T $(LDSCRIPT) $(STARTUP) $(SRC) -lgcc -o $@
 
@@ -186,6 +188,8 @@ def export(
     batches = quantize_batches(prog, x, y, steps)
     (out / "model.c").write_text(model.source)
     (out / "model.h").write_text(model.header)
+    (out / SOURCE).write_text(model.kernels_source)
+    (out / HEADER).write_text(model.kernels_header)
     data_c, data_h = _data_sources(batches, steps, start)
     (out / "data.c").write_text(data_c)
     (out / "data.h").write_text(data_h)

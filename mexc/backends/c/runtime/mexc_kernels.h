@@ -31,47 +31,30 @@ uint32_t mexc_fit_scratch(uint32_t n, uint32_t k);
 const int8_t *mexc_fit_product(const int8_t *a, uint32_t n, int32_t *e, uint32_t k,
                                const mexc_ctx_t *ctx, uint32_t key, int32_t *scratch);
 
-/* ------------------------------------------------------------------ conv2d (conv.py) */
+/* ------------------------------------------------------------------ products
+ * The loops of every convolution and linear layer (and of their gradients) are generated from
+ * TVM TIR into kernels.c (mexc/lowering/mcu_products.py): `<node>_scan` (max |value|) and
+ * `<node>_round` (the compacted output), or the int32 weight gradient. These two calls are the
+ * bookkeeping around them (kernels/conv.py, linear.py): the operand pre-shift, the exponents,
+ * the bias alignment and the compaction shift. */
 typedef struct {
-    uint32_t n, c, h, w;     /* input (N, C, H, W) */
-    uint32_t o, kh, kw;      /* weight (O, C/groups, KH, KW) */
-    uint32_t sh, sw, ph, pw; /* stride, zero padding (dilation 1) */
-    uint32_t groups;
-    uint32_t oh, ow;         /* output size, set by mexc_conv_init */
-} mexc_conv_t;
+    int32_t e_acc;       /* exponent of the int32 accumulator */
+    int32_t ta, tb;      /* bias alignment: target - e_acc, target - e_bias */
+    int32_t e_val;       /* exponent of the value compacted: e_acc, or the aligned target */
+    int32_t stoch, bits; /* the context's rounding */
+    uint32_t k0, k1, k2; /* site keys: 0 the compaction, 1 and 2 the bias alignment */
+    int32_t amax;        /* written by the scan kernel */
+    int32_t s;           /* the compaction shift (mexc_product_end) */
+} mexc_product_t;
+/* Pre-shift operand a (n elements, reduction width k; site 3) if the product's cap needs it and
+ * return the operand the kernels read; e_acc = e_a (after the shift) + e_b. has_bias: the
+ * value is aligned_sum(acc, bias) (docs/numerics.md section 7). Scratch: mexc_fit_scratch. */
+const int8_t *mexc_product_begin(mexc_product_t *p, const int8_t *a, uint32_t n, int32_t e_a,
+                                 int32_t e_b, uint32_t k, int32_t has_bias, int32_t e_bias,
+                                 const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
+/* The compaction shift of p->amax; returns the output's exponent. */
+int32_t mexc_product_end(mexc_product_t *p);
 
-void mexc_conv_init(mexc_conv_t *g, uint32_t n, uint32_t c, uint32_t h, uint32_t w, uint32_t o,
-                    uint32_t kh, uint32_t kw, uint32_t sh, uint32_t sw, uint32_t ph, uint32_t pw,
-                    uint32_t groups);
-/* conv2d_forward; bias may be NULL. Sites 0 compaction, 1/2 bias alignment, 3 pre-shift. */
-int32_t mexc_conv2d_forward(const mexc_conv_t *g, const int8_t *x, int32_t ex, const int8_t *w,
-                            int32_t ew, const int8_t *bias, int32_t eb, int8_t *y,
-                            const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
-uint32_t mexc_conv2d_forward_scratch(const mexc_conv_t *g);
-/* conv2d_backward_input: dy (N, O, OH, OW) -> dx (N, C, H, W). Sites 0, 3. */
-int32_t mexc_conv2d_backward_input(const mexc_conv_t *g, const int8_t *dy, int32_t ed,
-                                   const int8_t *w, int32_t ew, int8_t *dx, const mexc_ctx_t *ctx,
-                                   uint32_t tid, int32_t *scratch);
-uint32_t mexc_conv2d_backward_input_scratch(const mexc_conv_t *g);
-/* conv2d_backward_weight: int32 dW (O, C/G, KH, KW). Site 3 (pre-shift of dy). */
-int32_t mexc_conv2d_backward_weight(const mexc_conv_t *g, const int8_t *dy, int32_t ed,
-                                    const int8_t *x, int32_t ex, int32_t *dw,
-                                    const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
-uint32_t mexc_conv2d_backward_weight_scratch(const mexc_conv_t *g);
-
-/* ------------------------------------------------------------------ linear (linear.py) */
-/* x (N, K), w (O, K), y (N, O). Scratch: mexc_fit_scratch(N*K, K). */
-int32_t mexc_linear_forward(uint32_t n, uint32_t k, uint32_t o, const int8_t *x, int32_t ex,
-                            const int8_t *w, int32_t ew, const int8_t *bias, int32_t eb, int8_t *y,
-                            const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
-/* dx (N, K) = dy (N, O) @ w. Scratch: mexc_fit_scratch(N*O, O). */
-int32_t mexc_linear_backward_input(uint32_t n, uint32_t k, uint32_t o, const int8_t *dy,
-                                   int32_t ed, const int8_t *w, int32_t ew, int8_t *dx,
-                                   const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
-/* int32 dW (O, K) = dy^T @ x. Scratch: mexc_fit_scratch(N*O, N). */
-int32_t mexc_linear_backward_weight(uint32_t n, uint32_t k, uint32_t o, const int8_t *dy,
-                                    int32_t ed, const int8_t *x, int32_t ex, int32_t *dw,
-                                    const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
 /* bias_backward: dy viewed as (N, C, S) summed over N and S -> db[C] (exponent e_dy).
  * Conv: S = OH*OW; linear: S = 1. */
 void mexc_bias_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t *db);
