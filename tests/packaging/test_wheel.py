@@ -162,7 +162,8 @@ def test_wheel_installs_and_runs_c_target_outside_repo(tmp_path: Path) -> None:
     exported = set(fields["RUNTIME"])
     want = {f.removeprefix("backends/c/") for f in data if f.startswith("backends/c/runtime/")}
     assert want <= exported, f"the exported project lacks {sorted(want - exported)}"
-    assert {"Makefile", "model.c", "model.h", "kernels.c", "kernels.h", "data.c", "data.h"} <= exported
+    generated = {"Makefile", "model.c", "model.h", "kernels.c", "kernels.h", "data.c", "data.h"}
+    assert generated <= exported
 
     make = subprocess.run(
         ["make", "-s", "-C", str(work / "project"), "run-host"],

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 import tvm
