@@ -67,7 +67,8 @@ STARTUP := $(RT)/board/cortex_m_semihosting.c
 ICOUNT_SHIFT := {icount_shift}
 COUNT_FLAGS := -DMEXC_SYSTICK_HZ={clock_hz}u -DMEXC_ICOUNT_SHIFT=$(ICOUNT_SHIFT)
 SRC := model.c kernels.c data.c $(RT)/mexc_main.c \\
-       $(wildcard $(RT)/mexc_numerics.c $(RT)/mexc_update.c $(RT)/mexc_tables.c $(RT)/mexc_kernels_*.c)
+       $(wildcard $(RT)/mexc_numerics.c $(RT)/mexc_update.c $(RT)/mexc_tables.c \\
+                  $(RT)/mexc_kernels_*.c)
 WARN := -std=c99 -Wall -Wextra -Wno-unused-parameter -Wno-unused-variable -Wno-unused-function
 INC := -I. -I$(RT)
 HOST_CFLAGS ?= -O2
