@@ -29,9 +29,7 @@ HEADER = "kernels.h"
 
 
 def _tag(g: ConvGeom) -> str:
-    return (
-        f"n{g.n}c{g.c}h{g.h}w{g.w}o{g.o}k{g.kh}x{g.kw}s{g.sh}x{g.sw}p{g.ph}x{g.pw}g{g.groups}"
-    )
+    return f"n{g.n}c{g.c}h{g.h}w{g.w}o{g.o}k{g.kh}x{g.kw}s{g.sh}x{g.sw}p{g.ph}x{g.pw}g{g.groups}"
 
 
 @dataclass
