@@ -22,14 +22,53 @@ from dataclasses import dataclass
 from typing import Any
 
 from tvm import s_tir, te, tirx
+from tvm.script import tirx as T
 
 from mexc.lowering.te_func import prim_func
-from mexc.lowering.te_products import ConvGeom, _guarded, _in, _mul, _tap
+from mexc.lowering.te_products import ConvGeom, _guarded, _in, _mul, _tap, has_block
 
 I8, I32, U32 = "int8", "int32", "uint32"
 Expr = Any  # a TIR expression (tvm.tirx has no public PrimExpr type to name at run time)
 # taps of a kernel window up to this many are unrolled: the bounds tests fold per tap
 UNROLL_TAPS = 9
+# the dot form's column of one output position lives on the stack: at most this many bytes
+MAX_COLUMN = 1024
+DOT4 = "mexc_dot4_acc"  # the tensor intrinsic: c += a[0:4] . b[0:4], as runtime's mexc_dot4
+
+
+@T.prim_func(s_tir=True)
+def _dot4_desc(
+    a: T.Buffer((4,), "int8", offset_factor=1, align=1),  # type: ignore[valid-type]
+    b: T.Buffer((4,), "int8", offset_factor=1, align=1),  # type: ignore[valid-type]
+    c: T.Buffer((1,), "int32", offset_factor=1, align=1),  # type: ignore[valid-type]
+) -> None:
+    with T.sblock("root"):
+        T.reads(c[0], a[0:4], b[0:4])
+        T.writes(c[0])
+        for i in range(4):
+            with T.sblock("update"):
+                vi = T.axis.remap("R", [i])
+                c[0] = c[0] + T.cast(a[vi], "int32") * T.cast(b[vi], "int32")
+
+
+@T.prim_func(s_tir=True)
+def _dot4_impl(
+    a: T.Buffer((4,), "int8", offset_factor=1, align=1),  # type: ignore[valid-type]
+    b: T.Buffer((4,), "int8", offset_factor=1, align=1),  # type: ignore[valid-type]
+    c: T.Buffer((1,), "int32", offset_factor=1, align=1),  # type: ignore[valid-type]
+) -> None:
+    with T.sblock("root"):
+        T.reads(c[0], a[0:4], b[0:4])
+        T.writes(c[0])
+        # two SMLAD dual 16-bit MACs on a core with the DSP extension (runtime/mexc_simd.h)
+        c[0] = T.call_extern("int32", "mexc_dot4", a.access_ptr("r"), b.access_ptr("r"), c[0])
+
+
+def _register_dot4() -> None:
+    try:
+        s_tir.TensorIntrin.get(DOT4)
+    except Exception:  # noqa: BLE001 - TVM raises its own error type when absent
+        s_tir.TensorIntrin.register(DOT4, _dot4_desc, _dot4_impl)
 
 
 @dataclass(frozen=True)
@@ -118,13 +157,12 @@ def _scan_and_round(
     shape: tuple[int, ...],
     inputs: list[te.Tensor],
     scalars: dict[str, tirx.Var],
-    acc: te.Tensor,
     value: Value,
-    taps: int,
-    unit_first: bool,
+    schedule: Callable[[tirx.PrimFunc, str], tirx.PrimFunc],
 ) -> dict[str, tirx.PrimFunc]:
     """`{name}_scan` (inputs, scalars, amax[1]) and `{name}_round` (inputs, scalars, s, stoch,
-    k0, bits, out): the compaction of value over `shape` without storing it."""
+    k0, bits, out): the compaction of value over `shape` without storing it. schedule(func,
+    consumer block) places the accumulation inside the consumer's loops."""
     axes = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(shape)]
 
     def magnitude(*idx: Expr) -> Expr:
@@ -145,48 +183,98 @@ def _scan_and_round(
     rest = [r[n] for n in ROUND_SCALARS.names if n not in scalars]
     rnd = prim_func([*inputs, *scalars.values(), *rest, out], f"{name}_round")
     return {
-        f"{name}_scan": _schedule(scan, "amax", taps, unit_first),
-        f"{name}_round": _schedule(rnd, "out", taps, unit_first),
+        f"{name}_scan": schedule(scan, "amax"),
+        f"{name}_round": schedule(rnd, "out"),
     }
+
+
+def _dot_form(g: ConvGeom) -> bool:
+    """Whether the forward product takes the dot form: a column of the input window per output
+    position, reused by the group's output channels (or the input row itself for a linear
+    layer), and 4-element dot products against each weight row."""
+    k = g.cg * g.kh * g.kw
+    direct = g.h == g.w == g.kh == g.kw == 1
+    return k >= 4 and (direct or (g.og >= 2 and k <= MAX_COLUMN))
+
+
+def _forward_accumulation(
+    g: ConvGeom,
+) -> tuple[list[te.Tensor], list[te.Tensor], Callable[[tirx.PrimFunc, str], tirx.PrimFunc]]:
+    """(operands x and w, the partial sums whose total is the accumulator, their schedule)."""
+    if not _dot_form(g):
+        x = te.placeholder(g.x_shape, I8, name="x")
+        w = te.placeholder(g.w_shape, I8, name="w")
+        acc = conv_acc(g, x, w)
+        return [x, w], [acc], lambda f, use: _schedule(f, use, g.kh * g.kw, g.cg == 1)
+    taps, k = g.kh * g.kw, g.cg * g.kh * g.kw
+    direct = g.h == g.w == g.kh == g.kw == 1
+    # a linear layer reads its rows in place: (N, K) and (O, K), 2-D so that the intrinsic
+    # matches a contiguous last axis
+    x = te.placeholder((g.n, g.c) if direct else g.x_shape, I8, name="x")
+    w = te.placeholder((g.o, k), I8, name="w")
+    if direct:
+
+        def source(n: Expr, grp: Expr, y: Expr, xx: Expr, r: Expr) -> Expr:
+            return x[n, grp * g.cg + r]
+
+    else:
+
+        def window(n: Expr, grp: Expr, oy: Expr, ox: Expr, r: Expr) -> Expr:
+            c, i, j = r // taps, r % taps // g.kw, r % g.kw
+            iy, ix = oy * g.sh + i - g.ph, ox * g.sw + j - g.pw
+            ok = tirx.all(_in(0, iy, g.h), _in(0, ix, g.w))
+            return tirx.if_then_else(ok, x[n, grp * g.cg + c, iy, ix], tirx.const(0, I8))
+
+        col = te.compute((g.n, g.groups, g.oh, g.ow, k), window, name="col")
+
+        def source(n: Expr, grp: Expr, y: Expr, xx: Expr, r: Expr) -> Expr:
+            return col[n, grp, y, xx, r]
+
+    k4 = k // 4 * 4
+    parts = []
+    for lo, hi, part in ((0, k4, "acc"), (k4, k, "acc_rest")):
+        if hi > lo:
+            rk = te.reduce_axis((lo, hi), f"{part}_k")
+
+            def body(n: Expr, o: Expr, y: Expr, xx: Expr, rk: Any = rk) -> Expr:
+                return te.sum(_mul(source(n, o // g.og, y, xx, rk), w[o, rk]), axis=rk)
+
+            parts.append(te.compute(g.y_shape, _no_defaults(body), name=part))
+    return [x, w], parts, lambda f, use: _schedule_dot(f, use, g, not direct)
+
+
+def _no_defaults(body: Callable[..., Expr]) -> Callable[..., Expr]:
+    """te.compute rejects a function with default arguments (the loop's bound reduce axis)."""
+    return lambda n, o, y, xx: body(n, o, y, xx)
 
 
 def conv_forward(name: str, g: ConvGeom, bias: bool) -> dict[str, tirx.PrimFunc]:
     """Scan and round of a convolution (a linear layer: a 1x1 convolution on (N, K, 1, 1)),
     with its bias added as docs/numerics.md section 7's aligned sum when `bias`. Operands
     (x, w[, b]); with a bias, scalars ta = t - e_acc, tb = t - e_b, stoch, k1, k2."""
-    x = te.placeholder(g.x_shape, I8, name="x")
-    w = te.placeholder(g.w_shape, I8, name="w")
-    acc = conv_acc(g, x, w)
+    operands, parts, schedule = _forward_accumulation(g)
+
+    def acc(*idx: Expr) -> Expr:
+        total = parts[0][idx]
+        for p in parts[1:]:
+            total = total + p[idx]
+        return total
+
     if not bias:
-        return _scan_and_round(
-            name, g.y_shape, [x, w], {}, acc, lambda *i: acc[i], g.kh * g.kw, g.cg == 1
-        )
+        return _scan_and_round(name, g.y_shape, operands, {}, acc, schedule)
     b = te.placeholder((g.o,), I8, name="b")
     sv = BIAS_SCALARS.vars()
 
     def aligned(*idx: Expr) -> Expr:
-        a = _call(
-            I32,
-            "mexc_shift_signed",
-            acc[idx],
-            sv["ta"],
-            sv["stoch"],
-            sv["k1"],
-            _flat(g.y_shape, idx),
-        )
+        flat = _flat(g.y_shape, idx)
+        a = _call(I32, "mexc_shift_signed", acc(*idx), sv["ta"], sv["stoch"], sv["k1"], flat)
         o = idx[1]
-        bo = _call(
-            I32,
-            "mexc_shift_signed",
-            b[o].astype(I32),
-            sv["tb"],
-            sv["stoch"],
-            sv["k2"],
-            o.astype(U32),
+        bo = b[o].astype(I32)
+        return a + _call(
+            I32, "mexc_shift_signed", bo, sv["tb"], sv["stoch"], sv["k2"], o.astype(U32)
         )
-        return a + bo
 
-    return _scan_and_round(name, g.y_shape, [x, w, b], sv, acc, aligned, g.kh * g.kw, g.cg == 1)
+    return _scan_and_round(name, g.y_shape, [*operands, b], sv, aligned, schedule)
 
 
 def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
@@ -194,9 +282,11 @@ def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     dy = te.placeholder(g.y_shape, I8, name="dy")
     w = te.placeholder(g.w_shape, I8, name="w")
     acc = conv_grad_input_acc(g, dy, w)
-    return _scan_and_round(
-        name, g.x_shape, [dy, w], {}, acc, lambda *i: acc[i], g.kh * g.kw, g.og == 1
-    )
+
+    def schedule(f: tirx.PrimFunc, use: str) -> tirx.PrimFunc:
+        return _schedule(f, use, g.kh * g.kw, g.og == 1)
+
+    return _scan_and_round(name, g.x_shape, [dy, w], {}, lambda *i: acc[i], schedule)
 
 
 def conv_grad_weight(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
@@ -233,4 +323,45 @@ def _schedule(func: tirx.PrimFunc, consumer: str, taps: int, unit_first: bool) -
             sch.unroll(loop)
     if consumer == "amax":
         sch.decompose_reduction(use, sch.get_loops(use)[0])
+    return sch.mod["main"]
+
+
+def _schedule_dot(func: tirx.PrimFunc, consumer: str, g: ConvGeom, column: bool) -> tirx.PrimFunc:
+    """The dot form: output positions outermost and the group's output channels inside them,
+    the column of the window gathered once per position (`col`, a stack array of K bytes), the
+    accumulator of each output in a one-element scratch, its first 4*(K // 4) terms four at a
+    time through DOT4 and the rest one by one."""
+    _register_dot4()
+    sch = s_tir.Schedule(func)
+    use = sch.get_sblock(consumer)
+    loops = sch.get_loops(use)
+    n, o, y, xx = loops[-4:]
+    if g.groups > 1:
+        grp, ol = sch.split(o, [g.groups, g.og])
+        sch.reorder(n, grp, y, xx, ol)
+    else:
+        sch.reorder(n, y, xx, o)
+        ol = o
+    n_out = len(sch.get_loops(use))
+    quads = None
+    for part in ("acc", "acc_rest"):
+        if not has_block(sch, part):
+            continue
+        blk = sch.get_sblock(part)
+        sch.compute_at(blk, ol)
+        loops = sch.get_loops(blk)
+        if part == "acc":
+            outer, quads = sch.split(loops[n_out], [None, 4])
+            sch.decompose_reduction(blk, outer)
+        elif len(loops) > n_out:  # a rest of one term has no loop
+            sch.decompose_reduction(blk, loops[n_out])
+    if column:
+        col = sch.get_sblock("col")
+        sch.compute_at(col, xx)
+        # nested channel and tap loops: the window's indices without divisions
+        sch.split(sch.get_loops(col)[-1], [g.cg, g.kh, g.kw])
+    if consumer == "amax":
+        sch.decompose_reduction(use, sch.get_loops(use)[0])
+    if quads is not None:
+        sch.tensorize(quads, DOT4)
     return sch.mod["main"]

@@ -75,7 +75,12 @@ def _printed(funcs: dict[str, tirx.PrimFunc]) -> str:
     folder = CACHE / f"tirc-{h.hexdigest()[:20]}"
     out = folder / SOURCE
     if not out.exists():
-        build_entry(folder, lambda tmp: (tmp / SOURCE).write_text(plain_c.emit_plain_c(funcs)))
+        build_entry(
+            folder,
+            lambda tmp: (tmp / SOURCE).write_text(
+                plain_c.emit_plain_c(funcs, max_stack_bytes=mcu_products.MAX_COLUMN)
+            ),
+        )
     return out.read_text()
 
 
@@ -109,6 +114,7 @@ def _header(protos: list[str]) -> str:
             "#define MEXC_GENERATED_KERNELS_H",
             "#include <stdint.h>",
             '#include "mexc_rt.h"',
+            '#include "mexc_simd.h"',
             *protos,
             "#endif",
             "",
