@@ -112,7 +112,7 @@ def _registry(*targets: Target) -> Mapping[str, Target]:
 TARGETS: Mapping[str, Target] = _registry(
     Target("reference", "the reference executor (numpy)", (), True, _reference),
     Target("llvm", "TVM-compiled host code", ("tvm",), True, on_host_backend),
-    Target("c", "the generated C, built by the host cc", ("cc",), True, on_host_c),
+    Target("c", "the generated C, built by the host cc", ("tvm", "cc"), True, on_host_c),
     Target(
         "auto",
         "llvm where TVM lowers every op, else reference",

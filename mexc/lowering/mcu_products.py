@@ -112,18 +112,21 @@ def conv_acc(g: ConvGeom, x: te.Tensor, w: te.Tensor) -> te.Tensor:
     return te.compute(g.y_shape, body, name="acc")
 
 
+def _axis_tap(v: Expr, r: Expr, s: int, p: int, size: int) -> tuple[Expr, Expr]:
+    """The dy row (or column) that input row v reads through tap r, and whether it exists."""
+    t = v + p - r
+    if s == 1:
+        return t, _in(0, t, size)
+    ok = tirx.all(t >= 0, tirx.floormod(t, s) == 0, tirx.floordiv(t, s) < size)
+    return tirx.floordiv(t, s), ok
+
+
 def conv_grad_input_acc(g: ConvGeom, dy: te.Tensor, w: te.Tensor) -> te.Tensor:
     """dx[n,c,y,x] of the input gradient (te_products.conv2d_grad_input_acc's formula)."""
     ro = te.reduce_axis((0, g.og), "ro")
     ri = te.reduce_axis((0, g.kh), "ri")
     rj = te.reduce_axis((0, g.kw), "rj")
-
-    def axis_tap(v: Expr, r: Expr, s: int, p: int, size: int) -> tuple[Expr, Expr]:
-        t = v + p - r
-        if s == 1:
-            return t, _in(0, t, size)
-        ok = tirx.all(t >= 0, tirx.floormod(t, s) == 0, tirx.floordiv(t, s) < size)
-        return tirx.floordiv(t, s), ok
+    axis_tap = _axis_tap
 
     def body(n: Expr, c: Expr, y: Expr, xx: Expr) -> Expr:
         ty, oky = axis_tap(y, ri, g.sh, g.ph, g.oh)
@@ -240,7 +243,8 @@ def _forward_accumulation(
                 return te.sum(_mul(source(n, o // g.og, y, xx, rk), w[o, rk]), axis=rk)
 
             parts.append(te.compute(g.y_shape, _no_defaults(body), name=part))
-    return [x, w], parts, lambda f, use: _schedule_dot(f, use, g, not direct)
+    split = None if direct else [g.cg, g.kh, g.kw]
+    return [x, w], parts, lambda f, use: _schedule_dot(f, use, g, g.og, split)
 
 
 def _no_defaults(body: Callable[..., Expr]) -> Callable[..., Expr]:
@@ -248,17 +252,17 @@ def _no_defaults(body: Callable[..., Expr]) -> Callable[..., Expr]:
     return lambda n, o, y, xx: body(n, o, y, xx)
 
 
+def _five(body: Callable[..., Expr]) -> Callable[..., Expr]:
+    """_no_defaults for five axes."""
+    return lambda n, o, c, i, j: body(n, o, c, i, j)
+
+
 def conv_forward(name: str, g: ConvGeom, bias: bool) -> dict[str, tirx.PrimFunc]:
     """Scan and round of a convolution (a linear layer: a 1x1 convolution on (N, K, 1, 1)),
     with its bias added as docs/numerics.md section 7's aligned sum when `bias`. Operands
     (x, w[, b]); with a bias, scalars ta = t - e_acc, tb = t - e_b, stoch, k1, k2."""
     operands, parts, schedule = _forward_accumulation(g)
-
-    def acc(*idx: Expr) -> Expr:
-        total = parts[0][idx]
-        for p in parts[1:]:
-            total = total + p[idx]
-        return total
+    acc = _total(parts)
 
     if not bias:
         return _scan_and_round(name, g.y_shape, operands, {}, acc, schedule)
@@ -277,8 +281,18 @@ def conv_forward(name: str, g: ConvGeom, bias: bool) -> dict[str, tirx.PrimFunc]
     return _scan_and_round(name, g.y_shape, [*operands, b], sv, aligned, schedule)
 
 
+def _dot_grad_input(g: ConvGeom) -> bool:
+    """Whether the input gradient takes the dot form: a column of dy per input position (the
+    group's output channels times the kernel taps), reused by the group's input channels, and
+    each weight's taps (contiguous) four at a time."""
+    taps = g.kh * g.kw
+    return taps >= 4 and g.cg >= 2 and g.og * taps <= MAX_COLUMN
+
+
 def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     """Scan and round of the input gradient. Operands (dy, w)."""
+    if _dot_grad_input(g):
+        return _grad_input_dot(name, g)
     dy = te.placeholder(g.y_shape, I8, name="dy")
     w = te.placeholder(g.w_shape, I8, name="w")
     acc = conv_grad_input_acc(g, dy, w)
@@ -289,8 +303,64 @@ def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     return _scan_and_round(name, g.x_shape, [dy, w], {}, lambda *i: acc[i], schedule)
 
 
+def _grad_input_dot(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
+    """The input gradient's dot form: dy's window of each input position gathered once."""
+    taps = g.kh * g.kw
+    dy = te.placeholder(g.y_shape, I8, name="dy")
+    w = te.placeholder((g.o, g.cg, taps), I8, name="w")  # the taps of one weight: a last axis
+
+    def window(n: Expr, grp: Expr, y: Expr, xx: Expr, ol: Expr, t: Expr) -> Expr:
+        ty, oky = _axis_tap(y, t // g.kw, g.sh, g.ph, g.oh)
+        tx, okx = _axis_tap(xx, t % g.kw, g.sw, g.pw, g.ow)
+        value = dy[n, grp * g.og + ol, ty, tx]
+        return tirx.if_then_else(tirx.all(oky, okx), value, tirx.const(0, I8))
+
+    col = te.compute((g.n, g.groups, g.h, g.w, g.og, taps), window, name="col")
+    t4 = taps // 4 * 4
+    parts = []
+    for lo, hi, part in ((0, t4, "acc"), (t4, taps, "acc_rest")):
+        if hi > lo:
+            ro = te.reduce_axis((0, g.og), f"{part}_o")
+            rt = te.reduce_axis((lo, hi), f"{part}_t")
+
+            def body(n: Expr, c: Expr, y: Expr, xx: Expr, ro: Any = ro, rt: Any = rt) -> Expr:
+                grp = c // g.cg
+                v = _mul(col[n, grp, y, xx, ro, rt], w[grp * g.og + ro, c % g.cg, rt])
+                return te.sum(v, axis=[ro, rt])
+
+            parts.append(te.compute(g.x_shape, _no_defaults(body), name=part))
+
+    def schedule(f: tirx.PrimFunc, use: str) -> tirx.PrimFunc:
+        return _schedule_dot(f, use, g, g.cg, [g.kh, g.kw])
+
+    return _scan_and_round(name, g.x_shape, [dy, w], {}, _total(parts), schedule)
+
+
+def _total(parts: list[te.Tensor]) -> Value:
+    """The accumulator as the sum of its parts (the dot form's quads and its rest)."""
+
+    def acc(*idx: Expr) -> Expr:
+        total = parts[0][idx]
+        for p in parts[1:]:
+            total = total + p[idx]
+        return total
+
+    return acc
+
+
+def _dot_grad_weight(g: ConvGeom) -> bool:
+    """Whether the weight gradient takes the dot form: per sample, input channel and tap, the
+    input plane shifted by the tap (OH*OW bytes, zero outside), reused by every output channel,
+    and four output positions at a time against dy's plane. One group only (a column per
+    group channel would not be reused)."""
+    s = g.oh * g.ow
+    return g.groups == 1 and 4 <= s <= MAX_COLUMN and g.kh * g.kw > 1
+
+
 def conv_grad_weight(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     """The int32 weight gradient `{name}` (dy, x, dw)."""
+    if _dot_grad_weight(g):
+        return {name: _grad_weight_dot(name, g)}
     dy = te.placeholder(g.y_shape, I8, name="dy")
     x = te.placeholder(g.x_shape, I8, name="x")
     acc = conv_grad_weight_acc(g, dy, x)
@@ -326,42 +396,104 @@ def _schedule(func: tirx.PrimFunc, consumer: str, taps: int, unit_first: bool) -
     return sch.mod["main"]
 
 
-def _schedule_dot(func: tirx.PrimFunc, consumer: str, g: ConvGeom, column: bool) -> tirx.PrimFunc:
-    """The dot form: output positions outermost and the group's output channels inside them,
-    the column of the window gathered once per position (`col`, a stack array of K bytes), the
-    accumulator of each output in a one-element scratch, its first 4*(K // 4) terms four at a
-    time through DOT4 and the rest one by one."""
+def _schedule_dot(
+    func: tirx.PrimFunc, consumer: str, g: ConvGeom, per_group: int, col_split: list[int] | None
+) -> tirx.PrimFunc:
+    """The dot form: output positions outermost and the group's output channels (per_group of
+    them) inside them, the column of the window gathered once per position (`col`, a stack
+    array; its last loop split into col_split, so that its indices need no division), the
+    accumulator of each output in a one-element scratch, the last reduction loop of `acc` four
+    terms at a time through DOT4 and `acc_rest` one by one."""
     _register_dot4()
     sch = s_tir.Schedule(func)
     use = sch.get_sblock(consumer)
-    loops = sch.get_loops(use)
-    n, o, y, xx = loops[-4:]
+    n, ch, y, xx = sch.get_loops(use)[-4:]
     if g.groups > 1:
-        grp, ol = sch.split(o, [g.groups, g.og])
-        sch.reorder(n, grp, y, xx, ol)
+        grp, inner = sch.split(ch, [g.groups, per_group])
+        sch.reorder(n, grp, y, xx, inner)
     else:
-        sch.reorder(n, y, xx, o)
-        ol = o
+        sch.reorder(n, y, xx, ch)
+        inner = ch
     n_out = len(sch.get_loops(use))
     quads = None
     for part in ("acc", "acc_rest"):
         if not has_block(sch, part):
             continue
         blk = sch.get_sblock(part)
-        sch.compute_at(blk, ol)
-        loops = sch.get_loops(blk)
+        sch.compute_at(blk, inner)
         if part == "acc":
-            outer, quads = sch.split(loops[n_out], [None, 4])
-            sch.decompose_reduction(blk, outer)
-        elif len(loops) > n_out:  # a rest of one term has no loop
+            _, quads = sch.split(sch.get_loops(blk)[-1], [None, 4])
+        loops = sch.get_loops(blk)
+        if len(loops) > n_out:  # a rest of one term has no loop
             sch.decompose_reduction(blk, loops[n_out])
-    if column:
+    if col_split is not None:
         col = sch.get_sblock("col")
         sch.compute_at(col, xx)
-        # nested channel and tap loops: the window's indices without divisions
-        sch.split(sch.get_loops(col)[-1], [g.cg, g.kh, g.kw])
+        sch.split(sch.get_loops(col)[-1], col_split)
     if consumer == "amax":
         sch.decompose_reduction(use, sch.get_loops(use)[0])
+    if quads is not None:
+        sch.tensorize(quads, DOT4)
+    return sch.mod["main"]
+
+
+def _grad_weight_dot(name: str, g: ConvGeom) -> tirx.PrimFunc:
+    """dw[o,c,i,j] = sum over n of part[n,o,c,i,j], part = dy[n,o,:] . shifted[n,c,i,j,:]: the
+    sum over positions in a one-element scratch per (n, o), the sum over n in dw itself."""
+    _register_dot4()
+    s = g.oh * g.ow
+    dy = te.placeholder((g.n, g.o, s), I8, name="dy")  # one plane: a contiguous last axis
+    x = te.placeholder(g.x_shape, I8, name="x")
+
+    def shifted(n: Expr, c: Expr, i: Expr, j: Expr, r: Expr) -> Expr:
+        iy, ix = (r // g.ow) * g.sh + i - g.ph, (r % g.ow) * g.sw + j - g.pw
+        ok = tirx.all(_in(0, iy, g.h), _in(0, ix, g.w))
+        return tirx.if_then_else(ok, x[n, c, iy, ix], tirx.const(0, I8))
+
+    col = te.compute((g.n, g.c, g.kh, g.kw, s), shifted, name="col")
+    s4 = s // 4 * 4
+    parts = []
+    for lo, hi, part in ((0, s4, "part"), (s4, s, "part_rest")):
+        if hi > lo:
+            rr = te.reduce_axis((lo, hi), f"{part}_r")
+
+            def body(n: Expr, o: Expr, c: Expr, i: Expr, j: Expr, rr: Any = rr) -> Expr:
+                return te.sum(_mul(dy[n, o, rr], col[n, c, i, j, rr]), axis=rr)
+
+            parts.append(te.compute((g.n, g.o, g.c, g.kh, g.kw), _five(body), name=part))
+    rn = te.reduce_axis((0, g.n), "rn")
+
+    def total(o: Expr, c: Expr, i: Expr, j: Expr) -> Expr:
+        v = parts[0][rn, o, c, i, j]
+        for p in parts[1:]:
+            v = v + p[rn, o, c, i, j]
+        return te.sum(v, axis=rn)
+
+    dw = te.compute(g.w_shape, total, name="acc")
+    sch = s_tir.Schedule(prim_func([dy, x, dw], name))
+    blk = sch.get_sblock("acc")
+    o, c, i, j = sch.get_loops(blk)[:4]
+    n = sch.get_loops(blk)[4] if g.n > 1 else None
+    if n is not None:
+        sch.reorder(c, i, j, n, o)
+        sch.decompose_reduction(blk, n)
+    else:
+        sch.reorder(c, i, j, o)
+    quads = None
+    for part in ("part", "part_rest"):
+        if not has_block(sch, part):
+            continue
+        pb = sch.get_sblock(part)
+        sch.compute_at(pb, o)
+        loops = sch.get_loops(pb)
+        if part == "part":
+            outer, quads = sch.split(loops[-1], [None, 4])
+            sch.decompose_reduction(pb, outer)
+        elif sch.get(loops[-1]).extent.value > 1 and len(loops) > len(sch.get_loops(blk)):
+            sch.decompose_reduction(pb, loops[-1])
+    cb = sch.get_sblock("col")
+    sch.compute_at(cb, n if n is not None else j)
+    sch.split(sch.get_loops(cb)[-1], [g.oh, g.ow])
     if quads is not None:
         sch.tensorize(quads, DOT4)
     return sch.mod["main"]

@@ -75,12 +75,12 @@ def _printed(funcs: dict[str, tirx.PrimFunc]) -> str:
     folder = CACHE / f"tirc-{h.hexdigest()[:20]}"
     out = folder / SOURCE
     if not out.exists():
-        build_entry(
-            folder,
-            lambda tmp: (tmp / SOURCE).write_text(
-                plain_c.emit_plain_c(funcs, max_stack_bytes=mcu_products.MAX_COLUMN)
-            ),
-        )
+
+        def build(tmp: Path) -> None:
+            text = plain_c.emit_plain_c(funcs, max_stack_bytes=mcu_products.MAX_COLUMN)
+            (tmp / SOURCE).write_text(text)
+
+        build_entry(folder, build)
     return out.read_text()
 
 
