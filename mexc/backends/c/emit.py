@@ -473,7 +473,6 @@ def _sgd_update(e: _Emit, n: Node) -> None:
     w, grad, v = n.inputs
     groups = int(n.attrs.groups)
     per = e.numel(w) // groups
-    e.need(2 * groups)
     e.emit(f"mexc_update_keys(ctx.seed, ctx.step, {_tid(n)}u, keys);")
     e.emit(
         f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "

@@ -98,11 +98,27 @@ typedef struct {
 #define MEXC_UPDATE_SITES 9u
 #define MEXC_VELOCITY_BITS 8 /* mexc.numerics.VELOCITY_BITS: velocity mantissas at every B */
 void mexc_update_keys(uint32_t seed, uint32_t step, uint32_t tid_base, uint32_t keys[9]);
-/* Scratch (int32 words) of mexc_sgd_momentum_update for G groups. */
-#define MEXC_SGD_SCRATCH(G) (2u * (uint32_t)(G))
-/* numerics.sgd_momentum_update. w (G*per) int8 with exponent *w_exp (updated); grad_acc int32
- * (G*per) with exponent grad_exp -- DESTROYED (used as the work buffer); v (G*per) int8 and
- * v_exp[G] updated in place. keys from mexc_update_keys. */
+/* numerics.sgd_momentum_update steps 1-3 for group g alone: row (its int32 gradient, exponent
+ * grad_exp; DESTROYED) -> the group's velocity v[g*per ..] and v_exp[g]. w and w_exp are read. */
+void mexc_sgd_group(const int8_t *w, int32_t w_exp, int32_t *row, int32_t grad_exp, int8_t *v,
+                    int32_t *v_exp, uint32_t g, uint32_t per, const mexc_update_cfg_t *cfg,
+                    const uint32_t keys[9]);
+/* Steps 4-6 once every group's velocity is new: the weight and *w_exp. No buffer: w_acc is
+ * computed twice (its maximum, then rounded). */
+void mexc_sgd_finish(int8_t *w, int32_t *w_exp, const int8_t *v, const int32_t *v_exp,
+                     uint32_t groups, uint32_t per, const mexc_update_cfg_t *cfg,
+                     const uint32_t keys[9]);
+/* The reactive rescale (numerics section 12, step 6): the shift for max |w_acc| = m (> 0 right,
+ * rounded; < 0 left, exact; 0 none), then one element. */
+int32_t mexc_rescale_shift(uint32_t m, int32_t bits);
+int8_t mexc_rescale_one(int32_t x, int32_t s, int32_t bits, int32_t stoch, uint32_t key,
+                        uint32_t i);
+/* Scratch (int32 words) of mexc_sgd_momentum_update for G groups: none. */
+#define MEXC_SGD_SCRATCH(G) (0u * (uint32_t)(G)) /* none since the groups stream */
+/* numerics.sgd_momentum_update: mexc_sgd_group for every group, then mexc_sgd_finish. w (G*per)
+ * int8 with exponent *w_exp (updated); grad_acc int32 (G*per) with exponent grad_exp --
+ * DESTROYED (the groups' work rows); v (G*per) int8 and v_exp[G] updated in place. keys from
+ * mexc_update_keys. */
 void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad_acc, int32_t grad_exp,
                               int8_t *v, int32_t *v_exp, uint32_t groups, uint32_t per,
                               const mexc_update_cfg_t *cfg, const uint32_t keys[9],

@@ -7,20 +7,37 @@ void mexc_update_keys(uint32_t seed, uint32_t step, uint32_t tid_base, uint32_t 
     for (j = 0; j < MEXC_UPDATE_SITES; j++) keys[j] = mexc_stream_key(seed, step, tid_base + j);
 }
 
-/* numerics.compact(grouped=True) on a (G, per) int32 buffer, result kept in place (int32 holding
- * B-bit values); e[g] += s_g. */
+/* One group of numerics.compact(grouped=True) on its int32 row, kept in place (int32 holding
+ * B-bit values), rounding keyed by the flat index base + i; *e += s. */
+static void compact_row_inplace(int32_t *row, uint32_t per, uint32_t base, int32_t *e,
+                                int32_t bits, int32_t stoch, uint32_t key)
+{
+    const int32_t s = mexc_compaction_shift(mexc_max_abs(row, per), bits);
+    uint32_t i;
+    for (i = 0; i < per; i++)
+        row[i] = mexc_saturate(mexc_shift_right(row[i], s, stoch, key, base + i), bits);
+    *e += s;
+}
+
+/* The same on a (G, per) buffer, e[g] per group. */
 static void compact_groups_inplace(int32_t *acc, uint32_t groups, uint32_t per, int32_t *e,
                                    int32_t bits, int32_t stoch, uint32_t key)
 {
-    uint32_t g, i, base;
-    int32_t s;
-    for (g = 0; g < groups; g++) {
-        base = g * per;
-        s = mexc_compaction_shift(mexc_max_abs(acc + base, per), bits);
-        for (i = base; i < base + per; i++)
-            acc[i] = mexc_saturate(mexc_shift_right(acc[i], s, stoch, key, i), bits);
-        e[g] += s;
-    }
+    uint32_t g;
+    for (g = 0; g < groups; g++)
+        compact_row_inplace(acc + g * per, per, g * per, e + g, bits, stoch, key);
+}
+
+/* One group of numerics.compact(grouped=True): tmp[0..per) -> out[0..per), rounding keyed by
+ * the flat index base + i; returns e + s. */
+static int32_t compact_group(const int32_t *tmp, int8_t *out, uint32_t per, uint32_t base,
+                             int32_t e, int32_t bits, int32_t st, uint32_t key)
+{
+    int32_t s = mexc_compaction_shift(mexc_max_abs(tmp, per), bits);
+    uint32_t i;
+    for (i = 0; i < per; i++)
+        out[i] = mexc_saturate(mexc_shift_right(tmp[i], s, st, key, base + i), bits);
+    return e + s;
 }
 
 /* Two-term per-group aligned_sum: acc[i] = align(x1[i]) + align(x2[i]); e_x1 per group,
@@ -35,46 +52,59 @@ static int32_t target2(int32_t e1, int32_t b1, int32_t e2, int32_t b2)
     return mexc_aligned_target(2u, e, b);
 }
 
-/* numerics section 12 step 2 (SGD) and 12b step 1b (Adam): g = compact(g + wd * w) per group,
- * in place over g (int32 holding B-bit values, exponents e_g); keys: the two terms' sites and
- * the compaction's. */
+/* numerics section 12 step 2 (SGD) and 12b step 1b (Adam) for one group: g = compact(g + wd * w)
+ * in place over its row (int32 holding B-bit values, exponent *e_g); w_row: the group's weights;
+ * keys: the two terms' sites and the compaction's. */
+static void l2_row(int32_t *row, const int8_t *w_row, uint32_t per, uint32_t base, int32_t *e_g,
+                   int32_t we, mexc_fixed_t wd, int32_t bits, int32_t st, const uint32_t keys[3])
+{
+    const int32_t b = bits - 1, wd_exp = we - wd.shift;
+    const int32_t wd_bits = b + mexc_bit_length((uint32_t)wd.num);
+    const int32_t t = target2(*e_g, b, wd_exp, wd_bits);
+    uint32_t i;
+    for (i = 0; i < per; i++)
+        row[i] = mexc_shift_signed(row[i], t - *e_g, st, keys[0], base + i) +
+                 mexc_shift_signed((int32_t)w_row[i] * wd.num, t - wd_exp, st, keys[1], base + i);
+    *e_g = t;
+    compact_row_inplace(row, per, base, e_g, bits, st, keys[2]);
+}
+
 static void add_l2_term(int32_t *grad, const int8_t *w, uint32_t groups, uint32_t per,
                         int32_t *e_g, int32_t we, mexc_fixed_t wd, int32_t bits, int32_t st,
                         const uint32_t keys[3])
 {
-    const int32_t b = bits - 1, wd_exp = we - wd.shift;
-    const int32_t wd_bits = b + mexc_bit_length((uint32_t)wd.num);
-    int32_t t;
-    uint32_t g, i, base;
-    for (g = 0; g < groups; g++) {
-        base = g * per;
-        t = target2(e_g[g], b, wd_exp, wd_bits);
-        for (i = base; i < base + per; i++)
-            grad[i] = mexc_shift_signed(grad[i], t - e_g[g], st, keys[0], i) +
-                      mexc_shift_signed((int32_t)w[i] * wd.num, t - wd_exp, st, keys[1], i);
-        e_g[g] = t;
-    }
-    compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[2]);
+    uint32_t g;
+    for (g = 0; g < groups; g++)
+        l2_row(grad + g * per, w + g * per, per, g * per, e_g + g, we, wd, bits, st, keys);
+}
+
+/* The reactive rescale's shift for max |w_acc| = m: > 0 rounds right, < 0 shifts left exactly,
+ * 0 keeps the values (numerics section 12, step 6). */
+int32_t mexc_rescale_shift(uint32_t m, int32_t bits)
+{
+    const uint32_t q = (uint32_t)mexc_qmax(bits);
+    int32_t s = 0;
+    if (m > q) return mexc_compaction_shift(m, bits);
+    if (m == 0u) return 0;
+    while ((m << (s + 1)) <= q) s++;
+    return -s;
+}
+
+/* One element of the reactive rescale by shift s (mexc_rescale_shift). */
+int8_t mexc_rescale_one(int32_t x, int32_t s, int32_t bits, int32_t stoch, uint32_t key,
+                        uint32_t i)
+{
+    if (s > 0) return mexc_saturate(mexc_shift_right(x, s, stoch, key, i), bits);
+    return mexc_saturate(mexc_shift_left(x, -s), bits);
 }
 
 int32_t mexc_reactive_rescale(const int32_t *w_acc, int8_t *w, uint32_t n, int32_t w_exp,
                               int32_t bits, int32_t stoch, uint32_t key)
 {
-    int32_t q = mexc_qmax(bits), s = 0;
-    uint32_t m = mexc_max_abs(w_acc, n), i;
-    if (m > (uint32_t)q) {
-        s = mexc_compaction_shift(m, bits);
-        for (i = 0; i < n; i++)
-            w[i] = mexc_saturate(mexc_shift_right(w_acc[i], s, stoch, key, i), bits);
-        return w_exp + s;
-    }
-    if (m == 0u) {
-        for (i = 0; i < n; i++) w[i] = mexc_saturate(w_acc[i], bits);
-        return w_exp;
-    }
-    while ((m << (s + 1)) <= (uint32_t)q) s++;
-    for (i = 0; i < n; i++) w[i] = mexc_saturate(mexc_shift_left(w_acc[i], s), bits);
-    return w_exp - s;
+    const int32_t s = mexc_rescale_shift(mexc_max_abs(w_acc, n), bits);
+    uint32_t i;
+    for (i = 0; i < n; i++) w[i] = mexc_rescale_one(w_acc[i], s, bits, stoch, key, i);
+    return w_exp + s;
 }
 
 /* numerics.zero_weight_exponent: w_exp, or for an all-zero w the largest e_v - lr.shift of the
@@ -99,49 +129,76 @@ static int32_t zero_weight_exponent(const int8_t *w, const int8_t *v, uint32_t g
     return found ? best : we;
 }
 
+void mexc_sgd_group(const int8_t *w, int32_t w_exp, int32_t *row, int32_t grad_exp, int8_t *v,
+                    int32_t *v_exp, uint32_t g, uint32_t per, const mexc_update_cfg_t *cfg,
+                    const uint32_t keys[9])
+{
+    const int32_t bits = cfg->bits, st = cfg->stochastic, b = bits - 1;
+    const uint32_t base = g * per;
+    /* the velocity keeps MEXC_VELOCITY_BITS at every B (docs/numerics.md section 12) */
+    const int32_t mb = MEXC_VELOCITY_BITS - 1 +
+                       (cfg->momentum.num ? mexc_bit_length((uint32_t)cfg->momentum.num) : 1);
+    const int32_t me = v_exp[g] - cfg->momentum.shift;
+    int32_t e_g = grad_exp, t;
+    uint32_t i;
+    /* 1. g = compact(grad_acc) per group [0] */
+    compact_row_inplace(row, per, base, &e_g, bits, st, keys[0]);
+    /* 2. g = compact(g + wd * w) [1, 2], [3] */
+    if (cfg->weight_decay.num)
+        l2_row(row, w + base, per, base, &e_g, w_exp, cfg->weight_decay, bits, st, keys + 1);
+    /* 3. v = compact(momentum * v + g) [4, 5], [6] */
+    t = target2(me, mb, e_g, b);
+    for (i = 0; i < per; i++)
+        row[i] = mexc_shift_signed((int32_t)v[base + i] * cfg->momentum.num, t - me, st, keys[4],
+                                   base + i) +
+                 mexc_shift_signed(row[i], t - e_g, st, keys[5], base + i);
+    v_exp[g] = compact_group(row, v + base, per, base, t, MEXC_VELOCITY_BITS, st, keys[6]);
+}
+
+/* Step 5 for element i: w_acc = w - align(lr * v to we) [7] (d = we - (e_v - lr.shift)). */
+static int32_t sgd_w_acc(const int8_t *w, const int8_t *v, uint32_t i, int32_t d,
+                         const mexc_update_cfg_t *cfg, uint32_t key)
+{
+    const int32_t u = (int32_t)v[i] * cfg->lr.num;
+    const int32_t sh = d >= 0 ? mexc_shift_right(u, d, cfg->stochastic, key, i)
+                              : mexc_shift_left_sat(u, -d, 30);
+    return (int32_t)w[i] - sh;
+}
+
+void mexc_sgd_finish(int8_t *w, int32_t *w_exp, const int8_t *v, const int32_t *v_exp,
+                     uint32_t groups, uint32_t per, const mexc_update_cfg_t *cfg,
+                     const uint32_t keys[9])
+{
+    const int32_t bits = cfg->bits, st = cfg->stochastic;
+    /* 4. an all-zero w takes the coarsest exponent of a nonzero update */
+    const int32_t we = zero_weight_exponent(w, v, groups, per, v_exp, cfg->lr, *w_exp);
+    uint32_t g, i, m = 0u, a;
+    int32_t s, x;
+    /* 5-6. w_acc is computed twice, for its maximum and then rounded, instead of stored */
+    for (g = 0; g < groups; g++)
+        for (i = g * per; i < (g + 1u) * per; i++) {
+            a = mexc_uabs(sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]));
+            if (a > m) m = a;
+        }
+    s = mexc_rescale_shift(m, bits);
+    for (g = 0; g < groups; g++)
+        for (i = g * per; i < (g + 1u) * per; i++) {
+            x = sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]);
+            w[i] = mexc_rescale_one(x, s, bits, st, keys[8], i);
+        }
+    *w_exp = we + s;
+}
+
 void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp,
                               int8_t *v, int32_t *v_exp, uint32_t groups, uint32_t per,
                               const mexc_update_cfg_t *cfg, const uint32_t keys[9],
                               int32_t *scratch)
 {
-    const int32_t bits = cfg->bits, st = cfg->stochastic, b = bits - 1;
-    int32_t *e_g = scratch, *e_m = scratch + groups;
-    int32_t t, we = *w_exp, mb, d, u, sh;
-    uint32_t g, i, base;
-    /* 1. g = compact(grad_acc) per group [0] */
-    mexc_fill32(e_g, grad_exp, groups);
-    compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
-    /* 2. g = compact(g + wd * w) [1, 2], [3] */
-    if (cfg->weight_decay.num)
-        add_l2_term(grad, w, groups, per, e_g, we, cfg->weight_decay, bits, st, keys + 1);
-    /* 3. v = compact(momentum * v + g) [4, 5], [6] */
-    /* the velocity keeps MEXC_VELOCITY_BITS at every B (docs/numerics.md section 12) */
-    mb = MEXC_VELOCITY_BITS - 1 +
-         (cfg->momentum.num ? mexc_bit_length((uint32_t)cfg->momentum.num) : 1);
-    for (g = 0; g < groups; g++) {
-        int32_t me = v_exp[g] - cfg->momentum.shift;
-        base = g * per;
-        t = target2(me, mb, e_g[g], b);
-        for (i = base; i < base + per; i++)
-            grad[i] = mexc_shift_signed((int32_t)v[i] * cfg->momentum.num, t - me, st, keys[4], i) +
-                      mexc_shift_signed(grad[i], t - e_g[g], st, keys[5], i);
-        e_m[g] = t;
-    }
-    mexc_compact_grouped(grad, v, groups, per, e_m, v_exp, MEXC_VELOCITY_BITS, st, keys[6]);
-    /* an all-zero w takes the coarsest exponent of a nonzero update (zero_weight_exponent) */
-    we = zero_weight_exponent(w, v, groups, per, v_exp, cfg->lr, we);
-    /* 4-5. w_acc = w - align(lr * v to w_exp) [7] */
-    for (g = 0; g < groups; g++) {
-        base = g * per;
-        d = we - (v_exp[g] - cfg->lr.shift);
-        for (i = base; i < base + per; i++) {
-            u = (int32_t)v[i] * cfg->lr.num;
-            sh = d >= 0 ? mexc_shift_right(u, d, st, keys[7], i) : mexc_shift_left_sat(u, -d, 30);
-            grad[i] = (int32_t)w[i] - sh;
-        }
-    }
-    /* 6. reactive rescale [8] */
-    *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[8]);
+    uint32_t g;
+    (void)scratch;
+    for (g = 0; g < groups; g++)
+        mexc_sgd_group(w, *w_exp, grad + g * per, grad_exp, v, v_exp, g, per, cfg, keys);
+    mexc_sgd_finish(w, w_exp, v, v_exp, groups, per, cfg, keys);
 }
 
 /* ------------------------------------------------------------------ AdamW (numerics 12b) */
@@ -151,18 +208,6 @@ void mexc_adamw_keys(uint32_t seed, uint32_t step, uint32_t tid_base,
 {
     uint32_t j;
     for (j = 0; j < MEXC_ADAMW_SITES; j++) keys[j] = mexc_stream_key(seed, step, tid_base + j);
-}
-
-/* One group of numerics.compact(grouped=True): tmp[0..per) -> out[0..per), rounding keyed by
- * the flat index base + i; returns e + s. */
-static int32_t compact_group(const int32_t *tmp, int8_t *out, uint32_t per, uint32_t base,
-                             int32_t e, int32_t bits, int32_t st, uint32_t key)
-{
-    int32_t s = mexc_compaction_shift(mexc_max_abs(tmp, per), bits);
-    uint32_t i;
-    for (i = 0; i < per; i++)
-        out[i] = mexc_saturate(mexc_shift_right(tmp[i], s, st, key, base + i), bits);
-    return e + s;
 }
 
 /* numerics.adam_ratio of one element: m / (r + eps) with MEXC_RATIO_FRAC fraction bits. */
