@@ -348,6 +348,25 @@ def _total(parts: list[te.Tensor]) -> Value:
     return acc
 
 
+def linear_grad_weight_row(name: str, n: int, k: int, o: int) -> tirx.PrimFunc:
+    """One row of a linear layer's int32 weight gradient, `{name}` (dy, x, row, dw_row):
+    dw_row[k] = sum_n dy[n, row] * x[n, k]. The C backend streams the update of a row-grouped
+    weight through it (docs/mcu.md): a row at a time instead of the whole int32 gradient."""
+    dy = te.placeholder((n, o), I8, name="dy")
+    x = te.placeholder((n, k), I8, name="x")
+    row = tirx.Var("row", I32)
+    rn = te.reduce_axis((0, n), "rn")
+    dw = te.compute((k,), lambda j: te.sum(_mul(dy[rn, row], x[rn, j]), axis=rn), name="acc")
+    sch = s_tir.Schedule(prim_func([dy, x, row, dw], name))
+    blk = sch.get_sblock("acc")
+    loops = sch.get_loops(blk)
+    scratch = sch.cache_write(blk, 0, "global")  # one element: TVM's C codegen rejects `local`
+    sch.reverse_compute_at(scratch, loops[0])
+    if len(loops) > 1:  # no reduction loop is left for one sample
+        sch.decompose_reduction(blk, loops[1])
+    return sch.mod["main"]
+
+
 def _dot_grad_weight(g: ConvGeom) -> bool:
     """Whether the weight gradient takes the dot form: per sample, input channel and tap, the
     input plane shifted by the tap (OH*OW bytes, zero outside), reused by every output channel,

@@ -85,6 +85,7 @@ class OpDef:
     fused: Op | None = None  # fuse-products: this product with its compaction
     compaction: bool = False  # int32 accumulator -> MX
     in_place: bool = False  # may write its output over its first input (plan-memory)
+    view: bool = False  # its output is its first input's bytes, whatever that input's lifetime
     overwrites: tuple[int, ...] = ()  # state inputs an update writes in place
     updates_state: bool = False  # an optimizer-side update: its results are the new state
     # insert-optimizer: rule(builder, graph, node, rid) -> [(state output name, new value)]; the

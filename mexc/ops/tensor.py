@@ -461,6 +461,7 @@ define(
         ),
         lower={"tir": _tir("reshape"), "c": "emit:_reshape"},
         in_place=True,
+        view=True,
         doc="a view of the same mantissas",
     ),
     OpDef(

@@ -10,12 +10,13 @@ Ensures: the graph is unchanged; ctx.results["memory_plan"] holds a `MemoryPlan`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import networkx as nx
 
 from mexc.arena import place
-from mexc.ir import Graph, Op, Value
+from mexc.ir import Graph, Node, Op, Value
 from mexc.ops import op_def
 from mexc.pass_manager import PassContext
 from mexc.types import Kind, TensorType
@@ -77,19 +78,33 @@ def _in_place_roots(
     g: Graph, pos: dict[int, int], last_use: dict[Value, int], in_arena: set[Value]
 ) -> dict[Value, Value]:
     """Results of in-place ops (OpDef.in_place) that may reuse their input's bytes -> the value
-    owning them."""
+    owning them. A view (OpDef.view) shares its input's bytes for as long as either lives (values
+    are never written after their node); any other in-place op only where no value sharing its
+    input's bytes is read after it."""
     roots: dict[Value, Value] = {}
+    group_end: dict[Value, int] = {}  # root -> the last read of any value on its bytes
     for n in g.nodes:
-        if not op_def(n.op).in_place or not n.inputs:
+        d = op_def(n.op)
+        if not d.in_place or not n.inputs:
             continue
         src = n.inputs[0]
         same_size = type_bytes(g.type_of(src)) == type_bytes(n.type)
-        if src in in_arena and n.out in in_arena and same_size and last_use[src] == pos[n.id]:
-            roots[n.out] = roots.get(src, src)
+        if src not in in_arena or n.out not in in_arena or not same_size:
+            continue
+        root = roots.get(src, src)
+        end = max(group_end.get(root, last_use[src]), last_use[src])
+        if d.view or end == pos[n.id]:
+            roots[n.out] = root
+            group_end[root] = max(end, last_use.get(n.out, pos[n.id]))
     return roots
 
 
-def plan(g: Graph) -> MemoryPlan:
+def plan(g: Graph, streamed: Mapping[Value, Node] | None = None) -> MemoryPlan:
+    """The memory plan of g. streamed: weight gradients that a backend computes one row at a time
+    inside their update node (value -> that node; the C backend's, mexc.backends.c.emit): such
+    a value takes one int32 row, and the inputs of the node that defines it live until the
+    update, which reads them."""
+    streamed = streamed or {}
     pos = _positions(g)
     head = next((pos[n.id] for n in g.nodes if op_def(n.op).loss_head), len(g.nodes))
     last_use: dict[Value, int] = {}
@@ -102,6 +117,10 @@ def plan(g: Graph) -> MemoryPlan:
     end = len(g.nodes)
     for _, v in g.outputs:
         last_use[v] = end
+    producers = {n.id: n for n in g.nodes}
+    for v, update in streamed.items():
+        for src in producers[v.node].inputs:
+            last_use[src] = max(last_use.get(src, 0), pos[update.id])
     slots: list[Slot] = []
     arena_items = []
     state_offset = 0
@@ -110,7 +129,7 @@ def plan(g: Graph) -> MemoryPlan:
     for n in g.nodes:
         for i, t in enumerate(n.types):
             v = n.result(i)
-            size = type_bytes(t)
+            size = type_bytes(t) if v not in streamed else 4 * (t.numel // t.shape[0]) + 4
             if n.op in (Op.PARAM, Op.STATE):
                 slots.append(Slot(v, "persistent", size, pos[n.id], end, state_offset))
                 state_offset += (size + 15) // 16 * 16

@@ -37,6 +37,7 @@ from mexc.numerics import (
 )
 from mexc.ops import REGISTRY, op_def
 from mexc.optim import AdamW
+from mexc.passes.plan_memory import plan
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -70,6 +71,7 @@ class _Emit:
     scratch_words: int = 0
     bn_saved: dict[int, str] = field(default_factory=dict)
     kernels: KernelSet = field(default_factory=KernelSet)  # the TIR-generated product loops
+    streamed: dict[Value, Node] = field(default_factory=dict)  # gradient -> its update node
 
     def shape(self, v: Value) -> tuple[int, ...]:
         return tuple(self.g.type_of(v).shape)
@@ -296,10 +298,12 @@ def _maxpool(e: _Emit, n: Node) -> None:
 
 
 def _reshape(e: _Emit, n: Node) -> None:
-    # a copy, not an alias: the plan gives the result its own lifetime and arena slot
     x, ex = _x(e, n, 0)
-    y = e.arena(n.out, "int8_t")
     e.exp[n.out] = ex
+    if e.offsets.get(n.out, -1) == e.offsets.get(n.inputs[0], -2):
+        e.ptr[n.out] = x  # a view: plan-memory gave it its input's bytes
+        return
+    y = e.arena(n.out, "int8_t")  # the input is not in the arena (the batch, a state)
     e.emit(f"copy8({y}, {x}, {e.numel(n.out)}u);")
 
 
@@ -320,7 +324,27 @@ def _softmax_ce_grad(e: _Emit, n: Node) -> None:
     e.emit(f"{ed} = mexc_softmax_ce_backward({nn}, {k}, {probs}, y, {nn}, {dx}, &ctx, {_tid(n)}u);")
 
 
+def streamed_gradients(g: Graph) -> dict[Value, Node]:
+    """The weight gradients the C step computes a row at a time inside their SGD update (value ->
+    the update node): a linear layer's, read by its update alone, whose velocity has one group
+    per row. The update's steps 1-3 are per group (docs/numerics.md section 12), so the int32
+    gradient needs one row of RAM, not the whole matrix (the classifier's is often the largest
+    buffer of a small CNN's step)."""
+    users = g.users()
+    producers = {n.id: n for n in g.nodes}
+    out: dict[Value, Node] = {}
+    for u in g.nodes_of(Op.SGD_UPDATE):
+        grad = u.inputs[1]
+        src = producers[grad.node]
+        rows = g.type_of(u.inputs[0]).shape[0]
+        if src.op is Op.LINEAR_GRAD_WEIGHT and users.get(grad) == [u] and u.attrs.groups == rows:
+            out[grad] = u
+    return out
+
+
 def _linear_grad_weight(e: _Emit, n: Node) -> None:
+    if n.out in e.streamed:
+        return  # computed a row at a time by its update (_sgd_update)
     (dy, ed), x = _x(e, n, 0), _x(e, n, 1)
     o = e.shape(n.inputs[0])[-1]
     g = _linear_geometry(e, e.shape(n.inputs[1]), o)
@@ -474,9 +498,41 @@ def _sgd_update(e: _Emit, n: Node) -> None:
     groups = int(n.attrs.groups)
     per = e.numel(w) // groups
     e.emit(f"mexc_update_keys(ctx.seed, ctx.step, {_tid(n)}u, keys);")
+    if grad in e.streamed:
+        _streamed_sgd_update(e, n, next(m for m in e.g.nodes if m.id == grad.node))
+        return
     e.emit(
         f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
         f"{e.ptr[v]}, {e.exp_ptr[v]}, {groups}u, {per}u, &cfg, keys, scratch);"
+    )
+
+
+def _streamed_sgd_update(e: _Emit, n: Node, wgrad: Node) -> None:
+    """SGD update of a linear weight whose gradient comes a row at a time (streamed_gradients):
+    for each row, the generated row kernel and the update's per-group steps; then the finish."""
+    w, grad, v = n.inputs
+    (dy, ed), (x, ex) = _x(e, wgrad, 0), _x(e, wgrad, 1)
+    nn, o = _rows2(e.shape(wgrad.inputs[0]))
+    k = e.shape(wgrad.inputs[1])[-1]
+    kernel = e.kernels.linear_grad_weight_row(nn, k, o)
+    row = e.arena(grad, "int32_t")
+    e.need(_fit_scratch(nn * o, nn))
+    p, op, r = f"pr{wgrad.id}", f"op{wgrad.id}", f"row{wgrad.id}"
+    e.emit(f"mexc_product_t {p};")
+    e.emit(
+        f"const int8_t *{op} = mexc_product_begin(&{p}, {dy}, {nn * o}u, {ed}, {ex}, {nn}u, 0, 0, "
+        f"&ctx, {_tid(wgrad)}u, scratch);"
+    )
+    e.emit(f"for (uint32_t {r} = 0; {r} < {o}u; {r}++) {{")
+    e.emit(f"    {kernel}({op}, {x}, (int32_t){r}, {row});")
+    e.emit(
+        f"    mexc_sgd_group({e.ptr[w]}, {e.exp_ptr[w]}[0], {row}, {p}.e_acc, {e.ptr[v]}, "
+        f"{e.exp_ptr[v]}, {r}, {k}u, &cfg, keys);"
+    )
+    e.emit("}")
+    e.emit(
+        f"mexc_sgd_finish({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[v]}, {e.exp_ptr[v]}, {o}u, {k}u, "
+        "&cfg, keys);"
     )
 
 
@@ -993,9 +1049,11 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
 def emit_model(prog: Program, steps: int) -> CModel:
     """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
     g = prog.graph
-    mp = prog.memory_plan()  # the plan-memory pass's plan: its arena offsets are the C arena's
+    # plan-memory's planner with the C step's one difference: streamed weight gradients
+    streamed = streamed_gradients(g)
+    mp = plan(g, streamed) if streamed else prog.memory_plan()
     offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
-    e = _Emit(g, prog, offsets)
+    e = _Emit(g, prog, offsets, streamed=streamed)
     users, outputs = g.users(), {v for _, v in g.outputs}
     stochastic = int(site_rounding(prog.options.rounding, False) == "stochastic")
     fctx = site_rounding(prog.options.rounding, True) != site_rounding(prog.options.rounding, False)

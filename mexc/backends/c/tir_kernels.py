@@ -57,6 +57,13 @@ class KernelSet:
             self.funcs.update(mcu_products.conv_grad_weight(name, g))
         return name
 
+    def linear_grad_weight_row(self, n: int, k: int, o: int) -> str:
+        """One row of a linear layer's weight gradient: (dy, x, row, dw_row)."""
+        name = f"mexc_dwrow_n{n}k{k}o{o}"
+        if name not in self.funcs:
+            self.funcs[name] = mcu_products.linear_grad_weight_row(name, n, k, o)
+        return name
+
     def sources(self) -> tuple[str, str]:
         """(kernels.c, kernels.h)."""
         if not self.funcs:
