@@ -293,7 +293,9 @@ def test_no_float_anywhere(cpu: str, digits_project: tuple[Path, str]) -> None:
 @needs_arm
 @pytest.mark.mcu
 def test_ram_budgets(digits_project: tuple[Path, str], fashion_project: tuple[Path, str]) -> None:
-    for project, budget in ((digits_project[0], 64 * 1024), (fashion_project[0], 256 * 1024)):
+    # measured 2026-12-03 on Cortex-M3: 36.7 KB and 194.0 KB (docs/benchmarks.md); the budgets
+    # keep them from growing back past the streamed weight gradients
+    for project, budget in ((digits_project[0], 40 * 1024), (fashion_project[0], 200 * 1024)):
         _make(project, "mcu", CPU="cortex-m3")
         sizes = measure(project, "cortex-m3")
         assert 0 < sizes.stack < 4096
