@@ -325,15 +325,15 @@ def _softmax_ce_grad(e: _Emit, n: Node) -> None:
 
 
 def streamed_gradients(g: Graph) -> dict[Value, Node]:
-    """The weight gradients the C step computes a row at a time inside their SGD update (value ->
-    the update node): a linear layer's, read by its update alone, whose velocity has one group
-    per row. The update's steps 1-3 are per group (docs/numerics.md section 12), so the int32
-    gradient needs one row of RAM, not the whole matrix (the classifier's is often the largest
-    buffer of a small CNN's step)."""
+    """The weight gradients the C step computes a row at a time inside their update (value ->
+    the update node): a linear layer's, read by its SGD or AdamW update alone, whose optimizer
+    state has one group per row. The updates' gradient steps are per group (docs/numerics.md
+    sections 12 and 12b), so the int32 gradient needs one row of RAM, not the whole matrix (the
+    classifier's is often the largest buffer of a small CNN's step)."""
     users = g.users()
     producers = {n.id: n for n in g.nodes}
     out: dict[Value, Node] = {}
-    for u in g.nodes_of(Op.SGD_UPDATE):
+    for u in [*g.nodes_of(Op.SGD_UPDATE), *g.nodes_of(Op.ADAMW_UPDATE)]:
         grad = u.inputs[1]
         src = producers[grad.node]
         rows = g.type_of(u.inputs[0]).shape[0]
@@ -499,7 +499,15 @@ def _sgd_update(e: _Emit, n: Node) -> None:
     per = e.numel(w) // groups
     e.emit(f"mexc_update_keys(ctx.seed, ctx.step, {_tid(n)}u, keys);")
     if grad in e.streamed:
-        _streamed_sgd_update(e, n, next(m for m in e.g.nodes if m.id == grad.node))
+        w_, v_ = (e.ptr[w], e.exp_ptr[w]), (e.ptr[v], e.exp_ptr[v])
+        group = (
+            f"mexc_sgd_group({w_[0]}, {w_[1]}[0], {{row}}, {{grad_exp}}, {v_[0]}, {v_[1]}, {{g}}, "
+            f"{per}u, &cfg, keys);"
+        )
+        finish = (
+            f"mexc_sgd_finish({w_[0]}, {w_[1]}, {v_[0]}, {v_[1]}, {groups}u, {per}u, &cfg, keys);"
+        )
+        _streamed_update(e, n, group, finish)
         return
     e.emit(
         f"mexc_sgd_momentum_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
@@ -507,16 +515,20 @@ def _sgd_update(e: _Emit, n: Node) -> None:
     )
 
 
-def _streamed_sgd_update(e: _Emit, n: Node, wgrad: Node) -> None:
-    """SGD update of a linear weight whose gradient comes a row at a time (streamed_gradients):
-    for each row, the generated row kernel and the update's per-group steps; then the finish."""
-    w, grad, v = n.inputs
+def _streamed_update(e: _Emit, n: Node, group: str, finish: str, tmp_words: int = 0) -> None:
+    """The update of a linear weight whose gradient comes a row at a time (streamed_gradients):
+    for each row, the generated row kernel and the update's per-group steps (`group`, with
+    `{row}`, `{grad_exp}`, `{g}` and `{tmp}` to fill in: the row, its exponent, its index and
+    tmp_words of scratch past the pre-shifted dy); then `finish`."""
+    grad = n.inputs[1]
+    wgrad = next(m for m in e.g.nodes if m.id == grad.node)
     (dy, ed), (x, ex) = _x(e, wgrad, 0), _x(e, wgrad, 1)
     nn, o = _rows2(e.shape(wgrad.inputs[0]))
     k = e.shape(wgrad.inputs[1])[-1]
     kernel = e.kernels.linear_grad_weight_row(nn, k, o)
     row = e.arena(grad, "int32_t")
-    e.need(_fit_scratch(nn * o, nn))
+    fit = _fit_scratch(nn * o, nn)
+    e.need(fit + tmp_words)
     p, op, r = f"pr{wgrad.id}", f"op{wgrad.id}", f"row{wgrad.id}"
     e.emit(f"mexc_product_t {p};")
     e.emit(
@@ -525,23 +537,29 @@ def _streamed_sgd_update(e: _Emit, n: Node, wgrad: Node) -> None:
     )
     e.emit(f"for (uint32_t {r} = 0; {r} < {o}u; {r}++) {{")
     e.emit(f"    {kernel}({op}, {x}, (int32_t){r}, {row});")
-    e.emit(
-        f"    mexc_sgd_group({e.ptr[w]}, {e.exp_ptr[w]}[0], {row}, {p}.e_acc, {e.ptr[v]}, "
-        f"{e.exp_ptr[v]}, {r}, {k}u, &cfg, keys);"
-    )
+    e.emit("    " + group.format(row=row, grad_exp=f"{p}.e_acc", g=r, tmp=f"scratch + {fit}"))
     e.emit("}")
-    e.emit(
-        f"mexc_sgd_finish({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[v]}, {e.exp_ptr[v]}, {o}u, {k}u, "
-        "&cfg, keys);"
-    )
+    e.emit(finish)
 
 
 def _adamw_update(e: _Emit, n: Node) -> None:
     w, grad, m, r = n.inputs
     groups = int(n.attrs.groups)
     per = e.numel(w) // groups
-    e.need(2 * groups + per)  # MEXC_ADAMW_SCRATCH
+    e.need(per)  # MEXC_ADAMW_SCRATCH
     e.emit(f"mexc_adamw_keys(ctx.seed, ctx.step, {_tid(n)}u, adam_keys);")
+    if grad in e.streamed:
+        ws, ms, rs = (e.ptr[w], e.exp_ptr[w]), (e.ptr[m], e.exp_ptr[m]), (e.ptr[r], e.exp_ptr[r])
+        state = f"{ms[0]}, {ms[1]}, {rs[0]}, {rs[1]}"
+        group = (
+            f"mexc_adamw_group({ws[0]}, {ws[1]}[0], {{row}}, {{grad_exp}}, {state}, {{g}}, "
+            f"{per}u, &adam, adam_keys, {{tmp}});"
+        )
+        finish = (
+            f"mexc_adamw_finish({ws[0]}, {ws[1]}, {state}, {groups}u, {per}u, &adam, adam_keys);"
+        )
+        _streamed_update(e, n, group, finish, tmp_words=per)
+        return
     e.emit(
         f"mexc_adamw_update({e.ptr[w]}, {e.exp_ptr[w]}, {e.ptr[grad]}, {e.exp[grad]}, "
         f"{e.ptr[m]}, {e.exp_ptr[m]}, {e.ptr[r]}, {e.exp_ptr[r]}, {groups}u, {per}u, &adam, "

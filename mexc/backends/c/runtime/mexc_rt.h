@@ -139,10 +139,22 @@ typedef struct {
 #define MEXC_RATIO_CAP (16 << MEXC_RATIO_FRAC) /* numerics.RATIO_CAP */
 void mexc_adamw_keys(uint32_t seed, uint32_t step, uint32_t tid_base,
                      uint32_t keys[MEXC_ADAMW_SITES]);
-/* Scratch (int32 words) of mexc_adamw_update for G groups of `per` elements. */
-#define MEXC_ADAMW_SCRATCH(G, per) (2u * (uint32_t)(G) + (uint32_t)(per))
-/* numerics.adamw_update. w (G*per) int8 with exponent *w_exp (updated); grad_acc int32 (G*per)
- * with exponent grad_exp -- DESTROYED (the work buffer); m, r (G*per) int8 and m_exp[G],
+/* Scratch (int32 words) of mexc_adamw_update and mexc_adamw_group: one group's row. */
+#define MEXC_ADAMW_SCRATCH(G, per) (0u * (uint32_t)(G) + (uint32_t)(per))
+/* numerics.adamw_update steps 1-4 for group g alone: row (its int32 gradient, exponent
+ * grad_exp; DESTROYED) -> the group's moments m, r and their exponents. tmp: per int32. */
+void mexc_adamw_group(const int8_t *w, int32_t w_exp, int32_t *row, int32_t grad_exp, int8_t *m,
+                      int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t g, uint32_t per,
+                      const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES],
+                      int32_t *tmp);
+/* Steps 5-8 once every group's moments are new: the weight and *w_exp, the ratio and w_acc
+ * computed again where needed instead of stored. */
+void mexc_adamw_finish(int8_t *w, int32_t *w_exp, const int8_t *m, const int32_t *m_exp,
+                       const int8_t *r, const int32_t *r_exp, uint32_t groups, uint32_t per,
+                       const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES]);
+/* numerics.adamw_update: mexc_adamw_group for every group, then mexc_adamw_finish. w (G*per)
+ * int8 with exponent *w_exp (updated); grad_acc int32 (G*per) with exponent grad_exp --
+ * DESTROYED (the groups' rows); m, r (G*per) int8 and m_exp[G],
  * r_exp[G] updated in place. keys from mexc_adamw_keys. */
 void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad_acc, int32_t grad_exp, int8_t *m,
                        int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t groups, uint32_t per,

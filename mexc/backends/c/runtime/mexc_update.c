@@ -19,15 +19,6 @@ static void compact_row_inplace(int32_t *row, uint32_t per, uint32_t base, int32
     *e += s;
 }
 
-/* The same on a (G, per) buffer, e[g] per group. */
-static void compact_groups_inplace(int32_t *acc, uint32_t groups, uint32_t per, int32_t *e,
-                                   int32_t bits, int32_t stoch, uint32_t key)
-{
-    uint32_t g;
-    for (g = 0; g < groups; g++)
-        compact_row_inplace(acc + g * per, per, g * per, e + g, bits, stoch, key);
-}
-
 /* One group of numerics.compact(grouped=True): tmp[0..per) -> out[0..per), rounding keyed by
  * the flat index base + i; returns e + s. */
 static int32_t compact_group(const int32_t *tmp, int8_t *out, uint32_t per, uint32_t base,
@@ -67,15 +58,6 @@ static void l2_row(int32_t *row, const int8_t *w_row, uint32_t per, uint32_t bas
                  mexc_shift_signed((int32_t)w_row[i] * wd.num, t - wd_exp, st, keys[1], base + i);
     *e_g = t;
     compact_row_inplace(row, per, base, e_g, bits, st, keys[2]);
-}
-
-static void add_l2_term(int32_t *grad, const int8_t *w, uint32_t groups, uint32_t per,
-                        int32_t *e_g, int32_t we, mexc_fixed_t wd, int32_t bits, int32_t st,
-                        const uint32_t keys[3])
-{
-    uint32_t g;
-    for (g = 0; g < groups; g++)
-        l2_row(grad + g * per, w + g * per, per, g * per, e_g + g, we, wd, bits, st, keys);
 }
 
 /* The reactive rescale's shift for max |w_acc| = m: > 0 rounds right, < 0 shifts left exactly,
@@ -234,87 +216,122 @@ static int32_t target3(int32_t e1, int32_t b1, int32_t e2, int32_t b2, int32_t e
     return mexc_aligned_target(3u, e, b);
 }
 
-void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp, int8_t *m,
-                       int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t groups, uint32_t per,
-                       const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES],
-                       int32_t *scratch)
+void mexc_adamw_group(const int8_t *w, int32_t w_exp, int32_t *row, int32_t grad_exp, int8_t *m,
+                      int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t g, uint32_t per,
+                      const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES],
+                      int32_t *tmp)
 {
     const int32_t bits = cfg->bits, st = cfg->stochastic, b = bits - 1;
-    int32_t *e_g = scratch, *e_q = scratch + groups, *tmp = scratch + 2u * groups;
     const mexc_fixed_t c1 = cfg->one_minus_beta1, c2 = cfg->one_minus_beta2;
     const int32_t mb = MEXC_MOMENT_BITS - 1, rb = 2 * mb;
     const int32_t cb1 = mexc_bit_length((uint32_t)c1.num), cb2 = mexc_bit_length((uint32_t)c2.num);
-    int32_t t, k, we = *w_exp, d, sh, eps_units, s, found = 0, any_w = 0, em, er2, eg2;
-    uint32_t g, i, base;
-    /* 1. g = compact(grad_acc) per group [0]; grad then holds g */
-    mexc_fill32(e_g, grad_exp, groups);
-    compact_groups_inplace(grad, groups, per, e_g, bits, st, keys[0]);
+    const uint32_t base = g * per;
+    int32_t t, k, e_g = grad_exp, em, er2, eg2;
+    uint32_t i;
+    /* 1. g = compact(grad_acc) per group [0]; the row then holds g */
+    compact_row_inplace(row, per, base, &e_g, bits, st, keys[0]);
     /* 1b. Adam's L2 term: g = compact(g + wd * w) per group [12, 13], [14] */
-    if (cfg->l2.num) add_l2_term(grad, w, groups, per, e_g, we, cfg->l2, bits, st, keys + 12);
-    for (g = 0; g < groups; g++) {
-        base = g * per;
-        /* 2. m = compact(m + c1 (g - m)) as (m, -m c1, g c1) [1, 2, 3], [4] */
-        em = m_exp[g];
-        t = target3(em, mb, em - c1.shift, mb + cb1, e_g[g] - c1.shift, b + cb1);
-        for (i = 0; i < per; i++) {
-            int32_t mv = m[base + i];
-            tmp[i] = mexc_shift_signed(mv, t - em, st, keys[1], base + i) +
-                     mexc_shift_signed(-mv * c1.num, t - (em - c1.shift), st, keys[2], base + i) +
-                     mexc_shift_signed(grad[base + i] * c1.num, t - (e_g[g] - c1.shift), st,
-                                       keys[3], base + i);
-        }
-        m_exp[g] = compact_group(tmp, m + base, per, base, t, MEXC_MOMENT_BITS, st, keys[4]);
-        /* 3. acc_v = r^2 + c2 (g^2 - r^2) as (r^2, -r^2 c2, g^2 c2) [5, 6, 7] */
-        er2 = 2 * r_exp[g];
-        eg2 = 2 * e_g[g];
-        t = target3(er2, rb, er2 - c2.shift, rb + cb2, eg2 - c2.shift, 2 * b + cb2);
-        for (i = 0; i < per; i++) {
-            int32_t rv = r[base + i], gv = grad[base + i];
-            tmp[i] = mexc_shift_signed(rv * rv, t - er2, st, keys[5], base + i) +
-                     mexc_shift_signed(-rv * rv * c2.num, t - (er2 - c2.shift), st, keys[6],
-                                       base + i) +
-                     mexc_shift_signed(gv * gv * c2.num, t - (eg2 - c2.shift), st, keys[7],
-                                       base + i);
-        }
-        /* 4. r = compact(isqrt(max(acc_v, 0) << k)) [8], k = 30 or 31 so that t - k is even */
-        k = 30 + ((t - 30) & 1);
-        for (i = 0; i < per; i++)
-            tmp[i] = tmp[i] > 0 ? (int32_t)mexc_isqrt64((uint64_t)tmp[i] << k) : 0;
-        r_exp[g] = compact_group(tmp, r + base, per, base, (t - k) / 2, MEXC_MOMENT_BITS, st,
-                                 keys[8]);
-        /* 5. q = m / (r + eps) into grad (g is no longer read), e_q per group */
-        s = cfg->eps.shift + r_exp[g] - MEXC_DENOM_FRAC;
-        eps_units = s >= 0 ? mexc_shift_right(cfg->eps.num, s, 0, 0u, 0u)
-                           : mexc_shift_left_sat(cfg->eps.num, -s, 30);
-        for (i = base; i < base + per; i++) grad[i] = adam_ratio(m[i], r[i], eps_units);
-        e_q[g] = m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC;
+    if (cfg->l2.num) l2_row(row, w + base, per, base, &e_g, w_exp, cfg->l2, bits, st, keys + 12);
+    /* 2. m = compact(m + c1 (g - m)) as (m, -m c1, g c1) [1, 2, 3], [4] */
+    em = m_exp[g];
+    t = target3(em, mb, em - c1.shift, mb + cb1, e_g - c1.shift, b + cb1);
+    for (i = 0; i < per; i++) {
+        int32_t mv = m[base + i];
+        tmp[i] = mexc_shift_signed(mv, t - em, st, keys[1], base + i) +
+                 mexc_shift_signed(-mv * c1.num, t - (em - c1.shift), st, keys[2], base + i) +
+                 mexc_shift_signed(row[i] * c1.num, t - (e_g - c1.shift), st, keys[3], base + i);
     }
+    m_exp[g] = compact_group(tmp, m + base, per, base, t, MEXC_MOMENT_BITS, st, keys[4]);
+    /* 3. acc_v = r^2 + c2 (g^2 - r^2) as (r^2, -r^2 c2, g^2 c2) [5, 6, 7] */
+    er2 = 2 * r_exp[g];
+    eg2 = 2 * e_g;
+    t = target3(er2, rb, er2 - c2.shift, rb + cb2, eg2 - c2.shift, 2 * b + cb2);
+    for (i = 0; i < per; i++) {
+        int32_t rv = r[base + i], gv = row[i];
+        tmp[i] = mexc_shift_signed(rv * rv, t - er2, st, keys[5], base + i) +
+                 mexc_shift_signed(-rv * rv * c2.num, t - (er2 - c2.shift), st, keys[6], base + i) +
+                 mexc_shift_signed(gv * gv * c2.num, t - (eg2 - c2.shift), st, keys[7], base + i);
+    }
+    /* 4. r = compact(isqrt(max(acc_v, 0) << k)) [8], k = 30 or 31 so that t - k is even */
+    k = 30 + ((t - 30) & 1);
+    for (i = 0; i < per; i++)
+        tmp[i] = tmp[i] > 0 ? (int32_t)mexc_isqrt64((uint64_t)tmp[i] << k) : 0;
+    r_exp[g] = compact_group(tmp, r + base, per, base, (t - k) / 2, MEXC_MOMENT_BITS, st, keys[8]);
+}
+
+/* Step 5's epsilon in units of the group's denominator, r_exp the group's root exponent. */
+static int32_t adam_eps_units(const mexc_adamw_cfg_t *cfg, int32_t r_exp)
+{
+    const int32_t s = cfg->eps.shift + r_exp - MEXC_DENOM_FRAC;
+    return s >= 0 ? mexc_shift_right(cfg->eps.num, s, 0, 0u, 0u)
+                  : mexc_shift_left_sat(cfg->eps.num, -s, 30);
+}
+
+/* Step 7 for element i: w_acc = w - align(q * lr) [9] - shift_right(w * wd, wd.shift) [10],
+ * q = m / (r + eps) (step 5), d = we - (e_q - lr.shift). */
+static int32_t adam_w_acc(const int8_t *w, const int8_t *m, const int8_t *r, uint32_t i,
+                          int32_t eps_units, int32_t d, const mexc_adamw_cfg_t *cfg,
+                          const uint32_t keys[MEXC_ADAMW_SITES])
+{
+    const int32_t st = cfg->stochastic, u = adam_ratio(m[i], r[i], eps_units) * cfg->lr.num;
+    const int32_t sh = d >= 0 ? mexc_shift_right(u, d, st, keys[9], i)
+                              : mexc_shift_left_sat(u, -d, 30);
+    return (int32_t)w[i] - sh -
+           mexc_shift_right((int32_t)w[i] * cfg->weight_decay.num, cfg->weight_decay.shift, st,
+                            keys[10], i);
+}
+
+void mexc_adamw_finish(int8_t *w, int32_t *w_exp, const int8_t *m, const int32_t *m_exp,
+                       const int8_t *r, const int32_t *r_exp, uint32_t groups, uint32_t per,
+                       const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES])
+{
+    int32_t we = *w_exp, found = 0, any_w = 0, s, eps_units, e_q;
+    uint32_t g, i, mx = 0u, a;
     /* 6. an all-zero w takes the coarsest exponent of a nonzero update (zero_weight_exponent) */
     for (i = 0; i < groups * per; i++)
         if (w[i] != 0) any_w = 1;
     if (!any_w && cfg->lr.num != 0) {
         int32_t best = we;
-        for (g = 0; g < groups; g++)
+        for (g = 0; g < groups; g++) {
+            eps_units = adam_eps_units(cfg, r_exp[g]);
+            e_q = m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC;
             for (i = g * per; i < (g + 1u) * per; i++)
-                if (grad[i] != 0) {
-                    if (!found || e_q[g] - cfg->lr.shift > best) best = e_q[g] - cfg->lr.shift;
+                if (adam_ratio(m[i], r[i], eps_units) != 0) {
+                    if (!found || e_q - cfg->lr.shift > best) best = e_q - cfg->lr.shift;
                     found = 1;
                     break;
                 }
+        }
         we = best;
     }
-    /* 7. w_acc = w - align(q * lr) [9] - shift_right(w * wd, wd.shift) [10], into grad */
+    /* 7-8. w_acc computed twice, for its maximum and then rounded [11], instead of stored */
     for (g = 0; g < groups; g++) {
-        base = g * per;
-        d = we - (e_q[g] - cfg->lr.shift);
-        for (i = base; i < base + per; i++) {
-            int32_t u = grad[i] * cfg->lr.num;
-            sh = d >= 0 ? mexc_shift_right(u, d, st, keys[9], i) : mexc_shift_left_sat(u, -d, 30);
-            grad[i] = (int32_t)w[i] - sh -
-                      mexc_shift_right((int32_t)w[i] * cfg->weight_decay.num,
-                                       cfg->weight_decay.shift, st, keys[10], i);
+        const int32_t d = we - (m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC - cfg->lr.shift);
+        eps_units = adam_eps_units(cfg, r_exp[g]);
+        for (i = g * per; i < (g + 1u) * per; i++) {
+            a = mexc_uabs(adam_w_acc(w, m, r, i, eps_units, d, cfg, keys));
+            if (a > mx) mx = a;
         }
     }
-    /* 8. reactive rescale [11] */
-    *w_exp = mexc_reactive_rescale(grad, w, groups * per, we, bits, st, keys[11]);
+    s = mexc_rescale_shift(mx, cfg->bits);
+    for (g = 0; g < groups; g++) {
+        const int32_t d = we - (m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC - cfg->lr.shift);
+        eps_units = adam_eps_units(cfg, r_exp[g]);
+        for (i = g * per; i < (g + 1u) * per; i++)
+            w[i] = mexc_rescale_one(adam_w_acc(w, m, r, i, eps_units, d, cfg, keys), s,
+                                    cfg->bits, cfg->stochastic, keys[11], i);
+    }
+    *w_exp = we + s;
+}
+
+void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp, int8_t *m,
+                       int32_t *m_exp, int8_t *r, int32_t *r_exp, uint32_t groups, uint32_t per,
+                       const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES],
+                       int32_t *scratch)
+{
+    uint32_t g;
+    for (g = 0; g < groups; g++)
+        mexc_adamw_group(w, *w_exp, grad + g * per, grad_exp, m, m_exp, r, r_exp, g, per, cfg,
+                         keys, scratch);
+    mexc_adamw_finish(w, w_exp, m, m_exp, r, r_exp, groups, per, cfg, keys);
 }
