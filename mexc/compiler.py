@@ -14,7 +14,7 @@ from mexc.ir import Graph, Op
 from mexc.kernels import quantize
 from mexc.mx import MX
 from mexc.numerics import MOMENT_EXP0, rounding_mode_for
-from mexc.optim import SGD, Optimizer
+from mexc.optim import Optimizer, optimizer_of
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
 from mexc.program import Options, Program
@@ -67,7 +67,7 @@ def quantize_per_group(x: np.ndarray, bits: int) -> MX:
 def compile(  # noqa: A001 - the public name is part of the API contract
     model: nn.Module,
     example_inputs: Any,
-    optimizer: Optimizer | None = None,
+    optimizer: Optimizer | str | None = None,
     bits: int = 8,
     seed: int = 0,
     target: str = "reference",
@@ -79,15 +79,17 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     trainable: TrainableSpec = None,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
-    mexc.targets.NAMES). `recompute`: the backward pass computes batch-norm outputs again
-    from their saved xhat instead of keeping them (the rematerialize pass; the same bits, less
-    memory, one more elementwise pass per batch norm). `trainable`: the parameters to train
+    mexc.targets.NAMES). `optimizer`: mexc.SGD(...), mexc.AdamW(...), mexc.Adam(...), or one of
+    their names with its defaults ("sgd", the default, "adamw", "adam"). `recompute`: the
+    backward pass computes batch-norm outputs again from their saved xhat instead of keeping
+    them (the rematerialize pass; the same bits, less memory, one more elementwise pass per
+    batch norm). `trainable`: the parameters to train
     (sparse update; mexc.trainable: "last:K", "bias-norm", name patterns; None: all)."""
     chosen = get_target(target)
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
     rounding = rounding_mode_for(rounding, bits)
-    opt = optimizer or SGD()
+    opt = optimizer_of(optimizer)
     x = _example_batch(example_inputs)
     front = import_model(model, x)
     ctx = PassContext(

@@ -214,3 +214,25 @@ OPTIMIZERS = ("sgd", "adamw", "adam")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3, "adam": 1e-3}
 DEFAULT_DECAY = {"sgd": 5e-4, "adamw": 0.01, "adam": 0.0}
 OPTIMIZER_CLASSES: dict[str, type[SGD] | type[AdamW]] = {"sgd": SGD, "adamw": AdamW, "adam": Adam}
+
+
+def optimizer_of(spec: object) -> Optimizer:
+    """An optimizer from what `mexc.compile` accepts: None (SGD with its defaults), a name of
+    OPTIMIZERS (that optimizer with its defaults), or an optimizer object."""
+    if spec is None:
+        return SGD()
+    if isinstance(spec, str):
+        cls = OPTIMIZER_CLASSES.get(spec.lower())
+        if cls is None:
+            raise ValueError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)} or an optimizer object "
+                f"(mexc.SGD(...), mexc.AdamW(...), mexc.Adam(...)), got {spec!r}"
+            )
+        return cls()
+    if isinstance(spec, (SGD, AdamW)):
+        return spec
+    raise TypeError(
+        "optimizer must be mexc.SGD(...), mexc.AdamW(...), mexc.Adam(...) or one of their names "
+        f"({', '.join(OPTIMIZERS)}), got {type(spec).__name__}: pass the mexc optimizer, not a "
+        "torch.optim one"
+    )

@@ -171,6 +171,17 @@ def test_compile_argument_errors() -> None:
     assert "meta=" not in text and "\n" not in text and "--input-shape" in text
 
 
+def test_optimizer_by_name_or_a_clear_error() -> None:
+    model, x, _ = example("MLP", batch=4)
+    prog = mexc.compile(model, (x,), optimizer="AdamW")
+    assert isinstance(prog.optimizer, mexc.AdamW) and prog.optimizer.lr == mexc.AdamW().lr
+    assert type(mexc.compile(model, (x,), optimizer="sgd").optimizer) is mexc.SGD
+    with pytest.raises(ValueError, match="optimizer must be one of sgd, adamw, adam"):
+        mexc.compile(model, (x,), optimizer="lion")
+    with pytest.raises(TypeError, match="not a torch.optim one"):
+        mexc.compile(model, (x,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_compile_leaves_the_module_in_its_mode() -> None:
     from examples.models import DigitsCNN
 
