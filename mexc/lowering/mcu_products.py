@@ -367,6 +367,34 @@ def linear_grad_weight_row(name: str, n: int, k: int, o: int) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
+def conv_grad_weight_row(name: str, g: ConvGeom) -> tirx.PrimFunc:
+    """One output channel's int32 weight gradient of a convolution, `{name}` (dy, x, row,
+    dw_row): dw_row[c', i, j] = dw[row, c', i, j] (conv_grad_weight_acc's formula). The C
+    backend streams a convolution's update through it where that lowers the step's RAM."""
+    dy = te.placeholder(g.y_shape, I8, name="dy")
+    x = te.placeholder(g.x_shape, I8, name="x")
+    row = tirx.Var("row", I32)
+    rn = te.reduce_axis((0, g.n), "rn")
+    ry = te.reduce_axis((0, g.oh), "ry")
+    rx = te.reduce_axis((0, g.ow), "rx")
+
+    def body(cw: Expr, i: Expr, j: Expr) -> Expr:
+        iy, ix, ok = _tap(g, ry, rx, i, j)
+        c = (row // g.og) * g.cg + cw if g.groups > 1 else cw
+        v = _mul(dy[rn, row, ry, rx], x[rn, c, iy, ix])
+        return te.sum(_guarded(ok, v), axis=[rn, ry, rx])
+
+    dw = te.compute((g.cg, g.kh, g.kw), body, name="acc")
+    sch = s_tir.Schedule(prim_func([dy, x, row, dw], name))
+    blk = sch.get_sblock("acc")
+    loops = sch.get_loops(blk)
+    scratch = sch.cache_write(blk, 0, "global")  # one element: TVM's C codegen rejects `local`
+    sch.reverse_compute_at(scratch, loops[2])
+    if len(loops) > 3:  # no reduction loop is left when N, OH and OW are all one
+        sch.decompose_reduction(blk, loops[3])
+    return sch.mod["main"]
+
+
 def _dot_grad_weight(g: ConvGeom) -> bool:
     """Whether the weight gradient takes the dot form: per sample, input channel and tap, the
     input plane shifted by the tap (OH*OW bytes, zero outside), reused by every output channel,

@@ -11,12 +11,12 @@ Ensures: the graph is unchanged; ctx.results["memory_plan"] holds a `MemoryPlan`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
 from mexc.arena import place
-from mexc.ir import Graph, Node, Op, Value
+from mexc.ir import Graph, Op, Value
 from mexc.ops import op_def
 from mexc.pass_manager import PassContext
 from mexc.types import Kind, TensorType
@@ -75,7 +75,11 @@ def _positions(g: Graph) -> dict[int, int]:
 
 
 def _in_place_roots(
-    g: Graph, pos: dict[int, int], last_use: dict[Value, int], in_arena: set[Value]
+    g: Graph,
+    pos: dict[int, int],
+    last_use: dict[Value, int],
+    in_arena: set[Value],
+    over: Mapping[Value, Value],
 ) -> dict[Value, Value]:
     """Results of in-place ops (OpDef.in_place) that may reuse their input's bytes -> the value
     owning them. A view (OpDef.view) shares its input's bytes for as long as either lives (values
@@ -85,26 +89,38 @@ def _in_place_roots(
     group_end: dict[Value, int] = {}  # root -> the last read of any value on its bytes
     for n in g.nodes:
         d = op_def(n.op)
-        if not d.in_place or not n.inputs:
+        if n.out in over:  # a backend's rule: its own input, any size that holds the result
+            src = over[n.out]
+            same_size = type_bytes(g.type_of(src)) >= type_bytes(n.type)
+        elif d.in_place and n.inputs:
+            src = n.inputs[0]
+            same_size = type_bytes(g.type_of(src)) == type_bytes(n.type)
+        else:
             continue
-        src = n.inputs[0]
-        same_size = type_bytes(g.type_of(src)) == type_bytes(n.type)
         if src not in in_arena or n.out not in in_arena or not same_size:
             continue
         root = roots.get(src, src)
         end = max(group_end.get(root, last_use[src]), last_use[src])
-        if d.view or end == pos[n.id]:
+        if (d.view and n.out not in over) or end == pos[n.id]:
             roots[n.out] = root
             group_end[root] = max(end, last_use.get(n.out, pos[n.id]))
     return roots
 
 
-def plan(g: Graph, streamed: Mapping[Value, Node] | None = None) -> MemoryPlan:
-    """The memory plan of g. streamed: weight gradients that a backend computes one row at a time
-    inside their update node (value -> that node; the C backend's, mexc.backends.c.emit): such
-    a value takes one int32 row, and the inputs of the node that defines it live until the
-    update, which reads them."""
-    streamed = streamed or {}
+@dataclass(frozen=True)
+class StorageRules:
+    """Where a backend stores values otherwise than plan-memory's default (the C step's:
+    mexc.backends.c.emit.storage_rules): the planner is the same."""
+
+    sizes: Mapping[Value, int] = field(default_factory=dict)  # bytes (0: never stored)
+    read_at: Mapping[Value, int] = field(default_factory=dict)  # value -> a later reader's id
+    # result -> an input whose bytes it takes where that input's bytes die at its node
+    over: Mapping[Value, Value] = field(default_factory=dict)
+
+
+def plan(g: Graph, rules: StorageRules | None = None) -> MemoryPlan:
+    """The memory plan of g, with a backend's storage rules."""
+    rules = rules or StorageRules()
     pos = _positions(g)
     head = next((pos[n.id] for n in g.nodes if op_def(n.op).loss_head), len(g.nodes))
     last_use: dict[Value, int] = {}
@@ -117,10 +133,8 @@ def plan(g: Graph, streamed: Mapping[Value, Node] | None = None) -> MemoryPlan:
     end = len(g.nodes)
     for _, v in g.outputs:
         last_use[v] = end
-    producers = {n.id: n for n in g.nodes}
-    for v, update in streamed.items():
-        for src in producers[v.node].inputs:
-            last_use[src] = max(last_use.get(src, 0), pos[update.id])
+    for v, reader in rules.read_at.items():
+        last_use[v] = max(last_use.get(v, 0), pos[reader])
     slots: list[Slot] = []
     arena_items = []
     state_offset = 0
@@ -129,7 +143,7 @@ def plan(g: Graph, streamed: Mapping[Value, Node] | None = None) -> MemoryPlan:
     for n in g.nodes:
         for i, t in enumerate(n.types):
             v = n.result(i)
-            size = type_bytes(t) if v not in streamed else 4 * (t.numel // t.shape[0]) + 4
+            size = rules.sizes.get(v, type_bytes(t))
             if n.op in (Op.PARAM, Op.STATE):
                 slots.append(Slot(v, "persistent", size, pos[n.id], end, state_offset))
                 state_offset += (size + 15) // 16 * 16
@@ -137,15 +151,15 @@ def plan(g: Graph, streamed: Mapping[Value, Node] | None = None) -> MemoryPlan:
                 continue
             if n.op is Op.INPUT or op_def(n.op).updates_state:
                 continue  # the batch lives in the caller's buffer; updates write state in place
-            if v not in last_use:
-                continue  # never read: a backend need not store it (e.g. BN dx of layer one)
+            if v not in last_use or size == 0:
+                continue  # never read (e.g. BN dx of layer one) or never stored: no bytes
             kind = "saved" if v in backward_reads and n.op not in (Op.LABEL,) else "transient"
             if kind == "saved":
                 saved_elems += t.numel
             start, stop = pos[n.id], last_use.get(v, pos[n.id])
             arena_items.append((start, stop, size, v))
             slots.append(Slot(v, kind, size, start, stop, -1))
-    roots = _in_place_roots(g, pos, last_use, {v for *_, v in arena_items})
+    roots = _in_place_roots(g, pos, last_use, {v for *_, v in arena_items}, rules.over)
     merged: dict[Value, tuple[int, int, int]] = {}
     for start, stop, size, v in arena_items:
         r = roots.get(v, v)

@@ -37,7 +37,7 @@ from mexc.numerics import (
 )
 from mexc.ops import REGISTRY, op_def
 from mexc.optim import AdamW
-from mexc.passes.plan_memory import plan
+from mexc.passes.plan_memory import StorageRules, plan
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -72,6 +72,7 @@ class _Emit:
     bn_saved: dict[int, str] = field(default_factory=dict)
     kernels: KernelSet = field(default_factory=KernelSet)  # the TIR-generated product loops
     streamed: dict[Value, Node] = field(default_factory=dict)  # gradient -> its update node
+    pooled: dict[Value, Node] = field(default_factory=dict)  # pool gradient -> its reader
 
     def shape(self, v: Value) -> tuple[int, ...]:
         return tuple(self.g.type_of(v).shape)
@@ -324,12 +325,15 @@ def _softmax_ce_grad(e: _Emit, n: Node) -> None:
     e.emit(f"{ed} = mexc_softmax_ce_backward({nn}, {k}, {probs}, y, {nn}, {dx}, &ctx, {_tid(n)}u);")
 
 
-def streamed_gradients(g: Graph) -> dict[Value, Node]:
-    """The weight gradients the C step computes a row at a time inside their update (value ->
-    the update node): a linear layer's, read by its SGD or AdamW update alone, whose optimizer
-    state has one group per row. The updates' gradient steps are per group (docs/numerics.md
-    sections 12 and 12b), so the int32 gradient needs one row of RAM, not the whole matrix (the
-    classifier's is often the largest buffer of a small CNN's step)."""
+STREAMABLE = (Op.LINEAR_GRAD_WEIGHT, Op.CONV2D_GRAD_WEIGHT)
+
+
+def _streamable(g: Graph) -> dict[Value, Node]:
+    """Weight gradients that may be computed a row at a time inside their update (value -> the
+    update node): a linear layer's or a convolution's, read by its SGD or AdamW update alone,
+    whose optimizer state has one group per row (output channel). The updates' gradient steps
+    are per group (docs/numerics.md sections 12 and 12b), so such a gradient needs one int32
+    row of RAM, not the whole tensor."""
     users = g.users()
     producers = {n.id: n for n in g.nodes}
     out: dict[Value, Node] = {}
@@ -337,9 +341,27 @@ def streamed_gradients(g: Graph) -> dict[Value, Node]:
         grad = u.inputs[1]
         src = producers[grad.node]
         rows = g.type_of(u.inputs[0]).shape[0]
-        if src.op is Op.LINEAR_GRAD_WEIGHT and users.get(grad) == [u] and u.attrs.groups == rows:
+        if src.op in STREAMABLE and users.get(grad) == [u] and u.attrs.groups == rows:
             out[grad] = u
     return out
+
+
+def streamed_gradients(g: Graph) -> dict[Value, Node]:
+    """The weight gradients the C step streams into their updates: every linear layer's that
+    can (its row kernel does the same work as the whole product), and each convolution's that
+    lowers the arena, largest first (its row kernel gives up the dot form's column reuse across
+    output channels, so only where the RAM pays for it)."""
+    candidates = _streamable(g)
+    producers = {n.id: n for n in g.nodes}
+    chosen = {v: u for v, u in candidates.items() if producers[v.node].op is Op.LINEAR_GRAD_WEIGHT}
+    best = plan(g, storage_rules(g, chosen)).arena_bytes
+    convs = [v for v in candidates if v not in chosen]
+    for v in sorted(convs, key=lambda v: -g.type_of(v).numel):
+        trial = {**chosen, v: candidates[v]}
+        arena = plan(g, storage_rules(g, trial)).arena_bytes
+        if arena < best:
+            chosen, best = trial, arena
+    return chosen
 
 
 def _linear_grad_weight(e: _Emit, n: Node) -> None:
@@ -374,7 +396,53 @@ def _bias_grad(e: _Emit, n: Node) -> None:
     e.emit(f"mexc_bias_backward({nn}, {c}, {s}, {dy}, {db});")
 
 
+def pooled_gradients(g: Graph) -> dict[Value, Node]:
+    """The max-pool gradients the C step never stores (value -> its batch norm's gradient node):
+    a non-overlapping, unpadded max pool's input gradient read only by the backward pass of the
+    batch norm before it, whose cap needs no pre-shift of its gradient. That node reads the
+    pooled gradient and the argmax instead (mexc_grad_pooled: the same values and exponent) and
+    writes its dx over xhat, so the pooled layer's full int8 gradient never takes RAM."""
+    users = g.users()
+    out: dict[Value, Node] = {}
+    for mp in g.nodes_of(Op.MAXPOOL2D_GRAD):
+        a = mp.attrs
+        readers = users.get(mp.out, [])
+        if len(readers) != 1 or readers[0].op is not Op.BATCHNORM_GRAD:
+            continue
+        bn = readers[0]
+        nn, _, s = _ncs(g.type_of(bn.out).shape)
+        plain = tuple(a.stride) == tuple(a.kernel) and tuple(a.padding) == (0, 0)
+        plain = plain and tuple(getattr(a, "extra", (0, 0))) == (0, 0)
+        if plain and bn.inputs[0] == mp.out and product_cap(nn * s, 8) >= 0:
+            out[mp.out] = bn
+    return out
+
+
+def storage_rules(g: Graph, streamed: dict[Value, Node]) -> StorageRules:
+    """The C step's storage (plan-memory's rules otherwise): streamed weight gradients take one
+    int32 row and keep their product's inputs alive until the update; pooled gradients take no
+    bytes, keep the pooled gradient and argmax alive until the batch norm's backward, whose dx
+    takes xhat's bytes."""
+    producers = {n.id: n for n in g.nodes}
+    sizes: dict[Value, int] = {}
+    read_at: dict[Value, int] = {}
+    over: dict[Value, Value] = {}
+    for grad, update in streamed.items():
+        t = g.type_of(grad)
+        sizes[grad] = 4 * (t.numel // t.shape[0]) + 4
+        for src in producers[grad.node].inputs:
+            read_at[src] = update.id
+    for dy, bn in pooled_gradients(g).items():
+        sizes[dy] = 0
+        for src in producers[dy.node].inputs:
+            read_at[src] = bn.id
+        over[bn.out] = bn.inputs[1]
+    return StorageRules(sizes, read_at, over)
+
+
 def _maxpool_grad(e: _Emit, n: Node) -> None:
+    if n.out in e.pooled:
+        return  # read through its argmax by the batch norm's backward (_bn_grad)
     (dy, ed), arg = _x(e, n, 0), e.ptr[n.inputs[1]]
     p = _pool_geom(e, n, e.shape(n.out))
     dx = e.arena(n.out, "int8_t")
@@ -390,7 +458,18 @@ def _relu_grad(e: _Emit, n: Node) -> None:
 
 
 def _bn_grad(e: _Emit, n: Node) -> None:
-    dy, ed = _x(e, n, 0)
+    src = f"gs{n.id}"
+    if n.inputs[0] in e.pooled:
+        mp = next(m for m in e.g.nodes if m.id == n.inputs[0].node)
+        (pg, epg), arg = _x(e, mp, 0), e.ptr[mp.inputs[1]]
+        p = _pool_geom(e, mp, e.shape(mp.out))
+        ed = e.local_exp(n.inputs[0])
+        e.emit(f"mexc_grad_src_t {src};")
+        e.emit(f"{ed} = mexc_grad_pooled(&{src}, &{p}, {pg}, {epg}, {arg}, &ctx, {_tid(mp)}u);")
+    else:
+        dy, ed = _x(e, n, 0)
+        e.emit(f"mexc_grad_src_t {src};")
+        e.emit(f"mexc_grad_dense(&{src}, {dy});")
     sv = e.bn_saved[n.inputs[1].node]
     gm, eg = _x(e, n, 3)
     nn, c, s = _ncs(e.shape(n.out))
@@ -401,12 +480,14 @@ def _bn_grad(e: _Emit, n: Node) -> None:
     edx, edg = e.local_exp(n.out), e.local_exp(n.result(1))
     e.exp[n.result(2)] = ed
     e.emit(
-        f"mexc_batchnorm_backward({nn}, {c}, {s}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, "
+        f"mexc_batchnorm_backward_src({nn}, {c}, {s}, &{src}, {ed}, &{sv}, {gm}, {eg}, {dx}, "
         f"&{edx}, {dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
     )
 
 
 def _conv_grad_weight(e: _Emit, n: Node) -> None:
+    if n.out in e.streamed:
+        return  # computed a channel at a time by its update (_streamed_update)
     g = _conv_geometry(e, n, n.inputs[1], n.out)
     (dy, ed), x = _x(e, n, 0), _x(e, n, 1)
     name = e.kernels.conv_grad_weight(g)
@@ -516,23 +597,29 @@ def _sgd_update(e: _Emit, n: Node) -> None:
 
 
 def _streamed_update(e: _Emit, n: Node, group: str, finish: str, tmp_words: int = 0) -> None:
-    """The update of a linear weight whose gradient comes a row at a time (streamed_gradients):
+    """The update of a weight whose gradient comes a row at a time (streamed_gradients):
     for each row, the generated row kernel and the update's per-group steps (`group`, with
     `{row}`, `{grad_exp}`, `{g}` and `{tmp}` to fill in: the row, its exponent, its index and
     tmp_words of scratch past the pre-shifted dy); then `finish`."""
     grad = n.inputs[1]
     wgrad = next(m for m in e.g.nodes if m.id == grad.node)
     (dy, ed), (x, ex) = _x(e, wgrad, 0), _x(e, wgrad, 1)
-    nn, o = _rows2(e.shape(wgrad.inputs[0]))
-    k = e.shape(wgrad.inputs[1])[-1]
-    kernel = e.kernels.linear_grad_weight_row(nn, k, o)
+    if wgrad.op is Op.LINEAR_GRAD_WEIGHT:
+        nn, o = _rows2(e.shape(wgrad.inputs[0]))
+        kernel = e.kernels.linear_grad_weight_row(nn, e.shape(wgrad.inputs[1])[-1], o)
+        k = nn  # the product's reduction width
+    else:
+        g = _conv_geometry(e, wgrad, wgrad.inputs[1], wgrad.out)
+        kernel, o = e.kernels.conv_grad_weight_row(g), g.o
+        k = g.n * g.oh * g.ow
+    numel = e.numel(wgrad.inputs[0])
     row = e.arena(grad, "int32_t")
-    fit = _fit_scratch(nn * o, nn)
+    fit = _fit_scratch(numel, k)
     e.need(fit + tmp_words)
     p, op, r = f"pr{wgrad.id}", f"op{wgrad.id}", f"row{wgrad.id}"
     e.emit(f"mexc_product_t {p};")
     e.emit(
-        f"const int8_t *{op} = mexc_product_begin(&{p}, {dy}, {nn * o}u, {ed}, {ex}, {nn}u, 0, 0, "
+        f"const int8_t *{op} = mexc_product_begin(&{p}, {dy}, {numel}u, {ed}, {ex}, {k}u, 0, 0, "
         f"&ctx, {_tid(wgrad)}u, scratch);"
     )
     e.emit(f"for (uint32_t {r} = 0; {r} < {o}u; {r}++) {{")
@@ -1067,11 +1154,11 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
 def emit_model(prog: Program, steps: int) -> CModel:
     """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
     g = prog.graph
-    # plan-memory's planner with the C step's one difference: streamed weight gradients
+    # plan-memory's planner with the C step's storage rules
     streamed = streamed_gradients(g)
-    mp = plan(g, streamed) if streamed else prog.memory_plan()
+    mp = plan(g, storage_rules(g, streamed))
     offsets = {s.value: s.offset for s in mp.slots if s.kind != "persistent"}
-    e = _Emit(g, prog, offsets, streamed=streamed)
+    e = _Emit(g, prog, offsets, streamed=streamed, pooled=pooled_gradients(g))
     users, outputs = g.users(), {v for _, v in g.outputs}
     stochastic = int(site_rounding(prog.options.rounding, False) == "stochastic")
     fctx = site_rounding(prog.options.rounding, True) != site_rounding(prog.options.rounding, False)

@@ -64,6 +64,13 @@ class KernelSet:
             self.funcs[name] = mcu_products.linear_grad_weight_row(name, n, k, o)
         return name
 
+    def conv_grad_weight_row(self, g: ConvGeom) -> str:
+        """One output channel of a convolution's weight gradient: (dy, x, row, dw_row)."""
+        name = f"mexc_dwrow_{_tag(g)}"
+        if name not in self.funcs:
+            self.funcs[name] = mcu_products.conv_grad_weight_row(name, g)
+        return name
+
     def sources(self) -> tuple[str, str]:
         """(kernels.c, kernels.h)."""
         if not self.funcs:

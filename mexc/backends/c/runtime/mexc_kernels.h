@@ -115,6 +115,31 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
                              int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
                              int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
                              int32_t *scratch);
+/* The gradient a batch norm's backward reads: dense, or the gradient of a max pool with
+ * non-overlapping windows (stride = kernel, no padding) that follows it, given as the pooled
+ * gradient and the argmax. The pooled form is mexc_maxpool2d_backward's output read where it
+ * is needed instead of stored: the same values and exponent, without the pooled layer's full
+ * int8 gradient in RAM. */
+typedef struct {
+    const int8_t *dense;   /* the gradient, or NULL: */
+    const int8_t *pooled;  /* the pool's output gradient (N, C, OH, OW) */
+    const uint8_t *argmax; /* mexc_maxpool2d_forward's */
+    uint32_t h, w, kh, kw, oh, ow;
+    int32_t s, stoch, bits; /* the pool backward's compaction: shift, rounding */
+    uint32_t key;           /* its site 0 */
+} mexc_grad_src_t;
+/* A dense source; a pooled one (returns the gradient's exponent, that of
+ * mexc_maxpool2d_backward's output; tid: the pool backward's). */
+void mexc_grad_dense(mexc_grad_src_t *g, const int8_t *dy);
+int32_t mexc_grad_pooled(mexc_grad_src_t *g, const mexc_pool_t *p, const int8_t *pooled,
+                         int32_t ed, const uint8_t *argmax, const mexc_ctx_t *ctx, uint32_t tid);
+/* batchnorm_backward reading its gradient from a source; dense: mexc_batchnorm_backward. A
+ * pooled source needs mexc_product_cap(N*S) >= 0 (no pre-shift copy of the gradient). */
+void mexc_batchnorm_backward_src(uint32_t n, uint32_t c, uint32_t s, const mexc_grad_src_t *dy,
+                                 int32_t ed, const mexc_bn_saved_t *saved, const int8_t *gamma,
+                                 int32_t eg, int8_t *dx, int32_t *e_dx, int32_t *dgamma,
+                                 int32_t *e_dgamma, int32_t *dbeta, const mexc_ctx_t *ctx,
+                                 uint32_t tid, int32_t *scratch);
 /* batchnorm_update_running with batch_var = saved->var_u (as mexc/interp.py). rm/rv exponents:
  * C entries if *_grouped else 1 entry. Sites 0-3 mean, 4-7 variance. */
 void mexc_batchnorm_update_running(uint32_t c, int8_t *rm, int32_t *rm_e, int32_t rm_grouped,

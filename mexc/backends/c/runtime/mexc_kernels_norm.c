@@ -155,29 +155,91 @@ static int32_t bn_bracket(int32_t d, int32_t db, int32_t xh, int32_t g16, uint32
            mexc_shift_signed(-(xh * g16), sh[2], st, keys[2], idx);
 }
 
+void mexc_grad_dense(mexc_grad_src_t *g, const int8_t *dy)
+{
+    g->dense = dy;
+    g->pooled = NULL;
+    g->argmax = NULL;
+}
+
+int32_t mexc_grad_pooled(mexc_grad_src_t *g, const mexc_pool_t *p, const int8_t *pooled,
+                         int32_t ed, const uint8_t *argmax, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    uint32_t i, n = p->n * p->c * p->oh * p->ow, amax = 0u;
+    g->dense = NULL;
+    g->pooled = pooled;
+    g->argmax = argmax;
+    g->h = p->h;
+    g->w = p->w;
+    g->kh = p->kh;
+    g->kw = p->kw;
+    g->oh = p->oh;
+    g->ow = p->ow;
+    g->stoch = ctx->stochastic;
+    g->bits = ctx->bits;
+    g->key = mexc_site_key(ctx, tid, 0);
+    /* each pooled value lands at one position, the others are 0: the same maximum */
+    for (i = 0; i < n; i++)
+        if (mexc_uabs(pooled[i]) > amax) amax = mexc_uabs(pooled[i]);
+    g->s = mexc_compaction_shift(amax, ctx->bits);
+    return ed + g->s;
+}
+
+/* Element i (flat NCHW index) of the gradient, plane = n * C + c its plane. */
+static int32_t grad_at(const mexc_grad_src_t *g, uint32_t idx, uint32_t plane)
+{
+    uint32_t y, x, o;
+    if (g->dense) return g->dense[idx];
+    y = (idx - plane * g->h * g->w) / g->w;
+    x = (idx - plane * g->h * g->w) - y * g->w;
+    if (y / g->kh >= g->oh || x / g->kw >= g->ow) return 0; /* below or right of every window */
+    o = (plane * g->oh + y / g->kh) * g->ow + x / g->kw;
+    if (g->argmax[o] != (y % g->kh) * g->kw + x % g->kw) return 0;
+    return mexc_saturate(mexc_shift_right(g->pooled[o], g->s, g->stoch, g->key, idx), g->bits);
+}
+
 void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *dy, int32_t ed,
                              const mexc_bn_saved_t *sv, const int8_t *gamma, int32_t eg,
                              int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
                              int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
                              int32_t *scratch)
 {
+    mexc_grad_src_t g;
+    mexc_grad_dense(&g, dy);
+    mexc_batchnorm_backward_src(n, c, s, &g, ed, sv, gamma, eg, dx, e_dx, dgamma, e_dgamma, dbeta,
+                                ctx, tid, scratch);
+}
+
+void mexc_batchnorm_backward_src(uint32_t n, uint32_t c, uint32_t s, const mexc_grad_src_t *dy,
+                                 int32_t ed, const mexc_bn_saved_t *sv, const int8_t *gamma,
+                                 int32_t eg, int8_t *dx, int32_t *e_dx, int32_t *dgamma,
+                                 int32_t *e_dgamma, int32_t *dbeta, const mexc_ctx_t *ctx,
+                                 uint32_t tid, int32_t *scratch)
+{
     const uint32_t m = n * s, total = n * c * s;
     const int32_t st = ctx->stochastic;
     int32_t *dg16 = scratch, *f16 = scratch + c, *e_f = scratch + 2u * c;
     int32_t *cshift = scratch + 3u * c;
     uint32_t *camax = (uint32_t *)(scratch + 4u * c);
-    const int8_t *dp;
+    const int8_t *dp = NULL; /* the dense gradient, pre-shifted where the cap needs it */
     int32_t edp = ed, s0, e[3], b[3], sh[3], target, bk, sbk = 0, fac, lsh, q, sf, e_bk;
     uint32_t keys[3], nn, cc, i, idx, bmax = 0;
     mexc_sink_t sink;
-    mexc_bias_backward(n, c, s, dy, dbeta);
-    dp = mexc_fit_product(dy, total, &edp, m, ctx, mexc_site_key(ctx, tid, 7), scratch + 5u * c);
+    for (cc = 0; cc < c; cc++) { /* bias_backward: dbeta = sum over N and S */
+        int32_t acc = 0;
+        for (nn = 0; nn < n; nn++)
+            for (i = 0; i < s; i++) acc += grad_at(dy, (nn * c + cc) * s + i, nn * c + cc);
+        dbeta[cc] = acc;
+    }
+    if (dy->dense) /* a pooled source comes only where the cap needs no pre-shift */
+        dp = mexc_fit_product(dy->dense, total, &edp, m, ctx, mexc_site_key(ctx, tid, 7),
+                              scratch + 5u * c);
     for (cc = 0; cc < c; cc++) {
         int32_t acc = 0;
         for (nn = 0; nn < n; nn++)
             for (i = 0; i < s; i++) {
                 idx = (nn * c + cc) * s + i;
-                acc += (int32_t)dp[idx] * sv->xhat[idx];
+                acc += (dp ? dp[idx] : grad_at(dy, idx, nn * c + cc)) * sv->xhat[idx];
             }
         dgamma[cc] = acc;
     }
@@ -199,7 +261,8 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
     for (idx = 0, nn = 0; nn < n; nn++)
         for (cc = 0; cc < c; cc++)
             for (i = 0; i < s; i++, idx++) {
-                bk = bn_bracket(dy[idx], dbeta[cc], sv->xhat[idx], dg16[cc], m, sh, keys, st, idx, cc);
+                bk = bn_bracket(grad_at(dy, idx, nn * c + cc), dbeta[cc], sv->xhat[idx], dg16[cc],
+                                m, sh, keys, st, idx, cc);
                 bmax = mexc_uabs(bk) > bmax ? mexc_uabs(bk) : bmax;
             }
     while ((uint64_t)bmax > ((uint64_t)1 << 15) << sbk) sbk++;
@@ -214,15 +277,16 @@ void mexc_batchnorm_backward(uint32_t n, uint32_t c, uint32_t s, const int8_t *d
         f16[cc] = mexc_shift_right(q, sf, st, mexc_site_key(ctx, tid, 5), cc);
         e_f[cc] = e_bk + eg + sv->rstd_e[cc] - lsh + sf;
     }
-    /* dx = compact_common(bk16 * f16, e_bk + e_f, axis 1) [6] */
+    /* dx = compact_common(bk16 * f16, e_bk + e_f, axis 1) [6]; dx may be dy's or xhat's bytes:
+     * each element is read before it is written */
     mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 6), camax, cshift, c);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) *e_dx = mexc_sink_finish_common(&sink, e_f, c);
         for (idx = 0, nn = 0; nn < n; nn++)
             for (cc = 0; cc < c; cc++)
                 for (i = 0; i < s; i++, idx++) {
-                    bk = bn_bracket(dy[idx], dbeta[cc], sv->xhat[idx], dg16[cc], m, sh, keys, st,
-                                    idx, cc);
+                    bk = bn_bracket(grad_at(dy, idx, nn * c + cc), dbeta[cc], sv->xhat[idx],
+                                    dg16[cc], m, sh, keys, st, idx, cc);
                     bk = mexc_shift_right(bk, sbk, st, mexc_site_key(ctx, tid, 4), idx);
                     mexc_sink_put(&sink, idx, cc, bk * f16[cc]);
                 }
