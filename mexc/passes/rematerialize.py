@@ -103,3 +103,73 @@ def rematerialize(g: Graph, ctx: PassContext) -> Graph:
         else:
             b.keep(n.with_(inputs=tuple(copy.get(v, v) for v in n.inputs)))
     return b.build(g.outputs, g.attrs)
+
+
+def recomputable_norms(g: Graph) -> list[Node]:
+    """Training batch norms whose xhat a backend may compute again in the backward pass instead
+    of keeping it from the forward pass (recompute_norms): the batch norm of a convolution's
+    output, whose convolution input is read after the first backward reader of xhat anyway
+    (the quantized batch, which the first convolution's weight gradient reads), and whose
+    parameters are updated only after the last reader of xhat. The copies then see the same
+    inputs and round with the same keys: the same bits."""
+    forward = _forward_nodes(g)
+    position = {n.id: i for i, n in enumerate(g.nodes)}
+    producers = {n.id: n for n in g.nodes}
+    users = g.users()
+    last = {v: max(position[u.id] for u in us) for v, us in users.items()}
+    updated_at = {
+        u.inputs[0]: position[u.id] for u in g.nodes if op_def(u.op).updates_state and u.inputs
+    }
+    found = []
+    for bn in g.nodes_of(Op.BATCHNORM):
+        conv = producers.get(bn.inputs[0].node)
+        xhat_back = [u for u in users.get(bn.result(1), []) if u.id not in forward]
+        if (
+            conv is None
+            or conv.op is not Op.CONV2D_COMPACT
+            or bn.id not in forward
+            or not xhat_back
+        ):
+            continue
+        if users.get(conv.out) != [bn]:
+            continue
+        first = min(position[u.id] for u in xhat_back)
+        end = max(position[u.id] for u in users[bn.result(1)])
+        params = [*conv.inputs[1:], *bn.inputs[1:3]]
+        if last.get(conv.inputs[0], -1) < first:
+            continue  # the convolution's input would have to be kept for it
+        if all(updated_at.get(p, len(g.nodes)) > end for p in params):
+            found.append(bn)
+    return found
+
+
+def recompute_norms(g: Graph, norms: list[Node]) -> Graph:
+    """g with each batch norm of `norms` (recomputable_norms) and its convolution computed
+    again right before the first backward reader of its xhat; the backward readers of its xhat
+    and statistics read the copies'. The forward xhat then dies in the forward pass."""
+    if not norms:
+        return g
+    forward = _forward_nodes(g)
+    position = {n.id: i for i, n in enumerate(g.nodes)}
+    producers = {n.id: n for n in g.nodes}
+    users = g.users()
+    first: dict[int, list[Node]] = {}
+    for bn in norms:
+        back = min(
+            (u for u in users[bn.result(1)] if u.id not in forward), key=lambda u: position[u.id]
+        )
+        first.setdefault(back.id, []).append(bn)
+    b = GraphBuilder(g.next_id())
+    copy: dict[Value, Value] = {}
+    for n in g.nodes:
+        for bn in first.get(n.id, []):
+            conv = producers[bn.inputs[0].node]
+            c = b.add(conv.op, conv.inputs, conv.types, conv.attrs, conv.loc)
+            again = b.add(bn.op, [c.out, *bn.inputs[1:]], bn.types, bn.attrs, bn.loc)
+            copy[bn.result(1)] = again.result(1)
+            copy[bn.result(2)] = again.result(2)
+        if n.id in forward:
+            b.keep(n)
+        else:
+            b.keep(n.with_(inputs=tuple(copy.get(v, v) for v in n.inputs)))
+    return b.build(g.outputs, g.attrs)

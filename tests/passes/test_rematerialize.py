@@ -116,3 +116,30 @@ def test_recomputed_outputs_are_bit_exact_on_the_backends(target: str) -> None:
         ref.step(x, y)
         other.step(x, y)
         assert other.state_checksum() == ref.state_checksum()
+
+
+@pytest.mark.parametrize("bits,rounding", [(8, "stochastic"), (6, "nearest-forward")])
+def test_norms_computed_again_keep_every_bit_and_save_bytes(bits: int, rounding: str) -> None:
+    """rematerialize.recompute_norms (the C step's choice): the first convolution and its batch
+    norm again in the backward pass, so that its xhat is not kept across the loss."""
+    from mexc.passes.plan_memory import plan
+    from mexc.passes.rematerialize import recomputable_norms, recompute_norms
+    from mexc.program import Program
+
+    torch.manual_seed(0)
+    x, y = _batch()
+    base = mexc.compile(_Net(), (x,), bits=bits, rounding=rounding)
+    norms = recomputable_norms(base.graph)
+    # b1 (its convolution reads the batch, which c1's weight gradient keeps anyway) and b4
+    # (c4 reads the sum, which c4's weight gradient keeps); not b2, b3 and b5, whose
+    # convolutions read recomputed outputs
+    rids = sorted(int(n.attrs.rid) for n in base.graph.nodes_of(Op.BATCHNORM))
+    assert sorted(int(n.attrs.rid) for n in norms) == [rids[0], rids[3]]
+    g = recompute_norms(base.graph, norms)
+    verify(g)
+    assert len(g.nodes_of(Op.BATCHNORM)) == len(base.graph.nodes_of(Op.BATCHNORM)) + len(norms)
+    again = Program(g, dict(base.state), base.options, base.optimizer, base.step_count)
+    for _ in range(3):
+        assert again.step(x, y) == base.step(x, y)
+    assert again.state_checksum() == base.state_checksum()
+    assert plan(g).saved_bytes < plan(base.graph).saved_bytes

@@ -38,6 +38,7 @@ from mexc.numerics import (
 from mexc.ops import REGISTRY, op_def
 from mexc.optim import AdamW
 from mexc.passes.plan_memory import StorageRules, plan
+from mexc.passes.rematerialize import recomputable_norms, recompute_norms
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -232,7 +233,12 @@ def _batchnorm(e: _Emit, n: Node) -> None:
     e.statics.append(f"static mexc_bn_saved_t {sv};")
     e.bn_saved[n.id] = sv
     e.need(6 * c)
-    y = e.arena(n.out, "int8_t")
+    if n.out in e.offsets:
+        y = e.arena(n.out, "int8_t")
+    else:  # a copy computed for its xhat (step_graph): y over its input, read by it alone
+        if [u.id for u in e.g.users().get(n.inputs[0], [])] != [n.id]:
+            raise UnsupportedOpError(f"batch norm %{n.id}: its output has no bytes")
+        y = x
     # where no backward node reads xhat (a frozen batch norm that no gradient passes:
     # mexc.trainable), it is computed into y, which the affine may overwrite in place
     xhat = e.arena(n.result(1), "int8_t") if n.result(1) in e.offsets else y
@@ -1151,9 +1157,26 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
     ]
 
 
+def _arena_of(g: Graph) -> int:
+    return plan(g, storage_rules(g, streamed_gradients(g))).arena_bytes
+
+
+def step_graph(g: Graph) -> Graph:
+    """The C step's graph: g with the batch norms that lower the arena computed again for the
+    backward pass (rematerialize.recompute_norms; the first convolution's, typically), chosen
+    one at a time."""
+    chosen: list[Node] = []
+    best = _arena_of(g)
+    for bn in recomputable_norms(g):
+        arena = _arena_of(recompute_norms(g, [*chosen, bn]))
+        if arena < best:
+            chosen, best = [*chosen, bn], arena
+    return recompute_norms(g, chosen)
+
+
 def emit_model(prog: Program, steps: int) -> CModel:
     """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
-    g = prog.graph
+    g = step_graph(prog.graph)
     # plan-memory's planner with the C step's storage rules
     streamed = streamed_gradients(g)
     mp = plan(g, storage_rules(g, streamed))
