@@ -89,21 +89,23 @@ def _in_place_roots(
     group_end: dict[Value, int] = {}  # root -> the last read of any value on its bytes
     for n in g.nodes:
         d = op_def(n.op)
-        if n.out in over:  # a backend's rule: its own input, any size that holds the result
-            src = over[n.out]
-            same_size = type_bytes(g.type_of(src)) >= type_bytes(n.type)
-        elif d.in_place and n.inputs:
-            src = n.inputs[0]
-            same_size = type_bytes(g.type_of(src)) == type_bytes(n.type)
-        else:
-            continue
-        if src not in in_arena or n.out not in in_arena or not same_size:
-            continue
-        root = roots.get(src, src)
-        end = max(group_end.get(root, last_use[src]), last_use[src])
-        if (d.view and n.out not in over) or end == pos[n.id]:
-            roots[n.out] = root
-            group_end[root] = max(end, last_use.get(n.out, pos[n.id]))
+        for i in range(len(n.types)):
+            res = n.result(i)
+            if res in over:  # a backend's rule: its own input, any size that holds the result
+                src = over[res]
+                fits = type_bytes(g.type_of(src)) >= type_bytes(n.types[i])
+            elif i == 0 and d.in_place and n.inputs:
+                src = n.inputs[0]
+                fits = type_bytes(g.type_of(src)) == type_bytes(n.type)
+            else:
+                continue
+            if src not in in_arena or res not in in_arena or not fits:
+                continue
+            root = roots.get(src, src)
+            end = max(group_end.get(root, last_use[src]), last_use[src])
+            if (d.view and res not in over) or end == pos[n.id]:
+                roots[res] = root
+                group_end[root] = max(end, last_use.get(res, pos[n.id]))
     return roots
 
 

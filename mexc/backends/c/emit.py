@@ -233,16 +233,12 @@ def _batchnorm(e: _Emit, n: Node) -> None:
     e.statics.append(f"static mexc_bn_saved_t {sv};")
     e.bn_saved[n.id] = sv
     e.need(6 * c)
-    if n.out in e.offsets:
-        y = e.arena(n.out, "int8_t")
-    else:  # a copy computed for its xhat (step_graph): y over its input, read by it alone
-        if [u.id for u in e.g.users().get(n.inputs[0], [])] != [n.id]:
-            raise UnsupportedOpError(f"batch norm %{n.id}: its output has no bytes")
-        y = x
+    # y unread: a copy computed for its xhat alone (step_graph), which takes x's bytes
+    y = e.arena(n.out, "int8_t") if n.out in e.offsets else "NULL"
     # where no backward node reads xhat (a frozen batch norm that no gradient passes:
     # mexc.trainable), it is computed into y, which the affine may overwrite in place
     xhat = e.arena(n.result(1), "int8_t") if n.result(1) in e.offsets else y
-    ey = e.local_exp(n.out)
+    ey = e.local_exp(n.out) + " = " if y != "NULL" else ""
     eps = _eps_fixed(float(n.attrs.eps))
     e.emit(
         f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e; "
@@ -250,7 +246,7 @@ def _batchnorm(e: _Emit, n: Node) -> None:
         f"{sv}.var_e = {sv}_var_e;"
     )
     e.emit(
-        f"{ey} = mexc_batchnorm_forward_train({nn}, {c}, {s}, {x}, {ex}, {gm}, {eg}, {bt}, "
+        f"{ey}mexc_batchnorm_forward_train({nn}, {c}, {s}, {x}, {ex}, {gm}, {eg}, {bt}, "
         f"{eb}, (mexc_fixed_t){{{eps.num}, {eps.shift}}}, {y}, &{sv}, &ctx, {_tid(n)}u, "
         "scratch);"
     )
@@ -438,6 +434,10 @@ def storage_rules(g: Graph, streamed: dict[Value, Node]) -> StorageRules:
         sizes[grad] = 4 * (t.numel // t.shape[0]) + 4
         for src in producers[grad.node].inputs:
             read_at[src] = update.id
+    users = g.users()
+    for bn in g.nodes_of(Op.BATCHNORM):
+        if not users.get(bn.out) and users.get(bn.result(1)):
+            over[bn.result(1)] = bn.inputs[0]  # a copy for its xhat alone: xhat over its input
     for dy, bn in pooled_gradients(g).items():
         sizes[dy] = 0
         for src in producers[dy.node].inputs:

@@ -97,7 +97,8 @@ typedef struct {
 int32_t mexc_rstd(int32_t var, int32_t ev, mexc_fixed_t eps, int32_t *rstd_e);
 /* Scratch words of every batchnorm function (backward: plus mexc_fit_scratch(N*C*S, N*S)). */
 #define MEXC_BN_SCRATCH(C) (6u * (uint32_t)(C))
-/* batchnorm_forward_train. Sites 0 var pre-shift, 1 xhat, 2/3 affine alignment, 4 output. */
+/* batchnorm_forward_train. Sites 0 var pre-shift, 1 xhat, 2/3 affine alignment, 4 output.
+ * y NULL: xhat and the statistics alone (a copy for the backward pass); xhat may be x. */
 int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const int8_t *x,
                                      int32_t ex, const int8_t *gamma, int32_t eg,
                                      const int8_t *beta, int32_t eb, mexc_fixed_t eps, int8_t *y,

@@ -133,6 +133,7 @@ int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const i
                     mexc_sink_put(&sink, idx, cc,
                                   (mexc_shift_left(x[idx], f) - sv->mean[cc]) * sv->rstd[cc]);
     }
+    if (y == NULL) return 0; /* xhat alone (a copy for the backward pass): no affine */
     return bn_affine(n, c, s, sv->xhat, sv->xhat_e, gamma, eg, beta, eb, y, ctx, tid, 2u);
 }
 
