@@ -252,6 +252,11 @@ def _no_defaults(body: Callable[..., Expr]) -> Callable[..., Expr]:
     return lambda n, o, y, xx: body(n, o, y, xx)
 
 
+def _four(body: Callable[..., Expr]) -> Callable[..., Expr]:
+    """_no_defaults for four axes of any names."""
+    return lambda a, b, c, d: body(a, b, c, d)
+
+
 def _five(body: Callable[..., Expr]) -> Callable[..., Expr]:
     """_no_defaults for five axes."""
     return lambda n, o, c, i, j: body(n, o, c, i, j)
@@ -371,6 +376,8 @@ def conv_grad_weight_row(name: str, g: ConvGeom) -> tirx.PrimFunc:
     """One output channel's int32 weight gradient of a convolution, `{name}` (dy, x, row,
     dw_row): dw_row[c', i, j] = dw[row, c', i, j] (conv_grad_weight_acc's formula). The C
     backend streams a convolution's update through it where that lowers the step's RAM."""
+    if _padded_row_form(g):
+        return _grad_weight_row_padded(name, g)
     dy = te.placeholder(g.y_shape, I8, name="dy")
     x = te.placeholder(g.x_shape, I8, name="x")
     row = tirx.Var("row", I32)
@@ -392,6 +399,80 @@ def conv_grad_weight_row(name: str, g: ConvGeom) -> tirx.PrimFunc:
     sch.reverse_compute_at(scratch, loops[2])
     if len(loops) > 3:  # no reduction loop is left when N, OH and OW are all one
         sch.decompose_reduction(blk, loops[3])
+    return sch.mod["main"]
+
+
+def _padded_row_form(g: ConvGeom) -> bool:
+    """Whether one output channel's weight gradient takes the padded form: stride 1, one
+    group, the row's dy plane with its zero border on the stack (at most MAX_COLUMN bytes),
+    input rows of at least 4."""
+    padded = (g.h + g.kh - 1) * (g.w + g.kw - 1)
+    return g.sh == g.sw == 1 and g.groups == 1 and g.w >= 4 and padded <= MAX_COLUMN
+
+
+def _grad_weight_row_padded(name: str, g: ConvGeom) -> tirx.PrimFunc:
+    """dw_row[c', i, j] = sum over n, y, x of x[n, c', y, x] * dyp[n, y + KH-1-i, x + KW-1-j],
+    dyp the row's dy plane of each sample placed in a zero border (dy[n, row, y + ph - i,
+    x + pw - j] where that exists, else 0; stride 1). Per sample the border plane is built once
+    for every input channel and tap; each input row then meets a contiguous row of it, four
+    terms at a time through DOT4; the sum over a sample's positions stays in a register and the
+    samples add up in dw_row."""
+    _register_dot4()
+    dy = te.placeholder(g.y_shape, I8, name="dy")
+    x = te.placeholder(g.x_shape, I8, name="x")
+    row = tirx.Var("row", I32)
+    hp, wp = g.h + g.kh - 1, g.w + g.kw - 1
+
+    def bordered(n: Expr, a: Expr, b: Expr) -> Expr:
+        oy, ox = a - (g.kh - 1) + g.ph, b - (g.kw - 1) + g.pw
+        ok = tirx.all(_in(0, oy, g.oh), _in(0, ox, g.ow))
+        return tirx.if_then_else(ok, dy[n, row, oy, ox], tirx.const(0, I8))
+
+    dyp = te.compute((g.n, hp, wp), bordered, name="col")
+    w4 = g.w // 4 * 4
+    parts = []
+    for lo, hi, part in ((0, w4, "part"), (w4, g.w, "part_rest")):
+        if hi > lo:
+            ry = te.reduce_axis((0, g.h), f"{part}_y")
+            rx = te.reduce_axis((lo, hi), f"{part}_x")
+
+            def body(n: Expr, cw: Expr, i: Expr, j: Expr, ry: Any = ry, rx: Any = rx) -> Expr:
+                a, b = ry + (g.kh - 1) - i, rx + (g.kw - 1) - j
+                return te.sum(_mul(x[n, cw, ry, rx], dyp[n, a, b]), axis=[ry, rx])
+
+            parts.append(te.compute((g.n, g.cg, g.kh, g.kw), _four(body), name=part))
+    rn = te.reduce_axis((0, g.n), "rn")
+
+    def total(cw: Expr, i: Expr, j: Expr) -> Expr:
+        v = parts[0][rn, cw, i, j]
+        for p in parts[1:]:
+            v = v + p[rn, cw, i, j]
+        return te.sum(v, axis=rn)
+
+    dw = te.compute((g.cg, g.kh, g.kw), total, name="acc")
+    sch = s_tir.Schedule(prim_func([dy, x, row, dw], name))
+    blk = sch.get_sblock("acc")
+    cw, i, j = sch.get_loops(blk)[:3]
+    n = sch.get_loops(blk)[3] if g.n > 1 else None
+    if n is not None:
+        sch.reorder(n, cw, i, j)
+        sch.decompose_reduction(blk, n)
+    inner = j
+    quads = None
+    for part in ("part", "part_rest"):
+        if not has_block(sch, part):
+            continue
+        pb = sch.get_sblock(part)
+        sch.compute_at(pb, inner)
+        loops = sch.get_loops(pb)
+        if part == "part":
+            outer, quads = sch.split(loops[-1], [None, 4])
+            sch.decompose_reduction(pb, sch.get_loops(pb)[len(sch.get_loops(blk))])
+        elif len(loops) > len(sch.get_loops(blk)):
+            sch.decompose_reduction(pb, loops[len(sch.get_loops(blk))])
+    sch.compute_at(sch.get_sblock("col"), n if n is not None else cw)
+    if quads is not None:
+        sch.tensorize(quads, DOT4)
     return sch.mod["main"]
 
 

@@ -173,3 +173,15 @@ def recompute_norms(g: Graph, norms: list[Node]) -> Graph:
         else:
             b.keep(n.with_(inputs=tuple(copy.get(v, v) for v in n.inputs)))
     return b.build(g.outputs, g.attrs)
+
+
+def copies_over_inputs(g: Graph) -> dict[Value, Value]:
+    """The xhat of each batch-norm copy of recompute_norms (a batch norm whose output nothing
+    reads) -> its input, whose bytes it may take: the copy computes xhat alone, and the
+    convolution's output it reads dies there."""
+    users = g.users()
+    return {
+        bn.result(1): bn.inputs[0]
+        for bn in g.nodes_of(Op.BATCHNORM)
+        if not users.get(bn.out) and users.get(bn.result(1))
+    }

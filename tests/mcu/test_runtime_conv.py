@@ -73,6 +73,7 @@ class Lib:
                 self.kernels.conv_forward(g, bias)
             self.kernels.conv_grad_input(g)
             self.kernels.conv_grad_weight(g)
+            self.kernels.conv_grad_weight_row(g)
         cc = shutil.which("cc") or shutil.which("gcc")
         if cc is None:
             pytest.skip("no host C compiler (cc)")
@@ -176,6 +177,26 @@ def test_conv2d(lib: Lib, cfg: tuple, ci: int) -> None:
     k = n * geom.oh * geom.ow
     e = lib.weight_gradient(lib.kernels.conv_grad_weight(geom), dy, x, k, dw, ctx, tid + 32)
     assert e == int(ref.e) and np.array_equal(dw, ref.a)
+
+
+@pytest.mark.parametrize("cfg", CONVS)
+def test_conv_weight_gradient_rows(lib: Lib, cfg: tuple) -> None:
+    """The row kernels of a streamed update (emit.streamed_gradients): row o of the int32 weight
+    gradient, for every o, equals the whole kernel's (and conv2d_backward_weight's)."""
+    n, c, h, w, o, kh, kw, s, p, g = cfg
+    geom = _geom(cfg)
+    rng = np.random.default_rng(c + o)
+    dy = i8(rng.integers(-127, 128, geom.y_shape))
+    x = i8(rng.integers(-127, 128, geom.x_shape))
+    ref = np.zeros((o, c // g, kh, kw), np.int32)  # the whole kernel, no operand pre-shift
+    lib.fn(lib.kernels.conv_grad_weight(geom))(P(dy), P(x), P(ref))
+    exact = K.conv2d_backward_weight(MX.of(dy, 0), MX.of(x, 0), ref.shape, s, p, g)
+    assert int(exact.e) > 0 or np.array_equal(ref, exact.a)  # pre-shifted above 2^17 terms
+    kernel = lib.fn(lib.kernels.conv_grad_weight_row(geom))
+    for r in range(o):
+        row = np.zeros(ref[r].shape, np.int32)
+        kernel(P(dy), P(x), C.c_int32(r), P(row))
+        assert np.array_equal(row, ref[r]), r
 
 
 @pytest.mark.parametrize("nko", LINEARS)

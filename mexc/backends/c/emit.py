@@ -38,7 +38,7 @@ from mexc.numerics import (
 from mexc.ops import REGISTRY, op_def
 from mexc.optim import AdamW
 from mexc.passes.plan_memory import StorageRules, plan
-from mexc.passes.rematerialize import recomputable_norms, recompute_norms
+from mexc.passes.rematerialize import copies_over_inputs, recomputable_norms, recompute_norms
 from mexc.program import Program
 from mexc.types import Exp, Kind
 
@@ -434,10 +434,7 @@ def storage_rules(g: Graph, streamed: dict[Value, Node]) -> StorageRules:
         sizes[grad] = 4 * (t.numel // t.shape[0]) + 4
         for src in producers[grad.node].inputs:
             read_at[src] = update.id
-    users = g.users()
-    for bn in g.nodes_of(Op.BATCHNORM):
-        if not users.get(bn.out) and users.get(bn.result(1)):
-            over[bn.result(1)] = bn.inputs[0]  # a copy for its xhat alone: xhat over its input
+    over.update(copies_over_inputs(g))  # a batch-norm copy for its xhat alone: over its input
     for dy, bn in pooled_gradients(g).items():
         sizes[dy] = 0
         for src in producers[dy.node].inputs:
