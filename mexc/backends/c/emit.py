@@ -224,13 +224,16 @@ def _ncs(shape: tuple[int, ...]) -> tuple[int, int, int]:
 def _batchnorm(e: _Emit, n: Node) -> None:
     (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
     nn, c, s = _ncs(e.shape(n.inputs[0]))
-    sv = f"bn{n.id}"
-    arrays = " ".join(
-        f"static int32_t {sv}_{f}[{c}];"
-        for f in ("rstd", "rstd_e", "mean", "var", "var_u", "var_e")
-    )
-    e.statics.append(arrays)
-    e.statics.append(f"static mexc_bn_saved_t {sv};")
+    # a copy (step_graph: the same rid) rewrites the same statistics into its original's arrays
+    same = [m for m, name in e.bn_saved.items() if e.g.node(m).attrs.rid == n.attrs.rid]
+    sv = e.bn_saved[same[0]] if same else f"bn{n.id}"
+    if not same:
+        arrays = " ".join(
+            f"static int32_t {sv}_{f}[{c}];"
+            for f in ("rstd", "rstd_e", "mean", "var", "var_u", "var_e")
+        )
+        e.statics.append(arrays)
+        e.statics.append(f"static mexc_bn_saved_t {sv};")
     e.bn_saved[n.id] = sv
     e.need(6 * c)
     # y unread: a copy computed for its xhat alone (step_graph), which takes x's bytes
