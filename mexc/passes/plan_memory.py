@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
-from mexc.arena import place
+from mexc.arena import live_peak, place
 from mexc.ir import Graph, Op, Value
 from mexc.ops import op_def
 from mexc.pass_manager import PassContext
@@ -120,8 +121,10 @@ class StorageRules:
     over: Mapping[Value, Value] = field(default_factory=dict)
 
 
-def plan(g: Graph, rules: StorageRules | None = None) -> MemoryPlan:
-    """The memory plan of g, with a backend's storage rules."""
+def plan(g: Graph, rules: StorageRules | None = None, estimate: bool = False) -> MemoryPlan:
+    """The memory plan of g, with a backend's storage rules. estimate: arena_bytes is the live
+    peak (no placement is lower) and no value has an offset: a cheap way to compare storage
+    choices."""
     rules = rules or StorageRules()
     pos = _positions(g)
     head = next((pos[n.id] for n in g.nodes if op_def(n.op).loss_head), len(g.nodes))
@@ -167,7 +170,12 @@ def plan(g: Graph, rules: StorageRules | None = None) -> MemoryPlan:
         r = roots.get(v, v)
         a, b, sz = merged.get(r, (start, stop, size))
         merged[r] = (min(a, start), max(b, stop), max(sz, size))
-    offsets, peak = place([(a, b, sz, r) for r, (a, b, sz) in merged.items()])
+    items = [(a, b, sz, r) for r, (a, b, sz) in merged.items()]
+    offsets: Mapping[Any, int]
+    if estimate:
+        offsets, peak = {r: -1 for r in merged}, live_peak(items, 16)
+    else:
+        offsets, peak = place(items)
     slots = [
         s
         if s.kind == "persistent"

@@ -359,11 +359,12 @@ def streamed_gradients(g: Graph) -> dict[Value, Node]:
     candidates = _streamable(g)
     producers = {n.id: n for n in g.nodes}
     chosen = {v: u for v, u in candidates.items() if producers[v.node].op is Op.LINEAR_GRAD_WEIGHT}
-    best = plan(g, storage_rules(g, chosen)).arena_bytes
+    # choices are compared by their live peaks (plan's estimate): placing each is much slower
+    best = plan(g, storage_rules(g, chosen), estimate=True).arena_bytes
     convs = [v for v in candidates if v not in chosen]
     for v in sorted(convs, key=lambda v: -g.type_of(v).numel):
         trial = {**chosen, v: candidates[v]}
-        arena = plan(g, storage_rules(g, trial)).arena_bytes
+        arena = plan(g, storage_rules(g, trial), estimate=True).arena_bytes
         if arena < best:
             chosen, best = trial, arena
     return chosen
@@ -1158,7 +1159,8 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
 
 
 def _arena_of(g: Graph) -> int:
-    return plan(g, storage_rules(g, streamed_gradients(g))).arena_bytes
+    """The live peak of g's C step (plan's estimate)."""
+    return plan(g, storage_rules(g, streamed_gradients(g)), estimate=True).arena_bytes
 
 
 def step_graph(g: Graph) -> Graph:
