@@ -40,6 +40,9 @@ SQUEAKY_ITEMS = 200_000  # ... and at most this many item placements in all (lar
 # it. On the C steps of the digits (batch 8) and Fashion (batch 4) CNNs 4 left 7.7 % and 8.6 %
 # above the live peak, 2 reached it and 4.4 % (2026-12-03).
 SQUEAKY_BOOSTS = (4.0, 2.0, 1.5)
+# item placements for the factors after the first, all together: small plans (the C step's
+# tens of buffers) try them fully, the launch plans of thousands of buffers hardly at all
+SQUEAKY_EXTRA_ITEMS = 10_000
 
 
 def _round_up(v: int, align: int) -> int:
@@ -115,10 +118,13 @@ def _refined(
     raised, so that the next round places them before the ones that pushed them up.
     Deterministic: no randomness, a fixed number of rounds."""
     bound = live_peak(items, align)
-    budget = SQUEAKY_ITEMS // len(items)  # rounds, over every boost
-    for boost in SQUEAKY_BOOSTS:
-        rounds = min(SQUEAKY_ROUNDS, budget)
-        budget -= rounds
+    extra = SQUEAKY_EXTRA_ITEMS // len(items)  # rounds for the factors after the first
+    for k, boost in enumerate(SQUEAKY_BOOSTS):
+        if k == 0:
+            rounds = min(SQUEAKY_ROUNDS, SQUEAKY_ITEMS // len(items))
+        else:
+            rounds = min(SQUEAKY_ROUNDS, extra)
+            extra -= rounds
         priority = {it[3]: float(it[2]) for it in items}
         for _ in range(rounds):
             if best[1] <= bound:
