@@ -25,7 +25,18 @@ from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
 from mexc.lowering.te_func import prim_func
-from mexc.lowering.te_products import ConvGeom, _guarded, _in, _mul, _tap, has_block
+from mexc.lowering.te_products import (
+    ConvGeom,
+    _guarded,
+    _in,
+    _mul,
+    _tap,
+    axis_tap,
+    conv_forward_sum,
+    conv_grad_input_sum,
+    conv_grad_weight_sum,
+    has_block,
+)
 
 I8, I32, U32 = "int8", "int32", "uint32"
 Expr = Any  # a TIR expression (tvm.tirx has no public PrimExpr type to name at run time)
@@ -98,60 +109,6 @@ def _call(dtype: str, name: str, *args: Expr) -> Expr:
     return tirx.call_extern(dtype, name, *args)
 
 
-def conv_acc(g: ConvGeom, x: te.Tensor, w: te.Tensor) -> te.Tensor:
-    """acc[n,o,y,x] of the forward convolution (te_products.conv2d_acc's formula)."""
-    rc = te.reduce_axis((0, g.cg), "rc")
-    ri = te.reduce_axis((0, g.kh), "ri")
-    rj = te.reduce_axis((0, g.kw), "rj")
-
-    def body(n: Expr, o: Expr, y: Expr, xx: Expr) -> Expr:
-        iy, ix, ok = _tap(g, y, xx, ri, rj)
-        c = (o // g.og) * g.cg + rc if g.groups > 1 else rc
-        return te.sum(_guarded(ok, _mul(x[n, c, iy, ix], w[o, rc, ri, rj])), axis=[rc, ri, rj])
-
-    return te.compute(g.y_shape, body, name="acc")
-
-
-def _axis_tap(v: Expr, r: Expr, s: int, p: int, size: int) -> tuple[Expr, Expr]:
-    """The dy row (or column) that input row v reads through tap r, and whether it exists."""
-    t = v + p - r
-    if s == 1:
-        return t, _in(0, t, size)
-    ok = tirx.all(t >= 0, tirx.floormod(t, s) == 0, tirx.floordiv(t, s) < size)
-    return tirx.floordiv(t, s), ok
-
-
-def conv_grad_input_acc(g: ConvGeom, dy: te.Tensor, w: te.Tensor) -> te.Tensor:
-    """dx[n,c,y,x] of the input gradient (te_products.conv2d_grad_input_acc's formula)."""
-    ro = te.reduce_axis((0, g.og), "ro")
-    ri = te.reduce_axis((0, g.kh), "ri")
-    rj = te.reduce_axis((0, g.kw), "rj")
-    axis_tap = _axis_tap
-
-    def body(n: Expr, c: Expr, y: Expr, xx: Expr) -> Expr:
-        ty, oky = axis_tap(y, ri, g.sh, g.ph, g.oh)
-        tx, okx = axis_tap(xx, rj, g.sw, g.pw, g.ow)
-        o, cw = ((c // g.cg) * g.og + ro, c % g.cg) if g.groups > 1 else (ro, c)
-        prod = _mul(dy[n, o, ty, tx], w[o, cw, ri, rj])
-        return te.sum(_guarded(tirx.all(oky, okx), prod), axis=[ro, ri, rj])
-
-    return te.compute(g.x_shape, body, name="acc")
-
-
-def conv_grad_weight_acc(g: ConvGeom, dy: te.Tensor, x: te.Tensor) -> te.Tensor:
-    """dw[o,c',i,j] (te_products.conv2d_grad_weight_acc's formula)."""
-    rn = te.reduce_axis((0, g.n), "rn")
-    ry = te.reduce_axis((0, g.oh), "ry")
-    rx = te.reduce_axis((0, g.ow), "rx")
-
-    def body(o: Expr, cw: Expr, i: Expr, j: Expr) -> Expr:
-        iy, ix, ok = _tap(g, ry, rx, i, j)
-        c = (o // g.og) * g.cg + cw if g.groups > 1 else cw
-        return te.sum(_guarded(ok, _mul(dy[rn, o, ry, rx], x[rn, c, iy, ix])), axis=[rn, ry, rx])
-
-    return te.compute(g.w_shape, body, name="acc")
-
-
 Value = Callable[..., Expr]  # value(*output index) -> int32, reading the accumulator
 
 
@@ -207,7 +164,7 @@ def _forward_accumulation(
     if not _dot_form(g):
         x = te.placeholder(g.x_shape, I8, name="x")
         w = te.placeholder(g.w_shape, I8, name="w")
-        acc = conv_acc(g, x, w)
+        acc = conv_forward_sum(g, x, w)
         return [x, w], [acc], lambda f, use: _schedule(f, use, g.kh * g.kw, g.cg == 1)
     taps, k = g.kh * g.kw, g.cg * g.kh * g.kw
     direct = g.h == g.w == g.kh == g.kw == 1
@@ -300,7 +257,7 @@ def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
         return _grad_input_dot(name, g)
     dy = te.placeholder(g.y_shape, I8, name="dy")
     w = te.placeholder(g.w_shape, I8, name="w")
-    acc = conv_grad_input_acc(g, dy, w)
+    acc = conv_grad_input_sum(g, dy, w)
 
     def schedule(f: tirx.PrimFunc, use: str) -> tirx.PrimFunc:
         return _schedule(f, use, g.kh * g.kw, g.og == 1)
@@ -315,8 +272,8 @@ def _grad_input_dot(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     w = te.placeholder((g.o, g.cg, taps), I8, name="w")  # the taps of one weight: a last axis
 
     def window(n: Expr, grp: Expr, y: Expr, xx: Expr, ol: Expr, t: Expr) -> Expr:
-        ty, oky = _axis_tap(y, t // g.kw, g.sh, g.ph, g.oh)
-        tx, okx = _axis_tap(xx, t % g.kw, g.sw, g.pw, g.ow)
+        ty, oky = axis_tap(y, t // g.kw, g.sh, g.ph, g.oh)
+        tx, okx = axis_tap(xx, t % g.kw, g.sw, g.pw, g.ow)
         value = dy[n, grp * g.og + ol, ty, tx]
         return tirx.if_then_else(tirx.all(oky, okx), value, tirx.const(0, I8))
 
@@ -491,7 +448,7 @@ def conv_grad_weight(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
         return {name: _grad_weight_dot(name, g)}
     dy = te.placeholder(g.y_shape, I8, name="dy")
     x = te.placeholder(g.x_shape, I8, name="x")
-    acc = conv_grad_weight_acc(g, dy, x)
+    acc = conv_grad_weight_sum(g, dy, x)
     func = prim_func([dy, x, acc], name)
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock("acc")

@@ -144,6 +144,11 @@ def conv2d_acc(
     g = ConvGeom.of(N, C, H, W, O, KH, KW, stride, padding, groups)
     x = te.placeholder(g.x_shape, I8, name="x")
     w = te.placeholder(g.w_shape, I8, name="w")
+    return _func([x, w, conv_forward_sum(g, x, w)], name)
+
+
+def conv_forward_sum(g: ConvGeom, x: te.Tensor, w: te.Tensor, name: str = "acc") -> te.Tensor:
+    """The forward convolution's int32 sums (conv2d_acc's formula) over tensors x, w."""
     rc = te.reduce_axis((0, g.cg), "rc")
     ri = te.reduce_axis((0, g.kh), "ri")
     rj = te.reduce_axis((0, g.kw), "rj")
@@ -153,8 +158,7 @@ def conv2d_acc(
         c = (o // g.og) * g.cg + rc if g.groups > 1 else rc
         return te.sum(_guarded(ok, _mul(x[n, c, iy, ix], w[o, rc, ri, rj])), axis=[rc, ri, rj])
 
-    acc = te.compute(g.y_shape, body, name="acc")
-    return _func([x, w, acc], name)
+    return te.compute(g.y_shape, body, name=name)
 
 
 def conv2d_grad_input_acc(
@@ -180,16 +184,23 @@ def conv2d_grad_input_acc(
     g = ConvGeom.of(N, C, H, W, O, KH, KW, stride, padding, groups)
     dy = te.placeholder(g.y_shape, I8, name="dy")
     w = te.placeholder(g.w_shape, I8, name="w")
+    return _func([dy, w, conv_grad_input_sum(g, dy, w, "dx")], name)
+
+
+def axis_tap(v, r, s: int, p: int, size: int):
+    """The dy row (or column) that input row v reads through tap r, and whether it exists."""
+    t = v + p - r
+    if s == 1:
+        return t, _in(0, t, size)
+    ok = tirx.all(t >= 0, tirx.floormod(t, s) == 0, tirx.floordiv(t, s) < size)
+    return tirx.floordiv(t, s), ok
+
+
+def conv_grad_input_sum(g: ConvGeom, dy: te.Tensor, w: te.Tensor, name: str = "acc") -> te.Tensor:
+    """The input gradient's int32 sums (conv2d_grad_input_acc's formula) over tensors dy, w."""
     ro = te.reduce_axis((0, g.og), "ro")
     ri = te.reduce_axis((0, g.kh), "ri")
     rj = te.reduce_axis((0, g.kw), "rj")
-
-    def axis_tap(v, r, s: int, p: int, size: int):
-        t = v + p - r
-        if s == 1:
-            return t, _in(0, t, size)
-        ok = tirx.all(t >= 0, tirx.floormod(t, s) == 0, tirx.floordiv(t, s) < size)
-        return tirx.floordiv(t, s), ok
 
     def body(n, c, y, xx):
         ty, oky = axis_tap(y, ri, g.sh, g.ph, g.oh)
@@ -202,8 +213,7 @@ def conv2d_grad_input_acc(
         prod = _mul(dy[n, o, ty, tx], w[o, cw, ri, rj])
         return te.sum(_guarded(tirx.all(oky, okx), prod), axis=[ro, ri, rj])
 
-    dx = te.compute(g.x_shape, body, name="dx")
-    return _func([dy, w, dx], name)
+    return te.compute(g.x_shape, body, name=name)
 
 
 def conv2d_grad_weight_acc(
@@ -226,6 +236,11 @@ def conv2d_grad_weight_acc(
     g = ConvGeom.of(N, C, H, W, O, KH, KW, stride, padding, groups)
     dy = te.placeholder(g.y_shape, I8, name="dy")
     x = te.placeholder(g.x_shape, I8, name="x")
+    return _func([dy, x, conv_grad_weight_sum(g, dy, x, "dw")], name)
+
+
+def conv_grad_weight_sum(g: ConvGeom, dy: te.Tensor, x: te.Tensor, name: str = "acc") -> te.Tensor:
+    """The weight gradient's int32 sums (conv2d_grad_weight_acc's formula) over tensors dy, x."""
     rn = te.reduce_axis((0, g.n), "rn")
     ry = te.reduce_axis((0, g.oh), "ry")
     rx = te.reduce_axis((0, g.ow), "rx")
@@ -235,8 +250,7 @@ def conv2d_grad_weight_acc(
         c = (o // g.og) * g.cg + cw if g.groups > 1 else cw
         return te.sum(_guarded(ok, _mul(dy[rn, o, ry, rx], x[rn, c, iy, ix])), axis=[rn, ry, rx])
 
-    dw = te.compute(g.w_shape, body, name="dw")
-    return _func([dy, x, dw], name)
+    return te.compute(g.w_shape, body, name=name)
 
 
 def linear_acc(N: int, K: int, O: int, name: str = "linear_acc") -> tirx.PrimFunc:  # noqa: E741
