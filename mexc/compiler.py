@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mexc.distributed import agree_on_program, current_workers
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize
@@ -17,8 +18,10 @@ from mexc.numerics import MOMENT_EXP0, rounding_mode_for
 from mexc.optim import Optimizer, optimizer_of
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
+from mexc.printer import print_graph
 from mexc.program import Options, Program
 from mexc.targets import get as get_target
+from mexc.targets import refuse_data_parallel_target
 from mexc.trainable import TrainableSpec, resolve_trainable
 from mexc.types import Exp
 
@@ -77,6 +80,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     verify_each: bool = True,
     recompute: bool = True,
     trainable: TrainableSpec = None,
+    data_parallel: bool = False,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
     mexc.targets.NAMES). `optimizer`: mexc.SGD(...), mexc.AdamW(...), mexc.Adam(...), or one of
@@ -84,7 +88,16 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     backward pass computes batch-norm outputs again from their saved xhat instead of keeping
     them (the rematerialize pass; the same bits, less memory, one more elementwise pass per
     batch norm). `trainable`: the parameters to train
-    (sparse update; mexc.trainable: "last:K", "bias-norm", name patterns; None: all)."""
+    (sparse update; mexc.trainable: "last:K", "bias-norm", name patterns; None: all).
+    `data_parallel`: this process is one worker of an initialised torch.distributed process
+    group; `example_inputs` is the global batch, and `step` takes this worker's rows of it
+    (mexc.distributed.shard_rows). Every worker ends each step with the state a single process
+    reaches on the whole batch, bit for bit (docs/distributed.md)."""
+    workers = None
+    if data_parallel:
+        refuse_data_parallel_target(target)
+        workers = current_workers()
+        target = "reference"
     chosen = get_target(target)
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
@@ -102,11 +115,14 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         optimizer=opt,
         batch=x.shape[0],
         num_classes=front.num_classes,
+        world=workers.world if workers is not None else 1,
     )
     pm = PassManager(PIPELINE, [*instruments, *instruments_from_env()], verify_each=verify_each)
     graph = pm.run(front.graph, ctx)
     state = initial_state(graph, front.params, front.buffers, bits)
     opts = Options(bits, seed, rounding, per_group_velocity, target)
-    prog = Program(graph, state, opts, opt)
+    if workers is not None:
+        agree_on_program(workers, print_graph(graph))
+    prog = Program(graph, state, opts, opt, 0, workers, ctx.results.get("global_graph"))
     prog.carry_memory_plan(ctx.results.get("memory_plan"))
     return chosen.build(prog)

@@ -106,3 +106,8 @@ class CheckpointError(MexcError):
 class InputError(MexcError, ValueError):
     """Bad data given to a training or evaluation step: wrong shape or dtype, labels out of
     range, NaN or infinite values."""
+
+
+class DistributedError(MexcError, RuntimeError):
+    """A data-parallel step cannot go on: no process group, a worker that stopped answering
+    (its collective timed out), workers that disagree on the program."""

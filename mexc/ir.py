@@ -86,6 +86,8 @@ class Op(enum.Enum):
     ADD_PARAM_GRAD = "add_param_grad"
     MEAN_TOKENS_GRAD = "mean_tokens_grad"
     MUL_GRAD = "mul_grad"
+    # data parallel
+    ALL_REDUCE = "all_reduce"
     # optimizer
     SGD_UPDATE = "sgd_update"
     ADAMW_UPDATE = "adamw_update"

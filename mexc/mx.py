@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -48,14 +49,58 @@ class Acc:
         return self.a.astype(np.float64) * scale
 
 
+class Collectives(Protocol):
+    """What data-parallel workers agree through (mexc.distributed): element-wise integer
+    reductions over every worker, the same result on each."""
+
+    def all_sum(self, a: np.ndarray) -> np.ndarray: ...
+
+    def all_max(self, a: np.ndarray) -> np.ndarray: ...
+
+    def all_gather(self, a: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Rows:
+    """This worker's rows of a batch split over data-parallel workers (docs/numerics.md §16):
+    global rows start .. start + count - 1 of `total`. A kernel over batch-major arrays takes
+    every per-tensor decision from all workers' values through `comm`, and indexes the PRNG by
+    global element."""
+
+    start: int
+    count: int
+    total: int
+    comm: Collectives
+
+    def offset(self, a: np.ndarray | tuple[int, ...]) -> int:
+        """Global flat index of local element 0 of batch-major `a` (or an array of that shape):
+        its rows are `count` equal slices of the leading axis (N, or N * tokens)."""
+        size = int(np.prod(a if isinstance(a, tuple) else np.shape(a), dtype=np.int64))
+        return self.start * (size // self.count)
+
+    def width(self, local: int) -> int:
+        """The global extent of a batch-major axis of `local` elements here."""
+        return local // self.count * self.total
+
+    def max(self, v: np.ndarray | int) -> np.ndarray:
+        """Element-wise maximum over the workers."""
+        return self.comm.all_max(np.asarray(v, np.int64))
+
+    def sum(self, v: np.ndarray | int) -> np.ndarray:
+        """Element-wise (exact, int64) sum over the workers."""
+        return self.comm.all_sum(np.asarray(v, np.int64))
+
+
 @dataclass(frozen=True)
 class RoundCtx:
-    """How a training step rounds: mode, seed and step feed the counter-based PRNG."""
+    """How a training step rounds: mode, seed and step feed the counter-based PRNG. `rows`: the
+    worker's share of the batch in a data-parallel step (None: the whole batch is here)."""
 
     rounding: Rounding
     seed: int = 0
     step: int = 0
     bits: int = 8
+    rows: Rows | None = None
 
     def key(self, tid: int) -> int:
         """Key of rounding site `tid` (a node's base tid plus a site number < SITES_PER_NODE)."""

@@ -160,10 +160,13 @@ def random_bits(key: int, index: np.ndarray) -> np.ndarray:
         return mix32(_U32(key & 0xFFFFFFFF) ^ (idx * _U32(GOLDEN32)))
 
 
-def element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Random words for every element of a C-ordered tensor of `shape` (index = flat position)."""
+def element_bits(key: int, shape: tuple[int, ...], start: int = 0) -> np.ndarray:
+    """Random words for every element of a C-ordered tensor of `shape` (index = flat position
+    plus `start`: a data-parallel worker's share of a batch-major tensor starts at its first
+    global element, section 16)."""
     n = int(np.prod(shape, dtype=np.int64))
-    return random_bits(key, np.arange(n, dtype=np.uint32)).reshape(shape)
+    idx = (np.arange(n, dtype=np.int64) + start) & 0xFFFFFFFF
+    return random_bits(key, idx.astype(np.uint32)).reshape(shape)
 
 
 # --------------------------------------------------------------------------- shifts
@@ -174,8 +177,10 @@ def shift_right(
     s: np.ndarray | int,
     rounding: Rounding,
     key: int = 0,
+    start: int = 0,
 ) -> np.ndarray:
     """Right shift of int32 values by s >= 0 with rounding; returns int64 holding int32 values.
+    `start`: the PRNG index of element 0 (element_bits).
 
     stochastic: floor((x + r) / 2^s) with r = bits(key, i) & (2^s - 1), in the split form
                 (x >> s) + (((x & (2^s-1)) + r) >> s) whose inner sum is a uint32 < 2^32.
@@ -190,7 +195,7 @@ def shift_right(
     small = np.minimum(sv, 31)
     mask = (np.int64(1) << small) - 1
     if rounding == "stochastic":
-        r = element_bits(key, xv.shape).astype(np.int64) & mask
+        r = element_bits(key, xv.shape, start).astype(np.int64) & mask
     elif rounding == "nearest":
         r = np.where(small > 0, np.int64(1) << np.maximum(small - 1, 0), 0)
     else:
@@ -211,11 +216,11 @@ def shift_left(x: np.ndarray, s: np.ndarray | int, primitive: str = "shift_left"
 
 
 def shift_signed(
-    x: np.ndarray, s: np.ndarray | int, rounding: Rounding, key: int = 0
+    x: np.ndarray, s: np.ndarray | int, rounding: Rounding, key: int = 0, start: int = 0
 ) -> np.ndarray:
     """Multiply by 2^-s: right shift with rounding where s > 0, exact left shift where s < 0."""
     sv = np.broadcast_to(np.asarray(s, dtype=np.int64), np.shape(x))
-    right = shift_right(x, np.maximum(sv, 0), rounding, key)
+    right = shift_right(x, np.maximum(sv, 0), rounding, key, start)
     return np.where(sv < 0, shift_left(x, np.maximum(-sv, 0)), right)
 
 
@@ -461,18 +466,22 @@ class LookupTable:
         raw = np.floor(ys / 2.0**out_exp + 0.5).astype(np.int64)
         return LookupTable(name, in_exp, out_exp, np.clip(raw, lo, hi).astype(np.int32), lo, hi)
 
-    def lookup(self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0) -> np.ndarray:
+    def lookup(
+        self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0, start: int = 0
+    ) -> np.ndarray:
         """Shift x * 2^exponent to the table's exponent, clamp to [-128, 127], look up."""
-        idx = shift_signed_saturating(x, self.in_exp - exponent, rounding, key)
+        idx = shift_signed_saturating(x, self.in_exp - exponent, rounding, key, start)
         idx = np.clip(idx, -128, 127)
         return self.values[idx + 128].astype(np.int64)
 
 
-def shift_signed_saturating(x: np.ndarray, s: int, rounding: Rounding, key: int = 0) -> np.ndarray:
+def shift_signed_saturating(
+    x: np.ndarray, s: int, rounding: Rounding, key: int = 0, start: int = 0
+) -> np.ndarray:
     """shift_signed whose left shift saturates at +-2^30 instead of overflowing."""
     xv = np.asarray(x, np.int64)
     if s >= 0:
-        return shift_right(xv, s, rounding, key)
+        return shift_right(xv, s, rounding, key, start)
     return shift_left_saturating(xv, -s)
 
 

@@ -40,6 +40,7 @@ class PassContext:
     trainable: frozenset[str] | None = None  # the parameters trained (None: all; mexc.trainable)
     batch: int = 0
     num_classes: int = 0
+    world: int = 1  # data-parallel workers (shard-batch): each runs batch / world rows
     results: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -48,7 +49,8 @@ class PassContext:
             f"bits={self.bits} seed={self.seed} rounding={self.rounding} "
             f"per_group_velocity={self.per_group_velocity} recompute={self.recompute} "
             f"trainable={sorted(self.trainable) if self.trainable is not None else 'all'} "
-            f"batch={self.batch} num_classes={self.num_classes} optimizer={self.optimizer!r}"
+            f"batch={self.batch} num_classes={self.num_classes} world={self.world} "
+            f"optimizer={self.optimizer!r}"
         )
 
 

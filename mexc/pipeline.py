@@ -10,6 +10,7 @@ from mexc.passes.insert_mx_types import insert_mx_types
 from mexc.passes.insert_optimizer import insert_optimizer
 from mexc.passes.plan_memory import plan_memory
 from mexc.passes.rematerialize import rematerialize
+from mexc.passes.shard_batch import shard_batch
 
 PIPELINE: tuple[Pass, ...] = (
     Pass(
@@ -39,6 +40,11 @@ PIPELINE: tuple[Pass, ...] = (
         "insert-optimizer",
         insert_optimizer,
         "integer SGD+momentum or AdamW with per-group state, reactive rescale, BN running stats",
+    ),
+    Pass(
+        "shard-batch",
+        shard_batch,
+        "data parallel: this worker's rows of the batch, all_reduce of the gradient shares",
     ),
     Pass(
         "plan-memory",

@@ -36,6 +36,7 @@ from mexc.parser import parse_graph
 from mexc.printer import print_graph
 
 if TYPE_CHECKING:  # the planner needs networkx, which a GPU runtime machine may lack
+    from mexc.distributed import Workers
     from mexc.passes.plan_memory import MemoryPlan
 
 CHECKPOINT_FORMAT = "mexc-checkpoint-1"
@@ -74,20 +75,29 @@ class Program:
         options: Options,
         optimizer: Optimizer,
         step: int = 0,
+        workers: Workers | None = None,
+        global_graph: Graph | None = None,
     ) -> None:
+        """`workers` and `global_graph`: a data-parallel worker's program (mexc.distributed):
+        `graph` is its step over its rows of the batch (shard-batch), `global_graph` the
+        program before the split, which inference and checkpoints use."""
         self.graph = graph
+        self.global_graph = global_graph if global_graph is not None else graph
+        self.workers = workers
         self.state = state
         self.options = options
         self.optimizer = optimizer
         self.step_count = step
-        self.batch = int(graph.attr("batch"))
+        self.batch = int(graph.attr("batch"))  # the rows one step takes (a worker's share)
+        self.eval_batch = int(self.global_graph.attr("batch"))  # the rows of an inference batch
         self.num_classes = int(graph.attr("num_classes"))
         self.input_shape = tuple(graph.nodes_of(Op.INPUT)[0].type.shape[1:])
         self._train_nodes = list(graph.nodes)
         keep = {v for _, v in graph.outputs}
         self._train_last_use = last_uses(self._train_nodes, keep)
-        self._eval_nodes = needed_nodes(graph, ["logits"])
-        self._eval_last_use = last_uses(self._eval_nodes, {graph.output("logits")})
+        inference = self.global_graph
+        self._eval_nodes = needed_nodes(inference, ["logits"])
+        self._eval_last_use = last_uses(self._eval_nodes, {inference.output("logits")})
         self._plan: MemoryPlan | None = None
         self._step_peak_bytes = 0  # the reference executor's live values at the last step
 
@@ -140,7 +150,15 @@ class Program:
         """A reference Program sharing this one's graph, state, optimizer and step count, with
         `options.target` set to `target`: what a backend's constructor takes."""
         opts = replace(self.options, target=target)
-        prog = Program(self.graph, self.state, opts, self.optimizer, self.step_count)
+        prog = Program(
+            self.graph,
+            self.state,
+            opts,
+            self.optimizer,
+            self.step_count,
+            self.workers,
+            self.global_graph,
+        )
         prog.carry_memory_plan(self._plan)
         return prog
 
@@ -154,7 +172,10 @@ class Program:
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch)
         o = self.options
-        ctx = RoundCtx(site_rounding(o.rounding, False), o.seed, self.step_count, o.bits)
+        rows = None
+        if self.workers is not None:
+            rows = self.workers.rows(int(self.graph.attr("global_batch")))
+        ctx = RoundCtx(site_rounding(o.rounding, False), o.seed, self.step_count, o.bits, rows)
         env = StepEnv(
             ctx=ctx,
             forward_ctx=replace(ctx, rounding=site_rounding(o.rounding, True)),
@@ -164,7 +185,7 @@ class Program:
             y=ys,
             state=self.state,
             lr=self.lr_at(self.step_count),
-            valid=self.batch,
+            valid=self.batch if rows is None else rows.total,
         )
         opt = self.optimizer
         if isinstance(opt, AdamW):
@@ -191,11 +212,11 @@ class Program:
         the batch), so every backend pads the same way: this is the definition."""
         xs = self._check_x(x, exact_batch=False)
         out = []
-        for start in range(0, xs.shape[0], self.batch):
-            chunk = xs[start : start + self.batch]
+        for start in range(0, xs.shape[0], self.eval_batch):
+            chunk = xs[start : start + self.eval_batch]
             n = chunk.shape[0]
-            if n < self.batch:
-                pad = np.zeros((self.batch - n, *self.input_shape), chunk.dtype)
+            if n < self.eval_batch:
+                pad = np.zeros((self.eval_batch - n, *self.input_shape), chunk.dtype)
                 chunk = np.concatenate([chunk, pad])
             out.append((self._infer_batch(chunk), n))
         return out
@@ -209,7 +230,8 @@ class Program:
             y=None,
             state=self.state,
         )
-        return infer(self._eval_nodes, env, self.graph.output("logits"), self._eval_last_use)
+        logits = self.global_graph.output("logits")
+        return infer(self._eval_nodes, env, logits, self._eval_last_use)
 
     def logits(self, x: Any) -> np.ndarray:
         """Dequantized logits (float64) of the inference path, for any number of rows."""
@@ -352,7 +374,8 @@ class Program:
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
             z.comment = _DIGEST_TAG + b"0" * 64  # placeholder, patched below
             z.writestr("meta.json", json.dumps(meta, indent=1))
-            z.writestr("program.mexir", self.ir)
+            # the program before any data-parallel split: it resumes on any number of workers
+            z.writestr("program.mexir", print_graph(self.global_graph))
             for name, arr in arrays.items():
                 with z.open(name + ".npy", "w") as out:
                     np.lib.format.write_array(out, np.asarray(arr, order="C"), allow_pickle=False)

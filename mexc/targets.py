@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from mexc.errors import CheckpointError, MexcError, UnsupportedOpError
+from mexc.errors import CheckpointError, DistributedError, MexcError, UnsupportedOpError
 from mexc.program import Program, read_checkpoint
 
 # what building a target may need on this machine, as the error messages name it
@@ -144,12 +144,57 @@ def build(prog: Program, name: str) -> Program:
     return get(name).build(prog)
 
 
-def load(path: str | os.PathLike[str], target: str | None = None) -> Program:
+DATA_PARALLEL_TARGETS = ("reference",)  # the targets whose step runs as a data-parallel worker
+
+
+def refuse_data_parallel_target(target: str) -> None:
+    """A clear error for a target that cannot run a data-parallel worker's step yet."""
+    if target in DATA_PARALLEL_TARGETS or target == "auto":
+        return
+    why = (
+        "a microcontroller runs one worker"
+        if target == "c"
+        else "its compiled step has no collectives yet"
+    )
+    raise DistributedError(
+        f"data_parallel=True runs on target {', '.join(map(repr, DATA_PARALLEL_TARGETS))} for "
+        f"now, not {target!r}: {why}. Compile with target='reference' (the same bits as every "
+        "target), or train in one process on "
+        f"{target!r} (docs/distributed.md)"
+    )
+
+
+def as_data_parallel_worker(prog: Program) -> Program:
+    """`prog` (a single-process program: compiled, or loaded from a checkpoint) as this
+    process's worker of the initialised torch.distributed group: the shard-batch pass splits
+    its batch over the group's workers. A checkpoint saved at any number of workers resumes
+    here at this number, with the same bits as one process on the whole batch."""
+    from mexc.distributed import agree_on_program, current_workers
+    from mexc.pass_manager import PassContext
+    from mexc.passes.shard_batch import shard_batch
+    from mexc.printer import print_graph
+
+    workers = current_workers()
+    whole = prog.global_graph
+    graph = shard_batch(whole, PassContext(world=workers.world))
+    agree_on_program(workers, print_graph(graph))
+    opts = replace(prog.options, target="reference")
+    return Program(graph, prog.state, opts, prog.optimizer, prog.step_count, workers, whole)
+
+
+def load(
+    path: str | os.PathLike[str], target: str | None = None, data_parallel: bool = False
+) -> Program:
     """Load a checkpoint written by Program.save (no pickle; verified) onto the target it was
     saved from, or onto `target` when given. Where that target cannot be built on this machine
     (no TVM, cc, nvcc, GPU or CuPy; an op it does not lower) the CheckpointError names it and
-    how to load the checkpoint elsewhere: target="reference" runs anywhere, same bits."""
+    how to load the checkpoint elsewhere: target="reference" runs anywhere, same bits.
+    `data_parallel`: resume as this process's worker of the initialised torch.distributed
+    group (as_data_parallel_worker), on the reference target."""
     p = Path(path)
+    if data_parallel:
+        refuse_data_parallel_target(target or "reference")
+        return as_data_parallel_worker(read_checkpoint(p))
     asked = None if target is None else get(target)
     prog = read_checkpoint(p)
     saved = prog.options.target

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mexc import numerics as _numerics
-from mexc.mx import MX, SITES_PER_NODE, RoundCtx
+from mexc.mx import MX, SITES_PER_NODE, RoundCtx, Rows
 from mexc.numerics import (
     GOLDEN32,
     Rounding,
@@ -62,9 +62,13 @@ _GOLDEN_CACHE: dict[int, np.ndarray] = {}
 _U32 = np.uint32
 
 
-def fast_element_bits(key: int, shape: tuple[int, ...]) -> np.ndarray:
-    """== numerics.element_bits(key, shape): mix32(key ^ (index * 0x9E3779B9)) per flat index."""
+def fast_element_bits(key: int, shape: tuple[int, ...], start: int = 0) -> np.ndarray:
+    """== numerics.element_bits(key, shape, start): mix32(key ^ (index * 0x9E3779B9)) per flat
+    index, the indices counted from `start` (a data-parallel worker's first global element)."""
     n = int(np.prod(shape, dtype=np.int64))
+    if start:
+        v = np.empty(n, _U32)
+        return element_bits_into(v, np.empty(n, _U32), key, start).reshape(shape)
     g = _GOLDEN_CACHE.get(n)
     if g is None:
         with np.errstate(over="ignore"):
@@ -102,6 +106,7 @@ def round_shift32(
     rounding: Rounding,
     key: int,
     out_dtype: type = np.int32,
+    start: int = 0,
 ) -> np.ndarray | None:
     """floor((x + r) / 2^s) in int32 (== numerics.shift_right), or None if not applicable.
 
@@ -118,7 +123,7 @@ def round_shift32(
         return None
     s32 = sv.astype(np.int32)
     if rounding == "stochastic":
-        r = fast_element_bits(key, x.shape).view(np.int32)
+        r = fast_element_bits(key, x.shape, start).view(np.int32)
         r &= (np.int32(1) << s32) - np.int32(1)
     elif rounding == "nearest":
         r = np.empty(x.shape, np.int32)
@@ -134,6 +139,17 @@ def abs_max(a: np.ndarray) -> int:
     return int(max(int(a.max()), -int(a.min()))) if a.size else 0
 
 
+def global_abs_max(a: np.ndarray, rows: Rows | None) -> int:
+    """max |a| over every data-parallel worker's rows of batch-major `a` (a's alone without)."""
+    local = abs_max(np.asarray(a))
+    return local if rows is None else int(rows.max(local))
+
+
+def row_offset(a: np.ndarray | tuple[int, ...], rows: Rows | None) -> int:
+    """The global flat index of local element 0 of batch-major `a` (0 without rows)."""
+    return 0 if rows is None else rows.offset(a)
+
+
 def fast_shift_right(
     x: np.ndarray,
     s: np.ndarray | int,
@@ -141,11 +157,12 @@ def fast_shift_right(
     key: int = 0,
     amax: int | None = None,
     out32: bool = False,
+    start: int = 0,
 ) -> np.ndarray:
-    """== numerics.shift_right(x, s, rounding, key) for s >= 0 broadcasting against x.
+    """== numerics.shift_right(x, s, rounding, key, start) for s >= 0 broadcasting against x.
 
     amax: a known bound on |x| (else scanned when the int32 path is tried); out32: the caller
-    accepts an int32 result (values are the same)."""
+    accepts an int32 result (values are the same); start: the PRNG index of element 0."""
     sv = i64(s)
     if np.any(sv < 0):
         raise ValueError("shift_right needs s >= 0")
@@ -154,7 +171,7 @@ def fast_shift_right(
         if sv.ndim == 0 and int(sv) == 0:
             return xa.astype(np.int32 if out32 else np.int64, copy=False)
         bound = abs_max(xa) if amax is None else int(amax)
-        fast = round_shift32(xa, sv, bound, rounding, key)
+        fast = round_shift32(xa, sv, bound, rounding, key, start=start)
         if fast is not None:
             return fast if out32 else fast.astype(np.int64)
     xv = i64(x)
@@ -162,11 +179,11 @@ def fast_shift_right(
     if sv.ndim == 0 and int(sv) == 0:
         return xv
     if sv.ndim == 0 and int(sv) <= 30:
-        return _shift32(xv, int(sv), rounding, key).astype(np.int64)
+        return _shift32(xv, int(sv), rounding, key, start).astype(np.int64)
     small = np.minimum(sv, 31)
     mask = (np.int64(1) << small) - 1
     if rounding == "stochastic":
-        r = fast_element_bits(key, xv.shape).astype(np.int64)
+        r = fast_element_bits(key, xv.shape, start).astype(np.int64)
         r &= mask
     elif rounding == "nearest":
         r = np.where(small > 0, np.int64(1) << np.maximum(small - 1, 0), 0)
@@ -182,13 +199,13 @@ def fast_shift_right(
     return out
 
 
-def _shift32(x: np.ndarray, s: int, rounding: Rounding, key: int) -> np.ndarray:
+def _shift32(x: np.ndarray, s: int, rounding: Rounding, key: int, start: int = 0) -> np.ndarray:
     """shift_right for a scalar 1 <= s <= 30 computed in int32 (x holds int32 values): the inner
     sum (x & mask) + r < 2^31. Returns int32."""
     x32 = x.astype(np.int32)
     mask = np.int32((1 << s) - 1)
     if rounding == "stochastic":
-        r = fast_element_bits(key, x.shape).view(np.int32)
+        r = fast_element_bits(key, x.shape, start).view(np.int32)
         r &= mask
     elif rounding == "nearest":
         r = np.int32(1 << (s - 1))  # type: ignore[assignment]
@@ -203,14 +220,21 @@ def _shift32(x: np.ndarray, s: int, rounding: Rounding, key: int) -> np.ndarray:
 
 
 def fast_compact(
-    acc: np.ndarray, exponent: np.ndarray | int, bits: int, rounding: Rounding, key: int = 0
+    acc: np.ndarray,
+    exponent: np.ndarray | int,
+    bits: int,
+    rounding: Rounding,
+    key: int = 0,
+    rows: Rows | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """== numerics.compact(acc, exponent, bits, rounding, key) (per tensor)."""
+    """== numerics.compact(acc, exponent, bits, rounding, key) (per tensor); with `rows`, of
+    the batch-major accumulator whose rows every data-parallel worker holds a share of."""
     a = np.asarray(acc)
     if a.dtype.kind not in "iu" or debug_on():
         a = i64(a)
     check_int32(a, "compact")
-    amax = abs_max(a)
+    amax = global_abs_max(a, rows)
+    start = row_offset(a, rows)
     s = int(compaction_shift(amax, bits))
     q = qmax(bits)
     e_out = np.asarray(exponent, dtype=np.int64) + s
@@ -218,21 +242,24 @@ def fast_compact(
         return a.astype(np.int8), e_out
     if not debug_on():
         # ceil(amax / 2^s) <= q bounds every rounding of a / 2^s: no clip needed
-        out = round_shift32(a, s, amax, rounding, key, np.int8)
+        out = round_shift32(a, s, amax, rounding, key, np.int8, start)
         if out is not None:
             return out, e_out
     a = i64(a)
     if 1 <= s <= 30:
-        shifted = _shift32(a, s, rounding, key)
+        shifted = _shift32(a, s, rounding, key, start)
         np.clip(shifted, -q, q, out=shifted)
         return shifted.astype(np.int8), e_out
-    out = np.clip(fast_shift_right(a, s, rounding, key), -q, q).astype(np.int8)
+    out = np.clip(fast_shift_right(a, s, rounding, key, start=start), -q, q).astype(np.int8)
     return out, e_out
 
 
-def compact_mx(acc: np.ndarray, e: np.ndarray | int, ctx: RoundCtx, key: int) -> MX:
-    """numerics.compact with the context's bits and rounding, per tensor."""
-    m, e2 = fast_compact(acc, e, ctx.bits, ctx.rounding, key)
+def compact_mx(
+    acc: np.ndarray, e: np.ndarray | int, ctx: RoundCtx, key: int, batch: bool = False
+) -> MX:
+    """numerics.compact with the context's bits and rounding, per tensor. `batch`: acc is
+    batch-major, its rows shared among the data-parallel workers of ctx.rows."""
+    m, e2 = fast_compact(acc, e, ctx.bits, ctx.rounding, key, ctx.rows if batch else None)
     return MX.of(m, e2)
 
 
@@ -249,6 +276,7 @@ def compact_common(
     ctx: RoundCtx,
     key: int,
     amax: np.ndarray | None = None,
+    batch: bool = False,
 ) -> MX:
     """Compact an accumulator whose exponent differs per index along `axis` to one exponent.
 
@@ -257,7 +285,8 @@ def compact_common(
     with a non-zero value has e_out - e_g >= s_g >= 0, so its result fits qmax; an all-zero group
     may have e_out - e_g < 0, and its exact left shift is 0, as is any shift of it: it is shifted
     by 0 here (docs/numerics.md section 5). amax: max|acc_g| per group if the caller knows it
-    exactly.
+    exactly. `batch`: acc is batch-major, its rows shared among the data-parallel workers of
+    ctx.rows (amax then over all of them).
     """
     a = np.asarray(acc)
     if a.dtype.kind not in "iu" or debug_on():
@@ -265,12 +294,16 @@ def compact_common(
     check_int32(a, "compact")
     eg = i64(e_grp)
     other = tuple(i for i in range(a.ndim) if i != axis)
+    rows = ctx.rows if batch else None
     if amax is not None:
         amax = i64(amax)
     elif a.size:
         amax = np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
     else:
         amax = np.zeros(a.shape[axis], np.int64)
+    if rows is not None:
+        amax = rows.max(amax)
+    start = row_offset(a, rows)
     s = compaction_shift(amax, ctx.bits)
     cand = eg + s
     e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(eg.max())
@@ -280,10 +313,10 @@ def compact_common(
     q = qmax(ctx.bits)
     if not debug_on() and a.size and int(sh.max()) <= 30:
         # every group's shift is >= its compaction shift: the result fits qmax without a clip
-        fast = round_shift32(a, sh, int(amax.max()), ctx.rounding, key, np.int8)
+        fast = round_shift32(a, sh, int(amax.max()), ctx.rounding, key, np.int8, start)
         if fast is not None:
             return MX.of(fast, e_out)
-    out = fast_shift_right(i64(a), sh, ctx.rounding, key)
+    out = fast_shift_right(i64(a), sh, ctx.rounding, key, start=start)
     return MX.of(np.clip(out, -q, q).astype(np.int8), e_out)
 
 
@@ -291,11 +324,13 @@ def aligned_sum_fast(
     terms: list[tuple[np.ndarray, np.ndarray | int, int]],
     rounding: Rounding,
     keys: list[int],
+    starts: list[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Bit-identical to numerics.aligned_sum, but skips terms whose shift is all zero.
 
     (shift_right by 0 returns its input exactly, so skipping it changes no bit; it saves the
-    PRNG evaluation over a large tensor.)
+    PRNG evaluation over a large tensor.) starts[i]: the PRNG index of term i's element 0 (a
+    data-parallel worker's rows; 0 by default).
     """
     ndim = max(np.ndim(x) for x, _, _ in terms)
     exps = [expand_exponent(e, max(ndim, np.ndim(e))) for _, e, _ in terms]
@@ -306,15 +341,17 @@ def aligned_sum_fast(
     for i, ((x, _, _), e) in enumerate(zip(terms, exps)):
         xv = i64(x)
         sh = target - e
+        start = starts[i] if starts else 0
         if not np.any(sh):
             aligned = xv
         elif np.all(sh > 0):
-            aligned = fast_shift_right(xv, sh, rounding, keys[i])
+            aligned = fast_shift_right(xv, sh, rounding, keys[i], start=start)
         elif np.all(sh <= 0):  # shift_signed is then an exact left shift
             aligned = xv << -sh
             check_int32(aligned, "shift_left")
         else:
-            aligned = shift_signed(xv, np.broadcast_to(sh, np.shape(x)), rounding, keys[i])
+            full = np.broadcast_to(sh, np.shape(x))
+            aligned = shift_signed(xv, full, rounding, keys[i], start)
         total = aligned if total is None else total + aligned
     assert total is not None
     check_int32(total, "aligned_sum")
@@ -322,18 +359,19 @@ def aligned_sum_fast(
 
 
 def fit_product(
-    a: np.ndarray, e_a: int, k: int, ctx: RoundCtx | None, key: int
+    a: np.ndarray, e_a: int, k: int, ctx: RoundCtx | None, key: int, start: int = 0
 ) -> tuple[np.ndarray, int]:
     """Pre-shift operand `a` when the K-wide int8 x int8 product cap is negative.
 
     cap = product_cap(K, 8); if cap < 0, a <- round(a / 2^-cap) (ctx rounding with `key`, nearest
-    without ctx) and its exponent grows by -cap. Then K * |a| * 127 < 2^31.
+    without ctx; `start` the PRNG index of a's element 0) and its exponent grows by -cap. Then
+    K * |a| * 127 < 2^31.
     """
     cap = product_cap(k, INT8_BITS)
     if cap >= 0:
         return np.asarray(a), e_a
     rounding: Rounding = ctx.rounding if ctx is not None else "nearest"
-    return fast_shift_right(i64(a), -cap, rounding, key), e_a + (-cap)
+    return fast_shift_right(i64(a), -cap, rounding, key, start=start), e_a + (-cap)
 
 
 def product_bits(k: int) -> int:
@@ -347,14 +385,17 @@ def fast_compact_to_bits(
     magnitude_bits_max: int,
     rounding: Rounding,
     key: int = 0,
+    rows: Rows | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """== numerics.compact_to_bits: per-tensor rounded right shift so |x| <= 2^magnitude_bits."""
+    """== numerics.compact_to_bits: per-tensor rounded right shift so |x| <= 2^magnitude_bits
+    (`rows`: x is batch-major, its rows shared among data-parallel workers)."""
     xv = i64(x)
-    m = int(max(xv.max(), -xv.min())) if xv.size else 0
+    m = global_abs_max(xv, rows)
     s = 0
     while m > (1 << magnitude_bits_max) << s:
         s += 1
-    return fast_shift_right(xv, s, rounding, key), np.asarray(exponent, np.int64) + s
+    start = row_offset(xv, rows)
+    return fast_shift_right(xv, s, rounding, key, start=start), np.asarray(exponent, np.int64) + s
 
 
 F32_EXACT = 2**24  # IEEE binary32 holds every integer n with |n| <= 2^24

@@ -18,6 +18,7 @@ from mexc.kernels._common import (
     fit_product,
     i64,
     int_matmul,
+    row_offset,
     scalar_exp,
     site_key,
 )
@@ -149,7 +150,7 @@ def conv2d_accumulate(
     ex, ew = scalar_exp(x, "conv input"), scalar_exp(w, "conv weight")
     o, cg, kh, kw = w.shape
     k = cg * kh * kw
-    xm, ex = fit_product(x.m, ex, k, ctx, site_key(ctx, tid, 3))
+    xm, ex = fit_product(x.m, ex, k, ctx, site_key(ctx, tid, 3), row_offset(x.m, ctx.rows))
     if bias is None and groups == 1 and _pair(stride) == (1, 1):
         fast = _conv_s1_f32(xm, w.m, *_pair(padding))
         if fast is not None:
@@ -180,7 +181,7 @@ def conv2d_forward(
     3 pre-shift of x if product_cap(K, 8) < 0.
     """
     acc = conv2d_accumulate(x, w, bias, stride, padding, groups, ctx, tid)
-    return compact_mx(acc.a, acc.e, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc.a, acc.e, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def conv2d_backward_input(
@@ -205,7 +206,8 @@ def conv2d_backward_input(
     og = o // groups
     sh, sw = _pair(stride)
     ph, pw = _pair(padding)
-    dm, ed = fit_product(dy.m, ed, og * kh * kw, ctx, site_key(ctx, tid, 3))
+    start = row_offset(dy.m, ctx.rows)
+    dm, ed = fit_product(dy.m, ed, og * kh * kw, ctx, site_key(ctx, tid, 3), start)
     _, _, oh, ow = dy.shape
     if (
         groups == 1
@@ -217,7 +219,7 @@ def conv2d_backward_input(
         wt = np.ascontiguousarray(np.asarray(w.m)[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))
         fast = _conv_s1_f32(dm, wt, kh - 1 - ph, kw - 1 - pw)
         if fast is not None and kh - 1 - ph >= 0 and kw - 1 - pw >= 0:
-            return compact_mx(fast, ed + ew, ctx, site_key(ctx, tid, 0))
+            return compact_mx(fast, ed + ew, ctx, site_key(ctx, tid, 0), batch=True)
     d = dm.reshape(n, groups, og, oh, ow).transpose(1, 0, 3, 4, 2).reshape(groups, -1, og)
     wg = i64(w.m).reshape(groups, og, cg * kh * kw)
     dcols = int_matmul(d, wg)  # (G, N*OH*OW, Cg*KH*KW)
@@ -231,7 +233,7 @@ def conv2d_backward_input(
             ]
     dx = dxp[:, :, ph : ph + h, pw : pw + wd]
     check_int32(dx, "conv2d_backward_input")
-    return compact_mx(dx, ed + ew, ctx, site_key(ctx, tid, 0))
+    return compact_mx(dx, ed + ew, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def conv2d_backward_weight(
@@ -248,6 +250,8 @@ def conv2d_backward_weight(
 
     Un-compacted int32 accumulator, exponent e_dy + e_x. Reduction width N*OH*OW; if
     product_cap(N*OH*OW, 8) < 0 dy is pre-shifted (site 3 of ctx/tid; nearest without ctx).
+    With ctx.rows, N counts every data-parallel worker's rows and the result is this
+    worker's share of the sum (an ALL_REDUCE node adds the shares).
     """
     _check(x.shape, tuple(w_shape), groups)
     ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "x")
@@ -255,7 +259,9 @@ def conv2d_backward_weight(
     og = o // groups
     n, _, oh, ow = dy.shape
     key = site_key(ctx, tid, 3) if ctx is not None else 0
-    dm, ed = fit_product(dy.m, ed, n * oh * ow, ctx, key)
+    rows = ctx.rows if ctx is not None else None
+    width = (n if rows is None else rows.width(n)) * oh * ow
+    dm, ed = fit_product(dy.m, ed, width, ctx, key, row_offset(dy.m, rows))
     ph, pw = _pair(padding)
     if (
         groups == 1

@@ -9,6 +9,7 @@ from mexc.kernels._common import (
     aligned_sum_fast,
     compact_mx,
     i64,
+    row_offset,
     scalar_exp,
     site_key,
 )
@@ -40,8 +41,9 @@ def grad_sum(terms: list[MX], ctx: RoundCtx, tid: int) -> MX:
     if len(terms) > MAX_SUM_TERMS:
         raise ValueError(f"grad_sum supports at most {MAX_SUM_TERMS} terms (rounding sites)")
     keys = [site_key(ctx, tid, i) for i in range(len(terms))]
-    acc, e = aligned_sum_fast([(i64(t.m), t.e, MAG) for t in terms], ctx.rounding, keys)
-    return compact_mx(acc, e, ctx, site_key(ctx, tid, len(terms)))
+    starts = [row_offset(t.m, ctx.rows) for t in terms]
+    acc, e = aligned_sum_fast([(i64(t.m), t.e, MAG) for t in terms], ctx.rounding, keys, starts)
+    return compact_mx(acc, e, ctx, site_key(ctx, tid, len(terms)), batch=True)
 
 
 def _keep_threshold(p: FixedScalar) -> int:

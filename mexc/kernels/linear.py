@@ -12,6 +12,7 @@ from mexc.kernels._common import (
     i64,
     int_matmul,
     product_bits,
+    row_offset,
     scalar_exp,
     site_key,
 )
@@ -22,7 +23,8 @@ from mexc.numerics import check_int32
 def add_bias(
     acc: np.ndarray, e_acc: int, k: int, bias: MX | None, axis: int, ctx: RoundCtx, tid: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """acc + bias (broadcast along `axis`) by numerics.aligned_sum; sites 1 (acc), 2 (bias)."""
+    """acc + bias (broadcast along `axis`) by numerics.aligned_sum; sites 1 (acc, batch-major),
+    2 (bias)."""
     if bias is None:
         return acc, np.asarray(e_acc, np.int64)
     eb = scalar_exp(bias, "bias")
@@ -30,7 +32,8 @@ def add_bias(
     shape[axis] = acc.shape[axis]
     b = i64(bias.m).reshape(shape)
     keys = [site_key(ctx, tid, 1), site_key(ctx, tid, 2)]
-    return aligned_sum_fast([(acc, e_acc, product_bits(k)), (b, eb, MAG)], ctx.rounding, keys)
+    terms = [(acc, e_acc, product_bits(k)), (b, eb, MAG)]
+    return aligned_sum_fast(terms, ctx.rounding, keys, [row_offset(acc, ctx.rows), 0])
 
 
 def linear_accumulate(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) -> Acc:
@@ -38,7 +41,8 @@ def linear_accumulate(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) ->
     sites 1/2; site 3 pre-shift of x if product_cap(K, 8) < 0), shape x.shape[:-1] + (O,)."""
     ex, ew = scalar_exp(x, "linear input"), scalar_exp(w, "linear weight")
     k = w.shape[1]
-    xm, ex = fit_product(x.m.reshape(-1, k), ex, k, ctx, site_key(ctx, tid, 3))
+    x2 = x.m.reshape(-1, k)
+    xm, ex = fit_product(x2, ex, k, ctx, site_key(ctx, tid, 3), row_offset(x2, ctx.rows))
     acc = int_matmul(xm, i64(w.m).T)
     acc, e = add_bias(acc, ex + ew, k, bias, 1, ctx, tid)
     return Acc(acc.reshape(x.shape[:-1] + (w.shape[0],)), e)
@@ -51,29 +55,34 @@ def linear_forward(x: MX, w: MX, bias: MX | None, ctx: RoundCtx, tid: int) -> MX
     product_cap(K, 8) < 0. Exponent of the accumulator: e_x + e_w.
     """
     acc = linear_accumulate(x, w, bias, ctx, tid)
-    return compact_mx(acc.a, acc.e, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc.a, acc.e, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def linear_backward_input(dy: MX, w: MX, ctx: RoundCtx, tid: int) -> MX:
     """dx = dy @ w. Sites: 0 compaction, 3 pre-shift of dy if product_cap(O, 8) < 0."""
     ed, ew = scalar_exp(dy, "dy"), scalar_exp(w, "linear weight")
     o = w.shape[0]
-    dm, ed = fit_product(dy.m.reshape(-1, o), ed, o, ctx, site_key(ctx, tid, 3))
+    d2 = dy.m.reshape(-1, o)
+    dm, ed = fit_product(d2, ed, o, ctx, site_key(ctx, tid, 3), row_offset(d2, ctx.rows))
     acc = int_matmul(dm, i64(w.m))
-    out = compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0))
+    out = compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0), batch=True)
     return MX.of(out.m.reshape(dy.shape[:-1] + (w.shape[1],)), out.e)
 
 
 def linear_backward_weight(dy: MX, x: MX, ctx: RoundCtx | None = None, tid: int = 0) -> Acc:
     """dW = dy^T @ x as an un-compacted int32 accumulator, exponent e_dy + e_x.
 
-    If product_cap(N, 8) < 0 (N = rows), dy is pre-shifted (site 3; nearest without ctx).
+    If product_cap(N, 8) < 0 (N = rows), dy is pre-shifted (site 3; nearest without ctx). With
+    ctx.rows, N counts every data-parallel worker's rows and the result is this worker's
+    share of the sum (an ALL_REDUCE node adds the shares).
     """
     ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "x")
     o, k = dy.shape[-1], x.shape[-1]
     d2 = dy.m.reshape(-1, o)
     key = site_key(ctx, tid, 3) if ctx is not None else 0
-    dm, ed = fit_product(d2, ed, d2.shape[0], ctx, key)
+    rows = ctx.rows if ctx is not None else None
+    n = d2.shape[0] if rows is None else rows.width(d2.shape[0])
+    dm, ed = fit_product(d2, ed, n, ctx, key, row_offset(d2, rows))
     acc = int_matmul(dm.T, i64(x.m.reshape(-1, k)))
     return Acc(acc, np.asarray(ed + ex, np.int64))
 

@@ -6,12 +6,11 @@ import math
 
 import numpy as np
 
-from mexc.kernels._common import i64, scalar_exp, site_key
+from mexc.kernels._common import compact_mx, i64, row_offset, scalar_exp, site_key
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import (
     EXP_TABLE,
     check_int32,
-    compact,
     idiv_round,
     shift_left,
 )
@@ -37,10 +36,13 @@ def softmax_ce_forward(
     if m.ndim != 2:
         raise ValueError("softmax_ce needs (N, K) logits")
     d = m - m.max(axis=1, keepdims=True)
-    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0))
+    start = row_offset(d, ctx.rows)
+    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0), start)
     srow = ex.sum(axis=1, keepdims=True)
     check_int32(srow, "softmax_sum")
     p = np.minimum(idiv_round(shift_left(ex, 8, "softmax_num"), srow), PROB_ONE - 1)
+    if ctx.rows is not None:  # the logged loss is that of the whole batch, on every worker
+        return p, ce_loss(ctx.rows.comm.all_gather(p), ctx.rows.comm.all_gather(labels), valid)
     return p, ce_loss(p, labels, valid)
 
 
@@ -62,16 +64,19 @@ def softmax_ce_backward(
 
     t = p - S*onehot with S the row's sum of p, so every row of t sums to 0 as in float
     (|t| <= 256 + K/2); g = idiv_round(t << 7, n) at exponent -15; compaction to ctx.bits
-    (site 0).
+    (site 0). With ctx.rows (data parallel) `valid` and n count the whole batch, and these
+    rows are rows start .. start + count - 1 of it.
     """
     p = i64(probs)
     nrows = p.shape[0]
-    n = max(min(int(valid), nrows), 0)
+    rows = ctx.rows
+    n = max(min(int(valid), nrows if rows is None else rows.total), 0)
+    first = 0 if rows is None else rows.start
+    here = max(min(n - first, nrows), 0)  # the valid rows among these
     lab = np.asarray(labels, np.int64)
     t = p.copy()
-    if n:
-        t[np.arange(n), lab[:n]] -= p[:n].sum(axis=1)
-    t[n:] = 0
+    if here:
+        t[np.arange(here), lab[:here]] -= p[:here].sum(axis=1)
+    t[here:] = 0
     g = idiv_round(t << 7, max(n, 1))
-    mm, ee = compact(g, GRAD_EXP, ctx.bits, ctx.rounding, site_key(ctx, tid, 0))
-    return MX.of(mm, ee)
+    return compact_mx(g, GRAD_EXP, ctx, site_key(ctx, tid, 0), batch=True)

@@ -25,6 +25,7 @@ from mexc.kernels._common import (
     fit_product,
     i64,
     round_shift_blocked,
+    row_offset,
     scalar_exp,
     site_key,
 )
@@ -138,8 +139,10 @@ def _affine(
     prod = xh * i64(gamma.m)[None, :, None]
     b = i64(beta.m)[None, :, None]
     keys = [site_key(ctx, tid, j), site_key(ctx, tid, j + 1)]
-    acc, e = aligned_sum_fast([(prod, int(xhat.e) + eg, 2 * MAG), (b, eb, MAG)], ctx.rounding, keys)
-    return compact_mx(acc.reshape(shape), e, ctx, site_key(ctx, tid, j + 2))
+    terms = [(prod, int(xhat.e) + eg, 2 * MAG), (b, eb, MAG)]
+    starts = [row_offset(prod, ctx.rows), 0]
+    acc, e = aligned_sum_fast(terms, ctx.rounding, keys, starts)
+    return compact_mx(acc.reshape(shape), e, ctx, site_key(ctx, tid, j + 2), batch=True)
 
 
 def batchnorm_affine(xhat: MX, gamma: MX, beta: MX, ctx: RoundCtx, tid: int) -> MX:
@@ -148,7 +151,7 @@ def batchnorm_affine(xhat: MX, gamma: MX, beta: MX, ctx: RoundCtx, tid: int) -> 
     (docs/layers.md, "Batch norm's output, recomputed"). The backward pass uses it in place of
     a stored output (the rematerialize pass)."""
     xh = _as_ncs(xhat.m).astype(np.int8, copy=False)
-    if not debug_on():
+    if not debug_on() and ctx.rows is None:
         y = _affine_fast(xh, xhat, gamma, beta, ctx, tid, 2, xhat.shape)
         if y is not None:
             return y
@@ -339,26 +342,33 @@ def batchnorm_forward_train(
     """Training-mode batch norm with batch statistics.
 
     Sites: 0 variance pre-shift, 1 xhat compaction, 2/3 affine alignment (gamma*xhat, beta),
-    4 output compaction.
+    4 output compaction. With ctx.rows (data parallel) the statistics are over every worker's
+    rows: the sums and maxima are agreed (docs/numerics.md §16).
     """
-    if not debug_on():
+    rows = ctx.rows
+    if not debug_on() and rows is None:
         fast = _forward_train_fast(x, gamma, beta, eps, ctx, tid)
         if fast is not None:
             return fast
     ex = scalar_exp(x, "batchnorm input")
     x3 = _as_ncs(x.m)
     n, c, s = x3.shape
-    m = n * s
+    m = (n if rows is None else rows.width(n)) * s
     if m < 2:
         raise ValueError("batchnorm training needs more than one value per channel")
     f = mean_frac_bits(m)
     ssum = x3.sum(axis=(0, 2))
     check_int32(ssum, "batchnorm_sum")
+    if rows is not None:
+        ssum = rows.sum(ssum)
+        check_int32(ssum, "batchnorm_sum")
     mu = idiv_round(shift_left(ssum, f, "batchnorm_mean"), m)  # exponent ex - f
     xc = (x3 << f) - mu[None, :, None]  # |xc| <= 254 * 2^f <= 65024
     e_c = ex - f
     # variance: per-channel pre-shift r so that the M-way sum of squares fits int32
-    amax = np.abs(xc).max(axis=(0, 2))
+    amax = np.abs(xc).max(axis=(0, 2)) if xc.size else np.zeros(c, np.int64)
+    if rows is not None:
+        amax = rows.max(amax)
     r = np.zeros(c, np.int64)
     while True:
         top = -((-amax) >> r)  # ceil(amax / 2^r)
@@ -366,9 +376,13 @@ def batchnorm_forward_train(
         if not np.any(over):
             break
         r = np.where(over, r + 1, r)
-    tq = fast_shift_right(xc, r[None, :, None], ctx.rounding, site_key(ctx, tid, 0))
+    start = row_offset(xc, rows)
+    tq = fast_shift_right(xc, r[None, :, None], ctx.rounding, site_key(ctx, tid, 0), start=start)
     vsum = (tq * tq).sum(axis=(0, 2))
     check_int32(vsum, "batchnorm_var_sum")
+    if rows is not None:
+        vsum = rows.sum(vsum)
+        check_int32(vsum, "batchnorm_var_sum")
     sv = np.maximum(30 - bit_length(vsum), 0)
     vnum = vsum << sv
     check_int32(vnum, "batchnorm_var_sum")
@@ -380,7 +394,7 @@ def batchnorm_forward_train(
     acc = xc * rstd[None, :, None]
     check_int32(acc, "batchnorm_xhat")
     xhat = compact_common(
-        acc.reshape((n, c) + x.shape[2:]), e_c + rstd_e, 1, ctx, site_key(ctx, tid, 1)
+        acc.reshape((n, c) + x.shape[2:]), e_c + rstd_e, 1, ctx, site_key(ctx, tid, 1), batch=True
     )
     y = _affine(xhat, gamma, beta, ctx, tid, 2, x.shape)
     saved = BatchNormSaved(
@@ -403,9 +417,11 @@ def batchnorm_backward(
 
     Sites: 0 dgamma compaction to 16 bits, 1/2/3 aligned sum (M*dy, -dbeta, -xhat*dgamma),
     4 bracket compaction to 16 bits, 5 gamma*rstd/M per-channel shift to 16 bits,
-    6 dx compaction, 7 pre-shift of dy for dgamma if product_cap(M, 8) < 0.
+    6 dx compaction, 7 pre-shift of dy for dgamma if product_cap(M, 8) < 0. With ctx.rows
+    (data parallel) M and the sums dbeta and dgamma cover every worker's rows.
     """
-    if not debug_on():
+    rows = ctx.rows
+    if not debug_on() and rows is None:
         fast = _backward_fast(dy, saved, ctx, tid)
         if fast is not None:
             return fast
@@ -414,12 +430,17 @@ def batchnorm_backward(
     d3 = _as_ncs(dy.m)
     xh = _as_ncs(saved.xhat.m)
     n, c, s = d3.shape
-    m = n * s
+    m = (n if rows is None else rows.width(n)) * s
+    start = row_offset(d3, rows)
     dbeta = d3.sum(axis=(0, 2))
     check_int32(dbeta, "batchnorm_dbeta")
-    dp, edp = fit_product(d3, ed, m, ctx, site_key(ctx, tid, 7))
+    dp, edp = fit_product(d3, ed, m, ctx, site_key(ctx, tid, 7), start)
     dgamma = (dp * xh).sum(axis=(0, 2))
     check_int32(dgamma, "batchnorm_dgamma")
+    if rows is not None:
+        dbeta, dgamma = rows.sum(dbeta), rows.sum(dgamma)
+        check_int32(dbeta, "batchnorm_dbeta")
+        check_int32(dgamma, "batchnorm_dgamma")
     e_dg = edp + exh
     dg16, e_dg16 = fast_compact_to_bits(dgamma, e_dg, 15, ctx.rounding, site_key(ctx, tid, 0))
     lg = ceil_log2(m)
@@ -434,12 +455,15 @@ def batchnorm_backward(
         ],
         ctx.rounding,
         keys,
+        [start, 0, start],
     )
-    bk16, e_bk = fast_compact_to_bits(t, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
+    bk16, e_bk = fast_compact_to_bits(t, e_t, 15, ctx.rounding, site_key(ctx, tid, 4), rows)
     f16, e_f = _dx_factor(saved, m, ctx, tid)
     dxa = bk16 * f16[None, :, None]
     check_int32(dxa, "batchnorm_dx")
-    dx = compact_common(dxa.reshape(dy.shape), int(e_bk) + e_f, 1, ctx, site_key(ctx, tid, 6))
+    dx = compact_common(
+        dxa.reshape(dy.shape), int(e_bk) + e_f, 1, ctx, site_key(ctx, tid, 6), batch=True
+    )
     return (
         dx,
         Acc(dgamma, np.asarray(e_dg, np.int64)),

@@ -11,6 +11,7 @@ from mexc.kernels._common import (
     compact_mx,
     debug_on,
     fast_compact_to_bits,
+    global_abs_max,
     i64,
     scalar_exp,
     site_key,
@@ -145,15 +146,16 @@ def maxpool2d_backward(
     k = _pair(kernel)
     s = _pair(stride if stride is not None else kernel)
     plain = _pair(padding) == (0, 0) and tuple(extra) == (0, 0)
+    rows = ctx.rows  # data parallel: the fit is decided over every worker's rows
     if k == (2, 2) and s == (2, 2) and plain and not debug_on():
         fast = _maxpool2x2_backward(dy, np.asarray(argmax), tuple(x_shape))
-        if fast is not None and (not fast.size or abs_max(fast) <= qmax(ctx.bits)):
+        if fast is not None and global_abs_max(fast, rows) <= qmax(ctx.bits):
             return MX(fast, dy.e)
     acc = _scatter(i64(dy.m), argmax, tuple(x_shape), k, s, _pair(padding), _pair(extra))
     check_int32(acc, "maxpool2d_backward")
-    if acc.size and int(np.abs(acc).max()) <= qmax(ctx.bits):
+    if acc.size and global_abs_max(acc, rows) <= qmax(ctx.bits):
         return MX(acc.astype(np.int8), dy.e)
-    return compact_mx(acc, dy.e, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc, dy.e, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def _divide(acc: np.ndarray, e: int, bound_bits: int, count: int, ctx: RoundCtx, tid: int) -> MX:
@@ -165,9 +167,10 @@ def _divide(acc: np.ndarray, e: int, bound_bits: int, count: int, ctx: RoundCtx,
         sl = DIV_BITS - bound_bits
         a, ea = shift_left(acc, sl, "pool_divide"), np.asarray(e - sl, np.int64)
     else:
-        a, ea = fast_compact_to_bits(acc, e, DIV_BITS, ctx.rounding, site_key(ctx, tid, 0))
+        key = site_key(ctx, tid, 0)
+        a, ea = fast_compact_to_bits(acc, e, DIV_BITS, ctx.rounding, key, ctx.rows)
     q, eq = div_const(a, ea, Reciprocal.of(count))
-    return compact_mx(q, eq, ctx, site_key(ctx, tid, 1))
+    return compact_mx(q, eq, ctx, site_key(ctx, tid, 1), batch=True)
 
 
 def avgpool2d_forward(
@@ -203,7 +206,7 @@ def avgpool2d_backward(
     g, eg = div_const(i64(dy.m) << (DIV_BITS - MAG), e - (DIV_BITS - MAG), Reciprocal.of(kk))
     acc = _scatter(g, None, tuple(x_shape), k, s, _pair(padding))
     check_int32(acc, "avgpool2d_backward")
-    return compact_mx(acc, eg, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc, eg, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def global_avgpool_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
@@ -218,10 +221,12 @@ def global_avgpool_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
 def global_avgpool_backward(dy: MX, x_shape: tuple[int, ...], ctx: RoundCtx, tid: int) -> MX:
     """dx = broadcast(dy / (H*W)): dy << 8, div_const, compaction (site 0)."""
     e = scalar_exp(dy, "dy")
-    n, c, h, w = x_shape
+    _, c, h, w = x_shape
+    n = dy.shape[0]  # this worker's rows in a data-parallel step
     g, eg = div_const(
         i64(dy.m).reshape(n, c, 1, 1) << (DIV_BITS - MAG),
         e - (DIV_BITS - MAG),
         Reciprocal.of(h * w),
     )
-    return compact_mx(np.broadcast_to(g, (n, c, h, w)), eg, ctx, site_key(ctx, tid, 0))
+    full = np.broadcast_to(g, (n, c, h, w))
+    return compact_mx(full, eg, ctx, site_key(ctx, tid, 0), batch=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -12,11 +13,14 @@ from mexc.numerics import qmax
 QUANTIZE_BLOCK = 1 << 16  # elements quantized at a time (quantize)
 
 
-def quantize(x: np.ndarray, bits: int = 8) -> MX:
+def quantize(
+    x: np.ndarray, bits: int = 8, agree: Callable[[float], float] | None = None
+) -> MX:
     """Per-tensor quantization of a float array at the model boundary.
 
     e = smallest integer with max|x| <= qmax * 2^e (e = 0 for an all-zero tensor);
-    m = round-half-away-from-zero(x / 2^e). Raises ValueError on NaN or inf.
+    m = round-half-away-from-zero(x / 2^e). Raises ValueError on NaN or inf. `agree`: the
+    maximum of max|x| over every data-parallel worker's rows (x holds this worker's).
     """
     # in blocks of QUANTIZE_BLOCK elements: the float64 temporaries of the whole batch were a
     # third of the per-sample peak RSS of a compiled FashionCNN step; each element's result is
@@ -30,6 +34,8 @@ def quantize(x: np.ndarray, bits: int = 8) -> MX:
         if not np.all(np.isfinite(b)):
             raise ValueError("quantize: input contains NaN or inf")
         amax = max(amax, float(np.abs(b).max()))
+    if agree is not None:
+        amax = agree(amax)
     q = qmax(bits)
     if amax == 0.0:
         return MX.of(np.zeros(xv.shape, np.int8), 0)

@@ -16,6 +16,7 @@ from mexc.ops import (  # noqa: F401 - each module registers its ops
     activation,
     attention,
     boundary,
+    collective,
     dense,
     loss,
     norm,

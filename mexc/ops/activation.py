@@ -110,6 +110,7 @@ define(
         lower={"tir": _tir("relu"), "c": "emit:_relu"},
         in_place=True,
         doc="max(x, 0) on mantissas; the exponent is kept",
+        data_parallel=True,
     ),
     OpDef(
         Op.RELU6,
@@ -124,6 +125,7 @@ define(
         lower={"tir": _tir("relu6"), "c": "emit:_relu6"},
         in_place=True,
         doc="min(max(x, 0), 6) with 6 at the input's exponent",
+        data_parallel=True,
     ),
     OpDef(
         Op.GELU,
@@ -204,6 +206,7 @@ define(
         lower={"tir": _tir("relu_grad"), "c": "emit:_relu_grad"},
         in_place=True,
         doc="dy masked by the ReLU output's sign",
+        data_parallel=True,
     ),
     OpDef(
         Op.RELU6_GRAD,
@@ -212,6 +215,7 @@ define(
         lower={"tir": _tir("relu6_grad"), "c": "emit:_relu6_grad"},
         in_place=True,
         doc="dy masked where the ReLU6 output is strictly inside (0, 6)",
+        data_parallel=True,
     ),
     OpDef(
         Op.HARDSWISH_GRAD,

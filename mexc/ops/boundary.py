@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mexc import kernels as K
 from mexc.ir import Node, Op
 from mexc.ops.common import mx_like
@@ -49,7 +51,17 @@ def _state(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 
 def _quantize(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.quantize(a[0], int(n.attrs.bits)),)
+    rows = env.ctx.rows
+    if rows is None:
+        return (K.quantize(a[0], int(n.attrs.bits)),)
+
+    def agree(amax: float) -> float:
+        # a non-negative float64's bits, read as an int64, order as the floats do: the maximum
+        # of the bits is the bits of the maximum
+        bits = np.asarray(amax, np.float64).view(np.int64)
+        return float(np.asarray(rows.max(bits), np.int64).view(np.float64))
+
+    return (K.quantize(a[0], int(n.attrs.bits), agree),)
 
 
 define(
@@ -98,5 +110,6 @@ define(
         reads_float=True,
         no_grad=True,
         doc="the float batch -> MX, at the host boundary",
+        data_parallel=True,
     ),
 )

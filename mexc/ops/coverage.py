@@ -20,6 +20,8 @@ def _role(d: OpDef) -> str:
         return "frontend, fused"
     if d.compaction and d.reference is None:
         return "pass-internal"
+    if d.op.value == "all_reduce":
+        return "data parallel"
     if d.vjp is not None or d.no_grad:
         return "forward"
     return "optimizer" if d.updates_state else "backward"
@@ -34,17 +36,22 @@ def table() -> str:
         "*forward* ops come from the frontend or, fused with their compaction, from",
         "fuse-products (*frontend, fused* ops and the *pass-internal* compaction never reach a",
         "backend); *backward* ops come from derive-backward, *optimizer* ops from",
-        "insert-optimizer. llvm and cuda share the TIR lowering. A backend without an op",
-        "refuses the model with an error that names the node.",
+        "insert-optimizer, *data parallel* ones from shard-batch. llvm and cuda share the TIR",
+        "lowering. A backend without an op refuses the model with an error that names the node.",
+        "*split* says whether a data-parallel worker can run the op on its rows of the batch",
+        "(`OpDef.data_parallel`, docs/distributed.md); \"-\" where the op never reads the batch.",
         "",
-        "| op | role | " + " | ".join(BACKENDS) + " | defined in | what it computes |",
-        "|---|---|" + "---|" * len(BACKENDS) + "---|---|",
+        "| op | role | " + " | ".join(BACKENDS) + " | split | defined in | what it computes |",
+        "|---|---|" + "---|" * len(BACKENDS) + "---|---|---|",
     ]
     for op, d in REGISTRY.items():
         if _role(d) in ("pass-internal", "frontend, fused"):
             marks = ["-"] * len(BACKENDS)
         else:
             marks = ["yes" if d.supports(b) else "no" for b in BACKENDS]
+        batchless = d.boundary or d.updates_state or _role(d) == "data parallel"
+        split = "yes" if d.data_parallel or d.op.value in ("input", "label") else "no"
+        marks.append("-" if batchless and split == "no" else split)
         lines.append(
             f"| `{op.value}` | {_role(d)} | "
             + " | ".join(marks)

@@ -269,6 +269,7 @@ define(
         product=True,
         reduction=_conv_k,
         doc="convolution fused with its compaction",
+        data_parallel=True,
     ),
     OpDef(
         Op.LINEAR_COMPACT,
@@ -285,6 +286,7 @@ define(
         product=True,
         reduction=_linear_k,
         doc="linear layer fused with its compaction",
+        data_parallel=True,
     ),
     OpDef(
         Op.CONV2D_GRAD_INPUT,
@@ -298,6 +300,7 @@ define(
         product=True,
         reduction=_conv_grad_input_k,
         doc="dx of a convolution (transposed convolution), compacted",
+        data_parallel=True,
     ),
     OpDef(
         Op.CONV2D_GRAD_WEIGHT,
@@ -311,6 +314,7 @@ define(
         product=True,
         reduction=_conv_grad_weight_k,
         doc="dw of a convolution: an int32 accumulator for the update",
+        data_parallel=True, batch_partial=(0,),
     ),
     OpDef(
         Op.LINEAR_GRAD_INPUT,
@@ -324,6 +328,7 @@ define(
         product=True,
         reduction=_linear_grad_input_k,
         doc="dx of a linear layer, compacted",
+        data_parallel=True,
     ),
     OpDef(
         Op.LINEAR_GRAD_WEIGHT,
@@ -337,6 +342,7 @@ define(
         product=True,
         reduction=_linear_grad_weight_k,
         doc="dw of a linear layer: an int32 accumulator for the update",
+        data_parallel=True, batch_partial=(0,),
     ),
     OpDef(
         Op.BIAS_GRAD,
@@ -344,5 +350,6 @@ define(
         reference=_bias_grad,
         lower={"tir": _tir("bias_grad"), "c": "emit:_bias_grad"},
         doc="db: the sum of dy over the batch (and spatial or token) axes, int32",
+        data_parallel=True, batch_partial=(0,),
     ),
 )

@@ -40,6 +40,7 @@ define(
         lower={"tir": "step_plan:PlanRules.softmax_ce", "c": "emit:_softmax_ce"},
         loss_head=True,  # its scalar result, the logging-only loss, may be f32
         doc="the loss head: u8 probabilities and the (logging-only, float) mean loss",
+        data_parallel=True, batch_whole=(1,),
     ),
     OpDef(
         Op.SOFTMAX_CE_GRAD,
@@ -47,5 +48,6 @@ define(
         reference=_softmax_ce_grad,
         lower={"tir": "step_plan:PlanRules.softmax_ce_grad", "c": "emit:_softmax_ce_grad"},
         doc="d loss / d logits = (p - onehot(y)) / valid rows",
+        data_parallel=True,
     ),
 )

@@ -217,6 +217,7 @@ define(
         # of x before it writes that element of xhat or y (docs/mcu.md)
         in_place=True,
         doc="batch norm: batch statistics in training, running statistics in evaluation",
+        data_parallel=True, batch_whole=(2,),
     ),
     OpDef(
         Op.BATCHNORM_GRAD,
@@ -227,6 +228,7 @@ define(
         # before it writes that element of dx, its earlier passes write nothing of dx
         in_place=True,
         doc="dx, dgamma, dbeta of batch norm",
+        data_parallel=True, batch_whole=(1, 2),
     ),
     OpDef(
         Op.BATCHNORM_AFFINE,
@@ -235,6 +237,7 @@ define(
         lower={"tir": "step_plan:PlanRules.batchnorm_affine", "c": "emit:_bn_affine"},
         doc="batch norm's training output again from its saved xhat, gamma and beta, with the "
         "batch norm's rid: the same bits (the rematerialize pass)",
+        data_parallel=True,
     ),
     OpDef(
         Op.BN_RUNNING_UPDATE,

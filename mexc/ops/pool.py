@@ -195,6 +195,7 @@ define(
         ),
         lower={"tir": _tir("maxpool"), "c": "emit:_maxpool"},
         doc="max pooling; the second result is the argmax offset in its window",
+        data_parallel=True,
     ),
     OpDef(
         Op.AVGPOOL2D,
@@ -208,6 +209,7 @@ define(
         ),
         lower={"tir": _tir("avgpool"), "c": "emit:_avgpool"},
         doc="average pooling (zero padding counted), divided exactly and rounded",
+        data_parallel=True,
     ),
     OpDef(
         Op.GLOBAL_AVGPOOL,
@@ -221,6 +223,7 @@ define(
         ),
         lower={"tir": _tir("avgpool"), "c": "emit:_gap"},
         doc="mean over the spatial axes: [N, C, H, W] -> [N, C, 1, 1]",
+        data_parallel=True,
     ),
     OpDef(
         Op.MAXPOOL2D_GRAD,
@@ -228,6 +231,7 @@ define(
         reference=_maxpool_grad,
         lower={"tir": _tir("maxpool_grad"), "c": "emit:_maxpool_grad"},
         doc="dy scattered to the argmax of each window",
+        data_parallel=True,
     ),
     OpDef(
         Op.AVGPOOL2D_GRAD,
@@ -235,6 +239,7 @@ define(
         reference=_avgpool_grad,
         lower={"tir": _tir("avgpool_grad"), "c": "emit:_avgpool_grad"},
         doc="dy spread evenly over each window",
+        data_parallel=True,
     ),
     OpDef(
         Op.GLOBAL_AVGPOOL_GRAD,
@@ -242,5 +247,6 @@ define(
         reference=_gap_grad,
         lower={"tir": _tir("avgpool_grad"), "c": "emit:_gap_grad"},
         doc="dy spread evenly over the spatial axes",
+        data_parallel=True,
     ),
 )

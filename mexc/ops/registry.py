@@ -96,6 +96,12 @@ class OpDef:
     loss_head: bool = False
     float_results: tuple[int, ...] = ()  # results allowed to be f32 in an integer program
     reads_float: bool = False  # may read f32 (the boundary quantization)
+    # data parallel (the shard-batch pass, docs/numerics.md §16): the reference rule computes
+    # this worker's rows of a batch split over workers (RoundCtx.rows), agreeing on every
+    # decision that depends on the whole batch; an op without it is refused in such a step
+    data_parallel: bool = False
+    batch_partial: tuple[int, ...] = ()  # results that are this worker's share of a batch sum
+    batch_whole: tuple[int, ...] = ()  # results over the whole batch (agreed inside the kernel)
     doc: str = ""
 
     @property

@@ -439,6 +439,7 @@ define(
         lower={"tir": _tir("grad_sum"), "c": "emit:_add"},
         aligned_sum=True,
         doc="sum of two activations (residual), aligned to the larger exponent",
+        data_parallel=True,
     ),
     OpDef(
         Op.GRAD_SUM,
@@ -447,6 +448,7 @@ define(
         lower={"tir": _tir("grad_sum"), "c": "emit:_grad_sum"},
         aligned_sum=True,
         doc="sum of the gradients of a value read by several ops",
+        data_parallel=True,
     ),
     OpDef(
         Op.RESHAPE,
@@ -463,6 +465,7 @@ define(
         in_place=True,
         view=True,
         doc="a view of the same mantissas",
+        data_parallel=True,
     ),
     OpDef(
         Op.DROPOUT,

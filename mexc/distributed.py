@@ -1,0 +1,192 @@
+"""Data-parallel workers on torch.distributed (docs/distributed.md).
+
+A worker is a process of an initialised torch.distributed process group (gloo on CPUs, NCCL on
+GPUs; `torchrun`, `mexc train --nproc N` or `spawn_workers`). Its step holds batch / world rows
+(`shard_rows`) and agrees with the others through `TorchCollectives`: exact int64 sums and
+maxima, so N workers compute the bits of one process training on the whole batch
+(docs/numerics.md §16). A collective that does not complete within the group's timeout (a worker
+crashed or hangs) raises DistributedError instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from mexc.errors import DistributedError
+from mexc.mx import Collectives, Rows
+
+DEFAULT_TIMEOUT_S = 120.0  # a worker waits this long for the others at any collective
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+class TorchCollectives:
+    """Collectives over torch.distributed's default group, on int64 CPU tensors (gloo)."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0  # payload bytes this worker contributed to collectives
+
+    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
+        dist = _dist()
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as err:  # gloo: timeouts, closed connections
+            raise DistributedError(
+                f"data-parallel worker {dist.get_rank()} of {dist.get_world_size()}: the "
+                f"{what} across workers failed ({type(err).__name__}: {str(err).strip()[:300]}). "
+                "Another worker stopped (crashed, was killed or hangs) or the workers run "
+                "different programs; the step was not completed and this worker's state is "
+                "that of the last completed step. Find the failing worker's error, fix it, and "
+                "restart every worker from the last checkpoint."
+            ) from None
+
+    def _reduce(self, a: np.ndarray, op: Any, what: str) -> np.ndarray:
+        import torch
+
+        dist = _dist()
+        arr = np.array(a, np.int64, order="C")  # a copy, of any rank (0 included)
+        t = torch.from_numpy(arr.reshape(-1))
+        self.bytes_sent += arr.nbytes
+        self._run(what, lambda: dist.all_reduce(t, op=op))
+        return t.numpy().reshape(arr.shape)
+
+    def all_sum(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(a, _dist().ReduceOp.SUM, "sum")
+
+    def all_max(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(a, _dist().ReduceOp.MAX, "maximum")
+
+    def all_gather(self, a: np.ndarray) -> np.ndarray:
+        """Every worker's `a` (the same shape on each) concatenated along axis 0, in rank
+        order."""
+        import torch
+
+        dist = _dist()
+        arr = np.array(a, np.int64, order="C", ndmin=1)
+        t = torch.from_numpy(arr)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        self.bytes_sent += arr.nbytes
+        self._run("gather", lambda: dist.all_gather(parts, t))
+        return np.concatenate([p.numpy() for p in parts], axis=0)
+
+
+@dataclass(frozen=True)
+class Workers:
+    """This process's place among the data-parallel workers."""
+
+    rank: int
+    world: int
+    comm: Collectives
+
+    def rows(self, batch: int) -> Rows:
+        """This worker's rows of a global batch of `batch` rows."""
+        count = batch // self.world
+        return Rows(start=self.rank * count, count=count, total=batch, comm=self.comm)
+
+
+def current_workers() -> Workers:
+    """The workers of the initialised default process group; a clear error without one."""
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedError(
+            "data_parallel=True needs an initialised torch.distributed process group: start "
+            "the workers with `torchrun --nproc-per-node N your_script.py` (whose script calls "
+            "torch.distributed.init_process_group('gloo')), with `mexc train --nproc N`, or "
+            "with mexc.distributed.spawn_workers"
+        )
+    return Workers(dist.get_rank(), dist.get_world_size(), TorchCollectives())
+
+
+def agree_on_program(workers: Workers, program_text: str) -> None:
+    """Check that every worker compiled the same program (same model, options and batch)."""
+    digest = int.from_bytes(hashlib.sha256(program_text.encode()).digest()[:7], "little")
+    mine = np.asarray([digest], np.int64)
+    every = workers.comm.all_gather(mine)
+    if np.any(every != digest):
+        ranks = [i for i, d in enumerate(every.tolist()) if d != int(every[0])]
+        raise DistributedError(
+            f"the data-parallel workers compiled different programs (worker(s) {ranks} differ "
+            "from worker 0): every worker must compile the same model with the same options "
+            "and the same global example batch"
+        )
+
+
+def shard_rows(x: Any, rank: int, world: int) -> Any:
+    """Rows rank * B / world .. (rank + 1) * B / world - 1 of a global batch of B rows: what
+    worker `rank` passes to Program.step."""
+    n = len(x)
+    if n % world:
+        raise DistributedError(f"a batch of {n} rows does not split into {world} equal shares")
+    share = n // world
+    return x[rank * share : (rank + 1) * share]
+
+
+def init_from_env(backend: str = "gloo", timeout_s: float | None = None) -> Workers:
+    """Join the process group described by torchrun's environment (MASTER_ADDR, MASTER_PORT,
+    RANK, WORLD_SIZE), with a timeout on every collective (MEXC_DIST_TIMEOUT seconds, or
+    DEFAULT_TIMEOUT_S), unless the group is initialised already."""
+    dist = _dist()
+    if not dist.is_initialized():
+        seconds = timeout_s or float(os.environ.get("MEXC_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
+    return current_workers()
+
+
+def free_port() -> int:
+    """A TCP port on localhost nobody listens on now (for MASTER_PORT)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    cmd: list[str],
+    nproc: int,
+    env: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    grace_s: float = 30.0,
+) -> list[int]:
+    """Run `cmd` as `nproc` workers on localhost, as torchrun would (MASTER_ADDR, MASTER_PORT,
+    RANK, LOCAL_RANK, WORLD_SIZE, and MEXC_DIST_TIMEOUT for init_from_env), and wait for all.
+    When one fails, the others get `grace_s` to fail on their own (their next collective
+    reports the lost worker), then are terminated: a crash never leaves the launch hanging.
+    Returns the exit codes in rank order."""
+    import subprocess
+    import time
+
+    base = dict(os.environ if env is None else env)
+    base |= {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nproc),
+        "MEXC_DIST_TIMEOUT": str(timeout_s),
+    }
+    procs = [
+        subprocess.Popen(cmd, env=base | {"RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(nproc)
+    ]
+    failed_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes if c is not None]
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)

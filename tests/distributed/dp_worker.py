@@ -1,0 +1,74 @@
+"""One worker of the data-parallel tests (tests/distributed/test_data_parallel.py), started by
+mexc.distributed.launch: trains STEPS steps of an example model on its rows of a deterministic
+global batch sequence and writes its state checksum and losses to OUT/rank<R>.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import mexc  # noqa: E402
+from mexc.distributed import init_from_env, shard_rows  # noqa: E402
+
+
+def batches(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The global batches of the run: the same on every worker and in one process."""
+    rng = np.random.default_rng(7)
+    return [
+        (rng.normal(size=(batch, *shape)).astype(np.float32), rng.integers(0, 10, batch))
+        for _ in range(steps)
+    ]
+
+
+def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    from examples.models import EXAMPLES
+
+    cls, shape = EXAMPLES[name]
+    torch.manual_seed(0)
+    return cls(), shape
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="FashionCNN")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits at step 2")
+    ap.add_argument("--resume", default="", help="a checkpoint to resume from")
+    ap.add_argument("--save", default="", help="rank 0 saves a checkpoint here at the end")
+    args = ap.parse_args()
+    workers = init_from_env()
+    results = {}
+    for name in args.model.split(","):
+        net, shape = model(name)
+        data = batches(shape, args.batch, args.steps)
+        if args.resume:
+            prog = mexc.load(args.resume, data_parallel=True)
+        else:
+            x0 = torch.from_numpy(data[0][0])
+            prog = mexc.compile(net, (x0,), bits=args.bits, data_parallel=True)
+        losses = []
+        for i, (x, y) in enumerate(data[prog.step_count :], start=prog.step_count):
+            if i == 2 and workers.rank == args.crash_rank:
+                os._exit(3)
+            rows = shard_rows(x, workers.rank, workers.world)
+            losses.append(prog.step(rows, shard_rows(y, workers.rank, workers.world)))
+        if args.save and workers.rank == 0:
+            prog.save(args.save)
+        results[name] = {"checksum": prog.state_checksum(), "losses": losses}
+    Path(args.out, f"rank{workers.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

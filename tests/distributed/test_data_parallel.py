@@ -1,0 +1,108 @@
+"""Data-parallel training (docs/distributed.md): N workers on localhost (gloo) end every step
+with the state of one process training on the whole batch, bit for bit; a crashed worker gives
+the others a clear error, not a hang; a checkpoint resumes on another number of workers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mexc
+from mexc.distributed import launch
+from mexc.errors import DistributedError, UnsupportedOpError
+from tests.distributed.dp_worker import batches, model
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+MODELS = ("FashionCNN", "DigitsCNN", "SmallResNet", "MobileNetV2Tiny", "MLP")
+BATCH, STEPS = 8, 10
+
+
+def one_process(name: str, steps: int = STEPS, bits: int = 8) -> dict[str, object]:
+    """The single-process run the workers must reproduce."""
+    net, shape = model(name)
+    data = batches(shape, BATCH, steps)
+    prog = mexc.compile(net, (torch.from_numpy(data[0][0]),), bits=bits)
+    losses = [prog.step(x, y) for x, y in data]
+    return {"checksum": prog.state_checksum(), "losses": losses}
+
+
+def run_workers(tmp: Path, nproc: int, *args: str) -> tuple[list[int], list[dict[str, dict]]]:
+    codes = launch([sys.executable, str(WORKER), "--out", str(tmp), *args], nproc, timeout_s=60)
+    return codes, [json.loads(p.read_text()) for p in sorted(tmp.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_workers_reproduce_one_process(tmp_path: Path, nproc: int) -> None:
+    codes, ranks = run_workers(tmp_path, nproc, "--model", ",".join(MODELS))
+    assert codes == [0] * nproc
+    assert len(ranks) == nproc
+    for name in MODELS:
+        want = one_process(name)
+        for got in ranks:
+            assert got[name] == want, (name, got[name]["checksum"], want["checksum"])
+
+
+def test_low_bits_with_nearest_forward_rounding(tmp_path: Path) -> None:
+    """B = 6 rounds the forward pass to nearest and the rest stochastically (two contexts)."""
+    codes, ranks = run_workers(tmp_path, 2, "--model", "FashionCNN", "--bits", "6")
+    assert codes == [0, 0]
+    want = one_process("FashionCNN", bits=6)
+    assert [r["FashionCNN"] for r in ranks] == [want, want]
+
+
+def test_checkpoint_resumes_on_another_number_of_workers(tmp_path: Path) -> None:
+    ckpt = tmp_path / "half.ckpt"
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    codes, _ = run_workers(first, 2, "--steps", "5", "--save", str(ckpt))
+    assert codes == [0, 0]
+    codes, ranks = run_workers(second, 4, "--steps", str(STEPS), "--resume", str(ckpt))
+    assert codes == [0] * 4
+    want = one_process("FashionCNN")
+    assert {r["FashionCNN"]["checksum"] for r in ranks} == {want["checksum"]}
+    # and in one process: the checkpoint holds the whole program, not a worker's share
+    prog = mexc.load(ckpt)
+    net, shape = model("FashionCNN")
+    for x, y in batches(shape, BATCH, STEPS)[5:]:
+        prog.step(x, y)
+    assert prog.state_checksum() == want["checksum"]
+
+
+def test_a_crashed_worker_stops_the_others_with_a_clear_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    codes, _ = run_workers(tmp_path, 2, "--steps", "5", "--crash-rank", "1")
+    assert codes[1] == 3 and codes[0] != 0
+    err = capfd.readouterr().err
+    assert "DistributedError: data-parallel worker 0 of 2" in err
+    assert "Another worker stopped" in err
+
+
+def test_without_a_process_group_compile_says_how_to_start_workers() -> None:
+    net, shape = model("MLP")
+    with pytest.raises(DistributedError, match="torchrun --nproc-per-node"):
+        mexc.compile(net, (torch.zeros(8, *shape),), data_parallel=True)
+
+
+def test_targets_without_collectives_refuse() -> None:
+    net, shape = model("MLP")
+    with pytest.raises(DistributedError, match="not 'c'"):
+        mexc.compile(net, (torch.zeros(8, *shape),), target="c", data_parallel=True)
+
+
+def test_an_op_without_a_data_parallel_rule_is_refused_by_name() -> None:
+    from mexc.frontend import import_model
+    from mexc.pass_manager import PassContext, PassManager
+    from mexc.pipeline import PIPELINE
+    from examples.vit import ViTTiny
+
+    x = torch.zeros(4, 1, 28, 28)
+    front = import_model(ViTTiny(), x)
+    ctx = PassContext(batch=4, num_classes=front.num_classes, world=2)
+    with pytest.raises(UnsupportedOpError, match=r"data parallel: node %\d+ \(\w+\) at .*vit\.py"):
+        PassManager(PIPELINE).run(front.graph, ctx)
