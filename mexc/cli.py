@@ -227,15 +227,52 @@ def _export_cuda(prog: Any, args: argparse.Namespace) -> None:
     )
 
 
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _launch_workers(args: argparse.Namespace) -> int:
+    """`mexc train --nproc N`: the same command as N data-parallel workers on this machine
+    (gloo on localhost), as `torchrun --nproc-per-node N -m mexc train ...` would start them."""
+    from mexc.distributed import launch
+
+    if args.batch % args.nproc:
+        raise CliError(f"--batch {args.batch} does not split into --nproc {args.nproc} workers")
+    cmd = [sys.executable, "-m", "mexc", "train", *_without_nproc(args.argv[1:])]
+    codes = launch(cmd, args.nproc)
+    bad = [r for r, c in enumerate(codes) if c != 0]
+    if bad:
+        print(f"mexc: worker(s) {bad} failed (exit codes {codes})", file=sys.stderr)
+        return max(codes)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from mexc.data import load_splits
     from mexc.trainer import format_table, plot_curves, run_training, write_json_atomic
 
-    for flag in ("epochs", "batch"):
+    for flag in ("epochs", "batch", "nproc"):
         if getattr(args, flag) <= 0:
             raise CliError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_workers(args)
+    data_parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1  # a worker (torchrun, --nproc)
+    leader = True
+    if data_parallel:
+        from mexc.distributed import init_from_env
+
+        leader = init_from_env().rank == 0
     if args.resume and not Path(args.resume).is_dir():
         raise CliError(f"--resume {args.resume}: no such checkpoint folder")
     train, test = load_splits(args.data, args.limit_train, args.limit_test)
@@ -289,7 +326,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         # --target beside --resume moves the checkpointed program (its default does not)
         resume_target=args.target if "target" in getattr(args, "given", ()) else None,
         command=["mexc", *args.argv],
+        data_parallel=data_parallel,
     )
+    if not leader:
+        return 0  # worker 0 reports: every worker holds the same state
     print(format_table(results), end="")
     if args.out:
         write_json_atomic(args.out, results)
@@ -478,6 +518,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="first N images")
     p.add_argument("--limit-test", type=int, default=None, metavar="N", help="first N images")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train as N data-parallel workers on this machine (target reference; the same "
+        "bits as one process; docs/distributed.md)",
+    )
     p.set_defaults(func=cmd_train)
     return parser
 

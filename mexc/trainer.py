@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from mexc.data import Arrays, batches
+from mexc.distributed import shard_rows
 from mexc.errors import CheckpointError
 from mexc.program import Program
 from mexc.targets import load as load_program
@@ -93,16 +94,21 @@ class Trainer:
         checkpoint: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
     ) -> None:
-        batch = program.batch if batch is None else batch
-        if batch != program.batch:
+        # a data-parallel worker's program steps on its rows of the global batch (eval_batch)
+        batch = program.eval_batch if batch is None else batch
+        if batch != program.eval_batch:
             raise ValueError(
-                f"batch {batch} differs from the program's compiled batch {program.batch}"
+                f"batch {batch} differs from the program's compiled batch {program.eval_batch}"
             )
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         self.program = program
+        self.workers = program.workers
+        # one worker writes checkpoints and shows progress (every worker holds the same state)
+        self.leader = self.workers is None or self.workers.rank == 0
+        progress = progress and self.leader
         self.train_data = train_data
         self.test_data = test_data
         self.batch = batch
@@ -156,6 +162,8 @@ class Trainer:
             with bar:
                 while pos < self.steps_per_epoch and budget > 0:
                     idx = order[pos]
+                    if self.workers is not None:  # this worker's rows of the batch
+                        idx = shard_rows(idx, self.workers.rank, self.workers.world)
                     start = time.perf_counter()
                     loss = self.program.step(x[idx], y[idx])
                     elapsed = time.perf_counter() - start
@@ -207,7 +215,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- checkpoints
 
     def _save(self) -> None:
-        if self.checkpoint is not None:
+        if self.checkpoint is not None and self.leader:
             self.save_checkpoint(self.checkpoint)
 
     def state(self) -> dict[str, Any]:
@@ -248,10 +256,13 @@ class Trainer:
         checkpoint: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         target: str | None = None,
+        data_parallel: bool = False,
     ) -> Trainer:
         """A Trainer continuing the run checkpointed in `directory` (the same data is required).
         Checkpoints keep going to `directory` unless `checkpoint` names another folder. The
-        program resumes on the target it was saved from, or on `target` (mexc.load)."""
+        program resumes on the target it was saved from, or on `target` (mexc.load);
+        `data_parallel`: as this process's worker of the torch.distributed group, at any
+        number of workers."""
         d = Path(directory)
         state_path = d / STATE_FILE
         if not state_path.is_file() or not (d / PROGRAM_FILE).is_file():
@@ -263,7 +274,7 @@ class Trainer:
             st = json.loads(state_path.read_text())
             if not isinstance(st, dict) or st.get("format") != TRAINER_FORMAT:
                 raise CheckpointError(f"{state_path} is not a mexc trainer state")
-            prog = load_program(d / PROGRAM_FILE, target)
+            prog = load_program(d / PROGRAM_FILE, target, data_parallel)
             trainer = cls(
                 prog,
                 train_data,
@@ -602,11 +613,15 @@ def run_training(
     resume: str | os.PathLike[str] | None = None,
     resume_target: str | None = None,
     command: list[str] | None = None,
+    data_parallel: bool = False,
 ) -> dict[str, Any]:
     """Compile `model` (its current weights are the initial weights), train it integer-only,
     optionally train a deepcopy in FP32 the same way, and return the results document. With
     `resume`, the program, position and options come from that checkpoint instead, on the
-    target it was saved from or on `resume_target` (same bits on every target)."""
+    target it was saved from or on `resume_target` (same bits on every target).
+    `data_parallel`: this process is one worker of an initialised torch.distributed group;
+    `batch` is the global batch, and every worker trains on its rows of it (the FP32 baseline
+    runs on worker 0 only)."""
     import copy
 
     import torch
@@ -624,6 +639,7 @@ def run_training(
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every or None,
             target=resume_target,
+            data_parallel=data_parallel,
         )
     else:
         spe = len(train[1]) // batch
@@ -645,6 +661,7 @@ def run_training(
             per_group_velocity=per_group_velocity,
             rounding=rounding,
             trainable=trainable,
+            data_parallel=data_parallel,
         )
         trainer = Trainer(
             prog,
@@ -657,6 +674,8 @@ def run_training(
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every,
         )
+    if not trainer.leader:
+        fp32_model = None  # the baseline is worker 0's
     fp32_memory = None
     if fp32_model is not None:  # one measured step of a copy, before either run trains
         from mexc.fp32 import step_memory
@@ -689,6 +708,7 @@ def run_training(
             "resumed_from": str(resume or ""),
             "trainable": trainable or "all",
             "frozen_params": int(trainer.program.graph.attr("frozen_params", 0)),
+            "workers": trainer.workers.world if trainer.workers is not None else 1,
         },
         command=command,
         fp32_memory=fp32_memory,
