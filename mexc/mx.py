@@ -51,7 +51,8 @@ class Acc:
 
 class Collectives(Protocol):
     """What data-parallel workers agree through (mexc.distributed): element-wise integer
-    reductions over every worker, the same result on each."""
+    reductions over every worker, the same result on each. all_sum's operands and result are
+    int32 values (accumulators the caps bound); all_max takes any int64; all_gather int32."""
 
     def all_sum(self, a: np.ndarray) -> np.ndarray: ...
 
