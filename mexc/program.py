@@ -174,7 +174,7 @@ class Program:
         o = self.options
         rows = None
         if self.workers is not None:
-            rows = self.workers.rows(int(self.graph.attr("global_batch")))
+            rows = self.workers.rows(int(self.graph.attr("global_batch", self.batch)))
         ctx = RoundCtx(site_rounding(o.rounding, False), o.seed, self.step_count, o.bits, rows)
         env = StepEnv(
             ctx=ctx,
