@@ -1,7 +1,7 @@
 """Data-parallel training on localhost (gloo): mexc against PyTorch DDP in FP32.
 
     python bench/distributed.py [--models FashionCNN,MLP] [--batch 64] [--workers 1,2,4]
-                                [--blocks 4] [--block-steps 3] [--out bench/results/distributed.json]
+        [--blocks 4] [--block-steps 3] [--out bench/results/distributed.json]
 
 For each number of workers W, W processes (mexc.distributed.launch) train each model on the same
 global batch: mexc's data-parallel step (target reference, the only one that splits today;
@@ -49,83 +49,82 @@ def data(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.ndarra
     ]
 
 
+def measure(name: str, args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
+    """One model's figures on this worker (see the module docstring)."""
+    cls, shape = EXAMPLES[name]
+    torch.manual_seed(0)
+    net = cls()
+    fp32 = cls()
+    fp32.load_state_dict(net.state_dict())
+    steps = 2 + args.blocks * args.block_steps
+    batches = data(shape, args.batch, steps)
+    prog = mexc.compile(net, (torch.from_numpy(batches[0][0]),), data_parallel=world > 1)
+    comm = prog.workers.comm if prog.workers is not None else None
+    assert comm is None or isinstance(comm, TorchCollectives)
+    sent = {"bytes": 0, "calls": 0}
+    ddp: nn.Module = fp32
+    if world > 1:
+        ddp = nn.parallel.DistributedDataParallel(fp32)
+
+        # unannotated: DDP checks a hook's annotations against dist.GradBucket
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            buf = bucket.buffer()
+            sent["bytes"] += buf.numel() * buf.element_size()
+            sent["calls"] += 1
+            fut = torch.distributed.all_reduce(buf, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0] / world)
+
+        ddp.register_comm_hook(None, hook)  # type: ignore[operator]
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    def mexc_step(i: int) -> None:
+        x, y = batches[i]
+        prog.step(shard_rows(x, rank, world), shard_rows(y, rank, world))
+
+    def fp32_step(i: int) -> None:
+        x, y = batches[i]
+        xs = torch.from_numpy(shard_rows(x, rank, world))
+        ys = torch.from_numpy(shard_rows(y, rank, world).astype(np.int64))
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(xs), ys).backward()
+        opt.step()
+
+    before = (comm.bytes_sent, comm.calls) if comm else (0, 0)
+    for i in range(2):  # warm-up; mexc's collectives counted over these two steps
+        mexc_step(i)
+        fp32_step(i)
+    after = (comm.bytes_sent, comm.calls) if comm else (0, 0)
+    sent["bytes"] = sent["calls"] = 0
+    times: dict[str, list[float]] = {"mexc": [], "fp32": []}
+    i = 2
+    for _ in range(args.blocks):
+        for label, fn in (("mexc", mexc_step), ("fp32", fp32_step)):
+            time.sleep(SETTLE_S)
+            if world > 1:
+                torch.distributed.barrier()
+            t = time.perf_counter()
+            for k in range(args.block_steps):
+                fn(i + k)
+            times[label].append((time.perf_counter() - t) / args.block_steps)
+        i += args.block_steps
+    timed = args.blocks * args.block_steps
+    return {
+        "mexc_s_per_step": statistics.median(times["mexc"]),
+        "fp32_ddp_s_per_step": statistics.median(times["fp32"]),
+        "mexc_bytes_per_step": (after[0] - before[0]) // 2,
+        "mexc_collectives_per_step": (after[1] - before[1]) // 2,
+        "fp32_ddp_bytes_per_step": sent["bytes"] // timed,
+        "fp32_ddp_collectives_per_step": sent["calls"] // timed,
+        "checksum": prog.state_checksum(),
+        "params": sum(p.numel() for p in fp32.parameters()),
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = init_from_env().rank if world > 1 else 0
     torch.set_num_threads(1)  # W workers share the cores: one thread each
-    out: dict[str, Any] = {}
-    for name in args.models.split(","):
-        cls, shape = EXAMPLES[name]
-        torch.manual_seed(0)
-        net = cls()
-        fp32 = cls()
-        fp32.load_state_dict(net.state_dict())
-        steps = 2 + args.blocks * args.block_steps
-        batches = data(shape, args.batch, steps)
-        x0 = torch.from_numpy(batches[0][0])
-        prog = mexc.compile(net, (x0,), data_parallel=world > 1)
-        comm = prog.workers.comm if prog.workers is not None else None
-        assert comm is None or isinstance(comm, TorchCollectives)
-        sent = {"bytes": 0, "calls": 0}
-        if world > 1:
-            ddp: nn.Module = nn.parallel.DistributedDataParallel(fp32)
-
-            # unannotated: DDP checks a hook's annotations against dist.GradBucket
-            def hook(state, bucket):  # type: ignore[no-untyped-def]
-                buf = bucket.buffer()
-                sent["bytes"] += buf.numel() * buf.element_size()
-                sent["calls"] += 1
-                return torch.distributed.all_reduce(buf, async_op=True).get_future().then(
-                    lambda f: f.value()[0] / world
-                )
-
-            ddp.register_comm_hook(None, hook)  # type: ignore[operator]
-        else:
-            ddp = fp32
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-
-        def mexc_step(i: int) -> None:
-            x, y = batches[i]
-            prog.step(shard_rows(x, rank, world), shard_rows(y, rank, world))
-
-        def fp32_step(i: int) -> None:
-            x, y = batches[i]
-            xs = torch.from_numpy(shard_rows(x, rank, world))
-            ys = torch.from_numpy(shard_rows(y, rank, world).astype(np.int64))
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(xs), ys).backward()
-            opt.step()
-
-        times: dict[str, list[float]] = {"mexc": [], "fp32": []}
-        bytes0 = comm.bytes_sent if comm else 0
-        calls0 = comm.calls if comm else 0
-        for i in range(2):  # warm-up
-            mexc_step(i)
-            fp32_step(i)
-        bytes0 = (comm.bytes_sent if comm else 0) - bytes0
-        calls0 = (comm.calls if comm else 0) - calls0
-        sent = {"bytes": 0, "calls": 0}
-        i = 2
-        for _ in range(args.blocks):
-            for label, fn in (("mexc", mexc_step), ("fp32", fp32_step)):
-                time.sleep(SETTLE_S)
-                if world > 1:
-                    torch.distributed.barrier()
-                t = time.perf_counter()
-                for k in range(args.block_steps):
-                    fn(i + k)
-                times[label].append((time.perf_counter() - t) / args.block_steps)
-            i += args.block_steps
-        out[name] = {
-            "mexc_s_per_step": statistics.median(times["mexc"]),
-            "fp32_ddp_s_per_step": statistics.median(times["fp32"]),
-            "mexc_bytes_per_step": bytes0 // 2,
-            "mexc_collectives_per_step": calls0 // 2,
-            "fp32_ddp_bytes_per_step": sent["bytes"] // (args.blocks * args.block_steps),
-            "fp32_ddp_collectives_per_step": sent["calls"] // (args.blocks * args.block_steps),
-            "checksum": prog.state_checksum(),
-            "params": sum(p.numel() for p in fp32.parameters()),
-        }
+    out = {name: measure(name, args, world, rank) for name in args.models.split(",")}
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(out))
 

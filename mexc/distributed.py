@@ -57,7 +57,7 @@ class TorchCollectives:
         import torch
 
         dist = _dist()
-        arr = np.array(a, dtype, order="C")  # a copy, of any rank (0 included)
+        arr: np.ndarray = np.array(a, dtype, order="C")  # a copy, of any rank (0 included)
         t = torch.from_numpy(arr.reshape(-1))
         self.bytes_sent += arr.nbytes
         self._run(what, lambda: dist.all_reduce(t, op=op))

@@ -7,6 +7,8 @@ Conventions used by every kernel (docs/layers.md):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from mexc import numerics as _numerics
@@ -301,12 +303,18 @@ def compact_common(
         amax = np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
     else:
         amax = np.zeros(a.shape[axis], np.int64)
-    if rows is not None:
-        amax = rows.max(amax)
+    if rows is not None and axis != 0:
+        amax = rows.max(amax)  # the groups (channels) are every worker's: their maxima agree
     start = row_offset(a, rows)
     s = compaction_shift(amax, ctx.bits)
     cand = eg + s
     e_out = int(cand[amax > 0].max()) if np.any(amax > 0) else int(eg.max())
+    if rows is not None and axis == 0:
+        # the groups are this worker's rows: e_out is the largest over every worker's rows
+        low = np.iinfo(np.int32).min
+        mine = [e_out if np.any(amax > 0) else low, int(np.any(amax > 0)), int(eg.max())]
+        best, any_nonzero, top = (int(v) for v in rows.max(np.asarray(mine, np.int64)))
+        e_out = best if any_nonzero else top
     shape = [1] * a.ndim
     shape[axis] = a.shape[axis]
     sh = common_shifts(e_out, eg, amax).reshape(shape)
@@ -321,7 +329,7 @@ def compact_common(
 
 
 def aligned_sum_fast(
-    terms: list[tuple[np.ndarray, np.ndarray | int, int]],
+    terms: Sequence[tuple[np.ndarray, np.ndarray | int, int]],
     rounding: Rounding,
     keys: list[int],
     starts: list[int] | None = None,

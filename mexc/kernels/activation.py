@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mexc.kernels._common import compact_mx, fast_compact_to_bits, i64, scalar_exp, site_key
+from mexc.kernels._common import (
+    compact_mx,
+    fast_compact_to_bits,
+    i64,
+    row_offset,
+    scalar_exp,
+    site_key,
+)
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import (
     SIGMOID_GRAD_TABLE,
@@ -80,9 +87,9 @@ def _hardswish_grid(m: np.ndarray, e: int) -> tuple[np.ndarray, int]:
 
 def _divide_by_six(acc: np.ndarray, e: int, ctx: RoundCtx, tid: int) -> MX:
     """acc 2^e / 6: compact_to_bits(acc, 15) (site 0), div_const by 6, compaction (site 1)."""
-    a, ea = fast_compact_to_bits(acc, e, 15, ctx.rounding, site_key(ctx, tid, 0))
+    a, ea = fast_compact_to_bits(acc, e, 15, ctx.rounding, site_key(ctx, tid, 0), ctx.rows)
     q, eq = div_const(a, ea, Reciprocal.of(HS_DIVISOR))
-    return compact_mx(q, eq, ctx, site_key(ctx, tid, 1))
+    return compact_mx(q, eq, ctx, site_key(ctx, tid, 1), batch=True)
 
 
 def hardswish_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
@@ -146,11 +153,13 @@ def table_product(a: MX | None, x: MX, table: LookupTable, ctx: RoundCtx, tid: i
     SIGMOID_TABLE), SiLU table_product(x, x, SIGMOID_TABLE); their gradients
     table_product(dy, x, SIGMOID_GRAD_TABLE | SILU_GRAD_TABLE)."""
     ex = scalar_exp(x, f"{table.name} input")
-    t = table.lookup(i64(x.m), ex, ctx.rounding, site_key(ctx, tid, 0))
+    start = row_offset(x.m, ctx.rows)
+    t = table.lookup(i64(x.m), ex, ctx.rounding, site_key(ctx, tid, 0), start)
     if a is None:
-        return compact_mx(t, table.out_exp, ctx, site_key(ctx, tid, 1))
+        return compact_mx(t, table.out_exp, ctx, site_key(ctx, tid, 1), batch=True)
     ea = scalar_exp(a, "factor")
-    return compact_mx(i64(a.m) * t, ea + table.out_exp, ctx, site_key(ctx, tid, 1))
+    acc = i64(a.m) * t
+    return compact_mx(acc, ea + table.out_exp, ctx, site_key(ctx, tid, 1), batch=True)
 
 
 def sigmoid_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:

@@ -78,7 +78,10 @@ def dropout_forward(
     if float(pf) >= 1.0:
         raise ValueError("dropout probability must be < 1")
     size = int(np.prod(x.shape, dtype=np.int64))
-    words = element_bits(site_key(ctx, tid, 0), (size // per,)).astype(np.int64)
+    # a data-parallel worker's first decision is the whole batch's word start / per (one
+    # word for the whole batch: word 0 on every worker)
+    first = row_offset(x.m, ctx.rows) // per if per < size else 0
+    words = element_bits(site_key(ctx, tid, 0), (size // per,), first).astype(np.int64)
     words = np.repeat(words, per).reshape(x.shape)
     mask = words < _keep_threshold(pf)
     return _scale_masked(x, mask, pf, ctx, site_key(ctx, tid, 1)), mask
@@ -95,7 +98,7 @@ def dropout_backward(
 def _scale_masked(x: MX, mask: np.ndarray, p: FixedScalar, ctx: RoundCtx, key: int) -> MX:
     s = dropout_scale(p)
     acc = np.where(mask, i64(x.m) * s.num, 0)  # |.| < 2^7 * 2^15
-    return compact_mx(acc, x.e - s.shift, ctx, key)
+    return compact_mx(acc, x.e - s.shift, ctx, key, batch=True)
 
 
 def concat_target(exps: list[int]) -> int:
@@ -114,8 +117,8 @@ def concat_forward(xs: list[MX], dim: int, ctx: RoundCtx, tid: int) -> MX:
     s = np.concatenate(
         [np.full(x.m.shape, target - e, np.int64) for x, e in zip(xs, exps)], axis=dim
     )
-    acc = shift_signed(m, s, ctx.rounding, site_key(ctx, tid, 0))
-    return compact_mx(acc, target, ctx, site_key(ctx, tid, 1))
+    acc = shift_signed(m, s, ctx.rounding, site_key(ctx, tid, 0), row_offset(m, ctx.rows))
+    return compact_mx(acc, target, ctx, site_key(ctx, tid, 1), batch=True)
 
 
 # ----------------------------------------------------------------------------- products
@@ -135,7 +138,7 @@ def mul_forward(x: MX, g: MX, ctx: RoundCtx, tid: int) -> MX:
     exact) at e_x + e_g, compaction (site 0). dx of a product is mul_forward(dy, g)."""
     ex, eg = scalar_exp(x, "mul input"), scalar_exp(g, "mul factor")
     acc = np.broadcast_to(i64(x.m) * i64(g.m), x.m.shape)
-    return compact_mx(acc, ex + eg, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc, ex + eg, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def broadcast_axes(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -154,15 +157,18 @@ def mul_backward_factor(
     ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "mul input")
     axes = broadcast_axes(x.m.shape, g_shape)
     terms = int(np.prod([x.m.shape[a] for a in axes], dtype=np.int64))
+    if ctx.rows is not None and 0 in axes:  # a parameter: the sum covers every worker's rows
+        terms = terms // x.m.shape[0] * ctx.rows.width(x.m.shape[0])
     t = mul_grad_shift(terms)
     prod = i64(dy.m) * i64(x.m)
     if t:
-        prod = shift_right(prod, t, ctx.rounding, site_key(ctx, tid, 1))
+        start = row_offset(prod, ctx.rows)
+        prod = shift_right(prod, t, ctx.rounding, site_key(ctx, tid, 1), start)
     acc = prod.sum(axis=axes, keepdims=True).reshape(g_shape)
     check_int32(acc, "mul_backward_factor")
-    if param:
+    if param:  # with ctx.rows: this worker's share (an ALL_REDUCE adds them)
         return Acc(acc, np.asarray(ed + ex + t, np.int64))
-    return compact_mx(acc, ed + ex + t, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc, ed + ex + t, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def factor_view(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[int, int, int] | None:

@@ -7,7 +7,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from mexc.kernels._common import (
     MAG,
-    abs_max,
     compact_mx,
     debug_on,
     fast_compact_to_bits,

@@ -13,9 +13,7 @@ from mexc.numerics import qmax
 QUANTIZE_BLOCK = 1 << 16  # elements quantized at a time (quantize)
 
 
-def quantize(
-    x: np.ndarray, bits: int = 8, agree: Callable[[float], float] | None = None
-) -> MX:
+def quantize(x: np.ndarray, bits: int = 8, agree: Callable[[float], float] | None = None) -> MX:
     """Per-tensor quantization of a float array at the model boundary.
 
     e = smallest integer with max|x| <= qmax * 2^e (e = 0 for an all-zero tensor);

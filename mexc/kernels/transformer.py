@@ -27,6 +27,7 @@ from mexc.kernels._common import (
     i64,
     int_matmul,
     product_bits,
+    row_offset,
     scalar_exp,
     site_key,
 )
@@ -104,7 +105,8 @@ def layernorm_forward(
     e_c = ex - f
     amax = np.abs(xc).max(axis=1)
     r = _var_shift(amax, d)
-    tq = fast_shift_right(xc, r[:, None], ctx.rounding, site_key(ctx, tid, 0))
+    start = row_offset(xc, ctx.rows)
+    tq = fast_shift_right(xc, r[:, None], ctx.rounding, site_key(ctx, tid, 0), start=start)
     vsum = (tq * tq).sum(axis=1)
     check_int32(vsum, "layernorm_var_sum")
     sv = np.maximum(30 - bit_length(vsum), 0)
@@ -115,14 +117,13 @@ def layernorm_forward(
     rstd, rstd_e = _rstd(var_m, ev, _eps_fixed(eps))
     acc = xc * rstd[:, None]
     check_int32(acc, "layernorm_xhat")
-    xh = compact_common(acc, e_c + rstd_e, 0, ctx, site_key(ctx, tid, 1))
+    xh = compact_common(acc, e_c + rstd_e, 0, ctx, site_key(ctx, tid, 1), batch=True)
     xhat = MX.of(xh.m.reshape(x.shape), xh.e)
     prod = i64(xh.m) * i64(gamma.m)[None, :]
     keys = [site_key(ctx, tid, 2), site_key(ctx, tid, 3)]
-    y, e_y = aligned_sum_fast(
-        [(prod, int(xh.e) + eg, 2 * MAG), (i64(beta.m)[None, :], eb, MAG)], ctx.rounding, keys
-    )
-    out = compact_mx(y.reshape(x.shape), e_y, ctx, site_key(ctx, tid, 4))
+    terms = [(prod, int(xh.e) + eg, 2 * MAG), (i64(beta.m)[None, :], eb, MAG)]
+    y, e_y = aligned_sum_fast(terms, ctx.rounding, keys, [start, 0])
+    out = compact_mx(y.reshape(x.shape), e_y, ctx, site_key(ctx, tid, 4), batch=True)
     saved = LayerNormSaved(
         xhat=xhat,
         rstd=rstd,
@@ -159,10 +160,11 @@ def layernorm_backward(
     d = saved.count
     d2 = _rows(dy.m)
     xh = _rows(saved.xhat.m)
-    rows = d2.shape[0]
-    dbeta = d2.sum(axis=0)
+    rows = d2.shape[0] if ctx.rows is None else ctx.rows.width(d2.shape[0])
+    start = row_offset(d2, ctx.rows)
+    dbeta = d2.sum(axis=0)  # with ctx.rows: this worker's share (an ALL_REDUCE adds them)
     check_int32(dbeta, "layernorm_dbeta")
-    dp, edp = fit_product(d2, ed, rows, ctx, site_key(ctx, tid, 7))
+    dp, edp = fit_product(d2, ed, rows, ctx, site_key(ctx, tid, 7), start)
     dgamma = (i64(dp) * xh).sum(axis=0)
     check_int32(dgamma, "layernorm_dgamma")
     lg = ceil_log2(d)
@@ -170,12 +172,13 @@ def layernorm_backward(
     e_g = ed + eg
     pre = 2 * MAG + MAG + lg - 31
     if pre > 0:
-        g = fast_shift_right(g, pre, ctx.rounding, site_key(ctx, tid, 5))
+        g = fast_shift_right(g, pre, ctx.rounding, site_key(ctx, tid, 5), start=start)
         e_g += pre
     sg = g.sum(axis=1, keepdims=True)
     sgx = (g * xh).sum(axis=1, keepdims=True)
     check_int32(sgx, "layernorm_sgx")
-    sgx16, e_sgx = fast_compact_to_bits(sgx, e_g + exh, 15, ctx.rounding, site_key(ctx, tid, 0))
+    key0 = site_key(ctx, tid, 0)
+    sgx16, e_sgx = fast_compact_to_bits(sgx, e_g + exh, 15, ctx.rounding, key0, ctx.rows)
     dg = g * d  # |.| < 2^(14 + lg)
     check_int32(dg, "layernorm_bwd")
     keys = [site_key(ctx, tid, j) for j in (1, 2, 3)]
@@ -187,12 +190,14 @@ def layernorm_backward(
         ],
         ctx.rounding,
         keys,
+        [start, row_offset(sg, ctx.rows), start],
     )
-    t16, e_t16 = fast_compact_to_bits(t, e_t, 15, ctx.rounding, site_key(ctx, tid, 4))
+    t16, e_t16 = fast_compact_to_bits(t, e_t, 15, ctx.rounding, site_key(ctx, tid, 4), ctx.rows)
     bk, e_bk = div_const(t16, e_t16, Reciprocal.of(d))
     dxa = bk * saved.rstd[:, None]
     check_int32(dxa, "layernorm_dx")
-    dxm = compact_common(dxa, int(e_bk) + saved.rstd_e, 0, ctx, site_key(ctx, tid, 6))
+    e_dx = int(e_bk) + saved.rstd_e
+    dxm = compact_common(dxa, e_dx, 0, ctx, site_key(ctx, tid, 6), batch=True)
     return (
         MX.of(dxm.m.reshape(dy.shape), dxm.e),
         Acc(dgamma, np.asarray(edp + exh, np.int64)),
@@ -219,14 +224,15 @@ def gelu_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
     e = scalar_exp(x, "gelu input")
     xm = i64(x.m)
     if e > GELU_RANGE_LOG2:
-        return compact_mx(np.maximum(xm, 0), e, ctx, site_key(ctx, tid, 1))
-    tab = GELU_TABLE.lookup(xm, e, ctx.rounding, site_key(ctx, tid, 0))
+        return compact_mx(np.maximum(xm, 0), e, ctx, site_key(ctx, tid, 1), batch=True)
+    start = row_offset(xm, ctx.rows)
+    tab = GELU_TABLE.lookup(xm, e, ctx.rounding, site_key(ctx, tid, 0), start)
     e_out = GELU_TABLE.out_exp
     k = e - e_out
     if k > 0:
         th = 1 << max(GELU_RANGE_LOG2 - e, 0)
         tab = np.where(xm >= th, xm << k, np.where(xm < -th, 0, tab))
-    return compact_mx(tab, e_out, ctx, site_key(ctx, tid, 1))
+    return compact_mx(tab, e_out, ctx, site_key(ctx, tid, 1), batch=True)
 
 
 def gelu_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
@@ -261,14 +267,16 @@ def softmax_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
     if k > 1 << 16:
         raise ValueError("softmax rows longer than 2^16 overflow the int32 row sum")
     d = m - m.max(axis=-1, keepdims=True)
-    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0))
+    start = row_offset(d, ctx.rows)
+    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0), start)
     srow = ex.sum(axis=-1, keepdims=True)
     check_int32(srow, "softmax_sum")
     recip = idiv_round(np.asarray(1 << SOFTMAX_RECIP_LOG2, np.int64), srow)
     prod = ex * recip
     check_int32(prod, "softmax_norm")
     pe = softmax_prob_exp(ctx.bits)
-    p = fast_shift_right(prod, SOFTMAX_RECIP_LOG2 + pe, ctx.rounding, site_key(ctx, tid, 1))
+    sh = SOFTMAX_RECIP_LOG2 + pe
+    p = fast_shift_right(prod, sh, ctx.rounding, site_key(ctx, tid, 1), start=start)
     return MX.of(np.minimum(p, qmax(ctx.bits)), pe)
 
 
@@ -282,17 +290,19 @@ def softmax_backward(dy: MX, p: MX, ctx: RoundCtx, tid: int) -> MX:
     """
     ed, ep = scalar_exp(dy, "dy"), scalar_exp(p, "softmax probabilities")
     k = dy.shape[-1]
-    dm, eds = fit_product(i64(dy.m), ed, k, ctx, site_key(ctx, tid, 5))
+    start = row_offset(dy.m, ctx.rows)
+    dm, eds = fit_product(i64(dy.m), ed, k, ctx, site_key(ctx, tid, 5), start)
     s = (i64(dm) * i64(p.m)).sum(axis=-1, keepdims=True)
     check_int32(s, "softmax_bwd_sum")
     keys = [site_key(ctx, tid, 1), site_key(ctx, tid, 2)]
-    t, e_t = aligned_sum_fast(
-        [(i64(dy.m), ed, MAG), (-s, eds + ep, product_bits(k))], ctx.rounding, keys
-    )
-    t16, e_t16 = fast_compact_to_bits(t, e_t, DIV_BITS, ctx.rounding, site_key(ctx, tid, 3))
+    terms = [(i64(dy.m), ed, MAG), (-s, eds + ep, product_bits(k))]
+    starts = [start, row_offset(s, ctx.rows)]
+    t, e_t = aligned_sum_fast(terms, ctx.rounding, keys, starts)
+    key3 = site_key(ctx, tid, 3)
+    t16, e_t16 = fast_compact_to_bits(t, e_t, DIV_BITS, ctx.rounding, key3, ctx.rows)
     acc = i64(p.m) * t16
     check_int32(acc, "softmax_bwd")
-    return compact_mx(acc, ep + e_t16, ctx, site_key(ctx, tid, 4))
+    return compact_mx(acc, ep + e_t16, ctx, site_key(ctx, tid, 4), batch=True)
 
 
 # ------------------------------------------------------------------------------------ matmul
@@ -314,9 +324,9 @@ def matmul_forward(a: MX, b: MX, ctx: RoundCtx, tid: int) -> MX:
     k = a.shape[-1]
     if b.shape[-2] != k:
         raise ValueError(f"matmul: inner dims differ, {a.shape} @ {b.shape}")
-    am, ea = fit_product(a.m, ea, k, ctx, site_key(ctx, tid, 3))
+    am, ea = fit_product(a.m, ea, k, ctx, site_key(ctx, tid, 3), row_offset(a.m, ctx.rows))
     acc = int_matmul(am, b.m)
-    return compact_mx(acc, ea + eb, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc, ea + eb, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def matmul_backward(dy: MX, a: MX, b: MX, ctx: RoundCtx, tid: int) -> tuple[MX, MX]:
@@ -327,10 +337,13 @@ def matmul_backward(dy: MX, a: MX, b: MX, ctx: RoundCtx, tid: int) -> tuple[MX, 
     ed = scalar_exp(dy, "dy")
     ea, eb = scalar_exp(a, "matmul a"), scalar_exp(b, "matmul b")
     n, m = b.shape[-1], a.shape[-2]
-    dm, ed1 = fit_product(dy.m, ed, n, ctx, site_key(ctx, tid, 2))
-    da = compact_mx(int_matmul(dm, np.swapaxes(b.m, -1, -2)), ed1 + eb, ctx, site_key(ctx, tid, 0))
-    at, ea2 = fit_product(np.swapaxes(a.m, -1, -2), ea, m, ctx, site_key(ctx, tid, 3))
-    db = compact_mx(int_matmul(at, dy.m), ea2 + ed, ctx, site_key(ctx, tid, 1))
+    rows = ctx.rows
+    dm, ed1 = fit_product(dy.m, ed, n, ctx, site_key(ctx, tid, 2), row_offset(dy.m, rows))
+    da_acc = int_matmul(dm, np.swapaxes(b.m, -1, -2))
+    da = compact_mx(da_acc, ed1 + eb, ctx, site_key(ctx, tid, 0), batch=True)
+    a_t = np.swapaxes(a.m, -1, -2)
+    at, ea2 = fit_product(a_t, ea, m, ctx, site_key(ctx, tid, 3), row_offset(a_t, rows))
+    db = compact_mx(int_matmul(at, dy.m), ea2 + ed, ctx, site_key(ctx, tid, 1), batch=True)
     return da, db
 
 
@@ -342,7 +355,7 @@ def scale_forward(x: MX, s: FixedScalar, ctx: RoundCtx, tid: int) -> MX:
     acc = m num (< 2^22) at e_x - shift; compaction (**site 0**). A power of two is exact."""
     e = scalar_exp(x, "scale input")
     acc = i64(x.m) * int(s.num)
-    return compact_mx(acc, e - s.shift, ctx, site_key(ctx, tid, 0))
+    return compact_mx(acc, e - s.shift, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def scale_backward(dy: MX, s: FixedScalar, ctx: RoundCtx, tid: int) -> MX:
@@ -364,8 +377,10 @@ def add_broadcast_forward(x: MX, p: MX, ctx: RoundCtx, tid: int) -> MX:
         raise ValueError(f"add_broadcast: p must have shape (1,) + {x.shape[1:]}, got {p.shape}")
     ex, ep = scalar_exp(x, "x"), scalar_exp(p, "p")
     keys = [site_key(ctx, tid, 0), site_key(ctx, tid, 1)]
-    acc, e = aligned_sum_fast([(i64(x.m), ex, MAG), (i64(p.m), ep, MAG)], ctx.rounding, keys)
-    return compact_mx(np.broadcast_to(acc, x.shape), e, ctx, site_key(ctx, tid, 2))
+    terms = [(i64(x.m), ex, MAG), (i64(p.m), ep, MAG)]
+    acc, e = aligned_sum_fast(terms, ctx.rounding, keys, [row_offset(x.m, ctx.rows), 0])
+    full = np.broadcast_to(acc, x.shape)
+    return compact_mx(full, e, ctx, site_key(ctx, tid, 2), batch=True)
 
 
 def add_broadcast_param_grad(dy: MX) -> Acc:
@@ -403,7 +418,7 @@ def mean_tokens_backward(dy: MX, t: int, ctx: RoundCtx, tid: int) -> MX:
     g, eg = div_const(i64(dy.m) << (DIV_BITS - MAG), e - (DIV_BITS - MAG), Reciprocal.of(t))
     b, d = dy.shape
     full = np.broadcast_to(g[:, None, :], (b, t, d))
-    return compact_mx(full, eg, ctx, site_key(ctx, tid, 0))
+    return compact_mx(full, eg, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 __all__ = [

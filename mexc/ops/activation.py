@@ -139,6 +139,7 @@ define(
         ),
         lower={"tir": _tir("gelu"), "c": "emit:_gelu"},
         doc="exact GELU through an integer lookup table (docs/numerics.md)",
+        data_parallel=True,
     ),
     OpDef(
         Op.HARDSWISH,
@@ -152,6 +153,7 @@ define(
         ),
         lower={"tir": _tir("hardswish"), "c": "emit:_hardswish"},
         doc="x relu6(x + 3) / 6, exact on the 2^-16 grid, one division by 6 (docs/layers.md)",
+        data_parallel=True,
     ),
     OpDef(
         Op.HARDSIGMOID,
@@ -167,6 +169,7 @@ define(
         ),
         lower={"tir": _tir("hardsigmoid"), "c": "emit:_hardsigmoid"},
         doc="relu6(x + 3) / 6 on hardswish's grid, one division by 6 (docs/layers.md)",
+        data_parallel=True,
     ),
     OpDef(
         Op.SIGMOID,
@@ -185,6 +188,7 @@ define(
         ),
         lower={"tir": _tir("sigmoid"), "c": "emit:_sigmoid"},
         doc="the logistic function through an integer table at 2^-15 (docs/layers.md)",
+        data_parallel=True,
     ),
     OpDef(
         Op.SILU,
@@ -198,6 +202,7 @@ define(
         ),
         lower={"tir": _tir("silu"), "c": "emit:_silu"},
         doc="x sigmoid(x): the mantissa times the sigmoid table, one compaction",
+        data_parallel=True,
     ),
     OpDef(
         Op.RELU_GRAD,
@@ -223,6 +228,7 @@ define(
         reference=_hardswish_grad,
         lower={"tir": _tir("hardswish_grad"), "c": "emit:_hardswish_grad"},
         doc="dy (2x + 3) / 6 inside (-3, 3), dy above, 0 below",
+        data_parallel=True,
     ),
     OpDef(
         Op.HARDSIGMOID_GRAD,
@@ -230,6 +236,7 @@ define(
         reference=_hardsigmoid_grad,
         lower={"tir": _tir("hardsigmoid_grad"), "c": "emit:_hardsigmoid_grad"},
         doc="dy / 6 strictly inside (-3, 3), else 0",
+        data_parallel=True,
     ),
     OpDef(
         Op.SIGMOID_GRAD,
@@ -237,6 +244,7 @@ define(
         reference=_sigmoid_grad,
         lower={"tir": _tir("sigmoid_grad"), "c": "emit:_sigmoid_grad"},
         doc="dy sigmoid'(x) through a table",
+        data_parallel=True,
     ),
     OpDef(
         Op.SILU_GRAD,
@@ -244,6 +252,7 @@ define(
         reference=_silu_grad,
         lower={"tir": _tir("silu_grad"), "c": "emit:_silu_grad"},
         doc="dy SiLU'(x) through a table",
+        data_parallel=True,
     ),
     OpDef(
         Op.GELU_GRAD,
@@ -251,5 +260,6 @@ define(
         reference=_gelu_grad,
         lower={"tir": _tir("gelu_grad"), "c": "emit:_gelu_grad"},
         doc="dy times GELU'(x) through a lookup table",
+        data_parallel=True,
     ),
 )

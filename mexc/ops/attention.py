@@ -161,6 +161,7 @@ define(
         ),
         lower={"tir": "step_plan:PlanRules.softmax", "c": "emit:_softmax"},
         doc="softmax over the last axis through the integer exp table",
+        data_parallel=True,
     ),
     OpDef(
         Op.SOFTMAX_GRAD,
@@ -168,6 +169,7 @@ define(
         reference=_softmax_grad,
         lower={"tir": "step_plan:PlanRules.softmax_grad", "c": "emit:_softmax_grad"},
         doc="dx = p * (dy - sum(p * dy))",
+        data_parallel=True,
     ),
     OpDef(
         Op.MATMUL,
@@ -188,6 +190,7 @@ define(
         product=True,
         reduction=_matmul_k,
         doc="batched [..., M, K] @ [..., K, N] of two activations, compacted",
+        data_parallel=True,
     ),
     OpDef(
         Op.MATMUL_GRAD,
@@ -201,5 +204,6 @@ define(
         product=True,
         reduction=_matmul_grad_k,
         doc="da = dy @ b^T and db = a^T @ dy, compacted",
+        data_parallel=True,
     ),
 )

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, SITES_PER_NODE
 from mexc.numerics import FixedScalar
@@ -129,3 +131,38 @@ def unary_function(op: Op) -> Callable[..., Value]:
         return c.emit(op, [c.arg(n.args[0])], n)
 
     return convert
+
+
+# --- data parallel (OpDef.data_parallel / batch_partial callables; docs/distributed.md)
+
+
+def keeps_batch_dim(n: Node) -> bool:
+    """A concat or slice splits over data-parallel workers unless it works along the batch
+    axis (a worker's rows would not be the rows of the whole result)."""
+    dim, ndim = int(n.attrs.dim), len(n.type.shape)
+    return dim % ndim != 0
+
+
+def transposed_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
+    """Where a transpose puts the input's batch axis."""
+    return tuple(int(p) for p in n.attrs.perm).index(axis)
+
+
+def sliced_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
+    """A slice (or its gradient) keeps the batch axis, unless it cuts along it."""
+    return None if int(n.attrs.dim) % len(x.shape) == axis else axis
+
+
+def reshaped_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
+    """A reshape keeps the rows of a batch whose axis is outermost in memory (every axis
+    before it of extent 1): the result's batch axis is its first axis of extent above 1. A
+    worker's rows are then one contiguous block of the whole tensor, before and after."""
+    if int(np.prod(x.shape[:axis], dtype=np.int64)) != 1:
+        return None
+    out = tuple(n.type.shape)
+    return next((j for j, d in enumerate(out) if d != 1), None)
+
+
+def param_grad_share(n: Node) -> tuple[int, ...]:
+    """mul_grad's result is a worker's share of a batch sum when the factor is a parameter."""
+    return (0,) if bool(n.attrs.param) else ()

@@ -39,7 +39,7 @@ def table() -> str:
         "insert-optimizer, *data parallel* ones from shard-batch. llvm and cuda share the TIR",
         "lowering. A backend without an op refuses the model with an error that names the node.",
         "*split* says whether a data-parallel worker can run the op on its rows of the batch",
-        "(`OpDef.data_parallel`, docs/distributed.md); \"-\" where the op never reads the batch.",
+        '(`OpDef.data_parallel`, docs/distributed.md); "-" where the op never reads the batch.',
         "",
         "| op | role | " + " | ".join(BACKENDS) + " | split | defined in | what it computes |",
         "|---|---|" + "---|" * len(BACKENDS) + "---|---|---|",

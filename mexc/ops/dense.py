@@ -314,7 +314,8 @@ define(
         product=True,
         reduction=_conv_grad_weight_k,
         doc="dw of a convolution: an int32 accumulator for the update",
-        data_parallel=True, batch_partial=(0,),
+        data_parallel=True,
+        batch_partial=(0,),
     ),
     OpDef(
         Op.LINEAR_GRAD_INPUT,
@@ -342,7 +343,8 @@ define(
         product=True,
         reduction=_linear_grad_weight_k,
         doc="dw of a linear layer: an int32 accumulator for the update",
-        data_parallel=True, batch_partial=(0,),
+        data_parallel=True,
+        batch_partial=(0,),
     ),
     OpDef(
         Op.BIAS_GRAD,
@@ -350,6 +352,7 @@ define(
         reference=_bias_grad,
         lower={"tir": _tir("bias_grad"), "c": "emit:_bias_grad"},
         doc="db: the sum of dy over the batch (and spatial or token) axes, int32",
-        data_parallel=True, batch_partial=(0,),
+        data_parallel=True,
+        batch_partial=(0,),
     ),
 )

@@ -40,7 +40,8 @@ define(
         lower={"tir": "step_plan:PlanRules.softmax_ce", "c": "emit:_softmax_ce"},
         loss_head=True,  # its scalar result, the logging-only loss, may be f32
         doc="the loss head: u8 probabilities and the (logging-only, float) mean loss",
-        data_parallel=True, batch_whole=(1,),
+        data_parallel=True,
+        batch_whole=(1,),
     ),
     OpDef(
         Op.SOFTMAX_CE_GRAD,

@@ -217,7 +217,8 @@ define(
         # of x before it writes that element of xhat or y (docs/mcu.md)
         in_place=True,
         doc="batch norm: batch statistics in training, running statistics in evaluation",
-        data_parallel=True, batch_whole=(2,),
+        data_parallel=True,
+        batch_whole=(2,),
     ),
     OpDef(
         Op.BATCHNORM_GRAD,
@@ -228,7 +229,8 @@ define(
         # before it writes that element of dx, its earlier passes write nothing of dx
         in_place=True,
         doc="dx, dgamma, dbeta of batch norm",
-        data_parallel=True, batch_whole=(1, 2),
+        data_parallel=True,
+        batch_whole=(1, 2),
     ),
     OpDef(
         Op.BATCHNORM_AFFINE,
@@ -260,6 +262,7 @@ define(
         ),
         lower={"tir": "step_plan:PlanRules.layernorm", "c": "emit:_layernorm"},
         doc="layer norm over the last axis",
+        data_parallel=True,
     ),
     OpDef(
         Op.LAYERNORM_GRAD,
@@ -267,5 +270,7 @@ define(
         reference=_layernorm_grad,
         lower={"tir": "step_plan:PlanRules.layernorm_grad", "c": "emit:_layernorm_grad"},
         doc="dx, dgamma, dbeta of layer norm",
+        data_parallel=True,
+        batch_partial=(1, 2),
     ),
 )

@@ -99,10 +99,27 @@ class OpDef:
     # data parallel (the shard-batch pass, docs/numerics.md §16): the reference rule computes
     # this worker's rows of a batch split over workers (RoundCtx.rows), agreeing on every
     # decision that depends on the whole batch; an op without it is refused in such a step
-    data_parallel: bool = False
-    batch_partial: tuple[int, ...] = ()  # results that are this worker's share of a batch sum
+    # (a callable: whether the node splits, e.g. a transpose that keeps the batch axis first)
+    data_parallel: bool | Callable[[Node], bool] = False
+    # results that are this worker's share of a sum over the batch (or a callable of the node)
+    batch_partial: tuple[int, ...] | Callable[[Node], tuple[int, ...]] = ()
     batch_whole: tuple[int, ...] = ()  # results over the whole batch (agreed inside the kernel)
+    batch_results: bool = False  # its results are batch-major though it reads no batch
+    # a data movement (no rounding, no reduction) that may carry the batch axis anywhere:
+    # (node, input type, the input's batch axis) -> the result's batch axis, or None where the
+    # split does not carry through (a slice along the batch axis)
+    moves_batch: Callable[[Node, Any, int], int | None] | None = None
     doc: str = ""
+
+    def splits(self, n: Node) -> bool:
+        """Whether node n runs on a data-parallel worker's rows (data_parallel)."""
+        dp = self.data_parallel
+        return bool(dp(n) if callable(dp) else dp)
+
+    def partial_results(self, n: Node) -> tuple[int, ...]:
+        """The results of node n that are a worker's share of a sum over the batch."""
+        bp = self.batch_partial
+        return tuple(bp(n) if callable(bp) else bp)
 
     @property
     def rounds(self) -> bool:

@@ -16,11 +16,16 @@ from mexc.ops.common import (
     Grads,
     ParamView,
     elementwise_types,
+    keeps_batch_dim,
     no_saved,
+    param_grad_share,
     pointwise_vjp,
+    reshaped_batch_axis,
     scalar,
+    sliced_batch_axis,
     static_int,
     tid,
+    transposed_batch_axis,
     with_index_types,
 )
 from mexc.ops.registry import OpDef, Pattern, define
@@ -465,7 +470,7 @@ define(
         in_place=True,
         view=True,
         doc="a view of the same mantissas",
-        data_parallel=True,
+        moves_batch=reshaped_batch_axis,
     ),
     OpDef(
         Op.DROPOUT,
@@ -485,6 +490,7 @@ define(
         ),
         lower={"tir": _tir("dropout"), "tir_eval": _tir("dropout_eval"), "c": "emit:_dropout"},
         doc="inverted dropout, or stochastic depth (one keep decision per sample), from the PRNG",
+        data_parallel=True,
     ),
     OpDef(
         Op.DROPOUT_GRAD,
@@ -492,6 +498,7 @@ define(
         reference=_dropout_grad,
         lower={"tir": _tir("dropout_grad"), "c": "emit:_dropout_grad"},
         doc="dy masked and scaled by the forward mask",
+        data_parallel=True,
     ),
     OpDef(
         Op.SCALE,
@@ -502,6 +509,7 @@ define(
         frontend=(Pattern("function", ("operator.truediv",), _div),),
         lower={"tir": _tir("scale"), "c": "emit:_scale"},
         doc="x times a positive host constant, as a numerator/shift pair",
+        data_parallel=True,
     ),
     OpDef(
         Op.SCALE_GRAD,
@@ -509,6 +517,7 @@ define(
         reference=_scale_grad,
         lower={"tir": _tir("scale_grad"), "c": "emit:_scale"},
         doc="dy times the same constant",
+        data_parallel=True,
     ),
     OpDef(
         Op.TRANSPOSE,
@@ -524,6 +533,7 @@ define(
         ),
         lower={"tir": _tir("transpose"), "c": "emit:_transpose"},
         doc="axis permutation of the mantissas",
+        moves_batch=transposed_batch_axis,
     ),
     OpDef(
         Op.SLICE,
@@ -533,6 +543,7 @@ define(
         reference=_slice,
         lower={"tir": _tir("slice"), "c": "emit:_slice"},
         doc="[start, stop) along one axis (the frontend makes it from chunk)",
+        moves_batch=sliced_batch_axis,
     ),
     OpDef(
         Op.SLICE_GRAD,
@@ -540,6 +551,7 @@ define(
         reference=_slice_grad,
         lower={"tir": _tir("slice_grad"), "c": "emit:_slice_grad"},
         doc="dy placed into zeros of the sliced tensor's shape",
+        moves_batch=sliced_batch_axis,
     ),
     OpDef(
         Op.ADD_PARAM,
@@ -549,6 +561,7 @@ define(
         reference=_add_param,
         lower={"tir": _tir("add_param"), "c": "emit:_add_param"},
         doc="activation + a [1, ...] parameter broadcast over the batch (positional embedding)",
+        data_parallel=True,
     ),
     OpDef(
         Op.EXPAND_PARAM,
@@ -559,6 +572,7 @@ define(
         frontend=(Pattern("method", ("expand",), _expand),),
         lower={"tir": _tir("expand_param"), "c": "emit:_expand_param"},
         doc="a [1, ...] parameter repeated over the batch (a class token); exponent kept",
+        batch_results=True,
     ),
     OpDef(
         Op.ADD_PARAM_GRAD,
@@ -566,6 +580,8 @@ define(
         reference=_add_param_grad,
         lower={"tir": _tir("add_param_grad"), "c": "emit:_add_param_grad"},
         doc="the parameter's gradient: dy summed over the batch, int32",
+        data_parallel=True,
+        batch_partial=(0,),
     ),
     OpDef(
         Op.CONCAT,
@@ -580,6 +596,7 @@ define(
         ),
         lower={"tir": _tir("concat"), "c": "emit:_concat"},
         doc="concatenation along a feature axis, aligned to a common exponent, one compaction",
+        data_parallel=keeps_batch_dim,
     ),
     OpDef(
         Op.MUL,
@@ -593,6 +610,7 @@ define(
         ),
         lower={"tir": _tir("mul"), "c": "emit:_mul"},
         doc="x * g, g an activation or parameter broadcast along x's axes (or a constant: scale)",
+        data_parallel=True,
     ),
     OpDef(
         Op.MUL_GRAD,
@@ -600,6 +618,8 @@ define(
         reference=_mul_grad_ref,
         lower={"tir": _tir("mul_grad"), "c": "emit:_mul_grad"},
         doc="dg of x * g: dy * x summed over g's broadcast axes (int32 for a parameter)",
+        data_parallel=True,
+        batch_partial=param_grad_share,
     ),
     OpDef(
         Op.MEAN_TOKENS,
@@ -613,6 +633,7 @@ define(
         ),
         lower={"tir": _tir("mean_tokens"), "c": "emit:_mean_tokens"},
         doc="mean over the token axis: [B, T, D] -> [B, D]",
+        data_parallel=True,
     ),
     OpDef(
         Op.MEAN_TOKENS_GRAD,
@@ -620,5 +641,6 @@ define(
         reference=_mean_tokens_grad,
         lower={"tir": _tir("mean_tokens_grad"), "c": "emit:_mean_tokens_grad"},
         doc="dy spread evenly over the tokens",
+        data_parallel=True,
     ),
 )

@@ -25,14 +25,25 @@ from mexc.types import TensorType
 SHARDED_BOUNDARY = (Op.INPUT, Op.LABEL)
 
 
-def _rows_of(t: TensorType, world: int, n: Node, what: str) -> TensorType:
-    if not t.shape or t.shape[0] % world:
+def _rows_of(t: TensorType, world: int, n: Node, what: str, axis: int = 0) -> TensorType:
+    if len(t.shape) <= axis or t.shape[axis] % world:
         raise UnsupportedOpError(
             f"data parallel: {what} of node %{n.id} ({n.op.value}{', ' + n.loc if n.loc else ''}) "
-            f"has shape {list(t.shape)}, whose leading axis does not split into {world} equal "
+            f"has shape {list(t.shape)}, whose batch axis does not split into {world} equal "
             "shares of rows; choose a global batch that is a multiple of the number of workers"
         )
-    return TensorType(t.kind, (t.shape[0] // world, *t.shape[1:]), t.exp)
+    shape = list(t.shape)
+    shape[axis] //= world
+    return TensorType(t.kind, tuple(shape), t.exp)
+
+
+def _refuse(n: Node, why: str) -> UnsupportedOpError:
+    where = f" at {n.loc}" if n.loc else ""
+    return UnsupportedOpError(
+        f"data parallel: node %{n.id} ({n.op.value}){where} {why}, so its batch cannot be "
+        "split over workers; train this model in one process (data_parallel=False), or "
+        "replace the layer (docs/distributed.md lists the ops that split)"
+    )
 
 
 def shard_batch(g: Graph, ctx: PassContext) -> Graph:
@@ -47,40 +58,42 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
             f"shares; choose a global batch that is a multiple of {world}"
         )
     b = GraphBuilder(g.next_id())
-    sharded: set[Value] = set()
+    types = {v: t for n in g.nodes for v, t in ((n.result(i), t) for i, t in enumerate(n.types))}
+    axis: dict[Value, int] = {}  # the batch axis of every split value
     remap: dict[Value, Value] = {}
     for n in g.nodes:
         n = n.with_(inputs=tuple(remap.get(v, v) for v in n.inputs))
         d = op_def(n.op)
-        if n.op in SHARDED_BOUNDARY:
-            b.keep(n.with_(types=(_rows_of(n.type, world, n, "the batch"),)))
-            sharded.add(n.out)
+        if n.op in SHARDED_BOUNDARY or d.batch_results:
+            b.keep(n.with_(types=tuple(_rows_of(t, world, n, "the batch") for t in n.types)))
+            axis.update((n.result(i), 0) for i in range(len(n.types)))
             continue
-        if not any(v in sharded for v in n.inputs):
+        split = [v for v in n.inputs if v in axis]
+        if not split:
             b.keep(n)
             continue
-        if not d.data_parallel:
-            where = f" at {n.loc}" if n.loc else ""
-            raise UnsupportedOpError(
-                f"data parallel: node %{n.id} ({n.op.value}){where} has no data-parallel rule "
-                "yet, so its batch cannot be split over workers; train this model in one "
-                "process (data_parallel=False), or replace the layer (docs/distributed.md "
-                "lists the ops that split)"
-            )
-        types = []
+        if d.moves_batch is not None:  # data movement: the batch axis may go anywhere
+            src = split[0]
+            to = d.moves_batch(n, types[src], axis[src])
+            if to is None:
+                raise _refuse(n, "moves data across the batch axis")
+            b.keep(_moved(n, world, to))
+            axis[n.out] = to
+            continue
+        if not d.splits(n):
+            raise _refuse(n, "has no data-parallel rule yet (or not with these attributes)")
+        if any(axis[v] for v in split):
+            raise _refuse(n, "reads a value whose batch axis is not its first")
+        partial = d.partial_results(n)
+        local: list[TensorType] = []
         for i, t in enumerate(n.types):
-            if i in d.batch_partial or i in d.batch_whole:
-                types.append(t)
+            if i in partial or i in d.batch_whole:
+                local.append(t)
             else:
-                types.append(_rows_of(t, world, n, f"result {i}"))
-                sharded.add(n.result(i))
-        kept = n.with_(types=tuple(types))
-        shape = getattr(n.attrs, "shape", None)
-        if shape:  # a reshape's target: the worker's rows
-            local = (int(shape[0]) // world, *shape[1:])
-            kept = kept.with_(attrs=with_attrs(n.op, n.attrs, shape=local))
-        b.keep(kept)
-        for i in d.batch_partial:
+                local.append(_rows_of(t, world, n, f"result {i}"))
+                axis[n.result(i)] = 0
+        b.keep(n.with_(types=tuple(local)))
+        for i in partial:
             total = b.add(
                 Op.ALL_REDUCE,
                 [n.result(i)],
@@ -92,3 +105,15 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
     outputs = [(name, remap.get(v, v)) for name, v in g.outputs]
     extra = {"batch": batch // world, "global_batch": batch, "world": world}
     return b.build(outputs, g.with_attrs(**extra).attrs)
+
+
+def _moved(n: Node, world: int, to: int) -> Node:
+    """A data-movement node over the worker's rows: its result split along axis `to` (a
+    reshape's target shape too)."""
+    kept = n.with_(types=(_rows_of(n.type, world, n, "its result", to),))
+    shape = getattr(n.attrs, "shape", None)
+    if shape:
+        target = list(shape)
+        target[to] = int(target[to]) // world
+        kept = kept.with_(attrs=with_attrs(n.op, n.attrs, shape=tuple(target)))
+    return kept

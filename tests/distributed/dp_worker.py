@@ -31,9 +31,29 @@ def batches(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.nda
 
 def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
     from examples.models import EXAMPLES
+    from examples.vit import ViTTiny
 
-    cls, shape = EXAMPLES[name]
     torch.manual_seed(0)
+    if name == "mobilenet_v3_small":  # hardswish, squeeze-excitation, dropout (torchvision)
+        import torchvision
+
+        net = torchvision.models.mobilenet_v3_small(width_mult=0.25, num_classes=10)
+        return net, (3, 32, 32)
+    if name == "timm_vit":  # class token, positional embedding, dropout paths (timm)
+        import timm
+
+        vit = timm.models.vision_transformer.VisionTransformer(
+            img_size=16,
+            patch_size=8,
+            in_chans=1,
+            num_classes=10,
+            embed_dim=32,
+            depth=1,
+            num_heads=2,
+            drop_rate=0.1,
+        )
+        return vit, (1, 16, 16)
+    cls, shape = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}[name]
     return cls(), shape
 
 
