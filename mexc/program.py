@@ -350,10 +350,14 @@ class Program:
         samples k*B .. k*B+B-1 of `data`, wrapping around: `replay_indices`); returns the
         losses."""
         x, y = as_numpy(data[0], "x"), as_numpy(data[1], "y")
-        return [
-            self.step(x[idx], y[idx])
-            for idx in (replay_indices(x.shape[0], self.batch, k) for k in range(steps))
-        ]
+        losses = []
+        for k in range(steps):
+            idx = replay_indices(x.shape[0], self.eval_batch, k)
+            if self.workers is not None:  # this worker's rows of the batch
+                share = self.batch
+                idx = idx[self.workers.rank * share : (self.workers.rank + 1) * share]
+            losses.append(self.step(x[idx], y[idx]))
+        return losses
 
     # ----------------------------------------------------------------------------- checkpoints
 

@@ -114,3 +114,42 @@ def test_an_op_without_a_data_parallel_rule_is_refused_by_name() -> None:
         UnsupportedOpError, match=r"data parallel: node %\d+ \(\w+\) at \S+\.py:\d+"
     ):
         PassManager(PIPELINE).run(front.graph, ctx)
+
+
+def test_mexc_train_nproc_reports_the_one_process_run(tmp_path: Path) -> None:
+    """`mexc train --nproc 2`: worker 0 writes the results; the state is one process's."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    args = [
+        "train",
+        f"{root / 'examples' / 'models.py'}:DigitsCNN",
+        "--data",
+        "digits",
+        "--epochs",
+        "1",
+        "--batch",
+        "16",
+        "--limit-train",
+        "96",
+        "--limit-test",
+        "32",
+        "--target",
+        "reference",
+        "--quiet",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"n{nproc}.json"
+        cmd = [sys.executable, "-m", "mexc", *args, "--nproc", str(nproc), "--out", str(out)]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+        runs[nproc] = json.loads(out.read_text())
+    assert runs[2]["config"]["workers"] == 2
+    assert runs[2]["integer"]["checksum"] == runs[1]["integer"]["checksum"]
+    assert runs[2]["integer"]["accuracy"] == runs[1]["integer"]["accuracy"]
+    assert (
+        runs[2]["integer"]["history"][0]["step_losses"]
+        == (runs[1]["integer"]["history"][0]["step_losses"])
+    )

@@ -23,7 +23,7 @@ MODELS = ROOT / "examples" / "models.py"
 def test_passes_lists_the_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["passes"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == len(PIPELINE) == 7
+    assert len(lines) == len(PIPELINE) == 8
     for line, p in zip(lines, PIPELINE, strict=True):
         assert line.split()[0] == p.name and p.summary in line
 
