@@ -127,6 +127,20 @@ def agree_on_program(workers: Workers, program_text: str) -> None:
         )
 
 
+def split_accuracy(prog: Any, x: np.ndarray, y: np.ndarray, workers: Workers) -> float:
+    """prog.evaluate(x, y), its inference batches shared among the workers (batch c on worker
+    c mod world): every batch is the one a single process evaluates, so the correct count, added
+    over the workers, is the single-process count. Every worker must call it."""
+    size = prog.eval_batch
+    starts = range(workers.rank * size, len(y), workers.world * size)
+    correct = 0
+    for start in starts:
+        ids = prog.predict(x[start : start + size])
+        correct += int(np.count_nonzero(ids == np.asarray(y[start : start + size])))
+    total = int(workers.comm.all_sum(np.asarray([correct], np.int64))[0])
+    return total / len(y) if len(y) else 0.0
+
+
 def shard_rows(x: Any, rank: int, world: int) -> Any:
     """Rows rank * B / world .. (rank + 1) * B / world - 1 of a global batch of B rows: what
     worker `rank` passes to Program.step."""

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from mexc.data import Arrays, batches
-from mexc.distributed import shard_rows
+from mexc.distributed import shard_rows, split_accuracy
 from mexc.errors import CheckpointError
 from mexc.program import Program
 from mexc.targets import load as load_program
@@ -188,7 +188,10 @@ class Trainer:
         return self.history
 
     def _finish_epoch(self, epoch: int) -> None:
-        acc = self.program.evaluate(*self.test_data)
+        if self.workers is not None:  # the test batches shared among the workers
+            acc = split_accuracy(self.program, *self.test_data, self.workers)
+        else:
+            acc = self.program.evaluate(*self.test_data)
         losses = self._epoch_losses
         record = {
             "epoch": epoch + 1,

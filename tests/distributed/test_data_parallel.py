@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mexc
+from mexc.cli import main as mexc_main
 from mexc.distributed import launch
 from mexc.errors import DistributedError, UnsupportedOpError
 from tests.distributed.dp_worker import batches, model
@@ -39,13 +40,17 @@ def run_workers(tmp: Path, nproc: int, *args: str) -> tuple[list[int], list[dict
     return codes, [json.loads(p.read_text()) for p in sorted(tmp.glob("rank*.json"))]
 
 
-@pytest.mark.parametrize(("nproc", "models"), [(2, MODELS + OTHERS), (4, CNNS)])
-def test_workers_reproduce_one_process(tmp_path: Path, nproc: int, models: tuple[str]) -> None:
-    codes, ranks = run_workers(tmp_path, nproc, "--model", ",".join(models))
+@pytest.mark.parametrize(
+    ("nproc", "models", "steps"), [(2, MODELS, STEPS), (4, CNNS, STEPS), (2, OTHERS, 3)]
+)
+def test_workers_reproduce_one_process(
+    tmp_path: Path, nproc: int, models: tuple[str, ...], steps: int
+) -> None:
+    codes, ranks = run_workers(tmp_path, nproc, "--model", ",".join(models), "--steps", str(steps))
     assert codes == [0] * nproc
     assert len(ranks) == nproc
     for name in models:
-        want = one_process(name)
+        want = one_process(name, steps)
         for got in ranks:
             assert got[name] == want, (name, got[name]["checksum"], want["checksum"])
 
@@ -143,8 +148,11 @@ def test_mexc_train_nproc_reports_the_one_process_run(tmp_path: Path) -> None:
     runs = {}
     for nproc in (1, 2):
         out = tmp_path / f"n{nproc}.json"
-        cmd = [sys.executable, "-m", "mexc", *args, "--nproc", str(nproc), "--out", str(out)]
-        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+        if nproc == 1:  # in this process: the same command line
+            assert mexc_main([*args, "--out", str(out)]) == 0
+        else:
+            cmd = [sys.executable, "-m", "mexc", *args, "--nproc", str(nproc), "--out", str(out)]
+            subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
         runs[nproc] = json.loads(out.read_text())
     assert runs[2]["config"]["workers"] == 2
     assert runs[2]["integer"]["checksum"] == runs[1]["integer"]["checksum"]

@@ -92,9 +92,15 @@ def test_pool_dropout_slice_bit_exact() -> None:
 
 
 def test_every_executor_op_has_a_c_lowering() -> None:
+    from mexc.ir import Op
     from mexc.ops import REGISTRY
 
-    missing = [o.value for o, d in REGISTRY.items() if d.supports("reference") > d.supports("c")]
+    # all_reduce exists only in a data-parallel program, which the C target refuses (one worker)
+    missing = [
+        o.value
+        for o, d in REGISTRY.items()
+        if d.supports("reference") > d.supports("c") and o is not Op.ALL_REDUCE
+    ]
     assert not missing, missing
     for d in REGISTRY.values():  # every named emitter exists
         assert d.lowering("c") is not None or not d.supports("c")
