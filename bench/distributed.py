@@ -1,6 +1,6 @@
 """Data-parallel training on localhost (gloo): mexc against PyTorch DDP in FP32.
 
-    python bench/distributed.py [--models FashionCNN,MLP] [--batch 64] [--workers 1,2,4]
+    python bench/distributed.py [--models FashionCNN,MLP,ViTTiny] [--batch 64] [--workers 1,2,4]
         [--blocks 4] [--block-steps 3] [--out bench/results/distributed.json]
 
 For each number of workers W, W processes (mexc.distributed.launch) train each model on the same
@@ -36,9 +36,11 @@ sys.path.insert(0, str(ROOT))
 
 import mexc  # noqa: E402
 from examples.models import EXAMPLES  # noqa: E402
+from examples.vit import ViTTiny  # noqa: E402
 from mexc.distributed import TorchCollectives, init_from_env, launch, shard_rows  # noqa: E402
 
 SETTLE_S = 0.3
+MODELS: dict[str, tuple[Any, tuple[int, ...]]] = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}
 
 
 def data(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -51,7 +53,7 @@ def data(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.ndarra
 
 def measure(name: str, args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
     """One model's figures on this worker (see the module docstring)."""
-    cls, shape = EXAMPLES[name]
+    cls, shape = MODELS[name]
     torch.manual_seed(0)
     net = cls()
     fp32 = cls()
@@ -131,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="FashionCNN,MLP")
+    ap.add_argument("--models", default="FashionCNN,MLP,ViTTiny")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--blocks", type=int, default=4)
