@@ -4,6 +4,7 @@ the others a clear error, not a hang; a checkpoint resumes on another number of 
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -26,8 +27,9 @@ OTHERS = ("ViTTiny", "mobilenet_v3_small")
 BATCH, STEPS = 8, 10
 
 
+@functools.cache
 def one_process(name: str, steps: int = STEPS, bits: int = 8) -> dict[str, object]:
-    """The single-process run the workers must reproduce."""
+    """The single-process run the workers must reproduce (once per model and steps)."""
     net, shape = model(name)
     data = batches(shape, BATCH, steps)
     prog = mexc.compile(net, (torch.from_numpy(data[0][0]),), bits=bits)
