@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--trainable", default=None, help="mexc.trainable spec (sparse update)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits at step 2")
     ap.add_argument("--resume", default="", help="a checkpoint to resume from")
@@ -77,7 +79,14 @@ def main() -> None:
             prog = mexc.load(args.resume, data_parallel=True)
         else:
             x0 = torch.from_numpy(data[0][0])
-            prog = mexc.compile(net, (x0,), bits=args.bits, data_parallel=True)
+            prog = mexc.compile(
+                net,
+                (x0,),
+                bits=args.bits,
+                optimizer=args.optimizer,
+                trainable=args.trainable,
+                data_parallel=True,
+            )
         losses = []
         for i, (x, y) in enumerate(data[prog.step_count :], start=prog.step_count):
             if i == 2 and workers.rank == args.crash_rank:

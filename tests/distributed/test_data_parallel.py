@@ -28,11 +28,18 @@ BATCH, STEPS = 8, 10
 
 
 @functools.cache
-def one_process(name: str, steps: int = STEPS, bits: int = 8) -> dict[str, object]:
-    """The single-process run the workers must reproduce (once per model and steps)."""
+def one_process(
+    name: str,
+    steps: int = STEPS,
+    bits: int = 8,
+    optimizer: str = "sgd",
+    trainable: str | None = None,
+) -> dict[str, object]:
+    """The single-process run the workers must reproduce (once per model and options)."""
     net, shape = model(name)
     data = batches(shape, BATCH, steps)
-    prog = mexc.compile(net, (torch.from_numpy(data[0][0]),), bits=bits)
+    x0 = torch.from_numpy(data[0][0])
+    prog = mexc.compile(net, (x0,), bits=bits, optimizer=optimizer, trainable=trainable)
     losses = [prog.step(x, y) for x, y in data]
     return {"checksum": prog.state_checksum(), "losses": losses}
 
@@ -62,6 +69,21 @@ def test_low_bits_with_nearest_forward_rounding(tmp_path: Path) -> None:
     codes, ranks = run_workers(tmp_path, 2, "--model", "FashionCNN", "--bits", "6")
     assert codes == [0, 0]
     want = one_process("FashionCNN", bits=6)
+    assert [r["FashionCNN"] for r in ranks] == [want, want]
+
+
+def test_adamw_and_sparse_update(tmp_path: Path) -> None:
+    """The optimizer and the frozen layers do not read the batch: they split unchanged."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    codes, ranks = run_workers(first, 2, "--steps", "4", "--optimizer", "adamw")
+    assert codes == [0, 0]
+    want = one_process("FashionCNN", 4, optimizer="adamw")
+    assert [r["FashionCNN"] for r in ranks] == [want, want]
+    codes, ranks = run_workers(second, 2, "--steps", "4", "--trainable", "last:1")
+    assert codes == [0, 0]
+    want = one_process("FashionCNN", 4, trainable="last:1")
     assert [r["FashionCNN"] for r in ranks] == [want, want]
 
 
