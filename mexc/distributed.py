@@ -65,9 +65,14 @@ class TorchCollectives:
 
     def all_sum(self, a: np.ndarray) -> np.ndarray:
         """Sent as int32: every sum a step takes over the batch is an int32 accumulator whose
-        whole-batch value the caps of docs/numerics.md §6 bound, so no share and no total
-        overflows (half the bytes of int64)."""
-        return self._reduce(a, _dist().ReduceOp.SUM, "sum", np.int32)
+        whole-batch value the caps of docs/numerics.md §6 bound (half the bytes of int64). In
+        the overflow-debug mode (docs/numerics.md §14) as int64, so that the check after the
+        sum sees a total the caps failed to bound instead of its wrapped value (every worker
+        must run in the same mode)."""
+        from mexc.numerics import overflow_debug_on
+
+        wide = np.int64 if overflow_debug_on() else np.int32
+        return self._reduce(a, _dist().ReduceOp.SUM, "sum", wide)
 
     def all_max(self, a: np.ndarray) -> np.ndarray:
         return self._reduce(a, _dist().ReduceOp.MAX, "maximum", np.int64)

@@ -80,6 +80,16 @@ class _Ctx:
     def arg(self, a: Any) -> Value:
         if not isinstance(a, torch.fx.Node):
             raise UnsupportedOpError(f"expected a tensor argument, got {a!r}")
+        if a not in self.env:  # a parameter or buffer read where an activation is expected
+            raise UnsupportedOpError(
+                _describe(
+                    a,
+                    "is a parameter or buffer that an operation uses as an activation (e.g. "
+                    "torch.sigmoid(self.p)); mexc trains parameters as layer weights, scales "
+                    "(x * p), embeddings (x + p) and class tokens. Apply the function to an "
+                    "activation, or fold it into the layer",
+                )
+            )
         v = self.env[a]
         if not isinstance(v, Value):
             raise UnsupportedOpError(_describe(a, "is a tuple of tensors where a tensor is used"))

@@ -88,7 +88,7 @@ class Rows:
         return self.comm.all_max(np.asarray(v, np.int64))
 
     def sum(self, v: np.ndarray | int) -> np.ndarray:
-        """Element-wise (exact, int64) sum over the workers."""
+        """Element-wise sum over the workers (int32 values: the caps bound every batch sum)."""
         return self.comm.all_sum(np.asarray(v, np.int64))
 
 

@@ -67,6 +67,11 @@ def set_overflow_debug(enabled: bool) -> bool:
     return previous
 
 
+def overflow_debug_on() -> bool:
+    """Whether the int32 overflow checks are on."""
+    return _DEBUG_OVERFLOW
+
+
 class overflow_debug:
     """Context manager: check every int32 intermediate of every primitive for overflow."""
 

@@ -25,6 +25,7 @@ from mexc.backends.reference.interp import (
     execute,
     infer,
     last_uses,
+    split_nodes,
     value_bytes,
 )
 from mexc.errors import CheckpointError, InputError
@@ -95,6 +96,7 @@ class Program:
         self._train_nodes = list(graph.nodes)
         keep = {v for _, v in graph.outputs}
         self._train_last_use = last_uses(self._train_nodes, keep)
+        self._split = split_nodes(graph) if workers is not None else None
         inference = self.global_graph
         self._eval_nodes = needed_nodes(inference, ["logits"])
         self._eval_last_use = last_uses(self._eval_nodes, {inference.output("logits")})
@@ -186,6 +188,7 @@ class Program:
             state=self.state,
             lr=self.lr_at(self.step_count),
             valid=self.batch if rows is None else rows.total,
+            split=self._split,
         )
         opt = self.optimizer
         if isinstance(opt, AdamW):

@@ -68,19 +68,19 @@ def dropout_group(shape: tuple[int, ...], mode: str) -> int:
 
 
 def dropout_forward(
-    x: MX, p: FixedScalar | float, ctx: RoundCtx, tid: int, per: int = 1
+    x: MX, p: FixedScalar | float, ctx: RoundCtx, tid: int, per: int = 1, whole: bool = False
 ) -> tuple[MX, np.ndarray]:
     """Inverted dropout. mask = element_bits(key site 0, size / per) < 2^32 - p*2^32 (uint32
     compare), word j deciding elements [j per, (j + 1) per) (per = dropout_group: 1 for
     dropout, a sample for stochastic depth); y = compact(m * mask * s.num) at exponent e -
-    s.shift (site 1), s = FixedScalar(1/(1-p))."""
+    s.shift (site 1), s = FixedScalar(1/(1-p)). `whole`: one decision for the whole batch
+    ("batch" mode: word 0 on every data-parallel worker)."""
     pf = p if isinstance(p, FixedScalar) else FixedScalar.of(float(p))
     if float(pf) >= 1.0:
         raise ValueError("dropout probability must be < 1")
     size = int(np.prod(x.shape, dtype=np.int64))
-    # a data-parallel worker's first decision is the whole batch's word start / per (one
-    # word for the whole batch: word 0 on every worker)
-    first = row_offset(x.m, ctx.rows) // per if per < size else 0
+    # a data-parallel worker's first decision is the whole batch's word start / per
+    first = 0 if whole else row_offset(x.m, ctx.rows) // per
     words = element_bits(site_key(ctx, tid, 0), (size // per,), first).astype(np.int64)
     words = np.repeat(words, per).reshape(x.shape)
     mask = words < _keep_threshold(pf)
@@ -155,10 +155,11 @@ def mul_backward_factor(
     t = 0 for R < 2^16), at e_dy + e_x + t. A parameter's gradient is that int32 accumulator
     (for the update); an activation's is compacted (site 0)."""
     ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "mul input")
-    axes = broadcast_axes(x.m.shape, g_shape)
-    terms = int(np.prod([x.m.shape[a] for a in axes], dtype=np.int64))
-    if ctx.rows is not None and 0 in axes:  # a parameter: the sum covers every worker's rows
-        terms = terms // x.m.shape[0] * ctx.rows.width(x.m.shape[0])
+    whole = x.m.shape  # with ctx.rows: the whole batch's shape decides the axes and the count
+    if ctx.rows is not None:
+        whole = (ctx.rows.width(x.m.shape[0]), *x.m.shape[1:])
+    axes = broadcast_axes(whole, g_shape)
+    terms = int(np.prod([whole[a] for a in axes], dtype=np.int64))
     t = mul_grad_shift(terms)
     prod = i64(dy.m) * i64(x.m)
     if t:

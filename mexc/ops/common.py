@@ -163,6 +163,11 @@ def reshaped_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
     return next((j for j, d in enumerate(out) if d != 1), None)
 
 
-def param_grad_share(n: Node) -> tuple[int, ...]:
-    """mul_grad's result is a worker's share of a batch sum when the factor is a parameter."""
-    return (0,) if bool(n.attrs.param) else ()
+def param_grad_share(n: Node, inputs: list[TensorType]) -> tuple[int, ...]:
+    """mul_grad's result (the factor's gradient) is a worker's share of a sum over the batch
+    when the factor is broadcast along the batch axis: a parameter, or any factor that is not
+    batch-major."""
+    x_shape = tuple(inputs[1].shape)
+    g_shape = tuple(n.attrs.view or n.type.shape)
+    pad = (1,) * (len(x_shape) - len(g_shape)) + g_shape
+    return (0,) if bool(n.attrs.param) or pad[0] == 1 else ()

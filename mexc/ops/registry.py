@@ -101,8 +101,9 @@ class OpDef:
     # decision that depends on the whole batch; an op without it is refused in such a step
     # (a callable: whether the node splits, e.g. a transpose that keeps the batch axis first)
     data_parallel: bool | Callable[[Node], bool] = False
-    # results that are this worker's share of a sum over the batch (or a callable of the node)
-    batch_partial: tuple[int, ...] | Callable[[Node], tuple[int, ...]] = ()
+    # results that are this worker's share of a sum over the batch (or a callable of the node
+    # and its input types)
+    batch_partial: tuple[int, ...] | Callable[[Node, list[Any]], tuple[int, ...]] = ()
     batch_whole: tuple[int, ...] = ()  # results over the whole batch (agreed inside the kernel)
     batch_results: bool = False  # its results are batch-major though it reads no batch
     # a data movement (no rounding, no reduction) that may carry the batch axis anywhere:
@@ -116,10 +117,11 @@ class OpDef:
         dp = self.data_parallel
         return bool(dp(n) if callable(dp) else dp)
 
-    def partial_results(self, n: Node) -> tuple[int, ...]:
-        """The results of node n that are a worker's share of a sum over the batch."""
+    def partial_results(self, n: Node, inputs: list[Any]) -> tuple[int, ...]:
+        """The results of node n (input types `inputs`) that are a worker's share of a sum
+        over the batch."""
         bp = self.batch_partial
-        return tuple(bp(n) if callable(bp) else bp)
+        return tuple(bp(n, inputs) if callable(bp) else bp)
 
     @property
     def rounds(self) -> bool:

@@ -150,8 +150,10 @@ def _reshape(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 def _dropout(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     if not env.train:
         return (a[0], None)
-    per = dropout_group(tuple(n.type.shape), str(n.attrs.mode))
-    return tuple(K.dropout_forward(a[0], float(n.attrs.p), env.ctx, tid(n), per))
+    mode = str(n.attrs.mode)
+    per = dropout_group(tuple(n.type.shape), mode)
+    p = float(n.attrs.p)
+    return tuple(K.dropout_forward(a[0], p, env.ctx, tid(n), per, whole=mode == "batch"))
 
 
 def _dropout_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:

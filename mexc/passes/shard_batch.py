@@ -84,7 +84,7 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
             raise _refuse(n, "has no data-parallel rule yet (or not with these attributes)")
         if any(axis[v] for v in split):
             raise _refuse(n, "reads a value whose batch axis is not its first")
-        partial = d.partial_results(n)
+        partial = d.partial_results(n, [types[v] for v in n.inputs])
         local: list[TensorType] = []
         for i, t in enumerate(n.types):
             if i in partial or i in d.batch_whole:

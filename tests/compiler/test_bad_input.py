@@ -62,6 +62,21 @@ def test_unsupported_module() -> None:
         mexc.compile(WithLSTM(), (torch.zeros(4, 1, 8, 8),))
 
 
+class SigmoidOfParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.gate = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(x, 1) * torch.sigmoid(self.gate))
+
+
+def test_a_parameter_used_as_an_activation_is_named() -> None:
+    with pytest.raises(mexc.UnsupportedOpError, match=r"node 'gate' .*uses as an activation"):
+        mexc.compile(SigmoidOfParameter(), (torch.zeros(4, 1, 8, 8),))
+
+
 def test_data_dependent_control_flow() -> None:
     with pytest.raises(mexc.TraceError, match=r"data-dependent control flow at test_bad_input"):
         mexc.compile(DataDependent(), (torch.zeros(4, 1, 8, 8),))

@@ -8,12 +8,12 @@ of the program's meaning; every backend must reproduce its state bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from mexc.ir import Node, Value, in_forward
+from mexc.ir import Graph, Node, Op, Value, in_forward
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import AdamConfig, FixedScalar
 from mexc.ops import op_def
@@ -38,6 +38,9 @@ class StepEnv:
     forward_ctx: RoundCtx | None = None
     forward_rids: int = 0
     adam: AdamConfig | None = None  # an AdamW program's constants of this step
+    # a data-parallel worker's step: the nodes that read its rows of the batch (split_nodes);
+    # the others (the updates, anything computed from parameters alone) run without ctx.rows
+    split: frozenset[int] | None = None
 
 
 Rule = Callable[[Node, list[Any], StepEnv], tuple[Any, ...]]
@@ -87,9 +90,14 @@ def execute(
     values: dict[Value, Any] = {}
     live = peak = 0
     base = env.ctx
+    whole = {id(c): replace(c, rows=None) for c in (base, env.forward_ctx) if c is not None}
     for pos, n in enumerate(nodes):
-        if env.forward_ctx is not None:
-            env.ctx = env.forward_ctx if in_forward(n, env.forward_rids) else base
+        ctx = base
+        if env.forward_ctx is not None and in_forward(n, env.forward_rids):
+            ctx = env.forward_ctx
+        if env.split is not None and n.id not in env.split:
+            ctx = whole[id(ctx)]
+        env.ctx = ctx
         results = _rule(n)(n, [values[v] for v in n.inputs], env)
         for i, r in enumerate(results):
             values[n.result(i)] = r
@@ -102,6 +110,30 @@ def execute(
     env.ctx = base
     env.peak_bytes = peak
     return values
+
+
+def split_nodes(g: Graph) -> frozenset[int]:
+    """The nodes of a data-parallel worker's graph (after shard-batch) that read its rows of
+    the batch (those with an input derived from the batch), and the all_reduce nodes. A result
+    stops being the worker's rows where an all_reduce adds it over the workers, or where the
+    op computes it over the whole batch (OpDef.batch_whole)."""
+    reduced = {v for n in g.nodes if n.op is Op.ALL_REDUCE for v in n.inputs}
+    rows: set[Value] = set()
+    out: set[int] = set()
+    for n in g.nodes:
+        d = op_def(n.op)
+        if n.op is Op.ALL_REDUCE:  # it adds over the workers: it needs them, not their rows
+            out.add(n.id)
+            continue
+        starts = n.op in (Op.INPUT, Op.LABEL) or d.batch_results
+        if not starts and not any(v in rows for v in n.inputs):
+            continue
+        out.add(n.id)
+        for i in range(len(n.types)):
+            v = n.result(i)
+            if v not in reduced and i not in d.batch_whole:
+                rows.add(v)
+    return frozenset(out)
 
 
 def last_uses(nodes: list[Node], keep: set[Value]) -> dict[Value, int]:
