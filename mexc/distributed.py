@@ -1,8 +1,8 @@
 """Data-parallel workers on torch.distributed (docs/distributed.md).
 
 A worker is a process of an initialised torch.distributed process group (gloo on CPUs, NCCL on
-GPUs; `torchrun`, `mexc train --nproc N` or `spawn_workers`). Its step holds batch / world rows
-(`shard_rows`) and agrees with the others through `TorchCollectives`: exact int64 sums and
+GPUs; `torchrun`, `mexc train --nproc N` or `launch`). Its step holds batch / world rows
+(`shard_rows`) and agrees with the others through `TorchCollectives`: exact integer sums and
 maxima, so N workers compute the bits of one process training on the whole batch
 (docs/numerics.md §16). A collective that does not complete within the group's timeout (a worker
 crashed or hangs) raises DistributedError instead of waiting for ever.
@@ -32,7 +32,7 @@ def _dist() -> Any:
 
 
 class TorchCollectives:
-    """Collectives over torch.distributed's default group, on int64 CPU tensors (gloo)."""
+    """Collectives over torch.distributed's default group, on integer CPU tensors (gloo)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0  # payload bytes this worker contributed to collectives
@@ -113,7 +113,7 @@ def current_workers() -> Workers:
             "data_parallel=True needs an initialised torch.distributed process group: start "
             "the workers with `torchrun --nproc-per-node N your_script.py` (whose script calls "
             "torch.distributed.init_process_group('gloo')), with `mexc train --nproc N`, or "
-            "with mexc.distributed.spawn_workers"
+            "with mexc.distributed.launch"
         )
     return Workers(dist.get_rank(), dist.get_world_size(), TorchCollectives())
 

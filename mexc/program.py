@@ -28,6 +28,7 @@ from mexc.backends.reference.interp import (
     split_nodes,
     value_bytes,
 )
+from mexc.distributed import Workers, shard_rows
 from mexc.errors import CheckpointError, InputError
 from mexc.ir import Graph, Op, needed_nodes
 from mexc.mx import MX, Acc, RoundCtx
@@ -37,7 +38,6 @@ from mexc.parser import parse_graph
 from mexc.printer import print_graph
 
 if TYPE_CHECKING:  # the planner needs networkx, which a GPU runtime machine may lack
-    from mexc.distributed import Workers
     from mexc.passes.plan_memory import MemoryPlan
 
 CHECKPOINT_FORMAT = "mexc-checkpoint-1"
@@ -174,9 +174,7 @@ class Program:
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch)
         o = self.options
-        rows = None
-        if self.workers is not None:
-            rows = self.workers.rows(int(self.graph.attr("global_batch", self.batch)))
+        rows = None if self.workers is None else self.workers.rows(self.eval_batch)
         ctx = RoundCtx(site_rounding(o.rounding, False), o.seed, self.step_count, o.bits, rows)
         env = StepEnv(
             ctx=ctx,
@@ -357,8 +355,7 @@ class Program:
         for k in range(steps):
             idx = replay_indices(x.shape[0], self.eval_batch, k)
             if self.workers is not None:  # this worker's rows of the batch
-                share = self.batch
-                idx = idx[self.workers.rank * share : (self.workers.rank + 1) * share]
+                idx = shard_rows(idx, self.workers.rank, self.workers.world)
             losses.append(self.step(x[idx], y[idx]))
         return losses
 

@@ -152,6 +152,12 @@ def row_offset(a: np.ndarray | tuple[int, ...], rows: Rows | None) -> int:
     return 0 if rows is None else rows.offset(a)
 
 
+def global_rows(local: int, rows: Rows | None) -> int:
+    """The whole batch's extent of a batch-major axis of `local` elements here (a count such
+    as batch norm's M or a weight gradient's K takes it)."""
+    return local if rows is None else rows.width(local)
+
+
 def fast_shift_right(
     x: np.ndarray,
     s: np.ndarray | int,

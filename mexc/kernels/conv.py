@@ -16,6 +16,7 @@ from mexc.kernels._common import (
     compact_mx,
     debug_on,
     fit_product,
+    global_rows,
     i64,
     int_matmul,
     row_offset,
@@ -260,7 +261,7 @@ def conv2d_backward_weight(
     n, _, oh, ow = dy.shape
     key = site_key(ctx, tid, 3) if ctx is not None else 0
     rows = ctx.rows if ctx is not None else None
-    width = (n if rows is None else rows.width(n)) * oh * ow
+    width = global_rows(n, rows) * oh * ow
     dm, ed = fit_product(dy.m, ed, width, ctx, key, row_offset(dy.m, rows))
     ph, pw = _pair(padding)
     if (

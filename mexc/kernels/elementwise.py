@@ -8,6 +8,7 @@ from mexc.kernels._common import (
     MAG,
     aligned_sum_fast,
     compact_mx,
+    global_rows,
     i64,
     row_offset,
     scalar_exp,
@@ -155,9 +156,8 @@ def mul_backward_factor(
     t = 0 for R < 2^16), at e_dy + e_x + t. A parameter's gradient is that int32 accumulator
     (for the update); an activation's is compacted (site 0)."""
     ed, ex = scalar_exp(dy, "dy"), scalar_exp(x, "mul input")
-    whole = x.m.shape  # with ctx.rows: the whole batch's shape decides the axes and the count
-    if ctx.rows is not None:
-        whole = (ctx.rows.width(x.m.shape[0]), *x.m.shape[1:])
+    # the whole batch's shape decides the axes and the count (ctx.rows: this worker's rows)
+    whole = (global_rows(x.m.shape[0], ctx.rows), *x.m.shape[1:])
     axes = broadcast_axes(whole, g_shape)
     terms = int(np.prod([whole[a] for a in axes], dtype=np.int64))
     t = mul_grad_shift(terms)

@@ -9,6 +9,7 @@ from mexc.kernels._common import (
     aligned_sum_fast,
     compact_mx,
     fit_product,
+    global_rows,
     i64,
     int_matmul,
     product_bits,
@@ -81,8 +82,7 @@ def linear_backward_weight(dy: MX, x: MX, ctx: RoundCtx | None = None, tid: int 
     d2 = dy.m.reshape(-1, o)
     key = site_key(ctx, tid, 3) if ctx is not None else 0
     rows = ctx.rows if ctx is not None else None
-    n = d2.shape[0] if rows is None else rows.width(d2.shape[0])
-    dm, ed = fit_product(d2, ed, n, ctx, key, row_offset(d2, rows))
+    dm, ed = fit_product(d2, ed, global_rows(d2.shape[0], rows), ctx, key, row_offset(d2, rows))
     acc = int_matmul(dm.T, i64(x.m.reshape(-1, k)))
     return Acc(acc, np.asarray(ed + ex, np.int64))
 

@@ -23,6 +23,7 @@ from mexc.kernels._common import (
     fast_compact_to_bits,
     fast_shift_right,
     fit_product,
+    global_rows,
     i64,
     round_shift_blocked,
     row_offset,
@@ -353,7 +354,7 @@ def batchnorm_forward_train(
     ex = scalar_exp(x, "batchnorm input")
     x3 = _as_ncs(x.m)
     n, c, s = x3.shape
-    m = (n if rows is None else rows.width(n)) * s
+    m = global_rows(n, rows) * s
     if m < 2:
         raise ValueError("batchnorm training needs more than one value per channel")
     f = mean_frac_bits(m)
@@ -430,7 +431,7 @@ def batchnorm_backward(
     d3 = _as_ncs(dy.m)
     xh = _as_ncs(saved.xhat.m)
     n, c, s = d3.shape
-    m = (n if rows is None else rows.width(n)) * s
+    m = global_rows(n, rows) * s
     start = row_offset(d3, rows)
     dbeta = d3.sum(axis=(0, 2))
     check_int32(dbeta, "batchnorm_dbeta")

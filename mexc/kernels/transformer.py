@@ -24,6 +24,7 @@ from mexc.kernels._common import (
     fast_compact_to_bits,
     fast_shift_right,
     fit_product,
+    global_rows,
     i64,
     int_matmul,
     product_bits,
@@ -160,7 +161,7 @@ def layernorm_backward(
     d = saved.count
     d2 = _rows(dy.m)
     xh = _rows(saved.xhat.m)
-    rows = d2.shape[0] if ctx.rows is None else ctx.rows.width(d2.shape[0])
+    rows = global_rows(d2.shape[0], ctx.rows)
     start = row_offset(d2, ctx.rows)
     dbeta = d2.sum(axis=0)  # with ctx.rows: this worker's share (an ALL_REDUCE adds them)
     check_int32(dbeta, "layernorm_dbeta")

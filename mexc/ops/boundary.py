@@ -74,6 +74,7 @@ define(
         boundary=True,
         float_results=(0,),
         doc="the float input batch",
+        batch_results=True,
     ),
     OpDef(
         Op.LABEL,
@@ -83,6 +84,7 @@ define(
         lower={"tir": "step_plan:PlanRules.label", "c": "emit:_label"},
         boundary=True,
         doc="the integer labels of the batch",
+        batch_results=True,
     ),
     OpDef(
         Op.PARAM,

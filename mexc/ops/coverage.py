@@ -7,6 +7,7 @@ tests/unit/test_op_registry.py fails when docs/ops.md differs from this output.
 
 from __future__ import annotations
 
+from mexc.ir import Op
 from mexc.ops import REGISTRY
 from mexc.ops.registry import DEFINED_IN, OpDef
 
@@ -20,7 +21,7 @@ def _role(d: OpDef) -> str:
         return "frontend, fused"
     if d.compaction and d.reference is None:
         return "pass-internal"
-    if d.op.value == "all_reduce":
+    if d.op is Op.ALL_REDUCE:
         return "data parallel"
     if d.vjp is not None or d.no_grad:
         return "forward"
@@ -50,7 +51,7 @@ def table() -> str:
         else:
             marks = ["yes" if d.supports(b) else "no" for b in BACKENDS]
         batchless = d.boundary or d.updates_state or _role(d) == "data parallel"
-        split = "yes" if d.data_parallel or d.op.value in ("input", "label") else "no"
+        split = "yes" if d.may_split else "no"
         marks.append("-" if batchless and split == "no" else split)
         lines.append(
             f"| `{op.value}` | {_role(d)} | "

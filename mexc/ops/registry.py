@@ -105,7 +105,8 @@ class OpDef:
     # and its input types)
     batch_partial: tuple[int, ...] | Callable[[Node, list[Any]], tuple[int, ...]] = ()
     batch_whole: tuple[int, ...] = ()  # results over the whole batch (agreed inside the kernel)
-    batch_results: bool = False  # its results are batch-major though it reads no batch
+    batch_results: bool = False  # its results are batch-major though it reads no batch (the
+    # batch, the labels, a class token repeated over it)
     # a data movement (no rounding, no reduction) that may carry the batch axis anywhere:
     # (node, input type, the input's batch axis) -> the result's batch axis, or None where the
     # split does not carry through (a slice along the batch axis)
@@ -116,6 +117,12 @@ class OpDef:
         """Whether node n runs on a data-parallel worker's rows (data_parallel)."""
         dp = self.data_parallel
         return bool(dp(n) if callable(dp) else dp)
+
+    @property
+    def may_split(self) -> bool:
+        """Whether a data-parallel worker can run the op on its rows of the batch (with some
+        attributes at least): a data-parallel rule, data movement or batch-major results."""
+        return bool(self.data_parallel) or self.moves_batch is not None or self.batch_results
 
     def partial_results(self, n: Node, inputs: list[Any]) -> tuple[int, ...]:
         """The results of node n (input types `inputs`) that are a worker's share of a sum

@@ -22,8 +22,6 @@ from mexc.ops import attrs, op_def, with_attrs
 from mexc.pass_manager import PassContext
 from mexc.types import TensorType
 
-SHARDED_BOUNDARY = (Op.INPUT, Op.LABEL)
-
 
 def _rows_of(t: TensorType, world: int, n: Node, what: str, axis: int = 0) -> TensorType:
     if len(t.shape) <= axis or t.shape[axis] % world:
@@ -64,7 +62,7 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
     for n in g.nodes:
         n = n.with_(inputs=tuple(remap.get(v, v) for v in n.inputs))
         d = op_def(n.op)
-        if n.op in SHARDED_BOUNDARY or d.batch_results:
+        if d.batch_results:  # the batch, the labels: the worker's rows
             b.keep(n.with_(types=tuple(_rows_of(t, world, n, "the batch") for t in n.types)))
             axis.update((n.result(i), 0) for i in range(len(n.types)))
             continue

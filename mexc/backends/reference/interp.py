@@ -125,8 +125,7 @@ def split_nodes(g: Graph) -> frozenset[int]:
         if n.op is Op.ALL_REDUCE:  # it adds over the workers: it needs them, not their rows
             out.add(n.id)
             continue
-        starts = n.op in (Op.INPUT, Op.LABEL) or d.batch_results
-        if not starts and not any(v in rows for v in n.inputs):
+        if not d.batch_results and not any(v in rows for v in n.inputs):
             continue
         out.add(n.id)
         for i in range(len(n.types)):
