@@ -97,7 +97,6 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     if data_parallel:
         refuse_data_parallel_target(target)
         workers = current_workers()
-        target = "reference"
     chosen = get_target(target)
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")

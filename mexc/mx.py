@@ -79,6 +79,12 @@ class Rows:
         size = int(np.prod(a if isinstance(a, tuple) else np.shape(a), dtype=np.int64))
         return self.start * (size // self.count)
 
+    def max_float(self, amax: float) -> float:
+        """The maximum over the workers of a non-negative float (a batch's max |x| at the float
+        boundary): its float64 bits, read as an int64, order as the floats do."""
+        bits = np.asarray(amax, np.float64).view(np.int64)
+        return float(np.asarray(self.max(bits), np.int64).view(np.float64))
+
     def width(self, local: int) -> int:
         """The global extent of a batch-major axis of `local` elements here."""
         return local // self.count * self.total

@@ -103,6 +103,12 @@ class Program:
         self._plan: MemoryPlan | None = None
         self._step_peak_bytes = 0  # the reference executor's live values at the last step
 
+    @property
+    def rows_nodes(self) -> frozenset[int]:
+        """A data-parallel worker's nodes that read its rows of the batch (and its all_reduce
+        nodes: split_nodes); none in one process."""
+        return self._split or frozenset()
+
     # ----------------------------------------------------------------------------- inputs
 
     def _check_x(self, x: Any, exact_batch: bool) -> np.ndarray:

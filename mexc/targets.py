@@ -144,7 +144,9 @@ def build(prog: Program, name: str) -> Program:
     return get(name).build(prog)
 
 
-DATA_PARALLEL_TARGETS = ("reference",)  # the targets whose step runs as a data-parallel worker
+# the targets whose step runs as a data-parallel worker ("auto" among them: llvm where it lowers
+# every op, else the reference)
+DATA_PARALLEL_TARGETS = ("reference", "llvm")
 
 
 def refuse_data_parallel_target(target: str) -> None:
@@ -154,7 +156,7 @@ def refuse_data_parallel_target(target: str) -> None:
     why = (
         "a microcontroller runs one worker"
         if target == "c"
-        else "its compiled step has no collectives yet"
+        else "its compiled step has no collectives (NCCL) yet"
     )
     raise DistributedError(
         f"data_parallel=True runs on target {', '.join(map(repr, DATA_PARALLEL_TARGETS))} for "
@@ -164,11 +166,12 @@ def refuse_data_parallel_target(target: str) -> None:
     )
 
 
-def as_data_parallel_worker(prog: Program) -> Program:
+def as_data_parallel_worker(prog: Program, target: str = "reference") -> Program:
     """`prog` (a single-process program: compiled, or loaded from a checkpoint) as this
     process's worker of the initialised torch.distributed group: the shard-batch pass splits
     its batch over the group's workers. A checkpoint saved at any number of workers resumes
-    here at this number, with the same bits as one process on the whole batch."""
+    here at this number, with the same bits as one process on the whole batch. `target`: one of
+    DATA_PARALLEL_TARGETS (or "auto")."""
     from mexc.distributed import agree_on_program, current_workers
     from mexc.pass_manager import PassContext
     from mexc.passes.shard_batch import shard_batch
@@ -178,8 +181,9 @@ def as_data_parallel_worker(prog: Program) -> Program:
     whole = prog.global_graph
     graph = shard_batch(whole, PassContext(world=workers.world))
     agree_on_program(workers, print_graph(graph))
-    opts = replace(prog.options, target="reference")
-    return Program(graph, prog.state, opts, prog.optimizer, prog.step_count, workers, whole)
+    opts = replace(prog.options, target=target)
+    worker = Program(graph, prog.state, opts, prog.optimizer, prog.step_count, workers, whole)
+    return get(target).build(worker)
 
 
 def load(
@@ -190,11 +194,11 @@ def load(
     (no TVM, cc, nvcc, GPU or CuPy; an op it does not lower) the CheckpointError names it and
     how to load the checkpoint elsewhere: target="reference" runs anywhere, same bits.
     `data_parallel`: resume as this process's worker of the initialised torch.distributed
-    group (as_data_parallel_worker), on the reference target."""
+    group (as_data_parallel_worker), on `target` (default the reference)."""
     p = Path(path)
     if data_parallel:
         refuse_data_parallel_target(target or "reference")
-        return as_data_parallel_worker(read_checkpoint(p))
+        return as_data_parallel_worker(read_checkpoint(p), target or "reference")
     asked = None if target is None else get(target)
     prog = read_checkpoint(p)
     saved = prog.options.target

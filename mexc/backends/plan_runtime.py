@@ -12,14 +12,14 @@ Imports neither TVM nor torch: the CUDA runtime machine has neither.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from mexc.kernels.loss import ce_loss
 from mexc.kernels.quantize import quantize
-from mexc.mx import MX, Acc
+from mexc.mx import MX, Acc, Collectives
 from mexc.numerics import stream_keys
 from mexc.program import Program
 
@@ -30,6 +30,7 @@ PLAN_FIELDS = (
     "constants",
     "keys",
     "key_ids",
+    "key_rows",
     "state",
     "input",
     "labels",
@@ -38,6 +39,30 @@ PLAN_FIELDS = (
     "probs",
 )
 # and, in an inference plan's manifest only (step_plan.build_inference_plan): "logits"
+
+# a data-parallel worker's launch list also holds collectives the host runs between kernels
+# (plan_core.HostLaunch): symbol HOST_PREFIX + kind + ":" + buffer
+HOST_PREFIX = "host:"
+HOST_KINDS = ("all_max", "all_sum")
+
+
+def is_host(symbol: str) -> bool:
+    """Whether launch `symbol` is a host collective (no kernel)."""
+    return symbol.startswith(HOST_PREFIX)
+
+
+def host_collective(symbol: str, comm: Collectives | None) -> Callable[[np.ndarray], None]:
+    """The call that runs host collective `symbol` on its buffer (a numpy view of it, changed
+    in place): the element-wise maximum or sum over the data-parallel workers."""
+    kind = symbol[len(HOST_PREFIX) :].split(":", 1)[0]
+    if comm is None or kind not in HOST_KINDS:
+        raise ValueError(f"launch {symbol!r} needs the data-parallel workers of the step")
+    reduce = comm.all_max if kind == "all_max" else comm.all_sum
+
+    def run(buf: np.ndarray) -> None:
+        buf[...] = reduce(buf).astype(buf.dtype)
+
+    return run
 
 
 def window(base: Any, shape: Sequence[int], offset: int) -> Any:
@@ -55,7 +80,16 @@ class PlanProgram(Program):
         self._plan_json = manifest
         self._key_ids = np.asarray(manifest["key_ids"], np.int64)
         self._state_cache: dict[str, MX] | None = None
-        super().__init__(prog.graph, prog.state, prog.options, prog.optimizer, prog.step_count)
+        self._key_rows = np.asarray(manifest["key_rows"], np.int64)
+        super().__init__(
+            prog.graph,
+            prog.state,
+            prog.options,
+            prog.optimizer,
+            prog.step_count,
+            prog.workers,
+            prog.global_graph,
+        )
         self.carry_memory_plan(prog._plan)
 
     def _write(self, name: str, values: np.ndarray) -> None:
@@ -117,20 +151,28 @@ class PlanProgram(Program):
 
     def _write_inputs(self, xs: np.ndarray, ys: np.ndarray) -> None:
         plan = self._plan_json
-        q = quantize(xs, self.options.bits)  # the float boundary, on the host
+        rows = None if self.workers is None else self.workers.rows(self.eval_batch)
+        # the float boundary, on the host (a data-parallel worker's exponent is the whole
+        # batch's: the maximum is agreed)
+        q = quantize(xs, self.options.bits, None if rows is None else rows.max_float)
         xm, xe = plan["input"]
         self._write(xm, q.m)
         self._write(xe, np.array([int(q.e)], np.int32))
         self._write(plan["labels"], ys.astype(np.int32))
-        if plan["valid"]:
-            self._write(plan["valid"], np.array([self.batch], np.int32))
+        if plan["valid"]:  # the valid rows here, and in the whole batch (every row is valid)
+            valid = self.batch if rows is None else rows.total
+            self._write(plan["valid"], np.array([self.batch, valid], np.int32))
         # the optimizer's per-step scalars as (num, shift) pairs: SGD (lr,), AdamW (lr_t,
         # eps_t, wd_t)
         scalars = self.optimizer.step_scalars(self.step_count)
         pairs = [v for f in scalars for v in (f.num, f.shift)]
         self._write(plan["lr"], np.array(pairs, np.int32))
-        keys = stream_keys(self.options.seed, self.step_count, self._key_ids)
-        self._write(plan["keys"], keys.astype(np.int64))
+        keys = stream_keys(self.options.seed, self.step_count, self._key_ids).astype(np.int64)
+        if self.workers is not None and self.workers.rank:
+            # the high half: this worker's first global element of each key's tensor (its
+            # rows' PRNG indices, docs/numerics.md §16)
+            keys |= (self.workers.rank * self._key_rows) << 32
+        self._write(plan["keys"], keys)
 
     # ----------------------------------------------------------------------------- inference
     # A backend with a compiled inference plan (step_plan.build_inference_plan: the eval-mode
@@ -174,4 +216,15 @@ class PlanProgram(Program):
         self._run()
         self._state_cache = None
         self.step_count += 1
-        return ce_loss(self._read(self._plan_json["probs"]), ys, self.batch)
+        probs = self._read(self._plan_json["probs"])
+        if self.workers is None:
+            return ce_loss(probs, ys, self.batch)
+        comm = self.workers.comm  # the whole batch's loss, on every worker
+        return ce_loss(comm.all_gather(probs), comm.all_gather(ys), self.eval_batch)
+
+    def _inference_source(self) -> Program:
+        """The program an inference plan is built from: a data-parallel worker's step is
+        split over the workers, its inference is the whole batch's (global_graph)."""
+        if self.workers is None:
+            return self
+        return Program(self.global_graph, self.state, self.options, self.optimizer)

@@ -17,6 +17,7 @@ import numpy as np
 from tvm import tirx
 
 from mexc.errors import UnsupportedOpError
+from mexc.backends.plan_runtime import HOST_KINDS, HOST_PREFIX
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_ops, te_pool
@@ -111,6 +112,20 @@ class View:
     offset: int = 0
 
 
+@dataclass(frozen=True)
+class HostLaunch:
+    """A data-parallel step's collective between two kernels (docs/distributed.md): the host
+    replaces int32 buffer `args[0]` by its element-wise maximum ("all_max") or sum
+    ("all_sum") over the workers."""
+
+    kind: str
+    args: tuple[str, ...]
+
+    @property
+    def symbol(self) -> str:
+        return f"{HOST_PREFIX}{self.kind}:{self.args[0]}"
+
+
 @dataclass
 class StepPlan:
     """Everything a backend needs to run one training step from named buffers."""
@@ -118,9 +133,13 @@ class StepPlan:
     buffers: dict[str, tuple[Shape, str]] = field(default_factory=dict)
     views: dict[str, View] = field(default_factory=dict)
     constants: dict[str, np.ndarray] = field(default_factory=dict)
-    launches: list[Launch] = field(default_factory=list)
+    launches: list[Launch | HostLaunch] = field(default_factory=list)
     keys: str = "keys"  # every stream key of the step, one int64 buffer (views per kernel)
     key_ids: list[int] = field(default_factory=list)  # keys[i] = stream_key(seed, step, id i)
+    # a data-parallel worker's keys[i] also holds rank * key_rows[i] in its high half: the
+    # worker's first global element of the batch-major tensor key i rounds (key_rows[i] its
+    # elements here; 0: the tensor is not batch-major). Empty in one process.
+    key_rows: list[int] = field(default_factory=list)
     state: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (m, e) buffers
     input: tuple[str, str] = ("", "")  # quantized batch: mantissas, exponent
     labels: str = ""
@@ -190,6 +209,12 @@ class PlanBuilder:
         # the step's estimated work in picoseconds (MAC_PS, ELEM_PS, LAUNCH_PS): lean_nodes
         # weighs a lean node's cost by it
         self.work = 0
+        # a data-parallel worker's step (the shard-batch pass): its number of workers, and the
+        # nodes that read its rows of the batch; `rows` is set per node by step_plan (whether
+        # the node's per-tensor decisions are agreed with the other workers)
+        self.world = int(self.g.attr("world", 1))
+        self.rows_nodes = prog.rows_nodes
+        self.rows = False
 
     def take(self, n: Node, forward: Value) -> None:
         """n, a copy the rematerialize pass made that does not recompute here (`recompute`),
@@ -247,13 +272,29 @@ class PlanBuilder:
         self.e[n.result(i)] = self.buf(f"v{n.id}_{i}.e", (1,), I32)
         return self.e[n.result(i)]
 
-    def keys(self, n: Node, sites: tuple[int, ...], tag: str) -> str:
-        """A view of the step's key buffer holding the keys of n's rounding `sites`."""
+    def keys(
+        self,
+        n: Node,
+        sites: tuple[int, ...],
+        tag: str,
+        rows: int | tuple[int, ...] | None = None,
+    ) -> str:
+        """A view of the step's key buffer holding the keys of n's rounding `sites`. `rows`:
+        the elements here of the batch-major tensor each site rounds (one count for every
+        site, or one per site; 0: a tensor that is not batch-major), which a data-parallel
+        worker's node must give (StepPlan.key_rows: the kernels index the PRNG by global
+        element)."""
+        if rows is None and self.rows:
+            raise self.not_split(n)
+        counts = rows if isinstance(rows, tuple) else (rows or 0,) * len(sites)
         base = int(n.attrs.rid) * SITES_PER_NODE
         ids = self.plan.key_ids
-        ids.extend([0] * (-len(ids) % KEY_ALIGN))  # kernels take 64-byte aligned buffers
+        pad = -len(ids) % KEY_ALIGN  # kernels take 64-byte aligned buffers
+        ids.extend([0] * pad)
+        self.plan.key_rows.extend([0] * pad)
         offset = len(ids)
         ids.extend(base + s for s in sites)
+        self.plan.key_rows.extend(counts if self.rows else (0,) * len(sites))
         name = f"n{n.id}.{tag}"
         self.plan.views[name] = View(self.plan.keys, (len(sites),), offset)
         return name
@@ -262,6 +303,21 @@ class PlanBuilder:
         arr = np.ascontiguousarray(values, dtype=dtype)
         self.plan.constants[name] = arr
         return self.buf(name, arr.shape, dtype)
+
+    def not_split(self, n: Node) -> UnsupportedOpError:
+        """The error of a data-parallel worker's node whose rule does not agree its decisions
+        with the other workers yet."""
+        return unsupported(
+            n,
+            f"its compiled rule does not split over {self.world} data-parallel workers yet "
+            "(docs/distributed.md lists the ops that do)",
+        )
+
+    def agree(self, kind: str, buf: str) -> None:
+        """A data-parallel worker's collective on int32 buffer `buf` here (HostLaunch)."""
+        assert kind in HOST_KINDS, kind
+        self.plan.launches.append(HostLaunch(kind, (buf,)))
+        self.work += LAUNCH_PS
 
     def launch(self, func: tirx.PrimFunc, args: tuple[str, ...]) -> None:
         symbol = str(func.attrs["global_symbol"])
@@ -340,10 +396,25 @@ class PlanBuilder:
         out)."""
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        if self.rows:  # the maximum over every worker's rows: scanned, agreed, then the shift
+            amax = self.buf(f"n{n.id}.amax{site}", (1, SLOT_I32), I32)
+            func = abs_max_kernel(rows[1], f"{name}_amax", SLOT_I32)
+            self.launch(func, (rows[0], self.view(amax, (SLOT_I32,))))
+            self.agree("all_max", amax)
+            rows = (amax, (1, SLOT_I32))
         shift = compaction_shift(rows[1], self.bits, False, name)
         self.launch(shift, (rows[0], e_in, s, self.out_exp(n, result)))
-        key = self.keys(n, (site,), f"key{site}")
+        key = self.keys(n, (site,), f"key{site}", self.elements(out))
         self.launch(apply(name), (src, s, key, out))
+
+    def global_count(self, local: int) -> int:
+        """The whole batch's count of a sum over the batch axis of `local` terms here (a K or
+        M a shift cap depends on: docs/numerics.md §16)."""
+        return local * self.world if self.rows else local
+
+    def elements(self, name: str) -> int:
+        """The element count of buffer or view `name`."""
+        return int(np.prod(self.buffer_shape(name)))
 
     def buffer_dtype(self, name: str) -> str:
         """The dtype of buffer or view `name`."""
@@ -502,9 +573,11 @@ class PlanBuilder:
                 self.launch(func, (self.view(c, rows), slot))
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        if self.rows:
+            self.agree("all_max", amax)
         shift = compaction_shift((slots, SLOT_I32), self.bits, False, name)
         self.launch(shift, (amax, e_in, s, self.out_exp(n, result)))
-        key = self.keys(n, (site,), f"key{site}")
+        key = self.keys(n, (site,), f"key{site}", self.elements(out))
         per = int(np.prod(piece))
         starts = np.zeros((count, KEY_ALIGN), np.int64)
         starts[:, 0] = np.arange(count) * per
@@ -579,7 +652,7 @@ class PlanBuilder:
             return self.m[v], self.e[v]
         shape = shape or self.shape(v)
         out = self.buf(f"n{n.id}.pre{site}", shape, I8)
-        key = self.keys(n, (site,), f"pre{site}_key")
+        key = self.keys(n, (site,), f"pre{site}_key", int(np.prod(shape)))
         func = te_ops.pre_shift(shape, -cap, self.stochastic, f"n{n.id}_pre{site}")
         self.launch(func, (self.view(self.m[v], shape), key, out))
         return out, self.exp_offset(n, self.e[v], -cap, f"pre{site}_e")

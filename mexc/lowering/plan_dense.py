@@ -119,7 +119,7 @@ class DenseRules(PlanBuilder):
         if not n.attrs.has_bias:
             return acc, e_acc
         b = n.inputs[2]
-        keys = self.keys(n, (1, 2), "bias_keys")
+        keys = self.keys(n, (1, 2), "bias_keys", (int(np.prod(shape)), 0))
         target = self.buf(f"n{n.id}.e_sum", (1,), I32)
         func = te_ops.bias_add_acc(shape, 1, product_bits(k), self.stochastic, f"n{n.id}_bias")
         self.launch(func, (acc, e_acc, self.m[b], self.e[b], keys, target, acc))
@@ -138,7 +138,7 @@ class DenseRules(PlanBuilder):
         dy, x = n.inputs
         o, k = self.shape(dy)[-1], self.shape(x)[-1]
         rows = int(np.prod(self.shape(dy)[:-1]))
-        dym, ed = self.fit_operand(n, dy, rows)
+        dym, ed = self.fit_operand(n, dy, self.global_count(rows))
         acc = self.out(n, 0, I32, (o, k))
         form = gf.linear_grad_weight(f"n{n.id}_dw", rows, k, o)
         operands = (self.view(dym, (rows, o)), self.rows_view(x))
@@ -153,12 +153,18 @@ class DenseRules(PlanBuilder):
         func = te_ops.axis_sum(self.shape(dy), axes, f"n{n.id}_bias_grad")
         self.launch(func, (self.m[dy], acc))
 
+    def all_reduce(self, n: Node) -> None:
+        """The workers' shares of an int32 batch sum, added in place (a host collective)."""
+        part, v = n.inputs[0], n.result(0)
+        self.m[v], self.e[v] = self.m[part], self.e[part]
+        self.agree("all_sum", self.m[part])
+
     def softmax_ce(self, n: Node) -> None:
         logits = n.inputs[0]
         rows, k = self.shape(logits)
         probs = self.out(n, 0, "uint8")
         self.plan.probs = probs
-        key = self.keys(n, (0,), "key0")
+        key = self.keys(n, (0,), "key0", rows * k)
         table = self.const("exp_table", EXP_TABLE.values, I32)
         func = te_ops.softmax_ce_forward(
             rows, k, self.stochastic, f"n{n.id}_softmax_ce", self.device.native_division
@@ -169,7 +175,7 @@ class DenseRules(PlanBuilder):
         probs = n.inputs[0]
         rows, k = self.shape(probs)
         acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
-        self.plan.valid = self.buf("valid", (1,), I32)
+        self.plan.valid = self.buf("valid", (2,), I32)
         func = te_ops.softmax_ce_backward_acc(
             rows, k, f"n{n.id}_softmax_ce_grad", self.device.native_division
         )

@@ -39,7 +39,7 @@ from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.ir import Graph, Value, needed_nodes
 from mexc.lowering.devices import Device, device_of
 from mexc.lowering.plan_attention import AttentionRules
-from mexc.lowering.plan_core import I64, Launch, StepPlan, View, unsupported
+from mexc.lowering.plan_core import I64, HostLaunch, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
 from mexc.lowering.plan_pool import PoolRules
@@ -228,6 +228,7 @@ def plan_builder(
                 f"op `{n.op.value}` is not lowered to TVM yet (lowered: {', '.join(SUPPORTED)})",
             )
         b.node = n.id
+        b.rows = b.world > 1 and n.id in b.rows_nodes
         # the program's rounding mode may round the forward nodes differently (numerics §4)
         b.stochastic = site_rounding(mode, prog.graph.is_forward(n)) == "stochastic"
         rule(b, n)
@@ -282,6 +283,8 @@ def distinct_kernels(
     funcs: dict[str, tirx.PrimFunc] = {}
     alias: dict[str, str] = {}
     for launch in plan.launches:
+        if isinstance(launch, HostLaunch):  # a collective the host runs: no kernel
+            continue
         anon = launch.func.with_attr("global_symbol", "k")
         bucket = reps.setdefault(tvm_ffi.structural_hash(anon), [])
         for symbol, other in bucket:
@@ -304,6 +307,7 @@ def plan_manifest(plan: StepPlan) -> dict[str, Any]:
         "constants": {k: [v.dtype.str, v.tolist()] for k, v in plan.constants.items()},
         "keys": plan.keys,
         "key_ids": plan.key_ids,
+        "key_rows": plan.key_rows,
         "state": plan.state,
         "input": list(plan.input),
         "labels": plan.labels,

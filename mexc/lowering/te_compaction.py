@@ -90,7 +90,11 @@ def _u32(v: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
     """numerics.random_bits: mix32(key ^ (index * 0x9E3779B9 mod 2^32)), as int64 in [0, 2^32)
-    (the key: the uint32 stream key held in int64)."""
+    (the key: the uint32 stream key in the low half of an int64). The key's high half is added
+    to the index: a data-parallel worker's first global element of the tensor the key rounds
+    (docs/numerics.md §16; the host writes it, StepPlan.key_rows), 0 in one process."""
+    if _dtype(key) == I64:
+        flat = flat + (key >> _i64(32))
     return mix32(_u32(key) ^ _mul32(_u32(flat), GOLDEN32)).astype(I64)
 
 

@@ -440,12 +440,14 @@ def softmax_ce_backward_acc(
     n: int, k: int, name: str = "softmax_ce_backward_acc", native_division: bool = False
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_backward before its compaction: t = p - S * onehot (S the row's sum
-    of p) on the first `valid` rows (0 below), acc = idiv_round(t << 7, valid) at exponent
-    -15. Parameters (probs uint8 (N,K), labels int32 (N,), valid int32[1], acc int32 (N,K))."""
+    of p) on the first valid[0] rows (0 below), acc = idiv_round(t << 7, valid[1]) at exponent
+    -15: valid[1] counts the valid rows of the whole batch (a data-parallel worker's rows are a
+    share of it), valid[0] those among these rows. Parameters (probs uint8 (N,K), labels int32
+    (N,), valid int32[2], acc int32 (N,K))."""
     i64 = "int64"
     probs = te.placeholder((n, k), "uint8", name="probs")
     labels = te.placeholder((n,), I32, name="labels")
-    valid = te.placeholder((1,), I32, name="valid")
+    valid = te.placeholder((2,), I32, name="valid")
     kk = te.reduce_axis((0, k), "kk")
     srow = te.compute((n,), lambda r: te.sum(probs[r, kk].astype(i64), axis=kk), name="psum")
 
@@ -453,7 +455,7 @@ def softmax_ce_backward_acc(
         rows = tirx.max(tirx.min(valid[0], n), 0)
         t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, srow[r], tirx.const(0, i64))
         t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
-        return idiv_round(t << 7, tirx.max(rows, 1).astype(i64), native_division).astype(I32)
+        return idiv_round(t << 7, tirx.max(valid[1], 1).astype(i64), native_division).astype(I32)
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)

@@ -52,16 +52,7 @@ def _state(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _quantize(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     rows = env.ctx.rows
-    if rows is None:
-        return (K.quantize(a[0], int(n.attrs.bits)),)
-
-    def agree(amax: float) -> float:
-        # a non-negative float64's bits, read as an int64, order as the floats do: the maximum
-        # of the bits is the bits of the maximum
-        bits = np.asarray(amax, np.float64).view(np.int64)
-        return float(np.asarray(rows.max(bits), np.int64).view(np.float64))
-
-    return (K.quantize(a[0], int(n.attrs.bits), agree),)
+    return (K.quantize(a[0], int(n.attrs.bits), None if rows is None else rows.max_float),)
 
 
 define(

@@ -34,6 +34,7 @@ define(
         Op.ALL_REDUCE,
         {"reduce": "sum", "world": 0},
         reference=_all_reduce,
+        lower={"tir": "step_plan:PlanRules.all_reduce"},
         doc="data parallel: the workers' shares of an int32 batch sum, added (all_reduce SUM)",
     ),
 )

@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--trainable", default=None, help="mexc.trainable spec (sparse update)")
+    ap.add_argument("--target", default="reference")
     ap.add_argument("--out", required=True)
     ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits at step 2")
     ap.add_argument("--resume", default="", help="a checkpoint to resume from")
@@ -76,7 +77,7 @@ def main() -> None:
         net, shape = model(name)
         data = batches(shape, args.batch, args.steps)
         if args.resume:
-            prog = mexc.load(args.resume, data_parallel=True)
+            prog = mexc.load(args.resume, target=args.target, data_parallel=True)
         else:
             x0 = torch.from_numpy(data[0][0])
             prog = mexc.compile(
@@ -85,6 +86,7 @@ def main() -> None:
                 bits=args.bits,
                 optimizer=args.optimizer,
                 trainable=args.trainable,
+                target=args.target,
                 data_parallel=True,
             )
         losses = []

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mexc.backends.llvm.kernel_store import KERNEL_PREFIX
+from mexc.backends.plan_runtime import is_host
 from mexc.errors import MexcError
 
 if TYPE_CHECKING:
@@ -325,7 +326,7 @@ def check_libraries(libraries: Sequence[Path], symbols: Iterable[str]) -> Report
 def launch_symbols(manifest: dict[str, Any]) -> list[str]:
     """The compiled symbols of the kernels the plan launches (in the kernel store's parts)."""
     kernels = manifest["kernels"]
-    return sorted({kernels[symbol][1] for symbol, _ in manifest["launches"]})
+    return sorted({kernels[s][1] for s, _ in manifest["launches"] if not is_host(s)})
 
 
 def float_check(prog: LlvmProgram) -> Report:

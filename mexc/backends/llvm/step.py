@@ -38,7 +38,7 @@ from mexc.backends.plan_layout import (
     region_bytes,
     separate_bytes,
 )
-from mexc.backends.plan_runtime import PlanProgram, window
+from mexc.backends.plan_runtime import PlanProgram, host_collective, is_host, window
 from mexc.errors import UnsupportedOpError
 from mexc.lowering.cpu_gemm import schedule_parallel
 from mexc.lowering.step_plan import (
@@ -116,7 +116,7 @@ class Compiled:
 
 
 def _manifest(plan: StepPlan, alias: dict[str, str]) -> dict[str, Any]:
-    launches = [[alias[x.symbol], list(x.args)] for x in plan.launches]
+    launches = [[alias.get(x.symbol, x.symbol), list(x.args)] for x in plan.launches]
     manifest = {"format": MANIFEST_FORMAT, **plan_manifest(plan), "launches": launches}
     manifest["layout"] = plan_layout(manifest, [args for _, args in launches])
     return manifest
@@ -191,7 +191,8 @@ def _load(folder: Path) -> Compiled:
     missing = {
         s
         for s, _ in manifest["launches"]
-        if not modules[kernels[s][0]].implements_function(kernels[s][1], True)
+        if not is_host(s)
+        and not modules[kernels[s][0]].implements_function(kernels[s][1], True)
     }
     for symbol in sorted(missing):
         store.forget_kernel(kernels[symbol][1])  # compiled again on the rebuild
@@ -281,8 +282,11 @@ class LlvmProgram(PlanProgram):
         self.libraries = compiled.libraries
         self._bufs = _Buffers(compiled.manifest, layout)
         self.separate_buffers = layout == "separate"
+        comm = prog.workers.comm if prog.workers is not None else None
         self._calls = [
-            (compiled.function(symbol), [self._bufs.t[a] for a in args])
+            (host_collective(symbol, comm), [self._bufs.np[args[0]]])
+            if is_host(symbol)
+            else (compiled.function(symbol), [self._bufs.t[a] for a in args])
             for symbol, args in compiled.manifest["launches"]
         ]
         super().__init__(prog, compiled.manifest)
@@ -313,7 +317,8 @@ class LlvmProgram(PlanProgram):
         if self._inf is None:
             cpu, plan_device, pack_budget, layout = self._build
             try:
-                compiled = compile_program(self, cpu, plan_device, pack_budget, inference=True)
+                source = self._inference_source()
+                compiled = compile_program(source, cpu, plan_device, pack_budget, inference=True)
             except UnsupportedOpError as err:  # the reference's inference path: exact too
                 self.inference_fallback = str(err)
                 return None
