@@ -20,7 +20,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.backends.plan_runtime import HOST_KINDS, HOST_PREFIX
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
-from mexc.lowering import te_norm, te_ops, te_pool
+from mexc.lowering import te_norm, te_norm_split, te_ops, te_pool
 from mexc.lowering.cpu_gemm import compact_from_c
 from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
 from mexc.mx import SITES_PER_NODE
@@ -489,19 +489,36 @@ class PlanBuilder:
         self,
         n: Node,
         site: int,
-        kernels: tuple[tirx.PrimFunc, tirx.PrimFunc],
+        kernels: tuple[tirx.PrimFunc, ...],
         inputs: tuple[str, ...],
         out: str,
     ) -> str:
         """Result 0 of n (int8, into `out`) as a compaction (rounding site `site`) of a value
         that is never stored: `kernels` are te_compaction.fused_compaction's shift (inputs ->
-        s, e_out) and apply (inputs, s, key -> m). Returns the shift's buffer s."""
-        shift, apply = kernels
+        s, e_out) and apply (inputs, s, key -> m); a data-parallel worker's node has its
+        `agreed` form (the maximum's scan first, agreed: `agreed_slot`). Returns the shift's
+        buffer s."""
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
-        self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
-        key = self.keys(n, (site,), f"key{site}")
+        if self.rows:
+            if len(kernels) != 3:
+                raise self.not_split(n)
+            scan, shift, apply = kernels
+            amax = self.buf(f"n{n.id}.amax{site}", (SLOT_I32,), I32)
+            self.launch(scan, (*inputs, amax))
+            self.agree("all_max", amax)
+            self.launch(shift, (*inputs, amax, s, self.out_exp(n, 0)))
+        else:
+            shift, apply = kernels
+            self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
+        key = self.keys(n, (site,), f"key{site}", self.elements(out))
         self.launch(apply, (*inputs, s, key, out))
         return s
+
+    @property
+    def agreed_slot(self) -> int:
+        """The `agreed` argument of te_compaction.fused_compaction for the node whose rule
+        runs: a slot's int32 for a data-parallel worker's node, else 0 (one process)."""
+        return SLOT_I32 if self.rows else 0
 
     def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
         """Product n's lean level (LEAN_LEVELS); a rule whose product cannot scan (a weight
@@ -666,12 +683,21 @@ class PlanBuilder:
         self, n: Node, acc: str, e_grp: str, shape: te_norm.NCS, site: int, out: str
     ) -> str:
         """compact_common along the channel axis of an (N, C, S) accumulator into `out`;
-        returns the exponent buffer."""
+        returns the exponent buffer. A data-parallel worker's per-channel maxima are agreed
+        (the accumulator is batch-major)."""
         tag = f"n{n.id}_cc{site}"
         sh = self.buf(f"n{n.id}.sh{site}", (shape[1],), I32)
         e_out = self.buf(f"n{n.id}.e{site}", (1,), I32)
-        self.launch(te_norm.common_shift(shape, self.bits, f"{tag}_shift"), (acc, e_grp, sh, e_out))
-        key = self.keys(n, (site,), f"key{site}")
+        if self.rows:
+            amax = self.buf(f"n{n.id}.amax{site}", (shape[1],), I32)
+            self.launch(te_norm_split.channel_max(shape, f"{tag}_amax"), (acc, amax))
+            self.agree("all_max", amax)
+            shift = te_norm_split.common_shift_of_max(shape[1], self.bits, f"{tag}_shift")
+            self.launch(shift, (amax, e_grp, sh, e_out))
+        else:
+            shift = te_norm.common_shift(shape, self.bits, f"{tag}_shift")
+            self.launch(shift, (acc, e_grp, sh, e_out))
+        key = self.keys(n, (site,), f"key{site}", int(np.prod(shape)))
         apply = te_norm.common_apply(shape, self.bits, self.stochastic, f"{tag}_apply")
         self.launch(apply, (acc, sh, key, out))
         return e_out
@@ -690,23 +716,33 @@ class PlanBuilder:
         if bound <= te_pool.DIV_BITS:
             a, e_a = acc, self.exp_offset(n, e, bound - te_pool.DIV_BITS, "e_a")
         else:
-            a, _, e_a = self.to_bits(n, acc, e, shape, 0, "a16")
+            a, _, e_a = self.to_bits(n, acc, e, shape, 0, "a16", batch=True)
         self.divide_compact(n, a, e_a, shape, divisor)
 
     def to_bits(
-        self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str
+        self, n: Node, x: str, e: str, shape: Shape, site: int, tag: str, *, batch: bool
     ) -> tuple[str, str, str]:
-        """numerics.compact_to_bits(x, e, 15) with rounding site `site`: (x16, s, e + s)."""
-        s, e_out = self.to_bits_shift(n, x, e, shape, tag)
+        """numerics.compact_to_bits(x, e, 15) with rounding site `site`: (x16, s, e + s).
+        `batch`: whether x is batch-major (a data-parallel worker's maximum is agreed, its
+        PRNG index global)."""
+        s, e_out = self.to_bits_shift(n, x, e, shape, tag, batch=batch)
         out = self.buf(f"n{n.id}.{tag}", shape, I32)
-        key = self.keys(n, (site,), f"key{site}")
+        key = self.keys(n, (site,), f"key{site}", int(np.prod(shape)) if batch else 0)
         apply = te_norm.shift_apply(shape, self.stochastic, f"n{n.id}_{tag}_apply")
         self.launch(apply, (x, s, key, out))
         return out, s, e_out
 
-    def to_bits_shift(self, n: Node, x: str, e: str, shape: Shape, tag: str) -> tuple[str, str]:
-        """The shift half of to_bits: (s, e + s) from x's max |.| (x may hold row maxima)."""
+    def to_bits_shift(
+        self, n: Node, x: str, e: str, shape: Shape, tag: str, *, batch: bool
+    ) -> tuple[str, str]:
+        """The shift half of to_bits: (s, e + s) from x's max |.| (x may hold row maxima);
+        `batch`: x is batch-major (a data-parallel worker's maximum is agreed)."""
         s = self.buf(f"n{n.id}.{tag}_s", (1,), I32)
         e_out = self.buf(f"n{n.id}.{tag}_e", (1,), I32)
+        if batch and self.rows:
+            amax = self.buf(f"n{n.id}.{tag}_amax", (SLOT_I32,), I32)
+            self.launch(abs_max_kernel(shape, f"n{n.id}_{tag}_amax", SLOT_I32), (x, amax))
+            self.agree("all_max", amax)
+            x, shape = amax, (SLOT_I32,)
         self.launch(te_norm.to_bits_shift(shape, 15, f"n{n.id}_{tag}_shift"), (x, e, s, e_out))
         return s, e_out

@@ -7,7 +7,7 @@ import numpy as np
 
 from mexc.ir import Node
 from mexc.kernels.norm import _eps_fixed, mean_frac_bits
-from mexc.lowering import te_norm, te_ops
+from mexc.lowering import te_norm, te_norm_split, te_ops
 from mexc.lowering.plan_core import (
     I8,
     I32,
@@ -28,38 +28,78 @@ class NormRules(PlanBuilder):
         x, gamma, beta = n.inputs[0], n.inputs[1], n.inputs[2]
         xs = self.shape(x)
         ncs = ncs_of(xs)
-        m = ncs[0] * ncs[2]
+        m = self.global_count(ncs[0]) * ncs[2]
         f = mean_frac_bits(m)
         cc = (ncs[1],)
+        elements = int(np.prod(ncs))
         b = {k: self.buf(f"n{n.id}.{k}", cc, I32) for k in ("mu", "r", "var", "var_u", "ev")}
         b |= {k: self.buf(f"n{n.id}.{k}", cc, I32) for k in ("rstd", "rstd_e", "e_grp")}
         b["e_c"] = self.buf(f"n{n.id}.e_c", (1,), I32)
         xv = self.ncs_view(self.m[x], xs)
-        self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
-        key0 = self.keys(n, (0,), "key0")
+        key0 = self.keys(n, (0,), "key0", elements)
         eps = _eps_fixed(float(n.attrs.eps))
         native = self.device.native_division
-        var = te_norm.bn_var(ncs, f, eps, self.stochastic, f"n{n.id}_bn_var", native)
         var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
-        self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
         xhat = self.out(n, 1, I8, xs)
         sh, e_xhat = self.buf(f"n{n.id}.sh1", cc, I32), self.buf(f"n{n.id}.e1", (1,), I32)
         xhat_in = (xv, b["mu"], b["rstd"])
-        shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_bn_xhat_shift")
-        self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+        if self.rows:  # the statistics' sums and maxima agreed between the kernels
+            self.batchnorm_split(n, ncs, f, m, eps, xv, key0, b)
+        else:
+            self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
+            var = te_norm.bn_var(ncs, f, eps, self.stochastic, f"n{n.id}_bn_var", native)
+            self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
+            shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_bn_xhat_shift")
+            self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
         apply = te_norm.bn_xhat_apply(ncs, f, self.bits, self.stochastic, f"n{n.id}_bn_xhat_apply")
-        key1 = self.keys(n, (1,), "key1")
+        key1 = self.keys(n, (1,), "key1", elements)
         self.launch(apply, (*xhat_in, sh, key1, self.ncs_view(xhat, xs)))
         self.e[n.result(1)] = e_xhat
-        keys = self.keys(n, (2, 3), "affine_keys")
+        keys = self.keys(n, (2, 3), "affine_keys", (elements, 0))
         args: tuple[str, ...] = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
         args += (self.m[beta], self.e[beta], keys)
         # the affine sum is compacted without being stored: scan, then round (no int32 tensor)
-        affine = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine")
+        affine = te_norm.bn_affine_compaction(
+            ncs, self.bits, self.stochastic, f"n{n.id}_bn_affine", self.agreed_slot
+        )
         y = self.ncs_view(self.out(n, 0, I8, xs), xs)
         b["affine_shift"] = self.compact_unstored(n, 4, affine, args, y)
         b |= {"xhat": xhat, "e_xhat": e_xhat, "gamma": self.m[gamma], "e_gamma": self.e[gamma]}
         self.bn[n.id] = b
+
+    def batchnorm_split(
+        self,
+        n: Node,
+        ncs: tuple[int, int, int],
+        f: int,
+        m: int,
+        eps: FixedScalar,
+        xv: str,
+        key0: str,
+        b: dict[str, str],
+    ) -> None:
+        """A data-parallel worker's batch statistics and xhat shift (te_norm_split): each sum
+        and maximum over the batch is this worker's, then agreed over the workers."""
+        tag, cc = f"n{n.id}_bn", (ncs[1],)
+        ssum, amax = self.buf(f"n{n.id}.ssum", cc, I32), self.buf(f"n{n.id}.amax", cc, I32)
+        self.launch(te_norm_split.bn_sum(ncs, f"{tag}_sum"), (xv, ssum))
+        self.agree("all_sum", ssum)
+        self.launch(te_norm_split.bn_center_max(ncs, f, m, f"{tag}_center"), (xv, ssum, b["mu"], amax))
+        self.agree("all_max", amax)
+        vsum = self.buf(f"n{n.id}.vsum", cc, I32)
+        var_sum = te_norm_split.bn_var_sum(ncs, f, m, self.stochastic, f"{tag}_var_sum")
+        self.launch(var_sum, (xv, b["mu"], amax, key0, b["r"], vsum))
+        self.agree("all_sum", vsum)
+        native = self.device.native_division
+        finish = te_norm_split.bn_var_finish(ncs[1], f, m, eps, f"{tag}_var", native)
+        var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
+        self.launch(finish, (vsum, b["r"], self.e[n.inputs[0]], *var_out))
+        xmax = self.buf(f"n{n.id}.xhat_amax", cc, I32)
+        self.launch(te_norm_split.bn_xhat_max(ncs, f, f"{tag}_xhat_max"), (xv, b["mu"], b["rstd"], xmax))
+        self.agree("all_max", xmax)
+        shift = te_norm_split.bn_xhat_shift_of(ncs[1], self.bits, f"{tag}_xhat_shift")
+        sh, e_xhat = f"n{n.id}.sh1", f"n{n.id}.e1"
+        self.launch(shift, (xmax, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
 
     def batchnorm_affine(self, n: Node) -> None:
         """The batch norm's output again from its saved xhat (the rematerialize pass): the
@@ -72,15 +112,16 @@ class NormRules(PlanBuilder):
             return
         xs = self.shape(xhat)
         ncs = ncs_of(xs)
-        keys = self.keys(n, (2, 3), "affine_keys")
+        elements = int(np.prod(ncs))
+        keys = self.keys(n, (2, 3), "affine_keys", (elements, 0))
         args: tuple[str, ...] = (self.ncs_view(self.m[xhat], xs), self.e[xhat])
         args += (self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
         name = f"n{n.id}_bn_affine"
-        _, apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name)
+        apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name)[-1]
         # the forward's compaction shift and exponent (kept: 8 bytes) are the copy's, since
         # its sums are the same: only the rounding pass runs
         shift = self.bn[xhat.node]["affine_shift"]
-        key = self.keys(n, (4,), "key4")
+        key = self.keys(n, (4,), "key4", elements)
         self.launch(apply, (*args, shift, key, self.ncs_view(self.out(n, 0, I8, xs), xs)))
         self.e[n.result(0)] = self.e[y]
 
@@ -89,8 +130,9 @@ class NormRules(PlanBuilder):
         b = self.bn[n.inputs[1].node]
         shape = self.shape(dy)
         ncs = ncs_of(shape)
-        m = ncs[0] * ncs[2]
+        m = self.global_count(ncs[0]) * ncs[2]
         cc = (ncs[1],)
+        elements = int(np.prod(ncs))
         dyv, xhv = self.ncs_view(self.m[dy], shape), self.ncs_view(b["xhat"], shape)
         dgamma, dbeta = self.out(n, 1, I32, cc), self.out(n, 2, I32, cc)
         dp, e_dp = self.fit_operand(n, dy, m, site=7)  # dgamma's M-wide product
@@ -98,16 +140,20 @@ class NormRules(PlanBuilder):
         sums = te_norm.bn_grad_sums(ncs, f"n{n.id}_bn_sums", pre_shifted=split)
         dps = (self.ncs_view(dp, shape),) if split else ()
         self.launch(sums, (dyv, *dps, xhv, dgamma, dbeta))
+        if self.rows:  # the whole batch's sums
+            self.agree("all_sum", dgamma)
+            self.agree("all_sum", dbeta)
         self.e[n.result(2)] = self.e[dy]
         e_dg = self.buf(f"n{n.id}.e_dg", (1,), I32)
         self.launch(te_ops.exponent_sum(f"n{n.id}_e_dg"), (e_dp, b["e_xhat"], e_dg))
         self.e[n.result(1)] = e_dg
-        dg16, _, e_dg16 = self.to_bits(n, dgamma, e_dg, cc, 0, "dg16")
-        keys = self.keys(n, (1, 2, 3), "bracket_keys")
+        dg16, _, e_dg16 = self.to_bits(n, dgamma, e_dg, cc, 0, "dg16", batch=False)
+        keys = self.keys(n, (1, 2, 3), "bracket_keys", (elements, 0, elements))
         e_t = self.buf(f"n{n.id}.e_t", (1,), I32)
         bracket_in: tuple[str, ...] = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16)
         bracket_in += (keys,)
-        lean = self.is_lean(n) >= 1
+        # a data-parallel worker's step keeps T (the lean kernels count M from their shape)
+        lean = not self.rows and self.is_lean(n) >= 1
         # to_bits(t) to 16 bits: the shift here (from the bracket's row maxima where the device
         # keeps them: Device.row_max_bracket, or where the step runs lean), its rounding (site
         # 4) inside bn_dx_acc
@@ -122,15 +168,18 @@ class NormRules(PlanBuilder):
             self.launch(func, (*bracket_in, e_t, amax))
         else:
             bracket = te_norm.bn_bracket(
-                ncs, self.stochastic, f"n{n.id}_bn_bracket", row_max=row_max
+                ncs, self.stochastic, f"n{n.id}_bn_bracket", row_max=row_max, m=m
             )
             self.launch(bracket, (*bracket_in, e_t, t, amax) if row_max else (*bracket_in, e_t, t))
-        s16, e_bk = self.to_bits_shift(n, amax or t, e_t, ncs[:2] if row_max else ncs, "bk16")
+        s16, e_bk = self.to_bits_shift(
+            n, amax or t, e_t, ncs[:2] if row_max else ncs, "bk16", batch=True
+        )
         f16, e_f = self.buf(f"n{n.id}.f16", cc, I32), self.buf(f"n{n.id}.e_f", cc, I32)
-        key5 = self.keys(n, (5,), "key5")
+        key5 = self.keys(n, (5,), "key5", 0)
         args = (b["gamma"], b["e_gamma"], b["rstd"], b["rstd_e"], key5, f16, e_f)
-        self.launch(te_norm.bn_dx_factor(ncs, self.stochastic, f"n{n.id}_bn_dx_factor"), args)
-        key4 = self.keys(n, (4,), "key4")
+        factor = te_norm.bn_dx_factor(ncs, self.stochastic, f"n{n.id}_bn_dx_factor", m)
+        self.launch(factor, args)
+        key4 = self.keys(n, (4,), "key4", elements)
         e_grp = self.buf(f"n{n.id}.e_grp", cc, I32)
         dx = self.out(n, 0, I8)
         if lean:
@@ -163,7 +212,7 @@ class NormRules(PlanBuilder):
             base = 4 * j
             tag = ("mean", "var")[j]
             e_in = e_src if j == 0 else b["e_c"]  # to_bits' own e_out is unused for the variance
-            b16, s, _ = self.to_bits(n, src, e_in, (c,), base, f"{tag}16")
+            b16, s, _ = self.to_bits(n, src, e_in, (c,), base, f"{tag}16", batch=False)
             keys = self.keys(n, (base + 1, base + 2), f"{tag}_keys")
             target = self.buf(f"n{n.id}.{tag}_target", (c,), I32)
             acc = self.buf(f"n{n.id}.{tag}_acc", (c,), I32)

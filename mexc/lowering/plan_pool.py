@@ -123,7 +123,7 @@ class PoolRules(PlanBuilder):
 
     def _divide_by_six(self, n: Node, acc: str, e_acc: str, rows: Shape) -> None:
         """kernels.activation._divide_by_six: compact_to_bits(acc, 15) (site 0), / 6, site 1."""
-        a, _, e_a = self.to_bits(n, acc, e_acc, rows, 0, "a16")
+        a, _, e_a = self.to_bits(n, acc, e_acc, rows, 0, "a16", batch=True)
         self.divide_compact(n, a, e_a, rows, HS_DIVISOR)
 
     def hardswish(self, n: Node) -> None:

@@ -284,22 +284,34 @@ def fused_compaction(
     bits: int,
     stochastic: bool,
     name: str,
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    agreed: int = 0,
+) -> tuple[tirx.PrimFunc, ...]:
     """The per-tensor compaction of an int32 value that is never stored: `value(*idx)` computes
     element idx from `inputs` (an elementwise producer, e.g. an aligned sum), at exponent
     target[0] (a one-element tensor computed from the inputs). Scan, then round: the shift
     kernel (inputs -> s, e_out) computes every element for max |.|, the apply kernel (inputs, s,
     key -> m) computes each again and rounds it, as compaction_shift and compaction_apply would
-    on the stored accumulator, bit for bit, without its 4 bytes per element."""
+    on the stored accumulator, bit for bit, without its 4 bytes per element.
+
+    `agreed`: a data-parallel worker's form, whose maximum is agreed with the other workers
+    between two kernels: `<name>_amax` (inputs -> amax, a slot of `agreed` int32 holding the
+    maximum in element 0), then `<name>_shift` (inputs, amax -> s, e_out), then the apply."""
     if len(shape) == 1:
         rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
     else:
         rows = _max_rows(shape, lambda *i: iabs(value(*i)), "amax_rows", lanes=True)
     rr = te.reduce_axis((0, shape[0]), "amax_r")
     amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
+    scan: list[tirx.PrimFunc] = []
+    if agreed:
+        zero = tirx.const(0, I32)
+        slot = te.compute((agreed,), lambda i: tirx.Select(i == 0, amax[0], zero), name="slot")
+        scan = [prim_func([*inputs, slot], f"{name}_amax")]
+        slot_in = te.placeholder((agreed,), I32, name="amax")
+        amax = te.compute((1,), lambda _: slot_in[0], name="agreed")
     s = fit_shift(amax, qmax(bits))
     e_out = te.compute((1,), lambda g: target[0] + s[g], name="e_out")
-    shift = prim_func([*inputs, s, e_out], f"{name}_shift")
+    shift = prim_func([*inputs, *([slot_in] if agreed else []), s, e_out], f"{name}_shift")
     s_in = te.placeholder((1,), I32, name="s")
     key = te.placeholder((1,), I64, name="key")
 
@@ -307,7 +319,7 @@ def fused_compaction(
         return compacted(value(*idx), s_in[0], key[0], _flat_index(shape, idx), bits, stochastic)
 
     m = te.compute(shape, body, name="m")
-    return shift, prim_func([*inputs, s_in, key, m], f"{name}_apply")
+    return (*scan, shift, prim_func([*inputs, s_in, key, m], f"{name}_apply"))
 
 
 def compaction_apply(

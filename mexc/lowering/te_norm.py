@@ -293,11 +293,23 @@ def _common_shift(
     shape: NCS, acc: Callable[..., tirx.PrimExpr], e_grp: te.Tensor, bits: int
 ) -> tuple[te.Tensor, te.Tensor]:
     """(sh, e_out) of compact_common for the accumulator acc(n, c, s) (see common_shift)."""
-    # max |acc| per (n, c) with s innermost (n in parallel), then per channel over n
+    return common_shift_of(channel_abs_max(shape, acc), e_grp, bits)
+
+
+def channel_abs_max(shape: NCS, acc: Callable[..., tirx.PrimExpr]) -> te.Tensor:
+    """max |acc(n, c, s)| per channel (C,): per (n, c) with s innermost (n in parallel), then
+    per channel over n."""
     rs = te.reduce_axis((0, shape[2]), "rs")
     part = te.compute(shape[:2], lambda n, c: te.max(iabs(acc(n, c, rs)), rs), name="amax_nc")
     rn = te.reduce_axis((0, shape[0]), "rn")
-    amax = _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
+    return _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
+
+
+def common_shift_of(
+    amax: te.Tensor, e_grp: te.Tensor, bits: int
+) -> tuple[te.Tensor, te.Tensor]:
+    """(sh, e_out) of compact_common from the per-channel maxima amax (C,)."""
+    shape = (1, int(amax.shape[0]), 1)
     s = fit_shift(amax, qmax(bits))
     rc = te.reduce_axis((0, shape[1]), "rc")
     top = te.compute(
@@ -356,14 +368,14 @@ def common_apply(
 
 
 def bn_affine_compaction(
-    shape: NCS, bits: int, stochastic: bool, name: str = "bn_affine"
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    shape: NCS, bits: int, stochastic: bool, name: str = "bn_affine", agreed: int = 0
+) -> tuple[tirx.PrimFunc, ...]:
     """The aligned sum of gamma * xhat (14 bits, key 0) and beta (7 bits, key 1, flat index c),
     compacted (site 4 of the caller) without storing it (te_compaction.fused_compaction):
     `<name>_shift` (xhat, e_xhat, gamma, e_g, beta, e_b, keys, s, e_out) and `<name>_apply`
     (the same inputs, s, key, m)."""
     inputs, target, value = _bn_affine_terms(shape, stochastic)
-    return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name, agreed)
 
 
 def _bn_affine_terms(
@@ -438,11 +450,12 @@ def shift_apply(shape: tuple[int, ...], stochastic: bool, name: str) -> tirx.Pri
 
 
 def _bracket(
-    shape: NCS, stochastic: bool
+    shape: NCS, stochastic: bool, m: int | None = None
 ) -> tuple[list[te.Tensor], te.Tensor, Callable[..., tirx.PrimExpr]]:
     """The bracket's inputs (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys), its target
-    exponent (a (1,) tensor) and its element T(n, c, s) (int32)."""
-    m = shape[0] * shape[2]
+    exponent (a (1,) tensor) and its element T(n, c, s) (int32). `m`: the whole batch's M
+    (a data-parallel worker's shape holds its share; default N * S)."""
+    m = m or shape[0] * shape[2]
     lg = ceil_log2(m)
     dy = te.placeholder(shape, I8, name="dy")
     e_dy = te.placeholder((1,), I32, name="e_dy")
@@ -490,14 +503,18 @@ def _rows_parallel(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
 
 
 def bn_bracket(
-    shape: NCS, stochastic: bool, name: str = "bn_bracket", row_max: bool = False
+    shape: NCS,
+    stochastic: bool,
+    name: str = "bn_bracket",
+    row_max: bool = False,
+    m: int | None = None,
 ) -> tirx.PrimFunc:
     """T = aligned sum of M*dy (key 0), -dbeta (key 1, flat index c) and -xhat * dg16 (key 2)
     (kernels.batchnorm_backward's bracket; magnitude bits 7 + ceil log2 M, the same, 22).
     Parameters (dy, e_dy, dbeta, xhat, e_xhat, dg16, e_dg16, keys, target, t), and with
     `row_max` a last one, amax (N, C): max |T| over s, computed as each row of T is written
     (host schedule), so that to_bits' shift reads (N, C) values instead of all of T."""
-    inputs, target, body = _bracket(shape, stochastic)
+    inputs, target, body = _bracket(shape, stochastic, m)
     t = te.compute(shape, body, name="t")
     args = [*inputs, target, t]
     if not row_max:
@@ -573,12 +590,14 @@ def bn_dx_unstored(
     return shift, _func([*lead, f16, sh_in, key6, m], f"{name}_apply")
 
 
-def bn_dx_factor(shape: NCS, stochastic: bool, name: str = "bn_dx_factor") -> tirx.PrimFunc:
+def bn_dx_factor(
+    shape: NCS, stochastic: bool, name: str = "bn_dx_factor", m: int | None = None
+) -> tirx.PrimFunc:
     """kernels.norm._dx_factor: fac = gamma * rstd, L = 30 - bitlen(fac),
     q = idiv_round(fac * 2^L, M), sf = max(bitlen(q) - 15, 0), f16 = round(q / 2^sf) (key,
     flat index c), e_f = e_g + rstd_e - L + sf. Parameters (gamma, e_g, rstd, rstd_e, key,
-    f16, e_f)."""
-    m = shape[0] * shape[2]
+    f16, e_f). `m`: the whole batch's M (default N * S)."""
+    m = m or shape[0] * shape[2]
     c_ = shape[1]
     gamma = te.placeholder((c_,), I8, name="gamma")
     e_g = te.placeholder((1,), I32, name="e_g")
