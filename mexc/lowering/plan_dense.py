@@ -366,7 +366,9 @@ class DenseRules(PlanBuilder):
             acc = self.buf(f"n{n.id}.dx{p.py}{p.px}", ch.full.form.out_shape, I32)
             self.gemm(ch, acc)
             outs.append(acc)
-        kernels = subpixel.merge_compaction(g, phases, self.bits, self.stochastic, tag)
+        kernels = subpixel.merge_compaction(
+            g, phases, self.bits, self.stochastic, tag, self.agreed_slot
+        )
         self.compact_unstored(n, 0, kernels, (*outs, e_acc), out)
 
     def conv_grad_weight(self, n: Node) -> None:

@@ -3,6 +3,8 @@ ReLU6, Hardswish, residual and gradient sums, dropout (te_pool's and te_ops' ker
 
 from __future__ import annotations
 
+import numpy as np
+
 from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
 from mexc.kernels.activation import HS_DIVISOR
@@ -60,10 +62,13 @@ class PoolRules(PlanBuilder):
             raise unsupported(n, f"a sum of more than {MAX_SUM_TERMS} terms")
         shape = self.shape(terms[0])
         rows = self.rows_of(shape)
-        keys = self.keys(n, tuple(range(len(terms))), "sum_keys")
+        elements = int(np.prod(rows))
+        keys = self.keys(n, tuple(range(len(terms))), "sum_keys", elements)
         # the sum is compacted without being stored: scan, then round (no int32 tensor)
         tag = f"n{n.id}_sum"
-        kernels = te_ops.aligned_sum_compaction(rows, len(terms), self.bits, self.stochastic, tag)
+        kernels = te_ops.aligned_sum_compaction(
+            rows, len(terms), self.bits, self.stochastic, tag, self.agreed_slot
+        )
         ms = tuple(self.view(self.m[t], rows) for t in terms)
         args = (*ms, *(self.e[t] for t in terms), keys)
         out = self.view(self.out(n, 0, I8), rows)
@@ -164,7 +169,7 @@ class PoolRules(PlanBuilder):
         """kernels.activation.table_product: a times table(x) (index rounding site 0),
         compacted without being stored (site 1)."""
         rows = self.rows_of(self.shape(x))
-        key = self.keys(n, (0,), "key0")
+        key = self.keys(n, (0,), "key0", int(np.prod(rows)))
         tab = self.const(f"{table.name}_table", table.values, I32)
         kernels = te_ops.table_product_compaction(
             rows,
@@ -174,6 +179,7 @@ class PoolRules(PlanBuilder):
             self.bits,
             self.stochastic,
             f"n{n.id}_{table.name}",
+            self.agreed_slot,
         )
         lead = () if a is None else (self.view(self.m[a], rows), self.e[a])
         args = (*lead, self.view(self.m[x], rows), self.e[x], key, tab)

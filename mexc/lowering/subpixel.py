@@ -95,17 +95,18 @@ def phases(name: str, g: ConvGeom) -> list[Phase]:
 
 
 def merge_compaction(
-    g: ConvGeom, present: list[Phase], bits: int, stochastic: bool, name: str
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    g: ConvGeom, present: list[Phase], bits: int, stochastic: bool, name: str, agreed: int = 0
+) -> tuple[tirx.PrimFunc, ...]:
     """The phase buffers (one parameter per phase with a form, in order; 0 where no tap
     reaches) interleaved into the accumulator seen by phase, (n, c, h/sh, sh, w/sw, sw), and
     compacted without storing it (te_compaction.fused_compaction): `<name>_shift` (phase
     buffers, e_in, s, e_out) and `<name>_apply` (phase buffers, e_in, s, key, m), m the int8
     result seen by phase. The by-phase shape's C-order flat index is the native one, so the
-    rounding keys are those of a compaction of the accumulator."""
+    rounding keys are those of a compaction of the accumulator. `agreed`: fused_compaction's
+    data-parallel form."""
     bufs, shape, body = _merged(g, present)
     e_in = te.placeholder((1,), I32, name="e_in")
-    return fused_compaction(shape, [*bufs, e_in], e_in, body, bits, stochastic, name)
+    return fused_compaction(shape, [*bufs, e_in], e_in, body, bits, stochastic, name, agreed)
 
 
 def _merged(g: ConvGeom, present: list[Phase]) -> tuple[list[te.Tensor], tuple[int, ...], Any]:

@@ -243,13 +243,18 @@ def aligned_sum_acc(
 
 
 def aligned_sum_compaction(
-    shape: tuple[int, ...], terms: int, bits: int, stochastic: bool, name: str = "aligned_sum"
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    shape: tuple[int, ...],
+    terms: int,
+    bits: int,
+    stochastic: bool,
+    name: str = "aligned_sum",
+    agreed: int = 0,
+) -> tuple[tirx.PrimFunc, ...]:
     """aligned_sum_acc (exponent_buffers) compacted without storing the sum
-    (te_compaction.fused_compaction): `<name>_shift` (m_0 .. m_{T-1}, e_0 .. e_{T-1}, keys, s,
-    e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    (te_compaction.fused_compaction, `agreed` its data-parallel form): `<name>_shift` (m_0 ..
+    m_{T-1}, e_0 .. e_{T-1}, keys, s, e_out) and `<name>_apply` (the same inputs, s, key, m)."""
     inputs, target, value = _aligned_sum_terms(shape, terms, stochastic, True)
-    return fused_compaction(shape, inputs, target, value, bits, stochastic, name)
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name, agreed)
 
 
 def concat_compaction(
@@ -612,10 +617,12 @@ def table_product_compaction(
     bits: int,
     stochastic: bool,
     name: str,
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    agreed: int = 0,
+) -> tuple[tirx.PrimFunc, ...]:
     """kernels.activation.table_product compacted without storing the product: a times
     table(x) (factor False: table(x) alone). Parameters of both kernels: (a, e_a,) x, e_x,
-    key0 (the index rounding, site 0), table int32[256], then fused_compaction's."""
+    key0 (the index rounding, site 0), table int32[256], then fused_compaction's (`agreed`:
+    its data-parallel form)."""
     x = te.placeholder(shape, I8, name="x")
     ex = te.placeholder((1,), I32, name="e_x")
     key0 = te.placeholder((1,), I64, name="key0")
@@ -635,4 +642,4 @@ def table_product_compaction(
         return t * lead[0][idx].astype(I32) if factor else t
 
     inputs = [*lead, x, ex, key0, table]
-    return fused_compaction(shape, inputs, target, body, bits, stochastic, name)
+    return fused_compaction(shape, inputs, target, body, bits, stochastic, name, agreed)
