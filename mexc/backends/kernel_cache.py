@@ -8,10 +8,12 @@ entry at once the first rename wins and the other discards its copy.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
@@ -32,6 +34,21 @@ def build_entry(folder: Path, build: Callable[[Path], None]) -> Path:
     except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextmanager
+def entry_lock(folder: Path) -> Iterator[None]:
+    """Held while one process builds cache entry `folder`: another that needs the same entry
+    (a data-parallel job's workers compile the same step) waits here and then loads it,
+    instead of building it again on the same cores. The lock file's lock goes with the
+    process (an exclusive flock), so a builder that dies releases it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:

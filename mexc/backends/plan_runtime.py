@@ -203,7 +203,8 @@ class PlanProgram(Program):
         self._infer_write(xe, np.array([int(q.e)], np.int32))
         self._infer_run()
         m, e = plan["logits"]
-        shape = tuple(int(d) for d in self.graph.type_of(self.graph.output("logits")).shape)
+        whole = self.global_graph  # a data-parallel worker infers on whole batches
+        shape = tuple(int(d) for d in whole.type_of(whole.output("logits")).shape)
         mant, exp = self._infer_read(m).reshape(shape), np.int64(self._infer_read(e)[0])
         if mant.dtype == np.int32:  # the product's accumulator (docs/numerics.md section 15)
             return Acc(mant.astype(np.int64), np.asarray(exp))

@@ -84,7 +84,9 @@ class NormRules(PlanBuilder):
         ssum, amax = self.buf(f"n{n.id}.ssum", cc, I32), self.buf(f"n{n.id}.amax", cc, I32)
         self.launch(te_norm_split.bn_sum(ncs, f"{tag}_sum"), (xv, ssum))
         self.agree("all_sum", ssum)
-        self.launch(te_norm_split.bn_center_max(ncs, f, m, f"{tag}_center"), (xv, ssum, b["mu"], amax))
+        self.launch(
+            te_norm_split.bn_center_max(ncs, f, m, f"{tag}_center"), (xv, ssum, b["mu"], amax)
+        )
         self.agree("all_max", amax)
         vsum = self.buf(f"n{n.id}.vsum", cc, I32)
         var_sum = te_norm_split.bn_var_sum(ncs, f, m, self.stochastic, f"{tag}_var_sum")
@@ -95,7 +97,9 @@ class NormRules(PlanBuilder):
         var_out = tuple(b[k] for k in ("var", "var_u", "ev", "rstd", "rstd_e", "e_c"))
         self.launch(finish, (vsum, b["r"], self.e[n.inputs[0]], *var_out))
         xmax = self.buf(f"n{n.id}.xhat_amax", cc, I32)
-        self.launch(te_norm_split.bn_xhat_max(ncs, f, f"{tag}_xhat_max"), (xv, b["mu"], b["rstd"], xmax))
+        self.launch(
+            te_norm_split.bn_xhat_max(ncs, f, f"{tag}_xhat_max"), (xv, b["mu"], b["rstd"], xmax)
+        )
         self.agree("all_max", xmax)
         shift = te_norm_split.bn_xhat_shift_of(ncs[1], self.bits, f"{tag}_xhat_shift")
         sh, e_xhat = f"n{n.id}.sh1", f"n{n.id}.e1"

@@ -305,9 +305,7 @@ def channel_abs_max(shape: NCS, acc: Callable[..., tirx.PrimExpr]) -> te.Tensor:
     return _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
 
 
-def common_shift_of(
-    amax: te.Tensor, e_grp: te.Tensor, bits: int
-) -> tuple[te.Tensor, te.Tensor]:
+def common_shift_of(amax: te.Tensor, e_grp: te.Tensor, bits: int) -> tuple[te.Tensor, te.Tensor]:
     """(sh, e_out) of compact_common from the per-channel maxima amax (C,)."""
     shape = (1, int(amax.shape[0]), 1)
     s = fit_shift(amax, qmax(bits))

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from mexc.backends.kernel_cache import CACHE, build_entry
+from mexc.backends.kernel_cache import CACHE, build_entry, entry_lock
 from mexc.backends.llvm.kernel_store import KernelStore
 from mexc.backends.llvm.products import HostCpu, host_cpu
 from mexc.backends.plan_layout import (
@@ -141,6 +141,21 @@ def compile_program(
     what += f" lean={sorted(lean.items())}" if lean is not None else ""
     what += " inference" if inference else ""
     folder = CACHE / f"llvm-{cache_key(prog, what)}"
+    with entry_lock(folder):
+        return _compiled(prog, cpu, plan_device, pack_budget, inference, lean, folder)
+
+
+def _compiled(
+    prog: Program,
+    cpu: HostCpu,
+    plan_device: str,
+    pack_budget: int | None,
+    inference: bool,
+    lean: Mapping[int, int] | None,
+    folder: Path,
+) -> Compiled:
+    """compile_program's entry `folder`, loaded, or built where it is missing or damaged."""
+    target = cpu.target()
     if (folder / "plan.json").exists():
         try:
             return _load(folder)
@@ -191,8 +206,7 @@ def _load(folder: Path) -> Compiled:
     missing = {
         s
         for s, _ in manifest["launches"]
-        if not is_host(s)
-        and not modules[kernels[s][0]].implements_function(kernels[s][1], True)
+        if not is_host(s) and not modules[kernels[s][0]].implements_function(kernels[s][1], True)
     }
     for symbol in sorted(missing):
         store.forget_kernel(kernels[symbol][1])  # compiled again on the rebuild
