@@ -1,11 +1,12 @@
 """Data-parallel training on localhost (gloo): mexc against PyTorch DDP in FP32.
 
     python bench/distributed.py [--models FashionCNN,MLP,ViTTiny] [--batch 64] [--workers 1,2,4]
-        [--blocks 4] [--block-steps 3] [--out bench/results/distributed.json]
+        [--target auto] [--blocks 4] [--block-steps 3] [--out bench/results/distributed.json]
 
 For each number of workers W, W processes (mexc.distributed.launch) train each model on the same
-global batch: mexc's data-parallel step (target reference, the only one that splits today;
-docs/distributed.md) and PyTorch DDP FP32 (SGD with momentum), in alternating blocks of steps
+global batch: mexc's data-parallel step on `--target` ("auto": llvm where its step splits the
+model, else the reference; the table names the target each model ran on; docs/distributed.md)
+and PyTorch DDP FP32 (SGD with momentum), in alternating blocks of steps
 with a pause between them. Each worker reports, per contender: the median seconds per step of
 its blocks (worker 0's figure is the table's: every step ends at the same collective on every
 worker), the payload bytes it contributed to collectives per step, and the number of
@@ -60,7 +61,8 @@ def measure(name: str, args: argparse.Namespace, world: int, rank: int) -> dict[
     fp32.load_state_dict(net.state_dict())
     steps = 2 + args.blocks * args.block_steps
     batches = data(shape, args.batch, steps)
-    prog = mexc.compile(net, (torch.from_numpy(batches[0][0]),), data_parallel=world > 1)
+    x0 = torch.from_numpy(batches[0][0])
+    prog = mexc.compile(net, (x0,), target=args.target, data_parallel=world > 1)
     comm = prog.workers.comm if prog.workers is not None else None
     assert comm is None or isinstance(comm, TorchCollectives)
     sent = {"bytes": 0, "calls": 0}
@@ -118,6 +120,7 @@ def measure(name: str, args: argparse.Namespace, world: int, rank: int) -> dict[
         "fp32_ddp_bytes_per_step": sent["bytes"] // timed,
         "fp32_ddp_collectives_per_step": sent["calls"] // timed,
         "checksum": prog.state_checksum(),
+        "target": prog.options.target,
         "params": sum(p.numel() for p in fp32.parameters()),
     }
 
@@ -136,6 +139,7 @@ def main() -> None:
     ap.add_argument("--models", default="FashionCNN,MLP,ViTTiny")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--target", default="auto", choices=("auto", "reference", "llvm"))
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--block-steps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "distributed.json"))
@@ -150,6 +154,8 @@ def main() -> None:
             part = Path(d, "rank0.json")
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker-out", str(part)]
             env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+            # the workers share the cores: TVM's pool of each llvm step gets its share
+            env["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // w))
             if w == 1:
                 code = os.spawnve(os.P_WAIT, sys.executable, cmd, env)
                 codes = [code]
@@ -164,7 +170,7 @@ def main() -> None:
             if r[name]["checksum"] != first[name]["checksum"]:
                 raise SystemExit(f"{name}: the state at W = {w} differs from W = {min(rows)}")
     header = (
-        f"{'model':<12} {'W':>2} {'mexc s/step':>12} {'DDP s/step':>11} {'ratio':>6} "
+        f"{'model':<12} {'target':<9} {'W':>2} {'mexc s/step':>12} {'DDP s/step':>11} {'ratio':>6} "
         f"{'mexc B/step':>12} {'calls':>6} {'DDP B/step':>11} {'calls':>6}"
     )
     print(header)
@@ -172,7 +178,7 @@ def main() -> None:
         for name, v in r.items():
             ratio = v["mexc_s_per_step"] / v["fp32_ddp_s_per_step"]
             print(
-                f"{name:<12} {w:>2} {v['mexc_s_per_step']:>12.4f} "
+                f"{name:<12} {v['target']:<9} {w:>2} {v['mexc_s_per_step']:>12.4f} "
                 f"{v['fp32_ddp_s_per_step']:>11.4f} {ratio:>6.2f} {v['mexc_bytes_per_step']:>12} "
                 f"{v['mexc_collectives_per_step']:>6} {v['fp32_ddp_bytes_per_step']:>11} "
                 f"{v['fp32_ddp_collectives_per_step']:>6}"

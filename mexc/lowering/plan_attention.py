@@ -13,7 +13,7 @@ from mexc.kernels._common import product_bits
 from mexc.kernels.norm import _eps_fixed, mean_frac_bits
 from mexc.kernels.transformer import softmax_prob_exp
 from mexc.lowering import gemm_forms as gf
-from mexc.lowering import te_attention, te_norm
+from mexc.lowering import te_attention, te_norm, te_norm_split
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Product, Shape, unsupported
 from mexc.numerics import EXP_TABLE, product_cap
 
@@ -53,7 +53,7 @@ class AttentionRules(PlanBuilder):
         cap = product_cap(m, 8)
         if cap < 0:  # a^T pre-shifted in the transposed layout (the reference's flat index)
             at = self.buf(f"n{n.id}.pre3", (bt, k, m), I8)
-            key = self.keys(n, (3,), "pre3_key")
+            key = self.keys(n, (3,), "pre3_key", bt * k * m)
             tag = f"n{n.id}_pre3"
             func = te_attention.transposed_pre_shift((bt, m, k), -cap, self.stochastic, tag)
             self.launch(func, (self.view(self.m[a], (bt, m, k)), key, at))
@@ -85,7 +85,7 @@ class AttentionRules(PlanBuilder):
         p = self.view(self.out(n, 0, I8), (rows, k))
         pe = softmax_prob_exp(self.bits)
         self.e[n.result(0)] = self.const(f"softmax_exp{-pe}", np.array([pe]), I32)
-        keys = self.keys(n, (0, 1), "keys")
+        keys = self.keys(n, (0, 1), "keys", rows * k)
         table = self.const("exp_table", EXP_TABLE.values, I32)
         func = te_attention.softmax_forward(
             rows,
@@ -107,7 +107,7 @@ class AttentionRules(PlanBuilder):
         rows, k = self._rows2(shape)
         r2 = (rows, k)
         dm, e_dm = self.fit_operand(n, dy, k, site=5)
-        keys = self.keys(n, (1, 2), "sum_keys")
+        keys = self.keys(n, (1, 2), "sum_keys", (rows * k, rows))
         target = self.buf(f"n{n.id}.e_t", (1,), I32)
         t = self.buf(f"n{n.id}.t", r2, I32)
         tag = f"n{n.id}_softmax_grad"
@@ -137,8 +137,9 @@ class AttentionRules(PlanBuilder):
         b |= {k: self.buf(f"n{n.id}.{k}", rr, I32) for k in ("rstd", "rstd_e", "e_grp")}
         b["e_c"] = self.buf(f"n{n.id}.e_c", (1,), I32)
         xv = self.view(self.m[x], ncs)
+        elements = rows * d
         self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_ln_stats"), (xv, b["mu"], b["r"]))
-        key0 = self.keys(n, (0,), "key0")
+        key0 = self.keys(n, (0,), "key0", elements)
         eps = _eps_fixed(float(n.attrs.eps))
         var = te_norm.bn_var(
             ncs, f, eps, self.stochastic, f"n{n.id}_ln_var", self.device.native_division
@@ -148,18 +149,33 @@ class AttentionRules(PlanBuilder):
         xhat = self.out(n, 1, I8, xs)
         sh, e_xhat = self.buf(f"n{n.id}.sh1", rr, I32), self.buf(f"n{n.id}.e1", (1,), I32)
         xhat_in = (xv, b["mu"], b["rstd"])
-        shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_ln_xhat_shift")
-        self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+        if self.rows:  # the statistics are per row; xhat's exponent is every worker's rows'
+            tag = f"n{n.id}_ln_xhat"
+            amax, tops = (
+                self.buf(f"n{n.id}.xhat_amax", rr, I32),
+                self.buf(f"n{n.id}.tops", (2,), I32),
+            )
+            self.launch(te_norm_split.bn_xhat_max(ncs, f, f"{tag}_max"), (*xhat_in, amax))
+            func = te_norm_split.xhat_group_tops(rows, self.bits, f"{tag}_tops")
+            self.launch(func, (amax, b["rstd_e"], b["e_c"], b["e_grp"], tops))
+            self.agree("all_max", tops)
+            func = te_norm_split.group_shift_of_tops(rows, f"{tag}_shift")
+            self.launch(func, (tops, b["e_grp"], sh, e_xhat))
+        else:
+            shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_ln_xhat_shift")
+            self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
         apply = te_norm.bn_xhat_apply(ncs, f, self.bits, self.stochastic, f"n{n.id}_ln_xhat_apply")
-        key1 = self.keys(n, (1,), "key1")
+        key1 = self.keys(n, (1,), "key1", elements)
         self.launch(apply, (*xhat_in, sh, key1, self.view(xhat, ncs)))
         self.e[n.result(1)] = e_xhat
-        keys = self.keys(n, (2, 3), "affine_keys")
+        keys = self.keys(n, (2, 3), "affine_keys", (elements, 0))
         r2 = (rows, d)
         args: tuple[str, ...] = (self.view(xhat, r2), e_xhat, self.m[gamma], self.e[gamma])
         args += (self.m[beta], self.e[beta], keys)
         tag = f"n{n.id}_ln_affine"
-        affine = te_attention.ln_affine_compaction(rows, d, self.bits, self.stochastic, tag)
+        affine = te_attention.ln_affine_compaction(
+            rows, d, self.bits, self.stochastic, tag, self.agreed_slot
+        )
         self.compact_unstored(n, 4, affine, args, self.view(self.out(n, 0, I8, xs), r2))
         self.bn[n.id] = b
 
@@ -174,7 +190,7 @@ class AttentionRules(PlanBuilder):
         rows, d = self._rows2(shape)
         r2, rr = (rows, d), (rows,)
         dgamma, dbeta = self.out(n, 1, I32, (d,)), self.out(n, 2, I32, (d,))
-        dp, e_dp = self.fit_operand(n, dy, rows, site=7, shape=r2)
+        dp, e_dp = self.fit_operand(n, dy, self.global_count(rows), site=7, shape=r2)
         split = dp != self.m[dy]
         sums = te_attention.ln_param_grads(rows, d, split, f"n{n.id}_ln_sums")
         dps = (self.view(dp, r2),) if split else ()
@@ -184,14 +200,14 @@ class AttentionRules(PlanBuilder):
         self.e[n.result(1)] = self.product_exp(n, e_dp, xhat, "e_dg")
         g, e_g = self.buf(f"n{n.id}.g", r2, I32), self.buf(f"n{n.id}.e_g", (1,), I32)
         sg, sgx = self.buf(f"n{n.id}.sg", rr, I32), self.buf(f"n{n.id}.sgx", rr, I32)
-        key5 = self.keys(n, (5,), "key5")
+        key5 = self.keys(n, (5,), "key5", rows * d)
         func = te_attention.ln_grad_g(rows, d, self.stochastic, f"n{n.id}_ln_g")
         self.launch(
             func, (dyv, self.e[dy], self.m[gamma], self.e[gamma], xhv, key5, g, e_g, sg, sgx)
         )
         e_sgx = self.product_exp(n, e_g, xhat, "e_sgx")
         sgx16, _, e_sgx16 = self.to_bits(n, sgx, e_sgx, rr, 0, "sgx16", batch=True)
-        keys = self.keys(n, (1, 2, 3), "bracket_keys")
+        keys = self.keys(n, (1, 2, 3), "bracket_keys", (rows * d, rows, rows * d))
         e_t, t = self.buf(f"n{n.id}.e_t", (1,), I32), self.buf(f"n{n.id}.t", r2, I32)
         bracket = te_attention.ln_grad_bracket(rows, d, self.stochastic, f"n{n.id}_ln_bracket")
         args = (g, e_g, sg, xhv, self.e[xhat], sgx16, e_sgx16, keys, e_t, t)
@@ -202,4 +218,5 @@ class AttentionRules(PlanBuilder):
         self.launch(func, (t16, e_t16, b["rstd"], b["rstd_e"], acc, e_grp))
         ncs = (1, rows, d)
         out = self.view(self.out(n, 0, I8), ncs)
-        self.e[n.result(0)] = self.common_compact(n, self.view(acc, ncs), e_grp, ncs, 6, out)
+        acc3 = self.view(acc, ncs)
+        self.e[n.result(0)] = self.common_compact(n, acc3, e_grp, ncs, 6, out, groups_are_rows=True)

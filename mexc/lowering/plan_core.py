@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tvm import tirx
 
-from mexc.errors import UnsupportedOpError
 from mexc.backends.plan_runtime import HOST_KINDS, HOST_PREFIX
+from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_norm_split, te_ops, te_pool
@@ -680,15 +680,33 @@ class PlanBuilder:
         return out
 
     def common_compact(
-        self, n: Node, acc: str, e_grp: str, shape: te_norm.NCS, site: int, out: str
+        self,
+        n: Node,
+        acc: str,
+        e_grp: str,
+        shape: te_norm.NCS,
+        site: int,
+        out: str,
+        groups_are_rows: bool = False,
     ) -> str:
         """compact_common along the channel axis of an (N, C, S) accumulator into `out`;
-        returns the exponent buffer. A data-parallel worker's per-channel maxima are agreed
-        (the accumulator is batch-major)."""
+        returns the exponent buffer. The accumulator is batch-major: a data-parallel worker
+        agrees the per-channel maxima with the others, or where the channels are its rows
+        (`groups_are_rows`: LayerNorm's (1, rows, D)) the best exponent over every worker's
+        rows."""
         tag = f"n{n.id}_cc{site}"
         sh = self.buf(f"n{n.id}.sh{site}", (shape[1],), I32)
         e_out = self.buf(f"n{n.id}.e{site}", (1,), I32)
-        if self.rows:
+        if self.rows and groups_are_rows:
+            amax = self.buf(f"n{n.id}.amax{site}", (shape[1],), I32)
+            self.launch(te_norm_split.channel_max(shape, f"{tag}_amax"), (acc, amax))
+            tops = self.buf(f"n{n.id}.tops{site}", (2,), I32)
+            func = te_norm_split.group_tops(shape[1], self.bits, f"{tag}_tops")
+            self.launch(func, (amax, e_grp, tops))
+            self.agree("all_max", tops)
+            func = te_norm_split.group_shift_of_tops(shape[1], f"{tag}_shift")
+            self.launch(func, (tops, e_grp, sh, e_out))
+        elif self.rows:
             amax = self.buf(f"n{n.id}.amax{site}", (shape[1],), I32)
             self.launch(te_norm_split.channel_max(shape, f"{tag}_amax"), (acc, amax))
             self.agree("all_max", amax)

@@ -81,8 +81,11 @@ class PoolRules(PlanBuilder):
         shape = self.shape(x)
         mask = self.out(n, 1, I8, shape)
         acc = self.buf(f"n{n.id}.acc", shape, I32)
-        key = self.keys(n, (0,), "key0")
-        per = dropout_group(shape, str(n.attrs.mode))
+        mode = str(n.attrs.mode)
+        per = dropout_group(shape, mode)
+        # the keep decisions' words: a data-parallel worker's first is its first sample's
+        # (one word for the whole batch in "batch" mode: word 0 everywhere)
+        key = self.keys(n, (0,), "key0", 0 if mode == "batch" else int(np.prod(shape)) // per)
         func = te_pool.dropout_forward_acc(
             shape, _keep_threshold(p), scale.num, f"n{n.id}_drop", per
         )

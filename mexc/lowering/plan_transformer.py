@@ -72,9 +72,10 @@ class TransformerRules(PlanBuilder):
         sizes = tuple(self.shape(x)[dim] for x in n.inputs)
         tail = (inner,) if inner > 1 else ()
         ms = tuple(self.view(self.m[x], (outer, k, *tail)) for x, k in zip(n.inputs, sizes))
-        args = (*ms, *(self.e[x] for x in n.inputs), self.keys(n, (0,), "key0"))
+        key = self.keys(n, (0,), "key0", int(np.prod(shape)))
+        args = (*ms, *(self.e[x] for x in n.inputs), key)
         kernels = te_ops.concat_compaction(
-            outer, sizes, inner, self.bits, self.stochastic, f"n{n.id}_concat"
+            outer, sizes, inner, self.bits, self.stochastic, f"n{n.id}_concat", self.agreed_slot
         )
         out = self.view(self.out(n, 0, I8), (outer, sum(sizes), *tail))
         self.compact_unstored(n, 1, kernels, args, out)
@@ -97,7 +98,9 @@ class TransformerRules(PlanBuilder):
         shape, g_axis = self._factor(self.shape(x), tuple(n.attrs.view) or self.shape(g))
         gv = self.view(self.m[g], shape if g_axis is None else (shape[g_axis],))
         args = (self.view(self.m[x], shape), self.e[x], gv, self.e[g])
-        kernels = te_ops.mul_compaction(shape, g_axis, self.bits, self.stochastic, f"n{n.id}_mul")
+        kernels = te_ops.mul_compaction(
+            shape, g_axis, self.bits, self.stochastic, f"n{n.id}_mul", self.agreed_slot
+        )
         self.compact_unstored(n, 0, kernels, args, self.view(self.out(n, 0, I8), shape))
 
     def mul_grad(self, n: Node) -> None:
@@ -106,11 +109,15 @@ class TransformerRules(PlanBuilder):
         dy, x = n.inputs
         x_shape, g_shape = self.shape(x), tuple(n.attrs.view) or self.shape(n.result(0))
         shape, g_axis = self._factor(x_shape, g_shape)
-        t = mul_grad_shift(int(np.prod(x_shape)) // int(np.prod(g_shape)))
+        terms = int(np.prod(x_shape)) // int(np.prod(g_shape))
+        pad = (1,) * (len(x_shape) - len(g_shape)) + tuple(g_shape)
+        if pad[0] == 1 and x_shape[0] != 1:  # summed over the batch: the whole batch's count
+            terms = self.global_count(terms)
+        t = mul_grad_shift(terms)
         acc_shape = shape if g_axis is None else (shape[g_axis],)
         func = te_ops.mul_factor_grad(shape, g_axis, t, self.stochastic, f"n{n.id}_mul_grad")
         inputs = (self.view(self.m[dy], shape), self.e[dy], self.view(self.m[x], shape))
-        key = self.keys(n, (1,), "key1")
+        key = self.keys(n, (1,), "key1", int(np.prod(x_shape)))
         if n.attrs.param:
             acc, e_acc = self.view(self.out(n, 0, I32), acc_shape), self.out_exp(n, 0)
             self.launch(func, (*inputs, self.e[x], key, acc, e_acc))
@@ -129,7 +136,7 @@ class TransformerRules(PlanBuilder):
         s = FixedScalar.of(float(n.attrs.value))
         rows = self.rows_of(self.shape(x))
         kernels = te_transformer.scale_compaction(
-            rows, s.num, s.shift, self.bits, self.stochastic, f"n{n.id}_scale"
+            rows, s.num, s.shift, self.bits, self.stochastic, f"n{n.id}_scale", self.agreed_slot
         )
         out = self.view(self.out(n, 0, I8), rows)
         self.compact_unstored(n, 0, kernels, (self.view(self.m[x], rows), self.e[x]), out)
@@ -142,9 +149,9 @@ class TransformerRules(PlanBuilder):
         x, p = n.inputs
         batch, sample = self.rows_of(self.shape(x))  # x is [B, ...]: (B, one sample)
         rows = (batch, sample)
-        keys = self.keys(n, (0, 1), "sum_keys")
+        keys = self.keys(n, (0, 1), "sum_keys", (batch * sample, 0))
         kernels = te_transformer.add_param_compaction(
-            rows, self.bits, self.stochastic, f"n{n.id}_add_param"
+            rows, self.bits, self.stochastic, f"n{n.id}_add_param", self.agreed_slot
         )
         xm, pm = self.view(self.m[x], rows), self.view(self.m[p], (rows[1],))
         out = self.view(self.out(n, 0, I8), rows)
@@ -203,7 +210,7 @@ class TransformerRules(PlanBuilder):
         x = n.inputs[0]
         rows = self.rows_of(self.shape(x))
         acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
-        key = self.keys(n, (0,), "key0")
+        key = self.keys(n, (0,), "key0", int(np.prod(rows)))
         table = self.const("gelu_table", GELU_TABLE.values, I32)
         func = te_transformer.gelu_acc(rows, self.stochastic, f"n{n.id}_gelu")
         self.launch(func, (self.view(self.m[x], rows), self.e[x], key, table, acc, e_acc))
@@ -215,7 +222,7 @@ class TransformerRules(PlanBuilder):
         dy, x = n.inputs
         rows = self.rows_of(self.shape(dy))
         acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
-        key = self.keys(n, (0,), "key0")
+        key = self.keys(n, (0,), "key0", int(np.prod(rows)))
         table = self.const("gelu_grad_table", GELU_GRAD_TABLE.values, I32)
         func = te_transformer.gelu_grad_acc(rows, self.stochastic, f"n{n.id}_gelu_grad")
         args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])

@@ -161,8 +161,8 @@ LN_MAG = 7  # int8 mantissa magnitude bits (kernels._common.MAG)
 
 
 def ln_affine_compaction(
-    rows: int, d: int, bits: int, stochastic: bool, name: str
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    rows: int, d: int, bits: int, stochastic: bool, name: str, agreed: int = 0
+) -> tuple[tirx.PrimFunc, ...]:
     """kernels.layernorm_forward's affine: aligned_sum of xhat * gamma[d] (14 bits, key 0, flat
     index r D + d) and beta[d] (7 bits, key 1, flat index d: the (1, D) term), compacted without
     being stored (te_compaction.fused_compaction): `<name>_shift` (xhat, e_x, gamma, e_g, beta,
@@ -189,7 +189,7 @@ def ln_affine_compaction(
         return a + b
 
     inputs = [xhat, e_x, gamma, e_g, beta, e_b, keys]
-    return fused_compaction(shape, inputs, target, body, bits, stochastic, name)
+    return fused_compaction(shape, inputs, target, body, bits, stochastic, name, agreed)
 
 
 def ln_param_grads(rows: int, d: int, pre_shifted: bool, name: str) -> tirx.PrimFunc:

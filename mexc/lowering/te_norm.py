@@ -305,11 +305,11 @@ def channel_abs_max(shape: NCS, acc: Callable[..., tirx.PrimExpr]) -> te.Tensor:
     return _per_channel(shape, lambda c: te.max(part[rn, c], axis=rn), "amax")
 
 
-def common_shift_of(amax: te.Tensor, e_grp: te.Tensor, bits: int) -> tuple[te.Tensor, te.Tensor]:
-    """(sh, e_out) of compact_common from the per-channel maxima amax (C,)."""
-    shape = (1, int(amax.shape[0]), 1)
+def common_tops(amax: te.Tensor, e_grp: te.Tensor, bits: int) -> te.Tensor:
+    """(top, emax) int32 of compact_common from the groups' maxima amax (G,): the largest
+    e_grp + s over the non-zero groups (-BIG where none) and the largest e_grp."""
     s = fit_shift(amax, qmax(bits))
-    rc = te.reduce_axis((0, shape[1]), "rc")
+    rc = te.reduce_axis((0, int(amax.shape[0])), "rc")
     top = te.compute(
         (1,),
         lambda _: te.max(
@@ -317,13 +317,24 @@ def common_shift_of(amax: te.Tensor, e_grp: te.Tensor, bits: int) -> tuple[te.Te
         ),
         name="top",
     )
-    rc2 = te.reduce_axis((0, shape[1]), "rc2")
+    rc2 = te.reduce_axis((0, int(amax.shape[0])), "rc2")
     emax = te.compute((1,), lambda _: te.max(e_grp[rc2], axis=rc2), name="emax")
+    return te.compute((2,), lambda i: tirx.Select(i == 0, top[0], emax[0]), name="tops")
+
+
+def shift_of_tops(tops: te.Tensor, e_grp: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+    """(sh, e_out) of compact_common from its (top, emax): e_out = top where a group is
+    non-zero, else emax; sh_g = e_out - e_grp_g."""
     e_out = te.compute(
-        (1,), lambda i: tirx.if_then_else(top[i] > -BIG, top[i], emax[i]), name="e_out"
+        (1,), lambda _: tirx.if_then_else(tops[0] > -BIG, tops[0], tops[1]), name="e_out"
     )
-    sh = _per_channel(shape, lambda c: e_out[0] - e_grp[c], "sh")
+    sh = te.compute(e_grp.shape, lambda c: e_out[0] - e_grp[c], name="sh")
     return sh, e_out
+
+
+def common_shift_of(amax: te.Tensor, e_grp: te.Tensor, bits: int) -> tuple[te.Tensor, te.Tensor]:
+    """(sh, e_out) of compact_common from the per-channel maxima amax (C,)."""
+    return shift_of_tops(common_tops(amax, e_grp, bits), e_grp)
 
 
 def common_shift(shape: NCS, bits: int, name: str = "common_shift") -> tirx.PrimFunc:

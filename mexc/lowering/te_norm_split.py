@@ -29,6 +29,8 @@ from mexc.lowering.te_norm import (
     _xhat_inputs,
     channel_abs_max,
     common_shift_of,
+    common_tops,
+    shift_of_tops,
 )
 from mexc.numerics import FixedScalar
 
@@ -140,3 +142,35 @@ def common_shift_of_max(channels: int, bits: int, name: str) -> tirx.PrimFunc:
     e_grp = te.placeholder((channels,), I32, name="e_grp")
     sh, e_out = common_shift_of(amax, e_grp, bits)
     return _func([amax, e_grp, sh, e_out], name)
+
+
+# compact_common over groups that are this worker's rows (LayerNorm's rows: kernels._common's
+# `axis == 0` case): each worker's best exponent and whether it has a non-zero group are agreed,
+# not the groups' maxima
+
+
+def group_tops(groups: int, bits: int, name: str) -> tirx.PrimFunc:
+    """This worker's (top, emax) of compact_common from its groups' maxima.
+    Parameters (amax, e_grp, tops)."""
+    amax = te.placeholder((groups,), I32, name="amax")
+    e_grp = te.placeholder((groups,), I32, name="e_grp")
+    return _func([amax, e_grp, common_tops(amax, e_grp, bits)], name)
+
+
+def xhat_group_tops(groups: int, bits: int, name: str) -> tirx.PrimFunc:
+    """group_tops of LayerNorm's xhat, e_grp = e_c + rstd_e computed here.
+    Parameters (amax, rstd_e, e_c, e_grp, tops)."""
+    amax = te.placeholder((groups,), I32, name="amax")
+    rstd_e = te.placeholder((groups,), I32, name="re")
+    e_c = te.placeholder((1,), I32, name="e_c")
+    e_grp = te.compute((groups,), lambda c: e_c[0] + rstd_e[c], name="e_grp")
+    return _func([amax, rstd_e, e_c, e_grp, common_tops(amax, e_grp, bits)], name)
+
+
+def group_shift_of_tops(groups: int, name: str) -> tirx.PrimFunc:
+    """compact_common's (sh, e_out) from the whole batch's (top, emax) (the largest over the
+    workers). Parameters (tops, e_grp, sh, e_out)."""
+    tops = te.placeholder((2,), I32, name="tops")
+    e_grp = te.placeholder((groups,), I32, name="e_grp")
+    sh, e_out = shift_of_tops(tops, e_grp)
+    return _func([tops, e_grp, sh, e_out], name)

@@ -258,24 +258,31 @@ def aligned_sum_compaction(
 
 
 def concat_compaction(
-    outer: int, sizes: tuple[int, ...], inner: int, bits: int, stochastic: bool, name: str
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    outer: int,
+    sizes: tuple[int, ...],
+    inner: int,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    agreed: int = 0,
+) -> tuple[tirx.PrimFunc, ...]:
     """kernels.elementwise.concat_forward compacted without storing the aligned int32 tensor:
     the inputs seen as (outer, sizes[i], inner) (2-D when inner is 1), the output as (outer,
     sum(sizes), inner). Parameters of both kernels: m_0 .. m_{T-1}, e_0 .. e_{T-1}, key (site 0),
     then fused_compaction's. Memoized: building one for many inputs takes about a second
-    (DenseNet-121 has 58, and the launch plan is built once per lean trial)."""
-    shift, apply = _concat_kernels(outer, tuple(sizes), inner, bits, stochastic)
-    return (
-        shift.with_attr("global_symbol", f"{name}_shift"),
-        apply.with_attr("global_symbol", f"{name}_apply"),
+    (DenseNet-121 has 58, and the launch plan is built once per lean trial). `agreed`:
+    fused_compaction's data-parallel form (`<name>_amax` first)."""
+    kernels = _concat_kernels(outer, tuple(sizes), inner, bits, stochastic, agreed)
+    return tuple(
+        k.with_attr("global_symbol", f"{name}_{str(k.attrs['global_symbol']).split('_')[-1]}")
+        for k in kernels
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _concat_kernels(
-    outer: int, sizes: tuple[int, ...], inner: int, bits: int, stochastic: bool
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    outer: int, sizes: tuple[int, ...], inner: int, bits: int, stochastic: bool, agreed: int
+) -> tuple[tirx.PrimFunc, ...]:
     name = "concat"
     tail = (inner,) if inner > 1 else ()
     ms = [te.placeholder((outer, k, *tail), I8, name=f"m{i}") for i, k in enumerate(sizes)]
@@ -307,7 +314,7 @@ def _concat_kernels(
             x, e = x | (xi & mask), e | (es[i][0] & mask)
         return shift_signed32(x, target[0] - e, key[0], _flat_index(shape, idx), stochastic, 24)
 
-    return fused_compaction(shape, [*ms, *es, key], target, body, bits, stochastic, name)
+    return fused_compaction(shape, [*ms, *es, key], target, body, bits, stochastic, name, agreed)
 
 
 def _aligned_sum_terms(
@@ -557,8 +564,13 @@ def axis_sum(
 
 
 def mul_compaction(
-    shape: tuple[int, ...], g_axis: int | None, bits: int, stochastic: bool, name: str
-) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    shape: tuple[int, ...],
+    g_axis: int | None,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    agreed: int = 0,
+) -> tuple[tirx.PrimFunc, ...]:
     """kernels.elementwise.mul_forward compacted without storing the product: x seen as
     `shape`, the factor g as (shape[g_axis],) indexed along that axis, or (g_axis None) as
     `shape` itself. Parameters of both kernels: x, e_x, g, e_g, then fused_compaction's."""
@@ -571,7 +583,7 @@ def mul_compaction(
         gv = g[idx] if g_axis is None else g[idx[g_axis]]
         return x[idx].astype(I32) * gv.astype(I32)
 
-    return fused_compaction(shape, [x, ex, g, eg], target, body, bits, stochastic, name)
+    return fused_compaction(shape, [x, ex, g, eg], target, body, bits, stochastic, name, agreed)
 
 
 def mul_factor_grad(

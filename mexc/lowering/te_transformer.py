@@ -29,7 +29,7 @@ from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, Reciprocal
 
 I8, I32, I64 = "int8", "int32", "int64"
 Shape = tuple[int, ...]
-Kernels = tuple[tirx.PrimFunc, tirx.PrimFunc]
+Kernels = tuple[tirx.PrimFunc, ...]  # fused_compaction's (its data-parallel form: three)
 
 
 def transpose(shape: Shape, perm: tuple[int, ...], name: str) -> tirx.PrimFunc:
@@ -86,7 +86,7 @@ def slice_grad(
 
 
 def scale_compaction(
-    shape: Shape, num: int, shift: int, bits: int, stochastic: bool, name: str
+    shape: Shape, num: int, shift: int, bits: int, stochastic: bool, name: str, agreed: int = 0
 ) -> Kernels:
     """kernels.transformer.scale_forward: acc = m num (|.| < 2^22) at e - shift, compacted
     without being stored (fused_compaction: `<name>_shift` (x, e, s, e_out), `<name>_apply`
@@ -98,10 +98,12 @@ def scale_compaction(
     def value(*i: tirx.PrimExpr) -> tirx.PrimExpr:
         return x[i].astype(I32) * num
 
-    return fused_compaction(shape, [x, e], target, value, bits, stochastic, name)
+    return fused_compaction(shape, [x, e], target, value, bits, stochastic, name, agreed)
 
 
-def add_param_compaction(rows: tuple[int, int], bits: int, stochastic: bool, name: str) -> Kernels:
+def add_param_compaction(
+    rows: tuple[int, int], bits: int, stochastic: bool, name: str, agreed: int = 0
+) -> Kernels:
     """kernels.transformer.add_broadcast_forward on x (B, P) and p (P,): aligned_sum of (x, e_x,
     7) (key 0, x's flat index) and (p, e_p, 7) (key 1, p's own flat index), compacted without
     being stored. Parameters of both kernels start (x, e_x, p, e_p, keys int64[2])."""
@@ -125,7 +127,8 @@ def add_param_compaction(rows: tuple[int, int], bits: int, stochastic: bool, nam
         )
         return xa + pa
 
-    return fused_compaction(rows, [x, e_x, p, e_p, keys], target, value, bits, stochastic, name)
+    inputs = [x, e_x, p, e_p, keys]
+    return fused_compaction(rows, inputs, target, value, bits, stochastic, name, agreed)
 
 
 def token_sum(shape: tuple[int, int, int], left: int, name: str) -> tirx.PrimFunc:

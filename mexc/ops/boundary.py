@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from mexc import kernels as K
 from mexc.ir import Node, Op
 from mexc.ops.common import mx_like

@@ -251,7 +251,7 @@ def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: in
         te_ops.softmax_ce_backward_acc(n, k),
         p,
         labels.astype(np.int32),
-        np.array([valid], np.int32),
+        np.array([valid, valid], np.int32),
         outs=[((n, k), "int32")],
     )
     s, e_out = _run(

@@ -68,20 +68,25 @@ def test_workers_reproduce_one_process(
 
 
 # the llvm backend's steps: host collectives between its kernels. At 2 workers the CNNs whose
-# ops differ (batch norm, pooling, residual sums, depthwise and strided convolutions); at 4 the
-# smallest. Compiling the kernels takes most of the time (a worker waits for the others' builds)
-LLVM_RUNS = [(2, ("FashionCNN", "SmallResNet", "MobileNetV2Tiny")), (4, ("DigitsCNN",))]
+# ops differ (batch norm, pooling, residual sums, depthwise and strided convolutions), and for 3
+# steps the ViT and MobileNetV3; at 4 the smallest CNN. Compiling the kernels takes most of the
+# time (the workers of a job build each cache entry once: kernel_cache.entry_lock)
+LLVM_RUNS = [
+    (2, ("FashionCNN", "SmallResNet", "MobileNetV2Tiny"), STEPS),
+    (2, OTHERS, 3),
+    (4, ("DigitsCNN",), STEPS),
+]
 
 
-@pytest.mark.parametrize(("nproc", "models"), LLVM_RUNS)
+@pytest.mark.parametrize(("nproc", "models", "steps"), LLVM_RUNS)
 def test_llvm_workers_reproduce_one_process(
-    tmp_path: Path, nproc: int, models: tuple[str, ...]
+    tmp_path: Path, nproc: int, models: tuple[str, ...], steps: int
 ) -> None:
-    args = ("--model", ",".join(models), "--steps", str(STEPS), "--target", "llvm")
+    args = ("--model", ",".join(models), "--steps", str(steps), "--target", "llvm")
     codes, ranks = run_workers(tmp_path, nproc, *args, timeout_s=600)
     assert codes == [0] * nproc
     for name in models:
-        want = one_process(name)
+        want = one_process(name, steps)
         for got in ranks:
             assert got[name] == want, (name, got[name]["checksum"], want["checksum"])
 
@@ -151,45 +156,34 @@ def test_targets_without_collectives_refuse() -> None:
             mexc.compile(net, (torch.zeros(8, *shape),), target=target, data_parallel=True)
 
 
-def test_an_op_the_llvm_worker_does_not_split_is_refused_by_name() -> None:
-    """A worker's llvm step lowers only ops whose rules agree their decisions with the other
-    workers; LayerNorm's does not yet: the error names the node, its line and the fallback
-    (built without a process group: the plan refuses before any collective runs)."""
-    from mexc.backends.llvm.step import LlvmProgram
+def test_a_rule_without_data_parallel_keys_is_refused_by_name() -> None:
+    """A worker's llvm plan lowers a node that reads the batch only where its rule says which
+    tensor each rounding key indexes (the PRNG's global element): a rule that does not (a new
+    op's) is refused with the node, its line and the fallback, not run with local indices."""
     from mexc.distributed import Workers
+    from mexc.lowering.devices import device_of
+    from mexc.lowering.step_plan import PlanRules
     from mexc.pass_manager import PassContext
     from mexc.passes.shard_batch import shard_batch
     from mexc.program import Program
 
-    net, shape = model("ViTTiny")
+    net, shape = model("FashionCNN")
     whole = mexc.compile(net, (torch.zeros(8, *shape),))
     graph = shard_batch(whole.graph, PassContext(world=2))
-    worker = Program(
-        graph, whole.state, whole.options, whole.optimizer, 0, Workers(0, 2, None), whole.graph
-    )  # type: ignore[arg-type]
+    workers = Workers(0, 2, None)  # type: ignore[arg-type]
+    worker = Program(graph, whole.state, whole.options, whole.optimizer, 0, workers, whole.graph)
+    builder = PlanRules(worker, 8, device_of("cpu"))
+    conv = next(n for n in graph.nodes if n.op.value == "conv2d_compact")
+    builder.rows = conv.id in worker.rows_nodes
+    assert builder.rows
     with pytest.raises(
         UnsupportedOpError,
-        match=r"node %\d+ `\w+` at \S+\.py:\d+: its compiled rule does not split over 2 "
+        match=r"node %\d+ `conv2d_compact` at \S+\.py:\d+: its compiled rule does not split over 2 "
         r"data-parallel workers yet.*target='reference'",
     ):
-        LlvmProgram(worker)
-
-
-def test_an_op_without_a_data_parallel_rule_is_refused_by_name() -> None:
-    """timm's attention moves the batch axis behind q/k/v (permute(2, 0, 3, 1, 4)); the
-    gradient sums there cannot split: a clear error names the node and the line."""
-    from mexc.frontend import import_model
-    from mexc.pass_manager import PassContext, PassManager
-    from mexc.pipeline import PIPELINE
-
-    net, shape = model("timm_vit")
-    x = torch.zeros(4, *shape)
-    front = import_model(net, x)
-    ctx = PassContext(batch=4, num_classes=front.num_classes, world=2)
-    with pytest.raises(
-        UnsupportedOpError, match=r"data parallel: node %\d+ \(\w+\) at \S+\.py:\d+"
-    ):
-        PassManager(PIPELINE).run(front.graph, ctx)
+        builder.keys(conv, (0,), "key0")
+    assert builder.keys(conv, (0,), "key0", 6272)  # told: the key's tensor has 6272 elements
+    assert builder.plan.key_rows[-1] == 6272
 
 
 def test_mexc_train_nproc_reports_the_one_process_run(tmp_path: Path) -> None:
