@@ -36,7 +36,8 @@ from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE
 from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
 from mexc.backends.kernel_cache import build_entry
 from mexc.backends.plan_layout import plan_layout
-from mexc.lowering.plan_core import is_gemm
+from mexc.errors import UnsupportedOpError
+from mexc.lowering.plan_core import HostLaunch, is_gemm
 from mexc.lowering.step_plan import (
     Launch,
     StepPlan,
@@ -84,6 +85,7 @@ def lower_step(
         plan = build_inference_plan(prog, device="gpu", pack_budget=pack_budget)
     else:
         plan = build_plan(prog, device="gpu", pack_budget=pack_budget, lean=lean)
+    launches = _kernel_launches(plan)
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
@@ -91,7 +93,7 @@ def lower_step(
     manifest: dict[str, Any] = {"format": FORMAT, "gemm": gemm, **plan_manifest(plan)}
     module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
     kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
-    manifest["kernels"] = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
+    manifest["kernels"] = _kernel_list(launches, funcs, alias, scratch, kernels_of, module_of)
     manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
     manifest["gemm_kernels"] = sorted(
         k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
@@ -144,6 +146,18 @@ def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, An
     return _layout(plan_manifest(plan), plan, lambda launch: promote_scratch(launch.func)[1])
 
 
+def _kernel_launches(plan: StepPlan) -> list[Launch]:
+    """The plan's launches, every one a kernel: the CUDA artifact does not run a data-parallel
+    worker's host collectives yet (docs/distributed.md, "What the CUDA step needs")."""
+    if any(isinstance(x, HostLaunch) for x in plan.launches):
+        raise UnsupportedOpError(
+            "a data-parallel worker's CUDA step needs collectives between its kernels, which "
+            "the CUDA artifact does not run yet: train the workers on target 'llvm' or "
+            "'reference' (docs/distributed.md)"
+        )
+    return [x for x in plan.launches if isinstance(x, Launch)]
+
+
 def _layout(
     manifest: dict[str, Any],
     plan: StepPlan,
@@ -152,7 +166,7 @@ def _layout(
     """plan_layout of the GPU plan with every launch's own scratch (`scratch_of`: the global
     intermediates its kernel allocates) added to the manifest's buffers."""
     args = []
-    for i, launch in enumerate(plan.launches):
+    for i, launch in enumerate(_kernel_launches(plan)):
         names = []
         for name, shape, dtype in scratch_of(launch):
             names.append(_scratch_name(i, name))

@@ -31,7 +31,7 @@ from mexc.backends.plan_runtime import PLAN_FIELDS, PlanProgram, window
 from mexc.errors import CheckpointError
 from mexc.program import Program, read_checkpoint
 
-FORMAT = "mexc-cuda-step-2"
+FORMAT = "mexc-cuda-step-3"  # 3: key_rows, valid int32[2] (data-parallel counts)
 PROGRAM_FILE = "program.mexc"
 DTYPES = ("int8", "uint8", "int32", "int64")
 

@@ -55,7 +55,7 @@ from mexc.program import Program
 # core), which is one thread on a two-core machine without SMT. Use every CPU this process may
 # run on unless the user chose (TVM_NUM_THREADS); read when the pool starts, at the first step.
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-MANIFEST_FORMAT = "mexc-llvm-plan-3"  # 3: kernels in the kernel store
+MANIFEST_FORMAT = "mexc-llvm-plan-4"  # 4: key_rows, host collectives, valid int32[2]
 _MEXC = Path(__file__).resolve().parents[2]
 
 
