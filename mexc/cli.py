@@ -523,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="train as N data-parallel workers on this machine (targets llvm and reference; the same "
-        "bits as one process; docs/distributed.md)",
+        help="train as N data-parallel workers on this machine (targets llvm and reference; "
+        "the same bits as one process; docs/distributed.md)",
     )
     p.set_defaults(func=cmd_train)
     return parser
