@@ -41,10 +41,20 @@ def entry_lock(folder: Path) -> Iterator[None]:
     """Held while one process builds cache entry `folder`: another that needs the same entry
     (a data-parallel job's workers compile the same step) waits here and then loads it,
     instead of building it again on the same cores. The lock file's lock goes with the
-    process (an exclusive flock), so a builder that dies releases it."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f"{folder.name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    process (an exclusive flock), so a builder that dies releases it. A cache where no lock
+    can be taken (read-only, no flock) is used without one: an existing entry still loads."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        f = open(folder.parent / f"{folder.name}.lock", "a")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
         try:
             yield
         finally:

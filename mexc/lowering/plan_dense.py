@@ -374,7 +374,7 @@ class DenseRules(PlanBuilder):
     def conv_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs
         g = self.geom(n, self.shape(x), self.shape(n.result(0)))
-        dym, ed = self.fit_operand(n, dy, g.n * g.oh * g.ow)
+        dym, ed = self.fit_operand(n, dy, self.global_count(g.n * g.oh * g.ow))
         acc = self.out(n, 0, I32)
         if self.device.direct_depthwise and te_depthwise.applies_to_weight_grad(g):
             func = te_depthwise.depthwise_weight_grad(g, f"n{n.id}_dw_depthwise")

@@ -111,8 +111,8 @@ class TransformerRules(PlanBuilder):
         shape, g_axis = self._factor(x_shape, g_shape)
         terms = int(np.prod(x_shape)) // int(np.prod(g_shape))
         pad = (1,) * (len(x_shape) - len(g_shape)) + tuple(g_shape)
-        if pad[0] == 1 and x_shape[0] != 1:  # summed over the batch: the whole batch's count
-            terms = self.global_count(terms)
+        if pad[0] == 1 and self.global_count(x_shape[0]) != 1:
+            terms = self.global_count(terms)  # summed over the batch: the whole batch's count
         t = mul_grad_shift(terms)
         acc_shape = shape if g_axis is None else (shape[g_axis],)
         func = te_ops.mul_factor_grad(shape, g_axis, t, self.stochastic, f"n{n.id}_mul_grad")

@@ -185,6 +185,31 @@ def test_a_rule_without_data_parallel_keys_is_refused_by_name() -> None:
     assert builder.plan.key_rows[-1] == 6272
 
 
+def test_a_worker_plan_counts_the_whole_batch() -> None:
+    """The shift caps of sums over the batch count every worker's rows: at a global batch of
+    256, FashionCNN's weight gradients sum 200,704 terms (cap < 0: dy is pre-shifted), and a
+    worker of 2, which holds 100,352 of them, pre-shifts the same operands (plans only)."""
+    from mexc.distributed import Workers
+    from mexc.lowering.devices import device_of
+    from mexc.lowering.step_plan import plan_builder
+    from mexc.pass_manager import PassContext
+    from mexc.passes.shard_batch import shard_batch
+    from mexc.program import Program
+
+    net, shape = model("FashionCNN")
+    whole = mexc.compile(net, (torch.zeros(256, *shape),))
+    graph = shard_batch(whole.graph, PassContext(world=2))
+    workers = Workers(0, 2, None)  # type: ignore[arg-type]
+    worker = Program(graph, whole.state, whole.options, whole.optimizer, 0, workers, whole.graph)
+
+    def pre_shifted(prog: Program) -> set[str]:
+        b = plan_builder(prog, 8, device_of("cpu"), "int32", None, {})
+        return {k for k in b.plan.buffers if k.endswith(".pre3")}
+
+    one = pre_shifted(whole)
+    assert one and pre_shifted(worker) == one
+
+
 def test_mexc_train_nproc_reports_the_one_process_run(tmp_path: Path) -> None:
     """`mexc train --nproc 2 --target llvm`: worker 0 writes the results; the state, the
     losses and the accuracy are one process's (here on the reference)."""
