@@ -44,7 +44,7 @@ class NormRules(PlanBuilder):
         sh, e_xhat = self.buf(f"n{n.id}.sh1", cc, I32), self.buf(f"n{n.id}.e1", (1,), I32)
         xhat_in = (xv, b["mu"], b["rstd"])
         if self.rows:  # the statistics' sums and maxima agreed between the kernels
-            self.batchnorm_split(n, ncs, f, m, eps, xv, key0, b)
+            self.batchnorm_split(n, ncs, f, m, eps, xv, key0, b, (sh, e_xhat))
         else:
             self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
             var = te_norm.bn_var(ncs, f, eps, self.stochastic, f"n{n.id}_bn_var", native)
@@ -77,6 +77,7 @@ class NormRules(PlanBuilder):
         xv: str,
         key0: str,
         b: dict[str, str],
+        xhat_shift: tuple[str, str],
     ) -> None:
         """A data-parallel worker's batch statistics and xhat shift (te_norm_split): each sum
         and maximum over the batch is this worker's, then agreed over the workers."""
@@ -102,8 +103,7 @@ class NormRules(PlanBuilder):
         )
         self.agree("all_max", xmax)
         shift = te_norm_split.bn_xhat_shift_of(ncs[1], self.bits, f"{tag}_xhat_shift")
-        sh, e_xhat = f"n{n.id}.sh1", f"n{n.id}.e1"
-        self.launch(shift, (xmax, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+        self.launch(shift, (xmax, b["rstd_e"], b["e_c"], b["e_grp"], *xhat_shift))
 
     def batchnorm_affine(self, n: Node) -> None:
         """The batch norm's output again from its saved xhat (the rematerialize pass): the

@@ -236,6 +236,22 @@ def bn_var(
         return v * v
 
     vsum = _ncs_sum(shape, tq, "vsum", I32, lanes=True)
+    outs = var_statistics(shape, vsum, r, ex, f, m, eps, native_division)
+    return _func([x, mu, r, ex, key, *outs], name)
+
+
+def var_statistics(
+    shape: NCS,
+    vsum: te.Tensor,
+    r: te.Tensor,
+    ex: te.Tensor,
+    f: int,
+    m: int,
+    eps: FixedScalar,
+    native_division: bool,
+) -> list[te.Tensor]:
+    """bn_var's results from the per-channel sum of squares vsum (int64 values): var, var_u,
+    ev, rstd, rstd_e (int32) and e_c = ex - f."""
     bl = _bitlen(vsum, "bl_vsum")
     vnum = _per_channel(
         shape, lambda c: vsum[c] << tirx.max(_c(30) - bl[c].astype(I64), _c(0)), "vnum"
@@ -250,8 +266,7 @@ def bn_var(
     ev = _per_channel(shape, ev_body, "ev64")
     rstd, rstd_e = _rstd_stages(var_m, ev, eps, native_division)
     e_c = te.compute((1,), lambda _: ex[0] - f, name="e_c")
-    outs = [_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)]
-    return _func([x, mu, r, ex, key, *outs, e_c], name)
+    return [*(_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)), e_c]
 
 
 def _xhat_inputs(shape: NCS, f: int) -> tuple[list[te.Tensor], Callable[..., tirx.PrimExpr]]:

@@ -19,18 +19,17 @@ from mexc.lowering.te_compaction import _flat_index, shift_right32
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_norm import (
     NCS,
-    _bitlen,
     _div_const,
     _func,
     _ncs_sum,
     _per_channel,
-    _rstd_stages,
     _to_i32,
     _xhat_inputs,
     channel_abs_max,
     common_shift_of,
     common_tops,
     shift_of_tops,
+    var_statistics,
 )
 from mexc.numerics import FixedScalar
 
@@ -91,22 +90,8 @@ def bn_var_finish(
     r = te.placeholder((channels,), I32, name="r")
     ex = te.placeholder((1,), I32, name="ex")
     v64 = te.compute((channels,), lambda c: vsum[c].astype(I64), name="vsum64")
-    bl = _bitlen(v64, "bl_vsum")
-    vnum = _per_channel(
-        shape, lambda c: v64[c] << tirx.max(_c(30) - bl[c].astype(I64), _c(0)), "vnum"
-    )
-    var_m = _per_channel(shape, lambda c: _div_const(vnum[c], m), "var_m")
-    var_u = _per_channel(shape, lambda c: _div_const(vnum[c], m - 1), "var_u64")
-
-    def ev_body(c: tirx.PrimExpr) -> tirx.PrimExpr:
-        sv = tirx.max(_c(30) - bl[c].astype(I64), _c(0))
-        return _c(2) * (ex[0].astype(I64) - f + r[c].astype(I64)) - sv
-
-    ev = _per_channel(shape, ev_body, "ev64")
-    rstd, rstd_e = _rstd_stages(var_m, ev, eps, native_division)
-    e_c = te.compute((1,), lambda _: ex[0] - f, name="e_c")
-    outs = [_to_i32(t) for t in (var_m, var_u, ev, rstd, rstd_e)]
-    return _func([vsum, r, ex, *outs, e_c], name)
+    outs = var_statistics(shape, v64, r, ex, f, m, eps, native_division)
+    return _func([vsum, r, ex, *outs], name)
 
 
 def bn_xhat_max(shape: NCS, f: int, name: str) -> tirx.PrimFunc:
