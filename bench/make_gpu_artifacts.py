@@ -7,7 +7,9 @@
   each of `--steps` steps and the SHA-256 of every plan buffer after the first step, computed
   here by the host twin (the same plan's TIR through TVM's llvm target, bit-exact with the
   reference executor: tests/codegen/test_cuda_step.py);
-- resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16.
+- resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16;
+- and beside the folder (`<out>-dp`, unless --no-dp): a data-parallel worker's artifact with its
+  collectives (bench/gpu_dp_check.py --prepare), which gpu_check.sh runs as 2 workers.
 
 --emulate runs the first step of each checked artifact here through the CPU emulator of its own
 CUDA source (mexc.backends.cuda.emulator) and fails unless its state checksum and every plan
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", default=",".join(TARGETS), help="comma-separated names")
     ap.add_argument("--emulate", action="store_true", help="run step 1 on the CPU emulator")
+    ap.add_argument("--no-dp", action="store_true", help="skip the data-parallel artifact")
     args = ap.parse_args(argv)
     archs = tuple(args.archs.split(","))
     failed = False
@@ -112,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - t0:.1f} s (TVM {man['seconds']['tvm']} s, "
             f"nvcc {man['seconds']['nvcc']} s)"
         )
+    if not args.no_dp:
+        import gpu_dp_check
+
+        folder = Path(f"{Path(args.out)}-dp")
+        gpu_dp_check.prepare(folder, archs)
+        if args.emulate:
+            failed |= gpu_dp_check.check(folder, emulate=True) != 0
     return 1 if failed else 0
 
 

@@ -77,6 +77,30 @@ class TorchCollectives:
     def all_max(self, a: np.ndarray) -> np.ndarray:
         return self._reduce(a, _dist().ReduceOp.MAX, "maximum", np.int64)
 
+    def reduce_in_place(self, buf: Any, kind: str, stream: int | None = None) -> None:
+        """Replace int32 buffer `buf` by its element-wise maximum ("all_max") or sum
+        ("all_sum") over the workers, in place and without a copy: `buf` is any DLPack array,
+        a numpy buffer of the llvm step or a CuPy device buffer of the CUDA step (NCCL on the
+        device, or the group's CPU backend through its own staging). `stream`: the CUDA
+        stream (a raw pointer) the buffer's kernels run on; the reduction is ordered after
+        them and the stream's later work after it, without a host synchronisation. The sum
+        wraps as int32 (the caps bound it; the overflow-debug mode's wide sum is all_sum's)."""
+        import torch
+
+        dist = _dist()
+        op = dist.ReduceOp.MAX if kind == "all_max" else dist.ReduceOp.SUM
+        what = "maximum" if kind == "all_max" else "sum"
+        if stream is None:
+            t = torch.from_dlpack(buf).reshape(-1)
+            self.bytes_sent += t.numel() * t.element_size()
+            self._run(what, lambda: dist.all_reduce(t, op=op))
+            return
+        # on the buffer's stream: torch's NCCL work waits for it and it waits for the work
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            t = torch.from_dlpack(buf).reshape(-1)
+            self.bytes_sent += t.numel() * t.element_size()
+            self._run(what, lambda: dist.all_reduce(t, op=op))
+
     def all_gather(self, a: np.ndarray) -> np.ndarray:
         """Every worker's `a` (the same shape on each) concatenated along axis 0, in rank
         order."""
@@ -156,12 +180,22 @@ def shard_rows(x: Any, rank: int, world: int) -> Any:
     return x[rank * share : (rank + 1) * share]
 
 
-def init_from_env(backend: str = "gloo", timeout_s: float | None = None) -> Workers:
+def init_from_env(backend: str | None = None, timeout_s: float | None = None) -> Workers:
     """Join the process group described by torchrun's environment (MASTER_ADDR, MASTER_PORT,
-    RANK, WORLD_SIZE), with a timeout on every collective (MEXC_DIST_TIMEOUT seconds, or
-    DEFAULT_TIMEOUT_S), unless the group is initialised already."""
+    RANK, LOCAL_RANK, WORLD_SIZE), with a timeout on every collective (MEXC_DIST_TIMEOUT
+    seconds, or DEFAULT_TIMEOUT_S), unless the group is initialised already. The default
+    backend is gloo, and on a machine with CUDA "cpu:gloo,cuda:nccl" with this worker on GPU
+    LOCAL_RANK: host arrays travel by gloo, the CUDA step's device buffers by NCCL."""
+    import torch
+
     dist = _dist()
     if not dist.is_initialized():
+        if backend is None:
+            backend = "gloo"
+            if torch.cuda.is_available():
+                backend = "cpu:gloo,cuda:nccl"
+                local = int(os.environ.get("LOCAL_RANK", "0"))
+                torch.cuda.set_device(local % torch.cuda.device_count())
         seconds = timeout_s or float(os.environ.get("MEXC_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     return current_workers()

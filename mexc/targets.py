@@ -98,11 +98,14 @@ def on_gpu(prog: Program) -> Program:
     from mexc.backends.cuda.program import CudaProgram, StepArtifact
     from mexc.backends.cuda.runtime import cupy_module
 
-    cupy_module()  # a clear error before a minute of building, where CuPy is missing
+    cp = cupy_module()  # a clear error before a minute of building, where CuPy is missing
     from mexc.backends.cuda.build import cached_artifact
 
     folder = cached_artifact(prog)
-    return CudaProgram(StepArtifact.load(folder), program=prog.retargeted("cuda"))
+    device = 0
+    if prog.workers is not None:  # torchrun's workers on one machine: one GPU each
+        device = int(os.environ.get("LOCAL_RANK", "0")) % cp.cuda.runtime.getDeviceCount()
+    return CudaProgram(StepArtifact.load(folder), device, program=prog.retargeted("cuda"))
 
 
 def _registry(*targets: Target) -> Mapping[str, Target]:
@@ -146,23 +149,18 @@ def build(prog: Program, name: str) -> Program:
 
 # the targets whose step runs as a data-parallel worker ("auto" among them: llvm where it lowers
 # every op, else the reference)
-DATA_PARALLEL_TARGETS = ("reference", "llvm")
+DATA_PARALLEL_TARGETS = ("reference", "llvm", "cuda")
 
 
 def refuse_data_parallel_target(target: str) -> None:
     """A clear error for a target that cannot run a data-parallel worker's step yet."""
     if target in DATA_PARALLEL_TARGETS or target == "auto":
         return
-    why = (
-        "a microcontroller runs one worker"
-        if target == "c"
-        else "its compiled step has no collectives (NCCL) yet"
-    )
     raise DistributedError(
-        f"data_parallel=True runs on target {', '.join(map(repr, DATA_PARALLEL_TARGETS))} for "
-        f"now, not {target!r}: {why}. Compile with target='reference' (the same bits as every "
-        "target), or train in one process on "
-        f"{target!r} (docs/distributed.md)"
+        f"data_parallel=True runs on target {', '.join(map(repr, DATA_PARALLEL_TARGETS))}, "
+        f"not {target!r}: a microcontroller runs one worker. Compile with target='llvm' or "
+        f"'reference' (the same bits as every target), or train in one process on {target!r} "
+        "(docs/distributed.md)"
     )
 
 

@@ -54,9 +54,19 @@ def is_host(symbol: str) -> bool:
 def host_collective(symbol: str, comm: Collectives | None) -> Callable[[np.ndarray], None]:
     """The call that runs host collective `symbol` on its buffer (a numpy view of it, changed
     in place): the element-wise maximum or sum over the data-parallel workers."""
-    kind = symbol[len(HOST_PREFIX) :].split(":", 1)[0]
+    return collective(symbol[len(HOST_PREFIX) :].split(":", 1)[0], comm)
+
+
+def collective(kind: str, comm: Collectives | None) -> Callable[[Any], None]:
+    """The call that replaces an int32 buffer by its element-wise maximum ("all_max") or sum
+    ("all_sum") over the data-parallel workers, in place: through `comm.reduce_in_place` where
+    the workers' collectives take the buffer itself (TorchCollectives: a numpy or, on NCCL, a
+    device array, by DLPack), else through a host copy (numpy buffers)."""
     if comm is None or kind not in HOST_KINDS:
-        raise ValueError(f"launch {symbol!r} needs the data-parallel workers of the step")
+        raise ValueError(f"collective {kind!r} needs the data-parallel workers of the step")
+    in_place = getattr(comm, "reduce_in_place", None)
+    if in_place is not None:
+        return lambda buf: in_place(buf, kind)
     reduce = comm.all_max if kind == "all_max" else comm.all_sum
 
     def run(buf: np.ndarray) -> None:

@@ -639,3 +639,110 @@ def test_emulated_cuda_of_the_leanest_step_is_bit_exact(tmp_path: Path) -> None:
     for reverse, layout in ((False, "arena"), (True, "separate")):
         emu = load_emulated(tmp_path, reverse=reverse, layout=layout)
         _trains_like(emu, StepArtifact.load(tmp_path).program, steps=2)
+
+
+class _TwinWorker:
+    """The collectives of worker 0 of 2 whose twin holds the same values (a maximum is the
+    value, a sum twice it), logging each into `log`; with `in_place`, the device path
+    (reduce_in_place on the buffer itself, as TorchCollectives does it)."""
+
+    def __init__(self, log: list, in_place: bool) -> None:
+        self.log = log
+        if in_place:
+            self.reduce_in_place = self._reduce_in_place
+
+    def all_max(self, a: np.ndarray) -> np.ndarray:
+        self.log.append(("all_max",))
+        return np.asarray(a, np.int64)
+
+    def all_sum(self, a: np.ndarray) -> np.ndarray:
+        self.log.append(("all_sum",))
+        return 2 * np.asarray(a, np.int64)
+
+    def all_gather(self, a: np.ndarray) -> np.ndarray:
+        self.log.append(("all_gather",))
+        return np.concatenate([a, a]).astype(np.int64)
+
+    def _reduce_in_place(self, buf: np.ndarray, kind: str, stream: object = None) -> None:
+        self.log.append((kind, buf.__array_interface__["data"][0], stream))
+        if kind == "all_sum":
+            buf *= 2
+
+
+@pytest.fixture(scope="module")
+def worker_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mexc.Program]:
+    """The FashionCNN step of worker 0 of 2 (global batch 8) built for sm_90, and the worker
+    program (its collectives unset)."""
+    if SKIP_CUDA_TOOLS:
+        pytest.skip(CUDA_TOOLS_REASON)
+    from mexc.backends.cuda.build import build_step
+    from mexc.distributed import Workers
+    from mexc.pass_manager import PassContext
+    from mexc.passes.shard_batch import shard_batch
+
+    cls, shape = EXAMPLES["FashionCNN"]
+    whole = _program(cls, 8, shape)
+    graph = shard_batch(whole.graph, PassContext(world=2))
+    worker = mexc.Program(
+        graph, whole.state, whole.options, whole.optimizer, 0, Workers(0, 2, None), whole.graph
+    )
+    out = tmp_path_factory.mktemp("worker-cuda")
+    build_step(worker, ("sm_90",), out)
+    return out, worker
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cuda_worker_runs_its_collectives_between_graphs_on_a_fake_cupy(
+    worker_artifact, monkeypatch, in_place: bool
+) -> None:
+    """A worker's step is its kernels with the collectives of plan.json between them, in
+    order: on the program's stream, on the device buffer itself where the collectives take
+    one (NCCL), else through a host copy. With graphs every run of kernels between two
+    collectives is captured once (at the second step) and replayed; the collectives run
+    between the replays. An artifact with collectives refuses to run without workers."""
+    import mexc.backends.cuda.program as cuda_program
+    from mexc.distributed import Workers
+    from mexc.errors import DistributedError
+
+    out, worker = worker_artifact
+    fake = _FakeCupy()
+    monkeypatch.setattr(cuda_program, "cupy_module", lambda: fake)
+    monkeypatch.setattr(fake.cuda.Stream, "ptr", 1234, raising=False)
+    with pytest.raises(DistributedError, match="data-parallel worker's step.*collectives"):
+        cuda_program.load_cuda(out)
+    comm = _TwinWorker(fake.launches, in_place)
+    prog = mexc.Program(
+        worker.graph,
+        worker.state,
+        worker.options,
+        worker.optimizer,
+        0,
+        Workers(0, 2, comm),  # type: ignore[arg-type]
+        worker.global_graph,
+    ).retargeted("cuda")
+    gpu = cuda_program.CudaProgram(cuda_program.StepArtifact.load(out), program=prog)
+    man = gpu.plan
+    assert man["collectives"] and all(c[0] < len(man["kernels"]) for c in man["collectives"])
+    ptr, kernels = _pointers(gpu), _planned_launches(gpu)
+    step: list[tuple] = [("all_max",)]  # the batch's float maximum at the boundary (host)
+    done = 0
+    for at, kind, name in man["collectives"]:
+        step += kernels[done:at]
+        step.append((kind, ptr[name], 1234) if in_place else (kind,))
+        done = at
+    step += kernels[done:]
+    step += [("all_gather",)] * 2  # the probabilities and the labels, for the loss
+    x = np.random.default_rng(0).standard_normal((4, 1, 28, 28)).astype(np.float32)
+    y = np.arange(4)
+    runs = sum(1 for calls, _ in cuda_program.segments(man) if len(calls))
+    assert runs > 1
+    for n in range(3):
+        gpu.step(x, y)
+        assert fake.launches == step * (n + 1)
+        assert (fake.captures, fake.replays) == ((runs, runs * n) if n else (0, 0))
+    # a sum replaces the int32 buffer by the twins' (staged: copied out, summed, copied back)
+    at, kind, name = next(c for c in man["collectives"] if c[1] == "all_sum")
+    gpu._t[name][...] = 3
+    gpu._collective(kind, comm, gpu._t[name])()
+    assert (gpu._t[name] == 6).all() and gpu._t[name].dtype == np.int32

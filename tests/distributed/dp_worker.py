@@ -65,7 +65,9 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--trainable", default=None, help="mexc.trainable spec (sparse update)")
-    ap.add_argument("--target", default="reference")
+    ap.add_argument(
+        "--target", default="reference", help="a target, or cuda-emulated (no GPU needed)"
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits at step 2")
     ap.add_argument("--resume", default="", help="a checkpoint to resume from")
@@ -76,8 +78,10 @@ def main() -> None:
     for name in args.model.split(","):
         net, shape = model(name)
         data = batches(shape, args.batch, args.steps)
+        emulated = args.target == "cuda-emulated"  # the CUDA step's kernels on the CPU
+        target = "reference" if emulated else args.target
         if args.resume:
-            prog = mexc.load(args.resume, target=args.target, data_parallel=True)
+            prog = mexc.load(args.resume, target=target, data_parallel=True)
         else:
             x0 = torch.from_numpy(data[0][0])
             prog = mexc.compile(
@@ -86,9 +90,13 @@ def main() -> None:
                 bits=args.bits,
                 optimizer=args.optimizer,
                 trainable=args.trainable,
-                target=args.target,
+                target=target,
                 data_parallel=True,
             )
+        if emulated:
+            from mexc.backends.cuda.emulator import emulate
+
+            prog = emulate(prog)
         losses = []
         for i, (x, y) in enumerate(data[prog.step_count :], start=prog.step_count):
             if i == 2 and workers.rank == args.crash_rank:

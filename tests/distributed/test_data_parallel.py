@@ -18,6 +18,9 @@ from mexc.distributed import launch
 from mexc.errors import DistributedError, UnsupportedOpError
 from tests.distributed.dp_worker import batches, model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
+
 WORKER = Path(__file__).with_name("dp_worker.py")
 MODELS = ("FashionCNN", "DigitsCNN", "SmallResNet", "MobileNetV2Tiny", "MLP")
 CNNS = MODELS[:4]  # at 4 workers: the example CNNs (the MLP's ops are theirs)
@@ -90,6 +93,41 @@ def test_llvm_workers_reproduce_one_process(
             assert got[name] == want, (name, got[name]["checksum"], want["checksum"])
 
 
+# the CUDA step's own kernels, emulated on the CPU (no GPU here), with its collectives between
+# them: a residual network with batch norm and the ViT (FashionCNN: the GPU check's, below)
+CUDA_MODELS = ("SmallResNet", "ViTTiny")
+
+
+@needs_cuda_tools
+def test_emulated_cuda_workers_reproduce_one_process(tmp_path: Path) -> None:
+    args = ("--model", ",".join(CUDA_MODELS), "--steps", "2", "--target", "cuda-emulated")
+    codes, ranks = run_workers(tmp_path, 2, *args, timeout_s=600)
+    assert codes == [0, 0]
+    for name in CUDA_MODELS:
+        want = one_process(name, 2)
+        for got in ranks:
+            assert got[name] == want, (name, got[name]["checksum"], want["checksum"])
+
+
+@needs_cuda_tools
+def test_the_gpu_data_parallel_check_passes_emulated_and_fails_on_other_bits(
+    tmp_path: Path,
+) -> None:
+    """bench/gpu_dp_check.py, the script a GPU machine runs (bench/gpu_check.sh): prepared
+    here, its 2 workers run the FashionCNN worker artifact emulated on the CPU, bit-exact with
+    one process; an expectation of other bits fails it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpu_dp_check
+
+    folder = tmp_path / "dp"
+    gpu_dp_check.prepare(folder, ("sm_80",))
+    assert gpu_dp_check.check(folder, emulate=True) == 0
+    expected = json.loads((folder / "expected.json").read_text())
+    expected["checksum"] = "0" * 16
+    (folder / "expected.json").write_text(json.dumps(expected))
+    assert gpu_dp_check.check(folder, emulate=True) == 1
+
+
 def test_low_bits_with_nearest_forward_rounding(tmp_path: Path) -> None:
     """B = 6 rounds the forward pass to nearest and the rest stochastically (two contexts)."""
     codes, ranks = run_workers(tmp_path, 2, "--model", "FashionCNN", "--bits", "6")
@@ -148,11 +186,10 @@ def test_without_a_process_group_compile_says_how_to_start_workers() -> None:
         mexc.compile(net, (torch.zeros(8, *shape),), data_parallel=True)
 
 
-def test_targets_without_collectives_refuse() -> None:
+def test_the_c_target_refuses_workers() -> None:
     net, shape = model("MLP")
-    for target in ("c", "cuda"):
-        with pytest.raises(DistributedError, match=f"not '{target}'"):
-            mexc.compile(net, (torch.zeros(8, *shape),), target=target, data_parallel=True)
+    with pytest.raises(DistributedError, match="not 'c': a microcontroller runs one worker"):
+        mexc.compile(net, (torch.zeros(8, *shape),), target="c", data_parallel=True)
 
 
 def test_a_rule_without_data_parallel_keys_is_refused_by_name() -> None:

@@ -10,7 +10,8 @@ artifact folder:
     step<i>.cu           TVM's CUDA source of the kernels, in parts lowered in parallel
     step<i>.<arch>.cubin nvcc -O3 for each of sm_80 / sm_90 (the runtime picks the GPU's)
     plan.json            buffers, views, constants, state / input / key names (as the llvm
-                         backend's plan) and the kernel list: symbol, grid, block, buffer args
+                         backend's plan), the kernel list (symbol, grid, block, buffer args)
+                         and a data-parallel worker's collectives between kernels
     program.mexc         a checkpoint (IR, options, optimizer, initial state, step)
 
 `mexc.backends.cuda.program.load_cuda(out)` runs it with CuPy, without TVM or nvcc.
@@ -34,9 +35,8 @@ from mexc.backends.cuda.nvcc import compile_cubin
 from mexc.backends.cuda.products import GEMM_SCHEDULES, gemm_schedule
 from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE
 from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
-from mexc.backends.kernel_cache import build_entry
+from mexc.backends.kernel_cache import build_entry, entry_lock
 from mexc.backends.plan_layout import plan_layout
-from mexc.errors import UnsupportedOpError
 from mexc.lowering.plan_core import HostLaunch, is_gemm
 from mexc.lowering.step_plan import (
     Launch,
@@ -85,7 +85,6 @@ def lower_step(
         plan = build_inference_plan(prog, device="gpu", pack_budget=pack_budget)
     else:
         plan = build_plan(prog, device="gpu", pack_budget=pack_budget, lean=lean)
-    launches = _kernel_launches(plan)
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))
@@ -93,7 +92,9 @@ def lower_step(
     manifest: dict[str, Any] = {"format": FORMAT, "gemm": gemm, **plan_manifest(plan)}
     module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
     kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
-    manifest["kernels"] = _kernel_list(launches, funcs, alias, scratch, kernels_of, module_of)
+    manifest["kernels"], manifest["collectives"] = _kernel_list(
+        plan.launches, funcs, alias, scratch, kernels_of, module_of
+    )
     manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
     manifest["gemm_kernels"] = sorted(
         k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
@@ -146,32 +147,26 @@ def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, An
     return _layout(plan_manifest(plan), plan, lambda launch: promote_scratch(launch.func)[1])
 
 
-def _kernel_launches(plan: StepPlan) -> list[Launch]:
-    """The plan's launches, every one a kernel: the CUDA artifact does not run a data-parallel
-    worker's host collectives yet (docs/distributed.md, "What the CUDA step needs")."""
-    if any(isinstance(x, HostLaunch) for x in plan.launches):
-        raise UnsupportedOpError(
-            "a data-parallel worker's CUDA step needs collectives between its kernels, which "
-            "the CUDA artifact does not run yet: train the workers on target 'llvm' or "
-            "'reference' (docs/distributed.md)"
-        )
-    return [x for x in plan.launches if isinstance(x, Launch)]
-
-
 def _layout(
     manifest: dict[str, Any],
     plan: StepPlan,
     scratch_of: Callable[[Launch], list[tuple[str, tuple, str]]],
 ) -> dict[str, Any]:
     """plan_layout of the GPU plan with every launch's own scratch (`scratch_of`: the global
-    intermediates its kernel allocates) added to the manifest's buffers."""
+    intermediates its kernel allocates) added to the manifest's buffers. A collective's
+    buffer is live at its place between the kernels."""
     args = []
-    for i, launch in enumerate(_kernel_launches(plan)):
+    kernel = 0  # scratch is named by the kernel launch's index (_kernel_list's too)
+    for launch in plan.launches:
+        if isinstance(launch, HostLaunch):
+            args.append(list(launch.args))
+            continue
         names = []
         for name, shape, dtype in scratch_of(launch):
-            names.append(_scratch_name(i, name))
+            names.append(_scratch_name(kernel, name))
             manifest["buffers"][names[-1]] = [list(shape), dtype]
         args.append([*launch.args, *names])
+        kernel += 1
     return plan_layout(manifest, args)
 
 
@@ -210,30 +205,38 @@ def _scratch_name(launch: int, name: str) -> str:
 
 
 def _kernel_list(
-    launches: list,
+    launches: list[Launch | HostLaunch],
     funcs: dict,
     alias: dict[str, str],
     scratch: dict,
     kernels_of: dict,
     module_of: dict[str, int],
-) -> list[list[Any]]:
+) -> tuple[list[list[Any]], list[list[Any]]]:
     """[module, symbol, grid, block, [plan buffer per kernel parameter]] for every kernel of
-    the step, in launch order."""
+    the step, in launch order; and a data-parallel worker's collectives, [position, kind,
+    buffer] (the host runs it on the int32 buffer after the first `position` kernels;
+    plan_runtime.HOST_KINDS)."""
     out: list[list[Any]] = []
-    for i, launch in enumerate(launches):
+    collectives: list[list[Any]] = []
+    kernel = 0
+    for launch in launches:
+        if isinstance(launch, HostLaunch):
+            collectives.append([len(out), launch.kind, launch.args[0]])
+            continue
         symbol = alias[launch.symbol]
         # the implementing kernel's own parameter names (an aliased launch's func is equal up
         # to names), positionally bound to this launch's buffers
         names = [str(p.name) for p in funcs[symbol].params][: len(launch.args)]
         buffer_of = dict(zip(names, launch.args))
-        buffer_of.update({n: _scratch_name(i, n) for n, _, _ in scratch[symbol]})
+        buffer_of.update({n: _scratch_name(kernel, n) for n, _, _ in scratch[symbol]})
         for k in kernels_of[symbol]:
             missing = [p for p in k.params if p not in buffer_of]
             if missing:
                 raise ValueError(f"kernel {k.symbol}: parameters {missing} are not plan buffers")
             args = [buffer_of[p] for p in k.params]
             out.append([module_of[symbol], k.symbol, list(k.grid), list(k.block), args])
-    return out
+        kernel += 1
+    return out, collectives
 
 
 def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
@@ -243,10 +246,11 @@ def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
 
     what = f"cuda {','.join(archs)} gemm={gemm_schedule()}"
     folder = CACHE / f"cuda-{cache_key(prog, what)}"
-    if (folder / "plan.json").exists():
-        return folder
+    with entry_lock(folder):  # a data-parallel job's workers build it once
+        if (folder / "plan.json").exists():
+            return folder
 
-    def build(tmp: Path) -> None:
-        build_step(prog, archs, tmp)
+        def build(tmp: Path) -> None:
+            build_step(prog, archs, tmp)
 
-    return build_entry(folder, build)
+        return build_entry(folder, build)

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from mexc.backends.cuda.program import StepArtifact
+from mexc.backends.cuda.program import StepArtifact, refuse_without_workers, segments
 from mexc.backends.plan_layout import POISON, carve, carve_separate, nbytes, region_bytes
-from mexc.backends.plan_runtime import PlanProgram, window
+from mexc.backends.plan_runtime import PlanProgram, collective, window
 from mexc.errors import MexcError
 from mexc.program import Program
 
@@ -104,6 +105,11 @@ def build_module(cuda_source: str, cache: Path | None = None) -> Path:
     return lib
 
 
+# the emulator's fibers and error text are per process: one launch at a time (ctypes lets
+# threads call in at once)
+_LAUNCH_LOCK = threading.Lock()
+
+
 class EmulatedModule:
     """The kernels of one CUDA source, built for the CPU; `launch` runs one of them over a grid
     on numpy arrays (every kernel parameter is a pointer). reverse=True runs the blocks, and the
@@ -132,8 +138,9 @@ class EmulatedModule:
         fibers, nargs = int(symbol in self._syncing), len(args)
 
         def launch(reverse: bool = False) -> None:
-            if lib.mexc_emu_launch(fn, nargs, argv, dims[0], dims[1], fibers, int(reverse)):
-                raise EmulatorError(f"kernel {symbol}: {lib.mexc_emu_error().decode()}")
+            with _LAUNCH_LOCK:
+                if lib.mexc_emu_launch(fn, nargs, argv, dims[0], dims[1], fibers, int(reverse)):
+                    raise EmulatorError(f"kernel {symbol}: {lib.mexc_emu_error().decode()}")
 
         return launch
 
@@ -159,7 +166,7 @@ class EmulatedCudaProgram(PlanProgram):
     state region and arena (plan_layout), each region between guard bytes; layout="separate"
     gives every buffer an allocation of its own between guard bytes, which names the buffer a
     kernel wrote out of bounds. The guards of a kernel's regions or buffers are checked after
-    it."""
+    it. A data-parallel worker's collectives run between the kernels, as on the GPU."""
 
     def __init__(
         self,
@@ -171,6 +178,8 @@ class EmulatedCudaProgram(PlanProgram):
         if layout not in ("arena", "separate"):
             raise ValueError(f"layout {layout!r} is not 'arena' or 'separate'")
         man = artifact.manifest
+        program = program or artifact.program
+        refuse_without_workers(man, program, artifact.path)
         self.reverse = reverse
         self.separate_buffers = layout == "separate"
         self._t, self._raw = _allocate(man) if self.separate_buffers else _allocate_arena(man)
@@ -196,8 +205,16 @@ class EmulatedCudaProgram(PlanProgram):
             )
             for module, symbol, grid, block, args in man["kernels"]
         ]
+        comm = program.workers.comm if program.workers is not None else None
+        self._segments = [
+            (
+                self._calls[run.start : run.stop],
+                [(collective(kind, comm), self._t[name]) for kind, name in after],
+            )
+            for run, after in segments(man)
+        ]
         self.artifact = artifact
-        super().__init__(program or artifact.program, man)
+        super().__init__(program, man)
 
     def allocated_bytes(self) -> dict[str, int]:
         """The device bytes the GPU runtime would allocate (guards not counted)."""
@@ -225,11 +242,14 @@ class EmulatedCudaProgram(PlanProgram):
         self._run()
 
     def _run(self) -> None:
-        for symbol, launch, guarded in self._calls:
-            launch(self.reverse)
-            broken = [b for b in guarded if not guards_intact(self._raw[b])]
-            if broken:
-                raise EmulatorError(f"kernel {symbol} wrote outside {broken}")
+        for calls, collectives in self._segments:
+            for symbol, launch, guarded in calls:
+                launch(self.reverse)
+                broken = [b for b in guarded if not guards_intact(self._raw[b])]
+                if broken:
+                    raise EmulatorError(f"kernel {symbol} wrote outside {broken}")
+            for run, buf in collectives:
+                run(buf)
 
 
 GUARD = 256  # bytes of a known pattern before and after every buffer
@@ -281,6 +301,17 @@ def load_emulated(
 ) -> EmulatedCudaProgram:
     """The training program of a CUDA artifact folder with its kernels emulated on the CPU."""
     return EmulatedCudaProgram(StepArtifact.load(path), reverse=reverse, layout=layout)
+
+
+def emulate(prog: Program, archs: tuple[str, ...] = ("sm_80",)) -> EmulatedCudaProgram:
+    """`prog` (a data-parallel worker's too) as its CUDA artifact runs, emulated: the artifact
+    built into the kernel cache for `archs` (cuda.build.cached_artifact: needs TVM and nvcc;
+    a job's workers build it once), then its kernels and collectives run on the CPU with
+    `prog`'s state, step count and workers."""
+    from mexc.backends.cuda.build import cached_artifact
+
+    artifact = StepArtifact.load(cached_artifact(prog, archs))
+    return EmulatedCudaProgram(artifact, program=prog.retargeted("cuda"))
 
 
 def compare(

@@ -27,11 +27,11 @@ from mexc.backends.plan_layout import (
     region_bytes,
     separate_bytes,
 )
-from mexc.backends.plan_runtime import PLAN_FIELDS, PlanProgram, window
-from mexc.errors import CheckpointError
+from mexc.backends.plan_runtime import HOST_KINDS, PLAN_FIELDS, PlanProgram, collective, window
+from mexc.errors import CheckpointError, DistributedError
 from mexc.program import Program, read_checkpoint
 
-FORMAT = "mexc-cuda-step-3"  # 3: key_rows, valid int32[2] (data-parallel counts)
+FORMAT = "mexc-cuda-step-4"  # 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
 PROGRAM_FILE = "program.mexc"
 DTYPES = ("int8", "uint8", "int32", "int64")
 
@@ -100,7 +100,8 @@ def _read_manifest(root: Path) -> dict[str, Any]:
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         found = man.get("format") if isinstance(man, dict) else None
         raise _fail(root, f"format is {found!r}, expected {FORMAT!r}")
-    missing = [k for k in (*PLAN_FIELDS, "layout", "archs", "kernels", "modules", "program_sha256")]
+    fields = ("layout", "archs", "kernels", "collectives", "modules", "program_sha256")
+    missing = [k for k in (*PLAN_FIELDS, *fields)]
     missing = [k for k in missing if k not in man]
     if missing:
         raise _fail(root, f"plan.json lacks {missing}")
@@ -141,6 +142,14 @@ def _check_plan(root: Path, man: dict[str, Any], prog: Program) -> None:
             raise _fail(root, f"kernel {symbol} is malformed")
         if any(a not in known for a in args):
             raise _fail(root, f"kernel {symbol} names an unknown buffer")
+    position = 0
+    for at, kind, name in man["collectives"]:
+        if not position <= at <= len(man["kernels"]) or kind not in HOST_KINDS:
+            raise _fail(root, f"collective {kind} at {at} is malformed")
+        base = views[name][0] if name in views else name
+        if base not in buffers or buffers[base][1] != "int32":
+            raise _fail(root, f"collective {kind} names {name!r}, not an int32 buffer")
+        position = at
     # an inference plan ("logits") holds the eval path's part of the state
     inference = "logits" in man
     if not set(man["state"]) <= set(prog.state) or (
@@ -148,9 +157,50 @@ def _check_plan(root: Path, man: dict[str, Any], prog: Program) -> None:
     ):
         raise _fail(root, "the plan's state tensors are not the program's")
     try:
-        check_layout(man, [k[4] for k in man["kernels"]])
+        check_layout(man, launch_args(man))
     except ValueError as err:
         raise _fail(root, str(err)) from None
+
+
+def launch_args(man: dict[str, Any]) -> list[list[str]]:
+    """Every launch's buffers in step order: the kernels', and each collective's buffer at its
+    place between them (what the layout's lifetimes count)."""
+    out: list[list[str]] = []
+    collectives = iter(man["collectives"])
+    nxt = next(collectives, None)
+    for i, kernel in enumerate([*man["kernels"], None]):
+        while nxt is not None and nxt[0] == i:
+            out.append([nxt[2]])
+            nxt = next(collectives, None)
+        if kernel is not None:
+            out.append(kernel[4])
+    return out
+
+
+def segments(man: dict[str, Any]) -> list[tuple[range, list[tuple[str, str]]]]:
+    """The step as runs of kernels, each followed by the collectives ([kind, buffer]) the host
+    runs before the next run: one run and no collective in one process."""
+    out: list[tuple[range, list[tuple[str, str]]]] = []
+    start = 0
+    for at, kind, name in man["collectives"]:
+        if at > start or not out:
+            out.append((range(start, at), []))
+            start = at
+        out[-1][1].append((kind, name))
+    out.append((range(start, len(man["kernels"])), []))
+    return out
+
+
+def refuse_without_workers(man: dict[str, Any], prog: Program, path: Path) -> None:
+    """A data-parallel worker's artifact (collectives in its plan) runs only as a worker."""
+    if man["collectives"] and prog.workers is None:
+        raise DistributedError(
+            f"CUDA artifact {path} is a data-parallel worker's step (its plan has "
+            f"{len(man['collectives'])} collectives between its kernels) and needs the other "
+            "workers: run it with mexc.compile(..., target='cuda', data_parallel=True) or "
+            "mexc.load(checkpoint, target='cuda', data_parallel=True) in every process of "
+            "the torch.distributed group (docs/distributed.md)"
+        )
 
 
 class CudaProgram(PlanProgram):
@@ -167,7 +217,13 @@ class CudaProgram(PlanProgram):
     arguments (device pointers, grids, blocks) are resolved once here; the buffers are
     allocated once and never move, and every per-step input (batch, labels, learning rate,
     keys) and load_state_dict write into them in place, so the captured graph is the same step
-    every time."""
+    every time.
+
+    A data-parallel worker's plan has collectives between its kernels (plan.json
+    "collectives"): the host runs each on its device buffer once the kernels before it are
+    queued (TorchCollectives.reduce_in_place: NCCL on the program's stream, or the group's CPU
+    backend through a host copy), and with graphs every run of kernels between two collectives
+    is a graph of its own."""
 
     def __init__(
         self,
@@ -186,8 +242,10 @@ class CudaProgram(PlanProgram):
         man = artifact.manifest
         self.arch = artifact.arch_for(str(self._device.compute_capability))
         self.use_graph = os.environ.get("MEXC_CUDA_GRAPH", "1") != "0" if graph is None else graph
-        self._graph: Any = None
+        self._graphs: list[Any] | None = None  # per segment (None where it has no kernel)
         self._launched = False  # a step has run launch by launch (the capture comes after)
+        program = program or artifact.program
+        refuse_without_workers(man, program, artifact.path)
         with self._device:
             self._stream = cp.cuda.Stream(non_blocking=True)
             self._t, self._allocated = _allocate(cp, man, self.separate_buffers)
@@ -202,8 +260,33 @@ class CudaProgram(PlanProgram):
                 )
                 for module, symbol, grid, block, args in man["kernels"]
             ]
+        comm = program.workers.comm if program.workers is not None else None
+        self._segments = [
+            (
+                self._calls[run.start : run.stop],
+                [self._collective(kind, comm, self._t[name]) for kind, name in after],
+            )
+            for run, after in segments(man)
+        ]
         self.artifact = artifact
-        super().__init__(program or artifact.program, man)
+        super().__init__(program, man)
+
+    def _collective(self, kind: str, comm: Any, buf: Any) -> Any:
+        """The call that runs collective `kind` on device buffer `buf`: in place where the
+        workers' collectives take a device array (reduce_in_place, on the program's stream),
+        else through a host copy."""
+        in_place = getattr(comm, "reduce_in_place", None)
+        if in_place is not None:
+            return lambda: in_place(buf, kind, self._stream.ptr)
+        on_host = collective(kind, comm)
+
+        def staged() -> None:
+            host = self._cp.asnumpy(buf, self._stream)
+            self._stream.synchronize()
+            on_host(host)
+            buf.set(host, self._stream)
+
+        return staged
 
     def _write(self, name: str, values: np.ndarray) -> None:
         flat = self._t[name].reshape(-1)
@@ -219,36 +302,47 @@ class CudaProgram(PlanProgram):
     def allocated_bytes(self) -> dict[str, int]:
         return {"host": 0, "device": self._allocated}
 
-    def _launch_all(self) -> None:
+    def _launch(self, calls: list[tuple[Any, tuple, tuple, tuple]]) -> None:
         with self._stream:  # CuPy launches on the current stream
-            for fn, grid, block, args in self._calls:
+            for fn, grid, block, args in calls:
                 fn(grid, block, args)
 
     def _run(self) -> None:
         with self._device:
-            if self.use_graph and self._graph is None and self._launched:
-                self._graph = self._capture()
-            if self._graph is not None:
-                self._graph.launch(self._stream)
-            else:
-                self._launch_all()
-                self._launched = True
+            if self.use_graph and self._graphs is None and self._launched:
+                self._graphs = self._capture()
+            for i, (calls, collectives) in enumerate(self._segments):
+                if self._graphs is None:
+                    self._launch(calls)
+                elif self._graphs[i] is not None:
+                    self._graphs[i].launch(self._stream)
+                with self._stream:
+                    for run in collectives:
+                        run()
+            self._launched = True
 
     def set_graph(self, enabled: bool) -> None:
-        """Replay the step as one CUDA graph (captured at the next step once a step has run
-        launch by launch) or launch its kernels one by one."""
+        """Replay the step as CUDA graphs (one per run of kernels between collectives; one in
+        all in one process), captured at the next step once a step has run launch by launch;
+        or launch its kernels one by one."""
         self.use_graph = enabled
-        self._graph = None
+        self._graphs = None
 
-    def _capture(self) -> Any:
-        """The launch sequence as a CUDA graph, or None (with a note) where capture fails."""
+    def _capture(self) -> list[Any] | None:
+        """Every segment's launch sequence as a CUDA graph, or None (with a note) where capture
+        fails."""
+        graphs: list[Any] = []
         try:
-            self._stream.begin_capture()
-            try:
-                self._launch_all()
-            finally:
-                graph = self._stream.end_capture()
-            return graph
+            for calls, _ in self._segments:
+                if not calls:
+                    graphs.append(None)
+                    continue
+                self._stream.begin_capture()
+                try:
+                    self._launch(calls)
+                finally:
+                    graphs.append(self._stream.end_capture())
+            return graphs
         except Exception as err:  # noqa: BLE001 - an old CuPy or driver: launch one by one
             print(f"mexc: CUDA graph capture failed ({err}); launching kernels one by one")
             self.use_graph = False
