@@ -182,6 +182,12 @@ class Device:
     # division (te_divide): nvcc lowers a run-time integer division through a float
     # reciprocal, an x86 or Arm host has an integer one (a LayerNorm's 1/sigma: 2.0x faster)
     native_division: bool
+    # the update's whole-tensor maxima (zero_weight_exponent's two, the reactive rescale's)
+    # over each row of the weight first, then over the rows: a GPU reduces the rows in parallel
+    # thread blocks, where one block walking a whole weight was half ResNet-18's estimated
+    # step (docs/cuda.md); on a CPU one serial pass is faster (MobileNetV2Tiny's update maxima
+    # 0.13 ms a step serial, 0.26 ms in two stages, 2026-12-03)
+    rows_first_update: bool
 
 
 # 2 MiB on the host keeps a chunk's packed B near the caches; 4 MiB on a GPU is still a million
@@ -196,6 +202,7 @@ HOST = Device(
     swapped_weight_grad=True,
     row_max_bracket=True,
     native_division=True,
+    rows_first_update=False,
 )
 GPU = Device(
     name="gpu",
@@ -207,6 +214,7 @@ GPU = Device(
     swapped_weight_grad=False,
     row_max_bracket=False,
     native_division=False,
+    rows_first_update=True,
 )
 DEVICES = {d.name: d for d in (HOST, GPU)}  # build_plan's device strings
 

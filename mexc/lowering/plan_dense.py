@@ -198,6 +198,7 @@ class DenseRules(PlanBuilder):
             self.stochastic,
             # on the host one compiled kernel set serves every parameter shape
             symbolic=self.device.symbolic_update,
+            rows_first=self.device.rows_first_update,
         )
 
     def launch_update(

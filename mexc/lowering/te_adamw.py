@@ -258,7 +258,7 @@ def w_target(spec: AdamSpec, name: str) -> tirx.PrimFunc:
     def e_q(idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
         return _ratio_exp(m_exp, r_exp, op.gi(idx))
 
-    e_w = zero_weight_target(lay.kshape, w, w_exp, q, e_q, lr)
+    e_w = zero_weight_target(lay.kshape, w, w_exp, q, e_q, lr, lay.rows_first)
     return prim_func([w, w_exp, q, m_exp, r_exp, lr, e_w], name)
 
 

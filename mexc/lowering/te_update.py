@@ -35,6 +35,7 @@ from mexc.lowering.te_compaction import (
     aligned_target,
     compaction_apply,
     compaction_shift,
+    iabs,
     shift_left_saturating,
     shift_signed,
 )
@@ -58,6 +59,9 @@ class UpdateSpec:
     # kernels over a (G, R) shape bound at call time (shape must then be 2-D): one compiled set
     # serves every parameter with the same grouping, as the element order is C order either way
     symbolic: bool = False
+    # the whole-tensor maxima of w_target and w_rescale over each row first, then over the
+    # rows (Device.rows_first_update)
+    rows_first: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -220,25 +224,45 @@ def zero_weight_target(
     u: te.Tensor,
     u_exp: Callable[[tuple[tirx.PrimExpr, ...]], tirx.PrimExpr],
     lr: te.Tensor,
+    rows_first: bool = False,
 ) -> te.Tensor:
     """numerics.zero_weight_exponent as a (1,) tensor: w_exp, or, if every w is 0, the largest
     u_exp(idx) - lr.shift over the elements whose update u * lr.num is nonzero (none: w_exp).
-    Serial reductions (one output); the SGD and the AdamW updates share it."""
-    r1 = [te.reduce_axis((0, d), f"a{i}") for i, d in enumerate(kshape)]
-    r2 = [te.reduce_axis((0, d), f"b{i}") for i, d in enumerate(kshape)]
+    The SGD and the AdamW updates share it. `rows_first`: whole_max's."""
 
-    def any_w(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        return te.max(tirx.if_then_else(w[tuple(r1)] != 0, 1, 0), axis=r1)
+    def nonzero(idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
+        return tirx.if_then_else(w[idx] != 0, 1, 0)
 
-    def best_exp(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        idx = tuple(r2)
+    def live_exp(idx: tuple[tirx.PrimExpr, ...]) -> tirx.PrimExpr:
         live = tirx.all(u[idx] != 0, lr[0] != 0)
-        return te.max(tirx.if_then_else(live, u_exp(idx) - lr[1], NO_EXP), axis=r2)
+        return tirx.if_then_else(live, u_exp(idx) - lr[1], NO_EXP)
 
-    nz = te.compute((1,), any_w, name="w_nonzero")
-    best = te.compute((1,), best_exp, name="u_exp")
+    nz = whole_max(kshape, nonzero, "w_nonzero", rows_first)
+    best = whole_max(kshape, live_exp, "u_exp", rows_first)
     keep = tirx.any(nz[0] > 0, best[0] == NO_EXP)
     return te.compute((1,), lambda i: tirx.if_then_else(keep, w_exp[i], best[0]), name="e_w")
+
+
+def whole_max(
+    kshape: tuple,
+    value: Callable[[tuple[tirx.PrimExpr, ...]], tirx.PrimExpr],
+    name: str,
+    rows_first: bool,
+) -> te.Tensor:
+    """(1,): the maximum of value(idx) over the whole of `kshape`. One serial reduction, or
+    with `rows_first` one per index of axis 0, then one over those (UpdateSpec.rows_first: a
+    GPU reduces the rows in parallel thread blocks). Maxima are exact in any order."""
+    if not rows_first:
+        axes = [te.reduce_axis((0, d), f"{name}_a{i}") for i, d in enumerate(kshape)]
+        return te.compute((1,), lambda _: te.max(value(tuple(axes)), axis=axes), name=name)
+    rest = [te.reduce_axis((0, d), f"{name}_r{i}") for i, d in enumerate(kshape[1:])]
+
+    def row(g: tirx.PrimExpr) -> tirx.PrimExpr:
+        return te.max(value((g, *rest)), axis=rest) if rest else value((g,))
+
+    rows = te.compute((kshape[0],), row, name=f"{name}_rows")
+    g = te.reduce_axis((0, kshape[0]), f"{name}_g")
+    return te.compute((1,), lambda _: te.max(rows[g], axis=g), name=name)
 
 
 def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
@@ -246,7 +270,9 @@ def w_target(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     Parameters (w, w_exp, v_out, v_exp_out, lr, e_w)."""
     op = _Ops(spec)
     w, w_exp, v, v_exp, lr = _step_inputs(spec)
-    e_w = zero_weight_target(spec.kshape, w, w_exp, v, lambda idx: v_exp[op.gi(idx)], lr)
+    e_w = zero_weight_target(
+        spec.kshape, w, w_exp, v, lambda idx: v_exp[op.gi(idx)], lr, spec.rows_first
+    )
     return _func([w, w_exp, v, v_exp, lr, e_w], name)
 
 
@@ -276,13 +302,7 @@ def w_rescale(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     schedule applies. Parameters (w_acc, w_exp, s_w, w_exp_out)."""
     w_acc = te.placeholder(spec.kshape, I32, name="w_acc")
     w_exp = te.placeholder((1,), I32, name="w_exp")
-    rest = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(spec.kshape)]
-
-    def amax_body(_: tirx.PrimExpr) -> tirx.PrimExpr:
-        x = w_acc[tuple(rest)]
-        return te.max(tirx.if_then_else(x < 0, -x, x), axis=rest)
-
-    amax = te.compute((1,), amax_body, name="amax")
+    amax = whole_max(spec.kshape, lambda idx: iabs(w_acc[idx]), "amax", spec.rows_first)
     t = te.reduce_axis((0, 32), "t")
     m, tt, q = amax[0].astype(I64), t.var.astype(I64), tirx.const(qmax(spec.bits), I64)
     right = tirx.if_then_else(m > (q << tt), 1, 0)

@@ -70,14 +70,24 @@ def _state(rng: np.random.Generator, shape: tuple, groups: int, grad_bits: int, 
     return w, grad, v, v_exp
 
 
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+# both forms of the whole-tensor maxima (UpdateSpec.rows_first: the GPU's, row by row first;
+# the host's, one pass), each with one rounding mode
+@pytest.mark.parametrize(("rounding", "rows_first"), [("stochastic", True), ("nearest", False)])
 @pytest.mark.parametrize("wd", [0.0, 1e-2])
 @pytest.mark.parametrize("per_group", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_update_matches_reference(shape: tuple, per_group: bool, wd: float, rounding: str):
+def test_update_matches_reference(
+    shape: tuple, per_group: bool, wd: float, rounding: str, rows_first: bool
+):
     bits = 8
     spec = UpdateSpec(
-        shape, bits, per_group, MOMENTUM, FixedScalar.of(wd), rounding == "stochastic"
+        shape,
+        bits,
+        per_group,
+        MOMENTUM,
+        FixedScalar.of(wd),
+        rounding == "stochastic",
+        rows_first=rows_first,
     )
     rng = np.random.default_rng(len(shape) * 10 + per_group)
     signs = set()
@@ -111,9 +121,9 @@ def test_update_matches_reference(shape: tuple, per_group: bool, wd: float, roun
     assert {-1, 1} <= signs  # both alignment directions and both rescale directions occurred
 
 
-SPECS = [
-    UpdateSpec((64, 32, 3, 3), 8, True, MOMENTUM, FixedScalar.of(5e-4), True),
-    UpdateSpec((10,), 8, False, MOMENTUM, FixedScalar.of(0.0), False),
+SPECS = [  # rows_first: the GPU plan's form
+    UpdateSpec((64, 32, 3, 3), 8, True, MOMENTUM, FixedScalar.of(5e-4), True, rows_first=True),
+    UpdateSpec((10,), 8, False, MOMENTUM, FixedScalar.of(0.0), False, rows_first=True),
 ]
 
 
