@@ -37,6 +37,7 @@ class ChunkGemm:
     c_shape: C3
     unpack: tirx.PrimFunc
     launch: Callable[[tuple[str, str], str, str], None]
+    form: gf.GemmForm  # the form the GEMM runs (TileGemm: split over K where that pays)
 
 
 class GemmStrategy(Protocol):
@@ -52,8 +53,10 @@ class GemmStrategy(Protocol):
         """Bytes the product of `form` takes in pack buffers (what the pack budget bounds)."""
         ...
 
-    def prepare(self, b: PlanBuilder, chunk: Product) -> ChunkGemm:
-        """Allocate the pack buffers of one chunk's product (shared by all chunks)."""
+    def prepare(self, b: PlanBuilder, chunk: Product, split: bool = False) -> ChunkGemm:
+        """Allocate the pack buffers of one chunk's product (shared by all chunks). `split`:
+        the product is unpacked whole (never scanned from its C), so a GPU may split its K
+        (gemm_forms.split_k)."""
         ...
 
     def compacted_product(
@@ -75,7 +78,7 @@ class HostGemm:
     def pack_bytes(self, form: gf.GemmForm) -> int:
         return form.g * form.k * (form.m + form.q)  # both packs, about
 
-    def prepare(self, b: PlanBuilder, chunk: Product) -> ChunkGemm:
+    def prepare(self, b: PlanBuilder, chunk: Product, split: bool = False) -> ChunkGemm:
         form = chunk.form
         cg = cpu_gemm(form, b.lanes, chunk.k_dims, chunk.q_dims, chunk.m_dims, b.gemm_kernel)
         a = b.buf(f"{form.name}.a", cg.a_shape, I8)
@@ -101,7 +104,7 @@ class HostGemm:
                 b.launch(tagged(cg.interleave_b, tag), (rows, packed_b))
             b.launch(tagged(cg.gemm, tag), (a, packed_b, c))
 
-        return ChunkGemm(cg.c_shape, cg.unpack, launch)
+        return ChunkGemm(cg.c_shape, cg.unpack, launch, form)
 
     def compacted_product(
         self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0
@@ -131,18 +134,18 @@ class TileGemm:
         f = form  # padded to the tiles, and the C unpacked chunk by chunk
         return f.g * (f.kp * (f.mp + f.qp) + 4 * f.mp * f.qp)
 
-    def prepare(self, b: PlanBuilder, chunk: Product) -> ChunkGemm:
-        form = chunk.form
+    def prepare(self, b: PlanBuilder, chunk: Product, split: bool = False) -> ChunkGemm:
+        form = gf.split_k(chunk.form) if split else chunk.form
         funcs = gf.gemm_funcs(form)
-        a = b.buf(f"{form.name}.a", (form.g, form.mp, form.kp), I8)
-        packed_b = b.buf(f"{form.name}.b", (form.g, form.qp, form.kp), I8)
+        a = b.buf(f"{form.name}.a", (form.gp, form.mp, form.kp), I8)
+        packed_b = b.buf(f"{form.name}.b", (form.gp, form.qp, form.kp), I8)
 
         def launch(operands: tuple[str, str], c: str, tag: str) -> None:
             b.launch(tagged(funcs.pack_a, tag), (operands[form.a_src], a))
             b.launch(tagged(funcs.pack_b, tag), (operands[form.b_src], packed_b))
             b.launch(tagged(funcs.gemm.with_attr(*GEMM_ATTR), tag), (a, packed_b, c))
 
-        return ChunkGemm((form.g, form.mp, form.qp), funcs.unpack, launch)
+        return ChunkGemm(form.c_shape, funcs.unpack, launch, form)
 
     def compacted_product(
         self, b: PlanBuilder, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0

@@ -65,6 +65,9 @@ class GemmForm:
     b_src: int
     b_at: Gather
     out_at: Callable[..., tuple[Expr, Expr, Expr]]
+    # split-K: the GEMM runs over `parts` slices of K as parts * g groups of partial Cs, which
+    # the unpack sums (split_k); 1: one GEMM over the whole of K
+    parts: int = 1
 
     @property
     def mp(self) -> int:
@@ -75,8 +78,25 @@ class GemmForm:
         return _round_up(self.q, TILE_MQ)
 
     @property
+    def kpart(self) -> int:
+        """The real K of one part (the last may hold less)."""
+        return -(-self.k // self.parts)
+
+    @property
     def kp(self) -> int:
-        return _round_up(self.k, TILE_K)
+        """The padded K of the GEMM: of one part under split-K."""
+        if self.parts == 1:
+            return _round_up(self.k, TILE_K)
+        return _round_up(self.kpart, 2 * TILE_K)  # two K fragments per step (cuda.products)
+
+    @property
+    def gp(self) -> int:
+        """The GEMM's groups: g, or g * parts under split-K."""
+        return self.g * self.parts
+
+    @property
+    def c_shape(self) -> tuple[int, int, int]:
+        return (self.gp, self.mp, self.qp)
 
     @property
     def macs(self) -> int:
@@ -176,7 +196,7 @@ def c_is_out(form: GemmForm, c_shape: tuple[int, int, int]) -> bool:
     """Whether a GEMM's C[g, m, q] (`c_shape`, padded to its tiles) is laid out exactly as the
     form's accumulator: one group, no padding, and out_at the identity (acc[r, c] = C[0, r, c],
     as for a linear layer), so that the GEMM can write the accumulator itself."""
-    if form.g != 1 or len(form.out_shape) != 2 or tuple(c_shape) != (1, *form.out_shape):
+    if form.gp != 1 or len(form.out_shape) != 2 or tuple(c_shape) != (1, *form.out_shape):
         return False
     r, c = tirx.Var("r", "int32"), tirx.Var("c", "int32")
     at = form.out_at(r, c)
@@ -307,13 +327,17 @@ def _pack(form: GemmForm, which: str) -> tirx.PrimFunc:
     op = form.operands[src_index]
     src = te.placeholder(op.shape, I8, name=op.name)
 
-    def body(gi, r, k):
+    def body(gp, r, kk):
+        gi, k, conds = gp, kk, [r < rows]
+        if form.parts > 1:  # group gp holds part gp % parts of group gp // parts's K
+            gi, k = gp // form.parts, (gp % form.parts) * form.kpart + kk
+            conds.append(kk < form.kpart)
         idx, ok = at(gi, r, k)
-        valid = tirx.all(r < rows, k < form.k, ok)
+        valid = tirx.all(*conds, k < form.k, ok)
         safe = tuple(tirx.if_then_else(valid, v, 0) for v in idx)  # never read out of range
         return tirx.if_then_else(valid, src[safe], tirx.const(0, I8))
 
-    packed = te.compute((form.g, rows_p, form.kp), body, name=f"{which}_packed")
+    packed = te.compute((form.gp, rows_p, form.kp), body, name=f"{which}_packed")
     return _func([src, packed], f"{form.name}_pack_{which}")
 
 
@@ -330,14 +354,20 @@ def gemm_func(g: int, mp: int, qp: int, kp: int, name: str) -> tirx.PrimFunc:
     return _func([a, b, c], name)
 
 
+def _c_at(form: GemmForm, c: te.Tensor, idx: tuple) -> Expr:
+    """The product at native output index `idx` from C: under split-K the sum of the parts'
+    partial Cs (exact: int32 sums wrap modulo 2^32 in any order, and the caps bound the whole
+    sum)."""
+    gi, m, q = form.out_at(*idx)
+    total = c[gi * form.parts, m, q]
+    for part in range(1, form.parts):
+        total = total + c[gi * form.parts + part, m, q]
+    return total
+
+
 def _unpack(form: GemmForm) -> tirx.PrimFunc:
-    c = te.placeholder((form.g, form.mp, form.qp), I32, name="c")
-
-    def body(*idx):
-        gi, m, q = form.out_at(*idx)
-        return c[gi, m, q]
-
-    out = te.compute(form.out_shape, body, name="acc")
+    c = te.placeholder(form.c_shape, I32, name="c")
+    out = te.compute(form.out_shape, lambda *idx: _c_at(form, c, idx), name="acc")
     return _func([c, out], f"{form.name}_unpack")
 
 
@@ -346,9 +376,26 @@ def gemm_funcs(form: GemmForm) -> GemmFuncs:
         form,
         _pack(form, "a"),
         _pack(form, "b"),
-        gemm_func(form.g, form.mp, form.qp, form.kp, f"{form.name}_gemm"),
+        gemm_func(form.gp, form.mp, form.qp, form.kp, f"{form.name}_gemm"),
         _unpack(form),
     )
+
+
+# split-K (GPU GEMMs): a GEMM launch should have at least this many 64 x 64 output tiles (two
+# thread blocks for each of an H200's 132 SMs), and each part at least this much of K
+SPLIT_TILES = 256
+SPLIT_K_MIN = 1024
+
+
+def split_k(form: GemmForm) -> GemmForm:
+    """`form` with its K split into parts where its C has too few tiles to keep a GPU busy
+    and K is long (a weight gradient: a 64 x 576 C is 9 tiles, each walking K = 16,384 batch
+    positions on one SM while the rest idle): parts * tiles up to SPLIT_TILES, every part
+    keeping SPLIT_K_MIN of K; the partial Cs, at most SPLIT_TILES tiles (4 MiB), are summed
+    by the unpack."""
+    tiles = form.g * (form.mp // TILE_MQ) * (form.qp // TILE_MQ)
+    parts = min(SPLIT_TILES // tiles, form.k // SPLIT_K_MIN)
+    return replace(form, parts=parts) if parts > 1 else form
 
 
 def chunks_in_c(chunk: GemmForm, count: int) -> GemmForm:
@@ -372,12 +419,7 @@ def accumulate_unpack(form: GemmForm, c_shape: tuple[int, int, int], name: str) 
     partial sum is a product over fewer terms, inside the same cap. Parameters (c, acc_in, acc)."""
     c = te.placeholder(c_shape, I32, name="c")
     acc_in = te.placeholder(form.out_shape, I32, name="acc_in")
-
-    def body(*idx):
-        gi, m, q = form.out_at(*idx)
-        return acc_in[idx] + c[gi, m, q]
-
-    out = te.compute(form.out_shape, body, name="acc")
+    out = te.compute(form.out_shape, lambda *idx: acc_in[idx] + _c_at(form, c, idx), name="acc")
     return _func([c, acc_in, out], name)
 
 

@@ -621,9 +621,11 @@ class PlanBuilder:
         accumulator's layout (gemm_forms.c_is_out), the GEMM writes `out` itself. Returns the
         GEMM's C buffer and shape (out=None: every chunk's C side by side, the product left
         there unpacked, for HostGemm.compacted_product)."""
-        form, count = ch.chunk.form, ch.count
-        chunk = self.device.gemm.prepare(self, ch.chunk)
-        c_shape = chunk.c_shape
+        count = ch.count
+        # a reduction over the batch (a weight gradient: few output tiles, a long K) may run
+        # split over K on a GPU; its C is only ever unpacked
+        chunk = self.device.gemm.prepare(self, ch.chunk, split=reduce and out is not None)
+        form, c_shape = chunk.form, chunk.c_shape
         size = int(np.prod(c_shape))
         # where C is the accumulator's own layout, the GEMM writes `out` itself: no unpack
         direct = out is not None and not reduce and gf.c_is_out(form, c_shape)

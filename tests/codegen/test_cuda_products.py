@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from mexc.backends.cuda.products_build import (
     run_form_on_host,
 )
 from mexc.lowering import gemm_forms as gf
+from mexc.lowering.te_products import ConvGeom
 
 
 def _tools_present() -> bool:
@@ -60,6 +62,32 @@ def test_gemm_form_is_exact(case: tuple) -> None:
     a, b = (rand_int8(rng, op.shape) for op in form.operands)
     got = run_form_on_host(form, a, b).astype(np.int64)
     np.testing.assert_array_equal(got, reference(prod, args, a, b))
+
+
+@pytest.mark.parametrize("case", CASES[::3], ids=[f"{c[0]}-{c[1]}" for c in CASES[::3]])
+def test_split_k_form_is_exact(case: tuple) -> None:
+    """K in 3 parts (the last shorter where 3 does not divide it, each padded apart): the
+    unpack's sum of the partial Cs is the product (a third of the cases, every product kind)."""
+    prod, cid, args = case
+    form = replace(gf.form_of(prod, args, f"t_{cid}"), parts=3)
+    assert form.c_shape == (3 * form.g, form.mp, form.qp) and form.kp % (2 * gf.TILE_K) == 0
+    rng = np.random.default_rng(zlib.crc32(f"split{prod}{cid}".encode()))
+    a, b = (rand_int8(rng, op.shape) for op in form.operands)
+    got = run_form_on_host(form, a, b).astype(np.int64)
+    np.testing.assert_array_equal(got, reference(prod, args, a, b))
+
+
+def test_split_k_splits_long_reductions_into_few_tiles_only() -> None:
+    """A weight gradient of 9 tiles over K = 16,384 runs in 16 parts of 1,024 (144 tiles);
+    a forward convolution of many tiles, or a K too short for two parts, stays whole."""
+    dw = gf.conv_grad_weight("dw", ConvGeom.of(16, 64, 32, 32, 64, 3, 3, (1, 1), (1, 1), 1))
+    assert (dw.g * dw.mp * dw.qp // gf.TILE_MQ**2, dw.k) == (9, 16384)
+    split = gf.split_k(dw)
+    assert (split.parts, split.kpart, split.kp) == (16, 1024, 1024)
+    fwd = gf.conv_forward("fwd", ConvGeom.of(128, 64, 32, 32, 64, 3, 3, (1, 1), (1, 1), 1))
+    assert gf.split_k(fwd) is fwd
+    short = gf.conv_grad_weight("s", ConvGeom.of(2, 16, 8, 8, 16, 3, 3, (1, 1), (1, 1), 1))
+    assert gf.split_k(short) is short
 
 
 @pytest.mark.parametrize("trans_a", [False, True])

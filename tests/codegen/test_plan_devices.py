@@ -106,6 +106,11 @@ def markers(prog: mexc.Program) -> dict[str, Callable[[StepPlan], bool]]:
         "native_division": lambda p: any(
             x.symbol.endswith("_softmax_ce") and "T.Div(" in x.func.script() for x in p.launches
         ),
+        # the update's whole-tensor maxima reduce each row first (a block of its own)
+        "rows_first_update": lambda p: any(
+            x.symbol.endswith("_sgd_w_target") and "w_nonzero_rows" in x.func.script()
+            for x in p.launches
+        ),
     }
 
 
