@@ -42,24 +42,13 @@ def prepare(folder: Path, archs: tuple[str, ...]) -> None:
     from examples.models import EXAMPLES
     from mexc.backends.cuda.build import build_step
     from mexc.distributed import Workers
-    from mexc.pass_manager import PassContext
-    from mexc.passes.shard_batch import shard_batch
-    from mexc.program import Program
+    from mexc.targets import worker_program
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     whole = mexc.compile(EXAMPLES[MODEL][0](), (torch.zeros(BATCH, *SHAPE),))
     whole.save(folder / "whole.mexc")
-    graph = shard_batch(whole.graph, PassContext(world=WORLD))
-    worker = Program(
-        graph,
-        whole.state,
-        whole.options,
-        whole.optimizer,
-        0,
-        Workers(0, WORLD, None),  # type: ignore[arg-type]
-        whole.graph,
-    )
+    worker = worker_program(whole, Workers(0, WORLD, None))  # type: ignore[arg-type]
     man = build_step(worker, archs, folder)
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((STEPS, BATCH, *SHAPE)).astype(np.float32)

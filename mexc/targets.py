@@ -22,9 +22,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from mexc.errors import CheckpointError, DistributedError, MexcError, UnsupportedOpError
 from mexc.program import Program, read_checkpoint
+
+if TYPE_CHECKING:
+    from mexc.distributed import Workers
 
 # what building a target may need on this machine, as the error messages name it
 NEEDS = {
@@ -164,6 +168,18 @@ def refuse_data_parallel_target(target: str) -> None:
     )
 
 
+def worker_program(prog: Program, workers: Workers, target: str = "reference") -> Program:
+    """`prog` split over `workers` by the shard-batch pass, not yet built for `target`: its
+    graph holds this worker's rows, its global_graph the whole batch's."""
+    from mexc.pass_manager import PassContext
+    from mexc.passes.shard_batch import shard_batch
+
+    whole = prog.global_graph
+    graph = shard_batch(whole, PassContext(world=workers.world))
+    opts = replace(prog.options, target=target)
+    return Program(graph, prog.state, opts, prog.optimizer, prog.step_count, workers, whole)
+
+
 def as_data_parallel_worker(prog: Program, target: str = "reference") -> Program:
     """`prog` (a single-process program: compiled, or loaded from a checkpoint) as this
     process's worker of the initialised torch.distributed group: the shard-batch pass splits
@@ -171,16 +187,11 @@ def as_data_parallel_worker(prog: Program, target: str = "reference") -> Program
     here at this number, with the same bits as one process on the whole batch. `target`: one of
     DATA_PARALLEL_TARGETS (or "auto")."""
     from mexc.distributed import agree_on_program, current_workers
-    from mexc.pass_manager import PassContext
-    from mexc.passes.shard_batch import shard_batch
     from mexc.printer import print_graph
 
     workers = current_workers()
-    whole = prog.global_graph
-    graph = shard_batch(whole, PassContext(world=workers.world))
-    agree_on_program(workers, print_graph(graph))
-    opts = replace(prog.options, target=target)
-    worker = Program(graph, prog.state, opts, prog.optimizer, prog.step_count, workers, whole)
+    worker = worker_program(prog, workers, target)
+    agree_on_program(workers, print_graph(worker.graph))
     return get(target).build(worker)
 
 

@@ -677,15 +677,10 @@ def worker_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, mex
         pytest.skip(CUDA_TOOLS_REASON)
     from mexc.backends.cuda.build import build_step
     from mexc.distributed import Workers
-    from mexc.pass_manager import PassContext
-    from mexc.passes.shard_batch import shard_batch
+    from mexc.targets import worker_program
 
     cls, shape = EXAMPLES["FashionCNN"]
-    whole = _program(cls, 8, shape)
-    graph = shard_batch(whole.graph, PassContext(world=2))
-    worker = mexc.Program(
-        graph, whole.state, whole.options, whole.optimizer, 0, Workers(0, 2, None), whole.graph
-    )
+    worker = worker_program(_program(cls, 8, shape), Workers(0, 2, None))  # type: ignore[arg-type]
     out = tmp_path_factory.mktemp("worker-cuda")
     build_step(worker, ("sm_90",), out)
     return out, worker

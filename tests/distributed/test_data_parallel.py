@@ -199,17 +199,13 @@ def test_a_rule_without_data_parallel_keys_is_refused_by_name() -> None:
     from mexc.distributed import Workers
     from mexc.lowering.devices import device_of
     from mexc.lowering.step_plan import PlanRules
-    from mexc.pass_manager import PassContext
-    from mexc.passes.shard_batch import shard_batch
-    from mexc.program import Program
+    from mexc.targets import worker_program
 
     net, shape = model("FashionCNN")
     whole = mexc.compile(net, (torch.zeros(8, *shape),))
-    graph = shard_batch(whole.graph, PassContext(world=2))
-    workers = Workers(0, 2, None)  # type: ignore[arg-type]
-    worker = Program(graph, whole.state, whole.options, whole.optimizer, 0, workers, whole.graph)
+    worker = worker_program(whole, Workers(0, 2, None))  # type: ignore[arg-type]
     builder = PlanRules(worker, 8, device_of("cpu"))
-    conv = next(n for n in graph.nodes if n.op.value == "conv2d_compact")
+    conv = next(n for n in worker.graph.nodes if n.op.value == "conv2d_compact")
     builder.rows = conv.id in worker.rows_nodes
     assert builder.rows
     with pytest.raises(
@@ -229,15 +225,12 @@ def test_a_worker_plan_counts_the_whole_batch() -> None:
     from mexc.distributed import Workers
     from mexc.lowering.devices import device_of
     from mexc.lowering.step_plan import plan_builder
-    from mexc.pass_manager import PassContext
-    from mexc.passes.shard_batch import shard_batch
     from mexc.program import Program
+    from mexc.targets import worker_program
 
     net, shape = model("FashionCNN")
     whole = mexc.compile(net, (torch.zeros(256, *shape),))
-    graph = shard_batch(whole.graph, PassContext(world=2))
-    workers = Workers(0, 2, None)  # type: ignore[arg-type]
-    worker = Program(graph, whole.state, whole.options, whole.optimizer, 0, workers, whole.graph)
+    worker = worker_program(whole, Workers(0, 2, None))  # type: ignore[arg-type]
 
     def pre_shifted(prog: Program) -> set[str]:
         b = plan_builder(prog, 8, device_of("cpu"), "int32", None, {})

@@ -101,8 +101,7 @@ def _read_manifest(root: Path) -> dict[str, Any]:
         found = man.get("format") if isinstance(man, dict) else None
         raise _fail(root, f"format is {found!r}, expected {FORMAT!r}")
     fields = ("layout", "archs", "kernels", "collectives", "modules", "program_sha256")
-    missing = [k for k in (*PLAN_FIELDS, *fields)]
-    missing = [k for k in missing if k not in man]
+    missing = [k for k in (*PLAN_FIELDS, *fields) if k not in man]
     if missing:
         raise _fail(root, f"plan.json lacks {missing}")
     archs = man["archs"]
@@ -166,14 +165,9 @@ def launch_args(man: dict[str, Any]) -> list[list[str]]:
     """Every launch's buffers in step order: the kernels', and each collective's buffer at its
     place between them (what the layout's lifetimes count)."""
     out: list[list[str]] = []
-    collectives = iter(man["collectives"])
-    nxt = next(collectives, None)
-    for i, kernel in enumerate([*man["kernels"], None]):
-        while nxt is not None and nxt[0] == i:
-            out.append([nxt[2]])
-            nxt = next(collectives, None)
-        if kernel is not None:
-            out.append(kernel[4])
+    for run, after in segments(man):
+        out += [man["kernels"][i][4] for i in run]
+        out += [[name] for _, name in after]
     return out
 
 
