@@ -10,6 +10,7 @@ crashed or hangs) raises DistributedError instead of waiting for ever.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 from collections.abc import Callable
@@ -198,7 +199,17 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
                 torch.cuda.set_device(local % torch.cuda.device_count())
         seconds = timeout_s or float(os.environ.get("MEXC_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
+        # the group this joined is destroyed while the interpreter is still whole: a gloo
+        # worker exiting without it can abort in finalization ("terminate called without an
+        # active exception", SIGABRT: pytorch/pytorch#190489), seen once in CI
+        atexit.register(_destroy_group)
     return current_workers()
+
+
+def _destroy_group() -> None:
+    dist = _dist()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
