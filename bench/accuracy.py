@@ -11,6 +11,10 @@ Configurations (`--configs` picks a comma-separated subset):
     fashion-nearest    the same with deterministic (round-to-nearest) rounding
     fashion-bits6      the same at B = 6
     fashion-bits4      the same at B = 4
+    fashion-bits6-ch, fashion-bits4-ch, digits-bits6-ch, digits-bits4-ch, resnet-bits6-ch,
+    resnet-bits4-ch
+                   B = 6 and B = 4 with channel exponents (docs/numerics.md section 5; B = 4 at
+                   peak lr 0.02); they run on the reference target (--target reference)
     vit            ViTTiny (examples/vit.py: patch 7, dim 64, 2 blocks, 4 heads, MLP ratio 2),
                    Fashion-MNIST with the fashion recipe; and FP32
     digits         DigitsCNN, scikit-learn digits, 10 epochs, batch 32; and FP32
@@ -55,11 +59,11 @@ from mexc.trainer import provenance, run_training, write_json_atomic  # noqa: E4
 
 FASHION: dict[str, Any] = dict(
     model="FashionCNN", data="fashion-mnist", epochs=5, batch=128, bits=8,
-    rounding="auto", per_group_velocity=True, fp32=False, ref="fashion",
+    rounding="auto", per_group_velocity=True, fp32=False, ref="fashion", channels=False,
 )  # fmt: skip
 DIGITS: dict[str, Any] = dict(
     model="DigitsCNN", data="digits", epochs=10, batch=32, bits=8, rounding="auto",
-    per_group_velocity=True, fp32=True, ref=None,
+    per_group_velocity=True, fp32=True, ref=None, channels=False,
 )  # fmt: skip
 ADAMW: dict[str, Any] = dict(optimizer="adamw", lr=1e-3, weight_decay=0.01)
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -68,6 +72,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fashion-nearest": {**FASHION, "rounding": "nearest"},
     "fashion-bits6": {**FASHION, "bits": 6},
     "fashion-bits4": {**FASHION, "bits": 4},
+    # channel exponents (docs/numerics.md section 5), reference target; B = 4 at lr 0.02
+    "fashion-bits6-ch": {**FASHION, "bits": 6, "channels": True},
+    "fashion-bits4-ch": {**FASHION, "bits": 4, "channels": True, "lr": 0.02},
     "vit": {**FASHION, "model": "ViTTiny", "fp32": True, "ref": None},
     "digits": DIGITS,
     "fashion-mnv3": {**FASHION, "model": "mobilenet_v3_small", "fp32": True, "ref": None,
@@ -86,6 +93,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "digits-bits4": {**DIGITS, "bits": 4, "fp32": False, "ref": "digits"},
     "resnet-bits6": {**FASHION, "model": "SmallResNet", "bits": 6, "ref": "resnet"},
     "resnet-bits4": {**FASHION, "model": "SmallResNet", "bits": 4, "ref": "resnet"},
+    "digits-bits6-ch": {**DIGITS, "bits": 6, "fp32": False, "ref": "digits", "channels": True},
+    "digits-bits4-ch": {**DIGITS, "bits": 4, "fp32": False, "ref": "digits", "channels": True,
+                        "lr": 0.02},
+    "resnet-bits6-ch": {**FASHION, "model": "SmallResNet", "bits": 6, "ref": "resnet",
+                        "channels": True},
+    "resnet-bits4-ch": {**FASHION, "model": "SmallResNet", "bits": 4, "ref": "resnet",
+                        "channels": True, "lr": 0.02},
     # integer AdamW against FP32 AdamW (docs/numerics.md section 12b)
     "vit-adamw": {**FASHION, **ADAMW, "model": "ViTTiny", "fp32": True, "ref": None},
     "fashion-adamw": {**FASHION, **ADAMW, "fp32": True, "ref": None},
@@ -147,6 +161,7 @@ def run_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> dict
         bits=cfg["bits"],
         rounding=args.rounding or cfg["rounding"],
         per_group_velocity=cfg["per_group_velocity"],
+        channel_exponents=cfg["channels"],
         seed=args.seed,
         target=args.target,
         compare_fp32=cfg["fp32"] and not args.no_fp32,

@@ -156,6 +156,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         per_group_velocity=not args.no_per_group_velocity,
         rounding=rounding_mode(args.rounding),
         instruments=instruments,
+        channel_exponents=args.channel_exponents,
     )
     if args.out:
         _export(prog, args)
@@ -316,6 +317,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         bits=args.bits,
         rounding=rounding_mode(args.rounding),
         per_group_velocity=not args.no_per_group_velocity,
+        channel_exponents=args.channel_exponents,
         seed=args.seed,
         target=args.target,
         compare_fp32=args.compare_fp32,
@@ -386,6 +388,12 @@ def _compile_flags(
         "--no-per-group-velocity",
         action="store_true",
         help="one velocity exponent per tensor instead of one per output channel/neuron",
+    )
+    p.add_argument(
+        "--channel-exponents",
+        action="store_true",
+        help="below 8 bits: a B-bit exponent per channel of every activation, gradient and "
+        "weight row, in its tensor's int8 frame (docs/numerics.md §5; reference target only)",
     )
     p.add_argument(
         "--optimizer",

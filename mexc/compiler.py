@@ -12,7 +12,7 @@ from torch import nn
 from mexc.distributed import agree_on_program, current_workers
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
-from mexc.kernels import quantize
+from mexc.kernels import quantize, quantize_channels
 from mexc.mx import MX
 from mexc.numerics import MOMENT_EXP0, rounding_mode_for
 from mexc.optim import Optimizer, optimizer_of
@@ -40,15 +40,21 @@ ZERO_START = {"velocity": 0, "moment": MOMENT_EXP0, "root_moment": MOMENT_EXP0}
 
 
 def initial_state(
-    graph: Graph, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray], bits: int
+    graph: Graph,
+    params: dict[str, np.ndarray],
+    buffers: dict[str, np.ndarray],
+    bits: int,
+    channels: bool = False,
 ) -> dict[str, MX]:
     """Quantize parameters and buffers once (host boundary); velocities start at zero with
-    exponent 0, AdamW's moments at zero with exponent MOMENT_EXP0 (docs/numerics.md §12b)."""
+    exponent 0, AdamW's moments at zero with exponent MOMENT_EXP0 (docs/numerics.md §12b).
+    `channels`: each parameter row gets its own B-bit exponent in the tensor's int8 frame."""
     state: dict[str, MX] = {}
     for n in graph.nodes_of(Op.PARAM, Op.STATE):
         name = str(n.attrs.name)
         if n.op is Op.PARAM:
-            state[name] = quantize(params[name], bits)
+            p = params[name]
+            state[name] = quantize_channels(p, bits) if channels else quantize(p, bits)
         elif n.attrs.role in ZERO_START:
             groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
             e0 = ZERO_START[str(n.attrs.role)]
@@ -81,6 +87,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     recompute: bool = True,
     trainable: TrainableSpec = None,
     data_parallel: bool = False,
+    channel_exponents: bool = False,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
     mexc.targets.NAMES). `optimizer`: mexc.SGD(...), mexc.AdamW(...), mexc.Adam(...), or one of
@@ -92,7 +99,10 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     `data_parallel`: this process is one worker of an initialised torch.distributed process
     group; `example_inputs` is the global batch, and `step` takes this worker's rows of it
     (mexc.distributed.shard_rows). Every worker ends each step with the state a single process
-    reaches on the whole batch, bit for bit (docs/distributed.md)."""
+    reaches on the whole batch, bit for bit (docs/distributed.md). `channel_exponents`: below 8
+    bits, every activation, activation gradient and weight row keeps a B-bit mantissa at an
+    exponent of its own channel, inside its tensor's int8 frame (docs/numerics.md §5, "Channel
+    exponents"; the reference target only, for now)."""
     workers = None
     if data_parallel:
         refuse_data_parallel_target(target)
@@ -115,11 +125,12 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         batch=x.shape[0],
         num_classes=front.num_classes,
         world=workers.world if workers is not None else 1,
+        channel_exponents=channel_exponents,
     )
     pm = PassManager(PIPELINE, [*instruments, *instruments_from_env()], verify_each=verify_each)
     graph = pm.run(front.graph, ctx)
-    state = initial_state(graph, front.params, front.buffers, bits)
-    opts = Options(bits, seed, rounding, per_group_velocity, target)
+    state = initial_state(graph, front.params, front.buffers, bits, channel_exponents)
+    opts = Options(bits, seed, rounding, per_group_velocity, target, channel_exponents)
     if workers is not None:
         agree_on_program(workers, print_graph(graph))
     prog = Program(graph, state, opts, opt, 0, workers, ctx.results.get("global_graph"))

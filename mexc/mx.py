@@ -108,6 +108,7 @@ class RoundCtx:
     step: int = 0
     bits: int = 8
     rows: Rows | None = None
+    channels: bool = False  # channel exponents of activations and gradients (numerics §5)
 
     def key(self, tid: int) -> int:
         """Key of rounding site `tid` (a node's base tid plus a site number < SITES_PER_NODE)."""

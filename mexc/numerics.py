@@ -316,6 +316,65 @@ def compact(
     return saturate(shifted, bits), np.asarray(exponent, dtype=np.int64) + s
 
 
+CONTAINER_BITS = 8  # every mantissa is stored in an int8
+
+
+def natural_shift(max_abs: np.ndarray, bits: int, signed: bool) -> np.ndarray:
+    """compaction_shift (>= 0); with `signed`, also negative: -s for the largest s with
+    max_abs * 2^s <= qmax (reactive_rescale's exact left shift). 0 where max_abs is 0."""
+    s = compaction_shift(max_abs, bits)
+    if not signed:
+        return s
+    m = np.asarray(max_abs, dtype=np.int64)
+    q = np.int64(qmax(bits))
+    grow = (m > 0) & (s == 0)
+    while np.any(grow & ((m << (-s + 1)) <= q)):
+        s = np.where(grow & ((m << (-s + 1)) <= q), s - 1, s)
+    return s
+
+
+def channel_compact(
+    acc: np.ndarray,
+    exponent: np.ndarray | int,
+    bits: int,
+    rounding: Rounding,
+    key: int,
+    axis: int,
+    signed: bool = False,
+    amax: np.ndarray | None = None,
+    start: int = 0,
+) -> tuple[np.ndarray, int] | None:
+    """Compaction with channel exponents (docs/numerics.md section 5, "Channel exponents").
+
+    Each index c along `axis` (a channel) is rounded to B bits at its own exponent
+    t_c = max(x_c, F), x_c = e_c + natural_shift(max|acc_c|), F = max(x_c) - (8 - B), and stored
+    as an int8 in the tensor's frame F: m = saturate(round(acc_c / 2^(t_c - e_c)), B) << (t_c - F),
+    so |m| <= qmax(B) 2^(8-B) <= 127. `exponent`: scalar or one per channel (e_c). `amax`: the
+    channel maxima when the caller knows them (data-parallel workers agree on them).
+    Returns (int8 mantissa, F), or None when every channel is zero (the caller's plain rule
+    applies).
+    """
+    a = np.asarray(acc, dtype=np.int64)
+    check_int32(a, "compact")
+    other = tuple(i for i in range(a.ndim) if i != axis)
+    if amax is None:
+        amax = np.abs(a).max(axis=other) if a.size else np.zeros(a.shape[axis], np.int64)
+    amax = np.asarray(amax, dtype=np.int64)
+    live = amax > 0
+    if not np.any(live):
+        return None
+    e_c = np.broadcast_to(np.asarray(exponent, dtype=np.int64), amax.shape)
+    x = e_c + natural_shift(amax, bits, signed)
+    frame = int(x[live].max()) - (CONTAINER_BITS - bits)
+    t = np.maximum(x, frame)
+    shape = [1] * a.ndim
+    shape[axis] = a.shape[axis]
+    right = np.where(live, t - e_c, 0).reshape(shape)  # an all-zero channel stays 0 at any shift
+    rounded = saturate(shift_signed(a, right, rounding, key, start), bits)
+    up = np.where(live, t - frame, 0).reshape(shape)
+    return (rounded.astype(np.int64) << up).astype(np.int8), frame
+
+
 # --------------------------------------------------------------------------- products
 
 
@@ -601,6 +660,12 @@ class UpdateConfig:
     momentum: FixedScalar
     weight_decay: FixedScalar
     rounding: Rounding = "stochastic"
+    channels: bool = False  # channel exponents (section 5): w's rows share an int8 frame
+
+
+def weight_bound_bits(bits: int, channels: bool) -> int:
+    """b with |w| < 2^b: B - 1, or 7 when the rows of w have channel exponents (|w| <= 127)."""
+    return CONTAINER_BITS - 1 if channels and bits < CONTAINER_BITS else bits - 1
 
 
 UPDATE_SITES = 16  # tensor ids reserved per parameter for the rounding sites of its update
@@ -654,7 +719,7 @@ def sgd_momentum_update(
     g, e_g = compact(grp(grad_acc), np.full(groups, grad_exp), bits, rnd, keys[0], grouped=True)
     if cfg.weight_decay.num:
         wd_term = grp(w) * cfg.weight_decay.num
-        wd_bits = b + cfg.weight_decay.num.bit_length()
+        wd_bits = weight_bound_bits(bits, cfg.channels) + cfg.weight_decay.num.bit_length()
         wd_exp = np.full(groups, w_exp - cfg.weight_decay.shift)
         acc, e_acc = aligned_sum([(g, e_g, b), (wd_term, wd_exp, wd_bits)], rnd, keys[1:3])
         g, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[3], grouped=True)
@@ -672,7 +737,7 @@ def sgd_momentum_update(
     left = shift_left_saturating(u, np.maximum(-d, 0))
     w_acc = grp(w) - np.where(d >= 0, right, left)
     check_int32(w_acc, "weight_update")
-    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[8])
+    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[8], cfg.channels)
     return w_new.reshape(w.shape), w_exp_new, v_new.reshape(v.shape), v_exp_new
 
 
@@ -689,6 +754,7 @@ class AdamConfig:
     weight_decay: FixedScalar
     rounding: Rounding = "stochastic"
     l2: FixedScalar = FixedScalar(0, 0)  # Adam's coupled decay (step 1b); AdamW: 0
+    channels: bool = False  # channel exponents (section 5): w's rows share an int8 frame
 
 
 MOMENT_BITS = 8  # AdamW's m and r keep 8-bit mantissas at every B (as the SGD velocity)
@@ -747,13 +813,13 @@ def adamw_update(
     def grp(x: np.ndarray) -> np.ndarray:
         return np.asarray(x, np.int64).reshape(groups, -1)
 
-    b = bits - 1
+    b, wb = bits - 1, weight_bound_bits(bits, cfg.channels)
     g8, e_g = compact(grp(grad_acc), np.full(groups, grad_exp), bits, rnd, keys[0], grouped=True)
     if cfg.l2.num:  # Adam's L2 as a gradient term (step 1b)
         wd_term = grp(w) * cfg.l2.num
         wd_exp = np.full(groups, w_exp - cfg.l2.shift)
         acc, e_acc = aligned_sum(
-            [(g8, e_g, b), (wd_term, wd_exp, b + cfg.l2.num.bit_length())], rnd, keys[12:14]
+            [(g8, e_g, b), (wd_term, wd_exp, wb + cfg.l2.num.bit_length())], rnd, keys[12:14]
         )
         g8, e_g = compact(acc, e_acc.reshape(groups), bits, rnd, keys[14], grouped=True)
     g = g8.astype(np.int64)
@@ -796,7 +862,7 @@ def adamw_update(
     decay = shift_right(grp(w) * cfg.weight_decay.num, cfg.weight_decay.shift, rnd, keys[10])
     w_acc = grp(w) - np.where(d >= 0, right, left) - decay
     check_int32(w_acc, "weight_update")
-    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[11])
+    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[11], cfg.channels)
     shape = np.shape(w)
     return (
         w_new.reshape(shape),
@@ -825,13 +891,24 @@ def zero_weight_exponent(w: np.ndarray, w_exp: int, u: np.ndarray, e_u: np.ndarr
 
 
 def reactive_rescale(
-    w_acc: np.ndarray, w_exp: int, bits: int, rounding: Rounding, key: int
+    w_acc: np.ndarray,
+    w_exp: int,
+    bits: int,
+    rounding: Rounding,
+    key: int,
+    channels: bool = False,
 ) -> tuple[np.ndarray, int]:
     """Bring an updated weight accumulator back to B bits (one exponent per tensor).
 
     max|w| > qmax: right shift by the smallest s that fits (rounded); max|w| in (0, qmax/2]:
     exact left shift by the largest s with max|w| * 2^s <= qmax; otherwise unchanged.
+    `channels`: each row of w_acc (G, -1) gets its own B-bit exponent inside the tensor's int8
+    frame (channel_compact, signed shifts).
     """
+    if channels and bits < CONTAINER_BITS:
+        out = channel_compact(w_acc, w_exp, bits, rounding, key, 0, signed=True)
+        if out is not None:
+            return out[0], out[1]
     q = qmax(bits)
     m = int(np.abs(w_acc).max()) if w_acc.size else 0
     if m > q:

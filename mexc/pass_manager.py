@@ -41,6 +41,7 @@ class PassContext:
     batch: int = 0
     num_classes: int = 0
     world: int = 1  # data-parallel workers (shard-batch): each runs batch / world rows
+    channel_exponents: bool = False  # insert-mx-types: channel exponents below 8 bits (§5)
     results: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -48,6 +49,7 @@ class PassContext:
         return (
             f"bits={self.bits} seed={self.seed} rounding={self.rounding} "
             f"per_group_velocity={self.per_group_velocity} recompute={self.recompute} "
+            f"channel_exponents={self.channel_exponents} "
             f"trainable={sorted(self.trainable) if self.trainable is not None else 'all'} "
             f"batch={self.batch} num_classes={self.num_classes} world={self.world} "
             f"optimizer={self.optimizer!r}"

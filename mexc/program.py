@@ -29,7 +29,7 @@ from mexc.backends.reference.interp import (
     value_bytes,
 )
 from mexc.distributed import Workers, shard_rows
-from mexc.errors import CheckpointError, InputError
+from mexc.errors import CheckpointError, InputError, UnsupportedOpError
 from mexc.ir import Graph, Op, needed_nodes
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, site_rounding, state_checksum
@@ -50,6 +50,7 @@ class Options:
     rounding: str = "stochastic"
     per_group_velocity: bool = True
     target: str = "reference"
+    channel_exponents: bool = False  # docs/numerics.md §5, "Channel exponents"
 
 
 def as_numpy(x: Any, what: str) -> np.ndarray:
@@ -172,6 +173,16 @@ class Program:
 
     # ----------------------------------------------------------------------------- training
 
+    def refuse_channel_exponents(self, target: str) -> None:
+        """Channel exponents (docs/numerics.md §5) have only the reference's form so far."""
+        if self.options.channel_exponents and self.options.bits < 8:
+            raise UnsupportedOpError(
+                f"the {target} target does not lower channel exponents (docs/numerics.md §5) "
+                f"yet: a {self.options.bits}-bit program with channel_exponents=True runs on the "
+                "reference target only. Compile it with target='reference' (CLI: --target "
+                "reference), or without channel exponents."
+            )
+
     def lr_at(self, step: int) -> FixedScalar:
         return self.optimizer.lr_at(step)
 
@@ -181,7 +192,14 @@ class Program:
         ys = self._check_y(y, self.batch)
         o = self.options
         rows = None if self.workers is None else self.workers.rows(self.eval_batch)
-        ctx = RoundCtx(site_rounding(o.rounding, False), o.seed, self.step_count, o.bits, rows)
+        ctx = RoundCtx(
+            site_rounding(o.rounding, False),
+            o.seed,
+            self.step_count,
+            o.bits,
+            rows,
+            o.channel_exponents,
+        )
         env = StepEnv(
             ctx=ctx,
             forward_ctx=replace(ctx, rounding=site_rounding(o.rounding, True)),
@@ -231,7 +249,13 @@ class Program:
     def _infer_batch(self, xs: np.ndarray) -> MX | Acc:
         """The logits of one full batch (float64, checked): the reference's inference nodes."""
         env = StepEnv(
-            ctx=RoundCtx("nearest", self.options.seed, 0, self.options.bits),
+            ctx=RoundCtx(
+                "nearest",
+                self.options.seed,
+                0,
+                self.options.bits,
+                channels=self.options.channel_exponents,
+            ),
             train=False,
             x=xs,
             y=None,

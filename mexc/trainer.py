@@ -405,6 +405,7 @@ def build_results(
         "bits": prog.options.bits,
         "rounding": prog.options.rounding,
         "per_group_velocity": prog.options.per_group_velocity,
+        "channel_exponents": prog.options.channel_exponents,
         "target": prog.options.target,
         "seed": trainer.seed,
         "batch": trainer.batch,
@@ -607,6 +608,7 @@ def run_training(
     bits: int = 8,
     rounding: str = "auto",
     per_group_velocity: bool = True,
+    channel_exponents: bool = False,
     seed: int = 0,
     target: str = "auto",
     compare_fp32: bool = False,
@@ -665,6 +667,7 @@ def run_training(
             rounding=rounding,
             trainable=trainable,
             data_parallel=data_parallel,
+            channel_exponents=channel_exponents,
         )
         trainer = Trainer(
             prog,

@@ -55,9 +55,10 @@ ACT_LAYERS = ("Conv2d", "BatchNorm2d", "Linear")  # the layers whose outputs a a
 class Rounder:
     """Stochastic rounding to B-bit mantissas with power-of-two exponents (seeded)."""
 
-    def __init__(self, seed: int, bits: int = 8) -> None:
+    def __init__(self, seed: int, bits: int = 8, spread: int | None = None) -> None:
         self.gen = torch.Generator().manual_seed(1234 + seed)
         self.q = float(2 ** (bits - 1) - 1)
+        self.spread = spread  # most octaves a group's exponent may lie below its tensor's
 
     def __call__(
         self, w: torch.Tensor, per_channel: bool, axis: int = 0, nearest: bool = False
@@ -69,6 +70,8 @@ class Rounder:
         else:
             m = w.abs().max().clamp_min(1e-30)
         scale = torch.pow(2.0, torch.ceil(torch.log2(m / self.q)))
+        if self.spread is not None and scale.dim():
+            scale = torch.clamp_min(scale, scale.max() / 2.0**self.spread)
         u = torch.full_like(w, 0.5) if nearest else torch.rand(w.shape, generator=self.gen)
         return torch.clamp(torch.floor(w / scale + u), -self.q, self.q) * scale
 
@@ -129,12 +132,13 @@ def run_mode(
     act_exp: str = "tensor",
     lr: float = 0.05,
     kinds: tuple[str, ...] = ACT_LAYERS,
+    spread: int | None = None,
 ) -> list[dict[str, float]]:
     flags = "" if mode == "fp32" else mode
     torch.manual_seed(seed)
     model = FashionCNN()
-    rnd = Rounder(seed, bits)
-    rnd_v = rnd if velocity_bits == bits else Rounder(seed + 1, velocity_bits)
+    rnd = Rounder(seed, bits, spread)
+    rnd_v = rnd if velocity_bits == bits and spread is None else Rounder(seed + 1, velocity_bits)
     sched = make_optimizer(lr, 0.9, 5e-4, "cosine", len(train[1]) // BATCH, EPOCHS, None)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
     loss_fn = coarse_softmax_loss() if "s" in flags else nn.CrossEntropyLoss()
@@ -207,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(ACT_LAYERS),
         help="module classes whose outputs a and b round",
     )
+    ap.add_argument(
+        "--spread",
+        type=int,
+        default=None,
+        help="most octaves a channel's exponent of w, g, a, b may lie below its tensor's "
+        "(8 - B: the channels share the tensor's int8 container; default unlimited)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gap_sim.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -226,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             act_exp=args.act_exp,
             lr=args.lr,
             kinds=tuple(args.act_layers.split(",")),
+            spread=args.spread,
         )
         for m in modes
     }
@@ -242,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "act_exp": args.act_exp,
             "lr": args.lr,
             "act_layers": args.act_layers,
+            "spread": args.spread,
             "results": results,
         },
     )

@@ -59,7 +59,7 @@ from mexc.kernels.pool import (
     maxpool2d_backward,
     maxpool2d_forward,
 )
-from mexc.kernels.quantize import quantize
+from mexc.kernels.quantize import quantize, quantize_channels
 
 __all__ = [
     "BatchNormSaved",
@@ -100,6 +100,7 @@ __all__ = [
     "maxpool2d_backward",
     "maxpool2d_forward",
     "quantize",
+    "quantize_channels",
     "relu6_backward",
     "relu6_cap",
     "relu6_forward",

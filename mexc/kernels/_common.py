@@ -14,10 +14,12 @@ import numpy as np
 from mexc import numerics as _numerics
 from mexc.mx import MX, SITES_PER_NODE, RoundCtx, Rows
 from mexc.numerics import (
+    CONTAINER_BITS,
     GOLDEN32,
     Rounding,
     aligned_sum,
     ceil_log2,
+    channel_compact,
     check_int32,
     compaction_shift,
     expand_exponent,
@@ -267,8 +269,38 @@ def compact_mx(
 ) -> MX:
     """numerics.compact with the context's bits and rounding, per tensor. `batch`: acc is
     batch-major, its rows shared among the data-parallel workers of ctx.rows."""
+    if batch and np.ndim(acc) >= 2 and channels_on(ctx):
+        out = channel_compact_rows(acc, np.asarray(e, np.int64), 1, ctx, key)
+        if out is not None:
+            return out
     m, e2 = fast_compact(acc, e, ctx.bits, ctx.rounding, key, ctx.rows if batch else None)
     return MX.of(m, e2)
+
+
+def channels_on(ctx: RoundCtx) -> bool:
+    """Whether batch-major results get channel exponents (numerics §5; a no-op at 8 bits)."""
+    return ctx.channels and ctx.bits < CONTAINER_BITS
+
+
+def activation_qmax(ctx: RoundCtx) -> int:
+    """The largest activation mantissa: qmax(B), or 127 under channel exponents (numerics §5)."""
+    return qmax(CONTAINER_BITS) if channels_on(ctx) else qmax(ctx.bits)
+
+
+def channel_compact_rows(
+    acc: np.ndarray, e: np.ndarray, axis: int, ctx: RoundCtx, key: int
+) -> MX | None:
+    """numerics.channel_compact of a batch-major accumulator along `axis` (not the batch axis),
+    its channel maxima agreed over the data-parallel workers of ctx.rows; None if all zero."""
+    a = i64(acc)
+    other = tuple(i for i in range(a.ndim) if i != axis)
+    amax = np.abs(a).max(axis=other) if a.size else np.zeros(a.shape[axis], np.int64)
+    if ctx.rows is not None:
+        amax = ctx.rows.max(amax)
+    out = channel_compact(
+        a, e, ctx.bits, ctx.rounding, key, axis, amax=amax, start=row_offset(a, ctx.rows)
+    )
+    return None if out is None else MX.of(out[0], out[1])
 
 
 def common_shifts(e_out: int, e_grp: np.ndarray, amax: np.ndarray) -> np.ndarray:
@@ -296,6 +328,11 @@ def compact_common(
     exactly. `batch`: acc is batch-major, its rows shared among the data-parallel workers of
     ctx.rows (amax then over all of them).
     """
+    if batch and axis == 1 and channels_on(ctx):
+        # the groups are the channels: each keeps its own B-bit exponent in one int8 frame
+        chan = channel_compact_rows(acc, i64(e_grp), 1, ctx, key)
+        if chan is not None:
+            return chan
     a = np.asarray(acc)
     if a.dtype.kind not in "iu" or debug_on():
         a = i64(a)

@@ -16,6 +16,7 @@ from mexc.kernels._common import (
     aligned_sum_fast,
     bit_length,
     block_rows,
+    channels_on,
     common_shifts,
     compact_common,
     compact_mx,
@@ -152,7 +153,7 @@ def batchnorm_affine(xhat: MX, gamma: MX, beta: MX, ctx: RoundCtx, tid: int) -> 
     (docs/layers.md, "Batch norm's output, recomputed"). The backward pass uses it in place of
     a stored output (the rematerialize pass)."""
     xh = _as_ncs(xhat.m).astype(np.int8, copy=False)
-    if not debug_on() and ctx.rows is None:
+    if not debug_on() and ctx.rows is None and not channels_on(ctx):
         y = _affine_fast(xh, xhat, gamma, beta, ctx, tid, 2, xhat.shape)
         if y is not None:
             return y
@@ -347,7 +348,7 @@ def batchnorm_forward_train(
     rows: the sums and maxima are agreed (docs/numerics.md §16).
     """
     rows = ctx.rows
-    if not debug_on() and rows is None:
+    if not debug_on() and rows is None and not channels_on(ctx):
         fast = _forward_train_fast(x, gamma, beta, eps, ctx, tid)
         if fast is not None:
             return fast
@@ -422,7 +423,7 @@ def batchnorm_backward(
     (data parallel) M and the sums dbeta and dgamma cover every worker's rows.
     """
     rows = ctx.rows
-    if not debug_on() and rows is None:
+    if not debug_on() and rows is None and not channels_on(ctx):
         fast = _backward_fast(dy, saved, ctx, tid)
         if fast is not None:
             return fast
@@ -688,7 +689,7 @@ def batchnorm_forward_eval(
     acc = xc16 * rstd[None, :, None]
     check_int32(acc, "batchnorm_xhat")
     xhat = compact_common(
-        acc.reshape((n, c) + x.shape[2:]), e16 + rstd_e, 1, ctx, site_key(ctx, tid, 3)
+        acc.reshape((n, c) + x.shape[2:]), e16 + rstd_e, 1, ctx, site_key(ctx, tid, 3), batch=True
     )
     return _affine(xhat, gamma, beta, ctx, tid, 4, x.shape)
 

@@ -7,6 +7,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from mexc.kernels._common import (
     MAG,
+    activation_qmax,
     compact_mx,
     debug_on,
     fast_compact_to_bits,
@@ -22,7 +23,6 @@ from mexc.numerics import (
     ceil_log2,
     check_int32,
     div_const,
-    qmax,
     shift_left,
 )
 
@@ -148,11 +148,11 @@ def maxpool2d_backward(
     rows = ctx.rows  # data parallel: the fit is decided over every worker's rows
     if k == (2, 2) and s == (2, 2) and plain and not debug_on():
         fast = _maxpool2x2_backward(dy, np.asarray(argmax), tuple(x_shape))
-        if fast is not None and global_abs_max(fast, rows) <= qmax(ctx.bits):
+        if fast is not None and global_abs_max(fast, rows) <= activation_qmax(ctx):
             return MX(fast, dy.e)
     acc = _scatter(i64(dy.m), argmax, tuple(x_shape), k, s, _pair(padding), _pair(extra))
     check_int32(acc, "maxpool2d_backward")
-    if acc.size and global_abs_max(acc, rows) <= qmax(ctx.bits):
+    if acc.size and global_abs_max(acc, rows) <= activation_qmax(ctx):
         return MX(acc.astype(np.int8), dy.e)
     return compact_mx(acc, dy.e, ctx, site_key(ctx, tid, 0), batch=True)
 

@@ -48,3 +48,24 @@ def quantize(x: np.ndarray, bits: int = 8, agree: Callable[[float], float] | Non
         scaled = np.floor(np.abs(b) * 2.0**-e + 0.5)
         m[i : i + b.size] = np.clip(np.sign(b) * scaled, -q, q)
     return MX.of(m.reshape(xv.shape), e)
+
+
+def quantize_channels(x: np.ndarray, bits: int) -> MX:
+    """Boundary quantization with channel exponents (docs/numerics.md §5): each row r of the
+    (G, -1) reshape gets e_r = quantize's exponent of that row; the tensor's frame is
+    F = max e_r - (8 - B), and m = round(x / 2^t_r) << (t_r - F) with t_r = max(e_r, F)."""
+    xv = np.asarray(x, dtype=np.float64)
+    if xv.ndim == 0 or bits >= 8:
+        return quantize(x, bits)
+    rows = [quantize(r, bits) for r in xv.reshape(xv.shape[0], -1)]
+    live = [int(r.e) for r in rows if np.any(r.m)]
+    if not live:
+        return quantize(x, bits)
+    frame = max(live) - (8 - bits)
+    q = qmax(bits)
+    out = np.empty((len(rows), xv[0].size), np.int8)
+    for i, (row, r) in enumerate(zip(xv.reshape(xv.shape[0], -1), rows)):
+        t = max(int(r.e), frame)
+        scaled = np.clip(np.sign(row) * np.floor(np.abs(row) * 2.0**-t + 0.5), -q, q)
+        out[i] = (scaled.astype(np.int64) << (t - frame)).astype(np.int8)
+    return MX.of(out.reshape(xv.shape), frame)

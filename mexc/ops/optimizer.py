@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mexc.ir import Node, Op
@@ -20,7 +21,9 @@ from mexc.ops.registry import OpDef, define
 def _sgd_update(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     w, grad, v = a
     assert isinstance(w, MX) and isinstance(grad, Acc) and isinstance(v, MX)
-    cfg = UpdateConfig(env.ctx.bits, env.lr, env.momentum, env.weight_decay, env.ctx.rounding)
+    cfg = UpdateConfig(
+        env.ctx.bits, env.lr, env.momentum, env.weight_decay, env.ctx.rounding, env.ctx.channels
+    )
     v_exp = v.e.reshape(-1)
     keys = update_keys(env.ctx.seed, env.ctx.step, tid(n))
     wm, we, vm, ve = sgd_momentum_update(w.m, int(w.e), grad.a, int(grad.e), v.m, v_exp, cfg, keys)
@@ -30,7 +33,7 @@ def _sgd_update(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 def _adamw_update(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     w, grad, m, r = a
     assert isinstance(w, MX) and isinstance(grad, Acc) and isinstance(m, MX) and isinstance(r, MX)
-    cfg = env.adam
+    cfg = replace(env.adam, channels=env.ctx.channels)
     keys = adamw_keys(env.ctx.seed, env.ctx.step, tid(n))
     m_exp, r_exp = m.e.reshape(-1), r.e.reshape(-1)
     wm, we, mm, me, rm, re = adamw_update(

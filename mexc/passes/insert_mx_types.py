@@ -6,7 +6,8 @@ Ensures: the input is quantized once by a QUANTIZE node; every other value is in
   followed by an explicit COMPACT node, probabilities are u8, max-pool indices and dropout masks
   are idx. The only f32 values left are the input (consumed by QUANTIZE) and the logging-only
   loss. Every op that rounds gets a distinct rounding-site id `rid`. Each op's rule is its
-  definition's `types` (mexc.ops).
+  definition's `types` (mexc.ops). With ctx.channel_exponents below 8 bits the graph carries
+  `channel_exponents` (docs/numerics.md §5: the same types, rounded per channel).
 """
 
 from __future__ import annotations
@@ -52,4 +53,7 @@ def insert_mx_types(g: Graph, ctx: PassContext) -> Graph:
             raise ValueError(f"insert-mx-types has no rule for op {n.op.value}")
         rule(r, n)
     outputs = [(name, r.env[v]) for name, v in g.outputs]
-    return r.b.build(outputs, g.with_attrs(bits=ctx.bits).attrs)
+    # channel exponents (numerics §5) change how results are rounded, not their types: every
+    # mantissa stays int8 at one exponent per tensor; the graph says it for readers of the IR
+    channels = {"channel_exponents": True} if ctx.channel_exponents and ctx.bits < 8 else {}
+    return r.b.build(outputs, g.with_attrs(bits=ctx.bits, **channels).attrs)

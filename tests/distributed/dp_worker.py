@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--channel-exponents", action="store_true", help="docs/numerics.md §5")
     ap.add_argument("--trainable", default=None, help="mexc.trainable spec (sparse update)")
     ap.add_argument(
         "--target", default="reference", help="a target, or cuda-emulated (no GPU needed)"
@@ -92,6 +93,7 @@ def main() -> None:
                 trainable=args.trainable,
                 target=target,
                 data_parallel=True,
+                channel_exponents=args.channel_exponents,
             )
         if emulated:
             from mexc.backends.cuda.emulator import emulate

@@ -37,12 +37,20 @@ def one_process(
     bits: int = 8,
     optimizer: str = "sgd",
     trainable: str | None = None,
+    channels: bool = False,
 ) -> dict[str, object]:
     """The single-process run the workers must reproduce (once per model and options)."""
     net, shape = model(name)
     data = batches(shape, BATCH, steps)
     x0 = torch.from_numpy(data[0][0])
-    prog = mexc.compile(net, (x0,), bits=bits, optimizer=optimizer, trainable=trainable)
+    prog = mexc.compile(
+        net,
+        (x0,),
+        bits=bits,
+        optimizer=optimizer,
+        trainable=trainable,
+        channel_exponents=channels,
+    )
     losses = [prog.step(x, y) for x, y in data]
     return {"checksum": prog.state_checksum(), "losses": losses}
 
@@ -134,6 +142,19 @@ def test_low_bits_with_nearest_forward_rounding(tmp_path: Path) -> None:
     assert codes == [0, 0]
     want = one_process("FashionCNN", bits=6)
     assert [r["FashionCNN"] for r in ranks] == [want, want]
+
+
+def test_channel_exponents_agree_on_the_channel_maxima(tmp_path: Path) -> None:
+    """B = 4 with channel exponents (numerics §5): the workers take each channel's maximum
+    over every worker's rows, as the single process does (batch norm, residual sums)."""
+    names = ("FashionCNN", "SmallResNet")
+    args = ("--model", ",".join(names), "--bits", "4", "--channel-exponents", "--steps", "4")
+    codes, ranks = run_workers(tmp_path, 2, *args)
+    assert codes == [0, 0]
+    for name in names:
+        want = one_process(name, 4, bits=4, channels=True)
+        assert want != one_process(name, 4, bits=4)
+        assert [r[name] for r in ranks] == [want, want], name
 
 
 def test_adamw_and_sparse_update(tmp_path: Path) -> None:

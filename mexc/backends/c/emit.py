@@ -1178,6 +1178,7 @@ def step_graph(g: Graph) -> Graph:
 
 def emit_model(prog: Program, steps: int) -> CModel:
     """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
+    prog.refuse_channel_exponents("c")
     g = step_graph(prog.graph)
     # plan-memory's planner with the C step's storage rules
     streamed = streamed_gradients(g)
