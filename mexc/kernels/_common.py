@@ -291,16 +291,37 @@ def channel_compact_rows(
     acc: np.ndarray, e: np.ndarray, axis: int, ctx: RoundCtx, key: int
 ) -> MX | None:
     """numerics.channel_compact of a batch-major accumulator along `axis` (not the batch axis),
-    its channel maxima agreed over the data-parallel workers of ctx.rows; None if all zero."""
-    a = i64(acc)
+    its channel maxima agreed over the data-parallel workers of ctx.rows; None if all zero.
+    The shifts are numerics'; the rounding is fast_shift_right's (bit-identical)."""
+    a = np.asarray(acc)
+    if a.dtype.kind not in "iu" or debug_on():
+        a = i64(a)
     other = tuple(i for i in range(a.ndim) if i != axis)
-    amax = np.abs(a).max(axis=other) if a.size else np.zeros(a.shape[axis], np.int64)
+    if a.size:
+        amax = np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
+    else:
+        amax = np.zeros(a.shape[axis], np.int64)
     if ctx.rows is not None:
         amax = ctx.rows.max(amax)
-    out = channel_compact(
-        a, e, ctx.bits, ctx.rounding, key, axis, amax=amax, start=row_offset(a, ctx.rows)
-    )
-    return None if out is None else MX.of(out[0], out[1])
+    start = row_offset(a, ctx.rows)
+    if debug_on():
+        out = channel_compact(a, e, ctx.bits, ctx.rounding, key, axis, amax=amax, start=start)
+        return None if out is None else MX.of(out[0], out[1])
+    check_int32(a, "compact")
+    live = amax > 0
+    if not np.any(live):
+        return None
+    e_c = np.broadcast_to(i64(e), amax.shape)
+    x = e_c + compaction_shift(amax, ctx.bits)
+    frame = int(x[live].max()) - (CONTAINER_BITS - ctx.bits)
+    t = np.maximum(x, frame)
+    shape = [1] * a.ndim
+    shape[axis] = a.shape[axis]
+    right = np.where(live, t - e_c, 0).reshape(shape)
+    up = np.where(live, t - frame, 0).reshape(shape).astype(np.int16)
+    # every channel's rounding fits qmax(B): no clip (numerics §5)
+    rounded = fast_shift_right(a, right, ctx.rounding, key, int(amax.max()), True, start)
+    return MX.of((rounded.astype(np.int16) << up).astype(np.int8), frame)
 
 
 def common_shifts(e_out: int, e_grp: np.ndarray, amax: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import torch
 import mexc
 from examples.models import EXAMPLES
 from mexc.errors import UnsupportedOpError
-from mexc.numerics import qmax
+from mexc.numerics import overflow_debug, qmax
 
 
 def _data(name: str, batch: int = 8, steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,6 +53,18 @@ def test_low_bit_training_keeps_each_weight_row_at_b_bits_in_the_frame(name: str
                 assert np.abs(row // unit).max() <= qmax(4), pname
         wider += int(np.abs(m).max() > qmax(4))
     assert wider > 0  # the frame is used: some weights lie above qmax(4)
+
+
+@pytest.mark.parametrize("name", ["FashionCNN", "SmallResNet"])
+def test_the_fast_kernels_round_as_the_checked_numerics(name: str) -> None:
+    """Overflow debugging runs numerics.channel_compact itself and the general batch-norm
+    kernels; without it the fast kernels run: the same bits."""
+    fast, checked = _program(name, 4, True), _program(name, 4, True)
+    data = _data(name, steps=3)
+    want = [fast.step(x, y) for x, y in data]
+    with overflow_debug():
+        got = [checked.step(x, y) for x, y in data]
+    assert got == want and checked.state_checksum() == fast.state_checksum()
 
 
 def test_at_8_bits_the_option_changes_nothing() -> None:
