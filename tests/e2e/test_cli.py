@@ -155,6 +155,16 @@ def test_compile_with_a_sparse_update(capsys: pytest.CaptureFixture[str]) -> Non
     assert "pattern 'head.*' matches no parameter" in err and "conv1.weight" in err
 
 
+def test_compile_with_channel_exponents(capsys: pytest.CaptureFixture[str]) -> None:
+    """--channel-exponents marks the graph below 8 bits; llvm refuses it by name (exit 2)."""
+    base = ["compile", f"{MODELS}:DigitsCNN", "--input-shape", "1,8,8", "--batch", "4"]
+    args = [*base, "--bits", "4", "--channel-exponents", "--target", "reference"]
+    assert main([*args, "--print-after", "insert-mx-types"]) == 0
+    assert "channel_exponents=true" in capsys.readouterr().out
+    assert main([*base, "--bits", "4", "--channel-exponents", "--target", "llvm"]) == 2
+    assert "does not lower channel exponents" in capsys.readouterr().err
+
+
 UNSUPPORTED = """
 import torch
 from torch import nn
