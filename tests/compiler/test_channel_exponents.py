@@ -25,24 +25,30 @@ def _data(name: str, batch: int = 8, steps: int = 4) -> list[tuple[torch.Tensor,
     ]
 
 
-def _program(name: str, bits: int, channels: bool, target: str = "reference") -> mexc.Program:
+def _program(
+    name: str, bits: int, channels: bool, target: str = "reference", optimizer: str = "sgd"
+) -> mexc.Program:
     cls, _ = EXAMPLES[name]
     torch.manual_seed(0)
     x0 = _data(name)[0][0]
-    opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+    opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4) if optimizer == "sgd" else optimizer
     return mexc.compile(cls(), (x0,), opt, bits=bits, target=target, channel_exponents=channels)
 
 
-@pytest.mark.parametrize("name", ["FashionCNN", "SmallResNet"])
-def test_low_bit_training_keeps_each_weight_row_at_b_bits_in_the_frame(name: str) -> None:
-    prog = _program(name, 4, True)
-    plain = _program(name, 4, False)
+@pytest.mark.parametrize(
+    ("name", "optimizer"), [("FashionCNN", "sgd"), ("SmallResNet", "sgd"), ("FashionCNN", "adamw")]
+)
+def test_low_bit_training_keeps_each_weight_row_at_b_bits_in_the_frame(
+    name: str, optimizer: str
+) -> None:
+    prog = _program(name, 4, True, optimizer=optimizer)
+    plain = _program(name, 4, False, optimizer=optimizer)
     losses = [prog.step(x, y) for x, y in _data(name)]
     plain_losses = [plain.step(x, y) for x, y in _data(name)]
     assert all(np.isfinite(losses)) and losses != plain_losses
     wider = 0
     for pname, p in prog.state.items():
-        if pname.endswith(("velocity", "running_mean", "running_var")) or p.e.ndim:
+        if pname.endswith(("velocity", ".m", ".r", "running_mean", "running_var")) or p.e.ndim:
             continue
         m = p.m.astype(np.int64).reshape(p.m.shape[0], -1) if p.m.ndim else p.m.reshape(1, 1)
         assert np.abs(m).max() <= qmax(4) << 4, pname
