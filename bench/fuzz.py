@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "counts": result.counts,
             "failures": result.failures,
             "with_batch_norm": result.with_bn,
+            "with_channel_exponents": result.with_channels,
             "by_bits": {str(k): v for k, v in sorted(result.by_bits.items())},
             "refusals": dict(sorted(result.refusals.items(), key=lambda kv: -kv[1])),
             "findings": result.findings,
@@ -100,7 +101,10 @@ def _print_summary(r: Campaign) -> None:
     for k in OUTCOMES:
         mark = " <-" if k in FAILURES and r.counts[k] else ""
         print(f"{k:<10} {r.counts[k]:>7}{mark}")
-    print(f"with batch norm: {r.with_bn}; by B: {dict(sorted(r.by_bits.items()))}")
+    print(
+        f"with batch norm: {r.with_bn}; with channel exponents: {r.with_channels}; "
+        f"by B: {dict(sorted(r.by_bits.items()))}"
+    )
     for msg, n in sorted(r.refusals.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  refused x{n}: {msg}")
 

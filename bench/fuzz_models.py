@@ -405,6 +405,7 @@ class Campaign:
     findings: list[dict[str, Any]] = field(default_factory=list)
     by_bits: dict[int, int] = field(default_factory=dict)
     with_bn: int = 0
+    with_channels: int = 0  # models below 8 bits with channel exponents (numerics §5)
     models: int = 0
     seconds: float = 0.0
 
@@ -413,6 +414,7 @@ class Campaign:
         self.counts[out.kind] += 1
         self.by_bits[case.bits] = self.by_bits.get(case.bits, 0) + 1
         self.with_bn += out.has_bn
+        self.with_channels += case.channels and case.bits < 8
         if out.kind == "refused":  # one count per message, whatever node it names
             key = re.sub(r"%\d+", "%N", out.message)
             self.refusals[key] = self.refusals.get(key, 0) + 1

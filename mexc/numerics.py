@@ -327,9 +327,9 @@ def natural_shift(max_abs: np.ndarray, bits: int, signed: bool) -> np.ndarray:
         return s
     m = np.asarray(max_abs, dtype=np.int64)
     q = np.int64(qmax(bits))
-    grow = (m > 0) & (s == 0)
-    while np.any(grow & ((m << (-s + 1)) <= q)):
-        s = np.where(grow & ((m << (-s + 1)) <= q), s - 1, s)
+    grow = (m > 0) & (s == 0)  # fits qmax: grow while twice the value still fits
+    while np.any(more := grow & ((m << np.maximum(1 - s, 0)) <= q)):
+        s = np.where(more, s - 1, s)
     return s
 
 
