@@ -100,9 +100,11 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     group; `example_inputs` is the global batch, and `step` takes this worker's rows of it
     (mexc.distributed.shard_rows). Every worker ends each step with the state a single process
     reaches on the whole batch, bit for bit (docs/distributed.md). `channel_exponents`: below 8
-    bits, every activation, activation gradient and weight row keeps a B-bit mantissa at an
-    exponent of its own channel, inside its tensor's int8 frame (docs/numerics.md §5, "Channel
-    exponents"; the reference target only, for now)."""
+    bits, every batch-major result compacted at one exponent (convolution, linear, batch norm,
+    pooling, sums and their gradients; not layer norm's rows nor softmax's probabilities) and
+    every weight row keep a B-bit mantissa at an exponent of their own channel, inside their
+    tensor's int8 frame (docs/numerics.md §5, "Channel exponents"; the reference target only,
+    for now)."""
     workers = None
     if data_parallel:
         refuse_data_parallel_target(target)

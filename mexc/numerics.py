@@ -663,6 +663,12 @@ class UpdateConfig:
     channels: bool = False  # channel exponents (section 5): w's rows share an int8 frame
 
 
+def weight_rows(w_acc: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """w_acc as the (shape[0], -1) rows of w: the rows channel exponents round, whatever the
+    velocity's groups (one per tensor without per-group velocity)."""
+    return np.reshape(w_acc, (np.shape(w)[0] if np.ndim(w) else 1, -1))
+
+
 def weight_bound_bits(bits: int, channels: bool) -> int:
     """b with |w| < 2^b: B - 1, or 7 when the rows of w have channel exponents (|w| <= 127)."""
     return CONTAINER_BITS - 1 if channels and bits < CONTAINER_BITS else bits - 1
@@ -737,7 +743,9 @@ def sgd_momentum_update(
     left = shift_left_saturating(u, np.maximum(-d, 0))
     w_acc = grp(w) - np.where(d >= 0, right, left)
     check_int32(w_acc, "weight_update")
-    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[8], cfg.channels)
+    w_new, w_exp_new = reactive_rescale(
+        weight_rows(w_acc, w), w_exp, bits, rnd, keys[8], cfg.channels
+    )
     return w_new.reshape(w.shape), w_exp_new, v_new.reshape(v.shape), v_exp_new
 
 
@@ -862,7 +870,9 @@ def adamw_update(
     decay = shift_right(grp(w) * cfg.weight_decay.num, cfg.weight_decay.shift, rnd, keys[10])
     w_acc = grp(w) - np.where(d >= 0, right, left) - decay
     check_int32(w_acc, "weight_update")
-    w_new, w_exp_new = reactive_rescale(w_acc, w_exp, bits, rnd, keys[11], cfg.channels)
+    w_new, w_exp_new = reactive_rescale(
+        weight_rows(w_acc, w), w_exp, bits, rnd, keys[11], cfg.channels
+    )
     shape = np.shape(w)
     return (
         w_new.reshape(shape),

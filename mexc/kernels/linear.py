@@ -65,9 +65,9 @@ def linear_backward_input(dy: MX, w: MX, ctx: RoundCtx, tid: int) -> MX:
     o = w.shape[0]
     d2 = dy.m.reshape(-1, o)
     dm, ed = fit_product(d2, ed, o, ctx, site_key(ctx, tid, 3), row_offset(d2, ctx.rows))
-    acc = int_matmul(dm, i64(w.m))
-    out = compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0), batch=True)
-    return MX.of(out.m.reshape(dy.shape[:-1] + (w.shape[1],)), out.e)
+    acc = int_matmul(dm, i64(w.m)).reshape(dy.shape[:-1] + (w.shape[1],))
+    # compacted in dx's own shape: channel exponents (numerics §5) group along its axis 1
+    return compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 def linear_backward_weight(dy: MX, x: MX, ctx: RoundCtx | None = None, tid: int = 0) -> Acc:

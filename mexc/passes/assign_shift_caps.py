@@ -44,9 +44,15 @@ def cap_for(n: Node, type_of_input: ShapeOf, bits: int) -> Node:
     return n
 
 
+def operand_bits(g: Graph, bits: int) -> int:
+    """The mantissa bits the caps bound: B, or the int8 container's 8 under channel exponents
+    (docs/numerics.md §5: a channel's B-bit mantissa sits up to 8 - B bits high in its int8)."""
+    return 8 if g.attr("channel_exponents", False) else bits
+
+
 def assign_shift_caps(g: Graph, ctx: PassContext) -> Graph:
     """Set shift_cap / pre_shift on every product and sum."""
-    bits = int(g.attr("bits", ctx.bits))
+    bits = operand_bits(g, int(g.attr("bits", ctx.bits)))
     nodes = []
     for n in g.nodes:
         if "shift_cap" in SCHEMA[n.op]:

@@ -22,7 +22,7 @@ from mexc.ir import Graph, GraphBuilder, Node, Op, Value, needed_nodes
 from mexc.kernels.elementwise import MAX_SUM_TERMS
 from mexc.ops import SCHEMA, attrs, op_def
 from mexc.pass_manager import PassContext
-from mexc.passes.assign_shift_caps import cap_for
+from mexc.passes.assign_shift_caps import cap_for, operand_bits
 from mexc.types import Kind, TensorType
 
 Grads = list[Value | None]
@@ -110,7 +110,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     for n in g.nodes:
         b.keep(n)
     needs = _needs_grad(g, ctx.trainable)
-    w = _Walker(g, int(g.attr("bits", ctx.bits)), b, _max_rid(g) + 1, needs)
+    w = _Walker(g, operand_bits(g, int(g.attr("bits", ctx.bits))), b, _max_rid(g) + 1, needs)
     w.users = g.users()
     for n in g.nodes:
         for i, t in enumerate(n.types):

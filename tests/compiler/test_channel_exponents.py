@@ -61,7 +61,7 @@ def test_low_bit_training_keeps_each_weight_row_at_b_bits_in_the_frame(
     assert wider > 0  # the frame is used: some weights lie above qmax(4)
 
 
-@pytest.mark.parametrize("name", ["FashionCNN", "SmallResNet"])
+@pytest.mark.parametrize("name", ["FashionCNN", "SmallResNet", "MobileNetV2Tiny", "MLP"])
 def test_the_fast_kernels_round_as_the_checked_numerics(name: str) -> None:
     """Overflow debugging runs numerics.channel_compact itself and the general batch-norm
     kernels; without it the fast kernels run: the same bits."""

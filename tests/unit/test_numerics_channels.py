@@ -124,3 +124,18 @@ def test_quantize_channels_rounds_each_row_in_the_frame() -> None:
     assert np.any(mx.m[1]) and not np.any(quantize(x, 4).m[1])
     assert np.abs(mx.m.astype(np.int64)).max() <= 7 << 4
     assert quantize_channels(x, 8).m.tolist() == quantize(x, 8).m.tolist()
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_weight_rows_keep_their_exponents_whatever_the_velocity_groups(groups: int) -> None:
+    """Without per-group velocity (one velocity exponent) the rows still round on their own."""
+    w = quantize_channels(np.array([[0.9, -0.5, 0.3], [0.01, -0.02, 0.015]]), 4)
+    cfg = nx.UpdateConfig(
+        4, nx.FixedScalar.of(0.05), nx.FixedScalar.of(0.9), nx.FixedScalar(0, 0), "nearest", True
+    )
+    v_exp = np.zeros(groups, np.int64)
+    keys = nx.update_keys(0, 0, 16)
+    zero = np.zeros((2, 3), np.int64)
+    wm, we, _, _ = nx.sgd_momentum_update(w.m, int(w.e), zero, 0, zero, v_exp, cfg, keys)
+    assert wm.tolist() == w.m.tolist() and we == int(w.e)  # a zero step changes nothing
+    assert np.any(wm[1])
