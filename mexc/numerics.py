@@ -333,6 +333,26 @@ def natural_shift(max_abs: np.ndarray, bits: int, signed: bool) -> np.ndarray:
     return s
 
 
+def channel_frame(x: np.ndarray, live: np.ndarray, bits: int) -> tuple[int, np.ndarray]:
+    """The int8 frame F = max(x_c over live channels) - (8 - B) of channels whose B-bit
+    exponents are x, and each channel's exponent t_c = max(x_c, F) (section 5)."""
+    frame = int(np.asarray(x)[live].max()) - (CONTAINER_BITS - bits)
+    return frame, np.maximum(x, frame)
+
+
+def channel_shifts(
+    amax: np.ndarray, exponent: np.ndarray | int, bits: int, signed: bool = False
+) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """channel_compact's shifts from the channel maxima: (F, t_c - e_c, t_c - F), both 0 for an
+    all-zero channel (which is 0 at any shift); None when every channel is zero."""
+    live = amax > 0
+    if not np.any(live):
+        return None
+    e_c = np.broadcast_to(np.asarray(exponent, dtype=np.int64), amax.shape)
+    frame, t = channel_frame(e_c + natural_shift(amax, bits, signed), live, bits)
+    return frame, np.where(live, t - e_c, 0), np.where(live, t - frame, 0)
+
+
 def channel_compact(
     acc: np.ndarray,
     exponent: np.ndarray | int,
@@ -359,20 +379,14 @@ def channel_compact(
     other = tuple(i for i in range(a.ndim) if i != axis)
     if amax is None:
         amax = np.abs(a).max(axis=other) if a.size else np.zeros(a.shape[axis], np.int64)
-    amax = np.asarray(amax, dtype=np.int64)
-    live = amax > 0
-    if not np.any(live):
+    shifts = channel_shifts(np.asarray(amax, dtype=np.int64), exponent, bits, signed)
+    if shifts is None:
         return None
-    e_c = np.broadcast_to(np.asarray(exponent, dtype=np.int64), amax.shape)
-    x = e_c + natural_shift(amax, bits, signed)
-    frame = int(x[live].max()) - (CONTAINER_BITS - bits)
-    t = np.maximum(x, frame)
+    frame, right, up = shifts
     shape = [1] * a.ndim
     shape[axis] = a.shape[axis]
-    right = np.where(live, t - e_c, 0).reshape(shape)  # an all-zero channel stays 0 at any shift
-    rounded = saturate(shift_signed(a, right, rounding, key, start), bits)
-    up = np.where(live, t - frame, 0).reshape(shape)
-    return (rounded.astype(np.int64) << up).astype(np.int8), frame
+    rounded = saturate(shift_signed(a, right.reshape(shape), rounding, key, start), bits)
+    return (rounded.astype(np.int64) << up.reshape(shape)).astype(np.int8), frame
 
 
 # --------------------------------------------------------------------------- products
@@ -926,9 +940,7 @@ def reactive_rescale(
         return saturate(shift_right(w_acc, s, rounding, key), bits), w_exp + s
     if m == 0:
         return saturate(w_acc, bits), w_exp
-    s = 0
-    while (m << (s + 1)) <= q:
-        s += 1
+    s = -int(natural_shift(np.asarray(m), bits, signed=True))  # the largest left shift that fits
     return saturate(np.asarray(w_acc, np.int64) << s, bits), w_exp - s
 
 

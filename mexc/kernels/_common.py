@@ -20,6 +20,7 @@ from mexc.numerics import (
     aligned_sum,
     ceil_log2,
     channel_compact,
+    channel_shifts,
     check_int32,
     compaction_shift,
     expand_exponent,
@@ -287,6 +288,14 @@ def activation_qmax(ctx: RoundCtx) -> int:
     return qmax(CONTAINER_BITS) if channels_on(ctx) else qmax(ctx.bits)
 
 
+def axis_abs_max(a: np.ndarray, axis: int) -> np.ndarray:
+    """max |a| per index of `axis` (int64; zeros for an empty array), without an |a| copy."""
+    other = tuple(i for i in range(a.ndim) if i != axis)
+    if not a.size:
+        return np.zeros(a.shape[axis], np.int64)
+    return np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
+
+
 def channel_compact_rows(
     acc: np.ndarray, e: np.ndarray, axis: int, ctx: RoundCtx, key: int
 ) -> MX | None:
@@ -296,11 +305,7 @@ def channel_compact_rows(
     a = np.asarray(acc)
     if a.dtype.kind not in "iu" or debug_on():
         a = i64(a)
-    other = tuple(i for i in range(a.ndim) if i != axis)
-    if a.size:
-        amax = np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
-    else:
-        amax = np.zeros(a.shape[axis], np.int64)
+    amax = axis_abs_max(a, axis)
     if ctx.rows is not None:
         amax = ctx.rows.max(amax)
     start = row_offset(a, ctx.rows)
@@ -308,20 +313,19 @@ def channel_compact_rows(
         out = channel_compact(a, e, ctx.bits, ctx.rounding, key, axis, amax=amax, start=start)
         return None if out is None else MX.of(out[0], out[1])
     check_int32(a, "compact")
-    live = amax > 0
-    if not np.any(live):
+    shifts = channel_shifts(amax, e, ctx.bits)
+    if shifts is None:
         return None
-    e_c = np.broadcast_to(i64(e), amax.shape)
-    x = e_c + compaction_shift(amax, ctx.bits)
-    frame = int(x[live].max()) - (CONTAINER_BITS - ctx.bits)
-    t = np.maximum(x, frame)
+    frame, right, up = shifts
     shape = [1] * a.ndim
     shape[axis] = a.shape[axis]
-    right = np.where(live, t - e_c, 0).reshape(shape)
-    up = np.where(live, t - frame, 0).reshape(shape).astype(np.int16)
     # every channel's rounding fits qmax(B): no clip (numerics §5)
-    rounded = fast_shift_right(a, right, ctx.rounding, key, int(amax.max()), True, start)
-    return MX.of((rounded.astype(np.int16) << up).astype(np.int8), frame)
+    rounded = fast_shift_right(
+        a, right.reshape(shape), ctx.rounding, key, int(amax.max()), True, start
+    )
+    return MX.of(
+        (rounded.astype(np.int16) << up.reshape(shape).astype(np.int16)).astype(np.int8), frame
+    )
 
 
 def common_shifts(e_out: int, e_grp: np.ndarray, amax: np.ndarray) -> np.ndarray:
@@ -359,14 +363,8 @@ def compact_common(
         a = i64(a)
     check_int32(a, "compact")
     eg = i64(e_grp)
-    other = tuple(i for i in range(a.ndim) if i != axis)
     rows = ctx.rows if batch else None
-    if amax is not None:
-        amax = i64(amax)
-    elif a.size:
-        amax = np.maximum(a.max(axis=other).astype(np.int64), -a.min(axis=other).astype(np.int64))
-    else:
-        amax = np.zeros(a.shape[axis], np.int64)
+    amax = i64(amax) if amax is not None else axis_abs_max(a, axis)
     if rows is not None and axis != 0:
         amax = rows.max(amax)  # the groups (channels) are every worker's: their maxima agree
     start = row_offset(a, rows)

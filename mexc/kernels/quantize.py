@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mexc.mx import MX
-from mexc.numerics import qmax
+from mexc.numerics import channel_frame, qmax
 
 QUANTIZE_BLOCK = 1 << 16  # elements quantized at a time (quantize)
 
@@ -58,14 +58,13 @@ def quantize_channels(x: np.ndarray, bits: int) -> MX:
     if xv.ndim == 0 or bits >= 8:
         return quantize(x, bits)
     rows = [quantize(r, bits) for r in xv.reshape(xv.shape[0], -1)]
-    live = [int(r.e) for r in rows if np.any(r.m)]
-    if not live:
+    live = np.array([np.any(r.m) for r in rows])
+    if not np.any(live):
         return quantize(x, bits)
-    frame = max(live) - (8 - bits)
+    frame, ts = channel_frame(np.array([int(r.e) for r in rows], np.int64), live, bits)
     q = qmax(bits)
     out = np.empty((len(rows), xv[0].size), np.int8)
-    for i, (row, r) in enumerate(zip(xv.reshape(xv.shape[0], -1), rows)):
-        t = max(int(r.e), frame)
+    for i, (row, t) in enumerate(zip(xv.reshape(xv.shape[0], -1), ts.tolist())):
         scaled = np.clip(np.sign(row) * np.floor(np.abs(row) * 2.0**-t + 0.5), -q, q)
         out[i] = (scaled.astype(np.int64) << (t - frame)).astype(np.int8)
     return MX.of(out.reshape(xv.shape), frame)
