@@ -174,7 +174,8 @@ class Program:
     # ----------------------------------------------------------------------------- training
 
     def refuse_channel_exponents(self, target: str) -> None:
-        """Channel exponents (docs/numerics.md §5) have only the reference's form so far."""
+        """Channel exponents (docs/numerics.md §5): the reference and the TIR plan (llvm, cuda)
+        lower them; a target without their form refuses them by name."""
         if self.options.channel_exponents and self.options.bits < 8:
             raise UnsupportedOpError(
                 f"the {target} target does not lower channel exponents (docs/numerics.md §5) "

@@ -70,7 +70,6 @@ def on_host_backend(prog: Program, required: bool = True) -> Program:
         print(f"mexc: TVM is not available ({err}); using the reference executor", file=sys.stderr)
         return prog.retargeted("reference")
     try:
-        prog.refuse_channel_exponents("llvm")
         return LlvmProgram(prog.retargeted("llvm"))
     except UnsupportedOpError as err:
         if required:

@@ -66,7 +66,8 @@ def linear_backward_input(dy: MX, w: MX, ctx: RoundCtx, tid: int) -> MX:
     d2 = dy.m.reshape(-1, o)
     dm, ed = fit_product(d2, ed, o, ctx, site_key(ctx, tid, 3), row_offset(d2, ctx.rows))
     acc = int_matmul(dm, i64(w.m)).reshape(dy.shape[:-1] + (w.shape[1],))
-    # compacted in dx's own shape: channel exponents (numerics §5) group along its axis 1
+    # compacted in the rows view the op's rule passes (ops.common.rows: (rows, K)), as the
+    # forward: channel exponents (numerics §5) group a linear layer's values by feature
     return compact_mx(acc, ed + ew, ctx, site_key(ctx, tid, 0), batch=True)
 
 

@@ -22,9 +22,15 @@ from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_norm_split, te_ops, te_pool
 from mexc.lowering.cpu_gemm import compact_from_c
-from mexc.lowering.te_compaction import abs_max_kernel, compaction_apply, compaction_shift
+from mexc.lowering.te_channels import channel_apply, channel_lift, channel_shift
+from mexc.lowering.te_compaction import (
+    STORED,
+    abs_max_kernel,
+    compaction_apply,
+    compaction_shift,
+)
 from mexc.mx import SITES_PER_NODE
-from mexc.numerics import product_cap, site_rounding
+from mexc.numerics import CONTAINER_BITS, product_cap, site_rounding
 from mexc.program import Program
 
 if TYPE_CHECKING:
@@ -186,6 +192,9 @@ class PlanBuilder:
         self.g: Graph = prog.graph
         self.prog = prog
         self.bits = prog.options.bits
+        # channel exponents (docs/numerics.md §5): every batch-major compaction of a result of
+        # rank >= 2 rounds per channel of axis 1 (channel_compact), the weights per row
+        self.channels = prog.options.channel_exponents and self.bits < CONTAINER_BITS
         # set per node by step_plan (the rounding mode may treat forward nodes differently)
         self.stochastic = site_rounding(prog.options.rounding, False) == "stochastic"
         self.plan = StepPlan()
@@ -247,6 +256,8 @@ class PlanBuilder:
     def is_lean(self, n: Node, levels: int = 1) -> int:
         """n's lean level (0: not lean); a rule with `levels` lean forms asks, and so marks n as
         leanable."""
+        if self.channels:  # a lean product scans, then rounds per tensor: no channel form
+            return 0
         self.leanable[n.id] = levels
         return self.lean.get(n.id, 0)
 
@@ -368,10 +379,21 @@ class PlanBuilder:
     # ----------------------------------------------------------------------------- helpers
 
     def compact(
-        self, n: Node, acc: str, e_in: str, shape: Shape, site: int, result: int = 0
+        self,
+        n: Node,
+        acc: str,
+        e_in: str,
+        shape: Shape,
+        site: int,
+        result: int = 0,
+        channel_shape: Shape | None = None,
     ) -> None:
         """Result `result` (0) of n = compaction of int32 `acc` (exponent buffer e_in),
-        rounding site."""
+        rounding site; with channel exponents, per channel (`channel_compact`, along axis 1 of
+        `channel_shape`: the shape the reference compacts the result in, by default its own)."""
+        if self.channel_site(n, result):
+            self.channel_compact(n, acc, e_in, site, result, channel_shape=channel_shape)
+            return
         flat = self.rows_of(shape)  # both kernels
         acc, m = self.view(acc, flat), self.view(self.out(n, result, I8), flat)
 
@@ -406,6 +428,85 @@ class PlanBuilder:
         self.launch(shift, (rows[0], e_in, s, self.out_exp(n, result)))
         key = self.keys(n, (site,), f"key{site}", self.elements(out))
         self.launch(apply(name), (src, s, key, out))
+
+    def channel_site(self, n: Node, result: int = 0) -> bool:
+        """Whether result `result` of n is compacted per channel: channel exponents are on
+        and the result has a channel axis (kernels._common.compact_mx: rank >= 2)."""
+        return self.channels and len(self.shape(n.result(result))) >= 2
+
+    def channel_view(
+        self, n: Node, name: str, result: int = 0, shape: Shape | None = None
+    ) -> tuple[str, Shape]:
+        """Buffer `name` holding result `result` of n (C order) as (N, C, S): the channels on
+        axis 1 of `shape` (the result's own by default; a linear layer's reference computes on
+        the (rows, features) view of its (..., K) operands: ops.common.rows)."""
+        shape = shape or self.shape(n.result(result))
+        ncs = (shape[0], shape[1], int(np.prod(shape[2:])))
+        return self.view(name, ncs), ncs
+
+    def channel_shifts(
+        self,
+        n: Node,
+        amax: str,
+        e_in: str,
+        site: int,
+        e_out: str,
+        passthrough: int = 0,
+        agreed: bool = False,
+    ) -> tuple[str, str]:
+        """The (sh, up) buffers of a channel compaction from the channel maxima `amax` (agreed
+        between data-parallel workers first, unless the caller did: `agreed`) and exponent e_in
+        (one, or one per channel); the frame F into `e_out`."""
+        channels = self.buffer_shape(amax)[0]
+        if self.rows and not agreed:
+            self.agree("all_max", amax)
+        sh = self.buf(f"n{n.id}.sh{site}", (channels,), I32)
+        up = self.buf(f"n{n.id}.up{site}", (channels,), I32)
+        per_channel = self.elements(e_in) > 1
+        func = channel_shift(
+            channels,
+            self.bits,
+            f"n{n.id}_ch{site}",
+            per_channel_exp=per_channel,
+            passthrough=passthrough,
+        )
+        self.launch(func, (amax, e_in, sh, up, e_out))
+        return sh, up
+
+    def channel_compact(
+        self,
+        n: Node,
+        acc: str,
+        e_in: str,
+        site: int,
+        result: int = 0,
+        passthrough: int = 0,
+        out: str | None = None,
+        channel_shape: Shape | None = None,
+    ) -> str:
+        """Result `result` (0) of n = numerics.channel_compact of the int32 accumulator `acc`
+        (the result's shape, C order) along axis 1, exponent e_in (one, or one per channel):
+        its channel maxima, shifts, then the rounding (rounding site `site`). `passthrough`:
+        see te_channels.channel_shift. `out`: the int8 result's buffer when the caller has
+        it, else result `result`'s own. `channel_shape`: see channel_view. Returns the
+        exponent buffer."""
+        acc3, ncs = self.channel_view(n, acc, result, channel_shape)
+        tag = f"n{n.id}_ch{site}"
+        amax = self.buf(f"n{n.id}.amax{site}", (ncs[1],), I32)
+        self.launch(te_norm_split.channel_max(ncs, f"{tag}_amax"), (acc3, amax))
+        sh, up = self.channel_shifts(n, amax, e_in, site, self.out_exp(n, result), passthrough)
+        m3, _ = self.channel_view(n, out or self.out(n, result, I8), result, channel_shape)
+        key = self.keys(n, (site,), f"key{site}", int(np.prod(ncs)))
+        apply = channel_apply(ncs, self.stochastic, tag)
+        self.launch(apply, (acc3, sh, up, key, m3))
+        return self.e[n.result(result)]
+
+    def channel_lift(self, n: Node, m: str, up: str, shape: Shape, site: int) -> None:
+        """m <<= up_c in place: the frame shift of int8 mantissas rounded per channel (axis 1
+        of `shape`) by a kernel of their own."""
+        ncs = (shape[0], shape[1], int(np.prod(shape[2:])))
+        m3 = self.view(m, ncs)
+        self.launch(channel_lift(ncs, f"n{n.id}_ch{site}"), (m3, up, m3))
 
     def global_count(self, local: int) -> int:
         """The whole batch's count of a sum over the batch axis of `local` terms here (a K or
@@ -497,7 +598,15 @@ class PlanBuilder:
         that is never stored: `kernels` are te_compaction.fused_compaction's shift (inputs ->
         s, e_out) and apply (inputs, s, key -> m); a data-parallel worker's node has its
         `agreed` form (the maximum's scan first, agreed: `agreed_slot`). Returns the shift's
-        buffer s."""
+        buffer s. Under channel exponents `kernels` is the STORED form (`agreed_slot`): the
+        value is stored, then compacted per channel (`compact`)."""
+        if self.channels:
+            (store,) = kernels
+            acc = self.buf(f"n{n.id}.acc{site}", self.buffer_shape(out), I32)
+            e_acc = self.buf(f"n{n.id}.e_acc{site}", (1,), I32)
+            self.launch(store, (*inputs, acc, e_acc))
+            self.compact(n, acc, e_acc, self.buffer_shape(out), site)
+            return ""
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         if self.rows:
             if len(kernels) != 3:
@@ -517,7 +626,10 @@ class PlanBuilder:
     @property
     def agreed_slot(self) -> int:
         """The `agreed` argument of te_compaction.fused_compaction for the node whose rule
-        runs: a slot's int32 for a data-parallel worker's node, else 0 (one process)."""
+        runs: a slot's int32 for a data-parallel worker's node, else 0 (one process); STORED
+        under channel exponents (the value stored, then compacted per channel)."""
+        if self.channels:
+            return STORED
         return SLOT_I32 if self.rows else 0
 
     def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
@@ -536,12 +648,26 @@ class PlanBuilder:
         return LEAN_LEVELS[level][1]
 
     def compacted_product(
-        self, n: Node, ch: Chunks, e_in: str, site: int = 0, result: int = 0, lean: bool = False
+        self,
+        n: Node,
+        ch: Chunks,
+        e_in: str,
+        site: int = 0,
+        result: int = 0,
+        lean: bool = False,
+        channel_shape: Shape | None = None,
     ) -> None:
         """Result `result` (0) of n = the compaction (rounding site `site`, 0) of a product, as
         the device's GEMM strategy does it: on the host straight from the GEMM's C (no unpacked
         accumulator: `compact_from_c`), on a GPU as gemm + compact; `lean`: scan, then round,
-        chunk by chunk (`lean_compaction`)."""
+        chunk by chunk (`lean_compaction`). Under channel exponents the accumulator is stored,
+        then compacted per channel of `channel_shape` (`compact`)."""
+        if self.channel_site(n, result):  # the accumulator stored, then rounded per channel
+            out_shape = ch.full.form.out_shape
+            acc = self.buf(f"n{n.id}.acc{result or ''}", out_shape, I32)
+            self.gemm(ch, acc)
+            self.compact(n, acc, e_in, out_shape, site, result, channel_shape)
+            return
         if not lean:
             self.device.gemm.compacted_product(self, n, ch, e_in, site, result)
             return
@@ -695,7 +821,11 @@ class PlanBuilder:
         returns the exponent buffer. The accumulator is batch-major: a data-parallel worker
         agrees the per-channel maxima with the others, or where the channels are its rows
         (`groups_are_rows`: LayerNorm's (1, rows, D)) the best exponent over every worker's
-        rows."""
+        rows. Under channel exponents (groups that are channels) each channel keeps its own
+        B-bit exponent (`channel_compact`)."""
+        if self.channels and not groups_are_rows:
+            acc4 = self.view(acc, self.shape(n.result(0)))
+            return self.channel_compact(n, acc4, e_grp, site, out=out)
         tag = f"n{n.id}_cc{site}"
         sh = self.buf(f"n{n.id}.sh{site}", (shape[1],), I32)
         e_out = self.buf(f"n{n.id}.e{site}", (1,), I32)

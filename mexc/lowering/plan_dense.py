@@ -90,7 +90,7 @@ class DenseRules(PlanBuilder):
         form = gf.linear_forward(f"n{n.id}_fwd", rows, k, o)
         whole = self.whole(Product(form, (k,), (o,)), (self.view(xm, (rows, k)), self.m[w]))
         if not n.attrs.has_bias and not wide:
-            self.compacted_product(n, whole, self.product_exp(n, ex, w))
+            self.compacted_product(n, whole, self.product_exp(n, ex, w), channel_shape=(rows, o))
             return
         acc = self.buf(f"n{n.id}.acc", (rows, o), I32)
         self.gemm(whole, acc)
@@ -98,7 +98,7 @@ class DenseRules(PlanBuilder):
         if wide:
             self.keep_wide(n, acc, e_acc)
             return
-        self.compact(n, acc, e_acc, (rows, o), 0)
+        self.compact(n, acc, e_acc, (rows, o), 0, channel_shape=(rows, o))
 
     def linear_wide(self, n: Node) -> None:
         """The linear layer that computes the inference logits ("tir_wide"): its int32
@@ -132,7 +132,8 @@ class DenseRules(PlanBuilder):
         dym, ed = self.fit_operand(n, dy, o)
         form = gf.linear_grad_input(f"n{n.id}_dx", rows, k, o)
         whole = self.whole(Product(form, (o,), (k,)), (self.view(dym, (rows, o)), self.m[w]))
-        self.compacted_product(n, whole, self.product_exp(n, ed, w))
+        e_acc = self.product_exp(n, ed, w)
+        self.compacted_product(n, whole, e_acc, channel_shape=(rows, k))
 
     def linear_grad_weight(self, n: Node) -> None:
         dy, x = n.inputs
@@ -199,6 +200,7 @@ class DenseRules(PlanBuilder):
             # on the host one compiled kernel set serves every parameter shape
             symbolic=self.device.symbolic_update,
             rows_first=self.device.rows_first_update,
+            channels=self.channels,
         )
 
     def launch_update(

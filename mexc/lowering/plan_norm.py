@@ -49,11 +49,25 @@ class NormRules(PlanBuilder):
             self.launch(te_norm.bn_stats(ncs, f, f"n{n.id}_bn_stats"), (xv, b["mu"], b["r"]))
             var = te_norm.bn_var(ncs, f, eps, self.stochastic, f"n{n.id}_bn_var", native)
             self.launch(var, (xv, b["mu"], b["r"], self.e[x], key0, *var_out))
-            shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_bn_xhat_shift")
-            self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+            if self.channels:  # the maxima, kept for the channel shifts (as batchnorm_split)
+                xmax = self.buf(f"n{n.id}.xhat_amax", cc, I32)
+                name = f"n{n.id}_bn_xhat_max"
+                self.launch(te_norm_split.bn_xhat_max(ncs, f, name), (*xhat_in, xmax))
+                func = te_norm_split.bn_xhat_shift_of(ncs[1], self.bits, f"n{n.id}_bn_xhat_shift")
+                self.launch(func, (xmax, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+            else:
+                shift = te_norm.bn_xhat_shift(ncs, f, self.bits, f"n{n.id}_bn_xhat_shift")
+                self.launch(shift, (*xhat_in, b["rstd_e"], b["e_c"], b["e_grp"], sh, e_xhat))
+        up = ""
+        if self.channels:  # xhat = compact_common per channel: each its own B-bit exponent
+            xmax = f"n{n.id}.xhat_amax"  # the whole batch's (batchnorm_split agreed them)
+            e_xhat = self.out_exp(n, 1)
+            sh, up = self.channel_shifts(n, xmax, b["e_grp"], 1, e_xhat, agreed=True)
         apply = te_norm.bn_xhat_apply(ncs, f, self.bits, self.stochastic, f"n{n.id}_bn_xhat_apply")
         key1 = self.keys(n, (1,), "key1", elements)
         self.launch(apply, (*xhat_in, sh, key1, self.ncs_view(xhat, xs)))
+        if up:
+            self.channel_lift(n, xhat, up, xs, 1)
         self.e[n.result(1)] = e_xhat
         keys = self.keys(n, (2, 3), "affine_keys", (elements, 0))
         args: tuple[str, ...] = (self.ncs_view(xhat, xs), e_xhat, self.m[gamma], self.e[gamma])
@@ -111,7 +125,8 @@ class NormRules(PlanBuilder):
         xhat, gamma, beta = n.inputs
         y = self.g.node(xhat.node).result(0)
         self.recomputable[n.id] = self.m[y]
-        if self.recompute is not None and n.id not in self.recompute:
+        # under channel exponents the forward's shifts are per channel: its y is kept
+        if self.channels or (self.recompute is not None and n.id not in self.recompute):
             self.take(n, y)  # the forward's y is kept: where it does not set the step's peak
             return
         xs = self.shape(xhat)
@@ -251,12 +266,23 @@ class NormRules(PlanBuilder):
         args: tuple[str, ...] = (self.ncs_view(self.m[x], xs), self.e[x], self.m[rm], self.e[rm])
         self.launch(center, (*args, self.m[rv], self.e[rv], xc16, rstd, e_grp))
         sh, e_xhat = self.buf(f"n{n.id}.sh3", cc, I32), self.buf(f"n{n.id}.e3", (1,), I32)
-        shift = te_norm.bn_eval_xhat_shift(ncs, self.bits, f"n{n.id}_bn_eval_xhat_shift")
-        self.launch(shift, (xc16, rstd, e_grp, sh, e_xhat))
+        up = ""
+        if self.channels:  # xhat per channel (compact_common of kernels.norm, site 3)
+            xmax = self.buf(f"n{n.id}.xhat_amax", cc, I32)
+            func = te_norm.bn_eval_xhat_max(ncs, f"n{n.id}_bn_eval_xhat_max")
+            self.launch(func, (xc16, rstd, xmax))
+            sh, up = self.channel_shifts(n, xmax, e_grp, 3, e_xhat)
+        else:
+            shift = te_norm.bn_eval_xhat_shift(ncs, self.bits, f"n{n.id}_bn_eval_xhat_shift")
+            self.launch(shift, (xc16, rstd, e_grp, sh, e_xhat))
         xhat = self.ncs_view(self.buf(f"n{n.id}.xhat", xs, I8), xs)
         apply = te_norm.bn_eval_xhat_apply(ncs, self.bits, f"n{n.id}_bn_eval_xhat_apply")
         self.launch(apply, (xc16, rstd, sh, self.keys(n, (3,), "key3"), xhat))
+        if up:
+            self.channel_lift(n, xhat, up, xs, 3)
         keys = self.keys(n, (4, 5), "affine_keys")
         args = (xhat, e_xhat, self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
-        affine = te_norm.bn_affine_compaction(ncs, self.bits, False, f"n{n.id}_bn_affine")
+        affine = te_norm.bn_affine_compaction(
+            ncs, self.bits, False, f"n{n.id}_bn_affine", self.agreed_slot
+        )
         self.compact_unstored(n, 6, affine, args, self.ncs_view(self.out(n, 0, I8, xs), xs))

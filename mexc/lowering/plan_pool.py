@@ -25,12 +25,14 @@ from mexc.lowering.plan_core import (
 )
 from mexc.lowering.te_products import IntPair, _pair
 from mexc.numerics import (
+    CONTAINER_BITS,
     SIGMOID_GRAD_TABLE,
     SIGMOID_TABLE,
     SILU_GRAD_TABLE,
     FixedScalar,
     LookupTable,
     ceil_log2,
+    qmax,
 )
 
 
@@ -253,4 +255,7 @@ class PoolRules(PlanBuilder):
         acc = self.buf(f"n{n.id}.acc", shape, I32)
         func = te_ops.maxpool_backward_acc(*geometry, name, arg_dtype, extra=at.extra)
         self.launch(func, (self.m[dy], self.m[arg], acc))
+        if self.channel_site(n):  # kernels.pool: kept as it is where it fits the int8 container
+            self.channel_compact(n, acc, self.e[dy], 0, passthrough=qmax(CONTAINER_BITS))
+            return
         self.compact(n, acc, self.e[dy], shape, 0)

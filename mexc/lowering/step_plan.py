@@ -216,7 +216,6 @@ def plan_builder(
 ) -> PlanRules:
     """The builder after every op's rule has run (its plan, its lean candidates and work);
     `recompute`: the batchnorm_affine nodes that recompute (None: all)."""
-    prog.refuse_channel_exponents("TVM (llvm, cuda)")
     b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
     b.lean = lean
     b.recompute = recompute

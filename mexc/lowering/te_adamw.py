@@ -30,7 +30,6 @@ from tvm import te, tirx
 
 from mexc.lowering.te_compaction import (
     aligned_target,
-    compaction_apply,
     compaction_shift,
     shift_left_saturating,
     shift_signed,
@@ -43,7 +42,8 @@ from mexc.lowering.te_update import (
     _Ops,
     compaction_kernels,
     l2_kernels,
-    w_rescale,
+    rescale_buffers,
+    rescale_kernels,
     zero_weight_target,
 )
 from mexc.numerics import (
@@ -87,6 +87,7 @@ def adamw_buffers(spec: AdamSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     out |= {"eps_units": (g, I32)}
     out |= {"w_acc": (full, I32), "e_w": (one, I32), "s_w": (one, I32)}
     out |= {"w_exp_out": (one, I32), "w_out": (full, I8)}
+    out |= rescale_buffers(lay)
     if spec.l2.num:
         out |= {"t_l2": (g, I32), "acc_l2": (full, I32), "s_l2": (g, I32), "e_l2": (g, I32)}
     return out
@@ -329,10 +330,5 @@ def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kern
             ("w", "e_w", "q", "m_exp_out", "r_exp_out", "lr", "keys", "w_acc"),
             reduce=False,
         ),
-        Kernel(w_rescale(lay, f"{name}_w_rescale"), ("w_acc", "e_w", "s_w", "w_exp_out"), True),
-        Kernel(
-            compaction_apply(shape, bits, False, st, f"{name}_w"),
-            ("w_acc", "s_w", "key_w", "w_out"),
-            reduce=False,
-        ),
+        *rescale_kernels(lay, f"{name}_w", "key_w"),
     ]

@@ -276,6 +276,11 @@ def compaction_shift(
     return prim_func([acc, e_in, s, e_out], f"{name}_shift")
 
 
+# fused_compaction's `agreed` for the channel-exponent form: the value stored at its exponent,
+# for a compaction per channel (PlanBuilder.compact_unstored)
+STORED = -1
+
+
 def fused_compaction(
     shape: tuple[int, ...],
     inputs: list[te.Tensor],
@@ -295,7 +300,13 @@ def fused_compaction(
 
     `agreed`: a data-parallel worker's form, whose maximum is agreed with the other workers
     between two kernels: `<name>_amax` (inputs -> amax, a slot of `agreed` int32 holding the
-    maximum in element 0), then `<name>_shift` (inputs, amax -> s, e_out), then the apply."""
+    maximum in element 0), then `<name>_shift` (inputs, amax -> s, e_out), then the apply.
+    agreed=STORED: one kernel `<name>_store` (inputs -> acc, e_acc), the int32 value at its
+    exponent, which channel exponents compact per channel (te_channels)."""
+    if agreed == STORED:
+        acc = te.compute(shape, lambda *i: value(*i).astype(I32), name="acc")
+        e_acc = te.compute((1,), lambda g: target[0], name="e_acc")
+        return (prim_func([*inputs, acc, e_acc], f"{name}_store"),)
     if len(shape) == 1:
         rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
     else:

@@ -795,6 +795,13 @@ def bn_eval_xhat_shift(shape: NCS, bits: int, name: str = "bn_eval_xhat_shift") 
     return _func([*inputs, e_grp, sh, e_out], name)
 
 
+def bn_eval_xhat_max(shape: NCS, name: str = "bn_eval_xhat_max") -> tirx.PrimFunc:
+    """max |eval xhat accumulator| per channel (channel exponents' shifts).
+    Parameters (xc16, rstd, amax)."""
+    inputs, acc = _eval_xhat_inputs(shape)
+    return _func([*inputs, channel_abs_max(shape, acc)], name)
+
+
 def bn_eval_xhat_apply(shape: NCS, bits: int, name: str = "bn_eval_xhat_apply") -> tirx.PrimFunc:
     """common_apply of the eval xhat accumulator, nearest (site 3). Parameters
     (xc16, rstd, sh, key, m)."""

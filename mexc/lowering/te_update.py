@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from tvm import te, tirx
 
+from mexc.lowering.te_channels import channel_apply, channel_shift, row_max
 from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
@@ -40,7 +41,7 @@ from mexc.lowering.te_compaction import (
     shift_signed,
 )
 from mexc.lowering.te_func import prim_func
-from mexc.numerics import VELOCITY_BITS, FixedScalar, qmax
+from mexc.numerics import CONTAINER_BITS, VELOCITY_BITS, FixedScalar, qmax, weight_bound_bits
 
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_VIEWS = {"key_v": 6, "key_w": 8}  # one-element views of `keys` for compaction_apply
@@ -62,6 +63,9 @@ class UpdateSpec:
     # the whole-tensor maxima of w_target and w_rescale over each row first, then over the
     # rows (Device.rows_first_update)
     rows_first: bool = False
+    # channel exponents (docs/numerics.md section 5): w's rows (G, -1) each round to their own
+    # B-bit exponent inside the tensor's int8 frame (numerics.reactive_rescale's `channels`)
+    channels: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -108,6 +112,7 @@ def update_buffers(spec: UpdateSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     out |= {"s_g": (g, I32), "e_g": (g, I32), "t_v": (g, I32), "acc_v": (full, I32)}
     out |= {"s_v": (g, I32), "v_exp_out": (g, I32), "v_out": (full, I8), "w_acc": (full, I32)}
     out |= {"e_w": (one, I32), "s_w": (one, I32), "w_exp_out": (one, I32), "w_out": (full, I8)}
+    out |= rescale_buffers(spec)
     if spec.weight_decay.num:
         out |= {"t_wd": (g, I32), "acc_wd": (full, I32), "s_wd": (g, I32), "e_wd": (g, I32)}
     return out
@@ -152,6 +157,7 @@ def wd_sum(
     reuses it for Adam's L2 step with its own sites, `n_keys` of them).
     Parameters (grad, s_g, e_g, w, w_exp, keys, t_wd, acc_wd)."""
     op, b, wd = _Ops(spec), spec.bits - 1, spec.weight_decay
+    wb = weight_bound_bits(spec.bits, spec.channels)
     grad = te.placeholder(spec.kshape, I32, name="grad")
     s_g = te.placeholder((spec.kgroups,), I32, name="s_g")
     e_g = te.placeholder((spec.kgroups,), I32, name="e_g")
@@ -161,7 +167,7 @@ def wd_sum(
     wd_exp = w_exp[0] - wd.shift
     t = te.compute(
         (spec.kgroups,),
-        lambda g: aligned_target([(e_g[g], b), (wd_exp, b + wd.num.bit_length())]),
+        lambda g: aligned_target([(e_g[g], b), (wd_exp, wb + wd.num.bit_length())]),
         name="t",
     )
 
@@ -312,6 +318,44 @@ def w_rescale(spec: UpdateSpec, name: str) -> tirx.PrimFunc:
     return _func([w_acc, w_exp, s, e_out], name)
 
 
+def rows_on(spec: UpdateSpec) -> bool:
+    """Whether w's rows get channel exponents (a no-op at 8 bits)."""
+    return spec.channels and spec.bits < CONTAINER_BITS
+
+
+def rescale_buffers(spec: UpdateSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The row rescale's scratch (rescale_kernels) under channel exponents: the rows' maxima
+    and shifts."""
+    if not rows_on(spec):
+        return {}
+    rows = (spec.shape[0],)
+    return {"amax_w": (rows, I32), "sh_w": (rows, I32), "up_w": (rows, I32)}
+
+
+def rescale_kernels(spec: UpdateSpec, name: str, key: str) -> list[Kernel]:
+    """numerics.reactive_rescale of w_acc (exponent e_w) into w_out, w_exp_out (steps 6-7),
+    rounded with the update buffer `key`: one signed shift for the tensor, or under channel
+    exponents one per row in the tensor's int8 frame (te_channels, signed)."""
+    shape, bits = spec.kshape, spec.bits
+    if not rows_on(spec):
+        return [
+            Kernel(w_rescale(spec, f"{name}_rescale"), ("w_acc", "e_w", "s_w", "w_exp_out"), True),
+            Kernel(
+                compaction_apply(shape, bits, False, spec.stochastic, name),
+                ("w_acc", "s_w", key, "w_out"),
+                reduce=False,
+            ),
+        ]
+    rows = shape[0]
+    shift = channel_shift(rows, bits, f"{name}_rows", signed=True)
+    apply = channel_apply(shape, spec.stochastic, f"{name}_rows", axis=0, signed=True)
+    return [
+        Kernel(row_max(shape, f"{name}_rows"), ("w_acc", "amax_w"), True),
+        Kernel(shift, ("amax_w", "e_w", "sh_w", "up_w", "w_exp_out"), False),
+        Kernel(apply, ("w_acc", "sh_w", "up_w", key, "w_out"), False),
+    ]
+
+
 def compaction_kernels(
     shape: tuple,
     bits: int,
@@ -368,7 +412,6 @@ def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
     site = 3 if spec.weight_decay.num else 0
     v_args = (*src, "v", "v_exp", "keys", "t_v", "acc_v")
     v_buffers = ("acc_v", "t_v", "s_v", "v_exp_out", "key_v", "v_out")
-    w_apply = compaction_apply(shape, bits, False, spec.stochastic, f"{name}_w")
     return [
         *out,
         Kernel(v_sum(spec, site, f"{name}_v_sum"), v_args, reduce=False),
@@ -383,6 +426,5 @@ def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
             ("w", "e_w", "v_out", "v_exp_out", "lr", "keys", "w_acc"),
             reduce=False,
         ),
-        Kernel(w_rescale(spec, f"{name}_w_rescale"), ("w_acc", "e_w", "s_w", "w_exp_out"), True),
-        Kernel(w_apply, ("w_acc", "s_w", "key_w", "w_out"), reduce=False),
+        *rescale_kernels(spec, f"{name}_w", "key_w"),
     ]

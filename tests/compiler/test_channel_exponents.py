@@ -1,19 +1,33 @@
 """Channel exponents (docs/numerics.md §5) in a training program: below 8 bits every activation,
 gradient and weight row keeps B bits at its own exponent in the tensor's int8 frame; at 8 bits
-the option changes nothing; the targets without a lowering of it refuse it by name."""
+the option changes nothing; the TIR backends (llvm, the CUDA plan's host twin and the emulated
+CUDA artifact) train and infer bit-exact with the reference; the C target refuses it by name."""
 
 from __future__ import annotations
 
+import copy
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 
 import mexc
 from examples.models import EXAMPLES
+from examples.vit import Block
+from mexc.backends.llvm import float_check as fc
+from mexc.backends.llvm.step import LlvmProgram
 from mexc.errors import UnsupportedOpError
 from mexc.numerics import overflow_debug, qmax
+from tests.compiler.test_fuzz import models as random_models
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
 
 
 def _data(name: str, batch: int = 8, steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,13 +112,118 @@ def test_a_checkpoint_keeps_the_option_and_resumes_bit_exact(tmp_path: Path) -> 
     assert resumed.state_checksum() == whole.state_checksum()
 
 
-@pytest.mark.parametrize("target", ["llvm", "c"])
-def test_a_target_without_the_lowering_refuses_it_by_name(target: str) -> None:
+def test_the_c_target_refuses_it_by_name() -> None:
     with pytest.raises(UnsupportedOpError, match="channel exponents.*reference"):
-        _program("FashionCNN", 4, True, target)
+        _program("FashionCNN", 4, True, "c")
 
 
-def test_auto_falls_back_to_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
+def test_auto_compiles_it_for_the_host() -> None:
     prog = _program("FashionCNN", 4, True, "auto")
-    assert prog.options.target == "reference"
-    assert "channel exponents" in capsys.readouterr().err
+    assert isinstance(prog, LlvmProgram) and prog.options.channel_exponents
+
+
+def _same_training(ref: mexc.Program, other: mexc.Program, data: list) -> None:
+    """The same loss at every step, the same state after each, then the same logits."""
+    for step, (x, y) in enumerate(data):
+        assert other.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
+        assert other.state_checksum() == ref.state_checksum(), f"state differs at step {step}"
+    xe = np.random.default_rng(5).standard_normal((7, *ref.input_shape)).astype(np.float32)
+    assert np.array_equal(other.logits(xe), ref.logits(xe))
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer", "bits"),
+    [
+        ("FashionCNN", "sgd", 4),
+        ("SmallResNet", "sgd", 4),
+        ("MobileNetV2Tiny", "sgd", 6),
+        ("MLP", "adamw", 4),
+        ("SmallResNet", "adamw", 6),
+    ],
+)
+def test_llvm_trains_bit_exact(name: str, optimizer: str, bits: int) -> None:
+    """Every batch-major compaction as channel maxima, shifts and rounding kernels (the
+    products' accumulators stored first), batch norm's xhat lifted into its frame, the weight
+    rows rescaled per row: the reference's bits."""
+    ref = _program(name, bits, True, optimizer=optimizer)
+    llvm = _program(name, bits, True, "llvm", optimizer=optimizer)
+    assert isinstance(llvm, LlvmProgram)
+    _same_training(ref, llvm, _data(name, steps=3))
+    fc.check_integer_only(llvm)  # raises, naming each float instruction, if any
+
+
+@pytest.mark.parametrize("name", ["FashionCNN", "SmallResNet"])
+def test_the_gpu_plan_trains_bit_exact_on_the_host(name: str) -> None:
+    ref = _program(name, 4, True)
+    _same_training(ref, LlvmProgram(_program(name, 4, True), plan_device="gpu"), _data(name))
+
+
+class _Tokens(nn.Module):
+    """Patches as tokens through a transformer block (layer norm, attention, GELU MLP, the
+    positional sum) and a token mean: a linear layer's result rounds per feature (its rows
+    view), the other token tensors per token (axis 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(1, 16, 4, stride=4)
+        self.pos = nn.Parameter(torch.randn(1, 4, 16) * 0.5)
+        self.block = Block(16, 2, 2)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        return self.head(self.block(x + self.pos).mean(dim=1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_a_transformer_block_trains_bit_exact(device: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))]
+    data *= 3
+
+    def program(target: str) -> mexc.Program:
+        torch.manual_seed(0)
+        opt = mexc.SGD(0.05, 0.9)
+        return mexc.compile(
+            _Tokens(), (data[0][0],), opt, bits=4, target=target, channel_exponents=True
+        )
+
+    _same_training(program("reference"), LlvmProgram(program("reference"), device), data)
+
+
+@settings(max_examples=3, deadline=None)
+@given(model=random_models(), bits=st.sampled_from([4, 6]), seed=st.integers(0, 2**16))
+def test_random_models_train_bit_exact_on_llvm(model: nn.Module, bits: int, seed: int) -> None:
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+    y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(seed))
+
+    def program(target: str) -> mexc.Program:
+        torch.manual_seed(seed)
+        return mexc.compile(
+            copy.deepcopy(model),
+            (x,),
+            mexc.SGD(0.05, 0.9),
+            bits=bits,
+            target=target,
+            channel_exponents=True,
+            seed=seed,
+        )
+
+    _same_training(program("reference"), program("llvm"), [(x, y)] * 3)
+
+
+@needs_cuda_tools
+def test_the_emulated_cuda_artifact_trains_bit_exact() -> None:
+    """The artifact nvcc builds for sm_80 and sm_90, its kernels run on the CPU emulator."""
+    from mexc.backends.cuda.build import cached_artifact
+    from mexc.backends.cuda.emulator import emulate
+    from mexc.backends.cuda.sass_check import verify_artifact
+
+    ref = _program("FashionCNN", 4, True)
+    archs = ("sm_80", "sm_90")
+    emu = emulate(_program("FashionCNN", 4, True), archs)
+    folder = cached_artifact(_program("FashionCNN", 4, True), archs)
+    assert verify_artifact(folder, json.loads((folder / "plan.json").read_text())) == []
+    for x, y in _data("FashionCNN", steps=2):
+        assert emu.step(x, y) == ref.step(x, y)
+    assert emu.state_checksum() == ref.state_checksum()
