@@ -391,9 +391,11 @@ def _compile_flags(
     )
     p.add_argument(
         "--channel-exponents",
-        action="store_true",
-        help="below 8 bits: a B-bit exponent per channel of every activation, gradient and "
-        "weight row, in its tensor's int8 frame (docs/numerics.md §5; reference target only)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a B-bit exponent per channel of every activation, gradient and weight row, in its "
+        "tensor's int8 frame (docs/numerics.md §5; default: on below 8 bits; the c target "
+        "needs --no-channel-exponents)",
     )
     p.add_argument(
         "--optimizer",

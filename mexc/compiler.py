@@ -14,7 +14,7 @@ from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize, quantize_channels
 from mexc.mx import MX
-from mexc.numerics import MOMENT_EXP0, rounding_mode_for
+from mexc.numerics import MOMENT_EXP0, channel_exponents_for, rounding_mode_for
 from mexc.optim import Optimizer, optimizer_of
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
@@ -87,7 +87,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     recompute: bool = True,
     trainable: TrainableSpec = None,
     data_parallel: bool = False,
-    channel_exponents: bool = False,
+    channel_exponents: bool | None = None,
 ) -> Program:
     """Trace `model`, run the pass pipeline and return a Program on `target` (one of
     mexc.targets.NAMES). `optimizer`: mexc.SGD(...), mexc.AdamW(...), mexc.Adam(...), or one of
@@ -103,8 +103,9 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     bits, every batch-major result compacted at one exponent (convolution, linear, batch norm,
     pooling, sums and their gradients; not layer norm's rows nor softmax's probabilities) and
     every weight row keep a B-bit mantissa at an exponent of their own channel, inside their
-    tensor's int8 frame (docs/numerics.md §5, "Channel exponents"; the reference target only,
-    for now)."""
+    tensor's int8 frame (docs/numerics.md §5, "Channel exponents"). None (the default): on below
+    8 bits (numerics.channel_exponents_for); the c target does not lower them yet and asks for
+    channel_exponents=False."""
     workers = None
     if data_parallel:
         refuse_data_parallel_target(target)
@@ -113,6 +114,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
     rounding = rounding_mode_for(rounding, bits)
+    channel_exponents = channel_exponents_for(channel_exponents, bits)
     opt = optimizer_of(optimizer)
     x = _example_batch(example_inputs)
     front = import_model(model, x)

@@ -38,6 +38,13 @@ def rounding_mode_for(mode: str, bits: int) -> str:
     return mode
 
 
+def channel_exponents_for(choice: bool | None, bits: int) -> bool:
+    """Whether a program rounds per channel (§5, "Channel exponents"): `choice`, or by default
+    (None) below 8 bits, where one exponent per tensor rounds whole channels to 0 (B = 4 does not
+    train without them: docs/benchmarks.md, "Low bit widths"). A no-op at 8 bits."""
+    return bits < CONTAINER_BITS if choice is None else bool(choice)
+
+
 def site_rounding(mode: str, forward: bool) -> Rounding:
     """The rounding of a node's sites under program mode `mode`; `forward`: the node belongs to
     the forward graph (its rid is below the graph's `forward_rids`)."""

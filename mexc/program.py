@@ -179,9 +179,9 @@ class Program:
         if self.options.channel_exponents and self.options.bits < 8:
             raise UnsupportedOpError(
                 f"the {target} target does not lower channel exponents (docs/numerics.md §5) "
-                f"yet: a {self.options.bits}-bit program with channel_exponents=True runs on the "
-                "reference target only. Compile it with target='reference' (CLI: --target "
-                "reference), or without channel exponents."
+                f"yet, which {self.options.bits}-bit programs have by default: compile it with "
+                "channel_exponents=False (CLI: --no-channel-exponents; one exponent per tensor, "
+                "lower accuracy below 8 bits), or for target 'llvm', 'cuda' or 'reference'."
             )
 
     def lr_at(self, step: int) -> FixedScalar:

@@ -608,7 +608,7 @@ def run_training(
     bits: int = 8,
     rounding: str = "auto",
     per_group_velocity: bool = True,
-    channel_exponents: bool = False,
+    channel_exponents: bool | None = None,
     seed: int = 0,
     target: str = "auto",
     compare_fp32: bool = False,

@@ -195,6 +195,9 @@ class PlanBuilder:
         # channel exponents (docs/numerics.md §5): every batch-major compaction of a result of
         # rank >= 2 rounds per channel of axis 1 (channel_compact), the weights per row
         self.channels = prog.options.channel_exponents and self.bits < CONTAINER_BITS
+        # (node, site) -> the (sh, up) buffers of its channel compaction (a recomputed copy
+        # rounds with them: batchnorm_affine)
+        self.channel_shifts_of: dict[tuple[int, int], tuple[str, str]] = {}
         # set per node by step_plan (the rounding mode may treat forward nodes differently)
         self.stochastic = site_rounding(prog.options.rounding, False) == "stochastic"
         self.plan = StepPlan()
@@ -436,7 +439,7 @@ class PlanBuilder:
 
     def channel_view(
         self, n: Node, name: str, result: int = 0, shape: Shape | None = None
-    ) -> tuple[str, Shape]:
+    ) -> tuple[str, te_norm.NCS]:
         """Buffer `name` holding result `result` of n (C order) as (N, C, S): the channels on
         axis 1 of `shape` (the result's own by default; a linear layer's reference computes on
         the (rows, features) view of its (..., K) operands: ops.common.rows)."""
@@ -495,6 +498,7 @@ class PlanBuilder:
         amax = self.buf(f"n{n.id}.amax{site}", (ncs[1],), I32)
         self.launch(te_norm_split.channel_max(ncs, f"{tag}_amax"), (acc3, amax))
         sh, up = self.channel_shifts(n, amax, e_in, site, self.out_exp(n, result), passthrough)
+        self.channel_shifts_of[(n.id, site)] = (sh, up)
         m3, _ = self.channel_view(n, out or self.out(n, result, I8), result, channel_shape)
         key = self.keys(n, (site,), f"key{site}", int(np.prod(ncs)))
         apply = channel_apply(ncs, self.stochastic, tag)

@@ -15,7 +15,8 @@ from mexc.lowering.plan_core import (
     ncs_of,
     unsupported,
 )
-from mexc.lowering.te_compaction import compaction_apply, compaction_shift
+from mexc.lowering.te_channels import channel_apply
+from mexc.lowering.te_compaction import STORED, compaction_apply, compaction_shift
 from mexc.numerics import FixedScalar
 
 # picoseconds of recomputing one bracket element (three keyed roundings; PlanBuilder.work):
@@ -125,8 +126,7 @@ class NormRules(PlanBuilder):
         xhat, gamma, beta = n.inputs
         y = self.g.node(xhat.node).result(0)
         self.recomputable[n.id] = self.m[y]
-        # under channel exponents the forward's shifts are per channel: its y is kept
-        if self.channels or (self.recompute is not None and n.id not in self.recompute):
+        if self.recompute is not None and n.id not in self.recompute:
             self.take(n, y)  # the forward's y is kept: where it does not set the step's peak
             return
         xs = self.shape(xhat)
@@ -136,6 +136,16 @@ class NormRules(PlanBuilder):
         args: tuple[str, ...] = (self.ncs_view(self.m[xhat], xs), self.e[xhat])
         args += (self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
         name = f"n{n.id}_bn_affine"
+        if self.channels:  # the sum stored again, rounded with the forward's channel shifts
+            (store,) = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name, STORED)
+            acc = self.buf(f"n{n.id}.acc", ncs, I32)
+            self.launch(store, (*args, acc, self.buf(f"n{n.id}.e_acc", (1,), I32)))
+            sh, up = self.channel_shifts_of[(xhat.node, 4)]
+            key = self.keys(n, (4,), "key4", elements)
+            out = self.ncs_view(self.out(n, 0, I8, xs), xs)
+            self.launch(channel_apply(ncs, self.stochastic, name), (acc, sh, up, key, out))
+            self.e[n.result(0)] = self.e[y]
+            return
         apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name)[-1]
         # the forward's compaction shift and exponent (kept: 8 bytes) are the copy's, since
         # its sums are the same: only the rounding pass runs
