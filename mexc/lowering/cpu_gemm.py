@@ -539,6 +539,64 @@ def compact_from_c(
     return _schedule_elementwise(func) if schedule else func
 
 
+def channel_max_from_c(
+    form: GemmForm, c_shape: tuple[int, int, int], slot: int, name: str
+) -> tirx.PrimFunc:
+    """Channel exponents' maxima (te_channels) of a product read straight from its GEMM's C:
+    amax[c] = max |C[out_at(idx)]| over the indices idx of form.out_shape with idx[1] = c, in a
+    slot of `slot` int32 (zeros past the channels: slots of a lean product's chunks are 64-byte
+    aligned). Parameters (c, amax)."""
+    cin = te.placeholder(c_shape, I32, name="c")
+    out = form.out_shape
+    channels = out[1]
+    axes = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(out) if i != 1]
+
+    def at(c: tirx.PrimExpr) -> tirx.PrimExpr:
+        idx = (axes[0], c, *axes[1:])
+        v = cin[form.out_at(*idx)]
+        return te.max(tirx.max(v, -v), axis=axes)
+
+    amax = te.compute((channels,), at, name="amax_c")
+    zero = tirx.const(0, I32)
+    top = tirx.const(channels - 1, "int32")
+    padded = te.compute(
+        (slot,),
+        lambda i: tirx.Select(i < channels, amax[tirx.min(i, top)], zero),
+        name="amax",
+    )
+    return _func([cin, padded], f"{name}_amax")
+
+
+def channel_compact_from_c(
+    form: GemmForm,
+    c_shape: tuple[int, int, int],
+    stochastic: bool,
+    name: str,
+    offset: bool = False,
+    schedule: bool = True,
+) -> tirx.PrimFunc:
+    """compact_from_c with channel exponents (te_channels.channel_apply): m[idx] =
+    saturate(round(C[out_at(idx)] >> sh[c]), 8) << up[c], c = idx[1]; every channel's rounding
+    fits qmax(B), so the int8 bound clips nothing. Parameters (c, sh, up, key, m); with
+    `offset` (c, sh, up, key, off, m)."""
+    cin = te.placeholder(c_shape, I32, name="c")
+    channels = form.out_shape[1]
+    sh = te.placeholder((channels,), I32, name="sh")
+    up = te.placeholder((channels,), I32, name="up")
+    key = te.placeholder((1,), "int64", name="key")
+    off = te.placeholder((1,), "int64", name="off")
+
+    def body(*idx):
+        flat = _flat_index(form.out_shape, idx) + (off[0] if offset else 0)
+        v = compacted(cin[form.out_at(*idx)], sh[idx[1]], key[0], flat, 8, stochastic, 0)
+        return (v.astype(I32) << up[idx[1]]).astype("int8")
+
+    m = te.compute(form.out_shape, body, name="m")
+    params = [cin, sh, up, key, off, m] if offset else [cin, sh, up, key, m]
+    func = _func(params, f"{name}_apply")
+    return _schedule_elementwise(func) if schedule else func
+
+
 def _product(
     name: str,
     a_shape: tuple[int, ...],

@@ -21,10 +21,10 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_norm_split, te_ops, te_pool
-from mexc.lowering.cpu_gemm import compact_from_c
-from mexc.lowering.te_channels import channel_apply, channel_lift, channel_shift
+from mexc.lowering.cpu_gemm import channel_compact_from_c, channel_max_from_c, compact_from_c
+from mexc.lowering.te_channels import channel_apply, channel_lift, channel_shift, slot_max
 from mexc.lowering.te_compaction import (
-    STORED,
+    CHANNELS,
     abs_max_kernel,
     compaction_apply,
     compaction_shift,
@@ -256,10 +256,12 @@ class PlanBuilder:
         self.owner.setdefault(name, self.node)
         return name
 
-    def is_lean(self, n: Node, levels: int = 1) -> int:
+    def is_lean(self, n: Node, levels: int = 1, channel_form: bool = False) -> int:
         """n's lean level (0: not lean); a rule with `levels` lean forms asks, and so marks n as
-        leanable."""
-        if self.channels:  # a lean product scans, then rounds per tensor: no channel form
+        leanable. `channel_form`: its lean forms have a channel-exponent variant (a single
+        compacted product: `channel_product`); the others are not lean under channel
+        exponents."""
+        if self.channels and not channel_form:
             return 0
         self.leanable[n.id] = levels
         return self.lean.get(n.id, 0)
@@ -602,14 +604,26 @@ class PlanBuilder:
         that is never stored: `kernels` are te_compaction.fused_compaction's shift (inputs ->
         s, e_out) and apply (inputs, s, key -> m); a data-parallel worker's node has its
         `agreed` form (the maximum's scan first, agreed: `agreed_slot`). Returns the shift's
-        buffer s. Under channel exponents `kernels` is the STORED form (`agreed_slot`): the
-        value is stored, then compacted per channel (`compact`)."""
+        buffer s. Under channel exponents `kernels` are the CHANNELS forms (`agreed_slot`): where
+        axis 1 of `out` is the result's channel axis, the channel maxima of the value, the
+        shifts, then its rounding (never stored); else the value stored, then compacted per
+        channel (`compact`)."""
         if self.channels:
-            (store,) = kernels
-            acc = self.buf(f"n{n.id}.acc{site}", self.buffer_shape(out), I32)
+            shape = self.buffer_shape(out)
             e_acc = self.buf(f"n{n.id}.e_acc{site}", (1,), I32)
-            self.launch(store, (*inputs, acc, e_acc))
-            self.compact(n, acc, e_acc, self.buffer_shape(out), site)
+            natural = self.shape(n.result(0))
+            if len(kernels) == 3 and len(natural) >= 2 and shape[:2] == natural[:2]:
+                _, cmax, capply = kernels
+                amax = self.buf(f"n{n.id}.amax{site}", (shape[1],), I32)
+                self.launch(cmax, (*inputs, amax, e_acc))
+                sh, up = self.channel_shifts(n, amax, e_acc, site, self.out_exp(n, 0))
+                self.channel_shifts_of[(n.id, site)] = (sh, up)
+                key = self.keys(n, (site,), f"key{site}", self.elements(out))
+                self.launch(capply, (*inputs, sh, up, key, out))
+                return ""
+            acc = self.buf(f"n{n.id}.acc{site}", shape, I32)
+            self.launch(kernels[0], (*inputs, acc, e_acc))
+            self.compact(n, acc, e_acc, shape, site)
             return ""
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         if self.rows:
@@ -633,13 +647,15 @@ class PlanBuilder:
         runs: a slot's int32 for a data-parallel worker's node, else 0 (one process); STORED
         under channel exponents (the value stored, then compacted per channel)."""
         if self.channels:
-            return STORED
+            return CHANNELS
         return SLOT_I32 if self.rows else 0
 
-    def lean_product(self, n: Node, levels: int = len(LEAN_LEVELS) - 1) -> int:
+    def lean_product(
+        self, n: Node, levels: int = len(LEAN_LEVELS) - 1, channel_form: bool = False
+    ) -> int:
         """Product n's lean level (LEAN_LEVELS); a rule whose product cannot scan (a weight
-        gradient) asks for the levels without a scan."""
-        return self.is_lean(n, levels)
+        gradient) asks for the levels without a scan. `channel_form`: see is_lean."""
+        return self.is_lean(n, levels, channel_form)
 
     @staticmethod
     def lean_chunks(level: int) -> int:
@@ -666,6 +682,9 @@ class PlanBuilder:
         accumulator: `compact_from_c`), on a GPU as gemm + compact; `lean`: scan, then round,
         chunk by chunk (`lean_compaction`). Under channel exponents the accumulator is stored,
         then compacted per channel of `channel_shape` (`compact`)."""
+        if self.channel_site(n, result) and self.channels_from_c(n, ch, result, channel_shape):
+            self.channel_product(n, ch, e_in, site, result, lean)
+            return
         if self.channel_site(n, result):  # the accumulator stored, then rounded per channel
             out_shape = ch.full.form.out_shape
             acc = self.buf(f"n{n.id}.acc{result or ''}", out_shape, I32)
@@ -685,6 +704,67 @@ class PlanBuilder:
 
         out = self.out(n, result, I8, ch.full.form.out_shape)
         self.lean_compaction(n, [ch], apply, out, form.out_shape, e_in, site, result)
+
+    def channels_from_c(
+        self, n: Node, ch: Chunks, result: int, channel_shape: Shape | None
+    ) -> bool:
+        """Whether product n's channels are axis 1 of its GEMM form's result shape, so that
+        `channel_product` reads them straight from C."""
+        out = ch.full.form.out_shape
+        chan = channel_shape or self.shape(n.result(result))
+        return len(out) >= 2 and tuple(out[:2]) == tuple(chan[:2])
+
+    def channel_product(
+        self, n: Node, ch: Chunks, e_in: str, site: int, result: int, lean: bool
+    ) -> None:
+        """Result `result` of product n compacted per channel (axis 1 of its form's result)
+        straight from its GEMM's C, as compact_from_c does per tensor: the channel maxima from
+        C, the shifts, the rounding from C. `lean`: chunk by chunk, scan, then round (as
+        lean_compaction: one chunk's C, every chunk's GEMM twice but the last's)."""
+        form = ch.full.form
+        channels = form.out_shape[1]
+        out = self.out(n, result, I8, form.out_shape)
+        e_out = self.out_exp(n, result)
+        name, host = f"n{n.id}_ch{site}", self.device.gemm.host_scheduled
+        key = self.keys(n, (site,), f"key{site}", self.elements(out))
+        if not lean:
+            c, c_shape = self.gemm(ch, None)
+            whole = form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
+            amax = self.buf(f"n{n.id}.amax{site}", (channels,), I32)
+            self.launch(channel_max_from_c(whole, c_shape, channels, name), (c, amax))
+            sh, up = self.channel_shifts(n, amax, e_in, site, e_out)
+            self.channel_shifts_of[(n.id, site)] = (sh, up)
+            apply = channel_compact_from_c(whole, c_shape, self.stochastic, name, schedule=host)
+            self.launch(apply, (c, sh, up, key, out))
+            return
+        count, piece = ch.count, ch.chunk.form.out_shape
+        gemm = self.device.gemm.prepare(self, ch.chunk)
+        c = self.buf(f"{ch.chunk.form.name}.c", gemm.c_shape, I32)
+        slot = -(-channels // SLOT_I32) * SLOT_I32  # 64-byte aligned slots, one per chunk
+        slots = self.buf(f"n{n.id}.slots{site}", (count, slot), I32)
+        for j in range(count):
+            gemm.launch(ch.operands[j], c, f"_k{j}")
+            self.gemm_work(ch.chunk.form)
+            func = channel_max_from_c(ch.chunk.form, gemm.c_shape, slot, f"{name}_k{j}")
+            self.launch(func, (c, self.view_at(slots, (slot,), j * slot)))
+        amax = self.buf(f"n{n.id}.amax{site}", (channels,), I32)
+        self.launch(slot_max(count, slot, channels, name), (slots, amax))
+        sh, up = self.channel_shifts(n, amax, e_in, site, e_out)
+        self.channel_shifts_of[(n.id, site)] = (sh, up)
+        per = int(np.prod(piece))
+        starts = np.zeros((count, KEY_ALIGN), np.int64)
+        starts[:, 0] = np.arange(count) * per
+        offs = self.const(f"n{n.id}.off{site}", starts, I64)
+        func = channel_compact_from_c(
+            ch.chunk.form, gemm.c_shape, self.stochastic, name, offset=True, schedule=host
+        )
+        for j in reversed(range(count)):  # the last chunk first: its C is still there
+            if j < count - 1:
+                gemm.launch(ch.operands[j], c, f"_r{j}")
+                self.gemm_work(ch.chunk.form)
+            off = self.view_at(offs, (1,), j * KEY_ALIGN)
+            args = (c, sh, up, key, off, self.view_at(out, piece, j * per))
+            self.launch(tagged(func, f"_r{j}"), args)
 
     def lean_compaction(
         self,

@@ -285,7 +285,7 @@ class DenseRules(PlanBuilder):
                 form = gf.conv_forward(f"n{n.id}_fwd", replace(g, n=samples))
                 return Product(form, (g.cg, g.kh, g.kw), (samples, g.oh, g.ow), (g.og,))
 
-            lean = 0 if n.attrs.has_bias or wide else self.lean_product(n)
+            lean = 0 if n.attrs.has_bias or wide else self.lean_product(n, channel_form=True)
             parts = self.lean_chunks(lean)
             ch = self.chunked(forward, g.n, (xm, self.m[w]), (True, False), parts)
             if not n.attrs.has_bias and not wide:
@@ -324,7 +324,7 @@ class DenseRules(PlanBuilder):
             form = gf.conv_grad_input(f"n{n.id}_dx", replace(g, n=samples))
             return Product(form, (g.og, g.kh, g.kw), (samples, g.h, g.w))
 
-        lean = self.lean_product(n)
+        lean = self.lean_product(n, channel_form=True)
         ch = self.chunked(grad_input, g.n, (dym, self.m[w]), (True, False), self.lean_chunks(lean))
         self.compacted_product(n, ch, e_acc, lean=self.scans(lean))
 

@@ -15,8 +15,7 @@ from mexc.lowering.plan_core import (
     ncs_of,
     unsupported,
 )
-from mexc.lowering.te_channels import channel_apply
-from mexc.lowering.te_compaction import STORED, compaction_apply, compaction_shift
+from mexc.lowering.te_compaction import CHANNELS, compaction_apply, compaction_shift
 from mexc.numerics import FixedScalar
 
 # picoseconds of recomputing one bracket element (three keyed roundings; PlanBuilder.work):
@@ -136,14 +135,12 @@ class NormRules(PlanBuilder):
         args: tuple[str, ...] = (self.ncs_view(self.m[xhat], xs), self.e[xhat])
         args += (self.m[gamma], self.e[gamma], self.m[beta], self.e[beta], keys)
         name = f"n{n.id}_bn_affine"
-        if self.channels:  # the sum stored again, rounded with the forward's channel shifts
-            (store,) = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name, STORED)
-            acc = self.buf(f"n{n.id}.acc", ncs, I32)
-            self.launch(store, (*args, acc, self.buf(f"n{n.id}.e_acc", (1,), I32)))
+        if self.channels:  # the sum again, rounded with the forward's channel shifts
+            forms = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name, CHANNELS)
             sh, up = self.channel_shifts_of[(xhat.node, 4)]
             key = self.keys(n, (4,), "key4", elements)
             out = self.ncs_view(self.out(n, 0, I8, xs), xs)
-            self.launch(channel_apply(ncs, self.stochastic, name), (acc, sh, up, key, out))
+            self.launch(forms[-1], (*args, sh, up, key, out))
             self.e[n.result(0)] = self.e[y]
             return
         apply = te_norm.bn_affine_compaction(ncs, self.bits, self.stochastic, name)[-1]
@@ -182,7 +179,7 @@ class NormRules(PlanBuilder):
         bracket_in: tuple[str, ...] = (dyv, self.e[dy], dbeta, xhv, b["e_xhat"], dg16, e_dg16)
         bracket_in += (keys,)
         # a data-parallel worker's step keeps T (the lean kernels count M from their shape)
-        lean = not self.rows and self.is_lean(n) >= 1
+        lean = not self.rows and self.is_lean(n, channel_form=True) >= 1
         # to_bits(t) to 16 bits: the shift here (from the bracket's row maxima where the device
         # keeps them: Device.row_max_bracket, or where the step runs lean), its rounding (site
         # 4) inside bn_dx_acc
@@ -213,14 +210,26 @@ class NormRules(PlanBuilder):
         dx = self.out(n, 0, I8)
         if lean:
             shift, apply = te_norm.bn_dx_unstored(
-                ncs, self.bits, self.stochastic, f"n{n.id}_bn_dx", self.device.row_max_bracket
+                ncs,
+                self.bits,
+                self.stochastic,
+                f"n{n.id}_bn_dx",
+                self.device.row_max_bracket,
+                channels=self.channels,
             )
-            sh, e_out = self.buf(f"n{n.id}.sh6", cc, I32), self.buf(f"n{n.id}.e6", (1,), I32)
             lead = (*bracket_in, s16, key4)
-            self.launch(shift, (*lead, e_bk, f16, e_f, e_grp, sh, e_out))
+            if self.channels:  # per channel: the maxima, the frame's shifts, then the lift
+                cmax = self.buf(f"n{n.id}.amax6", cc, I32)
+                self.launch(shift, (*lead, e_bk, f16, e_f, e_grp, cmax))
+                sh, up = self.channel_shifts(n, cmax, e_grp, 6, self.out_exp(n, 0))
+            else:
+                sh, e_out = self.buf(f"n{n.id}.sh6", cc, I32), self.buf(f"n{n.id}.e6", (1,), I32)
+                self.launch(shift, (*lead, e_bk, f16, e_f, e_grp, sh, e_out))
+                self.e[n.result(0)] = e_out
             key6 = self.keys(n, (6,), "key6")
             self.launch(apply, (*lead, f16, sh, key6, self.ncs_view(dx, shape)))
-            self.e[n.result(0)] = e_out
+            if self.channels:
+                self.channel_lift(n, dx, up, shape, 6)
             return
         # dxa overwrites t, element by element (t's last reader is this kernel)
         dxa = t

@@ -126,6 +126,15 @@ def channel_apply(
     return prim_func([acc, sh, up, key, m], f"{name}_apply")
 
 
+def slot_max(count: int, slot: int, channels: int, name: str) -> tirx.PrimFunc:
+    """The channel maxima of a product computed in `count` chunks: the max over the chunks'
+    slots (count, slot) of each channel c < channels. Parameters (slots, amax)."""
+    slots = te.placeholder((count, slot), I32, name="slots")
+    r = te.reduce_axis((0, count), "r")
+    amax = te.compute((channels,), lambda c: te.max(slots[r, c], axis=r), name="amax")
+    return prim_func([slots, amax], f"{name}_max")
+
+
 def row_max(shape: tuple[Any, ...], name: str) -> tirx.PrimFunc:
     """max |acc| per index of axis 0 (a weight's rows). Parameters (acc, amax)."""
     acc = te.placeholder(shape, I32, name="acc")

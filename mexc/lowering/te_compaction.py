@@ -276,9 +276,9 @@ def compaction_shift(
     return prim_func([acc, e_in, s, e_out], f"{name}_shift")
 
 
-# fused_compaction's `agreed` for the channel-exponent form: the value stored at its exponent,
-# for a compaction per channel (PlanBuilder.compact_unstored)
-STORED = -1
+# fused_compaction's `agreed` for the channel-exponent forms (PlanBuilder.compact_unstored):
+# the value stored at its exponent, or scanned for its channel maxima (axis 1), then rounded
+CHANNELS = -1
 
 
 def fused_compaction(
@@ -301,12 +301,13 @@ def fused_compaction(
     `agreed`: a data-parallel worker's form, whose maximum is agreed with the other workers
     between two kernels: `<name>_amax` (inputs -> amax, a slot of `agreed` int32 holding the
     maximum in element 0), then `<name>_shift` (inputs, amax -> s, e_out), then the apply.
-    agreed=STORED: one kernel `<name>_store` (inputs -> acc, e_acc), the int32 value at its
-    exponent, which channel exponents compact per channel (te_channels)."""
-    if agreed == STORED:
-        acc = te.compute(shape, lambda *i: value(*i).astype(I32), name="acc")
-        e_acc = te.compute((1,), lambda g: target[0], name="e_acc")
-        return (prim_func([*inputs, acc, e_acc], f"{name}_store"),)
+    agreed=CHANNELS, the channel-exponent forms (te_channels), three kernels:
+    `<name>_store` (inputs -> acc, e_acc), the int32 value at its exponent; `<name>_cmax`
+    (inputs -> amax (shape[1],), e_acc), its maxima along axis 1; `<name>_capply` (inputs, sh, up,
+    key -> m), each channel rounded by its shift and lifted into the frame. The caller stores
+    the value where axis 1 of `shape` is not the result's channel axis."""
+    if agreed == CHANNELS:
+        return _channel_forms(shape, inputs, target, value, stochastic, name)
     if len(shape) == 1:
         rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
     else:
@@ -331,6 +332,44 @@ def fused_compaction(
 
     m = te.compute(shape, body, name="m")
     return (*scan, shift, prim_func([*inputs, s_in, key, m], f"{name}_apply"))
+
+
+def _channel_forms(
+    shape: tuple[int, ...],
+    inputs: list[te.Tensor],
+    target: te.Tensor,
+    value: Callable[..., tirx.PrimExpr],
+    stochastic: bool,
+    name: str,
+) -> tuple[tirx.PrimFunc, ...]:
+    """fused_compaction's CHANNELS forms (store, channel maxima, channel apply)."""
+    acc = te.compute(shape, lambda *i: value(*i).astype(I32), name="acc")
+    e_acc = te.compute((1,), lambda g: target[0], name="e_acc")
+    store = prim_func([*inputs, acc, e_acc], f"{name}_store")
+    if len(shape) < 2:
+        return (store,)
+    # per (n, c) over the trailing axes, then per channel over n (te_norm.channel_abs_max)
+    rest = [te.reduce_axis((0, d), f"rs{i}") for i, d in enumerate(shape[2:])]
+    part = te.compute(
+        tuple(shape[:2]),
+        lambda n, c: te.max(iabs(value(n, c, *rest)), axis=rest) if rest else iabs(value(n, c)),
+        name="amax_nc",
+    )
+    rn = te.reduce_axis((0, shape[0]), "rn")
+    amax = te.compute((shape[1],), lambda c: te.max(part[rn, c], axis=rn), name="amax")
+    e_max = te.compute((1,), lambda g: target[0], name="e_acc")
+    cmax = prim_func([*inputs, amax, e_max], f"{name}_cmax")
+    sh = te.placeholder((shape[1],), I32, name="sh")
+    up = te.placeholder((shape[1],), I32, name="up")
+    key = te.placeholder((1,), I64, name="key")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        v = compacted(value(*idx), sh[idx[1]], key[0], flat, 8, stochastic, 0)
+        return (v.astype(I32) << up[idx[1]]).astype(I8)
+
+    m = te.compute(shape, body, name="m")
+    return store, cmax, prim_func([*inputs, sh, up, key, m], f"{name}_capply")
 
 
 def compaction_apply(

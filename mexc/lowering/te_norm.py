@@ -581,14 +581,23 @@ def bn_bracket_max(
 
 
 def bn_dx_unstored(
-    shape: NCS, bits: int, stochastic: bool, name: str, cached_rows: bool = False
+    shape: NCS,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    cached_rows: bool = False,
+    channels: bool = False,
 ) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
     """The lean batch-norm dx: dxa = shift_right(T, s) * f16_c (bn_dx_acc's element, T the
     bracket's, both recomputed) compacted along the channels (common_shift / common_apply, site
     key6) without storing T or dxa, bit for bit as bn_bracket, bn_dx_acc and common_compact.
     `<name>_shift` (bracket inputs, s, key4, e_bk, f16, e_f, e_grp, sh, e_out) and
     `<name>_apply` (bracket inputs, s, key4, f16, sh, key6, m). `cached_rows`: the shift's
-    maxima read each row of dxa from a scratch row (`_row_cached`; host schedule)."""
+    maxima read each row of dxa from a scratch row (`_row_cached`; host schedule). `channels`
+    (channel exponents, te_channels): the first kernel gives the channel maxima instead,
+    `<name>_amax` (bracket inputs, s, key4, e_bk, f16, e_f, e_grp, amax), for
+    te_channels.channel_shift; the apply then rounds each channel by its shift (the frame's
+    left shift follows: te_channels.channel_lift)."""
     inputs, target, body = _bracket(shape, stochastic)
     s_in = te.placeholder((1,), I32, name="s16")  # not "s": common_shift's own
     key4 = te.placeholder((1,), I64, name="key4")
@@ -603,9 +612,13 @@ def bn_dx_unstored(
     e_grp = te.compute((shape[1],), lambda c: e_bk[0] + e_f[c], name="e_grp")
     rows = te.compute(shape, dxa, name="dxa_row") if cached_rows else None
     acc = (lambda n, c, s: rows[n, c, s]) if rows is not None else dxa
-    sh, e_out = _common_shift(shape, acc, e_grp, bits)
     lead = [*inputs, s_in, key4]
-    shift = _func([*lead, e_bk, f16, e_f, e_grp, sh, e_out], f"{name}_shift")
+    if channels:
+        amax = channel_abs_max(shape, acc)
+        shift = _func([*lead, e_bk, f16, e_f, e_grp, amax], f"{name}_amax")
+    else:
+        sh, e_out = _common_shift(shape, acc, e_grp, bits)
+        shift = _func([*lead, e_bk, f16, e_f, e_grp, sh, e_out], f"{name}_shift")
     if cached_rows:
         shift = _row_cached(shift, "dxa_row", "amax_nc")
     sh_in = te.placeholder((shape[1],), I32, name="sh")

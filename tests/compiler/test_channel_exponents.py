@@ -23,6 +23,7 @@ from examples.vit import Block
 from mexc.backends.llvm import float_check as fc
 from mexc.backends.llvm.step import LlvmProgram
 from mexc.errors import UnsupportedOpError
+from mexc.lowering.step_plan import leanest
 from mexc.numerics import overflow_debug, qmax
 from tests.compiler.test_fuzz import models as random_models
 
@@ -156,6 +157,27 @@ def test_llvm_trains_bit_exact(name: str, optimizer: str, bits: int) -> None:
 def test_the_gpu_plan_trains_bit_exact_on_the_host(name: str) -> None:
     ref = _program(name, 4, True)
     _same_training(ref, LlvmProgram(_program(name, 4, True), plan_device="gpu"), _data(name))
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "lean", "pack_budget"),
+    [
+        ("FashionCNN", "cpu", True, None),
+        ("SmallResNet", "gpu", True, None),
+        ("SmallResNet", "cpu", False, 2048),
+    ],
+)
+def test_lean_and_chunked_plans_are_bit_exact(
+    name: str, device: str, lean: bool, pack_budget: int | None
+) -> None:
+    """Channel maxima scanned chunk by chunk from each GEMM's C, then rounded from C again
+    (every product and batch-norm gradient at its leanest); products over batch chunks whose Cs
+    lie side by side (a small pack budget)."""
+    prog = _program(name, 4, True)
+    levels = leanest(prog, device) if lean else {}
+    assert not lean or levels
+    other = LlvmProgram(prog, plan_device=device, lean=levels, pack_budget=pack_budget)
+    _same_training(_program(name, 4, True), other, _data(name, steps=3))
 
 
 class _Tokens(nn.Module):
