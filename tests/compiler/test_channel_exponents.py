@@ -180,6 +180,42 @@ def test_lean_and_chunked_plans_are_bit_exact(
     _same_training(_program(name, 4, True), other, _data(name, steps=3))
 
 
+class _ManyOps(nn.Module):
+    """Batch norm, hardswish, sigmoid times SiLU, a grouped and a strided convolution, average
+    and overlapping max pooling, ReLU6 and a concatenation: each op's compaction forms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+        self.c3 = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = nn.functional
+        a = f.hardswish(self.bn(self.c1(x)))
+        b = torch.sigmoid(self.c2(a)) * f.silu(self.c3(f.avg_pool2d(a, 2)))
+        c = torch.cat([b, f.max_pool2d(f.relu6(b), 3, 1, 1)], 1)
+        return self.fc(f.avg_pool2d(c, 2).flatten(1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_many_ops_train_bit_exact(device: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 1, 8, 8, generator=g) * 3, torch.randint(0, 10, (4,), generator=g))]
+    data *= 3
+
+    def program() -> mexc.Program:
+        torch.manual_seed(0)
+        opt = mexc.SGD(0.05, 0.9, weight_decay=1e-3)
+        return mexc.compile(_ManyOps(), (data[0][0],), opt, bits=4)  # on by default below 8
+
+    ref = program()
+    assert ref.options.channel_exponents
+    _same_training(ref, LlvmProgram(program(), device), data)
+
+
 class _Tokens(nn.Module):
     """Patches as tokens through a transformer block (layer norm, attention, GELU MLP, the
     positional sum) and a token mean: a linear layer's result rounds per feature (its rows
