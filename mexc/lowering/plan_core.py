@@ -726,44 +726,72 @@ class PlanBuilder:
         out = self.out(n, result, I8, form.out_shape)
         e_out = self.out_exp(n, result)
         name, host = f"n{n.id}_ch{site}", self.device.gemm.host_scheduled
-        key = self.keys(n, (site,), f"key{site}", self.elements(out))
         if not lean:
+            key = self.keys(n, (site,), f"key{site}", self.elements(out))
             c, c_shape = self.gemm(ch, None)
             whole = form if ch.count == 1 else gf.chunks_in_c(ch.chunk.form, ch.count)
             amax = self.buf(f"n{n.id}.amax{site}", (channels,), I32)
             self.launch(channel_max_from_c(whole, c_shape, channels, name), (c, amax))
             sh, up = self.channel_shifts(n, amax, e_in, site, e_out)
             self.channel_shifts_of[(n.id, site)] = (sh, up)
-            apply = channel_compact_from_c(whole, c_shape, self.stochastic, name, schedule=host)
-            self.launch(apply, (c, sh, up, key, out))
+            rounding = channel_compact_from_c(whole, c_shape, self.stochastic, name, schedule=host)
+            self.launch(rounding, (c, sh, up, key, out))
             return
-        count, piece = ch.count, ch.chunk.form.out_shape
-        gemm = self.device.gemm.prepare(self, ch.chunk)
-        c = self.buf(f"{ch.chunk.form.name}.c", gemm.c_shape, I32)
-        slot = -(-channels // SLOT_I32) * SLOT_I32  # 64-byte aligned slots, one per chunk
-        slots = self.buf(f"n{n.id}.slots{site}", (count, slot), I32)
+        stochastic, chunk = self.stochastic, ch.chunk.form
+
+        def apply(c_shapes: list[tuple[int, int, int]], tag: str) -> tirx.PrimFunc:
+            c = c_shapes[0]
+            return channel_compact_from_c(chunk, c, stochastic, tag, offset=True, schedule=host)
+
+        self.channel_lean_compaction(n, [ch], apply, out, chunk.out_shape, e_in, site, result)
+
+    def channel_lean_compaction(
+        self,
+        n: Node,
+        parts: list[Chunks],
+        apply: Callable[[list[tuple[int, int, int]], str], tirx.PrimFunc],
+        out: str,
+        piece: Shape,
+        e_in: str,
+        site: int = 0,
+        result: int = 0,
+    ) -> None:
+        """lean_compaction with channel exponents: every chunk's GEMMs, each C's channel maxima
+        (axis 1 of its form's result, the result's channels) into a 64-byte slot, their maximum,
+        the shifts; then chunk by chunk again (the last first: its Cs are still there) `apply`
+        with parameters (every part's C, sh, up, key, off, m)."""
+        count = parts[0].count
+        channels = parts[0].chunk.form.out_shape[1]
+        gemms = [self.device.gemm.prepare(self, p.chunk) for p in parts]
+        cs = [self.buf(f"{p.chunk.form.name}.c", g.c_shape, I32) for p, g in zip(parts, gemms)]
+        slot = -(-channels // SLOT_I32) * SLOT_I32  # 64-byte aligned slots
+        slots = self.buf(f"n{n.id}.slots{site}", (count * len(parts), slot), I32)
         for j in range(count):
-            gemm.launch(ch.operands[j], c, f"_k{j}")
-            self.gemm_work(ch.chunk.form)
-            func = channel_max_from_c(ch.chunk.form, gemm.c_shape, slot, f"{name}_k{j}")
-            self.launch(func, (c, self.view_at(slots, (slot,), j * slot)))
+            for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
+                g.launch(p.operands[j], c, f"_k{j}")
+                self.gemm_work(p.chunk.form)
+                name = f"{p.chunk.form.name}_ch_k{j}"
+                func = channel_max_from_c(p.chunk.form, g.c_shape, slot, name)
+                at = (j * len(parts) + i) * slot
+                self.launch(func, (c, self.view_at(slots, (slot,), at)))
         amax = self.buf(f"n{n.id}.amax{site}", (channels,), I32)
-        self.launch(slot_max(count, slot, channels, name), (slots, amax))
-        sh, up = self.channel_shifts(n, amax, e_in, site, e_out)
+        name = f"n{n.id}_ch{site}"
+        self.launch(slot_max(count * len(parts), slot, channels, name), (slots, amax))
+        sh, up = self.channel_shifts(n, amax, e_in, site, self.e[n.result(result)])
         self.channel_shifts_of[(n.id, site)] = (sh, up)
+        key = self.keys(n, (site,), f"key{site}", self.elements(out))
         per = int(np.prod(piece))
         starts = np.zeros((count, KEY_ALIGN), np.int64)
         starts[:, 0] = np.arange(count) * per
         offs = self.const(f"n{n.id}.off{site}", starts, I64)
-        func = channel_compact_from_c(
-            ch.chunk.form, gemm.c_shape, self.stochastic, name, offset=True, schedule=host
-        )
-        for j in reversed(range(count)):  # the last chunk first: its C is still there
+        func = apply([g.c_shape for g in gemms], name)
+        for j in reversed(range(count)):
             if j < count - 1:
-                gemm.launch(ch.operands[j], c, f"_r{j}")
-                self.gemm_work(ch.chunk.form)
+                for p, g, c in zip(parts, gemms, cs):
+                    g.launch(p.operands[j], c, f"_r{j}")
+                    self.gemm_work(p.chunk.form)
             off = self.view_at(offs, (1,), j * KEY_ALIGN)
-            args = (c, sh, up, key, off, self.view_at(out, piece, j * per))
+            args = (*cs, sh, up, key, off, self.view_at(out, piece, j * per))
             self.launch(tagged(func, f"_r{j}"), args)
 
     def lean_compaction(

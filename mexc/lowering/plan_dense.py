@@ -336,7 +336,7 @@ class DenseRules(PlanBuilder):
         phases = subpixel.phases(f"n{n.id}_dx", g)
         by_phase = (g.n, g.c, g.h // g.sh, g.sh, g.w // g.sw, g.sw)
         tag = f"n{n.id}_dx_merge"
-        lean = self.lean_product(n)
+        lean = self.lean_product(n, channel_form=True)
         parts: list[Chunks] = []
         for i, p in enumerate(phases):
             if p.form is None:
@@ -359,10 +359,18 @@ class DenseRules(PlanBuilder):
             bits, stochastic = self.bits, self.stochastic
             present = subpixel.phases(f"n{n.id}_dx", sub)
 
-            def apply(c_shapes: list[tuple[int, int, int]], name: str) -> tirx.PrimFunc:
-                return subpixel.merge_from_c(sub, present, c_shapes, bits, stochastic, name)
+            channels = self.channel_site(n)
 
-            self.lean_compaction(n, parts, apply, out, piece, e_acc)
+            def apply(c_shapes: list[tuple[int, int, int]], name: str) -> tirx.PrimFunc:
+                return subpixel.merge_from_c(
+                    sub, present, c_shapes, bits, stochastic, name, channels=channels
+                )
+
+            if channels:
+                self.out_exp(n, 0)
+                self.channel_lean_compaction(n, parts, apply, out, piece, e_acc)
+            else:
+                self.lean_compaction(n, parts, apply, out, piece, e_acc)
             return
         outs = []
         for p, ch in zip((p for p in phases if p.form is not None), parts):

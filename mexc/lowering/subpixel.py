@@ -27,6 +27,7 @@ from mexc.lowering.gemm_forms import GemmForm, Operand
 from mexc.lowering.te_compaction import _flat_index, compacted, fused_compaction
 from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_products import ConvGeom
+from mexc.numerics import CONTAINER_BITS
 
 I32 = "int32"
 
@@ -154,11 +155,14 @@ def merge_from_c(
     bits: int,
     stochastic: bool,
     name: str,
+    channels: bool = False,
 ) -> tirx.PrimFunc:
     """The lean merge's apply for the samples of `g` (one chunk of the batch): every phase read
     straight from its GEMM's C (form.out_at), interleaved as merge_compaction does and rounded,
     keyed by the by-phase flat index plus off[0] (the chunk's first element in the whole
-    result). Parameters (one C per phase with a form, in order, s, key, off, m by phase)."""
+    result). Parameters (one C per phase with a form, in order, s, key, off, m by phase).
+    `channels` (channel exponents, te_channels.channel_apply): each channel c rounded by its
+    shift sh[c] and lifted by up[c]; parameters (the Cs, sh, up, key, off, m)."""
     hc, wc = g.h // g.sh, g.w // g.sw
     forms = [p for p in present if p.form is not None]
     cs = [te.placeholder(shape, I32, name=f"c{p.py}{p.px}") for p, shape in zip(forms, c_shapes)]
@@ -169,9 +173,18 @@ def merge_from_c(
 
     merged = _interleave([(p.py, p.px, _reader(buf, p.form)) for p, buf in zip(forms, cs)])
 
+    sh = te.placeholder((g.c,), I32, name="sh")
+    up = te.placeholder((g.c,), I32, name="up")
+
     def body(n, c, yy, py, xx, px):
         flat = _flat_index(shape, (n, c, yy, py, xx, px)) + off[0]
-        return compacted(merged(n, c, yy, py, xx, px), s_in[0], key[0], flat, bits, stochastic)
+        v = merged(n, c, yy, py, xx, px)
+        if not channels:
+            return compacted(v, s_in[0], key[0], flat, bits, stochastic)
+        # every channel's rounding fits qmax(B): the int8 bound clips nothing
+        r = compacted(v, sh[c], key[0], flat, CONTAINER_BITS, stochastic, 0).astype(I32)
+        return (r << up[c]).astype("int8")
 
     m = te.compute(shape, body, name="m")
-    return prim_func([*cs, s_in, key, off, m], f"{name}_apply")
+    scales = [sh, up] if channels else [s_in]
+    return prim_func([*cs, *scales, key, off, m], f"{name}_apply")
