@@ -136,10 +136,8 @@ def _same_training(ref: mexc.Program, other: mexc.Program, data: list) -> None:
     ("name", "optimizer", "bits"),
     [
         ("FashionCNN", "sgd", 4),
-        ("SmallResNet", "sgd", 4),
-        ("MobileNetV2Tiny", "sgd", 6),
+        ("SmallResNet", "sgd", 6),
         ("MLP", "adamw", 4),
-        ("SmallResNet", "adamw", 6),
     ],
 )
 def test_llvm_trains_bit_exact(name: str, optimizer: str, bits: int) -> None:
@@ -233,8 +231,8 @@ class _Tokens(nn.Module):
         return self.head(self.block(x + self.pos).mean(dim=1))
 
 
-@pytest.mark.parametrize("device", ["cpu", "gpu"])
-def test_a_transformer_block_trains_bit_exact(device: str) -> None:
+def test_a_transformer_block_trains_bit_exact_on_the_gpu_plan() -> None:
+    """(The llvm plan of the ViT: the data-parallel test, tests/distributed.)"""
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))]
     data *= 3
@@ -246,10 +244,10 @@ def test_a_transformer_block_trains_bit_exact(device: str) -> None:
             _Tokens(), (data[0][0],), opt, bits=4, target=target, channel_exponents=True
         )
 
-    _same_training(program("reference"), LlvmProgram(program("reference"), device), data)
+    _same_training(program("reference"), LlvmProgram(program("reference"), "gpu"), data)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(model=random_models(), bits=st.sampled_from([4, 6]), seed=st.integers(0, 2**16))
 def test_random_models_train_bit_exact_on_llvm(model: nn.Module, bits: int, seed: int) -> None:
     x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
