@@ -30,7 +30,13 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 
 from mexc.lowering.gemm_forms import GemmForm
-from mexc.lowering.te_compaction import LANE_REDUCE, _flat_index, compacted, where
+from mexc.lowering.te_compaction import (
+    LANE_REDUCE,
+    _flat_index,
+    channel_compacted,
+    compacted,
+    where,
+)
 from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_products import has_block
 from mexc.lowering.x86_int8 import BYTE_KERNELS, COLUMNS, DEPTH
@@ -588,8 +594,8 @@ def channel_compact_from_c(
 
     def body(*idx):
         flat = _flat_index(form.out_shape, idx) + (off[0] if offset else 0)
-        v = compacted(cin[form.out_at(*idx)], sh[idx[1]], key[0], flat, 8, stochastic, 0)
-        return (v.astype(I32) << up[idx[1]]).astype("int8")
+        c = idx[1]
+        return channel_compacted(cin[form.out_at(*idx)], sh[c], up[c], key[0], flat, stochastic)
 
     m = te.compute(form.out_shape, body, name="m")
     params = [cin, sh, up, key, off, m] if offset else [cin, sh, up, key, m]

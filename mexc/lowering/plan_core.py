@@ -34,7 +34,7 @@ from mexc.numerics import CONTAINER_BITS, product_cap, site_rounding
 from mexc.program import Program
 
 if TYPE_CHECKING:
-    from mexc.lowering.devices import Device
+    from mexc.lowering.devices import ChunkGemm, Device
 
 I8, I32, I64 = "int8", "int32", "int64"
 KEY_ALIGN = 8  # int64 keys per 64 bytes
@@ -445,8 +445,7 @@ class PlanBuilder:
         """Buffer `name` holding result `result` of n (C order) as (N, C, S): the channels on
         axis 1 of `shape` (the result's own by default; a linear layer's reference computes on
         the (rows, features) view of its (..., K) operands: ops.common.rows)."""
-        shape = shape or self.shape(n.result(result))
-        ncs = (shape[0], shape[1], int(np.prod(shape[2:])))
+        ncs = ncs_of(shape or self.shape(n.result(result)))
         return self.view(name, ncs), ncs
 
     def channel_shifts(
@@ -461,7 +460,8 @@ class PlanBuilder:
     ) -> tuple[str, str]:
         """The (sh, up) buffers of a channel compaction from the channel maxima `amax` (agreed
         between data-parallel workers first, unless the caller did: `agreed`) and exponent e_in
-        (one, or one per channel); the frame F into `e_out`."""
+        (one, or one per channel); the frame F into `e_out`. Kept as the (n, site) entry of
+        channel_shifts_of (a recomputed copy rounds with them)."""
         channels = self.buffer_shape(amax)[0]
         if self.rows and not agreed:
             self.agree("all_max", amax)
@@ -476,6 +476,7 @@ class PlanBuilder:
             passthrough=passthrough,
         )
         self.launch(func, (amax, e_in, sh, up, e_out))
+        self.channel_shifts_of[(n.id, site)] = (sh, up)
         return sh, up
 
     def channel_compact(
@@ -500,7 +501,6 @@ class PlanBuilder:
         amax = self.buf(f"n{n.id}.amax{site}", (ncs[1],), I32)
         self.launch(te_norm_split.channel_max(ncs, f"{tag}_amax"), (acc3, amax))
         sh, up = self.channel_shifts(n, amax, e_in, site, self.out_exp(n, result), passthrough)
-        self.channel_shifts_of[(n.id, site)] = (sh, up)
         m3, _ = self.channel_view(n, out or self.out(n, result, I8), result, channel_shape)
         key = self.keys(n, (site,), f"key{site}", int(np.prod(ncs)))
         apply = channel_apply(ncs, self.stochastic, tag)
@@ -510,9 +510,8 @@ class PlanBuilder:
     def channel_lift(self, n: Node, m: str, up: str, shape: Shape, site: int) -> None:
         """m <<= up_c in place: the frame shift of int8 mantissas rounded per channel (axis 1
         of `shape`) by a kernel of their own."""
-        ncs = (shape[0], shape[1], int(np.prod(shape[2:])))
-        m3 = self.view(m, ncs)
-        self.launch(channel_lift(ncs, f"n{n.id}_ch{site}"), (m3, up, m3))
+        m3 = self.ncs_view(m, shape)
+        self.launch(channel_lift(ncs_of(shape), f"n{n.id}_ch{site}"), (m3, up, m3))
 
     def global_count(self, local: int) -> int:
         """The whole batch's count of a sum over the batch axis of `local` terms here (a K or
@@ -617,7 +616,6 @@ class PlanBuilder:
                 amax = self.buf(f"n{n.id}.amax{site}", (shape[1],), I32)
                 self.launch(cmax, (*inputs, amax, e_acc))
                 sh, up = self.channel_shifts(n, amax, e_acc, site, self.out_exp(n, 0))
-                self.channel_shifts_of[(n.id, site)] = (sh, up)
                 key = self.keys(n, (site,), f"key{site}", self.elements(out))
                 self.launch(capply, (*inputs, sh, up, key, out))
                 return ""
@@ -644,8 +642,8 @@ class PlanBuilder:
     @property
     def agreed_slot(self) -> int:
         """The `agreed` argument of te_compaction.fused_compaction for the node whose rule
-        runs: a slot's int32 for a data-parallel worker's node, else 0 (one process); STORED
-        under channel exponents (the value stored, then compacted per channel)."""
+        runs: a slot's int32 for a data-parallel worker's node, else 0 (one process); CHANNELS
+        under channel exponents (compact_unstored picks among its forms)."""
         if self.channels:
             return CHANNELS
         return SLOT_I32 if self.rows else 0
@@ -680,8 +678,9 @@ class PlanBuilder:
         """Result `result` (0) of n = the compaction (rounding site `site`, 0) of a product, as
         the device's GEMM strategy does it: on the host straight from the GEMM's C (no unpacked
         accumulator: `compact_from_c`), on a GPU as gemm + compact; `lean`: scan, then round,
-        chunk by chunk (`lean_compaction`). Under channel exponents the accumulator is stored,
-        then compacted per channel of `channel_shape` (`compact`)."""
+        chunk by chunk (`lean_compaction`). Under channel exponents, per channel of
+        `channel_shape`: straight from C where those are axis 1 of the product's result
+        (`channel_product`), else from the stored accumulator (`compact`)."""
         if self.channel_site(n, result) and self.channels_from_c(n, ch, result, channel_shape):
             self.channel_product(n, ch, e_in, site, result, lean)
             return
@@ -733,7 +732,6 @@ class PlanBuilder:
             amax = self.buf(f"n{n.id}.amax{site}", (channels,), I32)
             self.launch(channel_max_from_c(whole, c_shape, channels, name), (c, amax))
             sh, up = self.channel_shifts(n, amax, e_in, site, e_out)
-            self.channel_shifts_of[(n.id, site)] = (sh, up)
             rounding = channel_compact_from_c(whole, c_shape, self.stochastic, name, schedule=host)
             self.launch(rounding, (c, sh, up, key, out))
             return
@@ -766,32 +764,63 @@ class PlanBuilder:
         cs = [self.buf(f"{p.chunk.form.name}.c", g.c_shape, I32) for p, g in zip(parts, gemms)]
         slot = -(-channels // SLOT_I32) * SLOT_I32  # 64-byte aligned slots
         slots = self.buf(f"n{n.id}.slots{site}", (count * len(parts), slot), I32)
-        for j in range(count):
-            for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
-                g.launch(p.operands[j], c, f"_k{j}")
-                self.gemm_work(p.chunk.form)
-                name = f"{p.chunk.form.name}_ch_k{j}"
-                func = channel_max_from_c(p.chunk.form, g.c_shape, slot, name)
-                at = (j * len(parts) + i) * slot
-                self.launch(func, (c, self.view_at(slots, (slot,), at)))
+
+        def scan(j: int, i: int, p: Chunks, g: ChunkGemm, c: str) -> None:
+            func = channel_max_from_c(p.chunk.form, g.c_shape, slot, f"{p.chunk.form.name}_ch_k{j}")
+            self.launch(func, (c, self.view_at(slots, (slot,), (j * len(parts) + i) * slot)))
+
+        self.scan_chunks(parts, gemms, cs, scan)
         amax = self.buf(f"n{n.id}.amax{site}", (channels,), I32)
         name = f"n{n.id}_ch{site}"
         self.launch(slot_max(count * len(parts), slot, channels, name), (slots, amax))
         sh, up = self.channel_shifts(n, amax, e_in, site, self.e[n.result(result)])
-        self.channel_shifts_of[(n.id, site)] = (sh, up)
+        func = apply([g.c_shape for g in gemms], name)
+        self.round_chunks(n, parts, gemms, cs, func, (sh, up), out, piece, site)
+
+    def scan_chunks(
+        self,
+        parts: list[Chunks],
+        gemms: list[ChunkGemm],
+        cs: list[str],
+        scan: Callable[[int, int, Chunks, ChunkGemm, str], None],
+    ) -> None:
+        """The scan pass of a lean compaction: chunk j of every part i through its GEMM into
+        the part's C, then scan(j, i, part, gemm, C) (the maximum's kernel)."""
+        for j in range(parts[0].count):
+            for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
+                g.launch(p.operands[j], c, f"_k{j}")
+                self.gemm_work(p.chunk.form)
+                scan(j, i, p, g, c)
+
+    def round_chunks(
+        self,
+        n: Node,
+        parts: list[Chunks],
+        gemms: list[ChunkGemm],
+        cs: list[str],
+        func: tirx.PrimFunc,
+        scales: tuple[str, ...],
+        out: str,
+        piece: Shape,
+        site: int,
+    ) -> None:
+        """The rounding pass of a lean compaction: chunk by chunk, the last first (its Cs are
+        still there from the scan: one GEMM fewer), every part's GEMM again, then `func` with
+        parameters (every part's C, *scales, key, off, m): chunk j of the result is the
+        contiguous `piece` j of `out`, whose keys' flat indices start at off[0]."""
+        count = parts[0].count
         key = self.keys(n, (site,), f"key{site}", self.elements(out))
         per = int(np.prod(piece))
         starts = np.zeros((count, KEY_ALIGN), np.int64)
         starts[:, 0] = np.arange(count) * per
         offs = self.const(f"n{n.id}.off{site}", starts, I64)
-        func = apply([g.c_shape for g in gemms], name)
         for j in reversed(range(count)):
             if j < count - 1:
                 for p, g, c in zip(parts, gemms, cs):
                     g.launch(p.operands[j], c, f"_r{j}")
                     self.gemm_work(p.chunk.form)
             off = self.view_at(offs, (1,), j * KEY_ALIGN)
-            args = (*cs, sh, up, key, off, self.view_at(out, piece, j * per))
+            args = (*cs, *scales, key, off, self.view_at(out, piece, j * per))
             self.launch(tagged(func, f"_r{j}"), args)
 
     def lean_compaction(
@@ -818,35 +847,22 @@ class PlanBuilder:
         # one 64-byte slot per chunk and part (kernel arguments are 64-byte aligned)
         slots = count * len(parts)
         amax = self.buf(f"n{n.id}.amax{site}", (slots, SLOT_I32), I32)
-        for j in range(count):
-            for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
-                g.launch(p.operands[j], c, f"_k{j}")
-                self.gemm_work(p.chunk.form)
-                rows = (g.c_shape[0] * g.c_shape[1], g.c_shape[2])
-                func = abs_max_kernel(rows, f"{p.chunk.form.name}_amax_k{j}", SLOT_I32)
-                slot = self.view_at(amax, (SLOT_I32,), (j * len(parts) + i) * SLOT_I32)
-                self.launch(func, (self.view(c, rows), slot))
+
+        def scan(j: int, i: int, p: Chunks, g: ChunkGemm, c: str) -> None:
+            rows = (g.c_shape[0] * g.c_shape[1], g.c_shape[2])
+            func = abs_max_kernel(rows, f"{p.chunk.form.name}_amax_k{j}", SLOT_I32)
+            slot = self.view_at(amax, (SLOT_I32,), (j * len(parts) + i) * SLOT_I32)
+            self.launch(func, (self.view(c, rows), slot))
+
+        self.scan_chunks(parts, gemms, cs, scan)
         name = f"n{n.id}_c{site}"
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
         if self.rows:
             self.agree("all_max", amax)
         shift = compaction_shift((slots, SLOT_I32), self.bits, False, name)
         self.launch(shift, (amax, e_in, s, self.out_exp(n, result)))
-        key = self.keys(n, (site,), f"key{site}", self.elements(out))
-        per = int(np.prod(piece))
-        starts = np.zeros((count, KEY_ALIGN), np.int64)
-        starts[:, 0] = np.arange(count) * per
-        offs = self.const(f"n{n.id}.off{site}", starts, I64)
         func = apply([g.c_shape for g in gemms], name)
-        # the last chunk first: its C is still there from the max pass (one GEMM fewer)
-        for j in reversed(range(count)):
-            for p, g, c in zip(parts, gemms, cs):
-                if j < count - 1:
-                    g.launch(p.operands[j], c, f"_r{j}")
-                    self.gemm_work(p.chunk.form)
-            off = self.view_at(offs, (1,), j * KEY_ALIGN)
-            args = (*cs, s, key, off, self.view_at(out, piece, j * per))
-            self.launch(tagged(func, f"_r{j}"), args)
+        self.round_chunks(n, parts, gemms, cs, func, (s,), out, piece, site)
 
     def gemm(
         self, ch: Chunks, out: str | None, reduce: bool = False

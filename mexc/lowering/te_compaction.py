@@ -20,7 +20,7 @@ from typing import Any
 from tvm import te, tirx
 
 from mexc.lowering.te_func import prim_func
-from mexc.numerics import GOLDEN32, qmax
+from mexc.numerics import CONTAINER_BITS, GOLDEN32, qmax
 
 I32, I64, I8 = "int32", "int64", "int8"
 
@@ -365,8 +365,7 @@ def _channel_forms(
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, idx)
-        v = compacted(value(*idx), sh[idx[1]], key[0], flat, 8, stochastic, 0)
-        return (v.astype(I32) << up[idx[1]]).astype(I8)
+        return channel_compacted(value(*idx), sh[idx[1]], up[idx[1]], key[0], flat, stochastic)
 
     m = te.compute(shape, body, name="m")
     return store, cmax, prim_func([*inputs, sh, up, key, m], f"{name}_capply")
@@ -406,3 +405,20 @@ def compacted(
     q = qmax(bits)
     v = shift_signed32(x, s, key, flat, stochastic, left_limit)
     return tirx.max(tirx.min(v, q), -q).astype(I8)
+
+
+def channel_compacted(
+    x: tirx.PrimExpr,
+    sh: tirx.PrimExpr,
+    up: tirx.PrimExpr,
+    key: tirx.PrimExpr,
+    flat: tirx.PrimExpr,
+    stochastic: bool,
+    left_limit: int = 0,
+) -> tirx.PrimExpr:
+    """One element of a channel compaction (docs/numerics.md §5): rounded by its channel's
+    shift sh (signed where left_limit > 0: a weight row's exact left shift), then lifted by up
+    into the tensor's int8 frame. Every channel's rounding fits qmax(B), so the int8 bound
+    clips nothing, and a pass-through result (sh = up = 0: max pool's) keeps its values."""
+    v = compacted(x, sh, key, flat, CONTAINER_BITS, stochastic, left_limit)
+    return (v.astype(I32) << up).astype(I8)  # |v| <= qmax(B), up <= 8 - B: inside int8
