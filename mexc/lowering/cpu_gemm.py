@@ -35,6 +35,7 @@ from mexc.lowering.te_compaction import (
     _flat_index,
     channel_compacted,
     compacted,
+    iabs,
     where,
 )
 from mexc.lowering.te_func import prim_func
@@ -560,7 +561,7 @@ def channel_max_from_c(
     def at(c: tirx.PrimExpr) -> tirx.PrimExpr:
         idx = (axes[0], c, *axes[1:])
         v = cin[form.out_at(*idx)]
-        return te.max(tirx.max(v, -v), axis=axes)
+        return te.max(iabs(v), axis=axes)
 
     amax = te.compute((channels,), at, name="amax_c")
     zero = tirx.const(0, I32)

@@ -113,8 +113,15 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
 
 
 def iabs(v: tirx.PrimExpr) -> tirx.PrimExpr:
-    """|v| without a branch (max(v, -v)); v above the type's minimum."""
-    return tirx.max(v, -v)
+    """|v| without a branch, v above the type's minimum: (v ^ s) - s with s = v >> (bits - 1)
+    (0 or -1). Not max(v, -v): nvcc 13.0's ptxas folds max(m, max(v, -v)) for sm_90 into one
+    VIMNMX3 m, v, v and drops the negation, so a GPU took the maximum of v, not of |v|
+    (H200, 2026-12-04; cuda.sass_check refuses that instruction). LLVM and ptxas both
+    recognize this form as an absolute value (vpabsd, IABS)."""
+    dtype = _dtype(v)
+    # no Let for v: TVM's bound analysis refuses a Let variable that inlining duplicates
+    sign = v >> tirx.const(int(dtype.removeprefix("int")) - 1, dtype)
+    return (v ^ sign) - sign
 
 
 def shift_signed(

@@ -104,9 +104,13 @@ def _median_seconds(run: Any, sync: Any, steps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _torch_step_time(spec: dict[str, Any], bf16: bool, steps: int) -> float:
+def _torch_step_time(spec: dict[str, Any], bf16: bool, steps: int) -> tuple[float, int]:
+    """Median step seconds and the peak bytes torch allocated on the device (model, optimizer
+    state, activations and gradients: torch.cuda.max_memory_allocated)."""
     import torch
 
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     module, name = spec["model"].split(":")
     model = getattr(importlib.import_module(module), name)().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -120,12 +124,20 @@ def _torch_step_time(spec: dict[str, Any], bf16: bool, steps: int) -> float:
         loss.backward()
         opt.step()
 
-    return _median_seconds(run, torch.cuda.synchronize, steps)
+    seconds = _median_seconds(run, torch.cuda.synchronize, steps)
+    return seconds, int(torch.cuda.max_memory_allocated())
 
 
 def time_step(folder: Path, steps: int) -> dict[str, Any]:
     """Median step times: mexc cuda, PyTorch FP32 eager, PyTorch BF16 autocast."""
+    import gc
+
+    from mexc.backends.cuda.runtime import cupy_module
+
     spec = json.loads((folder / "expected.json").read_text())["timing"]
+    gc.collect()  # the earlier folders' programs: their blocks out of CuPy's pool
+    pool = cupy_module().get_default_memory_pool()
+    pool.free_all_blocks()
     prog = load_cuda(folder)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
@@ -137,8 +149,10 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     kernels = prog.kernel_times(x, y, repeats=2)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     launches = len(prog.plan["kernels"])
-    fp32 = _torch_step_time(spec, bf16=False, steps=steps)
-    bf16 = _torch_step_time(spec, bf16=True, steps=steps)
+    device_bytes = prog.allocated_bytes()["device"]
+    pool_bytes = int(pool.total_bytes())
+    fp32, fp32_peak = _torch_step_time(spec, bf16=False, steps=steps)
+    bf16, bf16_peak = _torch_step_time(spec, bf16=True, steps=steps)
     return {
         "artifact": folder.name,
         "arch": prog.arch,
@@ -153,6 +167,13 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
         "torch_bf16_s": bf16,
         "mexc_over_fp32": mexc_s / fp32,
         "mexc_over_bf16": mexc_s / bf16,
+        # device memory: what the program allocated (state region + arena), the whole CuPy
+        # pool (those plus batch staging), and torch's peak for one FP32 / BF16 training step
+        "mexc_device_bytes": device_bytes,
+        "cupy_pool_bytes": pool_bytes,
+        "torch_fp32_peak_bytes": fp32_peak,
+        "torch_bf16_peak_bytes": bf16_peak,
+        "mexc_over_fp32_memory": pool_bytes / fp32_peak,
         "kernel_sum_s": sum(kernels.values()),
         # the roofline estimate of the GPU the artifact's cubin is for (docs/cuda.md)
         "kernel_groups": against_roofline(prog.plan, kernels, ROOFLINE_GPU[prog.arch]),
@@ -165,39 +186,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--time-steps", type=int, default=20, help="steps per timing median")
     args = ap.parse_args(argv)
-    exact, timing = [], []
+    exact: list[dict[str, Any]] = []
+    timing: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
     for folder in args.folders:
-        spec = json.loads((folder / "expected.json").read_text())
-        if spec.get("losses"):
-            exact.append(check_exact(folder))
-            r = exact[-1]
-            status = "ok " if r["exact"] else "BAD"
-            print(f"{r['artifact']:24s} {r['arch']} {status} {r['steps']} steps", end="")
-            print(f"  first differing buffer: {r['first_differing_buffer']}")
-        if spec.get("timing"):
-            timing.append(time_step(folder, args.time_steps))
-            t = timing[-1]
-            print(
-                f"{t['artifact']:24s} batch {t['batch']}: mexc {1e3 * t['mexc_cuda_s']:.2f} ms "
-                f"(graph {t['cuda_graph']}; launch by launch "
-                f"{1e3 * t['mexc_cuda_no_graph_s']:.2f} ms, {t['launches']} launches), "
-                f"FP32 {1e3 * t['torch_fp32_s']:.2f} ms, BF16 {1e3 * t['torch_bf16_s']:.2f} ms, "
-                f"mexc/FP32 {t['mexc_over_fp32']:.2f}, mexc/BF16 {t['mexc_over_bf16']:.2f}"
-            )
-            print(f"  {'kernel group':28s} measured ms  roofline ms  capped ms")
-            for group, g in sorted(
-                t["kernel_groups"].items(), key=lambda kv: -kv[1]["measured_ms"]
-            ):
-                print(
-                    f"  {group:28s} {g['measured_ms']:11.3f}  {g['roofline_ms']:11.3f}  "
-                    f"{g['capped_ms']:9.3f}"
-                )
-    bad = sum(not r["exact"] for r in exact)
-    print(f"{len(exact) - bad}/{len(exact)} artifacts bit-exact")
-    if os.environ.get("OUT"):
-        doc = {"exact": exact, "timing": timing}
-        Path(os.environ["OUT"], "cuda_check.json").write_text(json.dumps(doc, indent=1))
+        # one folder's failure (a launch error, an old CuPy) must not hide the others' results
+        try:
+            _check_folder(folder, args.time_steps, exact, timing)
+        except Exception as err:  # noqa: BLE001 - reported in the JSON, the run goes on
+            import traceback
+
+            traceback.print_exc()
+            errors.append({"artifact": folder.name, "error": f"{type(err).__name__}: {err}"})
+        _write_report(exact, timing, errors)
+    bad = sum(not r["exact"] for r in exact) + len(errors)
+    print(f"{len(exact) - sum(not r['exact'] for r in exact)}/{len(exact)} artifacts bit-exact")
+    if errors:
+        print(f"{len(errors)} folder(s) failed: {errors}")
     return 1 if bad else 0
+
+
+def _write_report(exact: list, timing: list, errors: list) -> None:
+    """cuda_check.json in $OUT, rewritten after every folder (a later crash keeps the rest)."""
+    if os.environ.get("OUT"):
+        doc = {"exact": exact, "timing": timing, "errors": errors}
+        Path(os.environ["OUT"], "cuda_check.json").write_text(json.dumps(doc, indent=1))
+
+
+def _check_folder(folder: Path, time_steps: int, exact: list, timing: list) -> None:
+    """Check one artifact folder: bit-exactness, then timing where expected.json asks."""
+    spec = json.loads((folder / "expected.json").read_text())
+    if spec.get("losses"):
+        exact.append(check_exact(folder))
+        r = exact[-1]
+        status = "ok " if r["exact"] else "BAD"
+        print(f"{r['artifact']:24s} {r['arch']} {status} {r['steps']} steps", end="")
+        print(f"  first differing buffer: {r['first_differing_buffer']}")
+    if spec.get("timing"):
+        timing.append(time_step(folder, time_steps))
+        t = timing[-1]
+        print(
+            f"{t['artifact']:24s} batch {t['batch']}: mexc {1e3 * t['mexc_cuda_s']:.2f} ms "
+            f"(graph {t['cuda_graph']}; launch by launch "
+            f"{1e3 * t['mexc_cuda_no_graph_s']:.2f} ms, {t['launches']} launches), "
+            f"FP32 {1e3 * t['torch_fp32_s']:.2f} ms, BF16 {1e3 * t['torch_bf16_s']:.2f} ms, "
+            f"mexc/FP32 {t['mexc_over_fp32']:.2f}, mexc/BF16 {t['mexc_over_bf16']:.2f}"
+        )
+        print(
+            f"  device memory: mexc {t['mexc_device_bytes'] / 2**20:.1f} MiB allocated, "
+            f"CuPy pool {t['cupy_pool_bytes'] / 2**20:.1f} MiB; torch peak FP32 "
+            f"{t['torch_fp32_peak_bytes'] / 2**20:.1f} MiB, BF16 "
+            f"{t['torch_bf16_peak_bytes'] / 2**20:.1f} MiB; pool/FP32 "
+            f"{t['mexc_over_fp32_memory']:.3f}"
+        )
+        print(f"  {'kernel group':28s} measured ms  roofline ms  capped ms")
+        for group, g in sorted(t["kernel_groups"].items(), key=lambda kv: -kv[1]["measured_ms"]):
+            print(
+                f"  {group:28s} {g['measured_ms']:11.3f}  {g['roofline_ms']:11.3f}  "
+                f"{g['capped_ms']:9.3f}"
+            )
 
 
 if __name__ == "__main__":

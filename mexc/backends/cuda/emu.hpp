@@ -107,14 +107,19 @@ inline void wait_at(int kind) {
 
 inline void __syncthreads() { mexc_emu::wait_at(mexc_emu::AT_BLOCK_BARRIER); }
 inline void __syncwarp(unsigned = 0xffffffffu) { mexc_emu::wait_at(mexc_emu::AT_WARP_BARRIER); }
-inline unsigned __activemask() { return 0xffffffffu; }
+// no __activemask(): the build writes every shuffle's mask in (mexc/backends/cuda/source.py)
 
 template <class T>
-inline T mexc_emu_exchange(T v, int src) {
+inline T mexc_emu_exchange(T v, int src, unsigned mask) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
     using namespace mexc_emu;
     if (g.current == nullptr) {
         g.error = "a warp collective ran outside a fiber (kernel not marked as syncing)";
+        return v;
+    }
+    // a GPU leaves a shuffle undefined when the caller or its source lane is not in the mask
+    if (!((mask >> lane()) & 1u) || !((mask >> (src % WARP)) & 1u)) {
+        g.error = "a warp shuffle whose mask leaves out its own or its source lane";
         return v;
     }
     // Buffers alternate per collective: a lane writes buffer b again only two collectives
@@ -131,27 +136,27 @@ inline T mexc_emu_exchange(T v, int src) {
 }
 
 template <class T>
-inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
     int l = mexc_emu::lane();
-    return mexc_emu_exchange(v, (l / width) * width + (src_lane % width));
+    return mexc_emu_exchange(v, (l / width) * width + (src_lane % width), mask);
 }
 template <class T>
-inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
     int l = mexc_emu::lane();
     int src = (l % width) + int(delta) < width ? l + int(delta) : l;
-    return mexc_emu_exchange(v, src);
+    return mexc_emu_exchange(v, src, mask);
 }
 template <class T>
-inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
     int l = mexc_emu::lane();
     int src = (l % width) >= int(delta) ? l - int(delta) : l;
-    return mexc_emu_exchange(v, src);
+    return mexc_emu_exchange(v, src, mask);
 }
 template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
     int l = mexc_emu::lane();
-    int src = l ^ mask;
-    return mexc_emu_exchange(v, (src / width == l / width) ? src : l);
+    int src = l ^ lane_mask;
+    return mexc_emu_exchange(v, (src / width == l / width) ? src : l, mask);
 }
 
 template <class A, class B>

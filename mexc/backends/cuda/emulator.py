@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from mexc.backends.cuda.program import StepArtifact, refuse_without_workers, segments
+from mexc.backends.cuda.source import kernel_bodies
 from mexc.backends.plan_layout import POISON, carve, carve_separate, nbytes, region_bytes
 from mexc.backends.plan_runtime import PlanProgram, collective, window
 from mexc.errors import MexcError
@@ -50,23 +51,12 @@ CXX_FLAGS = (
     "-w",
 )
 # a kernel with any of these needs its block's threads as fibers
-SYNCING = re.compile(r"__syncthreads|__syncwarp|__shfl|__activemask")
+SYNCING = re.compile(r"__syncthreads|__syncwarp|__shfl")
 SHARED_ALIGNED = re.compile(r"__shared__ (alignas\(\d+\))")
-KERNEL_DEF = re.compile(
-    r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\)\s*\{'
-)
 
 
 class EmulatorError(MexcError):
     """The emulator could not build or run an artifact's kernels."""
-
-
-def kernel_bodies(source: str) -> dict[str, str]:
-    """Each kernel's definition text in TVM's CUDA source, by symbol (a body runs to the next
-    definition; declarations without a body are skipped)."""
-    starts = [(m.start(), m.group(1)) for m in KERNEL_DEF.finditer(source)]
-    ends = [s for s, _ in starts[1:]] + [len(source)]
-    return {name: source[s:e] for (s, name), e in zip(starts, ends)}
 
 
 def emulator_source(cuda_source: str) -> str:
@@ -75,6 +65,13 @@ def emulator_source(cuda_source: str) -> str:
     first = cuda_source.find('extern "C"')
     if first < 0:
         raise EmulatorError("the CUDA source holds no kernel")
+    if "__activemask" in cuda_source:
+        # a GPU since Volta does not make __activemask() the lanes that reach a shuffle; the
+        # emulator, always converged, would hide that (mexc.backends.cuda.source)
+        raise EmulatorError(
+            "the CUDA source takes a warp shuffle's mask from __activemask(), which a GPU does "
+            "not guarantee; rebuild the artifact with this version of mexc"
+        )
     body = SHARED_ALIGNED.sub(r"\1 static", cuda_source[first:])  # C++: alignas before static
     return f'#include "{HEADER.name}"\n' + body
 

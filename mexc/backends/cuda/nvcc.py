@@ -87,11 +87,21 @@ def sass_opcodes(cubin: Path) -> dict[str, Counter[str]]:
     return kernels
 
 
+# a three-input min/max whose first two sources are one register: what nvcc 13.0's ptxas made
+# of max(m, max(v, -v)) for sm_90, the negation lost (te_compaction.iabs; sass_check refuses it)
+SAME_SOURCES = ".SAME_SOURCES"
+
+
 def _normalize(opcode: str, operands: str) -> str:
     """ptxas materializes constants with `HFMA2.MMA Rd, -RZ, RZ, a, b` (= a register move on the
-    FMA pipe, computing 0 * 0 + constant): count it as a move, not as half-precision math."""
+    FMA pipe, computing 0 * 0 + constant): count it as a move, not as half-precision math. A
+    VIMNMX3 with two equal sources is marked SAME_SOURCES."""
     if opcode == "HFMA2.MMA" and re.match(r"\s*R\d+, -RZ, RZ,", operands):
         return "MOV.HFMA2"
+    if opcode.startswith("VIMNMX3"):
+        srcs = [o.strip() for o in operands.split(";")[0].split(",")[1:3]]
+        if len(srcs) == 2 and srcs[0] == srcs[1] and srcs[0] != "RZ":
+            return opcode + SAME_SOURCES
     return opcode
 
 

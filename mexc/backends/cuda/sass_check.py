@@ -6,7 +6,9 @@ run on every build (`python bench/cuda_build.py --check`).
 - every kernel the plan launches is in the cubin of every architecture;
 - every GEMM kernel runs on integer MMA units (IMMA with the tensor-core schedule, IDP.4A with
   dp4a) and nothing else of the kind;
-- every kernel argument is a plan buffer or view, every launch shape is valid.
+- every kernel argument is a plan buffer or view, every launch shape is valid;
+- no three-input min/max with two equal sources: ptxas's miscompile of max(m, max(v, -v)) for
+  sm_90 (nvcc 13.0; te_compaction.iabs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mexc.backends.cuda.nvcc import float_opcodes, integer_mma, sass_opcodes
+from mexc.backends.cuda.nvcc import SAME_SOURCES, float_opcodes, integer_mma, sass_opcodes
 
 FLOAT_SOURCE = re.compile(
     r"\b(float|double|half|__half2?|__nv_bfloat16)\b"
@@ -71,6 +73,12 @@ def _check_sass(opcodes: dict, planned: set[str], gemms: set[str], gemm: str, ar
     ]
     problems += [f"{arch}: {k} has float instructions {float_opcodes(v)}" for k, v in
                  opcodes.items() if float_opcodes(v)]  # fmt: skip
+    problems += [
+        f"{arch}: {k} has {op}: ptxas dropped a negation (max of v and -v; te_compaction.iabs)"
+        for k, v in opcodes.items()
+        for op in v
+        if op.endswith(SAME_SOURCES)
+    ]
     for symbol in sorted(gemms & set(opcodes)):
         ops = opcodes[symbol]
         mma = sum(n for op, n in ops.items() if op.startswith(MMA_OPCODE[gemm]))

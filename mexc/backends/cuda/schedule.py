@@ -12,7 +12,8 @@ one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so
   reduction (TVM's cross-thread allreduce);
 - `lower_kernels` runs TVM's CUDA pipeline on the scheduled module, reads every kernel launch of
   the host functions (symbol, grid, block) and every device kernel's parameter order, and returns
-  them with the CUDA source.
+  them with the CUDA source, every warp shuffle's mask written in (`source.converged_warp_masks`:
+  TVM's `__activemask()` loses lanes on a GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import stmt as sst
 from tvm.tirx.build import split_host_device_mods
+
+from mexc.backends.cuda.source import converged_warp_masks
 
 THREADS = 256  # threads per block of an elementwise kernel
 REDUCE_THREADS = 128  # threads sharing one output's reduction
@@ -173,7 +176,7 @@ def lower_kernels(
             Kernel(k, _dims(e, "blockIdx"), _dims(e, "threadIdx"), params[k]) for k, e in calls
         ]
     source = tvm.get_global_func("target.build.cuda")(device_mod, dev_target).inspect_source()
-    return integer_fill(str(source)), kernels
+    return converged_warp_masks(integer_fill(str(source))), kernels
 
 
 # TVM prints the zero of an int32 WMMA accumulator fill as a float literal (converted to int by
