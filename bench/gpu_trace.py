@@ -64,7 +64,7 @@ def prepare(folder: Path, model: str, batch: int, max_bytes: int) -> None:
     from mexc.backends.cuda.emulator import load_emulated
 
     spec = mk.TARGETS[model]
-    prog = mk._program(spec[0], spec[1], batch)
+    prog = mk._program(spec[0], spec[1], batch, spec[6])
     build_step(prog, ("sm_80", "sm_90"), folder)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)

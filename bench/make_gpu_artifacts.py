@@ -8,6 +8,9 @@
   here by the host twin (the same plan's TIR through TVM's llvm target, bit-exact with the
   reference executor: tests/codegen/test_cuda_step.py);
 - resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16;
+- with --only, also vit (ViTTiny, batch 64: checked and timed), resnet18-b128-p256 (timed,
+  a 256 MiB pack budget: fewer launches, more bytes), smallresnet-b4 (B = 4: channel
+  exponents) and smallresnet-adamw (integer AdamW), both checked;
 - and beside the folder (`<out>-dp`, unless --no-dp): a data-parallel worker's artifact with its
   collectives (bench/gpu_dp_check.py --prepare), which gpu_check.sh runs as 2 workers.
 
@@ -25,6 +28,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,29 +40,48 @@ import mexc  # noqa: E402
 from mexc.backends.cuda.build import build_step  # noqa: E402
 from mexc.backends.llvm.step import LlvmProgram  # noqa: E402
 
-# name: (model "module:Class", input shape, batch, check exactness, time it)
-TARGETS = {
-    "fashion": ("examples.models:FashionCNN", (1, 28, 28), 128, True, False),
-    "resnet18": ("examples.resnet:ResNet18", (3, 32, 32), 16, True, False),
-    "resnet18-b128": ("examples.resnet:ResNet18", (3, 32, 32), 128, False, True),
-}
+# name: (model "module:Class", input shape, batch, check exactness, time it, pack budget or
+# None for the GPU plan's default, compile options: bits, optimizer "adamw")
+Target = tuple[str, tuple[int, ...], int, bool, bool, int | None, dict[str, Any]]
+TARGETS: dict[str, Target] = {
+    "fashion": ("examples.models:FashionCNN", (1, 28, 28), 128, True, False, None, {}),
+    "resnet18": ("examples.resnet:ResNet18", (3, 32, 32), 16, True, False, None, {}),
+    "resnet18-b128": ("examples.resnet:ResNet18", (3, 32, 32), 128, False, True, None, {}),
+    "vit": ("examples.vit:ViTTiny", (1, 28, 28), 64, True, True, None, {}),
+    # the launch count against the bytes: 256 MiB of packs instead of 4 (docs/cuda.md)
+    "resnet18-b128-p256": (
+        "examples.resnet:ResNet18", (3, 32, 32), 128, False, True, 1 << 28, {}
+    ),
+    # channel exponents (on by default below 8 bits) and integer AdamW
+    "smallresnet-b4": ("examples.models:SmallResNet", (1, 28, 28), 32, True, False, None,
+                       {"bits": 4}),
+    "smallresnet-adamw": ("examples.models:SmallResNet", (1, 28, 28), 32, True, False, None,
+                          {"optimizer": "adamw"}),
+}  # fmt: skip
+DEFAULT = "fashion,resnet18,resnet18-b128"
 
 
-def _program(model: str, shape: tuple[int, ...], batch: int) -> mexc.Program:
+def _program(
+    model: str, shape: tuple[int, ...], batch: int, options: dict[str, Any] | None = None
+) -> mexc.Program:
     module, name = model.split(":")
     cls = getattr(__import__(module, fromlist=[name]), name)
     torch.manual_seed(0)
-    opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4, schedule=mexc.Cosine(100, 5))
-    return mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=opt)
+    options = dict(options or {})
+    opt: Any = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4, schedule=mexc.Cosine(100, 5))
+    if options.pop("optimizer", None) == "adamw":
+        opt = mexc.AdamW(lr=1e-3, weight_decay=0.05, schedule=mexc.Cosine(100, 5))
+    return mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=opt, **options)
 
 
-def _expected(prog: mexc.Program, folder: Path, steps: int) -> dict:
+def _expected(prog: mexc.Program, folder: Path, steps: int, budget: int | None) -> dict:
     """Run the host twin on a fixed batch; what the GPU must reproduce."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
     y = rng.integers(0, prog.num_classes, prog.batch)
     np.savez(folder / "check.npz", x=x, y=y)
-    twin = LlvmProgram(prog, plan_device="gpu", layout="separate")  # every buffer digested
+    # every buffer digested; the artifact's plan, its pack budget too
+    twin = LlvmProgram(prog, plan_device="gpu", layout="separate", pack_budget=budget)
     losses, checksums, buffers = [], [], {}
     for step in range(steps):
         losses.append(twin.step(x, y))
@@ -88,21 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--archs", default="sm_80,sm_90")
     ap.add_argument("--out", default=str(ROOT / "build" / "gpu"))
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--only", default=",".join(TARGETS), help="comma-separated names")
+    ap.add_argument("--only", default=DEFAULT, help=f"comma-separated of {list(TARGETS)}")
     ap.add_argument("--emulate", action="store_true", help="run step 1 on the CPU emulator")
     ap.add_argument("--no-dp", action="store_true", help="skip the data-parallel artifact")
     args = ap.parse_args(argv)
     archs = tuple(args.archs.split(","))
     failed = False
     for name in args.only.split(","):
-        model, shape, batch, exact, timed = TARGETS[name]
+        model, shape, batch, exact, timed, budget, options = TARGETS[name]
         t0 = time.perf_counter()
-        prog = _program(model, shape, batch)
+        prog = _program(model, shape, batch, options)
         folder = Path(args.out) / name
-        man = build_step(prog, archs, folder)
+        man = build_step(prog, archs, folder, pack_budget=budget)
         doc: dict = {"model": model, "batch": batch}
         if exact:
-            doc.update(_expected(_program(model, shape, batch), folder, args.steps))
+            twin = _program(model, shape, batch, options)
+            doc.update(_expected(twin, folder, args.steps, budget))
             if args.emulate:
                 doc["emulated"] = _emulate_first_step(folder, doc)
                 failed |= not doc["emulated"]["exact"]

@@ -37,7 +37,7 @@ from mexc.arena import live_bytes
 from mexc.backends.plan_layout import lifetimes, nbytes, persistent_names
 from mexc.backends.plan_runtime import PLAN_FIELDS
 from mexc.ir import Graph, Value, needed_nodes
-from mexc.lowering.devices import Device, device_of
+from mexc.lowering.devices import Device, HostGemm, device_of
 from mexc.lowering.plan_attention import AttentionRules
 from mexc.lowering.plan_core import I64, HostLaunch, Launch, StepPlan, View, unsupported
 from mexc.lowering.plan_dense import DenseRules
@@ -82,6 +82,17 @@ LEAN_MIN_DROP = 256
 LEAN_WORK_SHARE = 0.08
 
 
+def _host_gemm(device: Device, lanes: int, gemm_kernel: str) -> tuple[int, Device, str]:
+    """(lanes, device, gemm_kernel) for a builder: the host GEMM's lanes and kernel shape a
+    host plan only. A GPU plan takes the defaults, so that the host twin on any CPU (which
+    passes its own) builds the very plan the CUDA artifact runs: the kernel's cost per MAC
+    steers the lean search, which had chunked one of SmallResNet's channel-exponent products
+    differently on this VNNI host than in the CUDA build."""
+    if isinstance(device.gemm, HostGemm):
+        return lanes, device, gemm_kernel
+    return 8, device, "int32"
+
+
 def build_plan(
     prog: Program,
     lanes: int = 8,
@@ -98,7 +109,7 @@ def build_plan(
     for measurements). `lean`: node -> lean level (PlanBuilder.lean_product: smaller chunks,
     then scan-then-round: no int32 tensor of the node's stored whole); None: chosen by
     `lean_nodes` where they lower the step's peak."""
-    args = (prog, lanes, device_of(device), gemm_kernel, pack_budget)
+    args = (prog, *_host_gemm(device_of(device), lanes, gemm_kernel), pack_budget)
     if lean is not None:
         return plan_builder(*args, lean).plan
     recompute, first = recompute_search(lambda r: plan_builder(*args, {}, r))
@@ -253,7 +264,7 @@ def build_inference_plan(
     a runtime that shares them sees the live state without copying it. No rule writes in place
     (the training step's memory plan does not hold for this subgraph), and nothing writes the
     state. Batch: the program's; plan.logits names the result."""
-    b = PlanRules(prog, lanes, device_of(device), gemm_kernel, pack_budget)
+    b = PlanRules(prog, *_host_gemm(device_of(device), lanes, gemm_kernel), pack_budget)
     b.stochastic = False  # the inference path rounds to nearest (Program.logits)
     b.in_place = set()
     out = prog.graph.output("logits")

@@ -21,7 +21,7 @@ from mexc.ir import Op
 from mexc.lowering import devices
 from mexc.lowering.devices import GPU, HOST, Device, TileGemm, device_of
 from mexc.lowering.plan_core import StepPlan, is_gemm
-from mexc.lowering.step_plan import build_plan
+from mexc.lowering.step_plan import _host_gemm, build_plan
 
 
 class Tiny(nn.Module):
@@ -126,6 +126,16 @@ def test_device_names_stand_for_the_devices(prog: mexc.Program) -> None:
     assert fingerprint(build_plan(prog, device=budget, lean={})) == fingerprint(
         build_plan(prog, device="cpu", pack_budget=2048, lean={})
     )
+
+
+def test_a_gpu_plan_does_not_depend_on_the_host_gemm(prog: mexc.Program) -> None:
+    """The host twin (LlvmProgram(plan_device="gpu")) passes its own GEMM lanes and kernel: the
+    GPU plan must still be the one the CUDA build makes with the defaults (the kernel's cost
+    per MAC steers the lean search)."""
+    assert _host_gemm(GPU, 16, "vnni_i8") == (8, GPU, "int32")
+    assert _host_gemm(HOST, 16, "vnni_i8") == (16, HOST, "vnni_i8")
+    twin = build_plan(prog, 16, GPU, "vnni_i8")
+    assert fingerprint(twin) == fingerprint(build_plan(prog, 8, GPU))
 
 
 def test_the_devices_differ_in_every_capability(prog: mexc.Program) -> None:
