@@ -7,8 +7,10 @@ GPU in lockstep.
 --prepare builds the artifact of a small training step (`--model`, `--batch`; sm_80 and sm_90),
 runs its first step through the emulator (mexc.backends.cuda.emulator, one allocation per
 buffer) and stores in trace.npz every buffer after the inputs are written and every buffer a
-kernel changed, after that kernel. On the GPU the same step runs one kernel at a time; after
-each, every buffer the kernel names is read back and compared with the emulator's. A kernel
+kernel changed, after that kernel (a buffer over --max-bytes as its SHA-256 only: such a buffer
+is compared but cannot be set back, so the kernels after a mismatch in it are suspect). On the
+GPU the same step runs one kernel at a time; after each, every buffer the kernel names is read
+back and compared with the emulator's. A kernel
 whose result differs *although its inputs were the emulator's* is a kernel the GPU computes
 differently: it is reported (symbol, buffer, how many elements differ, the first of them) and
 its buffers are set to the emulator's before the next kernel, so every later kernel is judged on
