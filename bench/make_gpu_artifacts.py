@@ -8,9 +8,10 @@
   here by the host twin (the same plan's TIR through TVM's llvm target, bit-exact with the
   reference executor: tests/codegen/test_cuda_step.py);
 - resnet18-b128 (batch 128): the artifact the GPU times against PyTorch FP32 and BF16;
-- with --only, also vit (ViTTiny, batch 64: checked and timed), resnet18-b128-p256 (timed,
-  a 256 MiB pack budget: fewer launches, more bytes), smallresnet-b4 (B = 4: channel
-  exponents) and smallresnet-adamw (integer AdamW), both checked;
+- with --only, also vit (ViTTiny, batch 64) and mobilenet (MobileNetV2Tiny, batch 128), both
+  checked and timed, resnet18-b128-p256 and -p32 (timed, a 256 or 32 MiB pack budget: fewer
+  launches, more bytes), smallresnet-b4 (B = 4: channel exponents) and smallresnet-adamw
+  (integer AdamW), both checked;
 - and beside the folder (`<out>-dp`, unless --no-dp): a data-parallel worker's artifact with its
   collectives (bench/gpu_dp_check.py --prepare), which gpu_check.sh runs as 2 workers.
 
@@ -52,6 +53,10 @@ TARGETS: dict[str, Target] = {
     "resnet18-b128-p256": (
         "examples.resnet:ResNet18", (3, 32, 32), 128, False, True, 1 << 28, {}
     ),
+    "resnet18-b128-p32": (
+        "examples.resnet:ResNet18", (3, 32, 32), 128, False, True, 1 << 25, {}
+    ),
+    "mobilenet": ("examples.models:MobileNetV2Tiny", (1, 28, 28), 128, True, True, None, {}),
     # channel exponents (on by default below 8 bits) and integer AdamW
     "smallresnet-b4": ("examples.models:SmallResNet", (1, 28, 28), 32, True, False, None,
                        {"bits": 4}),
