@@ -68,10 +68,7 @@ def prepare(folder: Path, model: str, batch: int, max_bytes: int) -> None:
     spec = mk.TARGETS[model]
     prog = mk._program(spec[0], spec[1], batch, spec[6])
     build_step(prog, ("sm_80", "sm_90"), folder)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
-    y = rng.integers(0, prog.num_classes, prog.batch)
-    np.savez(folder / "check.npz", x=x, y=y)
+    x, y = mk.check_batch(prog, folder)
     emu = load_emulated(folder, layout="separate")
     man = emu.plan
     emu._write_inputs(emu._check_x(x, exact_batch=True), emu._check_y(y, emu.batch))

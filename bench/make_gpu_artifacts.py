@@ -79,12 +79,18 @@ def _program(
     return mexc.compile(cls(), (torch.zeros(batch, *shape),), optimizer=opt, **options)
 
 
-def _expected(prog: mexc.Program, folder: Path, steps: int, budget: int | None) -> dict:
-    """Run the host twin on a fixed batch; what the GPU must reproduce."""
+def check_batch(prog: mexc.Program, folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed batch a check trains on (seed 0), also written to <folder>/check.npz."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
     y = rng.integers(0, prog.num_classes, prog.batch)
     np.savez(folder / "check.npz", x=x, y=y)
+    return x, y
+
+
+def _expected(prog: mexc.Program, folder: Path, steps: int, budget: int | None) -> dict:
+    """Run the host twin on a fixed batch; what the GPU must reproduce."""
+    x, y = check_batch(prog, folder)
     # every buffer digested; the artifact's plan, its pack budget too
     twin = LlvmProgram(prog, plan_device="gpu", layout="separate", pack_budget=budget)
     losses, checksums, buffers = [], [], {}

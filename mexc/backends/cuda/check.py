@@ -199,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             errors.append({"artifact": folder.name, "error": f"{type(err).__name__}: {err}"})
         _write_report(exact, timing, errors)
-    bad = sum(not r["exact"] for r in exact) + len(errors)
-    print(f"{len(exact) - sum(not r['exact'] for r in exact)}/{len(exact)} artifacts bit-exact")
+    inexact = sum(not r["exact"] for r in exact)
+    print(f"{len(exact) - inexact}/{len(exact)} artifacts bit-exact")
     if errors:
         print(f"{len(errors)} folder(s) failed: {errors}")
-    return 1 if bad else 0
+    return 1 if inexact or errors else 0
 
 
 def _write_report(exact: list, timing: list, errors: list) -> None:

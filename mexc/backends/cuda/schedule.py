@@ -13,7 +13,7 @@ one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so
 - `lower_kernels` runs TVM's CUDA pipeline on the scheduled module, reads every kernel launch of
   the host functions (symbol, grid, block) and every device kernel's parameter order, and returns
   them with the CUDA source, every warp shuffle's mask written in (`source.converged_warp_masks`:
-  TVM's `__activemask()` loses lanes on a GPU).
+  TVM asks `__activemask()`, which CUDA does not promise to be the lanes reaching the shuffle).
 """
 
 from __future__ import annotations

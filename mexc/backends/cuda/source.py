@@ -23,27 +23,29 @@ KERNEL_DEF = re.compile(
 _ACTIVEMASK = re.compile(r"^(?P<indent> *)(?P<lhs>[\w\[\]]+) = __activemask\(\);$", re.M)
 
 
+def _kernel_spans(source: str) -> list[tuple[int, int, str, str | None]]:
+    """(start, end, symbol, launch bounds or None) of each kernel definition in TVM's CUDA
+    source: a body runs to the next definition; declarations without a body are skipped."""
+    defs = list(KERNEL_DEF.finditer(source))
+    ends = [m.start() for m in defs[1:]] + [len(source)]
+    return [(m.start(), end, m.group(2), m.group(1)) for m, end in zip(defs, ends)]
+
+
 def kernel_bodies(source: str) -> dict[str, str]:
-    """Each kernel's definition text in TVM's CUDA source, by symbol (a body runs to the next
-    definition; declarations without a body are skipped)."""
-    starts = [(m.start(), m.group(2)) for m in KERNEL_DEF.finditer(source)]
-    ends = [s for s, _ in starts[1:]] + [len(source)]
-    return {name: source[s:e] for (s, name), e in zip(starts, ends)}
+    """Each kernel's definition text in TVM's CUDA source, by symbol."""
+    return {name: source[start:end] for start, end, name, _ in _kernel_spans(source)}
 
 
 def converged_warp_masks(source: str) -> str:
     """`source` with every `__activemask()` of a reduction replaced by the mask of the lanes
     that execute it (module docstring). Raises ValueError for a use that is not at a kernel's
     top level or whose kernel has no `__launch_bounds__`: its mask is not known statically."""
-    defs = list(KERNEL_DEF.finditer(source))
-    head = source[: defs[0].start()] if defs else source
+    spans = _kernel_spans(source)
+    head = source[: spans[0][0]] if spans else source
     if "__activemask" in head:
         raise ValueError("__activemask() outside any kernel")
-    pieces = [head]
-    for i, m in enumerate(defs):
-        end = defs[i + 1].start() if i + 1 < len(defs) else len(source)
-        pieces.append(_fix_kernel(source[m.start() : end], m.group(2), m.group(1)))
-    return "".join(pieces)
+    bodies = [_fix_kernel(source[start:end], name, bounds) for start, end, name, bounds in spans]
+    return head + "".join(bodies)
 
 
 def _fix_kernel(body: str, symbol: str, bounds: str | None) -> str:
