@@ -186,6 +186,12 @@ class PlanBuilder:
         pack_budget: int | None = None,
     ) -> None:
         self.pack_budget = device.pack_budget if pack_budget is None else pack_budget
+        # node -> the pack budget of its products, where step_plan.widen_packs let them grow
+        # into the room below the step's peak (the others take pack_budget)
+        self.wide: Mapping[int, int] = {}
+        # node -> (bytes of one chunk's packs, of the largest chunk there is) of its products
+        # that the budget split into more chunks than they need: what widen_packs may widen
+        self.chunked_packs: dict[int, tuple[int, int]] = {}
         self.lanes = lanes  # int32 lanes of the host's vectors (HostGemm's tiles)
         self.gemm_kernel = gemm_kernel  # cpu_gemm.GEMM_KERNELS (HostGemm)
         self.device = device
@@ -218,6 +224,7 @@ class PlanBuilder:
         self._users: dict[Value, list[Node]] | None = None
         self.node = -1  # the node whose rule runs (the owner of the buffers it allocates)
         self.owner: dict[str, int] = {}  # buffer -> the node that allocated it
+        self.launch_nodes: list[int] = []  # the node of each of plan.launches
         # the step's estimated work in picoseconds (MAC_PS, ELEM_PS, LAUNCH_PS): lean_nodes
         # weighs a lean node's cost by it
         self.work = 0
@@ -333,6 +340,7 @@ class PlanBuilder:
         """A data-parallel worker's collective on int32 buffer `buf` here (HostLaunch)."""
         assert kind in HOST_KINDS, kind
         self.plan.launches.append(HostLaunch(kind, (buf,)))
+        self.launch_nodes.append(self.node)
         self.work += LAUNCH_PS
 
     def launch(self, func: tirx.PrimFunc, args: tuple[str, ...]) -> None:
@@ -340,6 +348,7 @@ class PlanBuilder:
         assert symbol not in self.symbols, symbol
         self.symbols.add(symbol)
         self.plan.launches.append(Launch(func, args))
+        self.launch_nodes.append(self.node)
         elements = max((int(np.prod(self.buffer_shape(a))) for a in args), default=0)
         self.work += LAUNCH_PS + ELEM_PS * elements
 
@@ -559,7 +568,7 @@ class PlanBuilder:
         slice the result. `samples`: that chunk size, chosen by the caller."""
         full = make(batch)
         pack = self.device.gemm.pack_bytes(full.form)
-        budget = self.pack_budget
+        budget = self.wide.get(self.node, self.pack_budget)
         # per-sample bytes of every view a chunk takes: its operand slices and its piece of
         # the result (int8, the smallest); each must start on a 64-byte boundary
         steps = [] if reduce else [int(np.prod(full.form.out_shape[1:]))]
@@ -576,6 +585,13 @@ class PlanBuilder:
             samples = batch
         elif samples is None:  # the largest chunk that fits, else the smallest there is
             samples = max(fits) if fits else min(sizes, default=batch)
+            larger = [d for d in [*sizes, batch] if d > samples and d * chunks <= batch]
+            if larger:  # the budget, not the lean level, set the chunk
+                now, most = self.chunked_packs.get(self.node, (0, 0))
+                self.chunked_packs[self.node] = (
+                    max(now, pack * samples // batch),
+                    max(most, pack * max(larger) // batch),
+                )
         if samples == batch:
             return Chunks(full, full, [operands])
         chunk = make(samples)

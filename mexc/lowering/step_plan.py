@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import tvm_ffi
 from tvm import tirx
 
@@ -113,7 +114,10 @@ def build_plan(
     if lean is not None:
         return plan_builder(*args, lean).plan
     recompute, first = recompute_search(lambda r: plan_builder(*args, {}, r))
-    return lean_search(lambda chosen: plan_builder(*args, chosen, recompute), first)[1].plan
+    chosen, b = lean_search(lambda c: plan_builder(*args, c, recompute), first)
+    if pack_budget is None:  # a budget the caller chose stays every product's
+        b = widen_packs(lambda wide: plan_builder(*args, chosen, recompute, wide), b)
+    return b.plan
 
 
 # recompute_search: at most this many rounds
@@ -201,9 +205,49 @@ def lean_search(
     return chosen, b
 
 
-def plan_peak(plan: StepPlan) -> tuple[int, dict[str, int]]:
+# widen_packs: at most this many builds
+WIDEN_ROUNDS = 4
+
+
+def widen_packs(build: Callable[[Mapping[int, int]], PlanRules], b: PlanRules) -> PlanRules:
+    """The build `b` with each product that the pack budget split into chunks given a
+    budget of its own, on a device whose launches cost more than their memory
+    (Device.packs_within_peak): its chunk's packs plus the room its launches leave below the
+    step's peak (plan_peak's live bytes), so that it runs in fewer, larger chunks and the peak
+    stays. `build(wide)`: the build with node -> budget. Where a build's peak rises all the
+    same (bytes a chunk holds beyond the packs the budget counts), the widened nodes holding
+    bytes at the new peak give up the excess, and the search builds again; after
+    WIDEN_ROUNDS, `b`."""
+    if not b.device.packs_within_peak or not b.chunked_packs:
+        return b
+    peak, curve, _ = live_curve(b.plan)
+    wide: dict[int, int] = {}
+    for node, (chunk, most) in b.chunked_packs.items():
+        at = [t for t, o in enumerate(b.launch_nodes) if o == node]
+        span = curve[min(at) : max(at) + 1] if at else curve[:0]
+        room = peak - int(span.max()) if len(span) else 0
+        if room > 0:
+            wide[node] = min(chunk + room, most)
+    for _ in range(WIDEN_ROUNDS):
+        if not wide:
+            break
+        trial = build(wide)
+        trial_peak, live = plan_peak(trial.plan)
+        if trial_peak <= peak:
+            return trial
+        over = trial_peak - peak
+        holders = {trial.owner.get(name, -1) for name in live}
+        for node in holders & set(wide):
+            wide[node] -= over
+            if wide[node] <= b.chunked_packs[node][0]:
+                del wide[node]
+    return b
+
+
+def live_curve(plan: StepPlan) -> tuple[int, np.ndarray, dict[str, int]]:
     """The most arena bytes live during one launch (plan_layout's lifetimes; the persistent
-    region apart), and the bytes of each buffer live there."""
+    region apart), the live bytes at each launch, and the bytes of each buffer live at the
+    most."""
     m = plan_manifest(plan)
     args = [list(x.args) for x in plan.launches]
     life = lifetimes(m, args)
@@ -211,9 +255,17 @@ def plan_peak(plan: StepPlan) -> tuple[int, dict[str, int]]:
     sizes = {k: nbytes(s, d) for k, (s, d) in plan.buffers.items() if k in life and k not in keep}
     curve = live_bytes([(*life[k], size, k) for k, size in sizes.items()])
     if not len(curve):
-        return 0, {}
+        return 0, curve, {}
     t = int(curve.argmax())
-    return int(curve[t]), {k: z for k, z in sizes.items() if life[k][0] <= t <= life[k][1]}
+    live = {k: z for k, z in sizes.items() if life[k][0] <= t <= life[k][1]}
+    return int(curve[t]), curve, live
+
+
+def plan_peak(plan: StepPlan) -> tuple[int, dict[str, int]]:
+    """The most arena bytes live during one launch (live_curve), and the bytes of each
+    buffer live there."""
+    peak, _, live = live_curve(plan)
+    return peak, live
 
 
 def plan_builder(
@@ -224,12 +276,15 @@ def plan_builder(
     pack_budget: int | None,
     lean: Mapping[int, int],
     recompute: set[int] | None = None,
+    wide: Mapping[int, int] | None = None,
 ) -> PlanRules:
     """The builder after every op's rule has run (its plan, its lean candidates and work);
-    `recompute`: the batchnorm_affine nodes that recompute (None: all)."""
+    `recompute`: the batchnorm_affine nodes that recompute (None: all); `wide`: node -> the
+    pack budget of its products (widen_packs)."""
     b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
     b.lean = lean
     b.recompute = recompute
+    b.wide = wide or {}
     mode = prog.options.rounding
     for n in prog.graph.nodes:
         rule = op_def(n.op).lowering("llvm")

@@ -5,6 +5,7 @@ the allocator behind it (mexc.arena), and what the llvm backend really allocates
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -157,6 +158,27 @@ def test_products_in_batch_chunks_train_bit_exact(plan_device: str) -> None:
     assert any("_fwd" in s for s in chunked) and any("_dw" in s for s in chunked)
     assert any("_dx" in s for s in chunked)
     _trains_like_reference(model, 12, (1, 8, 8), plan_device=plan_device, pack_budget=4096)
+
+
+def test_gpu_packs_grow_into_the_room_below_the_peak_and_train_bit_exact() -> None:
+    """Device.packs_within_peak (step_plan.widen_packs): with a 4 KiB budget, the GPU plan's
+    products that the budget chunks take larger chunks where their launches leave room below
+    the step's peak: fewer launches, the peak (live bytes) unchanged, and the same bits as the
+    reference. A budget the caller passes is every product's."""
+    from mexc.lowering.devices import GPU
+    from mexc.lowering.step_plan import build_plan, plan_peak
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    prog = mexc.compile(copy.deepcopy(model), (torch.zeros(12, 1, 8, 8),))
+    wide = dataclasses.replace(GPU, pack_budget=4096)
+    fixed = dataclasses.replace(wide, packs_within_peak=False)
+    grown, chunked = build_plan(prog, device=wide), build_plan(prog, device=fixed)
+    assert len(grown.launches) < len(chunked.launches)
+    assert plan_peak(grown)[0] <= plan_peak(chunked)[0]
+    passed = build_plan(prog, device=wide, pack_budget=4096)
+    assert [x.symbol for x in passed.launches] == [x.symbol for x in chunked.launches]
+    _trains_like_reference(model, 12, (1, 8, 8), plan_device=wide)
 
 
 class WideReductions(torch.nn.Module):

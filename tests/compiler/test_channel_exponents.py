@@ -151,7 +151,8 @@ def test_llvm_trains_bit_exact(name: str, optimizer: str, bits: int) -> None:
     fc.check_integer_only(llvm)  # raises, naming each float instruction, if any
 
 
-@pytest.mark.parametrize("name", ["FashionCNN", "SmallResNet"])
+# SmallResNet's GPU plan: at its leanest below, and its CUDA build on the H200 (docs/cuda.md)
+@pytest.mark.parametrize("name", ["FashionCNN"])
 def test_the_gpu_plan_trains_bit_exact_on_the_host(name: str) -> None:
     ref = _program(name, 4, True)
     _same_training(ref, LlvmProgram(_program(name, 4, True), plan_device="gpu"), _data(name))

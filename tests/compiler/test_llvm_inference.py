@@ -156,8 +156,9 @@ def _trained_reference(name: str, batch: int, steps: int = 2) -> tuple[mexc.Prog
 
 
 def test_gpu_variant_of_the_inference_plan_on_the_host() -> None:
-    """The GPU plan's inference (padded GEMM forms, the GPU's rules) run by the llvm twin."""
-    ref, shape = _trained_reference("SmallResNet", 2)
+    """The GPU plan's inference (padded GEMM forms, the GPU's rules, batch norm on the
+    running statistics) run by the llvm twin."""
+    ref, shape = _trained_reference("DigitsCNN", 2)
     twin = LlvmProgram(ref.retargeted("llvm"), plan_device="gpu")
     x = np.random.default_rng(8).standard_normal((5, *shape))
     _assert_same_inference(ref, twin, x)
