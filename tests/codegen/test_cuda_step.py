@@ -326,6 +326,35 @@ def test_gpu_check_names_the_first_buffer_written_wrong() -> None:
     assert first_difference({**want, "lr": "0"}, want, kernels) == "lr"
 
 
+def test_gpu_check_times_its_contenders_in_alternating_blocks(monkeypatch) -> None:
+    """check.alternated_medians: warm-ups first, then blocks A B C A B C with a pause before
+    each block, each block synchronized after every step, until every contender has its
+    steps; the median of each contender's own step times."""
+    from mexc.backends.cuda import check
+
+    events: list[str] = []
+    clock = [0.0]
+    cost = {"a": 1.0, "b": 2.0, "c": 3.0}
+
+    def contender(name: str) -> tuple:
+        def run() -> None:
+            events.append(name)
+            clock[0] += cost[name]
+
+        return run, lambda: events.append(f"sync {name}")
+
+    monkeypatch.setattr(check.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(check.time, "sleep", lambda s: events.append(f"pause {s}"))
+    got = check.alternated_medians(
+        {n: contender(n) for n in "abc"}, steps=4, block=2, pause_s=0.5, warmup=1
+    )
+    assert got == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert events[:6] == ["a", "sync a", "b", "sync b", "c", "sync c"]  # warm-ups
+    timed = events[6:]
+    block = lambda n: ["pause 0.5", n, f"sync {n}", n, f"sync {n}"]  # noqa: E731
+    assert timed == [*block("a"), *block("b"), *block("c")] * 2
+
+
 class _FakeArray(np.ndarray):
     """A host array standing in for a CuPy device array (set = host copy)."""
 

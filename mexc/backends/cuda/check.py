@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +105,47 @@ def _median_seconds(run: Any, sync: Any, steps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _torch_step_time(spec: dict[str, Any], bf16: bool, steps: int) -> tuple[float, int]:
-    """Median step seconds and the peak bytes torch allocated on the device (model, optimizer
-    state, activations and gradients: torch.cuda.max_memory_allocated)."""
+# alternated_medians: steps per block, and the pause before each block
+BLOCK_STEPS = 5
+BLOCK_PAUSE_S = 0.05
+
+
+def alternated_medians(
+    runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
+    steps: int,
+    block: int = BLOCK_STEPS,
+    pause_s: float = BLOCK_PAUSE_S,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Median seconds per step of each contender (name -> (run one step, synchronize)), timed
+    in alternating blocks of `block` steps (A B C A B C ...) with a pause before each block,
+    until each has `steps` steps: a clock or a neighbour's load that drifts during the run
+    weighs on every contender alike (bench/README.md), where timing one after the other gave
+    PyTorch FP32 8.3-11.3 ms over three runs of one day (docs/cuda.md)."""
+    for run, sync in runs.values():
+        for _ in range(warmup):
+            run()
+        sync()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    while min(len(t) for t in times.values()) < steps:
+        for name, (run, sync) in runs.items():
+            time.sleep(pause_s)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                run()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t[:steps]) for name, t in times.items()}
+
+
+def _torch_contender(spec: dict[str, Any], bf16: bool) -> tuple[Callable[[], None], int]:
+    """One PyTorch training step of the artifact's model (SGD with momentum; BF16 autocast or
+    FP32 eager), and the peak bytes it allocated on the device over three steps beyond what
+    was allocated before (model, optimizer state, activations and gradients)."""
     import torch
 
-    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     module, name = spec["model"].split(":")
     model = getattr(importlib.import_module(module), name)().cuda()
@@ -124,12 +160,16 @@ def _torch_step_time(spec: dict[str, Any], bf16: bool, steps: int) -> tuple[floa
         loss.backward()
         opt.step()
 
-    seconds = _median_seconds(run, torch.cuda.synchronize, steps)
-    return seconds, int(torch.cuda.max_memory_allocated())
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    return run, int(torch.cuda.max_memory_allocated() - before)
 
 
 def time_step(folder: Path, steps: int) -> dict[str, Any]:
-    """Median step times: mexc cuda, PyTorch FP32 eager, PyTorch BF16 autocast."""
+    """Median step times: mexc cuda (CUDA graph), PyTorch FP32 eager and PyTorch BF16 autocast
+    in alternating blocks (alternated_medians); then mexc launched kernel by kernel, and each
+    kernel alone."""
     import gc
 
     from mexc.backends.cuda.runtime import cupy_module
@@ -142,7 +182,24 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((prog.batch, *prog.input_shape)).astype(np.float32)
     y = rng.integers(0, prog.num_classes, prog.batch)
-    mexc_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
+    for _ in range(2):  # the first step launches one by one, the second captures the graph
+        prog.step(x, y)
+    prog.synchronize()
+    pool_bytes = int(pool.total_bytes())  # before torch's contenders share the device
+    fp32_run, fp32_peak = _torch_contender(spec, bf16=False)
+    bf16_run, bf16_peak = _torch_contender(spec, bf16=True)
+    import torch
+
+    # the three contenders in alternating blocks (alternated_medians)
+    medians = alternated_medians(
+        {
+            "mexc": (lambda: prog.step(x, y), prog.synchronize),
+            "fp32": (fp32_run, torch.cuda.synchronize),
+            "bf16": (bf16_run, torch.cuda.synchronize),
+        },
+        steps,
+    )
+    mexc_s, fp32, bf16 = medians["mexc"], medians["fp32"], medians["bf16"]
     graph = prog.use_graph  # False where capture failed
     prog.set_graph(False)
     launches_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
@@ -150,14 +207,13 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     launches = len(prog.plan["kernels"])
     device_bytes = prog.allocated_bytes()["device"]
-    pool_bytes = int(pool.total_bytes())
-    fp32, fp32_peak = _torch_step_time(spec, bf16=False, steps=steps)
-    bf16, bf16_peak = _torch_step_time(spec, bf16=True, steps=steps)
     return {
         "artifact": folder.name,
         "arch": prog.arch,
         "batch": prog.batch,
         "mexc_cuda_s": mexc_s,
+        # how mexc, FP32 and BF16 were timed: alternating blocks (alternated_medians)
+        "timing": {"block_steps": BLOCK_STEPS, "pause_s": BLOCK_PAUSE_S, "steps": steps},
         "cuda_graph": graph,
         "mexc_cuda_no_graph_s": launches_s,
         "launches": launches,
