@@ -590,7 +590,7 @@ class PlanBuilder:
                 now, most = self.chunked_packs.get(self.node, (0, 0))
                 self.chunked_packs[self.node] = (
                     max(now, pack * samples // batch),
-                    max(most, pack * max(larger) // batch),
+                    max(most, -(-pack * max(larger) // batch)),  # rounded up: it fits
                 )
         if samples == batch:
             return Chunks(full, full, [operands])

@@ -9,7 +9,9 @@ one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so
 - `schedule_gpu` binds every block of a non-GEMM PrimFunc to threads: elementwise blocks and
   short reductions (pooling windows, the 32 steps of a shift count) one thread per output,
   reductions of 64 or more terms one thread block per output with the threads sharing the
-  reduction (TVM's cross-thread allreduce);
+  reduction (TVM's cross-thread allreduce); consecutive elementwise blocks over one domain
+  that read each other's results at their own element only share one kernel (a batch norm's
+  per-channel statistics: 37 kernels became 4);
 - `lower_kernels` runs TVM's CUDA pipeline on the scheduled module, reads every kernel launch of
   the host functions (symbol, grid, block) and every device kernel's parameter order, and returns
   them with the CUDA source, every warp shuffle's mask written in (`source.converged_warp_masks`:
@@ -76,11 +78,65 @@ def bind_threads(sch: s_tir.Schedule, loop: Any, threads: int = THREADS) -> None
     sch.bind(tx, "threadIdx.x")
 
 
+def _pointwise(regions: Any, ivars: Any) -> dict[str, bool]:
+    """Buffer name -> whether every access of it in `regions` is the element at the block's own
+    iteration variables (one element, in order)."""
+    got: dict[str, bool] = {}
+    for r in regions:
+        name = str(r.source.name)
+        own = len(r.region) == len(ivars) and all(
+            rng.min.same_as(iv.var) and isinstance(rng.extent, tirx.IntImm) and rng.extent == 1
+            for rng, iv in zip(r.region, ivars)
+        )
+        got[name] = got.get(name, True) and own
+    return got
+
+
+def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
+    """`blocks` in runs of consecutive blocks that may share one kernel: spatial-only blocks
+    over the same iteration domain that write their own element only, and read what an earlier
+    block of the run wrote at their own element only (and write nothing an earlier block of
+    the run read elsewhere), so that one thread per element runs the run's blocks in order
+    with no barrier between them (a batch norm's 1/sigma is 35 such per-channel stages)."""
+    runs: list[list] = []
+    dom: tuple[int, ...] | None = None
+    written: set[str] = set()
+    read_elsewhere: set[str] = set()
+    for blk in blocks:
+        b = sch.get(blk)
+        ivars = b.iter_vars
+        spatial = all(int(iv.iter_type) == 0 for iv in ivars) and len(ivars) > 0
+        here = tuple(int(iv.dom.extent) for iv in ivars)
+        reads, writes = _pointwise(b.reads, ivars), _pointwise(b.writes, ivars)
+        joins = (
+            spatial
+            and dom == here
+            and all(writes.values())
+            and all(reads.get(name, True) for name in written)
+            and not set(writes) & read_elsewhere
+        )
+        if not joins:
+            runs.append([])
+            written, read_elsewhere = set(), set()
+            dom = here if spatial and all(writes.values()) else None
+        runs[-1].append(blk)
+        written |= set(writes)
+        read_elsewhere |= {name for name, own in reads.items() if not own}
+    return runs
+
+
 def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Thread bindings for every block of `func` (module docstring); each block becomes one
-    kernel. TE places a block's spatial loops first, one per data-parallel iteration variable."""
+    """Thread bindings for every block of `func` (module docstring). Each block becomes one
+    kernel, except runs of elementwise blocks over one domain (`_elementwise_runs`), whose loops
+    are merged into one kernel: a launch costs microseconds, such a stage nanoseconds. TE places
+    a block's spatial loops first, one per data-parallel iteration variable."""
     sch = s_tir.Schedule(func)
-    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+    for run in _elementwise_runs(sch, sch.get_child_blocks(sch.get_sblock("root"))):
+        if len(run) > 1:
+            loops = [_fused(sch, sch.get_loops(blk)) for blk in run]
+            bind_threads(sch, sch.merge(*loops))
+            continue
+        (blk,) = run
         ivars = sch.get(blk).iter_vars
         spatial_n = sum(int(iv.iter_type) == 0 for iv in ivars)
         loops = sch.get_loops(blk)
