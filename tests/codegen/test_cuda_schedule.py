@@ -6,6 +6,7 @@ of its own. Bit-exactness of the merged kernels is the emulator's and the GPU ch
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from tvm import s_tir, te
 
 from mexc.backends.cuda.schedule import (
@@ -52,12 +53,17 @@ def test_a_run_does_not_overwrite_what_an_earlier_block_read_elsewhere() -> None
     assert _names(sch, runs) == [["a"], ["b", "c"]]
 
 
-def test_batch_norm_statistics_take_four_kernels_instead_of_thirty_seven() -> None:
+@pytest.mark.parametrize(("shape", "count"), [((128, 64, 256), 4), ((8, 16, 9), 3)])
+def test_batch_norm_statistics_take_a_few_kernels_instead_of_thirty_seven(
+    shape: tuple[int, int, int], count: int
+) -> None:
     """te_norm.bn_var: the per-channel sum of squares (two reductions), then 1/sigma's 33
-    per-channel stages (bit lengths, the divisions, 16 integer square-root steps), then e_c."""
-    func = te_norm.bn_var((8, 16, 9), 4, _eps_fixed(1e-5), True, "n1_bn_var", False)
+    per-channel stages (bit lengths, the divisions, 16 integer square-root steps), then e_c.
+    Reductions of 64 or more terms are a kernel of their own (threads share them); a shorter
+    one (8 samples) runs in the kernel of the per-channel stages after it."""
+    func = te_norm.bn_var(shape, 4, _eps_fixed(1e-5), True, "n1_bn_var", False)
     func, scratch = promote_scratch(func)
     assert len(scratch) == 31
     _, kernels = lower_kernels({"n1_bn_var": schedule_gpu(func)}, "sm_80")
     blocks = [k.block[0] for k in kernels["n1_bn_var"]]
-    assert len(blocks) == 4 and np.prod(blocks) > 0
+    assert len(blocks) == count and np.prod(blocks) > 0

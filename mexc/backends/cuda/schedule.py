@@ -9,9 +9,9 @@ one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so
 - `schedule_gpu` binds every block of a non-GEMM PrimFunc to threads: elementwise blocks and
   short reductions (pooling windows, the 32 steps of a shift count) one thread per output,
   reductions of 64 or more terms one thread block per output with the threads sharing the
-  reduction (TVM's cross-thread allreduce); consecutive elementwise blocks over one domain
-  that read each other's results at their own element only share one kernel (a batch norm's
-  per-channel statistics: 37 kernels became 4);
+  reduction (TVM's cross-thread allreduce); consecutive blocks with one thread per output
+  over one domain that read each other's results at their own element only share one kernel
+  (a batch norm's per-channel statistics: 37 kernels became 4);
 - `lower_kernels` runs TVM's CUDA pipeline on the scheduled module, reads every kernel launch of
   the host functions (symbol, grid, block) and every device kernel's parameter order, and returns
   them with the CUDA source, every warp shuffle's mask written in (`source.converged_warp_masks`:
@@ -92,33 +92,42 @@ def _pointwise(regions: Any, ivars: Any) -> dict[str, bool]:
     return got
 
 
+def _serial_terms(ivars: Any) -> int:
+    """The terms each output of a block sums (1 without a reduction)."""
+    terms = 1
+    for iv in ivars:
+        if int(iv.iter_type) != 0:
+            terms *= int(iv.dom.extent)
+    return terms
+
+
 def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
-    """`blocks` in runs of consecutive blocks that may share one kernel: spatial-only blocks
-    over the same iteration domain that write their own element only, and read what an earlier
-    block of the run wrote at their own element only (and write nothing an earlier block of
-    the run read elsewhere), so that one thread per element runs the run's blocks in order
-    with no barrier between them (a batch norm's 1/sigma is 35 such per-channel stages)."""
+    """`blocks` in runs of consecutive blocks that may share one kernel: blocks with one thread
+    per output (spatial-only, or reducing fewer than CROSS_THREAD_MIN terms per output) over
+    the same spatial domain that write their own element only, and read what an earlier block
+    of the run wrote at their own element only (and write nothing an earlier block of the run
+    read elsewhere), so that one thread per element runs the run's blocks in order with no
+    barrier between them (a batch norm's 1/sigma is 33 such per-channel stages)."""
     runs: list[list] = []
     dom: tuple[int, ...] | None = None
     written: set[str] = set()
     read_elsewhere: set[str] = set()
     for blk in blocks:
+        ivars = [iv for iv in sch.get(blk).iter_vars if int(iv.iter_type) == 0]
         b = sch.get(blk)
-        ivars = b.iter_vars
-        spatial = all(int(iv.iter_type) == 0 for iv in ivars) and len(ivars) > 0
         here = tuple(int(iv.dom.extent) for iv in ivars)
         reads, writes = _pointwise(b.reads, ivars), _pointwise(b.writes, ivars)
+        own = bool(ivars) and _serial_terms(b.iter_vars) < CROSS_THREAD_MIN and all(writes.values())
         joins = (
-            spatial
+            own
             and dom == here
-            and all(writes.values())
             and all(reads.get(name, True) for name in written)
             and not set(writes) & read_elsewhere
         )
         if not joins:
             runs.append([])
             written, read_elsewhere = set(), set()
-            dom = here if spatial and all(writes.values()) else None
+            dom = here if own else None
         runs[-1].append(blk)
         written |= set(writes)
         read_elsewhere |= {name for name, own in reads.items() if not own}
@@ -132,8 +141,9 @@ def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     a block's spatial loops first, one per data-parallel iteration variable."""
     sch = s_tir.Schedule(func)
     for run in _elementwise_runs(sch, sch.get_child_blocks(sch.get_sblock("root"))):
-        if len(run) > 1:
-            loops = [_fused(sch, sch.get_loops(blk)) for blk in run]
+        if len(run) > 1:  # each block's spatial loops (a short reduction's stay inside)
+            spatial = [sum(int(iv.iter_type) == 0 for iv in sch.get(b).iter_vars) for b in run]
+            loops = [_fused(sch, sch.get_loops(b)[:n]) for b, n in zip(run, spatial)]
             bind_threads(sch, sch.merge(*loops))
             continue
         (blk,) = run
