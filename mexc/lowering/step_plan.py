@@ -221,10 +221,13 @@ def widen_packs(build: Callable[[Mapping[int, int]], PlanRules], b: PlanRules) -
     if not b.device.packs_within_peak or not b.chunked_packs:
         return b
     peak, curve, _ = live_curve(b.plan)
+    spans: dict[int, tuple[int, int]] = {}  # node -> its first and last launch
+    for t, node in enumerate(b.launch_nodes):
+        spans[node] = (spans.get(node, (t, t))[0], t)
     wide: dict[int, int] = {}
     for node, (chunk, most) in b.chunked_packs.items():
-        at = [t for t, o in enumerate(b.launch_nodes) if o == node]
-        span = curve[min(at) : max(at) + 1] if at else curve[:0]
+        first, last = spans[node]
+        span = curve[first : last + 1]
         room = peak - int(span.max()) if len(span) else 0
         if room > 0:
             wide[node] = min(chunk + room, most)

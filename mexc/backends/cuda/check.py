@@ -92,19 +92,6 @@ def check_exact(folder: Path) -> dict[str, Any]:
     return row
 
 
-def _median_seconds(run: Any, sync: Any, steps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        run()
-    sync()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # alternated_medians: steps per block, and the pause before each block
 BLOCK_STEPS = 5
 BLOCK_PAUSE_S = 0.05
@@ -202,7 +189,8 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     mexc_s, fp32, bf16 = medians["mexc"], medians["fp32"], medians["bf16"]
     graph = prog.use_graph  # False where capture failed
     prog.set_graph(False)
-    launches_s = _median_seconds(lambda: prog.step(x, y), prog.synchronize, steps)
+    one_by_one = {"mexc": (lambda: prog.step(x, y), prog.synchronize)}
+    launches_s = alternated_medians(one_by_one, steps, block=steps, pause_s=0.0)["mexc"]
     kernels = prog.kernel_times(x, y, repeats=2)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     launches = len(prog.plan["kernels"])

@@ -92,6 +92,11 @@ def _pointwise(regions: Any, ivars: Any) -> dict[str, bool]:
     return got
 
 
+def _spatial_count(sch: s_tir.Schedule, blk: Any) -> int:
+    """The spatial loops of `blk`: TE places them first, one per data-parallel variable."""
+    return sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
+
+
 def _serial_terms(ivars: Any) -> int:
     """The terms each output of a block sums (1 without a reduction)."""
     terms = 1
@@ -113,8 +118,8 @@ def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
     written: set[str] = set()
     read_elsewhere: set[str] = set()
     for blk in blocks:
-        ivars = [iv for iv in sch.get(blk).iter_vars if int(iv.iter_type) == 0]
         b = sch.get(blk)
+        ivars = [iv for iv in b.iter_vars if int(iv.iter_type) == 0]
         here = tuple(int(iv.dom.extent) for iv in ivars)
         reads, writes = _pointwise(b.reads, ivars), _pointwise(b.writes, ivars)
         own = bool(ivars) and _serial_terms(b.iter_vars) < CROSS_THREAD_MIN and all(writes.values())
@@ -130,7 +135,7 @@ def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
             dom = here if own else None
         runs[-1].append(blk)
         written |= set(writes)
-        read_elsewhere |= {name for name, own in reads.items() if not own}
+        read_elsewhere |= {name for name, at_own in reads.items() if not at_own}
     return runs
 
 
@@ -142,19 +147,14 @@ def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch = s_tir.Schedule(func)
     for run in _elementwise_runs(sch, sch.get_child_blocks(sch.get_sblock("root"))):
         if len(run) > 1:  # each block's spatial loops (a short reduction's stay inside)
-            spatial = [sum(int(iv.iter_type) == 0 for iv in sch.get(b).iter_vars) for b in run]
-            loops = [_fused(sch, sch.get_loops(b)[:n]) for b, n in zip(run, spatial)]
+            loops = [_fused(sch, sch.get_loops(b)[: _spatial_count(sch, b)]) for b in run]
             bind_threads(sch, sch.merge(*loops))
             continue
         (blk,) = run
-        ivars = sch.get(blk).iter_vars
-        spatial_n = sum(int(iv.iter_type) == 0 for iv in ivars)
+        spatial_n = _spatial_count(sch, blk)
         loops = sch.get_loops(blk)
         spatial, reduce = loops[:spatial_n], loops[spatial_n:]
-        terms = 1
-        for iv in ivars[spatial_n:]:
-            terms *= int(iv.dom.extent)
-        if spatial and reduce and terms >= CROSS_THREAD_MIN:
+        if spatial and reduce and _serial_terms(sch.get(blk).iter_vars) >= CROSS_THREAD_MIN:
             _, tx = sch.split(_fused(sch, reduce), [None, REDUCE_THREADS])
             sch.bind(_fused(sch, spatial), "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
