@@ -324,8 +324,7 @@ def run_case(case: Case, steps: int = 3, target: str | None = None) -> Outcome:
             case.model, (x,), seed=case.seed, bits=case.bits, channel_exponents=channels
         )
         twins = [Program(prog.graph, copy.deepcopy(prog.state), prog.options, prog.optimizer)]
-        # the c target does not lower channel exponents (it refuses them)
-        if target is not None and target != "reference" and not (channels and target == "c"):
+        if target is not None and target != "reference":
             stage = f"compile for {target}"
             twins.append(
                 mexc.compile(

@@ -394,8 +394,7 @@ def _compile_flags(
         action=argparse.BooleanOptionalAction,
         default=None,
         help="a B-bit exponent per channel of every activation, gradient and weight row, in its "
-        "tensor's int8 frame (docs/numerics.md §5; default: on below 8 bits; the c target "
-        "needs --no-channel-exponents)",
+        "tensor's int8 frame (docs/numerics.md §5; default: on below 8 bits)",
     )
     p.add_argument(
         "--optimizer",

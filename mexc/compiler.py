@@ -104,8 +104,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     pooling, sums and their gradients; not layer norm's rows nor softmax's probabilities) and
     every weight row keep a B-bit mantissa at an exponent of their own channel, inside their
     tensor's int8 frame (docs/numerics.md §5, "Channel exponents"). None (the default): on below
-    8 bits (numerics.channel_exponents_for); the c target does not lower them yet and asks for
-    channel_exponents=False."""
+    8 bits (numerics.channel_exponents_for), on every target."""
     workers = None
     if data_parallel:
         refuse_data_parallel_target(target)

@@ -29,7 +29,7 @@ from mexc.backends.reference.interp import (
     value_bytes,
 )
 from mexc.distributed import Workers, shard_rows
-from mexc.errors import CheckpointError, InputError, UnsupportedOpError
+from mexc.errors import CheckpointError, InputError
 from mexc.ir import Graph, Op, needed_nodes
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, site_rounding, state_checksum
@@ -172,17 +172,6 @@ class Program:
         return prog
 
     # ----------------------------------------------------------------------------- training
-
-    def refuse_channel_exponents(self, target: str) -> None:
-        """Channel exponents (docs/numerics.md §5): the reference and the TIR plan (llvm, cuda)
-        lower them; a target without their form refuses them by name."""
-        if self.options.channel_exponents and self.options.bits < 8:
-            raise UnsupportedOpError(
-                f"the {target} target does not lower channel exponents (docs/numerics.md §5) "
-                f"yet, which {self.options.bits}-bit programs have by default: compile it with "
-                "channel_exponents=False (CLI: --no-channel-exponents; one exponent per tensor, "
-                "lower accuracy below 8 bits), or for target 'llvm', 'cuda' or 'reference'."
-            )
 
     def lr_at(self, step: int) -> FixedScalar:
         return self.optimizer.lr_at(step)

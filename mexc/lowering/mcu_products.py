@@ -119,10 +119,14 @@ def _scan_and_round(
     scalars: dict[str, tirx.Var],
     value: Value,
     schedule: Callable[[tirx.PrimFunc, str], tirx.PrimFunc],
+    channels: bool = False,
 ) -> dict[str, tirx.PrimFunc]:
     """`{name}_scan` (inputs, scalars, amax[1]) and `{name}_round` (inputs, scalars, s, stoch,
     k0, bits, out): the compaction of value over `shape` without storing it. schedule(func,
-    consumer block) places the accumulation inside the consumer's loops."""
+    consumer block) places the accumulation inside the consumer's loops. `channels`: the
+    channel-exponent pair instead (_channel_scan_and_round)."""
+    if channels:
+        return _channel_scan_and_round(name, shape, inputs, scalars, value, schedule)
     axes = [te.reduce_axis((0, d), f"r{i}") for i, d in enumerate(shape)]
 
     def magnitude(*idx: Expr) -> Expr:
@@ -146,6 +150,44 @@ def _scan_and_round(
         f"{name}_scan": schedule(scan, "amax"),
         f"{name}_round": schedule(rnd, "out"),
     }
+
+
+def _channel_scan_and_round(
+    name: str,
+    shape: tuple[int, ...],
+    inputs: list[te.Tensor],
+    scalars: dict[str, tirx.Var],
+    value: Value,
+    schedule: Callable[[tirx.PrimFunc, str], tirx.PrimFunc],
+) -> dict[str, tirx.PrimFunc]:
+    """Channel exponents (docs/numerics.md section 5) along axis 1 of `shape`: `{name}_cscan`
+    (inputs, scalars, amax[C], out) notes max |value| per channel (the runtime's
+    mexc_chan_note; it stores 0 into out, which the round overwrites: no buffer of its own),
+    and `{name}_cround` (inputs, scalars, right[C], up[C], stoch, k0, bits, out) rounds each
+    element with its channel's shifts (mexc_frame_round). Both keep the output-shaped loop nest
+    of the plain round, so that its schedule applies to them as it is."""
+    c = shape[1]
+    amax = te.placeholder((c,), U32, name="amax")
+
+    def note(*idx: Expr) -> Expr:
+        slot = tirx.call_intrin("handle", "tirx.address_of", amax(idx[1]))
+        return _call(I8, "mexc_chan_note", slot, value(*idx))
+
+    scan_out = te.compute(shape, note, name="out")
+    scan = prim_func([*inputs, *scalars.values(), amax, scan_out], f"{name}_cscan")
+    right = te.placeholder((c,), I32, name="right")
+    up = te.placeholder((c,), I32, name="up")
+    r = {**ROUND_SCALARS.vars(), **{k: v for k, v in scalars.items() if k == "stoch"}}
+
+    def rounded(*idx: Expr) -> Expr:
+        ch = idx[1]
+        args = (right[ch], up[ch], r["bits"], r["stoch"], r["k0"], _flat(shape, idx))
+        return _call(I8, "mexc_frame_round", value(*idx), *args)
+
+    out = te.compute(shape, rounded, name="out")
+    rest = [r[n] for n in ROUND_SCALARS.names if n not in scalars and n != "s"]
+    rnd = prim_func([*inputs, *scalars.values(), right, up, *rest, out], f"{name}_cround")
+    return {f"{name}_cscan": schedule(scan, "out"), f"{name}_cround": schedule(rnd, "out")}
 
 
 def _dot_form(g: ConvGeom) -> bool:
@@ -219,7 +261,9 @@ def _five(body: Callable[..., Expr]) -> Callable[..., Expr]:
     return lambda n, o, c, i, j: body(n, o, c, i, j)
 
 
-def conv_forward(name: str, g: ConvGeom, bias: bool) -> dict[str, tirx.PrimFunc]:
+def conv_forward(
+    name: str, g: ConvGeom, bias: bool, channels: bool = False
+) -> dict[str, tirx.PrimFunc]:
     """Scan and round of a convolution (a linear layer: a 1x1 convolution on (N, K, 1, 1)),
     with its bias added as docs/numerics.md section 7's aligned sum when `bias`. Operands
     (x, w[, b]); with a bias, scalars ta = t - e_acc, tb = t - e_b, stoch, k1, k2."""
@@ -227,7 +271,7 @@ def conv_forward(name: str, g: ConvGeom, bias: bool) -> dict[str, tirx.PrimFunc]
     acc = _total(parts)
 
     if not bias:
-        return _scan_and_round(name, g.y_shape, operands, {}, acc, schedule)
+        return _scan_and_round(name, g.y_shape, operands, {}, acc, schedule, channels)
     b = te.placeholder((g.o,), I8, name="b")
     sv = BIAS_SCALARS.vars()
 
@@ -240,7 +284,7 @@ def conv_forward(name: str, g: ConvGeom, bias: bool) -> dict[str, tirx.PrimFunc]
             I32, "mexc_shift_signed", bo, sv["tb"], sv["stoch"], sv["k2"], o.astype(U32)
         )
 
-    return _scan_and_round(name, g.y_shape, [*operands, b], sv, aligned, schedule)
+    return _scan_and_round(name, g.y_shape, [*operands, b], sv, aligned, schedule, channels)
 
 
 def _dot_grad_input(g: ConvGeom) -> bool:
@@ -251,10 +295,10 @@ def _dot_grad_input(g: ConvGeom) -> bool:
     return taps >= 4 and g.cg >= 2 and g.og * taps <= MAX_COLUMN
 
 
-def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
+def conv_grad_input(name: str, g: ConvGeom, channels: bool = False) -> dict[str, tirx.PrimFunc]:
     """Scan and round of the input gradient. Operands (dy, w)."""
     if _dot_grad_input(g):
-        return _grad_input_dot(name, g)
+        return _grad_input_dot(name, g, channels)
     dy = te.placeholder(g.y_shape, I8, name="dy")
     w = te.placeholder(g.w_shape, I8, name="w")
     acc = conv_grad_input_sum(g, dy, w)
@@ -262,10 +306,10 @@ def conv_grad_input(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     def schedule(f: tirx.PrimFunc, use: str) -> tirx.PrimFunc:
         return _schedule(f, use, g.kh * g.kw, g.og == 1)
 
-    return _scan_and_round(name, g.x_shape, [dy, w], {}, lambda *i: acc[i], schedule)
+    return _scan_and_round(name, g.x_shape, [dy, w], {}, lambda *i: acc[i], schedule, channels)
 
 
-def _grad_input_dot(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
+def _grad_input_dot(name: str, g: ConvGeom, channels: bool) -> dict[str, tirx.PrimFunc]:
     """The input gradient's dot form: dy's window of each input position gathered once."""
     taps = g.kh * g.kw
     dy = te.placeholder(g.y_shape, I8, name="dy")
@@ -295,7 +339,7 @@ def _grad_input_dot(name: str, g: ConvGeom) -> dict[str, tirx.PrimFunc]:
     def schedule(f: tirx.PrimFunc, use: str) -> tirx.PrimFunc:
         return _schedule_dot(f, use, g, g.cg, [g.kh, g.kw])
 
-    return _scan_and_round(name, g.x_shape, [dy, w], {}, _total(parts), schedule)
+    return _scan_and_round(name, g.x_shape, [dy, w], {}, _total(parts), schedule, channels)
 
 
 def _total(parts: list[te.Tensor]) -> Value:

@@ -36,6 +36,7 @@ class Ctx(C.Structure):
         ("step", C.c_uint32),
         ("bits", C.c_int32),
         ("stochastic", C.c_int32),
+        ("chan", C.c_void_p),  # channel exponents of the call's results: none here
     ]
 
 
@@ -50,6 +51,7 @@ class UpdateCfg(C.Structure):
         ("lr", Fixed),
         ("momentum", Fixed),
         ("weight_decay", Fixed),
+        ("rows", C.c_void_p),  # channel exponents of the weight's rows: none here
     ]
 
 

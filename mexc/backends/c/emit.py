@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mexc.backends.c.channels import UPDATES, ChannelTables
 from mexc.backends.c.tir_kernels import KernelSet
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
@@ -74,6 +75,7 @@ class _Emit:
     kernels: KernelSet = field(default_factory=KernelSet)  # the TIR-generated product loops
     streamed: dict[Value, Node] = field(default_factory=dict)  # gradient -> its update node
     pooled: dict[Value, Node] = field(default_factory=dict)  # pool gradient -> its reader
+    chan: str | None = None  # the current node's channel table (channels.ChannelTables)
 
     def shape(self, v: Value) -> tuple[int, ...]:
         return tuple(self.g.type_of(v).shape)
@@ -165,12 +167,20 @@ def _product(
     ey = e.local_exp(out)
     p, op = f"pr{n.id}", f"op{n.id}"
     bias_args = f"{bias[0]}, {p}.ta, {p}.tb, {p}.stoch, {p}.k1, {p}.k2, " if bias else ""
-    rounding = f"{p}.s, {p}.k0, {p}.bits" if bias else f"{p}.s, {p}.stoch, {p}.k0, {p}.bits"
+    rest = f"{p}.k0, {p}.bits" if bias else f"{p}.stoch, {p}.k0, {p}.bits"
+    rounding = f"{p}.s, {rest}"
     e.emit(f"mexc_product_t {p};")
     e.emit(
         f"const int8_t *{op} = mexc_product_begin(&{p}, {a}, {numel}u, {ea}, {eb}, {k}u, "
         f"{int(bias is not None)}, {bias[1] if bias else 0}, &ctx, {_tid(n)}u, scratch);"
     )
+    if e.chan is not None:  # channel exponents: the kernels' channel pair (mcu_products)
+        ch = f"{e.chan}[0]"
+        e.emit(f"mexc_chan_zero(&{ch});")
+        e.emit(f"{stem}_cscan({op}, {b}, {bias_args}{ch}.amax, {y});")
+        e.emit(f"{ey} = mexc_product_end_channels(&{p}, &{ch});")
+        e.emit(f"{stem}_cround({op}, {b}, {bias_args}{ch}.right, {ch}.up, {rest}, {y});")
+        return
     e.emit(f"{stem}_scan({op}, {b}, {bias_args}&{p}.amax);")
     e.emit(f"{ey} = mexc_product_end(&{p});")
     e.emit(f"{stem}_round({op}, {b}, {bias_args}{rounding}, {y});")
@@ -198,7 +208,7 @@ def _conv(e: _Emit, n: Node) -> None:
     g = _conv_geometry(e, n, n.inputs[0], n.inputs[1])
     (x, ex), w = _x(e, n, 0), _x(e, n, 1)
     bias = _x(e, n, 2) if n.attrs.has_bias else None
-    stem = e.kernels.conv_forward(g, bias is not None)
+    stem = e.kernels.conv_forward(g, bias is not None, e.chan is not None)
     k = g.cg * g.kh * g.kw
     _product(e, n, stem, (x, ex, e.numel(n.inputs[0]), k), w, n.out, bias)
 
@@ -207,7 +217,7 @@ def _linear(e: _Emit, n: Node) -> None:
     (x, ex), w = _x(e, n, 0), _x(e, n, 1)
     bias = _x(e, n, 2) if n.attrs.has_bias else None
     g = _linear_geometry(e, e.shape(n.inputs[0]), e.shape(n.inputs[1])[0])
-    stem = e.kernels.conv_forward(g, bias is not None)
+    stem = e.kernels.conv_forward(g, bias is not None, e.chan is not None)
     _product(e, n, stem, (x, ex, e.numel(n.inputs[0]), g.c), w, n.out, bias)
 
 
@@ -384,7 +394,7 @@ def _linear_grad_input(e: _Emit, n: Node) -> None:
     (dy, ed), w = _x(e, n, 0), _x(e, n, 1)
     o, _ = e.shape(n.inputs[1])
     g = _linear_geometry(e, e.shape(n.out), o)
-    stem = e.kernels.conv_grad_input(g)
+    stem = e.kernels.conv_grad_input(g, e.chan is not None)
     _product(e, n, stem, (dy, ed, e.numel(n.inputs[0]), o), w, n.out)
 
 
@@ -504,7 +514,7 @@ def _conv_grad_weight(e: _Emit, n: Node) -> None:
 def _conv_grad_input(e: _Emit, n: Node) -> None:
     g = _conv_geometry(e, n, n.out, n.inputs[1])
     (dy, ed), w = _x(e, n, 0), _x(e, n, 1)
-    stem = e.kernels.conv_grad_input(g)
+    stem = e.kernels.conv_grad_input(g, e.chan is not None)
     _product(e, n, stem, (dy, ed, e.numel(n.inputs[0]), g.og * g.kh * g.kw), w, n.out)
 
 
@@ -1060,12 +1070,13 @@ class CModel:
     state_bytes: int  # the state's RAM arrays (mantissas int8, exponents int32)
     kernels_source: str = ""  # kernels.c: the product loops, generated from TVM TIR
     kernels_header: str = ""  # kernels.h
+    channel_bytes: int = 0  # channel exponents' per-channel maxima and shifts (channels.py)
 
     @property
     def static_bytes(self) -> int:
-        """RAM of the generated step's static arrays: arena, scratch and state (the state's
-        initial values are const data, in flash on an MCU)."""
-        return self.arena_bytes + 4 * self.scratch_words + self.state_bytes
+        """RAM of the generated step's static arrays: arena, scratch, state and channel tables
+        (the state's initial values are const data, in flash on an MCU)."""
+        return self.arena_bytes + 4 * self.scratch_words + self.state_bytes + self.channel_bytes
 
 
 def _state_decls(prog: Program) -> tuple[list[str], list[str], int]:
@@ -1147,13 +1158,13 @@ def _update_config(prog: Program, stochastic: int) -> list[str]:
         return [
             f"    mexc_adamw_cfg_t adam = {{{o.bits}, {stochastic}, {static}, "
             "{lr_num[k], lr_shift[k]}, {eps_num[k], eps_shift[k]}, {wd_num[k], wd_shift[k]}, "
-            f"{l2}}};",
+            f"{l2}, 0}};",  # every member given: a partial initializer may call memset
             "    uint32_t adam_keys[MEXC_ADAMW_SITES];",
         ]
     mom, wd = FixedScalar.of(opt.momentum), FixedScalar.of(opt.weight_decay)
     return [
         f"    mexc_update_cfg_t cfg = {{{o.bits}, {stochastic}, "
-        f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}}};",
+        f"{{lr_num[k], lr_shift[k]}}, {{{mom.num}, {mom.shift}}}, {{{wd.num}, {wd.shift}}}, 0}};",
         "    uint32_t keys[MEXC_UPDATE_SITES];",
     ]
 
@@ -1176,10 +1187,19 @@ def step_graph(g: Graph) -> Graph:
     return recompute_norms(g, chosen)
 
 
+def _point_channels(n: Node, table: str, fctx: bool) -> str:
+    """The line that points the node's kernel calls at a channel table (or NULL again): an
+    update's rows, else the step's contexts."""
+    if n.op in UPDATES:
+        return f"{UPDATES[n.op]}.rows = {table if table == 'NULL' else '&' + table + '[0]'};"
+    return f"ctx.chan = {table};" + (f" fctx.chan = {table};" if fctx else "")
+
+
 def emit_model(prog: Program, steps: int) -> CModel:
     """C source of the training step of `prog`, with a learning-rate table for `steps` steps."""
-    prog.refuse_channel_exponents("c")
     g = step_graph(prog.graph)
+    o = prog.options
+    chan = ChannelTables() if o.channel_exponents and o.bits < 8 else None
     # plan-memory's planner with the C step's storage rules
     streamed = streamed_gradients(g)
     mp = plan(g, storage_rules(g, streamed))
@@ -1201,7 +1221,12 @@ def emit_model(prog: Program, steps: int) -> CModel:
                 f"{', ' + n.loc if n.loc else ''}); supported: {', '.join(supported)}"
             )
         start = len(e.lines)
+        e.chan = chan.for_node(g, n) if chan is not None else None
+        if e.chan is not None:
+            e.emit(_point_channels(n, e.chan, fctx))
         rule(e, n)
+        if e.chan is not None:
+            e.emit(_point_channels(n, "NULL", fctx))
         if fctx and g.is_forward(n):
             # the rounding mode rounds forward nodes to nearest (docs/numerics.md §4)
             e.lines[start:] = [_FORWARD_CTX.sub("&fctx", line) for line in e.lines[start:]]
@@ -1209,7 +1234,6 @@ def emit_model(prog: Program, steps: int) -> CModel:
         if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
             raise UnsupportedOpError("the C backend needs an integer-only program")
     decls, init, state_bytes = _state_decls(prog)
-    o = prog.options
     arena_bytes = max(mp.arena_bytes, 16)
     scratch = max(e.scratch_words, 1)
     src = [
@@ -1223,6 +1247,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         f"static int32_t scratch[{scratch}];",
         *decls,
         *e.statics,
+        *(chan.declarations() if chan is not None else []),
         _lr_table(prog, steps),
         "",
         "static void copy8(int8_t *d, const int8_t *s, uint32_t n) { while (n--) *d++ = *s++; }",
@@ -1235,7 +1260,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         "",
         "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y)",
         "{",
-        f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, {stochastic}}};",
+        f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, {stochastic}, 0}};",
         *(
             ["    mexc_ctx_t fctx = ctx; /* forward nodes: nearest */", "    fctx.stochastic = 0;"]
             if fctx
@@ -1283,6 +1308,15 @@ def emit_model(prog: Program, steps: int) -> CModel:
     )
     names = tuple(sorted(prog.state))
     kernels_c, kernels_h = e.kernels.sources()
+    channel_bytes = chan.ram_bytes if chan is not None else 0
     return CModel(
-        "\n".join(src), header, names, arena_bytes, scratch, state_bytes, kernels_c, kernels_h
+        "\n".join(src),
+        header,
+        names,
+        arena_bytes,
+        scratch,
+        state_bytes,
+        kernels_c,
+        kernels_h,
+        channel_bytes,
     )

@@ -99,6 +99,8 @@ def _read_only(param: str, body: str) -> bool:
     uses = list(re.finditer(rf"\b{re.escape(param)}\b", body))
     if any(not body.startswith("[", m.end()) for m in uses):
         return False  # pointer arithmetic, casts, calls: leave it mutable
+    if re.search(rf"mexc_chan_note\(\(?&\(?{re.escape(param)}\[", body):
+        return False  # mexc_chan_note writes through the element's address
     return re.search(rf"^\s*{re.escape(param)}\[.*\]\s*=[^=]", body, re.M) is None
 
 

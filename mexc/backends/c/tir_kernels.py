@@ -32,23 +32,28 @@ def _tag(g: ConvGeom) -> str:
     return f"n{g.n}c{g.c}h{g.h}w{g.w}o{g.o}k{g.kh}x{g.kw}s{g.sh}x{g.sw}p{g.ph}x{g.pw}g{g.groups}"
 
 
+def _scan(channels: bool) -> str:
+    return "_cscan" if channels else "_scan"
+
+
 @dataclass
 class KernelSet:
     """The generated kernels a program calls, by C name."""
 
     funcs: dict[str, tirx.PrimFunc] = field(default_factory=dict)
 
-    def conv_forward(self, g: ConvGeom, bias: bool) -> str:
-        """Name stem of the scan/round pair of a forward product (`<stem>_scan`, `_round`)."""
+    def conv_forward(self, g: ConvGeom, bias: bool, channels: bool = False) -> str:
+        """Name stem of the scan/round pair of a forward product (`<stem>_scan`, `_round`; with
+        channel exponents `_cscan`, `_cround`)."""
         stem = f"mexc_fwd_{_tag(g)}{'_b' if bias else ''}"
-        if f"{stem}_scan" not in self.funcs:
-            self.funcs.update(mcu_products.conv_forward(stem, g, bias))
+        if f"{stem}{_scan(channels)}" not in self.funcs:
+            self.funcs.update(mcu_products.conv_forward(stem, g, bias, channels))
         return stem
 
-    def conv_grad_input(self, g: ConvGeom) -> str:
+    def conv_grad_input(self, g: ConvGeom, channels: bool = False) -> str:
         stem = f"mexc_dx_{_tag(g)}"
-        if f"{stem}_scan" not in self.funcs:
-            self.funcs.update(mcu_products.conv_grad_input(stem, g))
+        if f"{stem}{_scan(channels)}" not in self.funcs:
+            self.funcs.update(mcu_products.conv_grad_input(stem, g, channels))
         return stem
 
     def conv_grad_weight(self, g: ConvGeom) -> str:

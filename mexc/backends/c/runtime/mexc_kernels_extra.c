@@ -137,7 +137,7 @@ static int32_t hs_divide(hs_acc_fn f, const int8_t *a, const int8_t *b, int32_t 
     int32_t pass, acc, eq = 0, e_out = 0;
     pool_div_t d;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 0);
     for (pass = 0; pass < 3; pass++) {
         if (pass == 1) eq = pool_div_init(&d, 16, 6u, amax, ea, ctx, tid);
         if (pass == 2) e_out = mexc_sink_finish(&sink, eq);
@@ -209,7 +209,7 @@ int32_t mexc_avgpool2d_forward(const mexc_pool_t *p, const int8_t *x, int32_t e,
     int32_t eq = 0, e_out = 0, pass;
     pool_div_t d;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 0);
     for (pass = bound <= 15 ? 1 : 0; pass < 3; pass++) {
         if (pass == 1) eq = pool_div_init(&d, bound, kk, amax, e, ctx, tid);
         if (pass == 2) e_out = mexc_sink_finish(&sink, eq);
@@ -243,7 +243,7 @@ int32_t mexc_avgpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t 
     uint32_t plane, yy, xx, i, j, idx, o;
     int32_t acc, oy, ox, e_out = 0, ty, tx;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, eg);
         idx = 0;
@@ -281,7 +281,7 @@ int32_t mexc_mean_axis_forward(uint32_t outer, uint32_t t, uint32_t inner, const
     int32_t eq = 0, e_out = 0, pass, acc;
     pool_div_t d;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 0);
     for (pass = bound <= 15 ? 1 : 0; pass < 3; pass++) {
         if (pass == 1) eq = pool_div_init(&d, bound, t, amax, e, ctx, tid);
         if (pass == 2) e_out = mexc_sink_finish(&sink, eq);
@@ -309,7 +309,7 @@ int32_t mexc_mean_axis_backward(uint32_t outer, uint32_t t, uint32_t inner, cons
     uint32_t o, k, i, idx;
     int32_t e_out = 0;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, eg);
         idx = 0;
@@ -342,7 +342,7 @@ static int32_t dropout_scaled(const int8_t *x, int32_t e, const uint8_t *mask, u
     uint32_t i;
     int32_t e_out = 0;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, y, ctx, key, NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, key, NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, e - s.shift);
         for (i = 0; i < n; i++) mexc_sink_put(&sink, i, 0u, mask[i] ? (int32_t)x[i] * s.num : 0);

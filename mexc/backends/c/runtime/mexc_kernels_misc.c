@@ -82,7 +82,8 @@ int32_t mexc_maxpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t 
     uint32_t plane, y, xx, i, j, idx, o;
     int32_t acc, oy, ox, e_out = ed;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
+    sink.through = 127u; /* channel exponents: up to the int8 container's qmax unrounded */
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ed);
         idx = 0;
@@ -145,7 +146,7 @@ int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
     uint32_t r, j, rows = valid < n ? valid : n, div = rows ? rows : 1u;
     int32_t t, s, e_out = 0;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, MEXC_SOFTMAX_GRAD_EXP);
         for (r = 0; r < n; r++) {
@@ -178,7 +179,7 @@ int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint
         keys[i] = mexc_site_key(ctx, tid, i);
     }
     target = mexc_aligned_target(t, e, b);
-    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, t), NULL, NULL, 0u);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, t), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, target);
         for (k = 0; k < n; k++) {
@@ -207,7 +208,7 @@ int32_t mexc_concat(uint32_t t, const int8_t *const *x, const int32_t *e, const 
         if (e[i] > hi) hi = e[i];
     }
     target = hi - 24 > lo ? hi - 24 : lo;
-    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1u), NULL, NULL, 0u);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1u), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, target);
         idx = 0;
@@ -236,7 +237,7 @@ int32_t mexc_mul_forward(const int8_t *x, int32_t ex, const int8_t *g, int32_t e
     int32_t e_out = 0;
     uint32_t a, b, c, idx;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ex + eg);
         idx = 0;
@@ -267,7 +268,7 @@ int32_t mexc_mul_backward_factor(const int8_t *dy, int32_t ed, const int8_t *x, 
                 acc[b] += t ? mexc_shift_signed(p, (int32_t)t, ctx->stochastic, key, idx) : p;
             }
     if (!out) return e;
-    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, e);
         for (b = 0; b < m; b++) mexc_sink_put(&sink, b, 0u, acc[b]);

@@ -42,7 +42,7 @@ static int32_t bn_affine(uint32_t n, uint32_t c, uint32_t s, const int8_t *xhat,
     b[0] = 14;
     b[1] = 7;
     t = mexc_aligned_target(2u, e, b);
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, j + 2u), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, j + 2u), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, t);
         idx = 0;
@@ -123,7 +123,7 @@ int32_t mexc_batchnorm_forward_train(uint32_t n, uint32_t c, uint32_t s, const i
     bn_stats(n, c, s, x, f, sv, r, eps, e_c, ctx, mexc_site_key(ctx, tid, 0));
     /* xhat = compact_common(xc * rstd, e_c + rstd_e, axis 1) [1] */
     for (cc = 0; cc < c; cc++) e_grp[cc] = e_c + sv->rstd_e[cc];
-    mexc_sink_init(&sink, sv->xhat, ctx, mexc_site_key(ctx, tid, 1), camax, cshift, c);
+    mexc_sink_init(&sink, sv->xhat, ctx, mexc_site_key(ctx, tid, 1), camax, cshift, c, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) sv->xhat_e = mexc_sink_finish_common(&sink, e_grp, c);
         idx = 0;
@@ -182,7 +182,11 @@ int32_t mexc_grad_pooled(mexc_grad_src_t *g, const mexc_pool_t *p, const int8_t 
     /* each pooled value lands at one position, the others are 0: the same maximum */
     for (i = 0; i < n; i++)
         if (mexc_uabs(pooled[i]) > amax) amax = mexc_uabs(pooled[i]);
-    g->s = mexc_compaction_shift(amax, ctx->bits);
+    if (ctx->chan) { /* channel exponents: |dy| <= 127 passes unrounded (maxpool's through) */
+        g->bits = 8;
+        amax = 0u;
+    }
+    g->s = mexc_compaction_shift(amax, g->bits);
     return ed + g->s;
 }
 
@@ -280,7 +284,7 @@ void mexc_batchnorm_backward_src(uint32_t n, uint32_t c, uint32_t s, const mexc_
     }
     /* dx = compact_common(bk16 * f16, e_bk + e_f, axis 1) [6]; dx may be dy's or xhat's bytes:
      * each element is read before it is written */
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 6), camax, cshift, c);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 6), camax, cshift, c, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) *e_dx = mexc_sink_finish_common(&sink, e_f, c);
         for (idx = 0, nn = 0; nn < n; nn++)
@@ -327,7 +331,7 @@ static void bn_ema(uint32_t c, int8_t *r, int32_t *r_e, int32_t r_grouped, const
         mexc_sink_t sink;
         int32_t *cshift = b16; /* b16 is no longer needed */
         uint32_t *camax = (uint32_t *)(scratch + 3u * c);
-        mexc_sink_init(&sink, r, ctx, k3, camax, cshift, c);
+        mexc_sink_init(&sink, r, ctx, k3, camax, cshift, c, -1);
         for (cc = 0; cc < c; cc++) mexc_sink_put(&sink, cc, cc, acc[cc]);
         r_e[0] = mexc_sink_finish_common(&sink, t, c);
         for (cc = 0; cc < c; cc++) mexc_sink_put(&sink, cc, cc, acc[cc]);
@@ -386,7 +390,7 @@ int32_t mexc_batchnorm_forward_eval(uint32_t n, uint32_t c, uint32_t s, const in
         e16[cc] = tg[cc] + sx[cc] + re;
     }
     /* xhat (written into y) = compact_common(xc16 * rstd, e16 + rstd_e, axis 1) [3] */
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 3), camax, cshift, c);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 3), camax, cshift, c, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) exh = mexc_sink_finish_common(&sink, e16, c);
         for (idx = 0, nn = 0; nn < n; nn++)

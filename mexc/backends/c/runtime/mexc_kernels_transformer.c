@@ -98,7 +98,7 @@ int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32
         e_grp[rr] = e_c + sv->rstd_e[rr];
     }
     /* xhat = compact_common(xc * rstd, e_c + rstd_e, axis 0 = rows) [1] */
-    mexc_sink_init(&sink, sv->xhat, ctx, mexc_site_key(ctx, tid, 1), camax, cshift, rows);
+    mexc_sink_init(&sink, sv->xhat, ctx, mexc_site_key(ctx, tid, 1), camax, cshift, rows, -1);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) sv->xhat_e = mexc_sink_finish_common(&sink, e_grp, rows);
         for (idx = 0, rr = 0; rr < rows; rr++)
@@ -114,7 +114,7 @@ int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32
     tgt = mexc_aligned_target(2u, e, b);
     k2 = mexc_site_key(ctx, tid, 2);
     k3 = mexc_site_key(ctx, tid, 3);
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 4), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 4), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, tgt);
         for (idx = 0, rr = 0; rr < rows; rr++)
@@ -203,7 +203,7 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
     e_bk = target + st16 - (int32_t)rc.pow2;
     for (rr = 0; rr < rows; rr++) e_grp[rr] = e_bk + sv->rstd_e[rr];
     /* dx = compact_common(div_const(T16, D) rstd_r, e_bk + rstd_e, rows) [6] */
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 6), camax, cshift, rows);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 6), camax, cshift, rows, -1);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) *e_dx = mexc_sink_finish_common(&sink, e_grp, rows);
         for (idx = 0, rr = 0; rr < rows; rr++)
@@ -236,7 +236,7 @@ int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t
     int32_t v, e_out = 0;
     uint32_t i;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, (a ? ea : 0) + out_exp);
         for (i = 0; i < n; i++) {
@@ -256,7 +256,7 @@ int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
     int32_t v, m, e_out = 0;
     uint32_t i;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, big ? e : MEXC_GELU_OUT_EXP);
         for (i = 0; i < n; i++) {
@@ -330,7 +330,7 @@ int32_t mexc_softmax_backward(uint32_t rows, uint32_t k, const int8_t *dy, int32
     b[0] = 7;
     b[1] = mexc_product_bits(k);
     target = mexc_aligned_target(2u, e, b);
-    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 4), NULL, NULL, 0u);
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 4), NULL, NULL, 0u, 0);
     for (pass = 0; pass < 3; pass++) { /* 0: max|t| for compact_to_bits [3]; 1, 2: the sink */
         if (pass == 1)
             while ((uint64_t)tmax > ((uint64_t)1 << 15) << s3) s3++;
@@ -371,7 +371,7 @@ int32_t mexc_matmul_forward(uint32_t batch, uint32_t m, uint32_t k, uint32_t n, 
     int32_t acc, e_out = 0;
     mexc_sink_t sink;
     am = mexc_fit_product(a, batch * m * k, &ea, k, ctx, mexc_site_key(ctx, tid, 3), scratch);
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ea + eb);
         for (idx = 0, bb = 0; bb < batch; bb++) {
@@ -408,7 +408,7 @@ void mexc_matmul_backward(uint32_t batch, uint32_t m, uint32_t k, uint32_t n, co
     if (da != NULL) { /* da = dy @ b^T, dy pre-shifted [2], compaction [0] */
         dm = mexc_fit_product(dy, batch * m * n, &ed1, n, ctx, mexc_site_key(ctx, tid, 2),
                               scratch);
-        mexc_sink_init(&sink, da, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+        mexc_sink_init(&sink, da, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
         for (sink.pass = 0; sink.pass < 2; sink.pass++) {
             if (sink.pass == 1) *e_da = mexc_sink_finish(&sink, ed1 + eb);
             for (idx = 0, bb = 0; bb < batch; bb++) {
@@ -432,7 +432,7 @@ void mexc_matmul_backward(uint32_t batch, uint32_t m, uint32_t k, uint32_t n, co
                                                        ctx->stochastic, key3, idx);
         ea2 += -cap;
     }
-    mexc_sink_init(&sink, db, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u);
+    mexc_sink_init(&sink, db, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 1);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) *e_db = mexc_sink_finish(&sink, ea2 + ed);
         for (idx = 0, bb = 0; bb < batch; bb++)
@@ -456,7 +456,7 @@ int32_t mexc_scale_forward(const int8_t *x, int32_t e, uint32_t n, mexc_fixed_t 
     uint32_t i;
     int32_t e_out = 0;
     mexc_sink_t sink;
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, e - s.shift);
         for (i = 0; i < n; i++) mexc_sink_put(&sink, i, 0u, (int32_t)x[i] * s.num);
@@ -479,7 +479,7 @@ int32_t mexc_add_broadcast_forward(const int8_t *x, int32_t ex, const int8_t *p,
     b[0] = 7;
     b[1] = 7;
     t = mexc_aligned_target(2u, e, b);
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 2), NULL, NULL, 0u);
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 2), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, t);
         for (idx = 0, bb = 0; bb < batch; bb++)

@@ -155,6 +155,65 @@ int32_t mexc_compact_to_bits(const int32_t *x, int32_t *out, uint32_t n, int32_t
     return s;
 }
 
+/* ------------------------------------------------------------------ channel exponents */
+
+int32_t mexc_channel_shifts(const mexc_chan_t *ch, const int32_t *e_c, int32_t e, int32_t bits,
+                            int32_t signed_, int32_t *frame)
+{
+    uint32_t c;
+    int32_t x, t, top = 0, any = 0, ec;
+    for (c = 0; c < ch->c; c++) {
+        if (ch->amax[c] == 0u) continue;
+        ec = e_c ? e_c[c] : e;
+        x = ec + (signed_ ? mexc_rescale_shift(ch->amax[c], bits)
+                          : mexc_compaction_shift(ch->amax[c], bits));
+        if (!any || x > top) top = x;
+        any = 1;
+    }
+    if (!any) return 0;
+    *frame = top - (8 - bits); /* F: the int8 container keeps 8 - B bits above B */
+    for (c = 0; c < ch->c; c++) {
+        if (ch->amax[c] == 0u) { /* an all-zero channel is 0 at any shift */
+            ch->right[c] = 0;
+            ch->up[c] = 0;
+            continue;
+        }
+        ec = e_c ? e_c[c] : e;
+        x = ec + (signed_ ? mexc_rescale_shift(ch->amax[c], bits)
+                          : mexc_compaction_shift(ch->amax[c], bits));
+        t = x > *frame ? x : *frame;
+        ch->right[c] = t - ec;
+        ch->up[c] = t - *frame;
+    }
+    return 1;
+}
+
+int8_t mexc_frame_round(int32_t v, int32_t right, int32_t up, int32_t bits, int32_t stoch,
+                        uint32_t key, uint32_t idx)
+{
+    int32_t m = mexc_saturate(mexc_shift_signed(v, right, stoch, key, idx), bits);
+    return (int8_t)mexc_shift_left(m, up); /* |m| << up <= 127 (section 5) */
+}
+
+int8_t mexc_channel_round(const mexc_chan_t *ch, uint32_t c, int32_t v, int32_t bits,
+                          int32_t stoch, uint32_t key, uint32_t idx)
+{
+    return mexc_frame_round(v, ch->right[c], ch->up[c], bits, stoch, key, idx);
+}
+
+int8_t mexc_chan_note(void *amax_c, int32_t v)
+{
+    uint32_t *a = (uint32_t *)amax_c, m = mexc_uabs(v);
+    if (m > *a) *a = m;
+    return 0;
+}
+
+void mexc_chan_zero(const mexc_chan_t *ch)
+{
+    uint32_t c;
+    for (c = 0; c < ch->c; c++) ch->amax[c] = 0u;
+}
+
 /* ------------------------------------------------------------------ aligned sum */
 
 int32_t mexc_aligned_target(uint32_t m, const int32_t *e, const int32_t *b)
@@ -290,9 +349,14 @@ void mexc_hex64(uint64_t h, char out[17])
 /* ------------------------------------------------------------------ two-pass sink */
 
 void mexc_sink_init(mexc_sink_t *k, int8_t *out, const mexc_ctx_t *ctx, uint32_t key,
-                    uint32_t *camax, int32_t *cshift, uint32_t channels)
+                    uint32_t *camax, int32_t *cshift, uint32_t channels, int32_t slot)
 {
     uint32_t c;
+    const mexc_chan_t *ch = slot >= 0 && ctx->chan ? &ctx->chan[slot] : NULL;
+    k->chan = ch && ch->c ? ch : NULL;
+    k->through = 0u;
+    if (k->chan)
+        for (c = 0; c < k->chan->c; c++) k->chan->amax[c] = 0u;
     k->pass = 0;
     k->stoch = ctx->stochastic;
     k->bits = ctx->bits;
@@ -310,6 +374,16 @@ void mexc_sink_put(mexc_sink_t *k, uint32_t idx, uint32_t ch, int32_t v)
 {
     uint32_t a;
     int32_t s;
+    if (k->chan) {
+        ch = (idx / k->chan->inner) % k->chan->c;
+        if (k->pass == 0) {
+            a = mexc_uabs(v);
+            if (a > k->chan->amax[ch]) k->chan->amax[ch] = a;
+        } else {
+            k->out[idx] = mexc_channel_round(k->chan, ch, v, k->bits, k->stoch, k->key, idx);
+        }
+        return;
+    }
     if (k->pass == 0) {
         a = mexc_uabs(v);
         if (k->camax) {
@@ -323,8 +397,29 @@ void mexc_sink_put(mexc_sink_t *k, uint32_t idx, uint32_t ch, int32_t v)
     k->out[idx] = mexc_saturate(mexc_shift_right(v, s, k->stoch, k->key, idx), k->bits);
 }
 
+/* channel exponents: 1 when the channel rule applies; else (every channel zero, or a result
+ * within k->through) the sink continues as one exponent per tensor with shift 0. */
+static int32_t sink_channels(mexc_sink_t *k, const int32_t *e_c, int32_t e, int32_t *frame)
+{
+    uint32_t c, top = 0u;
+    for (c = 0; c < k->chan->c; c++)
+        if (k->chan->amax[c] > top) top = k->chan->amax[c];
+    if (top > k->through && mexc_channel_shifts(k->chan, e_c, e, k->bits, 0, frame)) {
+        k->pass = 1;
+        return 1;
+    }
+    if (top && top <= k->through) k->bits = 8; /* passes unrounded: |v| <= through <= 127 */
+    k->chan = NULL;
+    k->camax = NULL;
+    k->cshift = NULL;
+    k->shift = 0;
+    return 0;
+}
+
 int32_t mexc_sink_finish(mexc_sink_t *k, int32_t e)
 {
+    int32_t frame;
+    if (k->chan && sink_channels(k, NULL, e, &frame)) return frame;
     k->shift = mexc_compaction_shift(k->amax, k->bits);
     k->pass = 1;
     return e + k->shift;
@@ -337,6 +432,13 @@ int32_t mexc_sink_finish_common(mexc_sink_t *k, const int32_t *e_c, uint32_t cha
     int32_t best = 0, emax = e_c[0], cand;
     int32_t any = 0;
     uint32_t c;
+    if (k->chan) {
+        if (sink_channels(k, e_c, 0, &best)) return best;
+        for (c = 1; c < channels; c++) /* all zero: compact_common's exponent, values 0 */
+            if (e_c[c] > emax) emax = e_c[c];
+        k->pass = 1;
+        return emax;
+    }
     for (c = 0; c < channels; c++) {
         if (e_c[c] > emax) emax = e_c[c];
         if (k->camax[c] == 0u) continue;

@@ -14,12 +14,24 @@
 #define MEXC_SITES_PER_NODE 16u /* mexc.mx.SITES_PER_NODE: tid = rid * 16, site j -> tid + j */
 #define MEXC_GOLDEN32 0x9E3779B9u
 
+/* Channel exponents (docs/numerics.md section 5): where a result groups its values. Channel c
+ * of flat element i is (i / inner) % c; amax, right and up hold c words of the caller's. */
+typedef struct {
+    uint32_t c, inner;
+    uint32_t *amax; /* max |v| per channel */
+    int32_t *right; /* t_c - e_c: the rounding shift (< 0: exact left shift, weights only) */
+    int32_t *up;    /* t_c - F: the exact left shift into the int8 frame F */
+} mexc_chan_t;
+
 /* How a training step rounds (mexc.mx.RoundCtx). */
 typedef struct {
     uint32_t seed;
     uint32_t step;
     int32_t bits;       /* mantissa bits B in 2..8 */
     int32_t stochastic; /* 1: stochastic rounding, 0: nearest (round half up) */
+    /* the current call's batch-major results with channel exponents, by the kernel's result
+     * slot (0, 1); NULL: one exponent per tensor (8 bits, or channel exponents off) */
+    const mexc_chan_t *chan;
 } mexc_ctx_t;
 
 /* ------------------------------------------------------------------ PRNG (numerics.mix32 ...) */
@@ -62,6 +74,23 @@ void mexc_compact_grouped(const int32_t *acc, int8_t *out, uint32_t groups, uint
 int32_t mexc_compact_to_bits(const int32_t *x, int32_t *out, uint32_t n, int32_t mag_bits,
                              int32_t stoch, uint32_t key);
 
+/* numerics.channel_shifts: from ch->amax and the accumulator's exponent (e_c[c], or e for every
+ * channel when e_c is NULL) fill ch->right and ch->up and return 1 with *frame = F; 0 when every
+ * channel is zero (the caller's plain rule applies). signed_: the reactive rescale's signed
+ * natural shift (weights), else compaction_shift. */
+int32_t mexc_channel_shifts(const mexc_chan_t *ch, const int32_t *e_c, int32_t e, int32_t bits,
+                            int32_t signed_, int32_t *frame);
+/* One element of channel_compact: saturate(shift_signed(v, right), B) << up. */
+int8_t mexc_frame_round(int32_t v, int32_t right, int32_t up, int32_t bits, int32_t stoch,
+                        uint32_t key, uint32_t idx);
+/* mexc_frame_round with channel c's shifts. */
+int8_t mexc_channel_round(const mexc_chan_t *ch, uint32_t c, int32_t v, int32_t bits,
+                          int32_t stoch, uint32_t key, uint32_t idx);
+/* The scan of a generated product with channel exponents: *amax_c = max(*amax_c, |v|);
+ * returns 0 (the scan kernel stores it into the output, which the round kernel overwrites). */
+int8_t mexc_chan_note(void *amax_c, int32_t v);
+void mexc_chan_zero(const mexc_chan_t *ch); /* every channel maximum 0 */
+
 /* ------------------------------------------------------------------ aligned sum */
 /* Target exponent of numerics.aligned_sum for m terms with exponents e[i] and bounds b[i]:
  * max(min e_i, max(e_i + b_i) + c - 31), c = bit_length(m) for m >= 2, 0 for m = 1. */
@@ -93,6 +122,7 @@ typedef struct {
     int32_t bits;
     int32_t stochastic;
     mexc_fixed_t lr, momentum, weight_decay;
+    const mexc_chan_t *rows; /* the weight's rows with channel exponents (section 5), or NULL */
 } mexc_update_cfg_t;
 
 #define MEXC_UPDATE_SITES 9u
@@ -130,6 +160,7 @@ typedef struct {
     mexc_fixed_t one_minus_beta1, one_minus_beta2; /* static */
     mexc_fixed_t lr, eps, weight_decay;           /* lr_t, eps_t, wd_t of the step */
     mexc_fixed_t l2; /* Adam's coupled decay (step 1b), static; AdamW: {0, 0} */
+    const mexc_chan_t *rows; /* the weight's rows with channel exponents (section 5), or NULL */
 } mexc_adamw_cfg_t;
 
 #define MEXC_ADAMW_SITES 15u
@@ -186,10 +217,14 @@ typedef struct {
     uint32_t *camax;   /* per channel max (compact_common) or NULL */
     int32_t *cshift;   /* per channel shift (compact_common) or NULL */
     int8_t *out;
+    const mexc_chan_t *chan; /* channel exponents (ctx->chan[slot]) or NULL */
+    uint32_t through;  /* with chan: a result whose max |v| is at most this passes unrounded */
 } mexc_sink_t;
 
+/* slot: the kernel's result slot in ctx->chan of a batch-major result (compact_mx(batch=True),
+ * compact_common(batch=True) along axis 1), or -1 for a result that keeps one exponent. */
 void mexc_sink_init(mexc_sink_t *k, int8_t *out, const mexc_ctx_t *ctx, uint32_t key,
-                    uint32_t *camax, int32_t *cshift, uint32_t channels);
+                    uint32_t *camax, int32_t *cshift, uint32_t channels, int32_t slot);
 void mexc_sink_put(mexc_sink_t *k, uint32_t idx, uint32_t ch, int32_t v);
 /* After pass 0, per tensor: fix the shift, return e + s. */
 int32_t mexc_sink_finish(mexc_sink_t *k, int32_t e);

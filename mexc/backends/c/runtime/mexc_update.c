@@ -31,6 +31,27 @@ static int32_t compact_group(const int32_t *tmp, int8_t *out, uint32_t per, uint
     return e + s;
 }
 
+/* numerics.weight_bound_bits: |w| < 2^b, b = B - 1, or 7 when w's rows have channel exponents */
+static int32_t weight_bound_bits(int32_t bits, const mexc_chan_t *rows)
+{
+    return rows && bits < 8 ? 7 : bits - 1;
+}
+
+/* Channel exponents of the weight's rows (numerics.reactive_rescale with channels): note |x| of
+ * element i in its row's maximum (pass 0). */
+static void note_row(const mexc_chan_t *rows, uint32_t i, int32_t x)
+{
+    const uint32_t a = mexc_uabs(x), r = i / rows->inner;
+    if (a > rows->amax[r]) rows->amax[r] = a;
+}
+
+static void clear_rows(const mexc_chan_t *rows)
+{
+    uint32_t r;
+    if (rows)
+        for (r = 0; r < rows->c; r++) rows->amax[r] = 0u;
+}
+
 /* Two-term per-group aligned_sum: acc[i] = align(x1[i]) + align(x2[i]); e_x1 per group,
  * x1 = m1[i] * f1 (int8 source) or buf[i] (f1 = 0); x2 = buf[i] or m2[i] * f2. */
 static int32_t target2(int32_t e1, int32_t b1, int32_t e2, int32_t b2)
@@ -47,10 +68,11 @@ static int32_t target2(int32_t e1, int32_t b1, int32_t e2, int32_t b2)
  * in place over its row (int32 holding B-bit values, exponent *e_g); w_row: the group's weights;
  * keys: the two terms' sites and the compaction's. */
 static void l2_row(int32_t *row, const int8_t *w_row, uint32_t per, uint32_t base, int32_t *e_g,
-                   int32_t we, mexc_fixed_t wd, int32_t bits, int32_t st, const uint32_t keys[3])
+                   int32_t we, mexc_fixed_t wd, int32_t bits, int32_t wb, int32_t st,
+                   const uint32_t keys[3])
 {
     const int32_t b = bits - 1, wd_exp = we - wd.shift;
-    const int32_t wd_bits = b + mexc_bit_length((uint32_t)wd.num);
+    const int32_t wd_bits = wb + mexc_bit_length((uint32_t)wd.num);
     const int32_t t = target2(*e_g, b, wd_exp, wd_bits);
     uint32_t i;
     for (i = 0; i < per; i++)
@@ -127,7 +149,8 @@ void mexc_sgd_group(const int8_t *w, int32_t w_exp, int32_t *row, int32_t grad_e
     compact_row_inplace(row, per, base, &e_g, bits, st, keys[0]);
     /* 2. g = compact(g + wd * w) [1, 2], [3] */
     if (cfg->weight_decay.num)
-        l2_row(row, w + base, per, base, &e_g, w_exp, cfg->weight_decay, bits, st, keys + 1);
+        l2_row(row, w + base, per, base, &e_g, w_exp, cfg->weight_decay, bits,
+               weight_bound_bits(bits, cfg->rows), st, keys + 1);
     /* 3. v = compact(momentum * v + g) [4, 5], [6] */
     t = target2(me, mb, e_g, b);
     for (i = 0; i < per; i++)
@@ -154,14 +177,27 @@ void mexc_sgd_finish(int8_t *w, int32_t *w_exp, const int8_t *v, const int32_t *
     const int32_t bits = cfg->bits, st = cfg->stochastic;
     /* 4. an all-zero w takes the coarsest exponent of a nonzero update */
     const int32_t we = zero_weight_exponent(w, v, groups, per, v_exp, cfg->lr, *w_exp);
+    const mexc_chan_t *rows = bits < 8 ? cfg->rows : NULL;
     uint32_t g, i, m = 0u, a;
-    int32_t s, x;
+    int32_t s, x, frame;
     /* 5-6. w_acc is computed twice, for its maximum and then rounded, instead of stored */
+    clear_rows(rows);
     for (g = 0; g < groups; g++)
         for (i = g * per; i < (g + 1u) * per; i++) {
-            a = mexc_uabs(sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]));
+            x = sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]);
+            a = mexc_uabs(x);
             if (a > m) m = a;
+            if (rows) note_row(rows, i, x);
         }
+    if (rows && mexc_channel_shifts(rows, NULL, we, bits, 1, &frame)) {
+        for (g = 0; g < groups; g++)
+            for (i = g * per; i < (g + 1u) * per; i++) {
+                x = sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]);
+                w[i] = mexc_channel_round(rows, i / rows->inner, x, bits, st, keys[8], i);
+            }
+        *w_exp = frame;
+        return;
+    }
     s = mexc_rescale_shift(m, bits);
     for (g = 0; g < groups; g++)
         for (i = g * per; i < (g + 1u) * per; i++) {
@@ -231,7 +267,9 @@ void mexc_adamw_group(const int8_t *w, int32_t w_exp, int32_t *row, int32_t grad
     /* 1. g = compact(grad_acc) per group [0]; the row then holds g */
     compact_row_inplace(row, per, base, &e_g, bits, st, keys[0]);
     /* 1b. Adam's L2 term: g = compact(g + wd * w) per group [12, 13], [14] */
-    if (cfg->l2.num) l2_row(row, w + base, per, base, &e_g, w_exp, cfg->l2, bits, st, keys + 12);
+    if (cfg->l2.num)
+        l2_row(row, w + base, per, base, &e_g, w_exp, cfg->l2, bits,
+               weight_bound_bits(bits, cfg->rows), st, keys + 12);
     /* 2. m = compact(m + c1 (g - m)) as (m, -m c1, g c1) [1, 2, 3], [4] */
     em = m_exp[g];
     t = target3(em, mb, em - c1.shift, mb + cb1, e_g - c1.shift, b + cb1);
@@ -285,7 +323,8 @@ void mexc_adamw_finish(int8_t *w, int32_t *w_exp, const int8_t *m, const int32_t
                        const int8_t *r, const int32_t *r_exp, uint32_t groups, uint32_t per,
                        const mexc_adamw_cfg_t *cfg, const uint32_t keys[MEXC_ADAMW_SITES])
 {
-    int32_t we = *w_exp, found = 0, any_w = 0, s, eps_units, e_q;
+    const mexc_chan_t *rows = cfg->bits < 8 ? cfg->rows : NULL;
+    int32_t we = *w_exp, found = 0, any_w = 0, s, eps_units, e_q, x, frame;
     uint32_t g, i, mx = 0u, a;
     /* 6. an all-zero w takes the coarsest exponent of a nonzero update (zero_weight_exponent) */
     for (i = 0; i < groups * per; i++)
@@ -305,13 +344,28 @@ void mexc_adamw_finish(int8_t *w, int32_t *w_exp, const int8_t *m, const int32_t
         we = best;
     }
     /* 7-8. w_acc computed twice, for its maximum and then rounded [11], instead of stored */
+    clear_rows(rows);
     for (g = 0; g < groups; g++) {
         const int32_t d = we - (m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC - cfg->lr.shift);
         eps_units = adam_eps_units(cfg, r_exp[g]);
         for (i = g * per; i < (g + 1u) * per; i++) {
-            a = mexc_uabs(adam_w_acc(w, m, r, i, eps_units, d, cfg, keys));
+            x = adam_w_acc(w, m, r, i, eps_units, d, cfg, keys);
+            a = mexc_uabs(x);
             if (a > mx) mx = a;
+            if (rows) note_row(rows, i, x);
         }
+    }
+    if (rows && mexc_channel_shifts(rows, NULL, we, cfg->bits, 1, &frame)) {
+        for (g = 0; g < groups; g++) {
+            const int32_t d = we - (m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC - cfg->lr.shift);
+            eps_units = adam_eps_units(cfg, r_exp[g]);
+            for (i = g * per; i < (g + 1u) * per; i++)
+                w[i] = mexc_channel_round(rows, i / rows->inner,
+                                          adam_w_acc(w, m, r, i, eps_units, d, cfg, keys),
+                                          cfg->bits, cfg->stochastic, keys[11], i);
+        }
+        *w_exp = frame;
+        return;
     }
     s = mexc_rescale_shift(mx, cfg->bits);
     for (g = 0; g < groups; g++) {
