@@ -161,32 +161,30 @@ def _channel_scan_and_round(
     schedule: Callable[[tirx.PrimFunc, str], tirx.PrimFunc],
 ) -> dict[str, tirx.PrimFunc]:
     """Channel exponents (docs/numerics.md section 5) along axis 1 of `shape`: `{name}_cscan`
-    (inputs, scalars, amax[C], out) notes max |value| per channel (the runtime's
+    (inputs, scalars, word[C], out) notes max |value| per channel in word (the runtime's
     mexc_chan_note; it stores 0 into out, which the round overwrites: no buffer of its own),
-    and `{name}_cround` (inputs, scalars, right[C], up[C], stoch, k0, bits, out) rounds each
-    element with its channel's shifts (mexc_frame_round). Both keep the output-shaped loop nest
-    of the plain round, so that its schedule applies to them as it is."""
+    and `{name}_cround` (inputs, scalars, word[C], stoch, k0, bits, out) rounds each element
+    with its channel's shifts, which mexc_product_end_channels packed into word
+    (mexc_frame_round). Both keep the output-shaped loop nest of the plain round, so that its
+    schedule applies to them as it is."""
     c = shape[1]
-    amax = te.placeholder((c,), U32, name="amax")
+    word = te.placeholder((c,), U32, name="word")
 
     def note(*idx: Expr) -> Expr:
-        slot = tirx.call_intrin("handle", "tirx.address_of", amax(idx[1]))
+        slot = tirx.call_intrin("handle", "tirx.address_of", word(idx[1]))
         return _call(I8, "mexc_chan_note", slot, value(*idx))
 
     scan_out = te.compute(shape, note, name="out")
-    scan = prim_func([*inputs, *scalars.values(), amax, scan_out], f"{name}_cscan")
-    right = te.placeholder((c,), I32, name="right")
-    up = te.placeholder((c,), I32, name="up")
+    scan = prim_func([*inputs, *scalars.values(), word, scan_out], f"{name}_cscan")
     r = {**ROUND_SCALARS.vars(), **{k: v for k, v in scalars.items() if k == "stoch"}}
 
     def rounded(*idx: Expr) -> Expr:
-        ch = idx[1]
-        args = (right[ch], up[ch], r["bits"], r["stoch"], r["k0"], _flat(shape, idx))
+        args = (word[idx[1]], r["bits"], r["stoch"], r["k0"], _flat(shape, idx))
         return _call(I8, "mexc_frame_round", value(*idx), *args)
 
     out = te.compute(shape, rounded, name="out")
     rest = [r[n] for n in ROUND_SCALARS.names if n not in scalars and n != "s"]
-    rnd = prim_func([*inputs, *scalars.values(), right, up, *rest, out], f"{name}_cround")
+    rnd = prim_func([*inputs, *scalars.values(), word, *rest, out], f"{name}_cround")
     return {f"{name}_cscan": schedule(scan, "out"), f"{name}_cround": schedule(rnd, "out")}
 
 

@@ -250,6 +250,39 @@ def test_adamw_on_cortex_m4_matches_reference(tmp_path: Path) -> None:
     assert "mexc_adamw_update" in symbols and not SOFT_FLOAT.findall(symbols)
 
 
+@needs_qemu
+@pytest.mark.mcu
+def test_channel_exponents_train_on_qemu_as_in_the_reference(
+    tmp_path: Path, digits_project: tuple[Path, str]
+) -> None:
+    """B = 4 with channel exponents (on by default below 8 bits, docs/numerics.md section 5) in
+    the exported project: the reference's STATE under QEMU's Cortex-M3, a Cortex-M0 image that
+    links without libc and uses no float, and in RAM the 8-bit program's bytes plus one word
+    per channel of the widest result or weight (its maximum, then its shifts)."""
+    cls, shape = EXAMPLES["DigitsCNN"]
+    torch.manual_seed(0)
+    opt = mexc.SGD(lr=0.02, momentum=0.9, weight_decay=5e-4)
+    prog = mexc.compile(cls(), (torch.zeros(8, *shape),), optimizer=opt, bits=4)
+    assert prog.options.channel_exponents
+    data = _data("DigitsCNN", 48)
+    out = mexc.export(prog, tmp_path, data=data, steps=6)
+    assert "mexc_chan_t" in (out / "model.c").read_text()
+    prog.replay(data, 6)
+    assert _state_line(_make(out, "run-qemu")) == prog.state_checksum()
+    _make(out, "mcu", CPU="cortex-m0")
+    symbols = subprocess.run(
+        ["arm-none-eabi-nm", str(out / "train_cortex-m0.elf")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "mexc_channel_shifts" in symbols and not SOFT_FLOAT.findall(symbols)
+    words = re.findall(r"static uint32_t mexc_ch\d_word\[(\d+)\];", (out / "model.c").read_text())
+    _make(digits_project[0], "mcu", CPU="cortex-m0")
+    plain = measure(digits_project[0], "cortex-m0")  # the same CNN and batch at 8 bits
+    assert 0 < measure(out, "cortex-m0").bss - plain.bss <= 4 * sum(map(int, words)) + 16
+
+
 @needs_arm
 @pytest.mark.mcu
 @pytest.mark.parametrize("cpu", ["cortex-m0", "cortex-m3", "cortex-m4"])

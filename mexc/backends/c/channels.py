@@ -19,6 +19,7 @@ from mexc.ir import Graph, Node, Op
 Geometry = tuple[int, int]  # (channels, elements per channel and sample); (0, 1): none
 SLOTS = 2  # result slots a kernel call may round per channel (matmul_grad: da, db)
 UPDATES = {Op.SGD_UPDATE: "cfg", Op.ADAMW_UPDATE: "adam"}  # the C name of each update's cfg
+TWO_RESULTS = {Op.MATMUL_GRAD}  # the kernels that round a second result per channel (slot 1)
 # A linear layer computes on the (rows, K) view of its (..., K) operands: its values group by
 # feature, the last axis (kernels/linear.py)
 ROWS_VIEW = {Op.LINEAR, Op.LINEAR_COMPACT, Op.LINEAR_GRAD_INPUT}
@@ -54,7 +55,7 @@ class ChannelTables:
         if n.op in UPDATES:
             geoms: tuple[Geometry, ...] = (row_geometry(tuple(g.type_of(n.inputs[0]).shape)),)
         else:
-            results = [n.result(i) for i in range(min(len(n.types), SLOTS))]
+            results = [n.result(i) for i in range(2 if n.op in TWO_RESULTS else 1)]
             geoms = tuple(result_geometry(n.op, tuple(g.type_of(v).shape)) for v in results)
         if not any(c for c, _ in geoms):
             return None
@@ -66,20 +67,17 @@ class ChannelTables:
 
     @property
     def ram_bytes(self) -> int:
-        """The arrays' RAM: a maximum, a right and an up shift per channel of each slot."""
-        return 3 * 4 * sum(self.widest(i) for i in range(SLOTS))
+        """The words' RAM: one per channel of each slot (its maximum, then its shifts)."""
+        return 4 * sum(self.widest(i) for i in range(SLOTS))
 
     def declarations(self) -> list[str]:
         out = []
         for i in range(SLOTS):
             if w := self.widest(i):
-                out.append(f"static uint32_t mexc_ch{i}_amax[{w}];")
-                out.append(f"static int32_t mexc_ch{i}_right[{w}], mexc_ch{i}_up[{w}];")
+                out.append(f"static uint32_t mexc_ch{i}_word[{w}];")
         for geoms, name in self.tables.items():
             rows = ", ".join(
-                f"{{{c}u, {inner}u, mexc_ch{i}_amax, mexc_ch{i}_right, mexc_ch{i}_up}}"
-                if c
-                else "{0u, 1u, 0, 0, 0}"
+                f"{{{c}u, {inner}u, mexc_ch{i}_word}}" if c else "{0u, 1u, 0}"
                 for i, (c, inner) in enumerate(geoms)
             )
             out.append(f"static const mexc_chan_t {name}[{SLOTS}] = {{{rows}}};")

@@ -177,9 +177,9 @@ def _product(
     if e.chan is not None:  # channel exponents: the kernels' channel pair (mcu_products)
         ch = f"{e.chan}[0]"
         e.emit(f"mexc_chan_zero(&{ch});")
-        e.emit(f"{stem}_cscan({op}, {b}, {bias_args}{ch}.amax, {y});")
+        e.emit(f"{stem}_cscan({op}, {b}, {bias_args}{ch}.word, {y});")
         e.emit(f"{ey} = mexc_product_end_channels(&{p}, &{ch});")
-        e.emit(f"{stem}_cround({op}, {b}, {bias_args}{ch}.right, {ch}.up, {rest}, {y});")
+        e.emit(f"{stem}_cround({op}, {b}, {bias_args}{ch}.word, {rest}, {y});")
         return
     e.emit(f"{stem}_scan({op}, {b}, {bias_args}&{p}.amax);")
     e.emit(f"{ey} = mexc_product_end(&{p});")

@@ -54,8 +54,9 @@ const int8_t *mexc_product_begin(mexc_product_t *p, const int8_t *a, uint32_t n,
                                  const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
 /* The compaction shift of p->amax; returns the output's exponent. */
 int32_t mexc_product_end(mexc_product_t *p);
-/* With channel exponents (docs/numerics.md section 5): the channel shifts of ch->amax (the scan
- * kernel's `_cscan`) into ch->right and ch->up (the `_cround` kernel's); returns the frame. */
+/* With channel exponents (docs/numerics.md section 5): the channel shifts of the maxima in
+ * ch->word (the scan kernel's `_cscan`), packed into ch->word for the `_cround` kernel; returns
+ * the frame. */
 int32_t mexc_product_end_channels(mexc_product_t *p, const mexc_chan_t *ch);
 
 /* bias_backward: dy viewed as (N, C, S) summed over N and S -> db[C] (exponent e_dy).

@@ -68,13 +68,8 @@ int32_t mexc_product_end(mexc_product_t *p)
 int32_t mexc_product_end_channels(mexc_product_t *p, const mexc_chan_t *ch)
 {
     int32_t frame;
-    uint32_t c;
     if (mexc_channel_shifts(ch, NULL, p->e_val, p->bits, 0, &frame)) return frame;
-    for (c = 0; c < ch->c; c++) { /* every value is 0: the plain rule's exponent */
-        ch->right[c] = 0;
-        ch->up[c] = 0;
-    }
-    return p->e_val;
+    return p->e_val; /* every value is 0 (so is every word): the plain rule's exponent */
 }
 
 /* ------------------------------------------------------------------ bias_backward */

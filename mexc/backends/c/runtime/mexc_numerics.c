@@ -163,42 +163,38 @@ int32_t mexc_channel_shifts(const mexc_chan_t *ch, const int32_t *e_c, int32_t e
     uint32_t c;
     int32_t x, t, top = 0, any = 0, ec;
     for (c = 0; c < ch->c; c++) {
-        if (ch->amax[c] == 0u) continue;
+        if (ch->word[c] == 0u) continue;
         ec = e_c ? e_c[c] : e;
-        x = ec + (signed_ ? mexc_rescale_shift(ch->amax[c], bits)
-                          : mexc_compaction_shift(ch->amax[c], bits));
+        x = ec + (signed_ ? mexc_rescale_shift(ch->word[c], bits)
+                          : mexc_compaction_shift(ch->word[c], bits));
         if (!any || x > top) top = x;
         any = 1;
     }
     if (!any) return 0;
     *frame = top - (8 - bits); /* F: the int8 container keeps 8 - B bits above B */
     for (c = 0; c < ch->c; c++) {
-        if (ch->amax[c] == 0u) { /* an all-zero channel is 0 at any shift */
-            ch->right[c] = 0;
-            ch->up[c] = 0;
-            continue;
-        }
+        if (ch->word[c] == 0u) continue; /* an all-zero channel is 0 at any shift: word 0 */
         ec = e_c ? e_c[c] : e;
-        x = ec + (signed_ ? mexc_rescale_shift(ch->amax[c], bits)
-                          : mexc_compaction_shift(ch->amax[c], bits));
+        x = ec + (signed_ ? mexc_rescale_shift(ch->word[c], bits)
+                          : mexc_compaction_shift(ch->word[c], bits));
         t = x > *frame ? x : *frame;
-        ch->right[c] = t - ec;
-        ch->up[c] = t - *frame;
+        ch->word[c] = ((uint32_t)(t - ec) & 0xFFFFu) | ((uint32_t)(t - *frame) << 16);
     }
     return 1;
 }
 
-int8_t mexc_frame_round(int32_t v, int32_t right, int32_t up, int32_t bits, int32_t stoch,
-                        uint32_t key, uint32_t idx)
+int8_t mexc_frame_round(int32_t v, uint32_t word, int32_t bits, int32_t stoch, uint32_t key,
+                        uint32_t idx)
 {
-    int32_t m = mexc_saturate(mexc_shift_signed(v, right, stoch, key, idx), bits);
-    return (int8_t)mexc_shift_left(m, up); /* |m| << up <= 127 (section 5) */
+    const int32_t right = (int32_t)(int16_t)(uint16_t)(word & 0xFFFFu);
+    const int32_t m = mexc_saturate(mexc_shift_signed(v, right, stoch, key, idx), bits);
+    return (int8_t)mexc_shift_left(m, (int32_t)(word >> 16)); /* |m| << up <= 127 (section 5) */
 }
 
 int8_t mexc_channel_round(const mexc_chan_t *ch, uint32_t c, int32_t v, int32_t bits,
                           int32_t stoch, uint32_t key, uint32_t idx)
 {
-    return mexc_frame_round(v, ch->right[c], ch->up[c], bits, stoch, key, idx);
+    return mexc_frame_round(v, ch->word[c], bits, stoch, key, idx);
 }
 
 int8_t mexc_chan_note(void *amax_c, int32_t v)
@@ -211,7 +207,7 @@ int8_t mexc_chan_note(void *amax_c, int32_t v)
 void mexc_chan_zero(const mexc_chan_t *ch)
 {
     uint32_t c;
-    for (c = 0; c < ch->c; c++) ch->amax[c] = 0u;
+    for (c = 0; c < ch->c; c++) ch->word[c] = 0u;
 }
 
 /* ------------------------------------------------------------------ aligned sum */
@@ -356,7 +352,7 @@ void mexc_sink_init(mexc_sink_t *k, int8_t *out, const mexc_ctx_t *ctx, uint32_t
     k->chan = ch && ch->c ? ch : NULL;
     k->through = 0u;
     if (k->chan)
-        for (c = 0; c < k->chan->c; c++) k->chan->amax[c] = 0u;
+        for (c = 0; c < k->chan->c; c++) k->chan->word[c] = 0u;
     k->pass = 0;
     k->stoch = ctx->stochastic;
     k->bits = ctx->bits;
@@ -378,7 +374,7 @@ void mexc_sink_put(mexc_sink_t *k, uint32_t idx, uint32_t ch, int32_t v)
         ch = (idx / k->chan->inner) % k->chan->c;
         if (k->pass == 0) {
             a = mexc_uabs(v);
-            if (a > k->chan->amax[ch]) k->chan->amax[ch] = a;
+            if (a > k->chan->word[ch]) k->chan->word[ch] = a;
         } else {
             k->out[idx] = mexc_channel_round(k->chan, ch, v, k->bits, k->stoch, k->key, idx);
         }
@@ -403,7 +399,7 @@ static int32_t sink_channels(mexc_sink_t *k, const int32_t *e_c, int32_t e, int3
 {
     uint32_t c, top = 0u;
     for (c = 0; c < k->chan->c; c++)
-        if (k->chan->amax[c] > top) top = k->chan->amax[c];
+        if (k->chan->word[c] > top) top = k->chan->word[c];
     if (top > k->through && mexc_channel_shifts(k->chan, e_c, e, k->bits, 0, frame)) {
         k->pass = 1;
         return 1;

@@ -15,12 +15,14 @@
 #define MEXC_GOLDEN32 0x9E3779B9u
 
 /* Channel exponents (docs/numerics.md section 5): where a result groups its values. Channel c
- * of flat element i is (i / inner) % c; amax, right and up hold c words of the caller's. */
+ * of flat element i is (i / inner) % c. word[c] (c words of the caller's) holds max |v| of the
+ * channel while it is scanned, then its two shifts packed (mexc_channel_shifts): the rounding
+ * shift t_c - e_c as int16 in the low half (< 0: an exact left shift, weights only) and the
+ * exact left shift t_c - F into the int8 frame F in the high half. One word per channel: an
+ * MCU's RAM. */
 typedef struct {
     uint32_t c, inner;
-    uint32_t *amax; /* max |v| per channel */
-    int32_t *right; /* t_c - e_c: the rounding shift (< 0: exact left shift, weights only) */
-    int32_t *up;    /* t_c - F: the exact left shift into the int8 frame F */
+    uint32_t *word;
 } mexc_chan_t;
 
 /* How a training step rounds (mexc.mx.RoundCtx). */
@@ -74,15 +76,17 @@ void mexc_compact_grouped(const int32_t *acc, int8_t *out, uint32_t groups, uint
 int32_t mexc_compact_to_bits(const int32_t *x, int32_t *out, uint32_t n, int32_t mag_bits,
                              int32_t stoch, uint32_t key);
 
-/* numerics.channel_shifts: from ch->amax and the accumulator's exponent (e_c[c], or e for every
- * channel when e_c is NULL) fill ch->right and ch->up and return 1 with *frame = F; 0 when every
- * channel is zero (the caller's plain rule applies). signed_: the reactive rescale's signed
- * natural shift (weights), else compaction_shift. */
+/* numerics.channel_shifts: from the maxima in ch->word and the accumulator's exponent (e_c[c],
+ * or e for every channel when e_c is NULL) pack each channel's shifts into ch->word and return 1
+ * with *frame = F; 0 when every channel is zero (the words stay 0, the caller's plain rule
+ * applies). signed_: the reactive rescale's signed natural shift (weights), else
+ * compaction_shift. */
 int32_t mexc_channel_shifts(const mexc_chan_t *ch, const int32_t *e_c, int32_t e, int32_t bits,
                             int32_t signed_, int32_t *frame);
-/* One element of channel_compact: saturate(shift_signed(v, right), B) << up. */
-int8_t mexc_frame_round(int32_t v, int32_t right, int32_t up, int32_t bits, int32_t stoch,
-                        uint32_t key, uint32_t idx);
+/* One element of channel_compact with its channel's packed shifts: saturate(shift_signed(v,
+ * right), B) << up. */
+int8_t mexc_frame_round(int32_t v, uint32_t word, int32_t bits, int32_t stoch, uint32_t key,
+                        uint32_t idx);
 /* mexc_frame_round with channel c's shifts. */
 int8_t mexc_channel_round(const mexc_chan_t *ch, uint32_t c, int32_t v, int32_t bits,
                           int32_t stoch, uint32_t key, uint32_t idx);

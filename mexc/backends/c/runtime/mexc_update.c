@@ -42,14 +42,14 @@ static int32_t weight_bound_bits(int32_t bits, const mexc_chan_t *rows)
 static void note_row(const mexc_chan_t *rows, uint32_t i, int32_t x)
 {
     const uint32_t a = mexc_uabs(x), r = i / rows->inner;
-    if (a > rows->amax[r]) rows->amax[r] = a;
+    if (a > rows->word[r]) rows->word[r] = a;
 }
 
 static void clear_rows(const mexc_chan_t *rows)
 {
     uint32_t r;
     if (rows)
-        for (r = 0; r < rows->c; r++) rows->amax[r] = 0u;
+        for (r = 0; r < rows->c; r++) rows->word[r] = 0u;
 }
 
 /* Two-term per-group aligned_sum: acc[i] = align(x1[i]) + align(x2[i]); e_x1 per group,
