@@ -85,12 +85,24 @@ class KernelSet:
         return BANNER + '#include "kernels.h"\n' + _strip_declarations(body), _header(protos)
 
 
+def _source_digest() -> str:
+    """Hash of the code that builds and prints the kernels, read when this module is imported:
+    the code this process runs, even if the files change while it runs (a cache entry keyed by
+    newer sources would otherwise hold what the older code printed)."""
+    h = hashlib.sha256()
+    for module in (mcu_products, te_products, te_func, te_divide, plain_c):
+        h.update(Path(str(module.__file__)).read_bytes())
+    return h.hexdigest()
+
+
+_SOURCES = _source_digest()
+
+
 def _printed(funcs: dict[str, tirx.PrimFunc]) -> str:
     """emit_plain_c of `funcs`, cached on disk by their names (each names its geometry) and the
     code that builds and prints them."""
     h = hashlib.sha256(" ".join(sorted(funcs)).encode() + tvm.__version__.encode())
-    for module in (mcu_products, te_products, te_func, te_divide, plain_c):
-        h.update(Path(str(module.__file__)).read_bytes())
+    h.update(_SOURCES.encode())
     folder = CACHE / f"tirc-{h.hexdigest()[:20]}"
     out = folder / SOURCE
     if not out.exists():

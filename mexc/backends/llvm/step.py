@@ -79,12 +79,21 @@ def _lowering_sources() -> list[Path]:
     )
 
 
-def _lowering_digest() -> str:
-    """Hash of the lowering code the compiled kernels depend on (_lowering_sources)."""
+def _source_digest() -> str:
     h = hashlib.sha256()
     for src in _lowering_sources():
         h.update(src.read_bytes())
     return h.hexdigest()
+
+
+# read once, when this module is imported: the code this process runs, even if the files
+# change while it runs (an entry keyed by newer sources would otherwise hold older kernels)
+_LOWERING_DIGEST = _source_digest()
+
+
+def _lowering_digest() -> str:
+    """Hash of the lowering code the compiled kernels depend on (_lowering_sources)."""
+    return _LOWERING_DIGEST
 
 
 def cache_key(prog: Program, target: str) -> str:
