@@ -351,6 +351,9 @@ void mexc_sink_init(mexc_sink_t *k, int8_t *out, const mexc_ctx_t *ctx, uint32_t
     const mexc_chan_t *ch = slot >= 0 && ctx->chan ? &ctx->chan[slot] : NULL;
     k->chan = ch && ch->c ? ch : NULL;
     k->through = 0u;
+    k->next = 0xFFFFFFFFu; /* the first put divides */
+    k->ch = 0u;
+    k->left = 0u;
     if (k->chan)
         for (c = 0; c < k->chan->c; c++) k->chan->word[c] = 0u;
     k->pass = 0;
@@ -366,12 +369,30 @@ void mexc_sink_init(mexc_sink_t *k, int8_t *out, const mexc_ctx_t *ctx, uint32_t
         for (c = 0; c < channels; c++) camax[c] = 0;
 }
 
+/* The channel of element idx: (idx / inner) % c, divided only where the puts jump. */
+static uint32_t sink_channel(mexc_sink_t *k, uint32_t idx)
+{
+    const mexc_chan_t *g = k->chan;
+    uint32_t c;
+    if (idx != k->next) {
+        k->ch = (idx / g->inner) % g->c;
+        k->left = g->inner - idx % g->inner;
+    }
+    c = k->ch;
+    k->next = idx + 1u;
+    if (--k->left == 0u) {
+        k->ch = k->ch + 1u == g->c ? 0u : k->ch + 1u;
+        k->left = g->inner;
+    }
+    return c;
+}
+
 void mexc_sink_put(mexc_sink_t *k, uint32_t idx, uint32_t ch, int32_t v)
 {
     uint32_t a;
     int32_t s;
     if (k->chan) {
-        ch = (idx / k->chan->inner) % k->chan->c;
+        ch = sink_channel(k, idx);
         if (k->pass == 0) {
             a = mexc_uabs(v);
             if (a > k->chan->word[ch]) k->chan->word[ch] = a;

@@ -223,6 +223,9 @@ typedef struct {
     int8_t *out;
     const mexc_chan_t *chan; /* channel exponents (ctx->chan[slot]) or NULL */
     uint32_t through;  /* with chan: a result whose max |v| is at most this passes unrounded */
+    /* with chan, the channel of element `next` and the elements left in its run: puts in flat
+     * order need no division (an FPU-less core often has no divider either) */
+    uint32_t next, ch, left;
 } mexc_sink_t;
 
 /* slot: the kernel's result slot in ctx->chan of a batch-major result (compact_mx(batch=True),
