@@ -84,6 +84,9 @@ class OpDef:
     aligned_sum: bool = False  # sums aligned operands: gets a shift cap
     fused: Op | None = None  # fuse-products: this product with its compaction
     compaction: bool = False  # int32 accumulator -> MX
+    # channel exponents (docs/numerics.md §5): its batch-major results group by their last axis
+    # (a linear layer computes on the (rows, K) view of its operands), not by axis 1
+    channels_last: bool = False
     in_place: bool = False  # may write its output over its first input (plan-memory)
     view: bool = False  # its output is its first input's bytes, whatever that input's lifetime
     overwrites: tuple[int, ...] = ()  # state inputs an update writes in place

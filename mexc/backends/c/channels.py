@@ -1,11 +1,12 @@
 """Channel exponents in the C step (docs/numerics.md section 5, docs/mcu.md).
 
 Below 8 bits a program rounds every batch-major result per channel (axis 1 of the shape the
-reference computes it in) and every weight per row. The runtime's kernels learn where the
-channels lie from `mexc_chan_t` geometries: the step points `ctx.chan` at a table of two (the
-node's results 0 and 1) around each kernel call, and an update's `rows` at the weight's. Which
-of a kernel's compactions round per channel is the kernel's own rule (its sinks' result slot,
-mirroring `compact_mx(..., batch=True)` of mexc/kernels); the geometry is this module's.
+reference computes it in; the op's `channels_last` says a linear layer's features) and every
+weight per row. The runtime's kernels learn where the channels lie from `mexc_chan_t`
+geometries: the step points `ctx.chan` at a table of two (the node's results 0 and 1) around
+each kernel call, and an update's `rows` at the weight's. Which of a kernel's compactions round
+per channel is the kernel's own rule (its sinks' result slot, mirroring `compact_mx(...,
+batch=True)` of mexc/kernels); the geometry is this module's.
 """
 
 from __future__ import annotations
@@ -14,22 +15,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mexc.ir import Graph, Node, Op
+from mexc.ir import Graph, Node
+from mexc.ops import op_def
 
 Geometry = tuple[int, int]  # (channels, elements per channel and sample); (0, 1): none
 SLOTS = 2  # result slots a kernel call may round per channel (matmul_grad: da, db)
-UPDATES = {Op.SGD_UPDATE: "cfg", Op.ADAMW_UPDATE: "adam"}  # the C name of each update's cfg
-TWO_RESULTS = {Op.MATMUL_GRAD}  # the kernels that round a second result per channel (slot 1)
-# A linear layer computes on the (rows, K) view of its (..., K) operands: its values group by
-# feature, the last axis (kernels/linear.py)
-ROWS_VIEW = {Op.LINEAR, Op.LINEAR_COMPACT, Op.LINEAR_GRAD_INPUT}
 
 
-def result_geometry(op: Op, shape: tuple[int, ...]) -> Geometry:
-    """Where the channels of a batch-major result of `shape` lie (none below rank 2)."""
+def result_geometry(shape: tuple[int, ...], last: bool) -> Geometry:
+    """Where the channels of a batch-major result of `shape` lie (none below rank 2): axis 1,
+    or the last axis (`last`: OpDef.channels_last)."""
     if len(shape) < 2:
         return (0, 1)
-    if op in ROWS_VIEW:
+    if last:
         return (int(shape[-1]), 1)
     return (int(shape[1]), int(np.prod(shape[2:], dtype=np.int64)))
 
@@ -52,11 +50,13 @@ class ChannelTables:
         without rounding sites, a reshape or a ReLU, compacts nothing)."""
         if int(getattr(n.attrs, "rid", -1)) < 0:
             return None
-        if n.op in UPDATES:
+        d = op_def(n.op)
+        if d.updates_state:  # its first input is the parameter (a weight, or running stats)
             geoms: tuple[Geometry, ...] = (row_geometry(tuple(g.type_of(n.inputs[0]).shape)),)
         else:
-            results = [n.result(i) for i in range(2 if n.op in TWO_RESULTS else 1)]
-            geoms = tuple(result_geometry(n.op, tuple(g.type_of(v).shape)) for v in results)
+            results = [n.result(i) for i in range(min(len(n.types), SLOTS))]
+            shapes = [tuple(g.type_of(v).shape) for v in results]
+            geoms = tuple(result_geometry(s, d.channels_last) for s in shapes)
         if not any(c for c, _ in geoms):
             return None
         geoms = geoms + ((0, 1),) * (SLOTS - len(geoms))

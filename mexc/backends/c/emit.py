@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mexc.backends.c.channels import UPDATES, ChannelTables
+from mexc.backends.c.channels import ChannelTables
 from mexc.backends.c.tir_kernels import KernelSet
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
@@ -592,6 +592,12 @@ def _mul_grad(e: _Emit, n: Node) -> None:
 
 
 def _sgd_update(e: _Emit, n: Node) -> None:
+    start = len(e.lines)
+    _sgd_calls(e, n)
+    _rows_around(e, "cfg", start)
+
+
+def _sgd_calls(e: _Emit, n: Node) -> None:
     w, grad, v = n.inputs
     groups = int(n.attrs.groups)
     per = e.numel(w) // groups
@@ -647,6 +653,12 @@ def _streamed_update(e: _Emit, n: Node, group: str, finish: str, tmp_words: int 
 
 
 def _adamw_update(e: _Emit, n: Node) -> None:
+    start = len(e.lines)
+    _adamw_calls(e, n)
+    _rows_around(e, "adam", start)
+
+
+def _adamw_calls(e: _Emit, n: Node) -> None:
     w, grad, m, r = n.inputs
     groups = int(n.attrs.groups)
     per = e.numel(w) // groups
@@ -1187,12 +1199,17 @@ def step_graph(g: Graph) -> Graph:
     return recompute_norms(g, chosen)
 
 
-def _point_channels(n: Node, table: str, fctx: bool) -> str:
-    """The line that points the node's kernel calls at a channel table (or NULL again): an
-    update's rows, else the step's contexts."""
-    if n.op in UPDATES:
-        return f"{UPDATES[n.op]}.rows = {table if table == 'NULL' else '&' + table + '[0]'};"
+def _point_channels(table: str, fctx: bool) -> str:
+    """The line that points the step's contexts at a channel table (or NULL again)."""
     return f"ctx.chan = {table};" + (f" fctx.chan = {table};" if fctx else "")
+
+
+def _rows_around(e: _Emit, cfg: str, start: int) -> None:
+    """An update's weight rows with channel exponents: its configuration points at the table
+    during the lines from `start` (its calls), and at none after them."""
+    if e.chan is not None:
+        e.lines.insert(start, f"    {cfg}.rows = &{e.chan}[0];")
+        e.emit(f"{cfg}.rows = 0;")
 
 
 def emit_model(prog: Program, steps: int) -> CModel:
@@ -1222,11 +1239,12 @@ def emit_model(prog: Program, steps: int) -> CModel:
             )
         start = len(e.lines)
         e.chan = chan.for_node(g, n) if chan is not None else None
-        if e.chan is not None:
-            e.emit(_point_channels(n, e.chan, fctx))
+        contexts = e.chan is not None and not d.updates_state  # an update: its own rows
+        if contexts:
+            e.emit(_point_channels(str(e.chan), fctx))
         rule(e, n)
-        if e.chan is not None:
-            e.emit(_point_channels(n, "NULL", fctx))
+        if contexts:
+            e.emit(_point_channels("NULL", fctx))
         if fctx and g.is_forward(n):
             # the rounding mode rounds forward nodes to nearest (docs/numerics.md §4)
             e.lines[start:] = [_FORWARD_CTX.sub("&fctx", line) for line in e.lines[start:]]
