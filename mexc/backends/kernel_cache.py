@@ -9,14 +9,25 @@ entry at once the first rename wins and the other discards its copy.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 CACHE = Path(os.environ.get("MEXC_CACHE_DIR", Path(tempfile.gettempdir()) / "mexc-cache"))
+
+
+def sources_digest(paths: Iterable[Path]) -> str:
+    """Hash of the code a cache entry's builder runs. Call it when that code is imported: the
+    code this process runs, even if the files change while it runs (an entry keyed by newer
+    sources would otherwise hold what the older code built)."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def build_entry(folder: Path, build: Callable[[Path], None]) -> Path:

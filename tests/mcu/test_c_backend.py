@@ -56,6 +56,13 @@ def _make(project: Path, target: str, **env: str) -> str:
     return res.stdout + res.stderr  # QEMU's semihosting console writes to stderr
 
 
+def _symbols(elf: Path) -> str:
+    """The image's symbol table (`arm-none-eabi-nm`)."""
+    return subprocess.run(
+        ["arm-none-eabi-nm", str(elf)], capture_output=True, text=True, check=True
+    ).stdout
+
+
 def _state_line(out: str) -> str:
     lines = [ln for ln in out.splitlines() if ln.startswith("STATE ")]
     assert lines, out[-2000:]
@@ -241,12 +248,7 @@ def test_adamw_on_cortex_m4_matches_reference(tmp_path: Path) -> None:
     out = mexc.export(prog, tmp_path, data=data, steps=10, board="mps2-an386")
     prog.replay(data, 10)
     assert _state_line(_make(out, "run-qemu")) == prog.state_checksum()
-    symbols = subprocess.run(
-        ["arm-none-eabi-nm", str(out / "train_cortex-m4.elf")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    symbols = _symbols(out / "train_cortex-m4.elf")
     assert "mexc_adamw_update" in symbols and not SOFT_FLOAT.findall(symbols)
 
 
@@ -270,12 +272,7 @@ def test_channel_exponents_train_on_qemu_as_in_the_reference(
     prog.replay(data, 6)
     assert _state_line(_make(out, "run-qemu")) == prog.state_checksum()
     _make(out, "mcu", CPU="cortex-m0")
-    symbols = subprocess.run(
-        ["arm-none-eabi-nm", str(out / "train_cortex-m0.elf")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    symbols = _symbols(out / "train_cortex-m0.elf")
     assert "mexc_channel_shifts" in symbols and not SOFT_FLOAT.findall(symbols)
     words = re.findall(r"static uint32_t mexc_ch\d_word\[(\d+)\];", (out / "model.c").read_text())
     _make(digits_project[0], "mcu", CPU="cortex-m0")
@@ -297,9 +294,7 @@ def test_no_float_anywhere(cpu: str, digits_project: tuple[Path, str]) -> None:
         assert not re.search(r"\b(float|double)\b", text), src
     _make(project, "mcu", CPU=cpu)
     elf = project / f"train_{cpu}.elf"
-    symbols = subprocess.run(
-        ["arm-none-eabi-nm", str(elf)], capture_output=True, text=True, check=True
-    ).stdout
+    symbols = _symbols(elf)
     assert not SOFT_FLOAT.findall(symbols)
     helpers = set(re.findall(r"__aeabi_\w+", symbols))
     assert helpers <= {

@@ -16,7 +16,7 @@ import tvm
 from tvm import tirx
 
 from mexc.backends.c import plain_c
-from mexc.backends.kernel_cache import CACHE, build_entry
+from mexc.backends.kernel_cache import CACHE, build_entry, sources_digest
 from mexc.lowering import mcu_products, te_divide, te_func, te_products
 from mexc.lowering.te_products import ConvGeom
 
@@ -85,17 +85,10 @@ class KernelSet:
         return BANNER + '#include "kernels.h"\n' + _strip_declarations(body), _header(protos)
 
 
-def _source_digest() -> str:
-    """Hash of the code that builds and prints the kernels, read when this module is imported:
-    the code this process runs, even if the files change while it runs (a cache entry keyed by
-    newer sources would otherwise hold what the older code printed)."""
-    h = hashlib.sha256()
-    for module in (mcu_products, te_products, te_func, te_divide, plain_c):
-        h.update(Path(str(module.__file__)).read_bytes())
-    return h.hexdigest()
-
-
-_SOURCES = _source_digest()
+# the code that builds and prints the kernels, hashed as imported (kernel_cache.sources_digest)
+_SOURCES = sources_digest(
+    Path(str(m.__file__)) for m in (mcu_products, te_products, te_func, te_divide, plain_c)
+)
 
 
 def _printed(funcs: dict[str, tirx.PrimFunc]) -> str:

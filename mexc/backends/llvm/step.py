@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from mexc.backends.kernel_cache import CACHE, build_entry, entry_lock
+from mexc.backends.kernel_cache import CACHE, build_entry, entry_lock, sources_digest
 from mexc.backends.llvm.kernel_store import KernelStore
 from mexc.backends.llvm.products import HostCpu, host_cpu
 from mexc.backends.plan_layout import (
@@ -79,16 +79,7 @@ def _lowering_sources() -> list[Path]:
     )
 
 
-def _source_digest() -> str:
-    h = hashlib.sha256()
-    for src in _lowering_sources():
-        h.update(src.read_bytes())
-    return h.hexdigest()
-
-
-# read once, when this module is imported: the code this process runs, even if the files
-# change while it runs (an entry keyed by newer sources would otherwise hold older kernels)
-_LOWERING_DIGEST = _source_digest()
+_LOWERING_DIGEST = sources_digest(_lowering_sources())  # as imported (sources_digest)
 
 
 def _lowering_digest() -> str:

@@ -189,22 +189,15 @@ void mexc_sgd_finish(int8_t *w, int32_t *w_exp, const int8_t *v, const int32_t *
             if (a > m) m = a;
             if (rows) note_row(rows, i, x);
         }
-    if (rows && mexc_channel_shifts(rows, NULL, we, bits, 1, &frame)) {
-        for (g = 0; g < groups; g++)
-            for (i = g * per; i < (g + 1u) * per; i++) {
-                x = sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]);
-                w[i] = mexc_channel_round(rows, i / rows->inner, x, bits, st, keys[8], i);
-            }
-        *w_exp = frame;
-        return;
-    }
+    if (!(rows && mexc_channel_shifts(rows, NULL, we, bits, 1, &frame))) rows = NULL;
     s = mexc_rescale_shift(m, bits);
     for (g = 0; g < groups; g++)
         for (i = g * per; i < (g + 1u) * per; i++) {
             x = sgd_w_acc(w, v, i, we - (v_exp[g] - cfg->lr.shift), cfg, keys[7]);
-            w[i] = mexc_rescale_one(x, s, bits, st, keys[8], i);
+            w[i] = rows ? mexc_channel_round(rows, i / rows->inner, x, bits, st, keys[8], i)
+                        : mexc_rescale_one(x, s, bits, st, keys[8], i);
         }
-    *w_exp = we + s;
+    *w_exp = rows ? frame : we + s;
 }
 
 void mexc_sgd_momentum_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp,
@@ -355,27 +348,19 @@ void mexc_adamw_finish(int8_t *w, int32_t *w_exp, const int8_t *m, const int32_t
             if (rows) note_row(rows, i, x);
         }
     }
-    if (rows && mexc_channel_shifts(rows, NULL, we, cfg->bits, 1, &frame)) {
-        for (g = 0; g < groups; g++) {
-            const int32_t d = we - (m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC - cfg->lr.shift);
-            eps_units = adam_eps_units(cfg, r_exp[g]);
-            for (i = g * per; i < (g + 1u) * per; i++)
-                w[i] = mexc_channel_round(rows, i / rows->inner,
-                                          adam_w_acc(w, m, r, i, eps_units, d, cfg, keys),
-                                          cfg->bits, cfg->stochastic, keys[11], i);
-        }
-        *w_exp = frame;
-        return;
-    }
+    if (!(rows && mexc_channel_shifts(rows, NULL, we, cfg->bits, 1, &frame))) rows = NULL;
     s = mexc_rescale_shift(mx, cfg->bits);
     for (g = 0; g < groups; g++) {
         const int32_t d = we - (m_exp[g] - r_exp[g] - MEXC_RATIO_FRAC - cfg->lr.shift);
         eps_units = adam_eps_units(cfg, r_exp[g]);
-        for (i = g * per; i < (g + 1u) * per; i++)
-            w[i] = mexc_rescale_one(adam_w_acc(w, m, r, i, eps_units, d, cfg, keys), s,
-                                    cfg->bits, cfg->stochastic, keys[11], i);
+        for (i = g * per; i < (g + 1u) * per; i++) {
+            x = adam_w_acc(w, m, r, i, eps_units, d, cfg, keys);
+            w[i] = rows ? mexc_channel_round(rows, i / rows->inner, x, cfg->bits,
+                                             cfg->stochastic, keys[11], i)
+                        : mexc_rescale_one(x, s, cfg->bits, cfg->stochastic, keys[11], i);
+        }
     }
-    *w_exp = we + s;
+    *w_exp = rows ? frame : we + s;
 }
 
 void mexc_adamw_update(int8_t *w, int32_t *w_exp, int32_t *grad, int32_t grad_exp, int8_t *m,
