@@ -33,8 +33,10 @@ from mexc.lowering.gemm_forms import GemmForm
 from mexc.lowering.te_compaction import (
     LANE_REDUCE,
     _flat_index,
+    abs_max_all,
     channel_compacted,
     compacted,
+    fit_shift,
     iabs,
     where,
 )
@@ -42,6 +44,7 @@ from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_products import has_block
 from mexc.lowering.x86_int8 import BYTE_KERNELS, COLUMNS, DEPTH
 from mexc.lowering.x86_int8 import registered as int8_dot_intrinsic
+from mexc.numerics import qmax
 
 I8, I32 = "int8", "int32"
 MT = 2  # rows of the register tile (2 x 4 vectors measured best on AVX2)
@@ -52,6 +55,9 @@ VECTOR_WIDTHS = (VECTOR_ROW, 16, 8)  # vector widths a longer row is cut into, w
 TRANSPOSE_STRIDE = 64  # bytes between a gather's row elements from which it runs in tiles
 TRANSPOSE_TILE = 64  # columns of such a tile (_schedule_pack)
 SERIAL_BELOW = 4096  # a block with fewer loop iterations runs on the calling thread
+# marks a kernel whose extents are shape variables but whose launches are all small: it runs on
+# the calling thread (schedule_parallel), where waking the pool would cost more than the work
+SERIAL_ATTR = "mexc.serial"
 PADDED_SOURCE = "_source_padded"  # block name suffix of a zero-bordered source copy
 PANELS = "panels"  # the block of a GEMM that builds its B panels from rows
 PANEL_TASKS = 16  # panels a GEMM needs to build them itself, one per parallel task
@@ -344,7 +350,9 @@ def _schedule_panel_gemm(func: tirx.PrimFunc, mt: int, qt: int, kernel: str) -> 
     return sch.mod["main"]
 
 
-def _schedule_elementwise(func: tirx.PrimFunc, vector_rows: bool = True) -> tirx.PrimFunc:
+def _schedule_elementwise(
+    func: tirx.PrimFunc, vector_rows: bool = True, only: str | None = None
+) -> tirx.PrimFunc:
     """Every block parallel over its leading axes, fused until they give PARALLEL_CHUNKS
     iterations (packs, their zero-bordered source copies and the unpack are memory-bound
     gathers). Fusing all outer axes would recover every inner index by division once per
@@ -353,6 +361,8 @@ def _schedule_elementwise(func: tirx.PrimFunc, vector_rows: bool = True) -> tirx
     sch = s_tir.Schedule(func)
     for blk in sch.get_child_blocks(sch.get_sblock("root")):
         loops, name = sch.get_loops(blk), sch.get(blk).name_hint
+        if only is not None and name != only:
+            continue  # (left to schedule_parallel: a reduction's blocks)
         lead, extent = 1, int(sch.get(loops[0]).extent)
         while extent < PARALLEL_CHUNKS and lead < len(loops) - 1:
             extent *= int(sch.get(loops[lead]).extent)
@@ -544,6 +554,38 @@ def compact_from_c(
     params = [cin, s_in, key, off, m] if offset else [cin, s_in, key, m]
     func = _func(params, f"{name}_apply")
     return _schedule_elementwise(func) if schedule else func
+
+
+def scan_compact_from_c(
+    form: GemmForm,
+    c_shape: tuple[int, int, int],
+    bits: int,
+    slot: int,
+    name: str,
+    schedule: bool = True,
+) -> tirx.PrimFunc:
+    """One chunk of a stochastic lean compaction in one kernel (PlanBuilder.lean_compaction):
+    its max |C| into amax[0] (a slot of `slot` int32, zeros after it), its own shift s_j into
+    s[0], and m rounded by s_j as compact_from_c rounds (keys' flat indices from off[0]), while
+    the chunk's C is in the caches. Parameters (c as (g * m, q) rows, key, off, m, amax, s).
+    `schedule`: the host's elementwise schedule for m (the maxima: schedule_parallel's)."""
+    # C as its rows (g * m, q): the maxima run over the rows in parallel
+    cin = te.placeholder((c_shape[0] * c_shape[1], c_shape[2]), I32, name="c")
+    key = te.placeholder((1,), "int64", name="key")
+    off = te.placeholder((1,), "int64", name="off")
+    top = abs_max_all(cin, "top")
+    s = fit_shift(top, qmax(bits), "s")
+    zero = tirx.const(0, I32)
+    amax = te.compute((slot,), lambda i: tirx.Select(i == 0, top[0], zero), name="amax")
+
+    def body(*idx):
+        flat = _flat_index(form.out_shape, idx) + off[0]
+        g, row, q = form.out_at(*idx)
+        return compacted(cin[g * c_shape[1] + row, q], s[0], key[0], flat, bits, True)
+
+    m = te.compute(form.out_shape, body, name="m")
+    func = _func([cin, key, off, m, amax, s], f"{name}_scan_apply")
+    return _schedule_elementwise(func, only="m") if schedule else func
 
 
 def channel_max_from_c(
@@ -796,7 +838,10 @@ def schedule_parallel(func: tirx.PrimFunc, min_extent: int = 2) -> tirx.PrimFunc
     outermost spatial loop in parallel (reductions keep their reduce loops inside, per output
     element; column reductions `_column_reduction`, short marked rows `_lane_reduction`);
     the inner loops stay as they are for LLVM's vectorizer. Blocks whose outer extent is below
-    `min_extent` (per-tensor reductions, one-element exponents) stay serial."""
+    `min_extent` (per-tensor reductions, one-element exponents) stay serial, and so does a
+    kernel marked SERIAL_ATTR (the update of a small parameter over symbolic shapes)."""
+    if func.attrs is not None and SERIAL_ATTR in func.attrs:
+        return func
     sch = s_tir.Schedule(func)
     root = sch.get_sblock("root") if has_block(sch, "root") else None
     blocks = sch.get_child_blocks(root) if root is not None else []

@@ -88,15 +88,26 @@ class HostGemm:
             assert cg.b_rows_shape is not None
             rows = b.buf(f"{form.name}.b_rows", cg.b_rows_shape, I8)
 
+        def fresh(pack: str, source: str) -> bool:
+            """Whether `pack` must be packed from `source`: not where it holds `source` from
+            this node's previous chunk (a convolution's weight over chunks of the batch)."""
+            held = b.packed.get(pack)
+            b.packed[pack] = (source, b.node)
+            return held != (source, b.node)
+
         def launch(operands: tuple[str, str], c: str, tag: str) -> None:
-            """pack_a, pack_b (and interleave_b) and the GEMM of one chunk into C `c`."""
+            """pack_a, pack_b (and interleave_b) and the GEMM of one chunk into C `c`; a pack
+            that holds its operand from the previous chunk is not packed again."""
             a_pack = a
             if cg.a_pack_shape != cg.a_shape:  # natural axes over the first m rows (rest: 0)
                 a_pack = f"{a}@pack"
                 b.plan.views[a_pack] = View(a, cg.a_pack_shape)
-            b.launch(tagged(cg.pack_a, tag), (operands[form.a_src], a_pack))
+            if fresh(a, operands[form.a_src]):
+                b.launch(tagged(cg.pack_a, tag), (operands[form.a_src], a_pack))
             source = operands[form.b_src]
-            if cg.interleave_b is None:
+            if not fresh(packed_b, source):
+                pass
+            elif cg.interleave_b is None:
                 b.launch(tagged(cg.pack_b, tag), (source, b.view(packed_b, cg.b_pack_shape)))
             else:  # rows first (contiguous gathers), then the GEMM's column panels
                 assert rows is not None

@@ -21,13 +21,19 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Value
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_norm, te_norm_split, te_ops, te_pool
-from mexc.lowering.cpu_gemm import channel_compact_from_c, channel_max_from_c, compact_from_c
+from mexc.lowering.cpu_gemm import (
+    channel_compact_from_c,
+    channel_max_from_c,
+    compact_from_c,
+    scan_compact_from_c,
+)
 from mexc.lowering.te_channels import channel_apply, channel_lift, channel_shift, slot_max
 from mexc.lowering.te_compaction import (
     CHANNELS,
     abs_max_kernel,
     compaction_apply,
     compaction_shift,
+    rerounded,
 )
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import CONTAINER_BITS, product_cap, site_rounding
@@ -52,8 +58,8 @@ GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
 # a product's lean levels (PlanBuilder.lean_product), cheapest first: (the fewest chunks of the
 # batch, whether it scans, then rounds); more chunks mean smaller packs, and a scan keeps one
 # chunk's C live instead of the whole product's, for a second GEMM
-LEAN_LEVELS = ((1, False), (2, False), (8, False), (2, True), (8, True))
-SCAN_FREE_LEVELS = 2  # the levels without a scan, past level 0
+LEAN_LEVELS = ((1, False), (2, False), (4, False), (8, False), (2, True), (4, True), (8, True))
+SCAN_FREE_LEVELS = 3  # the levels without a scan, past level 0
 
 
 def is_gemm(func: tirx.PrimFunc) -> bool:
@@ -211,6 +217,9 @@ class PlanBuilder:
         self.e: dict[Value, str] = {}  # value -> exponent buffer
         self.symbols: set[str] = set()
         self.bn: dict[int, dict[str, str]] = {}  # batchnorm node -> its saved buffers
+        # pack buffer -> the operand packed into it last, and the node that did (HostGemm: a
+        # later chunk of the same product with the same operand does not pack it again)
+        self.packed: dict[str, tuple[str, int | None]] = {}
         # values plan-memory computes in place over their first input (which dies there)
         self.in_place = {s.value for s in prog.memory_plan().slots if s.alias_of is not None}
         # lean nodes (step_plan.lean_nodes): more chunks, or scan, then round
@@ -717,8 +726,12 @@ class PlanBuilder:
             c = c_shapes[0]
             return compact_from_c(form, c, bits, stochastic, name, offset=True, schedule=host)
 
+        def scan_apply(c_shape: tuple[int, int, int], name: str) -> tirx.PrimFunc:
+            return scan_compact_from_c(form, c_shape, bits, SLOT_I32, name)
+
         out = self.out(n, result, I8, ch.full.form.out_shape)
-        self.lean_compaction(n, [ch], apply, out, form.out_shape, e_in, site, result)
+        fused = scan_apply if host else None
+        self.lean_compaction(n, [ch], apply, out, form.out_shape, e_in, site, result, fused)
 
     def channels_from_c(
         self, n: Node, ch: Chunks, result: int, channel_shape: Shape | None
@@ -827,9 +840,7 @@ class PlanBuilder:
         count = parts[0].count
         key = self.keys(n, (site,), f"key{site}", self.elements(out))
         per = int(np.prod(piece))
-        starts = np.zeros((count, KEY_ALIGN), np.int64)
-        starts[:, 0] = np.arange(count) * per
-        offs = self.const(f"n{n.id}.off{site}", starts, I64)
+        offs = self.chunk_offsets(n, count, piece, site)
         for j in reversed(range(count)):
             if j < count - 1:
                 for p, g, c in zip(parts, gemms, cs):
@@ -849,14 +860,19 @@ class PlanBuilder:
         e_in: str,
         site: int = 0,
         result: int = 0,
+        scan_apply: Callable[[tuple[int, int, int], str], tirx.PrimFunc] | None = None,
     ) -> None:
         """Result `result` (0) of n (int8 `out`) = the per-tensor compaction (rounding site
-        `site`, exponent e_in) of products that are never stored whole: scan, then round. Every
-        chunk of every part (products with the same chunks of the batch) runs on one chunk's C
-        for its max |.|, then again to round it (but the last, whose C is still there),
-        `apply(c_shapes, name)` with
+        `site`, exponent e_in) of products that are never stored whole. Every chunk of every
+        part (products with the same chunks of the batch) runs on one chunk's C for its max |.|.
+        Stochastic: the chunk is then rounded by its own shift s_j, and once every chunk is
+        done, `rerounded` rounds each piece again by s - s_j (docs/numerics.md §5, "Rounding in
+        pieces"): every GEMM runs once. Nearest (not composable): every chunk's GEMM runs again
+        to round by s (but the last, whose C is still there). `apply(c_shapes, name)` has
         parameters (every part's C, s, key, off, m): chunk j of the result is the contiguous
-        `piece` j of `out`, whose keys' flat indices start at off[0]."""
+        `piece` j of `out`, whose keys' flat indices start at off[0]. `scan_apply(c_shape,
+        name)`, for one part: a kernel that does a chunk's scan, shift and rounding at once
+        (cpu_gemm.scan_compact_from_c: parameters (C rows, key, off, m, amax, s))."""
         count = parts[0].count
         gemms = [self.device.gemm.prepare(self, p.chunk) for p in parts]
         cs = [self.buf(f"{p.chunk.form.name}.c", g.c_shape, I32) for p, g in zip(parts, gemms)]
@@ -870,15 +886,63 @@ class PlanBuilder:
             slot = self.view_at(amax, (SLOT_I32,), (j * len(parts) + i) * SLOT_I32)
             self.launch(func, (self.view(c, rows), slot))
 
-        self.scan_chunks(parts, gemms, cs, scan)
         name = f"n{n.id}_c{site}"
-        s = self.buf(f"n{n.id}.s{site}", (1,), I32)
+        func = apply([g.c_shape for g in gemms], name)
+        if not self.stochastic or count == 1:  # one chunk: its C is still there to round
+            self.scan_chunks(parts, gemms, cs, scan)
+            s = self.lean_shift(n, amax, e_in, name, result)
+            self.round_chunks(n, parts, gemms, cs, func, (s,), out, piece, site)
+            return
+        # rounded as it is scanned, then again where a chunk's shift fell short of the tensor's
+        key = self.keys(n, (site,), f"key{site}", self.elements(out))
+        shifts = self.buf(f"n{n.id}.sj{site}", (count, SLOT_I32), I32)
+        offs = self.chunk_offsets(n, count, piece, site)
+        per = int(np.prod(piece))
+        fused = scan_apply(gemms[0].c_shape, name) if scan_apply and len(parts) == 1 else None
+        if fused is None:
+            e_chunk = self.buf(f"n{n.id}.ej{site}", (1,), I32)
+            shift = compaction_shift((len(parts), SLOT_I32), self.bits, False, f"{name}_j")
+        for j in range(count):
+            s_j = self.view_at(shifts, (1,), j * SLOT_I32)
+            off = self.view_at(offs, (1,), j * KEY_ALIGN)
+            if fused is not None:
+                g, c = gemms[0], cs[0]
+                g.launch(parts[0].operands[j], c, f"_k{j}")
+                self.gemm_work(parts[0].chunk.form)
+                rows = self.view(c, (g.c_shape[0] * g.c_shape[1], g.c_shape[2]))
+                slot = self.view_at(amax, (SLOT_I32,), j * SLOT_I32)
+                piece_j = self.view_at(out, piece, j * per)
+                self.launch(tagged(fused, f"_k{j}"), (rows, key, off, piece_j, slot, s_j))
+                continue
+            for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
+                g.launch(p.operands[j], c, f"_k{j}")
+                self.gemm_work(p.chunk.form)
+                scan(j, i, p, g, c)
+            own = self.view_at(amax, (len(parts), SLOT_I32), j * len(parts) * SLOT_I32)
+            self.launch(tagged(shift, f"_k{j}"), (own, e_in, s_j, e_chunk))
+            args = (*cs, s_j, key, off, self.view_at(out, piece, j * per))
+            self.launch(tagged(func, f"_r{j}"), args)
+        s = self.lean_shift(n, amax, e_in, name, result)
+        whole = self.view(out, (count, per))
+        again = rerounded(count, per, SLOT_I32, self.bits, name)
+        self.launch(again, (whole, shifts, s, key, whole))
+
+    def lean_shift(self, n: Node, amax: str, e_in: str, name: str, result: int) -> str:
+        """The shift of a lean compaction from its chunks' slots of maxima (agreed with the
+        other data-parallel workers), and the result's exponent; returns the shift's buffer."""
+        s = self.buf(f"{name}.s", (1,), I32)
         if self.rows:
             self.agree("all_max", amax)
-        shift = compaction_shift((slots, SLOT_I32), self.bits, False, name)
+        shift = compaction_shift(self.buffer_shape(amax), self.bits, False, name)
         self.launch(shift, (amax, e_in, s, self.out_exp(n, result)))
-        func = apply([g.c_shape for g in gemms], name)
-        self.round_chunks(n, parts, gemms, cs, func, (s,), out, piece, site)
+        return s
+
+    def chunk_offsets(self, n: Node, count: int, piece: Shape, site: int) -> str:
+        """One 64-byte slot per chunk holding the flat index of its piece's first element."""
+        per = int(np.prod(piece))
+        starts = np.zeros((count, KEY_ALIGN), np.int64)
+        starts[:, 0] = np.arange(count) * per
+        return self.const(f"n{n.id}.off{site}", starts, I64)
 
     def gemm(
         self, ch: Chunks, out: str | None, reduce: bool = False

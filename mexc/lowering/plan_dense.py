@@ -15,7 +15,7 @@ from mexc.kernels._common import product_bits
 from mexc.kernels.loss import GRAD_EXP
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import subpixel, te_depthwise, te_ops
-from mexc.lowering.cpu_gemm import swapped
+from mexc.lowering.cpu_gemm import SERIAL_ATTR, SERIAL_BELOW, swapped
 from mexc.lowering.plan_core import (
     I8,
     I32,
@@ -237,8 +237,13 @@ class DenseRules(PlanBuilder):
                 names[local] = self.buf(f"n{n.id}.{local}", shape, dtype)
         for i, t in enumerate((w, *state)):
             self.m[n.result(i)], self.e[n.result(i)] = self.m[t], self.e[t]
+        # a small parameter's update over symbolic shapes runs on the calling thread: its
+        # launches are ~1 us of work, and waking the pool costs ~2 us each (DigitsCNN's 8
+        # parameters, 64 launches; every bias and batch-norm parameter elsewhere)
+        small = self.device.symbolic_update and gr[0] * gr[1] < SERIAL_BELOW
         for k in kernels:
-            self.launch(k.func, tuple(names[a] for a in k.args))
+            func = k.func.with_attr(SERIAL_ATTR, 1) if small else k.func
+            self.launch(func, tuple(names[a] for a in k.args))
 
     def sgd_update(self, n: Node) -> None:
         opt = self.prog.optimizer

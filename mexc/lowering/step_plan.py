@@ -80,7 +80,7 @@ def _check_in_place_updates(g: Graph) -> None:
 LEAN_TRIALS = 16
 LEAN_MIN_SHARE = 16
 LEAN_MIN_DROP = 256
-LEAN_WORK_SHARE = 0.08
+LEAN_WORK_SHARE = 0.13
 
 
 def _host_gemm(device: Device, lanes: int, gemm_kernel: str) -> tuple[int, Device, str]:

@@ -396,6 +396,35 @@ def compaction_apply(
     return prim_func([acc, s_in, key, m], f"{name}_apply")
 
 
+def rerounded(count: int, per: int, slot: int, bits: int, name: str) -> tirx.PrimFunc:
+    """The last step of a provisional compaction (docs/numerics.md §5, "Rounding in pieces"):
+    piece j of m (its `per` elements, flat indices j * per + k) was rounded stochastically by its
+    own shift sj[j, 0], at most the tensor's shift s; each element is rounded again by
+    d = s - sj with the bits of its word above sj: m = floor((m + ((w >> sj) & (2^d - 1))) / 2^d),
+    which equals the rounding of the accumulator by s itself. d = 0 keeps m (mask 0).
+    Parameters (m, sj, s, key, out); out may be m (elementwise, same index)."""
+    m = te.placeholder((count, per), I8, name="m")
+    sj = te.placeholder((count, slot), I32, name="sj")
+    s = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
+    q = qmax(bits)
+
+    def body(j: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
+        # in 32-bit lanes, the split form of section 4: (y >> d) + carry, the carry of the
+        # low d bits of y plus r in uint32 (both < 2^d <= 2^31: no wrap)
+        lo = tirx.min(tirx.max(sj[j, 0], 0), 31)
+        d = tirx.min(tirx.max(s[0] - lo, 0), 31)
+        flat = j.astype(I64) * per + k.astype(I64)
+        mask = (tirx.const(1, U32) << d.astype(U32)) - tirx.const(1, U32)
+        r = (_u32(random_word(key[0], flat)) >> lo.astype(U32)) & mask
+        y = m[j, k].astype(I32)
+        carry = (((tirx.reinterpret(U32, y) & mask) + r) >> d.astype(U32)).astype(I32)
+        return tirx.max(tirx.min((y >> d) + carry, q), -q).astype(I8)
+
+    out = te.compute((count, per), body, name="out")
+    return prim_func([m, sj, s, key, out], f"{name}_reround")
+
+
 def compacted(
     x: tirx.PrimExpr,
     s: tirx.PrimExpr,

@@ -50,7 +50,13 @@ def test_every_node_at_its_leanest_trains_bit_exact(name: str, batch: int, devic
     prog = LlvmProgram(llvm, plan_device=device, lean=lean)
     symbols = [s for s, _ in prog.plan["launches"]]
     assert any(s.endswith("_bn_bracket_max") for s in symbols)
-    assert any("_amax_k" in s for s in symbols)  # a product's scan
+    # a product's scan; over several chunks, each is rounded by its own shift, then again
+    # (docs/numerics.md §5); on the host one kernel scans, shifts and rounds a chunk
+    scans = [s for s in symbols if "_amax_k" in s or "_scan_apply_k" in s]
+    assert scans
+    if any(s.endswith("_k1") for s in scans):
+        assert any(s.endswith("_reround") for s in symbols)
+        assert device != "cpu" or any("_scan_apply_k" in s for s in scans)
     for step in range(3):
         assert prog.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
         assert prog.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
@@ -73,3 +79,41 @@ def test_the_search_lowers_the_peak_within_its_work_budget() -> None:
     assert chosen and set(chosen) <= set(plain.leanable)
     assert plan_peak(lean.plan)[0] * 4 <= plan_peak(plain.plan)[0] * 3
     assert lean.work <= plain.work * (1 + LEAN_WORK_SHARE)
+
+
+def test_nearest_sites_scan_then_round_and_stochastic_ones_round_in_pieces() -> None:
+    """B = 6 without channel exponents rounds the forward pass to nearest, which does not
+    compose (docs/numerics.md §5, "Rounding in pieces"): a lean forward product computes its
+    chunks' GEMMs again to round them by the tensor's shift, while the backward pass's
+    (stochastic) products round each chunk once and then again. Both bit-exact."""
+    from mexc.backends.llvm.step import LlvmProgram
+
+    cls, shape = EXAMPLES["FashionCNN"]
+    torch.manual_seed(0)
+    model = cls()
+    x = np.random.default_rng(5).standard_normal((8, *shape)).astype(np.float32)
+    y = np.arange(8) % 10
+    opts = {"bits": 6, "channel_exponents": False}
+    ref = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),), **opts)
+    assert ref.options.rounding == "nearest-forward"
+    llvm = mexc.compile(model, (torch.from_numpy(x),), **opts).retargeted("llvm")
+    lean = leanest(ref)
+    built = plan_builder(ref, 8, device_of("cpu"), "int32", None, lean)
+    symbols = [str(x.func.attrs["global_symbol"]) for x in built.plan.launches]
+    assert any("_fwd_gemm_r" in s for s in symbols)  # a nearest product's second GEMM pass
+    assert any("_dx_gemm_r" not in s and s.endswith("_reround") for s in symbols)
+    prog = LlvmProgram(llvm, plan_device="cpu", lean=lean)
+    for step in range(3):
+        assert prog.step(x, y) == ref.step(x, y), f"loss differs at step {step}"
+        assert prog.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
+
+
+def test_a_chunked_product_packs_its_weight_once() -> None:
+    """Chunks of the batch share the weight's pack: a convolution over 8 chunks packs A once."""
+    cls, shape = EXAMPLES["DigitsCNN"]
+    torch.manual_seed(0)
+    prog = mexc.compile(cls(), (torch.zeros(128, *shape),))
+    b = plan_builder(prog, 8, device_of("cpu"), "int32", None, leanest(prog))
+    packs_a = [x for x in b.plan.launches if "_fwd_pack_a" in str(x.func.attrs["global_symbol"])]
+    packs_b = [x for x in b.plan.launches if "_fwd_pack_b" in str(x.func.attrs["global_symbol"])]
+    assert len(packs_b) >= 8 and len(packs_a) == len({x.args[0] for x in packs_a})

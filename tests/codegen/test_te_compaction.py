@@ -116,3 +116,38 @@ def test_compaction_cuda_compiles(grouped: bool, tmp_path: Path) -> None:
     assert "k_apply_kernel" in kernels and "k_shift_kernel" in kernels
     for name, ops in kernels.items():
         assert not float_opcodes(ops), (name, float_opcodes(ops))  # integer-only kernels
+
+
+@pytest.mark.parametrize(
+    "bits,magnitudes", [(4, (3, 19, 12, 0, 18)), (8, (3, 19, 12, 0, 18)), (2, (0, 30, 1, 29, 5))]
+)
+def test_rerounded_pieces_match_the_compaction_of_the_whole(
+    bits: int, magnitudes: tuple[int, ...]
+) -> None:
+    """te_compaction.rerounded, compiled for the host: pieces rounded by their own shifts (the
+    reference's shift_right with each piece's flat start), then again by the tensor's shift,
+    give numerics.compact's mantissas; a piece at the tensor's shift stays as it is. B = 2
+    with |acc| near 2^31: shifts of 31 - the split form's carry, no int32 wrap."""
+    from mexc.lowering.te_compaction import rerounded
+    from mexc.numerics import compaction_shift as shift_of
+    from mexc.numerics import shift_right
+
+    count, per, slot = 5, 96, 16
+    rng = np.random.default_rng(bits)
+    acc = np.concatenate([rng.integers(-(2**b), 2**b, per) for b in magnitudes])
+    key = int(stream_key(9, 4, 77))
+    s = int(shift_of(int(np.abs(acc).max()), bits))
+    pieces = acc.reshape(count, per)
+    sj = np.zeros((count, slot), np.int32)
+    y = np.zeros((count, per), np.int8)
+    for j in range(count):
+        sj[j, 0] = int(shift_of(int(np.abs(pieces[j]).max()), bits))
+        y[j] = shift_right(pieces[j], int(sj[j, 0]), "stochastic", key, start=j * per)
+    assert sorted(set(sj[:, 0])) != [s]  # some pieces below the tensor's shift
+    mod = tvm.compile(tvm.IRModule({"r": rerounded(count, per, slot, bits, "r")}), target="llvm")
+    dev = tvm.cpu()
+    out = tvm.runtime.empty((count, per), "int8", dev)
+    args = [tvm.runtime.tensor(a, dev) for a in (y, sj, np.array([s], np.int32))]
+    mod["r_reround"](*args, tvm.runtime.tensor(np.array([key], np.int64), dev), out)
+    m, _ = compact(acc.astype(np.int32), 0, bits, "stochastic", key)
+    assert np.array_equal(out.numpy().reshape(-1), m)

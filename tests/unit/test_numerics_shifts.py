@@ -137,3 +137,39 @@ def test_left_shift_saturating(x: int, s: int) -> None:
     out = int(nx.shift_left_saturating(np.array([x]), s)[0])
     assert out == max(-(2**30), min(2**30, x * 2 ** min(s, 54)))
     assert abs(out) <= 2**30
+
+
+@given(
+    magnitudes=st.lists(st.integers(0, 30), min_size=2, max_size=6),
+    bits=st.sampled_from([4, 6, 8]),
+    key=st.integers(0, 2**32 - 1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_stochastic_rounding_in_pieces_equals_rounding_the_whole(
+    magnitudes: list[int], bits: int, key: int, seed: int
+) -> None:
+    """docs/numerics.md §5, "Rounding in pieces": each piece rounded by its own shift s_j, then
+    again by s - s_j with the bits of its words above s_j, is the compaction by s itself."""
+    rng = np.random.default_rng(seed)
+    per = 37
+    acc = np.concatenate([rng.integers(-(2**b), 2**b + 1, per) for b in magnitudes])
+    s = int(nx.compaction_shift(int(np.abs(acc).max()), bits))
+    whole = nx.shift_right(acc, s, "stochastic", key)
+    for j in range(len(magnitudes)):
+        piece = acc[j * per : (j + 1) * per]
+        s_j = int(nx.compaction_shift(int(np.abs(piece).max()), bits))
+        y = nx.shift_right(piece, s_j, "stochastic", key, start=j * per)
+        assert np.abs(y).max() <= nx.qmax(bits)
+        w = nx.element_bits(key, piece.shape, j * per).astype(np.int64)
+        d = s - s_j
+        again = (y + ((w >> s_j) & ((1 << d) - 1))) >> d
+        assert np.array_equal(again, whole[j * per : (j + 1) * per])
+
+
+def test_nearest_rounding_does_not_compose_in_pieces() -> None:
+    """Why a nearest site scans every piece before it rounds: 2^(s-1) rounds to 1 by s_j = s,
+    and 1 to 1 again by one more bit, where the value itself gives 0 by s + 1."""
+    x = np.array([1 << 4])
+    once = nx.shift_right(x, 6, "nearest")
+    twice = nx.shift_right(nx.shift_right(x, 5, "nearest"), 1, "nearest")
+    assert once[0] == 0 and twice[0] == 1
