@@ -162,8 +162,9 @@ def lean_search(
     build: Callable[[Mapping[int, int]], PlanRules], first: PlanRules | None = None
 ) -> tuple[dict[int, int], PlanRules]:
     """The lean level of each node, and the build with those levels (the search built it already:
-    the plan needs no build of its own). A lean node trades time (more chunks; a product
-    computed twice, a bracket three times) for memory, so only the nodes that set the step's
+    the plan needs no build of its own). A lean node trades time (more chunks and launches; at
+    a nearest site a product computed twice; a bracket three times) for memory, so only the
+    nodes that set the step's
     peak may pay it: while the live buffers at the peak (plan_peak) include those of a node
     whose rule has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one
     holding the most bytes there goes to its cheapest higher level that lowers the peak (by
