@@ -56,8 +56,9 @@ ELEM_PS = 150
 LAUNCH_PS = 7_000_000
 GEMM_ATTR = ("mexc.kind", "gemm")  # marks the GEMM of a product form
 # a product's lean levels (PlanBuilder.lean_product), cheapest first: (the fewest chunks of the
-# batch, whether it scans, then rounds); more chunks mean smaller packs, and a scan keeps one
-# chunk's C live instead of the whole product's, for a second GEMM
+# batch, whether it scans); more chunks mean smaller packs, and a scan keeps one chunk's C live
+# instead of the whole product's (each chunk rounded in pieces, or at a nearest site a second
+# GEMM pass: PlanBuilder.lean_compaction)
 LEAN_LEVELS = ((1, False), (2, False), (4, False), (8, False), (2, True), (4, True), (8, True))
 SCAN_FREE_LEVELS = 3  # the levels without a scan, past level 0
 
@@ -887,8 +888,12 @@ class PlanBuilder:
             self.launch(func, (self.view(c, rows), slot))
 
         name = f"n{n.id}_c{site}"
-        func = apply([g.c_shape for g in gemms], name)
-        if not self.stochastic or count == 1:  # one chunk: its C is still there to round
+        in_pieces = self.stochastic and count > 1  # (one chunk: its C is still there to round)
+        one_part = in_pieces and scan_apply is not None and len(parts) == 1
+        fused = scan_apply(gemms[0].c_shape, name) if one_part and scan_apply else None
+        func = None if in_pieces and fused else apply([g.c_shape for g in gemms], name)
+        if not in_pieces:
+            assert func is not None
             self.scan_chunks(parts, gemms, cs, scan)
             s = self.lean_shift(n, amax, e_in, name, result)
             self.round_chunks(n, parts, gemms, cs, func, (s,), out, piece, site)
@@ -898,7 +903,6 @@ class PlanBuilder:
         shifts = self.buf(f"n{n.id}.sj{site}", (count, SLOT_I32), I32)
         offs = self.chunk_offsets(n, count, piece, site)
         per = int(np.prod(piece))
-        fused = scan_apply(gemms[0].c_shape, name) if scan_apply and len(parts) == 1 else None
         if fused is None:
             e_chunk = self.buf(f"n{n.id}.ej{site}", (1,), I32)
             shift = compaction_shift((len(parts), SLOT_I32), self.bits, False, f"{name}_j")
@@ -919,6 +923,7 @@ class PlanBuilder:
                 self.gemm_work(p.chunk.form)
                 scan(j, i, p, g, c)
             own = self.view_at(amax, (len(parts), SLOT_I32), j * len(parts) * SLOT_I32)
+            assert func is not None
             self.launch(tagged(shift, f"_k{j}"), (own, e_in, s_j, e_chunk))
             args = (*cs, s_j, key, off, self.view_at(out, piece, j * per))
             self.launch(tagged(func, f"_r{j}"), args)
