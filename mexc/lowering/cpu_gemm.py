@@ -33,7 +33,7 @@ from mexc.lowering.gemm_forms import GemmForm
 from mexc.lowering.te_compaction import (
     LANE_REDUCE,
     _flat_index,
-    abs_max_all,
+    abs_max_slot,
     channel_compacted,
     compacted,
     fit_shift,
@@ -573,10 +573,8 @@ def scan_compact_from_c(
     cin = te.placeholder((c_shape[0] * c_shape[1], c_shape[2]), I32, name="c")
     key = te.placeholder((1,), "int64", name="key")
     off = te.placeholder((1,), "int64", name="off")
-    top = abs_max_all(cin, "top")
+    top, amax = abs_max_slot(cin, slot)
     s = fit_shift(top, qmax(bits), "s")
-    zero = tirx.const(0, I32)
-    amax = te.compute((slot,), lambda i: tirx.Select(i == 0, top[0], zero), name="amax")
 
     def body(*idx):
         flat = _flat_index(form.out_shape, idx) + off[0]

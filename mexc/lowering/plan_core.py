@@ -889,8 +889,8 @@ class PlanBuilder:
 
         name = f"n{n.id}_c{site}"
         in_pieces = self.stochastic and count > 1  # (one chunk: its C is still there to round)
-        one_part = in_pieces and scan_apply is not None and len(parts) == 1
-        fused = scan_apply(gemms[0].c_shape, name) if one_part and scan_apply else None
+        one_kernel = in_pieces and scan_apply is not None and len(parts) == 1
+        fused = scan_apply(gemms[0].c_shape, name) if scan_apply and one_kernel else None
         func = None if in_pieces and fused else apply([g.c_shape for g in gemms], name)
         if not in_pieces:
             assert func is not None
@@ -904,18 +904,19 @@ class PlanBuilder:
         offs = self.chunk_offsets(n, count, piece, site)
         per = int(np.prod(piece))
         if fused is None:
+            assert func is not None
             e_chunk = self.buf(f"n{n.id}.ej{site}", (1,), I32)
             shift = compaction_shift((len(parts), SLOT_I32), self.bits, False, f"{name}_j")
         for j in range(count):
             s_j = self.view_at(shifts, (1,), j * SLOT_I32)
             off = self.view_at(offs, (1,), j * KEY_ALIGN)
-            if fused is not None:
+            piece_j = self.view_at(out, piece, j * per)
+            if fused is not None:  # the chunk's GEMM, then its scan, shift and rounding
                 g, c = gemms[0], cs[0]
                 g.launch(parts[0].operands[j], c, f"_k{j}")
                 self.gemm_work(parts[0].chunk.form)
                 rows = self.view(c, (g.c_shape[0] * g.c_shape[1], g.c_shape[2]))
                 slot = self.view_at(amax, (SLOT_I32,), j * SLOT_I32)
-                piece_j = self.view_at(out, piece, j * per)
                 self.launch(tagged(fused, f"_k{j}"), (rows, key, off, piece_j, slot, s_j))
                 continue
             for i, (p, g, c) in enumerate(zip(parts, gemms, cs)):
@@ -923,10 +924,8 @@ class PlanBuilder:
                 self.gemm_work(p.chunk.form)
                 scan(j, i, p, g, c)
             own = self.view_at(amax, (len(parts), SLOT_I32), j * len(parts) * SLOT_I32)
-            assert func is not None
             self.launch(tagged(shift, f"_k{j}"), (own, e_in, s_j, e_chunk))
-            args = (*cs, s_j, key, off, self.view_at(out, piece, j * per))
-            self.launch(tagged(func, f"_r{j}"), args)
+            self.launch(tagged(func, f"_r{j}"), (*cs, s_j, key, off, piece_j))
         s = self.lean_shift(n, amax, e_in, name, result)
         whole = self.view(out, (count, per))
         again = rerounded(count, per, SLOT_I32, self.bits, name)

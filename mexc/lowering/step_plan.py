@@ -164,13 +164,12 @@ def lean_search(
     """The lean level of each node, and the build with those levels (the search built it already:
     the plan needs no build of its own). A lean node trades time (more chunks and launches; at
     a nearest site a product computed twice; a bracket three times) for memory, so only the
-    nodes that set the step's
-    peak may pay it: while the live buffers at the peak (plan_peak) include those of a node
-    whose rule has a further lean level (at least 1/LEAN_MIN_SHARE of the peak), the one
-    holding the most bytes there goes to its cheapest higher level that lowers the peak (by
-    1/LEAN_MIN_DROP) within the work budget (LEAN_WORK_SHARE of the step's work); the levels
-    tried are not tried again, and the next node is taken where none did. `first`: the build
-    without lean nodes, where the caller has it."""
+    nodes that set the step's peak may pay it: while the live buffers at the peak (plan_peak)
+    include those of a node whose rule has a further lean level (at least 1/LEAN_MIN_SHARE of
+    the peak), the one holding the most bytes there goes to its cheapest higher level that
+    lowers the peak (by 1/LEAN_MIN_DROP) within the work budget (LEAN_WORK_SHARE of the step's
+    work); the levels tried are not tried again, and the next node is taken where none did.
+    `first`: the build without lean nodes, where the caller has it."""
     chosen: dict[int, int] = {}
     b = first if first is not None else build(chosen)
     base = b.work

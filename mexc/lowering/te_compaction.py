@@ -236,15 +236,20 @@ def abs_max_all(x: te.Tensor, name: str = "amax") -> te.Tensor:
     return te.compute((1,), lambda _: te.max(rows[r], axis=r), name=name)
 
 
-def abs_max_kernel(shape: tuple[int, ...], name: str, width: int = 1) -> tirx.PrimFunc:
-    """amax (width,) = max |x| of an int32 tensor in element 0, zeros after it (rows along
-    axis 0 in parallel; `width` pads a slot of a buffer of maxima to 64 bytes, the alignment
-    every kernel argument has). Parameters (x, amax)."""
-    x = te.placeholder(shape, I32, name="x")
+def abs_max_slot(x: te.Tensor, width: int) -> tuple[te.Tensor, te.Tensor]:
+    """(max |x| as a (1,) tensor, the (width,) slot holding it in element 0 and zeros after
+    it): `width` pads a slot of a buffer of maxima to 64 bytes, the alignment every kernel
+    argument has. Rows along axis 0 in parallel."""
     top = abs_max_all(x, "top")
     zero = tirx.const(0, I32)
-    amax = te.compute((width,), lambda i: tirx.Select(i == 0, top[0], zero), name="amax")
-    return prim_func([x, amax], name)
+    return top, te.compute((width,), lambda i: tirx.Select(i == 0, top[0], zero), name="amax")
+
+
+def abs_max_kernel(shape: tuple[int, ...], name: str, width: int = 1) -> tirx.PrimFunc:
+    """amax (width,) = max |x| of an int32 tensor in element 0, zeros after it (abs_max_slot).
+    Parameters (x, amax)."""
+    x = te.placeholder(shape, I32, name="x")
+    return prim_func([x, abs_max_slot(x, width)[1]], name)
 
 
 def aligned_target(terms: list[tuple[tirx.PrimExpr, int]]) -> tirx.PrimExpr:
