@@ -45,6 +45,7 @@ from mexc.lowering.plan_dense import DenseRules
 from mexc.lowering.plan_norm import NormRules
 from mexc.lowering.plan_pool import PoolRules
 from mexc.lowering.plan_transformer import TransformerRules
+from mexc.lowering.te_func import trial_kernels
 from mexc.numerics import site_rounding
 from mexc.ops import REGISTRY, op_def
 from mexc.program import Program
@@ -113,11 +114,14 @@ def build_plan(
     args = (prog, *_host_gemm(device_of(device), lanes, gemm_kernel), pack_budget)
     if lean is not None:
         return plan_builder(*args, lean).plan
-    recompute, first = recompute_search(lambda r: plan_builder(*args, {}, r))
-    chosen, b = lean_search(lambda c: plan_builder(*args, c, recompute), first)
-    if pack_budget is None:  # a budget the caller chose stays every product's
-        b = widen_packs(lambda wide: plan_builder(*args, chosen, recompute, wide), b)
-    return b.plan
+    # the searches' builds are trials: their kernels are not run (trial_kernels), the plan
+    # of what they chose is built again, kernels and all
+    with trial_kernels():
+        recompute, first = recompute_search(lambda r: plan_builder(*args, {}, r))
+        chosen, b = lean_search(lambda c: plan_builder(*args, c, recompute), first)
+        if pack_budget is None:  # a budget the caller chose stays every product's
+            b = widen_packs(lambda wide: plan_builder(*args, chosen, recompute, wide), b)
+    return plan_builder(*args, chosen, recompute, b.wide).plan
 
 
 # recompute_search: at most this many rounds
@@ -287,7 +291,7 @@ def plan_builder(
     b = PlanRules(prog, lanes, device, gemm_kernel, pack_budget)
     b.lean = lean
     b.recompute = recompute
-    b.wide = wide or {}
+    b.wide = dict(wide or {})
     mode = prog.options.rounding
     for n in prog.graph.nodes:
         rule = op_def(n.op).lowering("llvm")

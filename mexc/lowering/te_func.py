@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import tvm
 from tvm import s_tir, te, tirx
 
 from mexc.lowering.te_divide import lower_divisions
+
+# (name, argument shapes and dtypes) -> PrimFunc, while trial_kernels() is active
+_TrialKey = tuple[str, tuple[tuple[tuple[str, ...], str], ...]]
+_TRIALS: ContextVar[dict[_TrialKey, tirx.PrimFunc] | None] = ContextVar(
+    "mexc_trial_kernels", default=None
+)
+
+
+@contextmanager
+def trial_kernels() -> Iterator[None]:
+    """Within it, prim_func returns the PrimFunc it made before under the same name and
+    argument shapes instead of making it again. For the plan searches' trial builds
+    (step_plan.build_plan): they read a plan's buffers and launch arguments, never its
+    kernels, and making the PrimFuncs was most of their time (FashionCNN's 20 trial builds:
+    9 of 18 s). A kernel of the same name and shapes may differ in its body (another lean
+    level's constants), so a plan that will run is built outside."""
+    token = _TRIALS.set({})
+    try:
+        yield
+    finally:
+        _TRIALS.reset(token)
 
 
 def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
@@ -13,9 +38,28 @@ def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     (te_divide) and every Let variable defined once. The hash stages bind their inputs with
     Lets (te_compaction.mix32), and an expression that reuses a hashed value (a branch-free
     select reads both sides twice) repeats the same Let; ConvertSSA renames the copies."""
+    trials = _TRIALS.get()
+    if trials is not None:
+        key = _trial_key(args, name)
+        if key not in trials:
+            trials[key] = _made(args, name)
+        return trials[key]
+    return _made(args, name)
+
+
+def _made(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     func = lower_divisions(te.create_prim_func(args))
     mod = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))
     return mod["main"].with_attr("global_symbol", name)
+
+
+def _trial_key(args: list[te.Tensor], name: str) -> _TrialKey:
+    """`name` and each argument's shape (a scalar Var: its name) and dtype."""
+    shapes = tuple(
+        (tuple(map(str, a.shape)), str(a.dtype)) if isinstance(a, te.Tensor) else ((str(a),), "")
+        for a in args
+    )
+    return name, shapes
 
 
 def a_row_at_a_time(func: tirx.PrimFunc, out: str) -> tirx.PrimFunc:

@@ -117,3 +117,53 @@ def test_a_chunked_product_packs_its_weight_once() -> None:
     packs_a = [x for x in b.plan.launches if "_fwd_pack_a" in str(x.func.attrs["global_symbol"])]
     packs_b = [x for x in b.plan.launches if "_fwd_pack_b" in str(x.func.attrs["global_symbol"])]
     assert len(packs_b) >= 8 and len(packs_a) == len({x.args[0] for x in packs_a})
+
+
+def test_trial_builds_share_kernels_and_the_plan_is_built_again() -> None:
+    """The searches' trial builds take a kernel made before under the same name and argument
+    shapes (te_func.trial_kernels); the plan build_plan returns is the one the searches chose,
+    built anew: launches, arguments, buffers and every kernel's structure are those of a
+    search whose trials each made their own kernels."""
+    import contextlib
+
+    import tvm_ffi
+    from tvm import te
+
+    from mexc.lowering import step_plan
+    from mexc.lowering.te_func import prim_func, trial_kernels
+
+    def kernel(n: int, name: str) -> object:
+        a = te.placeholder((n,), "int32", name="a")
+        return prim_func([a, te.compute((n,), lambda i: a[i] + 1, name="b")], name)
+
+    with trial_kernels():
+        first = kernel(8, "k")
+        assert kernel(8, "k") is first
+        assert kernel(16, "k") is not first and kernel(8, "other") is not first
+    assert kernel(8, "k") is not first  # outside, every call makes its own
+
+    cls, shape = EXAMPLES["DigitsCNN"]
+    torch.manual_seed(0)
+    prog = mexc.compile(cls(), (torch.zeros(32, *shape),))
+
+    def signature(plan: object) -> tuple:
+        launches = [
+            (x.func.attrs["global_symbol"], x.args, tvm_ffi.structural_hash(x.func))
+            if hasattr(x, "func")
+            else (type(x).__name__, x.args)
+            for x in plan.launches  # type: ignore[attr-defined]
+        ]
+        return launches, sorted(plan.buffers.items())  # type: ignore[attr-defined]
+
+    for device in ("cpu", "gpu"):
+        shared = step_plan.build_plan(prog, 8, device)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(step_plan, "trial_kernels", contextlib.nullcontext)
+            alone = step_plan.build_plan(prog, 8, device)
+        assert signature(shared) == signature(alone), device
+        symbols = [
+            str(x.func.attrs["global_symbol"]) for x in shared.launches if hasattr(x, "func")
+        ]
+        assert len(symbols) > 100
+        # the host's search chose lean products (each chunk scanned and rounded in one kernel)
+        assert device == "gpu" or any("_scan_apply_k" in s for s in symbols)
