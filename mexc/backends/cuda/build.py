@@ -31,9 +31,10 @@ from typing import Any
 
 from tvm import tirx
 
+from mexc.backends.cuda.fuse import fuse_one_block_runs
 from mexc.backends.cuda.nvcc import compile_cubin
 from mexc.backends.cuda.products import GEMM_SCHEDULES, gemm_schedule
-from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE
+from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE, launch_args
 from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
 from mexc.backends.kernel_cache import build_entry, entry_lock
 from mexc.backends.plan_layout import plan_layout
@@ -92,15 +93,25 @@ def lower_step(
     manifest: dict[str, Any] = {"format": FORMAT, "gemm": gemm, **plan_manifest(plan)}
     module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
     kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
-    manifest["kernels"], manifest["collectives"] = _kernel_list(
-        plan.launches, funcs, alias, scratch, kernels_of, module_of
-    )
-    manifest["layout"] = _layout(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
+    kernels, collectives = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
     manifest["gemm_kernels"] = sorted(
         k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
     )
-    manifest["counts"] = {"plan_launches": len(plan.launches), "distinct_funcs": len(funcs)}
-    return LoweredStep(manifest, [src for src, _ in parts], time.perf_counter() - t0)
+    _add_scratch(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
+    # runs of one-block kernels launch as one (fuse.py); the buffers of a fused kernel are
+    # live together (the runtime checks the layout against its kernels' arguments)
+    sources = [src for src, _ in parts]
+    unfused = set(manifest["gemm_kernels"])
+    manifest["kernels"], manifest["collectives"], sources = fuse_one_block_runs(
+        kernels, collectives, sources, unfused
+    )
+    manifest["layout"] = plan_layout(manifest, launch_args(manifest))
+    manifest["counts"] = {
+        "plan_launches": len(plan.launches),
+        "distinct_funcs": len(funcs),
+        "kernels_before_fusion": len(kernels),
+    }
+    return LoweredStep(manifest, sources, time.perf_counter() - t0)
 
 
 def build_step(
@@ -140,34 +151,28 @@ def build_step(
 
 def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, Any]:
     """The device memory layout a CUDA artifact of `prog` would get (plan_layout: the state
-    region and the arena, every kernel's global scratch per launch), without lowering a kernel
-    to CUDA or running nvcc: what bench/memory.py reports where no artifact is built. Equal to
+    region and the arena, every kernel's global scratch per launch), lowered by TVM without
+    nvcc: what bench/memory.py reports where no artifact is built. The kernels' fusion
+    (fuse.py) keeps a fused run's buffers apart, so the lowering decides it. Equal to
     build_step's manifest["layout"] for the same program and budget."""
-    plan = build_plan(prog, device="gpu", pack_budget=pack_budget)
-    return _layout(plan_manifest(plan), plan, lambda launch: promote_scratch(launch.func)[1])
+    return lower_step(prog, pack_budget).manifest["layout"]
 
 
-def _layout(
+def _add_scratch(
     manifest: dict[str, Any],
     plan: StepPlan,
     scratch_of: Callable[[Launch], list[tuple[str, tuple, str]]],
-) -> dict[str, Any]:
-    """plan_layout of the GPU plan with every launch's own scratch (`scratch_of`: the global
-    intermediates its kernel allocates) added to the manifest's buffers. A collective's
-    buffer is live at its place between the kernels."""
-    args = []
-    kernel = 0  # scratch is named by the kernel launch's index (_kernel_list's too)
+) -> None:
+    """Every launch's own scratch (`scratch_of`: the global intermediates its kernel
+    allocates) added to the manifest's buffers, named by the launch's index as _kernel_list
+    names them."""
+    kernel = 0
     for launch in plan.launches:
         if isinstance(launch, HostLaunch):
-            args.append(list(launch.args))
             continue
-        names = []
         for name, shape, dtype in scratch_of(launch):
-            names.append(_scratch_name(kernel, name))
-            manifest["buffers"][names[-1]] = [list(shape), dtype]
-        args.append([*launch.args, *names])
+            manifest["buffers"][_scratch_name(kernel, name)] = [list(shape), dtype]
         kernel += 1
-    return plan_layout(manifest, args)
 
 
 def _lower_part(symbols: list[str], shared: dict[str, Any]) -> tuple[str, dict]:

@@ -111,7 +111,8 @@ class KernelCost:
 def family_of(symbol: str) -> str:
     """The kernel's op family: its symbol without the node id, the batch-chunk suffix and
     TVM's kernel suffix ("n36_dg16_shift_kernel_3" -> "dg16_shift")."""
-    name = re.sub(r"_kernel(_\d+)?$", "", symbol)
+    name = re.sub(r"_fused\d+$", "", symbol)  # a fused run: its first kernel's (fuse.py)
+    name = re.sub(r"_kernel(_\d+)?$", "", name)
     name = re.sub(r"^n\d+_", "", name)
     return re.sub(r"_k\d+$", "", name)
 

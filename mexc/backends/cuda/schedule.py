@@ -9,9 +9,10 @@ one device kernel per thread-bound loop nest. mexc's CUDA runtime has no TVM, so
 - `schedule_gpu` binds every block of a non-GEMM PrimFunc to threads: elementwise blocks and
   short reductions (pooling windows, the 32 steps of a shift count) one thread per output,
   reductions of 64 or more terms one thread block per output with the threads sharing the
-  reduction (TVM's cross-thread allreduce); consecutive blocks with one thread per output
-  over one domain that read each other's results at their own element only share one kernel
-  (a batch norm's per-channel statistics: 37 kernels became 4);
+  reduction (TVM's cross-thread allreduce; a single output's block has the elementwise
+  blocks' THREADS, so that it fuses with them: fuse.py); consecutive blocks with one thread
+  per output over one domain that read each other's results at their own element only share
+  one kernel (a batch norm's per-channel statistics: 37 kernels became 4);
 - `lower_kernels` runs TVM's CUDA pipeline on the scheduled module, reads every kernel launch of
   the host functions (symbol, grid, block) and every device kernel's parameter order, and returns
   them with the CUDA source, every warp shuffle's mask written in (`source.converged_warp_masks`:
@@ -97,6 +98,15 @@ def _spatial_count(sch: s_tir.Schedule, blk: Any) -> int:
     return sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
 
 
+def _spatial_extent(sch: s_tir.Schedule, blk: Any) -> int:
+    """The outputs of `blk`: the product of its spatial domain."""
+    extent = 1
+    for iv in sch.get(blk).iter_vars:
+        if int(iv.iter_type) == 0:
+            extent *= int(iv.dom.extent)
+    return extent
+
+
 def _serial_terms(ivars: Any) -> int:
     """The terms each output of a block sums (1 without a reduction)."""
     terms = 1
@@ -155,7 +165,10 @@ def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
         loops = sch.get_loops(blk)
         spatial, reduce = loops[:spatial_n], loops[spatial_n:]
         if spatial and reduce and _serial_terms(sch.get(blk).iter_vars) >= CROSS_THREAD_MIN:
-            _, tx = sch.split(_fused(sch, reduce), [None, REDUCE_THREADS])
+            # one output (a whole tensor's maximum): its one block takes the elementwise
+            # blocks' shape, so that fuse.fuse_one_block_runs can join it to its neighbours
+            one = _spatial_extent(sch, blk) == 1
+            _, tx = sch.split(_fused(sch, reduce), [None, THREADS if one else REDUCE_THREADS])
             sch.bind(_fused(sch, spatial), "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
         elif spatial:
