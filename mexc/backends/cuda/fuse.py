@@ -36,8 +36,8 @@ _POINTER = re.compile(r"^(?P<type>[\w ]+\*)\s*(?:__restrict__\s+)?(?P<name>\w+)$
 
 
 def _definitions(source: str) -> dict[str, tuple[int, int, list[str]]]:
-    """symbol -> (start, end, C type of each parameter) of each kernel definition; None types
-    where a parameter is not a pointer."""
+    """symbol -> (start, end, C type of each parameter) of each kernel definition; the type is
+    "" where a parameter is not a pointer (such a kernel is not fused)."""
     out: dict[str, tuple[int, int, list[str]]] = {}
     for m in KERNEL_DEF.finditer(source):
         params = source[m.end(2) + 1 : source.rindex(")", m.start(), m.end())]
@@ -55,7 +55,8 @@ def _device_copy(source: str, symbol: str, span: tuple[int, int, list[str]]) -> 
     start, end, _ = span
     text = source[start:end]
     head = KERNEL_DEF.match(text)
-    assert head is not None  # spans come from KERNEL_DEF
+    if head is None:  # spans come from KERNEL_DEF: a source that changed under them
+        raise ValueError(f"kernel {symbol}: its definition is not where it was found")
     params = text[head.end(2) : text.rindex(")", 0, head.end()) + 1].replace("__restrict__ ", "")
     return f"__device__ __forceinline__ void {symbol}_body{params} {{{text[head.end() :]}\n"
 
