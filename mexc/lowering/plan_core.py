@@ -888,12 +888,9 @@ class PlanBuilder:
             self.launch(func, (self.view(c, rows), slot))
 
         name = f"n{n.id}_c{site}"
-        in_pieces = self.stochastic and count > 1  # (one chunk: its C is still there to round)
-        one_kernel = in_pieces and scan_apply is not None and len(parts) == 1
-        fused = scan_apply(gemms[0].c_shape, name) if scan_apply and one_kernel else None
-        func = None if in_pieces and fused else apply([g.c_shape for g in gemms], name)
-        if not in_pieces:
-            assert func is not None
+        c_shapes = [g.c_shape for g in gemms]
+        if not self.stochastic or count == 1:  # one chunk: its C is still there to round
+            func = apply(c_shapes, name)
             self.scan_chunks(parts, gemms, cs, scan)
             s = self.lean_shift(n, amax, e_in, name, result)
             self.round_chunks(n, parts, gemms, cs, func, (s,), out, piece, site)
@@ -903,8 +900,10 @@ class PlanBuilder:
         shifts = self.buf(f"n{n.id}.sj{site}", (count, SLOT_I32), I32)
         offs = self.chunk_offsets(n, count, piece, site)
         per = int(np.prod(piece))
+        one_part = scan_apply is not None and len(parts) == 1
+        fused = scan_apply(c_shapes[0], name) if scan_apply is not None and one_part else None
         if fused is None:
-            assert func is not None
+            func = apply(c_shapes, name)
             e_chunk = self.buf(f"n{n.id}.ej{site}", (1,), I32)
             shift = compaction_shift((len(parts), SLOT_I32), self.bits, False, f"{name}_j")
         for j in range(count):

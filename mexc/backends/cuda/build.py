@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,7 +41,6 @@ from mexc.backends.plan_layout import plan_layout
 from mexc.lowering.plan_core import HostLaunch, is_gemm
 from mexc.lowering.step_plan import (
     Launch,
-    StepPlan,
     build_inference_plan,
     build_plan,
     distinct_kernels,
@@ -93,11 +92,13 @@ def lower_step(
     manifest: dict[str, Any] = {"format": FORMAT, "gemm": gemm, **plan_manifest(plan)}
     module_of = {symbol: i for i, (_, kernels) in enumerate(parts) for symbol in kernels}
     kernels_of = {symbol: ks for _, kernels in parts for symbol, ks in kernels.items()}
-    kernels, collectives = _kernel_list(plan.launches, funcs, alias, scratch, kernels_of, module_of)
+    kernels, collectives, scratch_buffers = _kernel_list(
+        plan.launches, funcs, alias, scratch, kernels_of, module_of
+    )
+    manifest["buffers"].update(scratch_buffers)
     manifest["gemm_kernels"] = sorted(
         k.symbol for symbol, func in funcs.items() if is_gemm(func) for k in kernels_of[symbol]
     )
-    _add_scratch(manifest, plan, lambda launch: scratch[alias[launch.symbol]])
     # runs of one-block kernels launch as one (fuse.py); the buffers of a fused kernel are
     # live together (the runtime checks the layout against its kernels' arguments)
     sources = [src for src, _ in parts]
@@ -158,23 +159,6 @@ def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, An
     return lower_step(prog, pack_budget).manifest["layout"]
 
 
-def _add_scratch(
-    manifest: dict[str, Any],
-    plan: StepPlan,
-    scratch_of: Callable[[Launch], list[tuple[str, tuple, str]]],
-) -> None:
-    """Every launch's own scratch (`scratch_of`: the global intermediates its kernel
-    allocates) added to the manifest's buffers, named by the launch's index as _kernel_list
-    names them."""
-    kernel = 0
-    for launch in plan.launches:
-        if isinstance(launch, HostLaunch):
-            continue
-        for name, shape, dtype in scratch_of(launch):
-            manifest["buffers"][_scratch_name(kernel, name)] = [list(shape), dtype]
-        kernel += 1
-
-
 def _lower_part(symbols: list[str], shared: dict[str, Any]) -> tuple[str, dict]:
     return lower_kernels({s: shared["funcs"][s] for s in symbols}, ARCHS[0])
 
@@ -216,13 +200,15 @@ def _kernel_list(
     scratch: dict,
     kernels_of: dict,
     module_of: dict[str, int],
-) -> tuple[list[list[Any]], list[list[Any]]]:
+) -> tuple[list[list[Any]], list[list[Any]], dict[str, list[Any]]]:
     """[module, symbol, grid, block, [plan buffer per kernel parameter]] for every kernel of
-    the step, in launch order; and a data-parallel worker's collectives, [position, kind,
+    the step, in launch order; a data-parallel worker's collectives, [position, kind,
     buffer] (the host runs it on the int32 buffer after the first `position` kernels;
-    plan_runtime.HOST_KINDS)."""
+    plan_runtime.HOST_KINDS); and every launch's scratch buffer (its kernels' global
+    intermediates, _scratch_name) as the manifest's buffers hold it, [shape, dtype]."""
     out: list[list[Any]] = []
     collectives: list[list[Any]] = []
+    buffers: dict[str, list[Any]] = {}
     kernel = 0
     for launch in launches:
         if isinstance(launch, HostLaunch):
@@ -233,7 +219,9 @@ def _kernel_list(
         # to names), positionally bound to this launch's buffers
         names = [str(p.name) for p in funcs[symbol].params][: len(launch.args)]
         buffer_of = dict(zip(names, launch.args))
-        buffer_of.update({n: _scratch_name(kernel, n) for n, _, _ in scratch[symbol]})
+        for n, shape, dtype in scratch[symbol]:
+            buffer_of[n] = _scratch_name(kernel, n)
+            buffers[buffer_of[n]] = [list(shape), dtype]
         for k in kernels_of[symbol]:
             missing = [p for p in k.params if p not in buffer_of]
             if missing:
@@ -241,7 +229,7 @@ def _kernel_list(
             args = [buffer_of[p] for p in k.params]
             out.append([module_of[symbol], k.symbol, list(k.grid), list(k.block), args])
         kernel += 1
-    return out, collectives
+    return out, collectives, buffers
 
 
 def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:

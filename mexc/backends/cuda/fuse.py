@@ -24,6 +24,7 @@ collective (the host runs it between two kernels).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from mexc.backends.cuda.source import KERNEL_DEF
@@ -35,30 +36,34 @@ MAX_PARAMS = 48
 _POINTER = re.compile(r"^(?P<type>[\w ]+\*)\s*(?:__restrict__\s+)?(?P<name>\w+)$")
 
 
-def _definitions(source: str) -> dict[str, tuple[int, int, list[str]]]:
-    """symbol -> (start, end, C type of each parameter) of each kernel definition; the type is
-    "" where a parameter is not a pointer (such a kernel is not fused)."""
-    out: dict[str, tuple[int, int, list[str]]] = {}
+@dataclass(frozen=True)
+class _Definition:
+    """A kernel's definition in its module's source."""
+
+    start: int  # where its header starts
+    body: str  # its text after the opening brace, through the closing one
+    params: str  # its parameter list without `__restrict__`
+    types: list[str]  # each parameter's C type; "" where it is not a pointer (not fused)
+
+    def device_copy(self, symbol: str) -> str:
+        """The kernel as `__device__` function `<symbol>_body`."""
+        return f"__device__ __forceinline__ void {symbol}_body({self.params}) {{{self.body}\n"
+
+
+def _definitions(source: str) -> dict[str, _Definition]:
+    """Each kernel definition of `source`, by symbol."""
+    out: dict[str, _Definition] = {}
     for m in KERNEL_DEF.finditer(source):
         params = source[m.end(2) + 1 : source.rindex(")", m.start(), m.end())]
         types = []
         for p in (p.strip() for p in params.split(",") if p.strip()):
             got = _POINTER.match(p)
             types.append(got.group("type").strip() if got else "")
-        end = source.find("\n}", m.end())
-        out[m.group(2)] = (m.start(), end + 2, types)
+        end = source.find("\n}", m.end()) + 2
+        out[m.group(2)] = _Definition(
+            m.start(), source[m.end() : end], params.replace("__restrict__ ", ""), types
+        )
     return out
-
-
-def _device_copy(source: str, symbol: str, span: tuple[int, int, list[str]]) -> str:
-    """Kernel `symbol`'s definition as `__device__` function `<symbol>_body`."""
-    start, end, _ = span
-    text = source[start:end]
-    head = KERNEL_DEF.match(text)
-    if head is None:  # spans come from KERNEL_DEF: a source that changed under them
-        raise ValueError(f"kernel {symbol}: its definition is not where it was found")
-    params = text[head.end(2) : text.rindex(")", 0, head.end()) + 1].replace("__restrict__ ", "")
-    return f"__device__ __forceinline__ void {symbol}_body{params} {{{text[head.end() :]}\n"
 
 
 def fuse_one_block_runs(
@@ -72,39 +77,34 @@ def fuse_one_block_runs(
     module launched as one kernel (module docstring), `collectives` ([position, kind, buffer]:
     after the first `position` kernels) renumbered, and `sources` (one per module) with the
     fused kernels added. `unfused`: symbols kept on their own (the GEMMs)."""
-    spans = [_definitions(s) for s in sources]
+    defs = [_definitions(s) for s in sources]
     stops = {c[0] for c in collectives}  # a run may not span a collective
 
-    def fusable(i: int) -> bool:
-        module, symbol, grid, block, _ = kernels[i]
-        types = spans[module].get(symbol, (0, 0, [""]))[2]
-        return (
-            list(grid) == [1, 1, 1]
-            and block[1:] == [1, 1]
-            and symbol not in unfused
-            and symbol in spans[module]
-            and all(types)
-        )
+    def fusable(module: int, symbol: str, grid: list[int], block: list[int]) -> bool:
+        d = defs[module].get(symbol)
+        one_block = list(grid) == [1, 1, 1] and block[1:] == [1, 1]
+        return d is not None and all(d.types) and one_block and symbol not in unfused
 
+    ok = [fusable(*k[:4]) for k in kernels]
     runs: list[list[int]] = []
-    buffers: set[str] = set()  # the last run's
-    for i in range(len(kernels)):
+    run_buffers: set[str] = set()  # the last run's
+    for i, (module, _, _, block, buffers) in enumerate(kernels):
         last = runs[-1] if runs else []
         joins = (
-            fusable(i)
+            ok[i]
             and last
-            and fusable(last[-1])
+            and ok[last[-1]]
             and i not in stops
-            and kernels[i][0] == kernels[last[0]][0]
-            and kernels[i][3] == kernels[last[0]][3]
-            and len(buffers | set(kernels[i][4])) <= MAX_PARAMS
+            and module == kernels[last[0]][0]
+            and block == kernels[last[0]][3]
+            and len(run_buffers | set(buffers)) <= MAX_PARAMS
         )
         if joins:
             last.append(i)
-            buffers |= set(kernels[i][4])
+            run_buffers |= set(buffers)
         else:
             runs.append([i])
-            buffers = set(kernels[i][4])
+            run_buffers = set(buffers)
 
     bodies: list[dict[str, str]] = [{} for _ in sources]
     fused_source: list[list[str]] = [[] for _ in sources]
@@ -112,35 +112,31 @@ def fuse_one_block_runs(
     first_of_run: list[int] = []  # the first old kernel of each new entry
     for run in runs:
         module, symbol, _, block, _ = kernels[run[0]]
-        params: dict[str, str] = {}  # buffer -> C type
+        types: dict[str, set[str]] = {}  # buffer -> the C types its kernels read it as
         for i in run:
-            for buf, ctype in zip(kernels[i][4], spans[module][kernels[i][1]][2], strict=True):
-                params.setdefault(buf, ctype)
-        clash = any(
-            params[buf] != ctype
-            for i in run
-            for buf, ctype in zip(kernels[i][4], spans[module][kernels[i][1]][2], strict=True)
-        )
-        if len(run) < 2 or clash:  # alone (a buffer read as two C types: each kernel alone)
+            for buf, ctype in zip(kernels[i][4], defs[module][kernels[i][1]].types, strict=True):
+                types.setdefault(buf, set()).add(ctype)
+        # alone: a single kernel, or a run that reads a buffer as two C types
+        if len(run) < 2 or any(len(t) > 1 for t in types.values()):
             first_of_run.extend(run)
             out.extend(kernels[i] for i in run)
             continue
         first_of_run.append(run[0])
-        index = {buf: j for j, buf in enumerate(params)}
+        index = {buf: j for j, buf in enumerate(types)}
         calls = []
         for i in run:
             sym, buffers = kernels[i][1], kernels[i][4]
             calls.append(f"  {sym}_body({', '.join(f'p{index[b]}' for b in buffers)});")
             if sym not in bodies[module]:
-                bodies[module][sym] = _device_copy(sources[module], sym, spans[module][sym])
+                bodies[module][sym] = defs[module][sym].device_copy(sym)
         name = f"{symbol}{FUSED}{len(fused_source[module])}"
-        args = ", ".join(f"{t} p{j}" for j, t in enumerate(params.values()))
+        args = ", ".join(f"{t.pop()} p{j}" for j, t in enumerate(types.values()))
         body = "\n  __syncthreads();\n".join(calls)
         fused_source[module].append(
             f'extern "C" __global__ void __launch_bounds__({block[0]}) {name}({args}) {{\n'
             f"{body}\n}}\n"
         )
-        out.append([module, name, [1, 1, 1], list(block), list(params)])
+        out.append([module, name, [1, 1, 1], list(block), list(types)])
 
     new_sources = []
     for module, source in enumerate(sources):
@@ -149,7 +145,7 @@ def fuse_one_block_runs(
             continue
         # the bodies before the first kernel (outside every kernel's span), the fused kernels
         # after the last
-        first = min(start for start, _, _ in spans[module].values())
+        first = min(d.start for d in defs[module].values())
         copies = "".join(bodies[module].values())
         fused = "\n".join(fused_source[module])
         new_sources.append(source[:first] + copies + "\n" + source[first:] + "\n" + fused)

@@ -98,22 +98,14 @@ def _spatial_count(sch: s_tir.Schedule, blk: Any) -> int:
     return sum(int(iv.iter_type) == 0 for iv in sch.get(blk).iter_vars)
 
 
-def _spatial_extent(sch: s_tir.Schedule, blk: Any) -> int:
-    """The outputs of `blk`: the product of its spatial domain."""
+def _extent(ivars: Any, spatial: bool) -> int:
+    """The product of a block's spatial domain (its outputs: spatial=True) or of its reduction
+    domain (the terms each output sums, 1 without a reduction: spatial=False)."""
     extent = 1
-    for iv in sch.get(blk).iter_vars:
-        if int(iv.iter_type) == 0:
+    for iv in ivars:
+        if (int(iv.iter_type) == 0) == spatial:
             extent *= int(iv.dom.extent)
     return extent
-
-
-def _serial_terms(ivars: Any) -> int:
-    """The terms each output of a block sums (1 without a reduction)."""
-    terms = 1
-    for iv in ivars:
-        if int(iv.iter_type) != 0:
-            terms *= int(iv.dom.extent)
-    return terms
 
 
 def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
@@ -132,7 +124,8 @@ def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
         ivars = [iv for iv in b.iter_vars if int(iv.iter_type) == 0]
         here = tuple(int(iv.dom.extent) for iv in ivars)
         reads, writes = _pointwise(b.reads, ivars), _pointwise(b.writes, ivars)
-        own = bool(ivars) and _serial_terms(b.iter_vars) < CROSS_THREAD_MIN and all(writes.values())
+        short = _extent(b.iter_vars, False) < CROSS_THREAD_MIN
+        own = bool(ivars) and short and all(writes.values())
         joins = (
             own
             and dom == here
@@ -164,10 +157,10 @@ def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
         spatial_n = _spatial_count(sch, blk)
         loops = sch.get_loops(blk)
         spatial, reduce = loops[:spatial_n], loops[spatial_n:]
-        if spatial and reduce and _serial_terms(sch.get(blk).iter_vars) >= CROSS_THREAD_MIN:
+        if spatial and reduce and _extent(sch.get(blk).iter_vars, False) >= CROSS_THREAD_MIN:
             # one output (a whole tensor's maximum): its one block takes the elementwise
             # blocks' shape, so that fuse.fuse_one_block_runs can join it to its neighbours
-            one = _spatial_extent(sch, blk) == 1
+            one = _extent(sch.get(blk).iter_vars, True) == 1
             _, tx = sch.split(_fused(sch, reduce), [None, THREADS if one else REDUCE_THREADS])
             sch.bind(_fused(sch, spatial), "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
