@@ -40,7 +40,7 @@ from mexc.lowering.te_compaction import (
     iabs,
     where,
 )
-from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_func import prim_func, trial_cached
 from mexc.lowering.te_products import has_block
 from mexc.lowering.x86_int8 import BYTE_KERNELS, COLUMNS, DEPTH
 from mexc.lowering.x86_int8 import registered as int8_dot_intrinsic
@@ -428,6 +428,7 @@ def swapped(form: GemmForm) -> GemmForm:
     )
 
 
+@trial_cached(lambda form, *rest: (form.key(), *rest))
 def cpu_gemm(
     form: GemmForm,
     lanes: int,

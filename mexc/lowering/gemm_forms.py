@@ -21,7 +21,7 @@ from typing import Any
 
 from tvm import te, tirx
 
-from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_func import prim_func, trial_cached
 from mexc.lowering.te_products import ConvGeom
 
 I8, I32 = "int8", "int32"
@@ -68,6 +68,12 @@ class GemmForm:
     # split-K: the GEMM runs over `parts` slices of K as parts * g groups of partial Cs, which
     # the unpack sums (split_k); 1: one GEMM over the whole of K
     parts: int = 1
+
+    def key(self) -> tuple[object, ...]:
+        """What the form's buffers and kernel names follow from (the gathers aside): a trial
+        plan's key for its kernels (te_func.trial_cached)."""
+        f = self
+        return (f.name, f.operands, f.out_shape, f.g, f.m, f.q, f.k, f.a_src, f.b_src, f.parts)
 
     @property
     def mp(self) -> int:
@@ -371,6 +377,7 @@ def _unpack(form: GemmForm) -> tirx.PrimFunc:
     return _func([c, out], f"{form.name}_unpack")
 
 
+@trial_cached(lambda form: form.key())
 def gemm_funcs(form: GemmForm) -> GemmFuncs:
     return GemmFuncs(
         form,

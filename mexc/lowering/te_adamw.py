@@ -35,7 +35,7 @@ from mexc.lowering.te_compaction import (
     shift_signed,
 )
 from mexc.lowering.te_divide import idiv_round, isqrt
-from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_func import prim_func, trial_cached
 from mexc.lowering.te_update import (
     Kernel,
     UpdateSpec,
@@ -286,6 +286,7 @@ def w_step(spec: AdamSpec, name: str) -> tirx.PrimFunc:
     return prim_func([w, w_exp, q, m_exp, r_exp, lr, keys, w_acc], name)
 
 
+@trial_cached(lambda spec, name, native_division: (spec, name, native_division))
 def adamw_kernels(spec: AdamSpec, name: str, native_division: bool) -> list[Kernel]:
     """The kernels of one parameter's AdamW update in launch order (module docstring);
     `native_division`: the target divides natively (te_divide.idiv_round)."""

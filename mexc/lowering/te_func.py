@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any, ParamSpec, TypeVar
 
 import tvm
 from tvm import s_tir, te, tirx
 
 from mexc.lowering.te_divide import lower_divisions
 
-# (name, argument shapes and dtypes) -> PrimFunc, while trial_kernels() is active
-_TrialKey = tuple[str, tuple[tuple[tuple[str, ...], str], ...]]
-_TRIALS: ContextVar[dict[_TrialKey, tirx.PrimFunc] | None] = ContextVar(
-    "mexc_trial_kernels", default=None
-)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# while trial_kernels() is active: (name, argument shapes and dtypes) -> PrimFunc, and
+# (a trial_cached maker, its key) -> what it made
+_TRIALS: ContextVar[dict[Hashable, Any] | None] = ContextVar("mexc_trial_kernels", default=None)
 
 
 @contextmanager
@@ -24,8 +27,9 @@ def trial_kernels() -> Iterator[None]:
     argument shapes instead of making it again. For the plan searches' trial builds
     (step_plan.build_plan): they read a plan's buffers and launch arguments, never its
     kernels, and making the PrimFuncs was most of their time (FashionCNN's 20 trial builds:
-    9 of 18 s). A kernel of the same name and shapes may differ in its body (another lean
-    level's constants), so a plan that will run is built outside."""
+    9 of 18 s), and `trial_cached` kernel makers return what they made before too. A kernel
+    of the same name and shapes may differ in its body (another lean level's constants), so a
+    plan that will run is built outside."""
     token = _TRIALS.set({})
     try:
         yield
@@ -47,19 +51,51 @@ def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return _made(args, name)
 
 
+def trial_cached(
+    key: Callable[..., Hashable] | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A kernel maker that, within trial_kernels(), returns what it made before for arguments
+    of the same `key(*args)` (default: the arguments themselves, where all are values). For
+    makers whose work beyond their PrimFuncs (schedules, TE expressions) costs more than the
+    PrimFuncs themselves (a host GEMM's four scheduled kernels: 10 ms; a batch norm's TE
+    stages). The key must hold everything the plan's buffers and launch arguments depend on:
+    names and shapes, as prim_func's does."""
+
+    def wrap(make: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(make)
+        def cached(*args: P.args, **kwargs: P.kwargs) -> R:
+            trials = _TRIALS.get()
+            if trials is None:
+                return make(*args, **kwargs)
+            of = key(*args, **kwargs) if key else (args, tuple(sorted(kwargs.items())))
+            k = (make.__module__, make.__qualname__, of)
+            if k not in trials:
+                trials[k] = make(*args, **kwargs)
+            return trials[k]
+
+        return cached
+
+    return wrap
+
+
 def _made(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     func = lower_divisions(te.create_prim_func(args))
     mod = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))
     return mod["main"].with_attr("global_symbol", name)
 
 
-def _trial_key(args: list[te.Tensor], name: str) -> _TrialKey:
+def _trial_key(args: list[te.Tensor], name: str) -> Hashable:
     """`name` and each argument's shape (a scalar Var: its name) and dtype."""
     shapes = tuple(
-        (tuple(map(str, a.shape)), str(a.dtype)) if isinstance(a, te.Tensor) else ((str(a),), "")
+        (tuple(map(_dim, a.shape)), a.dtype) if isinstance(a, te.Tensor) else (str(a), "")
         for a in args
     )
     return name, shapes
+
+
+def _dim(d: Any) -> int | str:
+    """An extent as a key: its value where it is a constant (printing one costs 10 us)."""
+    return d.value if isinstance(d, tirx.IntImm) else str(d)
 
 
 def a_row_at_a_time(func: tirx.PrimFunc, out: str) -> tirx.PrimFunc:

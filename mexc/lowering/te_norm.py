@@ -47,7 +47,7 @@ from mexc.lowering.te_compaction import (
 )
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_divide import idiv_round
-from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_func import prim_func, trial_cached
 from mexc.numerics import FixedScalar, ceil_log2, qmax
 
 I8, I32, I64 = "int8", "int32", "int64"
@@ -141,6 +141,7 @@ def _ncs_sum(
 # ----------------------------------------------------------------------------------- forward
 
 
+@trial_cached()
 def bn_stats(shape: NCS, f: int, name: str = "bn_stats") -> tirx.PrimFunc:
     """mu = idiv_round(sum x << f, M) and the variance pre-shift r (smallest with
     M * ceil(max|xc| / 2^r)^2 <= 2^31 - 1, xc = (x << f) - mu). Parameters (x, mu, r)."""
@@ -209,6 +210,7 @@ def _rstd_stages(
     return rstd, rstd_e
 
 
+@trial_cached()
 def bn_var(
     shape: NCS,
     f: int,
@@ -282,6 +284,7 @@ def _xhat_inputs(shape: NCS, f: int) -> tuple[list[te.Tensor], Callable[..., tir
     return [x, mu, rstd], acc
 
 
+@trial_cached()
 def bn_xhat_shift(shape: NCS, f: int, bits: int, name: str = "bn_xhat_shift") -> tirx.PrimFunc:
     """common_shift of the xhat accumulator (`_xhat_inputs`), e_grp = e_c + rstd_e per channel.
     Parameters (x, mu, rstd, rstd_e, e_c, e_grp, sh, e_out)."""
@@ -293,6 +296,7 @@ def bn_xhat_shift(shape: NCS, f: int, bits: int, name: str = "bn_xhat_shift") ->
     return _func([*inputs, rstd_e, e_c, e_grp, sh, e_out], name)
 
 
+@trial_cached()
 def bn_xhat_apply(
     shape: NCS, f: int, bits: int, stochastic: bool, name: str = "bn_xhat_apply"
 ) -> tirx.PrimFunc:
@@ -391,6 +395,7 @@ def common_apply(
     return _func([acc, sh, key, m], name)
 
 
+@trial_cached()
 def bn_affine_compaction(
     shape: NCS, bits: int, stochastic: bool, name: str = "bn_affine", agreed: int = 0
 ) -> tuple[tirx.PrimFunc, ...]:
@@ -433,6 +438,7 @@ def _bn_affine_terms(
 # ----------------------------------------------------------------------------------- backward
 
 
+@trial_cached()
 def bn_grad_sums(
     shape: NCS, name: str = "bn_grad_sums", pre_shifted: bool = False
 ) -> tirx.PrimFunc:
@@ -526,6 +532,7 @@ def _rows_parallel(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
+@trial_cached()
 def bn_bracket(
     shape: NCS,
     stochastic: bool,
@@ -564,6 +571,7 @@ def _row_cached(func: tirx.PrimFunc, row: str, reduce: str) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
+@trial_cached()
 def bn_bracket_max(
     shape: NCS, stochastic: bool, name: str = "bn_bracket_max", cached_rows: bool = False
 ) -> tirx.PrimFunc:
@@ -580,6 +588,7 @@ def bn_bracket_max(
     return _rows_parallel(_func([*inputs, target, amax], name), "amax")
 
 
+@trial_cached()
 def bn_dx_unstored(
     shape: NCS,
     bits: int,
@@ -627,6 +636,7 @@ def bn_dx_unstored(
     return shift, _func([*lead, f16, sh_in, key6, m], f"{name}_apply")
 
 
+@trial_cached()
 def bn_dx_factor(
     shape: NCS, stochastic: bool, name: str = "bn_dx_factor", m: int | None = None
 ) -> tirx.PrimFunc:
@@ -665,6 +675,7 @@ def bn_dx_factor(
     return _func([gamma, e_g, rstd, rstd_e, key, f16, e_f], name)
 
 
+@trial_cached()
 def bn_dx_acc(shape: NCS, stochastic: bool, name: str = "bn_dx_acc") -> tirx.PrimFunc:
     """dxa = bk16 * f16_c (int32) with bk16 = shift_right(t, s) (to_bits' apply, keyed by the
     flat index, done here instead of through an int32 buffer), e_grp = e_bk + e_f_c.
@@ -688,6 +699,7 @@ def bn_dx_acc(shape: NCS, stochastic: bool, name: str = "bn_dx_acc") -> tirx.Pri
 # ----------------------------------------------------------------------------------- running
 
 
+@trial_cached()
 def bn_ema(
     channels: int, per_channel_b: bool, momentum: FixedScalar, stochastic: bool, name: str
 ) -> tirx.PrimFunc:

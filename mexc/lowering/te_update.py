@@ -40,7 +40,7 @@ from mexc.lowering.te_compaction import (
     shift_left_saturating,
     shift_signed,
 )
-from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_func import prim_func, trial_cached
 from mexc.numerics import CONTAINER_BITS, VELOCITY_BITS, FixedScalar, qmax, weight_bound_bits
 
 I8, I32, I64 = "int8", "int32", "int64"
@@ -395,6 +395,7 @@ def l2_kernels(
     return kernels, (f"acc_{tag}", f"s_{tag}", f"e_{tag}")
 
 
+@trial_cached(lambda spec, name="sgd": (spec, name))
 def update_kernels(spec: UpdateSpec, name: str = "sgd") -> list[Kernel]:
     """The kernels of one parameter's update in launch order (module docstring)."""
     shape, bits, grouped = spec.kshape, spec.bits, spec.grouped

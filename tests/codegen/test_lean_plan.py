@@ -121,16 +121,18 @@ def test_a_chunked_product_packs_its_weight_once() -> None:
 
 def test_trial_builds_share_kernels_and_the_plan_is_built_again() -> None:
     """The searches' trial builds take a kernel made before under the same name and argument
-    shapes (te_func.trial_kernels); the plan build_plan returns is the one the searches chose,
-    built anew: launches, arguments, buffers and every kernel's structure are those of a
-    search whose trials each made their own kernels."""
+    shapes (te_func.trial_kernels), and what a trial_cached maker (GEMMs, updates, batch
+    norm) made before for the same key; the plan build_plan returns is the one the searches
+    chose, built anew: launches, arguments, buffers and every kernel's structure are those of
+    a search whose trials each made their own kernels (DigitsCNN: convolutions, batch norm,
+    a linear layer, SGD)."""
     import contextlib
 
     import tvm_ffi
     from tvm import te
 
     from mexc.lowering import step_plan
-    from mexc.lowering.te_func import prim_func, trial_kernels
+    from mexc.lowering.te_func import prim_func, trial_cached, trial_kernels
 
     def kernel(n: int, name: str) -> object:
         a = te.placeholder((n,), "int32", name="a")
@@ -141,6 +143,19 @@ def test_trial_builds_share_kernels_and_the_plan_is_built_again() -> None:
         assert kernel(8, "k") is first
         assert kernel(16, "k") is not first and kernel(8, "other") is not first
     assert kernel(8, "k") is not first  # outside, every call makes its own
+
+    made: list[tuple[int, str]] = []
+
+    @trial_cached(lambda n, name, tag: (n, name))
+    def maker(n: int, name: str, tag: str) -> object:
+        made.append((n, name))
+        return kernel(n, name)
+
+    with trial_kernels():
+        first = maker(8, "k", "a")
+        assert maker(8, "k", "b") is first and maker(16, "k", "a") is not first
+    assert maker(8, "k", "a") is not first
+    assert made == [(8, "k"), (16, "k"), (8, "k")]
 
     cls, shape = EXAMPLES["DigitsCNN"]
     torch.manual_seed(0)
