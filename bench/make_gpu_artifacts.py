@@ -99,7 +99,9 @@ def _expected(prog: mexc.Program, folder: Path, steps: int, budget: int | None) 
         checksums.append(twin.state_checksum())
         if step == 0:
             buffers = twin.buffer_digests()
-    return {"losses": losses, "checksums": checksums, "buffers": buffers}
+    # the artifact's inference plan, after the steps (CudaProgram.predict)
+    predicted = twin.predict(x).tolist()
+    return {"losses": losses, "checksums": checksums, "buffers": buffers, "predictions": predicted}
 
 
 def _emulate_first_step(folder: Path, doc: dict) -> dict:
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         prog = _program(model, shape, batch, options)
         folder = Path(args.out) / name
-        man = build_step(prog, archs, folder, pack_budget=budget)
+        man = build_step(prog, archs, folder, pack_budget=budget, eval_plan=exact)
         doc: dict = {"model": model, "batch": batch}
         if exact:
             twin = _program(model, shape, batch, options)

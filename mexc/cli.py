@@ -219,11 +219,16 @@ def _export_cuda(prog: Any, args: argparse.Namespace) -> None:
         raise CliError(f"--arch {args.arch!r}: choose from {', '.join(ARCHS)}")
     if args.pack_budget is not None and args.pack_budget <= 0:
         raise CliError(f"--pack-budget must be positive, got {args.pack_budget}")
-    man = build_step(prog, archs, args.out, pack_budget=args.pack_budget)
+    man = build_step(prog, archs, args.out, pack_budget=args.pack_budget, eval_plan=True)
+    evaluation = (
+        f"predict and evaluate run its inference plan ({man['inference']}/)"
+        if man["inference"]
+        else f"predict and evaluate run on the host ({man['inference_missing']})"
+    )
     print(
         f"CUDA artifact written to {args.out}: {len(man['kernels'])} kernel launches per step "
         f"in {len(man['modules'])} modules for {', '.join(archs)} (TVM {man['seconds']['tvm']} s, "
-        f"nvcc {man['seconds']['nvcc']} s); run it on the GPU with "
+        f"nvcc {man['seconds']['nvcc']} s); {evaluation}; run it on the GPU with "
         f"mexc.load_cuda({str(args.out)!r}) (needs CuPy, not TVM)"
     )
 

@@ -323,8 +323,8 @@ class Program:
         """Bytes the backend holds for training, on the host and on the device. The reference:
         the state plus the peak of the live values of the last step (numpy's kernel
         temporaries not counted: bench/memory.py measures them with tracemalloc); 0 before the
-        first step. A backend with a compiled evaluation plan adds "eval_host": that plan's
-        own bytes."""
+        first step. A backend with a compiled evaluation plan adds "eval_host" (llvm) or
+        "eval_device" (CUDA): that plan's own bytes."""
         state = sum(value_bytes(v) for v in self.state.values())
         live = self._step_peak_bytes
         return {"host": state + live if live else 0, "device": 0}
@@ -353,7 +353,7 @@ class Program:
             "allocated_device_bytes": got["device"],
             "allocated_bytes": got["host"] + got["device"],
             # the compiled inference plan's own bytes (predict, evaluate), not the step's
-            "allocated_eval_bytes": got.get("eval_host", 0),
+            "allocated_eval_bytes": got.get("eval_host", 0) + got.get("eval_device", 0),
             "planned_persistent_bytes": mp.persistent_bytes,
             "planned_saved_activation_bytes": mp.saved_bytes,
             "planned_arena_bytes": mp.arena_bytes,

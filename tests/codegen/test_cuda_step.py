@@ -508,6 +508,79 @@ def _planned_launches(gpu) -> list[tuple[str, tuple, tuple, tuple[int, ...]]]:
     ]
 
 
+class _EmulatingCupy(_FakeCupy):
+    """The fake CuPy whose modules run their kernels: a cubin's CUDA source (step<i>.cu
+    beside it) on the CPU emulator, each launch at once (no graph capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from mexc.backends.cuda.emulator import EmulatedModule
+
+        fake = self
+
+        class Module:
+            def __init__(self, path: str) -> None:
+                cubin = Path(path)
+                source = cubin.with_name(cubin.name.split(".")[0] + ".cu")
+                self.module = EmulatedModule(source.read_text())
+                self.folder = cubin.parent.name
+
+            def get_function(self, symbol: str):
+                def launch(grid: tuple, block: tuple, args: tuple) -> None:
+                    assert not fake.capturing
+                    fake.launches.append((f"{self.folder}/{symbol}", grid, block, ()))
+                    self.module.launch(symbol, grid, block, list(args))
+
+                return launch
+
+        self.RawModule = Module
+
+
+@needs_cuda_tools
+def test_cuda_predict_runs_the_inference_artifact_on_the_step_state(
+    digits_artifact, monkeypatch
+) -> None:
+    """`mexc compile --target cuda` builds the inference plan's artifact beside the step
+    (inference/); CudaProgram's predict, logits and evaluate launch its kernels on the step's
+    own state buffers and arena, bit-exact with the reference after training steps, and the
+    steps after them stay bit-exact (run here on a fake CuPy whose kernels are the artifact's
+    own CUDA source, emulated)."""
+    import mexc.backends.cuda.program as cuda_program
+    from mexc.backends.cuda.program import StepArtifact
+
+    out, _ = digits_artifact
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["inference"] == "inference"
+    inference = StepArtifact.load(out / "inference").manifest
+    assert "logits" in inference and set(inference["state"]) < set(plan["state"])
+    fake = _EmulatingCupy()
+    monkeypatch.setattr(cuda_program, "cupy_module", lambda: fake)
+    gpu = cuda_program.load_cuda(out, graph=False)
+    ref = StepArtifact.load(out).program
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 10, 8)
+    for _ in range(2):
+        assert gpu.step(x, y) == ref.step(x, y)
+    assert gpu.allocated_bytes()["eval_device"] == 0  # nothing until the first predict
+    trained = len(fake.launches)
+    rows = rng.standard_normal((11, 1, 8, 8)).astype(np.float32)  # two batches, one partial
+    assert np.array_equal(gpu.predict(rows), ref.predict(rows))
+    symbols = [f"inference/{k[1]}" for k in inference["kernels"]]
+    assert [c[0] for c in fake.launches[trained:]] == symbols * 2
+    assert np.array_equal(gpu.logits(x), ref.logits(x))
+    assert gpu.evaluate(rows, np.arange(11) % 10) == ref.evaluate(rows, np.arange(11) % 10)
+    # its own state region (the arena is the step's where that is large enough)
+    layout = inference["layout"]
+    own = layout["state_bytes"] + (
+        layout["arena_bytes"] if layout["arena_bytes"] > plan["layout"]["arena_bytes"] else 0
+    )
+    assert gpu.allocated_bytes()["eval_device"] == own
+    assert gpu.memory_report()["allocated_eval_bytes"] == own
+    assert gpu.step(x, y) == ref.step(x, y)
+    assert gpu.state_checksum() == ref.state_checksum()
+
+
 @needs_cuda_tools
 def test_cuda_graph_replays_the_launch_by_launch_step_on_a_fake_cupy(
     digits_artifact, monkeypatch

@@ -38,6 +38,7 @@ from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE, launch_args
 from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
 from mexc.backends.kernel_cache import build_entry, entry_lock
 from mexc.backends.plan_layout import plan_layout
+from mexc.errors import UnsupportedOpError
 from mexc.lowering.plan_core import HostLaunch, is_gemm
 from mexc.lowering.step_plan import (
     Launch,
@@ -122,12 +123,17 @@ def build_step(
     pack_budget: int | None = None,
     inference: bool = False,
     lean: Mapping[int, int] | None = None,
+    eval_plan: bool = False,
 ) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
     `out_dir`; returns the manifest (also in plan.json). `pack_budget`, `lean`: build_plan's.
     inference=True: the artifact of the inference plan instead (step_plan.build_inference_plan;
-    its manifest has "logits", its state is the eval path's parameters and statistics)."""
+    its manifest has "logits", its state is the eval path's parameters and statistics).
+    eval_plan=True: the inference plan's artifact too, in the subfolder INFERENCE_DIR, which
+    CudaProgram runs for predict / evaluate / logits on the step's state (manifest
+    "inference": the subfolder; None with "inference_missing" saying why where the plan has an
+    op without an eval-mode lowering, or the program is a data-parallel worker's)."""
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
@@ -142,12 +148,31 @@ def build_step(
         "tvm": round(lowered.tvm_seconds, 2),
         "nvcc": round(time.perf_counter() - t1, 2),
     }
+    if eval_plan and not inference:
+        manifest |= _eval_artifact(prog, archs, out, pack_budget)
     opts = replace(prog.options, target="cuda")
     as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
     as_cuda.save(out / PROGRAM_FILE)
     manifest["program_sha256"] = hashlib.sha256((out / PROGRAM_FILE).read_bytes()).hexdigest()
     (out / "plan.json").write_text(json.dumps(manifest))
     return manifest
+
+
+# the subfolder of a training artifact that holds its inference plan's artifact
+INFERENCE_DIR = "inference"
+
+
+def _eval_artifact(
+    prog: Program, archs: tuple[str, ...], out: Path, pack_budget: int | None
+) -> dict[str, Any]:
+    """The manifest entries of the inference artifact built beside a training step's."""
+    if prog.workers is not None:  # a worker's predict runs the reference on whole batches
+        return {"inference": None, "inference_missing": "a data-parallel worker's program"}
+    try:
+        build_step(prog, archs, out / INFERENCE_DIR, pack_budget, inference=True)
+    except UnsupportedOpError as err:  # predict runs the reference's inference path: exact too
+        return {"inference": None, "inference_missing": str(err)}
+    return {"inference": INFERENCE_DIR}
 
 
 def device_layout(prog: Program, pack_budget: int | None = None) -> dict[str, Any]:
@@ -237,13 +262,13 @@ def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
     program file holds the state of the first build; callers bring their own state."""
     from mexc.backends.llvm.step import CACHE, cache_key
 
-    what = f"cuda {','.join(archs)} gemm={gemm_schedule()}"
+    what = f"cuda {','.join(archs)} gemm={gemm_schedule()} eval"
     folder = CACHE / f"cuda-{cache_key(prog, what)}"
     with entry_lock(folder):  # a data-parallel job's workers build it once
         if (folder / "plan.json").exists():
             return folder
 
         def build(tmp: Path) -> None:
-            build_step(prog, archs, tmp)
+            build_step(prog, archs, tmp, eval_plan=True)
 
         return build_entry(folder, build)

@@ -89,6 +89,11 @@ def check_exact(folder: Path) -> dict[str, Any]:
             row.update(exact=False, failed_step=step, loss=got, want_loss=loss)
             break
     row["steps"] = len(expected["losses"])
+    if row["exact"] and "predictions" in expected:  # the inference artifact (predict)
+        got_ids = prog.predict(x).tolist()
+        row["predict_on_gpu"] = prog._inference_plan() is not None
+        if got_ids != expected["predictions"]:
+            row.update(exact=False, failed="predict")
     return row
 
 

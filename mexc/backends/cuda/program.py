@@ -29,6 +29,7 @@ from mexc.backends.plan_layout import (
 )
 from mexc.backends.plan_runtime import HOST_KINDS, PLAN_FIELDS, PlanProgram, collective, window
 from mexc.errors import CheckpointError, DistributedError
+from mexc.numerics import stream_keys
 from mexc.program import Program, read_checkpoint
 
 FORMAT = "mexc-cuda-step-4"  # 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
@@ -197,6 +198,16 @@ def refuse_without_workers(man: dict[str, Any], prog: Program, path: Path) -> No
         )
 
 
+@dataclass(frozen=True)
+class _Inference:
+    """An inference artifact bound to a training program's device state."""
+
+    manifest: dict[str, Any]
+    buffers: dict[str, Any]
+    calls: list[tuple[Any, tuple, tuple, tuple]]
+    allocated: int
+
+
 class CudaProgram(PlanProgram):
     """The training step on the GPU: every plan buffer a window into two device allocations
     (the state region and the arena of plan_layout), the kernels launched in plan order on one
@@ -242,7 +253,8 @@ class CudaProgram(PlanProgram):
         refuse_without_workers(man, program, artifact.path)
         with self._device:
             self._stream = cp.cuda.Stream(non_blocking=True)
-            self._t, self._allocated = _allocate(cp, man, self.separate_buffers)
+            # the arena: the inference plan's share it (None with separate buffers)
+            self._t, self._allocated, self._arena = _allocate(cp, man, self.separate_buffers)
             # SHA-256 checked at load
             modules = [cp.RawModule(path=str(c[self.arch])) for c in artifact.cubins]
             self._calls = [
@@ -263,7 +275,68 @@ class CudaProgram(PlanProgram):
             for run, after in segments(man)
         ]
         self.artifact = artifact
+        # the inference artifact beside the step (build_step's eval_plan), loaded on first use
+        self._inf: _Inference | None = None
         super().__init__(program, man)
+
+    # ----------------------------------------------------------------------------- inference
+    # predict / evaluate / logits run the inference artifact's kernels on the step's own state
+    # buffers (no copy) and its arena where that is large enough, loaded on first use; without
+    # an inference artifact (built without it, or a worker's), the reference runs on a copy of
+    # the state
+
+    def _inference_plan(self) -> dict[str, Any] | None:
+        folder = self._plan_json.get("inference")
+        if not folder or self.workers is not None:
+            return None
+        if self._inf is None:
+            self._inf = self._load_inference(StepArtifact.load(self.artifact.path / folder))
+        return self._inf.manifest
+
+    def _load_inference(self, art: StepArtifact) -> _Inference:
+        man = art.manifest
+        if self.arch not in art.archs:
+            raise _fail(art.path, f"it holds no cubin for {self.arch}, the step's architecture")
+        with self._device:
+            t, allocated, _ = _allocate(self._cp, man, arena=self._arena)
+            # the step's state buffers: the inference plan reads the live parameters
+            state = {name for pair in man["state"].values() for name in pair}
+            for name in state:
+                t[name] = self._t[name]
+            for name, (base, shape, offset) in man["views"].items():
+                if base in state:
+                    t[name] = window(t[base], shape, offset)
+            keys = stream_keys(self.options.seed, 0, np.asarray(man["key_ids"], np.int64))
+            t[man["keys"]].reshape(-1)[: keys.size].set(keys.astype(np.int64), self._stream)
+            modules = [self._cp.RawModule(path=str(c[self.arch])) for c in art.cubins]
+            calls = [
+                (
+                    modules[module].get_function(symbol),
+                    tuple(grid),
+                    tuple(block),
+                    tuple(t[a] for a in args),
+                )
+                for module, symbol, grid, block, args in man["kernels"]
+            ]
+        return _Inference(man, t, calls, allocated)
+
+    def _infer_write(self, name: str, values: np.ndarray) -> None:
+        assert self._inf is not None
+        flat = self._inf.buffers[name].reshape(-1)
+        with self._device:
+            flat[: values.size].set(np.ascontiguousarray(values).reshape(-1), self._stream)
+
+    def _infer_read(self, name: str) -> np.ndarray:
+        assert self._inf is not None
+        with self._device:
+            out = np.asarray(self._cp.asnumpy(self._inf.buffers[name], self._stream))
+            self._stream.synchronize()
+            return out
+
+    def _infer_run(self) -> None:
+        assert self._inf is not None
+        with self._device:
+            self._launch(self._inf.calls)
 
     def _collective(self, kind: str, comm: Any, buf: Any) -> Any:
         """The call that runs collective `kind` on device buffer `buf`: in place where the
@@ -294,7 +367,11 @@ class CudaProgram(PlanProgram):
             return out
 
     def allocated_bytes(self) -> dict[str, int]:
-        return {"host": 0, "device": self._allocated}
+        """The step's two device allocations, and those of the inference plan once predict or
+        evaluate ran ("eval_device": its own state region, whose parameters go unused as it
+        reads the step's, and its arena where the step's is smaller)."""
+        inference = self._inf.allocated if self._inf is not None else 0
+        return {"host": 0, "device": self._allocated, "eval_device": inference}
 
     def _launch(self, calls: list[tuple[Any, tuple, tuple, tuple]]) -> None:
         with self._stream:  # CuPy launches on the current stream
@@ -369,11 +446,15 @@ class CudaProgram(PlanProgram):
             self._stream.synchronize()
 
 
-def _allocate(cp: Any, man: dict[str, Any], separate: bool = False) -> tuple[dict[str, Any], int]:
+def _allocate(
+    cp: Any, man: dict[str, Any], separate: bool = False, arena: Any = None
+) -> tuple[dict[str, Any], int, Any]:
     """Two device allocations, the state region (zeroed) and the arena (poisoned:
-    plan_layout), every buffer and view a window into them, constants uploaded; and the bytes
-    allocated. `separate`: one allocation per buffer instead (poisoned where the layout puts
-    the buffer in the arena), for diagnosing a mismatch buffer by buffer."""
+    plan_layout), every buffer and view a window into them, constants uploaded; the bytes
+    allocated, and the arena (None with `separate`). `separate`: one allocation per buffer
+    instead (poisoned where the layout puts the buffer in the arena), for diagnosing a
+    mismatch buffer by buffer. `arena`: another plan's arena, used where it is large enough
+    (plans that never run at the same time: every launch writes the arena bytes it reads)."""
     if separate:
 
         def allocate(name: str, shape: tuple[int, ...], dtype: str, fill: int) -> Any:
@@ -384,15 +465,21 @@ def _allocate(cp: Any, man: dict[str, Any], separate: bool = False) -> tuple[dic
 
         t = carve_separate(man, allocate, window)
         allocated = separate_bytes(man)
+        arena = None
     else:
         sizes = region_bytes(man)
-        regions = {k: cp.zeros(max(v, 1), dtype="uint8") for k, v in sizes.items()}
-        regions["arena"].fill(POISON)
+        regions = {"state": cp.zeros(max(sizes["state"], 1), dtype="uint8")}
+        if arena is not None and arena.nbytes >= sizes["arena"]:
+            regions["arena"] = arena
+        else:
+            regions["arena"] = cp.zeros(max(sizes["arena"], 1), dtype="uint8")
+            regions["arena"].fill(POISON)
         t = carve(man, regions, window)
-        allocated = sum(int(r.nbytes) for r in regions.values())
+        allocated = sum(int(r.nbytes) for r in regions.values() if r is not arena)
+        arena = regions["arena"]
     for name, (dtype, values) in man["constants"].items():
         t[name].set(np.asarray(values, np.dtype(dtype)).reshape(t[name].shape))
-    return t, allocated
+    return t, allocated, arena
 
 
 def load_cuda(
