@@ -553,6 +553,9 @@ def test_cuda_predict_runs_the_inference_artifact_on_the_step_state(
     assert plan["inference"] == "inference"
     inference = StepArtifact.load(out / "inference").manifest
     assert "logits" in inference and set(inference["state"]) < set(plan["state"])
+    # the step's program file, not a copy
+    assert inference["program_file"] == "../program.mexc"
+    assert not (out / "inference" / "program.mexc").exists()
     fake = _EmulatingCupy()
     monkeypatch.setattr(cuda_program, "cupy_module", lambda: fake)
     gpu = cuda_program.load_cuda(out, graph=False)

@@ -34,7 +34,13 @@ from tvm import tirx
 from mexc.backends.cuda.fuse import fuse_one_block_runs
 from mexc.backends.cuda.nvcc import compile_cubin
 from mexc.backends.cuda.products import GEMM_SCHEDULES, gemm_schedule
-from mexc.backends.cuda.program import ARCHS, FORMAT, PROGRAM_FILE, launch_args
+from mexc.backends.cuda.program import (
+    ARCHS,
+    FORMAT,
+    PROGRAM_FILE,
+    SHARED_PROGRAM,
+    launch_args,
+)
 from mexc.backends.cuda.schedule import Kernel, lower_kernels, promote_scratch, schedule_gpu
 from mexc.backends.kernel_cache import build_entry, entry_lock
 from mexc.backends.plan_layout import plan_layout
@@ -124,6 +130,7 @@ def build_step(
     inference: bool = False,
     lean: Mapping[int, int] | None = None,
     eval_plan: bool = False,
+    program_file: str = PROGRAM_FILE,
 ) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
@@ -133,7 +140,9 @@ def build_step(
     eval_plan=True: the inference plan's artifact too, in the subfolder INFERENCE_DIR, which
     CudaProgram runs for predict / evaluate / logits on the step's state (manifest
     "inference": the subfolder; None with "inference_missing" saying why where the plan has an
-    op without an eval-mode lowering, or the program is a data-parallel worker's)."""
+    op without an eval-mode lowering, or the program is a data-parallel worker's).
+    `program_file`: SHARED_PROGRAM for that subfolder, which names the training artifact's
+    program file instead of writing a copy of it."""
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
@@ -148,12 +157,15 @@ def build_step(
         "tvm": round(lowered.tvm_seconds, 2),
         "nvcc": round(time.perf_counter() - t1, 2),
     }
+    if program_file == PROGRAM_FILE:
+        opts = replace(prog.options, target="cuda")
+        as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
+        as_cuda.save(out / PROGRAM_FILE)
+    else:  # the training artifact's, one folder up
+        manifest["program_file"] = program_file
+    manifest["program_sha256"] = hashlib.sha256((out / program_file).read_bytes()).hexdigest()
     if eval_plan and not inference:
         manifest |= _eval_artifact(prog, archs, out, pack_budget)
-    opts = replace(prog.options, target="cuda")
-    as_cuda = Program(prog.graph, prog.state, opts, prog.optimizer, prog.step_count)
-    as_cuda.save(out / PROGRAM_FILE)
-    manifest["program_sha256"] = hashlib.sha256((out / PROGRAM_FILE).read_bytes()).hexdigest()
     (out / "plan.json").write_text(json.dumps(manifest))
     return manifest
 
@@ -169,7 +181,8 @@ def _eval_artifact(
     if prog.workers is not None:  # a worker's predict runs the reference on whole batches
         return {"inference": None, "inference_missing": "a data-parallel worker's program"}
     try:
-        build_step(prog, archs, out / INFERENCE_DIR, pack_budget, inference=True)
+        folder = out / INFERENCE_DIR
+        build_step(prog, archs, folder, pack_budget, inference=True, program_file=SHARED_PROGRAM)
     except UnsupportedOpError as err:  # predict runs the reference's inference path: exact too
         return {"inference": None, "inference_missing": str(err)}
     return {"inference": INFERENCE_DIR}

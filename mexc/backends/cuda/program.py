@@ -34,6 +34,8 @@ from mexc.program import Program, read_checkpoint
 
 FORMAT = "mexc-cuda-step-4"  # 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
 PROGRAM_FILE = "program.mexc"
+# an inference artifact beside a training step's (its subfolder) names the step's program file
+SHARED_PROGRAM = f"../{PROGRAM_FILE}"
 DTYPES = ("int8", "uint8", "int32", "int64")
 
 __all__ = ["ARCHS", "FORMAT", "CudaProgram", "StepArtifact", "load_cuda"]
@@ -82,7 +84,10 @@ class StepArtifact:
             {arch: _verified(root, entry["cubins"][arch]) for arch in man["archs"]}
             for entry in man["modules"]
         ]
-        prog_file = _verified(root, {"file": PROGRAM_FILE, "sha256": man["program_sha256"]})
+        name = man.get("program_file", PROGRAM_FILE)
+        if name not in (PROGRAM_FILE, SHARED_PROGRAM):
+            raise _fail(root, f"program_file {name!r} is not {PROGRAM_FILE} or {SHARED_PROGRAM}")
+        prog_file = _verified(root, {"file": name, "sha256": man["program_sha256"]})
         try:
             prog = read_checkpoint(prog_file)  # the reference executor on its program
         except CheckpointError as err:
