@@ -82,6 +82,18 @@ def window(base: Any, shape: Sequence[int], offset: int) -> Any:
     return base.reshape(-1)[offset : offset + size].reshape(tuple(shape))
 
 
+def share_state(manifest: dict[str, Any], buffers: dict[str, Any], shared: dict[str, Any]) -> None:
+    """Bind the state buffers of `manifest`'s plan in `buffers` to the arrays of the same
+    names in `shared` (another plan's over the same state: the training step's, for its
+    inference plan), and the plan's views of them: the plan reads the live state, no copy."""
+    state = {name for pair in manifest["state"].values() for name in pair}
+    for name in state:
+        buffers[name] = shared[name]
+    for name, (base, shape, offset) in manifest["views"].items():
+        if base in state:
+            buffers[name] = window(buffers[base], shape, offset)
+
+
 class PlanProgram(Program):
     """A Program whose training step runs a compiled launch plan (same API, same bits as the
     reference). Subclasses own the buffers: `_write`, `_read` and `_run`."""

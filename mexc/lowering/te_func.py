@@ -16,8 +16,8 @@ from mexc.lowering.te_divide import lower_divisions
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# while trial_kernels() is active: (name, argument shapes and dtypes) -> PrimFunc, and
-# (a trial_cached maker, its key) -> what it made
+# while trial_kernels() is active: (a trial_cached maker, its key) -> what it made (prim_func
+# is one, keyed by its name and argument shapes)
 _TRIALS: ContextVar[dict[Hashable, Any] | None] = ContextVar("mexc_trial_kernels", default=None)
 
 
@@ -35,20 +35,6 @@ def trial_kernels() -> Iterator[None]:
         yield
     finally:
         _TRIALS.reset(token)
-
-
-def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    """The PrimFunc of `args` (inputs, then outputs) named `name`: integer divisions lowered
-    (te_divide) and every Let variable defined once. The hash stages bind their inputs with
-    Lets (te_compaction.mix32), and an expression that reuses a hashed value (a branch-free
-    select reads both sides twice) repeats the same Let; ConvertSSA renames the copies."""
-    trials = _TRIALS.get()
-    if trials is not None:
-        key = _trial_key(args, name)
-        if key not in trials:
-            trials[key] = _made(args, name)
-        return trials[key]
-    return _made(args, name)
 
 
 def trial_cached(
@@ -78,12 +64,6 @@ def trial_cached(
     return wrap
 
 
-def _made(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
-    func = lower_divisions(te.create_prim_func(args))
-    mod = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))
-    return mod["main"].with_attr("global_symbol", name)
-
-
 def _trial_key(args: list[te.Tensor], name: str) -> Hashable:
     """`name` and each argument's shape (a scalar Var: its name) and dtype."""
     shapes = tuple(
@@ -96,6 +76,18 @@ def _trial_key(args: list[te.Tensor], name: str) -> Hashable:
 def _dim(d: Any) -> int | str:
     """An extent as a key: its value where it is a constant (printing one costs 10 us)."""
     return d.value if isinstance(d, tirx.IntImm) else str(d)
+
+
+@trial_cached(_trial_key)
+def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
+    """The PrimFunc of `args` (inputs, then outputs) named `name`: integer divisions lowered
+    (te_divide) and every Let variable defined once. The hash stages bind their inputs with
+    Lets (te_compaction.mix32), and an expression that reuses a hashed value (a branch-free
+    select reads both sides twice) repeats the same Let; ConvertSSA renames the copies.
+    Within trial_kernels(), the one made before under the same name and argument shapes."""
+    func = lower_divisions(te.create_prim_func(args))
+    mod = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))
+    return mod["main"].with_attr("global_symbol", name)
 
 
 def a_row_at_a_time(func: tirx.PrimFunc, out: str) -> tirx.PrimFunc:

@@ -27,7 +27,14 @@ from mexc.backends.plan_layout import (
     region_bytes,
     separate_bytes,
 )
-from mexc.backends.plan_runtime import HOST_KINDS, PLAN_FIELDS, PlanProgram, collective, window
+from mexc.backends.plan_runtime import (
+    HOST_KINDS,
+    PLAN_FIELDS,
+    PlanProgram,
+    collective,
+    share_state,
+    window,
+)
 from mexc.errors import CheckpointError, DistributedError
 from mexc.numerics import stream_keys
 from mexc.program import Program, read_checkpoint
@@ -304,13 +311,7 @@ class CudaProgram(PlanProgram):
             raise _fail(art.path, f"it holds no cubin for {self.arch}, the step's architecture")
         with self._device:
             t, allocated, _ = _allocate(self._cp, man, arena=self._arena)
-            # the step's state buffers: the inference plan reads the live parameters
-            state = {name for pair in man["state"].values() for name in pair}
-            for name in state:
-                t[name] = self._t[name]
-            for name, (base, shape, offset) in man["views"].items():
-                if base in state:
-                    t[name] = window(t[base], shape, offset)
+            share_state(man, t, self._t)  # the inference plan reads the live parameters
             keys = stream_keys(self.options.seed, 0, np.asarray(man["key_ids"], np.int64))
             t[man["keys"]].reshape(-1)[: keys.size].set(keys.astype(np.int64), self._stream)
             modules = [self._cp.RawModule(path=str(c[self.arch])) for c in art.cubins]

@@ -38,7 +38,7 @@ from mexc.backends.plan_layout import (
     region_bytes,
     separate_bytes,
 )
-from mexc.backends.plan_runtime import PlanProgram, host_collective, is_host, window
+from mexc.backends.plan_runtime import PlanProgram, host_collective, is_host, share_state, window
 from mexc.errors import UnsupportedOpError
 from mexc.lowering.cpu_gemm import schedule_parallel
 from mexc.lowering.step_plan import (
@@ -264,12 +264,7 @@ class _Buffers:
             self.np = carve_separate(manifest, allocate, window)
             self.allocated = separate_bytes(manifest)
         if shared is not None:
-            for pair in manifest["state"].values():
-                for name in pair:
-                    self.np[name] = shared.np[name]
-            for name, (base, shape, offset) in manifest["views"].items():
-                if base in self.np and any(base in pair for pair in manifest["state"].values()):
-                    self.np[name] = window(self.np[base], shape, offset)
+            share_state(manifest, self.np, shared.np)
         for name, (dtype, values) in manifest["constants"].items():
             self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
         # zero-copy TVM tensors over the numpy windows (kernels expect byte_offset 0)
