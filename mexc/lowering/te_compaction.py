@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tvm import te, tirx
+from tvm import ir, te, tirx
 
 from mexc.lowering.te_func import prim_func
 from mexc.numerics import CONTAINER_BITS, GOLDEN32, qmax
@@ -99,17 +99,39 @@ def random_word(key: tirx.PrimExpr, flat: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-    """cond ? a : b with both sides evaluated: b ^ ((a ^ b) & -cond), in a's integer type.
+    """cond ? a : b with both sides evaluated, in a's integer type: b ^ ((a ^ b) & m) or
+    (a & m) | (b & ~m), with m = -cond.
 
     `if_then_else` (and a `Select` whose sides load from buffers) becomes a branch around a
     conditional load, which LLVM cannot vectorize: a ReLU gradient took 7.9 ms for 1.6M
     elements that way and 0.13 ms branch-free. Bitwise, so no int8 or int64 arithmetic can
-    overflow (TVM marks signed arithmetic no-wrap). `b` appears twice: a chain of wheres nested
-    in `b` doubles per level (for exclusive cases OR masked values instead, as
-    subpixel.merge_compaction does)."""
+    overflow (TVM marks signed arithmetic no-wrap). The first form writes b twice, the second
+    the condition twice; whichever of the two is smaller is written twice. A rounding's hash
+    on the b side (`shift_right32`'s t >= 32 case) written twice made every rounding kernel
+    twice as large for TVM's passes, LLVM and nvcc (SmallResNet's batch-norm variance kernel
+    took 0.77 s to compile), and a condition that reads a Let chain (`bitlen`) written twice
+    per link grows with the chain's length once TVM substitutes the Lets."""
     dtype = _dtype(a)
     a, b = a.astype(dtype), b.astype(dtype)
-    return b ^ ((a ^ b) & -(cond.astype(dtype)))
+    m = -(cond.astype(dtype))
+    if _nodes(b) <= _nodes(cond):
+        return b ^ ((a ^ b) & m)
+    return (a & m) | (b & ~m)
+
+
+def _nodes(e: object, cap: int = 64) -> int:
+    """How many expression nodes `e` has, counted up to `cap` (a size for `where` to weigh)."""
+    count, todo = 0, [e]
+    while todo and count < cap:
+        node = todo.pop()
+        count += 1
+        for field in ("a", "b", "value", "body", "condition", "true_value", "false_value"):
+            child = getattr(node, field, None)
+            if isinstance(child, ir.expr.Expr):
+                todo.append(child)
+        for field in ("args", "indices"):
+            todo.extend(getattr(node, field, None) or ())
+    return count
 
 
 def iabs(v: tirx.PrimExpr) -> tirx.PrimExpr:
