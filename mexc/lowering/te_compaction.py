@@ -14,10 +14,11 @@ becomes the CUDA kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from tvm import ir, te, tirx
+from tvm import te, tirx
 
 from mexc.lowering.te_func import prim_func
 from mexc.numerics import CONTAINER_BITS, GOLDEN32, qmax
@@ -114,7 +115,8 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
     dtype = _dtype(a)
     a, b = a.astype(dtype), b.astype(dtype)
     m = -(cond.astype(dtype))
-    if _nodes(b) <= _nodes(cond):
+    size = _nodes(cond)
+    if _nodes(b, size + 1) <= size:
         return b ^ ((a ^ b) & m)
     return (a & m) | (b & ~m)
 
@@ -125,13 +127,27 @@ def _nodes(e: object, cap: int = 64) -> int:
     while todo and count < cap:
         node = todo.pop()
         count += 1
-        for field in ("a", "b", "value", "body", "condition", "true_value", "false_value"):
-            child = getattr(node, field, None)
-            if isinstance(child, ir.expr.Expr):
+        for field in _children(type(node)):
+            child = getattr(node, field)
+            if field in ("args", "indices"):
+                todo.extend(child)
+            elif child is not None:
                 todo.append(child)
-        for field in ("args", "indices"):
-            todo.extend(getattr(node, field, None) or ())
     return count
+
+
+_CHILD_FIELDS = ("a", "b", "value", "body", "condition", "true_value", "false_value")
+
+
+@functools.cache
+def _children(kind: type) -> tuple[str, ...]:
+    """The fields of an expression type that hold its operands (asked once per type: reading
+    absent fields of TVM objects is slow). A TE tensor's element (a Call) has its indices in
+    `args`; a TensorSlice or a leaf has none."""
+    if issubclass(kind, te.TensorSlice):
+        return ()
+    probe = [f for f in (*_CHILD_FIELDS, "args", "indices") if hasattr(kind, f)]
+    return tuple(probe)
 
 
 def iabs(v: tirx.PrimExpr) -> tirx.PrimExpr:

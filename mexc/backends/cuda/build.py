@@ -270,18 +270,21 @@ def _kernel_list(
     return out, collectives, buffers
 
 
-def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS) -> Path:
+def cached_artifact(
+    prog: Program, archs: tuple[str, ...] = ARCHS, eval_plan: bool = True
+) -> Path:
     """The artifact folder of `prog`'s step in the kernel cache (built when absent). Its
-    program file holds the state of the first build; callers bring their own state."""
+    program file holds the state of the first build; callers bring their own state.
+    eval_plan: with the inference artifact (build_step), which the emulator does not run."""
     from mexc.backends.llvm.step import CACHE, cache_key
 
-    what = f"cuda {','.join(archs)} gemm={gemm_schedule()} eval"
+    what = f"cuda {','.join(archs)} gemm={gemm_schedule()}" + (" eval" if eval_plan else "")
     folder = CACHE / f"cuda-{cache_key(prog, what)}"
     with entry_lock(folder):  # a data-parallel job's workers build it once
         if (folder / "plan.json").exists():
             return folder
 
         def build(tmp: Path) -> None:
-            build_step(prog, archs, tmp, eval_plan=True)
+            build_step(prog, archs, tmp, eval_plan=eval_plan)
 
         return build_entry(folder, build)

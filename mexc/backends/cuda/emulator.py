@@ -307,7 +307,8 @@ def emulate(prog: Program, archs: tuple[str, ...] = ("sm_80",)) -> EmulatedCudaP
     `prog`'s state, step count and workers."""
     from mexc.backends.cuda.build import cached_artifact
 
-    artifact = StepArtifact.load(cached_artifact(prog, archs))
+    # without the inference artifact: the emulated program predicts with the reference
+    artifact = StepArtifact.load(cached_artifact(prog, archs, eval_plan=False))
     return EmulatedCudaProgram(artifact, program=prog.retargeted("cuda"))
 
 

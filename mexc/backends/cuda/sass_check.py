@@ -13,6 +13,7 @@ run on every build (`python bench/cuda_build.py --check`).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ def artifact_opcodes(out: Path, manifest: dict[str, Any]) -> list[dict[str, dict
 def verify_artifact(
     out: Path, manifest: dict[str, Any], opcodes: list[dict[str, dict[str, Any]]] | None = None
 ) -> list[str]:
-    """Every way the artifact in `out` breaks the rules above (empty when it keeps them);
+    """Every way the artifact in `out` breaks the rules above (empty when it keeps them),
+    its inference artifact's (the subfolder manifest["inference"] names) included;
     `opcodes`: artifact_opcodes(out, manifest) when the caller has read them already."""
     opcodes = opcodes if opcodes is not None else artifact_opcodes(out, manifest)
     problems: list[str] = []
@@ -64,6 +66,10 @@ def verify_artifact(
             problems.append(f"{symbol}: launch grid {grid} block {block}")
     if not manifest["gemm_kernels"]:
         problems.append("no GEMM kernel")
+    if manifest.get("inference"):
+        folder = out / manifest["inference"]
+        inner = json.loads((folder / "plan.json").read_text())
+        problems += [f"{manifest['inference']}/: {p}" for p in verify_artifact(folder, inner)]
     return problems
 
 
