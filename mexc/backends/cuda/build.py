@@ -270,9 +270,7 @@ def _kernel_list(
     return out, collectives, buffers
 
 
-def cached_artifact(
-    prog: Program, archs: tuple[str, ...] = ARCHS, eval_plan: bool = True
-) -> Path:
+def cached_artifact(prog: Program, archs: tuple[str, ...] = ARCHS, eval_plan: bool = True) -> Path:
     """The artifact folder of `prog`'s step in the kernel cache (built when absent). Its
     program file holds the state of the first build; callers bring their own state.
     eval_plan: with the inference artifact (build_step), which the emulator does not run."""
