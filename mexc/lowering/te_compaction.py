@@ -121,13 +121,15 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
     return (a & m) | (b & ~m)
 
 
-def _nodes(e: object, cap: int = 64) -> int:
+def _nodes(e: Any, cap: int = 64) -> int:
     """How many expression nodes `e` has, counted up to `cap` (a size for `where` to weigh)."""
-    count, todo = 0, [e]
+    count = 0
+    todo: list[Any] = [e]  # a worklist: expressions nest deeper than Python recurses
     while todo and count < cap:
         node = todo.pop()
         count += 1
-        for field in _children(type(node)):
+        kind: Any = type(node)
+        for field in _children(kind):
             child = getattr(node, field)
             if field in ("args", "indices"):
                 todo.extend(child)
@@ -140,7 +142,7 @@ _CHILD_FIELDS = ("a", "b", "value", "body", "condition", "true_value", "false_va
 
 
 @functools.cache
-def _children(kind: type) -> tuple[str, ...]:
+def _children(kind: Any) -> tuple[str, ...]:
     """The fields of an expression type that hold its operands (asked once per type: reading
     absent fields of TVM objects is slow). A TE tensor's element (a Call) has its indices in
     `args`; a TensorSlice or a leaf has none."""
