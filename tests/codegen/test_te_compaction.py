@@ -151,3 +151,30 @@ def test_rerounded_pieces_match_the_compaction_of_the_whole(
     mod["r_reround"](*args, tvm.runtime.tensor(np.array([key], np.int64), dev), out)
     m, _ = compact(acc.astype(np.int32), 0, bits, "stochastic", key)
     assert np.array_equal(out.numpy().reshape(-1), m)
+
+
+def test_where_writes_a_rounded_value_once_and_selects_like_the_reference() -> None:
+    """`where` writes the larger of its b side and its condition once (a rounding's hash on the
+    b side was written twice in every rounding kernel), and still picks a or b on the host."""
+    from tvm import te, tirx
+
+    from mexc.lowering.te_compaction import _nodes, shift_right32, where
+
+    x = te.placeholder((8,), "int32", name="x")
+    t = te.placeholder((8,), "int32", name="t")
+    key, flat = tirx.const(5, "int64"), tirx.const(3, "int64")
+    rounded = shift_right32(x[0], t[0], key, flat, True)
+    big, cond = _nodes(rounded, 10_000), _nodes(t[0] >= 32, 10_000)
+    picked = _nodes(where(t[0] >= 32, tirx.const(0, "int32"), rounded), 10_000)
+    assert cond < 10 and big > 100
+    assert big < picked < big + 4 * cond + 16  # b ^ ((a ^ b) & m) was over 2 * big
+    small = _nodes(where(rounded > 0, tirx.const(1, "int32"), tirx.const(0, "int32")), 10_000)
+    assert small < big + 20  # a large condition, small sides: the condition once
+
+    out = te.compute((8,), lambda i: where(t[i] >= 32, tirx.const(0, "int32"), x[i] * x[i]))
+    lib = tvm.compile(te.create_prim_func([x, t, out]), target="llvm")
+    xs = np.arange(-4, 4, dtype=np.int32) * 1000
+    ts = np.array([0, 31, 32, 33, 100, -1, 5, 40], dtype=np.int32)
+    got = tvm.runtime.tensor(np.zeros(8, np.int32))
+    lib(tvm.runtime.tensor(xs), tvm.runtime.tensor(ts), got)
+    assert got.numpy().tolist() == np.where(ts >= 32, 0, xs * xs).tolist()
