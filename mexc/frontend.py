@@ -347,14 +347,11 @@ def _unsupported(n: torch.fx.Node, what: str) -> UnsupportedOpError:
 
 
 class _Tracer(torch.fx.Tracer):
-    def __init__(self) -> None:
-        super().__init__()
-
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         """fx's node, with the Python stack from the model's first forward on as its
         stack_trace (where `_user_location` finds the source line of an error). Not fx's
-        record_stack_traces: its first symbolized trace imports torch._inductor and
-        torch._dynamo, 1.2 s in every process that traces (a data-parallel job's workers each)."""
+        record_stack_traces: its first symbolized trace imports torch._inductor, 0.3 s in every
+        process that traces (a data-parallel job's workers each)."""
         node = super().create_node(*args, **kwargs)
         if not node.stack_trace:
             frames = traceback.extract_stack()[:-1]

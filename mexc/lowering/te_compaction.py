@@ -110,8 +110,8 @@ def where(cond: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimE
     the condition twice; whichever of the two is smaller is written twice. A rounding's hash
     on the b side (`shift_right32`'s t >= 32 case) written twice made every rounding kernel
     twice as large for TVM's passes, LLVM and nvcc (SmallResNet's batch-norm variance kernel
-    took 0.77 s to compile), and a condition that reads a Let chain (`bitlen`) written twice
-    per link grows with the chain's length once TVM substitutes the Lets."""
+    took 0.77 s to compile); a condition written twice per link of a Let chain grows with the
+    chain's length once TVM substitutes the Lets (te_norm._bitlen's binary search did)."""
     dtype = _dtype(a)
     a, b = a.astype(dtype), b.astype(dtype)
     m = -(cond.astype(dtype))
