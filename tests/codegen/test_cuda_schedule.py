@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tvm import s_tir, te
+import tvm_ffi
+from tvm import s_tir, te, tirx
 
 from mexc.backends.cuda.schedule import (
     _elementwise_runs,
+    _Splits,
     lower_kernels,
     promote_scratch,
     schedule_gpu,
@@ -67,3 +69,49 @@ def test_batch_norm_statistics_take_a_few_kernels_instead_of_thirty_seven(
     _, kernels = lower_kernels({"n1_bn_var": schedule_gpu(func)}, "sm_80")
     blocks = [k.block[0] for k in kernels["n1_bn_var"]]
     assert len(blocks) == count and np.prod(blocks) > 0
+
+
+def _guard_cases() -> dict[str, tirx.PrimFunc]:
+    """Functions whose thread splits do and do not divide: a run of elementwise blocks over
+    1000 elements, a lone one over 768, a whole tensor's maximum over 1000 terms (one output's
+    block takes THREADS) and per-row sums of 100 terms (REDUCE_THREADS), and batch norm's
+    statistics (a run of 33 per-channel stages over 9 channels)."""
+    x = te.placeholder((1000,), "int32", name="x")
+    a = te.compute((1000,), lambda i: x[i] + 1, name="a")
+    b = te.compute((1000,), lambda i: a[i] * 2, name="b")
+    k = te.reduce_axis((0, 1000), "k")
+    top = te.compute((1,), lambda _: te.max(b[k], axis=k), name="top")
+    y = te.placeholder((768,), "int32", name="y")
+    z = te.compute((768,), lambda i: y[i] - 3, name="z")
+    rows = te.placeholder((7, 100), "int32", name="rows")
+    r = te.reduce_axis((0, 100), "r")
+    sums = te.compute((7,), lambda i: te.sum(rows[i, r], axis=r), name="sums")
+    norm = te_norm.bn_var((8, 9, 10), 4, _eps_fixed(1e-5), True, "bn", False)
+    funcs = {
+        "run_and_max": prim_func([x, top], "run_and_max"),
+        "lone": prim_func([y, z], "lone"),
+        "row_sums": prim_func([rows, sums], "row_sums"),
+        "bn": norm,
+    }
+    return {name: promote_scratch(f)[0] for name, f in funcs.items()}
+
+
+def test_late_bounds_checks_equal_tvms_predicated_split() -> None:
+    """schedule_gpu splits its thread loops without TVM's predication (slow: cuda.schedule
+    ._Splits) and writes the bounds check itself: the functions equal TVM's own, and a split
+    that does not divide has its check (every block under the loop, once)."""
+    for name, func in _guard_cases().items():
+        ours, tvms = schedule_gpu(func), schedule_gpu(func, tvm_split=True)
+        assert tvm_ffi.structural_equal(ours, tvms, map_free_vars=True), name
+    text = schedule_gpu(_guard_cases()["run_and_max"]).script()
+    assert text.count("T.where(") == 3  # a, b and the maximum's block
+    assert "< 1000" in text and "T.where" not in schedule_gpu(_guard_cases()["lone"]).script()
+
+
+def test_a_bounds_check_without_its_loop_gives_no_function() -> None:
+    """A guard whose loop is not in the function (schedule_gpu then takes TVM's own split)."""
+    func = _guard_cases()["lone"]
+    splits = _Splits(s_tir.Schedule(func), tvm_split=False)
+    v = tirx.Var("elsewhere", "int32")
+    splits.guards.append((v, v < 5))
+    assert splits.guarded(func) is None
