@@ -371,6 +371,37 @@ def distinct_kernels(
     return funcs, alias
 
 
+def check_launch_args(plan: StepPlan) -> None:
+    """ValueError unless every kernel launch passes as many buffers as its PrimFunc takes, each
+    of the parameter's dtype and shape (a symbolic extent one value throughout a launch). The
+    host kernels are compiled without TVM's per-call argument checks (kernel_store), so the
+    plan is checked here once, when it is built."""
+    for launch in plan.launches:
+        if isinstance(launch, HostLaunch):
+            continue
+        params = launch.func.params
+        if len(params) != len(launch.args):
+            raise ValueError(
+                f"launch {launch.symbol}: {len(launch.args)} buffers for {len(params)} parameters"
+            )
+        bound: dict[str, int] = {}
+        for param, arg in zip(params, launch.args):
+            view = plan.views.get(arg)
+            shape, dtype = (view.shape, plan.buffers[view.base][1]) if view else plan.buffers[arg]
+            want = [d for d in param.shape]
+            fits = str(param.dtype) == dtype and len(want) == len(shape)
+            for dim, got in zip(want, shape) if fits else ():
+                if isinstance(dim, tirx.IntImm):
+                    fits = fits and int(dim) == int(got)
+                else:  # a symbolic extent (the per-shape update kernels)
+                    fits = fits and bound.setdefault(str(dim), int(got)) == int(got)
+            if not fits:
+                raise ValueError(
+                    f"launch {launch.symbol}: buffer {arg} ({dtype} {list(shape)}) does not fit "
+                    f"parameter {param.name} ({param.dtype} {[str(d) for d in want]})"
+                )
+
+
 def plan_manifest(plan: StepPlan) -> dict[str, Any]:
     """The plan's buffers and host-facing names as JSON (plan_runtime.PLAN_FIELDS); each
     backend adds how its kernels are launched."""

@@ -253,3 +253,29 @@ def test_no_host_kernel_allocates_a_large_workspace(name: str) -> None:
     assert 8 * workspace[largest] <= peak, (largest, workspace[largest], peak)
     pools = [k for k in funcs if "maxpool" in k and "grad" not in k]
     assert all(workspace[k] == 0 for k in pools)
+
+
+def test_a_launch_whose_buffers_do_not_fit_its_kernel_is_refused() -> None:
+    """The host kernels do not check their arguments (kernel_store.COMPILE_CONFIG): the plan's
+    launches are checked against the kernels' parameters when it is built, symbolic extents
+    (the per-shape update kernels of the host plan) bound once per launch."""
+    from mexc.lowering.plan_core import Launch
+    from mexc.lowering.step_plan import build_plan, check_launch_args
+
+    torch.manual_seed(0)
+    prog = mexc.compile(DigitsCNN(), (torch.zeros(4, 1, 8, 8),))
+    plan = build_plan(prog, 8, "cpu")
+    check_launch_args(plan)
+    launches = [x for x in plan.launches if isinstance(x, Launch)]
+    symbolic = [
+        x for x in launches if any(not str(d).isdigit() for p in x.func.params for d in p.shape)
+    ]
+    assert symbolic  # the update kernels take (G, R)
+    for bad in (launches[0], symbolic[0]):
+        wrong = plan.launches.index(bad)
+        for args in (bad.args[:-1], (*bad.args[:-1], plan.input[0])):
+            plan.launches[wrong] = Launch(bad.func, args)
+            with pytest.raises(ValueError, match=f"launch {bad.symbol}: "):
+                check_launch_args(plan)
+        plan.launches[wrong] = bad
+    check_launch_args(plan)

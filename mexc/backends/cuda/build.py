@@ -50,6 +50,7 @@ from mexc.lowering.step_plan import (
     Launch,
     build_inference_plan,
     build_plan,
+    check_launch_args,
     distinct_kernels,
     plan_manifest,
 )
@@ -92,6 +93,7 @@ def lower_step(
         plan = build_inference_plan(prog, device="gpu", pack_budget=pack_budget)
     else:
         plan = build_plan(prog, device="gpu", pack_budget=pack_budget, lean=lean)
+    check_launch_args(plan)  # a kernel takes raw pointers: the buffers must fit its parameters
     scratch: dict[str, list[tuple[str, tuple, str]]] = {}
     gemm = gemm_schedule()
     funcs, alias = distinct_kernels(plan, _scheduler(scratch, gemm))

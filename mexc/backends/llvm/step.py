@@ -45,6 +45,7 @@ from mexc.lowering.step_plan import (
     StepPlan,
     build_inference_plan,
     build_plan,
+    check_launch_args,
     distinct_kernels,
     plan_manifest,
 )
@@ -166,6 +167,7 @@ def _compiled(
         plan = build_inference_plan(prog, cpu.gemm_lanes, plan_device, cpu.gemm_kernel, pack_budget)
     else:
         plan = build_plan(prog, cpu.gemm_lanes, plan_device, cpu.gemm_kernel, pack_budget, lean)
+    check_launch_args(plan)  # the kernels do not check their arguments (kernel_store)
     # the GEMM kernels come scheduled from cpu_gemm; the rest get the generic schedule
     funcs, alias = distinct_kernels(plan, schedule_parallel)
     salt = f"{target} {tvm.__version__} {_lowering_digest()}"
