@@ -146,6 +146,31 @@ def test_artifact_loads_without_tvm_torch_or_networkx(digits_artifact) -> None:
     assert run.stdout.split()[-3:] == ["sm_90", "sm_80", prog.state_checksum()]
 
 
+def test_the_emulator_infers_with_the_inference_artifact_beside_the_step(digits_artifact) -> None:
+    """`mexc compile --target cuda` writes the inference artifact beside the step (inference/);
+    the emulator runs its kernels on the step's own state buffers, as the GPU runtime does:
+    after two training steps the logits, predictions and accuracy of 11 rows (not a multiple
+    of the evaluation batch) are the reference's, in both launch orders."""
+    from mexc.backends.cuda.emulator import ORDER_LAYOUT, load_emulated
+    from mexc.backends.cuda.program import StepArtifact
+
+    out, _ = digits_artifact
+    assert json.loads((out / "plan.json").read_text())["inference"] == "inference"
+    rng = np.random.default_rng(11)
+    x, y = rng.standard_normal((8, 1, 8, 8)), rng.integers(0, 10, 8)
+    xs, ys = rng.standard_normal((11, 1, 8, 8)), rng.integers(0, 10, 11)
+    for order, layout in ORDER_LAYOUT.items():
+        emu = load_emulated(out, reverse=order == "reverse", layout=layout)
+        ref = StepArtifact.load(out).program
+        for _ in range(2):
+            assert emu.step(x, y) == ref.step(x, y)
+        np.testing.assert_array_equal(emu.logits(xs), ref.logits(xs))
+        assert emu._inf is not None  # the inference artifact's kernels ran, not the reference
+        np.testing.assert_array_equal(emu.predict(xs), ref.predict(xs))
+        assert emu.evaluate(xs, ys) == ref.evaluate(xs, ys)
+        assert emu.state_checksum() == ref.state_checksum()  # inference changed no state
+
+
 @needs_cuda_tools
 def test_artifact_arch_choice_follows_binary_compatibility(digits_artifact) -> None:
     from mexc.backends.cuda.program import StepArtifact

@@ -35,8 +35,9 @@ import numpy as np
 from mexc.backends.cuda.program import StepArtifact, refuse_without_workers, segments
 from mexc.backends.cuda.source import kernel_bodies
 from mexc.backends.plan_layout import POISON, carve, carve_separate, nbytes, region_bytes
-from mexc.backends.plan_runtime import PlanProgram, collective, window
+from mexc.backends.plan_runtime import PlanProgram, collective, share_state, window
 from mexc.errors import MexcError
+from mexc.numerics import stream_keys
 from mexc.program import Program
 
 HEADER = Path(__file__).with_name("emu.hpp")
@@ -211,6 +212,7 @@ class EmulatedCudaProgram(PlanProgram):
             for run, after in segments(man)
         ]
         self.artifact = artifact
+        self._inf: _EmulatedInference | None = None  # the artifact's inference/, on first use
         super().__init__(program, man)
 
     def allocated_bytes(self) -> dict[str, int]:
@@ -224,19 +226,38 @@ class EmulatedCudaProgram(PlanProgram):
     def _read(self, name: str) -> np.ndarray:
         return self._t[name].copy()
 
-    # an inference artifact (build_step(..., inference=True)): logits / predict / evaluate run
-    # its emulated kernels on the state set on this program (its plan holds no training step)
+    # logits / predict / evaluate: an inference artifact (build_step(..., inference=True)) runs
+    # its own kernels on the state set on this program (its plan holds no training step); a
+    # training artifact with an inference artifact beside it (build_step's eval_plan, the
+    # CLI's) runs that one's kernels on this step's state buffers, as CudaProgram does
     def _inference_plan(self) -> dict[str, Any] | None:
-        return self.plan if "logits" in self.plan else None
+        if "logits" in self.plan:
+            return self.plan
+        folder = self.plan.get("inference")
+        if not folder or self.workers is not None:
+            return None
+        if self._inf is None:
+            self._inf = _EmulatedInference(self, StepArtifact.load(self.artifact.path / folder))
+        return self._inf.manifest
 
     def _infer_write(self, name: str, values: np.ndarray) -> None:
-        self._write(name, values)
+        if self._inf is None:
+            return self._write(name, values)
+        flat = self._inf.t[name].reshape(-1)
+        flat[: values.size] = np.ascontiguousarray(values).reshape(-1)
 
     def _infer_read(self, name: str) -> np.ndarray:
-        return self._read(name)
+        return self._read(name) if self._inf is None else self._inf.t[name].copy()
 
     def _infer_run(self) -> None:
-        self._run()
+        if self._inf is None:
+            return self._run()
+        for symbol, launch, guarded in self._inf.calls:
+            launch(self.reverse)
+            if not all(guards_intact(raw) for raw in guarded):
+                raise EmulatorError(
+                    f"kernel {symbol} of {self._inf.path} wrote outside its buffers"
+                )
 
     def _run(self) -> None:
         for calls, collectives in self._segments:
@@ -247,6 +268,39 @@ class EmulatedCudaProgram(PlanProgram):
                     raise EmulatorError(f"kernel {symbol} wrote outside {broken}")
             for run, buf in collectives:
                 run(buf)
+
+
+class _EmulatedInference:
+    """A training artifact's inference artifact, emulated over the step's state buffers (no
+    copy, as CudaProgram._load_inference binds them) and an arena of its own: poisoned, so
+    that a kernel reading arena bytes no kernel of the plan wrote shows."""
+
+    def __init__(self, step: EmulatedCudaProgram, art: StepArtifact) -> None:
+        man = art.manifest
+        self.manifest, self.path = man, art.path
+        self.t, raw = _allocate_arena(man)
+        share_state(man, self.t, step._t)
+        state = {name for pair in man["state"].values() for name in pair}
+        base_of = {name: base for name, (base, _, _) in man["views"].items()}
+        region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
+
+        def guard_of(name: str) -> np.ndarray:  # the guarded allocation `name` lives in
+            base = base_of.get(name, name)
+            if base in state:
+                return step._raw[base if step.separate_buffers else "state"]
+            return raw[region_of[base]]
+
+        keys = stream_keys(step.options.seed, 0, np.asarray(man["key_ids"], np.int64))
+        self.t[man["keys"]].reshape(-1)[: keys.size] = keys.astype(np.int64)
+        modules = [EmulatedModule((art.path / e["source"]).read_text()) for e in man["modules"]]
+        self.calls = [
+            (
+                symbol,
+                modules[module].launcher(symbol, grid, block, [self.t[a] for a in args]),
+                [guard_of(a) for a in args],
+            )
+            for module, symbol, grid, block, args in man["kernels"]
+        ]
 
 
 GUARD = 256  # bytes of a known pattern before and after every buffer
