@@ -82,6 +82,12 @@ def window(base: Any, shape: Sequence[int], offset: int) -> Any:
     return base.reshape(-1)[offset : offset + size].reshape(tuple(shape))
 
 
+def inference_keys(seed: int, manifest: dict[str, Any]) -> np.ndarray:
+    """The stream keys of an inference plan (int64, the plan's key ids at step 0): written into
+    its keys buffer once, when a backend loads the plan."""
+    return stream_keys(seed, 0, np.asarray(manifest["key_ids"], np.int64)).astype(np.int64)
+
+
 def share_state(manifest: dict[str, Any], buffers: dict[str, Any], shared: dict[str, Any]) -> None:
     """Bind the state buffers of `manifest`'s plan in `buffers` to the arrays of the same
     names in `shared` (another plan's over the same state: the training step's, for its

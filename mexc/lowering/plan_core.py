@@ -162,6 +162,17 @@ class StepPlan:
     # the inference plan's logits: mantissas (int8) or int32 accumulator, exponent
     logits: tuple[str, str] = ("", "")
 
+    def buffer_dtype(self, name: str) -> str:
+        """The dtype of buffer or view `name`."""
+        root = self.views[name].base if name in self.views else name
+        return self.buffers[root][1]
+
+    def buffer_shape(self, name: str) -> Shape:
+        """The shape of buffer or view `name`."""
+        if name in self.views:
+            return self.views[name].shape
+        return self.buffers[name][0]
+
 
 def shape4(shape: Shape) -> tuple[int, int, int, int]:
     n, c, h, w = shape
@@ -543,14 +554,11 @@ class PlanBuilder:
 
     def buffer_dtype(self, name: str) -> str:
         """The dtype of buffer or view `name`."""
-        root = self.plan.views[name].base if name in self.plan.views else name
-        return self.plan.buffers[root][1]
+        return self.plan.buffer_dtype(name)
 
     def buffer_shape(self, name: str) -> Shape:
         """The shape of buffer or view `name`."""
-        if name in self.plan.views:
-            return self.plan.views[name].shape
-        return self.plan.buffers[name][0]
+        return self.plan.buffer_shape(name)
 
     @staticmethod
     def whole(product: Product, operands: tuple[str, str]) -> Chunks:

@@ -384,22 +384,26 @@ def check_launch_args(plan: StepPlan) -> None:
             raise ValueError(
                 f"launch {launch.symbol}: {len(launch.args)} buffers for {len(params)} parameters"
             )
-        bound: dict[str, int] = {}
+        bound: dict[str, int] = {}  # symbolic extent -> its value in this launch
         for param, arg in zip(params, launch.args):
-            view = plan.views.get(arg)
-            shape, dtype = (view.shape, plan.buffers[view.base][1]) if view else plan.buffers[arg]
-            want = [d for d in param.shape]
-            fits = str(param.dtype) == dtype and len(want) == len(shape)
-            for dim, got in zip(want, shape) if fits else ():
-                if isinstance(dim, tirx.IntImm):
-                    fits = fits and int(dim) == int(got)
-                else:  # a symbolic extent (the per-shape update kernels)
-                    fits = fits and bound.setdefault(str(dim), int(got)) == int(got)
-            if not fits:
+            shape, dtype = plan.buffer_shape(arg), plan.buffer_dtype(arg)
+            if not _fits(param, shape, dtype, bound):
                 raise ValueError(
                     f"launch {launch.symbol}: buffer {arg} ({dtype} {list(shape)}) does not fit "
-                    f"parameter {param.name} ({param.dtype} {[str(d) for d in want]})"
+                    f"parameter {param.name} ({param.dtype} {[str(d) for d in param.shape]})"
                 )
+
+
+def _fits(param: Any, shape: tuple[int, ...], dtype: str, bound: dict[str, int]) -> bool:
+    """Whether a buffer of `shape` and `dtype` fits PrimFunc parameter `param`; a symbolic
+    extent (the per-shape update kernels) takes its first value in `bound`."""
+    if str(param.dtype) != dtype or len(param.shape) != len(shape):
+        return False
+    for dim, got in zip(param.shape, shape):
+        want = int(dim) if isinstance(dim, tirx.IntImm) else bound.setdefault(str(dim), int(got))
+        if want != int(got):
+            return False
+    return True
 
 
 def plan_manifest(plan: StepPlan) -> dict[str, Any]:

@@ -35,9 +35,14 @@ import numpy as np
 from mexc.backends.cuda.program import StepArtifact, refuse_without_workers, segments
 from mexc.backends.cuda.source import kernel_bodies
 from mexc.backends.plan_layout import POISON, carve, carve_separate, nbytes, region_bytes
-from mexc.backends.plan_runtime import PlanProgram, collective, share_state, window
+from mexc.backends.plan_runtime import (
+    PlanProgram,
+    collective,
+    inference_keys,
+    share_state,
+    window,
+)
 from mexc.errors import MexcError
-from mexc.numerics import stream_keys
 from mexc.program import Program
 
 HEADER = Path(__file__).with_name("emu.hpp")
@@ -181,15 +186,7 @@ class EmulatedCudaProgram(PlanProgram):
         self.reverse = reverse
         self.separate_buffers = layout == "separate"
         self._t, self._raw = _allocate(man) if self.separate_buffers else _allocate_arena(man)
-        # the guarded allocation each plan name lives in: its buffer, or its buffer's region
-        base_of = {name: base for name, (base, _, _) in man["views"].items()}
-        region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
-        guarded = {
-            name: base_of.get(name, name)
-            if self.separate_buffers
-            else region_of[base_of.get(name, name)]
-            for name in self._t
-        }
+        self._guards = _guard_keys(man, self.separate_buffers)
         self._allocated = sum(int(r.nbytes) - 2 * GUARD for r in self._raw.values())
         modules = [
             EmulatedModule((artifact.path / entry["source"]).read_text())
@@ -199,7 +196,7 @@ class EmulatedCudaProgram(PlanProgram):
             (
                 symbol,
                 modules[module].launcher(symbol, grid, block, [self._t[a] for a in args]),
-                sorted({guarded[a] for a in args}),
+                [(k, self._raw[k]) for k in sorted({self._guards[a] for a in args})],
             )
             for module, symbol, grid, block, args in man["kernels"]
         ]
@@ -220,8 +217,7 @@ class EmulatedCudaProgram(PlanProgram):
         return {"host": 0, "device": self._allocated}
 
     def _write(self, name: str, values: np.ndarray) -> None:
-        flat = self._t[name].reshape(-1)
-        flat[: values.size] = np.ascontiguousarray(values).reshape(-1)
+        _fill(self._t[name], values)
 
     def _read(self, name: str) -> np.ndarray:
         return self._t[name].copy()
@@ -241,10 +237,7 @@ class EmulatedCudaProgram(PlanProgram):
         return self._inf.manifest
 
     def _infer_write(self, name: str, values: np.ndarray) -> None:
-        if self._inf is None:
-            return self._write(name, values)
-        flat = self._inf.t[name].reshape(-1)
-        flat[: values.size] = np.ascontiguousarray(values).reshape(-1)
+        _fill((self._t if self._inf is None else self._inf.t)[name], values)
 
     def _infer_read(self, name: str) -> np.ndarray:
         return self._read(name) if self._inf is None else self._inf.t[name].copy()
@@ -252,22 +245,37 @@ class EmulatedCudaProgram(PlanProgram):
     def _infer_run(self) -> None:
         if self._inf is None:
             return self._run()
-        for symbol, launch, guarded in self._inf.calls:
-            launch(self.reverse)
-            if not all(guards_intact(raw) for raw in guarded):
-                raise EmulatorError(
-                    f"kernel {symbol} of {self._inf.path} wrote outside its buffers"
-                )
+        _launch_checked(self._inf.calls, self.reverse)
 
     def _run(self) -> None:
         for calls, collectives in self._segments:
-            for symbol, launch, guarded in calls:
-                launch(self.reverse)
-                broken = [b for b in guarded if not guards_intact(self._raw[b])]
-                if broken:
-                    raise EmulatorError(f"kernel {symbol} wrote outside {broken}")
+            _launch_checked(calls, self.reverse)
             for run, buf in collectives:
                 run(buf)
+
+
+def _fill(buffer: np.ndarray, values: np.ndarray) -> None:
+    """Copy `values` into the start of `buffer`."""
+    buffer.reshape(-1)[: values.size] = np.ascontiguousarray(values).reshape(-1)
+
+
+def _guard_keys(man: dict[str, Any], separate: bool) -> dict[str, str]:
+    """Plan name -> the guarded allocation it lives in: its buffer (separate allocations), or
+    its buffer's region."""
+    base_of = {name: base for name, (base, _, _) in man["views"].items()}
+    region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
+    names = [*man["buffers"], *man["views"]]
+    return {n: base_of.get(n, n) if separate else region_of[base_of.get(n, n)] for n in names}
+
+
+def _launch_checked(calls: list[tuple[str, Any, list]], reverse: bool) -> None:
+    """Run each (symbol, launch, [(allocation, its guarded bytes)]) in order, and raise once a
+    kernel has written over the guards of an allocation it was given."""
+    for symbol, launch, guarded in calls:
+        launch(reverse)
+        broken = [key for key, raw in guarded if not guards_intact(raw)]
+        if broken:
+            raise EmulatorError(f"kernel {symbol} wrote outside {broken}")
 
 
 class _EmulatedInference:
@@ -280,24 +288,24 @@ class _EmulatedInference:
         self.manifest, self.path = man, art.path
         self.t, raw = _allocate_arena(man)
         share_state(man, self.t, step._t)
+        own = _guard_keys(man, separate=False)
         state = {name for pair in man["state"].values() for name in pair}
         base_of = {name: base for name, (base, _, _) in man["views"].items()}
-        region_of = {name: r for name, (r, _) in man["layout"]["offsets"].items()}
 
-        def guard_of(name: str) -> np.ndarray:  # the guarded allocation `name` lives in
+        def guard(name: str) -> tuple[str, np.ndarray]:  # the step's allocation, or its own
             base = base_of.get(name, name)
             if base in state:
-                return step._raw[base if step.separate_buffers else "state"]
-            return raw[region_of[base]]
+                key = step._guards[base]
+                return f"the step's {key}", step._raw[key]
+            return own[name], raw[own[name]]
 
-        keys = stream_keys(step.options.seed, 0, np.asarray(man["key_ids"], np.int64))
-        self.t[man["keys"]].reshape(-1)[: keys.size] = keys.astype(np.int64)
+        _fill(self.t[man["keys"]], inference_keys(step.options.seed, man))
         modules = [EmulatedModule((art.path / e["source"]).read_text()) for e in man["modules"]]
         self.calls = [
             (
                 symbol,
                 modules[module].launcher(symbol, grid, block, [self.t[a] for a in args]),
-                [guard_of(a) for a in args],
+                sorted(dict(guard(a) for a in args).items()),
             )
             for module, symbol, grid, block, args in man["kernels"]
         ]

@@ -32,11 +32,11 @@ from mexc.backends.plan_runtime import (
     PLAN_FIELDS,
     PlanProgram,
     collective,
+    inference_keys,
     share_state,
     window,
 )
 from mexc.errors import CheckpointError, DistributedError
-from mexc.numerics import stream_keys
 from mexc.program import Program, read_checkpoint
 
 FORMAT = "mexc-cuda-step-4"  # 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
@@ -312,8 +312,8 @@ class CudaProgram(PlanProgram):
         with self._device:
             t, allocated, _ = _allocate(self._cp, man, arena=self._arena)
             share_state(man, t, self._t)  # the inference plan reads the live parameters
-            keys = stream_keys(self.options.seed, 0, np.asarray(man["key_ids"], np.int64))
-            t[man["keys"]].reshape(-1)[: keys.size].set(keys.astype(np.int64), self._stream)
+            keys = inference_keys(self.options.seed, man)
+            t[man["keys"]].reshape(-1)[: keys.size].set(keys, self._stream)
             modules = [self._cp.RawModule(path=str(c[self.arch])) for c in art.cubins]
             calls = [
                 (

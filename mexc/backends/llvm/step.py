@@ -38,7 +38,14 @@ from mexc.backends.plan_layout import (
     region_bytes,
     separate_bytes,
 )
-from mexc.backends.plan_runtime import PlanProgram, host_collective, is_host, share_state, window
+from mexc.backends.plan_runtime import (
+    PlanProgram,
+    host_collective,
+    inference_keys,
+    is_host,
+    share_state,
+    window,
+)
 from mexc.errors import UnsupportedOpError
 from mexc.lowering.cpu_gemm import schedule_parallel
 from mexc.lowering.step_plan import (
@@ -49,7 +56,6 @@ from mexc.lowering.step_plan import (
     distinct_kernels,
     plan_manifest,
 )
-from mexc.numerics import stream_keys
 from mexc.program import Program
 
 # TVM sizes its thread pool at hardware_concurrency / 2 on x86 (it assumes two hyperthreads per
@@ -339,8 +345,8 @@ class LlvmProgram(PlanProgram):
                 for symbol, args in compiled.manifest["launches"]
             ]
             self._inf = (compiled.manifest, bufs, calls)
-            keys = stream_keys(self.options.seed, 0, np.asarray(compiled.manifest["key_ids"]))
-            bufs.np[compiled.manifest["keys"]][...] = keys.astype(np.int64)
+            keys = inference_keys(self.options.seed, compiled.manifest)
+            bufs.np[compiled.manifest["keys"]][...] = keys
         return self._inf[0]
 
     def _infer_write(self, name: str, values: np.ndarray) -> None:
