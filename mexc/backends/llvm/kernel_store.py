@@ -35,7 +35,7 @@ STORE = "llvm-kernels"
 KERNEL_PREFIX = "mexc_k"  # the compiled name of every kernel: this, then a hash
 PER_WORKER = 8  # fewest kernels per worker process (a fork and a TVM build each)
 # Without TVM's checks of each call's arguments (type, dtype, shape, strides, alignment of every
-# buffer), which were 60 % of the machine code and a third of the compile time (SmallResNet at
+# buffer), which were 60 % of the machine code and a quarter of the compile time (SmallResNet at
 # batch 2, 205 kernels: 1.17 MB of text and 13.9 s, against 0.46 MB and 10.7 s). The runtime
 # passes the plan's own buffers, fixed when the plan is built, and step_plan.check_launch_args
 # checks every launch's buffers against its kernel's parameters then, once.
