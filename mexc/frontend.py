@@ -15,6 +15,7 @@ import inspect
 import operator
 import re
 import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 import torch.fx
 from torch import nn
+from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
 from mexc.errors import InputError, TraceError, UnsupportedOpError
@@ -402,7 +404,7 @@ def _propagate_on_meta(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
     try:
         meta = copy.deepcopy(gm).to("meta")
         with torch.no_grad():
-            ShapeProp(meta).propagate(example.to("meta"))
+            _ShapeProp(meta).propagate(example.to("meta"))
     except Exception:  # noqa: BLE001 - any failure: the real propagation decides
         return False
     for real, fake in zip(gm.graph.nodes, meta.graph.nodes):
@@ -413,9 +415,19 @@ def _propagate_on_meta(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
 
 
 class _ShapeProp(ShapeProp):
-    """ShapeProp that remembers the node it failed on."""
+    """ShapeProp that remembers the node it failed on, and prints nothing. torch's ShapeProp
+    prints the failing node's traceback to stderr before it raises; mexc reports the failure
+    in one paragraph instead (or, on the meta device, tries again on the real one)."""
 
     failed: torch.fx.Node | None = None
+
+    def propagate(self, *args: Any) -> Any:
+        saved = shape_prop.traceback
+        shape_prop.traceback = types.SimpleNamespace(print_exc=lambda *a, **k: None)  # type: ignore[assignment]
+        try:
+            return super().propagate(*args)
+        finally:
+            shape_prop.traceback = saved
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:

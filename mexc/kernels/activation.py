@@ -1,6 +1,8 @@
-"""ReLU, ReLU6, Hardswish, Hardsigmoid, sigmoid and SiLU, and their gradients."""
+"""ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid and SiLU, and their gradients."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from mexc.numerics import (
     SIGMOID_GRAD_TABLE,
     SIGMOID_TABLE,
     SILU_GRAD_TABLE,
+    FixedScalar,
     LookupTable,
     Reciprocal,
     div_const,
@@ -67,6 +70,50 @@ def relu6_backward(dy: MX, x: MX) -> MX:
     m = i64(x.m)  # |m| <= 127 < 6 << 5 and 1 << 3 > 6, so shifts of 8 decide every case
     keep = (m > 0) & ((m << min(max(e, 0), 8)) < (6 << min(max(-e, 0), 8)))
     return MX(np.where(keep, dy.m, 0).astype(np.int8), dy.e)
+
+
+# ----------------------------------------------------------------------------- leaky relu
+
+# m 2^S < 2^31 for every int8 m (channel exponents' frames hold mantissas up to 127)
+LEAKY_MAX_SHIFT = 23
+LEAKY_MAX_SLOPE = 2.0**15  # FixedScalar's 15-bit numerator at shift 0
+
+
+def leaky_slope(slope: float) -> tuple[int, int]:
+    """(num, S): LeakyReLU's negative slope as num 2^-S, the host constant of its kernels.
+    |slope| as FixedScalar (15-bit numerator); where that shift passes 23, num = round(|slope|
+    2^23) at S = 23 (a slope below 2^-24 acts as 0); num negated for a negative slope."""
+    if not math.isfinite(slope) or abs(slope) >= LEAKY_MAX_SLOPE:
+        raise ValueError(f"LeakyReLU slope must be finite and below 2^15 in magnitude: {slope}")
+    if slope == 0:
+        return 0, 0
+    f = FixedScalar.of(abs(slope))
+    num, shift = f.num, f.shift
+    if shift > LEAKY_MAX_SHIFT:
+        num, shift = int(math.floor(abs(slope) * 2.0**LEAKY_MAX_SHIFT + 0.5)), LEAKY_MAX_SHIFT
+    return (-num if slope < 0 else num), shift
+
+
+def leaky_relu_forward(x: MX, slope: float, ctx: RoundCtx, tid: int) -> MX:
+    """y = x where x > 0, slope x elsewhere (torch.nn.LeakyReLU): acc = m 2^S where m > 0,
+    m num elsewhere ((num, S) = leaky_slope; |acc| < 2^30), at e - S; compaction (site 0)."""
+    e = scalar_exp(x, "leaky_relu input")
+    num, s = leaky_slope(slope)
+    m = i64(x.m)
+    acc = np.where(m > 0, m * (1 << s), m * num)
+    return compact_mx(acc, e - s, ctx, site_key(ctx, tid, 0), batch=True)
+
+
+def leaky_relu_backward(dy: MX, saved: MX, slope: float, ctx: RoundCtx, tid: int) -> MX:
+    """dx = dy where saved > 0, slope dy elsewhere: the forward's acc on dy's mantissas with
+    the mask saved > 0, at e_dy - S; compaction (site 0). `saved` is the output y for a slope
+    >= 0 (y > 0 where x > 0, unless the compaction rounded x to 0: the slope then, torch's
+    derivative at 0), the input x for a negative slope."""
+    ed = scalar_exp(dy, "dy")
+    num, s = leaky_slope(slope)
+    d = i64(dy.m)
+    acc = np.where(np.asarray(saved.m) > 0, d * (1 << s), d * num)
+    return compact_mx(acc, ed - s, ctx, site_key(ctx, tid, 0), batch=True)
 
 
 # ----------------------------------------------------------------------------- hardswish

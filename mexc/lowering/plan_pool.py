@@ -1,5 +1,5 @@
 """Op rules of the launch plan for pooling and elementwise ops: max / average / global pooling,
-ReLU6, Hardswish, residual and gradient sums, dropout (te_pool's and te_ops' kernels)."""
+ReLU6, LeakyReLU, Hardswish, residual and gradient sums, dropout (te_pool's and te_ops' kernels)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 
 from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
-from mexc.kernels.activation import HS_DIVISOR
+from mexc.kernels.activation import HS_DIVISOR, leaky_slope
 from mexc.kernels.elementwise import (
     MAX_SUM_TERMS,
     _keep_threshold,
@@ -54,6 +54,39 @@ class PoolRules(PlanBuilder):
         self.e[n.result(0)] = self.e[dy]
         func = te_pool.relu6_backward(rows, f"n{n.id}_relu6_grad")
         self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
+
+    def leaky_relu(self, n: Node) -> None:
+        """kernels.activation.leaky_relu_forward: compacted without being stored (site 0)."""
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        kernels = te_pool.leaky_relu_compaction(
+            rows,
+            leaky_slope(float(n.attrs.slope)),
+            False,
+            self.bits,
+            self.stochastic,
+            f"n{n.id}_leaky",
+            self.agreed_slot,
+        )
+        out = self.view(self.out(n, 0, I8), rows)
+        self.compact_unstored(n, 0, kernels, (self.view(self.m[x], rows), self.e[x]), out)
+
+    def leaky_relu_grad(self, n: Node) -> None:
+        """kernels.activation.leaky_relu_backward: dy, masked by the saved value's sign,
+        compacted without being stored (site 0)."""
+        dy, saved = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        kernels = te_pool.leaky_relu_compaction(
+            rows,
+            leaky_slope(float(n.attrs.slope)),
+            True,
+            self.bits,
+            self.stochastic,
+            f"n{n.id}_leaky_grad",
+            self.agreed_slot,
+        )
+        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[saved], rows))
+        self.compact_unstored(n, 0, kernels, args, self.view(self.out(n, 0, I8), rows))
 
     def grad_sum(self, n: Node) -> None:
         terms = list(n.inputs)

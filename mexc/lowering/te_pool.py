@@ -1,4 +1,5 @@
-"""Average pooling, global average pooling, ReLU6, Hardswish and dropout as TIR kernels.
+"""Average pooling, global average pooling, ReLU6, LeakyReLU, Hardswish and dropout as TIR
+kernels.
 
 The TE form of kernels.pool (avgpool2d_*, global_avgpool_*: a global pool is an average pool
 whose one window is the whole image, with the same rounding sites and flat indices),
@@ -16,7 +17,7 @@ from typing import TypeAlias
 from tvm import te, tirx
 
 from mexc.kernels.activation import HS_GRID, HSIG_BITS, HSIG_GRAD_LEFT
-from mexc.lowering.te_compaction import _flat_index, iabs, random_word, where
+from mexc.lowering.te_compaction import _flat_index, fused_compaction, iabs, random_word, where
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_ops import window_through
@@ -147,6 +148,33 @@ def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
 
     dx = te.compute(shape, body, name="dx")
     return _func([dy, x, e, dx], name)
+
+
+def leaky_relu_compaction(
+    shape: tuple[int, ...],
+    slope: tuple[int, int],
+    grad: bool,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    agreed: int = 0,
+) -> tuple[tirx.PrimFunc, ...]:
+    """kernels.activation.leaky_relu_forward (grad: leaky_relu_backward): acc = m 2^S where
+    the mask's mantissa is > 0, m num elsewhere ((num, S) = `slope`, leaky_slope), at e - S,
+    compacted without being stored (fused_compaction). Parameters start (x, e), or (dy, e_dy,
+    saved) for the gradient."""
+    num, shift = slope
+    x = te.placeholder(shape, I8, name="dy" if grad else "x")
+    e = te.placeholder((1,), I32, name="e_dy" if grad else "e")
+    mask = te.placeholder(shape, I8, name="saved") if grad else x
+    target = te.compute((1,), lambda i: e[i] - shift, name="target")
+
+    def value(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        m = x[i].astype(I32)
+        return where(mask[i] > tirx.const(0, I8), m * (1 << shift), m * num)
+
+    inputs = [x, e, mask] if grad else [x, e]
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name, agreed)
 
 
 def _hardswish_grid(m: tirx.PrimExpr, e: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:

@@ -1,4 +1,4 @@
-"""Activations: ReLU, ReLU6, Hardswish, Hardsigmoid, sigmoid, SiLU and GELU, and their
+"""Activations: ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU and GELU, and their
 gradients."""
 
 from __future__ import annotations
@@ -29,6 +29,44 @@ def _gelu_module(c: Any, n: Any, m: Any) -> Value:
     if m.approximate != "none":
         raise UnsupportedOpError(c.describe(n, "uses approximate GELU; use nn.GELU()"))
     return c.emit(Op.GELU, [c.arg(n.args[0])], n)
+
+
+def _leaky_saved(n: Node) -> Value:
+    """The output (its sign is the input's) for a slope >= 0, the input for a negative one:
+    the output of an unchanged input is usually kept for the next layer anyway."""
+    return n.out if float(n.attrs.slope) >= 0 else n.inputs[0]
+
+
+def _leaky_slope(c: Any, n: Any, slope: Any) -> float:
+    try:
+        K.leaky_slope(float(slope))
+    except (TypeError, ValueError):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"is a LeakyReLU with slope {slope!r}; the integer form takes a finite constant "
+                "slope of magnitude below 2^15",
+            )
+        ) from None
+    return float(slope)
+
+
+def _leaky_module(c: Any, n: Any, m: Any) -> Value:
+    slope = _leaky_slope(c, n, m.negative_slope)
+    return c.emit(Op.LEAKY_RELU, [c.arg(n.args[0])], n, slope=slope)
+
+
+def _leaky_function(c: Any, n: Any) -> Value:
+    slope = n.args[1] if len(n.args) > 1 else n.kwargs.get("negative_slope", 0.01)
+    return c.emit(Op.LEAKY_RELU, [c.arg(n.args[0])], n, slope=_leaky_slope(c, n, slope))
+
+
+def _leaky_relu(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.leaky_relu_forward(a[0], float(n.attrs.slope), env.ctx, tid(n)),)
+
+
+def _leaky_relu_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.leaky_relu_backward(a[0], a[1], float(n.attrs.slope), env.ctx, tid(n)),)
 
 
 def _relu(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -128,6 +166,24 @@ define(
         data_parallel=True,
     ),
     OpDef(
+        Op.LEAKY_RELU,
+        {"slope": 0.01, "rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.LEAKY_RELU_GRAD, _leaky_saved),
+        reference=_leaky_relu,
+        frontend=(
+            Pattern("module", ("torch.nn.LeakyReLU",), _leaky_module),
+            Pattern(
+                "function",
+                ("torch.nn.functional.leaky_relu", "torch.nn.functional.leaky_relu_"),
+                _leaky_function,
+            ),
+        ),
+        lower={"tir": _tir("leaky_relu"), "c": "emit:_leaky_relu"},
+        doc="x where x > 0, else slope x (slope as num 2^-S), one compaction (docs/layers.md)",
+        data_parallel=True,
+    ),
+    OpDef(
         Op.GELU,
         {"rid": -1},
         types=elementwise_types,
@@ -220,6 +276,14 @@ define(
         lower={"tir": _tir("relu6_grad"), "c": "emit:_relu6_grad"},
         in_place=True,
         doc="dy masked where the ReLU6 output is strictly inside (0, 6)",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.LEAKY_RELU_GRAD,
+        {"slope": 0.01, "rid": -1},
+        reference=_leaky_relu_grad,
+        lower={"tir": _tir("leaky_relu_grad"), "c": "emit:_leaky_relu_grad"},
+        doc="dy where the saved output (or, for a negative slope, input) is > 0, else slope dy",
         data_parallel=True,
     ),
     OpDef(

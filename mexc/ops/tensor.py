@@ -466,7 +466,11 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.Flatten",), _reshape_to_result),
             Pattern("function", ("torch.flatten", "torch.reshape"), _reshape_to_result),
-            Pattern("method", ("view", "reshape", "flatten"), _reshape_to_result),
+            Pattern(
+                "method",
+                ("view", "reshape", "flatten", "view_as", "reshape_as"),
+                _reshape_to_result,
+            ),
         ),
         lower={"tir": _tir("reshape"), "c": "emit:_reshape"},
         in_place=True,

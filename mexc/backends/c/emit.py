@@ -17,6 +17,7 @@ from mexc.backends.c.channels import ChannelTables
 from mexc.backends.c.tir_kernels import KernelSet
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
+from mexc.kernels.activation import leaky_slope
 from mexc.kernels.elementwise import (
     _keep_threshold,
     dropout_group,
@@ -736,6 +737,21 @@ def _relu6_grad(e: _Emit, n: Node) -> None:
     dx = e.arena(n.out, "int8_t")
     e.exp[n.out] = ed
     e.emit(f"mexc_relu6_backward({dy}, {y}, {ey}, {dx}, {e.numel(n.out)}u);")
+
+
+def _leaky_relu(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    mask = x if n.op is Op.LEAKY_RELU else _x(e, n, 1)[0]
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    num, shift = leaky_slope(float(n.attrs.slope))
+    e.emit(
+        f"{ey} = mexc_leaky_relu({x}, {ex}, {mask}, {e.numel(n.out)}u, {num}, {shift}, {y}, "
+        f"&ctx, {_tid(n)}u);"
+    )
+
+
+_leaky_relu_grad = _leaky_relu
 
 
 def _hardswish(e: _Emit, n: Node) -> None:

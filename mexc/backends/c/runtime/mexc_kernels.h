@@ -203,6 +203,10 @@ void mexc_relu6_backward(const int8_t *dy, const int8_t *x, int32_t e, int8_t *d
 /* hardswish (activation.py): y = x relu6(x + 3) / 6 and dx = dy g(x) on the 2^-k grid,
  * k = clamp(-e, 0, 16); compact_to_bits(., 15) (site 0), div_const by 6, compaction (site 1).
  * Return the result's exponent. */
+/* LeakyReLU (activation.leaky_relu_*): y = x 2^shift where mask > 0, x num elsewhere, at
+ * e - shift, compaction site 0. Forward: mask = x; backward: x = dy, mask = the saved value. */
+int32_t mexc_leaky_relu(const int8_t *x, int32_t e, const int8_t *mask, uint32_t n, int32_t num,
+                        int32_t shift, int8_t *y, const mexc_ctx_t *ctx, uint32_t tid);
 int32_t mexc_hardswish_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
                                const mexc_ctx_t *ctx, uint32_t tid);
 int32_t mexc_hardswish_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t e,

@@ -1,5 +1,5 @@
-/* ReLU6, Hardswish, average pooling, global average pooling and dropout: the C form of
- * mexc/kernels/activation.py (relu6, hardswish), pool.py (avgpool2d, global_avgpool) and elementwise.py
+/* ReLU6, LeakyReLU, Hardswish, average pooling, global average pooling and dropout: the C form of
+ * mexc/kernels/activation.py (relu6, leaky_relu, hardswish), pool.py (avgpool2d, global_avgpool) and elementwise.py
  * (dropout). Flat element indices and rounding sites as the numpy kernels. */
 #include "mexc_kernels.h"
 
@@ -180,6 +180,24 @@ int32_t mexc_hardsigmoid_backward(const int8_t *dy, int32_t ed, const int8_t *x,
 {
     return hs_divide(hsig_backward_acc, dy, x, e, HSIG_GRAD_LEFT, ed - HSIG_GRAD_LEFT, n, dx, ctx,
                      tid);
+}
+
+/* ------------------------------------------------------------------ leaky relu (activation.py) */
+
+int32_t mexc_leaky_relu(const int8_t *x, int32_t e, const int8_t *mask, uint32_t n, int32_t num,
+                        int32_t shift, int8_t *y, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    /* m 2^shift where mask > 0, m num elsewhere: |.| < 2^30 (shift <= 23, |num| < 2^15) */
+    const int32_t pos = (int32_t)1 << shift;
+    int32_t e_out = 0;
+    uint32_t i;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, e - shift);
+        for (i = 0; i < n; i++) mexc_sink_put(&sink, i, 0u, (int32_t)x[i] * (mask[i] > 0 ? pos : num));
+    }
+    return e_out;
 }
 
 /* ------------------------------------------------------------------ avgpool2d (pool.py) */
