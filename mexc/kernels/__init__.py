@@ -61,6 +61,8 @@ from mexc.kernels.pool import (
     global_avgpool_forward,
     maxpool2d_backward,
     maxpool2d_forward,
+    upsample_nearest_backward,
+    upsample_nearest_forward,
 )
 from mexc.kernels.quantize import quantize, quantize_channels
 
@@ -98,6 +100,8 @@ __all__ = [
     "dropout_forward",
     "global_avgpool_backward",
     "global_avgpool_forward",
+    "upsample_nearest_backward",
+    "upsample_nearest_forward",
     "grad_sum",
     "linear_backward_input",
     "linear_backward_weight",

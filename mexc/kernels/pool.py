@@ -1,4 +1,5 @@
-"""Max, average and global average pooling (N, C, H, W), forward and backward."""
+"""Max, average and global average pooling and nearest upsampling (N, C, H, W), forward and
+backward."""
 
 from __future__ import annotations
 
@@ -229,3 +230,23 @@ def global_avgpool_backward(dy: MX, x_shape: tuple[int, ...], ctx: RoundCtx, tid
     )
     full = np.broadcast_to(g, (n, c, h, w))
     return compact_mx(full, eg, ctx, site_key(ctx, tid, 0), batch=True)
+
+
+# ----------------------------------------------------------------------------- upsampling
+
+
+def upsample_nearest_forward(x: MX, scale: IntPair) -> MX:
+    """Nearest upsampling by integer factors (sh, sw): y[n, c, i, j] = x[n, c, i // sh, j // sw],
+    the exponent kept (no rounding)."""
+    sh, sw = _pair(scale)
+    return MX(np.repeat(np.repeat(x.m, sh, axis=2), sw, axis=3), x.e)
+
+
+def upsample_nearest_backward(dy: MX, scale: IntPair, ctx: RoundCtx, tid: int) -> MX:
+    """dx[n, c, i, j] = the sum of dy over the (sh, sw) block that copied x[n, c, i, j] (int
+    add: one exponent, |acc| <= 128 sh sw); compaction (site 0), shift 0 where it fits."""
+    sh, sw = _pair(scale)
+    n, c, h, w = dy.m.shape
+    acc = i64(dy.m).reshape(n, c, h // sh, sh, w // sw, sw).sum(axis=(3, 5))
+    check_int32(acc, "upsample_nearest_backward")
+    return compact_mx(acc, dy.e, ctx, site_key(ctx, tid, 0), batch=True)

@@ -55,6 +55,26 @@ class PoolRules(PlanBuilder):
         func = te_pool.relu6_backward(rows, f"n{n.id}_relu6_grad")
         self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
 
+    def upsample_nearest(self, n: Node) -> None:
+        """kernels.pool.upsample_nearest_forward: a gather, the exponent kept."""
+        x = n.inputs[0]
+        self.e[n.result(0)] = self.e[x]
+        func = te_pool.upsample_nearest_forward(
+            shape4(self.shape(x)), _pair(n.attrs.scale), f"n{n.id}_upsample"
+        )
+        self.launch(func, (self.m[x], self.out(n, 0, I8)))
+
+    def upsample_nearest_grad(self, n: Node) -> None:
+        """kernels.pool.upsample_nearest_backward: the block sums, then their compaction."""
+        dy = n.inputs[0]
+        xs = self.shape(n.result(0))
+        acc = self.buf(f"n{n.id}.acc", xs, I32)
+        func = te_pool.upsample_nearest_backward_acc(
+            shape4(xs), _pair(n.attrs.scale), f"n{n.id}_upsample_grad"
+        )
+        self.launch(func, (self.m[dy], acc))
+        self.compact(n, acc, self.e[dy], xs, 0)
+
     def leaky_relu(self, n: Node) -> None:
         """kernels.activation.leaky_relu_forward: compacted without being stored (site 0)."""
         x = n.inputs[0]

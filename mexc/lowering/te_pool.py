@@ -150,6 +150,32 @@ def relu6_backward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
     return _func([dy, x, e, dx], name)
 
 
+def upsample_nearest_forward(x_shape: Shape4, scale: Pair, name: str) -> tirx.PrimFunc:
+    """kernels.pool.upsample_nearest_forward: y[n, c, i, j] = x[n, c, i // sh, j // sw].
+    Parameters (x, y)."""
+    n, c, h, w = x_shape
+    sh, sw = scale
+    x = te.placeholder(x_shape, I8, name="x")
+    y = te.compute((n, c, h * sh, w * sw), lambda a, b, i, j: x[a, b, i // sh, j // sw], name="y")
+    return _func([x, y], name)
+
+
+def upsample_nearest_backward_acc(x_shape: Shape4, scale: Pair, name: str) -> tirx.PrimFunc:
+    """kernels.pool.upsample_nearest_backward before its compaction: acc[n, c, i, j] = the
+    int32 sum of dy over the (sh, sw) block of copies of x[n, c, i, j]. Parameters (dy, acc)."""
+    n, c, h, w = x_shape
+    sh, sw = scale
+    dy = te.placeholder((n, c, h * sh, w * sw), I8, name="dy")
+    r = te.reduce_axis((0, sh), "up_r")
+    q = te.reduce_axis((0, sw), "up_q")
+    acc = te.compute(
+        x_shape,
+        lambda a, b, i, j: te.sum(dy[a, b, i * sh + r, j * sw + q].astype(I32), axis=[r, q]),
+        name="acc",
+    )
+    return _func([dy, acc], name)
+
+
 def leaky_relu_compaction(
     shape: tuple[int, ...],
     slope: tuple[int, int],

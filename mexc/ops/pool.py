@@ -1,4 +1,5 @@
-"""Pooling: max, average and global average pooling, and their gradients."""
+"""Pooling: max, average, global and adaptive average pooling, nearest upsampling, and their
+gradients."""
 
 from __future__ import annotations
 
@@ -165,17 +166,97 @@ def _pool_function(op: Op) -> Callable[..., Value]:
     return convert
 
 
+def _adaptive(c: Any, n: Any, x: Any) -> Value:
+    """adaptive_avg_pool2d where every window has one size: output 1 x 1 (the global pool),
+    an output size that divides the input's (an average pool of kernel = stride), or a multiple
+    of it (each output reads one input pixel: nearest upsampling), per axis."""
+    (h, w), (oh, ow) = c.shape(x)[2:], c.shape(n)[2:]
+    if (oh, ow) == (1, 1):
+        return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(x)], n)
+    kernel, up = [1, 1], [1, 1]
+    for axis, (size, out) in enumerate(((h, oh), (w, ow))):
+        if size % out == 0:
+            kernel[axis] = size // out
+        elif out % size == 0:
+            up[axis] = out // size
+        else:
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    f"pools {h}x{w} to {oh}x{ow}: mexc lowers adaptive average pooling where "
+                    "each output size divides the input's or is a multiple of it (windows of "
+                    "one size); change the input size or the output size",
+                )
+            )
+    v = c.arg(x)
+    if kernel != [1, 1]:
+        k = tuple(kernel)
+        if up == [1, 1]:
+            return c.emit(Op.AVGPOOL2D, [v], n, kernel=k, stride=k, padding=(0, 0))
+        mid = (*c.shape(x)[:2], h // kernel[0], w // kernel[1])
+        v = c.emit_as(Op.AVGPOOL2D, [v], mid, kernel=k, stride=k, padding=(0, 0))
+    if up == [1, 1]:
+        return v  # output size = input size
+    return c.emit(Op.UPSAMPLE_NEAREST, [v], n, scale=tuple(up))
+
+
 def _adaptive_module(c: Any, n: Any, m: Any) -> Value:
-    if pair(m.output_size) != (1, 1):
-        raise UnsupportedOpError(c.describe(n, "AdaptiveAvgPool2d supports output size 1 only"))
-    return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(n.args[0])], n)
+    return _adaptive(c, n, n.args[0])
 
 
 def _adaptive_function(c: Any, n: Any) -> Value:
-    size = n.args[1] if len(n.args) > 1 else n.kwargs["output_size"]
-    if pair(size) != (1, 1):
-        raise UnsupportedOpError(c.describe(n, "adaptive_avg_pool2d supports output size 1 only"))
-    return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(n.args[0])], n)
+    return _adaptive(c, n, n.args[0])
+
+
+def _upsample(c: Any, n: Any, mode: Any) -> Value:
+    """Nearest upsampling of (N, C, H, W) by integer factors, read off the traced shapes
+    (size or scale_factor; 'nearest-exact' picks the same pixels for integer factors)."""
+    x = n.args[0]
+    x_shape, out = c.shape(x), c.shape(n)
+    if len(x_shape) != 4:
+        raise UnsupportedOpError(
+            c.describe(n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, H, W)")
+        )
+    if mode not in ("nearest", "nearest-exact"):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"upsamples with mode {mode!r}; mexc lowers nearest upsampling (mode "
+                "'nearest') by integer factors",
+            )
+        )
+    if any(o % i for i, o in zip(x_shape[2:], out[2:])):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"upsamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers nearest "
+                "upsampling by integer factors only",
+            )
+        )
+    scale = tuple(o // i for i, o in zip(x_shape[2:], out[2:]))
+    if scale == (1, 1):
+        return c.arg(x)
+    return c.emit(Op.UPSAMPLE_NEAREST, [c.arg(x)], n, scale=scale)
+
+
+def _upsample_module(c: Any, n: Any, m: Any) -> Value:
+    return _upsample(c, n, getattr(m, "mode", "nearest"))
+
+
+def _interpolate(c: Any, n: Any) -> Value:
+    return _upsample(c, n, n.args[3] if len(n.args) > 3 else n.kwargs.get("mode", "nearest"))
+
+
+def _upsample_nearest_function(c: Any, n: Any) -> Value:
+    return _upsample(c, n, "nearest")
+
+
+def _upsample_fwd(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.upsample_nearest_forward(a[0], n.attrs.scale),)
+
+
+def _upsample_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.upsample_nearest_backward(a[0], n.attrs.scale, env.ctx, tid(n)),)
 
 
 def _tir(name: str) -> str:
@@ -226,6 +307,28 @@ define(
         data_parallel=True,
     ),
     OpDef(
+        Op.UPSAMPLE_NEAREST,
+        {"scale": (2, 2)},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.UPSAMPLE_NEAREST_GRAD, no_saved),
+        reference=_upsample_fwd,
+        frontend=(
+            Pattern("module", ("torch.nn.Upsample",), _upsample_module),
+            Pattern("module", ("torch.nn.UpsamplingNearest2d",), _upsample_module),
+            Pattern(
+                "function",
+                ("torch.nn.functional.interpolate", "torch.nn.functional.upsample"),
+                _interpolate,
+            ),
+            Pattern(
+                "function", ("torch.nn.functional.upsample_nearest",), _upsample_nearest_function
+            ),
+        ),
+        lower={"tir": _tir("upsample_nearest"), "c": "emit:_upsample_nearest"},
+        doc="nearest upsampling by integer factors: each pixel repeated, the exponent kept",
+        data_parallel=True,
+    ),
+    OpDef(
         Op.MAXPOOL2D_GRAD,
         {**_MAXPOOL, "rid": -1},
         reference=_maxpool_grad,
@@ -239,6 +342,14 @@ define(
         reference=_avgpool_grad,
         lower={"tir": _tir("avgpool_grad"), "c": "emit:_avgpool_grad"},
         doc="dy spread evenly over each window",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.UPSAMPLE_NEAREST_GRAD,
+        {"scale": (2, 2), "rid": -1},
+        reference=_upsample_grad,
+        lower={"tir": _tir("upsample_nearest_grad"), "c": "emit:_upsample_nearest_grad"},
+        doc="dy summed over each pixel's block of copies, one compaction",
         data_parallel=True,
     ),
     OpDef(

@@ -560,3 +560,33 @@ def test_model_trains_bit_exact_from_its_cuda_source(name: str, tmp_path: Path) 
     for order in ("forward", "reverse"):
         rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
         assert all(r["exact"] for r in rows), rows
+
+
+class _AsNet(nn.Module):
+    """A conv, its output flattened, then reshaped through `reshape_as` / `view_as` (LeViT's
+    and others' idiom) or through `reshape`."""
+
+    def __init__(self, like: bool) -> None:
+        super().__init__()
+        self.like = like
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        flat = torch.flatten(y, 1)
+        if self.like:
+            return self.fc(y.reshape_as(flat).relu().view_as(flat))
+        return self.fc(y.reshape(flat.shape).relu().view(flat.shape))
+
+
+def test_reshape_as_and_view_as_are_reshapes() -> None:
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 4)
+    sums = []
+    for like in (True, False):
+        torch.manual_seed(0)
+        prog = mexc.compile(_AsNet(like), (torch.zeros(4, 1, 8, 8),), target="reference")
+        assert [n.op for n in prog.graph.nodes].count(Op.RESHAPE) >= 3
+        sums.append([(prog.step(x, y), prog.state_checksum()) for _ in range(2)])
+    assert sums[0] == sums[1]

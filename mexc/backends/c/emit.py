@@ -808,6 +808,27 @@ def _gap_grad(e: _Emit, n: Node) -> None:
     )
 
 
+def _upsample_nearest(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    nn, c, h, w = e.shape(n.inputs[0])
+    sh, sw = n.attrs.scale
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    e.emit(f"mexc_upsample_nearest_forward({nn * c}u, {h}u, {w}u, {sh}u, {sw}u, {x}, {y});")
+
+
+def _upsample_nearest_grad(e: _Emit, n: Node) -> None:
+    dy, ed = _x(e, n, 0)
+    nn, c, h, w = e.shape(n.out)
+    sh, sw = n.attrs.scale
+    dx = e.arena(n.out, "int8_t")
+    edx = e.local_exp(n.out)
+    e.emit(
+        f"{edx} = mexc_upsample_nearest_backward({nn * c}u, {h}u, {w}u, {sh}u, {sw}u, {dy}, "
+        f"{ed}, {dx}, &ctx, {_tid(n)}u);"
+    )
+
+
 def _avgpool(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
     p = _pool_geom(e, n, e.shape(n.inputs[0]))

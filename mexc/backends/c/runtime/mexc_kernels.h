@@ -203,6 +203,13 @@ void mexc_relu6_backward(const int8_t *dy, const int8_t *x, int32_t e, int8_t *d
 /* hardswish (activation.py): y = x relu6(x + 3) / 6 and dx = dy g(x) on the 2^-k grid,
  * k = clamp(-e, 0, 16); compact_to_bits(., 15) (site 0), div_const by 6, compaction (site 1).
  * Return the result's exponent. */
+/* Nearest upsampling by (sh, sw) of `planes` (N C) h x w planes (pool.upsample_nearest_*): the
+ * backward sums each block of dy, compaction site 0. */
+void mexc_upsample_nearest_forward(uint32_t planes, uint32_t h, uint32_t w, uint32_t sh,
+                                   uint32_t sw, const int8_t *x, int8_t *y);
+int32_t mexc_upsample_nearest_backward(uint32_t planes, uint32_t h, uint32_t w, uint32_t sh,
+                                       uint32_t sw, const int8_t *dy, int32_t ed, int8_t *dx,
+                                       const mexc_ctx_t *ctx, uint32_t tid);
 /* LeakyReLU (activation.leaky_relu_*): y = x 2^shift where mask > 0, x num elsewhere, at
  * e - shift, compaction site 0. Forward: mask = x; backward: x = dy, mask = the saved value. */
 int32_t mexc_leaky_relu(const int8_t *x, int32_t e, const int8_t *mask, uint32_t n, int32_t num,

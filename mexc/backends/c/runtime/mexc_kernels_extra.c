@@ -1,5 +1,7 @@
-/* ReLU6, LeakyReLU, Hardswish, average pooling, global average pooling and dropout: the C form of
- * mexc/kernels/activation.py (relu6, leaky_relu, hardswish), pool.py (avgpool2d, global_avgpool) and elementwise.py
+/* ReLU6, LeakyReLU, Hardswish, average pooling, global average pooling, nearest upsampling and
+ * dropout: the C form of
+ * mexc/kernels/activation.py (relu6, leaky_relu, hardswish), pool.py (avgpool2d, global_avgpool,
+ * upsample_nearest) and elementwise.py
  * (dropout). Flat element indices and rounding sites as the numpy kernels. */
 #include "mexc_kernels.h"
 
@@ -350,6 +352,50 @@ int32_t mexc_global_avgpool_backward(uint32_t n, uint32_t c, uint32_t s, const i
                                      int32_t ed, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid)
 {
     return mexc_mean_axis_backward(n * c, s, 1u, dy, ed, dx, ctx, tid);
+}
+
+/* ------------------------------------------------------------------ nearest upsampling (pool.py) */
+
+void mexc_upsample_nearest_forward(uint32_t planes, uint32_t h, uint32_t w, uint32_t sh,
+                                   uint32_t sw, const int8_t *x, int8_t *y)
+{
+    /* y in flat order, no division: every row of x written sh times, every pixel sw times */
+    uint32_t p, i, a, j, b;
+    const int8_t *row;
+    for (p = 0; p < planes; p++)
+        for (i = 0; i < h; i++) {
+            row = x + (p * h + i) * w;
+            for (a = 0; a < sh; a++)
+                for (j = 0; j < w; j++)
+                    for (b = 0; b < sw; b++) *y++ = row[j];
+        }
+}
+
+int32_t mexc_upsample_nearest_backward(uint32_t planes, uint32_t h, uint32_t w, uint32_t sh,
+                                       uint32_t sw, const int8_t *dy, int32_t ed, int8_t *dx,
+                                       const mexc_ctx_t *ctx, uint32_t tid)
+{
+    /* dx[p, i, j] = sum of dy over its (sh, sw) block (|.| <= 128 sh sw), compaction site 0 */
+    const uint32_t wide = w * sw;
+    uint32_t p, i, j, a, b, idx;
+    int32_t acc, e_out = 0;
+    const int8_t *blk;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ed);
+        idx = 0;
+        for (p = 0; p < planes; p++)
+            for (i = 0; i < h; i++)
+                for (j = 0; j < w; j++, idx++) {
+                    blk = dy + (p * h * sh + i * sh) * wide + j * sw;
+                    acc = 0;
+                    for (a = 0; a < sh; a++)
+                        for (b = 0; b < sw; b++) acc += blk[a * wide + b];
+                    mexc_sink_put(&sink, idx, 0u, acc);
+                }
+    }
+    return e_out;
 }
 
 /* ------------------------------------------------------------------ dropout (elementwise.py) */
