@@ -16,6 +16,7 @@ import operator
 import re
 import traceback
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.fx
 from torch import nn
+from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaTracer, manual_meta_overrides
 from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
@@ -367,6 +369,82 @@ class _Tracer(torch.fx.Tracer):
         return _module_handler(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
 
+class _ShapeTracer(MetaTracer, _Tracer):
+    """The second try for a model whose Python branches on shapes (timm's MobileViT: `if
+    new_h != H`), which plain symbolic tracing cannot follow: torch.fx's MetaTracer carries a
+    meta tensor with every proxy, so `x.shape` and `x.size()` are the example's ints and such a
+    branch goes the way the example takes it. The graph is for the example's shape, as every
+    mexc graph is; a branch on tensor values still fails."""
+
+    def create_proxy(
+        self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **named: Any
+    ) -> Any:
+        """MetaTracer's proxy, with its meta result computed again where MetaTracer could not
+        because an argument was a real tensor (a module buffer that F.batch_norm reads)."""
+        rv = super().create_proxy(kind, target, args, kwargs, *rest, **named)
+        if kind not in ("call_function", "call_method", "call_module"):
+            return rv
+        if getattr(rv, "_tensor_meta", None) is not None:
+            return rv
+        self._disable_module_getattr = True  # the module's own tensors, not proxies of them
+        try:
+            a, k = torch.fx.node.map_aggregate((args, kwargs), _as_meta)
+            if kind == "call_function":
+                meta = manual_meta_overrides.get(target, target)(*a, **k)
+            elif kind == "call_method":
+                meta = getattr(a[0], target)(*a[1:], **k)
+            else:
+                meta = _on_meta(self.root.get_submodule(target)).forward(*a, **k)
+        except Exception:  # noqa: BLE001 - no meta: shapes stay symbolic there
+            return rv
+        finally:
+            self._disable_module_getattr = False
+        if isinstance(meta, torch.Tensor):
+            rv.install_tensor_meta(meta)
+        return rv
+
+
+def _on_meta(mod: nn.Module) -> nn.Module:
+    """A shallow copy of leaf module `mod` with its parameters and buffers on the meta device
+    (no data copied: a large Linear costs nothing)."""
+    meta = copy.copy(mod)
+    meta._parameters = {
+        k: None if v is None else nn.Parameter(v.to("meta"), v.requires_grad)
+        for k, v in mod._parameters.items()
+    }
+    meta._buffers = {k: None if v is None else v.to("meta") for k, v in mod._buffers.items()}
+    return meta
+
+
+def _as_meta(v: Any) -> Any:
+    """A traced value's meta tensor, a real tensor moved to the meta device."""
+    if isinstance(v, MetaDeviceAttribute):
+        return "meta"
+    if isinstance(v, torch.fx.Proxy):
+        meta = getattr(v, "_tensor_meta", None)
+        if meta is None:
+            raise ValueError("no meta")
+        return meta
+    return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+
+def _trace_with_shapes(
+    tracer: _ShapeTracer, model: nn.Module, example: torch.Tensor, concrete: dict[str, Any]
+) -> torch.fx.Graph | None:
+    """The graph of `model` traced with the example's shapes known, or None if that fails too
+    (the first try's error is the one to report)."""
+    first = next(iter(inspect.signature(model.forward).parameters))
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            # MetaTracer warns for every call whose meta result it cannot compute; the
+            # shape propagation after tracing reports what matters
+            warnings.simplefilter("ignore")
+            meta = {first: example.to("meta")}
+            return tracer.trace(model, meta_args=meta, concrete_args=concrete or None)
+    except Exception:  # noqa: BLE001 - any failure: report the first try's
+        return None
+
+
 def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     """symbolic_trace with source locations and a clear error for dynamic control flow."""
     tracer = _Tracer()
@@ -376,12 +454,17 @@ def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
-    except torch.fx.proxy.TraceError as err:
-        raise TraceError(_control_flow_message(model, err)) from None
     except Exception as err:  # noqa: BLE001 - anything symbolic tracing trips over
-        if "symbolically traced variables" in str(err) or "Proxy" in type(err).__name__:
+        control_flow = isinstance(err, torch.fx.proxy.TraceError) or (
+            "symbolically traced variables" in str(err) or "Proxy" in type(err).__name__
+        )
+        if not control_flow:
+            raise
+        tracer = _ShapeTracer()
+        traced = _trace_with_shapes(tracer, model, example, concrete)
+        if traced is None:
             raise TraceError(_control_flow_message(model, err)) from None
-        raise
+        graph = traced
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     if _propagate_on_meta(gm, example):
         return gm
