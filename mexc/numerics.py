@@ -606,6 +606,35 @@ SILU_GRAD_TABLE = LookupTable.build(
     -(1 << 15),
     1 << 15,
 )
+# tanh on [-4, 4) at 1/32 (past it the clamped index gives tanh(+-3.97), within 7e-4 of +-1),
+# its derivative 1 - tanh^2 there; values at 2^-15
+TANH_IN_EXP = -5
+TANH_TABLE = LookupTable.build("tanh", math.tanh, TANH_IN_EXP, -15, -(1 << 15), 1 << 15)
+TANH_GRAD_TABLE = LookupTable.build(
+    "tanh_grad", lambda v: 1.0 - math.tanh(v) ** 2, TANH_IN_EXP, -15, 0, 1 << 15
+)
+
+
+def _softplus(v: float) -> float:
+    return max(v, 0.0) + math.log1p(math.exp(-abs(v)))
+
+
+def _mish_factor(v: float) -> float:
+    return math.tanh(_softplus(v))
+
+
+def _mish_grad(v: float) -> float:
+    """d/dx x tanh(softplus(x)) = m + x (1 - m^2) sigmoid(x), m = tanh(softplus(x))."""
+    m = _mish_factor(v)
+    return m + v * (1.0 - m * m) / (1.0 + math.exp(-v))
+
+
+# Mish (x tanh(softplus(x))) as SiLU is: x times a table of x on [-8, 8) at 1/16, the factor at
+# 2^-15, the derivative (in [-0.12, 1.09]) at 2^-14
+MISH_TABLE = LookupTable.build("mish", _mish_factor, SIGMOID_IN_EXP, -15, 0, 1 << 15)
+MISH_GRAD_TABLE = LookupTable.build(
+    "mish_grad", _mish_grad, SIGMOID_IN_EXP, -14, -(1 << 15), 1 << 15
+)
 EXP_IN_EXP = -4  # exp(x) for x in [-8, 0]; positive indices are never used (x <= 0)
 EXP_OUT_EXP = -15
 EXP_TABLE = LookupTable.build(

@@ -12,6 +12,8 @@ from mexc.kernels.activation import (
     leaky_relu_backward,
     leaky_relu_forward,
     leaky_slope,
+    mish_backward,
+    mish_forward,
     relu6_backward,
     relu6_cap,
     relu6_forward,
@@ -21,6 +23,8 @@ from mexc.kernels.activation import (
     sigmoid_forward,
     silu_backward,
     silu_forward,
+    tanh_backward,
+    tanh_forward,
 )
 from mexc.kernels.conv import (
     conv2d_accumulate,
@@ -84,6 +88,10 @@ __all__ = [
     "leaky_relu_backward",
     "leaky_relu_forward",
     "leaky_slope",
+    "mish_backward",
+    "mish_forward",
+    "tanh_backward",
+    "tanh_forward",
     "avgpool2d_backward",
     "avgpool2d_forward",
     "batchnorm_affine",

@@ -1,4 +1,5 @@
-"""ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid and SiLU, and their gradients."""
+"""ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU, tanh and Mish, and their
+gradients."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from mexc.kernels._common import (
 )
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import (
+    MISH_GRAD_TABLE,
+    MISH_TABLE,
     SIGMOID_GRAD_TABLE,
     SIGMOID_TABLE,
     SILU_GRAD_TABLE,
+    TANH_GRAD_TABLE,
+    TANH_TABLE,
     FixedScalar,
     LookupTable,
     Reciprocal,
@@ -223,3 +228,19 @@ def silu_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
 
 def silu_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
     return table_product(dy, x, SILU_GRAD_TABLE, ctx, tid)
+
+
+def tanh_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(None, x, TANH_TABLE, ctx, tid)
+
+
+def tanh_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(dy, x, TANH_GRAD_TABLE, ctx, tid)
+
+
+def mish_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(x, x, MISH_TABLE, ctx, tid)
+
+
+def mish_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
+    return table_product(dy, x, MISH_GRAD_TABLE, ctx, tid)

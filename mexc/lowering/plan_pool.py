@@ -26,9 +26,13 @@ from mexc.lowering.plan_core import (
 from mexc.lowering.te_products import IntPair, _pair
 from mexc.numerics import (
     CONTAINER_BITS,
+    MISH_GRAD_TABLE,
+    MISH_TABLE,
     SIGMOID_GRAD_TABLE,
     SIGMOID_TABLE,
     SILU_GRAD_TABLE,
+    TANH_GRAD_TABLE,
+    TANH_TABLE,
     FixedScalar,
     LookupTable,
     ceil_log2,
@@ -254,6 +258,18 @@ class PoolRules(PlanBuilder):
 
     def silu_grad(self, n: Node) -> None:
         self._table_product(n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
+
+    def tanh(self, n: Node) -> None:
+        self._table_product(n, None, n.inputs[0], TANH_TABLE)
+
+    def tanh_grad(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[1], TANH_GRAD_TABLE)
+
+    def mish(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[0], MISH_TABLE)
+
+    def mish_grad(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[1], MISH_GRAD_TABLE)
 
     def avgpool_grad(self, n: Node) -> None:
         dy = n.inputs[0]

@@ -1,5 +1,5 @@
-"""Activations: ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU and GELU, and their
-gradients."""
+"""Activations: ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU, tanh, Mish and
+GELU, and their gradients."""
 
 from __future__ import annotations
 
@@ -123,6 +123,22 @@ def _silu(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _silu_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.silu_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _tanh(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.tanh_forward(a[0], env.ctx, tid(n)),)
+
+
+def _tanh_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.tanh_backward(a[0], a[1], env.ctx, tid(n)),)
+
+
+def _mish(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.mish_forward(a[0], env.ctx, tid(n)),)
+
+
+def _mish_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.mish_backward(a[0], a[1], env.ctx, tid(n)),)
 
 
 def _tir(name: str) -> str:
@@ -258,6 +274,55 @@ define(
         ),
         lower={"tir": _tir("silu"), "c": "emit:_silu"},
         doc="x sigmoid(x): the mantissa times the sigmoid table, one compaction",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.TANH,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.TANH_GRAD, lambda n: n.inputs[0]),
+        reference=_tanh,
+        frontend=(
+            Pattern("module", ("torch.nn.Tanh",), unary_module(Op.TANH)),
+            Pattern(
+                "function",
+                ("torch.tanh", "torch.nn.functional.tanh"),
+                unary_function(Op.TANH),
+            ),
+            Pattern("method", ("tanh",), unary_function(Op.TANH)),
+        ),
+        lower={"tir": _tir("tanh"), "c": "emit:_tanh"},
+        doc="tanh through an integer table at 2^-15 (docs/numerics.md)",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.MISH,
+        {"rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.MISH_GRAD, lambda n: n.inputs[0]),
+        reference=_mish,
+        frontend=(
+            Pattern("module", ("torch.nn.Mish",), unary_module(Op.MISH)),
+            Pattern("function", ("torch.nn.functional.mish",), unary_function(Op.MISH)),
+        ),
+        lower={"tir": _tir("mish"), "c": "emit:_mish"},
+        doc="x tanh(softplus(x)): the mantissa times a table, one compaction (as SiLU)",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.TANH_GRAD,
+        {"rid": -1},
+        reference=_tanh_grad,
+        lower={"tir": _tir("tanh_grad"), "c": "emit:_tanh_grad"},
+        doc="dy (1 - tanh(x)^2) through a table",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.MISH_GRAD,
+        {"rid": -1},
+        reference=_mish_grad,
+        lower={"tir": _tir("mish_grad"), "c": "emit:_mish_grad"},
+        doc="dy Mish'(x) through a table",
         data_parallel=True,
     ),
     OpDef(

@@ -29,9 +29,13 @@ from mexc.kernels.norm import _eps_fixed
 from mexc.lowering.te_products import ConvGeom
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import (
+    MISH_GRAD_TABLE,
+    MISH_TABLE,
     SIGMOID_GRAD_TABLE,
     SIGMOID_TABLE,
     SILU_GRAD_TABLE,
+    TANH_GRAD_TABLE,
+    TANH_TABLE,
     FixedScalar,
     LookupTable,
     product_cap,
@@ -949,6 +953,22 @@ def _silu(e: _Emit, n: Node) -> None:
 
 def _silu_grad(e: _Emit, n: Node) -> None:
     _table_product(e, n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
+
+
+def _tanh(e: _Emit, n: Node) -> None:
+    _table_product(e, n, None, n.inputs[0], TANH_TABLE)
+
+
+def _tanh_grad(e: _Emit, n: Node) -> None:
+    _table_product(e, n, n.inputs[0], n.inputs[1], TANH_GRAD_TABLE)
+
+
+def _mish(e: _Emit, n: Node) -> None:
+    _table_product(e, n, n.inputs[0], n.inputs[0], MISH_TABLE)
+
+
+def _mish_grad(e: _Emit, n: Node) -> None:
+    _table_product(e, n, n.inputs[0], n.inputs[1], MISH_GRAD_TABLE)
 
 
 def _gelu(e: _Emit, n: Node) -> None:
