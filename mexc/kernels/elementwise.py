@@ -62,9 +62,12 @@ DROPOUT_MODES = ("element", "row", "batch")
 
 
 def dropout_group(shape: tuple[int, ...], mode: str) -> int:
-    """Elements per keep decision: 1 (dropout), a sample (stochastic depth, torchvision's "row"
-    mode), or the whole batch ("batch")."""
+    """Elements per keep decision: 1 (dropout), a channel of a sample (Dropout1d/2d/3d:
+    "channel"), a sample (stochastic depth, torchvision's "row" mode), or the whole batch
+    ("batch")."""
     size = int(np.prod(shape, dtype=np.int64))
+    if mode == "channel":
+        return size // max(shape[0] * shape[1], 1)
     return {"element": 1, "row": size // max(shape[0], 1), "batch": size}[mode]
 
 

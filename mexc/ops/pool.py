@@ -166,12 +166,13 @@ def _pool_function(op: Op) -> Callable[..., Value]:
     return convert
 
 
-def _adaptive(c: Any, n: Any, x: Any) -> Value:
-    """adaptive_avg_pool2d where every window has one size: output 1 x 1 (the global pool),
-    an output size that divides the input's (an average pool of kernel = stride), or a multiple
-    of it (each output reads one input pixel: nearest upsampling), per axis."""
+def _adaptive(c: Any, n: Any, x: Any, op: Op = Op.AVGPOOL2D) -> Value:
+    """adaptive_avg_pool2d (op AVGPOOL2D) or adaptive_max_pool2d (MAXPOOL2D) where every
+    window has one size: per axis, an output size that divides the input's is a pool of kernel
+    = stride = in / out (an average pool to 1 x 1: the global pool), and a multiple of it is
+    nearest upsampling (each output reads one input pixel)."""
     (h, w), (oh, ow) = c.shape(x)[2:], c.shape(n)[2:]
-    if (oh, ow) == (1, 1):
+    if op is Op.AVGPOOL2D and (oh, ow) == (1, 1):
         return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(x)], n)
     kernel, up = [1, 1], [1, 1]
     for axis, (size, out) in enumerate(((h, oh), (w, ow))):
@@ -183,18 +184,19 @@ def _adaptive(c: Any, n: Any, x: Any) -> Value:
             raise UnsupportedOpError(
                 c.describe(
                     n,
-                    f"pools {h}x{w} to {oh}x{ow}: mexc lowers adaptive average pooling where "
-                    "each output size divides the input's or is a multiple of it (windows of "
-                    "one size); change the input size or the output size",
+                    f"pools {h}x{w} to {oh}x{ow}: mexc lowers adaptive pooling where each "
+                    "output size divides the input's or is a multiple of it (windows of one "
+                    "size); change the input size or the output size",
                 )
             )
     v = c.arg(x)
     if kernel != [1, 1]:
         k = tuple(kernel)
+        geometry: dict[str, Any] = {"kernel": k, "stride": k, "padding": (0, 0)}
         if up == [1, 1]:
-            return c.emit(Op.AVGPOOL2D, [v], n, kernel=k, stride=k, padding=(0, 0))
+            return c.emit(op, [v], n, **geometry)
         mid = (*c.shape(x)[:2], h // kernel[0], w // kernel[1])
-        v = c.emit_as(Op.AVGPOOL2D, [v], mid, kernel=k, stride=k, padding=(0, 0))
+        v = c.emit_as(op, [v], mid, **geometry)
     if up == [1, 1]:
         return v  # output size = input size
     return c.emit(Op.UPSAMPLE_NEAREST, [v], n, scale=tuple(up))
@@ -206,6 +208,18 @@ def _adaptive_module(c: Any, n: Any, m: Any) -> Value:
 
 def _adaptive_function(c: Any, n: Any) -> Value:
     return _adaptive(c, n, n.args[0])
+
+
+def _adaptive_max_module(c: Any, n: Any, m: Any) -> Value:
+    if m.return_indices:
+        raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
+    return _adaptive(c, n, n.args[0], Op.MAXPOOL2D)
+
+
+def _adaptive_max_function(c: Any, n: Any) -> Value:
+    if (n.args[2] if len(n.args) > 2 else n.kwargs.get("return_indices", False)) is True:
+        raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
+    return _adaptive(c, n, n.args[0], Op.MAXPOOL2D)
 
 
 def _upsample(c: Any, n: Any, mode: Any) -> Value:
@@ -273,6 +287,10 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.MaxPool2d",), _pool_module(Op.MAXPOOL2D)),
             Pattern("function", ("torch.nn.functional.max_pool2d",), _pool_function(Op.MAXPOOL2D)),
+            Pattern("module", ("torch.nn.AdaptiveMaxPool2d",), _adaptive_max_module),
+            Pattern(
+                "function", ("torch.nn.functional.adaptive_max_pool2d",), _adaptive_max_function
+            ),
         ),
         lower={"tir": _tir("maxpool"), "c": "emit:_maxpool"},
         doc="max pooling; the second result is the argmax offset in its window",

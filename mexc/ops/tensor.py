@@ -3,6 +3,7 @@ token means, and their gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -294,6 +295,26 @@ def _dropout_function(c: Any, n: Any) -> Value:
     return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=p)
 
 
+def _channel_dropout(c: Any, n: Any, x: Any, p: float) -> Value:
+    """Dropout1d / 2d / 3d: whole channels of each sample kept or zeroed (mode "channel")."""
+    if len(c.shape(x)) < 3:
+        raise UnsupportedOpError(
+            c.describe(n, "drops channels of an unbatched or 2-D input; give it (N, C, ...)")
+        )
+    if p == 0.0:
+        return c.arg(x)
+    return c.emit(Op.DROPOUT, [c.arg(x)], n, p=p, mode="channel")
+
+
+def _channel_dropout_module(c: Any, n: Any, m: Any) -> Value:
+    return _channel_dropout(c, n, n.args[0], float(m.p))
+
+
+def _channel_dropout_function(c: Any, n: Any) -> Value:
+    p = float(n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))
+    return _channel_dropout(c, n, n.args[0], p)
+
+
 def _stochastic_depth(c: Any, n: Any) -> Value:
     """torchvision.ops.stochastic_depth(x, p, mode, training): whole samples (mode "row") or
     the whole batch ("batch") dropped with probability p in training, as torchvision does when
@@ -383,6 +404,67 @@ def _permute(c: Any, n: Any) -> Value:
     dims = n.args[1:] if not isinstance(n.args[1], (list, tuple)) else n.args[1]
     perm = tuple(static_int(d) % rank for d in dims)
     return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=perm)
+
+
+def _rearrange(c: Any, n: Any, x: Any, split: tuple[int, ...], perm: tuple[int, ...]) -> Value:
+    """x reshaped to `split`, permuted by `perm` and reshaped to n's result: the pixel and
+    channel shuffles, which only move mantissas (one exponent)."""
+    v = c.emit_as(Op.RESHAPE, [c.arg(x)], split, shape=split)
+    moved = tuple(split[p] for p in perm)
+    v = c.emit_as(Op.TRANSPOSE, [v], moved, perm=perm)
+    return c.emit(Op.RESHAPE, [v], n, shape=tuple(c.shape(n)))
+
+
+def _four_d(c: Any, n: Any, x: Any) -> tuple[int, int, int, int]:
+    shape = tuple(c.shape(x))
+    if len(shape) != 4:
+        raise UnsupportedOpError(
+            c.describe(n, f"rearranges a {len(shape)}-D tensor; give it (N, C, H, W)")
+        )
+    return shape
+
+
+def _pixel_shuffle(c: Any, n: Any, x: Any, r: int) -> Value:
+    """(N, C r^2, H, W) -> (N, C, H r, W r)."""
+    b, ch, h, w = _four_d(c, n, x)
+    return _rearrange(c, n, x, (b, ch // (r * r), r, r, h, w), (0, 1, 4, 2, 5, 3))
+
+
+def _pixel_unshuffle(c: Any, n: Any, x: Any, r: int) -> Value:
+    """(N, C, H r, W r) -> (N, C r^2, H, W)."""
+    b, ch, h, w = _four_d(c, n, x)
+    return _rearrange(c, n, x, (b, ch, h // r, r, w // r, r), (0, 1, 3, 5, 2, 4))
+
+
+def _channel_shuffle(c: Any, n: Any, x: Any, groups: int) -> Value:
+    """(N, C, H, W): channel g (C / groups) + i moves to i groups + g (ShuffleNet)."""
+    b, ch, h, w = _four_d(c, n, x)
+    return _rearrange(c, n, x, (b, groups, ch // groups, h, w), (0, 2, 1, 3, 4))
+
+
+def _shuffle_module(kind: str) -> Callable[..., Value]:
+    def convert(c: Any, n: Any, m: Any) -> Value:
+        if kind == "pixel":
+            return _pixel_shuffle(c, n, n.args[0], int(m.upscale_factor))
+        if kind == "unpixel":
+            return _pixel_unshuffle(c, n, n.args[0], int(m.downscale_factor))
+        return _channel_shuffle(c, n, n.args[0], int(m.groups))
+
+    return convert
+
+
+def _shuffle_function(kind: str) -> Callable[..., Value]:
+    names = {"pixel": "upscale_factor", "unpixel": "downscale_factor", "channel": "groups"}
+
+    def convert(c: Any, n: Any) -> Value:
+        k = static_int(n.args[1] if len(n.args) > 1 else n.kwargs[names[kind]])
+        if kind == "pixel":
+            return _pixel_shuffle(c, n, n.args[0], k)
+        if kind == "unpixel":
+            return _pixel_unshuffle(c, n, n.args[0], k)
+        return _channel_shuffle(c, n, n.args[0], k)
+
+    return convert
 
 
 def _transpose_two(c: Any, n: Any) -> Value:
@@ -493,9 +575,24 @@ define(
                 _stochastic_depth,
             ),
             Pattern("module", ("timm.layers.drop.DropPath",), _drop_path_module),
+            Pattern(
+                "module",
+                ("torch.nn.Dropout1d", "torch.nn.Dropout2d", "torch.nn.Dropout3d"),
+                _channel_dropout_module,
+            ),
+            Pattern(
+                "function",
+                (
+                    "torch.nn.functional.dropout1d",
+                    "torch.nn.functional.dropout2d",
+                    "torch.nn.functional.dropout3d",
+                ),
+                _channel_dropout_function,
+            ),
         ),
         lower={"tir": _tir("dropout"), "tir_eval": _tir("dropout_eval"), "c": "emit:_dropout"},
-        doc="inverted dropout, or stochastic depth (one keep decision per sample), from the PRNG",
+        doc="inverted dropout, Dropout2d (one keep decision per channel) or stochastic depth "
+        "(per sample), from the PRNG",
         data_parallel=True,
     ),
     OpDef(
@@ -536,6 +633,24 @@ define(
             Pattern("method", ("permute",), _permute),
             Pattern("function", ("torch.transpose",), _transpose_two),
             Pattern("method", ("transpose",), _transpose_two),
+            Pattern("module", ("torch.nn.PixelShuffle",), _shuffle_module("pixel")),
+            Pattern("module", ("torch.nn.PixelUnshuffle",), _shuffle_module("unpixel")),
+            Pattern("module", ("torch.nn.ChannelShuffle",), _shuffle_module("channel")),
+            Pattern(
+                "function",
+                ("torch.pixel_shuffle", "torch.nn.functional.pixel_shuffle"),
+                _shuffle_function("pixel"),
+            ),
+            Pattern(
+                "function",
+                ("torch.pixel_unshuffle", "torch.nn.functional.pixel_unshuffle"),
+                _shuffle_function("unpixel"),
+            ),
+            Pattern(
+                "function",
+                ("torch.channel_shuffle", "torch.nn.functional.channel_shuffle"),
+                _shuffle_function("channel"),
+            ),
         ),
         lower={"tir": _tir("transpose"), "c": "emit:_transpose"},
         doc="axis permutation of the mantissas",

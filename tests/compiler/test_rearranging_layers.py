@@ -1,0 +1,148 @@
+"""Layers made of existing ops: channel dropout (nn.Dropout1d/2d/3d: dropout with one keep
+decision per channel), adaptive max pooling (max pooling and/or nearest upsampling), and the
+pixel and channel shuffles (reshape, transpose, reshape). Each against torch where it is exact,
+and one model with all of them trained bit-exact on every backend: reference, llvm, C, and the
+CUDA artifact's own source on the CPU emulator."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mexc
+from mexc import kernels as K
+from mexc.ir import Op
+from mexc.kernels.elementwise import dropout_group
+from mexc.mx import MX, RoundCtx
+from tests.compiler.helpers import step_values
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
+
+
+def test_channel_dropout_keeps_or_drops_whole_channels() -> None:
+    x = MX.of(np.ones((8, 16, 3, 5), np.int8), -3)
+    per = dropout_group(x.shape, "channel")
+    assert per == 15
+    y, mask = K.dropout_forward(x, 0.5, RoundCtx("stochastic", 4, 0, 8), 0, per)
+    planes = np.asarray(y.m).reshape(8 * 16, 15)
+    kept = planes.all(axis=1)
+    assert (kept | ~planes.any(axis=1)).all()  # each channel all kept or all zero
+    assert 40 <= kept.sum() <= 88  # about half of 128
+    assert (np.asarray(mask).reshape(128, 15) == kept[:, None]).all()
+
+
+def _graph_ops(layer: nn.Module, shape: tuple[int, ...]) -> list[Op]:
+    model = nn.Sequential(layer, nn.Flatten(), nn.LazyLinear(3))
+    model(torch.zeros(2, *shape))
+    g = mexc.compile(model, (torch.zeros(2, *shape),), target="reference").graph
+    return [n.op for n in g.nodes if n.op in (Op.MAXPOOL2D, Op.UPSAMPLE_NEAREST, Op.DROPOUT)]
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape", "ops"),
+    [
+        (nn.AdaptiveMaxPool2d(1), (2, 5, 7), [Op.MAXPOOL2D]),
+        (nn.AdaptiveMaxPool2d((2, 6)), (2, 16, 24), [Op.MAXPOOL2D]),
+        (nn.AdaptiveMaxPool2d(8), (2, 4, 4), [Op.UPSAMPLE_NEAREST]),
+        (nn.Dropout2d(0.3), (2, 4, 4), [Op.DROPOUT]),
+        (nn.Dropout1d(0.3), (2, 4), [Op.DROPOUT]),
+    ],
+)
+def test_layers_become_existing_ops(
+    layer: nn.Module, shape: tuple[int, ...], ops: list[Op]
+) -> None:
+    assert _graph_ops(layer, shape) == ops
+
+
+def test_adaptive_max_pool_is_torchs_and_refuses_indices() -> None:
+    x = torch.randn(2, 3, 16, 24)
+    pooled = F.max_pool2d(x, (8, 4))
+    assert torch.equal(pooled, F.adaptive_max_pool2d(x, (2, 6)))
+    model = nn.Sequential(nn.AdaptiveMaxPool2d(2, return_indices=True))
+    with pytest.raises(mexc.UnsupportedOpError, match="returns indices"):
+        mexc.compile(model, (torch.zeros(2, 2, 4, 4),))
+
+
+class ShuffleNet(nn.Module):
+    """Convolutions around a pixel shuffle and unshuffle (sub-pixel upsampling, space to depth),
+    a channel shuffle and channel dropout, then adaptive max pooling to 2 x 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.drop = nn.Dropout2d(0.25)
+        self.up = nn.PixelShuffle(2)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.shuffle = nn.ChannelShuffle(4)
+        self.pool = nn.AdaptiveMaxPool2d(2)
+        self.fc = nn.Linear(16 * 2 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.up(self.drop(F.relu(self.conv1(x))))  # 16 x 8 x 8 -> 4 x 16 x 16
+        x = F.pixel_unshuffle(self.conv2(x), 2)  # 16 x 8 x 8
+        x = F.channel_shuffle(self.shuffle(x), 2)
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _program(target: str, bits: int = 8) -> mexc.Program:
+    torch.manual_seed(0)
+    opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+    return mexc.compile(
+        ShuffleNet(), (torch.zeros(4, 1, 8, 8),), optimizer=opt, target=target, bits=bits
+    )
+
+
+def _batch() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, 1, 8, 8)).astype(np.float32) * 2, rng.integers(0, 10, 4)
+
+
+def test_shuffles_move_mantissas_as_torch_does() -> None:
+    prog = _program("reference")
+    values = step_values(prog, *_batch())
+    nodes = list(prog.graph.nodes)
+    drop = next(n for n in nodes if n.op is Op.DROPOUT)
+    shuffled = next(
+        n for n in nodes if n.op is Op.RESHAPE and tuple(n.type.shape) == (4, 4, 16, 16)
+    )
+    dropped = np.asarray(values[drop.out].m).astype(np.int64)
+    want = F.pixel_shuffle(torch.from_numpy(dropped), 2).numpy()
+    np.testing.assert_array_equal(np.asarray(values[shuffled.out].m), want)
+    assert (want == 0).any() and (want != 0).any()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
+    ref = _program("reference", bits)
+    want = _train(ref)
+    assert len(set(want)) == 3
+    assert _train(_program("llvm", bits)) == want
+    assert _train(_program("c", bits)) == want
+
+
+def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
+    x, y = _batch()
+    checksums = []
+    for _ in range(steps):
+        prog.step(x, y)
+        checksums.append(prog.state_checksum())
+    return checksums
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
+
+    build_step(_program("reference"), ("sm_80",), tmp_path)
+    for order in ("forward", "reverse"):
+        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
+        assert all(r["exact"] for r in rows), rows
