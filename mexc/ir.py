@@ -56,6 +56,7 @@ class Op(enum.Enum):
     SCALE = "scale"
     TRANSPOSE = "transpose"
     SLICE = "slice"
+    PAD = "pad"
     ADD_PARAM = "add_param"
     MEAN_TOKENS = "mean_tokens"
     CONCAT = "concat"

@@ -467,6 +467,42 @@ def _shuffle_function(kind: str) -> Callable[..., Value]:
     return convert
 
 
+def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any = None) -> Value:
+    """Zero padding as torch.nn.functional.pad takes it (last axis first, (before, after) per
+    axis; negative: cropped): a slice per cropped axis, a `pad` per padded one."""
+    if mode != "constant" or value not in (None, 0, 0.0):
+        what = f"mode {mode!r}" if mode != "constant" else f"the value {value!r}"
+        raise UnsupportedOpError(
+            c.describe(n, f"pads with {what}; mexc lowers zero padding (mode 'constant', 0)")
+        )
+    pads = [static_int(p) for p in pads]
+    shape = list(c.shape(x))
+    if len(pads) % 2 or len(pads) // 2 > len(shape) - 1:
+        raise UnsupportedOpError(c.describe(n, f"pads {pads}: the batch axis stays as it is"))
+    v = c.arg(x)
+    for i in range(len(pads) // 2):
+        dim, before, after = len(shape) - 1 - i, pads[2 * i], pads[2 * i + 1]
+        if before < 0 or after < 0:
+            start, stop = max(-before, 0), shape[dim] - max(-after, 0)
+            shape[dim] = stop - start
+            v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
+            before, after = max(before, 0), max(after, 0)
+        if before or after:
+            inner = shape[dim]
+            shape[dim] = inner + before + after
+            v = c.emit_as(Op.PAD, [v], tuple(shape), dim=dim, start=before, stop=before + inner)
+    return v
+
+
+def _pad_function(c: Any, n: Any) -> Value:
+    args = dict(zip(("input", "pad", "mode", "value"), n.args)) | dict(n.kwargs)
+    return _pad(c, n, args["input"], args["pad"], args.get("mode", "constant"), args.get("value"))
+
+
+def _pad_module(c: Any, n: Any, m: Any) -> Value:
+    return _pad(c, n, n.args[0], m.padding, "constant", getattr(m, "value", 0))
+
+
 def _transpose_two(c: Any, n: Any) -> Value:
     x = n.args[0]
     rank = len(c.shape(x))
@@ -664,6 +700,31 @@ define(
         reference=_slice,
         lower={"tir": _tir("slice"), "c": "emit:_slice"},
         doc="[start, stop) along one axis (the frontend makes it from chunk)",
+        moves_batch=sliced_batch_axis,
+    ),
+    OpDef(
+        Op.PAD,
+        {"dim": 0, "start": 0, "stop": 0},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.SLICE, no_saved),
+        reference=_slice_grad,  # x placed into zeros: the slice's gradient, and its kernels
+        frontend=(
+            Pattern("function", ("torch.nn.functional.pad",), _pad_function),
+            Pattern(
+                "module",
+                (
+                    "torch.nn.ZeroPad1d",
+                    "torch.nn.ZeroPad2d",
+                    "torch.nn.ZeroPad3d",
+                    "torch.nn.ConstantPad1d",
+                    "torch.nn.ConstantPad2d",
+                    "torch.nn.ConstantPad3d",
+                ),
+                _pad_module,
+            ),
+        ),
+        lower={"tir": _tir("slice_grad"), "c": "emit:_slice_grad"},
+        doc="zero padding along one axis: x placed into zeros at [start, stop)",
         moves_batch=sliced_batch_axis,
     ),
     OpDef(

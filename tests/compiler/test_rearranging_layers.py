@@ -1,8 +1,9 @@
 """Layers made of existing ops: channel dropout (nn.Dropout1d/2d/3d: dropout with one keep
-decision per channel), adaptive max pooling (max pooling and/or nearest upsampling), and the
-pixel and channel shuffles (reshape, transpose, reshape). Each against torch where it is exact,
-and one model with all of them trained bit-exact on every backend: reference, llvm, C, and the
-CUDA artifact's own source on the CPU emulator."""
+decision per channel), adaptive max pooling (max pooling and/or nearest upsampling), the
+pixel and channel shuffles (reshape, transpose, reshape), and zero padding (F.pad, ZeroPad2d:
+`pad`, whose kernels are the slice gradient's, and slices where it crops). Each against torch
+where it is exact, and one model with all of them trained bit-exact on every backend:
+reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_adaptive_max_pool_is_torchs_and_refuses_indices() -> None:
 
 class ShuffleNet(nn.Module):
     """Convolutions around a pixel shuffle and unshuffle (sub-pixel upsampling, space to depth),
-    a channel shuffle and channel dropout, then adaptive max pooling to 2 x 2."""
+    zero padding that pads and crops, a channel shuffle and channel dropout, then adaptive max
+    pooling to 2 x 2."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,15 +82,64 @@ class ShuffleNet(nn.Module):
         self.drop = nn.Dropout2d(0.25)
         self.up = nn.PixelShuffle(2)
         self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.crop = nn.ZeroPad2d((0, 0, 0, -1))
         self.shuffle = nn.ChannelShuffle(4)
         self.pool = nn.AdaptiveMaxPool2d(2)
         self.fc = nn.Linear(16 * 2 * 2, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.up(self.drop(F.relu(self.conv1(x))))  # 16 x 8 x 8 -> 4 x 16 x 16
-        x = F.pixel_unshuffle(self.conv2(x), 2)  # 16 x 8 x 8
+        x = F.pad(self.conv2(x), (1, -1, 2, 0))  # 4 x 18 x 16 (TF's "same" padding)
+        x = self.crop(F.pixel_unshuffle(x, 2))  # 16 x 9 x 8 -> 16 x 8 x 8
         x = F.channel_shuffle(self.shuffle(x), 2)
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+@pytest.mark.parametrize(
+    ("pads", "layer"),
+    [((1, 2), None), ((0, 1, 3, 0), None), ((2, -1, -1, 1), None), (None, nn.ZeroPad2d(1))],
+)
+def test_zero_padding_is_torchs(pads: tuple[int, ...] | None, layer: nn.Module | None) -> None:
+    """The padded mantissas (the input quantized, then padded) are torch's F.pad of them, and
+    the gradient of a padded tensor is the slice of dy."""
+    pad = layer if layer is not None else _Pad(pads)
+    model = nn.Sequential(pad, nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(2, 2, 4, 5)
+    model(x)
+    prog = mexc.compile(model, (x,), target="reference")
+    nodes = list(prog.graph.nodes)
+    assert {Op.PAD, Op.SLICE} & {n.op for n in nodes}
+    values = step_values(prog, x.numpy(), np.array([0, 1]))
+    q = next(n for n in nodes if n.op is Op.QUANTIZE)
+    padded = next(n for n in nodes if n.op is Op.RESHAPE)  # the flatten reads the padding
+    m = torch.from_numpy(np.asarray(values[q.out].m).astype(np.int64))
+    want = layer(m) if layer is not None else F.pad(m, pads)
+    got = np.asarray(values[padded.inputs[0]].m)
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+class _Pad(nn.Module):
+    def __init__(self, pads: tuple[int, ...] | None) -> None:
+        super().__init__()
+        self.pads = pads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, self.pads)
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        (nn.ReflectionPad2d(1), "Unsupported op ReflectionPad2d"),
+        (nn.ConstantPad2d(1, 0.5), "pads with the value 0.5"),
+        (_Pad((0, 0, 0, 0, 1, 1, 0, 0)), "the batch axis stays"),
+    ],
+)
+def test_other_padding_is_refused(layer: nn.Module, message: str) -> None:
+    model = nn.Sequential(layer, nn.Flatten(), nn.LazyLinear(3))
+    model(torch.zeros(2, 2, 4, 4))
+    with pytest.raises(mexc.UnsupportedOpError, match=message):
+        mexc.compile(model, (torch.zeros(2, 2, 4, 4),))
 
 
 def _program(target: str, bits: int = 8) -> mexc.Program:
