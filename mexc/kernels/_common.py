@@ -8,6 +8,7 @@ Conventions used by every kernel (docs/layers.md):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -404,28 +405,43 @@ def aligned_sum_fast(
     """
     ndim = max(np.ndim(x) for x, _, _ in terms)
     exps = [expand_exponent(e, max(ndim, np.ndim(e))) for _, e, _ in terms]
-    # the target exponent depends only on exponents and bounds: ask the reference on zeros
-    dummy = np.zeros(np.broadcast_shapes((1,) * ndim, *(np.shape(e) for e in exps)), np.int64)
-    _, target = aligned_sum([(dummy, e, b) for _, e, b in terms], "nearest")
+    target = aligned_target([(x, e, b) for (x, _, b), e in zip(terms, exps)])
     total: np.ndarray | None = None
     for i, ((x, _, _), e) in enumerate(zip(terms, exps)):
-        xv = i64(x)
-        sh = target - e
         start = starts[i] if starts else 0
-        if not np.any(sh):
-            aligned = xv
-        elif np.all(sh > 0):
-            aligned = fast_shift_right(xv, sh, rounding, keys[i], start=start)
-        elif np.all(sh <= 0):  # shift_signed is then an exact left shift
-            aligned = xv << -sh
-            check_int32(aligned, "shift_left")
-        else:
-            full = np.broadcast_to(sh, np.shape(x))
-            aligned = shift_signed(xv, full, rounding, keys[i], start)
+        aligned = align_term(x, target - e, rounding, keys[i], start)
         total = aligned if total is None else total + aligned
     assert total is not None
     check_int32(total, "aligned_sum")
     return total, target
+
+
+def aligned_target(terms: Sequence[tuple[Any, np.ndarray | int, int]]) -> np.ndarray:
+    """numerics.aligned_sum's target exponent of `terms` (value, exponent, bound bits): it
+    depends only on the exponents and bounds, so the reference is asked on zeros."""
+    ndim = max(np.ndim(x) for x, _, _ in terms)
+    exps = [np.asarray(e) for _, e, _ in terms]
+    dummy = np.zeros(np.broadcast_shapes((1,) * ndim, *(np.shape(e) for e in exps)), np.int64)
+    _, target = aligned_sum([(dummy, e, b) for e, (_, _, b) in zip(exps, terms)], "nearest")
+    return target
+
+
+def align_term(
+    x: np.ndarray, sh: np.ndarray | int, rounding: Rounding, key: int, start: int = 0
+) -> np.ndarray:
+    """One term of aligned_sum shifted to the target (sh = target - its exponent): shift_signed
+    with `key` and PRNG index start + flat index, skipped where every shift is 0 (a shift by
+    0 returns its input exactly)."""
+    xv = i64(x)
+    if not np.any(sh):
+        return xv
+    if np.all(np.asarray(sh) > 0):
+        return fast_shift_right(xv, sh, rounding, key, start=start)
+    if np.all(np.asarray(sh) <= 0):  # shift_signed is then an exact left shift
+        aligned = xv << -np.asarray(sh)
+        check_int32(aligned, "shift_left")
+        return aligned
+    return shift_signed(xv, np.broadcast_to(sh, np.shape(x)), rounding, key, start)
 
 
 def fit_product(

@@ -17,7 +17,9 @@ import numpy as np
 
 from mexc.kernels._common import (
     MAG,
+    align_term,
     aligned_sum_fast,
+    aligned_target,
     bit_length,
     compact_common,
     compact_mx,
@@ -70,6 +72,24 @@ class LayerNormSaved:
     mean: Acc
     var: Acc
     count: int
+    groups: int = 1  # GroupNorm: rows are (sample, group) and the affine is per channel
+    per: int = 1
+
+
+def affine_channels(rows: int, d: int, groups: int = 1, per: int = 1) -> np.ndarray:
+    """The parameter index of each element of the (R, D) rows: d for LayerNorm (groups = per =
+    1); for GroupNorm (rows (n, g), D = C/G x P elements of a group, P per channel) the channel
+    (r mod G) C/G + d // P."""
+    cg = d // per
+    r = np.arange(rows, dtype=np.int64)[:, None]
+    return (r % groups) * cg + np.arange(d, dtype=np.int64)[None, :] // per
+
+
+def channel_sums(a: np.ndarray, groups: int, per: int) -> np.ndarray:
+    """Sum of the (R, D) rows' elements per parameter index (affine_channels): over the rows for
+    LayerNorm, over the samples and the P elements of each channel for GroupNorm."""
+    rows, d = a.shape
+    return a.reshape(rows // groups, groups, d // per, per).sum(axis=(0, 3)).reshape(-1)
 
 
 def _rows(m: np.ndarray) -> np.ndarray:
@@ -79,7 +99,14 @@ def _rows(m: np.ndarray) -> np.ndarray:
 
 
 def layernorm_forward(
-    x: MX, gamma: MX, beta: MX, eps: float | FixedScalar, ctx: RoundCtx, tid: int
+    x: MX,
+    gamma: MX,
+    beta: MX,
+    eps: float | FixedScalar,
+    ctx: RoundCtx,
+    tid: int,
+    groups: int = 1,
+    per: int = 1,
 ) -> tuple[MX, LayerNormSaved]:
     """LayerNorm over the last axis (size D), the BatchNorm recipe with rows as the groups.
 
@@ -91,13 +118,18 @@ def layernorm_forward(
     the one int32 division per row); xhat_acc = xc rstd_r (< 2^31), compact_common over rows
     (**site 1**); affine p = xhat_m gamma_m[d] (|p| < 2^14) at e_xhat + e_g,
     aligned_sum([(p, ., 14), (beta_m as (1, D), e_b, 7)]) **sites 2, 3**, compaction **site 4**.
+
+    groups, per (groupnorm_forward): x is seen as rows (n, g) of D = C/G x P elements, and the
+    affine takes the channel's gamma and beta (affine_channels); beta is aligned once per
+    channel (PRNG index c), then read by every element of the channel.
     """
     ex = scalar_exp(x, "layernorm input")
     eg, eb = scalar_exp(gamma, "gamma"), scalar_exp(beta, "beta")
-    d = x.shape[-1]
-    if gamma.shape != (d,) or beta.shape != (d,):
-        raise ValueError(f"layernorm gamma/beta must have shape ({d},)")
-    x2 = _rows(x.m)
+    x2 = _rows(x.m) if groups == 1 and per == 1 else i64(x.m).reshape(-1, x.m[0].size // groups)
+    d = x2.shape[1]
+    params = (d // per * groups,)
+    if gamma.shape != params or beta.shape != params:
+        raise ValueError(f"layernorm gamma/beta must have shape {params}")
     f = mean_frac_bits(d)
     ssum = x2.sum(axis=1)
     check_int32(ssum, "layernorm_sum")
@@ -120,11 +152,15 @@ def layernorm_forward(
     check_int32(acc, "layernorm_xhat")
     xh = compact_common(acc, e_c + rstd_e, 0, ctx, site_key(ctx, tid, 1), batch=True)
     xhat = MX.of(xh.m.reshape(x.shape), xh.e)
-    prod = i64(xh.m) * i64(gamma.m)[None, :]
+    channel = affine_channels(x2.shape[0], d, groups, per)
+    prod = i64(xh.m) * i64(gamma.m)[channel]
     keys = [site_key(ctx, tid, 2), site_key(ctx, tid, 3)]
-    terms = [(prod, int(xh.e) + eg, 2 * MAG), (i64(beta.m)[None, :], eb, MAG)]
-    y, e_y = aligned_sum_fast(terms, ctx.rounding, keys, [start, 0])
-    out = compact_mx(y.reshape(x.shape), e_y, ctx, site_key(ctx, tid, 4), batch=True)
+    terms = [(prod, int(xh.e) + eg, 2 * MAG), (i64(beta.m), eb, MAG)]
+    target = aligned_target(terms)
+    y = align_term(prod, target - terms[0][1], ctx.rounding, keys[0], start)
+    y = y + align_term(i64(beta.m), target - eb, ctx.rounding, keys[1], 0)[channel]
+    check_int32(y, "aligned_sum")
+    out = compact_mx(y.reshape(x.shape), target, ctx, site_key(ctx, tid, 4), batch=True)
     saved = LayerNormSaved(
         xhat=xhat,
         rstd=rstd,
@@ -133,6 +169,8 @@ def layernorm_forward(
         mean=Acc(mu, np.asarray(e_c, np.int64)),
         var=Acc(var_m, ev),
         count=d,
+        groups=groups,
+        per=per,
     )
     return out, saved
 
@@ -158,18 +196,19 @@ def layernorm_backward(
     ed = scalar_exp(dy, "dy")
     exh = scalar_exp(saved.xhat, "xhat")
     eg = scalar_exp(saved.gamma, "gamma")
-    d = saved.count
-    d2 = _rows(dy.m)
-    xh = _rows(saved.xhat.m)
-    rows = global_rows(d2.shape[0], ctx.rows)
+    d, groups, per = saved.count, saved.groups, saved.per
+    d2 = i64(dy.m).reshape(-1, d)
+    xh = i64(saved.xhat.m).reshape(-1, d)
+    # the terms of each parameter's sum: the rows (LayerNorm), or samples x P (GroupNorm)
+    terms = global_rows(d2.shape[0], ctx.rows) // groups * per
     start = row_offset(d2, ctx.rows)
-    dbeta = d2.sum(axis=0)  # with ctx.rows: this worker's share (an ALL_REDUCE adds them)
+    dbeta = channel_sums(d2, groups, per)  # with ctx.rows: this worker's share (ALL_REDUCE)
     check_int32(dbeta, "layernorm_dbeta")
-    dp, edp = fit_product(d2, ed, rows, ctx, site_key(ctx, tid, 7), start)
-    dgamma = (i64(dp) * xh).sum(axis=0)
+    dp, edp = fit_product(d2, ed, terms, ctx, site_key(ctx, tid, 7), start)
+    dgamma = channel_sums(i64(dp) * xh, groups, per)
     check_int32(dgamma, "layernorm_dgamma")
     lg = ceil_log2(d)
-    g = d2 * i64(saved.gamma.m)[None, :]
+    g = d2 * i64(saved.gamma.m)[affine_channels(d2.shape[0], d, groups, per)]
     e_g = ed + eg
     pre = 2 * MAG + MAG + lg - 31
     if pre > 0:

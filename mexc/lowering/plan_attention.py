@@ -122,12 +122,21 @@ class AttentionRules(PlanBuilder):
 
     # --------------------------------------------------------------------------- LayerNorm
 
+    def _ln_rows(self, n: Node, shape: Shape) -> tuple[int, int]:
+        """(R, D): the rows a layer norm normalizes; GroupNorm's are (sample, group)."""
+        groups = int(n.attrs.groups)
+        if groups == 1 and int(n.attrs.per) == 1:
+            return self._rows2(shape)
+        size = int(np.prod(shape))
+        return shape[0] * groups, size // (shape[0] * groups)
+
     def layernorm(self, n: Node) -> None:
         """kernels.layernorm_forward: te_norm's batch-norm statistics, 1/sigma and xhat on x
         seen as (1, R, D) (sites 0, 1), then the affine along D, compacted (sites 2, 3; 4)."""
         x, gamma, beta = n.inputs
         xs = self.shape(x)
-        rows, d = self._rows2(xs)
+        rows, d = self._ln_rows(n, xs)
+        groups, per = int(n.attrs.groups), int(n.attrs.per)
         if d < 2:
             raise unsupported(n, "layer norm over a last axis of one element")
         ncs = (1, rows, d)
@@ -174,7 +183,7 @@ class AttentionRules(PlanBuilder):
         args += (self.m[beta], self.e[beta], keys)
         tag = f"n{n.id}_ln_affine"
         affine = te_attention.ln_affine_compaction(
-            rows, d, self.bits, self.stochastic, tag, self.agreed_slot
+            rows, d, self.bits, self.stochastic, tag, self.agreed_slot, groups, per
         )
         self.compact_unstored(n, 4, affine, args, self.view(self.out(n, 0, I8, xs), r2))
         self.bn[n.id] = b
@@ -187,12 +196,16 @@ class AttentionRules(PlanBuilder):
         dy, xhat, gamma = n.inputs
         b = self.bn[xhat.node]
         shape = self.shape(dy)
-        rows, d = self._rows2(shape)
+        rows, d = self._ln_rows(n, shape)
+        groups, per = int(n.attrs.groups), int(n.attrs.per)
         r2, rr = (rows, d), (rows,)
-        dgamma, dbeta = self.out(n, 1, I32, (d,)), self.out(n, 2, I32, (d,))
-        dp, e_dp = self.fit_operand(n, dy, self.global_count(rows), site=7, shape=r2)
+        params = self.shape(gamma)
+        dgamma, dbeta = self.out(n, 1, I32, params), self.out(n, 2, I32, params)
+        # the terms of each parameter's sum: the rows, or GroupNorm's samples x P
+        terms = self.global_count(rows) // groups * per
+        dp, e_dp = self.fit_operand(n, dy, terms, site=7, shape=r2)
         split = dp != self.m[dy]
-        sums = te_attention.ln_param_grads(rows, d, split, f"n{n.id}_ln_sums")
+        sums = te_attention.ln_param_grads(rows, d, split, f"n{n.id}_ln_sums", groups, per)
         dps = (self.view(dp, r2),) if split else ()
         dyv, xhv = self.view(self.m[dy], r2), self.view(self.m[xhat], r2)
         self.launch(sums, (dyv, *dps, xhv, dgamma, dbeta))
@@ -201,7 +214,7 @@ class AttentionRules(PlanBuilder):
         g, e_g = self.buf(f"n{n.id}.g", r2, I32), self.buf(f"n{n.id}.e_g", (1,), I32)
         sg, sgx = self.buf(f"n{n.id}.sg", rr, I32), self.buf(f"n{n.id}.sgx", rr, I32)
         key5 = self.keys(n, (5,), "key5", rows * d)
-        func = te_attention.ln_grad_g(rows, d, self.stochastic, f"n{n.id}_ln_g")
+        func = te_attention.ln_grad_g(rows, d, self.stochastic, f"n{n.id}_ln_g", groups, per)
         self.launch(
             func, (dyv, self.e[dy], self.m[gamma], self.e[gamma], xhv, key5, g, e_g, sg, sgx)
         )

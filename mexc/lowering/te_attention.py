@@ -160,19 +160,38 @@ def product_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
 LN_MAG = 7  # int8 mantissa magnitude bits (kernels._common.MAG)
 
 
+def affine_channel(
+    r: tirx.PrimExpr, j: tirx.PrimExpr, d: int, groups: int, per: int
+) -> tirx.PrimExpr:
+    """kernels.transformer.affine_channels: the parameter index of element (r, j) of the (R, D)
+    rows: j for LayerNorm, the channel (r mod G) C/G + j // P for GroupNorm."""
+    if groups == 1 and per == 1:
+        return j
+    return (r % groups) * (d // per) + j // per
+
+
 def ln_affine_compaction(
-    rows: int, d: int, bits: int, stochastic: bool, name: str, agreed: int = 0
+    rows: int,
+    d: int,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    agreed: int = 0,
+    groups: int = 1,
+    per: int = 1,
 ) -> tuple[tirx.PrimFunc, ...]:
     """kernels.layernorm_forward's affine: aligned_sum of xhat * gamma[d] (14 bits, key 0, flat
     index r D + d) and beta[d] (7 bits, key 1, flat index d: the (1, D) term), compacted without
     being stored (te_compaction.fused_compaction): `<name>_shift` (xhat, e_x, gamma, e_g, beta,
-    e_b, keys, s, e_out) and `<name>_apply` (the same inputs, s, key, m)."""
+    e_b, keys, s, e_out) and `<name>_apply` (the same inputs, s, key, m). GroupNorm (groups,
+    per): gamma and beta per channel (affine_channel), beta's flat index the channel."""
     shape = (rows, d)
+    params = (groups * (d // per),)
     xhat = te.placeholder(shape, I8, name="xhat")
     e_x = te.placeholder((1,), I32, name="e_x")
-    gamma = te.placeholder((d,), I8, name="gamma")
+    gamma = te.placeholder(params, I8, name="gamma")
     e_g = te.placeholder((1,), I32, name="e_g")
-    beta = te.placeholder((d,), I8, name="beta")
+    beta = te.placeholder(params, I8, name="beta")
     e_b = te.placeholder((1,), I32, name="e_b")
     keys = te.placeholder((2,), I64, name="keys")
     target = te.compute(
@@ -181,25 +200,31 @@ def ln_affine_compaction(
 
     # int32 lanes, as te_norm's batch-norm affine: every term stays below 2^29
     def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        p = xhat[r, j].astype(I32) * gamma[j].astype(I32)
+        c = affine_channel(r, j, d, groups, per)
+        p = xhat[r, j].astype(I32) * gamma[c].astype(I32)
         tp = target[0] - e_x[0] - e_g[0]
         tb = target[0] - e_b[0]
         a = shift_signed32(p, tp, keys[0], _flat_index(shape, (r, j)), stochastic, 15)
-        b = shift_signed32(beta[j].astype(I32), tb, keys[1], j.astype(I64), stochastic, 22)
+        b = shift_signed32(beta[c].astype(I32), tb, keys[1], c.astype(I64), stochastic, 22)
         return a + b
 
     inputs = [xhat, e_x, gamma, e_g, beta, e_b, keys]
     return fused_compaction(shape, inputs, target, body, bits, stochastic, name, agreed)
 
 
-def ln_param_grads(rows: int, d: int, pre_shifted: bool, name: str) -> tirx.PrimFunc:
+def ln_param_grads(
+    rows: int, d: int, pre_shifted: bool, name: str, groups: int = 1, per: int = 1
+) -> tirx.PrimFunc:
     """kernels.layernorm_backward step 1: dbeta[d] = sum_r dy, dgamma[d] = sum_r dp xhat (dp:
     dy, or dy pre-shifted for the R-wide product), int32 column sums (the caps bound every
-    partial sum). Parameters (dy, [dp,] xhat, dgamma, dbeta)."""
+    partial sum). Parameters (dy, [dp,] xhat, dgamma, dbeta). GroupNorm (groups, per): the sums
+    per channel, over the samples and the channel's P elements (channel_sums)."""
     shape = (rows, d)
     dy = te.placeholder(shape, I8, name="dy")
     dp = te.placeholder(shape, I8, name="dp") if pre_shifted else dy
     xhat = te.placeholder(shape, I8, name="xhat")
+    if groups != 1 or per != 1:
+        return _channel_param_grads(dy, dp, xhat, pre_shifted, groups, per, name)
     rb = te.reduce_axis((0, rows), "rb")
     dbeta = te.compute((d,), lambda j: te.sum(dy[rb, j].astype(I32), axis=rb), name="dbeta")
     rg = te.reduce_axis((0, rows), "rg")
@@ -211,13 +236,44 @@ def ln_param_grads(rows: int, d: int, pre_shifted: bool, name: str) -> tirx.Prim
     return _func([dy, *([dp] if pre_shifted else []), xhat, dgamma, dbeta], name)
 
 
+def _channel_param_grads(
+    dy: te.Tensor,
+    dp: te.Tensor,
+    xhat: te.Tensor,
+    pre_shifted: bool,
+    groups: int,
+    per: int,
+    name: str,
+) -> tirx.PrimFunc:
+    """ln_param_grads for GroupNorm: channel c = g C/G + k sums rows n G + g, columns k P + p."""
+    rows, d = (int(v) for v in dy.shape)
+    cg = d // per
+    samples = rows // groups
+
+    def at(t: te.Tensor, c: tirx.PrimExpr, s: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
+        return t[s * groups + c // cg, (c % cg) * per + q].astype(I32)
+
+    sb, qb = te.reduce_axis((0, samples), "sb"), te.reduce_axis((0, per), "qb")
+    params = (groups * cg,)
+    dbeta = te.compute(params, lambda c: te.sum(at(dy, c, sb, qb), axis=[sb, qb]), name="dbeta")
+    sg, qg = te.reduce_axis((0, samples), "sg"), te.reduce_axis((0, per), "qg")
+    dgamma = te.compute(
+        params,
+        lambda c: te.sum(at(dp, c, sg, qg) * at(xhat, c, sg, qg), axis=[sg, qg]),
+        name="dgamma",
+    )
+    return _func([dy, *([dp] if pre_shifted else []), xhat, dgamma, dbeta], name)
+
+
 def ln_grad_pre(d: int) -> int:
     """kernels.layernorm_backward's static pre-shift of g = dy gamma (site 5): the excess of
     21 + ceil log2 D over 31 bits (0: none)."""
     return max(2 * LN_MAG + LN_MAG + ceil_log2(d) - 31, 0)
 
 
-def ln_grad_g(rows: int, d: int, stochastic: bool, name: str) -> tirx.PrimFunc:
+def ln_grad_g(
+    rows: int, d: int, stochastic: bool, name: str, groups: int = 1, per: int = 1
+) -> tirx.PrimFunc:
     """kernels.layernorm_backward steps 2-3 before sgx's compaction: g = dy gamma[d]
     (pre-shifted by ln_grad_pre(D) with key, flat index r D + d) at e_g = e_dy + e_gamma (+ the
     pre-shift); sg_r = sum_d g, sgx_r = sum_d g xhat. Parameters (dy, e_dy, gamma, e_gamma,
@@ -226,13 +282,14 @@ def ln_grad_g(rows: int, d: int, stochastic: bool, name: str) -> tirx.PrimFunc:
     pre = ln_grad_pre(d)
     dy = te.placeholder(shape, I8, name="dy")
     e_dy = te.placeholder((1,), I32, name="e_dy")
-    gamma = te.placeholder((d,), I8, name="gamma")
+    gamma = te.placeholder((groups * (d // per),), I8, name="gamma")
     e_gamma = te.placeholder((1,), I32, name="e_gamma")
     xhat = te.placeholder(shape, I8, name="xhat")
     key = te.placeholder((1,), I64, name="key")
 
     def g_body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        v = dy[r, j].astype(I32) * gamma[j].astype(I32)  # |.| < 2^14
+        c = affine_channel(r, j, d, groups, per)
+        v = dy[r, j].astype(I32) * gamma[c].astype(I32)  # |.| < 2^14
         if pre == 0:
             return v
         flat = _flat_index(shape, (r, j))

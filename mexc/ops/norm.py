@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
-from mexc.ops.common import Grads, mx_like, tid
+from mexc.ops.common import Grads, mx_like, static_int, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.types import Exp, Kind, TensorType, acc, mx
 
@@ -49,7 +51,12 @@ def _layernorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     x, gamma, beta = n.inputs
     d = w.type(gamma).shape
     node = w.emit(
-        Op.LAYERNORM_GRAD, [dy, n.result(1), gamma], (mx(*w.type(x).shape), acc(*d), acc(*d)), n.loc
+        Op.LAYERNORM_GRAD,
+        [dy, n.result(1), gamma],
+        (mx(*w.type(x).shape), acc(*d), acc(*d)),
+        n.loc,
+        groups=int(n.attrs.groups),
+        per=int(n.attrs.per),
     )
     w.set_param_grad(gamma, node.result(1), n)
     w.set_param_grad(beta, node.result(2), n)
@@ -100,7 +107,10 @@ def _bn_running(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 
 def _layernorm(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    y, saved = K.layernorm_forward(a[0], a[1], a[2], float(n.attrs.eps), env.ctx, tid(n))
+    at = n.attrs
+    y, saved = K.layernorm_forward(
+        a[0], a[1], a[2], float(at.eps), env.ctx, tid(n), int(at.groups), int(at.per)
+    )
     return (y, saved)
 
 
@@ -196,6 +206,42 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
 
 
+def _groupnorm(c: Any, n: Any, x: Any, groups: Any, weight: Any, bias: Any, eps: Any) -> Value:
+    """GroupNorm as LayerNorm over rows (sample, group) of C/G x P elements, with the affine
+    per channel (`groups`, `per` = P: kernels.layernorm_forward)."""
+    shape = c.shape(x)
+    per = int(np.prod(shape[2:]))  # 1 for (N, C)
+    if per * int(shape[1]) // int(groups) < 2:
+        raise UnsupportedOpError(c.describe(n, "normalizes groups of one element"))
+    return c.emit(
+        Op.LAYERNORM, [c.arg(x), weight, bias], n, eps=float(eps), groups=int(groups), per=per
+    )
+
+
+def _groupnorm_module(c: Any, n: Any, m: Any) -> Value:
+    if not m.affine:
+        raise UnsupportedOpError(c.describe(n, "needs GroupNorm with affine weight and bias"))
+    name = str(n.target)
+    weight = c.param(f"{name}.weight", m.weight, "ln_weight")
+    bias = c.param(f"{name}.bias", m.bias, "ln_bias")
+    return _groupnorm(c, n, n.args[0], m.num_groups, weight, bias, m.eps)
+
+
+def _groupnorm_function(c: Any, n: Any) -> Value:
+    """F.group_norm(x, num_groups, weight, bias, eps) with a module's weight and bias (timm's
+    GroupNorm and GroupNorm1)."""
+    names = ("input", "num_groups", "weight", "bias", "eps")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    if not (c.is_param(args.get("weight")) and c.is_param(args.get("bias"))):
+        raise UnsupportedOpError(
+            c.describe(n, "needs a weight and a bias that are module parameters")
+        )
+    weight = c.get_param(args["weight"], "ln_weight")
+    bias = c.get_param(args["bias"], "ln_bias")
+    groups = static_int(args["num_groups"])
+    return _groupnorm(c, n, args["input"], groups, weight, bias, args.get("eps", 1e-5))
+
+
 define(
     OpDef(
         Op.BATCHNORM,
@@ -252,21 +298,24 @@ define(
     ),
     OpDef(
         Op.LAYERNORM,
-        {"eps": 1e-5, "rid": -1},
+        {"eps": 1e-5, "groups": 1, "per": 1, "rid": -1},
         types=_layernorm_types,
         vjp=_layernorm_vjp,
         reference=_layernorm,
         frontend=(
             Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),
             Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
+            Pattern("module", ("torch.nn.GroupNorm",), _groupnorm_module),
+            Pattern("function", ("torch.nn.functional.group_norm",), _groupnorm_function),
         ),
         lower={"tir": "step_plan:PlanRules.layernorm", "c": "emit:_layernorm"},
-        doc="layer norm over the last axis",
+        doc="layer norm over the last axis; group norm (`groups`, `per` elements per channel): "
+        "rows (sample, group), the affine per channel",
         data_parallel=True,
     ),
     OpDef(
         Op.LAYERNORM_GRAD,
-        {"rid": -1},
+        {"groups": 1, "per": 1, "rid": -1},
         reference=_layernorm_grad,
         lower={"tir": "step_plan:PlanRules.layernorm_grad", "c": "emit:_layernorm_grad"},
         doc="dx, dgamma, dbeta of layer norm",

@@ -26,8 +26,8 @@ class LnSaved(C.Structure):
 
 
 SIGS = {
-    "mexc_layernorm_forward": "i uupipipiFpppup",
-    "mexc_layernorm_backward": "v uupippippppppup",
+    "mexc_layernorm_forward": "i uupipipiFpppupuu",
+    "mexc_layernorm_backward": "v uupippippppppupuu",
     "mexc_gelu_forward": "i piuppu",
     "mexc_gelu_backward": "i pipiuppu",
     "mexc_softmax_forward": "i uupippu",
@@ -68,29 +68,35 @@ def test_tables(lib):
         assert np.array_equal(got, table.values), name
 
 
-# (shape, x amplitude, eps); D = 1500: the D-wide g sums are pre-shifted (site 5)
+# (shape, x amplitude, eps, GroupNorm's groups or 0 for LayerNorm); D = 1500: the D-wide g
+# sums are pre-shifted (site 5); GroupNorm on (N, C, H, W) and on (N, C)
 LN = [
-    ((2, 5, 16), 127, 1e-5),
-    ((3, 64), 60, 1e-5),
-    ((4, 8), 3, 0.5),
-    ((2, 1500), 127, 1e-5),
-    ((2, 6, 10), 0, 1e-5),
+    ((2, 5, 16), 127, 1e-5, 0),
+    ((3, 64), 60, 1e-5, 0),
+    ((4, 8), 3, 0.5, 0),
+    ((2, 1500), 127, 1e-5, 0),
+    ((2, 6, 10), 0, 1e-5, 0),
+    ((2, 6, 3, 4), 127, 1e-5, 3),
+    ((3, 8, 5, 5), 40, 1e-5, 1),
+    ((4, 12), 90, 1e-5, 4),
 ]
 
 
 @pytest.mark.parametrize("cfg", range(len(LN)))
 @pytest.mark.parametrize("ci", range(len(CTXS)))
 def test_layernorm(lib, cfg, ci):
-    shape, amp, eps = LN[cfg]
+    shape, amp, eps, gn = LN[cfg]
     ctx = CTXS[ci]
     c_ctx = ctx_of(ctx)
     rng = np.random.default_rng(cfg * 10 + ci)
-    d = shape[-1]
-    rows = int(np.prod(shape[:-1]))
+    groups, per = (gn, int(np.prod(shape[2:]))) if gn else (1, 1)
+    rows = shape[0] * groups if gn else int(np.prod(shape[:-1]))
+    d = int(np.prod(shape)) // rows
+    params = shape[1] if gn else d
     x = MX.of(rng.integers(-amp, amp + 1, shape), -5)
-    gamma = MX.of(rng.integers(-127, 128, d), -7)
-    beta = MX.of(rng.integers(-127, 128, d), -8)
-    ref, saved = K.layernorm_forward(x, gamma, beta, eps, ctx, 32)
+    gamma = MX.of(rng.integers(-127, 128, params), -7)
+    beta = MX.of(rng.integers(-127, 128, params), -8)
+    ref, saved = K.layernorm_forward(x, gamma, beta, eps, ctx, 32, groups, per)
     y, xhat = _out(shape), _out(shape)
     rstd, rstd_e = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     sv = LnSaved(xhat.ctypes.data, 0, rstd.ctypes.data, rstd_e.ctypes.data, 0, 0)
@@ -110,13 +116,15 @@ def test_layernorm(lib, cfg, ci):
         C.byref(c_ctx),
         32,
         P(scratch(5 * rows)),
+        groups,
+        per,
     )
     assert e == int(ref.e) and np.array_equal(y, ref.m)
     assert sv.xhat_e == int(saved.xhat.e) and np.array_equal(xhat, saved.xhat.m)
     assert np.array_equal(rstd, saved.rstd) and np.array_equal(rstd_e, saved.rstd_e)
     dy = MX.of(rng.integers(-127, 128, shape), -9)
     dx_ref, dg_ref, db_ref = K.layernorm_backward(dy, saved, ctx, 64)
-    dx, dg, db = _out(shape), np.zeros(d, np.int32), np.zeros(d, np.int32)
+    dx, dg, db = _out(shape), np.zeros(params, np.int32), np.zeros(params, np.int32)
     edx, edg = _e(), _e()
     words = 5 * rows + (rows * d + 3) // 4
     lib.mexc_layernorm_backward(
@@ -135,6 +143,8 @@ def test_layernorm(lib, cfg, ci):
         C.byref(c_ctx),
         64,
         P(scratch(words)),
+        groups,
+        per,
     )
     assert edx.value == int(dx_ref.e) and np.array_equal(dx, dx_ref.m)
     assert edg.value == int(dg_ref.e) and np.array_equal(dg, dg_ref.a)

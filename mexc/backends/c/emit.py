@@ -882,9 +882,18 @@ def _dropout_grad(e: _Emit, n: Node) -> None:
     )
 
 
+def _ln_rows(n: Node, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(R, D, groups, per) of a layer norm: GroupNorm's rows are (sample, group)."""
+    groups, per = int(n.attrs.groups), int(n.attrs.per)
+    if groups == 1 and per == 1:
+        return (*_rows2(shape), 1, 1)
+    rows = shape[0] * groups
+    return rows, _numel(shape) // rows, groups, per
+
+
 def _layernorm(e: _Emit, n: Node) -> None:
     (x, ex), (gm, eg), (bt, eb) = _x(e, n, 0), _x(e, n, 1), _x(e, n, 2)
-    rows, d = _rows2(e.shape(n.inputs[0]))
+    rows, d, groups, per = _ln_rows(n, e.shape(n.inputs[0]))
     sv = f"ln{n.id}"
     e.statics.append(f"static int32_t {sv}_rstd[{rows}]; static int32_t {sv}_rstd_e[{rows}];")
     e.statics.append(f"static mexc_ln_saved_t {sv};")
@@ -901,7 +910,7 @@ def _layernorm(e: _Emit, n: Node) -> None:
     e.emit(f"{sv}.xhat = {xhat}; {sv}.rstd = {sv}_rstd; {sv}.rstd_e = {sv}_rstd_e;")
     e.emit(
         f"{ey} = mexc_layernorm_forward({rows}, {d}, {x}, {ex}, {gm}, {eg}, {bt}, {eb}, "
-        f"{_fixed(eps)}, {y}, &{sv}, &ctx, {_tid(n)}u, scratch);"
+        f"{_fixed(eps)}, {y}, &{sv}, &ctx, {_tid(n)}u, scratch, {groups}u, {per}u);"
     )
 
 
@@ -909,8 +918,8 @@ def _layernorm_grad(e: _Emit, n: Node) -> None:
     dy, ed = _x(e, n, 0)
     sv = e.bn_saved[n.inputs[1].node]
     gm, eg = _x(e, n, 2)
-    rows, d = _rows2(e.shape(n.out))
-    e.need(5 * rows + _fit_scratch(rows * d, rows))
+    rows, d, groups, per = _ln_rows(n, e.shape(n.out))
+    e.need(5 * rows + _fit_scratch(rows * d, rows // groups * per))
     dx = _optional_arena(e, n.out, "int8_t")
     dg = _slot_or_static(e, n.result(1), "int32_t", f"ln{n.id}_dgamma")
     db = _slot_or_static(e, n.result(2), "int32_t", f"ln{n.id}_dbeta")
@@ -919,7 +928,7 @@ def _layernorm_grad(e: _Emit, n: Node) -> None:
     e.emit(f"{edx} = 0;")
     e.emit(
         f"mexc_layernorm_backward({rows}, {d}, {dy}, {ed}, &{sv}, {gm}, {eg}, {dx}, &{edx}, "
-        f"{dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch);"
+        f"{dg}, &{edg}, {db}, &ctx, {_tid(n)}u, scratch, {groups}u, {per}u);"
     )
 
 

@@ -267,20 +267,22 @@ typedef struct {
     uint32_t rows, d;
 } mexc_ln_saved_t;
 #define MEXC_LN_SCRATCH(R) (5u * (uint32_t)(R))
-/* layernorm_forward over the last axis. Sites 0 variance pre-shift, 1 xhat, 2/3 affine
- * alignment, 4 output. Scratch: MEXC_LN_SCRATCH(R). */
+/* layernorm_forward over the last axis (groups = per = 1), or GroupNorm: rows (sample,
+ * group) of D = C/G x per elements, gamma and beta per channel. Sites 0 variance pre-shift, 1
+ * xhat, 2/3 affine alignment, 4 output. Scratch: MEXC_LN_SCRATCH(R). */
 int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32_t ex,
                                const int8_t *gamma, int32_t eg, const int8_t *beta, int32_t eb,
                                mexc_fixed_t eps, int8_t *y, mexc_ln_saved_t *sv,
-                               const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch);
-/* layernorm_backward: dx (exponent *e_dx; NULL skips it), dgamma[D] (*e_dgamma), dbeta[D]
- * (exponent e_dy). Sites 0-7 as the reference. Scratch: MEXC_LN_SCRATCH(R) +
- * mexc_fit_scratch(R*D, R). */
+                               const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch,
+                               uint32_t groups, uint32_t per);
+/* layernorm_backward: dx (exponent *e_dx; NULL skips it), dgamma and dbeta per parameter
+ * (*e_dgamma; e_dy). Sites 0-7 as the reference. Scratch: MEXC_LN_SCRATCH(R) +
+ * mexc_fit_scratch(R*D, R / groups * per). */
 void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_t ed,
                              const mexc_ln_saved_t *sv, const int8_t *gamma, int32_t eg,
                              int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
                              int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
-                             int32_t *scratch);
+                             int32_t *scratch, uint32_t groups, uint32_t per);
 /* activation.table_product: a (NULL: none) times a 256-entry table of x (sites 0, 1); sigmoid,
    SiLU and their gradients, with the tables the generated program defines. */
 int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t ex,

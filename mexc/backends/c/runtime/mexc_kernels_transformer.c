@@ -50,11 +50,36 @@ const int32_t mexc_gelu_grad_table[256] = {
 
 /* ------------------------------------------------------------------ LayerNorm */
 
+/* The parameter index of element i of row rr (transformer.affine_channels): i for LayerNorm
+ * (groups = per = 1), the channel (rr mod G) C/G + i / P for GroupNorm. Walked without a
+ * division per element: `ln_channel_start` at each row, `ln_channel_next` after each element. */
+typedef struct {
+    uint32_t c, q, per;
+} ln_channel_t;
+
+static void ln_channel_start(ln_channel_t *w, uint32_t rr, uint32_t d, uint32_t groups,
+                             uint32_t per)
+{
+    w->c = (rr % groups) * (d / per);
+    w->q = 0;
+    w->per = per;
+}
+
+static void ln_channel_next(ln_channel_t *w)
+{
+    if (++w->q == w->per) {
+        w->q = 0;
+        w->c++;
+    }
+}
+
 int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32_t ex,
                                const int8_t *gamma, int32_t eg, const int8_t *beta, int32_t eb,
                                mexc_fixed_t eps, int8_t *y, mexc_ln_saved_t *sv,
-                               const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch)
+                               const mexc_ctx_t *ctx, uint32_t tid, int32_t *scratch,
+                               uint32_t groups, uint32_t per)
 {
+    ln_channel_t ch;
     int32_t *mu = scratch, *e_grp = scratch + rows, *cshift = scratch + 2u * rows;
     uint32_t *camax = (uint32_t *)(scratch + 3u * rows);
     const uint32_t lim = 0x7FFFFFFFu / d, key0 = mexc_site_key(ctx, tid, 0);
@@ -118,9 +143,11 @@ int32_t mexc_layernorm_forward(uint32_t rows, uint32_t d, const int8_t *x, int32
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, tgt);
         for (idx = 0, rr = 0; rr < rows; rr++)
-            for (i = 0; i < d; i++, idx++) {
-                v = mexc_shift_signed((int32_t)sv->xhat[idx] * gamma[i], tgt - e[0], st, k2, idx) +
-                    mexc_shift_signed(beta[i], tgt - eb, st, k3, i);
+            for (ln_channel_start(&ch, rr, d, groups, per), i = 0; i < d;
+                 i++, idx++, ln_channel_next(&ch)) {
+                v = mexc_shift_signed((int32_t)sv->xhat[idx] * gamma[ch.c], tgt - e[0], st, k2,
+                                      idx) +
+                    mexc_shift_signed(beta[ch.c], tgt - eb, st, k3, ch.c);
                 mexc_sink_put(&sink, idx, 0u, v);
             }
     }
@@ -147,34 +174,42 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
                              const mexc_ln_saved_t *sv, const int8_t *gamma, int32_t eg,
                              int8_t *dx, int32_t *e_dx, int32_t *dgamma, int32_t *e_dgamma,
                              int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
-                             int32_t *scratch)
+                             int32_t *scratch, uint32_t groups, uint32_t per)
 {
+    ln_channel_t ch;
+    const uint32_t params = groups * (d / per);
     int32_t *sg = scratch, *sgx = scratch + rows, *e_grp = scratch + 2u * rows;
     int32_t *cshift = scratch + 3u * rows;
     uint32_t *camax = (uint32_t *)(scratch + 4u * rows);
     const int32_t st = ctx->stochastic, lg = mexc_ceil_log2(d), pre = 14 + 7 + lg - 31;
     const uint32_t key5 = mexc_site_key(ctx, tid, 5), key4 = mexc_site_key(ctx, tid, 4);
     const int8_t *dp;
-    int32_t edp = ed, e_g = ed + eg, acc, g, s0, e[3], b[3], sh[3], target, t, st16 = 0, e_bk;
+    int32_t edp = ed, e_g = ed + eg, g, s0, e[3], b[3], sh[3], target, t, st16 = 0, e_bk;
     uint32_t keys[3], rr, i, idx, tmax = 0;
     mexc_recip_t rc;
     mexc_sink_t sink;
-    mexc_bias_backward(rows, d, 1u, dy, dbeta);
-    dp = mexc_fit_product(dy, rows * d, &edp, rows, ctx, mexc_site_key(ctx, tid, 7),
-                          scratch + 5u * rows);
-    for (i = 0; i < d; i++) {
-        acc = 0;
-        for (rr = 0; rr < rows; rr++) acc += (int32_t)dp[rr * d + i] * sv->xhat[rr * d + i];
-        dgamma[i] = acc;
+    /* each parameter's sum has rows / G x P terms (the rows, or GroupNorm's samples x P) */
+    dp = mexc_fit_product(dy, rows * d, &edp, rows / groups * per, ctx,
+                          mexc_site_key(ctx, tid, 7), scratch + 5u * rows);
+    for (i = 0; i < params; i++) {
+        dgamma[i] = 0;
+        dbeta[i] = 0;
     }
+    for (idx = 0, rr = 0; rr < rows; rr++)
+        for (ln_channel_start(&ch, rr, d, groups, per), i = 0; i < d;
+             i++, idx++, ln_channel_next(&ch)) {
+            dbeta[ch.c] += dy[idx];
+            dgamma[ch.c] += (int32_t)dp[idx] * sv->xhat[idx];
+        }
     *e_dgamma = edp + sv->xhat_e;
     if (dx == NULL) return; /* input gradient not needed */
     if (pre > 0) e_g += pre;
     for (idx = 0, rr = 0; rr < rows; rr++) {
         sg[rr] = 0;
         sgx[rr] = 0;
-        for (i = 0; i < d; i++, idx++) {
-            g = ln_g(dy[idx], gamma[i], pre, st, key5, idx);
+        for (ln_channel_start(&ch, rr, d, groups, per), i = 0; i < d;
+             i++, idx++, ln_channel_next(&ch)) {
+            g = ln_g(dy[idx], gamma[ch.c], pre, st, key5, idx);
             sg[rr] += g;
             sgx[rr] += g * sv->xhat[idx];
         }
@@ -193,8 +228,9 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
     }
     /* T16 = compact_to_bits(T, 15) [4]: scan max|T| */
     for (idx = 0, rr = 0; rr < rows; rr++)
-        for (i = 0; i < d; i++, idx++) {
-            g = ln_g(dy[idx], gamma[i], pre, st, key5, idx);
+        for (ln_channel_start(&ch, rr, d, groups, per), i = 0; i < d;
+             i++, idx++, ln_channel_next(&ch)) {
+            g = ln_g(dy[idx], gamma[ch.c], pre, st, key5, idx);
             t = ln_t(g, d, sg[rr], sv->xhat[idx], sgx[rr], sh, keys, st, idx, rr);
             tmax = mexc_uabs(t) > tmax ? mexc_uabs(t) : tmax;
         }
@@ -207,8 +243,9 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) *e_dx = mexc_sink_finish_common(&sink, e_grp, rows);
         for (idx = 0, rr = 0; rr < rows; rr++)
-            for (i = 0; i < d; i++, idx++) {
-                g = ln_g(dy[idx], gamma[i], pre, st, key5, idx);
+            for (ln_channel_start(&ch, rr, d, groups, per), i = 0; i < d;
+                 i++, idx++, ln_channel_next(&ch)) {
+                g = ln_g(dy[idx], gamma[ch.c], pre, st, key5, idx);
                 t = ln_t(g, d, sg[rr], sv->xhat[idx], sgx[rr], sh, keys, st, idx, rr);
                 t = mexc_shift_right(t, st16, st, key4, idx);
                 mexc_sink_put(&sink, idx, rr, mexc_div_const(t, &rc) * sv->rstd[rr]);

@@ -1,0 +1,154 @@
+"""GroupNorm (docs/layers.md): LayerNorm's recipe over rows (sample, group) with the affine per
+channel. Against torch's F.group_norm in both directions, as a module and as the function timm
+calls, and a model with it trained bit-exact on every backend: reference, llvm, C, and the
+CUDA artifact's own source on the CPU emulator."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mexc
+from mexc import kernels as K
+from mexc.ir import Op
+from mexc.kernels.transformer import affine_channels
+from mexc.mx import MX, RoundCtx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+def _float(v: MX) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(v.m).astype(np.float64) * 2.0 ** float(v.e))
+
+
+def test_affine_channels() -> None:
+    """LayerNorm: the column; GroupNorm with 2 groups of 2 channels of 3 elements: the channel."""
+    np.testing.assert_array_equal(affine_channels(2, 3), [[0, 1, 2], [0, 1, 2]])
+    want = [[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3], [0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]]
+    np.testing.assert_array_equal(affine_channels(4, 6, groups=2, per=3), want)
+
+
+@pytest.mark.parametrize(
+    ("shape", "groups"),
+    [((4, 6, 5, 5), 2), ((4, 6, 5, 5), 1), ((4, 6, 5, 5), 6), ((3, 8, 4, 2), 4), ((6, 12), 3)],
+)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_groupnorm_matches_torch(shape: tuple[int, ...], groups: int, rounding: str) -> None:
+    """Some groups, one group (PoolFormer's GroupNorm1), a group per channel (instance norm)
+    and (N, C): the output, dx, dgamma and dbeta (exact: a sum) against torch's autograd."""
+    c = shape[1]
+    per = int(np.prod(shape[2:]))
+    rng = np.random.default_rng(sum(shape) + groups)
+    ctx = RoundCtx(rounding, 3, 1)  # type: ignore[arg-type]
+    offsets = rng.integers(-30, 30, (1, c) + (1,) * (len(shape) - 2))
+    x = MX.of(np.clip(rng.integers(-90, 91, shape) // 2 + offsets, -127, 127), -4)
+    g, b = MX.of(rng.integers(40, 128, c), -7), MX.of(rng.integers(-127, 128, c), -8)
+    y, saved = K.layernorm_forward(x, g, b, 1e-5, ctx, 0, groups, per)
+    xt, gt, bt = (_float(v).requires_grad_() for v in (x, g, b))
+    yt = F.group_norm(xt, groups, gt, bt, eps=1e-5)
+    assert _cos(_float(y).numpy(), yt.detach().numpy()) >= 0.99
+    dy = MX.of(rng.integers(-127, 128, shape), -9)
+    yt.backward(_float(dy))
+    dx, dg, db = K.layernorm_backward(dy, saved, ctx, 16)
+    assert dg.a.shape == (c,) and db.a.shape == (c,)
+    assert xt.grad is not None and gt.grad is not None and bt.grad is not None
+    assert _cos(_float(dx).numpy(), xt.grad.numpy()) >= 0.98
+    assert _cos(dg.a * 2.0 ** float(dg.e), gt.grad.numpy()) >= 0.99
+    np.testing.assert_allclose(db.a * 2.0 ** float(db.e), bt.grad.numpy())
+
+
+def test_one_group_per_row_is_layernorm() -> None:
+    """GroupNorm of (N, C) with one group normalizes each row, as LayerNorm over C does."""
+    rng = np.random.default_rng(5)
+    ctx = RoundCtx("stochastic", 2, 0)
+    x = MX.of(rng.integers(-127, 128, (4, 16)), -5)
+    g, b = MX.of(rng.integers(-127, 128, 16), -7), MX.of(rng.integers(-127, 128, 16), -8)
+    gn, _ = K.layernorm_forward(x, g, b, 1e-5, ctx, 0, 1, 1)
+    ln, _ = K.layernorm_forward(x, g, b, 1e-5, ctx, 0)
+    np.testing.assert_array_equal(gn.m, ln.m)
+
+
+class FunctionalGroupNorm(nn.GroupNorm):
+    """timm's GroupNorm: a subclass whose forward calls F.group_norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class GroupNormNet(nn.Module):
+    """GroupNorm as a module (2 groups) and through F.group_norm (one group), then a head
+    with GroupNorm over (N, C) (4 groups)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.gn1 = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.gn2 = FunctionalGroupNorm(1, 8)
+        self.fc1 = nn.Linear(8 * 4 * 4, 16)
+        self.gn3 = nn.GroupNorm(4, 16)
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.gn1(self.conv1(x)))
+        x = F.max_pool2d(F.relu(self.gn2(self.conv2(x))), 2)
+        return self.fc2(F.relu(self.gn3(self.fc1(torch.flatten(x, 1)))))
+
+
+def _program(target: str, bits: int = 8) -> mexc.Program:
+    torch.manual_seed(0)
+    opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
+    return mexc.compile(
+        GroupNormNet(), (torch.zeros(4, 1, 8, 8),), optimizer=opt, target=target, bits=bits
+    )
+
+
+def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32) * 2, rng.integers(0, 10, 4)
+    checksums = []
+    for _ in range(steps):
+        prog.step(x, y)
+        checksums.append(prog.state_checksum())
+    return checksums
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
+    ref = _program("reference", bits)
+    norms = [n for n in ref.graph.nodes if n.op is Op.LAYERNORM]
+    assert sorted(int(n.attrs.groups) for n in norms) == [1, 2, 4]
+    want = _train(ref)
+    assert len(set(want)) == 3
+    assert _train(_program("llvm", bits)) == want
+    assert _train(_program("c", bits)) == want
+
+
+def test_groupnorm_without_affine_is_refused() -> None:
+    model = nn.Sequential(nn.GroupNorm(2, 4, affine=False), nn.Flatten(), nn.Linear(16, 3))
+    with pytest.raises(mexc.UnsupportedOpError, match="node '_0'.*affine weight and bias"):
+        mexc.compile(model, (torch.zeros(2, 4, 2, 2),))
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
+
+    build_step(_program("reference"), ("sm_80",), tmp_path)
+    for order in ("forward", "reverse"):
+        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
+        assert all(r["exact"] for r in rows), rows
