@@ -29,6 +29,33 @@ def batches(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.nda
     ]
 
 
+class ZooLayers(torch.nn.Module):
+    """The layers added for models users bring, each in one data-parallel step: GroupNorm,
+    LeakyReLU, channel dropout, zero padding, nearest upsampling, pixel shuffle, Mish, tanh and
+    adaptive max pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(2, 8)
+        self.act = nn.LeakyReLU(0.1)
+        self.drop = nn.Dropout2d(0.25)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.up = nn.Upsample(scale_factor=2)
+        self.shuffle = nn.PixelShuffle(2)
+        self.conv3 = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.AdaptiveMaxPool2d(2)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.nn.functional
+        x = self.drop(self.act(self.gn(self.conv1(x))))  # 8 x 8 x 8
+        x = self.up(self.conv2(f.pad(x, (0, 1, 0, 1))))  # 8 x 4 x 4 -> 8 x 8 x 8
+        x = f.mish(self.conv3(self.shuffle(x)))  # 2 x 16 x 16 -> 4 x 16 x 16
+        return self.fc(torch.tanh(torch.flatten(self.pool(x), 1)))
+
+
 def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
     from examples.models import EXAMPLES
     from examples.vit import ViTTiny
@@ -53,6 +80,8 @@ def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
             drop_rate=0.1,
         )
         return vit, (1, 16, 16)
+    if name == "zoo_layers":
+        return ZooLayers(), (1, 8, 8)
     cls, shape = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}[name]
     return cls(), shape
 

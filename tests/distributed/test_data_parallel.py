@@ -24,9 +24,10 @@ from test_cuda_products import needs_cuda_tools  # noqa: E402
 WORKER = Path(__file__).with_name("dp_worker.py")
 MODELS = ("FashionCNN", "DigitsCNN", "SmallResNet", "MobileNetV2Tiny", "MLP")
 CNNS = MODELS[:4]  # at 4 workers: the example CNNs (the MLP's ops are theirs)
-# at 2 workers besides: a ViT (LayerNorm, attention, GELU, token mean) and torchvision's
-# MobileNetV3 (hardswish, squeeze-excitation products, hardsigmoid, dropout)
-OTHERS = ("ViTTiny", "mobilenet_v3_small")
+# at 2 workers besides: a ViT (LayerNorm, attention, GELU, token mean), torchvision's
+# MobileNetV3 (hardswish, squeeze-excitation products, hardsigmoid, dropout) and the layers
+# added for models users bring (dp_worker.ZooLayers: GroupNorm, LeakyReLU, channel dropout, ...)
+OTHERS = ("ViTTiny", "mobilenet_v3_small", "zoo_layers")
 BATCH, STEPS = 8, 10
 
 
