@@ -157,3 +157,31 @@ def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     for order in ("forward", "reverse"):
         rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
         assert all(r["exact"] for r in rows), rows
+
+
+def test_gelu_tanh_approximation_shares_the_gelu_tables() -> None:
+    """Built from the tanh form, GELU's table is the same and its derivative's differs in 4
+    entries by one unit (docs/numerics.md section 9); nn.GELU(approximate="tanh") compiles to
+    the integer GELU."""
+    import math
+
+    from mexc.numerics import GELU_GRAD_TABLE, GELU_IN_EXP, GELU_TABLE, LookupTable
+
+    k = math.sqrt(2 / math.pi)
+
+    def f(v: float) -> float:
+        return 0.5 * v * (1 + math.tanh(k * (v + 0.044715 * v**3)))
+
+    def df(v: float) -> float:
+        t = math.tanh(k * (v + 0.044715 * v**3))
+        return 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * k * (1 + 3 * 0.044715 * v * v)
+
+    table = LookupTable.build("gelu_tanh", f, GELU_IN_EXP, GELU_TABLE.out_exp, -127, 127)
+    grad = LookupTable.build("gelu_tanh_grad", df, GELU_IN_EXP, GELU_GRAD_TABLE.out_exp, -127, 127)
+    np.testing.assert_array_equal(table.values, GELU_TABLE.values)
+    differ = np.nonzero(grad.values != GELU_GRAD_TABLE.values)[0]
+    np.testing.assert_array_equal(differ, [27, 64, 192, 229])
+    assert np.abs(grad.values[differ] - GELU_GRAD_TABLE.values[differ]).max() == 1
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 3))
+    g = mexc.compile(model, (torch.zeros(2, 4),), target="reference").graph
+    assert Op.GELU in {n.op for n in g.nodes}
