@@ -376,6 +376,10 @@ class _ShapeTracer(MetaTracer, _Tracer):
     branch goes the way the example takes it. The graph is for the example's shape, as every
     mexc graph is; a branch on tensor values still fails."""
 
+    # MetaTracer installs a module that forward creates (nn.ReLU() inline) into the model; the
+    # user's model stays as it is, and such a module fails as in the first try
+    allow_insert_stateless_mods = False
+
     def create_proxy(
         self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **named: Any
     ) -> Any:

@@ -62,6 +62,14 @@ def test_layers_become_existing_ops(
     assert _graph_ops(layer, shape) == ops
 
 
+def test_the_c_backend_refuses_max_pool_windows_its_argmax_cannot_hold() -> None:
+    """A global max pool of 17 x 17 (289 offsets: the C runtime keeps them in a uint8)."""
+    model = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(2, 3))
+    with pytest.raises(mexc.UnsupportedOpError, match="window of 289 elements; the C backend"):
+        mexc.compile(model, (torch.zeros(2, 2, 17, 17),), target="c")
+    mexc.compile(model, (torch.zeros(2, 2, 16, 16),), target="c")  # 256: fits
+
+
 def test_adaptive_max_pool_is_torchs_and_refuses_indices() -> None:
     x = torch.randn(2, 3, 16, 24)
     pooled = F.max_pool2d(x, (8, 4))

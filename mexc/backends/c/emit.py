@@ -307,8 +307,19 @@ def _pool_geom(e: _Emit, n: Node, x_shape: tuple[int, ...]) -> str:
     return p
 
 
+MAX_POOL_TAPS = 256  # the C runtime keeps each window's argmax offset in a uint8
+
+
 def _maxpool(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
+    taps = int(n.attrs.kernel[0]) * int(n.attrs.kernel[1])
+    if taps > MAX_POOL_TAPS:
+        where = f" at {n.loc}" if n.loc else ""
+        raise UnsupportedOpError(
+            f"node %{n.id} `maxpool2d`{where}: a max pooling window of {taps} elements; the C "
+            f"backend keeps the argmax of windows of at most {MAX_POOL_TAPS} (a global max pool "
+            "of at most 16 x 16). Pool in stages, or use target='reference' or 'llvm'."
+        )
     p = _pool_geom(e, n, e.shape(n.inputs[0]))
     y = e.arena(n.out, "int8_t")
     # the window offsets have no arena slot when no backward reads them (a max pool on the
