@@ -227,6 +227,24 @@ def _groupnorm_module(c: Any, n: Any, m: Any) -> Value:
     return _groupnorm(c, n, n.args[0], m.num_groups, weight, bias, m.eps)
 
 
+def _instancenorm_module(c: Any, n: Any, m: Any) -> Value:
+    """InstanceNorm1d/2d/3d with affine weight and bias and no running statistics: GroupNorm
+    with a group per channel (the statistics of each sample's channel, in training and in
+    evaluation alike)."""
+    if not m.affine or m.track_running_stats:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "needs InstanceNorm with affine=True and track_running_stats=False (mexc "
+                "lowers it as GroupNorm with a group per channel)",
+            )
+        )
+    name = str(n.target)
+    weight = c.param(f"{name}.weight", m.weight, "ln_weight")
+    bias = c.param(f"{name}.bias", m.bias, "ln_bias")
+    return _groupnorm(c, n, n.args[0], m.num_features, weight, bias, m.eps)
+
+
 def _groupnorm_function(c: Any, n: Any) -> Value:
     """F.group_norm(x, num_groups, weight, bias, eps) with a module's weight and bias (timm's
     GroupNorm and GroupNorm1)."""
@@ -306,6 +324,11 @@ define(
             Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),
             Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
             Pattern("module", ("torch.nn.GroupNorm",), _groupnorm_module),
+            Pattern(
+                "module",
+                ("torch.nn.InstanceNorm1d", "torch.nn.InstanceNorm2d", "torch.nn.InstanceNorm3d"),
+                _instancenorm_module,
+            ),
             Pattern("function", ("torch.nn.functional.group_norm",), _groupnorm_function),
         ),
         lower={"tir": "step_plan:PlanRules.layernorm", "c": "emit:_layernorm"},

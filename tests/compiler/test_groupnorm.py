@@ -136,6 +136,24 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     assert _train(_program("c", bits)) == want
 
 
+def test_instance_norm_is_groupnorm_with_a_group_per_channel() -> None:
+    """InstanceNorm2d(affine=True) compiles to the same program as GroupNorm(C, C) with the
+    same parameters; without affine or with running statistics it is refused."""
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((4, 3, 6, 6)).astype(np.float32), np.array([0, 1, 2, 0])
+    runs = []
+    for norm in (nn.InstanceNorm2d(3, affine=True), nn.GroupNorm(3, 3)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 3, 3), norm, nn.Flatten(), nn.Linear(48, 3))
+        prog = mexc.compile(model, (torch.from_numpy(x),), target="reference")
+        runs.append([(prog.step(x, y), prog.state_checksum()) for _ in range(2)])
+    assert runs[0] == runs[1]
+    for bad in (nn.InstanceNorm2d(3), nn.InstanceNorm2d(3, affine=True, track_running_stats=True)):
+        model = nn.Sequential(bad, nn.Flatten(), nn.Linear(12, 3))
+        with pytest.raises(mexc.UnsupportedOpError, match="affine=True and track_running"):
+            mexc.compile(model, (torch.zeros(2, 3, 2, 2),))
+
+
 def test_groupnorm_without_affine_is_refused() -> None:
     model = nn.Sequential(nn.GroupNorm(2, 4, affine=False), nn.Flatten(), nn.Linear(16, 3))
     with pytest.raises(mexc.UnsupportedOpError, match="node '_0'.*affine weight and bias"):
