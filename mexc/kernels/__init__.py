@@ -5,6 +5,10 @@ site id `tid` (site j uses ctx.key(tid + j)). The recipes are in docs/layers.md.
 """
 
 from mexc.kernels.activation import (
+    clamp_backward,
+    clamp_bound,
+    clamp_bounds,
+    clamp_forward,
     hardsigmoid_backward,
     hardsigmoid_forward,
     hardswish_backward,
@@ -71,6 +75,10 @@ from mexc.kernels.pool import (
 from mexc.kernels.quantize import quantize, quantize_channels
 
 __all__ = [
+    "clamp_backward",
+    "clamp_bound",
+    "clamp_bounds",
+    "clamp_forward",
     "BatchNormSaved",
     "add_forward",
     "sigmoid_backward",

@@ -1,5 +1,5 @@
-"""ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU, tanh and Mish, and their
-gradients."""
+"""ReLU, ReLU6, clamp (Hardtanh), LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU, tanh and
+Mish, and their gradients."""
 
 from __future__ import annotations
 
@@ -74,6 +74,69 @@ def relu6_backward(dy: MX, x: MX) -> MX:
     e = scalar_exp(x, "relu6 input")
     m = i64(x.m)  # |m| <= 127 < 6 << 5 and 1 << 3 > 6, so shifts of 8 decide every case
     keep = (m > 0) & ((m << min(max(e, 0), 8)) < (6 << min(max(-e, 0), 8)))
+    return MX(np.where(keep, dy.m, 0).astype(np.int8), dy.e)
+
+
+# ----------------------------------------------------------------------------- clamp
+
+CLAMP_MAX_BOUND = 2.0**15  # FixedScalar's 15-bit numerator at shift 0
+CLAMP_LEFT_CAP = 16  # a bound's mantissa num 2^t saturates at t = 16: |.| < 2^31, past any m
+
+
+def clamp_bound(v: float) -> tuple[int, int]:
+    """A clamp bound as num 2^-shift: FixedScalar.of(|v|) (15-bit numerator; exact for dyadic
+    bounds such as 0, 1, 6 or 0.5), signed."""
+    if not math.isfinite(v) or abs(v) >= CLAMP_MAX_BOUND:
+        raise ValueError(f"clamp bound must be finite and below 2^15 in magnitude: {v}")
+    if v == 0:
+        return 0, 0
+    f = FixedScalar.of(abs(v))
+    return (-f.num if v < 0 else f.num), f.shift
+
+
+def bound_mantissa(bound: tuple[int, int], e: int, ceil: bool) -> int:
+    """floor (ceil) of the bound over 2^e, num 2^(-shift - e): a left shift saturating at
+    2^16 (past every int8 mantissa, so comparisons with one stay exact), or an arithmetic right
+    shift (floor; ceil as -floor(-num / 2^k)) of at most 31."""
+    num, shift = bound
+    t = -shift - e
+    if t >= 0:
+        return num << min(t, CLAMP_LEFT_CAP)
+    k = min(-t, 31)
+    return -((-num) >> k) if ceil else num >> k
+
+
+def clamp_bounds(
+    lo: float, hi: float, has_lo: bool, has_hi: bool
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """The (lo, hi) bounds of a clamp node's attributes as clamp_bound pairs (None: absent)."""
+    return (clamp_bound(lo) if has_lo else None), (clamp_bound(hi) if has_hi else None)
+
+
+def clamp_forward(x: MX, lo: tuple[int, int] | None, hi: tuple[int, int] | None, top: int) -> MX:
+    """y = min(max(m, L), H), the exponent kept: L = min(ceil(lo / 2^e), top), H =
+    max(floor(hi / 2^e), -top) (top: the largest activation mantissa), an absent bound none.
+    lo > hi gives hi everywhere, as torch.clamp."""
+    e = scalar_exp(x, "clamp input")
+    m = i64(x.m)
+    if lo is not None:
+        m = np.maximum(m, min(bound_mantissa(lo, e, True), top))
+    if hi is not None:
+        m = np.minimum(m, max(bound_mantissa(hi, e, False), -top))
+    return MX(m.astype(np.int8), x.e)
+
+
+def clamp_backward(dy: MX, x: MX, lo: tuple[int, int] | None, hi: tuple[int, int] | None) -> MX:
+    """dx = dy where lo < x < hi strictly (torch's clamp and Hardtanh gradients: 0 at the bounds
+    themselves), decided exactly on the input's mantissa: x > lo iff m > floor(lo / 2^e), x < hi
+    iff m < ceil(hi / 2^e)."""
+    e = scalar_exp(x, "clamp input")
+    m = i64(x.m)
+    keep = np.ones(m.shape, bool)
+    if lo is not None:
+        keep &= m > bound_mantissa(lo, e, False)
+    if hi is not None:
+        keep &= m < bound_mantissa(hi, e, True)
     return MX(np.where(keep, dy.m, 0).astype(np.int8), dy.e)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
-from mexc.kernels.activation import HS_DIVISOR, leaky_slope
+from mexc.kernels.activation import HS_DIVISOR, clamp_bounds, leaky_slope
 from mexc.kernels.elementwise import (
     MAX_SUM_TERMS,
     _keep_threshold,
@@ -50,6 +50,29 @@ class PoolRules(PlanBuilder):
         self.e[n.result(0)] = self.e[x]
         func = te_pool.relu6_forward(rows, f"n{n.id}_relu6")
         self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
+
+    def _clamp_bounds(self, n: Node) -> tuple[te_pool.Bound, te_pool.Bound]:
+        a = n.attrs
+        return clamp_bounds(float(a.lo), float(a.hi), bool(a.has_lo), bool(a.has_hi))
+
+    def clamp(self, n: Node) -> None:
+        """kernels.activation.clamp_forward (the exponent passes through)."""
+        x = n.inputs[0]
+        rows = self.rows_of(self.shape(x))
+        y = self.view(self.out_over(n, x), rows)
+        self.e[n.result(0)] = self.e[x]
+        top = qmax(CONTAINER_BITS) if self.channels else qmax(self.bits)
+        func = te_pool.clamp_forward(rows, *self._clamp_bounds(n), top, f"n{n.id}_clamp")
+        self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
+
+    def clamp_grad(self, n: Node) -> None:
+        dy, x = n.inputs
+        rows = self.rows_of(self.shape(dy))
+        dx = self.view(self.out_over(n, dy), rows)
+        self.e[n.result(0)] = self.e[dy]
+        lo, hi = self._clamp_bounds(n)
+        func = te_pool.clamp_backward(rows, lo, hi, f"n{n.id}_clamp_grad")
+        self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
 
     def relu6_grad(self, n: Node) -> None:
         dy, x = n.inputs

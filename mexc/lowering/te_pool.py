@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 from tvm import te, tirx
 
-from mexc.kernels.activation import HS_GRID, HSIG_BITS, HSIG_GRAD_LEFT
+from mexc.kernels.activation import CLAMP_LEFT_CAP, HS_GRID, HSIG_BITS, HSIG_GRAD_LEFT
 from mexc.lowering.te_compaction import _flat_index, fused_compaction, iabs, random_word, where
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
@@ -112,6 +112,63 @@ def avgpool_backward_acc(x_shape: Shape4, k: Pair, s: Pair, p: Pair, name: str) 
         acc = te.compute(x_shape, lambda *i: total[i].astype(I32), name="acc")
     e_acc = te.compute((1,), lambda i: e_dy[i] - (DIV_BITS - 7) - recip.pow2, name="e_acc")
     return _func([dy, e_dy, acc, e_acc], name)
+
+
+Bound = tuple[int, int] | None  # kernels.activation.clamp_bound's (num, shift), or absent
+
+
+def _bound_at(bound: tuple[int, int], e: tirx.PrimExpr, ceil: bool) -> tirx.PrimExpr:
+    """kernels.activation.bound_mantissa at the run-time exponent e (int32 lanes)."""
+    num, shift = bound
+    t = tirx.const(-shift, I32) - e
+    n32 = tirx.const(num, I32)
+    left = n32 << tirx.min(t, tirx.const(CLAMP_LEFT_CAP, I32))
+    k = tirx.min(-t, tirx.const(31, I32))
+    right = -((-n32) >> k) if ceil else n32 >> k
+    return tirx.if_then_else(t >= 0, left, right)
+
+
+def clamp_forward(
+    shape: tuple[int, ...], lo: Bound, hi: Bound, top: int, name: str
+) -> tirx.PrimFunc:
+    """kernels.activation.clamp_forward: y = min(max(m, L), H) with the bounds at the input's
+    exponent, L capped at `top`, H at -top. Parameters (x, e, y)."""
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    cap = tirx.const(top, I32)
+    low = te.compute(
+        (1,), lambda _: tirx.min(_bound_at(lo, e[0], True), cap) if lo else -cap - 1, name="low"
+    )
+    high = te.compute(
+        (1,), lambda _: tirx.max(_bound_at(hi, e[0], False), -cap) if hi else cap, name="high"
+    )
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.min(tirx.max(x[i].astype(I32), low[0]), high[0]).astype(I8)
+
+    return _func([x, e, te.compute(shape, body, name="y")], name)
+
+
+def clamp_backward(shape: tuple[int, ...], lo: Bound, hi: Bound, name: str) -> tirx.PrimFunc:
+    """kernels.activation.clamp_backward: dx = dy where lo < x < hi, decided on the input's
+    mantissa. Parameters (dy, x, e, dx)."""
+    dy = te.placeholder(shape, I8, name="dy")
+    x = te.placeholder(shape, I8, name="x")
+    e = te.placeholder((1,), I32, name="e")
+    zero = tirx.const(0, I32)
+    low = te.compute((1,), lambda _: _bound_at(lo, e[0], False) if lo else zero, name="low")
+    high = te.compute((1,), lambda _: _bound_at(hi, e[0], True) if hi else zero, name="high")
+
+    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+        m = x[i].astype(I32)
+        keep = tirx.const(True, "bool")
+        if lo:
+            keep = tirx.all(keep, m > low[0])
+        if hi:
+            keep = tirx.all(keep, m < high[0])
+        return where(keep, dy[i], tirx.const(0, I8))
+
+    return _func([dy, x, e, te.compute(shape, body, name="dx")], name)
 
 
 def relu6_forward(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:

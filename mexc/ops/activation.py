@@ -1,5 +1,5 @@
-"""Activations: ReLU, ReLU6, LeakyReLU, Hardswish, Hardsigmoid, sigmoid, SiLU, tanh, Mish and
-GELU, and their gradients."""
+"""Activations: ReLU, ReLU6, clamp / Hardtanh, LeakyReLU, Hardswish, Hardsigmoid, sigmoid,
+SiLU, tanh, Mish and GELU, and their gradients."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
+from mexc.kernels._common import activation_qmax
 from mexc.ops.common import (
     Grads,
     elementwise_types,
@@ -32,6 +33,72 @@ def _gelu_module(c: Any, n: Any, m: Any) -> Value:
     if m.approximate not in ("none", "tanh"):
         raise UnsupportedOpError(c.describe(n, f"uses GELU approximate={m.approximate!r}"))
     return c.emit(Op.GELU, [c.arg(n.args[0])], n)
+
+
+def _bounds(n: Node) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    a = n.attrs
+    return K.clamp_bounds(float(a.lo), float(a.hi), bool(a.has_lo), bool(a.has_hi))
+
+
+def _clamp(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.clamp_forward(a[0], *_bounds(n), activation_qmax(env.ctx)),)
+
+
+def _clamp_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.clamp_backward(a[0], a[1], *_bounds(n)),)
+
+
+def _emit_clamp(c: Any, n: Any, x: Any, lo: Any, hi: Any) -> Value:
+    """A clamp between Python numbers (None: no bound)."""
+    for bound in (lo, hi):
+        if bound is not None and (c.is_node(bound) or not isinstance(bound, (int, float))):
+            raise UnsupportedOpError(
+                c.describe(n, "clamps to a tensor; mexc takes constant bounds (numbers)")
+            )
+        if bound is not None:
+            try:
+                K.clamp_bound(float(bound))
+            except ValueError:
+                raise UnsupportedOpError(
+                    c.describe(n, f"clamps to {bound!r}; bounds must be finite and below 2^15")
+                ) from None
+    if lo is None and hi is None:
+        return c.arg(x)
+    return c.emit(
+        Op.CLAMP,
+        [c.arg(x)],
+        n,
+        lo=float(lo or 0.0),
+        hi=float(hi or 0.0),
+        has_lo=lo is not None,
+        has_hi=hi is not None,
+    )
+
+
+def _clamp_call(c: Any, n: Any) -> Value:
+    """torch.clamp / clip (function or method): min and max, positional or by name."""
+    args = dict(zip(("input", "min", "max"), n.args)) | dict(n.kwargs)
+    return _emit_clamp(c, n, args["input"], args.get("min"), args.get("max"))
+
+
+def _clamp_min(c: Any, n: Any) -> Value:
+    v = n.args[1] if len(n.args) > 1 else n.kwargs["min"]
+    return _emit_clamp(c, n, n.args[0], v, None)
+
+
+def _clamp_max(c: Any, n: Any) -> Value:
+    v = n.args[1] if len(n.args) > 1 else n.kwargs["max"]
+    return _emit_clamp(c, n, n.args[0], None, v)
+
+
+def _hardtanh_module(c: Any, n: Any, m: Any) -> Value:
+    return _emit_clamp(c, n, n.args[0], float(m.min_val), float(m.max_val))
+
+
+def _hardtanh_function(c: Any, n: Any) -> Value:
+    args = dict(zip(("input", "min_val", "max_val"), n.args)) | dict(n.kwargs)
+    lo, hi = float(args.get("min_val", -1.0)), float(args.get("max_val", 1.0))
+    return _emit_clamp(c, n, args["input"], lo, hi)
 
 
 def _leaky_saved(n: Node) -> Value:
@@ -144,6 +211,10 @@ def _mish_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.mish_backward(a[0], a[1], env.ctx, tid(n)),)
 
 
+# lo, hi: the bounds (has_lo / has_hi: present)
+_CLAMP_ATTRS = {"lo": 0.0, "hi": 0.0, "has_lo": True, "has_hi": True}
+
+
 def _tir(name: str) -> str:
     return f"step_plan:PlanRules.{name}"
 
@@ -182,6 +253,31 @@ define(
         lower={"tir": _tir("relu6"), "c": "emit:_relu6"},
         in_place=True,
         doc="min(max(x, 0), 6) with 6 at the input's exponent",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.CLAMP,
+        _CLAMP_ATTRS,
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.CLAMP_GRAD, lambda n: n.inputs[0]),
+        reference=_clamp,
+        frontend=(
+            Pattern("function", ("torch.clamp", "torch.clip"), _clamp_call),
+            Pattern("method", ("clamp", "clip"), _clamp_call),
+            Pattern("function", ("torch.clamp_min",), _clamp_min),
+            Pattern("method", ("clamp_min",), _clamp_min),
+            Pattern("function", ("torch.clamp_max",), _clamp_max),
+            Pattern("method", ("clamp_max",), _clamp_max),
+            Pattern("module", ("torch.nn.Hardtanh",), _hardtanh_module),
+            Pattern(
+                "function",
+                ("torch.nn.functional.hardtanh", "torch.nn.functional.hardtanh_"),
+                _hardtanh_function,
+            ),
+        ),
+        lower={"tir": _tir("clamp"), "c": "emit:_clamp"},
+        in_place=True,
+        doc="min(max(x, lo), hi) on mantissas with the bounds at the input's exponent",
         data_parallel=True,
     ),
     OpDef(
@@ -344,6 +440,15 @@ define(
         lower={"tir": _tir("relu6_grad"), "c": "emit:_relu6_grad"},
         in_place=True,
         doc="dy masked where the ReLU6 output is strictly inside (0, 6)",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.CLAMP_GRAD,
+        _CLAMP_ATTRS,
+        reference=_clamp_grad,
+        lower={"tir": _tir("clamp_grad"), "c": "emit:_clamp_grad"},
+        in_place=True,
+        doc="dy where lo < x < hi strictly (torch's clamp and Hardtanh gradients), else 0",
         data_parallel=True,
     ),
     OpDef(

@@ -17,7 +17,7 @@ from mexc.backends.c.channels import ChannelTables
 from mexc.backends.c.tir_kernels import KernelSet
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Graph, Node, Op, Value
-from mexc.kernels.activation import leaky_slope
+from mexc.kernels.activation import clamp_bounds, leaky_slope
 from mexc.kernels.elementwise import (
     _keep_threshold,
     dropout_group,
@@ -29,6 +29,7 @@ from mexc.kernels.norm import _eps_fixed
 from mexc.lowering.te_products import ConvGeom
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import (
+    CONTAINER_BITS,
     MISH_GRAD_TABLE,
     MISH_TABLE,
     SIGMOID_GRAD_TABLE,
@@ -39,6 +40,7 @@ from mexc.numerics import (
     FixedScalar,
     LookupTable,
     product_cap,
+    qmax,
     site_rounding,
 )
 from mexc.ops import REGISTRY, op_def
@@ -752,6 +754,34 @@ def _relu6_grad(e: _Emit, n: Node) -> None:
     dx = e.arena(n.out, "int8_t")
     e.exp[n.out] = ed
     e.emit(f"mexc_relu6_backward({dy}, {y}, {ey}, {dx}, {e.numel(n.out)}u);")
+
+
+def _clamp_array(e: _Emit, n: Node) -> str:
+    """The node's bounds as a static int32 array {has_lo, lo_num, lo_shift, has_hi, ...}."""
+    a = n.attrs
+    lo, hi = clamp_bounds(float(a.lo), float(a.hi), bool(a.has_lo), bool(a.has_hi))
+    words = [int(lo is not None), *(lo or (0, 0)), int(hi is not None), *(hi or (0, 0))]
+    name = f"clamp{n.id}"
+    e.statics.append(_array("int32_t", name, np.asarray(words, np.int32)))
+    return name
+
+
+def _clamp(e: _Emit, n: Node) -> None:
+    x, ex = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ex
+    o = e.prog.options
+    top = qmax(CONTAINER_BITS) if o.channel_exponents and o.bits < CONTAINER_BITS else qmax(o.bits)
+    bounds = _clamp_array(e, n)
+    e.emit(f"mexc_clamp_forward({x}, {ex}, {e.numel(n.out)}u, {bounds}, {top}, {y});")
+
+
+def _clamp_grad(e: _Emit, n: Node) -> None:
+    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
+    dx = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ed
+    bounds = _clamp_array(e, n)
+    e.emit(f"mexc_clamp_backward({dy}, {x}, {ex}, {e.numel(n.out)}u, {bounds}, {dx});")
 
 
 def _leaky_relu(e: _Emit, n: Node) -> None:

@@ -203,6 +203,12 @@ void mexc_relu6_backward(const int8_t *dy, const int8_t *x, int32_t e, int8_t *d
 /* hardswish (activation.py): y = x relu6(x + 3) / 6 and dx = dy g(x) on the 2^-k grid,
  * k = clamp(-e, 0, 16); compact_to_bits(., 15) (site 0), div_const by 6, compaction (site 1).
  * Return the result's exponent. */
+/* activation.clamp_*: bounds = {has_lo, lo_num, lo_shift, has_hi, hi_num, hi_shift} (clamp_bound
+ * pairs); top: the largest activation mantissa; the gradient passes where lo < x < hi. */
+void mexc_clamp_forward(const int8_t *x, int32_t e, uint32_t n, const int32_t *bounds,
+                        int32_t top, int8_t *y);
+void mexc_clamp_backward(const int8_t *dy, const int8_t *x, int32_t e, uint32_t n,
+                         const int32_t *bounds, int8_t *dx);
 /* Nearest upsampling by (sh, sw) of `planes` (N C) h x w planes (pool.upsample_nearest_*): the
  * backward sums each block of dy, compaction site 0. */
 void mexc_upsample_nearest_forward(uint32_t planes, uint32_t h, uint32_t w, uint32_t sh,

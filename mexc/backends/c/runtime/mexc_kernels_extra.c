@@ -37,6 +37,54 @@ void mexc_relu6_backward(const int8_t *dy, const int8_t *x, int32_t e, int8_t *d
     }
 }
 
+/* ------------------------------------------------------------------ clamp (activation.py) */
+
+/* activation.bound_mantissa: floor (ceil) of num 2^(-shift - e), the left shift saturating at
+ * 2^16 (past every int8 mantissa), the right shift at most 31 */
+static int32_t clamp_bound_at(int32_t num, int32_t shift, int32_t e, int32_t ceil)
+{
+    const int32_t t = -shift - e;
+    int32_t k;
+    if (t >= 0) return num * ((int32_t)1 << (t < 16 ? t : 16));
+    k = -t < 31 ? -t : 31;
+    return ceil ? -((-num) >> k) : num >> k;
+}
+
+void mexc_clamp_forward(const int8_t *x, int32_t e, uint32_t n, const int32_t *bounds,
+                        int32_t top, int8_t *y)
+{
+    /* bounds: has_lo, lo_num, lo_shift, has_hi, hi_num, hi_shift */
+    int32_t lo = -top - 1, hi = top, v;
+    uint32_t i;
+    if (bounds[0]) {
+        lo = clamp_bound_at(bounds[1], bounds[2], e, 1);
+        lo = lo < top ? lo : top;
+    }
+    if (bounds[3]) {
+        hi = clamp_bound_at(bounds[4], bounds[5], e, 0);
+        hi = hi > -top ? hi : -top;
+    }
+    for (i = 0; i < n; i++) {
+        v = x[i] > lo ? x[i] : lo;
+        y[i] = (int8_t)(v < hi ? v : hi);
+    }
+}
+
+void mexc_clamp_backward(const int8_t *dy, const int8_t *x, int32_t e, uint32_t n,
+                         const int32_t *bounds, int8_t *dx)
+{
+    /* lo < x < hi strictly: m > floor(lo / 2^e), m < ceil(hi / 2^e) */
+    const int32_t lo = bounds[0] ? clamp_bound_at(bounds[1], bounds[2], e, 0) : 0;
+    const int32_t hi = bounds[3] ? clamp_bound_at(bounds[4], bounds[5], e, 1) : 0;
+    int32_t m, keep;
+    uint32_t i;
+    for (i = 0; i < n; i++) {
+        m = x[i];
+        keep = (!bounds[0] || m > lo) && (!bounds[3] || m < hi);
+        dx[i] = keep ? dy[i] : 0;
+    }
+}
+
 /* ------------------------------------------------------------------ pool._divide */
 
 /* acc * 2^e / count for a sum bounded by 2^bound_bits: the exact left shift (bound <= 15) or the
