@@ -128,6 +128,10 @@ class _Ctx:
     def get_param(self, a: Any, role: str) -> Value:
         return _get_param(self, a, role)
 
+    def fetch(self, a: Any) -> torch.Tensor:
+        """The tensor a get_attr node reads (a module's parameter or buffer)."""
+        return _fetch_attr(self.gm, str(a.target))
+
     def get_state(self, a: Any, role: str, owner: str) -> Value:
         """A module buffer read directly (get_attr) as persistent state (BN running stats)."""
         return self.state(str(a.target), _fetch_attr(self.gm, str(a.target)), role, owner)

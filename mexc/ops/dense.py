@@ -198,6 +198,75 @@ def _conv_function(c: Any, n: Any) -> Value:
     )
 
 
+def single(v: Any, what: str) -> int:
+    """The one int of a 1-D layer's stride, padding or kernel (an int or a 1-tuple)."""
+    if isinstance(v, str):
+        raise UnsupportedOpError(f"string {what} {v!r} is not supported; give an integer")
+    return int(v if isinstance(v, int) else v[0])
+
+
+def as_rows_2d(c: Any, x: Any) -> Value:
+    """(N, C, L) seen as (N, C, 1, L): the 1-D layers run as the 2-D ops over one row."""
+    b, ch, length = c.shape(x)
+    return c.emit_as(Op.RESHAPE, [c.arg(x)], (b, ch, 1, length), shape=(b, ch, 1, length))
+
+
+def from_rows_2d(c: Any, n: Any, v: Value) -> Value:
+    """The (N, C, 1, L') result of a 1-D layer's 2-D op as n's (N, C, L')."""
+    return c.emit(Op.RESHAPE, [v], n, shape=tuple(c.shape(n)))
+
+
+def _conv1d(
+    c: Any,
+    n: Any,
+    x: Any,
+    weight: Value,
+    bias: Value | None,
+    stride: Any,
+    padding: Any,
+    groups: int,
+) -> Value:
+    """Conv1d as Conv2d with a (1, k) kernel over (N, C, 1, L); its weight is held (O, C/g,
+    1, k)."""
+    if len(c.shape(x)) != 3:
+        raise UnsupportedOpError(c.describe(n, "convolves an unbatched input; give it (N, C, L)"))
+    b, o, out = c.shape(n)
+    ins = [as_rows_2d(c, x), weight] + ([bias] if bias is not None else [])
+    y = c.emit_as(
+        Op.CONV2D,
+        ins,
+        (b, o, 1, out),
+        stride=(1, single(stride, "stride")),
+        padding=(0, single(padding, "padding")),
+        groups=int(groups),
+        has_bias=bias is not None,
+    )
+    return from_rows_2d(c, n, y)
+
+
+def _conv1d_module(c: Any, n: Any, m: Any) -> Value:
+    if m.padding_mode != "zeros" or m.dilation not in ((1,), 1):
+        raise UnsupportedOpError(c.describe(n, "uses dilation or non-zero padding mode"))
+    weight = c.param(f"{n.target}.weight", m.weight.unsqueeze(2), "weight")
+    bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
+    return _conv1d(c, n, n.args[0], weight, bias, m.stride, m.padding, m.groups)
+
+
+def _conv1d_function(c: Any, n: Any) -> Value:
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    if single(args.get("dilation", 1), "dilation") != 1:
+        raise UnsupportedOpError(c.describe(n, "uses dilation"))
+    w = args["weight"]
+    if not c.is_param(w):
+        raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
+    weight = c.param(str(w.target), c.fetch(w).unsqueeze(2), "weight")
+    b = args.get("bias")
+    bias = c.get_param(b, "bias") if b is not None else None
+    stride, padding = args.get("stride", 1), args.get("padding", 0)
+    return _conv1d(c, n, args["input"], weight, bias, stride, padding, int(args.get("groups", 1)))
+
+
 def _linear_module(c: Any, n: Any, m: Any) -> Value:
     ins = [c.arg(n.args[0]), c.param(f"{n.target}.weight", m.weight, "weight")]
     if m.bias is not None:
@@ -227,6 +296,8 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.Conv2d",), _conv_module),
             Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
+            Pattern("module", ("torch.nn.Conv1d",), _conv1d_module),
+            Pattern("function", ("torch.nn.functional.conv1d",), _conv1d_function),
         ),
         product=True,
         reduction=_conv_k,

@@ -11,6 +11,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import Grads, mx_like, static_int, tid
+from mexc.ops.dense import as_rows_2d, from_rows_2d
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.types import Exp, Kind, TensorType, acc, mx
 
@@ -131,7 +132,24 @@ def _batchnorm_module(c: Any, n: Any, m: Any) -> Value:
         c.state(f"{name}.running_var", m.running_var, "running_var", name),
     ]
     momentum = 0.1 if m.momentum is None else float(m.momentum)
-    return c.emit(Op.BATCHNORM, ins, n, eps=float(m.eps), momentum=momentum)
+    return _emit_batchnorm(c, n, n.args[0], ins, float(m.eps), momentum)
+
+
+def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, momentum: float) -> Value:
+    """BATCHNORM of (N, C) or (N, C, H, W); BatchNorm1d's (N, C, L) as (N, C, 1, L)."""
+    shape = c.shape(x)
+    if len(shape) not in (2, 3, 4):
+        raise UnsupportedOpError(
+            c.describe(
+                n, f"normalizes a {len(shape)}-D tensor; give it (N, C), (N, C, L) or (N, C, H, W)"
+            )
+        )
+    if len(shape) != 3:
+        return c.emit(Op.BATCHNORM, ins, n, eps=eps, momentum=momentum)
+    b, ch, length = shape
+    ins = [as_rows_2d(c, x), *ins[1:]]
+    y = c.emit_as(Op.BATCHNORM, ins, (b, ch, 1, length), eps=eps, momentum=momentum)
+    return from_rows_2d(c, n, y)
 
 
 def _batchnorm_function(c: Any, n: Any) -> Value:
@@ -165,7 +183,7 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
         c.get_state(mean, "running_mean", owner),
         c.get_state(var, "running_var", owner),
     ]
-    return c.emit(Op.BATCHNORM, ins, n, eps=float(args.get("eps", 1e-5)), momentum=momentum)
+    return _emit_batchnorm(c, n, args["input"], ins, float(args.get("eps", 1e-5)), momentum)
 
 
 def _layernorm_module(c: Any, n: Any, m: Any) -> Value:

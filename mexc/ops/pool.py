@@ -19,6 +19,7 @@ from mexc.ops.common import (
     tid,
     with_index_types,
 )
+from mexc.ops.dense import as_rows_2d, from_rows_2d, single
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import mx
 
@@ -113,10 +114,19 @@ def _pool(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: 
         max((o - 1) * st + kk - (size + 2 * pp), 0)
         for o, st, kk, size, pp in zip((oh, ow), s, k, (h, w), p)
     )
+    _check_pool(c, n, op, p, extra, opts)
+    if op is Op.MAXPOOL2D:
+        return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p, extra=extra)
+    return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p)
+
+
+def _check_pool(c: Any, n: Any, op: Op, p: tuple, extra: tuple, opts: dict) -> None:
+    """What a max or average pool lowers: no indices returned; an average pool with no
+    ceil_mode window past the input, its padding counted, no divisor override."""
     if op is Op.MAXPOOL2D:
         if opts.get("return_indices"):
             raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
-        return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p, extra=extra)
+        return
     if extra != (0, 0):
         raise UnsupportedOpError(
             c.describe(
@@ -135,7 +145,6 @@ def _pool(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: 
         )
     if opts.get("divisor_override") is not None:
         raise UnsupportedOpError(c.describe(n, "uses divisor_override"))
-    return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p)
 
 
 _OPTIONS = ("ceil_mode", "count_include_pad", "divisor_override", "dilation", "return_indices")
@@ -144,6 +153,26 @@ _POSITIONAL = {
     Op.MAXPOOL2D: ("dilation", "ceil_mode", "return_indices"),
     Op.AVGPOOL2D: ("ceil_mode", "count_include_pad", "divisor_override"),
 }
+
+
+def _pool1d_module(op: Op) -> Callable[..., Value]:
+    def convert(c: Any, n: Any, m: Any) -> Value:
+        opts = {o: getattr(m, o) for o in _OPTIONS if hasattr(m, o)}
+        return _pool1d(c, n, n.args[0], op, m.kernel_size, m.stride, m.padding, opts)
+
+    return convert
+
+
+def _pool1d_function(op: Op) -> Callable[..., Value]:
+    def convert(c: Any, n: Any) -> Value:
+        kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
+        stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
+        padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
+        opts = dict(zip(_POSITIONAL[op], n.args[4:]))
+        opts.update({k: v for k, v in n.kwargs.items() if k in _OPTIONS})
+        return _pool1d(c, n, n.args[0], op, kernel, stride, padding, opts)
+
+    return convert
 
 
 def _pool_module(op: Op) -> Callable[..., Value]:
@@ -171,15 +200,29 @@ def _adaptive(c: Any, n: Any, x: Any, op: Op = Op.AVGPOOL2D) -> Value:
     window has one size: per axis, an output size that divides the input's is a pool of kernel
     = stride = in / out (an average pool to 1 x 1: the global pool), and a multiple of it is
     nearest upsampling (each output reads one input pixel)."""
-    (h, w), (oh, ow) = c.shape(x)[2:], c.shape(n)[2:]
+    return _adaptive_steps(c, n, c.arg(x), tuple(c.shape(x)), tuple(c.shape(n)), op, True)
+
+
+def _adaptive_steps(
+    c: Any, n: Any, v: Value, shape: tuple, out: tuple, op: Op, last_is_n: bool
+) -> Value:
+    """_adaptive on value v of (N, C, H, W) `shape` to `out`; the last op is n's result when
+    `last_is_n`, else a step (a 1-D pool reshapes it)."""
+    (h, w), (oh, ow) = shape[2:], out[2:]
+
+    def emit(op: Op, x: Value, result: tuple, last: bool, **kw: Any) -> Value:
+        if last and last_is_n:
+            return c.emit(op, [x], n, **kw)
+        return c.emit_as(op, [x], result, **kw)
+
     if op is Op.AVGPOOL2D and (oh, ow) == (1, 1):
-        return c.emit(Op.GLOBAL_AVGPOOL, [c.arg(x)], n)
+        return emit(Op.GLOBAL_AVGPOOL, v, out, True)
     kernel, up = [1, 1], [1, 1]
-    for axis, (size, out) in enumerate(((h, oh), (w, ow))):
-        if size % out == 0:
-            kernel[axis] = size // out
-        elif out % size == 0:
-            up[axis] = out // size
+    for axis, (size, o) in enumerate(((h, oh), (w, ow))):
+        if size % o == 0:
+            kernel[axis] = size // o
+        elif o % size == 0:
+            up[axis] = o // size
         else:
             raise UnsupportedOpError(
                 c.describe(
@@ -189,17 +232,43 @@ def _adaptive(c: Any, n: Any, x: Any, op: Op = Op.AVGPOOL2D) -> Value:
                     "size); change the input size or the output size",
                 )
             )
-    v = c.arg(x)
     if kernel != [1, 1]:
         k = tuple(kernel)
-        geometry: dict[str, Any] = {"kernel": k, "stride": k, "padding": (0, 0)}
-        if up == [1, 1]:
-            return c.emit(op, [v], n, **geometry)
-        mid = (*c.shape(x)[:2], h // kernel[0], w // kernel[1])
-        v = c.emit_as(op, [v], mid, **geometry)
+        mid = (*shape[:2], h // kernel[0], w // kernel[1])
+        v = emit(op, v, mid, up == [1, 1], kernel=k, stride=k, padding=(0, 0))
     if up == [1, 1]:
         return v  # output size = input size
-    return c.emit(Op.UPSAMPLE_NEAREST, [v], n, scale=tuple(up))
+    return emit(Op.UPSAMPLE_NEAREST, v, out, True, scale=tuple(up))
+
+
+def _adaptive_1d(c: Any, n: Any, x: Any, op: Op) -> Value:
+    """AdaptiveAvgPool1d / AdaptiveMaxPool1d: the 2-D forms over (N, C, 1, L)."""
+    b, ch, length = c.shape(x)
+    out = (b, ch, 1, c.shape(n)[-1])
+    v = _adaptive_steps(c, n, as_rows_2d(c, x), (b, ch, 1, length), out, op, False)
+    return from_rows_2d(c, n, v)
+
+
+def _pool1d(
+    c: Any, n: Any, x: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: dict
+) -> Value:
+    """MaxPool1d / AvgPool1d: the 2-D pools with a (1, k) window over (N, C, 1, L)."""
+    if len(c.shape(x)) != 3:
+        raise UnsupportedOpError(c.describe(n, "pools an unbatched input; give it (N, C, L)"))
+    k = single(kernel, "kernel")
+    s = k if stride in (None, []) else single(stride, "stride")
+    p = single(padding, "padding")
+    if single(opts.get("dilation", 1), "dilation") != 1:
+        raise UnsupportedOpError(c.describe(n, "uses dilation; only dilation 1 is supported"))
+    b, ch, length = c.shape(x)
+    out = c.shape(n)[-1]
+    extra = (0, max((out - 1) * s + k - (length + 2 * p), 0))
+    _check_pool(c, n, op, (0, p), extra, opts)
+    geometry: dict[str, Any] = {"kernel": (1, k), "stride": (1, s), "padding": (0, p)}
+    if op is Op.MAXPOOL2D:
+        geometry["extra"] = extra
+    y = c.emit_as(op, [as_rows_2d(c, x)], (b, ch, 1, out), **geometry)
+    return from_rows_2d(c, n, y)
 
 
 def _adaptive_module(c: Any, n: Any, m: Any) -> Value:
@@ -208,6 +277,24 @@ def _adaptive_module(c: Any, n: Any, m: Any) -> Value:
 
 def _adaptive_function(c: Any, n: Any) -> Value:
     return _adaptive(c, n, n.args[0])
+
+
+def _adaptive_1d_module(op: Op) -> Callable[..., Value]:
+    def convert(c: Any, n: Any, m: Any) -> Value:
+        if getattr(m, "return_indices", False):
+            raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
+        return _adaptive_1d(c, n, n.args[0], op)
+
+    return convert
+
+
+def _adaptive_1d_function(op: Op) -> Callable[..., Value]:
+    def convert(c: Any, n: Any) -> Value:
+        if (n.args[2] if len(n.args) > 2 else n.kwargs.get("return_indices", False)) is True:
+            raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
+        return _adaptive_1d(c, n, n.args[0], op)
+
+    return convert
 
 
 def _adaptive_max_module(c: Any, n: Any, m: Any) -> Value:
@@ -288,6 +375,16 @@ define(
             Pattern("module", ("torch.nn.MaxPool2d",), _pool_module(Op.MAXPOOL2D)),
             Pattern("function", ("torch.nn.functional.max_pool2d",), _pool_function(Op.MAXPOOL2D)),
             Pattern("module", ("torch.nn.AdaptiveMaxPool2d",), _adaptive_max_module),
+            Pattern("module", ("torch.nn.MaxPool1d",), _pool1d_module(Op.MAXPOOL2D)),
+            Pattern(
+                "function", ("torch.nn.functional.max_pool1d",), _pool1d_function(Op.MAXPOOL2D)
+            ),
+            Pattern("module", ("torch.nn.AdaptiveMaxPool1d",), _adaptive_1d_module(Op.MAXPOOL2D)),
+            Pattern(
+                "function",
+                ("torch.nn.functional.adaptive_max_pool1d",),
+                _adaptive_1d_function(Op.MAXPOOL2D),
+            ),
             Pattern(
                 "function", ("torch.nn.functional.adaptive_max_pool2d",), _adaptive_max_function
             ),
@@ -305,6 +402,10 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.AvgPool2d",), _pool_module(Op.AVGPOOL2D)),
             Pattern("function", ("torch.nn.functional.avg_pool2d",), _pool_function(Op.AVGPOOL2D)),
+            Pattern("module", ("torch.nn.AvgPool1d",), _pool1d_module(Op.AVGPOOL2D)),
+            Pattern(
+                "function", ("torch.nn.functional.avg_pool1d",), _pool1d_function(Op.AVGPOOL2D)
+            ),
         ),
         lower={"tir": _tir("avgpool"), "c": "emit:_avgpool"},
         doc="average pooling (zero padding counted), divided exactly and rounded",
@@ -318,6 +419,12 @@ define(
         reference=_gap,
         frontend=(
             Pattern("module", ("torch.nn.AdaptiveAvgPool2d",), _adaptive_module),
+            Pattern("module", ("torch.nn.AdaptiveAvgPool1d",), _adaptive_1d_module(Op.AVGPOOL2D)),
+            Pattern(
+                "function",
+                ("torch.nn.functional.adaptive_avg_pool1d",),
+                _adaptive_1d_function(Op.AVGPOOL2D),
+            ),
             Pattern("function", ("torch.nn.functional.adaptive_avg_pool2d",), _adaptive_function),
         ),
         lower={"tir": _tir("avgpool"), "c": "emit:_gap"},

@@ -583,10 +583,14 @@ define(
         reference=_reshape,
         frontend=(
             Pattern("module", ("torch.nn.Flatten",), _reshape_to_result),
-            Pattern("function", ("torch.flatten", "torch.reshape"), _reshape_to_result),
+            Pattern(
+                "function",
+                ("torch.flatten", "torch.reshape", "torch.squeeze", "torch.unsqueeze"),
+                _reshape_to_result,
+            ),
             Pattern(
                 "method",
-                ("view", "reshape", "flatten", "view_as", "reshape_as"),
+                ("view", "reshape", "flatten", "view_as", "reshape_as", "squeeze", "unsqueeze"),
                 _reshape_to_result,
             ),
         ),
