@@ -10,6 +10,7 @@ from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
 from mexc.ops.common import Grads, mx_like, pair, pass_through, rows, shape, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
+from mexc.ops.tensor import as_rows_2d, from_rows_2d
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -203,17 +204,6 @@ def single(v: Any, what: str) -> int:
     if isinstance(v, str):
         raise UnsupportedOpError(f"string {what} {v!r} is not supported; give an integer")
     return int(v if isinstance(v, int) else v[0])
-
-
-def as_rows_2d(c: Any, x: Any) -> Value:
-    """(N, C, L) seen as (N, C, 1, L): the 1-D layers run as the 2-D ops over one row."""
-    b, ch, length = c.shape(x)
-    return c.emit_as(Op.RESHAPE, [c.arg(x)], (b, ch, 1, length), shape=(b, ch, 1, length))
-
-
-def from_rows_2d(c: Any, n: Any, v: Value) -> Value:
-    """The (N, C, 1, L') result of a 1-D layer's 2-D op as n's (N, C, L')."""
-    return c.emit(Op.RESHAPE, [v], n, shape=tuple(c.shape(n)))
 
 
 def _conv1d(

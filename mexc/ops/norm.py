@@ -11,8 +11,8 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import Grads, mx_like, static_int, tid
-from mexc.ops.dense import as_rows_2d, from_rows_2d
 from mexc.ops.registry import OpDef, Pattern, define, op_def
+from mexc.ops.tensor import as_rows_2d, from_rows_2d
 from mexc.types import Exp, Kind, TensorType, acc, mx
 
 

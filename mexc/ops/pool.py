@@ -19,8 +19,9 @@ from mexc.ops.common import (
     tid,
     with_index_types,
 )
-from mexc.ops.dense import as_rows_2d, from_rows_2d, single
+from mexc.ops.dense import single
 from mexc.ops.registry import OpDef, Pattern, define
+from mexc.ops.tensor import as_rows_2d, from_rows_2d
 from mexc.types import mx
 
 _POOL: dict[str, Any] = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}

@@ -276,6 +276,17 @@ def _expand(c: Any, n: Any) -> Value:
     return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
 
 
+def as_rows_2d(c: Any, x: Any) -> Value:
+    """(N, C, L) seen as (N, C, 1, L): the 1-D layers run as the 2-D ops over one row."""
+    b, ch, length = c.shape(x)
+    return c.emit_as(Op.RESHAPE, [c.arg(x)], (b, ch, 1, length), shape=(b, ch, 1, length))
+
+
+def from_rows_2d(c: Any, n: Any, v: Value) -> Value:
+    """The (N, C, 1, L') result of a 1-D layer's 2-D op as n's (N, C, L')."""
+    return c.emit(Op.RESHAPE, [v], n, shape=tuple(c.shape(n)))
+
+
 def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value | ParamView:
     if m is None and c.is_param(n.args[0]):
         return ParamView(n.args[0], tuple(c.shape(n)))  # read by the op that takes it
