@@ -293,14 +293,25 @@ def _reshape_to_result(c: Any, n: Any, m: Any = None) -> Value | ParamView:
     return c.emit(Op.RESHAPE, [c.arg(n.args[0])], n, shape=c.shape(n))
 
 
+def _drop_rate(c: Any, n: Any, p: Any) -> float:
+    """A dropout probability mexc's inverted dropout takes: 0 <= p < 1 (it scales the kept
+    elements by 1 / (1 - p))."""
+    rate = float(p)
+    if not 0.0 <= rate < 1.0:
+        raise UnsupportedOpError(
+            c.describe(n, f"drops with probability {p!r}; mexc takes 0 <= p < 1")
+        )
+    return rate
+
+
 def _dropout_module(c: Any, n: Any, m: Any) -> Value:
-    if m.p == 0.0:
+    if _drop_rate(c, n, m.p) == 0.0:
         return c.arg(n.args[0])
     return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=float(m.p))
 
 
 def _dropout_function(c: Any, n: Any) -> Value:
-    p = float(n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))
+    p = _drop_rate(c, n, n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))
     if p == 0.0:
         return c.arg(n.args[0])
     return c.emit(Op.DROPOUT, [c.arg(n.args[0])], n, p=p)
@@ -318,11 +329,11 @@ def _channel_dropout(c: Any, n: Any, x: Any, p: float) -> Value:
 
 
 def _channel_dropout_module(c: Any, n: Any, m: Any) -> Value:
-    return _channel_dropout(c, n, n.args[0], float(m.p))
+    return _channel_dropout(c, n, n.args[0], _drop_rate(c, n, m.p))
 
 
 def _channel_dropout_function(c: Any, n: Any) -> Value:
-    p = float(n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))
+    p = _drop_rate(c, n, n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5))
     return _channel_dropout(c, n, n.args[0], p)
 
 
@@ -343,7 +354,7 @@ def _stochastic_depth(c: Any, n: Any) -> Value:
 
 def _drop_path_module(c: Any, n: Any, m: Any) -> Value:
     """timm's DropPath(drop_prob, scale_by_keep): stochastic depth per sample."""
-    if m.drop_prob == 0.0:
+    if _drop_rate(c, n, m.drop_prob) == 0.0:
         return c.arg(n.args[0])
     if not m.scale_by_keep:
         raise UnsupportedOpError(c.describe(n, "drops paths without rescaling (scale_by_keep)"))

@@ -188,6 +188,14 @@ def test_compile_argument_errors(capfd: pytest.CaptureFixture[str]) -> None:
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("layer", [nn.Dropout(1.0), nn.Dropout2d(1.0)])
+def test_dropout_of_every_element_is_refused_at_compile_time(layer: nn.Module) -> None:
+    """p = 1 (torch zeroes everything): named at compile time, not a ValueError at step 1."""
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), layer, nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(mexc.UnsupportedOpError, match=r"node '_1'.*probability 1.0; mexc takes"):
+        mexc.compile(model, (torch.zeros(2, 1, 2, 2),))
+
+
 def test_optimizer_by_name_or_a_clear_error() -> None:
     model, x, _ = example("MLP", batch=4)
     prog = mexc.compile(model, (x,), optimizer="AdamW")
