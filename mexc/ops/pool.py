@@ -311,13 +311,16 @@ def _adaptive_max_function(c: Any, n: Any) -> Value:
 
 
 def _upsample(c: Any, n: Any, mode: Any) -> Value:
-    """Nearest upsampling of (N, C, H, W) by integer factors, read off the traced shapes
-    (size or scale_factor; 'nearest-exact' picks the same pixels for integer factors)."""
+    """Nearest upsampling of (N, C, H, W), or (N, C, L) over (N, C, 1, L), by integer factors
+    read off the traced shapes (size or scale_factor; 'nearest-exact' picks the same pixels for
+    integer factors)."""
     x = n.args[0]
     x_shape, out = c.shape(x), c.shape(n)
-    if len(x_shape) != 4:
+    if len(x_shape) not in (3, 4):
         raise UnsupportedOpError(
-            c.describe(n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, H, W)")
+            c.describe(
+                n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, L) and (N, C, H, W)"
+            )
         )
     if mode not in ("nearest", "nearest-exact"):
         raise UnsupportedOpError(
@@ -336,8 +339,12 @@ def _upsample(c: Any, n: Any, mode: Any) -> Value:
             )
         )
     scale = tuple(o // i for i, o in zip(x_shape[2:], out[2:]))
-    if scale == (1, 1):
+    if scale in ((1,), (1, 1)):
         return c.arg(x)
+    if len(scale) == 1:  # (N, C, L): over (N, C, 1, L)
+        wide = (*x_shape[:2], 1, out[2])
+        y = c.emit_as(Op.UPSAMPLE_NEAREST, [as_rows_2d(c, x)], wide, scale=(1, scale[0]))
+        return from_rows_2d(c, n, y)
     return c.emit(Op.UPSAMPLE_NEAREST, [c.arg(x)], n, scale=scale)
 
 

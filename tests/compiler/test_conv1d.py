@@ -41,6 +41,14 @@ class Net1d(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+def test_1d_upsampling_is_2d_upsampling_over_one_row() -> None:
+    model = nn.Sequential(nn.Conv1d(2, 2, 1), nn.Upsample(scale_factor=3), nn.Flatten())
+    model = nn.Sequential(model, nn.Linear(24, 3))
+    g = mexc.compile(model, (torch.zeros(2, 2, 4),), target="reference").graph
+    up = [n for n in g.nodes if n.op.value == "upsample_nearest"]
+    assert len(up) == 1 and tuple(up[0].attrs.scale) == (1, 3)
+
+
 class Net2d(nn.Module):
     """Net1d written with 2-D layers over (N, C, 1, L): (1, k) kernels holding Net1d's weights
     (as (O, C, 1, k)), BatchNorm2d, (1, k) pools; the same parameter names."""
