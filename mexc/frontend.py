@@ -270,6 +270,19 @@ def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
     return _index(c, n)
 
 
+def _named_result(c: _Ctx, n: torch.fx.Node) -> Value | None:
+    """`.values` / `.indices` of a call with several results (torch.max(x, dim)); None for a
+    static attribute (x.shape)."""
+    src, name = n.args[0], n.args[1]
+    held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
+    if not isinstance(held, tuple) or name not in ("values", "indices"):
+        return None
+    item = held[0 if name == "values" else 1]
+    if item is None and n.users:
+        raise UnsupportedOpError(_describe(n, "reads a result mexc does not compute"))
+    return item
+
+
 def _resolve(dotted: str) -> Any:
     """ "torch.nn.Conv2d" -> the object."""
     module, _, name = dotted.rpartition(".")
@@ -596,7 +609,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         return handler(c, n, mod)
     if n.op == "call_function":
         if n.target is getattr:
-            return None  # x.shape
+            return _named_result(c, n)  # x.shape: None; torch.max(x, d).values
         if n.target in _PIECES:
             return _pieces(c, n)  # read by getitem
         if n.target is operator.getitem:

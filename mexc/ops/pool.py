@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
@@ -16,6 +18,7 @@ from mexc.ops.common import (
     pair,
     pointwise_vjp,
     shape,
+    static_int,
     tid,
     with_index_types,
 )
@@ -280,6 +283,59 @@ def _adaptive_function(c: Any, n: Any) -> Value:
     return _adaptive(c, n, n.args[0])
 
 
+def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
+    """The maximum over `dims` (not the batch axis) as a max pool: the reduced axes moved
+    behind the others, x seen as (N, R, 1, K), one (1, K) window per row, then the result's
+    shape. Its gradient goes to the first maximum in the row-major order of the reduced axes
+    (torch.max(x, dim)'s index; amax shares it among ties)."""
+    shape = tuple(c.shape(x))
+    rank = len(shape)
+    reduced = sorted(
+        {static_int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    )
+    if 0 in reduced:
+        raise UnsupportedOpError(
+            c.describe(n, "takes a maximum over the batch axis; reduce the other axes")
+        )
+    kept = [a for a in range(1, rank) if a not in reduced]
+    perm = (0, *kept, *reduced)
+    v = c.arg(x)
+    if perm != tuple(range(rank)):
+        v = c.emit_as(Op.TRANSPOSE, [v], tuple(shape[a] for a in perm), perm=perm)
+    rows = int(np.prod([shape[a] for a in kept], dtype=np.int64))
+    k = int(np.prod([shape[a] for a in reduced], dtype=np.int64))
+    grid = (shape[0], rows, 1, k)
+    v = c.emit_as(Op.RESHAPE, [v], grid, shape=grid)
+    v = c.emit_as(
+        Op.MAXPOOL2D, [v], (shape[0], rows, 1, 1), kernel=(1, k), stride=(1, k), padding=(0, 0)
+    )
+    out = tuple(1 if a in reduced else shape[a] for a in range(rank) if keepdim or a not in reduced)
+    return c.emit_as(Op.RESHAPE, [v], out, shape=out)
+
+
+def _max_call(c: Any, n: Any) -> Any:
+    """torch.max(x, dim[, keepdim]) / x.max(dim): (values, indices), of which mexc computes the
+    values. torch.max(x) of every element and torch.max(a, b) of two tensors are refused."""
+    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
+    dim = args.get("dim")
+    if dim is None:
+        raise UnsupportedOpError(c.describe(n, "takes the maximum of every element; give a dim"))
+    if c.is_node(dim):
+        raise UnsupportedOpError(
+            c.describe(n, "takes the elementwise maximum of two tensors; mexc lowers max(x, dim)")
+        )
+    return (_reduce_max(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
+
+
+def _amax_call(c: Any, n: Any) -> Value:
+    """torch.amax(x, dim[, keepdim]) / x.amax(dim)."""
+    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
+    if args.get("dim") in (None, (), []):
+        raise UnsupportedOpError(c.describe(n, "takes the maximum of every element; give dims"))
+    value = _reduce_max(c, n, args["input"], args["dim"], bool(args.get("keepdim", False)))
+    return c.emit(Op.RESHAPE, [value], n, shape=tuple(c.shape(n)))
+
+
 def _adaptive_1d_module(op: Op) -> Callable[..., Value]:
     def convert(c: Any, n: Any, m: Any) -> Value:
         if getattr(m, "return_indices", False):
@@ -384,6 +440,10 @@ define(
             Pattern("function", ("torch.nn.functional.max_pool2d",), _pool_function(Op.MAXPOOL2D)),
             Pattern("module", ("torch.nn.AdaptiveMaxPool2d",), _adaptive_max_module),
             Pattern("module", ("torch.nn.MaxPool1d",), _pool1d_module(Op.MAXPOOL2D)),
+            Pattern("function", ("torch.max",), _max_call),
+            Pattern("method", ("max",), _max_call),
+            Pattern("function", ("torch.amax",), _amax_call),
+            Pattern("method", ("amax",), _amax_call),
             Pattern(
                 "function", ("torch.nn.functional.max_pool1d",), _pool1d_function(Op.MAXPOOL2D)
             ),

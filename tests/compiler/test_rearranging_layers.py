@@ -1,8 +1,9 @@
 """Layers made of existing ops: channel dropout (nn.Dropout1d/2d/3d: dropout with one keep
 decision per channel), adaptive max pooling (max pooling and/or nearest upsampling), the
 pixel and channel shuffles (reshape, transpose, reshape), and zero padding (F.pad, ZeroPad2d:
-`pad`, whose kernels are the slice gradient's, and slices where it crops). Each against torch
-where it is exact, and one model with all of them trained bit-exact on every backend:
+`pad`, whose kernels are the slice gradient's, and slices where it crops), and the maximum over
+axes (torch.max(x, dim), amax: a max pool over the reduced axes). Each against torch where it
+is exact, and models with all of them trained bit-exact on every backend:
 reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
 
 from __future__ import annotations
@@ -150,6 +151,42 @@ def test_other_padding_is_refused(layer: nn.Module, message: str) -> None:
         mexc.compile(model, (torch.zeros(2, 2, 4, 4),))
 
 
+class MaxOverAxes(nn.Module):
+    """PointNet's global feature (x.max(dim=2)[0] over the points), amax over the spatial axes
+    with keepdim, and torch.max over the channels (.values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 8, 1)
+        self.conv2 = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(8 + 4 + 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        points = F.relu(self.conv(x.reshape(4, 3, 16)))  # 8 features x 16 points
+        glob = points.max(dim=2)[0]  # (4, 8)
+        img = self.conv2(x.reshape(4, 1, 6, 8))
+        spatial = img.amax(dim=(2, 3), keepdim=True).flatten(1)  # (4, 4)
+        chans = torch.max(img, 1).values.reshape(4, 48)[:, :16]  # over the channels
+        return self.fc(torch.cat([glob, spatial, chans], dim=1))
+
+
+def test_max_over_axes_is_torchs() -> None:
+    """Three max pools, each window's value the maximum of its inputs exactly (the step's
+    values at learning rate 0)."""
+    torch.manual_seed(0)
+    model = MaxOverAxes()
+    prog = mexc.compile(model, (torch.zeros(4, 1, 6, 8),), target="reference")
+    ops = [n.op for n in prog.graph.nodes]
+    assert ops.count(Op.MAXPOOL2D) == 3
+    x = np.random.default_rng(4).permutation(192).reshape(4, 1, 6, 8).astype(np.float32) / 64
+    values = step_values(prog, x, np.array([0, 1, 2, 3]))
+    pools = [n for n in prog.graph.nodes if n.op is Op.MAXPOOL2D]
+    src = [values[n.inputs[0]] for n in pools]
+    got = [values[n.out] for n in pools]
+    for s, g in zip(src, got):  # each window's maximum, exactly
+        np.testing.assert_array_equal(np.asarray(g.m)[..., 0, 0], np.asarray(s.m).max(axis=(2, 3)))
+
+
 def _program(target: str, bits: int = 8) -> mexc.Program:
     torch.manual_seed(0)
     opt = mexc.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -184,6 +221,17 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     assert len(set(want)) == 3
     assert _train(_program("llvm", bits)) == want
     assert _train(_program("c", bits)) == want
+
+
+def test_max_over_axes_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((4, 1, 6, 8)).astype(np.float32), rng.integers(0, 10, 4)
+    runs = []
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        prog = mexc.compile(MaxOverAxes(), (torch.zeros(4, 1, 6, 8),), target=target)
+        runs.append([(prog.step(x, y), prog.state_checksum())[1] for _ in range(3)])
+    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
 
 
 def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
