@@ -10,7 +10,7 @@ from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
 from mexc.ops.common import Grads, mx_like, pair, pass_through, rows, shape, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_rows_2d, from_rows_2d
+from mexc.ops.tensor import as_result, as_rows_2d
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -231,7 +231,7 @@ def _conv1d(
         groups=int(groups),
         has_bias=bias is not None,
     )
-    return from_rows_2d(c, n, y)
+    return as_result(c, n, y)
 
 
 def _conv1d_module(c: Any, n: Any, m: Any) -> Value:

@@ -12,7 +12,7 @@ from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import Grads, mx_like, static_int, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_rows_2d, from_rows_2d
+from mexc.ops.tensor import as_result, as_rows_2d
 from mexc.types import Exp, Kind, TensorType, acc, mx
 
 
@@ -149,7 +149,7 @@ def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, moment
     b, ch, length = shape
     ins = [as_rows_2d(c, x), *ins[1:]]
     y = c.emit_as(Op.BATCHNORM, ins, (b, ch, 1, length), eps=eps, momentum=momentum)
-    return from_rows_2d(c, n, y)
+    return as_result(c, n, y)
 
 
 def _batchnorm_function(c: Any, n: Any) -> Value:

@@ -24,7 +24,7 @@ from mexc.ops.common import (
 )
 from mexc.ops.dense import single
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import as_rows_2d, from_rows_2d
+from mexc.ops.tensor import as_result, as_rows_2d, reshaped, transposed
 from mexc.types import mx
 
 _POOL: dict[str, Any] = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}
@@ -250,7 +250,7 @@ def _adaptive_1d(c: Any, n: Any, x: Any, op: Op) -> Value:
     b, ch, length = c.shape(x)
     out = (b, ch, 1, c.shape(n)[-1])
     v = _adaptive_steps(c, n, as_rows_2d(c, x), (b, ch, 1, length), out, op, False)
-    return from_rows_2d(c, n, v)
+    return as_result(c, n, v)
 
 
 def _pool1d(
@@ -272,7 +272,7 @@ def _pool1d(
     if op is Op.MAXPOOL2D:
         geometry["extra"] = extra
     y = c.emit_as(op, [as_rows_2d(c, x)], (b, ch, 1, out), **geometry)
-    return from_rows_2d(c, n, y)
+    return as_result(c, n, y)
 
 
 def _adaptive_module(c: Any, n: Any, m: Any) -> Value:
@@ -301,16 +301,16 @@ def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
     perm = (0, *kept, *reduced)
     v = c.arg(x)
     if perm != tuple(range(rank)):
-        v = c.emit_as(Op.TRANSPOSE, [v], tuple(shape[a] for a in perm), perm=perm)
+        v = transposed(c, v, shape, perm)
     rows = int(np.prod([shape[a] for a in kept], dtype=np.int64))
     k = int(np.prod([shape[a] for a in reduced], dtype=np.int64))
     grid = (shape[0], rows, 1, k)
-    v = c.emit_as(Op.RESHAPE, [v], grid, shape=grid)
+    v = reshaped(c, v, grid)
     v = c.emit_as(
         Op.MAXPOOL2D, [v], (shape[0], rows, 1, 1), kernel=(1, k), stride=(1, k), padding=(0, 0)
     )
     out = tuple(1 if a in reduced else shape[a] for a in range(rank) if keepdim or a not in reduced)
-    return c.emit_as(Op.RESHAPE, [v], out, shape=out)
+    return reshaped(c, v, out)
 
 
 def _max_call(c: Any, n: Any) -> Any:
@@ -333,7 +333,7 @@ def _amax_call(c: Any, n: Any) -> Value:
     if args.get("dim") in (None, (), []):
         raise UnsupportedOpError(c.describe(n, "takes the maximum of every element; give dims"))
     value = _reduce_max(c, n, args["input"], args["dim"], bool(args.get("keepdim", False)))
-    return c.emit(Op.RESHAPE, [value], n, shape=tuple(c.shape(n)))
+    return as_result(c, n, value)
 
 
 def _adaptive_1d_module(op: Op) -> Callable[..., Value]:
@@ -400,7 +400,7 @@ def _upsample(c: Any, n: Any, mode: Any) -> Value:
     if len(scale) == 1:  # (N, C, L): over (N, C, 1, L)
         wide = (*x_shape[:2], 1, out[2])
         y = c.emit_as(Op.UPSAMPLE_NEAREST, [as_rows_2d(c, x)], wide, scale=(1, scale[0]))
-        return from_rows_2d(c, n, y)
+        return as_result(c, n, y)
     return c.emit(Op.UPSAMPLE_NEAREST, [c.arg(x)], n, scale=scale)
 
 

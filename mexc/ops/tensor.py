@@ -282,8 +282,19 @@ def as_rows_2d(c: Any, x: Any) -> Value:
     return c.emit_as(Op.RESHAPE, [c.arg(x)], (b, ch, 1, length), shape=(b, ch, 1, length))
 
 
-def from_rows_2d(c: Any, n: Any, v: Value) -> Value:
-    """The (N, C, 1, L') result of a 1-D layer's 2-D op as n's (N, C, L')."""
+def reshaped(c: Any, v: Value, shape: tuple[int, ...]) -> Value:
+    """v seen as `shape` (a step of a decomposition)."""
+    return c.emit_as(Op.RESHAPE, [v], shape, shape=shape)
+
+
+def transposed(c: Any, v: Value, shape: tuple[int, ...], perm: tuple[int, ...]) -> Value:
+    """v (of `shape`) with its axes permuted (a step of a decomposition)."""
+    return c.emit_as(Op.TRANSPOSE, [v], tuple(shape[a] for a in perm), perm=perm)
+
+
+def as_result(c: Any, n: Any, v: Value) -> Value:
+    """v reshaped to n's traced result (the (N, C, 1, L') of a 1-D layer's 2-D op as its
+    (N, C, L'), the last step of a decomposition)."""
     return c.emit(Op.RESHAPE, [v], n, shape=tuple(c.shape(n)))
 
 
