@@ -159,42 +159,26 @@ _POSITIONAL = {
 }
 
 
-def _pool1d_module(op: Op) -> Callable[..., Value]:
+def _pool_module(op: Op, build: Callable[..., Value] | None = None) -> Callable[..., Value]:
+    """The converter of a pooling module: `build` (_pool, or _pool1d) of its geometry."""
+
     def convert(c: Any, n: Any, m: Any) -> Value:
         opts = {o: getattr(m, o) for o in _OPTIONS if hasattr(m, o)}
-        return _pool1d(c, n, n.args[0], op, m.kernel_size, m.stride, m.padding, opts)
+        return (build or _pool)(c, n, op, m.kernel_size, m.stride, m.padding, opts)
 
     return convert
 
 
-def _pool1d_function(op: Op) -> Callable[..., Value]:
+def _pool_function(op: Op, build: Callable[..., Value] | None = None) -> Callable[..., Value]:
+    """The converter of F.max_pool2d / avg_pool2d (and their 1-D forms, `build` _pool1d)."""
+
     def convert(c: Any, n: Any) -> Value:
         kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
         stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
         padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
         opts = dict(zip(_POSITIONAL[op], n.args[4:]))
         opts.update({k: v for k, v in n.kwargs.items() if k in _OPTIONS})
-        return _pool1d(c, n, n.args[0], op, kernel, stride, padding, opts)
-
-    return convert
-
-
-def _pool_module(op: Op) -> Callable[..., Value]:
-    def convert(c: Any, n: Any, m: Any) -> Value:
-        opts = {o: getattr(m, o) for o in _OPTIONS if hasattr(m, o)}
-        return _pool(c, n, op, m.kernel_size, m.stride, m.padding, opts)
-
-    return convert
-
-
-def _pool_function(op: Op) -> Callable[..., Value]:
-    def convert(c: Any, n: Any) -> Value:
-        kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
-        stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
-        padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
-        opts = dict(zip(_POSITIONAL[op], n.args[4:]))
-        opts.update({k: v for k, v in n.kwargs.items() if k in _OPTIONS})
-        return _pool(c, n, op, kernel, stride, padding, opts)
+        return (build or _pool)(c, n, op, kernel, stride, padding, opts)
 
     return convert
 
@@ -253,10 +237,9 @@ def _adaptive_1d(c: Any, n: Any, x: Any, op: Op) -> Value:
     return as_result(c, n, v)
 
 
-def _pool1d(
-    c: Any, n: Any, x: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: dict
-) -> Value:
+def _pool1d(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: dict) -> Value:
     """MaxPool1d / AvgPool1d: the 2-D pools with a (1, k) window over (N, C, 1, L)."""
+    x = n.args[0]
     if len(c.shape(x)) != 3:
         raise UnsupportedOpError(c.describe(n, "pools an unbatched input; give it (N, C, L)"))
     k = single(kernel, "kernel")
@@ -273,14 +256,6 @@ def _pool1d(
         geometry["extra"] = extra
     y = c.emit_as(op, [as_rows_2d(c, x)], (b, ch, 1, out), **geometry)
     return as_result(c, n, y)
-
-
-def _adaptive_module(c: Any, n: Any, m: Any) -> Value:
-    return _adaptive(c, n, n.args[0])
-
-
-def _adaptive_function(c: Any, n: Any) -> Value:
-    return _adaptive(c, n, n.args[0])
 
 
 def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
@@ -336,34 +311,27 @@ def _amax_call(c: Any, n: Any) -> Value:
     return as_result(c, n, value)
 
 
-def _adaptive_1d_module(op: Op) -> Callable[..., Value]:
+def _adaptive_module(op: Op, build: Callable[..., Value] | None = None) -> Callable[..., Value]:
+    """The converter of AdaptiveAvgPool2d / AdaptiveMaxPool2d (`build` _adaptive_1d: the 1-D
+    modules)."""
+
     def convert(c: Any, n: Any, m: Any) -> Value:
         if getattr(m, "return_indices", False):
             raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
-        return _adaptive_1d(c, n, n.args[0], op)
+        return (build or _adaptive)(c, n, n.args[0], op)
 
     return convert
 
 
-def _adaptive_1d_function(op: Op) -> Callable[..., Value]:
+def _adaptive_function(op: Op, build: Callable[..., Value] | None = None) -> Callable[..., Value]:
+    """The converter of F.adaptive_{avg,max}_pool{1,2}d."""
+
     def convert(c: Any, n: Any) -> Value:
         if (n.args[2] if len(n.args) > 2 else n.kwargs.get("return_indices", False)) is True:
             raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
-        return _adaptive_1d(c, n, n.args[0], op)
+        return (build or _adaptive)(c, n, n.args[0], op)
 
     return convert
-
-
-def _adaptive_max_module(c: Any, n: Any, m: Any) -> Value:
-    if m.return_indices:
-        raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
-    return _adaptive(c, n, n.args[0], Op.MAXPOOL2D)
-
-
-def _adaptive_max_function(c: Any, n: Any) -> Value:
-    if (n.args[2] if len(n.args) > 2 else n.kwargs.get("return_indices", False)) is True:
-        raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
-    return _adaptive(c, n, n.args[0], Op.MAXPOOL2D)
 
 
 def _upsample(c: Any, n: Any, mode: Any) -> Value:
@@ -438,23 +406,31 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.MaxPool2d",), _pool_module(Op.MAXPOOL2D)),
             Pattern("function", ("torch.nn.functional.max_pool2d",), _pool_function(Op.MAXPOOL2D)),
-            Pattern("module", ("torch.nn.AdaptiveMaxPool2d",), _adaptive_max_module),
-            Pattern("module", ("torch.nn.MaxPool1d",), _pool1d_module(Op.MAXPOOL2D)),
+            Pattern("module", ("torch.nn.AdaptiveMaxPool2d",), _adaptive_module(Op.MAXPOOL2D)),
+            Pattern("module", ("torch.nn.MaxPool1d",), _pool_module(Op.MAXPOOL2D, _pool1d)),
             Pattern("function", ("torch.max",), _max_call),
             Pattern("method", ("max",), _max_call),
             Pattern("function", ("torch.amax",), _amax_call),
             Pattern("method", ("amax",), _amax_call),
             Pattern(
-                "function", ("torch.nn.functional.max_pool1d",), _pool1d_function(Op.MAXPOOL2D)
+                "function",
+                ("torch.nn.functional.max_pool1d",),
+                _pool_function(Op.MAXPOOL2D, _pool1d),
             ),
-            Pattern("module", ("torch.nn.AdaptiveMaxPool1d",), _adaptive_1d_module(Op.MAXPOOL2D)),
+            Pattern(
+                "module",
+                ("torch.nn.AdaptiveMaxPool1d",),
+                _adaptive_module(Op.MAXPOOL2D, _adaptive_1d),
+            ),
             Pattern(
                 "function",
                 ("torch.nn.functional.adaptive_max_pool1d",),
-                _adaptive_1d_function(Op.MAXPOOL2D),
+                _adaptive_function(Op.MAXPOOL2D, _adaptive_1d),
             ),
             Pattern(
-                "function", ("torch.nn.functional.adaptive_max_pool2d",), _adaptive_max_function
+                "function",
+                ("torch.nn.functional.adaptive_max_pool2d",),
+                _adaptive_function(Op.MAXPOOL2D),
             ),
         ),
         lower={"tir": _tir("maxpool"), "c": "emit:_maxpool"},
@@ -470,9 +446,11 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.AvgPool2d",), _pool_module(Op.AVGPOOL2D)),
             Pattern("function", ("torch.nn.functional.avg_pool2d",), _pool_function(Op.AVGPOOL2D)),
-            Pattern("module", ("torch.nn.AvgPool1d",), _pool1d_module(Op.AVGPOOL2D)),
+            Pattern("module", ("torch.nn.AvgPool1d",), _pool_module(Op.AVGPOOL2D, _pool1d)),
             Pattern(
-                "function", ("torch.nn.functional.avg_pool1d",), _pool1d_function(Op.AVGPOOL2D)
+                "function",
+                ("torch.nn.functional.avg_pool1d",),
+                _pool_function(Op.AVGPOOL2D, _pool1d),
             ),
         ),
         lower={"tir": _tir("avgpool"), "c": "emit:_avgpool"},
@@ -486,14 +464,22 @@ define(
         vjp=pointwise_vjp(Op.GLOBAL_AVGPOOL_GRAD, no_saved),
         reference=_gap,
         frontend=(
-            Pattern("module", ("torch.nn.AdaptiveAvgPool2d",), _adaptive_module),
-            Pattern("module", ("torch.nn.AdaptiveAvgPool1d",), _adaptive_1d_module(Op.AVGPOOL2D)),
+            Pattern("module", ("torch.nn.AdaptiveAvgPool2d",), _adaptive_module(Op.AVGPOOL2D)),
+            Pattern(
+                "module",
+                ("torch.nn.AdaptiveAvgPool1d",),
+                _adaptive_module(Op.AVGPOOL2D, _adaptive_1d),
+            ),
             Pattern(
                 "function",
                 ("torch.nn.functional.adaptive_avg_pool1d",),
-                _adaptive_1d_function(Op.AVGPOOL2D),
+                _adaptive_function(Op.AVGPOOL2D, _adaptive_1d),
             ),
-            Pattern("function", ("torch.nn.functional.adaptive_avg_pool2d",), _adaptive_function),
+            Pattern(
+                "function",
+                ("torch.nn.functional.adaptive_avg_pool2d",),
+                _adaptive_function(Op.AVGPOOL2D),
+            ),
         ),
         lower={"tir": _tir("avgpool"), "c": "emit:_gap"},
         doc="mean over the spatial axes: [N, C, H, W] -> [N, C, 1, 1]",
