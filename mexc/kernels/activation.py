@@ -162,26 +162,26 @@ def leaky_slope(slope: float) -> tuple[int, int]:
     return (-num if slope < 0 else num), shift
 
 
-def leaky_relu_forward(x: MX, slope: float, ctx: RoundCtx, tid: int) -> MX:
-    """y = x where x > 0, slope x elsewhere (torch.nn.LeakyReLU): acc = m 2^S where m > 0,
-    m num elsewhere ((num, S) = leaky_slope; |acc| < 2^30), at e - S; compaction (site 0)."""
-    e = scalar_exp(x, "leaky_relu input")
+def _leaky(v: MX, mask: np.ndarray, slope: float, name: str, ctx: RoundCtx, tid: int) -> MX:
+    """acc = m 2^S where the mask's mantissa is > 0, m num elsewhere ((num, S) = leaky_slope;
+    |acc| < 2^30), at e - S; compaction (site 0): the forward (v = mask = x) and backward."""
+    e = scalar_exp(v, name)
     num, s = leaky_slope(slope)
-    m = i64(x.m)
-    acc = np.where(m > 0, m * (1 << s), m * num)
+    m = i64(v.m)
+    acc = np.where(np.asarray(mask) > 0, m * (1 << s), m * num)
     return compact_mx(acc, e - s, ctx, site_key(ctx, tid, 0), batch=True)
 
 
+def leaky_relu_forward(x: MX, slope: float, ctx: RoundCtx, tid: int) -> MX:
+    """y = x where x > 0, slope x elsewhere (torch.nn.LeakyReLU): _leaky of x masked by x."""
+    return _leaky(x, x.m, slope, "leaky_relu input", ctx, tid)
+
+
 def leaky_relu_backward(dy: MX, saved: MX, slope: float, ctx: RoundCtx, tid: int) -> MX:
-    """dx = dy where saved > 0, slope dy elsewhere: the forward's acc on dy's mantissas with
-    the mask saved > 0, at e_dy - S; compaction (site 0). `saved` is the output y for a slope
-    >= 0 (y > 0 where x > 0, unless the compaction rounded x to 0: the slope then, torch's
-    derivative at 0), the input x for a negative slope."""
-    ed = scalar_exp(dy, "dy")
-    num, s = leaky_slope(slope)
-    d = i64(dy.m)
-    acc = np.where(np.asarray(saved.m) > 0, d * (1 << s), d * num)
-    return compact_mx(acc, ed - s, ctx, site_key(ctx, tid, 0), batch=True)
+    """dx = dy where saved > 0, slope dy elsewhere: _leaky of dy masked by `saved`, the output
+    y for a slope >= 0 (y > 0 where x > 0, unless the compaction rounded x to 0: the slope
+    then, torch's derivative at 0), the input x for a negative slope."""
+    return _leaky(dy, saved.m, slope, "dy", ctx, tid)
 
 
 # ----------------------------------------------------------------------------- hardswish

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mexc.ir import Node, Value
+from mexc.ir import Node, Op, Value
 from mexc.kernels._common import MAG
 from mexc.kernels.activation import HS_DIVISOR, clamp_bounds, leaky_slope
 from mexc.kernels.elementwise import (
@@ -103,37 +103,26 @@ class PoolRules(PlanBuilder):
         self.compact(n, acc, self.e[dy], xs, 0)
 
     def leaky_relu(self, n: Node) -> None:
-        """kernels.activation.leaky_relu_forward: compacted without being stored (site 0)."""
-        x = n.inputs[0]
-        rows = self.rows_of(self.shape(x))
+        """kernels.activation.leaky_relu_forward (grad: leaky_relu_backward, dy masked by the
+        saved value's sign): compacted without being stored (site 0)."""
+        grad = n.op is Op.LEAKY_RELU_GRAD
+        rows = self.rows_of(self.shape(n.inputs[0]))
         kernels = te_pool.leaky_relu_compaction(
             rows,
             leaky_slope(float(n.attrs.slope)),
-            False,
+            grad,
             self.bits,
             self.stochastic,
-            f"n{n.id}_leaky",
+            f"n{n.id}_leaky{'_grad' if grad else ''}",
             self.agreed_slot,
         )
-        out = self.view(self.out(n, 0, I8), rows)
-        self.compact_unstored(n, 0, kernels, (self.view(self.m[x], rows), self.e[x]), out)
-
-    def leaky_relu_grad(self, n: Node) -> None:
-        """kernels.activation.leaky_relu_backward: dy, masked by the saved value's sign,
-        compacted without being stored (site 0)."""
-        dy, saved = n.inputs
-        rows = self.rows_of(self.shape(dy))
-        kernels = te_pool.leaky_relu_compaction(
-            rows,
-            leaky_slope(float(n.attrs.slope)),
-            True,
-            self.bits,
-            self.stochastic,
-            f"n{n.id}_leaky_grad",
-            self.agreed_slot,
-        )
-        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[saved], rows))
+        v = n.inputs[0]
+        args: tuple[str, ...] = (self.view(self.m[v], rows), self.e[v])
+        if grad:
+            args += (self.view(self.m[n.inputs[1]], rows),)
         self.compact_unstored(n, 0, kernels, args, self.view(self.out(n, 0, I8), rows))
+
+    leaky_relu_grad = leaky_relu
 
     def grad_sum(self, n: Node) -> None:
         terms = list(n.inputs)
