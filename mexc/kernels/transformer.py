@@ -76,6 +76,15 @@ class LayerNormSaved:
     per: int = 1
 
 
+def norm_rows(shape: tuple[int, ...], groups: int = 1, per: int = 1) -> tuple[int, int]:
+    """(R, D): the rows a layer norm of an input of `shape` normalizes, each of D elements: the
+    leading axes over the last one (LayerNorm), or (sample, group) (GroupNorm: `groups`, with
+    `per` elements per channel)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    rows = size // shape[-1] if groups == 1 and per == 1 else shape[0] * groups
+    return rows, size // rows
+
+
 def affine_channels(rows: int, d: int, groups: int = 1, per: int = 1) -> np.ndarray:
     """The parameter index of each element of the (R, D) rows: d for LayerNorm (groups = per =
     1); for GroupNorm (rows (n, g), D = C/G x P elements of a group, P per channel) the channel
@@ -90,12 +99,6 @@ def channel_sums(a: np.ndarray, groups: int, per: int) -> np.ndarray:
     LayerNorm, over the samples and the P elements of each channel for GroupNorm."""
     rows, d = a.shape
     return a.reshape(rows // groups, groups, d // per, per).sum(axis=(0, 3)).reshape(-1)
-
-
-def _rows(m: np.ndarray) -> np.ndarray:
-    if m.ndim < 1:
-        raise ValueError("layernorm needs at least one axis")
-    return i64(m).reshape(-1, m.shape[-1])
 
 
 def layernorm_forward(
@@ -125,7 +128,9 @@ def layernorm_forward(
     """
     ex = scalar_exp(x, "layernorm input")
     eg, eb = scalar_exp(gamma, "gamma"), scalar_exp(beta, "beta")
-    x2 = _rows(x.m) if groups == 1 and per == 1 else i64(x.m).reshape(-1, x.m[0].size // groups)
+    if x.m.ndim < 1:
+        raise ValueError("layernorm needs at least one axis")
+    x2 = i64(x.m).reshape(norm_rows(x.m.shape, groups, per))
     d = x2.shape[1]
     params = (d // per * groups,)
     if gamma.shape != params or beta.shape != params:

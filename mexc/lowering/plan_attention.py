@@ -11,7 +11,7 @@ import numpy as np
 from mexc.ir import Node
 from mexc.kernels._common import product_bits
 from mexc.kernels.norm import _eps_fixed, mean_frac_bits
-from mexc.kernels.transformer import softmax_prob_exp
+from mexc.kernels.transformer import norm_rows, softmax_prob_exp
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_attention, te_norm, te_norm_split
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Product, Shape, unsupported
@@ -123,12 +123,8 @@ class AttentionRules(PlanBuilder):
     # --------------------------------------------------------------------------- LayerNorm
 
     def _ln_rows(self, n: Node, shape: Shape) -> tuple[int, int]:
-        """(R, D): the rows a layer norm normalizes; GroupNorm's are (sample, group)."""
-        groups = int(n.attrs.groups)
-        if groups == 1 and int(n.attrs.per) == 1:
-            return self._rows2(shape)
-        size = int(np.prod(shape))
-        return shape[0] * groups, size // (shape[0] * groups)
+        """(R, D): the rows a layer norm normalizes (kernels.transformer.norm_rows)."""
+        return norm_rows(tuple(shape), int(n.attrs.groups), int(n.attrs.per))
 
     def layernorm(self, n: Node) -> None:
         """kernels.layernorm_forward: te_norm's batch-norm statistics, 1/sigma and xhat on x

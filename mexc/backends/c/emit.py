@@ -26,6 +26,7 @@ from mexc.kernels.elementwise import (
     mul_grad_shift,
 )
 from mexc.kernels.norm import _eps_fixed
+from mexc.kernels.transformer import norm_rows
 from mexc.lowering.te_products import ConvGeom
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import (
@@ -924,12 +925,9 @@ def _dropout_grad(e: _Emit, n: Node) -> None:
 
 
 def _ln_rows(n: Node, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(R, D, groups, per) of a layer norm: GroupNorm's rows are (sample, group)."""
+    """(R, D, groups, per) of a layer norm (kernels.transformer.norm_rows)."""
     groups, per = int(n.attrs.groups), int(n.attrs.per)
-    if groups == 1 and per == 1:
-        return (*_rows2(shape), 1, 1)
-    rows = shape[0] * groups
-    return rows, _numel(shape) // rows, groups, per
+    return (*norm_rows(shape, groups, per), groups, per)
 
 
 def _layernorm(e: _Emit, n: Node) -> None:
