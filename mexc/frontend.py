@@ -261,10 +261,7 @@ def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
     if isinstance(held, _Pieces):
         return _piece(c, n, held, static_int(index))
     if isinstance(held, tuple):  # a module with several results (MultiheadAttention)
-        item = held[static_int(index)]
-        if item is None and n.users:
-            raise UnsupportedOpError(_describe(n, "reads a result mexc does not compute"))
-        return item
+        return _held_item(n, held, static_int(index))
     if not _is_tensor(n):
         return None
     return _index(c, n)
@@ -277,7 +274,13 @@ def _named_result(c: _Ctx, n: torch.fx.Node) -> Value | None:
     held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
     if not isinstance(held, tuple) or name not in ("values", "indices"):
         return None
-    item = held[0 if name == "values" else 1]
+    return _held_item(n, held, 0 if name == "values" else 1)
+
+
+def _held_item(n: torch.fx.Node, held: tuple, index: int) -> Value | None:
+    """Result `index` of a call with several results, which n reads; an error where mexc does
+    not compute it (MultiheadAttention's weights, torch.max's indices) and n is used."""
+    item = held[index]
     if item is None and n.users:
         raise UnsupportedOpError(_describe(n, "reads a result mexc does not compute"))
     return item
