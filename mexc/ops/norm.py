@@ -186,18 +186,30 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
     return _emit_batchnorm(c, n, args["input"], ins, float(args.get("eps", 1e-5)), momentum)
 
 
+def _module_affine(c: Any, n: Any, m: Any) -> list[Value]:
+    """The weight and bias of a LayerNorm, GroupNorm or InstanceNorm module."""
+    name = str(n.target)
+    return [
+        c.param(f"{name}.weight", m.weight, "ln_weight"),
+        c.param(f"{name}.bias", m.bias, "ln_bias"),
+    ]
+
+
+def _function_affine(c: Any, n: Any, weight: Any, bias: Any) -> list[Value]:
+    """The weight and bias F.layer_norm or F.group_norm reads: a module's parameters."""
+    if not (c.is_param(weight) and c.is_param(bias)):
+        raise UnsupportedOpError(
+            c.describe(n, "needs a weight and a bias that are module parameters")
+        )
+    return [c.get_param(weight, "ln_weight"), c.get_param(bias, "ln_bias")]
+
+
 def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
     if len(m.normalized_shape) != 1 or not m.elementwise_affine or m.bias is None:
         raise UnsupportedOpError(
             c.describe(n, "needs LayerNorm over the last axis with affine weight and bias")
         )
-    name = str(n.target)
-    ins = [
-        c.arg(n.args[0]),
-        c.param(f"{name}.weight", m.weight, "ln_weight"),
-        c.param(f"{name}.bias", m.bias, "ln_bias"),
-    ]
-    return c.emit(Op.LAYERNORM, ins, n, eps=float(m.eps))
+    return c.emit(Op.LAYERNORM, [c.arg(n.args[0]), *_module_affine(c, n, m)], n, eps=float(m.eps))
 
 
 def _layernorm_function(c: Any, n: Any) -> Value:
@@ -206,43 +218,31 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     shape = args["normalized_shape"]
-    if not (c.is_param(args.get("weight")) and c.is_param(args.get("bias"))):
-        raise UnsupportedOpError(
-            c.describe(n, "needs a weight and a bias that are module parameters")
-        )
+    affine = _function_affine(c, n, args.get("weight"), args.get("bias"))
     # the sizes may be traced values (x.shape[-1]); the weight's shape is static
     last = c.shape(n.args[0])[-1]
     if len(shape if isinstance(shape, (list, tuple)) else (shape,)) != 1 or c.shape(
         args["weight"]
     ) != (last,):
         raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
-    ins = [
-        c.arg(args["input"]),
-        c.get_param(args["weight"], "ln_weight"),
-        c.get_param(args["bias"], "ln_bias"),
-    ]
+    ins = [c.arg(args["input"]), *affine]
     return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
 
 
-def _groupnorm(c: Any, n: Any, x: Any, groups: Any, weight: Any, bias: Any, eps: Any) -> Value:
+def _groupnorm(c: Any, n: Any, x: Any, groups: Any, affine: list[Value], eps: Any) -> Value:
     """GroupNorm as LayerNorm over rows (sample, group) of C/G x P elements, with the affine
     per channel (`groups`, `per` = P: kernels.layernorm_forward)."""
     shape = c.shape(x)
     per = int(np.prod(shape[2:]))  # 1 for (N, C)
     if per * int(shape[1]) // int(groups) < 2:
         raise UnsupportedOpError(c.describe(n, "normalizes groups of one element"))
-    return c.emit(
-        Op.LAYERNORM, [c.arg(x), weight, bias], n, eps=float(eps), groups=int(groups), per=per
-    )
+    return c.emit(Op.LAYERNORM, [c.arg(x), *affine], n, eps=float(eps), groups=int(groups), per=per)
 
 
 def _groupnorm_module(c: Any, n: Any, m: Any) -> Value:
     if not m.affine:
         raise UnsupportedOpError(c.describe(n, "needs GroupNorm with affine weight and bias"))
-    name = str(n.target)
-    weight = c.param(f"{name}.weight", m.weight, "ln_weight")
-    bias = c.param(f"{name}.bias", m.bias, "ln_bias")
-    return _groupnorm(c, n, n.args[0], m.num_groups, weight, bias, m.eps)
+    return _groupnorm(c, n, n.args[0], m.num_groups, _module_affine(c, n, m), m.eps)
 
 
 def _instancenorm_module(c: Any, n: Any, m: Any) -> Value:
@@ -257,10 +257,7 @@ def _instancenorm_module(c: Any, n: Any, m: Any) -> Value:
                 "lowers it as GroupNorm with a group per channel)",
             )
         )
-    name = str(n.target)
-    weight = c.param(f"{name}.weight", m.weight, "ln_weight")
-    bias = c.param(f"{name}.bias", m.bias, "ln_bias")
-    return _groupnorm(c, n, n.args[0], m.num_features, weight, bias, m.eps)
+    return _groupnorm(c, n, n.args[0], m.num_features, _module_affine(c, n, m), m.eps)
 
 
 def _groupnorm_function(c: Any, n: Any) -> Value:
@@ -268,14 +265,9 @@ def _groupnorm_function(c: Any, n: Any) -> Value:
     GroupNorm and GroupNorm1)."""
     names = ("input", "num_groups", "weight", "bias", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if not (c.is_param(args.get("weight")) and c.is_param(args.get("bias"))):
-        raise UnsupportedOpError(
-            c.describe(n, "needs a weight and a bias that are module parameters")
-        )
-    weight = c.get_param(args["weight"], "ln_weight")
-    bias = c.get_param(args["bias"], "ln_bias")
+    affine = _function_affine(c, n, args.get("weight"), args.get("bias"))
     groups = static_int(args["num_groups"])
-    return _groupnorm(c, n, args["input"], groups, weight, bias, args.get("eps", 1e-5))
+    return _groupnorm(c, n, args["input"], groups, affine, args.get("eps", 1e-5))
 
 
 define(
