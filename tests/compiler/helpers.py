@@ -122,3 +122,33 @@ def run_fused(kernels: Any, inputs: list[np.ndarray], key: np.ndarray, shape: An
     s, e_out = run_kernel(shift, *inputs, outs=[((1,), "int32"), ((1,), "int32")])
     (m,) = run_kernel(apply, *inputs, s, key, outs=[(shape, "int8")])
     return m, int(e_out[0])
+
+
+def small_batch(shape: tuple[int, ...] = (4, 1, 8, 8)) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed batch the single-op model tests train on: N(0, 4) inputs, 10 classes."""
+    rng = np.random.default_rng(0)
+    return rng.standard_normal(shape).astype(np.float32) * 2, rng.integers(0, 10, shape[0])
+
+
+def train_checksums(
+    prog: mexc.Program, batch: tuple[np.ndarray, np.ndarray] | None = None, steps: int = 3
+) -> list[str]:
+    """The state checksum after every one of `steps` steps on `batch` (small_batch())."""
+    x, y = batch if batch is not None else small_batch()
+    checksums = []
+    for _ in range(steps):
+        prog.step(x, y)
+        checksums.append(prog.state_checksum())
+    return checksums
+
+
+def assert_cuda_source_trains_bit_exact(prog: mexc.Program, out: Path, steps: int = 2) -> None:
+    """prog's CUDA artifact (sm_80), built into `out`, trains `steps` steps on the CPU
+    emulator bit-exact with the reference, in both launch orders."""
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
+
+    build_step(prog, ("sm_80",), out)
+    for order in ("forward", "reverse"):
+        rows = compare(out, steps, order == "reverse", layout=ORDER_LAYOUT[order])
+        assert all(r["exact"] for r in rows), rows

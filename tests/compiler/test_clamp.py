@@ -21,6 +21,7 @@ from mexc import kernels as K
 from mexc.ir import Op
 from mexc.kernels.activation import bound_mantissa
 from mexc.mx import MX
+from tests.compiler.helpers import assert_cuda_source_trains_bit_exact, train_checksums
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -106,25 +107,15 @@ def _program(target: str, bits: int = 8) -> mexc.Program:
     )
 
 
-def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32) * 2, rng.integers(0, 10, 4)
-    checksums = []
-    for _ in range(steps):
-        prog.step(x, y)
-        checksums.append(prog.state_checksum())
-    return checksums
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     ref = _program("reference", bits)
     clamps = [n for n in ref.graph.nodes if n.op is Op.CLAMP]
     assert len(clamps) == 6
-    want = _train(ref)
+    want = train_checksums(ref)
     assert len(set(want)) == 3
-    assert _train(_program("llvm", bits)) == want
-    assert _train(_program("c", bits)) == want
+    assert train_checksums(_program("llvm", bits)) == want
+    assert train_checksums(_program("c", bits)) == want
 
 
 class _TensorBound(nn.Module):
@@ -144,10 +135,4 @@ def test_bounds_that_are_not_numbers_are_refused() -> None:
 @needs_cuda_tools
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    from mexc.backends.cuda.build import build_step
-    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
-
-    build_step(_program("reference"), ("sm_80",), tmp_path)
-    for order in ("forward", "reverse"):
-        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
-        assert all(r["exact"] for r in rows), rows
+    assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mexc
+from tests.compiler.helpers import assert_cuda_source_trains_bit_exact
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -121,10 +122,4 @@ def test_unbatched_and_string_padding_are_refused() -> None:
 @needs_cuda_tools
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    from mexc.backends.cuda.build import build_step
-    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
-
-    build_step(_program(Net1d, "reference"), ("sm_80",), tmp_path)
-    for order in ("forward", "reverse"):
-        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
-        assert all(r["exact"] for r in rows), rows
+    assert_cuda_source_trains_bit_exact(_program(Net1d, "reference"), tmp_path)

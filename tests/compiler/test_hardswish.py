@@ -18,6 +18,7 @@ from mexc import kernels as K
 from mexc.ir import Op
 from mexc.mx import MX, RoundCtx
 from mexc.ops import REGISTRY
+from tests.compiler.helpers import assert_cuda_source_trains_bit_exact, train_checksums
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -96,37 +97,16 @@ def _program(target: str) -> mexc.Program:
     return mexc.compile(HardswishNet(), (torch.zeros(4, 1, 8, 8),), optimizer=opt, target=target)
 
 
-def _batch() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((4, 1, 8, 8)).astype(np.float32) * 2, rng.integers(0, 10, 4)
-
-
-def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
-    """The state checksum after every step."""
-    x, y = _batch()
-    checksums = []
-    for _ in range(steps):
-        prog.step(x, y)
-        checksums.append(prog.state_checksum())
-    return checksums
-
-
 def test_model_trains_bit_exact_on_reference_llvm_and_c() -> None:
     ref = _program("reference")
     assert {Op.HARDSWISH, Op.HARDSWISH_GRAD} <= {n.op for n in ref.graph.nodes}
-    want = _train(ref)
+    want = train_checksums(ref)
     assert len(set(want)) == 3  # the state changes every step
-    assert _train(_program("llvm")) == want
-    assert _train(_program("c")) == want
+    assert train_checksums(_program("llvm")) == want
+    assert train_checksums(_program("c")) == want
 
 
 @needs_cuda_tools
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    from mexc.backends.cuda.build import build_step
-    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
-
-    build_step(_program("reference"), ("sm_80",), tmp_path)
-    for order in ("forward", "reverse"):
-        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
-        assert all(r["exact"] for r in rows), rows
+    assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)

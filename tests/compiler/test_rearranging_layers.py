@@ -22,7 +22,12 @@ from mexc import kernels as K
 from mexc.ir import Op
 from mexc.kernels.elementwise import dropout_group
 from mexc.mx import MX, RoundCtx
-from tests.compiler.helpers import step_values
+from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
+    small_batch,
+    step_values,
+    train_checksums,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -195,14 +200,9 @@ def _program(target: str, bits: int = 8) -> mexc.Program:
     )
 
 
-def _batch() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((4, 1, 8, 8)).astype(np.float32) * 2, rng.integers(0, 10, 4)
-
-
 def test_shuffles_move_mantissas_as_torch_does() -> None:
     prog = _program("reference")
-    values = step_values(prog, *_batch())
+    values = step_values(prog, *small_batch())
     nodes = list(prog.graph.nodes)
     drop = next(n for n in nodes if n.op is Op.DROPOUT)
     shuffled = next(
@@ -217,10 +217,10 @@ def test_shuffles_move_mantissas_as_torch_does() -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     ref = _program("reference", bits)
-    want = _train(ref)
+    want = train_checksums(ref)
     assert len(set(want)) == 3
-    assert _train(_program("llvm", bits)) == want
-    assert _train(_program("c", bits)) == want
+    assert train_checksums(_program("llvm", bits)) == want
+    assert train_checksums(_program("c", bits)) == want
 
 
 def test_max_over_axes_trains_bit_exact_on_reference_llvm_and_c() -> None:
@@ -234,22 +234,7 @@ def test_max_over_axes_trains_bit_exact_on_reference_llvm_and_c() -> None:
     assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
 
 
-def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
-    x, y = _batch()
-    checksums = []
-    for _ in range(steps):
-        prog.step(x, y)
-        checksums.append(prog.state_checksum())
-    return checksums
-
-
 @needs_cuda_tools
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    from mexc.backends.cuda.build import build_step
-    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
-
-    build_step(_program("reference"), ("sm_80",), tmp_path)
-    for order in ("forward", "reverse"):
-        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
-        assert all(r["exact"] for r in rows), rows
+    assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)

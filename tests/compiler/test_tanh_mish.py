@@ -20,6 +20,7 @@ from mexc.ir import Op
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import MISH_GRAD_TABLE, MISH_TABLE, TANH_GRAD_TABLE, TANH_TABLE
 from mexc.ops import REGISTRY
+from tests.compiler.helpers import assert_cuda_source_trains_bit_exact, train_checksums
 from tests.compiler.helpers import one_i32 as _i32
 from tests.compiler.helpers import run_fused as _fused
 from tests.compiler.helpers import site_key_buffer as _key
@@ -126,37 +127,21 @@ def _program(target: str, bits: int = 8) -> mexc.Program:
     )
 
 
-def _train(prog: mexc.Program, steps: int = 3) -> list[str]:
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32) * 2, rng.integers(0, 10, 4)
-    checksums = []
-    for _ in range(steps):
-        prog.step(x, y)
-        checksums.append(prog.state_checksum())
-    return checksums
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     ref = _program("reference", bits)
     ops = {n.op for n in ref.graph.nodes}
     assert {Op.TANH, Op.TANH_GRAD, Op.MISH, Op.MISH_GRAD} <= ops
-    want = _train(ref)
+    want = train_checksums(ref)
     assert len(set(want)) == 3
-    assert _train(_program("llvm", bits)) == want
-    assert _train(_program("c", bits)) == want
+    assert train_checksums(_program("llvm", bits)) == want
+    assert train_checksums(_program("c", bits)) == want
 
 
 @needs_cuda_tools
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    from mexc.backends.cuda.build import build_step
-    from mexc.backends.cuda.emulator import ORDER_LAYOUT, compare
-
-    build_step(_program("reference"), ("sm_80",), tmp_path)
-    for order in ("forward", "reverse"):
-        rows = compare(tmp_path, 2, order == "reverse", layout=ORDER_LAYOUT[order])
-        assert all(r["exact"] for r in rows), rows
+    assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)
 
 
 def test_gelu_tanh_approximation_shares_the_gelu_tables() -> None:
