@@ -4,6 +4,7 @@ Mish, and their gradients."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -106,11 +107,11 @@ def bound_mantissa(bound: tuple[int, int], e: int, ceil: bool) -> int:
     return -((-num) >> k) if ceil else num >> k
 
 
-def clamp_bounds(
-    lo: float, hi: float, has_lo: bool, has_hi: bool
-) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    """The (lo, hi) bounds of a clamp node's attributes as clamp_bound pairs (None: absent)."""
-    return (clamp_bound(lo) if has_lo else None), (clamp_bound(hi) if has_hi else None)
+def clamp_bounds(attrs: Any) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """The (lo, hi) bounds of a clamp node's attributes (lo, hi, has_lo, has_hi) as
+    clamp_bound pairs (None: absent)."""
+    lo = clamp_bound(float(attrs.lo)) if attrs.has_lo else None
+    return lo, (clamp_bound(float(attrs.hi)) if attrs.has_hi else None)
 
 
 def clamp_forward(x: MX, lo: tuple[int, int] | None, hi: tuple[int, int] | None, top: int) -> MX:

@@ -51,10 +51,6 @@ class PoolRules(PlanBuilder):
         func = te_pool.relu6_forward(rows, f"n{n.id}_relu6")
         self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
 
-    def _clamp_bounds(self, n: Node) -> tuple[te_pool.Bound, te_pool.Bound]:
-        a = n.attrs
-        return clamp_bounds(float(a.lo), float(a.hi), bool(a.has_lo), bool(a.has_hi))
-
     def clamp(self, n: Node) -> None:
         """kernels.activation.clamp_forward (the exponent passes through)."""
         x = n.inputs[0]
@@ -62,7 +58,7 @@ class PoolRules(PlanBuilder):
         y = self.view(self.out_over(n, x), rows)
         self.e[n.result(0)] = self.e[x]
         top = qmax(CONTAINER_BITS) if self.channels else qmax(self.bits)
-        func = te_pool.clamp_forward(rows, *self._clamp_bounds(n), top, f"n{n.id}_clamp")
+        func = te_pool.clamp_forward(rows, *clamp_bounds(n.attrs), top, f"n{n.id}_clamp")
         self.launch(func, (self.view(self.m[x], rows), self.e[x], y))
 
     def clamp_grad(self, n: Node) -> None:
@@ -70,7 +66,7 @@ class PoolRules(PlanBuilder):
         rows = self.rows_of(self.shape(dy))
         dx = self.view(self.out_over(n, dy), rows)
         self.e[n.result(0)] = self.e[dy]
-        lo, hi = self._clamp_bounds(n)
+        lo, hi = clamp_bounds(n.attrs)
         func = te_pool.clamp_backward(rows, lo, hi, f"n{n.id}_clamp_grad")
         self.launch(func, (self.view(self.m[dy], rows), self.view(self.m[x], rows), self.e[x], dx))
 

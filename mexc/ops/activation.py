@@ -35,17 +35,12 @@ def _gelu_module(c: Any, n: Any, m: Any) -> Value:
     return c.emit(Op.GELU, [c.arg(n.args[0])], n)
 
 
-def _bounds(n: Node) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    a = n.attrs
-    return K.clamp_bounds(float(a.lo), float(a.hi), bool(a.has_lo), bool(a.has_hi))
-
-
 def _clamp(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.clamp_forward(a[0], *_bounds(n), activation_qmax(env.ctx)),)
+    return (K.clamp_forward(a[0], *K.clamp_bounds(n.attrs), activation_qmax(env.ctx)),)
 
 
 def _clamp_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.clamp_backward(a[0], a[1], *_bounds(n)),)
+    return (K.clamp_backward(a[0], a[1], *K.clamp_bounds(n.attrs)),)
 
 
 def _emit_clamp(c: Any, n: Any, x: Any, lo: Any, hi: Any) -> Value:

@@ -9,6 +9,7 @@ import math
 import sys
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -55,7 +56,10 @@ def test_clamp_and_hardtanh_are_torchs(lo: float | None, hi: float | None, e: in
     exact where they are on it; -0.5 at exponent 0 becomes 0); the gradients of torch.clamp and
     F.hardtanh are torch's exactly, at the bounds themselves too (0 there)."""
     x = MX.of(MANTISSAS, e)
-    bounds = K.clamp_bounds(lo or 0.0, hi or 0.0, lo is not None, hi is not None)
+    attrs = SimpleNamespace(
+        lo=lo or 0.0, hi=hi or 0.0, has_lo=lo is not None, has_hi=hi is not None
+    )
+    bounds = K.clamp_bounds(attrs)
     y = K.clamp_forward(x, *bounds, 127)
     dy = MX.of(np.full(256, 64, np.int8), -6)
     dx = K.clamp_backward(dy, x, *bounds)

@@ -759,8 +759,7 @@ def _relu6_grad(e: _Emit, n: Node) -> None:
 
 def _clamp_array(e: _Emit, n: Node) -> str:
     """The node's bounds as a static int32 array {has_lo, lo_num, lo_shift, has_hi, ...}."""
-    a = n.attrs
-    lo, hi = clamp_bounds(float(a.lo), float(a.hi), bool(a.has_lo), bool(a.has_hi))
+    lo, hi = clamp_bounds(n.attrs)
     words = [int(lo is not None), *(lo or (0, 0)), int(hi is not None), *(hi or (0, 0))]
     name = f"clamp{n.id}"
     e.statics.append(_array("int32_t", name, np.asarray(words, np.int32)))
