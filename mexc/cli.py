@@ -563,15 +563,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     args.argv = args_list
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
     except (MexcError, ValueError, FileNotFoundError) as err:
         if os.environ.get("MEXC_TRACEBACK"):
             raise
         _report(err)
-        return EXIT_USAGE
+        code = EXIT_USAGE
     except KeyboardInterrupt:
         print("mexc: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    if "mexc.distributed" in sys.modules:  # a data-parallel worker leaves without gloo's abort
+        from mexc.distributed import exit_worker
+
+        exit_worker(code)
+    return code
 
 
 if __name__ == "__main__":

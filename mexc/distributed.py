@@ -11,6 +11,7 @@ crashed or hangs) raises DistributedError instead of waiting for ever.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -201,15 +202,37 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
         dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
         # the group this joined is destroyed while the interpreter is still whole: a gloo
         # worker exiting without it can abort in finalization ("terminate called without an
-        # active exception", SIGABRT: pytorch/pytorch#190489), seen once in CI
+        # active exception", SIGABRT: pytorch/pytorch#190489)
         atexit.register(_destroy_group)
+        global _joined
+        _joined = True
     return current_workers()
+
+
+_joined = False  # init_from_env started the process group of this process
 
 
 def _destroy_group() -> None:
     dist = _dist()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> None:
+    """End a worker whose process group init_from_env started: flush the output, destroy the
+    group and leave with `code` without the interpreter's finalization. Destroying the group
+    at exit was not enough: gloo's threads still aborted the process in C++ static destruction
+    now and then (SIGABRT after the worker had written its results, twice in CI runs), which
+    made a finished worker look crashed. Does nothing in a process that did not join that way."""
+    if not _joined:
+        return
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to write
+            stream.flush()
+    _destroy_group()
+    os._exit(code)
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mexc  # noqa: E402
-from mexc.distributed import init_from_env, shard_rows  # noqa: E402
+from mexc.distributed import exit_worker, init_from_env, shard_rows  # noqa: E402
 
 
 def batches(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -138,6 +138,7 @@ def main() -> None:
             prog.save(args.save)
         results[name] = {"checksum": prog.state_checksum(), "losses": losses}
     Path(args.out, f"rank{workers.rank}.json").write_text(json.dumps(results))
+    exit_worker(0)
 
 
 if __name__ == "__main__":
