@@ -543,20 +543,35 @@ class LookupTable:
     values: np.ndarray  # int32, 256 entries for inputs -128..127
     lo: int
     hi: int
+    # a positive x reads an index of at least 1 (one rounded to 0 reads entry 1): the tables of
+    # a function with a kink at 0 (relu + offset) then never mix the two sides' values
+    sign_exact: bool = False
 
     @staticmethod
-    def build(name: str, fn: object, in_exp: int, out_exp: int, lo: int, hi: int) -> LookupTable:
+    def build(
+        name: str,
+        fn: object,
+        in_exp: int,
+        out_exp: int,
+        lo: int,
+        hi: int,
+        sign_exact: bool = False,
+    ) -> LookupTable:
         xs = np.arange(-128, 128, dtype=np.float64) * (2.0**in_exp)
         ys = np.asarray([fn(float(v)) for v in xs], dtype=np.float64)  # type: ignore[operator]
         raw = np.floor(ys / 2.0**out_exp + 0.5).astype(np.int64)
-        return LookupTable(name, in_exp, out_exp, np.clip(raw, lo, hi).astype(np.int32), lo, hi)
+        values = np.clip(raw, lo, hi).astype(np.int32)
+        return LookupTable(name, in_exp, out_exp, values, lo, hi, sign_exact)
 
     def lookup(
         self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0, start: int = 0
     ) -> np.ndarray:
-        """Shift x * 2^exponent to the table's exponent, clamp to [-128, 127], look up."""
+        """Shift x * 2^exponent to the table's exponent, clamp to [-128, 127] (and to at least
+        1 for a positive x when sign_exact), look up."""
         idx = shift_signed_saturating(x, self.in_exp - exponent, rounding, key, start)
         idx = np.clip(idx, -128, 127)
+        if self.sign_exact:
+            idx = np.where(np.asarray(x) > 0, np.maximum(idx, 1), idx)
         return self.values[idx + 128].astype(np.int64)
 
 
@@ -640,6 +655,81 @@ EXP_OUT_EXP = -15
 EXP_TABLE = LookupTable.build(
     "exp", lambda v: math.exp(min(v, 0.0)), EXP_IN_EXP, EXP_OUT_EXP, 0, 1 << 15
 )
+
+
+# The exponential-family activations as relu(x) + offset(x): the offset is a table that tends to
+# a constant on both sides (0 for x >> 0; -alpha or 0 for x << 0), so the clamped index stays
+# right past the table's range, where a factor table (x times table(x), as SiLU) would not.
+# The derivative of relu(x) + offset(x) is relu's [x > 0] plus the offset's table, which tends
+# to 0 on both sides. ELU, CELU, SELU (= lambda ELU) and Softplus (docs/layers.md).
+OFFSET_FUNCTIONS = ("elu", "celu", "softplus")
+OFFSET_PARAM_RANGE = (2.0**-8, 2.0**8)  # alpha and beta mexc accepts
+
+
+def _offset_pair(fn: str, params: tuple[float, ...]) -> tuple[object, object, float]:
+    """(offset, derivative of the offset, x scale) for f = relu + offset, as torch defines f."""
+    if fn == "elu":
+        (a,) = params
+        return (
+            lambda v: 0.0 if v > 0 else a * math.expm1(v),
+            lambda v: 0.0 if v > 0 else a * math.exp(v),
+            1.0,
+        )
+    if fn == "celu":
+        (a,) = params
+        return (
+            lambda v: 0.0 if v > 0 else a * math.expm1(v / a),
+            lambda v: 0.0 if v > 0 else math.exp(v / a),
+            a,
+        )
+    if fn == "softplus":
+        beta, threshold = params
+
+        def offset(v: float) -> float:
+            if beta * v > threshold:
+                return 0.0
+            return math.log1p(math.exp(-abs(beta * v))) / beta
+
+        def derivative(v: float) -> float:
+            relu_grad = 1.0 if v > 0 else 0.0
+            if beta * v > threshold:
+                return 1.0 - relu_grad
+            return 1.0 / (1.0 + math.exp(-beta * v)) - relu_grad
+
+        return offset, derivative, 1.0 / beta
+    raise ValueError(f"no offset table for {fn!r}; known: {', '.join(OFFSET_FUNCTIONS)}")
+
+
+def _table_for(name: str, fn: object, in_exp: int) -> LookupTable:
+    """fn sampled at 256 points of 2^in_exp, at the finest exponent that keeps every value
+    within +-2^15; sign-exact, so that relu's [x > 0] and the offset's table agree on the
+    side of 0 (an index rounded to 0 from a positive x would read the negative side's
+    derivative, doubling ELU's)."""
+    xs = np.arange(-128, 128, dtype=np.float64) * (2.0**in_exp)
+    peak = max(abs(float(fn(float(v)))) for v in xs)  # type: ignore[operator]
+    out_exp = (math.ceil(math.log2(peak)) if peak > 0 else 0) - 15
+    return LookupTable.build(name, fn, in_exp, out_exp, -(1 << 15), 1 << 15, sign_exact=True)
+
+
+def offset_tables(fn: str, params: tuple[float, ...]) -> tuple[LookupTable, LookupTable]:
+    """The offset's table and its derivative's for relu(x) + offset(x), built on the host: the
+    index covers [-8 s, 8 s) at s / 16 (s the function's x scale rounded up to a power of two:
+    1, alpha for CELU, 1 / beta for Softplus), where every offset is within 3.4e-4 (relative
+    to alpha, or 1 / beta) of its limit. Equal (fn, params) give equal tables, and the name
+    (a C identifier) says both."""
+    key = (fn, tuple(float(p) for p in params))
+    if key not in _OFFSET_CACHE:
+        offset, derivative, scale = _offset_pair(fn, key[1])
+        in_exp = SIGMOID_IN_EXP + math.ceil(math.log2(scale))
+        tag = "_".join(repr(p).replace(".", "p").replace("-", "m").replace("+", "") for p in key[1])
+        _OFFSET_CACHE[key] = (
+            _table_for(f"{fn}_{tag}", offset, in_exp),
+            _table_for(f"{fn}_{tag}_grad", derivative, in_exp),
+        )
+    return _OFFSET_CACHE[key]
+
+
+_OFFSET_CACHE: dict[tuple[str, tuple[float, ...]], tuple[LookupTable, LookupTable]] = {}
 
 
 # --------------------------------------------------------------------------- sqrt and division

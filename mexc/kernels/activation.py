@@ -29,6 +29,7 @@ from mexc.numerics import (
     LookupTable,
     Reciprocal,
     div_const,
+    offset_tables,
     shift_right,
 )
 
@@ -308,3 +309,14 @@ def mish_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
 
 def mish_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
     return table_product(dy, x, MISH_GRAD_TABLE, ctx, tid)
+
+
+def offset_forward(x: MX, fn: str, params: tuple[float, ...], ctx: RoundCtx, tid: int) -> MX:
+    """The offset of relu(x) + offset(x) (ELU, CELU, Softplus): a table of x alone."""
+    return table_product(None, x, offset_tables(fn, params)[0], ctx, tid)
+
+
+def offset_backward(
+    dy: MX, x: MX, fn: str, params: tuple[float, ...], ctx: RoundCtx, tid: int
+) -> MX:
+    return table_product(dy, x, offset_tables(fn, params)[1], ctx, tid)

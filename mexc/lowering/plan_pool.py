@@ -36,6 +36,7 @@ from mexc.numerics import (
     FixedScalar,
     LookupTable,
     ceil_log2,
+    offset_tables,
     qmax,
 )
 
@@ -250,6 +251,7 @@ class PoolRules(PlanBuilder):
             self.stochastic,
             f"n{n.id}_{table.name}",
             self.agreed_slot,
+            table.sign_exact,
         )
         lead = () if a is None else (self.view(self.m[a], rows), self.e[a])
         args = (*lead, self.view(self.m[x], rows), self.e[x], key, tab)
@@ -272,6 +274,14 @@ class PoolRules(PlanBuilder):
 
     def tanh_grad(self, n: Node) -> None:
         self._table_product(n, n.inputs[0], n.inputs[1], TANH_GRAD_TABLE)
+
+    def activation_offset(self, n: Node) -> None:
+        table = offset_tables(str(n.attrs.fn), tuple(n.attrs.params))[0]
+        self._table_product(n, None, n.inputs[0], table)
+
+    def activation_offset_grad(self, n: Node) -> None:
+        table = offset_tables(str(n.attrs.fn), tuple(n.attrs.params))[1]
+        self._table_product(n, n.inputs[0], n.inputs[1], table)
 
     def mish(self, n: Node) -> None:
         self._table_product(n, n.inputs[0], n.inputs[0], MISH_TABLE)

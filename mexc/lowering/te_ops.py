@@ -358,15 +358,19 @@ def table_lookup(
     key: tirx.PrimExpr,
     flat: tirx.PrimExpr,
     stochastic: bool,
+    sign_exact: bool = False,
 ) -> tirx.PrimExpr:
     """numerics.LookupTable.lookup of one int64 value m at the run-time exponent e (int64): the
     index is m shifted by in_exp - e (a right shift rounded with `key` at flat index `flat`, or
-    a left shift saturating at 2^30), clamped to [-128, 127]; returns table[index + 128] (the
-    table's dtype). docs/numerics.md §9; the GELU tables and the exp table share it."""
+    a left shift saturating at 2^30), clamped to [-128, 127] (at least 1 for m > 0 when
+    sign_exact); returns table[index + 128] (the table's dtype). docs/numerics.md §9; the GELU
+    tables and the exp table share it."""
     s = tirx.const(in_exp, "int64") - e
     right = shift_signed(m, s, key, flat, stochastic)
     left = shift_left_saturating(m, -s)
     idx = tirx.max(tirx.min(tirx.if_then_else(s >= 0, right, left), 127), -128)
+    if sign_exact:
+        idx = tirx.if_then_else(m > 0, tirx.max(idx, 1), idx)
     return table[(idx + 128).astype(I32)]
 
 
@@ -630,11 +634,12 @@ def table_product_compaction(
     stochastic: bool,
     name: str,
     agreed: int = 0,
+    sign_exact: bool = False,
 ) -> tuple[tirx.PrimFunc, ...]:
     """kernels.activation.table_product compacted without storing the product: a times
-    table(x) (factor False: table(x) alone). Parameters of both kernels: (a, e_a,) x, e_x,
-    key0 (the index rounding, site 0), table int32[256], then fused_compaction's (`agreed`:
-    its data-parallel form)."""
+    table(x) (factor False: table(x) alone; sign_exact: the table's LookupTable.sign_exact).
+    Parameters of both kernels: (a, e_a,) x, e_x, key0 (the index rounding, site 0), table
+    int32[256], then fused_compaction's (`agreed`: its data-parallel form)."""
     x = te.placeholder(shape, I8, name="x")
     ex = te.placeholder((1,), I32, name="e_x")
     key0 = te.placeholder((1,), I64, name="key0")
@@ -650,7 +655,7 @@ def table_product_compaction(
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, idx)
         m, e = x[idx].astype(I64), ex[0].astype(I64)
-        t = table_lookup(table, in_exp, m, e, key0[0], flat, stochastic)
+        t = table_lookup(table, in_exp, m, e, key0[0], flat, stochastic, sign_exact)
         return t * lead[0][idx].astype(I32) if factor else t
 
     inputs = [*lead, x, ex, key0, table]

@@ -1,5 +1,6 @@
-"""Activations: ReLU, ReLU6, clamp / Hardtanh, LeakyReLU, Hardswish, Hardsigmoid, sigmoid,
-SiLU, tanh, Mish and GELU, and their gradients."""
+"""Activations: ReLU (and PReLU), ReLU6, clamp / Hardtanh, LeakyReLU, Hardswish, Hardsigmoid,
+sigmoid, SiLU, tanh, Mish, GELU, and ELU, CELU, SELU and Softplus as relu plus a table, and
+their gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.kernels._common import activation_qmax
+from mexc.numerics import OFFSET_PARAM_RANGE
 from mexc.ops.common import (
     Grads,
     elementwise_types,
@@ -206,6 +208,119 @@ def _mish_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.mish_backward(a[0], a[1], env.ctx, tid(n)),)
 
 
+def _offset(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    fn, params = str(n.attrs.fn), tuple(n.attrs.params)
+    return (K.offset_forward(a[0], fn, params, env.ctx, tid(n)),)
+
+
+def _offset_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    fn, params = str(n.attrs.fn), tuple(n.attrs.params)
+    return (K.offset_backward(a[0], a[1], fn, params, env.ctx, tid(n)),)
+
+
+def _offset_param(c: Any, n: Any, what: str, v: Any) -> float:
+    lo, hi = OFFSET_PARAM_RANGE
+    if c.is_node(v) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
+        raise UnsupportedOpError(
+            c.describe(n, f"has {what} {v!r}; mexc takes a constant {what} in [2^-8, 2^8]")
+        )
+    return float(v)
+
+
+def _relu_plus_offset(
+    c: Any, n: Any, x: Any, fn: str, params: tuple[float, ...], scale: float | None = None
+) -> Value:
+    """relu(x) + offset(x), times `scale` where one is given (docs/layers.md)."""
+    shape, xv = c.shape(n), c.arg(x)
+    relu = c.emit_as(Op.RELU, [xv], shape)
+    offset = c.emit_as(Op.ACTIVATION_OFFSET, [xv], shape, fn=fn, params=params)
+    if scale is None:
+        return c.emit(Op.ADD, [relu, offset], n)
+    return c.emit(Op.SCALE, [c.emit_as(Op.ADD, [relu, offset], shape)], n, value=scale)
+
+
+def _args(n: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return dict(zip(names, n.args)) | dict(n.kwargs)
+
+
+def _elu_module(c: Any, n: Any, m: Any) -> Value:
+    return _relu_plus_offset(c, n, n.args[0], "elu", (_offset_param(c, n, "alpha", m.alpha),))
+
+
+def _elu_function(c: Any, n: Any) -> Value:
+    a = _args(n, ("input", "alpha"))
+    alpha = _offset_param(c, n, "alpha", a.get("alpha", 1.0))
+    return _relu_plus_offset(c, n, a["input"], "elu", (alpha,))
+
+
+def _celu_module(c: Any, n: Any, m: Any) -> Value:
+    return _relu_plus_offset(c, n, n.args[0], "celu", (_offset_param(c, n, "alpha", m.alpha),))
+
+
+def _celu_function(c: Any, n: Any) -> Value:
+    a = _args(n, ("input", "alpha"))
+    alpha = _offset_param(c, n, "alpha", a.get("alpha", 1.0))
+    return _relu_plus_offset(c, n, a["input"], "celu", (alpha,))
+
+
+# torch's SELU constants (torch.nn.SELU): selu(x) = SELU_SCALE elu(x, SELU_ALPHA)
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def _selu_module(c: Any, n: Any, m: Any) -> Value:
+    return _relu_plus_offset(c, n, n.args[0], "elu", (SELU_ALPHA,), SELU_SCALE)
+
+
+def _selu_function(c: Any, n: Any) -> Value:
+    return _relu_plus_offset(c, n, n.args[0], "elu", (SELU_ALPHA,), SELU_SCALE)
+
+
+def _softplus_params(c: Any, n: Any, beta: Any, threshold: Any) -> tuple[float, float]:
+    if c.is_node(threshold) or not isinstance(threshold, (int, float)) or threshold <= 0:
+        raise UnsupportedOpError(
+            c.describe(n, f"has threshold {threshold!r}; mexc takes a positive constant")
+        )
+    return (_offset_param(c, n, "beta", beta), float(threshold))
+
+
+def _softplus_module(c: Any, n: Any, m: Any) -> Value:
+    params = _softplus_params(c, n, m.beta, m.threshold)
+    return _relu_plus_offset(c, n, n.args[0], "softplus", params)
+
+
+def _softplus_function(c: Any, n: Any) -> Value:
+    a = _args(n, ("input", "beta", "threshold"))
+    params = _softplus_params(c, n, a.get("beta", 1.0), a.get("threshold", 20.0))
+    return _relu_plus_offset(c, n, a["input"], "softplus", params)
+
+
+def _prelu(c: Any, n: Any, x: Any, weight: Value, count: int) -> Value:
+    """PReLU(x) = relu(x) + a min(x, 0), a per channel (axis 1) or one for all: a clamp, a
+    multiplication by the parameter (trained as a layer scale is) and an addition. torch has
+    checked that count is 1 or the channels' when the example ran."""
+    shape = c.shape(n)
+    view = (1,) * len(shape) if count == 1 else (1, count) + (1,) * (len(shape) - 2)
+    xv = c.arg(x)
+    relu = c.emit_as(Op.RELU, [xv], shape)
+    negative = c.emit_as(Op.CLAMP, [xv], shape, lo=0.0, hi=0.0, has_lo=False, has_hi=True)
+    scaled = c.emit_as(Op.MUL, [negative, weight], shape, view=view)
+    return c.emit(Op.ADD, [relu, scaled], n)
+
+
+def _prelu_module(c: Any, n: Any, m: Any) -> Value:
+    weight = c.param(f"{n.target}.weight", m.weight, "scale")
+    return _prelu(c, n, n.args[0], weight, int(m.weight.numel()))
+
+
+def _prelu_function(c: Any, n: Any) -> Value:
+    a = _args(n, ("input", "weight"))
+    if not c.is_param(a["weight"]):
+        raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
+    count = int(c.fetch(a["weight"]).numel())
+    return _prelu(c, n, a["input"], c.get_param(a["weight"], "scale"), count)
+
+
 # lo, hi: the bounds (has_lo / has_hi: present)
 _CLAMP_ATTRS = {"lo": 0.0, "hi": 0.0, "has_lo": True, "has_hi": True}
 
@@ -229,6 +344,8 @@ define(
                 unary_function(Op.RELU),
             ),
             Pattern("method", ("relu",), unary_function(Op.RELU)),
+            Pattern("module", ("torch.nn.PReLU",), _prelu_module),
+            Pattern("function", ("torch.nn.functional.prelu", "torch.prelu"), _prelu_function),
         ),
         lower={"tir": _tir("relu"), "c": "emit:_relu"},
         in_place=True,
@@ -409,6 +526,47 @@ define(
         reference=_tanh_grad,
         lower={"tir": _tir("tanh_grad"), "c": "emit:_tanh_grad"},
         doc="dy (1 - tanh(x)^2) through a table",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.ACTIVATION_OFFSET,
+        {"fn": "elu", "params": (1.0,), "rid": -1},
+        types=elementwise_types,
+        vjp=pointwise_vjp(Op.ACTIVATION_OFFSET_GRAD, lambda n: n.inputs[0]),
+        reference=_offset,
+        frontend=(
+            Pattern("module", ("torch.nn.ELU",), _elu_module),
+            Pattern(
+                "function",
+                ("torch.nn.functional.elu", "torch.nn.functional.elu_"),
+                _elu_function,
+            ),
+            Pattern("module", ("torch.nn.CELU",), _celu_module),
+            Pattern(
+                "function",
+                ("torch.nn.functional.celu", "torch.nn.functional.celu_"),
+                _celu_function,
+            ),
+            Pattern("module", ("torch.nn.SELU",), _selu_module),
+            Pattern(
+                "function",
+                ("torch.nn.functional.selu", "torch.nn.functional.selu_", "torch.selu"),
+                _selu_function,
+            ),
+            Pattern("module", ("torch.nn.Softplus",), _softplus_module),
+            Pattern("function", ("torch.nn.functional.softplus",), _softplus_function),
+        ),
+        lower={"tir": _tir("activation_offset"), "c": "emit:_activation_offset"},
+        doc="the offset of relu(x) + offset(x) (ELU, CELU, SELU, Softplus): a table of x, "
+        "compacted (docs/layers.md)",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.ACTIVATION_OFFSET_GRAD,
+        {"fn": "elu", "params": (1.0,), "rid": -1},
+        reference=_offset_grad,
+        lower={"tir": _tir("activation_offset_grad"), "c": "emit:_activation_offset_grad"},
+        doc="dy offset'(x) through the derivative's table",
         data_parallel=True,
     ),
     OpDef(

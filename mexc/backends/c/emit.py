@@ -40,6 +40,7 @@ from mexc.numerics import (
     TANH_TABLE,
     FixedScalar,
     LookupTable,
+    offset_tables,
     product_cap,
     qmax,
     site_rounding,
@@ -982,7 +983,8 @@ def _table_product(e: _Emit, n: Node, a: Value | None, x: Value, table: LookupTa
     eo = e.local_exp(n.out)
     e.emit(
         f"{eo} = mexc_table_product({ap}, {ea}, {xp}, {ex}, {name}, {table.in_exp}, "
-        f"{table.out_exp}, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u);"
+        f"{table.out_exp}, {int(table.sign_exact)}, {e.numel(n.out)}u, {out}, &ctx, "
+        f"{_tid(n)}u);"
     )
 
 
@@ -1008,6 +1010,16 @@ def _tanh(e: _Emit, n: Node) -> None:
 
 def _tanh_grad(e: _Emit, n: Node) -> None:
     _table_product(e, n, n.inputs[0], n.inputs[1], TANH_GRAD_TABLE)
+
+
+def _activation_offset(e: _Emit, n: Node) -> None:
+    table = offset_tables(str(n.attrs.fn), tuple(n.attrs.params))[0]
+    _table_product(e, n, None, n.inputs[0], table)
+
+
+def _activation_offset_grad(e: _Emit, n: Node) -> None:
+    table = offset_tables(str(n.attrs.fn), tuple(n.attrs.params))[1]
+    _table_product(e, n, n.inputs[0], n.inputs[1], table)
 
 
 def _mish(e: _Emit, n: Node) -> None:

@@ -290,10 +290,12 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
                              int32_t *dbeta, const mexc_ctx_t *ctx, uint32_t tid,
                              int32_t *scratch, uint32_t groups, uint32_t per);
 /* activation.table_product: a (NULL: none) times a 256-entry table of x (sites 0, 1); sigmoid,
-   SiLU and their gradients, with the tables the generated program defines. */
+   SiLU, tanh, Mish, the activation offsets and their gradients, with the tables the generated
+   program defines (sign_exact: LookupTable.sign_exact, a positive x reads index 1 or more). */
 int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t ex,
-                           const int32_t *tab, int32_t in_exp, int32_t out_exp, uint32_t n,
-                           int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
+                           const int32_t *tab, int32_t in_exp, int32_t out_exp,
+                           int32_t sign_exact, uint32_t n, int8_t *out, const mexc_ctx_t *ctx,
+                           uint32_t tid);
 /* gelu_forward (sites 0 index rounding, 1 compaction); gelu_backward(dy, x = GELU input). */
 int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
                           const mexc_ctx_t *ctx, uint32_t tid);

@@ -256,18 +256,22 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
 /* ------------------------------------------------------------------ GELU */
 
 static int32_t table_lookup(const int32_t *tab, int32_t in_exp, int32_t x, int32_t e,
-                            const mexc_ctx_t *ctx, uint32_t key, uint32_t idx)
+                            const mexc_ctx_t *ctx, uint32_t key, uint32_t idx,
+                            int32_t sign_exact)
 {
     int32_t t = mexc_shift_signed_sat(x, in_exp - e, ctx->stochastic, key, idx);
     t = t < -128 ? -128 : (t > 127 ? 127 : t);
+    if (sign_exact && x > 0 && t < 1) t = 1;
     return tab[t + 128];
 }
 
 /* activation.table_product: a[i] (a NULL: 1) times tab[x[i] shifted to in_exp] (site 0), at
-   e_a + out_exp (e_a = 0 without a factor); compaction site 1. */
+   e_a + out_exp (e_a = 0 without a factor); compaction site 1. sign_exact: a positive x reads
+   an index of at least 1 (LookupTable.sign_exact). */
 int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t ex,
-                           const int32_t *tab, int32_t in_exp, int32_t out_exp, uint32_t n,
-                           int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+                           const int32_t *tab, int32_t in_exp, int32_t out_exp,
+                           int32_t sign_exact, uint32_t n, int8_t *out, const mexc_ctx_t *ctx,
+                           uint32_t tid)
 {
     const uint32_t key0 = mexc_site_key(ctx, tid, 0);
     int32_t v, e_out = 0;
@@ -277,7 +281,7 @@ int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, (a ? ea : 0) + out_exp);
         for (i = 0; i < n; i++) {
-            v = table_lookup(tab, in_exp, x[i], ex, ctx, key0, i);
+            v = table_lookup(tab, in_exp, x[i], ex, ctx, key0, i, sign_exact);
             mexc_sink_put(&sink, i, 0u, a ? (int32_t)a[i] * v : v);
         }
     }
@@ -301,7 +305,7 @@ int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
             if (big) {
                 v = m > 0 ? m : 0;
             } else {
-                v = table_lookup(mexc_gelu_table, MEXC_GELU_IN_EXP, m, e, ctx, key0, i);
+                v = table_lookup(mexc_gelu_table, MEXC_GELU_IN_EXP, m, e, ctx, key0, i, 0);
                 if (k > 0) v = m >= th ? mexc_shift_left(m, k) : (m < -th ? 0 : v);
             }
             mexc_sink_put(&sink, i, 0u, v);
@@ -314,7 +318,7 @@ int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_
                            int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid)
 {
     return mexc_table_product(dy, ed, x, ex, mexc_gelu_grad_table, MEXC_GELU_IN_EXP,
-                              MEXC_GELU_GRAD_OUT_EXP, n, dx, ctx, tid);
+                              MEXC_GELU_GRAD_OUT_EXP, 0, n, dx, ctx, tid);
 }
 
 /* ------------------------------------------------------------------ softmax */
@@ -333,11 +337,11 @@ int32_t mexc_softmax_forward(uint32_t rows, uint32_t k, const int8_t *x, int32_t
         srow = 0;
         for (j = 0; j < k; j++)
             srow += table_lookup(mexc_exp_table, MEXC_EXP_IN_EXP, m[j] - mx, e, ctx, key0,
-                                 r * k + j);
+                                 r * k + j, 0);
         recip = mexc_idiv_round((int32_t)1 << SOFTMAX_RECIP_LOG2, (uint32_t)srow);
         for (j = 0; j < k; j++) {
             idx = r * k + j;
-            v = table_lookup(mexc_exp_table, MEXC_EXP_IN_EXP, m[j] - mx, e, ctx, key0, idx);
+            v = table_lookup(mexc_exp_table, MEXC_EXP_IN_EXP, m[j] - mx, e, ctx, key0, idx, 0);
             v = mexc_shift_right(v * recip, SOFTMAX_RECIP_LOG2 + pe, ctx->stochastic, key1, idx);
             p[idx] = (int8_t)(v < q ? v : q);
         }
