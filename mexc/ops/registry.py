@@ -24,7 +24,7 @@ from typing import Any
 
 from mexc.ir import Node, Op
 
-AttrValue = int | bool | str | float | tuple[int, ...] | None
+AttrValue = int | bool | str | float | tuple[int, ...] | tuple[float, ...] | None
 
 # backend -> the lowering key it executes: llvm and cuda share the TIR launch plan
 BACKEND_LOWERING = {"reference": "reference", "llvm": "tir", "cuda": "tir", "c": "c"}
