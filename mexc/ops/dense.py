@@ -10,7 +10,7 @@ from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
 from mexc.ops.common import Grads, mx_like, pair, pass_through, rows, shape, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_result, as_rows_2d
+from mexc.ops.tensor import as_result, as_rows_2d, padded
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -159,10 +159,27 @@ def _linear_grad_weight_k(n: Node, t: Any) -> int:
 # ----------------------------------------------------------------------------- frontend
 
 
+def _conv_input(c: Any, n: Any, m: Any, x: Any) -> tuple[Value, tuple[int, int]]:
+    """The convolution's input and the zero padding its op applies: padding="same" / "valid"
+    as numbers, and the padding modes reflect, replicate and circular (or an uneven "same") as
+    padding ops before it (ops.tensor.padded, with torch's own pad amounts)."""
+    xv = c.arg(x)
+    mode = "constant" if m.padding_mode == "zeros" else str(m.padding_mode)
+    if m.padding == "valid":
+        return xv, (0, 0)
+    if m.padding != "same" and mode == "constant":
+        return xv, pair(m.padding)
+    pads = [int(p) for p in m._reversed_padding_repeated_twice]  # F.pad's order
+    if mode == "constant" and pads[0::2] == pads[1::2]:
+        return xv, (pads[2], pads[0]) if len(pads) == 4 else (0, pads[0])
+    return padded(c, n, xv, c.shape(x), pads, mode), (0, 0)
+
+
 def _conv_module(c: Any, n: Any, m: Any) -> Value:
-    if m.padding_mode != "zeros" or m.dilation not in ((1, 1), 1):
-        raise UnsupportedOpError(c.describe(n, "uses dilation or non-zero padding mode"))
-    ins = [c.arg(n.args[0]), c.param(f"{n.target}.weight", m.weight, "weight")]
+    if m.dilation not in ((1, 1), 1):
+        raise UnsupportedOpError(c.describe(n, "uses dilation"))
+    x, padding = _conv_input(c, n, m, n.args[0])
+    ins = [x, c.param(f"{n.target}.weight", m.weight, "weight")]
     if m.bias is not None:
         ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
     return c.emit(
@@ -170,7 +187,7 @@ def _conv_module(c: Any, n: Any, m: Any) -> Value:
         ins,
         n,
         stride=pair(m.stride),
-        padding=pair(m.padding),
+        padding=padding,
         groups=m.groups,
         has_bias=m.bias is not None,
     )
@@ -215,13 +232,23 @@ def _conv1d(
     stride: Any,
     padding: Any,
     groups: int,
+    module: Any = None,
 ) -> Value:
     """Conv1d as Conv2d with a (1, k) kernel over (N, C, 1, L); its weight is held (O, C/g,
-    1, k)."""
+    1, k). A module's padding="same" / "valid" and padding modes as Conv2d's (_conv_input)."""
     if len(c.shape(x)) != 3:
         raise UnsupportedOpError(c.describe(n, "convolves an unbatched input; give it (N, C, L)"))
     b, o, out = c.shape(n)
-    ins = [as_rows_2d(c, x), weight] + ([bias] if bias is not None else [])
+    rows = as_rows_2d(c, x)
+    if module is not None and (module.padding_mode != "zeros" or isinstance(padding, str)):
+        mode = "constant" if module.padding_mode == "zeros" else str(module.padding_mode)
+        pads = [0, 0] if padding == "valid" else list(module._reversed_padding_repeated_twice)
+        if mode == "constant" and pads[0] == pads[1]:
+            padding = pads[0]
+        else:
+            n_, ch, length = c.shape(x)
+            rows, padding = padded(c, n, rows, (n_, ch, 1, length), pads, mode), 0
+    ins = [rows, weight] + ([bias] if bias is not None else [])
     y = c.emit_as(
         Op.CONV2D,
         ins,
@@ -235,11 +262,11 @@ def _conv1d(
 
 
 def _conv1d_module(c: Any, n: Any, m: Any) -> Value:
-    if m.padding_mode != "zeros" or m.dilation not in ((1,), 1):
-        raise UnsupportedOpError(c.describe(n, "uses dilation or non-zero padding mode"))
+    if m.dilation not in ((1,), 1):
+        raise UnsupportedOpError(c.describe(n, "uses dilation"))
     weight = c.param(f"{n.target}.weight", m.weight.unsqueeze(2), "weight")
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
-    return _conv1d(c, n, n.args[0], weight, bias, m.stride, m.padding, m.groups)
+    return _conv1d(c, n, n.args[0], weight, bias, m.stride, m.padding, m.groups, m)
 
 
 def _conv1d_function(c: Any, n: Any) -> Value:

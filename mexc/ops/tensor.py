@@ -500,19 +500,33 @@ def _shuffle_function(kind: str) -> Callable[..., Value]:
     return convert
 
 
+PAD_MODES = ("constant", "reflect", "replicate", "circular")
+
+
 def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any = None) -> Value:
-    """Zero padding as torch.nn.functional.pad takes it (last axis first, (before, after) per
-    axis; negative: cropped): a slice per cropped axis, a `pad` per padded one."""
-    if mode != "constant" or value not in (None, 0, 0.0):
+    """F.pad as torch takes it (last axis first, (before, after) per axis; negative: cropped)."""
+    if mode not in PAD_MODES or (mode == "constant" and value not in (None, 0, 0.0)):
         what = f"mode {mode!r}" if mode != "constant" else f"the value {value!r}"
         raise UnsupportedOpError(
-            c.describe(n, f"pads with {what}; mexc lowers zero padding (mode 'constant', 0)")
+            c.describe(
+                n,
+                f"pads with {what}; mexc lowers zero padding (mode 'constant', 0) and the "
+                "modes 'reflect', 'replicate' and 'circular'",
+            )
         )
-    pads = [static_int(p) for p in pads]
-    shape = list(c.shape(x))
+    return padded(c, n, c.arg(x), c.shape(x), [static_int(p) for p in pads], str(mode))
+
+
+def padded(
+    c: Any, n: Any, v: Value, shape_in: tuple[int, ...], pads: list[int], mode: str
+) -> Value:
+    """v padded as F.pad(v, pads, mode) (F.pad's order: last axis first): per axis, a slice
+    where it is cropped, then a `pad` (zeros), or the copied rows as width-1 slices (reflect,
+    replicate) or two slices (circular) concatenated around it: their gradients sum back
+    into v's rows. Conv2d's padding modes go through here too."""
+    shape = list(shape_in)
     if len(pads) % 2 or len(pads) // 2 > len(shape) - 1:
         raise UnsupportedOpError(c.describe(n, f"pads {pads}: the batch axis stays as it is"))
-    v = c.arg(x)
     for i in range(len(pads) // 2):
         dim, before, after = len(shape) - 1 - i, pads[2 * i], pads[2 * i + 1]
         if before < 0 or after < 0:
@@ -520,11 +534,40 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
             shape[dim] = stop - start
             v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
             before, after = max(before, 0), max(after, 0)
-        if before or after:
-            inner = shape[dim]
-            shape[dim] = inner + before + after
+        if not (before or after):
+            continue
+        inner = shape[dim]
+        shape[dim] = inner + before + after
+        if mode == "constant":
             v = c.emit_as(Op.PAD, [v], tuple(shape), dim=dim, start=before, stop=before + inner)
+            continue
+        # torch has checked the widths (reflect: < rows, circular: <= rows) on the example
+        pieces = [*_copied_rows(mode, inner, before, True), None]
+        pieces += _copied_rows(mode, inner, after, False)
+
+        made: dict[tuple[int, int] | None, Value] = {None: v}  # a replicated row once
+        for span in pieces:
+            if span is not None and span not in made:
+                part = list(shape)
+                part[dim] = span[1] - span[0]
+                made[span] = c.emit_as(
+                    Op.SLICE, [v], tuple(part), dim=dim, start=span[0], stop=span[1]
+                )
+        v = c.emit_as(Op.CONCAT, [made[s] for s in pieces], tuple(shape), dim=dim)
     return v
+
+
+def _copied_rows(mode: str, size: int, count: int, before: bool) -> list[tuple[int, int] | None]:
+    """The [start, stop) spans of the rows copied before (or after) an axis of `size` rows."""
+    if count == 0:
+        return []
+    if mode == "circular":
+        return [(size - count, size)] if before else [(0, count)]
+    if mode == "replicate":
+        edge = 0 if before else size - 1
+        return [(edge, edge + 1)] * count
+    rows = range(count, 0, -1) if before else range(size - 2, size - 2 - count, -1)
+    return [(r, r + 1) for r in rows]  # reflect: the edge row itself is not repeated
 
 
 def _pad_function(c: Any, n: Any) -> Value:
@@ -533,7 +576,16 @@ def _pad_function(c: Any, n: Any) -> Value:
 
 
 def _pad_module(c: Any, n: Any, m: Any) -> Value:
-    return _pad(c, n, n.args[0], m.padding, "constant", getattr(m, "value", 0))
+    name = type(m).__name__
+    mode = next((k for p, k in _PAD_MODULE_MODES if name.startswith(p)), "constant")
+    return _pad(c, n, n.args[0], m.padding, mode, getattr(m, "value", 0))
+
+
+_PAD_MODULE_MODES = (
+    ("Reflection", "reflect"),
+    ("Replication", "replicate"),
+    ("Circular", "circular"),
+)
 
 
 def _transpose_two(c: Any, n: Any) -> Value:
@@ -756,6 +808,15 @@ define(
                     "torch.nn.ConstantPad1d",
                     "torch.nn.ConstantPad2d",
                     "torch.nn.ConstantPad3d",
+                    "torch.nn.ReflectionPad1d",
+                    "torch.nn.ReflectionPad2d",
+                    "torch.nn.ReflectionPad3d",
+                    "torch.nn.ReplicationPad1d",
+                    "torch.nn.ReplicationPad2d",
+                    "torch.nn.ReplicationPad3d",
+                    "torch.nn.CircularPad1d",
+                    "torch.nn.CircularPad2d",
+                    "torch.nn.CircularPad3d",
                 ),
                 _pad_module,
             ),

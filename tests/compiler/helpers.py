@@ -66,7 +66,7 @@ def dequantized_copy(model: nn.Module, prog: mexc.Program) -> nn.Module:
     m = copy.deepcopy(model).train().double()
     with torch.no_grad():
         for name, p in m.named_parameters():
-            p.copy_(torch.from_numpy(prog.state[name].dequantize()))
+            p.copy_(torch.from_numpy(prog.state[name].dequantize()).reshape(p.shape))
     return m
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mexc
+from mexc.ir import Op
 from tests.compiler.helpers import assert_cuda_source_trains_bit_exact
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
@@ -113,10 +114,17 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
         assert [s for _, s in got] == [s for _, s in want], target
 
 
-def test_unbatched_and_string_padding_are_refused() -> None:
-    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding="same"), nn.Flatten(), nn.Linear(32, 3))
-    with pytest.raises(mexc.UnsupportedOpError, match="string padding 'same'"):
-        mexc.compile(model, (torch.zeros(2, 3, 8),))
+def test_string_padding_is_torchs_and_an_unbatched_input_is_refused() -> None:
+    """padding="same" (here 1 each side) and "valid" (none) as torch pads."""
+    for padding, length in (("same", 8), ("valid", 6)):
+        conv = nn.Conv1d(3, 4, 3, padding=padding)
+        prog = mexc.compile(
+            nn.Sequential(conv, nn.Flatten(), nn.Linear(4 * length, 3)), (torch.zeros(2, 3, 8),)
+        )
+        (node,) = prog.graph.nodes_of(Op.CONV2D_COMPACT)
+        assert tuple(node.attrs.padding) == (0, 1 if padding == "same" else 0)
+    with pytest.raises(mexc.UnsupportedOpError, match="unbatched input"):
+        mexc.compile(nn.Conv1d(3, 4, 3), (torch.zeros(3, 8),))
 
 
 @needs_cuda_tools

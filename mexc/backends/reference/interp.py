@@ -104,7 +104,7 @@ def execute(
             live += value_bytes(r)
         peak = max(peak, live)
         if last_use is not None:
-            for v in n.inputs:
+            for v in dict.fromkeys(n.inputs):  # a value read twice (concat) is freed once
                 if last_use.get(v, -1) == pos:
                     live -= value_bytes(values.pop(v))
     env.ctx = base
