@@ -32,7 +32,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs
-from mexc.ops.common import ParamView, static_int
+from mexc.ops.common import STATIC_VALUE, ParamView, static_int, static_value
 from mexc.types import Kind, TensorType, f32
 
 
@@ -227,7 +227,7 @@ def _piece(c: _Ctx, n: torch.fx.Node, parts: _Pieces, index: int) -> Value:
 def _index(c: _Ctx, n: torch.fx.Node) -> Value:
     """x[...] with integers and unit-step slices along non-batch axes (x[:, 0], x[:, 1:]): a
     SLICE per indexed axis, then a RESHAPE that drops the integer-indexed ones."""
-    x, index = n.args[0], n.args[1]
+    x, index = n.args[0], static_value(n.args[1])
     shape = list(c.shape(x))
     items: list[Any] = list(index) if isinstance(index, tuple) else [index]
     if Ellipsis in items:
@@ -479,11 +479,8 @@ def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as err:  # noqa: BLE001 - anything symbolic tracing trips over
-        control_flow = isinstance(err, torch.fx.proxy.TraceError) or (
-            "symbolically traced variables" in str(err) or "Proxy" in type(err).__name__
-        )
-        if not control_flow:
-            raise
+        # Python on a traced value (a branch, int(), math.sqrt of a size): known shapes may
+        # resolve it; anything else gets the model's error in one paragraph, not a traceback
         tracer = _ShapeTracer()
         traced = _trace_with_shapes(tracer, model, example, concrete)
         if traced is None:
@@ -515,7 +512,7 @@ def _propagate_on_meta(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
     except Exception:  # noqa: BLE001 - any failure: the real propagation decides
         return False
     for real, fake in zip(gm.graph.nodes, meta.graph.nodes):
-        for key in ("tensor_meta", "type"):
+        for key in ("tensor_meta", "type", STATIC_VALUE):
             if key in fake.meta:
                 real.meta[key] = fake.meta[key]
     return True
@@ -538,10 +535,19 @@ class _ShapeProp(ShapeProp):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
-            return super().run_node(n)
+            result = super().run_node(n)
         except Exception:
             self.failed = n
             raise
+        if _is_number(result):  # a size, or arithmetic on sizes: its value for converters
+            n.meta[STATIC_VALUE] = tuple(result) if isinstance(result, torch.Size) else result
+        return result
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_is_number(x) for x in v)
+    return isinstance(v, (int, float)) and not isinstance(v, torch.Tensor)
 
 
 def _example_failure(
@@ -568,6 +574,17 @@ def _control_flow_message(model: nn.Module, err: Exception) -> str:
         if user
         else ""
     )
+    control_flow = isinstance(err, torch.fx.proxy.TraceError) or (
+        "symbolically traced variables" in str(err) or "Proxy" in type(err).__name__
+    )
+    if not control_flow:
+        return (
+            f"{type(model).__name__} could not be traced{where}: {type(err).__name__}: {err}. "
+            "mexc traces the forward symbolically (torch.fx), with tensors standing in for "
+            "values, and then once more with the example's shapes known. Python that needs a "
+            "tensor's value (int(t), math.sqrt(t), a loop over it) fails there; compute such "
+            "numbers from shapes (x.shape) or constants instead."
+        )
     if "cannot be iterated" in str(err):  # a loop or a generator over a tensor, not a branch
         return (
             f"{type(model).__name__} iterates over a tensor{where}. mexc traces the model "

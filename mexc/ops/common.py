@@ -104,19 +104,47 @@ class ParamView:
     shape: tuple[int, ...]
 
 
+# the node meta key under which shape propagation records a Python number a node computed
+# from shapes (x.size(-1), (w - x.shape[3]) % w): converters read it as a constant
+STATIC_VALUE = "mexc_static_value"
+
+
+def static_value(v: Any) -> Any:
+    """v with every traced node that computed a number from shapes replaced by that number
+    (inside tuples, lists and slices too); other nodes are left as they are."""
+    if isinstance(v, (tuple, list)):
+        return type(v)(static_value(x) for x in v)
+    if isinstance(v, slice):
+        return slice(static_value(v.start), static_value(v.stop), static_value(v.step))
+    meta = getattr(v, "meta", None)
+    if isinstance(meta, dict) and STATIC_VALUE in meta:
+        return meta[STATIC_VALUE]
+    return v
+
+
 def static_int(v: Any) -> int:
-    """A static integer argument of a traced call (dims, sizes, indices)."""
-    return int(v)
+    """A static integer argument of a traced call (dims, sizes, indices), a number or one
+    computed from shapes."""
+    from mexc.errors import UnsupportedOpError
+
+    value = static_value(v)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedOpError(
+            f"expected a constant integer, got {v!r}, computed from tensor values; mexc "
+            "compiles a static graph, whose sizes, dims and paddings come from shapes"
+        )
+    return int(value)
 
 
 def pair(v: Any) -> tuple[int, int]:
     from mexc.errors import UnsupportedOpError
 
+    v = static_value(v)
     if isinstance(v, int):
         return (v, v)
     if isinstance(v, str):
         raise UnsupportedOpError(f"string padding {v!r} is not supported; give integers")
-    return (int(v[0]), int(v[1]))
+    return (static_int(v[0]), static_int(v[1]))
 
 
 def unary_module(op: Op) -> Callable[..., Value]:

@@ -96,3 +96,57 @@ def test_a_branch_on_values_is_still_refused(capfd: pytest.CaptureFixture[str]) 
     with pytest.raises(TraceError, match=r"data-dependent control flow at test_frontend_meta"):
         mexc.compile(ValueBranch(), (torch.zeros(2, 4),))
     assert capfd.readouterr().err == ""  # no warnings of the second try's meta tracing
+
+
+class ShapeArithmetic(nn.Module):
+    """Sizes computed from shapes as arguments: a window padding (DaViT), a slice's bounds
+    (PiT's class tokens), and int(math.sqrt(tokens)) (NesT), which symbolic tracing alone
+    cannot evaluate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 3 * 9, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import math
+
+        y = self.conv(x)
+        w = y.shape[-1]
+        y = F.pad(y, (0, (3 - w % 3) % 3))  # 7 -> 9
+        side = int(math.sqrt(y.shape[2] * y.shape[2]))
+        return self.fc(y[:, :, side - 3 : side].flatten(1))
+
+
+class Written(ShapeArithmetic):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.pad(self.conv(x), (0, 2))
+        return self.fc(y[:, :, 4:7].flatten(1))
+
+
+def test_sizes_computed_from_shapes_are_constants() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 3, 7, 7)).astype(np.float32), rng.integers(0, 10, 4)
+    runs = []
+    for cls in (ShapeArithmetic, Written):
+        torch.manual_seed(0)
+        prog = mexc.compile(cls(), (torch.zeros(4, 3, 7, 7),), target="reference")
+        runs.append([(prog.step(x, y), prog.state_checksum()) for _ in range(2)])
+    assert runs[0] == runs[1]
+
+
+class NeedsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * int(x.mean())  # a tensor's value as a Python int
+
+
+def test_python_on_a_tensor_value_is_one_paragraph_naming_the_line() -> None:
+    with pytest.raises(TraceError) as err:
+        mexc.compile(NeedsAValue(), (torch.zeros(2, 4),))
+    text = str(err.value)
+    assert "could not be traced at test_frontend_meta.py:" in text
+    assert "compute such numbers from shapes" in text and "\n" not in text
