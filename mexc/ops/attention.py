@@ -74,20 +74,27 @@ def _matmul_convert(c: Any, n: Any) -> Value:
 
 
 def _attention(
-    c: Any, q: Value, k: Value, v: Value, shape: tuple[int, ...], scale: float, dropout: float
+    c: Any,
+    q: Value,
+    k: Value,
+    v: Value,
+    shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
+    scale: float,
+    dropout: float,
 ) -> Value:
-    """softmax(q k^T scale) v over [..., T, d] (the ops examples/vit.py writes by hand): a
+    """softmax(q k^T scale) v for q [..., Tq, d], k [..., Tk, d], v [..., Tk, dv] (the ops
+    examples/vit.py writes by hand; Tk < Tq in spatial-reduction attention, PVT and Twins): a
     transpose, two matmuls, a scale, a softmax and, in training, dropout on the weights."""
-    *lead, t, d = shape
-    s = (*lead, t, t)
-    rank = len(shape)
+    (*lead, tq, d), (_, tk, _), (_, dv) = shapes[0], shapes[1][-3:], shapes[2][-2:]
+    s = (*lead, tq, tk)
+    rank = len(shapes[0])
     perm = (*range(rank - 2), rank - 1, rank - 2)
-    kt = c.emit_as(Op.TRANSPOSE, [k], (*lead, d, t), perm=perm)
+    kt = c.emit_as(Op.TRANSPOSE, [k], (*lead, d, tk), perm=perm)
     scores = c.emit_as(Op.SCALE, [c.emit_as(Op.MATMUL, [q, kt], s)], s, value=scale)
     p = c.emit_as(Op.SOFTMAX, [scores], s)
     if dropout > 0.0:
         p = c.emit_as(Op.DROPOUT, [p], s, p=dropout)
-    return c.emit_as(Op.MATMUL, [p, v], shape)
+    return c.emit_as(Op.MATMUL, [p, v], (*lead, tq, dv))
 
 
 def _sdpa(c: Any, n: Any) -> Value:
@@ -99,12 +106,27 @@ def _sdpa(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(
             c.describe(n, "uses an attention mask, causal or grouped attention")
         )
-    shape = c.shape(args["query"])
-    if c.shape(args["key"]) != shape or c.shape(args["value"]) != shape:
-        raise UnsupportedOpError(c.describe(n, "attends with q, k, v of different shapes"))
-    scale = args.get("scale") or 1.0 / math.sqrt(shape[-1])
+    qs, ks, vs = (tuple(c.shape(args[a])) for a in ("query", "key", "value"))
+    if not (len(qs) == len(ks) == len(vs) >= 3 and qs[:-2] == ks[:-2] == vs[:-2]):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"attends with q {list(qs)}, k {list(ks)}, v {list(vs)}: their "
+                "leading (batch, head) axes differ",
+            )  # fmt: skip
+        )
+    if ks[-1] != qs[-1] or vs[-2] != ks[-2]:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"attends with q {list(qs)}, k {list(ks)}, v {list(vs)}: q and k "
+                "need one feature size, k and v one number of tokens",
+            )  # fmt: skip
+        )
+    scale = args.get("scale") or 1.0 / math.sqrt(qs[-1])
     q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
-    return _attention(c, q, k, v, shape, float(scale), float(args.get("dropout_p") or 0.0))
+    dropout = float(args.get("dropout_p") or 0.0)
+    return _attention(c, q, k, v, (qs, ks, vs), float(scale), dropout)
 
 
 def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
@@ -138,7 +160,8 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
         split = c.emit_as(Op.RESHAPE, [part], (b, t, h, d // h), shape=(b, t, h, d // h))
         heads.append(c.emit_as(Op.TRANSPOSE, [split], (b, h, t, d // h), perm=(0, 2, 1, 3)))
     q, k, v = heads
-    y = _attention(c, q, k, v, (b, h, t, d // h), 1.0 / math.sqrt(d // h), float(m.dropout))
+    hs = (b, h, t, d // h)
+    y = _attention(c, q, k, v, (hs, hs, hs), 1.0 / math.sqrt(d // h), float(m.dropout))
     merged = c.emit_as(Op.TRANSPOSE, [y], (b, t, h, d // h), perm=(0, 2, 1, 3))
     merged = c.emit_as(Op.RESHAPE, [merged], (b, t, d), shape=(b, t, d))
     out = m.out_proj
