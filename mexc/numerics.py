@@ -786,6 +786,13 @@ class FixedScalar:
             num, shift = num >> 1, shift - 1
         return FixedScalar(num, shift)
 
+    @staticmethod
+    def signed(value: float) -> FixedScalar:
+        """A constant of either sign (the scale op's: x * -1 of a subtraction): the
+        magnitude's FixedScalar.of with the sign on num (|num| < 2^15)."""
+        magnitude = FixedScalar.of(abs(value))
+        return FixedScalar(-magnitude.num if value < 0 else magnitude.num, magnitude.shift)
+
     def __float__(self) -> float:
         return self.num * 2.0**-self.shift
 

@@ -133,7 +133,7 @@ class TransformerRules(PlanBuilder):
         """kernels.transformer.scale_forward (and scale_backward, the same on dy): the product
         with the constant compacted without being stored (site 0)."""
         x = n.inputs[0]
-        s = FixedScalar.of(float(n.attrs.value))
+        s = FixedScalar.signed(float(n.attrs.value))
         rows = self.rows_of(self.shape(x))
         kernels = te_transformer.scale_compaction(
             rows, s.num, s.shift, self.bits, self.stochastic, f"n{n.id}_scale", self.agreed_slot

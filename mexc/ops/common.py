@@ -89,7 +89,7 @@ def shape(n: Node) -> tuple[int, ...]:
 
 
 def scalar(n: Node) -> FixedScalar:
-    return FixedScalar.of(float(n.attrs.value))
+    return FixedScalar.signed(float(n.attrs.value))
 
 
 # ----------------------------------------------------------------------------- frontend

@@ -3,6 +3,7 @@ token means, and their gradients."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -216,14 +217,31 @@ def _mean_tokens_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _add_tensors(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
+    for zero, other in ((a, b), (b, a)):
+        # an accumulator started at 0 (`total = 0; total = total + t`, FocalNet, MobileOne)
+        if not c.is_node(zero) and zero == 0 and c.is_node(other):
+            if tuple(c.shape(other)) != tuple(c.shape(n)):
+                break  # 0 broadcast wider than the tensor: refused below
+            return c.arg(other)
     if not c.is_node(a) or not c.is_node(b):
         raise UnsupportedOpError(
             c.describe(n, "adds a constant; only tensor + tensor is supported")
         )
     if n.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
-    if c.shape(a) != c.shape(b):
-        raise UnsupportedOpError(c.describe(n, "adds tensors of different shapes (no broadcast)"))
+    out = tuple(c.shape(n))
+    sides = [tuple(c.shape(a)), tuple(c.shape(b))]
+    if sides[0] != sides[1]:
+        if not all(_broadcastable(sh, out) for sh in sides):
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    f"adds {list(sides[0])} and {list(sides[1])}; mexc broadcasts "
+                    "axes of size 1 other than the batch axis",
+                )  # fmt: skip
+            )
+        ins = [broadcast(c, n, c.arg(t), sh, out) for t, sh in zip((a, b), sides)]
+        return c.emit(Op.ADD, ins, n)
     return c.emit(Op.ADD, [c.arg(a), c.arg(b)], n)
 
 
@@ -262,9 +280,12 @@ def _concat_tensors(c: Any, n: Any) -> Value:
 
 
 def _expand(c: Any, n: Any) -> Value:
-    """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token)."""
+    """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token), or an
+    activation's axes of size 1 expanded (`broadcast`)."""
     x = n.args[0]
     out = c.shape(n)
+    if not c.is_param(x) and _broadcastable(tuple(c.shape(x)), tuple(out)):
+        return broadcast(c, n, c.arg(x), tuple(c.shape(x)), tuple(out))
     if not c.is_param(x) or c.shape(x)[0] != 1 or tuple(c.shape(x)[1:]) != tuple(out[1:]):
         raise UnsupportedOpError(
             c.describe(
@@ -274,6 +295,45 @@ def _expand(c: Any, n: Any) -> Value:
             )
         )
     return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
+
+
+def broadcast(c: Any, n: Any, v: Value, src: tuple[int, ...], dst: tuple[int, ...]) -> Value:
+    """An activation of shape `src` broadcast to `dst` (its axes of size 1 repeated; the batch
+    axis and the rank stay): per run of broadcast axes, v seen as (A, 1, 1, B) is upsampled
+    by the run's size along its third axis, nearest (exact copies), then seen as the wider
+    shape. The upsampling's gradient sums each block of copies, which is the broadcast's.
+    Squeeze-and-excitation gates ([N, C, 1, 1]) broadcast inside mul itself; this serves the
+    others: spatial gates [N, 1, H, W] (CBAM, FocalNet), global-context sums, expand_as."""
+    if len(src) != len(dst) or src[0] != dst[0] or any(a not in (1, b) for a, b in zip(src, dst)):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"broadcasts {list(src)} to {list(dst)}; mexc broadcasts an "
+                "activation's axes of size 1, not its batch axis or its rank",
+            )  # fmt: skip
+        )
+    cur = list(src)
+    i = 1
+    while i < len(cur):
+        if cur[i] == dst[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(cur) and cur[j + 1] == 1 and dst[j + 1] != 1:
+            j += 1
+        lead = int(np.prod(cur[:i], dtype=np.int64))
+        tail = int(np.prod(cur[j + 1 :], dtype=np.int64))
+        copies = int(np.prod(dst[i : j + 1], dtype=np.int64))
+        v = reshaped(c, v, (lead, 1, 1, tail))
+        v = c.emit_as(Op.UPSAMPLE_NEAREST, [v], (lead, 1, copies, tail), scale=(copies, 1))
+        cur[i : j + 1] = dst[i : j + 1]
+        v = reshaped(c, v, tuple(cur))
+        i = j + 1
+    return v
+
+
+def _broadcastable(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    return len(src) == len(dst) and src[0] == dst[0] and all(a in (1, b) for a, b in zip(src, dst))
 
 
 def as_rows_2d(c: Any, x: Any) -> Value:
@@ -381,9 +441,54 @@ def _scale_by(c: Any, n: Any, divide: bool) -> Value:
         raise UnsupportedOpError(
             c.describe(n, "multiplies two tensors; only tensor * constant is supported")
         )
-    if not float(k) > 0:
-        raise UnsupportedOpError(c.describe(n, f"scales by {k}; only positive constants"))
+    if float(k) == 0 or not math.isfinite(float(k)):
+        raise UnsupportedOpError(
+            c.describe(n, f"scales by {k}; mexc scales by finite nonzero constants")
+        )
     return c.emit(Op.SCALE, [c.arg(x)], n, value=float(k))
+
+
+def _sub(c: Any, n: Any) -> Value:
+    """a - b: a + (-1) b, the negation a scale by -1 (exact but for a mantissa of -128, which
+    the scale's compaction rounds); a - 0 and 0 - b as themselves and -b."""
+    args = dict(zip(("input", "other", "alpha"), n.args)) | dict(n.kwargs)
+    a, b = args["input"], args["other"]
+    if args.get("alpha", 1) != 1:
+        raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
+    if not c.is_node(b) and b == 0 and c.is_node(a) and c.shape(a) == c.shape(n):
+        return c.arg(a)
+    if not (c.is_node(a) or c.is_node(b)):
+        raise UnsupportedOpError(c.describe(n, "subtracts numbers"))
+    if not c.is_node(a):
+        if a != 0:
+            raise UnsupportedOpError(
+                c.describe(n, "subtracts from a constant; mexc takes tensor - tensor")
+            )
+        return c.emit(Op.SCALE, [c.arg(b)], n, value=-1.0)
+    if not c.is_node(b):
+        raise UnsupportedOpError(c.describe(n, "subtracts a constant; mexc takes tensor - tensor"))
+    shape_b = tuple(c.shape(b))
+    negated = c.emit_as(Op.SCALE, [c.arg(b)], shape_b, value=-1.0)
+    out, shape_a = tuple(c.shape(n)), tuple(c.shape(a))
+    if shape_a != shape_b:
+        if not (_broadcastable(shape_a, out) and _broadcastable(shape_b, out)):
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    f"subtracts {list(shape_b)} from {list(shape_a)}; mexc "
+                    "broadcasts axes of size 1 other than the batch axis",
+                )  # fmt: skip
+            )
+        return c.emit(
+            Op.ADD,
+            [broadcast(c, n, c.arg(a), shape_a, out), broadcast(c, n, negated, shape_b, out)],
+            n,
+        )
+    return c.emit(Op.ADD, [c.arg(a), negated], n)
+
+
+def _neg(c: Any, n: Any) -> Value:
+    return c.emit(Op.SCALE, [c.arg(n.args[0])], n, value=-1.0)
 
 
 def _mul(c: Any, n: Any) -> Value:
@@ -405,6 +510,16 @@ def _mul(c: Any, n: Any) -> Value:
         return c.emit(Op.MUL, [c.arg(x), g], n, view=view.shape)
     if c.shape(a) != out or (c.is_param(a) and not c.is_param(b)):
         a, b = b, a
+    both = (tuple(c.shape(a)), tuple(c.shape(b)))
+    if (
+        not (c.is_param(a) or c.is_param(b))
+        and (both[0] != tuple(out) or K.factor_view(out, both[1]) is None)
+        and all(_broadcastable(sh, tuple(out)) for sh in both)
+    ):
+        # a spatial gate [N, 1, H, W], or both sides broadcast: the factor (or both) made
+        # full-size first
+        x = broadcast(c, n, c.arg(a), both[0], tuple(out))
+        return c.emit(Op.MUL, [x, broadcast(c, n, c.arg(b), both[1], tuple(out))], n)
     if c.shape(a) != out or c.is_param(a):
         raise UnsupportedOpError(
             c.describe(
@@ -734,9 +849,16 @@ define(
         types=elementwise_types,
         vjp=pointwise_vjp(Op.SCALE_GRAD, no_saved),
         reference=_scale,
-        frontend=(Pattern("function", ("operator.truediv",), _div),),
+        frontend=(
+            Pattern("function", ("operator.truediv",), _div),
+            Pattern("function", ("operator.sub", "torch.sub", "operator.isub"), _sub),
+            Pattern("method", ("sub",), _sub),
+            Pattern("function", ("operator.neg", "torch.neg"), _neg),
+            Pattern("method", ("neg",), _neg),
+        ),
         lower={"tir": _tir("scale"), "c": "emit:_scale"},
-        doc="x times a positive host constant, as a numerator/shift pair",
+        doc="x times a host constant of either sign, as a numerator/shift pair (a - b is "
+        "a + (-1) b)",
         data_parallel=True,
     ),
     OpDef(
@@ -849,7 +971,7 @@ define(
         types=elementwise_types,
         vjp=_expand_param_vjp,
         reference=_expand_param,
-        frontend=(Pattern("method", ("expand",), _expand),),
+        frontend=(Pattern("method", ("expand", "expand_as"), _expand),),
         lower={"tir": _tir("expand_param"), "c": "emit:_expand_param"},
         doc="a [1, ...] parameter repeated over the batch (a class token); exponent kept",
         batch_results=True,

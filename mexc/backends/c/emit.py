@@ -1101,7 +1101,7 @@ def _scale(e: _Emit, n: Node) -> None:
     x, ex = _x(e, n, 0)
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
-    f = _fixed(FixedScalar.of(float(n.attrs.value)))
+    f = _fixed(FixedScalar.signed(float(n.attrs.value)))
     e.emit(f"{ey} = mexc_scale_forward({x}, {ex}, {e.numel(n.out)}u, {f}, {y}, &ctx, {_tid(n)}u);")
 
 
