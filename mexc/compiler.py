@@ -117,8 +117,11 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     opt = optimizer_of(optimizer)
     x = _example_batch(example_inputs)
     front = import_model(model, x)
+    trains = resolve_trainable(trainable, front.graph)
+    if front.constants:  # the frontend's own ones and zeros stay as they are
+        trains = (trains if trains is not None else frozenset(front.params)) - front.constants
     ctx = PassContext(
-        trainable=resolve_trainable(trainable, front.graph),
+        trainable=trains,
         bits=bits,
         seed=seed,
         rounding=rounding,

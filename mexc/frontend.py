@@ -43,6 +43,9 @@ class FrontendResult:
     buffers: dict[str, np.ndarray]  # float initial values of STATE nodes (BN running stats)
     input_shape: tuple[int, ...] = ()
     num_classes: int = 0
+    # parameters the model does not have, made for an op whose integer form needs them (the
+    # ones and zeros of a LayerNorm without affine weight or bias): never trained
+    constants: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _Ctx:
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     param_values: dict[str, Value] = field(default_factory=dict)
     static: set[torch.fx.Node] = field(default_factory=set)  # shape-only Python values
+    constants: set[str] = field(default_factory=set)  # FrontendResult.constants
     loc: str = ""
 
     def shape(self, n: Any) -> tuple[int, ...]:
@@ -72,6 +76,11 @@ class _Ctx:
             self.params[name] = arr
             self.param_values[name] = node.out
         return self.param_values[name]
+
+    def constant(self, name: str, value: np.ndarray, role: str) -> Value:
+        """A parameter the model does not have, held at `value` and never trained."""
+        self.constants.add(name)
+        return self.param(name, torch.from_numpy(np.asarray(value, np.float32)), role)
 
     def state(self, name: str, tensor: torch.Tensor, role: str, owner: str) -> Value:
         arr = tensor.detach().cpu().numpy().astype(np.float32)
@@ -711,4 +720,5 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
         [("logits", logits), ("probs", head.result(0)), ("loss", head.result(1))],
         [("batch", batch), ("num_classes", classes)],
     )
-    return FrontendResult(graph, c.params, c.buffers, tuple(example.shape[1:]), classes)
+    shape = tuple(example.shape[1:])
+    return FrontendResult(graph, c.params, c.buffers, shape, classes, frozenset(c.constants))

@@ -10,7 +10,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
-from mexc.ops.common import Grads, mx_like, static_int, tid
+from mexc.ops.common import Grads, mx_like, static_int, static_value, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import as_result, as_rows_2d
 from mexc.types import Exp, Kind, TensorType, acc, mx
@@ -186,30 +186,45 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
     return _emit_batchnorm(c, n, args["input"], ins, float(args.get("eps", 1e-5)), momentum)
 
 
-def _module_affine(c: Any, n: Any, m: Any) -> list[Value]:
-    """The weight and bias of a LayerNorm, GroupNorm or InstanceNorm module."""
+def _module_affine(c: Any, n: Any, m: Any, size: int) -> list[Value]:
+    """The weight and bias of a LayerNorm, GroupNorm or InstanceNorm module of `size`
+    channels; one it does not have (affine off, bias=False) is a constant 1 or 0."""
     name = str(n.target)
+    weight = getattr(m, "weight", None)
+    bias = getattr(m, "bias", None)
     return [
-        c.param(f"{name}.weight", m.weight, "ln_weight"),
-        c.param(f"{name}.bias", m.bias, "ln_bias"),
+        c.param(f"{name}.weight", weight, "ln_weight")
+        if weight is not None
+        else c.constant(f"{name}.weight", np.ones(size), "ln_weight"),
+        c.param(f"{name}.bias", bias, "ln_bias")
+        if bias is not None
+        else c.constant(f"{name}.bias", np.zeros(size), "ln_bias"),
     ]
 
 
-def _function_affine(c: Any, n: Any, weight: Any, bias: Any) -> list[Value]:
-    """The weight and bias F.layer_norm or F.group_norm reads: a module's parameters."""
-    if not (c.is_param(weight) and c.is_param(bias)):
-        raise UnsupportedOpError(
-            c.describe(n, "needs a weight and a bias that are module parameters")
-        )
-    return [c.get_param(weight, "ln_weight"), c.get_param(bias, "ln_bias")]
+def _function_affine(c: Any, n: Any, weight: Any, bias: Any, size: int) -> list[Value]:
+    """The weight and bias F.layer_norm or F.group_norm reads: a module's parameters, or None
+    (a constant 1 or 0, never trained: timm's LayerNorm2d without bias in MetaFormers)."""
+    for what, v in (("weight", weight), ("bias", bias)):
+        if v is not None and not c.is_param(v):
+            raise UnsupportedOpError(
+                c.describe(n, f"needs a {what} that is a module parameter (or None)")
+            )
+    return [
+        c.get_param(weight, "ln_weight")
+        if weight is not None
+        else c.constant(f"{n.name}.weight", np.ones(size), "ln_weight"),
+        c.get_param(bias, "ln_bias")
+        if bias is not None
+        else c.constant(f"{n.name}.bias", np.zeros(size), "ln_bias"),
+    ]
 
 
 def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
-    if len(m.normalized_shape) != 1 or not m.elementwise_affine or m.bias is None:
-        raise UnsupportedOpError(
-            c.describe(n, "needs LayerNorm over the last axis with affine weight and bias")
-        )
-    return c.emit(Op.LAYERNORM, [c.arg(n.args[0]), *_module_affine(c, n, m)], n, eps=float(m.eps))
+    if len(m.normalized_shape) != 1:
+        raise UnsupportedOpError(c.describe(n, "needs LayerNorm over the last axis"))
+    affine = _module_affine(c, n, m, int(m.normalized_shape[0]))
+    return c.emit(Op.LAYERNORM, [c.arg(n.args[0]), *affine], n, eps=float(m.eps))
 
 
 def _layernorm_function(c: Any, n: Any) -> Value:
@@ -217,14 +232,11 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     (ConvNeXt's LayerNorm2d on channels-last activations)."""
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    shape = args["normalized_shape"]
-    affine = _function_affine(c, n, args.get("weight"), args.get("bias"))
-    # the sizes may be traced values (x.shape[-1]); the weight's shape is static
+    shape = static_value(args["normalized_shape"])
     last = c.shape(n.args[0])[-1]
-    if len(shape if isinstance(shape, (list, tuple)) else (shape,)) != 1 or c.shape(
-        args["weight"]
-    ) != (last,):
+    if tuple(shape if isinstance(shape, (list, tuple)) else (shape,)) != (last,):
         raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
+    affine = _function_affine(c, n, args.get("weight"), args.get("bias"), last)
     ins = [c.arg(args["input"]), *affine]
     return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
 
@@ -240,24 +252,24 @@ def _groupnorm(c: Any, n: Any, x: Any, groups: Any, affine: list[Value], eps: An
 
 
 def _groupnorm_module(c: Any, n: Any, m: Any) -> Value:
-    if not m.affine:
-        raise UnsupportedOpError(c.describe(n, "needs GroupNorm with affine weight and bias"))
-    return _groupnorm(c, n, n.args[0], m.num_groups, _module_affine(c, n, m), m.eps)
+    affine = _module_affine(c, n, m, int(m.num_channels))
+    return _groupnorm(c, n, n.args[0], m.num_groups, affine, m.eps)
 
 
 def _instancenorm_module(c: Any, n: Any, m: Any) -> Value:
     """InstanceNorm1d/2d/3d with affine weight and bias and no running statistics: GroupNorm
     with a group per channel (the statistics of each sample's channel, in training and in
     evaluation alike)."""
-    if not m.affine or m.track_running_stats:
+    if m.track_running_stats:
         raise UnsupportedOpError(
             c.describe(
                 n,
-                "needs InstanceNorm with affine=True and track_running_stats=False (mexc "
-                "lowers it as GroupNorm with a group per channel)",
+                "needs InstanceNorm with track_running_stats=False (mexc lowers it as "
+                "GroupNorm with a group per channel, on each sample's own statistics)",
             )
         )
-    return _groupnorm(c, n, n.args[0], m.num_features, _module_affine(c, n, m), m.eps)
+    affine = _module_affine(c, n, m, int(m.num_features))
+    return _groupnorm(c, n, n.args[0], m.num_features, affine, m.eps)
 
 
 def _groupnorm_function(c: Any, n: Any) -> Value:
@@ -265,7 +277,7 @@ def _groupnorm_function(c: Any, n: Any) -> Value:
     GroupNorm and GroupNorm1)."""
     names = ("input", "num_groups", "weight", "bias", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    affine = _function_affine(c, n, args.get("weight"), args.get("bias"))
+    affine = _function_affine(c, n, args.get("weight"), args.get("bias"), c.shape(n)[1])
     groups = static_int(args["num_groups"])
     return _groupnorm(c, n, args["input"], groups, affine, args.get("eps", 1e-5))
 

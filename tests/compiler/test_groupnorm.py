@@ -19,7 +19,11 @@ from mexc import kernels as K
 from mexc.ir import Op
 from mexc.kernels.transformer import affine_channels
 from mexc.mx import MX, RoundCtx
-from tests.compiler.helpers import assert_cuda_source_trains_bit_exact, train_checksums
+from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
+    dequantized_copy,
+    train_checksums,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -139,16 +143,65 @@ def test_instance_norm_is_groupnorm_with_a_group_per_channel() -> None:
         prog = mexc.compile(model, (torch.from_numpy(x),), target="reference")
         runs.append([(prog.step(x, y), prog.state_checksum()) for _ in range(2)])
     assert runs[0] == runs[1]
-    for bad in (nn.InstanceNorm2d(3), nn.InstanceNorm2d(3, affine=True, track_running_stats=True)):
-        model = nn.Sequential(bad, nn.Flatten(), nn.Linear(12, 3))
-        with pytest.raises(mexc.UnsupportedOpError, match="affine=True and track_running"):
-            mexc.compile(model, (torch.zeros(2, 3, 2, 2),))
+    bad = nn.InstanceNorm2d(3, affine=True, track_running_stats=True)
+    model = nn.Sequential(bad, nn.Flatten(), nn.Linear(12, 3))
+    with pytest.raises(mexc.UnsupportedOpError, match="track_running_stats=False"):
+        mexc.compile(model, (torch.zeros(2, 3, 2, 2),))
 
 
-def test_groupnorm_without_affine_is_refused() -> None:
-    model = nn.Sequential(nn.GroupNorm(2, 4, affine=False), nn.Flatten(), nn.Linear(16, 3))
-    with pytest.raises(mexc.UnsupportedOpError, match="node '_0'.*affine weight and bias"):
-        mexc.compile(model, (torch.zeros(2, 4, 2, 2),))
+class WithoutAffine(nn.Module):
+    """Norms without their affine weight or bias: GroupNorm(affine=False),
+    InstanceNorm2d (affine=False, torch's default), LayerNorm(bias=False),
+    LayerNorm(elementwise_affine=False) and F.layer_norm with neither (MetaFormer's
+    LayerNorm2d without bias reads F.layer_norm(x, shape, weight, None))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 4, affine=False)
+        self.inorm = nn.InstanceNorm2d(4)
+        self.ln_nobias = nn.LayerNorm(4, bias=False)
+        self.ln_plain = nn.LayerNorm(4, elementwise_affine=False)
+        self.fc = nn.Linear(4 * 6 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inorm(self.gn(self.conv(x))).permute(0, 2, 3, 1)
+        y = F.layer_norm(self.ln_plain(self.ln_nobias(y)), (4,))
+        return self.fc(torch.flatten(y, 1))
+
+
+def test_norms_without_affine_hold_constant_ones_and_zeros() -> None:
+    """The missing weights and biases are constants (1 and 0) that no step changes; the
+    model trains bit-exact on llvm and C, and its logits are torch's."""
+    torch.manual_seed(0)
+    model = WithoutAffine()
+    progs = {
+        t: mexc.compile(model, (torch.zeros(4, 1, 6, 6),), target=t, rounding="nearest")
+        for t in ("reference", "llvm", "c")
+    }
+    ref = progs["reference"]
+    constants = [
+        *(
+            f"{m}.{w}"
+            for m in ("gn", "inorm", "ln_plain", "layer_norm")
+            for w in ("weight", "bias")
+        ),
+        "ln_nobias.bias",
+    ]
+    assert all(k in ref.state for k in constants)
+    before = {k: ref.state[k].dequantize().copy() for k in constants}
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 1, 6, 6)).astype(np.float32)
+    xq = torch.from_numpy(K.quantize(x.astype(np.float64), 8).dequantize())
+    want = dequantized_copy(model, ref).eval()(xq).detach().numpy()
+    assert np.abs(ref.logits(x) - want).max() <= 0.05 * np.abs(want).max()
+    labels = rng.integers(0, 10, 4)
+    sums = {t: train_checksums(p, (x, labels)) for t, p in progs.items()}
+    assert sums["llvm"] == sums["reference"] == sums["c"]
+    for k in constants:
+        np.testing.assert_array_equal(ref.state[k].dequantize(), before[k])
+        assert set(np.unique(before[k])) <= {0.0, 1.0}, k
+    assert ref.state["ln_nobias.weight"].dequantize().tolist() != [1.0] * 4  # trained
 
 
 @needs_cuda_tools
