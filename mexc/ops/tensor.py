@@ -26,6 +26,7 @@ from mexc.ops.common import (
     scalar,
     sliced_batch_axis,
     static_int,
+    static_value,
     tid,
     transposed_batch_axis,
     with_index_types,
@@ -542,6 +543,26 @@ def _mul(c: Any, n: Any) -> Value:
     return c.emit(Op.MUL, [c.arg(a), g], n)
 
 
+def _pow(c: Any, n: Any) -> Value:
+    """x ** k, torch.pow(x, k), torch.square(x) for a whole k in 1..4 (StarReLU's relu(x) ** 2):
+    k - 1 multiplications of equal shapes (x * x, then by x)."""
+    x = n.args[0]
+    k = (
+        2
+        if getattr(n.target, "__name__", n.target) == "square"
+        else static_value(n.args[1] if len(n.args) > 1 else n.kwargs.get("exponent"))
+    )
+    if not c.is_node(x) or isinstance(k, bool) or k not in (1, 2, 3, 4):
+        raise UnsupportedOpError(
+            c.describe(n, f"raises to the power {k!r}; mexc takes a tensor to a whole power 1..4")
+        )
+    v, shape = c.arg(x), tuple(c.shape(x))
+    y = v
+    for i in range(int(k) - 1):
+        y = c.emit(Op.MUL, [y, v], n) if i == int(k) - 2 else c.emit_as(Op.MUL, [y, v], shape)
+    return y
+
+
 def _div(c: Any, n: Any) -> Value:
     return _scale_by(c, n, divide=True)
 
@@ -1009,6 +1030,8 @@ define(
         frontend=(
             Pattern("function", ("operator.mul", "torch.mul"), _mul),
             Pattern("method", ("mul",), _mul),
+            Pattern("function", ("operator.pow", "torch.pow", "torch.square"), _pow),
+            Pattern("method", ("pow", "square"), _pow),
         ),
         lower={"tir": _tir("mul"), "c": "emit:_mul"},
         doc="x * g, g an activation or parameter broadcast along x's axes (or a constant: scale)",

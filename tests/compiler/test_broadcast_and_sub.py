@@ -149,3 +149,46 @@ def test_subtracting_a_number_is_refused_by_node() -> None:
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)
+
+
+class Powers(nn.Module):
+    """x ** 2 (StarReLU's relu(x) ** 2), torch.square, Tensor.square and x.pow(3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(h**2 + torch.square(h) + h.pow(3) + h.square())
+
+
+def test_whole_powers_are_products() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 8)).astype(np.float32), rng.integers(0, 3, 16)
+    sums = {}
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        prog = mexc.compile(Powers(), (torch.zeros(16, 8),), target=target)
+        assert len(list(prog.graph.nodes_of(Op.MUL))) >= 5  # forward: 1 + 1 + 2 + 1
+        sums[target] = train_checksums(prog, (x, y))
+    assert sums["llvm"] == sums["reference"] == sums["c"]
+    torch.manual_seed(0)
+    model = Powers()
+    prog = mexc.compile(model, (torch.zeros(16, 8),))
+    ints, floats = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert all(cosine(ints[k], floats[k]) >= 0.99 for k in ints), ints.keys()
+
+
+class RootOf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(x) ** 0.5)
+
+
+def test_a_fractional_power_is_refused() -> None:
+    with pytest.raises(UnsupportedOpError, match="whole power 1..4"):
+        mexc.compile(RootOf(), (torch.zeros(2, 4),))
