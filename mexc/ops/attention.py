@@ -11,6 +11,7 @@ from mexc.ir import Node, Op, Value
 from mexc.ops.common import Grads, elementwise_types, pointwise_vjp, static_int, tid
 from mexc.ops.dense import CAP
 from mexc.ops.registry import OpDef, Pattern, define
+from mexc.ops.tensor import transposed
 from mexc.types import mx
 
 
@@ -48,11 +49,24 @@ def _matmul_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 
 def _softmax_convert(c: Any, n: Any) -> Value:
+    """softmax over the last axis, or over another non-batch axis (ResNeSt's split attention,
+    CoaT) with that axis swapped to the end and back."""
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    rank = len(c.shape(n.args[0]))
-    if dim is None or static_int(dim) % rank != rank - 1:
-        raise UnsupportedOpError(c.describe(n, "softmax is supported over the last axis only"))
-    return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
+    shape = tuple(c.shape(n.args[0]))
+    rank = len(shape)
+    if dim is None or n.kwargs.get("dtype") is not None:
+        raise UnsupportedOpError(c.describe(n, "takes a softmax without a dim; name the axis"))
+    d = static_int(dim) % rank
+    if d == rank - 1:
+        return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
+    if d == 0:
+        raise UnsupportedOpError(c.describe(n, "takes a softmax over the batch axis"))
+    perm = list(range(rank))
+    perm[d], perm[-1] = perm[-1], perm[d]
+    moved = transposed(c, c.arg(n.args[0]), shape, tuple(perm))
+    swapped = tuple(shape[a] for a in perm)
+    y = c.emit_as(Op.SOFTMAX, [moved], swapped)
+    return c.emit(Op.TRANSPOSE, [y], n, perm=tuple(perm))
 
 
 def _matmul_convert(c: Any, n: Any) -> Value:

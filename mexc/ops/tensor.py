@@ -734,29 +734,55 @@ def _transpose_two(c: Any, n: Any) -> Value:
 
 
 def _mean(c: Any, n: Any) -> Value:
+    return _reduce(c, n, "mean")
+
+
+def _sum(c: Any, n: Any) -> Value:
+    """x.sum(dims) over non-batch axes: their mean times the count (a scale; exact for a
+    power of two, ResNeSt's radix 2)."""
+    return _reduce(c, n, "sum")
+
+
+def _reduce(c: Any, n: Any, kind: str) -> Value:
     """x.mean(dims, keepdim) over any non-batch axes: the spatial axes of [N, C, H, W] are a
     global average pool; other axes are moved behind the batch axis and flattened, [B, R, K],
-    for the mean over tokens (R = the reduced elements), then reshaped to the result."""
+    for the mean over tokens (R = the reduced elements), then reshaped to the result. A sum
+    is that mean scaled by R."""
     x = n.args[0]
     shape = c.shape(x)
     rank = len(shape)
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    keep = bool(n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False))
     if dim is None or n.kwargs.get("dtype") is not None:
-        raise UnsupportedOpError(c.describe(n, "takes a mean without dims; name the axes"))
-    axes = dim if isinstance(dim, (list, tuple)) else [dim]
+        raise UnsupportedOpError(c.describe(n, f"takes a {kind} without dims; name the axes"))
+    axes = static_value(dim)
+    axes = axes if isinstance(axes, (list, tuple)) else [axes]
     dims = sorted({static_int(d) % rank for d in axes})
     if 0 in dims:
         raise UnsupportedOpError(
-            c.describe(n, "takes a mean over the batch axis; only per-sample means are supported")
+            c.describe(
+                n, f"takes a {kind} over the batch axis; only per-sample {kind}s are supported"
+            )
         )
-    out = c.shape(n)
+    out = tuple(c.shape(n))
+    count = int(np.prod([shape[d] for d in dims]))
+    if kind == "sum":
+        if count == 1:
+            return c.emit(Op.RESHAPE, [c.arg(x)], n, shape=out)
+        mean = _mean_value(c, c.arg(x), shape, dims, out)
+        return c.emit(Op.SCALE, [mean], n, value=float(count))
+    return _mean_value(c, c.arg(x), shape, dims, out)
+
+
+def _mean_value(
+    c: Any, v: Value, shape: tuple[int, ...], dims: list[int], out: tuple[int, ...]
+) -> Value:
+    """The mean of v (of `shape`) over `dims`, as a value of shape `out`."""
+    rank = len(shape)
     if rank == 4 and dims == [2, 3]:
-        y = c.emit_as(Op.GLOBAL_AVGPOOL, [c.arg(x)], (shape[0], shape[1], 1, 1))
-        return y if keep else c.emit_as(Op.RESHAPE, [y], out, shape=out)
+        y = c.emit_as(Op.GLOBAL_AVGPOOL, [v], (shape[0], shape[1], 1, 1))
+        return y if out == (shape[0], shape[1], 1, 1) else reshaped(c, y, out)
     kept = [d for d in range(1, rank) if d not in dims]
     perm = (0, *dims, *kept)
-    v = c.arg(x)
     if perm != tuple(range(rank)):
         v = c.emit_as(Op.TRANSPOSE, [v], tuple(shape[p] for p in perm), perm=perm)
     r = int(np.prod([shape[d] for d in dims]))
@@ -764,7 +790,7 @@ def _mean(c: Any, n: Any) -> Value:
     if (shape[0], r, k) != tuple(shape[p] for p in perm):
         v = c.emit_as(Op.RESHAPE, [v], (shape[0], r, k), shape=(shape[0], r, k))
     y = c.emit_as(Op.MEAN_TOKENS, [v], (shape[0], k))
-    return y if tuple(out) == (shape[0], k) else c.emit_as(Op.RESHAPE, [y], out, shape=out)
+    return y if out == (shape[0], k) else reshaped(c, y, out)
 
 
 def _tir(name: str) -> str:
@@ -1055,6 +1081,8 @@ define(
         frontend=(
             Pattern("function", ("torch.mean",), _mean),
             Pattern("method", ("mean",), _mean),
+            Pattern("function", ("torch.sum",), _sum),
+            Pattern("method", ("sum",), _sum),
         ),
         lower={"tir": _tir("mean_tokens"), "c": "emit:_mean_tokens"},
         doc="mean over the token axis: [B, T, D] -> [B, D]",

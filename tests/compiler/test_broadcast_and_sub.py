@@ -192,3 +192,44 @@ class RootOf(nn.Module):
 def test_a_fractional_power_is_refused() -> None:
     with pytest.raises(UnsupportedOpError, match="whole power 1..4"):
         mexc.compile(RootOf(), (torch.zeros(2, 4),))
+
+
+class SplitAttention(nn.Module):
+    """ResNeSt's split attention: the radix splits summed (x.sum(dim=1)), their gates a
+    softmax over the radix axis (not the last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc1 = nn.Conv2d(4, 8, 1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.conv(x))  # (B, 2 x 4, H, W)
+        b = y.shape[0]
+        splits = y.reshape(b, 2, 4, 8, 8)
+        gap = splits.sum(dim=1).mean((2, 3), keepdim=True)  # (B, 4, 1, 1)
+        attn = F.softmax(self.fc1(gap).reshape(b, 2, 4), dim=1)  # over the radix
+        out = (splits * attn.reshape(b, 2, 4, 1, 1)).sum(1)
+        return self.fc(torch.flatten(out, 1))
+
+
+def test_sums_and_a_softmax_over_a_middle_axis() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)
+    sums = {}
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        prog = mexc.compile(SplitAttention(), (torch.zeros(8, 1, 8, 8),), target=target)
+        sums[target] = train_checksums(prog, (x, y))
+    assert sums["llvm"] == sums["reference"] == sums["c"]
+    torch.manual_seed(0)
+    model = SplitAttention()
+    prog = mexc.compile(model, (torch.zeros(8, 1, 8, 8),), rounding="nearest")
+    (softmax,) = prog.graph.nodes_of(Op.SOFTMAX)
+    assert tuple(softmax.type.shape) == (8, 4, 2)  # the radix axis moved last
+    assert 2.0 in {float(n.attrs.value) for n in prog.graph.nodes_of(Op.SCALE)}  # sum = 2 mean
+    ref = dequantized_copy(model, prog).eval()
+    xq = K.quantize(x.astype(np.float64), 8).dequantize()
+    want = ref(torch.from_numpy(xq)).detach().numpy()
+    assert np.abs(prog.logits(x) - want).max() <= 0.05 * np.abs(want).max()
