@@ -35,6 +35,7 @@ from mexc.kernels._common import (
     site_key,
 )
 from mexc.kernels.activation import table_product
+from mexc.kernels.elementwise import factor_view
 from mexc.kernels.norm import _eps_fixed, _rstd, _var_shift, mean_frac_bits
 from mexc.kernels.pool import DIV_BITS, _divide
 from mexc.mx import MX, Acc, RoundCtx
@@ -411,27 +412,49 @@ def scale_backward(dy: MX, s: FixedScalar, ctx: RoundCtx, tid: int) -> MX:
 # ------------------------------------------------------------------- broadcast add (pos. emb.)
 
 
-def add_broadcast_forward(x: MX, p: MX, ctx: RoundCtx, tid: int) -> MX:
-    """y = x + p, x [B, ...], p [1, ...] broadcast over the batch axis (positional embedding).
+def add_broadcast_forward(x: MX, p: MX, ctx: RoundCtx, tid: int, view: tuple[int, ...] = ()) -> MX:
+    """y = x + p, p broadcast over x: seen as `view` (p's own shape when empty), [1, ...] over
+    the batch axis (a positional embedding), [1, C, 1, 1] per channel, [1] for all; x seen as
+    (O, M, I) by factor_view, p as (M,).
 
     aligned_sum([(x_m, e_x, 7), (p_m, e_p, 7)]) **sites 0 (x), 1 (p)** (p is aligned once, PRNG
     index = its own flat index, then broadcast); compaction **site 2**.
     The backward of x is dy itself; of p, add_broadcast_param_grad.
     """
-    if p.m.ndim != x.m.ndim or p.shape[0] != 1 or p.shape[1:] != x.shape[1:]:
-        raise ValueError(f"add_broadcast: p must have shape (1,) + {x.shape[1:]}, got {p.shape}")
+    shape = tuple(view) or tuple(p.shape)
+    if (
+        len(shape) != x.m.ndim
+        or shape[0] != 1
+        or int(np.prod(shape)) != p.m.size
+        or factor_view(tuple(x.shape), shape) is None
+    ):
+        raise ValueError(f"add_broadcast: p seen as {shape} does not broadcast to {x.shape}")
     ex, ep = scalar_exp(x, "x"), scalar_exp(p, "p")
     keys = [site_key(ctx, tid, 0), site_key(ctx, tid, 1)]
-    terms = [(i64(x.m), ex, MAG), (i64(p.m), ep, MAG)]
+    terms = [(i64(x.m), ex, MAG), (i64(p.m.reshape(shape)), ep, MAG)]
     acc, e = aligned_sum_fast(terms, ctx.rounding, keys, [row_offset(x.m, ctx.rows), 0])
     full = np.broadcast_to(acc, x.shape)
     return compact_mx(full, e, ctx, site_key(ctx, tid, 2), batch=True)
 
 
-def add_broadcast_param_grad(dy: MX) -> Acc:
-    """dp = sum of dy over the batch axis (keepdims: shape (1, ...)), int32, exponent e_dy."""
+def param_view(
+    view: tuple[int, ...], x_shape: tuple[int, ...], p_shape: tuple[int, ...]
+) -> tuple[int, int, int]:
+    """x of an add_param (or its dy) seen as (O, M, I) with the parameter along M: from the
+    node's `view` attribute, or the parameter's own [1, ...] shape when that is empty."""
+    view = tuple(view) or tuple(p_shape)
+    ovm = factor_view(tuple(x_shape), view)
+    if ovm is None:
+        raise ValueError(f"add_param: {view} does not broadcast to {x_shape}")
+    return ovm
+
+
+def add_broadcast_param_grad(dy: MX, view: tuple[int, ...] = ()) -> Acc:
+    """dp = sum of dy over the axes p is broadcast along (the batch axis, and those where
+    `view` is 1), keepdims (shape `view`, or (1, ...)), int32, exponent e_dy."""
     ed = scalar_exp(dy, "dy")
-    acc = i64(dy.m).sum(axis=0, keepdims=True)
+    axes = tuple(i for i, d in enumerate(view) if d == 1 and dy.shape[i] != 1) or (0,)
+    acc = i64(dy.m).sum(axis=axes, keepdims=True)
     check_int32(acc, "add_broadcast_param_grad")
     return Acc(acc, np.asarray(ed, np.int64))
 

@@ -13,6 +13,7 @@ from mexc.ir import Node, Value
 from mexc.kernels._common import MAG
 from mexc.kernels.elementwise import factor_view, mul_grad_shift
 from mexc.kernels.pool import DIV_BITS
+from mexc.kernels.transformer import param_view
 from mexc.lowering import te_ops, te_transformer
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Shape, unsupported
 from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, FixedScalar, ceil_log2
@@ -147,14 +148,13 @@ class TransformerRules(PlanBuilder):
         """kernels.transformer.add_broadcast_forward: the aligned sum (sites 0, 1) compacted
         without being stored (site 2)."""
         x, p = n.inputs
-        batch, sample = self.rows_of(self.shape(x))  # x is [B, ...]: (B, one sample)
-        rows = (batch, sample)
-        keys = self.keys(n, (0, 1), "sum_keys", (batch * sample, 0))
+        view = param_view(n.attrs.view, self.shape(x), self.shape(p))  # (O, M, I), p along M
+        keys = self.keys(n, (0, 1), "sum_keys", (int(np.prod(view)), 0))
         kernels = te_transformer.add_param_compaction(
-            rows, self.bits, self.stochastic, f"n{n.id}_add_param", self.agreed_slot
+            view, self.bits, self.stochastic, f"n{n.id}_add_param", self.agreed_slot
         )
-        xm, pm = self.view(self.m[x], rows), self.view(self.m[p], (rows[1],))
-        out = self.view(self.out(n, 0, I8), rows)
+        xm, pm = self.view(self.m[x], view), self.view(self.m[p], (view[1],))
+        out = self.view(self.out(n, 0, I8), view)
         self.compact_unstored(n, 2, kernels, (xm, self.e[x], pm, self.e[p], keys), out)
 
     def expand_param(self, n: Node) -> None:
@@ -170,11 +170,11 @@ class TransformerRules(PlanBuilder):
         """kernels.transformer.add_broadcast_param_grad: the int32 sum of dy over the batch (an
         accumulator for the update, at dy's exponent)."""
         dy = n.inputs[0]
-        rows = self.rows_of(self.shape(dy))
+        view = param_view(n.attrs.view, self.shape(dy), self.shape(n.result(0)))
         acc = self.out(n, 0, I32)
         self.e[n.result(0)] = self.e[dy]
-        func = te_ops.axis_sum(rows, (0,), f"n{n.id}_add_param_grad")
-        self.launch(func, (self.view(self.m[dy], rows), self.view(acc, (rows[1],))))
+        func = te_ops.axis_sum(view, (0, 2), f"n{n.id}_add_param_grad")
+        self.launch(func, (self.view(self.m[dy], view), self.view(acc, (view[1],))))
 
     # ----------------------------------------------------------------------------- token mean
 

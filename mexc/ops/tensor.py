@@ -13,7 +13,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.kernels.elementwise import dropout_group
-from mexc.mx import MX
+from mexc.mx import MX, Acc
 from mexc.ops.common import (
     Grads,
     ParamView,
@@ -110,7 +110,8 @@ def _add_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
     x, p = n.inputs
-    dp = w.emit(Op.ADD_PARAM_GRAD, [dy], acc(*w.type(p).shape), n.loc)
+    view = tuple(n.attrs.view)
+    dp = w.emit(Op.ADD_PARAM_GRAD, [dy], acc(*w.type(p).shape), n.loc, view=view)
     w.set_param_grad(p, dp.out, n)
     return [dy if w.needs[x] else None, None]
 
@@ -198,11 +199,12 @@ def _expand_param(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 
 def _add_param(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.add_broadcast_forward(a[0], a[1], env.ctx, tid(n)),)
+    return (K.add_broadcast_forward(a[0], a[1], env.ctx, tid(n), tuple(n.attrs.view)),)
 
 
 def _add_param_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.add_broadcast_param_grad(a[0]),)
+    dp = K.add_broadcast_param_grad(a[0], tuple(n.attrs.view))
+    return (Acc(dp.a.reshape(n.type.shape), dp.e),)
 
 
 def _mean_tokens(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -247,20 +249,38 @@ def _add_tensors(c: Any, n: Any) -> Value:
 
 
 def _add_any(c: Any, n: Any) -> Value:
-    """tensor + tensor, or activation + a broadcast parameter (positional embedding)."""
+    """tensor + tensor, or an activation + a parameter that broadcasts over it: [1, ...] of
+    its per-sample shape (a positional embedding), or along one run of axes ([C, 1, 1] or
+    [1, C, 1, 1] per channel, [C] channels-last, [1] for all: a learnable bias or shift such
+    as MetaFormer's StarReLU and HGNetV2's affine blocks), possibly seen through a reshape."""
     a, b = n.args[0], n.args[1]
-    if c.is_param(b) and not c.is_param(a):
+    param = lambda v: c.is_param(v) or c.param_view(v) is not None  # noqa: E731
+    if param(b) and not param(a):
         a, b = b, a
-    if c.is_param(a) and c.is_node(b):
-        p = c.get_param(a, "embedding")
-        if c.shape(a)[0] != 1 or c.shape(a)[1:] != c.shape(b)[1:]:
-            raise UnsupportedOpError(
-                c.describe(
-                    n, "adds a parameter that is not [1, ...] of the activation's per-sample shape"
-                )
+    if not (param(a) and c.is_node(b) and not param(b)):
+        return _add_tensors(c, n)
+    view = c.param_view(a)
+    shape = tuple(view.shape) if view is not None else tuple(c.shape(a))
+    x_shape = tuple(c.shape(b))
+    seen = (1,) * (len(x_shape) - len(shape)) + shape
+    if (
+        len(seen) != len(x_shape)
+        or seen[0] != 1
+        or tuple(c.shape(n)) != x_shape
+        or K.factor_view(x_shape, seen) is None
+    ):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"adds a parameter seen as {list(shape)} to {list(x_shape)}; mexc adds "
+                "parameters that vary along one run of the activation's non-batch axes "
+                "([1, ...] of its per-sample shape, [C, 1, 1], [C], [1])",
             )
-        return c.emit(Op.ADD_PARAM, [c.arg(b), p], n)
-    return _add_tensors(c, n)
+        )
+    source = view.source if view is not None else a
+    if seen == shape and seen[1:] == x_shape[1:]:  # a positional embedding, as it was
+        return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(source, "embedding")], n)
+    return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(source, "bias")], n, view=seen)
 
 
 def _concat_tensors(c: Any, n: Any) -> Value:
@@ -1004,12 +1024,13 @@ define(
     ),
     OpDef(
         Op.ADD_PARAM,
-        {"rid": -1},
+        {"view": (), "rid": -1},
         types=elementwise_types,
         vjp=_add_param_vjp,
         reference=_add_param,
         lower={"tir": _tir("add_param"), "c": "emit:_add_param"},
-        doc="activation + a [1, ...] parameter broadcast over the batch (positional embedding)",
+        doc="activation + a parameter broadcast over it: [1, ...] over the batch (a positional "
+        "embedding), or seen as `view`, varying along one run of axes (a bias per channel)",
         data_parallel=True,
     ),
     OpDef(
@@ -1025,10 +1046,10 @@ define(
     ),
     OpDef(
         Op.ADD_PARAM_GRAD,
-        {},
+        {"view": ()},
         reference=_add_param_grad,
         lower={"tir": _tir("add_param_grad"), "c": "emit:_add_param_grad"},
-        doc="the parameter's gradient: dy summed over the batch, int32",
+        doc="the parameter's gradient: dy summed over the axes it is broadcast along, int32",
         data_parallel=True,
         batch_partial=(0,),
     ),

@@ -153,15 +153,16 @@ def test_add_param_kernels_equal_the_reference(ex: int, ep: int, rounding: str) 
     ctx = RoundCtx(rounding, 3, 1, 8)  # type: ignore[arg-type]
     rng = np.random.default_rng(ex - ep + 100)
     x = rng.integers(-128, 128, (4, 6, 5), dtype=np.int8)
-    p = rng.integers(-128, 128, (1, 6, 5), dtype=np.int8)
-    rows = (4, 30)
     keys = np.array([site_key(ctx, 64, 0), site_key(ctx, 64, 1)], np.int64)
-    kernels = te_transformer.add_param_compaction(rows, 8, rounding == "stochastic", "k")
-    inputs = [x.reshape(rows), _i32(ex), p.reshape(30), _i32(ep), keys]
-    m, e = _fused(kernels, inputs, _key(ctx, 64, 2), rows)
-    want = K.add_broadcast_forward(MX.of(x, ex), MX.of(p, ep), ctx, 64)
-    np.testing.assert_array_equal(m.reshape(x.shape), want.m)
-    assert e == int(want.e)
+    # a positional embedding (1, 6, 5): x as (4, 30, 1); a bias per channel (1, 6, 1): (4, 6, 5)
+    for view, omi in (((1, 6, 5), (4, 30, 1)), ((1, 6, 1), (4, 6, 5))):
+        p = rng.integers(-128, 128, (omi[1],), dtype=np.int8)
+        kernels = te_transformer.add_param_compaction(omi, 8, rounding == "stochastic", "k")
+        inputs = [x.reshape(omi), _i32(ex), p, _i32(ep), keys]
+        m, e = _fused(kernels, inputs, _key(ctx, 64, 2), omi)
+        want = K.add_broadcast_forward(MX.of(x, ex), MX.of(p, ep), ctx, 64, view)
+        np.testing.assert_array_equal(m.reshape(x.shape), want.m)
+        assert e == int(want.e)
 
 
 # ----------------------------------------------------------------------------- models

@@ -38,7 +38,7 @@ SIGS = {
     "mexc_matmul_backward": "v uuuupipipipppppup",
     "mexc_matmul_backward_scratch": "u uuuu",
     "mexc_scale_forward": "i piuFppu",
-    "mexc_add_broadcast_forward": "i pipiuuppu",
+    "mexc_add_broadcast_forward": "i pipiuuuppu",
     "mexc_mean_axis_forward": "i uuupippu",
     "mexc_mean_axis_backward": "i uuupippu",
     "mexc_transpose": "v ppupp",
@@ -258,15 +258,19 @@ def test_scale(lib, value, ci):
 
 @pytest.mark.parametrize("ex,ep", [(-5, -9), (-9, -5), (-6, -6)])
 @pytest.mark.parametrize("ci", range(len(CTXS)))
-def test_add_broadcast(lib, ex, ep, ci):
+@pytest.mark.parametrize(
+    ("view", "omi"), [((1, 16, 8), (3, 128, 1)), ((1, 16, 1), (3, 16, 8)), ((1, 1, 1), (384, 1, 1))]
+)
+def test_add_broadcast(lib, ex, ep, ci, view, omi):
+    """A positional embedding (1, 16, 8), a bias per channel (1, 16, 1) and one for all."""
     ctx = CTXS[ci]
     rng = np.random.default_rng(ci - ex)
     x = MX.of(rng.integers(-127, 128, (3, 16, 8)), ex)
-    p = MX.of(rng.integers(-127, 128, (1, 16, 8)), ep)
-    ref = K.add_broadcast_forward(x, p, ctx, 16)
+    p = MX.of(rng.integers(-127, 128, (int(np.prod(view)),)), ep)
+    ref = K.add_broadcast_forward(x, p, ctx, 16, view)
     y = _out(x.shape)
     got = lib.mexc_add_broadcast_forward(
-        P(i8(x.m)), ex, P(i8(p.m)), ep, 3, 128, P(y), C.byref(ctx_of(ctx)), 16
+        P(i8(x.m)), ex, P(i8(p.m)), ep, *omi, P(y), C.byref(ctx_of(ctx)), 16
     )
     assert got == int(ref.e) and np.array_equal(y, ref.m)
 

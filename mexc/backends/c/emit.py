@@ -26,7 +26,7 @@ from mexc.kernels.elementwise import (
     mul_grad_shift,
 )
 from mexc.kernels.norm import _eps_fixed
-from mexc.kernels.transformer import norm_rows
+from mexc.kernels.transformer import norm_rows, param_view
 from mexc.lowering.te_products import ConvGeom
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import (
@@ -1146,12 +1146,12 @@ def _slice_grad(e: _Emit, n: Node) -> None:
 
 def _add_param(e: _Emit, n: Node) -> None:
     (x, ex), (p, ep) = _x(e, n, 0), _x(e, n, 1)
-    shape = e.shape(n.inputs[0])
+    o, m, i = param_view(n.attrs.view, e.shape(n.inputs[0]), e.shape(n.inputs[1]))
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
     e.emit(
-        f"{ey} = mexc_add_broadcast_forward({x}, {ex}, {p}, {ep}, {shape[0]}u, "
-        f"{_numel(shape[1:])}u, {y}, &ctx, {_tid(n)}u);"
+        f"{ey} = mexc_add_broadcast_forward({x}, {ex}, {p}, {ep}, {o}u, {m}u, {i}u, {y}, "
+        f"&ctx, {_tid(n)}u);"
     )
 
 
@@ -1166,10 +1166,10 @@ def _expand_param(e: _Emit, n: Node) -> None:
 
 def _add_param_grad(e: _Emit, n: Node) -> None:
     dy, ed = _x(e, n, 0)
-    shape = e.shape(n.inputs[0])
+    o, m, i = param_view(n.attrs.view, e.shape(n.inputs[0]), e.shape(n.out))
     dp = e.arena(n.out, "int32_t")
     e.exp[n.out] = ed
-    e.emit(f"mexc_bias_backward({shape[0]}u, {_numel(shape[1:])}u, 1u, {dy}, {dp});")
+    e.emit(f"mexc_bias_backward({o}u, {m}u, {i}u, {dy}, {dp});")
 
 
 def _mean_tokens(e: _Emit, n: Node) -> None:

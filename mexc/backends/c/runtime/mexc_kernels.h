@@ -324,10 +324,11 @@ void mexc_matmul_backward(uint32_t batch, uint32_t m, uint32_t k, uint32_t n, co
 /* y = x s (s = num 2^-shift), compaction site 0 (also the backward, on dy). */
 int32_t mexc_scale_forward(const int8_t *x, int32_t e, uint32_t n, mexc_fixed_t s, int8_t *y,
                            const mexc_ctx_t *ctx, uint32_t tid);
-/* y = x + p, x (batch, per), p (1, per): sites 0 (x), 1 (p, index = its own), 2 compaction.
- * The parameter gradient is mexc_bias_backward(batch, per, 1, dy, dp). */
+/* y = x + p, x seen as (outer, mid, inner), p as (mid,) (a positional embedding: (batch,
+ * per, 1); a bias per channel: (N, C, H W)): sites 0 (x), 1 (p, index = its own), 2
+ * compaction. The parameter gradient is mexc_bias_backward(outer, mid, inner, dy, dp). */
 int32_t mexc_add_broadcast_forward(const int8_t *x, int32_t ex, const int8_t *p, int32_t ep,
-                                   uint32_t batch, uint32_t per, int8_t *y,
+                                   uint32_t outer, uint32_t mid, uint32_t inner, int8_t *y,
                                    const mexc_ctx_t *ctx, uint32_t tid);
 /* y = x.transpose(perm) (C order), ndim <= MEXC_MAX_DIMS; exponent unchanged. */
 void mexc_transpose(const int8_t *x, int8_t *y, uint32_t ndim, const uint32_t *shape,

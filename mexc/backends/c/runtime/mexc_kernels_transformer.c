@@ -508,12 +508,12 @@ int32_t mexc_scale_forward(const int8_t *x, int32_t e, uint32_t n, mexc_fixed_t 
 /* ------------------------------------------------------------------ broadcast add */
 
 int32_t mexc_add_broadcast_forward(const int8_t *x, int32_t ex, const int8_t *p, int32_t ep,
-                                   uint32_t batch, uint32_t per, int8_t *y,
+                                   uint32_t outer, uint32_t mid, uint32_t inner, int8_t *y,
                                    const mexc_ctx_t *ctx, uint32_t tid)
 {
     const uint32_t k0 = mexc_site_key(ctx, tid, 0), k1 = mexc_site_key(ctx, tid, 1);
     int32_t e[2], b[2], t, e_out = 0;
-    uint32_t bb, i, idx;
+    uint32_t o, m, i, idx;
     mexc_sink_t sink;
     e[0] = ex;
     e[1] = ep;
@@ -523,11 +523,12 @@ int32_t mexc_add_broadcast_forward(const int8_t *x, int32_t ex, const int8_t *p,
     mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 2), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
         if (sink.pass == 1) e_out = mexc_sink_finish(&sink, t);
-        for (idx = 0, bb = 0; bb < batch; bb++)
-            for (i = 0; i < per; i++, idx++)
-                mexc_sink_put(&sink, idx, 0u,
-                              mexc_shift_signed(x[idx], t - ex, ctx->stochastic, k0, idx) +
-                                  mexc_shift_signed(p[i], t - ep, ctx->stochastic, k1, i));
+        for (idx = 0, o = 0; o < outer; o++)
+            for (m = 0; m < mid; m++)
+                for (i = 0; i < inner; i++, idx++)
+                    mexc_sink_put(&sink, idx, 0u,
+                                  mexc_shift_signed(x[idx], t - ex, ctx->stochastic, k0, idx) +
+                                      mexc_shift_signed(p[m], t - ep, ctx->stochastic, k1, m));
     }
     return e_out;
 }
