@@ -20,6 +20,7 @@ from mexc.ops.common import (
     unary_module,
 )
 from mexc.ops.registry import OpDef, Pattern, define
+from mexc.ops.tensor import scaled
 
 
 def _relu_vjp(w: Any, n: Node, dys: Grads) -> Grads:
@@ -236,7 +237,7 @@ def _relu_plus_offset(
     offset = c.emit_as(Op.ACTIVATION_OFFSET, [xv], shape, fn=fn, params=params)
     if scale is None:
         return c.emit(Op.ADD, [relu, offset], n)
-    return c.emit(Op.SCALE, [c.emit_as(Op.ADD, [relu, offset], shape)], n, value=scale)
+    return scaled(c, c.emit_as(Op.ADD, [relu, offset], shape), shape, scale)
 
 
 def _args(n: Any, names: tuple[str, ...]) -> dict[str, Any]:

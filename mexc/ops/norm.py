@@ -12,7 +12,7 @@ from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import Grads, mx_like, static_int, static_value, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_result, as_rows_2d
+from mexc.ops.tensor import as_result, as_rows_2d, reshaped
 from mexc.types import Exp, Kind, TensorType, acc, mx
 
 
@@ -244,10 +244,17 @@ def _layernorm_function(c: Any, n: Any) -> Value:
 def _groupnorm(c: Any, n: Any, x: Any, groups: Any, affine: list[Value], eps: Any) -> Value:
     """GroupNorm as LayerNorm over rows (sample, group) of C/G x P elements, with the affine
     per channel (`groups`, `per` = P: kernels.layernorm_forward)."""
-    shape = c.shape(x)
+    shape = tuple(c.shape(x))
     per = int(np.prod(shape[2:]))  # 1 for (N, C)
     if per * int(shape[1]) // int(groups) < 2:
         raise UnsupportedOpError(c.describe(n, "normalizes groups of one element"))
+    if per == 1 and len(shape) > 2:
+        # (N, C, 1, 1) as (N, C): groups = per = 1 would otherwise read as a LayerNorm over
+        # the last axis, of one element
+        flat = reshaped(c, c.arg(x), shape[:2])
+        attrs = {"eps": float(eps), "groups": int(groups), "per": 1}
+        y = c.emit_as(Op.LAYERNORM, [flat, *affine], shape[:2], **attrs)
+        return as_result(c, n, y)
     return c.emit(Op.LAYERNORM, [c.arg(x), *affine], n, eps=float(eps), groups=int(groups), per=per)
 
 

@@ -24,7 +24,7 @@ from mexc.ops.common import (
 )
 from mexc.ops.dense import single
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import as_result, as_rows_2d, reshaped, transposed
+from mexc.ops.tensor import as_result, as_rows_2d, reshaped, scaled, transposed
 from mexc.types import mx
 
 _POOL: dict[str, Any] = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}
@@ -118,37 +118,69 @@ def _pool(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: 
         max((o - 1) * st + kk - (size + 2 * pp), 0)
         for o, st, kk, size, pp in zip((oh, ow), s, k, (h, w), p)
     )
-    _check_pool(c, n, op, p, extra, opts)
+    _check_pool(c, n, op, opts)
     if op is Op.MAXPOOL2D:
         return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p, extra=extra)
-    return c.emit(op, [c.arg(n.args[0])], n, kernel=k, stride=s, padding=p)
+    shape = tuple(c.shape(n.args[0]))
+    return _average(c, n, c.arg(n.args[0]), shape, (k, s, p, extra), opts, tuple(c.shape(n)))
 
 
-def _check_pool(c: Any, n: Any, op: Op, p: tuple, extra: tuple, opts: dict) -> None:
-    """What a max or average pool lowers: no indices returned; an average pool with no
-    ceil_mode window past the input, its padding counted, no divisor override."""
-    if op is Op.MAXPOOL2D:
-        if opts.get("return_indices"):
-            raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
-        return
-    if extra != (0, 0):
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                "is an average pool whose ceil_mode windows reach past the input (their "
-                "divisors differ); pad the input or use ceil_mode=False",
-            )
-        )
-    if p != (0, 0) and not opts.get("count_include_pad", True):
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                "averages padded windows without counting the padding; use "
-                "count_include_pad=True or padding=0",
-            )
-        )
-    if opts.get("divisor_override") is not None:
-        raise UnsupportedOpError(c.describe(n, "uses divisor_override"))
+def _check_pool(c: Any, n: Any, op: Op, opts: dict) -> None:
+    """A max pool returns no indices."""
+    if op is Op.MAXPOOL2D and opts.get("return_indices"):
+        raise UnsupportedOpError(c.describe(n, "returns indices; use return_indices=False"))
+
+
+def torch_divisors(
+    size: tuple[int, int], geometry: tuple, include_pad: bool, out: tuple[int, int]
+) -> np.ndarray:
+    """The divisor of every output window of torch's avg_pool2d (its CPU kernel's formula):
+    the window clipped to the padded input (never to ceil_mode's overhang), and to the input
+    itself where the padding is not counted."""
+    k, s, p, _ = geometry
+    per_axis = []
+    for axis in range(2):
+        starts = np.arange(out[axis]) * s[axis] - p[axis]
+        ends = np.minimum(starts + k[axis], size[axis] + p[axis])
+        if include_pad:
+            per_axis.append(ends - starts)
+        else:
+            per_axis.append(np.minimum(ends, size[axis]) - np.maximum(starts, 0))
+    return np.outer(per_axis[0], per_axis[1])
+
+
+def _average(
+    c: Any, n: Any, v: Value, shape: tuple, geometry: tuple, opts: dict, out: tuple
+) -> Value:
+    """An average pool as torch computes it: the avgpool2d op (sum / kh kw, zero padding;
+    ceil_mode's overhang as zeros padded below and right first), then, where torch divides
+    some windows by fewer elements (count_include_pad=False at the borders, ceil_mode windows
+    past the input) or by divisor_override, a multiplication by kh kw / divisor: a constant
+    map (1, 1, OH, OW) the compiler never trains, or a scale when it is one number. The
+    ratios of a 3 x 3 window are 1, 1.5 and 2.25, exact in int8 (at 2^-5)."""
+    k, s, p, extra = geometry
+    b, ch, h, w = shape
+    for dim, more in ((2, extra[0]), (3, extra[1])):
+        if more:
+            size = list(shape)
+            inner = size[dim]
+            size[dim] += more
+            shape = tuple(size)
+            v = c.emit_as(Op.PAD, [v], shape, dim=dim, start=0, stop=inner)
+    y = c.emit_as(Op.AVGPOOL2D, [v], out, kernel=k, stride=s, padding=p)
+    override = opts.get("divisor_override")
+    if override is not None:
+        divisors = np.full(out[2:], float(override))
+    else:
+        include = bool(opts.get("count_include_pad", True))
+        divisors = torch_divisors((h, w), geometry, include, out[2:]).astype(np.float64)
+    ratio = (k[0] * k[1]) / divisors
+    if np.all(ratio == 1.0):
+        return y
+    if np.all(ratio == ratio.flat[0]):
+        return scaled(c, y, out, float(ratio.flat[0]))
+    factor = c.constant(f"{n.name}.divisors", ratio.reshape(out[2:]), "scale")
+    return c.emit_as(Op.MUL, [y, factor], out, view=(1, 1, *out[2:]))
 
 
 _OPTIONS = ("ceil_mode", "count_include_pad", "divisor_override", "dilation", "return_indices")
@@ -250,11 +282,15 @@ def _pool1d(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts
     b, ch, length = c.shape(x)
     out = c.shape(n)[-1]
     extra = (0, max((out - 1) * s + k - (length + 2 * p), 0))
-    _check_pool(c, n, op, (0, p), extra, opts)
-    geometry: dict[str, Any] = {"kernel": (1, k), "stride": (1, s), "padding": (0, p)}
-    if op is Op.MAXPOOL2D:
-        geometry["extra"] = extra
-    y = c.emit_as(op, [as_rows_2d(c, x)], (b, ch, 1, out), **geometry)
+    _check_pool(c, n, op, opts)
+    rows = as_rows_2d(c, x)
+    if op is Op.AVGPOOL2D:
+        geometry = ((1, k), (1, s), (0, p), extra)
+        y = _average(c, n, rows, (b, ch, 1, length), geometry, opts, (b, ch, 1, out))
+        return as_result(c, n, y)
+    y = c.emit_as(
+        op, [rows], (b, ch, 1, out), kernel=(1, k), stride=(1, s), padding=(0, p), extra=extra
+    )
     return as_result(c, n, y)
 
 

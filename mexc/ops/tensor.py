@@ -368,6 +368,11 @@ def reshaped(c: Any, v: Value, shape: tuple[int, ...]) -> Value:
     return c.emit_as(Op.RESHAPE, [v], shape, shape=shape)
 
 
+def scaled(c: Any, v: Value, shape: tuple[int, ...], value: float) -> Value:
+    """v times a host constant (a step of a decomposition: SELU's lambda, a divisor ratio)."""
+    return c.emit_as(Op.SCALE, [v], shape, value=float(value))
+
+
 def transposed(c: Any, v: Value, shape: tuple[int, ...], perm: tuple[int, ...]) -> Value:
     """v (of `shape`) with its axes permuted (a step of a decomposition)."""
     return c.emit_as(Op.TRANSPOSE, [v], tuple(shape[a] for a in perm), perm=perm)
