@@ -227,9 +227,8 @@ def _add_tensors(c: Any, n: Any) -> Value:
                 break  # 0 broadcast wider than the tensor: refused below
             return c.arg(other)
     if not c.is_node(a) or not c.is_node(b):
-        raise UnsupportedOpError(
-            c.describe(n, "adds a constant; only tensor + tensor is supported")
-        )
+        x, k = (a, b) if c.is_node(a) else (b, a)
+        return _add_number(c, n, c.arg(x), tuple(c.shape(x)), k)
     if n.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
     out = tuple(c.shape(n))
@@ -474,9 +473,25 @@ def _scale_by(c: Any, n: Any, divide: bool) -> Value:
     return c.emit(Op.SCALE, [c.arg(x)], n, value=float(k))
 
 
+def _add_number(c: Any, n: Any, v: Value, shape: tuple[int, ...], k: Any) -> Value:
+    """v + a Python number: add_param of a constant [1] (seen as (1, ..., 1)), which the
+    compiler never trains: the number is held as an int8 mantissa at its own exponent, so a
+    dyadic one (0.5, 1, 3) is exact and another is rounded to 7 significant bits (0.1 as
+    0.0996)."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or not math.isfinite(k):
+        raise UnsupportedOpError(c.describe(n, f"adds {k!r}; mexc adds finite numbers"))
+    if tuple(c.shape(n)) != shape:
+        raise UnsupportedOpError(c.describe(n, "adds a number that broadcasts the tensor wider"))
+    if k == 0:
+        return v
+    const = c.constant(f"{n.name}.constant", np.full((1,), float(k)), "bias")
+    return c.emit(Op.ADD_PARAM, [v, const], n, view=(1,) * len(shape))
+
+
 def _sub(c: Any, n: Any) -> Value:
     """a - b: a + (-1) b, the negation a scale by -1 (exact but for a mantissa of -128, which
-    the scale's compaction rounds); a - 0 and 0 - b as themselves and -b."""
+    the scale's compaction rounds); a - 0 and 0 - b as themselves and -b; a number as in
+    _add_number (x - k, k - x)."""
     args = dict(zip(("input", "other", "alpha"), n.args)) | dict(n.kwargs)
     a, b = args["input"], args["other"]
     if args.get("alpha", 1) != 1:
@@ -485,16 +500,16 @@ def _sub(c: Any, n: Any) -> Value:
         return c.arg(a)
     if not (c.is_node(a) or c.is_node(b)):
         raise UnsupportedOpError(c.describe(n, "subtracts numbers"))
-    if not c.is_node(a):
-        if a != 0:
-            raise UnsupportedOpError(
-                c.describe(n, "subtracts from a constant; mexc takes tensor - tensor")
-            )
-        return c.emit(Op.SCALE, [c.arg(b)], n, value=-1.0)
-    if not c.is_node(b):
-        raise UnsupportedOpError(c.describe(n, "subtracts a constant; mexc takes tensor - tensor"))
+    if not c.is_node(b):  # x - k = x + (-k)
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise UnsupportedOpError(c.describe(n, f"subtracts {b!r}"))
+        return _add_number(c, n, c.arg(a), tuple(c.shape(a)), -b)
     shape_b = tuple(c.shape(b))
-    negated = c.emit_as(Op.SCALE, [c.arg(b)], shape_b, value=-1.0)
+    if not c.is_node(a):  # k - x = -x + k
+        if a == 0:
+            return c.emit(Op.SCALE, [c.arg(b)], n, value=-1.0)
+        return _add_number(c, n, scaled(c, c.arg(b), shape_b, -1.0), shape_b, a)
+    negated = scaled(c, c.arg(b), shape_b, -1.0)
     out, shape_a = tuple(c.shape(n)), tuple(c.shape(a))
     if shape_a != shape_b:
         if not (_broadcastable(shape_a, out) and _broadcastable(shape_b, out)):
