@@ -22,7 +22,7 @@ from mexc.printer import print_graph
 from mexc.program import Options, Program
 from mexc.targets import get as get_target
 from mexc.targets import refuse_data_parallel_target
-from mexc.trainable import TrainableSpec, resolve_trainable
+from mexc.trainable import TrainableError, TrainableSpec, resolve_trainable
 from mexc.types import Exp
 
 
@@ -45,16 +45,19 @@ def initial_state(
     buffers: dict[str, np.ndarray],
     bits: int,
     channels: bool = False,
+    constants: frozenset[str] = frozenset(),
 ) -> dict[str, MX]:
     """Quantize parameters and buffers once (host boundary); velocities start at zero with
     exponent 0, AdamW's moments at zero with exponent MOMENT_EXP0 (docs/numerics.md §12b).
-    `channels`: each parameter row gets its own B-bit exponent in the tensor's int8 frame."""
+    `channels`: each parameter row gets its own B-bit exponent in the tensor's int8 frame.
+    The frontend's `constants` (never trained) keep the whole int8 container, whatever B: a
+    divisor ratio of 2.25 stays exact at B = 4."""
     state: dict[str, MX] = {}
     for n in graph.nodes_of(Op.PARAM, Op.STATE):
         name = str(n.attrs.name)
         if n.op is Op.PARAM:
-            p = params[name]
-            state[name] = quantize_channels(p, bits) if channels else quantize(p, bits)
+            p, b = params[name], 8 if name in constants else bits
+            state[name] = quantize_channels(p, b) if channels else quantize(p, b)
         elif n.attrs.role in ZERO_START:
             groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
             e0 = ZERO_START[str(n.attrs.role)]
@@ -120,6 +123,12 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     trains = resolve_trainable(trainable, front.graph)
     if front.constants:  # the frontend's own ones and zeros stay as they are
         trains = (trains if trains is not None else frozenset(front.params)) - front.constants
+        if not trains:
+            raise TrainableError(
+                f"trainable={trainable!r} selects only constants mexc made for the model "
+                f"({', '.join(sorted(front.constants))}), which are never trained; name "
+                "parameters of the model"
+            )
     ctx = PassContext(
         trainable=trains,
         bits=bits,
@@ -135,7 +144,9 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     )
     pm = PassManager(PIPELINE, [*instruments, *instruments_from_env()], verify_each=verify_each)
     graph = pm.run(front.graph, ctx)
-    state = initial_state(graph, front.params, front.buffers, bits, channel_exponents)
+    state = initial_state(
+        graph, front.params, front.buffers, bits, channel_exponents, front.constants
+    )
     opts = Options(bits, seed, rounding, per_group_velocity, target, channel_exponents)
     if workers is not None:
         agree_on_program(workers, print_graph(graph))

@@ -78,9 +78,14 @@ class _Ctx:
         return self.param_values[name]
 
     def constant(self, name: str, value: np.ndarray, role: str) -> Value:
-        """A parameter the model does not have, held at `value` and never trained."""
-        self.constants.add(name)
-        return self.param(name, torch.from_numpy(np.asarray(value, np.float32)), role)
+        """A parameter the model does not have, held at `value` and never trained, named
+        "mexc.<name>" (no module path starts so; a suffix where another constant has it)."""
+        name = f"mexc.{name}"
+        unique, k = name, 1
+        while unique in self.param_values:
+            unique, k = f"{name}_{k}", k + 1
+        self.constants.add(unique)
+        return self.param(unique, torch.from_numpy(np.asarray(value, np.float32)), role)
 
     def state(self, name: str, tensor: torch.Tensor, role: str, owner: str) -> Value:
         arr = tensor.detach().cpu().numpy().astype(np.float32)

@@ -90,10 +90,8 @@ def clamp_bound(v: float) -> tuple[int, int]:
     bounds such as 0, 1, 6 or 0.5), signed."""
     if not math.isfinite(v) or abs(v) >= CLAMP_MAX_BOUND:
         raise ValueError(f"clamp bound must be finite and below 2^15 in magnitude: {v}")
-    if v == 0:
-        return 0, 0
-    f = FixedScalar.of(abs(v))
-    return (-f.num if v < 0 else f.num), f.shift
+    f = FixedScalar.signed(v)
+    return f.num, f.shift
 
 
 def bound_mantissa(bound: tuple[int, int], e: int, ceil: bool) -> int:

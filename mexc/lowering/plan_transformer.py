@@ -153,8 +153,9 @@ class TransformerRules(PlanBuilder):
         kernels = te_transformer.add_param_compaction(
             view, self.bits, self.stochastic, f"n{n.id}_add_param", self.agreed_slot
         )
-        xm, pm = self.view(self.m[x], view), self.view(self.m[p], (view[1],))
-        out = self.view(self.out(n, 0, I8), view)
+        rows = (view[0], view[1] * view[2])
+        xm, pm = self.view(self.m[x], rows), self.view(self.m[p], (view[1],))
+        out = self.view(self.out(n, 0, I8), rows)
         self.compact_unstored(n, 2, kernels, (xm, self.e[x], pm, self.e[p], keys), out)
 
     def expand_param(self, n: Node) -> None:

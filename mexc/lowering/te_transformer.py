@@ -102,15 +102,16 @@ def scale_compaction(
 
 
 def add_param_compaction(
-    shape: tuple[int, int, int], bits: int, stochastic: bool, name: str, agreed: int = 0
+    view: tuple[int, int, int], bits: int, stochastic: bool, name: str, agreed: int = 0
 ) -> Kernels:
     """kernels.transformer.add_broadcast_forward on x seen as (O, M, I) and p as (M,) (the
-    parameter varies along the middle axis: (B, P, 1) for a positional embedding): aligned_sum
-    of (x, e_x, 7) (key 0, x's flat index) and (p, e_p, 7) (key 1, p's own flat index),
-    compacted without being stored. Parameters of both kernels start (x, e_x, p, e_p, keys
-    int64[2])."""
-    _, mid, _ = shape
-    x = te.placeholder(shape, I8, name="x")
+    parameter varies along the middle axis: (B, P, 1) for a positional embedding), over the
+    rows (O, M I), p's index j // I: aligned_sum of (x, e_x, 7) (key 0, x's flat index) and
+    (p, e_p, 7) (key 1, p's own flat index), compacted without being stored. Parameters of
+    both kernels start (x, e_x, p, e_p, keys int64[2])."""
+    outer, mid, inner = view
+    rows = (outer, mid * inner)
+    x = te.placeholder(rows, I8, name="x")
     e_x = te.placeholder((1,), I32, name="e_x")
     p = te.placeholder((mid,), I8, name="p")
     e_p = te.placeholder((1,), I32, name="e_p")
@@ -119,10 +120,11 @@ def add_param_compaction(
     # the target is at least max(e) + 7 + 2 - 31: left shifts of at most 22 bits (int32 lanes)
     left_limit = 22
 
-    def value(o: tirx.PrimExpr, m: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
-        flat = _flat_index(shape, (o, m, i))
+    def value(b: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(rows, (b, j))
+        m = j if inner == 1 else j // inner
         xa = shift_signed32(
-            x[o, m, i].astype(I32), target[0] - e_x[0], keys[0], flat, stochastic, left_limit
+            x[b, j].astype(I32), target[0] - e_x[0], keys[0], flat, stochastic, left_limit
         )
         pa = shift_signed32(
             p[m].astype(I32), target[0] - e_p[0], keys[1], m.astype(I64), stochastic, left_limit
@@ -130,7 +132,7 @@ def add_param_compaction(
         return xa + pa
 
     inputs = [x, e_x, p, e_p, keys]
-    return fused_compaction(shape, inputs, target, value, bits, stochastic, name, agreed)
+    return fused_compaction(rows, inputs, target, value, bits, stochastic, name, agreed)
 
 
 def token_sum(shape: tuple[int, int, int], left: int, name: str) -> tirx.PrimFunc:

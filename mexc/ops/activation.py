@@ -4,6 +4,7 @@ their gradients."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mexc import kernels as K
@@ -278,7 +279,12 @@ def _selu_function(c: Any, n: Any) -> Value:
 
 
 def _softplus_params(c: Any, n: Any, beta: Any, threshold: Any) -> tuple[float, float]:
-    if c.is_node(threshold) or not isinstance(threshold, (int, float)) or threshold <= 0:
+    if (
+        c.is_node(threshold)
+        or not isinstance(threshold, (int, float))
+        or not math.isfinite(threshold)
+        or threshold <= 0
+    ):
         raise UnsupportedOpError(
             c.describe(n, f"has threshold {threshold!r}; mexc takes a positive constant")
         )

@@ -8,7 +8,14 @@ from typing import Any
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
-from mexc.ops.common import Grads, elementwise_types, pointwise_vjp, static_int, tid
+from mexc.ops.common import (
+    Grads,
+    elementwise_types,
+    pointwise_vjp,
+    static_int,
+    static_value,
+    tid,
+)
 from mexc.ops.dense import CAP
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import transposed
@@ -137,7 +144,7 @@ def _sdpa(c: Any, n: Any) -> Value:
                 "need one feature size, k and v one number of tokens",
             )  # fmt: skip
         )
-    scale = args.get("scale") or 1.0 / math.sqrt(qs[-1])
+    scale = static_value(args.get("scale")) or 1.0 / math.sqrt(qs[-1])
     q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
     dropout = float(args.get("dropout_p") or 0.0)
     return _attention(c, q, k, v, (qs, ks, vs), float(scale), dropout)

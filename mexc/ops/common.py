@@ -128,6 +128,8 @@ def static_int(v: Any) -> int:
     from mexc.errors import UnsupportedOpError
 
     value = static_value(v)
+    if isinstance(value, (np.integer, np.floating)):
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UnsupportedOpError(
             f"expected a constant integer, got {v!r}, computed from tensor values; mexc "

@@ -8,7 +8,17 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
-from mexc.ops.common import Grads, mx_like, pair, pass_through, rows, shape, tid
+from mexc.ops.common import (
+    Grads,
+    mx_like,
+    pair,
+    pass_through,
+    rows,
+    shape,
+    static_int,
+    static_value,
+    tid,
+)
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import as_result, as_rows_2d, padded
 from mexc.types import acc, mx
@@ -159,26 +169,29 @@ def _linear_grad_weight_k(n: Node, t: Any) -> int:
 # ----------------------------------------------------------------------------- frontend
 
 
-def _conv_input(c: Any, n: Any, m: Any, x: Any) -> tuple[Value, tuple[int, int]]:
-    """The convolution's input and the zero padding its op applies: padding="same" / "valid"
-    as numbers, and the padding modes reflect, replicate and circular (or an uneven "same") as
-    padding ops before it (ops.tensor.padded, with torch's own pad amounts)."""
-    xv = c.arg(x)
+def _conv_input(
+    c: Any, n: Any, m: Any, xv: Value, shape: tuple[int, ...]
+) -> tuple[Value, tuple[int, int]]:
+    """The input (xv, of `shape`: (N, C, H, W), a Conv1d's as (N, C, 1, L)) of a convolution
+    module m and the zero padding its op applies: padding="same" / "valid" as numbers, and the
+    padding modes reflect, replicate and circular (or an uneven "same") as padding ops before
+    it (ops.tensor.padded, with torch's own pad amounts, last axis first)."""
     mode = "constant" if m.padding_mode == "zeros" else str(m.padding_mode)
     if m.padding == "valid":
         return xv, (0, 0)
     if m.padding != "same" and mode == "constant":
-        return xv, pair(m.padding)
-    pads = [int(p) for p in m._reversed_padding_repeated_twice]  # F.pad's order
+        given = tuple(static_int(p) for p in m.padding)  # (p,) for Conv1d, (ph, pw)
+        return xv, (0, given[0]) if len(given) == 1 else (given[0], given[1])
+    pads = [int(p) for p in m._reversed_padding_repeated_twice]
     if mode == "constant" and pads[0::2] == pads[1::2]:
         return xv, (pads[2], pads[0]) if len(pads) == 4 else (0, pads[0])
-    return padded(c, n, xv, c.shape(x), pads, mode), (0, 0)
+    return padded(c, n, xv, shape, pads, mode), (0, 0)
 
 
 def _conv_module(c: Any, n: Any, m: Any) -> Value:
     if m.dilation not in ((1, 1), 1):
         raise UnsupportedOpError(c.describe(n, "uses dilation"))
-    x, padding = _conv_input(c, n, m, n.args[0])
+    x, padding = _conv_input(c, n, m, c.arg(n.args[0]), tuple(c.shape(n.args[0])))
     ins = [x, c.param(f"{n.target}.weight", m.weight, "weight")]
     if m.bias is not None:
         ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
@@ -218,9 +231,10 @@ def _conv_function(c: Any, n: Any) -> Value:
 
 def single(v: Any, what: str) -> int:
     """The one int of a 1-D layer's stride, padding or kernel (an int or a 1-tuple)."""
+    v = static_value(v)
     if isinstance(v, str):
         raise UnsupportedOpError(f"string {what} {v!r} is not supported; give an integer")
-    return int(v if isinstance(v, int) else v[0])
+    return static_int(v if isinstance(v, int) else v[0])
 
 
 def _conv1d(
@@ -240,21 +254,17 @@ def _conv1d(
         raise UnsupportedOpError(c.describe(n, "convolves an unbatched input; give it (N, C, L)"))
     b, o, out = c.shape(n)
     rows = as_rows_2d(c, x)
-    if module is not None and (module.padding_mode != "zeros" or isinstance(padding, str)):
-        mode = "constant" if module.padding_mode == "zeros" else str(module.padding_mode)
-        pads = [0, 0] if padding == "valid" else list(module._reversed_padding_repeated_twice)
-        if mode == "constant" and pads[0] == pads[1]:
-            padding = pads[0]
-        else:
-            n_, ch, length = c.shape(x)
-            rows, padding = padded(c, n, rows, (n_, ch, 1, length), pads, mode), 0
+    pad2d = (0, single(padding, "padding")) if module is None else (0, 0)
+    if module is not None:
+        n_, ch, length = c.shape(x)
+        rows, pad2d = _conv_input(c, n, module, rows, (n_, ch, 1, length))
     ins = [rows, weight] + ([bias] if bias is not None else [])
     y = c.emit_as(
         Op.CONV2D,
         ins,
         (b, o, 1, out),
         stride=(1, single(stride, "stride")),
-        padding=(0, single(padding, "padding")),
+        padding=pad2d,
         groups=int(groups),
         has_bias=bias is not None,
     )

@@ -253,6 +253,8 @@ def _add_any(c: Any, n: Any) -> Value:
     [1, C, 1, 1] per channel, [C] channels-last, [1] for all: a learnable bias or shift such
     as MetaFormer's StarReLU and HGNetV2's affine blocks), possibly seen through a reshape."""
     a, b = n.args[0], n.args[1]
+    if n.kwargs.get("alpha", 1) != 1:
+        raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
     param = lambda v: c.is_param(v) or c.param_view(v) is not None  # noqa: E731
     if param(b) and not param(a):
         a, b = b, a
@@ -276,10 +278,11 @@ def _add_any(c: Any, n: Any) -> Value:
                 "([1, ...] of its per-sample shape, [C, 1, 1], [C], [1])",
             )
         )
+    if view is None and seen == shape and seen[1:] == x_shape[1:]:  # a positional embedding
+        return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(a, "embedding")], n)
+    role = "embedding" if seen[1:] == x_shape[1:] else "bias"
     source = view.source if view is not None else a
-    if seen == shape and seen[1:] == x_shape[1:]:  # a positional embedding, as it was
-        return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(source, "embedding")], n)
-    return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(source, "bias")], n, view=seen)
+    return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(source, role)], n, view=seen)
 
 
 def _concat_tensors(c: Any, n: Any) -> Value:
@@ -324,7 +327,7 @@ def broadcast(c: Any, n: Any, v: Value, src: tuple[int, ...], dst: tuple[int, ..
     shape. The upsampling's gradient sums each block of copies, which is the broadcast's.
     Squeeze-and-excitation gates ([N, C, 1, 1]) broadcast inside mul itself; this serves the
     others: spatial gates [N, 1, H, W] (CBAM, FocalNet), global-context sums, expand_as."""
-    if len(src) != len(dst) or src[0] != dst[0] or any(a not in (1, b) for a, b in zip(src, dst)):
+    if not _broadcastable(src, dst):
         raise UnsupportedOpError(
             c.describe(
                 n,
@@ -717,7 +720,12 @@ def padded(
         if mode == "constant":
             v = c.emit_as(Op.PAD, [v], tuple(shape), dim=dim, start=before, stop=before + inner)
             continue
-        # torch has checked the widths (reflect: < rows, circular: <= rows) on the example
+        # torch has checked the widths against the input (reflect: < rows, circular: <=
+        # rows); a crop on the other side can leave fewer (torch then reads rows it cropped)
+        if max(before, after) > (inner - 1 if mode == "reflect" else inner):
+            raise UnsupportedOpError(
+                c.describe(n, f"pads {pads} in mode {mode!r}, more rows than the crop leaves")
+            )
         pieces = [*_copied_rows(mode, inner, before, True), None]
         pieces += _copied_rows(mode, inner, after, False)
 
@@ -751,17 +759,18 @@ def _pad_function(c: Any, n: Any) -> Value:
     return _pad(c, n, args["input"], args["pad"], args.get("mode", "constant"), args.get("value"))
 
 
-def _pad_module(c: Any, n: Any, m: Any) -> Value:
-    name = type(m).__name__
-    mode = next((k for p, k in _PAD_MODULE_MODES if name.startswith(p)), "constant")
-    return _pad(c, n, n.args[0], m.padding, mode, getattr(m, "value", 0))
-
-
+# the padding modules' modes, by their class names' prefixes (ZeroPad, ConstantPad: constant)
 _PAD_MODULE_MODES = (
     ("Reflection", "reflect"),
     ("Replication", "replicate"),
     ("Circular", "circular"),
 )
+
+
+def _pad_module(c: Any, n: Any, m: Any) -> Value:
+    name = type(m).__name__
+    mode = next((k for p, k in _PAD_MODULE_MODES if name.startswith(p)), "constant")
+    return _pad(c, n, n.args[0], m.padding, mode, getattr(m, "value", 0))
 
 
 def _transpose_two(c: Any, n: Any) -> Value:

