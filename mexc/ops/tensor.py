@@ -260,9 +260,14 @@ def _add_any(c: Any, n: Any) -> Value:
         a, b = b, a
     if not (param(a) and c.is_node(b) and not param(b)):
         return _add_tensors(c, n)
-    view = c.param_view(a)
-    shape = tuple(view.shape) if view is not None else tuple(c.shape(a))
-    x_shape = tuple(c.shape(b))
+    return _add_parameter(c, n, a, c.arg(b), tuple(c.shape(b)))
+
+
+def _param_seen(c: Any, n: Any, p: Any, x_shape: tuple[int, ...], what: str) -> tuple:
+    """(the shape parameter p is seen as over an activation of x_shape, right-aligned, and
+    its ParamView or None), refused unless it varies along one run of non-batch axes."""
+    view = c.param_view(p)
+    shape = tuple(view.shape) if view is not None else tuple(c.shape(p))
     seen = (1,) * (len(x_shape) - len(shape)) + shape
     if (
         len(seen) != len(x_shape)
@@ -273,16 +278,54 @@ def _add_any(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"adds a parameter seen as {list(shape)} to {list(x_shape)}; mexc adds "
+                f"{what} a parameter seen as {list(shape)} and {list(x_shape)}; mexc takes "
                 "parameters that vary along one run of the activation's non-batch axes "
                 "([1, ...] of its per-sample shape, [C, 1, 1], [C], [1])",
             )
         )
-    if view is None and seen == shape and seen[1:] == x_shape[1:]:  # a positional embedding
-        return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(a, "embedding")], n)
+    return seen, view
+
+
+def _add_parameter(c: Any, n: Any, p: Any, xv: Value, x_shape: tuple[int, ...]) -> Value:
+    """xv + the parameter p (a get_attr or a ParamView), n's result."""
+    seen, view = _param_seen(c, n, p, x_shape, "adds")
+    if view is None and seen == tuple(c.shape(p)) and seen[1:] == x_shape[1:]:
+        return c.emit(Op.ADD_PARAM, [xv, c.get_param(p, "embedding")], n)  # a position
     role = "embedding" if seen[1:] == x_shape[1:] else "bias"
-    source = view.source if view is not None else a
-    return c.emit(Op.ADD_PARAM, [c.arg(b), c.get_param(source, role)], n, view=seen)
+    source = view.source if view is not None else p
+    return c.emit(Op.ADD_PARAM, [xv, c.get_param(source, role)], n, view=seen)
+
+
+def _addcmul(c: Any, n: Any) -> Value:
+    """torch.addcmul(input, t1, t2, value): input + value t1 t2, with t1 or t2 a parameter
+    broadcast over the other (ResMLP's affine layers: beta + alpha x) or both activations of
+    one shape, and input a parameter (add_param) or an activation of the result's shape."""
+    args = dict(zip(("input", "tensor1", "tensor2"), n.args)) | dict(n.kwargs)
+    base, t1, t2 = args["input"], args["tensor1"], args["tensor2"]
+    out = tuple(c.shape(n))
+    param = lambda v: c.is_param(v) or c.param_view(v) is not None  # noqa: E731
+    if param(t1):
+        t1, t2 = t2, t1
+    if param(t1) or not c.is_node(t1) or tuple(c.shape(t1)) != out:
+        raise UnsupportedOpError(
+            c.describe(n, "multiplies two parameters, or broadcasts an activation")
+        )
+    if param(t2):
+        seen, view = _param_seen(c, n, t2, out, "multiplies")
+        g = c.get_param(view.source if view is not None else t2, "scale")
+        product = c.emit_as(Op.MUL, [c.arg(t1), g], out, view=seen)
+    elif tuple(c.shape(t2)) == out:
+        product = c.emit_as(Op.MUL, [c.arg(t1), c.arg(t2)], out)
+    else:
+        raise UnsupportedOpError(c.describe(n, "multiplies tensors of different shapes"))
+    k = static_value(args.get("value", 1))
+    if k != 1:
+        product = scaled(c, product, out, float(k))
+    if param(base):
+        return _add_parameter(c, n, base, product, out)
+    if not c.is_node(base) or tuple(c.shape(base)) != out:
+        raise UnsupportedOpError(c.describe(n, "adds a product to a tensor of another shape"))
+    return c.emit(Op.ADD, [c.arg(base), product], n)
 
 
 def _concat_tensors(c: Any, n: Any) -> Value:
@@ -855,6 +898,7 @@ define(
         reference=_add,
         frontend=(
             Pattern("function", ("operator.add", "torch.add", "operator.iadd"), _add_any),
+            Pattern("function", ("torch.addcmul",), _addcmul),
             Pattern("method", ("add",), _add_any),
         ),
         lower={"tir": _tir("grad_sum"), "c": "emit:_add"},

@@ -329,3 +329,44 @@ class AddsAGrid(nn.Module):
 def test_a_parameter_along_two_runs_of_axes_is_refused() -> None:
     with pytest.raises(UnsupportedOpError, match=r"adds a parameter seen as \[4, 1, 4\]"):
         mexc.compile(AddsAGrid(), (torch.zeros(2, 4, 4, 4),))
+
+
+class AffineTokens(nn.Module):
+    """ResMLP's affine layer, torch.addcmul(beta, alpha, x) with alpha and beta [1, 1, D], and
+    addcmul of activations with a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.alpha = nn.Parameter(torch.ones(1, 1, 16) * 0.9)
+        self.beta = nn.Parameter(torch.full((1, 1, 16), 0.1))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x.reshape(x.shape[0], 8, 8))
+        t = torch.addcmul(self.beta, self.alpha, t)
+        t = torch.addcmul(t, t, torch.sigmoid(t), value=0.5)
+        return self.head(t.mean(1))
+
+
+def test_addcmul_trains_bit_exact_and_matches_torch() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 4)
+    sums = {}
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        prog = mexc.compile(AffineTokens(), (torch.zeros(4, 1, 8, 8),), target=target)
+        sums[target] = train_checksums(prog, (x, y))
+    assert sums["llvm"] == sums["reference"] == sums["c"]
+    assert len(set(sums["reference"])) == 3
+    torch.manual_seed(0)
+    model = AffineTokens()
+    prog = mexc.compile(model, (torch.zeros(4, 1, 8, 8),), rounding="nearest")
+    assert [tuple(n.attrs.view) for n in prog.graph.nodes_of(Op.ADD_PARAM)] == [(1, 1, 16)]
+    ref = dequantized_copy(model, prog).eval()
+    xq = K.quantize(x.astype(np.float64), 8).dequantize()
+    want = ref(torch.from_numpy(xq)).detach().numpy()
+    assert np.abs(prog.logits(x) - want).max() <= 0.05 * np.abs(want).max()
+    ints, floats = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("alpha", "beta"):
+        assert cosine(ints[name], floats[name]) >= 0.99, name
