@@ -32,6 +32,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
 
 
+def _trained_on_every_target(
+    make: type[nn.Module], x: np.ndarray, y: np.ndarray
+) -> dict[str, mexc.Program]:
+    """make() compiled for reference, llvm and C on x's shape, each trained 3 steps on (x, y);
+    their state checksums after every step are equal and change every step."""
+    progs, sums = {}, {}
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        progs[target] = mexc.compile(make(), (torch.zeros(*x.shape),), target=target)
+        sums[target] = train_checksums(progs[target], (x, y))
+    assert sums["llvm"] == sums["reference"] == sums["c"]
+    assert len(set(sums["reference"])) == 3
+    return progs
+
+
 class GatesAndDifferences(nn.Module):
     """CBAM's spatial attention (channel mean and max, a convolution, a sigmoid gate over the
     channels), a global-context sum (GCNet), PoolFormer's x - pool(x), expand_as, negation and
@@ -181,13 +196,8 @@ class Powers(nn.Module):
 def test_whole_powers_are_products() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((16, 8)).astype(np.float32), rng.integers(0, 3, 16)
-    sums = {}
-    for target in ("reference", "llvm", "c"):
-        torch.manual_seed(0)
-        prog = mexc.compile(Powers(), (torch.zeros(16, 8),), target=target)
-        assert len(list(prog.graph.nodes_of(Op.MUL))) >= 5  # forward: 1 + 1 + 2 + 1
-        sums[target] = train_checksums(prog, (x, y))
-    assert sums["llvm"] == sums["reference"] == sums["c"]
+    progs = _trained_on_every_target(Powers, x, y)
+    assert len(list(progs["reference"].graph.nodes_of(Op.MUL))) >= 5  # forward: 1 + 1 + 2 + 1
     torch.manual_seed(0)
     model = Powers()
     prog = mexc.compile(model, (torch.zeros(16, 8),))
@@ -232,12 +242,7 @@ class SplitAttention(nn.Module):
 def test_sums_and_a_softmax_over_a_middle_axis() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((8, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)
-    sums = {}
-    for target in ("reference", "llvm", "c"):
-        torch.manual_seed(0)
-        prog = mexc.compile(SplitAttention(), (torch.zeros(8, 1, 8, 8),), target=target)
-        sums[target] = train_checksums(prog, (x, y))
-    assert sums["llvm"] == sums["reference"] == sums["c"]
+    _trained_on_every_target(SplitAttention, x, y)
     torch.manual_seed(0)
     model = SplitAttention()
     prog = mexc.compile(model, (torch.zeros(8, 1, 8, 8),), rounding="nearest")
@@ -277,14 +282,10 @@ class BroadcastParameters(nn.Module):
 def test_broadcast_parameters_train_bit_exact() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((16, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 16)
-    sums = {}
-    for target in ("reference", "llvm", "c"):
-        torch.manual_seed(0)
-        prog = mexc.compile(BroadcastParameters(), (torch.zeros(16, 1, 8, 8),), target=target)
-        views = sorted(tuple(n.attrs.view) for n in prog.graph.nodes_of(Op.ADD_PARAM))
-        assert views == [(), (1, 1, 1, 1), (1, 8, 1, 1), (1, 8, 1, 1), (1, 16)]
-        sums[target] = train_checksums(prog, (x, y))
-    assert sums["llvm"] == sums["reference"] == sums["c"]
+    progs = _trained_on_every_target(BroadcastParameters, x, y)
+    nodes = progs["reference"].graph.nodes_of(Op.ADD_PARAM)
+    views = sorted(tuple(n.attrs.view) for n in nodes)
+    assert views == [(), (1, 1, 1, 1), (1, 8, 1, 1), (1, 8, 1, 1), (1, 16)]
 
 
 class ChannelBias(nn.Module):
@@ -352,13 +353,7 @@ class AffineTokens(nn.Module):
 def test_addcmul_trains_bit_exact_and_matches_torch() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 4)
-    sums = {}
-    for target in ("reference", "llvm", "c"):
-        torch.manual_seed(0)
-        prog = mexc.compile(AffineTokens(), (torch.zeros(4, 1, 8, 8),), target=target)
-        sums[target] = train_checksums(prog, (x, y))
-    assert sums["llvm"] == sums["reference"] == sums["c"]
-    assert len(set(sums["reference"])) == 3
+    _trained_on_every_target(AffineTokens, x, y)
     torch.manual_seed(0)
     model = AffineTokens()
     prog = mexc.compile(model, (torch.zeros(4, 1, 8, 8),), rounding="nearest")
