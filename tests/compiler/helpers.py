@@ -142,6 +142,32 @@ def train_checksums(
     return checksums
 
 
+def assert_trains_bit_exact_on_llvm_and_c(
+    ref: mexc.Program,
+    program: Any,
+    batch: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
+    """ref (a reference program) trains 3 steps on `batch` with a new state every step, and
+    program("llvm") and program("c"), the same model compiled for them, end every step with
+    its checksum."""
+    want = train_checksums(ref, batch)
+    assert len(set(want)) == 3
+    assert train_checksums(program("llvm"), batch) == want
+    assert train_checksums(program("c"), batch) == want
+
+
+def assert_logits_match_torch(
+    model: nn.Module, prog: mexc.Program, x: np.ndarray, rel: float = 0.05
+) -> None:
+    """prog's integer logits of x within rel of the largest of torch's: float64 on the
+    program's dequantized weights and input, in eval mode."""
+    ref = dequantized_copy(model, prog).eval()
+    xq = mexc.kernels.quantize(x.astype(np.float64), prog.options.bits).dequantize()
+    want = ref(torch.from_numpy(xq)).detach().numpy()
+    got = prog.logits(x)
+    assert np.abs(got - want).max() <= rel * np.abs(want).max(), np.abs(got - want).max()
+
+
 def assert_cuda_source_trains_bit_exact(prog: mexc.Program, out: Path, steps: int = 2) -> None:
     """prog's CUDA artifact (sm_80), built into `out`, trains `steps` steps on the CPU
     emulator bit-exact with the reference, in both launch orders."""

@@ -25,11 +25,11 @@ from mexc.numerics import offset_tables
 from mexc.ops import REGISTRY
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
     cosine,
-    dequantized_copy,
     float_gradients,
     integer_gradients,
-    train_checksums,
 )
 from tests.compiler.helpers import one_i32 as _i32
 from tests.compiler.helpers import run_fused as _fused
@@ -165,10 +165,7 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     fns = {str(n.attrs.fn) for n in ref.graph.nodes_of(Op.ACTIVATION_OFFSET)}
     assert fns == {"elu", "celu", "softplus"}
     assert len(list(ref.graph.nodes_of(Op.ACTIVATION_OFFSET_GRAD))) == 4
-    want = train_checksums(ref)
-    assert len(set(want)) == 3
-    assert train_checksums(_program("llvm", bits)) == want
-    assert train_checksums(_program("c", bits)) == want
+    assert_trains_bit_exact_on_llvm_and_c(ref, lambda t: _program(t, bits))
 
 
 def test_model_logits_match_torch() -> None:
@@ -177,11 +174,7 @@ def test_model_logits_match_torch() -> None:
     model = ExpFamilyNet()
     prog = mexc.compile(model, (torch.zeros(8, 1, 8, 8),), rounding="nearest")
     x = np.random.default_rng(0).standard_normal((8, 1, 8, 8)).astype(np.float32)
-    ref = dequantized_copy(model, prog).eval()
-    xq = K.quantize(x.astype(np.float64), 8).dequantize()
-    want = ref(torch.from_numpy(xq)).detach().numpy()
-    got = prog.logits(x)
-    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), np.abs(got - want).max()
+    assert_logits_match_torch(model, prog, x)
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,12 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
     cosine,
-    dequantized_copy,
     float_gradients,
     integer_gradients,
     step_values,
-    train_checksums,
 )
 
 
@@ -91,10 +91,7 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
     ref = _program("reference", bits)
     convs = list(ref.graph.nodes_of(Op.CONV2D_COMPACT))
     assert [tuple(n.attrs.padding) for n in convs] == [(0, 0)] * 5
-    want = train_checksums(ref)
-    assert len(set(want)) == 3
-    assert train_checksums(_program("llvm", bits)) == want
-    assert train_checksums(_program("c", bits)) == want
+    assert_trains_bit_exact_on_llvm_and_c(ref, lambda t: _program(t, bits))
 
 
 def test_logits_match_torch() -> None:
@@ -102,10 +99,7 @@ def test_logits_match_torch() -> None:
     model = PaddingModesNet()
     prog = mexc.compile(model, (torch.zeros(16, 1, 8, 8),), rounding="nearest")
     x = np.random.default_rng(0).standard_normal((16, 1, 8, 8)).astype(np.float32)
-    ref = dequantized_copy(model, prog).eval()
-    xq = K.quantize(x.astype(np.float64), 8).dequantize()
-    want = ref(torch.from_numpy(xq)).detach().numpy()
-    assert np.abs(prog.logits(x) - want).max() <= 0.05 * np.abs(want).max()
+    assert_logits_match_torch(model, prog, x)
 
 
 class ConvPadLinear(nn.Module):

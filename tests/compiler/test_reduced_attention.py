@@ -11,10 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import mexc
-from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
-from tests.compiler.helpers import dequantized_copy, train_checksums
+from tests.compiler.helpers import (
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+)
 
 
 class ReducedAttention(nn.Module):
@@ -57,10 +59,7 @@ def test_scores_are_queries_by_keys() -> None:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
-    want = train_checksums(_program("reference", bits))
-    assert len(set(want)) == 3
-    assert train_checksums(_program("llvm", bits)) == want
-    assert train_checksums(_program("c", bits)) == want
+    assert_trains_bit_exact_on_llvm_and_c(_program("reference", bits), lambda t: _program(t, bits))
 
 
 def test_logits_match_torch() -> None:
@@ -68,10 +67,7 @@ def test_logits_match_torch() -> None:
     model = ReducedAttention()
     prog = mexc.compile(model, (torch.zeros(8, 1, 8, 8),), rounding="nearest")
     x = np.random.default_rng(0).standard_normal((8, 1, 8, 8)).astype(np.float32)
-    ref = dequantized_copy(model, prog).eval()
-    xq = K.quantize(x.astype(np.float64), 8).dequantize()
-    want = ref(torch.from_numpy(xq)).detach().numpy()
-    assert np.abs(prog.logits(x) - want).max() <= 0.05 * np.abs(want).max()
+    assert_logits_match_torch(model, prog, x)
 
 
 class MismatchedTokens(nn.Module):
