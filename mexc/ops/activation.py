@@ -5,6 +5,7 @@ their gradients."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from mexc import kernels as K
@@ -245,24 +246,25 @@ def _args(n: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return dict(zip(names, n.args)) | dict(n.kwargs)
 
 
-def _elu_module(c: Any, n: Any, m: Any) -> Value:
-    return _relu_plus_offset(c, n, n.args[0], "elu", (_offset_param(c, n, "alpha", m.alpha),))
+def _alpha_module(fn: str) -> Callable[..., Value]:
+    """The converter of nn.ELU or nn.CELU (fn "elu" or "celu"): its alpha."""
+
+    def convert(c: Any, n: Any, m: Any) -> Value:
+        alpha = _offset_param(c, n, "alpha", m.alpha)
+        return _relu_plus_offset(c, n, n.args[0], fn, (alpha,))
+
+    return convert
 
 
-def _elu_function(c: Any, n: Any) -> Value:
-    a = _args(n, ("input", "alpha"))
-    alpha = _offset_param(c, n, "alpha", a.get("alpha", 1.0))
-    return _relu_plus_offset(c, n, a["input"], "elu", (alpha,))
+def _alpha_function(fn: str) -> Callable[..., Value]:
+    """The converter of F.elu or F.celu(input, alpha=1.0)."""
 
+    def convert(c: Any, n: Any) -> Value:
+        a = _args(n, ("input", "alpha"))
+        alpha = _offset_param(c, n, "alpha", a.get("alpha", 1.0))
+        return _relu_plus_offset(c, n, a["input"], fn, (alpha,))
 
-def _celu_module(c: Any, n: Any, m: Any) -> Value:
-    return _relu_plus_offset(c, n, n.args[0], "celu", (_offset_param(c, n, "alpha", m.alpha),))
-
-
-def _celu_function(c: Any, n: Any) -> Value:
-    a = _args(n, ("input", "alpha"))
-    alpha = _offset_param(c, n, "alpha", a.get("alpha", 1.0))
-    return _relu_plus_offset(c, n, a["input"], "celu", (alpha,))
+    return convert
 
 
 # torch's SELU constants (torch.nn.SELU): selu(x) = SELU_SCALE elu(x, SELU_ALPHA)
@@ -542,17 +544,17 @@ define(
         vjp=pointwise_vjp(Op.ACTIVATION_OFFSET_GRAD, lambda n: n.inputs[0]),
         reference=_offset,
         frontend=(
-            Pattern("module", ("torch.nn.ELU",), _elu_module),
+            Pattern("module", ("torch.nn.ELU",), _alpha_module("elu")),
             Pattern(
                 "function",
                 ("torch.nn.functional.elu", "torch.nn.functional.elu_"),
-                _elu_function,
+                _alpha_function("elu"),
             ),
-            Pattern("module", ("torch.nn.CELU",), _celu_module),
+            Pattern("module", ("torch.nn.CELU",), _alpha_module("celu")),
             Pattern(
                 "function",
                 ("torch.nn.functional.celu", "torch.nn.functional.celu_"),
-                _celu_function,
+                _alpha_function("celu"),
             ),
             Pattern("module", ("torch.nn.SELU",), _selu_module),
             Pattern(
