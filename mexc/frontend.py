@@ -29,9 +29,10 @@ from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaTracer, m
 from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
+from mexc import frontend_fold
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
-from mexc.ops import REGISTRY, attrs
+from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.common import STATIC_VALUE, ParamView, static_int, static_value
 from mexc.types import Kind, TensorType, f32
 
@@ -109,6 +110,15 @@ class _Ctx:
                 )
             )
         v = self.env[a]
+        if isinstance(v, (gather.Gathered, frontend_fold.IndexConst)):
+            raise UnsupportedOpError(
+                _describe(
+                    a,
+                    "is a parameter or buffer read through indexing, used where mexc needs an "
+                    "activation; mexc adds it to an activation, multiplies one by it, or "
+                    "takes it as an attention mask",
+                )
+            )
         if not isinstance(v, Value):
             raise UnsupportedOpError(_describe(a, "is a tuple of tensors where a tensor is used"))
         return v
@@ -248,25 +258,50 @@ def _index(c: _Ctx, n: torch.fx.Node) -> Value:
         at = items.index(Ellipsis)
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
     if len(items) > len(shape) or any(
-        not isinstance(t, (int, slice)) or (isinstance(t, slice) and t.step not in (None, 1))
+        not isinstance(t, (int, slice)) or (isinstance(t, slice) and not _forward(t.step))
         for t in items
     ):
         raise UnsupportedOpError(
-            _describe(n, "indexes with something other than integers and unit-step slices")
+            _describe(n, "indexes with something other than integers and forward slices")
         )
     v = c.arg(x)
     for dim, item in enumerate(items):
-        start, stop, _ = (
+        start, stop, step = (
             slice(item, item + 1 if item != -1 else None) if isinstance(item, int) else item
         ).indices(shape[dim])
-        if (start, stop) == (0, shape[dim]):
+        stop = max(stop, start)
+        if (start, stop, step) == (0, shape[dim], 1):
             continue
         if dim == 0:
             raise UnsupportedOpError(_describe(n, "indexes the batch axis"))
-        shape[dim] = stop - start
-        v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
+        if (start, stop) != (0, shape[dim]):
+            shape[dim] = stop - start
+            v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
+        if step > 1:
+            v = _every_nth(c, v, shape, dim, step)
     out = c.shape(n)
     return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
+
+
+def _forward(step: Any) -> bool:
+    return step is None or (isinstance(step, int) and step > 0)
+
+
+def _every_nth(c: _Ctx, v: Value, shape: list[int], dim: int, step: int) -> Value:
+    """Rows 0, step, 2 step, ... of v along `dim` (x[:, ::2], LeViT's subsampling): v padded
+    with zeros to a multiple of step rows, seen as (rows / step, step), the first of each
+    group sliced out. `shape` (v's) becomes the result's."""
+    rows = shape[dim]
+    kept = -(-rows // step)
+    if kept * step != rows:
+        shape[dim] = kept * step
+        v = c.emit_as(Op.PAD, [v], tuple(shape), dim=dim, start=0, stop=rows)
+    grouped = (*shape[:dim], kept, step, *shape[dim + 1 :])
+    v = c.emit_as(Op.RESHAPE, [v], grouped, shape=grouped)
+    first = (*shape[:dim], kept, 1, *shape[dim + 1 :])
+    v = c.emit_as(Op.SLICE, [v], first, dim=dim + 1, start=0, stop=1)
+    shape[dim] = kept
+    return c.emit_as(Op.RESHAPE, [v], tuple(shape), shape=tuple(shape))
 
 
 def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
@@ -635,6 +670,14 @@ def _static(c: _Ctx, n: torch.fx.Node) -> bool:
 def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
     if n.op in ("call_function", "call_method") and _static(c, n):
         return None
+    folded = frontend_fold.fold(c, n)  # a parameter read through indexing, integer buffers
+    if folded is not None:
+        return folded
+    if n.op in ("call_function", "call_method"):
+        # numbers computed from shapes ((C // heads) ** -0.5) reach converters as numbers
+        n.args, n.kwargs = torch.fx.node.map_arg(
+            (n.args, n.kwargs), lambda a: static_value(a) if a in c.static else a
+        )
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
         handler = _module_handler(mod)

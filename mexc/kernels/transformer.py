@@ -459,6 +459,27 @@ def add_broadcast_param_grad(dy: MX, view: tuple[int, ...] = ()) -> Acc:
     return Acc(acc, np.asarray(ed, np.int64))
 
 
+def gather_param_forward(p: MX, index: np.ndarray, batch: int) -> MX:
+    """y[b, j] = p.flat[index[j]] for every b < batch (a parameter read through an index map:
+    a relative-position bias table, a sliced or permuted embedding): mantissas copied,
+    exponent e_p kept. Result [batch, len(index)]."""
+    ep = scalar_exp(p, "p")
+    rows = np.asarray(p.m).reshape(-1)[np.asarray(index, np.int64)]
+    return MX(np.ascontiguousarray(np.broadcast_to(rows, (batch, rows.size))), np.asarray(ep))
+
+
+def gather_param_grad(dy: MX, index: np.ndarray, size: int) -> Acc:
+    """dp.flat[k] = the int32 sum of dy[b, j] over the batch and every j with index[j] = k
+    (dy [batch, len(index)]), exponent e_dy: the gathered copies' gradients summed, as
+    add_broadcast_param_grad sums a broadcast parameter's."""
+    ed = scalar_exp(dy, "dy")
+    per = i64(dy.m).reshape(dy.shape[0], -1).sum(axis=0)
+    acc = np.zeros(size, np.int64)
+    np.add.at(acc, np.asarray(index, np.int64), per)
+    check_int32(acc, "gather_param_grad")
+    return Acc(acc, np.asarray(ed, np.int64))
+
+
 # ------------------------------------------------------------------------------ token mean
 
 
@@ -493,6 +514,8 @@ __all__ = [
     "LayerNormSaved",
     "add_broadcast_forward",
     "add_broadcast_param_grad",
+    "gather_param_forward",
+    "gather_param_grad",
     "gelu_backward",
     "gelu_forward",
     "layernorm_backward",

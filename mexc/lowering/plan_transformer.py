@@ -167,6 +167,43 @@ class TransformerRules(PlanBuilder):
         out = self.view(self.out(n, 0, I8), (batch, sample))
         self.launch(func, (self.view(self.m[p], (sample,)), out))
 
+    def gather_param(self, n: Node) -> None:
+        """kernels.transformer.gather_param_forward: p's mantissas copied through the index
+        map (a constant of the plan), its exponent kept."""
+        p = n.inputs[0]
+        batch, sample = self.rows_of(self.shape(n.result(0)))
+        period, size = int(n.attrs.period), int(np.prod(self.shape(p)))
+        self.e[n.result(0)] = self.e[p]
+        index = self.const(f"n{n.id}.index", np.asarray(n.attrs.index), I32)
+        func = te_transformer.gather_rows(batch, period, sample, size, f"n{n.id}_gather")
+        out = self.view(self.out(n, 0, I8), (batch, sample))
+        self.launch(func, (self.view(self.m[p], (size,)), index, out))
+
+    def gather_param_grad(self, n: Node) -> None:
+        """kernels.transformer.gather_param_grad: the int32 sum of dy over the batch per element
+        of the index map (dy seen as (batch / period, period x per-sample)), then those sums
+        added per source element through the map's inverse (constants of the plan)."""
+        dy = n.inputs[0]
+        period, size = int(n.attrs.period), int(np.prod(self.shape(n.result(0))))
+        index = np.asarray(n.attrs.index, np.int64)
+        rows = index.size
+        batch = self.shape(dy)[0]
+        sums = self.buf(f"n{n.id}.rows", (rows,), I32)
+        summed = te_ops.axis_sum((batch // period, rows, 1), (0, 2), f"n{n.id}_gather_rows")
+        self.launch(summed, (self.view(self.m[dy], (batch // period, rows, 1)), sums))
+        order = np.argsort(index, kind="stable")
+        counts = np.bincount(index, minlength=size)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        acc = self.out(n, 0, I32)
+        self.e[n.result(0)] = self.e[dy]
+        func = te_transformer.scatter_sum(rows, size, max(int(counts.max()), 1), f"n{n.id}_scatter")
+        ins = (
+            sums,
+            self.const(f"n{n.id}.order", order, I32),
+            self.const(f"n{n.id}.starts", starts, I32),
+        )
+        self.launch(func, (*ins, self.view(acc, (size,))))
+
     def add_param_grad(self, n: Node) -> None:
         """kernels.transformer.add_broadcast_param_grad: the int32 sum of dy over the batch (an
         accumulator for the update, at dy's exponent)."""

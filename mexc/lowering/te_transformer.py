@@ -242,7 +242,40 @@ def repeat_rows(rows: Shape, name: str) -> tirx.PrimFunc:
     return prim_func([p, y], name)
 
 
+def gather_rows(batch: int, period: int, sample: int, size: int, name: str) -> tirx.PrimFunc:
+    """y[b, j] = p[index[(b % period) * sample + j]]: a parameter read through an index map
+    over the batch (kernels.transformer.gather_param_forward). Parameters (p, index, y)."""
+    p = te.placeholder((size,), I8, name="p")
+    index = te.placeholder((period * sample,), I32, name="index")
+    y = te.compute(
+        (batch, sample), lambda b, j: p[index[tirx.indexmod(b, period) * sample + j]], name="y"
+    )
+    return prim_func([p, index, y], name)
+
+
+def scatter_sum(rows: int, size: int, most: int, name: str) -> tirx.PrimFunc:
+    """acc[k] = the sum of s[order[r]] for r in [starts[k], starts[k + 1]): the int32 row sums
+    s of a gathered parameter's gradient added per source element (kernels.transformer.
+    gather_param_grad), `order` listing the rows by the element they read, at most `most` per
+    element. Parameters (s, order, starts, acc)."""
+    s = te.placeholder((rows,), I32, name="s")
+    order = te.placeholder((max(rows, 1),), I32, name="order")
+    starts = te.placeholder((size + 1,), I32, name="starts")
+    r = te.reduce_axis((0, most), "r")
+
+    def body(k: tirx.PrimExpr) -> tirx.PrimExpr:
+        at = starts[k] + r
+        inside = at < starts[k + 1]
+        row = order[tirx.Select(inside, at, 0)]
+        return te.sum(tirx.Select(inside, s[row], tirx.const(0, I32)), axis=r)
+
+    acc = te.compute((size,), body, name="acc")
+    return prim_func([s, order, starts, acc], name)
+
+
 __all__ = [
+    "gather_rows",
+    "scatter_sum",
     "repeat_rows",
     "add_param_compaction",
     "gelu_acc",

@@ -17,8 +17,9 @@ from mexc.ops.common import (
     tid,
 )
 from mexc.ops.dense import CAP
+from mexc.ops.gather import as_gathered, gathered_value
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import transposed
+from mexc.ops.tensor import broadcast, broadcastable, transposed
 from mexc.types import mx
 
 
@@ -59,9 +60,20 @@ def _softmax_convert(c: Any, n: Any) -> Value:
     """softmax over the last axis, or over another non-batch axis (ResNeSt's split attention,
     CoaT) with that axis swapped to the end and back."""
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    if n.kwargs.get("dtype") is not None:
+        raise UnsupportedOpError(c.describe(n, "takes a softmax with a dtype"))
+    return _softmax_over(c, n, dim)
+
+
+def _softmax_module(c: Any, n: Any, m: Any) -> Value:
+    """nn.Softmax(dim) (timm's Swin)."""
+    return _softmax_over(c, n, m.dim)
+
+
+def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
     shape = tuple(c.shape(n.args[0]))
     rank = len(shape)
-    if dim is None or n.kwargs.get("dtype") is not None:
+    if dim is None:
         raise UnsupportedOpError(c.describe(n, "takes a softmax without a dim; name the axis"))
     d = static_int(dim) % rank
     if d == rank - 1:
@@ -102,16 +114,20 @@ def _attention(
     shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
     scale: float,
     dropout: float,
+    mask: Value | None = None,
 ) -> Value:
-    """softmax(q k^T scale) v for q [..., Tq, d], k [..., Tk, d], v [..., Tk, dv] (the ops
-    examples/vit.py writes by hand; Tk < Tq in spatial-reduction attention, PVT and Twins): a
-    transpose, two matmuls, a scale, a softmax and, in training, dropout on the weights."""
+    """softmax(q k^T scale + mask) v for q [..., Tq, d], k [..., Tk, d], v [..., Tk, dv] (the
+    ops examples/vit.py writes by hand; Tk < Tq in spatial-reduction attention, PVT and Twins):
+    a transpose, two matmuls, a scale, the additive mask of the scores' shape if any (a
+    relative-position bias), a softmax and, in training, dropout on the weights."""
     (*lead, tq, d), (_, tk, _), (_, dv) = shapes[0], shapes[1][-3:], shapes[2][-2:]
     s = (*lead, tq, tk)
     rank = len(shapes[0])
     perm = (*range(rank - 2), rank - 1, rank - 2)
     kt = c.emit_as(Op.TRANSPOSE, [k], (*lead, d, tk), perm=perm)
     scores = c.emit_as(Op.SCALE, [c.emit_as(Op.MATMUL, [q, kt], s)], s, value=scale)
+    if mask is not None:
+        scores = c.emit_as(Op.ADD, [scores, mask], s)
     p = c.emit_as(Op.SOFTMAX, [scores], s)
     if dropout > 0.0:
         p = c.emit_as(Op.DROPOUT, [p], s, p=dropout)
@@ -123,10 +139,8 @@ def _sdpa(c: Any, n: Any) -> Value:
     dropout_p is the traced one: models pass 0 outside training, and mexc traces in eval."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if args.get("attn_mask") is not None or args.get("is_causal") or args.get("enable_gqa"):
-        raise UnsupportedOpError(
-            c.describe(n, "uses an attention mask, causal or grouped attention")
-        )
+    if args.get("is_causal") or args.get("enable_gqa"):
+        raise UnsupportedOpError(c.describe(n, "uses causal or grouped attention"))
     qs, ks, vs = (tuple(c.shape(args[a])) for a in ("query", "key", "value"))
     if not (len(qs) == len(ks) == len(vs) >= 3 and qs[:-2] == ks[:-2] == vs[:-2]):
         raise UnsupportedOpError(
@@ -147,7 +161,30 @@ def _sdpa(c: Any, n: Any) -> Value:
     scale = static_value(args.get("scale")) or 1.0 / math.sqrt(qs[-1])
     q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
     dropout = float(args.get("dropout_p") or 0.0)
-    return _attention(c, q, k, v, (qs, ks, vs), float(scale), dropout)
+    mask = _additive_mask(c, n, args.get("attn_mask"), (*qs[:-1], ks[-2]))
+    return _attention(c, q, k, v, (qs, ks, vs), float(scale), dropout, mask)
+
+
+def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | None:
+    """SDPA's float attn_mask, added to the scores: a parameter or buffer read through
+    indexing (a relative-position bias, a window mask), or an activation that broadcasts to
+    the scores. A boolean mask is refused."""
+    if m is None:
+        return None
+    meta = m.meta.get("tensor_meta") if c.is_node(m) else None
+    if meta is None or not getattr(getattr(meta, "dtype", None), "is_floating_point", False):
+        raise UnsupportedOpError(
+            c.describe(n, "uses a boolean or non-tensor attention mask; give a float mask")
+        )
+    g = as_gathered(c, m)
+    if g is not None:
+        return gathered_value(c, n, g, scores)
+    shape = tuple(c.shape(m))
+    if not broadcastable(shape, scores):
+        raise UnsupportedOpError(
+            c.describe(n, f"adds an attention mask {list(shape)} to scores {list(scores)}")
+        )
+    return broadcast(c, n, c.arg(m), shape, scores)
 
 
 def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
@@ -202,6 +239,7 @@ define(
         frontend=(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
+            Pattern("module", ("torch.nn.Softmax",), _softmax_module),
         ),
         lower={"tir": "step_plan:PlanRules.softmax", "c": "emit:_softmax"},
         doc="softmax over the last axis through the integer exp table",

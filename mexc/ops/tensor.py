@@ -31,6 +31,7 @@ from mexc.ops.common import (
     transposed_batch_axis,
     with_index_types,
 )
+from mexc.ops.gather import as_gathered, gathered_value, is_gathered
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import acc, mx
 
@@ -234,7 +235,7 @@ def _add_tensors(c: Any, n: Any) -> Value:
     out = tuple(c.shape(n))
     sides = [tuple(c.shape(a)), tuple(c.shape(b))]
     if sides[0] != sides[1]:
-        if not all(_broadcastable(sh, out) for sh in sides):
+        if not all(broadcastable(sh, out) for sh in sides):
             raise UnsupportedOpError(
                 c.describe(
                     n,
@@ -256,16 +257,40 @@ def _add_any(c: Any, n: Any) -> Value:
     if n.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
     param = lambda v: c.is_param(v) or c.param_view(v) is not None  # noqa: E731
+    if is_gathered(c, a) or is_gathered(c, b) or (param(a) and param(b)):
+        return _with_gathered(c, n, Op.ADD)
     if param(b) and not param(a):
         a, b = b, a
-    if not (param(a) and c.is_node(b) and not param(b)):
+    if not (param(a) and c.is_node(b)):
         return _add_tensors(c, n)
+    if _seen_shape(c, n, a, tuple(c.shape(b))) is None:  # not along one run of axes
+        return _with_gathered(c, n, Op.ADD)
     return _add_parameter(c, n, a, c.arg(b), tuple(c.shape(b)))
 
 
-def _param_seen(c: Any, n: Any, p: Any, x_shape: tuple[int, ...], what: str) -> tuple:
-    """(the shape parameter p is seen as over an activation of x_shape, right-aligned, and
-    its ParamView or None), refused unless it varies along one run of non-batch axes."""
+def _with_gathered(c: Any, n: Any, op: Op) -> Value:
+    """n = a + b or a * b (`op`), where a parameter or buffer is read through indexing or
+    broadcast over an activation in a way add_param and mul do not take (a relative-position
+    bias, an attention mask over windows): each such operand a gather_param of n's shape, an
+    activation broadcast to it."""
+    out = tuple(c.shape(n))
+    ins = []
+    for t in n.args[:2]:
+        g = as_gathered(c, t)
+        if g is not None:
+            ins.append(gathered_value(c, n, g, out))
+        elif c.is_node(t) and broadcastable(tuple(c.shape(t)), out):
+            ins.append(broadcast(c, n, c.arg(t), tuple(c.shape(t)), out))
+        else:
+            raise UnsupportedOpError(
+                c.describe(n, f"combines a parameter with {t!r}, which is not an activation")
+            )
+    return c.emit(op, ins, n)
+
+
+def _seen_shape(c: Any, n: Any, p: Any, x_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape parameter p is seen as over an activation of x_shape, right-aligned, where it
+    varies along one run of non-batch axes; else None."""
     view = c.param_view(p)
     shape = tuple(view.shape) if view is not None else tuple(c.shape(p))
     seen = (1,) * (len(x_shape) - len(shape)) + shape
@@ -275,6 +300,17 @@ def _param_seen(c: Any, n: Any, p: Any, x_shape: tuple[int, ...], what: str) -> 
         or tuple(c.shape(n)) != x_shape
         or K.factor_view(x_shape, seen) is None
     ):
+        return None
+    return seen
+
+
+def _param_seen(c: Any, n: Any, p: Any, x_shape: tuple[int, ...], what: str) -> tuple:
+    """(the shape parameter p is seen as over an activation of x_shape, right-aligned, and
+    its ParamView or None), refused unless it varies along one run of non-batch axes."""
+    view = c.param_view(p)
+    shape = tuple(view.shape) if view is not None else tuple(c.shape(p))
+    seen = _seen_shape(c, n, p, x_shape)
+    if seen is None:
         raise UnsupportedOpError(
             c.describe(
                 n,
@@ -345,12 +381,42 @@ def _concat_tensors(c: Any, n: Any) -> Value:
     return c.emit(Op.CONCAT, [c.arg(t) for t in items], n, dim=d)
 
 
+def _roll(c: Any, n: Any) -> Value:
+    """torch.roll(x, shifts, dims) along non-batch axes (Swin's shifted windows): per axis the
+    last `shift` rows concatenated before the others (two slices of one tensor, so of one
+    exponent: the concatenation is exact)."""
+    args = dict(zip(("input", "shifts", "dims"), n.args)) | dict(n.kwargs)
+    shifts, dims = static_value(args.get("shifts")), static_value(args.get("dims"))
+    if dims is None or dims == ():
+        raise UnsupportedOpError(c.describe(n, "rolls the flattened tensor; name the axes"))
+    shifts = list(shifts) if isinstance(shifts, (tuple, list)) else [shifts]
+    dims = list(dims) if isinstance(dims, (tuple, list)) else [dims]
+    shape = tuple(c.shape(args["input"]))
+    v = c.arg(args["input"])
+    for shift, dim in zip(shifts, dims):
+        d = int(dim) % len(shape)
+        rows = shape[d]
+        k = int(shift) % rows
+        if k == 0:
+            continue
+        if d == 0:
+            raise UnsupportedOpError(c.describe(n, "rolls the batch axis"))
+        tail = (*shape[:d], k, *shape[d + 1 :])
+        head = (*shape[:d], rows - k, *shape[d + 1 :])
+        pieces = [
+            c.emit_as(Op.SLICE, [v], tail, dim=d, start=rows - k, stop=rows),
+            c.emit_as(Op.SLICE, [v], head, dim=d, start=0, stop=rows - k),
+        ]
+        v = c.emit_as(Op.CONCAT, pieces, shape, dim=d)
+    return v
+
+
 def _expand(c: Any, n: Any) -> Value:
     """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token), or an
     activation's axes of size 1 expanded (`broadcast`)."""
     x = n.args[0]
     out = c.shape(n)
-    if not c.is_param(x) and _broadcastable(tuple(c.shape(x)), tuple(out)):
+    if not c.is_param(x) and broadcastable(tuple(c.shape(x)), tuple(out)):
         return broadcast(c, n, c.arg(x), tuple(c.shape(x)), tuple(out))
     if not c.is_param(x) or c.shape(x)[0] != 1 or tuple(c.shape(x)[1:]) != tuple(out[1:]):
         raise UnsupportedOpError(
@@ -370,7 +436,7 @@ def broadcast(c: Any, n: Any, v: Value, src: tuple[int, ...], dst: tuple[int, ..
     shape. The upsampling's gradient sums each block of copies, which is the broadcast's.
     Squeeze-and-excitation gates ([N, C, 1, 1]) broadcast inside mul itself; this serves the
     others: spatial gates [N, 1, H, W] (CBAM, FocalNet), global-context sums, expand_as."""
-    if not _broadcastable(src, dst):
+    if not broadcastable(src, dst):
         raise UnsupportedOpError(
             c.describe(
                 n,
@@ -398,7 +464,7 @@ def broadcast(c: Any, n: Any, v: Value, src: tuple[int, ...], dst: tuple[int, ..
     return v
 
 
-def _broadcastable(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+def broadcastable(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
     return len(src) == len(dst) and src[0] == dst[0] and all(a in (1, b) for a, b in zip(src, dst))
 
 
@@ -558,7 +624,7 @@ def _sub(c: Any, n: Any) -> Value:
     negated = scaled(c, c.arg(b), shape_b, -1.0)
     out, shape_a = tuple(c.shape(n)), tuple(c.shape(a))
     if shape_a != shape_b:
-        if not (_broadcastable(shape_a, out) and _broadcastable(shape_b, out)):
+        if not (broadcastable(shape_a, out) and broadcastable(shape_b, out)):
             raise UnsupportedOpError(
                 c.describe(
                     n,
@@ -585,6 +651,8 @@ def _mul(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
     if not (c.is_node(a) and c.is_node(b)):
         return _scale_by(c, n, divide=False)
+    if is_gathered(c, a) or is_gathered(c, b):
+        return _with_gathered(c, n, Op.MUL)
     out = c.shape(n)
     view = c.param_view(b) or c.param_view(a)
     if view is not None:  # a parameter seen through a reshape
@@ -601,7 +669,7 @@ def _mul(c: Any, n: Any) -> Value:
     if (
         not (c.is_param(a) or c.is_param(b))
         and (both[0] != tuple(out) or K.factor_view(out, both[1]) is None)
-        and all(_broadcastable(sh, tuple(out)) for sh in both)
+        and all(broadcastable(sh, tuple(out)) for sh in both)
     ):
         # a spatial gate [N, 1, H, W], or both sides broadcast: the factor (or both) made
         # full-size first
@@ -1136,6 +1204,8 @@ define(
             Pattern(
                 "function", ("torch.cat", "torch.concat", "torch.concatenate"), _concat_tensors
             ),
+            Pattern("function", ("torch.roll",), _roll),
+            Pattern("method", ("roll",), _roll),
         ),
         lower={"tir": _tir("concat"), "c": "emit:_concat"},
         doc="concatenation along a feature axis, aligned to a common exponent, one compaction",

@@ -305,16 +305,23 @@ def test_broadcast_parameters_learn_torchs_gradients() -> None:
 class AddsAGrid(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.p = nn.Parameter(torch.zeros(4, 1, 4))
+        self.p = nn.Parameter(torch.randn(4, 1, 4))
         self.fc = nn.Linear(64, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(x + self.p, 1))
 
 
-def test_a_parameter_along_two_runs_of_axes_is_refused() -> None:
-    with pytest.raises(UnsupportedOpError, match=r"adds a parameter seen as \[4, 1, 4\]"):
-        mexc.compile(AddsAGrid(), (torch.zeros(2, 4, 4, 4),))
+def test_a_parameter_along_two_runs_of_axes_is_gathered() -> None:
+    """[4, 1, 4] over (4, 4, 4) is not one run of axes (add_param's view): a gather_param of
+    the parameter broadcast to the activation, then an add."""
+    torch.manual_seed(0)
+    model = AddsAGrid()
+    prog = mexc.compile(model, (torch.zeros(8, 4, 4, 4),), rounding="nearest")
+    (gather,) = prog.graph.nodes_of(Op.GATHER_PARAM)
+    assert len(gather.attrs.index) == 64 and set(gather.attrs.index) == set(range(16))
+    x = np.random.default_rng(0).standard_normal((8, 4, 4, 4)).astype(np.float32)
+    assert_logits_match_torch(model, prog, x)
 
 
 class AffineTokens(nn.Module):

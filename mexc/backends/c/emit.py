@@ -1164,6 +1164,44 @@ def _expand_param(e: _Emit, n: Node) -> None:
     e.emit(f"for (uint32_t b = 0; b < {shape[0]}u; b++) copy8({y} + b * {per}u, {p}, {per}u);")
 
 
+def _gather_index(e: _Emit, n: Node) -> tuple[str, int, int]:
+    """The static index map of a gather_param (or its gradient), its period and per-sample
+    size."""
+    name = f"gather_index_{n.id}"
+    index = np.asarray(n.attrs.index, np.int32)
+    e.statics.append(_array("int32_t", name, index))
+    period = int(n.attrs.period)
+    return name, period, index.size // period
+
+
+def _gather_param(e: _Emit, n: Node) -> None:
+    p, ep = _x(e, n, 0)
+    index, period, per = _gather_index(e, n)
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ep
+    batch = e.shape(n.out)[0]
+    e.emit(
+        f"for (uint32_t b = 0; b < {batch}u; b++) {{ const int32_t *ix = {index} + "
+        f"(b % {period}u) * {per}u; for (uint32_t j = 0; j < {per}u; j++) "
+        f"{y}[b * {per}u + j] = {p}[ix[j]]; }}"
+    )
+
+
+def _gather_param_grad(e: _Emit, n: Node) -> None:
+    """dy summed in int32 per element of the source the index map reads."""
+    dy, ed = _x(e, n, 0)
+    index, period, per = _gather_index(e, n)
+    dp = e.arena(n.out, "int32_t")
+    e.exp[n.out] = ed
+    batch = e.shape(n.inputs[0])[0]
+    e.emit(
+        f"for (uint32_t k = 0; k < {_numel(e.shape(n.out))}u; k++) {dp}[k] = 0; "
+        f"for (uint32_t b = 0; b < {batch}u; b++) {{ const int32_t *ix = {index} + "
+        f"(b % {period}u) * {per}u; for (uint32_t j = 0; j < {per}u; j++) "
+        f"{dp}[ix[j]] += {dy}[b * {per}u + j]; }}"
+    )
+
+
 def _add_param_grad(e: _Emit, n: Node) -> None:
     dy, ed = _x(e, n, 0)
     o, m, i = param_view(n.attrs.view, e.shape(n.inputs[0]), e.shape(n.out))

@@ -1,0 +1,168 @@
+"""Parameters and buffers read through an index map (`gather_param`) and its gradient.
+
+A model that indexes or rearranges a parameter before using it (a relative-position bias table
+indexed by a buffer of offsets, `table[idx].view(N, N, -1).permute(2, 0, 1)`; a sliced
+positional embedding; an attention-mask buffer broadcast over windows) reads, for every element
+of the result, one element of the parameter. The frontend folds that chain of indexing and
+rearranging ops into one map of flat indices (`fold`, applied to an `arange` of the parameter's
+size on the host, so torch itself computes it) and emits one `gather_param` where an activation
+meets it (an add, a product, an attention mask). Integer buffers (the offsets) fold to their
+values the same way. The folding runs torch on the host (mexc.frontend_fold); this module
+holds what the op needs, and imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Node, Op, Value
+from mexc.mx import MX, Acc
+from mexc.ops.common import Grads, ParamView, elementwise_types
+from mexc.ops.registry import OpDef, define
+from mexc.types import acc
+
+
+@dataclass(frozen=True, eq=False)
+class Gathered:
+    """A module parameter or float buffer (`source`, a get_attr node) read through indexing and
+    rearranging: element i of the value is source.flat[index.flat[i]]."""
+
+    source: Any
+    index: np.ndarray
+
+
+def is_gathered(c: Any, a: Any) -> bool:
+    return c.is_node(a) and isinstance(c.env.get(a), Gathered)
+
+
+def as_gathered(c: Any, a: Any) -> Gathered | None:
+    """`a` (a Gathered node, a ParamView, or a get_attr of a parameter or float buffer) as a
+    Gathered, else None."""
+    if not c.is_node(a):
+        return None
+    held = c.env.get(a)
+    if isinstance(held, Gathered):
+        return held
+    if isinstance(held, ParamView):
+        numel = int(np.prod(c.shape(held.source)))
+        return Gathered(held.source, np.arange(numel).reshape(held.shape))
+    if a.op == "get_attr":
+        t = c.fetch(a)
+        if hasattr(t, "is_floating_point") and t.is_floating_point():
+            return Gathered(a, np.arange(t.numel()).reshape(tuple(t.shape)))
+    return None
+
+
+def _period(index: np.ndarray) -> int:
+    """The fewest leading rows whose repetition gives `index` (rows = batch entries)."""
+    rows = index.shape[0]
+    for p in range(1, rows + 1):
+        if rows % p == 0 and np.array_equal(index, np.tile(index[:p], (rows // p, 1))):
+            return p
+    return rows
+
+
+def gathered_value(c: Any, n: Any, g: Gathered, out: tuple[int, ...]) -> Value:
+    """g broadcast to `out` (an activation's shape, batch first) as a gather_param of its
+    source: a trained parameter, or a float buffer held as a constant."""
+    index = g.index
+    padded = index.reshape((1,) * (len(out) - index.ndim) + index.shape)
+    try:
+        full = np.broadcast_to(padded, out) if index.ndim <= len(out) else None
+    except ValueError:
+        full = None
+    if full is None:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"combines an activation of shape {list(out)} with a parameter or buffer "
+                f"indexed to shape {list(index.shape)}, which does not broadcast to it",
+            )
+        )
+    rows = full.reshape(out[0], -1)
+    period = _period(rows)
+    source = g.source
+    if str(source.target) in dict(c.gm.named_parameters()):
+        p = c.get_param(source, "embedding")
+    else:  # a buffer: a constant of the program (an attention mask), never trained
+        p = c.constant(str(source.target), c.fetch(source).detach().cpu().numpy(), "embedding")
+    flat = tuple(int(i) for i in rows[:period].reshape(-1))
+    return c.emit_as(Op.GATHER_PARAM, [p], out, index=flat, period=period)
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _gather_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """The source's gradient: dy summed, per source element, over the batch and the elements
+    that read it (int32, at dy's exponent)."""
+    dy = dys[0]
+    assert dy is not None
+    p = n.inputs[0]
+    dp = w.emit(
+        Op.GATHER_PARAM_GRAD,
+        [dy],
+        acc(*w.type(p).shape),
+        n.loc,
+        index=n.attrs.index,
+        period=n.attrs.period,
+    )
+    w.set_param_grad(p, dp.out, n)
+    return [None]
+
+
+def _rows(n: Node, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """(the index map as (period, per-sample) rows, the batch)."""
+    period = int(n.attrs.period)
+    return np.asarray(n.attrs.index, np.int64).reshape(period, -1), shape[0]
+
+
+def _gather_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    rows, batch = _rows(n, tuple(n.type.shape))
+    per = [K.gather_param_forward(a[0], r, batch // rows.shape[0]) for r in rows]
+    m = np.stack([v.m for v in per], axis=1).reshape(n.type.shape)
+    return (MX(np.ascontiguousarray(m), per[0].e),)
+
+
+def _gather_grad_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    dy: MX = a[0]
+    rows, batch = _rows(n, tuple(dy.shape))
+    period = rows.shape[0]
+    # batch entry b reads row b % period: dy seen as (batch / period, period * per-sample)
+    seen = MX(np.asarray(dy.m).reshape(batch // period, -1), dy.e)
+    dp = K.gather_param_grad(seen, rows.reshape(-1), int(np.prod(n.type.shape)))
+    return (Acc(dp.a.reshape(n.type.shape), dp.e),)
+
+
+def _tir(name: str) -> str:
+    return f"step_plan:PlanRules.{name}"
+
+
+define(
+    OpDef(
+        Op.GATHER_PARAM,
+        {"index": (), "period": 1},
+        types=elementwise_types,
+        vjp=_gather_vjp,
+        reference=_gather_ref,
+        lower={"tir": _tir("gather_param"), "c": "emit:_gather_param"},
+        doc="a parameter read through an index map, over the batch: y[b, j] = p.flat[index[(b "
+        "% period) * S + j]] (S per-sample elements); mantissas copied, exponent kept",
+        batch_results=True,
+    ),
+    OpDef(
+        Op.GATHER_PARAM_GRAD,
+        {"index": (), "period": 1},
+        reference=_gather_grad_ref,
+        lower={"tir": _tir("gather_param_grad"), "c": "emit:_gather_param_grad"},
+        doc="the gathered parameter's gradient: dy summed per source element over the batch "
+        "and the elements that read it, int32",
+        data_parallel=True,
+        batch_partial=(0,),
+    ),
+)
