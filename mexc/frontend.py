@@ -9,6 +9,7 @@ control flow makes it fail with a TraceError that we rewrap with the offending l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -17,7 +18,7 @@ import re
 import traceback
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,12 @@ import numpy as np
 import torch
 import torch.fx
 from torch import nn
-from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaTracer, manual_meta_overrides
+from torch.fx.experimental.meta_tracer import (
+    MetaDeviceAttribute,
+    MetaProxy,
+    MetaTracer,
+    manual_meta_overrides,
+)
 from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
@@ -61,6 +67,32 @@ class _Ctx:
     static: set[torch.fx.Node] = field(default_factory=set)  # shape-only Python values
     constants: set[str] = field(default_factory=set)  # FrontendResult.constants
     loc: str = ""
+    axes: dict[Value, int | None] = field(default_factory=dict)  # batch_axis's, so far
+    followed: int = 0  # nodes of b that batch_axis has seen
+    parameter_names: frozenset[str] | None = None  # is_parameter's, once asked
+    types: dict[Value, TensorType] = field(default_factory=dict)  # of the nodes it has seen
+
+    def batch_axis(self, v: Value) -> int | None:
+        """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
+        shard-batch pass follows them), None where v holds no batch axis or mexc lost it."""
+        for node in self.b.nodes[self.followed :]:
+            d = REGISTRY[node.op]
+            known = [(u, self.axes.get(u)) for u in node.inputs if self.axes.get(u) is not None]
+            axis: int | None
+            if d.batch_results:
+                axis = 0
+            elif not known:
+                axis = None
+            elif d.moves_batch is not None:
+                u, at = known[0]
+                axis = d.moves_batch(node, self.types[u], int(at))  # type: ignore[arg-type]
+            else:  # per-sample ops keep the batch first
+                axis = 0 if all(at == 0 for _, at in known) else None
+            for i, t in enumerate(node.types):
+                self.axes[node.result(i)] = axis
+                self.types[node.result(i)] = t
+        self.followed = len(self.b.nodes)
+        return self.axes.get(v)
 
     def shape(self, n: Any) -> tuple[int, ...]:
         if not isinstance(n, torch.fx.Node):
@@ -110,7 +142,7 @@ class _Ctx:
                 )
             )
         v = self.env[a]
-        if isinstance(v, (gather.Gathered, frontend_fold.IndexConst)):
+        if isinstance(v, (gather.Gathered, gather.Const)):
             raise UnsupportedOpError(
                 _describe(
                     a,
@@ -148,6 +180,12 @@ class _Ctx:
     def is_param(self, a: Any) -> bool:
         """A module parameter read directly (get_attr), e.g. a positional embedding."""
         return isinstance(a, torch.fx.Node) and a.op == "get_attr"
+
+    def is_parameter(self, a: Any) -> bool:
+        """A get_attr of one of the model's parameters (not a buffer or a traced constant)."""
+        if self.parameter_names is None:
+            self.parameter_names = frozenset(name for name, _ in self.gm.named_parameters())
+        return str(a.target) in self.parameter_names
 
     def get_param(self, a: Any, role: str) -> Value:
         return _get_param(self, a, role)
@@ -272,7 +310,7 @@ def _index(c: _Ctx, n: torch.fx.Node) -> Value:
         stop = max(stop, start)
         if (start, stop, step) == (0, shape[dim], 1):
             continue
-        if dim == 0:
+        if dim == c.batch_axis(v) or (dim == 0 and c.batch_axis(v) is None):
             raise UnsupportedOpError(_describe(n, "indexes the batch axis"))
         if (start, stop) != (0, shape[dim]):
             shape[dim] = stop - start
@@ -379,11 +417,16 @@ METHOD_HANDLERS: dict[Any, Callable[..., Value]] = {
 
 
 def _get_param(c: _Ctx, a: Any, role: str) -> Value:
+    """A module parameter read directly; a buffer, or a tensor the trace made a constant
+    (torch.arange(8) / 8 computed while tracing with shapes), is a frontend constant: the
+    model does not train it."""
     if not isinstance(a, torch.fx.Node) or a.op != "get_attr":
         raise UnsupportedOpError(
             f"functional conv/linear needs its weight to be a module parameter, got {a!r}"
         )
     tensor = _fetch_attr(c.gm, str(a.target))
+    if not c.is_parameter(a):
+        return c.constant(str(a.target), tensor.detach().cpu().numpy(), role)
     return c.param(str(a.target), tensor, role)
 
 
@@ -438,12 +481,34 @@ class _Tracer(torch.fx.Tracer):
         return _module_handler(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
 
+class _SizeProxy(MetaProxy):
+    """MetaProxy whose size(0) is the first axis's size (torch's tests `if dim`, so size(0)
+    returned the whole shape: torchvision's Swin reshapes to x.size(0), ...), and which
+    records item assignment."""
+
+    def size(self, dim: int | None = None) -> Any:
+        if dim is None:
+            return super().size()
+        meta = getattr(self, "_tensor_meta", None)
+        if meta is not None:
+            return meta.size(dim)
+        return self.tracer.create_proxy("call_method", "size", (self, dim), {})
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """t[key] = value as an operator.setitem node (torchvision's Swin writes its window
+        mask so), which the frontend folds where t is a constant."""
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class _ShapeTracer(MetaTracer, _Tracer):
     """The second try for a model whose Python branches on shapes (timm's MobileViT: `if
     new_h != H`), which plain symbolic tracing cannot follow: torch.fx's MetaTracer carries a
     meta tensor with every proxy, so `x.shape` and `x.size()` are the example's ints and such a
     branch goes the way the example takes it. The graph is for the example's shape, as every
     mexc graph is; a branch on tensor values still fails."""
+
+    def proxy(self, node: torch.fx.Node) -> _SizeProxy:
+        return _SizeProxy(node, self)
 
     # MetaTracer installs a module that forward creates (nn.ReLU() inline) into the model; the
     # user's model stays as it is, and such a module fails as in the first try
@@ -518,8 +583,35 @@ def _trace_with_shapes(
         return None
 
 
+@contextlib.contextmanager
+def _through_library_wraps() -> Iterator[None]:
+    """torchvision marks functions of its models as leaves of symbolic tracing (torch.fx.wrap:
+    Swin's shifted_window_attention, _get_relative_position_bias, _patch_merging_pad); mexc
+    has no converter for such a call, but it has one for every op in its body. While mexc
+    traces, those without a converter are traced through (torch.fx's table of wrapped
+    functions without them), and the table is restored after."""
+    table = torch.fx._symbolic_trace._wrapped_fns_to_patch
+    saved = dict(table)
+    for key, frame in saved.items():
+        module = str(frame.get("__name__", ""))
+        if module.startswith("torchvision.models.") and f"{module}.{key[1]}" not in (
+            FUNCTION_HANDLERS
+        ):
+            del table[key]
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
 def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     """symbolic_trace with source locations and a clear error for dynamic control flow."""
+    with _through_library_wraps():
+        return _trace(model, example)
+
+
+def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
     tracer = _Tracer()
     # forward's optional arguments (timm's attn_mask=None) keep their defaults: the model
     # takes one tensor

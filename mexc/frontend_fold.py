@@ -7,7 +7,6 @@ is torch's own indexing."""
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,16 +15,7 @@ import torch.fx
 
 from mexc.errors import UnsupportedOpError
 from mexc.ops.common import ParamView, static_value
-from mexc.ops.gather import Gathered, as_gathered
-
-
-@dataclass(frozen=True, eq=False)
-class IndexConst:
-    """An integer tensor computed from module buffers only (relative-position offsets): a
-    constant of the graph, used to index a parameter."""
-
-    value: torch.Tensor
-
+from mexc.ops.gather import Const, Gathered, as_gathered
 
 # ops that only move elements: applied to the index map they give the moved map
 _MOVES = {
@@ -71,32 +61,65 @@ def _move_name(n: torch.fx.Node) -> str | None:
     return None
 
 
-def _operand(c: Any, a: torch.fx.Node) -> Gathered | IndexConst | None:
+# tensors made from shapes alone: the activation a method is called on gives only its dtype
+_MAKERS = {
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_tensor",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+}
+# random draws are not constants
+_RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "uniform", "exponential")
+
+
+def _name(n: torch.fx.Node) -> str:
+    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _operand(c: Any, a: torch.fx.Node) -> Gathered | Const | None:
     held = c.env.get(a)
-    if isinstance(held, IndexConst):
+    if isinstance(held, Const):
         return held
     if a.op == "get_attr":
         t = c.fetch(a)
         if isinstance(t, torch.Tensor) and not t.is_floating_point():
-            return IndexConst(t.detach().cpu())
+            return Const(t.detach().cpu().clone())  # folding may write to it (setitem)
     return as_gathered(c, a)
 
 
-def fold(c: Any, n: torch.fx.Node) -> Gathered | IndexConst | None:
-    """n's value as a Gathered parameter or an IndexConst, or None where n is not one (its
-    converter then handles it): an integer op on module buffers (any torch op: it runs on the
-    host), or an element-moving op on a parameter, a float buffer or a folded value."""
-    if n.op not in ("call_function", "call_method") or not hasattr(
-        n.meta.get("tensor_meta"), "shape"
-    ):
+def _stand_in(a: torch.fx.Node) -> torch.Tensor:
+    """A zero tensor of a traced activation's shape and dtype (new_zeros and zeros_like read
+    only those)."""
+    meta = a.meta["tensor_meta"]
+    return torch.zeros(tuple(meta.shape), dtype=meta.dtype)
+
+
+def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | None:
+    """n's value as a Gathered parameter or a Const, or None where n is not one (its converter
+    then handles it): any op on constants (integer buffers, tensors made from shapes: torch.zeros,
+    x.new_zeros, arange, and what the model computes from them, writes into them included)
+    evaluated on the host, or an element-moving op on a parameter, a float buffer or a folded
+    value."""
+    if n.op not in ("call_function", "call_method"):
+        return None
+    name = _name(n)
+    setitem = n.target is operator.setitem
+    if not (setitem or hasattr(n.meta.get("tensor_meta"), "shape")):
+        return None
+    if any(r in name.lower() for r in _RANDOM):
         return None
     nodes: list[torch.fx.Node] = []
     torch.fx.node.map_arg((n.args, n.kwargs), nodes.append)
-    operands: dict[torch.fx.Node, Gathered | IndexConst] = {}
-    for a in nodes:
+    operands: dict[torch.fx.Node, Any] = {}
+    for i, a in enumerate(nodes):
         if a in c.static:
             continue
         got = _operand(c, a)
+        if got is None and i == 0 and name in _MAKERS:
+            got = Const(_stand_in(a), stand_in=True)
         if got is None:
             return None  # reads an activation
         operands[a] = got
@@ -109,7 +132,7 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | IndexConst | None:
         folded = isinstance(c.env.get(first), (Gathered, ParamView))
         if not folded and move not in _STARTS:
             return None
-    elif not operands:
+    elif not operands and n.op == "call_method":
         return None
 
     def concrete(a: Any) -> Any:
@@ -117,7 +140,7 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | IndexConst | None:
             v = operands.get(a)
             if isinstance(v, Gathered):
                 return torch.from_numpy(v.index)
-            if isinstance(v, IndexConst):
+            if isinstance(v, Const):
                 return v.value
             return static_value(a)
         return a
@@ -129,16 +152,17 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | IndexConst | None:
             out = getattr(args[0], str(n.target))(*args[1:], **kwargs)
         else:
             out = n.target(*args, **kwargs)  # type: ignore[operator]
-    except Exception as err:  # noqa: BLE001 - the model's own indexing error, in one line
+    except Exception as err:  # noqa: BLE001 - the model's own error, in one line
         raise UnsupportedOpError(
-            c.describe(n, f"indexes a parameter or buffer and fails on the host: {err}")
+            c.describe(n, f"computes a constant or indexes a parameter and fails: {err}")
         ) from None
+    if setitem:
+        target = n.args[0]
+        return operands.get(target) if isinstance(target, torch.fx.Node) else None  # in place
     if not isinstance(out, torch.Tensor):
         return None
     if data:
         src = operands[data[0]]
         assert isinstance(src, Gathered)
         return Gathered(src.source, out.numpy().astype(np.int64))
-    if out.is_floating_point():
-        return None  # a float constant computed from buffers: not folded
-    return IndexConst(out)
+    return Const(out)

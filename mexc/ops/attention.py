@@ -261,6 +261,7 @@ define(
         reference=_matmul,
         frontend=(
             Pattern("function", ("operator.matmul", "torch.matmul", "torch.bmm"), _matmul_convert),
+            Pattern("method", ("matmul", "bmm"), _matmul_convert),
             Pattern("function", ("torch.nn.functional.scaled_dot_product_attention",), _sdpa),
             Pattern("module", ("torch.nn.MultiheadAttention",), _mha_module),
         ),

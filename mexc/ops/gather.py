@@ -34,10 +34,22 @@ class Gathered:
 
     source: Any
     index: np.ndarray
+    value: np.ndarray | None = None  # a constant computed in forward: its values (source: its node)
+
+
+@dataclass(frozen=True, eq=False)
+class Const:
+    """A tensor the model computes without its input or parameters (an integer buffer of
+    relative-position offsets, an attention mask made by x.new_zeros and written into): a
+    constant of the graph, folded on the host (mexc.frontend_fold). `value` is a torch
+    tensor; `stand_in`: a zero tensor standing for an activation whose dtype a maker reads."""
+
+    value: Any
+    stand_in: bool = False
 
 
 def is_gathered(c: Any, a: Any) -> bool:
-    return c.is_node(a) and isinstance(c.env.get(a), Gathered)
+    return c.is_node(a) and isinstance(c.env.get(a), (Gathered, Const))
 
 
 def as_gathered(c: Any, a: Any) -> Gathered | None:
@@ -48,6 +60,9 @@ def as_gathered(c: Any, a: Any) -> Gathered | None:
     held = c.env.get(a)
     if isinstance(held, Gathered):
         return held
+    if isinstance(held, Const) and held.value.is_floating_point():
+        values = held.value.detach().cpu().numpy()
+        return Gathered(a, np.arange(values.size).reshape(values.shape), values)
     if isinstance(held, ParamView):
         numel = int(np.prod(c.shape(held.source)))
         return Gathered(held.source, np.arange(numel).reshape(held.shape))
@@ -87,10 +102,10 @@ def gathered_value(c: Any, n: Any, g: Gathered, out: tuple[int, ...]) -> Value:
     rows = full.reshape(out[0], -1)
     period = _period(rows)
     source = g.source
-    if str(source.target) in dict(c.gm.named_parameters()):
+    if g.value is not None:  # made in forward (an attention mask): a constant, never trained
+        p = c.constant(source.name, g.value, "embedding")
+    else:  # a parameter; a buffer is a constant of the program, never trained
         p = c.get_param(source, "embedding")
-    else:  # a buffer: a constant of the program (an attention mask), never trained
-        p = c.constant(str(source.target), c.fetch(source).detach().cpu().numpy(), "embedding")
     flat = tuple(int(i) for i in rows[:period].reshape(-1))
     return c.emit_as(Op.GATHER_PARAM, [p], out, index=flat, period=period)
 

@@ -23,9 +23,11 @@ from tests.compiler.helpers import (
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
+    dequantized_copy,
     float_gradients,
     integer_gradients,
     small_batch,
+    train_checksums,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
@@ -239,3 +241,78 @@ class BiasThroughSigmoid(nn.Module):
 def test_a_gathered_parameter_used_as_an_activation_is_refused_by_node() -> None:
     with pytest.raises(UnsupportedOpError, match="read through indexing"):
         mexc.compile(BiasThroughSigmoid(), (torch.zeros(2, 1, 8, 8),))
+
+
+class MadeInForward(nn.Module):
+    """Constants the forward builds from shapes: a position ramp from torch.arange and a mask
+    written into x.new_zeros (as torchvision's Swin builds its window mask), then
+    masked_fill; folded on the host into frontend constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        h = y.shape[2]
+        ramp = torch.arange(h, dtype=torch.float32) / h
+        mask = y.new_zeros((h, h))
+        mask[: h // 2, :] = 1
+        mask = mask.masked_fill(mask != 0, -0.5)
+        return self.head((y + ramp.view(1, 1, h, 1) + mask).flatten(1))
+
+
+def test_constants_made_in_forward_are_folded() -> None:
+    torch.manual_seed(0)
+    model = MadeInForward()
+    prog = mexc.compile(model, (torch.zeros(4, 1, 8, 8),), rounding="nearest")
+    made = sorted(
+        str(n.attrs.name) for n in prog.graph.nodes_of(Op.PARAM) if "mexc." in str(n.attrs.name)
+    )
+    trained = {str(n.attrs.param) for n in prog.graph.nodes_of(Op.SGD_UPDATE)}
+    assert len(made) == 2 and not set(made) & trained
+    x = np.random.default_rng(2).standard_normal((4, 1, 8, 8)).astype(np.float32)
+    assert_logits_match_torch(model, prog, x)
+
+
+class IndexesTheBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.flatten(1).unsqueeze(0)  # (1, B, 64): axis 0 is not the batch
+        return self.head(t[0] + x.flatten(1)[1:2].expand(x.shape[0], -1))
+
+
+def test_indexing_follows_the_batch_axis() -> None:
+    """t[0] on an axis put before the batch is a slice; x[1:2] of the batch is refused."""
+    with pytest.raises(UnsupportedOpError, match="indexes the batch axis"):
+        mexc.compile(IndexesTheBatch(), (torch.zeros(4, 1, 8, 8),))
+
+
+def test_torchvision_swin_traces_through_its_wrapped_functions() -> None:
+    """torchvision's Swin: shifted_window_attention, _get_relative_position_bias and
+    _patch_merging_pad (torch.fx leaves) traced through, its window mask (x.new_zeros written
+    in place) folded; logits follow torch and llvm trains bit-exact with the reference."""
+    swin = pytest.importorskip("torchvision.models.swin_transformer")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return swin.SwinTransformer(
+            patch_size=[2, 2], embed_dim=16, depths=[2, 2], num_heads=[2, 2],
+            window_size=[2, 2], num_classes=10,
+        )  # fmt: skip
+
+    example = (torch.zeros(4, 3, 8, 8),)
+    prog = mexc.compile(build(), example, rounding="nearest")
+    # 4 bias tables, 1 mask: stage 2 (2 x 2 tokens) is one window, where Swin does not shift
+    assert len(prog.graph.nodes_of(Op.GATHER_PARAM)) == 5
+    x = np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    ref = dequantized_copy(build(), prog).eval()
+    xq = mexc.kernels.quantize(x.astype(np.float64), 8).dequantize()
+    assert cosine(prog.logits(x), ref(torch.from_numpy(xq)).detach().numpy()) >= 0.99
+    batch = (x, np.arange(4) % 10)
+    want = train_checksums(mexc.compile(build(), example), batch)
+    assert train_checksums(mexc.compile(build(), example, target="llvm"), batch) == want

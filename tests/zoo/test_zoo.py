@@ -49,6 +49,12 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "torchvision_vit": _tv_vit,
     "timm_vit_tiny": _timm_vit,
     "timm_resnet18": lambda: timm.create_model("resnet18", num_classes=10),
+    # relative-position biases and shifted-window masks (gather_param), torch.roll, strided
+    # slices (LeViT's subsampling)
+    "timm_swin_tiny": lambda: timm.create_model(
+        "swin_tiny_patch4_window7_224", img_size=32, window_size=4, num_classes=10
+    ),
+    "timm_levit_128s": lambda: timm.create_model("levit_128s", img_size=32, num_classes=10),
 }
 # the CI set, one model per op family: concat + chunk + channel shuffle, ceil_mode pooling and
 # concat, squeeze-and-excitation with Hardsigmoid and Hardswish, MultiheadAttention with a
