@@ -24,6 +24,7 @@ _TOKEN = re.compile(
   | (?P<comment>//)
   | (?P<string>"(?:[^"\\]|\\.)*")
   | (?P<value>%[0-9]+(?:\#[0-9]+)?)
+  | (?P<range>-?[0-9]+\.\.-?[0-9]+(?::-?[0-9]+)?)
   | (?P<number>-?(?:[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|inf\b))
   | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
   | (?P<punct>[{}\[\](),=:<>])
@@ -134,12 +135,24 @@ class _Line:
         if t.text == "[":
             items: list[Any] = []
             if not self.accept("]"):
-                items.append(self.attr_value())
+                self.list_item(items)
                 while self.accept(","):
-                    items.append(self.attr_value())
+                    self.list_item(items)
                 self.expect("]")
             return tuple(items)
         self.fail(f"expected an attribute value, found '{t.text}'")
+
+    def list_item(self, items: list[Any]) -> None:
+        """One item of a list attribute, or the integers of a range `a..b` or `a..b:step`
+        (Python's range: b excluded)."""
+        t = self.toks[self.pos] if self.pos < len(self.toks) else None
+        if t is not None and t.kind == "range":
+            self.pos += 1
+            start, _, rest = t.text.partition("..")
+            stop, _, step = rest.partition(":")
+            items.extend(range(int(start), int(stop), int(step or 1)))
+            return
+        items.append(self.attr_value())
 
     def attr_dict(self) -> list[tuple[str, Any]]:
         self.expect("{")

@@ -49,8 +49,37 @@ def format_value(v: Any) -> str:
     if isinstance(v, str):
         return format_string(v)
     if isinstance(v, tuple | list):
-        return "[" + ",".join(format_value(x) for x in v) + "]"
+        return "[" + ",".join(_items(v)) + "]"
     raise TypeError(f"cannot print attribute value {v!r} of type {type(v).__name__}")
+
+
+RUN = 4  # runs of this many integers or more in one step print as a range
+
+
+def _items(v: tuple | list) -> list[str]:
+    """A list's items, runs of RUN or more integers in one nonzero step as Python's range
+    `a..b` (step 1) or `a..b:step`, b excluded (a gather_param's index map is mostly such runs:
+    a window mask repeated over heads, a bias table read head by head)."""
+    out: list[str] = []
+    i = 0
+    while i < len(v):
+        j = i + 1
+        if j < len(v) and _int(v[i]) and _int(v[j]) and v[j] != v[i]:
+            step = v[j] - v[i]
+            while j + 1 < len(v) and _int(v[j + 1]) and v[j + 1] - v[j] == step:
+                j += 1
+            if j - i + 1 >= RUN:
+                stop = f"{v[j] + step}" + ("" if step == 1 else f":{step}")
+                out.append(f"{v[i]}..{stop}")
+                i = j + 1
+                continue
+        out.append(format_value(v[i]))
+        i += 1
+    return out
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def format_attrs(items: list[tuple[str, Any]]) -> str:

@@ -67,6 +67,22 @@ def test_odd_values_round_trip() -> None:
     assert print_graph(parse_graph(text)) == text
 
 
+def test_runs_of_integers_print_as_ranges_and_parse_back() -> None:
+    index = (*range(7), 9, *range(40, -8, -12), 3, 3, 3, 3, 5, True, 6, 7, 8, 9)
+    node = Node(4, Op.GATHER_PARAM, (Value(3),), (), ATTRS[Op.GATHER_PARAM](index=index))
+    g = Graph((node,), (), ())
+    text = print_graph(g)
+    assert "index=[0..7,9,40..-8:-12,3,3,3,3,5,true,6..10]" in text
+    assert parse_graph(text) == g
+
+
+@given(st.lists(st.integers(-50, 50), max_size=40))
+def test_integer_lists_round_trip(items: list[int]) -> None:
+    node = Node(4, Op.GATHER_PARAM, (Value(3),), (), ATTRS[Op.GATHER_PARAM](index=tuple(items)))
+    g = Graph((node,), (), ())
+    assert parse_graph(print_graph(g)) == g
+
+
 # --- hypothesis: random graphs ------------------------------------------------------------------
 
 _shapes = st.lists(st.integers(0, 300), max_size=4).map(tuple)
