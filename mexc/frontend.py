@@ -143,12 +143,18 @@ class _Ctx:
             )
         v = self.env[a]
         if isinstance(v, (gather.Gathered, gather.Const)):
+            what = (
+                "is a parameter or buffer read through indexing"
+                if isinstance(v, gather.Gathered)
+                else "is a constant the forward computes without its input (from shapes or "
+                "buffers: a positional encoding, a mask)"
+            )
             raise UnsupportedOpError(
                 _describe(
                     a,
-                    "is a parameter or buffer read through indexing, used where mexc needs an "
-                    "activation; mexc adds it to an activation, multiplies one by it, or "
-                    "takes it as an attention mask",
+                    f"{what}, used where mexc needs an activation (a layer or a function "
+                    "applied to it); mexc adds it to an activation, multiplies one by it, or "
+                    "takes it as an attention mask. Apply the layer to an activation instead",
                 )
             )
         if not isinstance(v, Value):

@@ -142,6 +142,8 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | None:
                 return torch.from_numpy(v.index)
             if isinstance(v, Const):
                 return v.value
+            if a.op == "call_function" and a.target is getattr and a.args[1] in ("device", "dtype"):
+                return getattr(_stand_in(a.args[0]), a.args[1])  # x.device: the host's
             return static_value(a)
         return a
 
