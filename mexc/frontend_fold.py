@@ -71,6 +71,7 @@ _MAKERS = {
     "ones_like",
     "full_like",
 }
+_META = ("device", "dtype")  # attributes of a traced tensor a constant's maker may read
 # random draws are not constants
 _RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "uniform", "exponential")
 
@@ -142,8 +143,9 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | None:
                 return torch.from_numpy(v.index)
             if isinstance(v, Const):
                 return v.value
-            if a.op == "call_function" and a.target is getattr and a.args[1] in ("device", "dtype"):
-                return getattr(_stand_in(a.args[0]), a.args[1])  # x.device: the host's
+            src = a.args[0] if a.args else None
+            if a.target is getattr and isinstance(src, torch.fx.Node) and a.args[1] in _META:
+                return getattr(_stand_in(src), str(a.args[1]))  # x.device: the host's
             return static_value(a)
         return a
 

@@ -17,6 +17,7 @@ from mexc.kernels.transformer import param_view
 from mexc.lowering import te_ops, te_transformer
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Shape, unsupported
 from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, FixedScalar, ceil_log2
+from mexc.ops.gather import index_rows
 
 
 class TransformerRules(PlanBuilder):
@@ -174,7 +175,7 @@ class TransformerRules(PlanBuilder):
         batch, sample = self.rows_of(self.shape(n.result(0)))
         period, size = int(n.attrs.period), int(np.prod(self.shape(p)))
         self.e[n.result(0)] = self.e[p]
-        index = self.const(f"n{n.id}.index", np.asarray(n.attrs.index), I32)
+        index = self.const(f"n{n.id}.index", index_rows(n, batch).reshape(-1), I32)
         func = te_transformer.gather_rows(batch, period, sample, size, f"n{n.id}_gather")
         out = self.view(self.out(n, 0, I8), (batch, sample))
         self.launch(func, (self.view(self.m[p], (size,)), index, out))
@@ -185,9 +186,9 @@ class TransformerRules(PlanBuilder):
         added per source element through the map's inverse (constants of the plan)."""
         dy = n.inputs[0]
         period, size = int(n.attrs.period), int(np.prod(self.shape(n.result(0))))
-        index = np.asarray(n.attrs.index, np.int64)
-        rows = index.size
         batch = self.shape(dy)[0]
+        index = index_rows(n, batch).reshape(-1)
+        rows = index.size
         sums = self.buf(f"n{n.id}.rows", (rows,), I32)
         summed = te_ops.axis_sum((batch // period, rows, 1), (0, 2), f"n{n.id}_gather_rows")
         self.launch(summed, (self.view(self.m[dy], (batch // period, rows, 1)), sums))

@@ -61,16 +61,30 @@ def as_gathered(c: Any, a: Any) -> Gathered | None:
     if isinstance(held, Gathered):
         return held
     if isinstance(held, Const) and held.value.is_floating_point():
-        values = held.value.detach().cpu().numpy()
-        return Gathered(a, np.arange(values.size).reshape(values.shape), values)
+        return _const_gathered(a, held.value.detach().cpu().numpy())
     if isinstance(held, ParamView):
         numel = int(np.prod(c.shape(held.source)))
         return Gathered(held.source, np.arange(numel).reshape(held.shape))
     if a.op == "get_attr":
         t = c.fetch(a)
-        if hasattr(t, "is_floating_point") and t.is_floating_point():
+        if not (hasattr(t, "is_floating_point") and t.is_floating_point()):
+            return None
+        if c.is_parameter(a):
             return Gathered(a, np.arange(t.numel()).reshape(tuple(t.shape)))
+        return _const_gathered(a, t.detach().cpu().numpy())  # a buffer: a constant
     return None
+
+
+def _const_gathered(a: Any, values: np.ndarray) -> Gathered:
+    """A constant as a Gathered of its fewest leading rows that repeat (a mask expanded over the
+    batch is held once, and its index repeats with that period)."""
+    if values.ndim == 0:
+        return Gathered(a, np.zeros((), np.int64), values.reshape(1))
+    rows = values.shape[0]
+    p = _period(values.reshape(rows, -1))
+    held = values[:p]
+    index = np.arange(held.size).reshape(held.shape)
+    return Gathered(a, np.tile(index, (rows // p,) + (1,) * (values.ndim - 1)), held)
 
 
 def _period(index: np.ndarray) -> int:
@@ -131,10 +145,22 @@ def _gather_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return [None]
 
 
+def index_rows(n: Node, batch: int) -> np.ndarray:
+    """The index map as (period, per-sample) rows; an error where the batch (a data-parallel
+    worker's share) is not whole periods, whose rows would start mid-period."""
+    period = int(n.attrs.period)
+    if batch % period:
+        raise UnsupportedOpError(
+            f"node %{n.id} (gather_param{', ' + n.loc if n.loc else ''}) repeats its index every "
+            f"{period} rows of the batch, which {batch} rows do not hold whole; choose a batch "
+            "(per data-parallel worker) that is a multiple of it"
+        )
+    return np.asarray(n.attrs.index, np.int64).reshape(period, -1)
+
+
 def _rows(n: Node, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
     """(the index map as (period, per-sample) rows, the batch)."""
-    period = int(n.attrs.period)
-    return np.asarray(n.attrs.index, np.int64).reshape(period, -1), shape[0]
+    return index_rows(n, shape[0]), shape[0]
 
 
 def _gather_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:

@@ -56,6 +56,34 @@ class ZooLayers(torch.nn.Module):
         return self.fc(torch.tanh(torch.flatten(self.pool(x), 1)))
 
 
+class WindowBiases(torch.nn.Module):
+    """Attention in 2 x 2 windows of a 4 x 4 map with a relative-position bias table indexed
+    by a buffer and a mask buffer over the windows, through SDPA's attn_mask (timm's Swin): the
+    gathered mask repeats every 4 rows of the windows merged into the batch."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        from tests.compiler.test_gathered_params import relative_index, window_mask
+
+        self.embed = torch.nn.Conv2d(1, dim, 2, stride=2)
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.table = torch.nn.Parameter(torch.randn(9, 1) * 0.5)
+        self.register_buffer("index", relative_index(2))
+        self.register_buffer("mask", window_mask(4, 2, 1))
+        self.head = torch.nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.embed(x).permute(0, 2, 3, 1)  # (B, 4, 4, C)
+        b, c = y.shape[0], y.shape[3]
+        w = y.view(b, 2, 2, 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b * 4, 4, c)
+        bias = self.table[self.index.view(-1)].view(4, 4)
+        mask = self.mask.unsqueeze(0).expand(b, -1, -1, -1).reshape(b * 4, 4, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            self.q(w), self.k(w), self.v(w), attn_mask=bias + mask
+        )
+        return self.head(out.reshape(b, 16, c).mean(1))
+
+
 def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
     from examples.models import EXAMPLES
     from examples.vit import ViTTiny
@@ -82,6 +110,8 @@ def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
         return vit, (1, 16, 16)
     if name == "zoo_layers":
         return ZooLayers(), (1, 8, 8)
+    if name == "shifted_windows":  # gather_param: a bias table, a window mask of period 4
+        return WindowBiases(), (1, 8, 8)
     cls, shape = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}[name]
     return cls(), shape
 

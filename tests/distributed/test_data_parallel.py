@@ -26,8 +26,9 @@ MODELS = ("FashionCNN", "DigitsCNN", "SmallResNet", "MobileNetV2Tiny", "MLP")
 CNNS = MODELS[:4]  # at 4 workers: the example CNNs (the MLP's ops are theirs)
 # at 2 workers besides: a ViT (LayerNorm, attention, GELU, token mean), torchvision's
 # MobileNetV3 (hardswish, squeeze-excitation products, hardsigmoid, dropout) and the layers
-# added for models users bring (dp_worker.ZooLayers: GroupNorm, LeakyReLU, channel dropout, ...)
-OTHERS = ("ViTTiny", "mobilenet_v3_small", "zoo_layers")
+# added for models users bring (dp_worker.ZooLayers: GroupNorm, LeakyReLU, channel dropout, ...;
+# a Swin block's relative-position bias and window mask, gathered)
+OTHERS = ("ViTTiny", "mobilenet_v3_small", "zoo_layers", "shifted_windows")
 BATCH, STEPS = 8, 10
 
 
