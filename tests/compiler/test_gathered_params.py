@@ -5,6 +5,7 @@ ops of those models. Against torch, and bit-exact on reference, llvm, C and the 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -194,7 +195,12 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(name: str, bits: int) ->
 @needs_cuda_tools
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    """The emulated sm_80 artifact trains bit-exact, and its SASS (gather and scatter-sum
+    kernels included) keeps cuda_verify's rules: integer only."""
+    from mexc.backends.cuda.sass_check import verify_artifact
+
     assert_cuda_source_trains_bit_exact(_program("windows"), tmp_path)
+    assert verify_artifact(tmp_path, json.loads((tmp_path / "plan.json").read_text())) == []
 
 
 def test_the_period_is_the_shortest_repeat_of_the_rows() -> None:
