@@ -120,7 +120,7 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | None:
             continue
         got = _operand(c, a)
         if got is None and i == 0 and name in _MAKERS:
-            got = Const(_stand_in(a), stand_in=True)
+            got = Const(_stand_in(a))
         if got is None:
             return None  # reads an activation
         operands[a] = got

@@ -29,12 +29,14 @@ from mexc.types import acc
 
 @dataclass(frozen=True, eq=False)
 class Gathered:
-    """A module parameter or float buffer (`source`, a get_attr node) read through indexing and
-    rearranging: element i of the value is source.flat[index.flat[i]]."""
+    """A module parameter (`source`, a get_attr node) read through indexing and rearranging:
+    element i of the value is source.flat[index.flat[i]]. A constant (a buffer, or a tensor the
+    forward computes: `source` its node) carries its `value`, the fewest leading rows that
+    repeat, which the program holds."""
 
     source: Any
     index: np.ndarray
-    value: np.ndarray | None = None  # a constant computed in forward: its values (source: its node)
+    value: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,13 +44,14 @@ class Const:
     """A tensor the model computes without its input or parameters (an integer buffer of
     relative-position offsets, an attention mask made by x.new_zeros and written into): a
     constant of the graph, folded on the host (mexc.frontend_fold). `value` is a torch
-    tensor; `stand_in`: a zero tensor standing for an activation whose dtype a maker reads."""
+    tensor (for an activation whose shape and dtype a maker reads, x.new_zeros: zeros)."""
 
     value: Any
-    stand_in: bool = False
 
 
 def is_gathered(c: Any, a: Any) -> bool:
+    """`a` is a parameter read through indexing or a constant (an add or product with it
+    goes through gathered_value)."""
     return c.is_node(a) and isinstance(c.env.get(a), (Gathered, Const))
 
 
