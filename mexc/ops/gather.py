@@ -91,10 +91,11 @@ def _const_gathered(a: Any, values: np.ndarray) -> Gathered:
 
 
 def _period(index: np.ndarray) -> int:
-    """The fewest leading rows whose repetition gives `index` (rows = batch entries)."""
+    """The fewest leading rows whose repetition gives `index` (rows = batch entries), compared
+    in place (no tiled copy)."""
     rows = index.shape[0]
     for p in range(1, rows + 1):
-        if rows % p == 0 and np.array_equal(index, np.tile(index[:p], (rows // p, 1))):
+        if rows % p == 0 and (index.reshape(rows // p, p, -1) == index[:p].reshape(p, -1)).all():
             return p
     return rows
 
@@ -116,8 +117,11 @@ def gathered_value(c: Any, n: Any, g: Gathered, out: tuple[int, ...]) -> Value:
                 f"indexed to shape {list(index.shape)}, which does not broadcast to it",
             )
         )
-    rows = full.reshape(out[0], -1)
-    period = _period(rows)
+    if padded.shape[0] == 1:  # the same for every batch entry: one row, never copied wider
+        period, rows = 1, np.broadcast_to(padded[0], out[1:]).reshape(1, -1)
+    else:
+        rows = full.reshape(out[0], -1)
+        period = _period(rows)
     source = g.source
     if g.value is not None:  # made in forward (an attention mask): a constant, never trained
         p = c.constant(source.name, g.value, "embedding")
