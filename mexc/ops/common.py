@@ -43,6 +43,11 @@ def with_index_types(r: Any, n: Node) -> None:
     r.env[n.out] = new.out
 
 
+def tir_rule(name: str) -> str:
+    """The lowering key of an op's PlanRules method (mexc.lowering.step_plan)."""
+    return f"step_plan:PlanRules.{name}"
+
+
 # ----------------------------------------------------------------------------- VJP rules
 
 

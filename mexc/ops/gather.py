@@ -22,7 +22,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
-from mexc.ops.common import Grads, ParamView, elementwise_types
+from mexc.ops.common import Grads, ParamView, elementwise_types, tir_rule
 from mexc.ops.registry import OpDef, define
 from mexc.types import acc
 
@@ -187,10 +187,6 @@ def _gather_grad_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (Acc(dp.a.reshape(n.type.shape), dp.e),)
 
 
-def _tir(name: str) -> str:
-    return f"step_plan:PlanRules.{name}"
-
-
 define(
     OpDef(
         Op.GATHER_PARAM,
@@ -198,7 +194,7 @@ define(
         types=elementwise_types,
         vjp=_gather_vjp,
         reference=_gather_ref,
-        lower={"tir": _tir("gather_param"), "c": "emit:_gather_param"},
+        lower={"tir": tir_rule("gather_param"), "c": "emit:_gather_param"},
         doc="a parameter read through an index map, over the batch: y[b, j] = p.flat[index[(b "
         "% period) * S + j]] (S per-sample elements); mantissas copied, exponent kept",
         batch_results=True,
@@ -207,7 +203,7 @@ define(
         Op.GATHER_PARAM_GRAD,
         {"index": (), "period": 1},
         reference=_gather_grad_ref,
-        lower={"tir": _tir("gather_param_grad"), "c": "emit:_gather_param_grad"},
+        lower={"tir": tir_rule("gather_param_grad"), "c": "emit:_gather_param_grad"},
         doc="the gathered parameter's gradient: dy summed per source element over the batch "
         "and the elements that read it, int32",
         data_parallel=True,
