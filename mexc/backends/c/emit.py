@@ -85,6 +85,7 @@ class _Emit:
     streamed: dict[Value, Node] = field(default_factory=dict)  # gradient -> its update node
     pooled: dict[Value, Node] = field(default_factory=dict)  # pool gradient -> its reader
     chan: str | None = None  # the current node's channel table (channels.ChannelTables)
+    index_maps: dict[tuple[int, tuple], str] = field(default_factory=dict)  # gather_param's
 
     def shape(self, v: Value) -> tuple[int, ...]:
         return tuple(self.g.type_of(v).shape)
@@ -1166,12 +1167,14 @@ def _expand_param(e: _Emit, n: Node) -> None:
 
 def _gather_index(e: _Emit, n: Node) -> tuple[str, int, int]:
     """The static index map of a gather_param (or its gradient), its period and per-sample
-    size."""
-    name = f"gather_index_{n.id}"
-    index = np.asarray(n.attrs.index, np.int32)
-    e.statics.append(_array("int32_t", name, index))
+    size. A gather and its gradient read one array."""
     period = int(n.attrs.period)
-    return name, period, index.size // period
+    key = (period, tuple(n.attrs.index))
+    if key not in e.index_maps:
+        e.index_maps[key] = f"gather_index_{n.id}"
+        index = np.asarray(n.attrs.index, np.int32)
+        e.statics.append(_array("int32_t", e.index_maps[key], index))
+    return e.index_maps[key], period, len(key[1]) // period
 
 
 def _gather_param(e: _Emit, n: Node) -> None:
