@@ -316,7 +316,8 @@ def _index(c: _Ctx, n: torch.fx.Node) -> Value:
         stop = max(stop, start)
         if (start, stop, step) == (0, shape[dim], 1):
             continue
-        if dim == c.batch_axis(v) or (dim == 0 and c.batch_axis(v) is None):
+        batch = c.batch_axis(v)
+        if dim == batch or (dim == 0 and batch is None):
             raise UnsupportedOpError(_describe(n, "indexes the batch axis"))
         if (start, stop) != (0, shape[dim]):
             shape[dim] = stop - start

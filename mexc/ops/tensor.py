@@ -3,6 +3,7 @@ token means, and their gradients."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -257,7 +258,7 @@ def _add_any(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
     if n.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
-    param = lambda v: c.is_param(v) or c.param_view(v) is not None  # noqa: E731
+    param = functools.partial(_param_like, c)
     if is_gathered(c, a) or is_gathered(c, b) or (param(a) and param(b)):
         return _with_gathered(c, n, Op.ADD)
     if param(b) and not param(a):
@@ -267,6 +268,11 @@ def _add_any(c: Any, n: Any) -> Value:
     if _seen_shape(c, n, a, tuple(c.shape(b))) is None:  # not along one run of axes
         return _with_gathered(c, n, Op.ADD)
     return _add_parameter(c, n, a, c.arg(b), tuple(c.shape(b)))
+
+
+def _param_like(c: Any, v: Any) -> bool:
+    """v is a parameter read directly or seen through a reshape (a ParamView)."""
+    return c.is_param(v) or c.param_view(v) is not None
 
 
 def _with_gathered(c: Any, n: Any, op: Op) -> Value:
@@ -340,7 +346,7 @@ def _addcmul(c: Any, n: Any) -> Value:
     args = dict(zip(("input", "tensor1", "tensor2"), n.args)) | dict(n.kwargs)
     base, t1, t2 = args["input"], args["tensor1"], args["tensor2"]
     out = tuple(c.shape(n))
-    param = lambda v: c.is_param(v) or c.param_view(v) is not None  # noqa: E731
+    param = functools.partial(_param_like, c)
     if param(t1):
         t1, t2 = t2, t1
     if param(t1) or not c.is_node(t1) or tuple(c.shape(t1)) != out:
