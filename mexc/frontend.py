@@ -64,6 +64,7 @@ class _Ctx:
     params: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     param_values: dict[str, Value] = field(default_factory=dict)
+    param_layouts: dict[str, str] = field(default_factory=dict)  # param's, "" as declared
     static: set[torch.fx.Node] = field(default_factory=set)  # shape-only Python values
     constants: set[str] = field(default_factory=set)  # FrontendResult.constants
     loc: str = ""
@@ -102,7 +103,21 @@ class _Ctx:
             raise UnsupportedOpError(_describe(n, "produces a non-tensor value mexc cannot use"))
         return tuple(int(d) for d in meta.shape)
 
-    def param(self, name: str, tensor: torch.Tensor, role: str) -> Value:
+    def param(
+        self, name: str, tensor: torch.Tensor, role: str, layout: str = "", user: Any = None
+    ) -> Value:
+        """The PARAM node of `name`, holding `tensor`: the parameter as declared (layout "")
+        or rearranged for the op that reads it (`layout` names how: a weight an einsum
+        contracts, held [out, in]). mexc holds one copy of a parameter, so a second read in
+        another layout is refused (naming the fx node `user`)."""
+        held = self.param_layouts.setdefault(name, layout)
+        if held != layout:
+            what = (
+                f"reads parameter '{name}' {layout or 'as declared'}, and another op reads it "
+                f"{held or 'as declared'}; mexc holds one copy of each parameter, so use it "
+                "in one layout (e.g. keep it as nn.Linear's weight and call the layer)"
+            )
+            raise UnsupportedOpError(_describe(user, what) if user is not None else what)
         if name not in self.param_values:
             arr = tensor.detach().cpu().numpy().astype(np.float32)
             node = self.b.add(Op.PARAM, (), f32(*arr.shape), attrs(Op.PARAM, name=name, role=role))

@@ -23,6 +23,8 @@ _MOVES = {
     "reshape",
     "permute",
     "transpose",
+    "swapaxes",
+    "swapdims",
     "unsqueeze",
     "squeeze",
     "flatten",
@@ -40,6 +42,8 @@ _MOVE_FUNCTIONS: dict[Any, str] = {
     torch.reshape: "reshape",
     torch.permute: "permute",
     torch.transpose: "transpose",
+    torch.swapaxes: "swapaxes",
+    torch.swapdims: "swapdims",
     torch.unsqueeze: "unsqueeze",
     torch.squeeze: "squeeze",
     torch.flatten: "flatten",
@@ -50,7 +54,18 @@ _MOVE_FUNCTIONS: dict[Any, str] = {
 }
 # what makes a node worth folding although its data input is a plain parameter: ops the other
 # converters take on parameters (reshape: ParamView; expand: a class token) are left to them
-_STARTS = {"__getitem__", "permute", "transpose", "flip", "roll", "t", "index_select", "repeat"}
+_STARTS = {
+    "__getitem__",
+    "permute",
+    "transpose",
+    "swapaxes",
+    "swapdims",
+    "flip",
+    "roll",
+    "t",
+    "index_select",
+    "repeat",
+}
 
 
 def _move_name(n: torch.fx.Node) -> str | None:

@@ -16,7 +16,8 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
-from mexc.ops.dense import CAP
+from mexc.ops.contraction import einsum_convert, matmul_convert
+from mexc.ops.dense import CAP, linear
 from mexc.ops.gather import as_gathered, gathered_value
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import broadcast, broadcastable, transposed
@@ -86,21 +87,6 @@ def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
     swapped = tuple(shape[a] for a in perm)
     y = c.emit_as(Op.SOFTMAX, [moved], swapped)
     return c.emit(Op.TRANSPOSE, [y], n, perm=tuple(perm))
-
-
-def _matmul_convert(c: Any, n: Any) -> Value:
-    a, b = n.args[0], n.args[1]
-    sa, sb = c.shape(a), c.shape(b)
-    if len(sa) < 3 or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"multiplies {list(sa)} by {list(sb)}; mexc "
-                "supports batched [..., M, K] @ [..., K, N] with "
-                "equal batch dims (use nn.Linear for weights)",
-            )
-        )
-    return c.emit(Op.MATMUL, [c.arg(a), c.arg(b)], n)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -208,10 +194,10 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     b, t, d = c.shape(x)
     h = m.num_heads
     name = str(n.target)
-    ins = [c.arg(x), c.param(f"{name}.in_proj_weight", m.in_proj_weight, "weight")]
-    if m.in_proj_bias is not None:
-        ins.append(c.param(f"{name}.in_proj_bias", m.in_proj_bias, "bias"))
-    qkv = c.emit_as(Op.LINEAR, ins, (b, t, 3 * d), has_bias=m.in_proj_bias is not None)
+    weight = c.param(f"{name}.in_proj_weight", m.in_proj_weight, "weight")
+    bias = m.in_proj_bias
+    bv = c.param(f"{name}.in_proj_bias", bias, "bias") if bias is not None else None
+    qkv = linear(c, c.arg(x), weight, bv, (b, t, 3 * d))
     heads = []
     for i in range(3):
         part = c.emit_as(Op.SLICE, [qkv], (b, t, d), dim=2, start=i * d, stop=(i + 1) * d)
@@ -223,10 +209,9 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     merged = c.emit_as(Op.TRANSPOSE, [y], (b, t, h, d // h), perm=(0, 2, 1, 3))
     merged = c.emit_as(Op.RESHAPE, [merged], (b, t, d), shape=(b, t, d))
     out = m.out_proj
-    ins = [merged, c.param(f"{name}.out_proj.weight", out.weight, "weight")]
-    if out.bias is not None:
-        ins.append(c.param(f"{name}.out_proj.bias", out.bias, "bias"))
-    return c.emit_as(Op.LINEAR, ins, (b, t, d), has_bias=out.bias is not None), None
+    weight = c.param(f"{name}.out_proj.weight", out.weight, "weight")
+    bv = c.param(f"{name}.out_proj.bias", out.bias, "bias") if out.bias is not None else None
+    return linear(c, merged, weight, bv, (b, t, d)), None
 
 
 define(
@@ -260,8 +245,9 @@ define(
         vjp=_matmul_vjp,
         reference=_matmul,
         frontend=(
-            Pattern("function", ("operator.matmul", "torch.matmul", "torch.bmm"), _matmul_convert),
-            Pattern("method", ("matmul", "bmm"), _matmul_convert),
+            Pattern("function", ("operator.matmul", "torch.matmul", "torch.bmm"), matmul_convert),
+            Pattern("method", ("matmul", "bmm"), matmul_convert),
+            Pattern("function", ("torch.functional.einsum",), einsum_convert),
             Pattern("function", ("torch.nn.functional.scaled_dot_product_attention",), _sdpa),
             Pattern("module", ("torch.nn.MultiheadAttention",), _mha_module),
         ),

@@ -294,6 +294,13 @@ def _conv1d_function(c: Any, n: Any) -> Value:
     return _conv1d(c, n, args["input"], weight, bias, stride, padding, int(args.get("groups", 1)))
 
 
+def linear(c: Any, x: Value, weight: Value, bias: Value | None, result: tuple[int, ...]) -> Value:
+    """x @ weight^T (+ bias) of shape `result`, a step of a decomposition (MultiheadAttention's
+    projections, a contraction with a parameter)."""
+    ins = [x, weight] + ([bias] if bias is not None else [])
+    return c.emit_as(Op.LINEAR, ins, result, has_bias=bias is not None)
+
+
 def _linear_module(c: Any, n: Any, m: Any) -> Value:
     ins = [c.arg(n.args[0]), c.param(f"{n.target}.weight", m.weight, "weight")]
     if m.bias is not None:

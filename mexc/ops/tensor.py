@@ -418,6 +418,43 @@ def _roll(c: Any, n: Any) -> Value:
     return v
 
 
+def _unfold(c: Any, n: Any) -> Value:
+    """x.unfold(dim, size, step): the windows x[..., i*step : i*step + size, ...] along a new
+    axis at dim, the window's elements last (HaloNet's overlapping key blocks). With dim moved
+    last, the windows are slices concatenated (pieces of one tensor: one exponent, exact),
+    seen as (windows, size) and moved back; windows that tile the axis are a reshape."""
+    args = dict(zip(("input", "dimension", "size", "step"), n.args)) | dict(n.kwargs)
+    shape = tuple(c.shape(args["input"]))
+    rank = len(shape)
+    d = static_int(args["dimension"]) % rank
+    size, step = static_int(args["size"]), static_int(args["step"])
+    x = c.arg(args["input"])
+    if c.batch_axis(x) == d:
+        raise UnsupportedOpError(c.describe(n, "unfolds the batch axis"))
+    count = (shape[d] - size) // step + 1
+    perm = (*(a for a in range(rank) if a != d), d)
+    rest = tuple(shape[a] for a in perm[:-1])
+    v = x if d == rank - 1 else transposed(c, x, shape, perm)
+    if step == size:
+        if count * size != shape[d]:
+            v = c.emit_as(
+                Op.SLICE, [v], (*rest, count * size), dim=rank - 1, start=0, stop=count * size
+            )
+    else:
+        pieces = [
+            c.emit_as(
+                Op.SLICE, [v], (*rest, size), dim=rank - 1, start=i * step, stop=i * step + size
+            )
+            for i in range(count)
+        ]
+        v = c.emit_as(Op.CONCAT, pieces, (*rest, count * size), dim=rank - 1)
+    v = reshaped(c, v, (*rest, count, size))
+    back = (*range(d), rank - 1, *range(d, rank - 1), rank)  # the windows' axis to dim
+    if d == rank - 1:
+        return v
+    return transposed(c, v, (*rest, count, size), back)
+
+
 def _expand(c: Any, n: Any) -> Value:
     """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token), or an
     activation's axes of size 1 expanded (`broadcast`)."""
@@ -1093,8 +1130,10 @@ define(
         frontend=(
             Pattern("function", ("torch.permute",), _permute),
             Pattern("method", ("permute",), _permute),
-            Pattern("function", ("torch.transpose",), _transpose_two),
-            Pattern("method", ("transpose",), _transpose_two),
+            Pattern(
+                "function", ("torch.transpose", "torch.swapaxes", "torch.swapdims"), _transpose_two
+            ),
+            Pattern("method", ("transpose", "swapaxes", "swapdims"), _transpose_two),
             Pattern("module", ("torch.nn.PixelShuffle",), _shuffle_module("pixel")),
             Pattern("module", ("torch.nn.PixelUnshuffle",), _shuffle_module("unpixel")),
             Pattern("module", ("torch.nn.ChannelShuffle",), _shuffle_module("channel")),
@@ -1124,8 +1163,9 @@ define(
         types=elementwise_types,
         vjp=pointwise_vjp(Op.SLICE_GRAD, no_saved),
         reference=_slice,
+        frontend=(Pattern("method", ("unfold",), _unfold),),
         lower={"tir": tir_rule("slice"), "c": "emit:_slice"},
-        doc="[start, stop) along one axis (the frontend makes it from chunk)",
+        doc="[start, stop) along one axis (the frontend makes it from chunk, unfold)",
         moves_batch=sliced_batch_axis,
     ),
     OpDef(

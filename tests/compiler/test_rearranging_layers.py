@@ -2,7 +2,8 @@
 decision per channel), adaptive max pooling (max pooling and/or nearest upsampling), the
 pixel and channel shuffles (reshape, transpose, reshape), and zero padding (F.pad, ZeroPad2d:
 `pad`, whose kernels are the slice gradient's, and slices where it crops), and the maximum over
-axes (torch.max(x, dim), amax: a max pool over the reduced axes). Each against torch where it
+axes (torch.max(x, dim), amax: a max pool over the reduced axes), and Tensor.unfold (slices
+concatenated). Each against torch where it
 is exact, and models with all of them trained bit-exact on every backend:
 reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
 
@@ -237,3 +238,48 @@ def test_max_over_axes_trains_bit_exact_on_reference_llvm_and_c() -> None:
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)
+
+
+class Windows(nn.Module):
+    """HaloNet's overlapping key blocks (unfold with step < size over both spatial axes) and
+    windows that tile an axis (step == size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 1)
+        self.fc = nn.Linear(4 * 3 * 3 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)  # (4, 4, 8, 8)
+        blocks = y.unfold(2, 4, 2).unfold(3, 4, 2)  # (4, 4, 3, 3, 4, 4)
+        tiles = y.unfold(1, 2, 2)  # (4, 2, 8, 8, 2)
+        return self.fc(blocks.flatten(1)) + tiles.mean((1, 2, 3, 4)).unsqueeze(1)
+
+
+def test_unfold_windows_are_torchs_and_train_bit_exact() -> None:
+    """Each window's mantissas are torch's unfold of the convolution's (the step's values at
+    learning rate 0), and the model trains bit-exact on reference, llvm and C."""
+    x = np.random.default_rng(5).standard_normal((4, 1, 8, 8)).astype(np.float32)
+    y = np.array([0, 1, 2, 3])
+    runs = []
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        prog = mexc.compile(Windows(), (torch.zeros(4, 1, 8, 8),), target=target)
+        if target == "reference":
+            values = step_values(prog, x, y)
+            conv = next(n for n in prog.graph.nodes if n.op is Op.CONV2D_COMPACT)
+            flat = next(n for n in prog.graph.nodes if tuple(n.type.shape) == (4, 576))
+            src = torch.from_numpy(np.asarray(values[conv.out].m).astype(np.int64))
+            want = src.unfold(2, 4, 2).unfold(3, 4, 2).flatten(1).numpy()
+            np.testing.assert_array_equal(np.asarray(values[flat.out].m), want)
+        runs.append([(prog.step(x, y), prog.state_checksum())[1] for _ in range(3)])
+    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
+
+
+def test_unfolding_the_batch_axis_is_refused() -> None:
+    class BatchWindows(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.unfold(0, 2, 1).flatten(1)[:, :10]
+
+    with pytest.raises(mexc.UnsupportedOpError, match="unfolds the batch axis"):
+        mexc.compile(BatchWindows(), (torch.zeros(4, 16),))
