@@ -157,10 +157,12 @@ class _Ctx:
                 )
             )
         v = self.env[a]
-        if isinstance(v, (gather.Gathered, gather.Const)):
+        if isinstance(v, (gather.Gathered, gather.Const, gather.Concatenated)):
             what = (
                 "is a parameter or buffer read through indexing"
                 if isinstance(v, gather.Gathered)
+                else "is parameters concatenated"
+                if isinstance(v, gather.Concatenated)
                 else "is a constant the forward computes without its input (from shapes or "
                 "buffers: a positional encoding, a mask)"
             )
@@ -251,6 +253,18 @@ def _target_name(n: torch.fx.Node) -> str:
 
 
 def _identity(c: _Ctx, n: torch.fx.Node, m: Any = None) -> Value:
+    return c.arg(n.args[0])
+
+
+def _cast(c: _Ctx, n: torch.fx.Node) -> Value:
+    """x.to(...), x.float(), x.type_as(y): the identity where the result is a float tensor of
+    x's shape (a dtype or device named for the float model; mexc's values are its own)."""
+    meta = n.meta.get("tensor_meta")
+    dtype = getattr(meta, "dtype", None)
+    if dtype is None or not dtype.is_floating_point:
+        raise UnsupportedOpError(
+            _describe(n, f"casts an activation to {dtype}; mexc trains float models' values")
+        )
     return c.arg(n.args[0])
 
 
@@ -435,6 +449,9 @@ FUNCTION_HANDLERS: dict[Any, Callable[..., Value]] = _handlers("function")
 METHOD_HANDLERS: dict[Any, Callable[..., Value]] = {
     **_handlers("method"),
     "contiguous": _identity,
+    "to": _cast,
+    "float": _cast,
+    "type_as": _cast,
 }
 
 

@@ -15,7 +15,7 @@ import torch.fx
 
 from mexc.errors import UnsupportedOpError
 from mexc.ops.common import ParamView, static_value
-from mexc.ops.gather import Const, Gathered, as_gathered
+from mexc.ops.gather import Concatenated, Const, Gathered, as_gathered
 
 # ops that only move elements: applied to the index map they give the moved map
 _MOVES = {
@@ -113,7 +113,25 @@ def _stand_in(a: torch.fx.Node) -> torch.Tensor:
     return torch.zeros(tuple(meta.shape), dtype=meta.dtype)
 
 
-def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | None:
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def _concatenated(c: Any, n: torch.fx.Node, operands: dict[torch.fx.Node, Any]) -> Any:
+    """torch.cat of parameters and constants (no activation) as a Concatenated; None where
+    the parts are not all tensors of one rank."""
+    args = dict(zip(("tensors", "dim"), n.args)) | dict(n.kwargs)
+    items = args["tensors"]
+    if not isinstance(items, (list, tuple)) or not all(a in operands for a in items):
+        return None
+    parts = [as_gathered(c, a) for a in items]
+    if any(p is None for p in parts) or len({p.index.ndim for p in parts if p}) != 1:
+        return None
+    rank = parts[0].index.ndim  # type: ignore[union-attr]
+    dim = static_value(args.get("dim", 0))
+    return Concatenated(tuple(p for p in parts if p), int(dim) % rank - rank)
+
+
+def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | Concatenated | None:
     """n's value as a Gathered parameter or a Const, or None where n is not one (its converter
     then handles it): any op on constants (integer buffers, tensors made from shapes: torch.zeros,
     x.new_zeros, arange, and what the model computes from them, writes into them included)
@@ -140,6 +158,8 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | None:
             return None  # reads an activation
         operands[a] = got
     data = [a for a, v in operands.items() if isinstance(v, Gathered)]
+    if data and n.target in _CATS:
+        return _concatenated(c, n, operands)
     move = _move_name(n)
     if data:
         first = n.args[0] if n.args else None

@@ -18,9 +18,8 @@ from mexc.ops.common import (
 )
 from mexc.ops.contraction import einsum_convert, matmul_convert
 from mexc.ops.dense import CAP, linear
-from mexc.ops.gather import as_gathered, gathered_value
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import broadcast, broadcastable, transposed
+from mexc.ops.tensor import broadcast, broadcastable, folded_value, transposed
 from mexc.types import mx
 
 
@@ -162,9 +161,9 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
         raise UnsupportedOpError(
             c.describe(n, "uses a boolean or non-tensor attention mask; give a float mask")
         )
-    g = as_gathered(c, m)
-    if g is not None:
-        return gathered_value(c, n, g, scores)
+    held = folded_value(c, n, m, scores)
+    if held is not None:
+        return held
     shape = tuple(c.shape(m))
     if not broadcastable(shape, scores):
         raise UnsupportedOpError(

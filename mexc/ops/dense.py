@@ -19,8 +19,9 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
+from mexc.ops.gather import is_gathered
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_result, as_rows_2d, padded
+from mexc.ops.tensor import as_result, as_rows_2d, padded, plus_folded_bias
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -309,9 +310,14 @@ def _linear_module(c: Any, n: Any, m: Any) -> Value:
 
 
 def _linear_function(c: Any, n: Any) -> Value:
-    x, w, *rest = n.args
-    bias = rest[0] if rest else n.kwargs.get("bias")
+    """F.linear(x, weight, bias); a bias made from parameters (BEiT's torch.cat((q_bias,
+    k_bias, v_bias))) is added after the layer."""
+    args = dict(zip(("input", "weight", "bias"), n.args)) | dict(n.kwargs)
+    x, w, bias = args["input"], args["weight"], args.get("bias")
     ins = [c.arg(x), c.get_param(w, "weight")]
+    if bias is not None and is_gathered(c, bias):
+        y = c.emit(Op.LINEAR, ins, n, has_bias=False)
+        return plus_folded_bias(c, n, y, bias, tuple(c.shape(n)))
     if bias is not None:
         ins.append(c.get_param(bias, "bias"))
     return c.emit(Op.LINEAR, ins, n, has_bias=bias is not None)

@@ -49,10 +49,22 @@ class Const:
     value: Any
 
 
+@dataclass(frozen=True, eq=False)
+class Concatenated:
+    """Parameters and constants concatenated (BEiT's and EVA's q/k/v bias, torch.cat((q_bias,
+    k_bias, v_bias)) with k_bias a zero buffer): the parts along axis `dim` (counted from the
+    end, so that it holds where the value broadcasts over an activation). Where it meets an
+    activation, each part is a gather_param of its slice of the activation's shape and the
+    parts a concatenation (mexc.ops.tensor.folded_value)."""
+
+    parts: tuple[Gathered, ...]
+    dim: int  # negative
+
+
 def is_gathered(c: Any, a: Any) -> bool:
-    """`a` is a parameter read through indexing or a constant (an add or product with it
-    goes through gathered_value)."""
-    return c.is_node(a) and isinstance(c.env.get(a), (Gathered, Const))
+    """`a` is a parameter read through indexing, a constant, or parameters concatenated (an
+    add or product with it goes through gathered_value)."""
+    return c.is_node(a) and isinstance(c.env.get(a), (Gathered, Const, Concatenated))
 
 
 def as_gathered(c: Any, a: Any) -> Gathered | None:

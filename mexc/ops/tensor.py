@@ -33,7 +33,7 @@ from mexc.ops.common import (
     transposed_batch_axis,
     with_index_types,
 )
-from mexc.ops.gather import as_gathered, gathered_value, is_gathered
+from mexc.ops.gather import Concatenated, as_gathered, gathered_value, is_gathered
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import acc, mx
 
@@ -283,9 +283,9 @@ def _with_gathered(c: Any, n: Any, op: Op) -> Value:
     out = tuple(c.shape(n))
     ins = []
     for t in n.args[:2]:
-        g = as_gathered(c, t)
-        if g is not None:
-            ins.append(gathered_value(c, n, g, out))
+        held = folded_value(c, n, t, out)
+        if held is not None:
+            ins.append(held)
         elif c.is_node(t) and broadcastable(tuple(c.shape(t)), out):
             ins.append(broadcast(c, n, c.arg(t), tuple(c.shape(t)), out))
         else:
@@ -293,6 +293,42 @@ def _with_gathered(c: Any, n: Any, op: Op) -> Value:
                 c.describe(n, f"combines a parameter with {t!r}, which is not an activation")
             )
     return c.emit(op, ins, n)
+
+
+def folded_value(c: Any, n: Any, a: Any, out: tuple[int, ...]) -> Value | None:
+    """Operand `a` of n, a parameter or constant the frontend folded (read through indexing,
+    or several concatenated), broadcast to `out` (the activation's shape it meets); None where
+    `a` is none of those."""
+    held = c.env.get(a) if c.is_node(a) else None
+    if not isinstance(held, Concatenated):
+        g = as_gathered(c, a)
+        return gathered_value(c, n, g, out) if g is not None else None
+    axis = len(out) + held.dim
+    sizes = [int(p.index.shape[held.dim]) for p in held.parts]
+    if axis <= 0 or sum(sizes) != out[axis]:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"combines an activation of shape {list(out)} with parameters concatenated "
+                f"along axis {held.dim}, which does not meet its non-batch axis {axis}",
+            )
+        )
+    pieces = [
+        gathered_value(c, n, p, (*out[:axis], k, *out[axis + 1 :]))
+        for p, k in zip(held.parts, sizes)
+    ]
+    return c.emit_as(Op.CONCAT, pieces, out, dim=axis)
+
+
+def plus_folded_bias(c: Any, n: Any, y: Value, bias: Any, out: tuple[int, ...]) -> Value:
+    """y + bias, where a layer's bias is a folded parameter expression (F.linear with BEiT's
+    torch.cat((q_bias, k_bias, v_bias))): the layer runs without it and the sum follows."""
+    b = folded_value(c, n, bias, out)
+    if b is None:
+        raise UnsupportedOpError(
+            c.describe(n, "takes a bias that is neither a parameter nor made from parameters")
+        )
+    return c.emit_as(Op.ADD, [y, b], out)
 
 
 def _seen_shape(c: Any, n: Any, p: Any, x_shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -386,6 +422,25 @@ def _concat_tensors(c: Any, n: Any) -> Value:
             c.describe(n, "concatenates along the batch axis; concatenate along a feature axis")
         )
     return c.emit(Op.CONCAT, [c.arg(t) for t in items], n, dim=d)
+
+
+def _stack(c: Any, n: Any) -> Value:
+    """torch.stack(tensors, dim) of activations along a new non-batch axis: each seen with an
+    axis of 1 there, then concatenated (EVA's rotary embedding: stack([-x[..., 1::2],
+    x[..., ::2]], -1))."""
+    args = dict(zip(("tensors", "dim"), n.args)) | dict(n.kwargs)
+    items = args["tensors"]
+    if not isinstance(items, (list, tuple)) or not all(c.is_node(t) for t in items):
+        raise UnsupportedOpError(c.describe(n, "stacks something other than tensors"))
+    out = tuple(c.shape(n))
+    d = static_int(args.get("dim", 0)) % len(out)
+    if d == 0:
+        raise UnsupportedOpError(
+            c.describe(n, "stacks along a new first axis, before the batch; stack along another")
+        )
+    one = (*out[:d], 1, *out[d + 1 :])
+    pieces = [reshaped(c, c.arg(t), one) for t in items]
+    return pieces[0] if len(pieces) == 1 else c.emit(Op.CONCAT, pieces, n, dim=d)
 
 
 def _roll(c: Any, n: Any) -> Value:
@@ -1251,6 +1306,7 @@ define(
             Pattern(
                 "function", ("torch.cat", "torch.concat", "torch.concatenate"), _concat_tensors
             ),
+            Pattern("function", ("torch.stack",), _stack),
             Pattern("function", ("torch.roll",), _roll),
             Pattern("method", ("roll",), _roll),
         ),
