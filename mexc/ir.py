@@ -91,6 +91,7 @@ class Op(enum.Enum):
     GLOBAL_AVGPOOL_GRAD = "global_avgpool_grad"
     DROPOUT_GRAD = "dropout_grad"
     GRAD_SUM = "grad_sum"
+    PARAM_GRAD_SUM = "param_grad_sum"
     LAYERNORM_GRAD = "layernorm_grad"
     GELU_GRAD = "gelu_grad"
     SOFTMAX_GRAD = "softmax_grad"

@@ -47,6 +47,7 @@ from mexc.kernels.elementwise import (
     grad_sum,
     mul_backward_factor,
     mul_forward,
+    param_grad_sum,
 )
 from mexc.kernels.linear import (
     bias_backward,
@@ -123,6 +124,7 @@ __all__ = [
     "upsample_nearest_backward",
     "upsample_nearest_forward",
     "grad_sum",
+    "param_grad_sum",
     "linear_backward_input",
     "linear_backward_weight",
     "linear_accumulate",

@@ -47,6 +47,19 @@ def grad_sum(terms: list[MX], ctx: RoundCtx, tid: int) -> MX:
     return compact_mx(acc, e, ctx, site_key(ctx, tid, len(terms)), batch=True)
 
 
+ACC_BITS = 31  # |int32 accumulator| < 2^31: a gradient accumulator's bound in an aligned sum
+
+
+def param_grad_sum(terms: list[Acc], ctx: RoundCtx, tid: int) -> Acc:
+    """The gradient of a parameter read by T <= 13 ops: their int32 accumulators added as an
+    aligned sum with bound 31 (docs/numerics.md §7c), term i at site i; an accumulator."""
+    if not 2 <= len(terms) <= MAX_SUM_TERMS:
+        raise ValueError(f"param_grad_sum takes 2..{MAX_SUM_TERMS} terms, got {len(terms)}")
+    keys = [site_key(ctx, tid, i) for i in range(len(terms))]
+    acc, e = aligned_sum_fast([(i64(t.a), t.e, ACC_BITS) for t in terms], ctx.rounding, keys)
+    return Acc(acc, e)
+
+
 def _keep_threshold(p: FixedScalar) -> int:
     """Keep iff word < 2^32 - round(p * 2^32) (p = num * 2^-shift; drop count rounds down)."""
     drop = p.num << (32 - p.shift) if p.shift <= 32 else p.num >> (p.shift - 32)

@@ -142,6 +142,20 @@ class PoolRules(PlanBuilder):
         out = self.view(self.out(n, 0, I8), rows)
         self.compact_unstored(n, len(terms), kernels, args, out)
 
+    def param_grad_sum(self, n: Node) -> None:
+        """kernels.param_grad_sum: a shared parameter's accumulators as one aligned sum (sites
+        0 .. T-1 over the parameter's elements), an int32 accumulator and its exponent."""
+        terms = list(n.inputs)
+        shape = self.shape(terms[0])
+        keys = self.keys(n, tuple(range(len(terms))), "sum_keys", 0)
+        func = te_ops.aligned_acc_sum(shape, len(terms), self.stochastic, f"n{n.id}_acc_sum")
+        target = self.buf(f"n{n.id}.e", (1,), I32)
+        acc = self.out(n, 0, I32)
+        self.launch(
+            func, (*(self.m[t] for t in terms), *(self.e[t] for t in terms), keys, target, acc)
+        )
+        self.e[n.result(0)] = target
+
     def dropout(self, n: Node) -> None:
         x = n.inputs[0]
         p = FixedScalar.of(float(n.attrs.p))

@@ -242,6 +242,32 @@ def aligned_sum_acc(
     return _func([*inputs, target, acc], name)
 
 
+def aligned_acc_sum(
+    shape: tuple[int, ...], terms: int, stochastic: bool, name: str
+) -> tirx.PrimFunc:
+    """kernels.param_grad_sum: `terms` int32 accumulators at their exponents added as an
+    aligned sum with bound 31 (docs/numerics.md section 7c): target = max(e_i) + c, every term
+    shifted right by target - e_i >= c with rounding key i (int32 lanes: shift_right32 never
+    wraps, and the sum of T < 2^c terms below 2^(31 - c) fits). Parameters (a_0 .. a_{T-1},
+    e_0 .. e_{T-1}, keys, target, acc): e_i one-element buffers, keys int64[T]."""
+    accs = [te.placeholder(shape, I32, name=f"a{i}") for i in range(terms)]
+    es = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
+    keys = te.placeholder((terms,), "int64", name="keys")
+    target = te.compute((1,), lambda _: aligned_target([(e[0], 31) for e in es]), name="target")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = _flat_index(shape, idx)
+        total: tirx.PrimExpr = tirx.const(0, I32)
+        for i in range(terms):
+            total = total + shift_signed32(
+                accs[i][idx], target[0] - es[i][0], keys[i], flat, stochastic, 0
+            )
+        return total
+
+    acc = te.compute(shape, body, name="acc")
+    return _func([*accs, *es, keys, target, acc], name)
+
+
 def aligned_sum_compaction(
     shape: tuple[int, ...],
     terms: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from mexc import kernels as K
 from mexc.ir import Node, Op
 from mexc.mx import MX, Acc
 from mexc.numerics import (
@@ -16,6 +17,10 @@ from mexc.numerics import (
 )
 from mexc.ops.common import tid
 from mexc.ops.registry import OpDef, define
+
+
+def _param_grad_sum(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.param_grad_sum(list(a), env.ctx, tid(n)),)
 
 
 def _sgd_update(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -46,6 +51,16 @@ def _adamw_update(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     )
 
 
+define(
+    OpDef(
+        Op.PARAM_GRAD_SUM,
+        {"rid": -1},
+        reference=_param_grad_sum,
+        lower={"tir": "step_plan:PlanRules.param_grad_sum", "c": "emit:_param_grad_sum"},
+        doc="the gradient of a parameter read by several ops (shared weights): their int32 "
+        "accumulators as an aligned sum, an accumulator (docs/numerics.md section 7c)",
+    ),
+)
 define(
     OpDef(
         Op.SGD_UPDATE,

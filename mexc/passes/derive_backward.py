@@ -39,7 +39,8 @@ class _Walker:
     needs: dict[Value, bool] = field(default_factory=dict)
     users: dict[Value, list[Node]] = field(default_factory=dict)
     types: dict[Value, TensorType] = field(default_factory=dict)
-    param_grads: dict[str, Value] = field(default_factory=dict)
+    param_grads: dict[str, list[Value]] = field(default_factory=dict)  # per reader
+    param_locs: dict[str, str] = field(default_factory=dict)  # the last reader's source line
     masked_relus: set[int] = field(default_factory=set)  # relus whose mask a max pool applied
 
     def type(self, v: Value) -> TensorType:
@@ -70,15 +71,28 @@ class _Walker:
         return str(n.attrs.name) if n.op is Op.PARAM else None
 
     def set_param_grad(self, param: Value, grad: Value, at: Node) -> None:
+        """One reader's gradient of a parameter; a parameter read by several ops (shared
+        weights) gets their sum (param_sums)."""
         name = self.param_name(param)
         if name is None:
             return
-        if name in self.param_grads:
-            raise UnsupportedOpError(
-                f"parameter '{name}' is used by more than one op (again by %{at.id} "
-                f"{at.op.value}{', ' + at.loc if at.loc else ''}); shared weights are not supported"
-            )
-        self.param_grads[name] = grad
+        self.param_grads.setdefault(name, []).append(grad)
+        self.param_locs[name] = at.loc
+
+    def param_sums(self) -> dict[str, Value]:
+        """Each parameter's gradient: its one reader's, or a PARAM_GRAD_SUM of its readers'
+        (docs/numerics.md §7c; a tree of sums beyond MAX_SUM_TERMS terms)."""
+        out: dict[str, Value] = {}
+        for name, grads in self.param_grads.items():
+            typ, loc = self.type(grads[0]), self.param_locs[name]
+            while len(grads) > 1:
+                parts = [grads[i : i + MAX_SUM_TERMS] for i in range(0, len(grads), MAX_SUM_TERMS)]
+                grads = [
+                    self.emit(Op.PARAM_GRAD_SUM, p, typ, loc).out if len(p) > 1 else p[0]
+                    for p in parts
+                ]
+            out[name] = grads[0]
+        return out
 
 
 def _no_grad(n: Node) -> bool:
@@ -129,7 +143,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
             if grad is not None:
                 pending.setdefault(v, []).append(grad)
     trained = {
-        k: v for k, v in w.param_grads.items() if ctx.trainable is None or k in ctx.trainable
+        k: v for k, v in w.param_sums().items() if ctx.trainable is None or k in ctx.trainable
     }
     outputs = list(g.outputs) + [(f"grad:{k}", v) for k, v in sorted(trained.items())]
     attrs = g.with_attrs(forward_rids=_max_rid(g) + 1)

@@ -559,6 +559,19 @@ def _grad_sum(e: _Emit, n: Node) -> None:
     e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}")
 
 
+def _param_grad_sum(e: _Emit, n: Node) -> None:
+    t = len(n.inputs)
+    ptrs = ", ".join(e.ptr[v] for v in n.inputs)
+    exps = ", ".join(e.exp[v] for v in n.inputs)
+    out = e.arena(n.out, "int32_t")
+    eo = e.local_exp(n.out)
+    e.emit(f"{{ const int32_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    e.emit(
+        f"  {eo} = mexc_param_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, "
+        f"{_tid(n)}u); }}"
+    )
+
+
 def _concat(e: _Emit, n: Node) -> None:
     t, dim = len(n.inputs), int(n.attrs.dim)
     shape = e.shape(n.out)

@@ -191,6 +191,9 @@ int32_t mexc_mul_backward_factor(const int8_t *dy, int32_t ed, const int8_t *x, 
 /* grad_sum of t <= 13 same-shape tensors (sites 0..t-1 alignment, t compaction); t = 1 copies. */
 int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint32_t n,
                       int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
+/* param_grad_sum of t <= 13 int32 accumulators into out (sites 0..t-1); returns its exponent. */
+int32_t mexc_param_grad_sum(uint32_t t, const int32_t *const *x, const int32_t *e, uint32_t n,
+                            int32_t *out, const mexc_ctx_t *ctx, uint32_t tid);
 int32_t mexc_add_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
                          int8_t *out, const mexc_ctx_t *ctx, uint32_t tid);
 

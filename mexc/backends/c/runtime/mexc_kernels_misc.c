@@ -192,6 +192,28 @@ int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint
     return e_out;
 }
 
+/* param_grad_sum (docs/numerics.md section 7c): t <= 13 int32 accumulators of n elements at
+   exponents e, added as an aligned sum with bound 31 (term i at site i) into out; returns its
+   exponent. */
+int32_t mexc_param_grad_sum(uint32_t t, const int32_t *const *x, const int32_t *e, uint32_t n,
+                            int32_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    int32_t b[13], target;
+    uint32_t keys[13], i, k;
+    for (i = 0; i < t; i++) {
+        b[i] = 31;
+        keys[i] = mexc_site_key(ctx, tid, i);
+    }
+    target = mexc_aligned_target(t, e, b);
+    for (k = 0; k < n; k++) {
+        int32_t acc = 0;
+        for (i = 0; i < t; i++)
+            acc += mexc_shift_signed(x[i][k], target - e[i], ctx->stochastic, keys[i], k);
+        out[k] = acc;
+    }
+    return target;
+}
+
 /* concat of t tensors along one axis, input i seen as (outer, k[i] * inner): each mantissa
    shifted to max(min e, max e - 24) (right shifts rounded: site 0, index = the output's flat
    index), then one compaction (site 1). */

@@ -1,0 +1,111 @@
+"""Shared weights: a parameter read by several ops (a block applied in a loop, a layer called
+twice, one bias table gathered by two attention maps) gets the aligned sum of its readers'
+accumulators (param_grad_sum, docs/numerics.md §7c). Against torch's gradients, and bit-exact
+on reference, llvm, C and the CUDA source."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mexc
+from mexc import kernels as K
+from mexc.ir import Op
+from mexc.mx import Acc, RoundCtx
+from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
+
+
+class Shared(nn.Module):
+    """A residual block applied `repeats` times, a linear layer called as a module and through
+    F.linear with its weight, and one bias table read through two index maps."""
+
+    def __init__(self, repeats: int = 3) -> None:
+        super().__init__()
+        self.repeats = repeats
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.block = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 16)
+        self.table = nn.Parameter(torch.randn(7) / 2)
+        self.register_buffer("near", torch.tensor([[0, 1, 2, 3], [1, 0, 1, 2]]))
+        self.register_buffer("far", torch.tensor([[6, 5, 4, 3], [5, 6, 5, 4]]))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stem(x))
+        for _ in range(self.repeats):
+            x = x + F.relu(self.block(x))
+        h = x.mean((2, 3))
+        z = F.relu(self.fc(h)) + F.relu(F.linear(h, self.fc.weight))  # [B, 16]
+        z = z.view(-1, 2, 8)[..., :4] + self.table[self.near]  # [B, 2, 4]
+        w = z * self.table[self.far]
+        return self.head(torch.cat([w, z], -1).flatten(1))
+
+
+def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((batch, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, batch)
+
+
+def _program(target: str = "reference", batch: int = 4, repeats: int = 3) -> mexc.Program:
+    torch.manual_seed(0)
+    model = Shared(repeats)
+    return mexc.compile(model, (torch.zeros(batch, 1, 8, 8),), target=target)
+
+
+def test_each_shared_parameter_gets_one_sum_of_its_readers() -> None:
+    prog = _program()
+    sums = prog.graph.nodes_of(Op.PARAM_GRAD_SUM)
+    # block.weight and block.bias (3 readers), fc.weight (2), table (2)
+    assert sorted(len(n.inputs) for n in sums) == [2, 2, 3, 3]
+    # a block applied 14 times: 13 terms in one sum, the 14th added by a second
+    deep = _program(repeats=14).graph.nodes_of(Op.PARAM_GRAD_SUM)
+    assert sorted(len(n.inputs) for n in deep) == [2, 2, 2, 2, 13, 13]
+
+
+@pytest.mark.parametrize("repeats", [3, 14])
+def test_shared_gradients_follow_autograd(repeats: int) -> None:
+    torch.manual_seed(0)
+    model = Shared(repeats)
+    prog = mexc.compile(model, (torch.zeros(32, 1, 8, 8),))
+    x, y = _data(32)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("block.weight", "block.bias", "fc.weight", "table"):
+        assert cosine(got[name], want[name]) >= 0.98, (name, cosine(got[name], want[name]))
+
+
+def test_the_sum_is_the_aligned_sum_of_the_spec() -> None:
+    """docs/numerics.md §7c: target max(e_i) + c, every term shifted right (nearest here)."""
+    ctx = RoundCtx("nearest", 0, 0, 8)
+    a = Acc(np.array([1000, -7, 2**30], np.int64), np.array(-20))
+    b = Acc(np.array([3, 120, -5], np.int64), np.array(-10))
+    got = K.param_grad_sum([a, b], ctx, 0)
+    assert int(got.e) == -8  # max(-20, -10) + c, c = bit_length(2) = 2
+    # a: 1000 >> 12 = 0.24 -> 0, -7 -> 0, 2^30 >> 12 = 2^18; b: 3 >> 2 = 0.75 -> 1, 30,
+    # -5 >> 2 = -1.25 -> -1
+    assert got.a.tolist() == [1, 30, 2**18 - 1]
+
+
+def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    x, y = _data(4)
+    assert_trains_bit_exact_on_llvm_and_c(_program(), _program, (x, y))
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    assert_cuda_source_trains_bit_exact(_program(), tmp_path)
