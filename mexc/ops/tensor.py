@@ -528,6 +528,57 @@ def _expand(c: Any, n: Any) -> Value:
     return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
 
 
+def _copies_along(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], axis: int, r: int, inner: bool
+) -> tuple[Value, tuple[int, ...]]:
+    """v (of `shape`) with `axis` repeated r times: whole (tile: the axis seen as (1, L),
+    broadcast to (r, L)) or per element (inner, repeat_interleave: (L, 1) to (L, r)); exact
+    copies, whose gradient sums them (broadcast's)."""
+    pre, size, post = shape[:axis], shape[axis], shape[axis + 1 :]
+    one = (*pre, size, 1, *post) if inner else (*pre, 1, size, *post)
+    wide = (*pre, size, r, *post) if inner else (*pre, r, size, *post)
+    v = broadcast(c, n, reshaped(c, v, one), one, wide)
+    out = (*pre, size * r, *post)
+    return reshaped(c, v, out), out
+
+
+def _repeat(c: Any, n: Any) -> Value:
+    """x.repeat(*sizes) / x.tile(dims) of an activation along non-batch axes."""
+    x = n.args[0]
+    sizes = n.args[1:] if not isinstance(n.args[1], (list, tuple)) else n.args[1]
+    sizes = [static_int(r) for r in sizes]
+    shape = tuple(c.shape(x))
+    if getattr(n.target, "__name__", n.target) == "tile":
+        sizes = [1] * (len(shape) - len(sizes)) + sizes
+    v = c.arg(x)
+    batch = c.batch_axis(v)
+    if len(sizes) != len(shape) or (batch is not None and sizes[batch] != 1):
+        raise UnsupportedOpError(
+            c.describe(n, f"repeats {list(shape)} by {sizes}: along the batch axis or new axes")
+        )
+    for axis, r in enumerate(sizes):
+        if r != 1:
+            v, shape = _copies_along(c, n, v, shape, axis, r, inner=False)
+    return v
+
+
+def _repeat_interleave(c: Any, n: Any) -> Value:
+    """x.repeat_interleave(r, dim) / torch.repeat_interleave of an activation with a number of
+    repeats along a non-batch axis (grouped-query attention's keys)."""
+    args = dict(zip(("input", "repeats", "dim"), n.args)) | dict(n.kwargs)
+    r, dim = static_value(args["repeats"]), static_value(args.get("dim"))
+    shape = tuple(c.shape(args["input"]))
+    if not isinstance(r, int) or dim is None:
+        raise UnsupportedOpError(
+            c.describe(n, "repeats by a tensor of counts or over the flattened tensor")
+        )
+    axis = int(dim) % len(shape)
+    v = c.arg(args["input"])
+    if c.batch_axis(v) == axis:
+        raise UnsupportedOpError(c.describe(n, "repeats along the batch axis"))
+    return v if r == 1 else _copies_along(c, n, v, shape, axis, r, inner=True)[0]
+
+
 def broadcast(c: Any, n: Any, v: Value, src: tuple[int, ...], dst: tuple[int, ...]) -> Value:
     """An activation of shape `src` broadcast to `dst` (its axes of size 1 repeated; the batch
     axis and the rank stay): per run of broadcast axes, v seen as (A, 1, 1, B) is upsampled
@@ -1096,6 +1147,10 @@ define(
                 ("view", "reshape", "flatten", "view_as", "reshape_as", "squeeze", "unsqueeze"),
                 _reshape_to_result,
             ),
+            Pattern("method", ("repeat", "tile"), _repeat),
+            Pattern("function", ("torch.tile",), _repeat),
+            Pattern("method", ("repeat_interleave",), _repeat_interleave),
+            Pattern("function", ("torch.repeat_interleave",), _repeat_interleave),
         ),
         lower={"tir": tir_rule("reshape"), "c": "emit:_reshape"},
         in_place=True,

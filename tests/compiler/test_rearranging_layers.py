@@ -2,8 +2,8 @@
 decision per channel), adaptive max pooling (max pooling and/or nearest upsampling), the
 pixel and channel shuffles (reshape, transpose, reshape), and zero padding (F.pad, ZeroPad2d:
 `pad`, whose kernels are the slice gradient's, and slices where it crops), and the maximum over
-axes (torch.max(x, dim), amax: a max pool over the reduced axes), and Tensor.unfold (slices
-concatenated). Each against torch where it
+axes (torch.max(x, dim), amax: a max pool over the reduced axes), Tensor.unfold (slices
+concatenated), repeat, tile and repeat_interleave (broadcast copies). Each against torch where it
 is exact, and models with all of them trained bit-exact on every backend:
 reference, llvm, C, and the CUDA artifact's own source on the CPU emulator."""
 
@@ -283,3 +283,51 @@ def test_unfolding_the_batch_axis_is_refused() -> None:
 
     with pytest.raises(mexc.UnsupportedOpError, match="unfolds the batch axis"):
         mexc.compile(BatchWindows(), (torch.zeros(4, 16),))
+
+
+class Repeats(nn.Module):
+    """Grouped-query attention's keys (repeat_interleave over the heads), x.repeat and
+    torch.tile along non-batch axes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+        self.fc = nn.Linear(4 * 8 * 16 + 16 * 32 + 8 * 32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (4, 8, 16)
+        kv = self.proj(x).view(4, 8, 2, 16)
+        heads = kv.repeat_interleave(2, dim=2)  # (4, 8, 4, 16)
+        tiled = torch.tile(x, (2,))  # (4, 8, 32)
+        parts = [heads.flatten(1), x.repeat(1, 2, 2).flatten(1), tiled.flatten(1)]
+        return self.fc(torch.cat(parts, 1))
+
+
+def test_repeats_copy_torchs_mantissas_and_train_bit_exact() -> None:
+    x = np.random.default_rng(6).standard_normal((4, 8, 16)).astype(np.float32)
+    y = np.array([0, 1, 2, 3])
+    runs = []
+    for target in ("reference", "llvm", "c"):
+        torch.manual_seed(0)
+        prog = mexc.compile(Repeats(), (torch.zeros(4, 8, 16),), target=target)
+        if target == "reference":
+            values = step_values(prog, x, y)
+            lin = next(n for n in prog.graph.nodes if n.op is Op.LINEAR_COMPACT)
+            heads = next(n for n in prog.graph.nodes if tuple(n.type.shape) == (4, 8, 4, 16))
+            src = torch.from_numpy(np.asarray(values[lin.out].m).astype(np.int64))
+            want = src.view(4, 8, 2, 16).repeat_interleave(2, dim=2).numpy()
+            np.testing.assert_array_equal(np.asarray(values[heads.out].m), want)
+        runs.append([(prog.step(x, y), prog.state_checksum())[1] for _ in range(3)])
+    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda x: x.repeat(2, 1), lambda x: x.repeat_interleave(2, dim=0)],
+)
+def test_repeating_the_batch_axis_is_refused(call) -> None:
+    class BatchRepeat(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return call(x)[:4, :10]
+
+    with pytest.raises(mexc.UnsupportedOpError, match="batch axis"):
+        mexc.compile(BatchRepeat(), (torch.zeros(4, 16),))
