@@ -11,6 +11,7 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
+from mexc.ops.bilinear import linear_upsample
 from mexc.ops.common import (
     Grads,
     elementwise_types,
@@ -19,6 +20,7 @@ from mexc.ops.common import (
     pointwise_vjp,
     shape,
     static_int,
+    static_value,
     tid,
     with_index_types,
 )
@@ -370,7 +372,9 @@ def _adaptive_function(op: Op, build: Callable[..., Value] | None = None) -> Cal
     return convert
 
 
-def _upsample(c: Any, n: Any, mode: Any) -> Value:
+def _upsample(
+    c: Any, n: Any, mode: Any, align_corners: Any = None, antialias: Any = False
+) -> Value:
     """Nearest upsampling of (N, C, H, W), or (N, C, L) over (N, C, 1, L), by integer factors
     read off the traced shapes (size or scale_factor; 'nearest-exact' picks the same pixels for
     integer factors)."""
@@ -382,23 +386,27 @@ def _upsample(c: Any, n: Any, mode: Any) -> Value:
                 n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, L) and (N, C, H, W)"
             )
         )
-    if mode not in ("nearest", "nearest-exact"):
+    if mode not in ("nearest", "nearest-exact", "linear", "bilinear"):
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"upsamples with mode {mode!r}; mexc lowers nearest upsampling (mode "
-                "'nearest') by integer factors",
+                f"upsamples with mode {mode!r}; mexc lowers nearest, linear and bilinear "
+                "upsampling by integer factors",
             )
         )
     if any(o % i for i, o in zip(x_shape[2:], out[2:])):
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"upsamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers nearest "
+                f"upsamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers "
                 "upsampling by integer factors only",
             )
         )
     scale = tuple(o // i for i, o in zip(x_shape[2:], out[2:]))
+    if mode in ("linear", "bilinear"):
+        if antialias:
+            raise UnsupportedOpError(c.describe(n, "upsamples with antialias=True"))
+        return linear_upsample(c, n, x, scale, align_corners)
     if scale in ((1,), (1, 1)):
         return c.arg(x)
     if len(scale) == 1:  # (N, C, L): over (N, C, 1, L)
@@ -409,11 +417,14 @@ def _upsample(c: Any, n: Any, mode: Any) -> Value:
 
 
 def _upsample_module(c: Any, n: Any, m: Any) -> Value:
-    return _upsample(c, n, getattr(m, "mode", "nearest"))
+    return _upsample(c, n, getattr(m, "mode", "nearest"), getattr(m, "align_corners", None))
 
 
 def _interpolate(c: Any, n: Any) -> Value:
-    return _upsample(c, n, n.args[3] if len(n.args) > 3 else n.kwargs.get("mode", "nearest"))
+    names = ("input", "size", "scale_factor", "mode", "align_corners", "rfs", "antialias")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    mode = static_value(args.get("mode", "nearest"))
+    return _upsample(c, n, mode, args.get("align_corners"), args.get("antialias", False))
 
 
 def _upsample_nearest_function(c: Any, n: Any) -> Value:

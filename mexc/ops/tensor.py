@@ -634,6 +634,26 @@ def scaled(c: Any, v: Value, shape: tuple[int, ...], value: float) -> Value:
     return c.emit_as(Op.SCALE, [v], shape, value=float(value))
 
 
+def sliced(c: Any, v: Value, shape: tuple[int, ...], dim: int, start: int, stop: int) -> Value:
+    """v (of `shape`) at [start, stop) along `dim` (a step of a decomposition)."""
+    out = (*shape[:dim], stop - start, *shape[dim + 1 :])
+    return c.emit_as(Op.SLICE, [v], out, dim=dim, start=start, stop=stop)
+
+
+def added(c: Any, a: Value, b: Value, shape: tuple[int, ...]) -> Value:
+    """a + b of one shape (a step of a decomposition)."""
+    return c.emit_as(Op.ADD, [a, b], shape)
+
+
+def interleaved(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) -> Value:
+    """parts (each of `shape`) interleaved along `dim`: element i of part r at i * len(parts)
+    + r (each seen with an axis of 1 after dim, concatenated there, the two axes merged)."""
+    one = (*shape[: dim + 1], 1, *shape[dim + 1 :])
+    wide = (*shape[: dim + 1], len(parts), *shape[dim + 1 :])
+    v = c.emit_as(Op.CONCAT, [reshaped(c, p, one) for p in parts], wide, dim=dim + 1)
+    return reshaped(c, v, (*shape[:dim], shape[dim] * len(parts), *shape[dim + 1 :]))
+
+
 def transposed(c: Any, v: Value, shape: tuple[int, ...], perm: tuple[int, ...]) -> Value:
     """v (of `shape`) with its axes permuted (a step of a decomposition)."""
     return c.emit_as(Op.TRANSPOSE, [v], tuple(shape[a] for a in perm), perm=perm)

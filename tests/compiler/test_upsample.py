@@ -20,7 +20,11 @@ from mexc import kernels as K
 from mexc.ir import Op
 from mexc.mx import MX, RoundCtx
 from mexc.ops import REGISTRY
-from tests.compiler.helpers import assert_cuda_source_trains_bit_exact, train_checksums
+from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
+    step_values,
+    train_checksums,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -108,7 +112,12 @@ def test_the_decomposition_is_torchs_adaptive_pool(
 @pytest.mark.parametrize(
     ("layer", "size", "message"),
     [
-        (nn.Upsample(scale_factor=2, mode="bilinear"), (4, 4), "mode 'bilinear'"),
+        (
+            nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True),
+            (4, 4),
+            "align_corners=True",
+        ),
+        (nn.Upsample(scale_factor=2, mode="bicubic"), (4, 4), "mode 'bicubic'"),
         (nn.Upsample(scale_factor=1.5), (4, 4), r"upsamples \[4, 4\] to \[6, 6\]"),
         (nn.AdaptiveAvgPool2d(3), (5, 5), "pools 5x5 to 3x3"),
     ],
@@ -122,6 +131,31 @@ def test_what_is_not_lowered_is_named(
         mexc.compile(model, (torch.zeros(2, 2, *size),))
 
 
+@pytest.mark.parametrize(
+    ("layer", "size"),
+    [
+        (nn.Upsample(scale_factor=2, mode="bilinear"), (4, 6)),
+        (nn.Upsample(scale_factor=(3, 4), mode="bilinear", align_corners=False), (3, 5)),
+    ],
+)
+def test_bilinear_upsampling_is_torchs_to_its_rounding(
+    layer: nn.Module, size: tuple[int, int]
+) -> None:
+    """Each phase is two scales and an add per axis, the phases one concatenation
+    (docs/frontend.md): against torch's bilinear of the same int8 input, within two units of
+    the result's last place (measured: 2.0 in both cases, those roundings compounded)."""
+    model = nn.Sequential(_Resize(layer), nn.LazyLinear(3))
+    model(torch.zeros(2, 2, *size))
+    prog = mexc.compile(model, (torch.zeros(2, 2, *size),), rounding="nearest")
+    x = np.random.default_rng(3).standard_normal((2, 2, *size)).astype(np.float32)
+    values = step_values(prog, x, np.array([0, 1]))
+    flat = next(n for n in prog.graph.nodes if n.op is Op.RESHAPE and len(n.type.shape) == 2)
+    got = values[flat.out]
+    xq = K.quantize(x.astype(np.float64), 8).dequantize()
+    want = layer(torch.from_numpy(xq)).flatten(1).numpy()
+    assert np.abs(got.dequantize() - want).max() <= 2 * 2.0 ** float(got.e)
+
+
 def test_registry_defines_upsampling_on_every_backend() -> None:
     for op in (Op.UPSAMPLE_NEAREST, Op.UPSAMPLE_NEAREST_GRAD):
         assert all(REGISTRY[op].supports(b) for b in ("reference", "llvm", "cuda", "c")), op
@@ -129,8 +163,8 @@ def test_registry_defines_upsampling_on_every_backend() -> None:
 
 class TopDownNet(nn.Module):
     """An FPN-like top-down path (a coarse map upsampled by nn.Upsample and F.interpolate with
-    a size, added to a finer one) and VGG's head at a small input (adaptive pooling of a 2 x 2
-    map to 4 x 4, then to 2 x 2 again)."""
+    a size, nearest and bilinear, added to a finer one) and VGG's head at a small input
+    (adaptive pooling of a 2 x 2 map to 4 x 4, then to 2 x 2 again)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,7 +180,9 @@ class TopDownNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fine = F.relu(self.stem(x))  # 8 x 8
         coarse = F.relu(self.bn(self.down(fine)))  # 4 x 4
-        merged = fine + self.up(coarse) + F.interpolate(self.mid(fine), size=(8, 8))
+        mid = self.mid(fine)  # 2 x 2
+        merged = fine + self.up(coarse) + F.interpolate(mid, size=(8, 8))
+        merged = merged + F.interpolate(mid, scale_factor=4, mode="bilinear")
         return self.fc(torch.flatten(self.shrink(self.grow(F.max_pool2d(merged, 4))), 1))
 
 
