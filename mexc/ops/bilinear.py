@@ -1,4 +1,4 @@
-"""Linear and bilinear upsampling by integer factors (F.interpolate / nn.Upsample with mode
+"""Linear and bilinear resampling by integer factors (F.interpolate / nn.Upsample with mode
 'linear' or 'bilinear', align_corners=False) as ops mexc has.
 
 Along one axis, output element i * s + r of a factor s reads source position i + d_r, d_r = (r +
@@ -7,7 +7,8 @@ Along one axis, output element i * s + r of a factor s reads source position i +
 source position into the input, which is what x's edge rows repeated give (replicate padding).
 Each phase is two `scale`s by host constants (exact for a factor that is a power of two: 3/4 and
 1/4) and an `add`; the phases are interleaved (`concat` over a new axis, `reshape`). Bilinear is
-the same along H, then along W.
+the same along H, then along W. Down by s, output i reads source position i s + (s - 1) / 2:
+the middle element of its window (odd s) or the mean of the middle two (even s).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from mexc.ir import Value
 from mexc.ops.tensor import added, interleaved, padded, reshaped, scaled, sliced
 
 
-def linear_upsample(c: Any, n: Any, x: Any, scale: tuple[int, ...], align_corners: Any) -> Value:
-    """x (N, C, H, W), or (N, C, L) for 'linear', upsampled by the integer `scale` per axis."""
+def linear_resample(c: Any, n: Any, x: Any, align_corners: Any) -> Value:
+    """x (N, C, H, W), or (N, C, L) for 'linear', resampled to n's shape: per axis up or down
+    by an integer factor."""
     if align_corners:
         raise UnsupportedOpError(
             c.describe(
@@ -29,19 +31,37 @@ def linear_upsample(c: Any, n: Any, x: Any, scale: tuple[int, ...], align_corner
                 "mexc lowers align_corners=False",
             )
         )
-    shape = tuple(c.shape(x))
+    shape, out = tuple(c.shape(x)), tuple(c.shape(n))
     v = c.arg(x)
     if len(shape) == 3:  # (N, C, L) over (N, C, 1, L)
-        shape = (shape[0], shape[1], 1, shape[2])
+        shape, out = (shape[0], shape[1], 1, shape[2]), (out[0], out[1], 1, out[2])
         v = reshaped(c, v, shape)
-        scale = (1, *scale)
-    for k, s in enumerate(scale):
-        if s > 1:
-            v, shape = _along(c, n, v, shape, 2 + k, s)
+    for axis in (2, 3):
+        if out[axis] > shape[axis]:
+            v, shape = _up(c, n, v, shape, axis, out[axis] // shape[axis])
+        elif out[axis] < shape[axis]:
+            v, shape = _down(c, v, shape, axis, shape[axis] // out[axis])
     return reshaped(c, v, tuple(c.shape(n)))
 
 
-def _along(
+def _down(
+    c: Any, v: Value, shape: tuple[int, ...], axis: int, s: int
+) -> tuple[Value, tuple[int, ...]]:
+    """Down by s: output i reads source position i s + (s - 1) / 2, the middle of its window:
+    that element for an odd s, the mean of the middle two for an even one (CoaT's 2 x)."""
+    size = shape[axis] // s
+    split = (*shape[:axis], size, s, *shape[axis + 1 :])
+    out = (*shape[:axis], size, *shape[axis + 1 :])
+    v = reshaped(c, v, split)
+    mid = (s - 1) // 2
+    pick = reshaped(c, sliced(c, v, split, axis + 1, mid, mid + 1), out)
+    if s % 2:
+        return pick, out
+    other = reshaped(c, sliced(c, v, split, axis + 1, mid + 1, mid + 2), out)
+    return scaled(c, added(c, pick, other, out), out, 0.5), out
+
+
+def _up(
     c: Any, n: Any, v: Value, shape: tuple[int, ...], axis: int, s: int
 ) -> tuple[Value, tuple[int, ...]]:
     size = shape[axis]

@@ -11,7 +11,7 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
-from mexc.ops.bilinear import linear_upsample
+from mexc.ops.bilinear import linear_resample
 from mexc.ops.common import (
     Grads,
     elementwise_types,
@@ -394,19 +394,20 @@ def _upsample(
                 "upsampling by integer factors",
             )
         )
+    linear = mode in ("linear", "bilinear")
+    if linear and not any(o % i and i % o for i, o in zip(x_shape[2:], out[2:])):
+        if antialias:
+            raise UnsupportedOpError(c.describe(n, "resamples with antialias=True"))
+        return linear_resample(c, n, x, align_corners)
     if any(o % i for i, o in zip(x_shape[2:], out[2:])):
         raise UnsupportedOpError(
             c.describe(
                 n,
                 f"upsamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers "
-                "upsampling by integer factors only",
+                "resampling by integer factors only",
             )
         )
     scale = tuple(o // i for i, o in zip(x_shape[2:], out[2:]))
-    if mode in ("linear", "bilinear"):
-        if antialias:
-            raise UnsupportedOpError(c.describe(n, "upsamples with antialias=True"))
-        return linear_upsample(c, n, x, scale, align_corners)
     if scale in ((1,), (1, 1)):
         return c.arg(x)
     if len(scale) == 1:  # (N, C, L): over (N, C, 1, L)

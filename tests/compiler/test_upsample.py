@@ -136,6 +136,8 @@ def test_what_is_not_lowered_is_named(
     [
         (nn.Upsample(scale_factor=2, mode="bilinear"), (4, 6)),
         (nn.Upsample(scale_factor=(3, 4), mode="bilinear", align_corners=False), (3, 5)),
+        (nn.Upsample(scale_factor=(0.5, 1 / 3), mode="bilinear"), (4, 6)),  # down (CoaT)
+        (nn.Upsample(scale_factor=(2, 0.25), mode="bilinear"), (3, 8)),
     ],
 )
 def test_bilinear_upsampling_is_torchs_to_its_rounding(
