@@ -19,9 +19,10 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
+from mexc.ops.dilated import dilated_conv
 from mexc.ops.gather import is_gathered
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_result, as_rows_2d, padded, plus_folded_bias
+from mexc.ops.tensor import as_result, as_rows_2d, padded, plus_folded_bias, reshaped
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -189,45 +190,79 @@ def _conv_input(
     return padded(c, n, xv, shape, pads, mode), (0, 0)
 
 
+def _conv_op(
+    c: Any,
+    n: Any,
+    x: Value,
+    weight: Value,
+    bias: Value | None,
+    geometry: dict[str, Any],
+    result: tuple[int, ...],
+) -> Value:
+    """A CONV2D of x (seen as (N, C, H, W) by `geometry`'s "shape") with `geometry`'s stride,
+    padding, dilation, groups, kernel ((kh, kw)) and out channels; dilation through the input's
+    phases (mexc.ops.dilated), with stride 1 only."""
+    stride, padding, groups = geometry["stride"], geometry["padding"], int(geometry["groups"])
+    ins = [x, weight] + ([bias] if bias is not None else [])
+    at = {"groups": groups, "has_bias": bias is not None}
+    if geometry["dilation"] == (1, 1):
+        return c.emit_as(Op.CONV2D, ins, result, stride=stride, padding=padding, **at)
+    if stride != (1, 1):
+        raise UnsupportedOpError(
+            c.describe(n, f"dilates a convolution of stride {list(stride)}; mexc dilates stride 1")
+        )
+
+    def phase(v: Value, out: tuple[int, ...]) -> Value:
+        ins = [v, weight] + ([bias] if bias is not None else [])
+        return c.emit_as(Op.CONV2D, ins, out, stride=(1, 1), padding=(0, 0), **at)
+
+    kernel, o = geometry["kernel"], int(geometry["out"])
+    y = dilated_conv(c, n, x, geometry["shape"], kernel, padding, geometry["dilation"], o, phase)
+    return y if result == (*geometry["shape"][:1], o, *result[2:]) else reshaped(c, y, result)
+
+
 def _conv_module(c: Any, n: Any, m: Any) -> Value:
-    if m.dilation not in ((1, 1), 1):
-        raise UnsupportedOpError(c.describe(n, "uses dilation"))
-    x, padding = _conv_input(c, n, m, c.arg(n.args[0]), tuple(c.shape(n.args[0])))
-    ins = [x, c.param(f"{n.target}.weight", m.weight, "weight")]
-    if m.bias is not None:
-        ins.append(c.param(f"{n.target}.bias", m.bias, "bias"))
-    return c.emit(
-        Op.CONV2D,
-        ins,
-        n,
-        stride=pair(m.stride),
-        padding=padding,
-        groups=m.groups,
-        has_bias=m.bias is not None,
-    )
+    shape = tuple(c.shape(n.args[0]))
+    x, padding = _conv_input(c, n, m, c.arg(n.args[0]), shape)
+    if padding == (0, 0) and x is not c.arg(n.args[0]):  # padded by a padding mode
+        shape = (*shape[:2], *_padded_size(shape, m))
+    weight = c.param(f"{n.target}.weight", m.weight, "weight")
+    bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
+    geometry = {
+        "shape": shape,
+        "stride": pair(m.stride),
+        "padding": padding,
+        "dilation": pair(m.dilation),
+        "groups": m.groups,
+        "kernel": tuple(m.weight.shape[2:]),
+        "out": m.weight.shape[0],
+    }
+    return _conv_op(c, n, x, weight, bias, geometry, tuple(c.shape(n)))
+
+
+def _padded_size(shape: tuple[int, ...], m: Any) -> tuple[int, int]:
+    """(H, W) after a module's padding mode (F.pad's pads: left, right[, top, bottom])."""
+    pads = [int(p) for p in m._reversed_padding_repeated_twice] + [0, 0]
+    return shape[2] + pads[2] + pads[3], shape[3] + pads[0] + pads[1]
 
 
 def _conv_function(c: Any, n: Any) -> Value:
-    x, w, *rest = n.args
-    bias = rest[0] if rest else n.kwargs.get("bias")
-    stride = rest[1] if len(rest) > 1 else n.kwargs.get("stride", 1)
-    padding = rest[2] if len(rest) > 2 else n.kwargs.get("padding", 0)
-    dilation = rest[3] if len(rest) > 3 else n.kwargs.get("dilation", 1)
-    groups = rest[4] if len(rest) > 4 else n.kwargs.get("groups", 1)
-    if pair(dilation) != (1, 1):
-        raise UnsupportedOpError(c.describe(n, "uses dilation"))
-    ins = [c.arg(x), c.get_param(w, "weight")]
-    if bias is not None:
-        ins.append(c.get_param(bias, "bias"))
-    return c.emit(
-        Op.CONV2D,
-        ins,
-        n,
-        stride=pair(stride),
-        padding=pair(padding),
-        groups=int(groups),
-        has_bias=bias is not None,
-    )
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    w, bias = args["weight"], args.get("bias")
+    weight = c.get_param(w, "weight")
+    tensor = c.fetch(w)
+    geometry = {
+        "shape": tuple(c.shape(args["input"])),
+        "stride": pair(args.get("stride", 1)),
+        "padding": pair(args.get("padding", 0)),
+        "dilation": pair(args.get("dilation", 1)),
+        "groups": args.get("groups", 1),
+        "kernel": tuple(tensor.shape[2:]),
+        "out": tensor.shape[0],
+    }
+    b = c.get_param(bias, "bias") if bias is not None else None
+    return _conv_op(c, n, c.arg(args["input"]), weight, b, geometry, tuple(c.shape(n)))
 
 
 def single(v: Any, what: str) -> int:
@@ -242,49 +277,53 @@ def _conv1d(
     c: Any,
     n: Any,
     x: Any,
-    weight: Value,
+    weight: tuple[Value, Any],
     bias: Value | None,
     stride: Any,
     padding: Any,
+    dilation: Any,
     groups: int,
     module: Any = None,
 ) -> Value:
-    """Conv1d as Conv2d with a (1, k) kernel over (N, C, 1, L); its weight is held (O, C/g,
-    1, k). A module's padding="same" / "valid" and padding modes as Conv2d's (_conv_input)."""
+    """Conv1d as Conv2d with a (1, k) kernel over (N, C, 1, L); its weight (the PARAM and the
+    torch tensor) is held (O, C/g, 1, k). A module's padding="same" / "valid" and padding modes
+    as Conv2d's (_conv_input)."""
     if len(c.shape(x)) != 3:
         raise UnsupportedOpError(c.describe(n, "convolves an unbatched input; give it (N, C, L)"))
     b, o, out = c.shape(n)
+    n_, ch, length = c.shape(x)
     rows = as_rows_2d(c, x)
+    shape = (n_, ch, 1, length)
     pad2d = (0, single(padding, "padding")) if module is None else (0, 0)
     if module is not None:
-        n_, ch, length = c.shape(x)
-        rows, pad2d = _conv_input(c, n, module, rows, (n_, ch, 1, length))
-    ins = [rows, weight] + ([bias] if bias is not None else [])
-    y = c.emit_as(
-        Op.CONV2D,
-        ins,
-        (b, o, 1, out),
-        stride=(1, single(stride, "stride")),
-        padding=pad2d,
-        groups=int(groups),
-        has_bias=bias is not None,
-    )
+        padded_rows, pad2d = _conv_input(c, n, module, rows, shape)
+        if padded_rows is not rows and pad2d == (0, 0):
+            shape = (n_, ch, 1, _padded_size((n_, ch, 1, length), module)[1])
+        rows = padded_rows
+    geometry = {
+        "shape": shape,
+        "stride": (1, single(stride, "stride")),
+        "padding": pad2d,
+        "dilation": (1, single(dilation, "dilation")),
+        "groups": int(groups),
+        "kernel": (1, int(weight[1].shape[-1])),
+        "out": o,
+    }
+    y = _conv_op(c, n, rows, weight[0], bias, geometry, (b, o, 1, out))
     return as_result(c, n, y)
 
 
 def _conv1d_module(c: Any, n: Any, m: Any) -> Value:
-    if m.dilation not in ((1,), 1):
-        raise UnsupportedOpError(c.describe(n, "uses dilation"))
     weight = c.param(f"{n.target}.weight", m.weight.unsqueeze(2), "weight")
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
-    return _conv1d(c, n, n.args[0], weight, bias, m.stride, m.padding, m.groups, m)
+    return _conv1d(
+        c, n, n.args[0], (weight, m.weight), bias, m.stride, m.padding, m.dilation, m.groups, m
+    )
 
 
 def _conv1d_function(c: Any, n: Any) -> Value:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if single(args.get("dilation", 1), "dilation") != 1:
-        raise UnsupportedOpError(c.describe(n, "uses dilation"))
     w = args["weight"]
     if not c.is_param(w):
         raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
@@ -292,7 +331,17 @@ def _conv1d_function(c: Any, n: Any) -> Value:
     b = args.get("bias")
     bias = c.get_param(b, "bias") if b is not None else None
     stride, padding = args.get("stride", 1), args.get("padding", 0)
-    return _conv1d(c, n, args["input"], weight, bias, stride, padding, int(args.get("groups", 1)))
+    return _conv1d(
+        c,
+        n,
+        args["input"],
+        (weight, c.fetch(w)),
+        bias,
+        stride,
+        padding,
+        args.get("dilation", 1),
+        int(args.get("groups", 1)),
+    )
 
 
 def linear(c: Any, x: Value, weight: Value, bias: Value | None, result: tuple[int, ...]) -> Value:
