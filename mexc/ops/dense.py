@@ -19,7 +19,7 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
-from mexc.ops.dilated import dilated_conv
+from mexc.ops.dilated import dilated_conv, dilated_size, subsampled
 from mexc.ops.gather import is_gathered
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import as_result, as_rows_2d, padded, plus_folded_bias, reshaped
@@ -207,10 +207,6 @@ def _conv_op(
     at = {"groups": groups, "has_bias": bias is not None}
     if geometry["dilation"] == (1, 1):
         return c.emit_as(Op.CONV2D, ins, result, stride=stride, padding=padding, **at)
-    if stride != (1, 1):
-        raise UnsupportedOpError(
-            c.describe(n, f"dilates a convolution of stride {list(stride)}; mexc dilates stride 1")
-        )
 
     def phase(v: Value, out: tuple[int, ...]) -> Value:
         ins = [v, weight] + ([bias] if bias is not None else [])
@@ -218,7 +214,12 @@ def _conv_op(
 
     kernel, o = geometry["kernel"], int(geometry["out"])
     y = dilated_conv(c, n, x, geometry["shape"], kernel, padding, geometry["dilation"], o, phase)
-    return y if result == (*geometry["shape"][:1], o, *result[2:]) else reshaped(c, y, result)
+    full = dilated_size(geometry["shape"], kernel, padding, geometry["dilation"])
+    shape: tuple[int, ...] = (geometry["shape"][0], o, *full)
+    for axis, s in ((2, stride[0]), (3, stride[1])):
+        if s > 1:  # strided after the fact
+            y, shape = subsampled(c, n, y, shape, axis, s)
+    return y if shape == result else reshaped(c, y, result)
 
 
 def _conv_module(c: Any, n: Any, m: Any) -> Value:

@@ -9,7 +9,8 @@ d_h d_w phases, each phase convolved with the layer's weight and bias (one param
 d_h d_w convolutions: shared weights, whose gradients param_grad_sum adds, docs/numerics.md
 §7c), and the phases interleaved back and cropped to torch's output size. The work is the
 dilated convolution's; each phase is compacted on its own, and the interleaving aligns them to
-one exponent.
+one exponent. With a stride s as well (SKNet's dilated path), the stride-1 result is
+subsampled (every s-th row and column): s^2 times the work of those layers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ from mexc.ir import Value
 from mexc.ops.tensor import interleaved, padded, reshaped, sliced
 
 Conv = Callable[[Value, tuple[int, ...]], Value]  # a phase (N, C, H, W) -> its convolution
+
+
+def dilated_size(
+    shape: tuple[int, ...],
+    kernel: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+) -> tuple[int, int]:
+    """(OH, OW) of the stride-1 dilated convolution of an (N, C, H, W) input."""
+    return (
+        shape[2] + 2 * padding[0] - dilation[0] * (kernel[0] - 1),
+        shape[3] + 2 * padding[1] - dilation[1] * (kernel[1] - 1),
+    )
 
 
 def dilated_conv(
@@ -41,7 +55,7 @@ def dilated_conv(
     b, ch, h, w = shape
     (kh, kw), (dh, dw) = kernel, dilation
     sizes = [h + 2 * padding[0], w + 2 * padding[1]]
-    out = (sizes[0] - dh * (kh - 1), sizes[1] - dw * (kw - 1))
+    out = dilated_size(shape, kernel, padding, dilation)
     grown = [-(-sizes[0] // dh) * dh, -(-sizes[1] // dw) * dw]  # to a multiple of d
     hq, wq = grown[0] // dh, grown[1] // dw
     if hq < kh or wq < kw or min(out) < 1:
@@ -77,3 +91,20 @@ def dilated_conv(
     if full[3] != out[1]:
         y = sliced(c, y, full, 3, 0, out[1])
     return y
+
+
+def subsampled(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], axis: int, s: int
+) -> tuple[Value, tuple[int, ...]]:
+    """Every s-th element of v along `axis` from the first (a stride applied after the fact):
+    v zero-padded to a multiple of s, seen as (size / s, s), the first of each group kept."""
+    size = shape[axis]
+    keep = (size - 1) // s + 1
+    grown = keep * s
+    if grown != size:
+        pads = [0, 0] * (len(shape) - 1 - axis) + [0, grown - size]
+        v = padded(c, n, v, shape, pads, "constant")
+    split = (*shape[:axis], keep, s, *shape[axis + 1 :])
+    out = (*shape[:axis], keep, *shape[axis + 1 :])
+    v = sliced(c, reshaped(c, v, split), split, axis + 1, 0, 1)
+    return reshaped(c, v, out), out

@@ -1,5 +1,5 @@
-"""Dilated convolution (Conv2d and Conv1d with dilation > 1, stride 1) as plain convolutions
-over the input's phases (mexc.ops.dilated): the phases and their interleaving against torch,
+"""Dilated convolution (Conv2d and Conv1d with dilation > 1) as plain convolutions over the
+input's phases (mexc.ops.dilated; a stride subsamples the stride-1 result): the phases and their interleaving against torch,
 the layer's weight read by every phase (shared weights), its gradients against autograd, and
 bit-exact training on reference, llvm and C."""
 
@@ -106,8 +106,19 @@ def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     assert_trains_bit_exact_on_llvm_and_c(_program(), _program, _data(4))
 
 
-def test_a_dilated_convolution_with_a_stride_is_refused_by_node() -> None:
-    model = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, dilation=2), nn.Flatten(), nn.LazyLinear(3))
-    model(torch.zeros(2, 1, 9, 9))
-    with pytest.raises(mexc.UnsupportedOpError, match="node '_0'.*dilates a convolution of stride"):
-        mexc.compile(model, (torch.zeros(2, 1, 9, 9),))
+def test_a_strided_dilated_convolution_is_the_stride_1_one_subsampled() -> None:
+    """SKNet's dilated path (stride 2, dilation 2): the stride-1 result's every other row and
+    column, torch's values to one unit of the last place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, padding=2, dilation=2), nn.Flatten())
+    model = nn.Sequential(*model, nn.Linear(4 * 5 * 5, 3))
+    prog = mexc.compile(model, (torch.zeros(2, 1, 9, 9),), rounding="nearest")
+    x = np.random.default_rng(1).standard_normal((2, 1, 9, 9)).astype(np.float32)
+    values = step_values(prog, x, np.array([0, 1]))
+    flat = next(n for n in prog.graph.nodes if n.op is Op.RESHAPE and n.type.shape == (2, 100))
+    got = values[flat.inputs[0]]
+    xq = K.quantize(x.astype(np.float64), 8).dequantize()
+    w, b = (torch.from_numpy(prog.state[k].dequantize()) for k in ("0.weight", "0.bias"))
+    want = F.conv2d(torch.from_numpy(xq), w, b, stride=2, padding=2, dilation=2).numpy()
+    assert got.m.shape == want.shape
+    assert np.abs(got.dequantize() - want).max() <= 2.0 ** float(got.e)
