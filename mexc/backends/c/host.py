@@ -13,7 +13,7 @@ import numpy as np
 from mexc.backends.c.emit import CModel, emit_model
 from mexc.backends.c.project import RUNTIME_DIR
 from mexc.backends.c.tir_kernels import HEADER, SOURCE
-from mexc.backends.kernel_cache import CACHE, build_entry
+from mexc.backends.kernel_cache import CACHE, build_entry, entry_lock
 from mexc.errors import MexcError
 from mexc.kernels import quantize
 from mexc.mx import MX
@@ -39,8 +39,8 @@ def _generated(model: CModel) -> dict[str, str]:
 
 
 def build_library(model: CModel, flags: tuple[str, ...] = ("-O2",)) -> Path:
-    """Compile model, kernels and runtime into a cached shared library keyed by the sources and
-    flags."""
+    """Compile model and kernels, and link them with the runtime (runtime_objects), into a
+    cached shared library keyed by the sources and flags."""
     files = _generated(model)
     h = hashlib.sha256(" ".join(flags).encode())
     for name in sorted(files):
@@ -50,11 +50,40 @@ def build_library(model: CModel, flags: tuple[str, ...] = ("-O2",)) -> Path:
     folder = CACHE / f"c-{h.hexdigest()[:20]}"
     lib = folder / LIBRARY
     if not lib.exists():
-        build_entry(folder, lambda tmp: _compile_library(tmp, files, flags))
+        objects = runtime_objects(flags)
+        build_entry(folder, lambda tmp: _compile_library(tmp, files, flags, objects))
     return lib
 
 
-def _compile_library(folder: Path, files: dict[str, str], flags: tuple[str, ...]) -> None:
+def runtime_objects(flags: tuple[str, ...] = ("-O2",)) -> list[Path]:
+    """The runtime's object files compiled with `flags`, once, into the kernel cache (keyed by
+    the runtime's sources and headers and the flags): every program's library links these
+    instead of compiling the runtime again, which was most of a small program's build. The
+    runtime includes none of a program's generated files, so its code is the same either way."""
+    sources = _runtime_sources()
+    h = hashlib.sha256(" ".join(flags).encode())
+    for src in sources + sorted(RUNTIME_DIR.glob("*.h")):
+        h.update(src.name.encode() + src.read_bytes())
+    folder = CACHE / f"c-runtime-{h.hexdigest()[:20]}"
+    objects = [folder / f"{src.stem}.o" for src in sources]
+    if not folder.exists():
+        with entry_lock(folder):  # two processes building C programs build it once
+            if not folder.exists():
+                build_entry(folder, lambda tmp: _compile_runtime(tmp, sources, flags))
+    return objects
+
+
+def _compile_runtime(folder: Path, sources: list[Path], flags: tuple[str, ...]) -> None:
+    """`sources` compiled to <stem>.o in `folder` (cc -c writes them to its working folder)."""
+    cmd = ["cc", *flags, "-std=c99", "-fPIC", "-I", str(RUNTIME_DIR), "-c", *map(str, sources)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
+    if res.returncode != 0:
+        raise MexcError(f"building the C runtime failed:\n{res.stderr[-4000:]}")
+
+
+def _compile_library(
+    folder: Path, files: dict[str, str], flags: tuple[str, ...], objects: list[Path]
+) -> None:
     for name, text in files.items():
         (folder / name).write_text(text)
     cmd = [
@@ -69,7 +98,7 @@ def _compile_library(folder: Path, files: dict[str, str], flags: tuple[str, ...]
         str(RUNTIME_DIR),
         str(folder / "model.c"),
         str(folder / SOURCE),
-        *map(str, _runtime_sources()),
+        *map(str, objects),
         "-o",
         str(folder / LIBRARY),
     ]
