@@ -70,6 +70,32 @@ def _softmax_module(c: Any, n: Any, m: Any) -> Value:
     return _softmax_over(c, n, m.dim)
 
 
+def _log_softmax(c: Any, n: Any, m: Any = None) -> Value:
+    """log_softmax over the classes as the model's output (the classic `return
+    F.log_softmax(x, dim=1)` trained with NLLLoss): the logits themselves. The loss head
+    applies log-softmax, and log_softmax(x) = x - logsumexp(x) differs from x by one number per
+    row, which changes neither the cross-entropy nor the prediction; the program's logits are
+    the model's output up to that number. Elsewhere it is refused."""
+    x = n.args[0]
+    dim = (
+        m.dim
+        if m is not None
+        else static_value(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None))
+    )
+    shape = tuple(c.shape(x))
+    last = dim is not None and len(shape) == 2 and int(dim) % 2 == 1
+    if not (last and n.users and all(u.op == "output" for u in n.users)):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "takes log_softmax other than over the classes of the model's output; mexc "
+                "applies log-softmax in its loss head, so return the logits (or their "
+                "log_softmax) from forward",
+            )
+        )
+    return c.arg(x)
+
+
 def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
     shape = tuple(c.shape(n.args[0]))
     rank = len(shape)
@@ -224,6 +250,11 @@ define(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
             Pattern("module", ("torch.nn.Softmax",), _softmax_module),
+            Pattern(
+                "function", ("torch.nn.functional.log_softmax", "torch.log_softmax"), _log_softmax
+            ),
+            Pattern("method", ("log_softmax",), _log_softmax),
+            Pattern("module", ("torch.nn.LogSoftmax",), _log_softmax),
         ),
         lower={"tir": "step_plan:PlanRules.softmax", "c": "emit:_softmax"},
         doc="softmax over the last axis through the integer exp table",

@@ -1,7 +1,7 @@
 """Dilated convolution (Conv2d and Conv1d with dilation > 1) as plain convolutions over the
-input's phases (mexc.ops.dilated; a stride subsamples the stride-1 result): the phases and their interleaving against torch,
-the layer's weight read by every phase (shared weights), its gradients against autograd, and
-bit-exact training on reference, llvm and C."""
+input's phases (mexc.ops.dilated; a stride subsamples the stride-1 result): the phases and
+their interleaving against torch, the layer's weight read by every phase (shared weights), its
+gradients against autograd, and bit-exact training on reference, llvm and C."""
 
 from __future__ import annotations
 
