@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,15 @@ from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import Grads, mx_like, static_int, static_value, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_result, as_rows_2d, reshaped
+from mexc.ops.tensor import (
+    as_result,
+    as_rows_2d,
+    concatenated,
+    reshaped,
+    scaled,
+    sliced,
+    transposed,
+)
 from mexc.types import Exp, Kind, TensorType, acc, mx
 
 
@@ -241,6 +250,46 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
 
 
+def _normalize(c: Any, n: Any) -> Value:
+    """F.normalize(x, p=2, dim): x / max(|x|, eps) along a non-batch axis (cosine attention,
+    cosine classifiers), as a LayerNorm: z = [x, -x] along that axis has mean 0 exactly, so
+    LayerNorm(z) = z / sqrt(mean(x^2) + eps') (no affine: constant ones and zeros), whose first
+    half is x / |x| times sqrt(D); a scale by 1 / sqrt(D) follows. The gradient is the
+    LayerNorm's through the concatenation, which is normalize's (the function agrees for every
+    x). eps' = eps^2 / D puts torch's floor on |x| inside the root."""
+    names = ("input", "p", "dim", "eps")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    p, dim = static_value(args.get("p", 2.0)), static_value(args.get("dim", 1))
+    x = args["input"]
+    shape = tuple(c.shape(x))
+    axis = int(dim) % len(shape)
+    v = c.arg(x)
+    if p != 2 or axis == 0 or c.batch_axis(v) == axis:
+        raise UnsupportedOpError(
+            c.describe(n, f"normalizes with p={p} or along the batch axis; mexc takes p=2")
+        )
+    last = len(shape) - 1
+    perm = tuple(range(len(shape)))
+    if axis != last:
+        perm = (*(a for a in range(len(shape)) if a != axis), axis)
+        v = transposed(c, v, shape, perm)
+    moved = tuple(shape[a] for a in perm)
+    d = moved[-1]
+    wide = (*moved[:-1], 2 * d)
+    z = concatenated(c, [v, scaled(c, v, moved, -1.0)], wide, last)
+    eps = float(static_value(args.get("eps", 1e-12)))
+    affine = [
+        c.constant(f"{n.name}.weight", np.ones(2 * d), "ln_weight"),
+        c.constant(f"{n.name}.bias", np.zeros(2 * d), "ln_bias"),
+    ]
+    y = c.emit_as(Op.LAYERNORM, [z, *affine], wide, eps=max(eps * eps / d, 1e-30))
+    y = scaled(c, sliced(c, y, wide, last, 0, d), moved, 1.0 / math.sqrt(d))
+    if axis == last:
+        return y
+    back = tuple(perm.index(a) for a in range(len(shape)))
+    return transposed(c, y, moved, back)
+
+
 def _groupnorm(c: Any, n: Any, x: Any, groups: Any, affine: list[Value], eps: Any) -> Value:
     """GroupNorm as LayerNorm over rows (sample, group) of C/G x P elements, with the affine
     per channel (`groups`, `per` = P: kernels.layernorm_forward)."""
@@ -352,6 +401,7 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),
             Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
+            Pattern("function", ("torch.nn.functional.normalize",), _normalize),
             Pattern("module", ("torch.nn.GroupNorm",), _groupnorm_module),
             Pattern(
                 "module",

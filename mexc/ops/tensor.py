@@ -645,6 +645,11 @@ def added(c: Any, a: Value, b: Value, shape: tuple[int, ...]) -> Value:
     return c.emit_as(Op.ADD, [a, b], shape)
 
 
+def concatenated(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) -> Value:
+    """parts concatenated along `dim` into `shape` (a step of a decomposition)."""
+    return c.emit_as(Op.CONCAT, parts, shape, dim=dim)
+
+
 def interleaved(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) -> Value:
     """parts (each of `shape`) interleaved along `dim`: element i of part r at i * len(parts)
     + r (each seen with an axis of 1 after dim, concatenated there, the two axes merged)."""
