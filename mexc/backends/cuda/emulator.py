@@ -84,14 +84,23 @@ def emulator_source(cuda_source: str) -> str:
 
 def build_module(cuda_source: str, cache: Path | None = None) -> Path:
     """g++'s shared library of one module of TVM CUDA source, cached by the hash of the source,
-    the emulator header and the flags."""
-    from mexc.backends.kernel_cache import CACHE
+    the emulator header and the flags. The workers of a data-parallel job need the same modules:
+    one builds each while the others wait for it (kernel_cache.entry_lock)."""
+    from mexc.backends.kernel_cache import CACHE, entry_lock
 
     text = emulator_source(cuda_source)
     digest = hashlib.sha256((text + HEADER.read_text() + " ".join(CXX_FLAGS)).encode())
     lib = (cache or CACHE / "cuda-emu") / f"{digest.hexdigest()[:24]}.so"
     if lib.exists():
         return lib
+    with entry_lock(lib):
+        if lib.exists():  # built by another process while this one waited
+            return lib
+        return _build_module(text, lib)
+
+
+def _build_module(text: str, lib: Path) -> Path:
+    """build_module's g++ run: `text` compiled to the shared library `lib`."""
     cxx = shutil.which("g++")
     if cxx is None:
         raise EmulatorError("the CUDA emulator needs g++ (apt-get install g++)")
