@@ -23,13 +23,23 @@ from mexc.ops.common import (
     unary_module,
 )
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import scaled
+from mexc.ops.tensor import added, scaled
 
 
 def _relu_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     if n.id in w.masked_relus:
         return [dys[0]]  # the max pool after it already applied the mask
     return pointwise_vjp(Op.RELU_GRAD, lambda m: m.out)(w, n, dys)
+
+
+def _abs(c: Any, n: Any) -> Value:
+    """|x| as relu(x) + relu(-x): exact (one exponent), and its gradient sign(x) dy (0 at 0,
+    torch's) is the two ReLUs'."""
+    shape = tuple(c.shape(n.args[0]))
+    x = c.arg(n.args[0])
+    pos = c.emit_as(Op.RELU, [x], shape)
+    neg = c.emit_as(Op.RELU, [scaled(c, x, shape, -1.0)], shape)
+    return added(c, pos, neg, shape)
 
 
 def _gelu_module(c: Any, n: Any, m: Any) -> Value:
@@ -350,6 +360,8 @@ define(
                 unary_function(Op.RELU),
             ),
             Pattern("method", ("relu",), unary_function(Op.RELU)),
+            Pattern("function", ("torch.abs",), _abs),
+            Pattern("method", ("abs",), _abs),
             Pattern("module", ("torch.nn.PReLU",), _prelu_module),
             Pattern("function", ("torch.nn.functional.prelu", "torch.prelu"), _prelu_function),
         ),

@@ -17,6 +17,7 @@ from mexc.ops.tensor import (
     as_result,
     as_rows_2d,
     concatenated,
+    multiplied,
     reshaped,
     scaled,
     sliced,
@@ -250,13 +251,52 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
 
 
+def _over_rms(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> Value:
+    """v / sqrt(mean(v^2) + eps) along the last axis, as a LayerNorm: z = [v, -v] has mean 0
+    exactly, so LayerNorm(z) (no affine: constant ones and zeros) = z / sqrt(mean(v^2) + eps),
+    whose first half it is. Its gradient is the LayerNorm's through the concatenation (the
+    functions agree for every v)."""
+    d, last = shape[-1], len(shape) - 1
+    wide = (*shape[:-1], 2 * d)
+    z = concatenated(c, [v, scaled(c, v, shape, -1.0)], wide, last)
+    affine = [
+        c.constant(f"{n.name}.weight", np.ones(2 * d), "ln_weight"),
+        c.constant(f"{n.name}.bias", np.zeros(2 * d), "ln_bias"),
+    ]
+    y = c.emit_as(Op.LAYERNORM, [z, *affine], wide, eps=float(eps))
+    return sliced(c, y, wide, last, 0, d)
+
+
+def _rms_norm(c: Any, n: Any, x: Any, size: Any, weight: Value | None, eps: Any) -> Value:
+    """RMSNorm over the last axis (nn.RMSNorm, F.rms_norm, timm's RmsNorm): x / rms(x)
+    (_over_rms; eps None: float32's machine epsilon, torch's default), times the weight."""
+    shape = tuple(c.shape(x))
+    sizes = tuple(size) if isinstance(size, (list, tuple)) else (size,)
+    if tuple(int(s) for s in sizes) != shape[-1:]:
+        raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
+    eps = 2.0**-23 if eps is None else float(eps)
+    y = _over_rms(c, n, c.arg(x), shape, eps)
+    return y if weight is None else multiplied(c, y, weight, shape)
+
+
+def _rms_norm_module(c: Any, n: Any, m: Any) -> Value:
+    w = getattr(m, "weight", None)
+    weight = c.param(f"{n.target}.weight", w, "scale") if w is not None else None
+    return _rms_norm(c, n, n.args[0], m.normalized_shape, weight, m.eps)
+
+
+def _rms_norm_function(c: Any, n: Any) -> Value:
+    args = dict(zip(("input", "normalized_shape", "weight", "eps"), n.args)) | dict(n.kwargs)
+    w = args.get("weight")
+    weight = c.get_param(w, "scale") if w is not None else None
+    shape = static_value(args["normalized_shape"])
+    return _rms_norm(c, n, args["input"], shape, weight, static_value(args.get("eps")))
+
+
 def _normalize(c: Any, n: Any) -> Value:
     """F.normalize(x, p=2, dim): x / max(|x|, eps) along a non-batch axis (cosine attention,
-    cosine classifiers), as a LayerNorm: z = [x, -x] along that axis has mean 0 exactly, so
-    LayerNorm(z) = z / sqrt(mean(x^2) + eps') (no affine: constant ones and zeros), whose first
-    half is x / |x| times sqrt(D); a scale by 1 / sqrt(D) follows. The gradient is the
-    LayerNorm's through the concatenation, which is normalize's (the function agrees for every
-    x). eps' = eps^2 / D puts torch's floor on |x| inside the root."""
+    cosine classifiers): the axis moved last, x / rms(x) (_over_rms) = sqrt(D) x / |x|, a scale
+    by 1 / sqrt(D). eps' = eps^2 / D puts torch's floor on |x| inside the root."""
     names = ("input", "p", "dim", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     p, dim = static_value(args.get("p", 2.0)), static_value(args.get("dim", 1))
@@ -275,15 +315,9 @@ def _normalize(c: Any, n: Any) -> Value:
         v = transposed(c, v, shape, perm)
     moved = tuple(shape[a] for a in perm)
     d = moved[-1]
-    wide = (*moved[:-1], 2 * d)
-    z = concatenated(c, [v, scaled(c, v, moved, -1.0)], wide, last)
     eps = float(static_value(args.get("eps", 1e-12)))
-    affine = [
-        c.constant(f"{n.name}.weight", np.ones(2 * d), "ln_weight"),
-        c.constant(f"{n.name}.bias", np.zeros(2 * d), "ln_bias"),
-    ]
-    y = c.emit_as(Op.LAYERNORM, [z, *affine], wide, eps=max(eps * eps / d, 1e-30))
-    y = scaled(c, sliced(c, y, wide, last, 0, d), moved, 1.0 / math.sqrt(d))
+    unit = _over_rms(c, n, v, moved, max(eps * eps / d, 1e-30))
+    y = scaled(c, unit, moved, 1.0 / math.sqrt(d))
     if axis == last:
         return y
     back = tuple(perm.index(a) for a in range(len(shape)))
@@ -402,6 +436,8 @@ define(
             Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),
             Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
             Pattern("function", ("torch.nn.functional.normalize",), _normalize),
+            Pattern("function", ("torch.nn.functional.rms_norm",), _rms_norm_function),
+            Pattern("module", ("torch.nn.RMSNorm", "timm.layers.norm.RmsNorm"), _rms_norm_module),
             Pattern("module", ("torch.nn.GroupNorm",), _groupnorm_module),
             Pattern(
                 "module",

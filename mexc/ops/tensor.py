@@ -650,6 +650,12 @@ def concatenated(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) -
     return c.emit_as(Op.CONCAT, parts, shape, dim=dim)
 
 
+def multiplied(c: Any, v: Value, factor: Value, shape: tuple[int, ...]) -> Value:
+    """v times a factor that broadcasts along its own run of axes (a parameter per channel),
+    a step of a decomposition."""
+    return c.emit_as(Op.MUL, [v, factor], shape)
+
+
 def interleaved(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) -> Value:
     """parts (each of `shape`) interleaved along `dim`: element i of part r at i * len(parts)
     + r (each seen with an axis of 1 after dim, concatenated there, the two axes merged)."""
