@@ -26,7 +26,15 @@ from mexc.ops.common import (
 )
 from mexc.ops.dense import single
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import as_result, as_rows_2d, reshaped, scaled, transposed
+from mexc.ops.tensor import (
+    as_result,
+    as_rows_2d,
+    concatenated,
+    reshaped,
+    scaled,
+    sliced,
+    transposed,
+)
 from mexc.types import mx
 
 _POOL: dict[str, Any] = {"kernel": (2, 2), "stride": (2, 2), "padding": (0, 0)}
@@ -239,21 +247,18 @@ def _adaptive_steps(
 
     if op is Op.AVGPOOL2D and (oh, ow) == (1, 1):
         return emit(Op.GLOBAL_AVGPOOL, v, out, True)
+    for axis, o in ((2, oh), (3, ow)):  # windows of several sizes: one pool per window
+        if shape[axis] % o and o % shape[axis]:
+            v, shape = _uneven_windows(c, v, shape, axis, o, op)
+    (h, w) = shape[2:]
+    if (h, w) == (oh, ow):
+        return as_result(c, n, v) if last_is_n else v
     kernel, up = [1, 1], [1, 1]
     for axis, (size, o) in enumerate(((h, oh), (w, ow))):
         if size % o == 0:
             kernel[axis] = size // o
-        elif o % size == 0:
-            up[axis] = o // size
         else:
-            raise UnsupportedOpError(
-                c.describe(
-                    n,
-                    f"pools {h}x{w} to {oh}x{ow}: mexc lowers adaptive pooling where each "
-                    "output size divides the input's or is a multiple of it (windows of one "
-                    "size); change the input size or the output size",
-                )
-            )
+            up[axis] = o // size
     if kernel != [1, 1]:
         k = tuple(kernel)
         mid = (*shape[:2], h // kernel[0], w // kernel[1])
@@ -261,6 +266,24 @@ def _adaptive_steps(
     if up == [1, 1]:
         return v  # output size = input size
     return emit(Op.UPSAMPLE_NEAREST, v, out, True, scale=tuple(up))
+
+
+def _uneven_windows(
+    c: Any, v: Value, shape: tuple, axis: int, o: int, op: Op
+) -> tuple[Value, tuple]:
+    """Adaptive pooling along `axis` to `o` where the windows differ in size (5 to 3: [0, 2),
+    [1, 4), [3, 5)): torch's window [floor(i L / o), ceil((i + 1) L / o)) of each output i as a
+    slice pooled whole (its own divisor), the results concatenated."""
+    size = shape[axis]
+    pieces = []
+    for i in range(o):
+        lo, hi = (i * size) // o, -((-(i + 1) * size) // o)
+        one = (*shape[:axis], 1, *shape[axis + 1 :])
+        k = (hi - lo, 1) if axis == 2 else (1, hi - lo)
+        window = sliced(c, v, shape, axis, lo, hi)
+        pieces.append(c.emit_as(op, [window], one, kernel=k, stride=k, padding=(0, 0)))
+    out = (*shape[:axis], o, *shape[axis + 1 :])
+    return concatenated(c, pieces, out, axis), out
 
 
 def _adaptive_1d(c: Any, n: Any, x: Any, op: Op) -> Value:

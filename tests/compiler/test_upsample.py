@@ -88,6 +88,8 @@ def _ops(layer: nn.Module, size: tuple[int, int]) -> list[Op]:
         ((16, 24), (2, 6), [Op.AVGPOOL2D]),
         ((4, 1), (2, 7), [Op.AVGPOOL2D, Op.UPSAMPLE_NEAREST]),
         ((5, 5), (1, 1), [Op.GLOBAL_AVGPOOL]),
+        ((5, 5), (3, 3), [Op.AVGPOOL2D] * 6),  # windows of 2 and 3: one pool per window
+        ((7, 2), (3, 4), [Op.AVGPOOL2D] * 3 + [Op.UPSAMPLE_NEAREST]),
     ],
 )
 def test_adaptive_average_pooling_decomposes(
@@ -110,6 +112,31 @@ def test_the_decomposition_is_torchs_adaptive_pool(
 
 
 @pytest.mark.parametrize(
+    ("layer", "size"),
+    [
+        (nn.AdaptiveAvgPool2d(3), (5, 5)),
+        (nn.AdaptiveAvgPool2d((3, 4)), (7, 6)),
+        (nn.AdaptiveMaxPool2d((3, 5)), (5, 3)),
+    ],
+)
+def test_adaptive_pooling_with_windows_of_several_sizes_is_torchs(
+    layer: nn.Module, size: tuple[int, int]
+) -> None:
+    """Each window (torch's [floor(i L / o), ceil((i + 1) L / o))) pooled on its own: the
+    maximum exactly, the mean to half a unit of the last place per pooling step."""
+    model = nn.Sequential(_Resize(layer), nn.LazyLinear(3))
+    model(torch.zeros(2, 2, *size))
+    prog = mexc.compile(model, (torch.zeros(2, 2, *size),), rounding="nearest")
+    x = np.random.default_rng(4).standard_normal((2, 2, *size)).astype(np.float32)
+    values = step_values(prog, x, np.array([0, 1]))
+    flat = next(n for n in prog.graph.nodes if n.op is Op.RESHAPE and len(n.type.shape) == 2)
+    got = values[flat.out]
+    xq = K.quantize(x.astype(np.float64), 8).dequantize()
+    want = layer(torch.from_numpy(xq)).flatten(1).numpy()
+    assert np.abs(got.dequantize() - want).max() <= 2.0 ** float(got.e)
+
+
+@pytest.mark.parametrize(
     ("layer", "size", "message"),
     [
         (
@@ -119,7 +146,6 @@ def test_the_decomposition_is_torchs_adaptive_pool(
         ),
         (nn.Upsample(scale_factor=2, mode="bicubic"), (4, 4), "mode 'bicubic'"),
         (nn.Upsample(scale_factor=1.5), (4, 4), r"upsamples \[4, 4\] to \[6, 6\]"),
-        (nn.AdaptiveAvgPool2d(3), (5, 5), "pools 5x5 to 3x3"),
     ],
 )
 def test_what_is_not_lowered_is_named(
