@@ -564,7 +564,8 @@ def _repeat(c: Any, n: Any) -> Value:
 
 def _repeat_interleave(c: Any, n: Any) -> Value:
     """x.repeat_interleave(r, dim) / torch.repeat_interleave of an activation with a number of
-    repeats along a non-batch axis (grouped-query attention's keys)."""
+    repeats (grouped-query attention's keys; along the batch axis, each sample's rows repeated
+    for its windows merged into the batch: GCViT's global queries)."""
     args = dict(zip(("input", "repeats", "dim"), n.args)) | dict(n.kwargs)
     r, dim = static_value(args["repeats"]), static_value(args.get("dim"))
     shape = tuple(c.shape(args["input"]))
@@ -574,8 +575,6 @@ def _repeat_interleave(c: Any, n: Any) -> Value:
         )
     axis = int(dim) % len(shape)
     v = c.arg(args["input"])
-    if c.batch_axis(v) == axis:
-        raise UnsupportedOpError(c.describe(n, "repeats along the batch axis"))
     return v if r == 1 else _copies_along(c, n, v, shape, axis, r, inner=True)[0]
 
 

@@ -25,6 +25,8 @@ from mexc.kernels.elementwise import dropout_group
 from mexc.mx import MX, RoundCtx
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
     small_batch,
     step_values,
     train_checksums,
@@ -320,14 +322,39 @@ def test_repeats_copy_torchs_mantissas_and_train_bit_exact() -> None:
     assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
 
 
-@pytest.mark.parametrize(
-    "call",
-    [lambda x: x.repeat(2, 1), lambda x: x.repeat_interleave(2, dim=0)],
-)
-def test_repeating_the_batch_axis_is_refused(call) -> None:
+def test_tiling_the_batch_axis_is_refused() -> None:
     class BatchRepeat(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return call(x)[:4, :10]
+            return x.repeat(2, 1)[:4, :10]
 
     with pytest.raises(mexc.UnsupportedOpError, match="batch axis"):
         mexc.compile(BatchRepeat(), (torch.zeros(4, 16),))
+
+
+class GlobalQueries(nn.Module):
+    """GCViT: each sample's global query repeated (repeat_interleave over the batch axis) for
+    its 4 windows merged into the batch, then a product with the window tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.fc = nn.Linear(16 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16, 8): 4 windows of 4 tokens
+        b = x.shape[0]
+        g = self.q(x.mean(1, keepdim=True)).repeat_interleave(4, dim=0)  # (4B, 1, 8)
+        return self.fc((x.reshape(b * 4, 4, 8) * g).reshape(b, -1))
+
+
+def test_repeating_each_sample_for_its_windows_matches_torch_and_trains_bit_exact() -> None:
+    x = np.random.default_rng(7).standard_normal((4, 16, 8)).astype(np.float32)
+    torch.manual_seed(0)
+    model = GlobalQueries()
+    prog = mexc.compile(model, (torch.from_numpy(x),), rounding="nearest")
+    assert_logits_match_torch(model, prog, x)
+
+    def program(target: str) -> mexc.Program:
+        torch.manual_seed(0)
+        return mexc.compile(GlobalQueries(), (torch.from_numpy(x),), target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, (x, np.arange(4)))
