@@ -11,7 +11,8 @@ the linear layer's; mexc holds one copy of a parameter, so it is refused where a
 it in its declared layout. Products are exact int32 sums, compacted once, as in every
 matmul and linear layer. Refused by node: a diagonal (a letter twice in one operand), a sum over
 an axis of one operand alone, an axis of the batch contracted (a product of different samples),
-an axis a parameter shares with the result (a weight per head), more than two operands.
+more than two operands. A parameter that keeps one of the activation's axes in the result (a
+weight per head) is read over the batch (gather_param) and multiplied as an activation.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Op, Value
 from mexc.ops.common import static_value
 from mexc.ops.dense import linear
-from mexc.ops.gather import Gathered, as_gathered
+from mexc.ops.gather import Gathered, as_gathered, gathered_value
 from mexc.ops.tensor import broadcast, reshaped, transposed
 
 # letters standing for an ellipsis's axes (never valid in a torch equation)
@@ -139,16 +140,8 @@ def _with_weight(c: Any, n: Any, x: _Operand, w: _Operand, out: str) -> Value:
     """An activation and a parameter (or constant): one linear layer, the parameter held as
     its [out, in] weight."""
     sizes = _sizes(c, n, [x, w])
-    shared = [s for s in w.spec if s in x.spec and s in out]
-    if shared:
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"multiplies {x.spec} by a parameter {w.spec} that keeps axis "
-                f"'{shared[0]}' in the result (a weight per head or group); mexc contracts "
-                "an activation with one weight matrix: split the heads and call a layer each",
-            )
-        )
+    if any(s in x.spec and s in out for s in w.spec):
+        return _per_group_weight(c, n, x, w, out)
     summed = [s for s in x.spec if s in w.spec]
     own_w = [s for s in out if s in w.spec]
     own_x = [s for s in out if s in x.spec]
@@ -166,6 +159,26 @@ def _with_weight(c: Any, n: Any, x: _Operand, w: _Operand, out: str) -> Value:
     weight = _weight(c, n, w, own_w + summed, (m, k))
     y = linear(c, vx, weight, None, (*rows, m))
     return _to_result(c, n, y, (*rows, m), own_x + own_w, out, sizes)
+
+
+def _per_group_weight(c: Any, n: Any, x: _Operand, w: _Operand, out: str) -> Value:
+    """A parameter that keeps an axis of the activation's in the result (a weight per head,
+    MViTv2's relative-position table per query row: "byhwc,hkc->byhwk"): the parameter read
+    over the batch (a gather_param of (B, *its shape), period 1: every sample reads it whole),
+    then the product of two activations. Its gradient is the matmul's, summed over the batch
+    by the gather's."""
+    sample = _sample_letter(c, x)
+    if sample is None or sample in w.spec:
+        raise UnsupportedOpError(
+            c.describe(n, f"multiplies {x.spec} by a parameter {w.spec} per group of its axes")
+        )
+    g = w.gathered
+    assert g is not None
+    batch = x.shape[x.spec.index(sample)]
+    wide = (batch, *w.shape)
+    held = Gathered(g.source, np.asarray(g.index).reshape(w.shape), g.value)
+    value = gathered_value(c, n, held, wide)
+    return _product(c, n, x, _Operand(w.node, sample + w.spec, wide, None, value), out)
 
 
 # ----------------------------------------------------------------------------- pieces
