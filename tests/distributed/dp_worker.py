@@ -59,7 +59,9 @@ class ZooLayers(torch.nn.Module):
 class WindowBiases(torch.nn.Module):
     """Attention in 2 x 2 windows of a 4 x 4 map with a relative-position bias table indexed
     by a buffer and a mask buffer over the windows, through SDPA's attn_mask (timm's Swin): the
-    gathered mask repeats every 4 rows of the windows merged into the batch."""
+    gathered mask repeats every 4 rows of the windows merged into the batch. The value
+    projection is applied twice (shared weights: the sum of its two gradients reads the
+    all-reduced terms)."""
 
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
@@ -81,6 +83,7 @@ class WindowBiases(torch.nn.Module):
         out = torch.nn.functional.scaled_dot_product_attention(
             self.q(w), self.k(w), self.v(w), attn_mask=bias + mask
         )
+        out = self.v(out)  # v read twice: shared weights (param_grad_sum)
         return self.head(out.reshape(b, 16, c).mean(1))
 
 
