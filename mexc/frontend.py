@@ -459,9 +459,16 @@ def _get_param(c: _Ctx, a: Any, role: str) -> Value:
     """A module parameter read directly; a buffer, or a tensor the trace made a constant
     (torch.arange(8) / 8 computed while tracing with shapes), is a frontend constant: the
     model does not train it."""
-    if not isinstance(a, torch.fx.Node) or a.op != "get_attr":
+    if not isinstance(a, torch.fx.Node):
+        raise UnsupportedOpError(f"a layer's {role} must be a module parameter, got {a!r}")
+    if a.op != "get_attr":
         raise UnsupportedOpError(
-            f"functional conv/linear needs its weight to be a module parameter, got {a!r}"
+            _describe(
+                a,
+                f"is used as a layer's {role} (F.conv2d, F.linear, a norm's affine), which "
+                "must be a module parameter read as it is declared; keep the parameter and "
+                "call the layer with it",
+            )
         )
     tensor = _fetch_attr(c.gm, str(a.target))
     if not c.is_parameter(a):

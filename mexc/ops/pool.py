@@ -396,11 +396,17 @@ def _adaptive_function(op: Op, build: Callable[..., Value] | None = None) -> Cal
 
 
 def _upsample(
-    c: Any, n: Any, mode: Any, align_corners: Any = None, antialias: Any = False
+    c: Any,
+    n: Any,
+    mode: Any,
+    align_corners: Any = None,
+    antialias: Any = False,
+    scale_factor: Any = None,
 ) -> Value:
     """Nearest upsampling of (N, C, H, W), or (N, C, L) over (N, C, 1, L), by integer factors
     read off the traced shapes (size or scale_factor; 'nearest-exact' picks the same pixels for
-    integer factors)."""
+    integer factors). `scale_factor`: the one torch places the source pixels by (given and not
+    recomputed from the sizes), which must then be the sizes' ratio."""
     x = n.args[0]
     x_shape, out = c.shape(x), c.shape(n)
     if len(x_shape) not in (3, 4):
@@ -409,6 +415,7 @@ def _upsample(
                 n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, L) and (N, C, H, W)"
             )
         )
+    _check_scale_factor(c, n, scale_factor, tuple(x_shape[2:]), tuple(out[2:]))
     if mode not in ("nearest", "nearest-exact", "linear", "bilinear"):
         raise UnsupportedOpError(
             c.describe(
@@ -440,19 +447,51 @@ def _upsample(
     return c.emit(Op.UPSAMPLE_NEAREST, [c.arg(x)], n, scale=scale)
 
 
+def _check_scale_factor(
+    c: Any, n: Any, factor: Any, sizes: tuple[int, ...], out: tuple[int, ...]
+) -> None:
+    """torch places the source pixels by 1 / scale_factor where one is given (and not
+    recomputed): mexc's integer factors come from the sizes, so the two must agree (3.4 on 2
+    pixels gives 6, which torch reads at j / 3.4, not j / 3)."""
+    if factor is None:
+        return
+    factors = factor if isinstance(factor, (list, tuple)) else (factor,) * len(sizes)
+    for f, i, o in zip(factors, sizes, out):
+        if abs(float(f) - o / i) > 1e-9 * (o / i):
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    f"resamples {list(sizes)} to {list(out)} with scale_factor {factor}, "
+                    "whose pixel positions are not the sizes' ratio; give size= or "
+                    "recompute_scale_factor=True",
+                )
+            )
+
+
+def _placing_factor(scale_factor: Any, recompute: Any) -> Any:
+    """The scale_factor torch places source pixels by: None where sizes decide."""
+    return None if scale_factor is None or recompute else static_value(scale_factor)
+
+
 def _upsample_module(c: Any, n: Any, m: Any) -> Value:
-    return _upsample(c, n, getattr(m, "mode", "nearest"), getattr(m, "align_corners", None))
+    factor = _placing_factor(m.scale_factor, getattr(m, "recompute_scale_factor", None))
+    mode, corners = getattr(m, "mode", "nearest"), getattr(m, "align_corners", None)
+    return _upsample(c, n, mode, corners, scale_factor=factor)
 
 
 def _interpolate(c: Any, n: Any) -> Value:
     names = ("input", "size", "scale_factor", "mode", "align_corners", "rfs", "antialias")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
+    args = {"rfs": args.pop("recompute_scale_factor", None)} | args
     mode = static_value(args.get("mode", "nearest"))
-    return _upsample(c, n, mode, args.get("align_corners"), args.get("antialias", False))
+    factor = _placing_factor(args.get("scale_factor"), args.get("rfs"))
+    corners, antialias = args.get("align_corners"), args.get("antialias", False)
+    return _upsample(c, n, mode, corners, antialias, factor)
 
 
 def _upsample_nearest_function(c: Any, n: Any) -> Value:
-    return _upsample(c, n, "nearest")
+    args = dict(zip(("input", "size", "scale_factor"), n.args)) | dict(n.kwargs)
+    return _upsample(c, n, "nearest", scale_factor=_placing_factor(args.get("scale_factor"), None))
 
 
 def _upsample_fwd(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:

@@ -145,6 +145,10 @@ def test_adaptive_pooling_with_windows_of_several_sizes_is_torchs(
             "align_corners=True",
         ),
         (nn.Upsample(scale_factor=2, mode="bicubic"), (4, 4), "mode 'bicubic'"),
+        # torch reads the source at j / 3.4 (not j / 3) and at 2.5 i + 0.75 (not 3 i + 1)
+        (nn.Upsample(scale_factor=(1, 3.4), mode="bilinear"), (4, 2), "scale_factor"),
+        (nn.Upsample(scale_factor=(0.4, 1), mode="bilinear"), (6, 4), "scale_factor"),
+        (nn.Upsample(scale_factor=(1, 3.4)), (4, 2), "scale_factor"),
         (nn.Upsample(scale_factor=1.5), (4, 4), r"upsamples \[4, 4\] to \[6, 6\]"),
     ],
 )
