@@ -40,6 +40,7 @@ from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.common import STATIC_VALUE, ParamView, static_int, static_value
+from mexc.ops.tensor import every_nth
 from mexc.types import Kind, TensorType, f32
 
 
@@ -352,30 +353,14 @@ def _index(c: _Ctx, n: torch.fx.Node) -> Value:
             shape[dim] = stop - start
             v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
         if step > 1:
-            v = _every_nth(c, v, shape, dim, step)
+            v, taken = every_nth(c, v, tuple(shape), dim, step)
+            shape = list(taken)
     out = c.shape(n)
     return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
 
 
 def _forward(step: Any) -> bool:
     return step is None or (isinstance(step, int) and step > 0)
-
-
-def _every_nth(c: _Ctx, v: Value, shape: list[int], dim: int, step: int) -> Value:
-    """Rows 0, step, 2 step, ... of v along `dim` (x[:, ::2], LeViT's subsampling): v padded
-    with zeros to a multiple of step rows, seen as (rows / step, step), the first of each
-    group sliced out. `shape` (v's) becomes the result's."""
-    rows = shape[dim]
-    kept = -(-rows // step)
-    if kept * step != rows:
-        shape[dim] = kept * step
-        v = c.emit_as(Op.PAD, [v], tuple(shape), dim=dim, start=0, stop=rows)
-    grouped = (*shape[:dim], kept, step, *shape[dim + 1 :])
-    v = c.emit_as(Op.RESHAPE, [v], grouped, shape=grouped)
-    first = (*shape[:dim], kept, 1, *shape[dim + 1 :])
-    v = c.emit_as(Op.SLICE, [v], first, dim=dim + 1, start=0, stop=1)
-    shape[dim] = kept
-    return c.emit_as(Op.RESHAPE, [v], tuple(shape), shape=tuple(shape))
 
 
 def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:

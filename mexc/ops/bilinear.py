@@ -17,7 +17,7 @@ from typing import Any
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Value
-from mexc.ops.tensor import added, interleaved, padded, reshaped, scaled, sliced
+from mexc.ops.tensor import added, every_nth, interleaved, padded, reshaped, scaled, sliced
 
 
 def linear_resample(c: Any, n: Any, x: Any, align_corners: Any) -> Value:
@@ -49,15 +49,11 @@ def _down(
 ) -> tuple[Value, tuple[int, ...]]:
     """Down by s: output i reads source position i s + (s - 1) / 2, the middle of its window:
     that element for an odd s, the mean of the middle two for an even one (CoaT's 2 x)."""
-    size = shape[axis] // s
-    split = (*shape[:axis], size, s, *shape[axis + 1 :])
-    out = (*shape[:axis], size, *shape[axis + 1 :])
-    v = reshaped(c, v, split)
     mid = (s - 1) // 2
-    pick = reshaped(c, sliced(c, v, split, axis + 1, mid, mid + 1), out)
+    pick, out = every_nth(c, v, shape, axis, s, mid)
     if s % 2:
         return pick, out
-    other = reshaped(c, sliced(c, v, split, axis + 1, mid + 1, mid + 2), out)
+    other, _ = every_nth(c, v, shape, axis, s, mid + 1)
     return scaled(c, added(c, pick, other, out), out, 0.5), out
 
 

@@ -19,10 +19,17 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
-from mexc.ops.dilated import dilated_conv, dilated_size, subsampled
+from mexc.ops.dilated import dilated_conv, dilated_size
 from mexc.ops.gather import is_gathered
 from mexc.ops.registry import OpDef, Pattern, define, op_def
-from mexc.ops.tensor import as_result, as_rows_2d, padded, plus_folded_bias, reshaped
+from mexc.ops.tensor import (
+    as_result,
+    as_rows_2d,
+    every_nth,
+    padded,
+    plus_folded_bias,
+    reshaped,
+)
 from mexc.types import acc, mx
 
 _CONV: dict[str, Any] = {"stride": (1, 1), "padding": (0, 0), "groups": 1, "has_bias": False}
@@ -218,7 +225,7 @@ def _conv_op(
     shape: tuple[int, ...] = (geometry["shape"][0], o, *full)
     for axis, s in ((2, stride[0]), (3, stride[1])):
         if s > 1:  # strided after the fact
-            y, shape = subsampled(c, n, y, shape, axis, s)
+            y, shape = every_nth(c, y, shape, axis, s)
     return y if shape == result else reshaped(c, y, result)
 
 

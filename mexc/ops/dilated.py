@@ -91,20 +91,3 @@ def dilated_conv(
     if full[3] != out[1]:
         y = sliced(c, y, full, 3, 0, out[1])
     return y
-
-
-def subsampled(
-    c: Any, n: Any, v: Value, shape: tuple[int, ...], axis: int, s: int
-) -> tuple[Value, tuple[int, ...]]:
-    """Every s-th element of v along `axis` from the first (a stride applied after the fact):
-    v zero-padded to a multiple of s, seen as (size / s, s), the first of each group kept."""
-    size = shape[axis]
-    keep = (size - 1) // s + 1
-    grown = keep * s
-    if grown != size:
-        pads = [0, 0] * (len(shape) - 1 - axis) + [0, grown - size]
-        v = padded(c, n, v, shape, pads, "constant")
-    split = (*shape[:axis], keep, s, *shape[axis + 1 :])
-    out = (*shape[:axis], keep, *shape[axis + 1 :])
-    v = sliced(c, reshaped(c, v, split), split, axis + 1, 0, 1)
-    return reshaped(c, v, out), out

@@ -317,7 +317,7 @@ def folded_value(c: Any, n: Any, a: Any, out: tuple[int, ...]) -> Value | None:
         gathered_value(c, n, p, (*out[:axis], k, *out[axis + 1 :]))
         for p, k in zip(held.parts, sizes)
     ]
-    return c.emit_as(Op.CONCAT, pieces, out, dim=axis)
+    return concatenated(c, pieces, out, axis)
 
 
 def plus_folded_bias(c: Any, n: Any, y: Value, bias: Any, out: tuple[int, ...]) -> Value:
@@ -328,7 +328,7 @@ def plus_folded_bias(c: Any, n: Any, y: Value, bias: Any, out: tuple[int, ...]) 
         raise UnsupportedOpError(
             c.describe(n, "takes a bias that is neither a parameter nor made from parameters")
         )
-    return c.emit_as(Op.ADD, [y, b], out)
+    return added(c, y, b, out)
 
 
 def _seen_shape(c: Any, n: Any, p: Any, x_shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -490,23 +490,17 @@ def _unfold(c: Any, n: Any) -> Value:
     perm = (*(a for a in range(rank) if a != d), d)
     rest = tuple(shape[a] for a in perm[:-1])
     v = x if d == rank - 1 else transposed(c, x, shape, perm)
+    moved, last = (*rest, shape[d]), rank - 1
     if step == size:
         if count * size != shape[d]:
-            v = c.emit_as(
-                Op.SLICE, [v], (*rest, count * size), dim=rank - 1, start=0, stop=count * size
-            )
+            v = sliced(c, v, moved, last, 0, count * size)
     else:
-        pieces = [
-            c.emit_as(
-                Op.SLICE, [v], (*rest, size), dim=rank - 1, start=i * step, stop=i * step + size
-            )
-            for i in range(count)
-        ]
-        v = c.emit_as(Op.CONCAT, pieces, (*rest, count * size), dim=rank - 1)
+        pieces = [sliced(c, v, moved, last, i * step, i * step + size) for i in range(count)]
+        v = concatenated(c, pieces, (*rest, count * size), last)
     v = reshaped(c, v, (*rest, count, size))
-    back = (*range(d), rank - 1, *range(d, rank - 1), rank)  # the windows' axis to dim
-    if d == rank - 1:
+    if d == last:
         return v
+    back = (*range(d), last, *range(d, last), rank)  # the windows' axis to dim
     return transposed(c, v, (*rest, count, size), back)
 
 
@@ -639,6 +633,24 @@ def sliced(c: Any, v: Value, shape: tuple[int, ...], dim: int, start: int, stop:
     return c.emit_as(Op.SLICE, [v], out, dim=dim, start=start, stop=stop)
 
 
+def every_nth(
+    c: Any, v: Value, shape: tuple[int, ...], dim: int, step: int, first: int = 0
+) -> tuple[Value, tuple[int, ...]]:
+    """Elements first, first + step, ... of v along `dim` (first < step), and their shape:
+    v padded with zeros to a multiple of step (a `pad`, where the size is not one), seen as
+    (size / step, step), column `first` of each group sliced out, seen without it. Strided
+    slices (x[:, ::2]), a stride applied after the fact, the middle of resampling windows."""
+    size = shape[dim]
+    kept = -(-size // step)
+    if kept * step != size:
+        shape = (*shape[:dim], kept * step, *shape[dim + 1 :])
+        v = c.emit_as(Op.PAD, [v], shape, dim=dim, start=0, stop=size)
+    grouped = (*shape[:dim], kept, step, *shape[dim + 1 :])
+    v = sliced(c, reshaped(c, v, grouped), grouped, dim + 1, first, first + 1)
+    out = (*shape[:dim], kept, *shape[dim + 1 :])
+    return reshaped(c, v, out), out
+
+
 def added(c: Any, a: Value, b: Value, shape: tuple[int, ...]) -> Value:
     """a + b of one shape (a step of a decomposition)."""
     return c.emit_as(Op.ADD, [a, b], shape)
@@ -660,7 +672,7 @@ def interleaved(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) ->
     + r (each seen with an axis of 1 after dim, concatenated there, the two axes merged)."""
     one = (*shape[: dim + 1], 1, *shape[dim + 1 :])
     wide = (*shape[: dim + 1], len(parts), *shape[dim + 1 :])
-    v = c.emit_as(Op.CONCAT, [reshaped(c, p, one) for p in parts], wide, dim=dim + 1)
+    v = concatenated(c, [reshaped(c, p, one) for p in parts], wide, dim + 1)
     return reshaped(c, v, (*shape[:dim], shape[dim] * len(parts), *shape[dim + 1 :]))
 
 

@@ -549,42 +549,43 @@ def _add(e: _Emit, n: Node) -> None:
     )
 
 
-def _grad_sum(e: _Emit, n: Node) -> None:
+def _terms(e: _Emit, n: Node, ctype: str) -> str:
+    """Opens a block declaring n's inputs as `xs` (pointers to ctype) and their exponents as
+    `es`, for a runtime call over a list of terms; returns their count as a C literal."""
     t = len(n.inputs)
     ptrs = ", ".join(e.ptr[v] for v in n.inputs)
     exps = ", ".join(e.exp[v] for v in n.inputs)
+    e.emit(f"{{ const {ctype} *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    return f"{t}u"
+
+
+def _grad_sum(e: _Emit, n: Node) -> None:
     out = e.arena(n.out, "int8_t")
     eo = e.local_exp(n.out)
-    e.emit(f"{{ const int8_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
-    e.emit(f"  {eo} = mexc_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}")
+    t = _terms(e, n, "int8_t")
+    e.emit(f"  {eo} = mexc_grad_sum({t}, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}")
 
 
 def _param_grad_sum(e: _Emit, n: Node) -> None:
-    t = len(n.inputs)
-    ptrs = ", ".join(e.ptr[v] for v in n.inputs)
-    exps = ", ".join(e.exp[v] for v in n.inputs)
     out = e.arena(n.out, "int32_t")
     eo = e.local_exp(n.out)
-    e.emit(f"{{ const int32_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    t = _terms(e, n, "int32_t")
     e.emit(
-        f"  {eo} = mexc_param_grad_sum({t}u, xs, es, {e.numel(n.out)}u, {out}, &ctx, "
-        f"{_tid(n)}u); }}"
+        f"  {eo} = mexc_param_grad_sum({t}, xs, es, {e.numel(n.out)}u, {out}, &ctx, {_tid(n)}u); }}"
     )
 
 
 def _concat(e: _Emit, n: Node) -> None:
-    t, dim = len(n.inputs), int(n.attrs.dim)
+    dim = int(n.attrs.dim)
     shape = e.shape(n.out)
     outer, inner = int(np.prod(shape[:dim])), int(np.prod(shape[dim + 1 :]))
-    ptrs = ", ".join(e.ptr[v] for v in n.inputs)
-    exps = ", ".join(e.exp[v] for v in n.inputs)
     sizes = ", ".join(f"{e.shape(v)[dim]}u" for v in n.inputs)
     out = e.arena(n.out, "int8_t")
     eo = e.local_exp(n.out)
-    e.emit(f"{{ const int8_t *xs[{t}] = {{{ptrs}}}; const int32_t es[{t}] = {{{exps}}};")
+    t = _terms(e, n, "int8_t")
     e.emit(f"  const uint32_t ks[{t}] = {{{sizes}}};")
     e.emit(
-        f"  {eo} = mexc_concat({t}u, xs, es, ks, {outer}u, {inner}u, {out}, &ctx, {_tid(n)}u); }}"
+        f"  {eo} = mexc_concat({t}, xs, es, ks, {outer}u, {inner}u, {out}, &ctx, {_tid(n)}u); }}"
     )
 
 
