@@ -228,12 +228,12 @@ def test_model_trains_bit_exact_on_reference_llvm_and_c(bits: int) -> None:
 def test_max_over_axes_trains_bit_exact_on_reference_llvm_and_c() -> None:
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((4, 1, 6, 8)).astype(np.float32), rng.integers(0, 10, 4)
-    runs = []
-    for target in ("reference", "llvm", "c"):
+
+    def program(target: str) -> mexc.Program:
         torch.manual_seed(0)
-        prog = mexc.compile(MaxOverAxes(), (torch.zeros(4, 1, 6, 8),), target=target)
-        runs.append([(prog.step(x, y), prog.state_checksum())[1] for _ in range(3)])
-    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
+        return mexc.compile(MaxOverAxes(), (torch.zeros(4, 1, 6, 8),), target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, (x, y))
 
 
 @needs_cuda_tools
@@ -263,19 +263,19 @@ def test_unfold_windows_are_torchs_and_train_bit_exact() -> None:
     learning rate 0), and the model trains bit-exact on reference, llvm and C."""
     x = np.random.default_rng(5).standard_normal((4, 1, 8, 8)).astype(np.float32)
     y = np.array([0, 1, 2, 3])
-    runs = []
-    for target in ("reference", "llvm", "c"):
+
+    def program(target: str) -> mexc.Program:
         torch.manual_seed(0)
-        prog = mexc.compile(Windows(), (torch.zeros(4, 1, 8, 8),), target=target)
-        if target == "reference":
-            values = step_values(prog, x, y)
-            conv = next(n for n in prog.graph.nodes if n.op is Op.CONV2D_COMPACT)
-            flat = next(n for n in prog.graph.nodes if tuple(n.type.shape) == (4, 576))
-            src = torch.from_numpy(np.asarray(values[conv.out].m).astype(np.int64))
-            want = src.unfold(2, 4, 2).unfold(3, 4, 2).flatten(1).numpy()
-            np.testing.assert_array_equal(np.asarray(values[flat.out].m), want)
-        runs.append([(prog.step(x, y), prog.state_checksum())[1] for _ in range(3)])
-    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
+        return mexc.compile(Windows(), (torch.zeros(4, 1, 8, 8),), target=target)
+
+    ref = program("reference")
+    values = step_values(ref, x, y)
+    conv = next(n for n in ref.graph.nodes if n.op is Op.CONV2D_COMPACT)
+    flat = next(n for n in ref.graph.nodes if tuple(n.type.shape) == (4, 576))
+    src = torch.from_numpy(np.asarray(values[conv.out].m).astype(np.int64))
+    want = src.unfold(2, 4, 2).unfold(3, 4, 2).flatten(1).numpy()
+    np.testing.assert_array_equal(np.asarray(values[flat.out].m), want)
+    assert_trains_bit_exact_on_llvm_and_c(ref, program, (x, y))
 
 
 def test_unfolding_the_batch_axis_is_refused() -> None:
@@ -307,19 +307,19 @@ class Repeats(nn.Module):
 def test_repeats_copy_torchs_mantissas_and_train_bit_exact() -> None:
     x = np.random.default_rng(6).standard_normal((4, 8, 16)).astype(np.float32)
     y = np.array([0, 1, 2, 3])
-    runs = []
-    for target in ("reference", "llvm", "c"):
+
+    def program(target: str) -> mexc.Program:
         torch.manual_seed(0)
-        prog = mexc.compile(Repeats(), (torch.zeros(4, 8, 16),), target=target)
-        if target == "reference":
-            values = step_values(prog, x, y)
-            lin = next(n for n in prog.graph.nodes if n.op is Op.LINEAR_COMPACT)
-            heads = next(n for n in prog.graph.nodes if tuple(n.type.shape) == (4, 8, 4, 16))
-            src = torch.from_numpy(np.asarray(values[lin.out].m).astype(np.int64))
-            want = src.view(4, 8, 2, 16).repeat_interleave(2, dim=2).numpy()
-            np.testing.assert_array_equal(np.asarray(values[heads.out].m), want)
-        runs.append([(prog.step(x, y), prog.state_checksum())[1] for _ in range(3)])
-    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) == 3
+        return mexc.compile(Repeats(), (torch.zeros(4, 8, 16),), target=target)
+
+    ref = program("reference")
+    values = step_values(ref, x, y)
+    lin = next(n for n in ref.graph.nodes if n.op is Op.LINEAR_COMPACT)
+    heads = next(n for n in ref.graph.nodes if tuple(n.type.shape) == (4, 8, 4, 16))
+    src = torch.from_numpy(np.asarray(values[lin.out].m).astype(np.int64))
+    want = src.view(4, 8, 2, 16).repeat_interleave(2, dim=2).numpy()
+    np.testing.assert_array_equal(np.asarray(values[heads.out].m), want)
+    assert_trains_bit_exact_on_llvm_and_c(ref, program, (x, y))
 
 
 def test_tiling_the_batch_axis_is_refused() -> None:

@@ -72,6 +72,21 @@ class _Resize(nn.Module):
         return torch.flatten(self.layer(x), 1)
 
 
+def _resized_and_torchs(
+    layer: nn.Module, size: tuple[int, int], seed: int
+) -> tuple[MX, np.ndarray]:
+    """The layer's integer result (flattened, from a step's values with nearest rounding) on
+    a random (2, 2, *size) input, and torch's layer on the same int8 input."""
+    model = nn.Sequential(_Resize(layer), nn.LazyLinear(3))
+    model(torch.zeros(2, 2, *size))
+    prog = mexc.compile(model, (torch.zeros(2, 2, *size),), rounding="nearest")
+    x = np.random.default_rng(seed).standard_normal((2, 2, *size)).astype(np.float32)
+    values = step_values(prog, x, np.array([0, 1]))
+    flat = next(n for n in prog.graph.nodes if n.op is Op.RESHAPE and len(n.type.shape) == 2)
+    xq = K.quantize(x.astype(np.float64), 8).dequantize()
+    return values[flat.out], layer(torch.from_numpy(xq)).flatten(1).numpy()
+
+
 def _ops(layer: nn.Module, size: tuple[int, int]) -> list[Op]:
     model = nn.Sequential(_Resize(layer), nn.LazyLinear(3))
     model(torch.zeros(2, 2, *size))  # materialize the lazy layer
@@ -124,15 +139,7 @@ def test_adaptive_pooling_with_windows_of_several_sizes_is_torchs(
 ) -> None:
     """Each window (torch's [floor(i L / o), ceil((i + 1) L / o))) pooled on its own: the
     maximum exactly, the mean to half a unit of the last place per pooling step."""
-    model = nn.Sequential(_Resize(layer), nn.LazyLinear(3))
-    model(torch.zeros(2, 2, *size))
-    prog = mexc.compile(model, (torch.zeros(2, 2, *size),), rounding="nearest")
-    x = np.random.default_rng(4).standard_normal((2, 2, *size)).astype(np.float32)
-    values = step_values(prog, x, np.array([0, 1]))
-    flat = next(n for n in prog.graph.nodes if n.op is Op.RESHAPE and len(n.type.shape) == 2)
-    got = values[flat.out]
-    xq = K.quantize(x.astype(np.float64), 8).dequantize()
-    want = layer(torch.from_numpy(xq)).flatten(1).numpy()
+    got, want = _resized_and_torchs(layer, size, seed=4)
     assert np.abs(got.dequantize() - want).max() <= 2.0 ** float(got.e)
 
 
@@ -176,15 +183,7 @@ def test_bilinear_upsampling_is_torchs_to_its_rounding(
     """Each phase is two scales and an add per axis, the phases one concatenation
     (docs/frontend.md): against torch's bilinear of the same int8 input, within two units of
     the result's last place (measured: 2.0 in both cases, those roundings compounded)."""
-    model = nn.Sequential(_Resize(layer), nn.LazyLinear(3))
-    model(torch.zeros(2, 2, *size))
-    prog = mexc.compile(model, (torch.zeros(2, 2, *size),), rounding="nearest")
-    x = np.random.default_rng(3).standard_normal((2, 2, *size)).astype(np.float32)
-    values = step_values(prog, x, np.array([0, 1]))
-    flat = next(n for n in prog.graph.nodes if n.op is Op.RESHAPE and len(n.type.shape) == 2)
-    got = values[flat.out]
-    xq = K.quantize(x.astype(np.float64), 8).dequantize()
-    want = layer(torch.from_numpy(xq)).flatten(1).numpy()
+    got, want = _resized_and_torchs(layer, size, seed=3)
     assert np.abs(got.dequantize() - want).max() <= 2 * 2.0 ** float(got.e)
 
 
