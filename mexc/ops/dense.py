@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
@@ -180,21 +180,36 @@ def _linear_grad_weight_k(n: Node, t: Any) -> int:
 
 def _conv_input(
     c: Any, n: Any, m: Any, xv: Value, shape: tuple[int, ...]
-) -> tuple[Value, tuple[int, int]]:
+) -> tuple[Value, tuple[int, ...], tuple[int, int]]:
     """The input (xv, of `shape`: (N, C, H, W), a Conv1d's as (N, C, 1, L)) of a convolution
-    module m and the zero padding its op applies: padding="same" / "valid" as numbers, and the
-    padding modes reflect, replicate and circular (or an uneven "same") as padding ops before
-    it (ops.tensor.padded, with torch's own pad amounts, last axis first)."""
+    module m, its shape, and the zero padding its op applies: padding="same" / "valid" as
+    numbers, and the padding modes reflect, replicate and circular (or an uneven "same") as
+    padding ops before it (ops.tensor.padded, with torch's own pad amounts, last axis first)."""
     mode = "constant" if m.padding_mode == "zeros" else str(m.padding_mode)
     if m.padding == "valid":
-        return xv, (0, 0)
+        return xv, shape, (0, 0)
     if m.padding != "same" and mode == "constant":
         given = tuple(static_int(p) for p in m.padding)  # (p,) for Conv1d, (ph, pw)
-        return xv, (0, given[0]) if len(given) == 1 else (given[0], given[1])
+        return xv, shape, (0, given[0]) if len(given) == 1 else (given[0], given[1])
     pads = [int(p) for p in m._reversed_padding_repeated_twice]
     if mode == "constant" and pads[0::2] == pads[1::2]:
-        return xv, (pads[2], pads[0]) if len(pads) == 4 else (0, pads[0])
-    return padded(c, n, xv, shape, pads, mode), (0, 0)
+        return xv, shape, (pads[2], pads[0]) if len(pads) == 4 else (0, pads[0])
+    both = pads + [0, 0]  # left, right[, top, bottom]
+    grown = (*shape[:2], shape[2] + both[2] + both[3], shape[3] + both[0] + both[1])
+    return padded(c, n, xv, shape, pads, mode), grown, (0, 0)
+
+
+class _Geometry(NamedTuple):
+    """A convolution's input (N, C, H, W) and its op's attributes (a Conv1d's over (N, C, 1,
+    L)); kernel (kh, kw) and out channels O are the weight's."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+    kernel: tuple[int, int]
+    out: int
 
 
 def _conv_op(
@@ -203,55 +218,35 @@ def _conv_op(
     x: Value,
     weight: Value,
     bias: Value | None,
-    geometry: dict[str, Any],
+    g: _Geometry,
     result: tuple[int, ...],
 ) -> Value:
-    """A CONV2D of x (seen as (N, C, H, W) by `geometry`'s "shape") with `geometry`'s stride,
-    padding, dilation, groups, kernel ((kh, kw)) and out channels; dilation through the input's
-    phases (mexc.ops.dilated), with stride 1 only."""
-    stride, padding, groups = geometry["stride"], geometry["padding"], int(geometry["groups"])
+    """A CONV2D of x; with dilation, plain convolutions over the input's phases
+    (mexc.ops.dilated), and a stride above 1 taken from the stride-1 result (every_nth)."""
     ins = [x, weight] + ([bias] if bias is not None else [])
-    at = {"groups": groups, "has_bias": bias is not None}
-    if geometry["dilation"] == (1, 1):
-        return c.emit_as(Op.CONV2D, ins, result, stride=stride, padding=padding, **at)
+    at = {"groups": g.groups, "has_bias": bias is not None}
+    if g.dilation == (1, 1):
+        return c.emit_as(Op.CONV2D, ins, result, stride=g.stride, padding=g.padding, **at)
 
     def phase(v: Value, out: tuple[int, ...]) -> Value:
-        ins = [v, weight] + ([bias] if bias is not None else [])
-        return c.emit_as(Op.CONV2D, ins, out, stride=(1, 1), padding=(0, 0), **at)
+        return c.emit_as(Op.CONV2D, [v, *ins[1:]], out, stride=(1, 1), padding=(0, 0), **at)
 
-    kernel, o = geometry["kernel"], int(geometry["out"])
-    y = dilated_conv(c, n, x, geometry["shape"], kernel, padding, geometry["dilation"], o, phase)
-    full = dilated_size(geometry["shape"], kernel, padding, geometry["dilation"])
-    shape: tuple[int, ...] = (geometry["shape"][0], o, *full)
-    for axis, s in ((2, stride[0]), (3, stride[1])):
+    y = dilated_conv(c, n, x, g.shape, g.kernel, g.padding, g.dilation, g.out, phase)
+    full = dilated_size(g.shape, g.kernel, g.padding, g.dilation)
+    shape: tuple[int, ...] = (g.shape[0], g.out, *full)
+    for axis, s in ((2, g.stride[0]), (3, g.stride[1])):
         if s > 1:  # strided after the fact
             y, shape = every_nth(c, y, shape, axis, s)
     return y if shape == result else reshaped(c, y, result)
 
 
 def _conv_module(c: Any, n: Any, m: Any) -> Value:
-    shape = tuple(c.shape(n.args[0]))
-    x, padding = _conv_input(c, n, m, c.arg(n.args[0]), shape)
-    if padding == (0, 0) and x is not c.arg(n.args[0]):  # padded by a padding mode
-        shape = (*shape[:2], *_padded_size(shape, m))
+    x, shape, padding = _conv_input(c, n, m, c.arg(n.args[0]), tuple(c.shape(n.args[0])))
     weight = c.param(f"{n.target}.weight", m.weight, "weight")
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
-    geometry = {
-        "shape": shape,
-        "stride": pair(m.stride),
-        "padding": padding,
-        "dilation": pair(m.dilation),
-        "groups": m.groups,
-        "kernel": tuple(m.weight.shape[2:]),
-        "out": m.weight.shape[0],
-    }
-    return _conv_op(c, n, x, weight, bias, geometry, tuple(c.shape(n)))
-
-
-def _padded_size(shape: tuple[int, ...], m: Any) -> tuple[int, int]:
-    """(H, W) after a module's padding mode (F.pad's pads: left, right[, top, bottom])."""
-    pads = [int(p) for p in m._reversed_padding_repeated_twice] + [0, 0]
-    return shape[2] + pads[2] + pads[3], shape[3] + pads[0] + pads[1]
+    kernel, out = (int(m.weight.shape[2]), int(m.weight.shape[3])), int(m.weight.shape[0])
+    g = _Geometry(shape, pair(m.stride), padding, pair(m.dilation), m.groups, kernel, out)
+    return _conv_op(c, n, x, weight, bias, g, tuple(c.shape(n)))
 
 
 def _conv_function(c: Any, n: Any) -> Value:
@@ -260,17 +255,17 @@ def _conv_function(c: Any, n: Any) -> Value:
     w, bias = args["weight"], args.get("bias")
     weight = c.get_param(w, "weight")
     tensor = c.fetch(w)
-    geometry = {
-        "shape": tuple(c.shape(args["input"])),
-        "stride": pair(args.get("stride", 1)),
-        "padding": pair(args.get("padding", 0)),
-        "dilation": pair(args.get("dilation", 1)),
-        "groups": args.get("groups", 1),
-        "kernel": tuple(tensor.shape[2:]),
-        "out": tensor.shape[0],
-    }
+    g = _Geometry(
+        tuple(c.shape(args["input"])),
+        pair(args.get("stride", 1)),
+        pair(args.get("padding", 0)),
+        pair(args.get("dilation", 1)),
+        int(args.get("groups", 1)),
+        (int(tensor.shape[2]), int(tensor.shape[3])),
+        int(tensor.shape[0]),
+    )
     b = c.get_param(bias, "bias") if bias is not None else None
-    return _conv_op(c, n, c.arg(args["input"]), weight, b, geometry, tuple(c.shape(n)))
+    return _conv_op(c, n, c.arg(args["input"]), weight, b, g, tuple(c.shape(n)))
 
 
 def single(v: Any, what: str) -> int:
@@ -301,22 +296,20 @@ def _conv1d(
     b, o, out = c.shape(n)
     n_, ch, length = c.shape(x)
     rows = as_rows_2d(c, x)
-    shape = (n_, ch, 1, length)
-    pad2d = (0, single(padding, "padding")) if module is None else (0, 0)
+    shape: tuple[int, ...] = (n_, ch, 1, length)
     if module is not None:
-        padded_rows, pad2d = _conv_input(c, n, module, rows, shape)
-        if padded_rows is not rows and pad2d == (0, 0):
-            shape = (n_, ch, 1, _padded_size((n_, ch, 1, length), module)[1])
-        rows = padded_rows
-    geometry = {
-        "shape": shape,
-        "stride": (1, single(stride, "stride")),
-        "padding": pad2d,
-        "dilation": (1, single(dilation, "dilation")),
-        "groups": int(groups),
-        "kernel": (1, int(weight[1].shape[-1])),
-        "out": o,
-    }
+        rows, shape, pad2d = _conv_input(c, n, module, rows, shape)
+    else:
+        pad2d = (0, single(padding, "padding"))
+    geometry = _Geometry(
+        shape,
+        (1, single(stride, "stride")),
+        pad2d,
+        (1, single(dilation, "dilation")),
+        int(groups),
+        (1, int(weight[1].shape[-1])),
+        o,
+    )
     y = _conv_op(c, n, rows, weight[0], bias, geometry, (b, o, 1, out))
     return as_result(c, n, y)
 
