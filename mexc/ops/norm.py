@@ -259,10 +259,7 @@ def _over_rms(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> V
     d, last = shape[-1], len(shape) - 1
     wide = (*shape[:-1], 2 * d)
     z = concatenated(c, [v, scaled(c, v, shape, -1.0)], wide, last)
-    affine = [
-        c.constant(f"{n.name}.weight", np.ones(2 * d), "ln_weight"),
-        c.constant(f"{n.name}.bias", np.zeros(2 * d), "ln_bias"),
-    ]
+    affine = _function_affine(c, n, None, None, 2 * d)  # constant ones and zeros
     y = c.emit_as(Op.LAYERNORM, [z, *affine], wide, eps=float(eps))
     return sliced(c, y, wide, last, 0, d)
 

@@ -480,11 +480,18 @@ def _upsample_module(c: Any, n: Any, m: Any) -> Value:
 
 
 def _interpolate(c: Any, n: Any) -> Value:
-    names = ("input", "size", "scale_factor", "mode", "align_corners", "rfs", "antialias")
+    names = (
+        "input",
+        "size",
+        "scale_factor",
+        "mode",
+        "align_corners",
+        "recompute_scale_factor",
+        "antialias",
+    )
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    args = {"rfs": args.pop("recompute_scale_factor", None)} | args
     mode = static_value(args.get("mode", "nearest"))
-    factor = _placing_factor(args.get("scale_factor"), args.get("rfs"))
+    factor = _placing_factor(args.get("scale_factor"), args.get("recompute_scale_factor"))
     corners, antialias = args.get("align_corners"), args.get("antialias", False)
     return _upsample(c, n, mode, corners, antialias, factor)
 
