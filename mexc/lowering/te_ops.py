@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from tvm import te, tirx
 
+from mexc.kernels.elementwise import ACC_BITS
 from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
@@ -253,7 +254,9 @@ def aligned_acc_sum(
     accs = [te.placeholder(shape, I32, name=f"a{i}") for i in range(terms)]
     es = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
     keys = te.placeholder((terms,), "int64", name="keys")
-    target = te.compute((1,), lambda _: aligned_target([(e[0], 31) for e in es]), name="target")
+    target = te.compute(
+        (1,), lambda _: aligned_target([(e[0], ACC_BITS) for e in es]), name="target"
+    )
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, idx)

@@ -82,17 +82,12 @@ class _Walker:
     def param_sums(self) -> dict[str, Value]:
         """Each parameter's gradient: its one reader's, or a PARAM_GRAD_SUM of its readers'
         (docs/numerics.md §7c; a tree of sums beyond MAX_SUM_TERMS terms)."""
-        out: dict[str, Value] = {}
-        for name, grads in self.param_grads.items():
-            typ, loc = self.type(grads[0]), self.param_locs[name]
-            while len(grads) > 1:
-                parts = [grads[i : i + MAX_SUM_TERMS] for i in range(0, len(grads), MAX_SUM_TERMS)]
-                grads = [
-                    self.emit(Op.PARAM_GRAD_SUM, p, typ, loc).out if len(p) > 1 else p[0]
-                    for p in parts
-                ]
-            out[name] = grads[0]
-        return out
+        return {
+            name: _summed(
+                self, Op.PARAM_GRAD_SUM, grads, self.type(grads[0]), self.param_locs[name]
+            )
+            for name, grads in self.param_grads.items()
+        }
 
 
 def _no_grad(n: Node) -> bool:
@@ -169,12 +164,16 @@ def _collect(w: _Walker, pending: dict[Value, list[Value]], v: Value, loc: str) 
     if len(grads) == 1:
         return grads[0]
     t = w.type(grads[0])
-    typ = TensorType(Kind.MX, t.shape, t.exp)
-    # a GRAD_SUM has rounding sites for at most MAX_SUM_TERMS terms (docs/layers.md): a value
-    # read by more ops (a DenseNet feature, read by every later layer's concat) sums in a tree
-    while len(grads) > MAX_SUM_TERMS:
+    return _summed(w, Op.GRAD_SUM, grads, TensorType(Kind.MX, t.shape, t.exp), loc)
+
+
+def _summed(w: _Walker, op: Op, grads: list[Value], typ: TensorType, loc: str) -> Value:
+    """The sum of `grads` by `op` (GRAD_SUM, PARAM_GRAD_SUM; one term: itself). A sum has
+    rounding sites for at most MAX_SUM_TERMS terms (docs/layers.md): more (a DenseNet feature,
+    read by every later layer's concat; a block applied in a long loop) sum in a tree."""
+    while len(grads) > 1:
         grads = [
-            w.emit(Op.GRAD_SUM, part, typ, loc).out if len(part) > 1 else part[0]
+            w.emit(op, part, typ, loc).out if len(part) > 1 else part[0]
             for part in (grads[i : i + MAX_SUM_TERMS] for i in range(0, len(grads), MAX_SUM_TERMS))
         ]
-    return w.emit(Op.GRAD_SUM, grads, typ, loc).out
+    return grads[0]
