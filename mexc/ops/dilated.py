@@ -49,9 +49,8 @@ def dilated_conv(
     out_channels: int,
     conv: Conv,
 ) -> Value:
-    """The convolution of x (N, C, H, W) with zero `padding` and `dilation`, its result of
-    n's traced shape seen as (N, O, OH, OW); `conv` convolves one phase (stride 1, no
-    padding)."""
+    """The stride-1 convolution of x (N, C, H, W) with zero `padding` and `dilation`, of
+    shape (N, O, *dilated_size); `conv` convolves one phase (stride 1, no padding)."""
     b, ch, h, w = shape
     (kh, kw), (dh, dw) = kernel, dilation
     sizes = [h + 2 * padding[0], w + 2 * padding[1]]
