@@ -73,6 +73,7 @@ class _Ctx:
     followed: int = 0  # nodes of b that batch_axis has seen
     parameter_names: frozenset[str] | None = None  # is_parameter's, once asked
     types: dict[Value, TensorType] = field(default_factory=dict)  # of the nodes it has seen
+    batch: int = 0  # the input's leading axis
 
     def batch_axis(self, v: Value) -> int | None:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
@@ -158,6 +159,14 @@ class _Ctx:
                 )
             )
         v = self.env[a]
+        if self.is_batched_constant(v):
+            # a positional encoding made in forward for the batch (EdgeNeXt, XCiT) that a layer
+            # reads: the program holds it (one row where the rows repeat) as a constant and
+            # reads it as an activation, so the layer trains as over any other input
+            v = gather.gathered_value(
+                self, a, gather.const_gathered(a, v.value.numpy()), self.shape(a)
+            )
+            self.env[a] = v
         if isinstance(v, (gather.Gathered, gather.Const, gather.Concatenated)):
             what = (
                 "is a parameter or buffer read through indexing"
@@ -178,6 +187,15 @@ class _Ctx:
         if not isinstance(v, Value):
             raise UnsupportedOpError(_describe(a, "is a tuple of tensors where a tensor is used"))
         return v
+
+    def is_batched_constant(self, v: Any) -> bool:
+        """A float constant the forward makes whose leading axis is the input's batch."""
+        return (
+            isinstance(v, gather.Const)
+            and v.value.is_floating_point()
+            and v.value.ndim >= 2
+            and int(v.value.shape[0]) in (1, self.batch)
+        )
 
     def emit(self, op: Op, inputs: list[Value], n: torch.fx.Node, **kw: Any) -> Value:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
@@ -862,6 +880,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
                 raise UnsupportedOpError("mexc models take exactly one input tensor")
             node = b.add(Op.INPUT, (), f32(*c.shape(n)), attrs(Op.INPUT, name=n.name))
             c.env[n] = node.out
+            c.batch = c.shape(n)[0] if c.shape(n) else 0
         elif n.op == "output":
             out = n.args[0]
             if not isinstance(out, torch.fx.Node):

@@ -76,7 +76,7 @@ def as_gathered(c: Any, a: Any) -> Gathered | None:
     if isinstance(held, Gathered):
         return held
     if isinstance(held, Const) and held.value.is_floating_point():
-        return _const_gathered(a, held.value.detach().cpu().numpy())
+        return const_gathered(a, held.value.detach().cpu().numpy())
     if isinstance(held, ParamView):
         numel = int(np.prod(c.shape(held.source)))
         return Gathered(held.source, np.arange(numel).reshape(held.shape))
@@ -86,11 +86,11 @@ def as_gathered(c: Any, a: Any) -> Gathered | None:
             return None
         if c.is_parameter(a):
             return Gathered(a, np.arange(t.numel()).reshape(tuple(t.shape)))
-        return _const_gathered(a, t.detach().cpu().numpy())  # a buffer: a constant
+        return const_gathered(a, t.detach().cpu().numpy())  # a buffer: a constant
     return None
 
 
-def _const_gathered(a: Any, values: np.ndarray) -> Gathered:
+def const_gathered(a: Any, values: np.ndarray) -> Gathered:
     """A constant as a Gathered of its fewest leading rows that repeat (a mask expanded over the
     batch is held once, and its index repeats with that period)."""
     if values.ndim == 0:

@@ -537,7 +537,9 @@ def _copies_along(
 
 
 def _repeat(c: Any, n: Any) -> Value:
-    """x.repeat(*sizes) / x.tile(dims) of an activation along non-batch axes."""
+    """x.repeat(*sizes) / x.tile(dims) of an activation along non-batch axes, or along a batch
+    axis of size 1 (XCiT's positional encoding, made for one sample and repeated for the
+    batch), where tiling is repeat_interleave's copy per element."""
     x = n.args[0]
     sizes = n.args[1:] if not isinstance(n.args[1], (list, tuple)) else n.args[1]
     sizes = [static_int(r) for r in sizes]
@@ -546,13 +548,13 @@ def _repeat(c: Any, n: Any) -> Value:
         sizes = [1] * (len(shape) - len(sizes)) + sizes
     v = c.arg(x)
     batch = c.batch_axis(v)
-    if len(sizes) != len(shape) or (batch is not None and sizes[batch] != 1):
+    if len(sizes) != len(shape) or (batch is not None and sizes[batch] != 1 and shape[batch] != 1):
         raise UnsupportedOpError(
             c.describe(n, f"repeats {list(shape)} by {sizes}: along the batch axis or new axes")
         )
     for axis, r in enumerate(sizes):
         if r != 1:
-            v, shape = _copies_along(c, n, v, shape, axis, r, inner=False)
+            v, shape = _copies_along(c, n, v, shape, axis, r, inner=axis == batch)
     return v
 
 

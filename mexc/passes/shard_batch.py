@@ -63,6 +63,12 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
         n = n.with_(inputs=tuple(remap.get(v, v) for v in n.inputs))
         d = op_def(n.op)
         if d.batch_results:  # the batch, the labels: the worker's rows
+            if any(not t.shape or t.shape[0] != batch for t in n.types):
+                raise _refuse(
+                    n,
+                    "makes a value for one sample that the model repeats over the batch (a "
+                    "positional encoding projected once)",
+                )
             b.keep(n.with_(types=tuple(_rows_of(t, world, n, "the batch") for t in n.types)))
             axis.update((n.result(i), 0) for i in range(len(n.types)))
             continue
