@@ -24,6 +24,7 @@ from typing import Any
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
+from mexc.lowering import tvmscript_stack
 from mexc.lowering.te_func import prim_func
 from mexc.lowering.te_products import (
     ConvGeom,
@@ -45,6 +46,10 @@ UNROLL_TAPS = 9
 # the dot form's column of one output position lives on the stack: at most this many bytes
 MAX_COLUMN = 1024
 DOT4 = "mexc_dot4_acc"  # the tensor intrinsic: c += a[0:4] . b[0:4], as runtime's mexc_dot4
+
+
+# the @T.prim_func below run at import: TVMScript's stack walk made cheap first
+tvmscript_stack.install()
 
 
 @T.prim_func(s_tir=True)

@@ -27,10 +27,16 @@ import functools
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from mexc.lowering import tvmscript_stack
+
 INTRINSICS = {"avx2_i8": "mexc_avx2_i8_dot_8x4", "vnni_i8": "mexc_vnni_i8_dot_8x4"}
 BYTE_KERNELS = tuple(INTRINSICS)  # cpu_gemm's kernels that multiply bytes on column panels
 COLUMNS = 8  # int32 lanes of one AVX2 register
 DEPTH = 4  # bytes of A per int32 lane
+
+
+# the @T.prim_func below run at import: TVMScript's stack walk made cheap first
+tvmscript_stack.install()
 
 
 @T.prim_func(s_tir=True)

@@ -31,6 +31,10 @@ THREADS_2D = TILE_MQ // TILE_T  # 16 x 16 threads per GEMM block
 DP4A_INTRIN = "mexc_dp4a_s8s8s32_acc"
 
 
+# the @T.prim_func below run at import: TVMScript's stack walk made cheap first
+tvmscript_stack.install()
+
+
 @T.prim_func(s_tir=True)
 def _dp4a_desc(
     a: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),  # type: ignore[valid-type]
