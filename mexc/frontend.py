@@ -35,12 +35,11 @@ from torch.fx.experimental.meta_tracer import (
 from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
-from mexc import frontend_fold
+from mexc import frontend_fold, frontend_index
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.common import STATIC_VALUE, ParamView, static_int, static_value
-from mexc.ops.tensor import every_nth
 from mexc.types import Kind, TensorType, f32
 
 
@@ -340,47 +339,6 @@ def _piece(c: _Ctx, n: torch.fx.Node, parts: _Pieces, index: int) -> Value:
     return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
 
 
-def _index(c: _Ctx, n: torch.fx.Node) -> Value:
-    """x[...] with integers and unit-step slices along non-batch axes (x[:, 0], x[:, 1:]): a
-    SLICE per indexed axis, then a RESHAPE that drops the integer-indexed ones."""
-    x, index = n.args[0], static_value(n.args[1])
-    shape = list(c.shape(x))
-    items: list[Any] = list(index) if isinstance(index, tuple) else [index]
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
-    if len(items) > len(shape) or any(
-        not isinstance(t, (int, slice)) or (isinstance(t, slice) and not _forward(t.step))
-        for t in items
-    ):
-        raise UnsupportedOpError(
-            _describe(n, "indexes with something other than integers and forward slices")
-        )
-    v = c.arg(x)
-    for dim, item in enumerate(items):
-        start, stop, step = (
-            slice(item, item + 1 if item != -1 else None) if isinstance(item, int) else item
-        ).indices(shape[dim])
-        stop = max(stop, start)
-        if (start, stop, step) == (0, shape[dim], 1):
-            continue
-        batch = c.batch_axis(v)
-        if dim == batch or (dim == 0 and batch is None):
-            raise UnsupportedOpError(_describe(n, "indexes the batch axis"))
-        if (start, stop) != (0, shape[dim]):
-            shape[dim] = stop - start
-            v = c.emit_as(Op.SLICE, [v], tuple(shape), dim=dim, start=start, stop=stop)
-        if step > 1:
-            v, taken = every_nth(c, v, tuple(shape), dim, step)
-            shape = list(taken)
-    out = c.shape(n)
-    return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
-
-
-def _forward(step: Any) -> bool:
-    return step is None or (isinstance(step, int) and step > 0)
-
-
 def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
     src, index = n.args[0], n.args[1]
     held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
@@ -390,7 +348,7 @@ def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
         return _held_item(n, held, static_int(index))
     if not _is_tensor(n):
         return None
-    return _index(c, n)
+    return frontend_index.read(c, n)
 
 
 def _named_result(c: _Ctx, n: torch.fx.Node) -> Value | None:
@@ -832,6 +790,9 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
             return _pieces(c, n)  # read by getitem
         if n.target is operator.getitem:
             return _getitem(c, n)
+        if n.target is operator.setitem:
+            frontend_index.write(c, n)  # binds the written node to its new value
+            return None
         fhandler = FUNCTION_HANDLERS.get(n.target) or FUNCTION_HANDLERS.get(_qualified(n.target))
         if fhandler is None:
             raise _unsupported(n, _target_name(n))
