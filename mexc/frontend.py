@@ -795,7 +795,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
             return None
         fhandler = FUNCTION_HANDLERS.get(n.target) or FUNCTION_HANDLERS.get(_qualified(n.target))
         if fhandler is None:
-            raise _unsupported(n, _target_name(n))
+            return _in_place(c, n)
         return fhandler(c, n)
     if n.op == "call_method":
         if n.target in _SHAPE_METHODS:
@@ -804,11 +804,53 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
             return _pieces(c, n)
         mhandler = METHOD_HANDLERS.get(str(n.target))
         if mhandler is None:
-            raise _unsupported(n, f"Tensor.{n.target}")
+            return _in_place(c, n)
         return mhandler(c, n)
     if n.op == "get_attr":
         return None  # parameters are materialized by their consumers
     raise _unsupported(n, n.op)
+
+
+def _in_place(c: _Ctx, n: torch.fx.Node) -> Value:
+    """x.add_(y), x.mul_(s), x.clamp_(...), x.relu_(), torch.relu_(x) on an activation: the
+    op without its underscore, and x's node rebound to the result (as a write into x: refused
+    where a view of x would miss it); an error naming the op where there is none."""
+    pure, target = _pure_of(n)
+    if pure is None:
+        raise _unsupported(n, f"Tensor.{n.target}" if n.op == "call_method" else _target_name(n))
+    x = n.args[0] if n.args else None
+    if not isinstance(x, torch.fx.Node) or not isinstance(c.env.get(x), Value):
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                "changes a parameter, a buffer or a constant in place; mexc changes "
+                "only activations in place",
+            )  # fmt: skip
+        )
+    frontend_index.refuse_aliases(c, n, x)
+    held, n.target = n.target, target  # converters read the op's name (x.clamp_ as x.clamp)
+    try:
+        v = pure(c, n)
+    finally:
+        n.target = held
+    c.env[x] = v
+    return v
+
+
+def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:
+    """The converter of an in-place op's pure form, and that form's target (None, None where
+    n is not an in-place op mexc converts)."""
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if not name.endswith("_") or name.endswith("__") or len(name) < 2:
+        return None, None
+    if n.op == "call_method":
+        return METHOD_HANDLERS.get(name[:-1]), name[:-1]
+    for home in (torch, torch.nn.functional):
+        pure = getattr(home, name[:-1], None)
+        handler = FUNCTION_HANDLERS.get(pure) if pure is not None else None
+        if handler is not None:
+            return handler, pure
+    return None, None
 
 
 def _is_tensor(n: torch.fx.Node) -> bool:

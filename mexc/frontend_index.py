@@ -115,7 +115,7 @@ def write(c: Any, n: torch.fx.Node) -> None:
                 "mexc writes only into activations",
             )
         )
-    _refuse_aliases(c, n, x)
+    refuse_aliases(c, n, x)
     shape = tuple(c.shape(x))
     ranges = _ranges(c, n, static_value(key), shape)
     for dim, r in enumerate(ranges):
@@ -197,8 +197,8 @@ def _is_view(m: torch.fx.Node) -> bool:
     return name in _VIEWS
 
 
-def _refuse_aliases(c: Any, n: torch.fx.Node, x: torch.fx.Node) -> None:
-    """A write into x that another node would see through shared memory (x a view of a
+def refuse_aliases(c: Any, n: torch.fx.Node, x: torch.fx.Node) -> None:
+    """A write into x (by node n) that another node would see through shared memory (x a view of a
     tensor read after the write, or a view of x taken before it and read after) is refused:
     mexc's tensors share no memory, so that reader would miss the write."""
     order = {m: i for i, m in enumerate(n.graph.nodes)}

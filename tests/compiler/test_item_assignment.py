@@ -1,6 +1,7 @@
-"""Writing into an activation (`x[...] = v`, MViTv2's `attn[:, :, 1:, 1:] = ...`): the written
-node is rebound to slices and concatenations around the region. Against torch and autograd,
-bit-exact on reference, llvm and C, and writes mexc cannot follow refused by node."""
+"""Writing into an activation (`x[...] = v`, MViTv2's `attn[:, :, 1:, 1:] = ...`) and in-place
+ops (`x.add_(y)`, `torch.relu_(x)`): the written node is rebound to the new value (slices and
+concatenations around a region). Against torch and autograd, bit-exact on reference, llvm and
+C, and writes mexc cannot follow refused by node."""
 
 from __future__ import annotations
 
@@ -81,6 +82,53 @@ def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     assert_trains_bit_exact_on_llvm_and_c(_program(), lambda t: _program(t), (x, y))
 
 
+class InPlace(nn.Module):
+    """The in-place ops, the written tensor read afterwards by its old name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8, 16]
+        y = self.a(x)
+        y.add_(self.b(x))
+        y.mul_(0.5)
+        y.clamp_(-1.5, 1.5)
+        torch.relu_(y)
+        return self.head(y.mean(1))
+
+
+def test_in_place_ops_match_torch_and_train_bit_exact() -> None:
+    torch.manual_seed(0)
+    model = InPlace()
+    prog = mexc.compile(model, (torch.zeros(8, 8, 16),), rounding="nearest")
+    assert_logits_match_torch(model, prog, _data(8)[0])
+
+    def program(target: str) -> mexc.Program:
+        torch.manual_seed(0)
+        return mexc.compile(InPlace(), (torch.zeros(4, 8, 16),), target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, _data(4))
+
+
+class _InPlaceOnAView(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y[:, :4].mul_(3.0)
+        return y[:, :10]
+
+
+class _InPlaceOnAParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :10] + self.p.mul_(2.0)[:10]
+
+
 class _IntoAView(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = x.view(x.shape[0], 2, 8)
@@ -128,6 +176,8 @@ class _IntoAParameter(nn.Module):
         (_IntoTheBatch, "writes into part of the batch axis"),
         (_Strided, "writes through a strided slice"),
         (_IntoAParameter, "writes into a parameter"),
+        (_InPlaceOnAView, "shares memory with 'mul', which 'getitem_1' reads"),
+        (_InPlaceOnAParameter, "changes a parameter, a buffer or a constant in place"),
     ],
 )
 def test_writes_mexc_cannot_follow_are_refused_by_node(make, message: str) -> None:
