@@ -782,7 +782,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         handler = _module_handler(mod)
         if handler is None:
             raise _unsupported(n, type(mod).__name__)
-        return handler(c, n, mod)
+        return _rebound_if_in_place(c, n, handler(c, n, mod), getattr(mod, "inplace", False))
     if n.op == "call_function":
         if n.target is getattr:
             return _named_result(c, n)  # x.shape: None; torch.max(x, d).values
@@ -796,7 +796,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         fhandler = FUNCTION_HANDLERS.get(n.target) or FUNCTION_HANDLERS.get(_qualified(n.target))
         if fhandler is None:
             return _in_place(c, n)
-        return fhandler(c, n)
+        return _rebound_if_in_place(c, n, fhandler(c, n), _inplace_argument(n))
     if n.op == "call_method":
         if n.target in _SHAPE_METHODS:
             return None
@@ -835,6 +835,30 @@ def _in_place(c: _Ctx, n: torch.fx.Node) -> Value:
         n.target = held
     c.env[x] = v
     return v
+
+
+def _rebound_if_in_place(c: _Ctx, n: torch.fx.Node, v: Any, inplace: Any) -> Any:
+    """v, the result of a layer or function called with inplace=True (nn.ReLU(inplace=True),
+    F.relu(x, inplace=True)), is also the new value of its input's node: torch changed the
+    input, and a later reader of it (y + relu_(y)) reads the changed tensor."""
+    x = n.args[0] if n.args else None
+    if not isinstance(x, torch.fx.Node):
+        return v
+    if inplace is True and isinstance(v, Value) and isinstance(c.env.get(x), Value):
+        frontend_index.refuse_aliases(c, n, x)
+        c.env[x] = v
+    return v
+
+
+def _inplace_argument(n: torch.fx.Node) -> Any:
+    """A function call's `inplace` argument, by keyword or by position (F.relu(x, True))."""
+    if "inplace" in n.kwargs:
+        return static_value(n.kwargs["inplace"])
+    try:
+        bound = inspect.signature(n.target).bind(*n.args, **n.kwargs)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature, or other arguments
+        return False
+    return static_value(bound.arguments.get("inplace", False))
 
 
 def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:

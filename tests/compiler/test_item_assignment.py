@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mexc
@@ -111,6 +112,31 @@ def test_in_place_ops_match_torch_and_train_bit_exact() -> None:
         return mexc.compile(InPlace(), (torch.zeros(4, 8, 16),), target=target)
 
     assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, _data(4))
+
+
+class InPlaceLayers(nn.Module):
+    """nn.ReLU(inplace=True) and F.hardtanh(..., True) (inplace by position) whose inputs are
+    read again: torch changed them, so the later readers see the activations' results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, u = self.a(x), self.b(x)
+        z = self.act(y)
+        F.hardtanh(u, -0.5, 0.5, True)
+        return self.head((y - z + y + u).mean(1))  # relu(a(x)) + hardtanh(b(x))
+
+
+def test_a_layer_called_in_place_changes_its_input_for_later_readers() -> None:
+    torch.manual_seed(0)
+    model = InPlaceLayers()
+    prog = mexc.compile(model, (torch.zeros(8, 8, 16),), rounding="nearest")
+    assert_logits_match_torch(model, prog, _data(8)[0])
 
 
 class _InPlaceOnAView(nn.Module):
