@@ -14,9 +14,11 @@ from mexc.numerics import FixedScalar
 from mexc.ops.common import Grads, mx_like, static_int, static_value, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
+    ACTIVATION_DIVISORS,
     as_result,
     as_rows_2d,
     concatenated,
+    mean_over,
     multiplied,
     reshaped,
     scaled,
@@ -292,33 +294,123 @@ def _rms_norm_function(c: Any, n: Any) -> Value:
 
 def _normalize(c: Any, n: Any) -> Value:
     """F.normalize(x, p=2, dim): x / max(|x|, eps) along a non-batch axis (cosine attention,
-    cosine classifiers): the axis moved last, x / rms(x) (_over_rms) = sqrt(D) x / |x|, a scale
-    by 1 / sqrt(D). eps' = eps^2 / D puts torch's floor on |x| inside the root."""
-    names = ("input", "p", "dim", "eps")
-    args = dict(zip(names, n.args)) | dict(n.kwargs)
-    p, dim = static_value(args.get("p", 2.0)), static_value(args.get("dim", 1))
+    cosine classifiers): _unit."""
+    args = dict(zip(("input", "p", "dim", "eps"), n.args)) | dict(n.kwargs)
     x = args["input"]
     shape = tuple(c.shape(x))
-    axis = int(dim) % len(shape)
-    v = c.arg(x)
-    if p != 2 or axis == 0 or c.batch_axis(v) == axis:
+    dims = _norm_dims(c, n, static_value(args.get("p", 2.0)), args.get("dim", 1), shape)
+    return _unit(c, n, c.arg(x), shape, dims, float(static_value(args.get("eps", 1e-12))))
+
+
+def _norm_dims(c: Any, n: Any, p: Any, dim: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of a 2-norm (p 2, "fro" or None), sorted; an error naming n for another p,
+    no axes or the batch axis."""
+    dims = static_value(dim)
+    axes = dims if isinstance(dims, (list, tuple)) else [dims]
+    if p not in (2, 2.0, "fro", None) or dims is None or not axes:
         raise UnsupportedOpError(
-            c.describe(n, f"normalizes with p={p} or along the batch axis; mexc takes p=2")
+            c.describe(
+                n,
+                f"takes a norm with p={p!r} or over all axes; mexc takes p=2 over named "
+                "non-batch axes",
+            )  # fmt: skip
         )
-    last = len(shape) - 1
-    perm = tuple(range(len(shape)))
-    if axis != last:
-        perm = (*(a for a in range(len(shape)) if a != axis), axis)
-        v = transposed(c, v, shape, perm)
+    out = tuple(sorted({static_int(d) % len(shape) for d in axes}))
+    if 0 in out:
+        raise UnsupportedOpError(c.describe(n, "takes a norm along the batch axis"))
+    return out
+
+
+def _unit(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: tuple[int, ...], eps: float
+) -> Value:
+    """v / max(|v|, eps), |v| the 2-norm over `dims`: the axes moved last and flattened into one
+    of D elements, v / rms(v) (_over_rms) = sqrt(D) v / |v|, a scale by 1 / sqrt(D), and back.
+    eps' = eps^2 / D puts torch's floor on |v| inside the root."""
+    rank = len(shape)
+    perm = (*(a for a in range(rank) if a not in dims), *dims)
     moved = tuple(shape[a] for a in perm)
-    d = moved[-1]
-    eps = float(static_value(args.get("eps", 1e-12)))
-    unit = _over_rms(c, n, v, moved, max(eps * eps / d, 1e-30))
-    y = scaled(c, unit, moved, 1.0 / math.sqrt(d))
-    if axis == last:
+    d = int(np.prod([shape[a] for a in dims]))
+    flat = (*moved[: rank - len(dims)], d)
+    if perm != tuple(range(rank)):
+        v = transposed(c, v, shape, perm)
+    if flat != moved:
+        v = reshaped(c, v, flat)
+    unit = _over_rms(c, n, v, flat, max(eps * eps / d, 1e-30))
+    y = scaled(c, unit, flat, 1.0 / math.sqrt(d))
+    if flat != moved:
+        y = reshaped(c, y, moved)
+    if perm == tuple(range(rank)):
         return y
-    back = tuple(perm.index(a) for a in range(len(shape)))
-    return transposed(c, y, moved, back)
+    return transposed(c, y, moved, tuple(perm.index(a) for a in range(rank)))
+
+
+_NORM_ARGS = {  # each function's argument names, in order
+    "norm": ("input", "p", "dim", "keepdim"),
+    "linalg_vector_norm": ("input", "ord", "dim", "keepdim"),  # torch.linalg.vector_norm
+}
+
+
+def _norm_call(c: Any, n: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """(x, axes) of a 2-norm call over named axes with keepdim (x.norm(dim=-1, keepdim=True),
+    torch.linalg.vector_norm(x, 2, (1, 2), True)), else None."""
+    if not c.is_node(n) or n.op not in ("call_method", "call_function"):
+        return None
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if name not in _NORM_ARGS:
+        return None
+    args = dict(zip(_NORM_ARGS[name], n.args)) | dict(n.kwargs)
+    p = static_value(args.get("p", args.get("ord", 2)))
+    if not static_value(args.get("keepdim", False)):
+        return None
+    shape = tuple(c.shape(args["input"]))
+    return args["input"], _norm_dims(c, n, p, args.get("dim"), shape)
+
+
+def _vector_norm(c: Any, n: Any) -> Value:
+    """x.norm(p=2, dim, keepdim), torch.norm, torch.linalg.vector_norm over non-batch axes:
+    |x| = sum(x * x / |x|) over the axes (_unit, a `mul`, their mean times their count),
+    exact as a function; its gradient x / |x| is the product's."""
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    args = dict(zip(_NORM_ARGS[name], n.args)) | dict(n.kwargs)
+    if args.get("dtype") is not None:
+        raise UnsupportedOpError(c.describe(n, "takes a norm in another dtype"))
+    x = args["input"]
+    shape = tuple(c.shape(x))
+    dims = _norm_dims(c, n, static_value(args.get("p", args.get("ord", 2))), args.get("dim"), shape)
+    v = c.arg(x)
+    squares = multiplied(c, v, _unit(c, n, v, shape, dims, 0.0), shape)
+    count = int(np.prod([shape[a] for a in dims]))
+    return scaled(c, mean_over(c, squares, shape, list(dims), tuple(c.shape(n))), c.shape(n), count)
+
+
+def _over_its_norm(c: Any, n: Any, a: Any, b: Any) -> Value | None:
+    """a / b where b is a's 2-norm over axes, with keepdim (x / x.norm(dim=-1, keepdim=True),
+    also floored: .clamp(min=eps), .clamp_min(eps), + eps): F.normalize's _unit; None for
+    another divisor."""
+    eps = 0.0
+    floor = _floor_of(b) if c.is_node(b) else None
+    while floor is not None:
+        b, eps = floor[0], max(eps, floor[1])
+        floor = _floor_of(b) if c.is_node(b) else None
+    call = _norm_call(c, b)
+    if call is None or call[0] is not a:
+        return None
+    return _unit(c, n, c.arg(a), tuple(c.shape(a)), call[1], eps)
+
+
+def _floor_of(b: Any) -> tuple[Any, float] | None:
+    """(y, eps) where b is y.clamp(min=eps), y.clamp_min(eps), torch.clamp(y, min=eps) or
+    y + eps for a number eps >= 0; else None."""
+    name = str(b.target) if b.op == "call_method" else getattr(b.target, "__name__", "")
+    args = list(b.args)
+    if name in ("clamp", "clamp_min", "clip") and args:
+        low = b.kwargs.get("min", args[1] if len(args) > 1 else None)
+        if "max" not in b.kwargs and len(args) <= 2 and isinstance(low, (int, float)):
+            return (args[0], float(low)) if low >= 0 else None
+    if name in ("add", "iadd") and len(args) == 2 and isinstance(args[1], (int, float)):
+        return (args[0], float(args[1])) if args[1] >= 0 else None
+    return None
 
 
 def _groupnorm(c: Any, n: Any, x: Any, groups: Any, affine: list[Value], eps: Any) -> Value:
@@ -433,6 +525,8 @@ define(
             Pattern("module", ("torch.nn.LayerNorm",), _layernorm_module),
             Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
             Pattern("function", ("torch.nn.functional.normalize",), _normalize),
+            Pattern("method", ("norm",), _vector_norm),
+            Pattern("function", ("torch.norm", "torch.linalg.vector_norm"), _vector_norm),
             Pattern("function", ("torch.nn.functional.rms_norm",), _rms_norm_function),
             Pattern("module", ("torch.nn.RMSNorm", "timm.layers.norm.RmsNorm"), _rms_norm_module),
             Pattern("module", ("torch.nn.GroupNorm",), _groupnorm_module),
@@ -458,3 +552,5 @@ define(
         batch_partial=(1, 2),
     ),
 )
+
+ACTIVATION_DIVISORS.append(_over_its_norm)

@@ -911,7 +911,25 @@ def _pow(c: Any, n: Any) -> Value:
     return y
 
 
+# a / b of two activations, for the forms other modules know (norm: x / x.norm(...)): each
+# returns the quotient, or None where b is not its form
+ACTIVATION_DIVISORS: list[Callable[[Any, Any, Any, Any], Value | None]] = []
+
+
 def _div(c: Any, n: Any) -> Value:
+    a, b = n.args[0], n.args[1]
+    if c.is_node(a) and c.is_node(b):
+        for divide in ACTIVATION_DIVISORS:
+            q = divide(c, n, a, b)
+            if q is not None:
+                return q
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "divides by a tensor; mexc divides by numbers, and an activation by its own "
+                "2-norm (x / x.norm(dim=..., keepdim=True), as F.normalize)",
+            )
+        )
     return _scale_by(c, n, divide=True)
 
 
@@ -1122,12 +1140,12 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
     if kind == "sum":
         if count == 1:
             return c.emit(Op.RESHAPE, [c.arg(x)], n, shape=out)
-        mean = _mean_value(c, c.arg(x), shape, dims, out)
+        mean = mean_over(c, c.arg(x), shape, dims, out)
         return c.emit(Op.SCALE, [mean], n, value=float(count))
-    return _mean_value(c, c.arg(x), shape, dims, out)
+    return mean_over(c, c.arg(x), shape, dims, out)
 
 
-def _mean_value(
+def mean_over(
     c: Any, v: Value, shape: tuple[int, ...], dims: list[int], out: tuple[int, ...]
 ) -> Value:
     """The mean of v (of `shape`) over `dims`, as a value of shape `out`."""

@@ -1,0 +1,101 @@
+"""2-norms of activations (`x.norm(dim=..., keepdim=...)`, `torch.norm`,
+`torch.linalg.vector_norm`) as sum(x * x / |x|), and an activation divided by its own norm
+(`f / f.norm(dim=1, keepdim=True).clamp(min=eps)`, a cosine classifier) as F.normalize.
+Against torch and autograd, bit-exact on reference, llvm and C, other divisions refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from mexc.errors import UnsupportedOpError
+from tests.compiler.helpers import (
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+)
+
+
+class Norms(nn.Module):
+    """A spatial norm per channel as a gate (global response normalization's first half), a
+    feature's norm kept as a feature, and a cosine classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 16)
+        self.head = nn.Linear(17, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 1, 6, 6]
+        y = torch.relu(self.conv(x))
+        g = torch.linalg.vector_norm(y, 2, (2, 3), True)  # [B, 8, 1, 1]
+        f = self.fc((y * g).mean((2, 3)))  # [B, 16]
+        length = torch.norm(f, dim=1, keepdim=True)  # [B, 1]
+        unit = f / f.norm(dim=1, keepdim=True).clamp(min=1e-6)
+        return self.head(torch.cat([unit, length / 4], 1))
+
+
+def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((batch, 1, 6, 6)).astype(np.float32), rng.integers(0, 10, batch)
+
+
+def _program(target: str = "reference", batch: int = 4, **kw: object) -> mexc.Program:
+    torch.manual_seed(0)
+    return mexc.compile(Norms(), (torch.zeros(batch, 1, 6, 6),), target=target, **kw)
+
+
+def test_logits_match_torch() -> None:
+    torch.manual_seed(0)
+    model = Norms()
+    prog = mexc.compile(model, (torch.zeros(8, 1, 6, 6),), rounding="nearest")
+    assert_logits_match_torch(model, prog, _data(8)[0])
+
+
+def test_gradients_follow_autograd() -> None:
+    torch.manual_seed(0)
+    model = Norms()
+    prog = mexc.compile(model, (torch.zeros(32, 1, 6, 6),))
+    x, y = _data(32)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("conv.weight", "fc.weight", "head.weight"):
+        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
+
+
+def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    x, y = _data(4)
+    assert_trains_bit_exact_on_llvm_and_c(_program(), lambda t: _program(t), (x, y))
+
+
+class _Ratio(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :10] / (x[:, 10:] + 2.0)
+
+
+class _OtherNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :10] / x.norm(p=1, dim=1, keepdim=True)
+
+
+class _BatchNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :10] * x.norm(dim=0, keepdim=True)[:, :10]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_Ratio, "divides by a tensor"),
+        (_OtherNorm, "with p=1"),
+        (_BatchNorm, "along the batch axis"),
+    ],
+)
+def test_other_divisions_and_norms_are_refused_by_node(make, message: str) -> None:
+    with pytest.raises(UnsupportedOpError, match=message) as err:
+        mexc.compile(make(), (torch.zeros(4, 20),))
+    assert "node '" in str(err.value) and "test_vector_norm.py:" in str(err.value)
