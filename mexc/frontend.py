@@ -36,6 +36,8 @@ from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
 from mexc import frontend_fold, frontend_index
+from mexc.arrangement import ATTR as ARRANGED
+from mexc.arrangement import Arrangement
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
@@ -73,6 +75,7 @@ class _Ctx:
     parameter_names: frozenset[str] | None = None  # is_parameter's, once asked
     types: dict[Value, TensorType] = field(default_factory=dict)  # of the nodes it has seen
     batch: int = 0  # the input's leading axis
+    arranged: dict[str, Arrangement] = field(default_factory=dict)  # params held rearranged
 
     def batch_axis(self, v: Value) -> int | None:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
@@ -105,12 +108,21 @@ class _Ctx:
         return tuple(int(d) for d in meta.shape)
 
     def param(
-        self, name: str, tensor: torch.Tensor, role: str, layout: str = "", user: Any = None
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        role: str,
+        layout: str = "",
+        user: Any = None,
+        arranged: Arrangement | None = None,
     ) -> Value:
         """The PARAM node of `name`, holding `tensor`: the parameter as declared (layout "")
         or rearranged for the op that reads it (`layout` names how: a weight an einsum
-        contracts, held [out, in]). mexc holds one copy of a parameter, so a second read in
-        another layout is refused (naming the fx node `user`)."""
+        contracts, held [out, in]; `arranged` how the model's tensor maps to the held one).
+        mexc holds one copy of a parameter, so a second read in another layout is refused
+        (naming the fx node `user`)."""
+        if arranged is not None:
+            self.arranged[name] = arranged
         held = self.param_layouts.setdefault(name, layout)
         if held != layout:
             what = (
@@ -933,9 +945,10 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
         (f32(batch, classes), f32()),
         attrs(Op.SOFTMAX_CE, num_classes=classes),
     )
+    held = tuple(a.text(name) for name, a in sorted(c.arranged.items()) if name in c.params)
     graph = b.build(
         [("logits", logits), ("probs", head.result(0)), ("loss", head.result(1))],
-        [("batch", batch), ("num_classes", classes)],
+        [("batch", batch), ("num_classes", classes)] + ([(ARRANGED, held)] if held else []),
     )
     shape = tuple(example.shape[1:])
     return FrontendResult(graph, c.params, c.buffers, shape, classes, frozenset(c.constants))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mexc.arrangement import arrangements
 from mexc.backends.reference.interp import (
     StepEnv,
     execute,
@@ -278,6 +279,56 @@ class Program:
             out[name] = v.m.copy()
             out[name + ".exp"] = v.e.astype(np.int32)
         return out
+
+    def float_weights(self) -> dict[str, np.ndarray]:
+        """The model's trained parameters and batch-norm running statistics as the program
+        holds them, dequantized to float32, by the model's names and in its shapes (a
+        parameter an op holds rearranged, mexc.arrangement, is put back). Not the optimizer's
+        state, nor the constants mexc made (`mexc.*`)."""
+        held = arrangements(self.global_graph)
+        names = [
+            str(n.attrs.name)
+            for n in self.global_graph.nodes
+            if (n.op == Op.PARAM or (n.op == Op.STATE and n.attrs.role.startswith("running_")))
+            and not str(n.attrs.name).startswith("mexc.")
+        ]
+        out: dict[str, np.ndarray] = {}
+        for name in names:
+            value = self.state[name].dequantize().astype(np.float32)
+            way = held.get(name)
+            if way is not None and not way.split:
+                raise InputError(
+                    f"parameter '{name}' is held in an order mexc cannot map back to the "
+                    "model's (a contraction read it through an index that is no permutation "
+                    "of its axes); read it from Program.state"
+                )
+            out[name] = way.declared_of(value) if way is not None else value
+        return out
+
+    def to_module(self, model: Any) -> Any:
+        """Copy float_weights() into `model` (the nn.Module this program was compiled from, or
+        one of its architecture) in place, and return it: train integer-only, then evaluate,
+        export or fine-tune the result in PyTorch. An error names a weight the module lacks or
+        holds in another shape, and leaves the module unchanged."""
+        import torch
+
+        weights = self.float_weights()
+        own = dict(model.named_parameters()) | dict(model.named_buffers())
+        for name, value in weights.items():
+            if name not in own:
+                raise InputError(
+                    f"the module has no parameter or buffer '{name}': give the module this "
+                    "program was compiled from"
+                )
+            if tuple(own[name].shape) != value.shape:
+                raise InputError(
+                    f"the module's '{name}' has shape {list(own[name].shape)}, the program's "
+                    f"{list(value.shape)}: give the module this program was compiled from"
+                )
+        with torch.no_grad():
+            for name, value in weights.items():
+                own[name].copy_(torch.from_numpy(value))
+        return model
 
     def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
         new: dict[str, MX] = {}

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mexc.arrangement import Arrangement, permutation
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op, Value
 from mexc.ops.common import static_value
@@ -213,9 +214,13 @@ def _weight(c: Any, n: Any, w: _Operand, order: list[str], shape: tuple[int, int
         (index.reshape(-1) == np.arange(index.size)).all()
     )
     layout = "" if declared else f"rearranged as a [{shape[0]}, {shape[1]}] weight ({order_key})"
-    return c.param(
-        str(g.source.target), flat[index.reshape(-1)].reshape(shape), "weight", layout, n
-    )
+    arranged = None
+    if not declared:  # an order no axis permutation gives is recorded as unknown (no split)
+        arranged = permutation(tuple(source.shape), index) or Arrangement(
+            tuple(source.shape), (), ()
+        )
+    held = flat[index.reshape(-1)].reshape(shape)
+    return c.param(str(g.source.target), held, "weight", layout, n, arranged)
 
 
 def _arranged(c: Any, o: _Operand, order: list[str], shape: tuple[int, ...]) -> Value:

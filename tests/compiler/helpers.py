@@ -62,12 +62,9 @@ def integer_gradients(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[
 
 
 def dequantized_copy(model: nn.Module, prog: mexc.Program) -> nn.Module:
-    """A float64 copy of `model` in training mode holding the program's dequantized weights."""
-    m = copy.deepcopy(model).train().double()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(torch.from_numpy(prog.state[name].dequantize()).reshape(p.shape))
-    return m
+    """A float64 copy of `model` in training mode holding the program's dequantized weights
+    and running statistics (Program.to_module: rearranged parameters put back)."""
+    return prog.to_module(copy.deepcopy(model).train().double())
 
 
 def float_gradients(
