@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from mexc import kernels as K
+from mexc.arrangement import Arrangement
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
@@ -19,6 +20,7 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
+from mexc.ops.conv3d import conv3d_function, conv3d_module
 from mexc.ops.dilated import dilated_conv, dilated_size
 from mexc.ops.gather import is_gathered
 from mexc.ops.registry import OpDef, Pattern, define, op_def
@@ -249,6 +251,33 @@ def _conv_module(c: Any, n: Any, m: Any) -> Value:
     return _conv_op(c, n, x, weight, bias, g, tuple(c.shape(n)))
 
 
+def _conv3d_module(c: Any, n: Any, m: Any) -> Value:
+    """nn.Conv3d: conv2d over the frames (mexc.ops.conv3d)."""
+    return conv3d_module(c, n, m, _frames_conv(c, n))
+
+
+def _conv3d_function(c: Any, n: Any) -> Value:
+    return conv3d_function(c, n, _frames_conv(c, n))
+
+
+def _frames_conv(c: Any, n: Any) -> Any:
+    """mexc.ops.conv3d's conv2d: a CONV2D with the weight's (kt O, C, kh, kw) kernel."""
+
+    def conv2d(
+        x: Value,
+        weight: Value,
+        shape: tuple[int, ...],
+        kernel: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        result: tuple[int, ...],
+    ) -> Value:
+        g = _Geometry(shape, stride, padding, (1, 1), 1, kernel, result[1])
+        return _conv_op(c, n, x, weight, None, g, result)
+
+    return conv2d
+
+
 def _conv_function(c: Any, n: Any) -> Value:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
@@ -314,8 +343,16 @@ def _conv1d(
     return as_result(c, n, y)
 
 
+def _as_rows(weight: Any) -> Arrangement:
+    """A Conv1d weight (O, C, k) held as the (O, C, 1, k) kernel of its conv2d."""
+    shape = tuple(int(d) for d in weight.shape)
+    return Arrangement(shape, shape, tuple(range(len(shape))))
+
+
 def _conv1d_module(c: Any, n: Any, m: Any) -> Value:
-    weight = c.param(f"{n.target}.weight", m.weight.unsqueeze(2), "weight")
+    weight = c.param(
+        f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=_as_rows(m.weight)
+    )
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
     return _conv1d(
         c, n, n.args[0], (weight, m.weight), bias, m.stride, m.padding, m.dilation, m.groups, m
@@ -328,7 +365,8 @@ def _conv1d_function(c: Any, n: Any) -> Value:
     w = args["weight"]
     if not c.is_param(w):
         raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
-    weight = c.param(str(w.target), c.fetch(w).unsqueeze(2), "weight")
+    tensor = c.fetch(w)
+    weight = c.param(str(w.target), tensor.unsqueeze(2), "weight", arranged=_as_rows(tensor))
     b = args.get("bias")
     bias = c.get_param(b, "bias") if b is not None else None
     stride, padding = args.get("stride", 1), args.get("padding", 0)
@@ -385,6 +423,8 @@ define(
         vjp=_conv_vjp,
         frontend=(
             Pattern("module", ("torch.nn.Conv2d",), _conv_module),
+            Pattern("module", ("torch.nn.Conv3d",), _conv3d_module),
+            Pattern("function", ("torch.conv3d", "torch.nn.functional.conv3d"), _conv3d_function),
             Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
             Pattern("module", ("torch.nn.Conv1d",), _conv1d_module),
             Pattern("function", ("torch.nn.functional.conv1d",), _conv1d_function),

@@ -16,7 +16,6 @@ from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
     ACTIVATION_DIVISORS,
     as_result,
-    as_rows_2d,
     concatenated,
     mean_over,
     multiplied,
@@ -148,19 +147,26 @@ def _batchnorm_module(c: Any, n: Any, m: Any) -> Value:
 
 
 def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, momentum: float) -> Value:
-    """BATCHNORM of (N, C) or (N, C, H, W); BatchNorm1d's (N, C, L) as (N, C, 1, L)."""
-    shape = c.shape(x)
-    if len(shape) not in (2, 3, 4):
+    """BATCHNORM of (N, C) or (N, C, H, W); BatchNorm1d's (N, C, L) as (N, C, 1, L) and
+    BatchNorm3d's (N, C, T, H, W) as (N, C, T H, W): the same statistics per channel."""
+    shape = tuple(c.shape(x))
+    if len(shape) not in (2, 3, 4, 5):
         raise UnsupportedOpError(
             c.describe(
-                n, f"normalizes a {len(shape)}-D tensor; give it (N, C), (N, C, L) or (N, C, H, W)"
+                n,
+                f"normalizes a {len(shape)}-D tensor; give it (N, C), (N, C, L), (N, C, H, W) "
+                "or (N, C, T, H, W)",
             )
         )
-    if len(shape) != 3:
+    if len(shape) in (2, 4):
         return c.emit(Op.BATCHNORM, ins, n, eps=eps, momentum=momentum)
-    b, ch, length = shape
-    ins = [as_rows_2d(c, x), *ins[1:]]
-    y = c.emit_as(Op.BATCHNORM, ins, (b, ch, 1, length), eps=eps, momentum=momentum)
+    seen = (
+        (*shape[:2], 1, shape[2])
+        if len(shape) == 3
+        else (*shape[:2], shape[2] * shape[3], shape[4])
+    )
+    ins = [reshaped(c, ins[0], seen), *ins[1:]]
+    y = c.emit_as(Op.BATCHNORM, ins, seen, eps=eps, momentum=momentum)
     return as_result(c, n, y)
 
 
@@ -470,7 +476,11 @@ define(
         reference=_batchnorm,
         running_update=_running_update,
         frontend=(
-            Pattern("module", ("torch.nn.BatchNorm2d", "torch.nn.BatchNorm1d"), _batchnorm_module),
+            Pattern(
+                "module",
+                ("torch.nn.BatchNorm2d", "torch.nn.BatchNorm1d", "torch.nn.BatchNorm3d"),
+                _batchnorm_module,
+            ),
             Pattern("function", ("torch.nn.functional.batch_norm",), _batchnorm_function),
         ),
         lower={

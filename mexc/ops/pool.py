@@ -30,6 +30,7 @@ from mexc.ops.tensor import (
     as_result,
     as_rows_2d,
     concatenated,
+    mean_over,
     reshaped,
     scaled,
     sliced,
@@ -372,6 +373,33 @@ def _amax_call(c: Any, n: Any) -> Value:
     return as_result(c, n, value)
 
 
+def _adaptive_3d(c: Any, n: Any, x: Any, op: Op) -> Value:
+    """AdaptiveAvgPool3d of (N, C, T, H, W) (a video network's head): the frames averaged
+    where the output has one (their mean), or kept where it has them all (merged into the
+    channels), then the 2-D pool of the frames (_adaptive_steps)."""
+    shape = tuple(c.shape(x))
+    out = tuple(c.shape(n))
+    if len(shape) != 5 or op != Op.AVGPOOL2D or out[2] not in (1, shape[2]):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"pools {list(shape)} to {list(out)}; mexc averages (N, C, T, H, W) to one "
+                "frame or to all of them",
+            )
+        )
+    b, ch, t, h, w = shape
+    v = c.arg(x)
+    if out[2] == 1 and t > 1:
+        v = mean_over(c, v, shape, [2], (b, ch, h, w))
+        seen, to = (b, ch, h, w), (b, ch, out[3], out[4])
+    else:
+        seen, to = (b, ch * t, h, w), (b, ch * t, out[3], out[4])
+        v = reshaped(c, v, seen)
+    if to != seen:
+        v = _adaptive_steps(c, n, v, seen, to, op, False)
+    return as_result(c, n, v)
+
+
 def _adaptive_module(op: Op, build: Callable[..., Value] | None = None) -> Callable[..., Value]:
     """The converter of AdaptiveAvgPool2d / AdaptiveMaxPool2d (`build` _adaptive_1d: the 1-D
     modules)."""
@@ -582,6 +610,11 @@ define(
         reference=_gap,
         frontend=(
             Pattern("module", ("torch.nn.AdaptiveAvgPool2d",), _adaptive_module(Op.AVGPOOL2D)),
+            Pattern(
+                "module",
+                ("torch.nn.AdaptiveAvgPool3d",),
+                _adaptive_module(Op.AVGPOOL2D, _adaptive_3d),
+            ),
             Pattern(
                 "module",
                 ("torch.nn.AdaptiveAvgPool1d",),
