@@ -63,7 +63,9 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
         n = n.with_(inputs=tuple(remap.get(v, v) for v in n.inputs))
         d = op_def(n.op)
         if d.batch_results:  # the batch, the labels: the worker's rows
-            if any(not t.shape or t.shape[0] != batch for t in n.types):
+            # the batch itself, or windows merged into it (whole batches of rows): a value
+            # made for one sample has fewer rows than the batch
+            if any(not t.shape or t.shape[0] % batch for t in n.types):
                 raise _refuse(
                     n,
                     "makes a value for one sample that the model repeats over the batch (a "
