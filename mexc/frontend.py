@@ -42,6 +42,7 @@ from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.common import STATIC_VALUE, ParamView, static_int, static_value
+from mexc.ops.tensor import transposed
 from mexc.types import Kind, TensorType, f32
 
 
@@ -76,6 +77,11 @@ class _Ctx:
     types: dict[Value, TensorType] = field(default_factory=dict)  # of the nodes it has seen
     batch: int = 0  # the input's leading axis
     arranged: dict[str, Arrangement] = field(default_factory=dict)  # params held rearranged
+    # in-place changes (frontend_index.rebind): node -> the first node naming its tensor, and
+    # the nodes a change rebound
+    names: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
+    rebound: set[torch.fx.Node] = field(default_factory=set)
+    norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
 
     def batch_axis(self, v: Value) -> int | None:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
@@ -368,6 +374,12 @@ def _named_result(c: _Ctx, n: torch.fx.Node) -> Value | None:
     static attribute (x.shape)."""
     src, name = n.args[0], n.args[1]
     held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
+    if isinstance(held, Value) and name in ("T", "mT") and _is_tensor(n):
+        rank = len(c.shape(src))  # x.T reverses the axes, x.mT swaps the last two
+        perm = (
+            tuple(reversed(range(rank))) if name == "T" else (*range(rank - 2), rank - 1, rank - 2)
+        )
+        return transposed(c, held, tuple(c.shape(src)), perm)
     if not isinstance(held, tuple) or name not in ("values", "indices"):
         return None
     return _held_item(n, held, 0 if name == "values" else 1)
@@ -481,7 +493,37 @@ def _unsupported(n: torch.fx.Node, what: str) -> UnsupportedOpError:
 # ----------------------------------------------------------------------------- tracing
 
 
+class _AugmentedAssignment:
+    """x += y, x -= y, x *= y, x /= y as operator.iadd ... nodes: torch changes the tensor x in
+    place, which a reader of x through another name sees (sc = x; x += y; x + sc). fx's Proxy
+    has no in-place methods, so Python made them x + y, and the change was lost."""
+
+    tracer: Any
+
+    def _augmented(self, op: Any, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    def __iadd__(self, other: Any) -> Any:
+        return self._augmented(operator.iadd, other)
+
+    def __isub__(self, other: Any) -> Any:
+        return self._augmented(operator.isub, other)
+
+    def __imul__(self, other: Any) -> Any:
+        return self._augmented(operator.imul, other)
+
+    def __itruediv__(self, other: Any) -> Any:
+        return self._augmented(operator.itruediv, other)
+
+
+class _Proxy(_AugmentedAssignment, torch.fx.Proxy):
+    """The first try's proxy."""
+
+
 class _Tracer(torch.fx.Tracer):
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _Proxy(node, self)
+
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         """fx's node, with the Python stack from the model's first forward on as its
         stack_trace (where `_user_location` finds the source line of an error). Not fx's
@@ -500,7 +542,7 @@ class _Tracer(torch.fx.Tracer):
         return _module_handler(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
 
-class _SizeProxy(MetaProxy):
+class _SizeProxy(_AugmentedAssignment, MetaProxy):
     """MetaProxy whose size(0) is the first axis's size (torch's tests `if dim`, so size(0)
     returned the whole shape: torchvision's Swin reshapes to x.size(0), ...), and which
     records item assignment."""
@@ -791,6 +833,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         )
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
+        n.meta["mexc_module"] = type(mod).__name__  # frontend_index._is_view reads it
         handler = _module_handler(mod)
         if handler is None:
             raise _unsupported(n, type(mod).__name__)
@@ -808,7 +851,9 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         fhandler = FUNCTION_HANDLERS.get(n.target) or FUNCTION_HANDLERS.get(_qualified(n.target))
         if fhandler is None:
             return _in_place(c, n)
-        return _rebound_if_in_place(c, n, fhandler(c, n), _inplace_argument(n))
+        # F.leaky_relu_(x), x += y (operator.iadd) change x as F.relu(x, inplace=True) does
+        changes = n.target in _AUGMENTED or _underscored(n) or _inplace_argument(n)
+        return _rebound_if_in_place(c, n, fhandler(c, n), changes)
     if n.op == "call_method":
         if n.target in _SHAPE_METHODS:
             return None
@@ -817,7 +862,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         mhandler = METHOD_HANDLERS.get(str(n.target))
         if mhandler is None:
             return _in_place(c, n)
-        return mhandler(c, n)
+        return _rebound_if_in_place(c, n, mhandler(c, n), _underscored(n))
     if n.op == "get_attr":
         return None  # parameters are materialized by their consumers
     raise _unsupported(n, n.op)
@@ -830,36 +875,46 @@ def _in_place(c: _Ctx, n: torch.fx.Node) -> Value:
     pure, target = _pure_of(n)
     if pure is None:
         raise _unsupported(n, f"Tensor.{n.target}" if n.op == "call_method" else _target_name(n))
-    x = n.args[0] if n.args else None
-    if not isinstance(x, torch.fx.Node) or not isinstance(c.env.get(x), Value):
-        raise UnsupportedOpError(
-            _describe(
-                n,
-                "changes a parameter, a buffer or a constant in place; mexc changes "
-                "only activations in place",
-            )  # fmt: skip
-        )
-    frontend_index.refuse_aliases(c, n, x)
+    x = n.args[0] if n.args else n.kwargs.get("input")
+    if isinstance(x, torch.fx.Node) and not isinstance(c.env.get(x), Value):
+        raise UnsupportedOpError(_describe(n, _NOT_ACTIVATION))
     held, n.target = n.target, target  # converters read the op's name (x.clamp_ as x.clamp)
     try:
         v = pure(c, n)
     finally:
         n.target = held
-    c.env[x] = v
-    return v
+    return _rebound_if_in_place(c, n, v, True)
 
 
 def _rebound_if_in_place(c: _Ctx, n: torch.fx.Node, v: Any, inplace: Any) -> Any:
     """v, the result of a layer or function called with inplace=True (nn.ReLU(inplace=True),
     F.relu(x, inplace=True)), is also the new value of its input's node: torch changed the
     input, and a later reader of it (y + relu_(y)) reads the changed tensor."""
-    x = n.args[0] if n.args else None
+    if inplace is not True:
+        return v
+    x = n.args[0] if n.args else n.kwargs.get("input")
     if not isinstance(x, torch.fx.Node):
         return v
-    if inplace is True and isinstance(v, Value) and isinstance(c.env.get(x), Value):
-        frontend_index.refuse_aliases(c, n, x)
-        c.env[x] = v
+    if not isinstance(c.env.get(x), Value) or not isinstance(v, Value):
+        raise UnsupportedOpError(_describe(n, _NOT_ACTIVATION))
+    frontend_index.rebind(c, n, x, v)
     return v
+
+
+_NOT_ACTIVATION = (
+    "changes a parameter, a buffer or a constant in place; mexc changes only activations in place"
+)
+
+# augmented assignments: x += y changes the tensor x in place
+_AUGMENTED = frozenset(
+    (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv)
+)
+
+
+def _underscored(n: torch.fx.Node) -> bool:
+    """An in-place op by torch's naming: x.add_(y), F.leaky_relu_(x), torch.relu_(x)."""
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") and len(name) > 1
 
 
 def _inplace_argument(n: torch.fx.Node) -> Any:

@@ -31,7 +31,14 @@ _VIEWS = frozenset((
     "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "flatten", "unflatten",
     "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "chunk", "split", "tensor_split",
     "unbind", "t", "select", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims",
-    "as_strided", "unfold", "contiguous", "detach", "real", "imag",
+    "as_strided", "unfold", "contiguous", "detach", "real", "imag", "to", "float", "type_as",
+    "type", "double", "half", "cpu", "cuda",
+))
+# modules that may return their input tensor, or a view of it (by class name: the frontend
+# records it in the node's meta["mexc_module"])
+_SAME_MODULES = frozenset((
+    "Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d",
+    "AlphaDropout", "FeatureAlphaDropout", "DropPath", "DropBlock2d",
 ))
 # fmt: on
 
@@ -50,7 +57,9 @@ def _ranges(c: Any, n: torch.fx.Node, key: Any, shape: tuple[int, ...]) -> list[
         at = items.index(Ellipsis)
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
     if len(items) > len(shape) or any(
-        not isinstance(t, (int, slice)) or (isinstance(t, slice) and not _forward(t.step))
+        isinstance(t, bool)
+        or not isinstance(t, (int, slice))
+        or (isinstance(t, slice) and not _forward(t.step))
         for t in items
     ):
         raise UnsupportedOpError(
@@ -115,7 +124,6 @@ def write(c: Any, n: torch.fx.Node) -> None:
                 "mexc writes only into activations",
             )
         )
-    refuse_aliases(c, n, x)
     shape = tuple(c.shape(x))
     ranges = _ranges(c, n, static_value(key), shape)
     for dim, r in enumerate(ranges):
@@ -123,10 +131,65 @@ def write(c: Any, n: torch.fx.Node) -> None:
             raise UnsupportedOpError(c.describe(n, "writes through a strided slice"))
         if not _whole(r, shape[dim]):
             _refuse_batch(c, n, held, dim, "writes into part of the batch axis")
+    _refuse_overlapping_copy(c, n, x, value, ranges)
     region = tuple(r.stop - r.start for r in ranges)
     if 0 in region:
+        refuse_aliases(c, n, x)
         return  # an empty region: nothing is written
-    c.env[x] = _replaced(c, held, shape, ranges, _region_value(c, n, value, ranges, region), 0)
+    new = _replaced(c, held, shape, ranges, _region_value(c, n, value, ranges, region), 0)
+    rebind(c, n, x, new)
+
+
+def rebind(c: Any, n: torch.fx.Node, x: torch.fx.Node, v: Value) -> None:
+    """Node n changed x's tensor in place to v (a write, x.add_(y), a layer with
+    inplace=True): every node naming that tensor (x, and the in-place ops' results on it) is
+    bound to v, and n names it too. Refused where a view of the tensor would miss the change
+    (refuse_aliases) or where v has another shape (x.unsqueeze_(1))."""
+    if _is_tensor(n) and c.shape(n) != c.shape(x):
+        raise UnsupportedOpError(
+            c.describe(n, "changes the shape of its input in place; use the op without '_'")
+        )
+    refuse_aliases(c, n, x)
+    root = c.names.get(x, x)
+    c.names[x] = root
+    c.names[n] = root
+    for m in [m for m, r in c.names.items() if r is root]:
+        c.env[m] = v
+        c.rebound.add(m)
+
+
+def _is_tensor(n: torch.fx.Node) -> bool:
+    return hasattr(n.meta.get("tensor_meta"), "shape")
+
+
+def _refuse_overlapping_copy(
+    c: Any, n: torch.fx.Node, x: torch.fx.Node, value: Any, ranges: list[_Range]
+) -> None:
+    """A value read from the written tensor itself: torch copies it element by element in
+    memory order, so where the read and the written regions overlap the result depends on
+    that order. A read x[...] of disjoint elements is the old values (mexc's); an overlapping
+    read, or one through another view, is refused."""
+    if not isinstance(value, torch.fx.Node):
+        return
+    names = {m for m, r in c.names.items() if r is c.names.get(x, x)} | {x}
+    source, chain = value, []
+    while _is_view(source) and source.args and isinstance(source.args[0], torch.fx.Node):
+        chain.append(source)
+        source = source.args[0]
+    if source not in names:
+        return
+    if len(chain) == 1 and chain[0].target is operator.getitem:
+        read = _ranges(c, chain[0], static_value(chain[0].args[1]), tuple(c.shape(source)))
+        if any(a.stop <= b.start or b.stop <= a.start for a, b in zip(read, ranges)):
+            return  # disjoint along some axis
+    raise UnsupportedOpError(
+        c.describe(
+            n,
+            "writes into a tensor a value read from its own elements that overlap the written "
+            "ones (or read through a view), whose result torch leaves to the copy's memory "
+            "order; write a .clone() of the value",
+        )
+    )
 
 
 def _region_value(
@@ -189,6 +252,11 @@ def _replaced(
 
 
 def _is_view(m: torch.fx.Node) -> bool:
+    """m's result may share memory with its first argument: a view, a cast to the same dtype
+    (x.float(), x.to(...), x.type_as(y)), a module that returns its input (nn.Identity,
+    dropout in evaluation, nn.Flatten's view)."""
+    if m.op == "call_module":
+        return str(m.meta.get("mexc_module", "")) in _SAME_MODULES
     if m.op not in ("call_method", "call_function"):
         return False
     if m.target is operator.getitem:
@@ -202,7 +270,9 @@ def refuse_aliases(c: Any, n: torch.fx.Node, x: torch.fx.Node) -> None:
     tensor read after the write, or a view of x taken before it and read after) is refused:
     mexc's tensors share no memory, so that reader would miss the write."""
     order = {m: i for i, m in enumerate(n.graph.nodes)}
-    aliases, todo = {x}, [x]
+    root = c.names.get(x, x)
+    names = {m for m, r in c.names.items() if r is root} | {x}  # rebound together
+    aliases, todo = set(names), list(names)
     while todo:
         m = todo.pop()
         # views taken before the write (one taken after it reads the new value)
@@ -213,7 +283,7 @@ def refuse_aliases(c: Any, n: torch.fx.Node, x: torch.fx.Node) -> None:
             if a not in aliases:
                 aliases.add(a)
                 todo.append(a)
-    for a in aliases - {x}:
+    for a in aliases - names:
         late = [u for u in a.users if u not in aliases and order[u] > order[n]]
         if late:
             raise UnsupportedOpError(

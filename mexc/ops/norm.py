@@ -305,7 +305,9 @@ def _normalize(c: Any, n: Any) -> Value:
     x = args["input"]
     shape = tuple(c.shape(x))
     dims = _norm_dims(c, n, static_value(args.get("p", 2.0)), args.get("dim", 1), shape)
-    return _unit(c, n, c.arg(x), shape, dims, float(static_value(args.get("eps", 1e-12))))
+    eps = float(static_value(args.get("eps", 1e-12)))
+    _check_floor(c, n, eps)
+    return _unit(c, n, c.arg(x), shape, dims, eps)
 
 
 def _norm_dims(c: Any, n: Any, p: Any, dim: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -379,30 +381,56 @@ def _vector_norm(c: Any, n: Any) -> Value:
     exact as a function; its gradient x / |x| is the product's."""
     name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
     args = dict(zip(_NORM_ARGS[name], n.args)) | dict(n.kwargs)
-    if args.get("dtype") is not None:
-        raise UnsupportedOpError(c.describe(n, "takes a norm in another dtype"))
+    dtype = args.get("dtype")
+    if dtype is not None and not getattr(dtype, "is_floating_point", False):
+        raise UnsupportedOpError(c.describe(n, f"takes a norm in {dtype}; give a float dtype"))
     x = args["input"]
     shape = tuple(c.shape(x))
     dims = _norm_dims(c, n, static_value(args.get("p", args.get("ord", 2))), args.get("dim"), shape)
     v = c.arg(x)
     squares = multiplied(c, v, _unit(c, n, v, shape, dims, 0.0), shape)
     count = int(np.prod([shape[a] for a in dims]))
-    return scaled(c, mean_over(c, squares, shape, list(dims), tuple(c.shape(n))), c.shape(n), count)
+    mean = mean_over(c, squares, shape, list(dims), tuple(c.shape(n)))
+    norm = scaled(c, mean, c.shape(n), count)
+    c.norm_of[norm] = (v, dims)  # for x / x.norm(...) (_over_its_norm)
+    return norm
 
 
 def _over_its_norm(c: Any, n: Any, a: Any, b: Any) -> Value | None:
     """a / b where b is a's 2-norm over axes, with keepdim (x / x.norm(dim=-1, keepdim=True),
     also floored: .clamp(min=eps), .clamp_min(eps), + eps): F.normalize's _unit; None for
     another divisor."""
-    eps = 0.0
+    eps, chain = 0.0, [b]
     floor = _floor_of(b) if c.is_node(b) else None
     while floor is not None:
         b, eps = floor[0], max(eps, floor[1])
+        chain.append(b)
         floor = _floor_of(b) if c.is_node(b) else None
     call = _norm_call(c, b)
     if call is None or call[0] is not a:
         return None
+    held = c.norm_of.get(c.env.get(b))
+    if held is None or held[0] is not c.arg(a) or any(m in c.rebound for m in chain):
+        return None  # the norm or its floor changed in place, or x since its norm was taken
+    _check_floor(c, n, eps)
     return _unit(c, n, c.arg(a), tuple(c.shape(a)), call[1], eps)
+
+
+# the largest eps of a floor on |x| (F.normalize's, a norm's clamp or + eps) mexc takes: its
+# floor is sqrt(|x|^2 + eps^2) (_unit), which differs from max(|x|, eps) and |x| + eps by less
+# than eps
+MAX_FLOOR = 1e-4
+
+
+def _check_floor(c: Any, n: Any, eps: float) -> None:
+    if eps > MAX_FLOOR:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"floors a 2-norm at {eps}; mexc computes the floor as sqrt(|x|^2 + eps^2), "
+                f"which is torch's max(|x|, eps) or |x| + eps only for eps <= {MAX_FLOOR}",
+            )
+        )
 
 
 def _floor_of(b: Any) -> tuple[Any, float] | None:

@@ -918,6 +918,10 @@ ACTIVATION_DIVISORS: list[Callable[[Any, Any, Any, Any], Value | None]] = []
 
 def _div(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
+    if c.is_node(b) and not c.is_node(a):
+        raise UnsupportedOpError(
+            c.describe(n, f"divides the number {a!r} by a tensor; mexc divides by numbers")
+        )
     if c.is_node(a) and c.is_node(b):
         for divide in ACTIVATION_DIVISORS:
             q = divide(c, n, a, b)
@@ -1274,7 +1278,7 @@ define(
         vjp=pointwise_vjp(Op.SCALE_GRAD, no_saved),
         reference=_scale,
         frontend=(
-            Pattern("function", ("operator.truediv",), _div),
+            Pattern("function", ("operator.truediv", "operator.itruediv"), _div),
             Pattern("function", ("operator.sub", "torch.sub", "operator.isub"), _sub),
             Pattern("method", ("sub",), _sub),
             Pattern("function", ("operator.neg", "torch.neg"), _neg),
@@ -1438,7 +1442,7 @@ define(
         vjp=_mul_vjp,
         reference=_mul_ref,
         frontend=(
-            Pattern("function", ("operator.mul", "torch.mul"), _mul),
+            Pattern("function", ("operator.mul", "torch.mul", "operator.imul"), _mul),
             Pattern("method", ("mul",), _mul),
             Pattern("function", ("operator.pow", "torch.pow", "torch.square"), _pow),
             Pattern("method", ("pow", "square"), _pow),

@@ -139,6 +139,38 @@ def test_a_layer_called_in_place_changes_its_input_for_later_readers() -> None:
     assert_logits_match_torch(model, prog, _data(8)[0])
 
 
+class Aliased(nn.Module):
+    """One tensor under several names: in-place ops chained (their results are the tensor),
+    changed through an in-place layer's result, by an underscored function and by augmented
+    assignment; and a copy of disjoint elements of a tensor into itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        y.add_(0.5).mul_(2.0)  # y is 2 (y + 0.5)
+        z = self.act(y)
+        z.mul_(0.5)  # and y with it
+        u = self.b(x)
+        F.leaky_relu_(u, 0.1)
+        sc = u
+        u += y  # sc too
+        u[:, :, 8:12] = u[:, :, 0:4]
+        return self.head((y + u + sc).mean(1))
+
+
+def test_a_tensor_changed_under_one_name_is_changed_under_all() -> None:
+    torch.manual_seed(0)
+    model = Aliased()
+    prog = mexc.compile(model, (torch.zeros(8, 8, 16),), rounding="nearest")
+    assert_logits_match_torch(model, prog, _data(8)[0])
+
+
 class _InPlaceOnAView(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * 2
@@ -153,6 +185,39 @@ class _InPlaceOnAParameter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, :10] + self.p.mul_(2.0)[:10]
+
+
+class _AfterIdentity(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        z = self.same(y)
+        y.mul_(2.0)
+        return z[:, :10]
+
+
+class _BoolKey(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y[:, True] = 0.5
+        return y[:, :10]
+
+
+class _Overlapping(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y[:, 1:5] = y[:, 0:4]
+        return y[:, :10]
+
+
+class _ShapeInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y.unsqueeze_(1)
+        return y.mean(1)[:, :10]
 
 
 class _IntoAView(nn.Module):
@@ -204,6 +269,10 @@ class _IntoAParameter(nn.Module):
         (_IntoAParameter, "writes into a parameter"),
         (_InPlaceOnAView, "shares memory with 'mul', which 'getitem_1' reads"),
         (_InPlaceOnAParameter, "changes a parameter, a buffer or a constant in place"),
+        (_AfterIdentity, "shares memory with 'same', which 'getitem' reads"),
+        (_BoolKey, "indexes with something other than integers"),
+        (_Overlapping, "overlap the written ones"),
+        (_ShapeInPlace, "changes the shape of its input in place"),
     ],
 )
 def test_writes_mexc_cannot_follow_are_refused_by_node(make, message: str) -> None:

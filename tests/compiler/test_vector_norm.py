@@ -87,10 +87,31 @@ class _BatchNorm(nn.Module):
         return x[:, :10] * x.norm(dim=0, keepdim=True)[:, :10]
 
 
+class _NumberOverNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :10] * (1.0 / x.norm(dim=1, keepdim=True))
+
+
+class _ChangedAfterItsNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        n = y.norm(dim=1, keepdim=True)
+        y.mul_(2.0)
+        return (y / n)[:, :10]
+
+
+class _WideFloor(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x / (x.norm(dim=1, keepdim=True) + 0.5))[:, :10]
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
         (_Ratio, "divides by a tensor"),
+        (_NumberOverNorm, "divides the number 1.0 by a tensor"),
+        (_ChangedAfterItsNorm, "divides by a tensor"),
+        (_WideFloor, "floors a 2-norm at 0.5"),
         (_OtherNorm, "with p=1"),
         (_BatchNorm, "along the batch axis"),
     ],
