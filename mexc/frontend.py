@@ -202,7 +202,14 @@ class _Ctx:
                 )
             )
         if not isinstance(v, Value):
-            raise UnsupportedOpError(_describe(a, "is a tuple of tensors where a tensor is used"))
+            raise UnsupportedOpError(
+                _describe(
+                    a,
+                    "is a tuple of tensors where a tensor is used (a module's several results; "
+                    "a recurrent layer's h_n and c_n, which mexc gives per layer and direction: "
+                    "index them, h_n[-1])",
+                )
+            )
         return v
 
     def is_batched_constant(self, v: Any) -> bool:

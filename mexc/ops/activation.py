@@ -25,6 +25,13 @@ from mexc.ops.common import (
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import added, scaled
 
+_STEPS = {"sigmoid": Op.SIGMOID, "tanh": Op.TANH, "relu": Op.RELU}
+
+
+def activated(c: Any, v: Value, shape: tuple[int, ...], kind: str) -> Value:
+    """sigmoid, tanh or relu of v (a step of a decomposition: a recurrent layer's gates)."""
+    return c.emit_as(_STEPS[kind], [v], shape)
+
 
 def _relu_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     if n.id in w.masked_relus:

@@ -23,6 +23,7 @@ from mexc.ops.common import (
 from mexc.ops.conv3d import conv3d_function, conv3d_module
 from mexc.ops.dilated import dilated_conv, dilated_size
 from mexc.ops.gather import is_gathered
+from mexc.ops.recurrent import recurrent_module
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
     as_result,
@@ -424,6 +425,7 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.Conv2d",), _conv_module),
             Pattern("module", ("torch.nn.Conv3d",), _conv3d_module),
+            Pattern("module", ("torch.nn.LSTM", "torch.nn.GRU", "torch.nn.RNN"), recurrent_module),
             Pattern("function", ("torch.conv3d", "torch.nn.functional.conv3d"), _conv3d_function),
             Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
             Pattern("module", ("torch.nn.Conv1d",), _conv1d_module),

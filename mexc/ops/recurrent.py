@@ -1,0 +1,148 @@
+"""Recurrent layers (nn.LSTM, nn.GRU, nn.RNN) unrolled over their sequence.
+
+The program is a static graph, and a recurrent layer is a loop of fixed length (the example's
+sequence), so each layer and direction becomes its steps: the input projection of every step at
+once (one `linear` over (N, T, I)), then per step the hidden projection of the previous state (a
+`linear`; the zero initial state is a constant, so every step reads the weight alike), the gates
+(`slice`s, `sigmoid`, `tanh`), their products and sums (`mul`, `add`), and the new state. The
+weights are shared by the steps (derive-backward sums their gradients: `param_grad_sum`). The
+outputs are concatenated over time, the directions over features, and dropout (in training)
+sits between layers as torch's does. The layer returns (output, h_n) or (output, (h_n, c_n));
+h_n and c_n are given per layer and direction (`h_n[-1]`), not as one stacked tensor, whose
+batch axis is not its first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Op, Value
+from mexc.ops import gather
+from mexc.ops.activation import activated
+from mexc.ops.tensor import (
+    added,
+    concatenated,
+    multiplied,
+    reshaped,
+    scaled,
+    sliced,
+    transposed,
+)
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def recurrent_module(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
+    """nn.LSTM / nn.GRU / nn.RNN called on a batched sequence, from a zero state."""
+    kind = type(m).__name__ if type(m).__name__ in _GATES else m.mode.split("_")[0]
+    if len(n.args) > 1 and n.args[1] is not None or n.kwargs.get("hx") is not None:
+        raise UnsupportedOpError(
+            c.describe(n, "starts from a given state; mexc's recurrent layers start from zeros")
+        )
+    if getattr(m, "proj_size", 0):
+        raise UnsupportedOpError(c.describe(n, "projects its hidden state (proj_size)"))
+    x = n.args[0]
+    shape = tuple(c.shape(x))
+    if len(shape) != 3:
+        raise UnsupportedOpError(
+            c.describe(n, "runs over an unbatched or packed sequence; give (N, T, I) or (T, N, I)")
+        )
+    v = c.arg(x)
+    if not m.batch_first:  # (T, N, I): the batch moved first
+        v = transposed(c, v, shape, (1, 0, 2))
+        shape = (shape[1], shape[0], shape[2])
+    batch, steps, _ = shape
+    size, dirs = int(m.hidden_size), 2 if m.bidirectional else 1
+    finals: list[Value] = []
+    cells: list[Value] = []
+    for layer in range(int(m.num_layers)):
+        outs = []
+        for d in range(dirs):
+            out, h, cell = _direction(c, n, m, kind, v, shape, layer, d)
+            outs.append(out)
+            finals.append(h)
+            if cell is not None:
+                cells.append(cell)
+        width = size * dirs
+        shape = (batch, steps, width)
+        v = outs[0] if dirs == 1 else concatenated(c, outs, shape, 2)
+        if m.dropout and layer + 1 < m.num_layers:
+            v = c.emit_as(Op.DROPOUT, [v], shape, p=float(m.dropout))
+    if not m.batch_first:
+        v = transposed(c, v, shape, (1, 0, 2))
+    h_n = tuple(finals)
+    return v, ((h_n, tuple(cells)) if kind == "LSTM" else h_n)
+
+
+def _direction(
+    c: Any, n: Any, m: Any, kind: str, v: Value, shape: tuple[int, ...], layer: int, d: int
+) -> tuple[Value, Value, Value | None]:
+    """One layer's direction d over v (N, T, I): its output (N, T, H), last state and cell."""
+    batch, steps, _ = shape
+    size, gates = int(m.hidden_size), _GATES[kind]
+    suffix = f"_l{layer}" + ("_reverse" if d else "")
+
+    def param(what: str) -> Value:
+        return c.param(f"{n.target}.{what}{suffix}", getattr(m, f"{what}{suffix}"), _role(what))
+
+    w_ih, w_hh = param("weight_ih"), param("weight_hh")
+    b_ih, b_hh = (param("bias_ih"), param("bias_hh")) if m.bias else (None, None)
+    wide = (batch, gates * size)
+    projected = c.emit_as(
+        Op.LINEAR, [v, w_ih, *([b_ih] if b_ih else [])], (batch, steps, gates * size),
+        has_bias=b_ih is not None,
+    )  # fmt: skip
+    zero = np.zeros((batch, size), np.float32)
+    h = gather.gathered_value(c, n, gather.const_gathered(n, zero), (batch, size))
+    cell: Value | None = None
+    outs: list[Value | None] = [None] * steps
+    step = (batch, size)
+    for t in reversed(range(steps)) if d else range(steps):
+        gx = reshaped(c, sliced(c, projected, (batch, steps, gates * size), 1, t, t + 1), wide)
+        gh = c.emit_as(
+            Op.LINEAR, [h, w_hh, *([b_hh] if b_hh else [])], wide, has_bias=b_hh is not None
+        )
+
+        def gate(g: Value, k: int) -> Value:
+            return sliced(c, g, wide, 1, k * size, (k + 1) * size)
+
+        if kind == "LSTM":
+            both = added(c, gx, gh, wide)
+            i, f = _sigmoid(c, gate(both, 0), step), _sigmoid(c, gate(both, 1), step)
+            g, o = _tanh(c, gate(both, 2), step), _sigmoid(c, gate(both, 3), step)
+            new = multiplied(c, i, g, step)
+            cell = new if cell is None else added(c, multiplied(c, f, cell, step), new, step)
+            h = multiplied(c, o, _tanh(c, cell, step), step)
+        elif kind == "GRU":
+            r = _sigmoid(c, added(c, gate(gx, 0), gate(gh, 0), step), step)
+            z = _sigmoid(c, added(c, gate(gx, 1), gate(gh, 1), step), step)
+            cand = _tanh(c, added(c, gate(gx, 2), multiplied(c, r, gate(gh, 2), step), step), step)
+            # (1 - z) cand + z h = cand + z (h - cand)
+            h = added(
+                c,
+                cand,
+                multiplied(c, z, added(c, h, scaled(c, cand, step, -1.0), step), step),
+                step,
+            )
+        else:
+            pre = added(c, gx, gh, step)
+            h = activated(c, pre, step, "tanh" if m.nonlinearity == "tanh" else "relu")
+        outs[t] = reshaped(c, h, (batch, 1, size))
+    seq = [o for o in outs if o is not None]
+    out = seq[0] if steps == 1 else concatenated(c, seq, (batch, steps, size), 1)
+    return out, h, cell
+
+
+def _role(what: str) -> str:
+    return "weight" if what.startswith("weight") else "bias"
+
+
+def _sigmoid(c: Any, v: Value, shape: tuple[int, ...]) -> Value:
+    return activated(c, v, shape, "sigmoid")
+
+
+def _tanh(c: Any, v: Value, shape: tuple[int, ...]) -> Value:
+    return activated(c, v, shape, "tanh")
