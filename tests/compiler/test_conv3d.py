@@ -5,6 +5,7 @@ checkpoints too); grouped, dilated and padded-by-mode 3-D convolutions refused b
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,16 @@ from mexc.arrangement import arrangements
 from mexc.errors import UnsupportedOpError
 from mexc.program import read_checkpoint
 from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
     float_gradients,
     integer_gradients,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
 
 
 class FrameConv(nn.Conv3d):
@@ -83,6 +88,13 @@ def test_gradients_follow_autograd() -> None:
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     x, y = _data(2)
     assert_trains_bit_exact_on_llvm_and_c(_program(batch=2), lambda t: _program(t, batch=2), (x, y))
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    """The frames' 6-D slices and sums in the CUDA kernels, emulated (10 s)."""
+    assert_cuda_source_trains_bit_exact(_program(batch=2), tmp_path)
 
 
 def test_the_tap_major_weights_come_back_in_the_models_layout(tmp_path: Path) -> None:
