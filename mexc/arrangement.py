@@ -41,15 +41,33 @@ class Arrangement(NamedTuple):
 
 def permutation(declared: tuple[int, ...], index: np.ndarray) -> Arrangement | None:
     """The arrangement whose held elements are declared.flat[index] (index in the held
-    shape) where that is a permutation of the declared axes, else None."""
-    import itertools
-
-    flat = np.arange(int(np.prod(declared, dtype=np.int64))).reshape(declared)
-    wanted = np.asarray(index).reshape(-1)
-    for perm in itertools.permutations(range(len(declared))):
-        if np.array_equal(flat.transpose(perm).reshape(-1), wanted):
-            return Arrangement(tuple(declared), tuple(declared), tuple(perm))
-    return None
+    order), where the index is the declared tensor seen as some split, permuted (what views,
+    reshapes and transposes of a parameter give: `w.reshape(4, 6).T`), else None. The held
+    order's axes are read off the index from the innermost out (each a run of equal steps),
+    and the result checked whole."""
+    idx = np.asarray(index, np.int64).reshape(-1)
+    size = idx.size
+    if size != int(np.prod(declared, dtype=np.int64)) or size == 0 or idx[0] != 0:
+        return None
+    axes: list[tuple[int, int]] = []  # (extent, step in the declared order), innermost first
+    block = 1
+    while block < size:
+        step = int(idx[block] - idx[0])
+        k = 1
+        while block * k < size and idx[block * k] - idx[0] == k * step:
+            k += 1
+        if size % (block * k):
+            return None
+        axes.append((k, step))
+        block *= k
+    held_axes = axes[::-1]  # outermost first
+    by_step = sorted(range(len(held_axes)), key=lambda i: -held_axes[i][1])
+    split = tuple(held_axes[i][0] for i in by_step)
+    perm = tuple(by_step.index(i) for i in range(len(held_axes)))
+    flat = np.arange(size).reshape(split).transpose(perm).reshape(-1)
+    if not np.array_equal(flat, idx):
+        return None
+    return Arrangement(tuple(declared), split, perm)
 
 
 def arrangements(graph: Any) -> dict[str, Arrangement]:

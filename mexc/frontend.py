@@ -82,6 +82,7 @@ class _Ctx:
     names: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
     rebound: set[torch.fx.Node] = field(default_factory=set)
     norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
+    tied: dict[int, str] = field(default_factory=dict)  # id of an nn.Parameter -> its name
 
     def batch_axis(self, v: Value) -> int | None:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
@@ -127,6 +128,8 @@ class _Ctx:
         contracts, held [out, in]; `arranged` how the model's tensor maps to the held one).
         mexc holds one copy of a parameter, so a second read in another layout is refused
         (naming the fx node `user`)."""
+        if isinstance(tensor, nn.Parameter):  # tied: one tensor under several module names
+            name = self.tied.setdefault(id(tensor), name)
         if arranged is not None:
             self.arranged[name] = arranged
         held = self.param_layouts.setdefault(name, layout)
@@ -370,7 +373,17 @@ def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
     if isinstance(held, _Pieces):
         return _piece(c, n, held, static_int(index))
     if isinstance(held, tuple):  # a module with several results (MultiheadAttention)
-        return _held_item(n, held, static_int(index))
+        item = static_value(index)
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise UnsupportedOpError(
+                _describe(
+                    n,
+                    f"indexes a tuple of tensors with {item!r} (a module's several results; a "
+                    "recurrent layer's h_n and c_n, which mexc gives per layer and direction): "
+                    "index it with one integer, h_n[-1]",
+                )
+            )
+        return _held_item(n, held, item)
     if not _is_tensor(n):
         return None
     return frontend_index.read(c, n)

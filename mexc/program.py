@@ -299,8 +299,8 @@ class Program:
             if way is not None and not way.split:
                 raise InputError(
                     f"parameter '{name}' is held in an order mexc cannot map back to the "
-                    "model's (a contraction read it through an index that is no permutation "
-                    "of its axes); read it from Program.state"
+                    "model's: a contraction read it through an index that no reshape and "
+                    "permutation of it gives (Program.state holds it in that order)"
                 )
             out[name] = way.declared_of(value) if way is not None else value
         return out
@@ -313,7 +313,10 @@ class Program:
         import torch
 
         weights = self.float_weights()
-        own = dict(model.named_parameters()) | dict(model.named_buffers())
+        # tied parameters are one tensor under several names (the program holds the first)
+        own = dict(model.named_parameters(remove_duplicate=False)) | dict(
+            model.named_buffers(remove_duplicate=False)
+        )
         for name, value in weights.items():
             if name not in own:
                 raise InputError(

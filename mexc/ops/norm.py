@@ -142,8 +142,11 @@ def _batchnorm_module(c: Any, n: Any, m: Any) -> Value:
         c.state(f"{name}.running_mean", m.running_mean, "running_mean", name),
         c.state(f"{name}.running_var", m.running_var, "running_var", name),
     ]
-    momentum = 0.1 if m.momentum is None else float(m.momentum)
-    return _emit_batchnorm(c, n, n.args[0], ins, float(m.eps), momentum)
+    if m.momentum is None:
+        raise UnsupportedOpError(
+            c.describe(n, "uses a cumulative running average (momentum=None); give a momentum")
+        )
+    return _emit_batchnorm(c, n, n.args[0], ins, float(m.eps), float(m.momentum))
 
 
 def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, momentum: float) -> Value:

@@ -54,6 +54,16 @@ def recurrent_module(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
     if not m.batch_first:  # (T, N, I): the batch moved first
         v = transposed(c, v, shape, (1, 0, 2))
         shape = (shape[1], shape[0], shape[2])
+    if c.batch_axis(v) not in (0, None):
+        where = "first" if m.batch_first else "second"
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"runs its recurrence along the batch axis: its input's {where} axis, which "
+                f"batch_first={m.batch_first} makes the batch, holds the steps. Give "
+                f"batch_first={not m.batch_first}, or move the batch axis there",
+            )
+        )
     batch, steps, _ = shape
     size, dirs = int(m.hidden_size), 2 if m.bidirectional else 1
     finals: list[Value] = []

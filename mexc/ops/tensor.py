@@ -1133,7 +1133,10 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
     axes = static_value(dim)
     axes = axes if isinstance(axes, (list, tuple)) else [axes]
     dims = sorted({static_int(d) % rank for d in axes})
-    if 0 in dims:
+    v = c.arg(x)
+    batch = c.batch_axis(v)
+    batch = 0 if batch is None else batch
+    if batch in dims:
         raise UnsupportedOpError(
             c.describe(
                 n, f"takes a {kind} over the batch axis; only per-sample {kind}s are supported"
@@ -1141,12 +1144,30 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
         )
     out = tuple(c.shape(n))
     count = int(np.prod([shape[d] for d in dims]))
-    if kind == "sum":
-        if count == 1:
-            return c.emit(Op.RESHAPE, [c.arg(x)], n, shape=out)
-        mean = mean_over(c, c.arg(x), shape, dims, out)
-        return c.emit(Op.SCALE, [mean], n, value=float(count))
-    return mean_over(c, c.arg(x), shape, dims, out)
+    if kind == "sum" and count == 1:
+        return c.emit(Op.RESHAPE, [v], n, shape=out)
+    mean = _mean_batch_elsewhere(c, v, tuple(shape), dims, batch, out)
+    return c.emit(Op.SCALE, [mean], n, value=float(count)) if kind == "sum" else mean
+
+
+def _mean_batch_elsewhere(
+    c: Any, v: Value, shape: tuple[int, ...], dims: list[int], batch: int, out: tuple[int, ...]
+) -> Value:
+    """mean_over for a value whose batch axis is `batch` (a time-first (T, N, H) sequence's
+    mean over time): the batch moved first, the mean, the kept axes back in their order."""
+    if batch == 0:
+        return mean_over(c, v, shape, dims, out)
+    rank = len(shape)
+    perm = (batch, *(a for a in range(rank) if a != batch))
+    v = transposed(c, v, shape, perm)
+    ours = [batch, *(a for a in range(rank) if a != batch and a not in dims)]
+    kept = [a for a in range(rank) if a not in dims]
+    mid = tuple(shape[a] for a in ours)
+    y = mean_over(c, v, tuple(shape[p] for p in perm), sorted(perm.index(d) for d in dims), mid)
+    if ours != kept:
+        y = transposed(c, y, mid, tuple(ours.index(a) for a in kept))
+        mid = tuple(shape[a] for a in kept)
+    return y if mid == out else reshaped(c, y, out)
 
 
 def mean_over(

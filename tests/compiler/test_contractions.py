@@ -15,6 +15,7 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
     float_gradients,
@@ -200,3 +201,26 @@ def test_contractions_mexc_cannot_train_are_refused_by_node(make, message: str) 
     with pytest.raises(UnsupportedOpError, match=message) as err:
         mexc.compile(make(), (torch.zeros(8, 8, 16),))
     assert "node '" in str(err.value)
+
+
+class Reshaped(nn.Module):
+    """x @ w.reshape(16, 6) of a [6, 16] parameter: held as a split and a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 16) / 4)
+        self.fc = nn.Linear(6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc((torch.relu(x) @ self.w.reshape(16, 6)).mean(1))
+
+
+def test_weights_read_rearranged_come_back_in_the_models_layout() -> None:
+    """Program.float_weights puts x @ w's held w.T back, and a reshaped weight's too."""
+    for make in (RightWeight, Reshaped):
+        model, prog = _compile(make, _data(4)[0])
+        back = prog.float_weights()["w"]
+        assert back.shape == tuple(model.w.shape)
+        held = prog.state["w"].dequantize()  # [out, in]: w.T, and w.reshape(16, 6).T
+        assert np.array_equal(back.reshape(-1), held.T.reshape(-1))
+        assert_logits_match_torch(model, prog, _data(4)[0])

@@ -136,10 +136,20 @@ class _Reflect(_Grouped):
         self.conv = nn.Conv3d(4, 4, 3, padding=1, padding_mode="reflect")
 
 
+class _CumulativeNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm3d(4, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x).flatten(1)[:, :10]
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
         (_Grouped, "grouped or dilated"),
+        (_CumulativeNorm, "cumulative running average"),
         (_Dilated, "grouped or dilated"),
         (_Reflect, "pads with mode 'reflect'"),
     ],

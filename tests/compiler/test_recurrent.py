@@ -69,6 +69,25 @@ def test_logits_match_torch(case: str) -> None:
     assert_logits_match_torch(model, prog, _data(8)[0])
 
 
+class TimeFirstMean(nn.Module):
+    """A time-first LSTM whose outputs are averaged over time, axis 0 of (T, N, H)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.rnn(x.permute(1, 0, 2))[0].mean(0))
+
+
+def test_a_time_first_mean_over_time_matches_torch() -> None:
+    torch.manual_seed(0)
+    model = TimeFirstMean()
+    prog = mexc.compile(model, (torch.zeros(8, 6, 8),), rounding="nearest")
+    assert_logits_match_torch(model, prog, _data(8)[0])
+
+
 @pytest.mark.parametrize("case", ["lstm", "gru"])
 def test_the_shared_weights_get_their_gradients(case: str) -> None:
     # 128 samples: the hidden weights' gradients are small at initialization, and at 32 the
@@ -115,10 +134,28 @@ class _StackedState(nn.Module):
         return self.rnn(x)[1].permute(1, 0, 2).flatten(1)
 
 
+class _AlongTheBatch(nn.Module):
+    """batch_first left out on an (N, T, I) input: torch runs the steps along the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0].flatten(1)
+
+
+class _StateSliced(_StackedState):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[1][-1, :, :]
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
         (_GivenState, "starts from a given state"),
+        (_AlongTheBatch, "runs its recurrence along the batch axis"),
+        (_StateSliced, "index it with one integer, h_n"),
         (_Projected, "projects its hidden state"),
         (_StackedState, "a tuple of tensors"),
     ],

@@ -20,6 +20,7 @@ from mexc.ir import Op
 from mexc.mx import Acc, RoundCtx
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
     float_gradients,
@@ -109,3 +110,33 @@ def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
 @pytest.mark.slow
 def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     assert_cuda_source_trains_bit_exact(_program(), tmp_path)
+
+
+class Tied(nn.Module):
+    """Two layers holding one weight tensor (b.weight = a.weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.b.weight = self.a.weight
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.b(torch.relu(self.a(x.flatten(1)[:, :16]))))
+
+
+def test_tied_weights_are_one_parameter_trained_as_torch_trains_it() -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    prog = mexc.compile(model, (torch.zeros(32, 1, 8, 8),), rounding="nearest")
+    names = [str(n.attrs.name) for n in prog.graph.nodes_of(Op.PARAM)]
+    assert "a.weight" in names and "b.weight" not in names
+    x, y = _data(32)
+    assert_logits_match_torch(model, prog, x)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert cosine(got["a.weight"], want["a.weight"]) >= 0.98  # both layers' gradients summed
+    prog.step(x, y)
+    again = prog.to_module(Tied())
+    assert again.b.weight is again.a.weight
+    assert np.array_equal(again.b.weight.detach().numpy(), prog.float_weights()["a.weight"])
