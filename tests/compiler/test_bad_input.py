@@ -27,13 +27,13 @@ class WithSort(nn.Module):
         return self.fc(x)
 
 
-class WithLSTM(nn.Module):
+class WithLPPool(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(8, 10, batch_first=True)
+        self.pool = nn.LPPool2d(2, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rnn(x.view(x.size(0), 8, 8))[0][:, -1]
+        return self.pool(x.view(x.size(0), 1, 8, 8)).flatten(1)[:, :10]
 
 
 class DataDependent(nn.Module):
@@ -57,9 +57,9 @@ def test_unsupported_function_names_op_node_line_and_list() -> None:
 
 
 def test_unsupported_module() -> None:
-    line = _line_of("self.rnn(x.view")
-    with pytest.raises(mexc.UnsupportedOpError, match=f"LSTM.*test_bad_input.py:{line}"):
-        mexc.compile(WithLSTM(), (torch.zeros(4, 1, 8, 8),))
+    line = _line_of("self.pool(x.view")
+    with pytest.raises(mexc.UnsupportedOpError, match=f"LPPool2d.*test_bad_input.py:{line}"):
+        mexc.compile(WithLPPool(), (torch.zeros(4, 1, 8, 8),))
 
 
 class SigmoidOfParameter(nn.Module):
