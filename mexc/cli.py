@@ -334,6 +334,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume_target=args.target if "target" in getattr(args, "given", ()) else None,
         command=["mexc", *args.argv],
         data_parallel=data_parallel,
+        export_torch=args.export_torch,
     )
     if not leader:
         return 0  # worker 0 reports: every worker holds the same state
@@ -344,6 +345,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.plot:
         plot_curves(results, args.plot)
         print(f"curves written to {args.plot}")
+    if args.export_torch:
+        print(f"trained weights written to {args.export_torch} (a PyTorch state dict)")
     return 0
 
 
@@ -521,6 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write loss/accuracy curves to a PNG")
     p.add_argument("--out", metavar="JSON", help="write results (see docs) to a JSON file")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint to DIR after every epoch")
+    p.add_argument(
+        "--export-torch",
+        metavar="PT",
+        help="write the trained weights, dequantized to float32, as the model's PyTorch state "
+        "dict to PT (load with model.load_state_dict(torch.load(PT, weights_only=True)))",
+    )
     p.add_argument(
         "--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps"
     )

@@ -587,6 +587,25 @@ def make_optimizer(
     raise ValueError(f"optimizer must be sgd, adamw or adam, got {kind!r}")
 
 
+def export_state_dict(prog: Any, model: Any, path: str | os.PathLike[str]) -> None:
+    """`prog`'s trained weights (Program.to_module: float32, the model's names and layouts)
+    written as `model`'s PyTorch state dict to `path`, atomically (a temporary file in its
+    folder, then a rename); torch.load(path, weights_only=True) reads it."""
+    import torch
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    state = prog.to_module(model).state_dict()
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def run_training(
     model: Any,
     train: Arrays,
@@ -619,6 +638,7 @@ def run_training(
     resume_target: str | None = None,
     command: list[str] | None = None,
     data_parallel: bool = False,
+    export_torch: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Compile `model` (its current weights are the initial weights), train it integer-only,
     optionally train a deepcopy in FP32 the same way, and return the results document. With
@@ -626,7 +646,8 @@ def run_training(
     target it was saved from or on `resume_target` (same bits on every target).
     `data_parallel`: this process is one worker of an initialised torch.distributed group;
     `batch` is the global batch, and every worker trains on its rows of it (the FP32 baseline
-    runs on worker 0 only)."""
+    runs on worker 0 only). `export_torch`: write the trained weights as the model's PyTorch
+    state dict there (export_state_dict)."""
     import copy
 
     import torch
@@ -635,6 +656,7 @@ def run_training(
     from mexc.fp32 import train_fp32
 
     fp32_model = copy.deepcopy(model) if compare_fp32 else None
+    architecture = copy.deepcopy(model) if export_torch is not None else None
     if resume is not None:
         trainer = Trainer.resume(
             resume,
@@ -691,6 +713,8 @@ def run_training(
         yb = torch.from_numpy(np.asarray(train[1][:b], np.int64))
         fp32_memory = step_memory(copy.deepcopy(fp32_model), xb, yb, p)
     trainer.fit()
+    if architecture is not None and export_torch is not None and trainer.leader:
+        export_state_dict(trainer.program, architecture, export_torch)
     fp32_history = None
     if fp32_model is not None:
         if progress:

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import mexc
-from mexc.cli import main
+from mexc.cli import load_model, main
 from mexc.pipeline import PIPELINE
+from mexc.program import read_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -93,6 +96,7 @@ def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixt
         "train", f"{MODELS}:DigitsCNN", "--data", "digits", "--epochs", "1", "--batch", "32",
         "--limit-train", "256", "--limit-test", "100", "--compare-fp32", "--quiet",
         "--out", str(out_json), "--plot", str(png), "--checkpoint", str(tmp_path / "ck"),
+        "--export-torch", str(tmp_path / "trained.pt"),
     ]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -120,6 +124,13 @@ def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     assert (tmp_path / "ck" / "last.mexc").is_file() and (
         tmp_path / "ck" / "trainer.json"
     ).is_file()
+    # the exported state dict is the last checkpoint's weights in the model's own layout
+    trained = torch.load(tmp_path / "trained.pt", weights_only=True)
+    model, _ = load_model(f"{MODELS}:DigitsCNN")
+    model.load_state_dict(trained)  # every key of the model, strict
+    weights = read_checkpoint(tmp_path / "ck" / "last.mexc").float_weights()
+    for name, value in weights.items():
+        assert np.array_equal(trained[name].numpy(), value), name
 
 
 def test_train_with_adamw_beside_fp32_adamw(tmp_path: Path) -> None:
