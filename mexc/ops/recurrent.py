@@ -36,11 +36,17 @@ _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
 def recurrent_module(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
-    """nn.LSTM / nn.GRU / nn.RNN called on a batched sequence, from a zero state."""
+    """nn.LSTM / nn.GRU / nn.RNN called on a batched sequence, from the zero state (given as
+    torch.zeros or not given)."""
     kind = type(m).__name__ if type(m).__name__ in _GATES else m.mode.split("_")[0]
-    if len(n.args) > 1 and n.args[1] is not None or n.kwargs.get("hx") is not None:
+    hx = n.args[1] if len(n.args) > 1 else n.kwargs.get("hx")
+    if hx is not None and not _zeros(c, hx):
         raise UnsupportedOpError(
-            c.describe(n, "starts from a given state; mexc's recurrent layers start from zeros")
+            c.describe(
+                n,
+                "starts from a given state other than zeros; mexc's recurrent layers start "
+                "from zeros (give no state, or torch.zeros)",
+            )
         )
     if getattr(m, "proj_size", 0):
         raise UnsupportedOpError(c.describe(n, "projects its hidden state (proj_size)"))
@@ -144,6 +150,17 @@ def _direction(
     seq = [o for o in outs if o is not None]
     out = seq[0] if steps == 1 else concatenated(c, seq, (batch, steps, size), 1)
     return out, h, cell
+
+
+def _zeros(c: Any, hx: Any) -> bool:
+    """The given initial state (h0, or (h0, c0)) is zeros the forward makes (the tutorials'
+    torch.zeros(layers, N, H)): a constant of the graph, all zero."""
+    parts = hx if isinstance(hx, (tuple, list)) else (hx,)
+    for part in parts:
+        held = c.env.get(part) if c.is_node(part) else None
+        if not isinstance(held, gather.Const) or bool(held.value.detach().abs().sum() != 0):
+            return False
+    return True
 
 
 def _role(what: str) -> str:

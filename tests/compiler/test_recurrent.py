@@ -88,6 +88,33 @@ def test_a_time_first_mean_over_time_matches_torch() -> None:
     assert_logits_match_torch(model, prog, _data(8)[0])
 
 
+class Tutorial(nn.Module):
+    """PyTorch tutorials' sequence classifier: the zero state made in forward and passed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.zeros(2, x.size(0), 16).to(x.device)
+        c0 = torch.zeros(2, x.size(0), 16).to(x.device)
+        out, _ = self.lstm(x, (h0, c0))
+        return self.fc(out[:, -1, :])
+
+
+def test_a_zero_state_given_in_forward_is_the_zero_state() -> None:
+    torch.manual_seed(0)
+    model = Tutorial()
+    prog = mexc.compile(model, (torch.zeros(8, 6, 8),), rounding="nearest")
+    x = _data(8)[0]
+    ref = prog.to_module(Tutorial()).eval()  # float32: the zeros made in forward are
+    xq = mexc.kernels.quantize(x.astype(np.float64), 8).dequantize().astype(np.float32)
+    want = ref(torch.from_numpy(xq)).detach().numpy()
+    got = prog.logits(x)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), np.abs(got - want).max()
+
+
 @pytest.mark.parametrize("case", ["lstm", "gru"])
 def test_the_shared_weights_get_their_gradients(case: str) -> None:
     # 128 samples: the hidden weights' gradients are small at initialization, and at 32 the
@@ -153,7 +180,7 @@ class _StateSliced(_StackedState):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (_GivenState, "starts from a given state"),
+        (_GivenState, "starts from a given state other than zeros"),
         (_AlongTheBatch, "runs its recurrence along the batch axis"),
         (_StateSliced, "index it with one integer, h_n"),
         (_Projected, "projects its hidden state"),
