@@ -307,15 +307,16 @@ def _normalize(c: Any, n: Any) -> Value:
     args = dict(zip(("input", "p", "dim", "eps"), n.args)) | dict(n.kwargs)
     x = args["input"]
     shape = tuple(c.shape(x))
-    dims = _norm_dims(c, n, static_value(args.get("p", 2.0)), args.get("dim", 1), shape)
+    dims = _norm_dims(c, n, static_value(args.get("p", 2.0)), args.get("dim", 1), x)
     eps = float(static_value(args.get("eps", 1e-12)))
     _check_floor(c, n, eps)
     return _unit(c, n, c.arg(x), shape, dims, eps)
 
 
-def _norm_dims(c: Any, n: Any, p: Any, dim: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes of a 2-norm (p 2, "fro" or None), sorted; an error naming n for another p,
-    no axes or the batch axis."""
+def _norm_dims(c: Any, n: Any, p: Any, dim: Any, x: Any) -> tuple[int, ...]:
+    """The axes of a 2-norm of x (p 2, "fro" or None), sorted; an error naming n for another
+    p, no axes or the batch axis (wherever x holds it: after a permute too)."""
+    shape = tuple(c.shape(x))
     dims = static_value(dim)
     axes = dims if isinstance(dims, (list, tuple)) else [dims]
     if p not in (2, 2.0, "fro", None) or dims is None or not axes:
@@ -327,7 +328,8 @@ def _norm_dims(c: Any, n: Any, p: Any, dim: Any, shape: tuple[int, ...]) -> tupl
             )  # fmt: skip
         )
     out = tuple(sorted({static_int(d) % len(shape) for d in axes}))
-    if 0 in out:
+    batch = c.batch_axis(c.arg(x))
+    if (0 if batch is None else batch) in out:
         raise UnsupportedOpError(c.describe(n, "takes a norm along the batch axis"))
     return out
 
@@ -374,8 +376,7 @@ def _norm_call(c: Any, n: Any) -> tuple[Any, tuple[int, ...]] | None:
     p = static_value(args.get("p", args.get("ord", 2)))
     if not static_value(args.get("keepdim", False)):
         return None
-    shape = tuple(c.shape(args["input"]))
-    return args["input"], _norm_dims(c, n, p, args.get("dim"), shape)
+    return args["input"], _norm_dims(c, n, p, args.get("dim"), args["input"])
 
 
 def _vector_norm(c: Any, n: Any) -> Value:
@@ -389,7 +390,7 @@ def _vector_norm(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(c.describe(n, f"takes a norm in {dtype}; give a float dtype"))
     x = args["input"]
     shape = tuple(c.shape(x))
-    dims = _norm_dims(c, n, static_value(args.get("p", args.get("ord", 2))), args.get("dim"), shape)
+    dims = _norm_dims(c, n, static_value(args.get("p", args.get("ord", 2))), args.get("dim"), x)
     v = c.arg(x)
     squares = multiplied(c, v, _unit(c, n, v, shape, dims, 0.0), shape)
     count = int(np.prod([shape[a] for a in dims]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mexc
@@ -87,6 +88,11 @@ class _BatchNorm(nn.Module):
         return x[:, :10] * x.norm(dim=0, keepdim=True)[:, :10]
 
 
+class _AcrossTheBatch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x.permute(1, 0), dim=1).permute(1, 0)[:, :10]
+
+
 class _NumberOverNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, :10] * (1.0 / x.norm(dim=1, keepdim=True))
@@ -110,6 +116,7 @@ class _WideFloor(nn.Module):
     [
         (_Ratio, "divides by a tensor"),
         (_NumberOverNorm, "divides the number 1.0 by a tensor"),
+        (_AcrossTheBatch, "takes a norm along the batch axis"),
         (_ChangedAfterItsNorm, "divides by a tensor"),
         (_WideFloor, "floors a 2-norm at 0.5"),
         (_OtherNorm, "with p=1"),
