@@ -41,7 +41,14 @@ from mexc.arrangement import Arrangement
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
-from mexc.ops.common import STATIC_VALUE, ParamView, static_int, static_value
+from mexc.ops.common import (
+    STATIC_VALUE,
+    ParamView,
+    called_name,
+    is_traced_tensor,
+    static_int,
+    static_value,
+)
 from mexc.ops.tensor import transposed
 from mexc.types import Kind, TensorType, f32
 
@@ -384,7 +391,7 @@ def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
                 )
             )
         return _held_item(n, held, item)
-    if not _is_tensor(n):
+    if not is_traced_tensor(n):
         return None
     return frontend_index.read(c, n)
 
@@ -394,7 +401,7 @@ def _named_result(c: _Ctx, n: torch.fx.Node) -> Value | None:
     static attribute (x.shape)."""
     src, name = n.args[0], n.args[1]
     held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
-    if isinstance(held, Value) and name in ("T", "mT") and _is_tensor(n):
+    if isinstance(held, Value) and name in ("T", "mT") and is_traced_tensor(n):
         rank = len(c.shape(src))  # x.T reverses the axes, x.mT swaps the last two
         perm = (
             tuple(reversed(range(rank))) if name == "T" else (*range(rank - 2), rank - 1, rank - 2)
@@ -825,7 +832,7 @@ def _static(c: _Ctx, n: torch.fx.Node) -> bool:
     """n computes a Python value from static shapes only (x.size(1) // groups, h == 224, a
     torch._assert on them): shape propagation already ran it on the example, so it needs no
     op. A value that depends on tensor data (x.sum().item()) is not static."""
-    if _is_tensor(n):
+    if is_traced_tensor(n):
         return False
     if n.op == "call_function" and n.target is getattr:
         ok = True  # x.shape, x.ndim, x.dtype
@@ -925,15 +932,13 @@ _NOT_ACTIVATION = (
     "changes a parameter, a buffer or a constant in place; mexc changes only activations in place"
 )
 
-# augmented assignments: x += y changes the tensor x in place
-_AUGMENTED = frozenset(
-    (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv)
-)
+# augmented assignments (the ones _AugmentedAssignment traces): x += y changes x in place
+_AUGMENTED = frozenset((operator.iadd, operator.isub, operator.imul, operator.itruediv))
 
 
 def _underscored(n: torch.fx.Node) -> bool:
     """An in-place op by torch's naming: x.add_(y), F.leaky_relu_(x), torch.relu_(x)."""
-    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    name = called_name(n)
     return name.endswith("_") and not name.endswith("__") and len(name) > 1
 
 
@@ -951,9 +956,9 @@ def _inplace_argument(n: torch.fx.Node) -> Any:
 def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:
     """The converter of an in-place op's pure form, and that form's target (None, None where
     n is not an in-place op mexc converts)."""
-    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
-    if not name.endswith("_") or name.endswith("__") or len(name) < 2:
+    if not _underscored(n):
         return None, None
+    name = called_name(n)
     if n.op == "call_method":
         return METHOD_HANDLERS.get(name[:-1]), name[:-1]
     for home in (torch, torch.nn.functional):
@@ -962,10 +967,6 @@ def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:
         if handler is not None:
             return handler, pure
     return None, None
-
-
-def _is_tensor(n: torch.fx.Node) -> bool:
-    return hasattr(n.meta.get("tensor_meta"), "shape")
 
 
 def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
@@ -987,7 +988,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     for n in gm.graph.nodes:
         c.loc = _user_location(n)
         if n.op == "placeholder":
-            if c.env and not _is_tensor(n):
+            if c.env and not is_traced_tensor(n):
                 c.static.add(n)  # an optional argument traced at its default (concrete_args)
                 continue
             if c.env:

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from mexc.errors import UnsupportedOpError
-from mexc.ops.common import ParamView, static_value
+from mexc.ops.common import ParamView, called_name, is_traced_tensor, static_value
 from mexc.ops.gather import Concatenated, Const, Gathered, as_gathered
 
 # ops that only move elements: applied to the index map they give the moved map
@@ -91,10 +91,6 @@ _META = ("device", "dtype")  # attributes of a traced tensor a constant's maker 
 _RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "uniform", "exponential")
 
 
-def _name(n: torch.fx.Node) -> str:
-    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
-
-
 def _operand(c: Any, a: torch.fx.Node) -> Gathered | Const | None:
     held = c.env.get(a)
     if isinstance(held, Const):
@@ -139,9 +135,9 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | Concatenated | None:
     value."""
     if n.op not in ("call_function", "call_method"):
         return None
-    name = _name(n)
+    name = called_name(n)
     setitem = n.target is operator.setitem
-    if not (setitem or hasattr(n.meta.get("tensor_meta"), "shape")):
+    if not (setitem or is_traced_tensor(n)):
         return None
     if any(r in name.lower() for r in _RANDOM):
         return None

@@ -21,7 +21,7 @@ import torch.fx
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Value
 from mexc.ops import gather
-from mexc.ops.common import static_value
+from mexc.ops.common import called_name, is_traced_tensor, static_value
 from mexc.ops.tensor import broadcast, concatenated, every_nth, reshaped, sliced
 
 # Tensor methods and torch functions whose result may share memory with their input: a write
@@ -145,21 +145,21 @@ def rebind(c: Any, n: torch.fx.Node, x: torch.fx.Node, v: Value) -> None:
     inplace=True): every node naming that tensor (x, and the in-place ops' results on it) is
     bound to v, and n names it too. Refused where a view of the tensor would miss the change
     (refuse_aliases) or where v has another shape (x.unsqueeze_(1))."""
-    if _is_tensor(n) and c.shape(n) != c.shape(x):
+    if is_traced_tensor(n) and c.shape(n) != c.shape(x):
         raise UnsupportedOpError(
             c.describe(n, "changes the shape of its input in place; use the op without '_'")
         )
     refuse_aliases(c, n, x)
-    root = c.names.get(x, x)
-    c.names[x] = root
-    c.names[n] = root
-    for m in [m for m, r in c.names.items() if r is root]:
+    c.names[n] = c.names[x] = c.names.get(x, x)
+    for m in _names_of(c, x):
         c.env[m] = v
         c.rebound.add(m)
 
 
-def _is_tensor(n: torch.fx.Node) -> bool:
-    return hasattr(n.meta.get("tensor_meta"), "shape")
+def _names_of(c: Any, x: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes naming x's tensor: x, and the in-place ops' results on it (rebind)."""
+    root = c.names.get(x, x)
+    return {m for m, r in c.names.items() if r is root} | {x}
 
 
 def _refuse_overlapping_copy(
@@ -171,7 +171,7 @@ def _refuse_overlapping_copy(
     read, or one through another view, is refused."""
     if not isinstance(value, torch.fx.Node):
         return
-    names = {m for m, r in c.names.items() if r is c.names.get(x, x)} | {x}
+    names = _names_of(c, x)
     source, chain = value, []
     while _is_view(source) and source.args and isinstance(source.args[0], torch.fx.Node):
         chain.append(source)
@@ -197,7 +197,7 @@ def _region_value(
 ) -> Value:
     """The written value as a tensor of the region's shape (the integer-indexed axes kept as
     size 1), broadcast as torch broadcasts it to the indexed shape."""
-    if isinstance(value, (int, float)) or not isinstance(value, torch.fx.Node):
+    if not isinstance(value, torch.fx.Node):
         number = static_value(value)
         if not isinstance(number, (int, float)):
             raise UnsupportedOpError(c.describe(n, f"writes {value!r}, which is not a tensor"))
@@ -261,8 +261,7 @@ def _is_view(m: torch.fx.Node) -> bool:
         return False
     if m.target is operator.getitem:
         return True
-    name = m.target if isinstance(m.target, str) else getattr(m.target, "__name__", "")
-    return name in _VIEWS
+    return called_name(m) in _VIEWS
 
 
 def refuse_aliases(c: Any, n: torch.fx.Node, x: torch.fx.Node) -> None:
@@ -270,8 +269,7 @@ def refuse_aliases(c: Any, n: torch.fx.Node, x: torch.fx.Node) -> None:
     tensor read after the write, or a view of x taken before it and read after) is refused:
     mexc's tensors share no memory, so that reader would miss the write."""
     order = {m: i for i, m in enumerate(n.graph.nodes)}
-    root = c.names.get(x, x)
-    names = {m for m, r in c.names.items() if r is root} | {x}  # rebound together
+    names = _names_of(c, x)  # rebound together
     aliases, todo = set(names), list(names)
     while todo:
         m = todo.pop()

@@ -114,6 +114,19 @@ class ParamView:
 STATIC_VALUE = "mexc_static_value"
 
 
+def called_name(n: Any) -> str:
+    """The name of what a traced call calls: a method's ("add_"), a function's ("relu_",
+    "linalg_vector_norm", "iadd"); "" for other nodes."""
+    if n.op == "call_method":
+        return str(n.target)
+    return getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+
+
+def is_traced_tensor(n: Any) -> bool:
+    """Shape propagation recorded a tensor as n's result (not a number, a tuple or None)."""
+    return hasattr(n.meta.get("tensor_meta"), "shape")
+
+
 def static_value(v: Any) -> Any:
     """v with every traced node that computed a number from shapes replaced by that number
     (inside tuples, lists and slices too); other nodes are left as they are."""

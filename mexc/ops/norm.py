@@ -11,7 +11,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
-from mexc.ops.common import Grads, mx_like, static_int, static_value, tid
+from mexc.ops.common import Grads, called_name, mx_like, static_int, static_value, tid
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
     ACTIVATION_DIVISORS,
@@ -369,7 +369,7 @@ def _norm_call(c: Any, n: Any) -> tuple[Any, tuple[int, ...]] | None:
     torch.linalg.vector_norm(x, 2, (1, 2), True)), else None."""
     if not c.is_node(n) or n.op not in ("call_method", "call_function"):
         return None
-    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    name = called_name(n)
     if name not in _NORM_ARGS:
         return None
     args = dict(zip(_NORM_ARGS[name], n.args)) | dict(n.kwargs)
@@ -383,7 +383,7 @@ def _vector_norm(c: Any, n: Any) -> Value:
     """x.norm(p=2, dim, keepdim), torch.norm, torch.linalg.vector_norm over non-batch axes:
     |x| = sum(x * x / |x|) over the axes (_unit, a `mul`, their mean times their count),
     exact as a function; its gradient x / |x| is the product's."""
-    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    name = called_name(n)
     args = dict(zip(_NORM_ARGS[name], n.args)) | dict(n.kwargs)
     dtype = args.get("dtype")
     if dtype is not None and not getattr(dtype, "is_floating_point", False):
@@ -440,7 +440,7 @@ def _check_floor(c: Any, n: Any, eps: float) -> None:
 def _floor_of(b: Any) -> tuple[Any, float] | None:
     """(y, eps) where b is y.clamp(min=eps), y.clamp_min(eps), torch.clamp(y, min=eps) or
     y + eps for a number eps >= 0; else None."""
-    name = str(b.target) if b.op == "call_method" else getattr(b.target, "__name__", "")
+    name = called_name(b)
     args = list(b.args)
     if name in ("clamp", "clamp_min", "clip") and args:
         low = b.kwargs.get("min", args[1] if len(args) > 1 else None)
