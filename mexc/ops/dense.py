@@ -412,6 +412,11 @@ def _linear_function(c: Any, n: Any) -> Value:
     return c.emit(Op.LINEAR, ins, n, has_bias=bias is not None)
 
 
+def _recurrent(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
+    """nn.LSTM / GRU / RNN unrolled (mexc.ops.recurrent) with this module's `linear`."""
+    return recurrent_module(c, n, m, linear)
+
+
 def _tir(name: str) -> str:
     return f"step_plan:PlanRules.{name}"
 
@@ -425,7 +430,7 @@ define(
         frontend=(
             Pattern("module", ("torch.nn.Conv2d",), _conv_module),
             Pattern("module", ("torch.nn.Conv3d",), _conv3d_module),
-            Pattern("module", ("torch.nn.LSTM", "torch.nn.GRU", "torch.nn.RNN"), recurrent_module),
+            Pattern("module", ("torch.nn.LSTM", "torch.nn.GRU", "torch.nn.RNN"), _recurrent),
             Pattern("function", ("torch.conv3d", "torch.nn.functional.conv3d"), _conv3d_function),
             Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
             Pattern("module", ("torch.nn.Conv1d",), _conv1d_module),

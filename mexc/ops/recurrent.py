@@ -14,6 +14,7 @@ batch axis is not its first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,11 @@ from mexc.ops.tensor import (
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
-def recurrent_module(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
+# linear(c, x, weight, bias, result): dense's, passed in (dense registers this module's pattern)
+Linear = Callable[[Any, Value, Value, Value | None, tuple[int, ...]], Value]
+
+
+def recurrent_module(c: Any, n: Any, m: Any, linear: Linear) -> tuple[Value, Any]:
     """nn.LSTM / nn.GRU / nn.RNN called on a batched sequence, from the zero state (given as
     torch.zeros or not given)."""
     kind = type(m).__name__ if type(m).__name__ in _GATES else m.mode.split("_")[0]
@@ -77,7 +82,7 @@ def recurrent_module(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
     for layer in range(int(m.num_layers)):
         outs = []
         for d in range(dirs):
-            out, h, cell = _direction(c, n, m, kind, v, shape, layer, d)
+            out, h, cell = _direction(c, n, m, kind, v, shape, layer, d, linear)
             outs.append(out)
             finals.append(h)
             if cell is not None:
@@ -94,7 +99,15 @@ def recurrent_module(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
 
 
 def _direction(
-    c: Any, n: Any, m: Any, kind: str, v: Value, shape: tuple[int, ...], layer: int, d: int
+    c: Any,
+    n: Any,
+    m: Any,
+    kind: str,
+    v: Value,
+    shape: tuple[int, ...],
+    layer: int,
+    d: int,
+    linear: Linear,
 ) -> tuple[Value, Value, Value | None]:
     """One layer's direction d over v (N, T, I): its output (N, T, H), last state and cell."""
     batch, steps, _ = shape
@@ -107,10 +120,7 @@ def _direction(
     w_ih, w_hh = param("weight_ih"), param("weight_hh")
     b_ih, b_hh = (param("bias_ih"), param("bias_hh")) if m.bias else (None, None)
     wide = (batch, gates * size)
-    projected = c.emit_as(
-        Op.LINEAR, [v, w_ih, *([b_ih] if b_ih else [])], (batch, steps, gates * size),
-        has_bias=b_ih is not None,
-    )  # fmt: skip
+    projected = linear(c, v, w_ih, b_ih, (batch, steps, gates * size))
     zero = np.zeros((batch, size), np.float32)
     h = gather.gathered_value(c, n, gather.const_gathered(n, zero), (batch, size))
     cell: Value | None = None
@@ -118,9 +128,7 @@ def _direction(
     step = (batch, size)
     for t in reversed(range(steps)) if d else range(steps):
         gx = reshaped(c, sliced(c, projected, (batch, steps, gates * size), 1, t, t + 1), wide)
-        gh = c.emit_as(
-            Op.LINEAR, [h, w_hh, *([b_hh] if b_hh else [])], wide, has_bias=b_hh is not None
-        )
+        gh = linear(c, h, w_hh, b_hh, wide)
 
         def gate(g: Value, k: int) -> Value:
             return sliced(c, g, wide, 1, k * size, (k + 1) * size)
