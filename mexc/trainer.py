@@ -47,8 +47,9 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -65,14 +66,23 @@ STATE_FILE = "trainer.json"
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write JSON to `path` via a temp file in the same folder and os.replace."""
+    """Write JSON to `path` atomically (_write_atomic)."""
+
+    def write(fh: IO[bytes]) -> None:
+        fh.write((json.dumps(obj, indent=1) + "\n").encode())
+
+    _write_atomic(path, write)
+
+
+def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+    """`write` fills a temp file in `path`'s folder, which os.replace then moves to `path`:
+    a reader sees the old file or the whole new one."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -593,17 +603,8 @@ def export_state_dict(prog: Any, model: Any, path: str | os.PathLike[str]) -> No
     folder, then a rename); torch.load(path, weights_only=True) reads it."""
     import torch
 
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     state = prog.to_module(model).state_dict()
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_atomic(path, lambda fh: torch.save(state, fh))
 
 
 def run_training(
