@@ -132,24 +132,10 @@ class InPlaceLayers(nn.Module):
         return self.head((y - z + y + u).mean(1))  # relu(a(x)) + hardtanh(b(x))
 
 
-def test_a_layer_called_in_place_changes_its_input_for_later_readers() -> None:
-    torch.manual_seed(0)
-    model = InPlaceLayers()
-    prog = mexc.compile(model, (torch.zeros(8, 8, 16),), rounding="nearest")
-    assert_logits_match_torch(model, prog, _data(8)[0])
-
-
-class Aliased(nn.Module):
+class Aliased(InPlaceLayers):
     """One tensor under several names: in-place ops chained (their results are the tensor),
     changed through an in-place layer's result, by an underscored function and by augmented
     assignment; and a copy of disjoint elements of a tensor into itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.act = nn.ReLU(inplace=True)
-        self.head = nn.Linear(16, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.a(x)
@@ -164,9 +150,12 @@ class Aliased(nn.Module):
         return self.head((y + u + sc).mean(1))
 
 
-def test_a_tensor_changed_under_one_name_is_changed_under_all() -> None:
+@pytest.mark.parametrize("make", [InPlaceLayers, Aliased])
+def test_a_tensor_changed_under_one_name_is_changed_under_all(make: type[nn.Module]) -> None:
+    """A layer called in place changes its input for later readers (InPlaceLayers), and
+    every name of a changed tensor reads the change (Aliased)."""
     torch.manual_seed(0)
-    model = Aliased()
+    model = make()
     prog = mexc.compile(model, (torch.zeros(8, 8, 16),), rounding="nearest")
     assert_logits_match_torch(model, prog, _data(8)[0])
 
