@@ -298,9 +298,17 @@ class PlanBuilder:
         return tuple(int(d) for d in self.g.type_of(v).shape)
 
     def out(self, n: Node, i: int, dtype: str, shape: Shape | None = None) -> str:
+        """Result i's buffer, in `shape` (the kernel's, e.g. a linear layer's (rows,
+        features)) where given. Its readers see it at the value's own shape (a view where the
+        two differ), as every rule that reads it without a view of its own expects."""
         v = n.result(i)
-        self.m[v] = self.buf(f"v{n.id}_{i}", shape or self.shape(v), dtype)
-        return self.m[v]
+        own = self.shape(v)
+        buf = self.buf(f"v{n.id}_{i}", shape or own, dtype)
+        if shape is None or tuple(shape) == tuple(own) or int(np.prod(shape)) != int(np.prod(own)):
+            self.m[v] = buf
+        else:
+            self.m[v] = self.view(buf, own)
+        return buf
 
     def out_over(self, n: Node, src: Value) -> str:
         """Result 0 of elementwise node n (int8, src's shape): in place over src's mantissas
