@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mexc.distributed import agree_on_program, current_workers
+from mexc.errors import InputError
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
 from mexc.kernels import quantize, quantize_channels
@@ -55,6 +56,9 @@ def initial_state(
     state: dict[str, MX] = {}
     for n in graph.nodes_of(Op.PARAM, Op.STATE):
         name = str(n.attrs.name)
+        held = params.get(name) if n.op is Op.PARAM else buffers.get(name)
+        if held is not None and not np.isfinite(held).all():
+            raise InputError(_not_finite(name, held, n.op is Op.PARAM))
         if n.op is Op.PARAM:
             p, b = params[name], 8 if name in constants else bits
             state[name] = quantize_channels(p, b) if channels else quantize(p, b)
@@ -68,6 +72,18 @@ def initial_state(
         else:
             state[name] = quantize(buffers[name], bits)
     return state
+
+
+def _not_finite(name: str, values: np.ndarray, param: bool) -> str:
+    bad = int(np.size(values) - np.isfinite(values).sum())
+    what = "parameter or constant" if param else "buffer"
+    return (
+        f"the model's {what} '{name}' holds {bad} NaN or infinite value(s) of "
+        f"{np.size(values)}: mexc holds every value as an int8 mantissa and a power-of-two "
+        "exponent, which have no NaN or infinity. Replace them with finite values (check the "
+        "checkpoint the model was loaded from); an attention mask of -inf is a causal or "
+        "padding mask, which mexc does not support yet"
+    )
 
 
 def quantize_per_group(x: np.ndarray, bits: int) -> MX:
