@@ -39,6 +39,7 @@ from mexc import frontend_fold, frontend_index
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, TraceError, UnsupportedOpError
+from mexc.frontend_modules import traced_forward
 from mexc.ir import Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.common import (
@@ -105,8 +106,11 @@ class _Ctx:
             elif d.moves_batch is not None:
                 u, at = known[0]
                 axis = d.moves_batch(node, self.types[u], int(at))  # type: ignore[arg-type]
-            else:  # per-sample ops keep the batch first
-                axis = 0 if all(at == 0 for _, at in known) else None
+            else:  # per-sample ops keep the batch first, row-wise ops wherever it is
+                found = {int(a) for _, a in known if a is not None}
+                axis = found.pop() if len(found) == 1 else None
+                if axis and not (d.keeps(node) and axis < len(node.types[0].shape) - 1):
+                    axis = None
             for i, t in enumerate(node.types):
                 self.axes[node.result(i)] = axis
                 self.types[node.result(i)] = t
@@ -565,8 +569,16 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         """Modules with a pattern stay one call_module node (timm's DropPath, whose forward
-        reads self.training and would trace as the identity in eval mode)."""
+        reads self.training and would trace as the identity in eval mode); torch's transformer
+        layers are traced through mexc's forward of them (frontend_modules)."""
+        if traced_forward(m) is not None:
+            return False
         return _module_handler(m) is not None or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+    ) -> Any:
+        return super().call_module(m, traced_forward(m) or forward, args, kwargs)
 
 
 class _SizeProxy(_AugmentedAssignment, MetaProxy):

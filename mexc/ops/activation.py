@@ -357,6 +357,7 @@ define(
         Op.RELU,
         {},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=_relu_vjp,
         reference=_relu,
         frontend=(
@@ -381,6 +382,7 @@ define(
         Op.RELU6,
         {},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.RELU6_GRAD, lambda n: n.out),
         reference=_relu6,
         frontend=(
@@ -396,6 +398,7 @@ define(
         Op.CLAMP,
         _CLAMP_ATTRS,
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.CLAMP_GRAD, lambda n: n.inputs[0]),
         reference=_clamp,
         frontend=(
@@ -421,6 +424,7 @@ define(
         Op.LEAKY_RELU,
         {"slope": 0.01, "rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.LEAKY_RELU_GRAD, _leaky_saved),
         reference=_leaky_relu,
         frontend=(
@@ -439,6 +443,7 @@ define(
         Op.GELU,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.GELU_GRAD, lambda n: n.inputs[0]),
         reference=_gelu,
         frontend=(
@@ -453,6 +458,7 @@ define(
         Op.HARDSWISH,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.HARDSWISH_GRAD, lambda n: n.inputs[0]),
         reference=_hardswish,
         frontend=(
@@ -467,6 +473,7 @@ define(
         Op.HARDSIGMOID,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.HARDSIGMOID_GRAD, lambda n: n.inputs[0]),
         reference=_hardsigmoid,
         frontend=(
@@ -483,6 +490,7 @@ define(
         Op.SIGMOID,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.SIGMOID_GRAD, lambda n: n.inputs[0]),
         reference=_sigmoid,
         frontend=(
@@ -502,6 +510,7 @@ define(
         Op.SILU,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.SILU_GRAD, lambda n: n.inputs[0]),
         reference=_silu,
         frontend=(
@@ -516,6 +525,7 @@ define(
         Op.TANH,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.TANH_GRAD, lambda n: n.inputs[0]),
         reference=_tanh,
         frontend=(
@@ -535,6 +545,7 @@ define(
         Op.MISH,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.MISH_GRAD, lambda n: n.inputs[0]),
         reference=_mish,
         frontend=(
@@ -557,6 +568,7 @@ define(
         Op.ACTIVATION_OFFSET,
         {"fn": "elu", "params": (1.0,), "rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.ACTIVATION_OFFSET_GRAD, lambda n: n.inputs[0]),
         reference=_offset,
         frontend=(

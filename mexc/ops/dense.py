@@ -445,6 +445,7 @@ define(
         Op.LINEAR,
         {"has_bias": False, **CAP},
         types=product_types,
+        keeps_axes=True,
         vjp=_linear_vjp,
         frontend=(
             Pattern("module", ("torch.nn.Linear",), _linear_module),

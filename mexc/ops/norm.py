@@ -57,6 +57,11 @@ def _batchnorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return [node.result(0) if w.needs[x] else None, None, None, None, None]
 
 
+def _row_norm(n: Node) -> bool:
+    """A LayerNorm of each row along the last axis (not GroupNorm's rows across axes)."""
+    return int(n.attrs.groups) == 1 and int(n.attrs.per) == 1
+
+
 def _layernorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
@@ -561,6 +566,7 @@ define(
         Op.LAYERNORM,
         {"eps": 1e-5, "groups": 1, "per": 1, "rid": -1},
         types=_layernorm_types,
+        keeps_axes=_row_norm,
         vjp=_layernorm_vjp,
         reference=_layernorm,
         frontend=(

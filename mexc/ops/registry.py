@@ -114,12 +114,22 @@ class OpDef:
     # (node, input type, the input's batch axis) -> the result's batch axis, or None where the
     # split does not carry through (a slice along the batch axis)
     moves_batch: Callable[[Node, Any, int], int | None] | None = None
+    # computes each element, or each row along the last axis, of its inputs on its own (an
+    # activation, a linear layer, LayerNorm over the last axis): a batch axis other than the
+    # last stays where it is (a (T, N, D) sequence's); a callable of the node where attributes
+    # decide (GroupNorm normalizes across the axes after the first)
+    keeps_axes: bool | Callable[[Node], bool] = False
     doc: str = ""
 
     def splits(self, n: Node) -> bool:
         """Whether node n runs on a data-parallel worker's rows (data_parallel)."""
         dp = self.data_parallel
         return bool(dp(n) if callable(dp) else dp)
+
+    def keeps(self, n: Node) -> bool:
+        """Whether node n keeps its inputs' batch axis wherever it is (keeps_axes)."""
+        k = self.keeps_axes
+        return bool(k(n) if callable(k) else k)
 
     @property
     def may_split(self) -> bool:

@@ -1195,6 +1195,7 @@ define(
         Op.ADD,
         {"rid": -1, "shift_cap": None},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=_add_vjp,
         reference=_add,
         frontend=(
@@ -1249,6 +1250,7 @@ define(
         Op.DROPOUT,
         {"p": 0.5, "mode": "element", "rid": -1},
         types=with_index_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.DROPOUT_GRAD, lambda n: n.result(1)),
         reference=_dropout,
         frontend=(
@@ -1296,6 +1298,7 @@ define(
         Op.SCALE,
         {"value": 1.0, "rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.SCALE_GRAD, no_saved),
         reference=_scale,
         frontend=(
@@ -1411,6 +1414,7 @@ define(
         Op.ADD_PARAM,
         {"view": (), "rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=_add_param_vjp,
         reference=_add_param,
         lower={"tir": tir_rule("add_param"), "c": "emit:_add_param"},
@@ -1460,6 +1464,7 @@ define(
         Op.MUL,
         {"view": (), "rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=_mul_vjp,
         reference=_mul_ref,
         frontend=(
