@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
@@ -19,7 +21,14 @@ from mexc.ops.common import (
 from mexc.ops.contraction import einsum_convert, matmul_convert
 from mexc.ops.dense import CAP, linear
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import broadcast, broadcastable, folded_value, transposed
+from mexc.ops.tensor import (
+    broadcast,
+    broadcastable,
+    folded_value,
+    reshaped,
+    sliced,
+    transposed,
+)
 from mexc.types import mx
 
 
@@ -119,6 +128,7 @@ def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
 
 def _attention(
     c: Any,
+    n: Any,
     q: Value,
     k: Value,
     v: Value,
@@ -132,6 +142,16 @@ def _attention(
     a transpose, two matmuls, a scale, the additive mask of the scores' shape if any (a
     relative-position bias), a softmax and, in training, dropout on the weights."""
     (*lead, tq, d), (_, tk, _), (_, dv) = shapes[0], shapes[1][-3:], shapes[2][-2:]
+    axes = {c.batch_axis(x) for x in (q, k, v)} - {None}
+    if len(axes) > 1 or any(a >= len(lead) for a in axes):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "attends across the batch axis (its tokens are different samples: a layer "
+                "with batch_first=False given (N, T, D), or the reverse); mexc keeps the "
+                "samples of a batch apart, so give each layer its batch where it expects it",
+            )
+        )
     s = (*lead, tq, tk)
     rank = len(shapes[0])
     perm = (*range(rank - 2), rank - 1, rank - 2)
@@ -173,7 +193,7 @@ def _sdpa(c: Any, n: Any) -> Value:
     q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
     dropout = float(args.get("dropout_p") or 0.0)
     mask = _additive_mask(c, n, args.get("attn_mask"), (*qs[:-1], ks[-2]))
-    return _attention(c, q, k, v, (qs, ks, vs), float(scale), dropout, mask)
+    return _attention(c, n, q, k, v, (qs, ks, vs), float(scale), dropout, mask)
 
 
 def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | None:
@@ -187,6 +207,8 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
         raise UnsupportedOpError(
             c.describe(n, "uses a boolean or non-tensor attention mask; give a float mask")
         )
+    if m.op == "get_attr" and not np.isfinite(c.fetch(m).detach().numpy()).all():
+        raise UnsupportedOpError(c.describe(n, _MASKS))
     held = folded_value(c, n, m, scores)
     if held is not None:
         return held
@@ -199,44 +221,88 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
 
 
 def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
-    """nn.MultiheadAttention(x, x, x) with batch_first=True and no masks, as its ops: the fused
-    input projection (one LINEAR of in_proj_weight), the heads split by slices and transposes,
-    the attention, the heads merged, the output projection. Results: (output, None), the
-    attention weights are not computed (need_weights=False)."""
+    """nn.MultiheadAttention without masks, as its ops: the input projections (LINEAR of
+    in_proj_weight), the heads split by slices and transposes, the attention, the heads merged,
+    the output projection. Results: (output, None), the attention weights are not computed
+    (need_weights=False; a model that reads them is refused where it does).
+
+    Self-attention (query, key and value one tensor) projects once, as torch's fused
+    projection. Otherwise (a decoder's cross-attention over its memory) each distinct input is
+    projected by the whole in_proj_weight and the rows it needs are sliced out: mexc holds a
+    parameter once and reads a layer's weight as declared, so this costs the unused rows'
+    products (3x the query's projection, 1.5x the memory's) for an unchanged gradient (the
+    unused rows' is zero). batch_first=False: the (T, N, D) inputs are transposed to
+    (N, T, D) and the output back."""
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if not (args["query"] is args["key"] is args["value"]):
-        raise UnsupportedOpError(c.describe(n, "is not self-attention (query, key, value differ)"))
     if args.get("key_padding_mask") is not None or args.get("attn_mask") is not None:
-        raise UnsupportedOpError(c.describe(n, "uses an attention mask"))
-    if args.get("is_causal") or not m.batch_first or not m._qkv_same_embed_dim:
+        raise UnsupportedOpError(c.describe(n, _MASKS))
+    if args.get("is_causal"):
+        raise UnsupportedOpError(c.describe(n, _MASKS))
+    if not m._qkv_same_embed_dim:
         raise UnsupportedOpError(
-            c.describe(n, "needs batch_first=True, no causal mask and kdim = vdim = embed_dim")
+            c.describe(n, "has kdim or vdim other than embed_dim (separate projections)")
         )
     if m.bias_k is not None or m.add_zero_attn:
         raise UnsupportedOpError(c.describe(n, "uses add_bias_kv or add_zero_attn"))
-    x = args["query"]
-    b, t, d = c.shape(x)
-    h = m.num_heads
+    d, h = int(m.embed_dim), int(m.num_heads)
     name = str(n.target)
     weight = c.param(f"{name}.in_proj_weight", m.in_proj_weight, "weight")
     bias = m.in_proj_bias
     bv = c.param(f"{name}.in_proj_bias", bias, "bias") if bias is not None else None
-    qkv = linear(c, c.arg(x), weight, bv, (b, t, 3 * d))
+    inputs = [args[a] for a in ("query", "key", "value")]
+    shapes = [tuple(c.shape(a)) for a in inputs]
+    if any(len(s) != 3 or s[-1] != d for s in shapes):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"attends over {[list(s) for s in shapes]}; mexc takes batched 3-D "
+                f"inputs with {d} features",
+            )
+        )
+    seq_first = not m.batch_first
+    if seq_first:  # (T, N, D) -> (N, T, D)
+        shapes = [(s[1], s[0], s[2]) for s in shapes]
+    (b, t, _), (bk, s, _), (bv_, sv, _) = shapes
+    if not (b == bk == bv_ and s == sv):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "takes query, key and value of different batches, or key and value "
+                "of different lengths",
+            )
+        )
+    projected: dict[Any, Value] = {}
     heads = []
-    for i in range(3):
-        part = c.emit_as(Op.SLICE, [qkv], (b, t, d), dim=2, start=i * d, stop=(i + 1) * d)
-        split = c.emit_as(Op.RESHAPE, [part], (b, t, h, d // h), shape=(b, t, h, d // h))
-        heads.append(c.emit_as(Op.TRANSPOSE, [split], (b, h, t, d // h), perm=(0, 2, 1, 3)))
+    for i, a in enumerate(inputs):
+        if a not in projected:
+            x = c.arg(a)
+            if seq_first:
+                x = transposed(c, x, (shapes[i][1], shapes[i][0], d), (1, 0, 2))
+            projected[a] = linear(c, x, weight, bv, (b, shapes[i][1], 3 * d))
+        tokens = shapes[i][1]
+        part = sliced(c, projected[a], (b, tokens, 3 * d), 2, i * d, (i + 1) * d)
+        split = reshaped(c, part, (b, tokens, h, d // h))
+        heads.append(transposed(c, split, (b, tokens, h, d // h), (0, 2, 1, 3)))
     q, k, v = heads
-    hs = (b, h, t, d // h)
-    y = _attention(c, q, k, v, (hs, hs, hs), 1.0 / math.sqrt(d // h), float(m.dropout))
-    merged = c.emit_as(Op.TRANSPOSE, [y], (b, t, h, d // h), perm=(0, 2, 1, 3))
-    merged = c.emit_as(Op.RESHAPE, [merged], (b, t, d), shape=(b, t, d))
+    hs = ((b, h, t, d // h), (b, h, s, d // h), (b, h, s, d // h))
+    y = _attention(c, n, q, k, v, hs, 1.0 / math.sqrt(d // h), float(m.dropout))
+    merged = reshaped(c, transposed(c, y, (b, h, t, d // h), (0, 2, 1, 3)), (b, t, d))
     out = m.out_proj
     weight = c.param(f"{name}.out_proj.weight", out.weight, "weight")
-    bv = c.param(f"{name}.out_proj.bias", out.bias, "bias") if out.bias is not None else None
-    return linear(c, merged, weight, bv, (b, t, d)), None
+    bo = c.param(f"{name}.out_proj.bias", out.bias, "bias") if out.bias is not None else None
+    y = linear(c, merged, weight, bo, (b, t, d))
+    return (transposed(c, y, (b, t, d), (1, 0, 2)) if seq_first else y), None
+
+
+# why masks are refused: the integer softmax has no masked form (its exp table's smallest
+# entry is exp(-8), not 0, and an additive -inf has no int8 mantissa)
+_MASKS = (
+    "uses an attention mask that hides tokens (attn_mask, key_padding_mask, is_causal, or "
+    "-inf entries): mexc's integer softmax has no masked form yet, so causal and padding "
+    "masks are not supported; attend over whole sequences (F.scaled_dot_product_attention "
+    "takes a finite float mask, added to the scores)"
+)
 
 
 define(
@@ -244,6 +310,7 @@ define(
         Op.SOFTMAX,
         {"rid": -1},
         types=elementwise_types,
+        keeps_axes=True,
         vjp=pointwise_vjp(Op.SOFTMAX_GRAD, lambda n: n.out),
         reference=_softmax,
         frontend=(

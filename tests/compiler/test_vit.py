@@ -96,13 +96,17 @@ def test_multihead_attention_module_trains_as_its_ops() -> None:
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.15
 
 
-def test_multihead_attention_with_sequence_first_gets_a_clear_error() -> None:
+def test_batch_first_tokens_into_a_sequence_first_attention_get_a_clear_error() -> None:
+    """WithMHA's (N, T, D) tokens given to an nn.MultiheadAttention built sequence-first,
+    which reads them as (T, N, D) and attends across the samples (sequence-first attention
+    given its (T, N, D): tests/compiler/test_torch_transformer.py)."""
+
     class SequenceFirst(WithMHA):
         def __init__(self) -> None:
             super().__init__()
             self.mha = nn.MultiheadAttention(8, 2)
 
-    with pytest.raises(mexc.UnsupportedOpError, match="batch_first=True"):
+    with pytest.raises(mexc.UnsupportedOpError, match="'mha'.*attends across the batch axis"):
         mexc.compile(SequenceFirst(), (torch.zeros(4, 1, 8, 8),))
 
 

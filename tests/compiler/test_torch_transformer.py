@@ -1,0 +1,247 @@
+"""torch's own transformer modules (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, their
+stacks, nn.Transformer) traced through mexc's forward of them (mexc.frontend_modules), and
+nn.MultiheadAttention sequence-first and over another sequence (a decoder's memory). Against
+torch and autograd, bit-exact on reference, llvm and C; masks and samples attended across the
+batch refused by node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from mexc.errors import InputError, UnsupportedOpError
+from mexc.ir import Op
+from tests.compiler.helpers import (
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+
+D, HEADS, FF = 16, 4, 32
+
+
+class Encoder(nn.Module):
+    """A classifier over (N, 6, D) tokens: a 2-layer nn.TransformerEncoder, mean over tokens."""
+
+    def __init__(self, batch_first: bool = True, **options: object) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(D, HEADS, FF, batch_first=batch_first, **options)
+        norm = nn.LayerNorm(D) if options.get("norm_first") else None
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=norm, enable_nested_tensor=False)
+        self.batch_first = batch_first
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_first:
+            return self.fc(self.encoder(x).mean(1))
+        return self.fc(self.encoder(x.transpose(0, 1)).mean(0))  # (T, N, D), over time
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer: the encoder reads all 6 tokens, the decoder the first 4 and attends to
+    the encoder's memory (cross-attention over another number of tokens)."""
+
+    def __init__(self, batch_first: bool = True, **options: object) -> None:
+        super().__init__()
+        self.t = nn.Transformer(D, HEADS, 1, 2, FF, batch_first=batch_first, **options)
+        self.batch_first = batch_first
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_first:
+            return self.fc(self.t(x, x[:, :4]).mean(1))
+        seq = x.transpose(0, 1)
+        return self.fc(self.t(seq, seq[:4]).mean(0))
+
+
+class Decoder(nn.Module):
+    """nn.TransformerDecoder alone, its memory a projection of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerDecoderLayer(D, HEADS, FF, batch_first=True, activation="gelu")
+        self.decoder = nn.TransformerDecoder(layer, 1)
+        self.memory = nn.Linear(D, D)
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.decoder(x, self.memory(x)).mean(1))
+
+
+class Subclass(nn.TransformerEncoderLayer):
+    """A subclass that keeps torch's forward."""
+
+
+class SubclassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Subclass(D, HEADS, FF, batch_first=True, activation=nn.GELU())
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer(x).mean(1))
+
+
+CASES = {
+    "encoder": lambda: Encoder(),
+    "encoder_norm_first_gelu": lambda: Encoder(norm_first=True, activation="gelu"),
+    "encoder_sequence_first": lambda: Encoder(batch_first=False),
+    "transformer": lambda: Seq2Seq(),
+    "transformer_sequence_first_norm_first": lambda: Seq2Seq(False, norm_first=True),
+    "decoder": Decoder,
+    "subclass": SubclassModel,
+}
+
+
+def _model(case: str) -> nn.Module:
+    torch.manual_seed(0)
+    return CASES[case]()
+
+
+def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((batch, 6, D)).astype(np.float32), rng.integers(0, 10, batch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_torch(case: str) -> None:
+    model = _model(case)
+    prog = mexc.compile(model, (torch.zeros(8, 6, D),), rounding="nearest")
+    assert_logits_match_torch(model, prog, _data(8)[0])
+
+
+def test_the_layers_become_their_submodules_ops() -> None:
+    prog = mexc.compile(_model("transformer"), (torch.zeros(2, 6, D),))
+    g = prog.graph
+    # 5 attentions: the encoder layer's, and each of the 2 decoder layers' self- and
+    # cross-attention
+    assert sum(n.op is Op.SOFTMAX for n in g.nodes) == 5
+    readers = {str(n.attrs.name): 0 for n in g.nodes_of(Op.PARAM)}
+    param_of = {n.out: str(n.attrs.name) for n in g.nodes_of(Op.PARAM)}
+    for n in g.nodes:  # the forward's products with a weight (a LINEAR, maybe fused)
+        if n.op.value.startswith("linear") and "grad" not in n.op.value:
+            readers[param_of[n.inputs[1]]] += 1
+    # a self-attention projects its tokens once; the cross-attention projects the decoder's
+    # tokens and the memory, each by the whole in_proj_weight
+    for i in range(2):
+        layer = f"t.decoder.layers.{i}"
+        assert readers[f"{layer}.self_attn.in_proj_weight"] == 1
+        assert readers[f"{layer}.multihead_attn.in_proj_weight"] == 2
+    assert "t.encoder.norm.weight" in readers and "t.decoder.norm.weight" in readers
+
+
+@pytest.mark.parametrize(
+    ("make", "attention"),
+    [
+        (lambda: Seq2Seq(dropout=0.0), "t.decoder.layers.0.multihead_attn"),
+        (lambda: Encoder(False, dropout=0.0), "encoder.layers.0.self_attn"),
+    ],
+    ids=["cross_attention", "sequence_first"],
+)
+def test_gradients_match_autograd(make: Any, attention: str) -> None:
+    # without dropout: torch's masks and the program's differ (at 0.1, cosines 0.7 to 0.95)
+    torch.manual_seed(0)
+    model = make()
+    prog = mexc.compile(model, (torch.zeros(64, 6, D),))
+    x, y = _data(64)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in (f"{attention}.in_proj_weight", f"{attention}.out_proj.weight", "fc.weight"):
+        assert cosine(got[name], want[name]) >= 0.99, (name, cosine(got[name], want[name]))
+    # the query's, key's and value's rows, each from its own slice of the projections
+    g, w = got[f"{attention}.in_proj_weight"], want[f"{attention}.in_proj_weight"]
+    for i in range(3):
+        rows = slice(i * D, (i + 1) * D)
+        assert cosine(g[rows], w[rows]) >= 0.96, (i, cosine(g[rows], w[rows]))
+
+
+def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    def program(target: str = "reference") -> mexc.Program:
+        return mexc.compile(_model("transformer"), (torch.zeros(2, 6, D),), target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(program(), program, _data(2))
+
+
+class Masked(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(D, HEADS, FF, batch_first=True), 1,
+            enable_nested_tensor=False,
+        )  # fmt: skip
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(6))
+        self.register_buffer("padding", torch.arange(6).expand(2, 6) > 3)
+        self.how = how
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "causal":
+            y = self.encoder(x, mask=self.causal, is_causal=True)
+        elif self.how == "padding":
+            y = self.encoder(x, src_key_padding_mask=self.padding)
+        else:  # -inf entries given to scaled_dot_product_attention
+            q = x.reshape(-1, 6, HEADS, D // HEADS).transpose(1, 2)
+            y = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=self.causal)
+            y = y.transpose(1, 2).reshape(-1, 6, D)
+        return self.fc(y.mean(1))
+
+
+@pytest.mark.parametrize(
+    ("how", "node"),
+    [
+        ("causal", "encoder.layers.0.self_attn"),
+        ("padding", "encoder.layers.0.self_attn"),
+        ("minus_infinity", "scaled_dot_product_attention"),
+    ],
+)
+def test_masks_are_refused_by_node(how: str, node: str) -> None:
+    with pytest.raises(UnsupportedOpError, match=f"{node}.*test_torch_transformer.py.*no masked"):
+        mexc.compile(Masked(how), (torch.zeros(2, 6, D),))
+
+
+class BatchFirstIntoSequenceFirst(nn.Module):
+    """(N, T, D) given to a layer built with batch_first=False: torch attends across the
+    samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(D, HEADS, FF)
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer(x).mean(1))
+
+
+def test_attention_across_the_batch_is_refused_by_node() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"layer_self_attn.*across the batch axis"):
+        mexc.compile(BatchFirstIntoSequenceFirst(), (torch.zeros(2, 6, D),))
+
+
+def test_separate_key_and_value_sizes_are_refused_by_node() -> None:
+    class Kdim(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(D, HEADS, kdim=8, vdim=8, batch_first=True)
+            self.fc = nn.Linear(D, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.attn(x, x[..., :8], x[..., :8])[0].mean(1))
+
+    with pytest.raises(UnsupportedOpError, match="'attn'.*kdim or vdim"):
+        mexc.compile(Kdim(), (torch.zeros(2, 6, D),))
+
+
+def test_a_non_finite_parameter_is_refused_by_name() -> None:
+    model = _model("encoder")
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("nan")
+    with pytest.raises(InputError, match="'fc.weight' holds 1 NaN"):
+        mexc.compile(model, (torch.zeros(2, 6, D),))
