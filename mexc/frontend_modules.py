@@ -8,7 +8,8 @@ forwards below are their documented unfused path, written against the modules' o
 (`self_attn`, `linear1`, `norm1`, the dropouts, `activation`, `layers`, `norm`): traced, every
 one of those becomes its own node, converted by its own pattern (MultiheadAttention, Linear,
 LayerNorm, Dropout, the activation), with the submodule's name in any error. Masks and
-`is_causal` are passed on to the attention, which refuses them by node.
+`is_causal` are passed on to the attention, which takes the causal mask and refuses the others
+by node.
 
 A subclass that keeps torch's `forward` is traced as its class; one that overrides `forward` is
 traced through its own, as any user module.

@@ -298,7 +298,15 @@ def softmax_prob_exp(bits: int) -> int:
     return -(bits - 1)
 
 
-def softmax_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
+def causal_hidden(shape: tuple[int, ...]) -> np.ndarray:
+    """The entries a causal softmax over scores of `shape` (..., Tq, Tk) hides: key j after
+    query i (j > i, aligned at the top left as torch's is_causal), broadcast over the leading
+    axes."""
+    tq, tk = shape[-2], shape[-1]
+    return np.arange(tk)[None, :] > np.arange(tq)[:, None]
+
+
+def softmax_forward(x: MX, ctx: RoundCtx, tid: int, causal: bool = False) -> MX:
     """Row softmax along the last axis (K entries), probabilities as an MX with mantissas in
     [0, qmax(B)] (unsigned, [0, 127] for 8 bits) at the fixed exponent -(B - 1).
 
@@ -306,15 +314,22 @@ def softmax_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
     2^-15, E(0) = 2^15, d below -8 clamps to exp(-8)); S = row sum (int32, K <= 2^16);
     R = idiv_round(2^30, S) (the one integer division per row, R <= 2^15);
     p = min(shift_right(E R, 30 - (B - 1)) (**site 1**), qmax(B)) (E R <= 2^30).
+    `causal`: the entries causal_hidden names take no part: the row max is over the others,
+    their E is 0 (so is their p), and every other step is the same (each row keeps j = 0).
     """
     e = scalar_exp(x, "softmax input")
     m = i64(x.m)
     k = m.shape[-1]
     if k > 1 << 16:
         raise ValueError("softmax rows longer than 2^16 overflow the int32 row sum")
+    hidden = causal_hidden(m.shape) if causal else None
+    if hidden is not None:
+        m = np.where(hidden, np.iinfo(np.int8).min, m)  # below every unhidden entry's max
     d = m - m.max(axis=-1, keepdims=True)
     start = row_offset(d, ctx.rows)
     ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0), start)
+    if hidden is not None:
+        ex = np.where(hidden, 0, ex)
     srow = ex.sum(axis=-1, keepdims=True)
     check_int32(srow, "softmax_sum")
     recip = idiv_round(np.asarray(1 << SOFTMAX_RECIP_LOG2, np.int64), srow)

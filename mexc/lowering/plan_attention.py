@@ -95,6 +95,7 @@ class AttentionRules(PlanBuilder):
             f"n{n.id}_softmax",
             self.device.native_division,
             host_schedule=self.device.gemm.host_scheduled,
+            causal_q=self.shape(x)[-2] if bool(n.attrs.causal) else 0,
         )
         self.launch(func, (self.view(self.m[x], (rows, k)), self.e[x], keys, table, p))
 

@@ -16,6 +16,7 @@ from mexc.lowering.te_compaction import (
     shift_right32,
     shift_signed,
     shift_signed32,
+    where,
 )
 from mexc.lowering.te_divide import idiv_round
 from mexc.lowering.te_func import a_row_at_a_time, prim_func
@@ -60,6 +61,7 @@ def softmax_forward(
     name: str,
     native_division: bool = False,
     host_schedule: bool = False,
+    causal_q: int = 0,
 ) -> tirx.PrimFunc:
     """kernels.softmax_forward on (rows, K): d = m - rowmax; E = EXP_TABLE[clamp(shift(d,
     EXP_IN_EXP - e_x)) + 128] (a right shift rounded with keys[0], a left shift saturating);
@@ -67,16 +69,28 @@ def softmax_forward(
     qmax(B)) at the fixed exponent -(B - 1). Flat index r K + j for both sites. Parameters
     (x, e, keys, table, p): keys int64[2], table int32[256] (numerics.EXP_TABLE).
     `host_schedule`: a row at a time (te_func.a_row_at_a_time; 9408 x 49, 2-core Zen 3,
-    2026-12-02: 0.65 ms a block at a time, 0.35 ms a row at a time)."""
+    2026-12-02: 0.65 ms a block at a time, 0.35 ms a row at a time). `causal_q` > 0: rows of
+    that many queries, row r's keys j > r % causal_q hidden (kernels.softmax_forward(causal=
+    True): out of the row max, E = 0)."""
     x = te.placeholder((rows, k), I8, name="x")
     e = te.placeholder((1,), I32, name="e")
     keys = te.placeholder((2,), I64, name="keys")
     table = te.placeholder((256,), I32, name="table")
     rj = te.reduce_axis((0, k), "rj")
-    rowmax = te.compute((rows,), lambda r: te.max(x[r, rj], axis=rj), name="rowmax")
+
+    def hidden(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return j > r % causal_q
+
+    def seen(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        if not causal_q:
+            return x[r, j]
+        return where(hidden(r, j), tirx.const(-128, I8), x[r, j])
+
+    rowmax = te.compute((rows,), lambda r: te.max(seen(r, rj), axis=rj), name="rowmax")
 
     def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        return exp_lookup(x, rowmax, e, keys[0], table, stochastic, r, j)
+        v = exp_lookup(x, rowmax, e, keys[0], table, stochastic, r, j)
+        return where(hidden(r, j), tirx.const(0, v.dtype), v) if causal_q else v
 
     ex = te.compute((rows, k), lookup, name="ex")
     rs = te.reduce_axis((0, k), "rs")

@@ -10,6 +10,7 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
+from mexc.kernels.transformer import causal_hidden
 from mexc.ops.common import (
     Grads,
     elementwise_types,
@@ -20,6 +21,7 @@ from mexc.ops.common import (
 )
 from mexc.ops.contraction import einsum_convert, matmul_convert
 from mexc.ops.dense import CAP, linear
+from mexc.ops.gather import static_tensor
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import (
     broadcast,
@@ -50,7 +52,7 @@ def _matmul_grad_k(n: Node, t: Any) -> int:
 
 
 def _softmax(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.softmax_forward(a[0], env.ctx, tid(n)),)
+    return (K.softmax_forward(a[0], env.ctx, tid(n), causal=bool(n.attrs.causal)),)
 
 
 def _softmax_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -136,11 +138,13 @@ def _attention(
     scale: float,
     dropout: float,
     mask: Value | None = None,
+    causal: bool = False,
 ) -> Value:
     """softmax(q k^T scale + mask) v for q [..., Tq, d], k [..., Tk, d], v [..., Tk, dv] (the
     ops examples/vit.py writes by hand; Tk < Tq in spatial-reduction attention, PVT and Twins):
     a transpose, two matmuls, a scale, the additive mask of the scores' shape if any (a
-    relative-position bias), a softmax and, in training, dropout on the weights."""
+    relative-position bias), a softmax (`causal`: each query's later keys hidden) and, in
+    training, dropout on the weights."""
     (*lead, tq, d), (_, tk, _), (_, dv) = shapes[0], shapes[1][-3:], shapes[2][-2:]
     axes = {c.batch_axis(x) for x in (q, k, v)} - {None}
     if len(axes) > 1 or any(a >= len(lead) for a in axes):
@@ -159,19 +163,21 @@ def _attention(
     scores = c.emit_as(Op.SCALE, [c.emit_as(Op.MATMUL, [q, kt], s)], s, value=scale)
     if mask is not None:
         scores = c.emit_as(Op.ADD, [scores, mask], s)
-    p = c.emit_as(Op.SOFTMAX, [scores], s)
+    p = c.emit_as(Op.SOFTMAX, [scores], s, causal=causal)
     if dropout > 0.0:
         p = c.emit_as(Op.DROPOUT, [p], s, p=dropout)
     return c.emit_as(Op.MATMUL, [p, v], (*lead, tq, dv))
 
 
 def _sdpa(c: Any, n: Any) -> Value:
-    """F.scaled_dot_product_attention(q, k, v) without a mask (timm's fused attention). Its
-    dropout_p is the traced one: models pass 0 outside training, and mexc traces in eval."""
+    """F.scaled_dot_product_attention(q, k, v) (timm's fused attention), causal (is_causal, or
+    a mask that hides each query's later keys) or with a finite float mask added to the
+    scores. Its dropout_p is the traced one: models pass 0 outside training, and mexc traces
+    in eval."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if args.get("is_causal") or args.get("enable_gqa"):
-        raise UnsupportedOpError(c.describe(n, "uses causal or grouped attention"))
+    if args.get("enable_gqa"):
+        raise UnsupportedOpError(c.describe(n, "uses grouped-query attention (enable_gqa)"))
     qs, ks, vs = (tuple(c.shape(args[a])) for a in ("query", "key", "value"))
     if not (len(qs) == len(ks) == len(vs) >= 3 and qs[:-2] == ks[:-2] == vs[:-2]):
         raise UnsupportedOpError(
@@ -192,8 +198,43 @@ def _sdpa(c: Any, n: Any) -> Value:
     scale = static_value(args.get("scale")) or 1.0 / math.sqrt(qs[-1])
     q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
     dropout = float(args.get("dropout_p") or 0.0)
-    mask = _additive_mask(c, n, args.get("attn_mask"), (*qs[:-1], ks[-2]))
-    return _attention(c, n, q, k, v, (qs, ks, vs), float(scale), dropout, mask)
+    scores = (*qs[:-1], ks[-2])
+    m = args.get("attn_mask")
+    causal = bool(args.get("is_causal")) or is_causal_mask(c, n, m, scores, hides=False)
+    mask = None if causal else _additive_mask(c, n, m, scores)
+    return _attention(c, n, q, k, v, (qs, ks, vs), float(scale), dropout, mask, causal)
+
+
+# a float mask entry at or below this hides its key (torch's masks use -inf; others -1e9 or the
+# dtype's minimum): exp of it is 0 in float32
+HIDING = -1e4
+
+
+def is_causal_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...], hides: bool) -> bool:
+    """Whether attention mask m (a buffer, or a constant the forward builds) hides exactly
+    each query's later keys: the causal mask of scores (..., Tq, Tk). Boolean: True where a
+    key is hidden (`hides`, nn.MultiheadAttention's) or where it takes part (F.scaled_dot_
+    product_attention's); float: 0 where it takes part and -inf (or at most HIDING) where
+    hidden. Any other mask with hidden keys is refused by node (_MASKS)."""
+    if m is None:
+        return False
+    values = static_tensor(c, m)
+    if values is None:
+        return False
+    if values.ndim < 2 or values.shape[-2:] != tuple(scores[-2:]):
+        return False
+    hidden = causal_hidden(values.shape)
+    if values.dtype == np.bool_:
+        want = hidden if hides else ~hidden
+        if (values == want).all():
+            return True
+        raise UnsupportedOpError(c.describe(n, _MASKS))
+    taken = values <= HIDING
+    if not taken.any() and np.isfinite(values).all():
+        return False  # a finite mask: added to the scores
+    if (taken == hidden).all() and (values[~hidden] == 0).all():
+        return True
+    raise UnsupportedOpError(c.describe(n, _MASKS))
 
 
 def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | None:
@@ -207,7 +248,8 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
         raise UnsupportedOpError(
             c.describe(n, "uses a boolean or non-tensor attention mask; give a float mask")
         )
-    if m.op == "get_attr" and not np.isfinite(c.fetch(m).detach().numpy()).all():
+    values = static_tensor(c, m)
+    if values is not None and not np.isfinite(values).all():
         raise UnsupportedOpError(c.describe(n, _MASKS))
     held = folded_value(c, n, m, scores)
     if held is not None:
@@ -235,9 +277,7 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     (N, T, D) and the output back."""
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if args.get("key_padding_mask") is not None or args.get("attn_mask") is not None:
-        raise UnsupportedOpError(c.describe(n, _MASKS))
-    if args.get("is_causal"):
+    if args.get("key_padding_mask") is not None:
         raise UnsupportedOpError(c.describe(n, _MASKS))
     if not m._qkv_same_embed_dim:
         raise UnsupportedOpError(
@@ -286,7 +326,13 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
         heads.append(transposed(c, split, (b, tokens, h, d // h), (0, 2, 1, 3)))
     q, k, v = heads
     hs = ((b, h, t, d // h), (b, h, s, d // h), (b, h, s, d // h))
-    y = _attention(c, n, q, k, v, hs, 1.0 / math.sqrt(d // h), float(m.dropout))
+    mask = args.get("attn_mask")
+    causal = is_causal_mask(c, n, mask, (b, h, t, s), hides=True)
+    if mask is not None and not causal:
+        raise UnsupportedOpError(c.describe(n, _MASKS))
+    if args.get("is_causal") and not causal:  # torch's hint that its attn_mask is causal
+        raise UnsupportedOpError(c.describe(n, _MASKS))
+    y = _attention(c, n, q, k, v, hs, 1.0 / math.sqrt(d // h), float(m.dropout), None, causal)
     merged = reshaped(c, transposed(c, y, (b, h, t, d // h), (0, 2, 1, 3)), (b, t, d))
     out = m.out_proj
     weight = c.param(f"{name}.out_proj.weight", out.weight, "weight")
@@ -298,17 +344,18 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
 # why masks are refused: the integer softmax has no masked form (its exp table's smallest
 # entry is exp(-8), not 0, and an additive -inf has no int8 mantissa)
 _MASKS = (
-    "uses an attention mask that hides tokens (attn_mask, key_padding_mask, is_causal, or "
-    "-inf entries): mexc's integer softmax has no masked form yet, so causal and padding "
-    "masks are not supported; attend over whole sequences (F.scaled_dot_product_attention "
-    "takes a finite float mask, added to the scores)"
+    "uses an attention mask that hides keys other than each query's later ones "
+    "(key_padding_mask, or another pattern of -inf or boolean entries, or one the forward "
+    "computes from the input): mexc's integer softmax hides only the causal pattern (is_causal, "
+    "nn.Transformer.generate_square_subsequent_mask), so padding and other masks are not "
+    "supported; attend over whole sequences, or add a finite float mask to the scores"
 )
 
 
 define(
     OpDef(
         Op.SOFTMAX,
-        {"rid": -1},
+        {"rid": -1, "causal": False},
         types=elementwise_types,
         keeps_axes=True,
         vjp=pointwise_vjp(Op.SOFTMAX_GRAD, lambda n: n.out),

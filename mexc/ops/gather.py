@@ -90,6 +90,22 @@ def as_gathered(c: Any, a: Any) -> Gathered | None:
     return None
 
 
+def static_tensor(c: Any, a: Any) -> np.ndarray | None:
+    """The values of `a` where the program would hold them fixed (a buffer, a constant the
+    forward computes, either read through indexing), else None (a parameter, an activation)."""
+    if not c.is_node(a):
+        return None
+    held = c.env.get(a)
+    if isinstance(held, Const):
+        return np.asarray(held.value.detach().cpu().numpy())
+    if isinstance(held, Gathered):
+        return None if held.value is None else held.value.reshape(-1)[held.index]
+    if a.op == "get_attr" and not c.is_parameter(a):
+        t = c.fetch(a)
+        return np.asarray(t.detach().cpu().numpy()) if hasattr(t, "detach") else None
+    return None
+
+
 def const_gathered(a: Any, values: np.ndarray) -> Gathered:
     """A constant as a Gathered of its fewest leading rows that repeat (a mask expanded over the
     batch is held once, and its index repeats with that period)."""

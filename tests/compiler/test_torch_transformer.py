@@ -1,8 +1,8 @@
 """torch's own transformer modules (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, their
 stacks, nn.Transformer) traced through mexc's forward of them (mexc.frontend_modules), and
-nn.MultiheadAttention sequence-first and over another sequence (a decoder's memory). Against
-torch and autograd, bit-exact on reference, llvm and C; masks and samples attended across the
-batch refused by node."""
+nn.MultiheadAttention sequence-first and over another sequence (a decoder's memory), and causal
+attention (is_causal, the square subsequent mask). Against torch and autograd, bit-exact on
+reference, llvm and C; other masks and samples attended across the batch refused by node."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.compiler.helpers import (
     cosine,
     float_gradients,
     integer_gradients,
+    step_values,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
@@ -77,6 +78,37 @@ class Decoder(nn.Module):
         return self.fc(self.decoder(x, self.memory(x)).mean(1))
 
 
+class Causal(nn.Module):
+    """Each token attends to itself and the tokens before it: nn.Transformer's square
+    subsequent mask given to the encoder (a buffer), F.scaled_dot_product_attention's
+    is_causal, or the mask made in forward and given to the decoder of nn.Transformer."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        if how == "encoder_mask":
+            layer = nn.TransformerEncoderLayer(D, HEADS, FF, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        elif how.startswith("sdpa"):
+            self.qkv = nn.Linear(D, 3 * D)
+        else:
+            self.t = nn.Transformer(D, HEADS, 1, 1, FF, batch_first=True)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(6))
+        self.fc = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "encoder_mask":
+            y = self.encoder(x, mask=self.mask, is_causal=True)
+        elif self.how.startswith("sdpa"):
+            q, k, v = self.qkv(x).reshape(-1, 6, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+            causal = self.how == "sdpa_is_causal"
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            y = y.transpose(1, 2).reshape(-1, 6, D)
+        else:
+            y = self.t(x, x, tgt_mask=nn.Transformer.generate_square_subsequent_mask(6))
+        return self.fc(y.mean(1))
+
+
 class Subclass(nn.TransformerEncoderLayer):
     """A subclass that keeps torch's forward."""
 
@@ -99,6 +131,9 @@ CASES = {
     "transformer_sequence_first_norm_first": lambda: Seq2Seq(False, norm_first=True),
     "decoder": Decoder,
     "subclass": SubclassModel,
+    "causal_encoder_mask": lambda: Causal("encoder_mask"),
+    "causal_sdpa": lambda: Causal("sdpa_is_causal"),
+    "causal_transformer_target": lambda: Causal("transformer_target"),
 }
 
 
@@ -163,11 +198,29 @@ def test_gradients_match_autograd(make: Any, attention: str) -> None:
         assert cosine(g[rows], w[rows]) >= 0.96, (i, cosine(g[rows], w[rows]))
 
 
-def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+@pytest.mark.parametrize("case", ["transformer", "causal_transformer_target"])
+def test_trains_bit_exact_on_reference_llvm_and_c(case: str) -> None:
     def program(target: str = "reference") -> mexc.Program:
-        return mexc.compile(_model("transformer"), (torch.zeros(2, 6, D),), target=target)
+        return mexc.compile(_model(case), (torch.zeros(2, 6, D),), target=target)
 
     assert_trains_bit_exact_on_llvm_and_c(program(), program, _data(2))
+
+
+def test_a_causal_mask_hides_the_later_tokens() -> None:
+    """The causal softmax's probabilities are 0 after the diagonal and its rows still sum to
+    about 1; the mask changes the logits (against the same model without it)."""
+    prog = mexc.compile(_model("causal_sdpa"), (torch.zeros(8, 6, D),), rounding="nearest")
+    (node,) = [n for n in prog.graph.nodes if n.op is Op.SOFTMAX]
+    assert bool(node.attrs.causal)
+    p = step_values(prog, *_data(8))[node.out]
+    probs = p.m.astype(np.int64)
+    assert (probs[..., np.triu_indices(6, 1)[0], np.triu_indices(6, 1)[1]] == 0).all()
+    assert np.abs(probs.sum(-1) * 2.0 ** float(p.e) - 1).max() < 0.05
+    plain = Causal("sdpa_is_causal")
+    plain.how = "sdpa_without_mask"
+    other = mexc.compile(plain, (torch.zeros(8, 6, D),), rounding="nearest")
+    x = _data(8)[0]
+    assert cosine(prog.logits(x), other.logits(x)) < 0.99
 
 
 class Masked(nn.Module):
@@ -183,13 +236,14 @@ class Masked(nn.Module):
         self.fc = nn.Linear(D, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.how == "causal":
-            y = self.encoder(x, mask=self.causal, is_causal=True)
+        if self.how == "anticausal":  # each token attends to itself and the later ones
+            y = self.encoder(x, mask=self.causal.T)
         elif self.how == "padding":
             y = self.encoder(x, src_key_padding_mask=self.padding)
-        else:  # -inf entries given to scaled_dot_product_attention
+        else:  # -inf entries given to scaled_dot_product_attention: the first key hidden
             q = x.reshape(-1, 6, HEADS, D // HEADS).transpose(1, 2)
-            y = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=self.causal)
+            hide_first = torch.zeros(6, 6).index_fill(1, torch.tensor([0]), float("-inf"))
+            y = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=hide_first)
             y = y.transpose(1, 2).reshape(-1, 6, D)
         return self.fc(y.mean(1))
 
@@ -197,13 +251,14 @@ class Masked(nn.Module):
 @pytest.mark.parametrize(
     ("how", "node"),
     [
-        ("causal", "encoder.layers.0.self_attn"),
+        ("anticausal", "encoder.layers.0.self_attn"),
         ("padding", "encoder.layers.0.self_attn"),
         ("minus_infinity", "scaled_dot_product_attention"),
     ],
 )
 def test_masks_are_refused_by_node(how: str, node: str) -> None:
-    with pytest.raises(UnsupportedOpError, match=f"{node}.*test_torch_transformer.py.*no masked"):
+    where = f"{node}.*test_torch_transformer.py.*only the causal"
+    with pytest.raises(UnsupportedOpError, match=where):
         mexc.compile(Masked(how), (torch.zeros(2, 6, D),))
 
 

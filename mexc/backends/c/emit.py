@@ -1067,6 +1067,13 @@ def _softmax(e: _Emit, n: Node) -> None:
     rows, k = _rows2(e.shape(n.inputs[0]))
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
+    if bool(n.attrs.causal):
+        tq = e.shape(n.inputs[0])[-2]
+        e.emit(
+            f"{ey} = mexc_softmax_causal_forward({rows}, {k}, {tq}u, {x}, {ex}, {y}, &ctx, "
+            f"{_tid(n)}u);"
+        )
+        return
     e.emit(f"{ey} = mexc_softmax_forward({rows}, {k}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);")
 
 

@@ -309,6 +309,10 @@ int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_
  * mexc_softmax_backward_scratch. */
 int32_t mexc_softmax_forward(uint32_t rows, uint32_t k, const int8_t *x, int32_t e, int8_t *p,
                              const mexc_ctx_t *ctx, uint32_t tid);
+/* The same over rows of tq queries (rows = groups x tq) with the keys after each query hidden
+ * (kernels.softmax_forward(causal=True)). */
+int32_t mexc_softmax_causal_forward(uint32_t rows, uint32_t k, uint32_t tq, const int8_t *x,
+                                    int32_t e, int8_t *p, const mexc_ctx_t *ctx, uint32_t tid);
 uint32_t mexc_softmax_backward_scratch(uint32_t rows, uint32_t k);
 int32_t mexc_softmax_backward(uint32_t rows, uint32_t k, const int8_t *dy, int32_t ed,
                               const int8_t *p, int32_t ep, int8_t *dx, const mexc_ctx_t *ctx,

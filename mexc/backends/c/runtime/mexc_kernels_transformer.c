@@ -323,30 +323,50 @@ int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_
 
 /* ------------------------------------------------------------------ softmax */
 
-int32_t mexc_softmax_forward(uint32_t rows, uint32_t k, const int8_t *x, int32_t e, int8_t *p,
-                             const mexc_ctx_t *ctx, uint32_t tid)
+/* tq > 0: causal over rows of tq queries: row r is query r % tq, and its keys j > r % tq take no
+ * part (their p is 0, the row max is over the others) */
+static int32_t softmax_rows(uint32_t rows, uint32_t k, uint32_t tq, const int8_t *x, int32_t e,
+                            int8_t *p, const mexc_ctx_t *ctx, uint32_t tid)
 {
     const uint32_t key0 = mexc_site_key(ctx, tid, 0), key1 = mexc_site_key(ctx, tid, 1);
     const int32_t pe = -(ctx->bits - 1), q = mexc_qmax(ctx->bits);
-    uint32_t r, j, idx;
+    uint32_t r, j, idx, seen;
     int32_t mx, srow, recip, v;
     for (r = 0; r < rows; r++) {
         const int8_t *m = x + r * k;
+        seen = tq ? r % tq + 1 : k; /* the keys the row reads: 0 .. seen - 1 */
+        if (seen > k) seen = k;
         mx = m[0];
-        for (j = 1; j < k; j++) mx = m[j] > mx ? m[j] : mx;
+        for (j = 1; j < seen; j++) mx = m[j] > mx ? m[j] : mx;
         srow = 0;
-        for (j = 0; j < k; j++)
+        for (j = 0; j < seen; j++)
             srow += table_lookup(mexc_exp_table, MEXC_EXP_IN_EXP, m[j] - mx, e, ctx, key0,
                                  r * k + j, 0);
         recip = mexc_idiv_round((int32_t)1 << SOFTMAX_RECIP_LOG2, (uint32_t)srow);
         for (j = 0; j < k; j++) {
             idx = r * k + j;
+            if (j >= seen) {
+                p[idx] = 0;
+                continue;
+            }
             v = table_lookup(mexc_exp_table, MEXC_EXP_IN_EXP, m[j] - mx, e, ctx, key0, idx, 0);
             v = mexc_shift_right(v * recip, SOFTMAX_RECIP_LOG2 + pe, ctx->stochastic, key1, idx);
             p[idx] = (int8_t)(v < q ? v : q);
         }
     }
     return pe;
+}
+
+int32_t mexc_softmax_forward(uint32_t rows, uint32_t k, const int8_t *x, int32_t e, int8_t *p,
+                             const mexc_ctx_t *ctx, uint32_t tid)
+{
+    return softmax_rows(rows, k, 0u, x, e, p, ctx, tid);
+}
+
+int32_t mexc_softmax_causal_forward(uint32_t rows, uint32_t k, uint32_t tq, const int8_t *x,
+                                    int32_t e, int8_t *p, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    return softmax_rows(rows, k, tq, x, e, p, ctx, tid);
 }
 
 uint32_t mexc_softmax_backward_scratch(uint32_t rows, uint32_t k)
