@@ -4,15 +4,16 @@
 `nn.TransformerDecoder` stacks and `nn.Transformer` decide in Python, on the tensors' values and
 on global state, whether to take a fused inference kernel (`src.is_nested`,
 `torch.is_grad_enabled()`, the masks' contents), which symbolic tracing cannot follow. The
-forwards below are their documented unfused path, written against the modules' own submodules
-(`self_attn`, `linear1`, `norm1`, the dropouts, `activation`, `layers`, `norm`): traced, every
-one of those becomes its own node, converted by its own pattern (MultiheadAttention, Linear,
-LayerNorm, Dropout, the activation), with the submodule's name in any error. Masks and
+forwards below are their unfused path (torch's own, less the checks), written against the
+modules' submodules and blocks (`_sa_block`, `_ff_block`, `_mha_block`, `norm1`, `layers`,
+`norm`): traced, every submodule becomes its own node, converted by its own pattern
+(MultiheadAttention, Linear, LayerNorm, Dropout, the activation), with the submodule's name in
+any error. Masks and
 `is_causal` are passed on to the attention, which takes the causal mask and refuses the others
 by node.
 
-A subclass that keeps torch's `forward` is traced as its class; one that overrides `forward` is
-traced through its own, as any user module.
+A subclass that keeps torch's `forward` is traced as its class, through the blocks it may
+override; one that overrides `forward` is traced through its own, as any user module.
 """
 
 from __future__ import annotations
@@ -30,21 +31,14 @@ def _encoder_layer(
     src_key_padding_mask: Any = None,
     is_causal: bool = False,
 ) -> Any:
-    def attend(x: Any) -> Any:
-        kw = {"attn_mask": src_mask, "key_padding_mask": src_key_padding_mask}
-        if is_causal:
-            kw["is_causal"] = True
-        return m.dropout1(m.self_attn(x, x, x, need_weights=False, **kw)[0])
-
-    def feed_forward(x: Any) -> Any:
-        return m.dropout2(m.linear2(m.dropout(m.activation(m.linear1(x)))))
-
+    # the blocks are the layer's own methods, so a subclass that overrides one (and keeps
+    # forward) is traced as torch trains it
     x = src
     if m.norm_first:
-        x = x + attend(m.norm1(x))
-        return x + feed_forward(m.norm2(x))
-    x = m.norm1(x + attend(x))
-    return m.norm2(x + feed_forward(x))
+        x = x + m._sa_block(m.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+        return x + m._ff_block(m.norm2(x))
+    x = m.norm1(x + m._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+    return m.norm2(x + m._ff_block(x))
 
 
 def _decoder_layer(
@@ -59,29 +53,19 @@ def _decoder_layer(
     memory_is_causal: bool = False,
 ) -> Any:
     def attend(x: Any) -> Any:
-        kw = {"attn_mask": tgt_mask, "key_padding_mask": tgt_key_padding_mask}
-        if tgt_is_causal:
-            kw["is_causal"] = True
-        return m.dropout1(m.self_attn(x, x, x, need_weights=False, **kw)[0])
+        return m._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal)
 
     def cross(x: Any) -> Any:
-        kw = {"attn_mask": memory_mask, "key_padding_mask": memory_key_padding_mask}
-        if memory_is_causal:
-            kw["is_causal"] = True
-        y = m.multihead_attn(x, memory, memory, need_weights=False, **kw)[0]
-        return m.dropout2(y)
-
-    def feed_forward(x: Any) -> Any:
-        return m.dropout3(m.linear2(m.dropout(m.activation(m.linear1(x)))))
+        return m._mha_block(x, memory, memory_mask, memory_key_padding_mask, memory_is_causal)
 
     x = tgt
     if m.norm_first:
         x = x + attend(m.norm1(x))
         x = x + cross(m.norm2(x))
-        return x + feed_forward(m.norm3(x))
+        return x + m._ff_block(m.norm3(x))
     x = m.norm1(x + attend(x))
     x = m.norm2(x + cross(x))
-    return m.norm3(x + feed_forward(x))
+    return m.norm3(x + m._ff_block(x))
 
 
 def _encoder(
