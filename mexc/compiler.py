@@ -76,13 +76,15 @@ def initial_state(
 
 def _not_finite(name: str, values: np.ndarray, param: bool) -> str:
     bad = int(np.size(values) - np.isfinite(values).sum())
-    what = "parameter or constant" if param else "buffer"
+    what = "parameter" if param else "buffer"
+    if name.startswith("mexc."):  # a frontend constant: a buffer or what forward makes of it
+        what, name = "constant made from", name.removeprefix("mexc.")
     return (
         f"the model's {what} '{name}' holds {bad} NaN or infinite value(s) of "
         f"{np.size(values)}: mexc holds every value as an int8 mantissa and a power-of-two "
         "exponent, which have no NaN or infinity. Replace them with finite values (check the "
-        "checkpoint the model was loaded from); an attention mask of -inf is a causal or "
-        "padding mask, which mexc does not support yet"
+        "checkpoint the model was loaded from; a mask of -inf added to attention scores by "
+        "hand: give it to the attention as attn_mask, where a causal mask is supported)"
     )
 
 

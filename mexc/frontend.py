@@ -109,13 +109,18 @@ class _Ctx:
             else:  # per-sample ops keep the batch first, row-wise ops wherever it is
                 found = {int(a) for _, a in known if a is not None}
                 axis = found.pop() if len(found) == 1 else None
-                if axis and not (d.keeps(node) and axis < len(node.types[0].shape) - 1):
+                if axis and not d.keeps(node, axis):
                     axis = None
             for i, t in enumerate(node.types):
                 self.axes[node.result(i)] = axis
                 self.types[node.result(i)] = t
         self.followed = len(self.b.nodes)
         return self.axes.get(v)
+
+    def first_or_batch_axis(self, v: Value) -> int:
+        """batch_axis, or 0 where mexc lost it (the batch-first convention)."""
+        axis = self.batch_axis(v)
+        return 0 if axis is None else axis
 
     def shape(self, n: Any) -> tuple[int, ...]:
         if not isinstance(n, torch.fx.Node):
@@ -237,7 +242,26 @@ class _Ctx:
 
     def emit(self, op: Op, inputs: list[Value], n: torch.fx.Node, **kw: Any) -> Value:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
+        rule = REGISTRY[op].keeps_axes
+        if rule:
+            self._refuse_mixing(node, inputs, n, rule)
         return node.out
+
+    def _refuse_mixing(self, node: Any, inputs: list[Value], n: torch.fx.Node, rule: Any) -> None:
+        """An op that keeps the batch axis where it is (OpDef.keeps_axes) refused where it
+        would mix samples: its operands hold the batch on different axes, or it computes along
+        the axis that holds it (a linear layer over a (D, N) tensor)."""
+        axes = {v: self.batch_axis(v) for v in inputs}
+        known = {a for v, a in axes.items() if a is not None and v in self.types}
+        if len(known) > 1:
+            what = f"combines values whose batch axes differ ({sorted(known)})"
+        elif known and callable(rule) and not rule(node, next(iter(known))):
+            what = f"computes along axis {next(iter(known))}, which holds the batch"
+        else:
+            return
+        raise UnsupportedOpError(
+            _describe(n, f"{what}: its samples would mix; move the batch axis to match first")
+        )
 
     def emit_as(self, op: Op, inputs: list[Value], result: tuple[int, ...], **kw: Any) -> Value:
         """An op whose result (of shape `result`) is not a traced node's: a step of a
@@ -421,7 +445,14 @@ def _held_item(n: torch.fx.Node, held: tuple, index: int) -> Value | None:
     not compute it (MultiheadAttention's weights, torch.max's indices) and n is used."""
     item = held[index]
     if item is None and n.users:
-        raise UnsupportedOpError(_describe(n, "reads a result mexc does not compute"))
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                f"reads result {index} of its call, which mexc does not compute (the attention "
+                "weights of nn.MultiheadAttention, the indices of torch.max); use only the "
+                "first result (need_weights=False)",
+            )
+        )
     return item
 
 

@@ -13,6 +13,7 @@ from mexc.ir import Node, Op, Value
 from mexc.kernels.transformer import causal_hidden
 from mexc.ops.common import (
     Grads,
+    before_last,
     elementwise_types,
     pointwise_vjp,
     static_int,
@@ -115,7 +116,7 @@ def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
     d = static_int(dim) % rank
     if d == rank - 1:
         return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
-    if d == 0:
+    if d == c.first_or_batch_axis(c.arg(n.args[0])):
         raise UnsupportedOpError(c.describe(n, "takes a softmax over the batch axis"))
     perm = list(range(rank))
     perm[d], perm[-1] = perm[-1], perm[d]
@@ -281,7 +282,11 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
         raise UnsupportedOpError(c.describe(n, _MASKS))
     if not m._qkv_same_embed_dim:
         raise UnsupportedOpError(
-            c.describe(n, "has kdim or vdim other than embed_dim (separate projections)")
+            c.describe(
+                n,
+                "has kdim or vdim other than embed_dim (separate projections); project the "
+                "keys and values to embed_dim with nn.Linear layers first",
+            )
         )
     if m.bias_k is not None or m.add_zero_attn:
         raise UnsupportedOpError(c.describe(n, "uses add_bias_kv or add_zero_attn"))
@@ -357,7 +362,7 @@ define(
         Op.SOFTMAX,
         {"rid": -1, "causal": False},
         types=elementwise_types,
-        keeps_axes=True,
+        keeps_axes=before_last,
         vjp=pointwise_vjp(Op.SOFTMAX_GRAD, lambda n: n.out),
         reference=_softmax,
         frontend=(

@@ -201,6 +201,17 @@ def sliced_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
     return None if int(n.attrs.dim) % len(x.shape) == axis else axis
 
 
+def before_last(n: Node, axis: int) -> bool:
+    """keeps_axes of an op along the last axis (a linear layer, softmax): a batch axis before
+    it stays; on it the op would mix samples."""
+    return axis < len(n.type.shape) - 1
+
+
+def off_dim(n: Node, axis: int) -> bool:
+    """keeps_axes of a concatenation: a batch axis other than its `dim` stays."""
+    return int(n.attrs.dim) % len(n.type.shape) != axis
+
+
 def reshaped_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
     """A reshape keeps the rows of a batch whose axis is outermost in memory (every axis
     before it of extent 1): the result's batch axis is its first axis of extent above 1. A

@@ -11,6 +11,7 @@ from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
 from mexc.ops.common import (
     Grads,
+    before_last,
     mx_like,
     pair,
     pass_through,
@@ -445,7 +446,7 @@ define(
         Op.LINEAR,
         {"has_bias": False, **CAP},
         types=product_types,
-        keeps_axes=True,
+        keeps_axes=before_last,
         vjp=_linear_vjp,
         frontend=(
             Pattern("module", ("torch.nn.Linear",), _linear_module),

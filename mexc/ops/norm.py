@@ -11,7 +11,15 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
-from mexc.ops.common import Grads, called_name, mx_like, static_int, static_value, tid
+from mexc.ops.common import (
+    Grads,
+    before_last,
+    called_name,
+    mx_like,
+    static_int,
+    static_value,
+    tid,
+)
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
     ACTIVATION_DIVISORS,
@@ -57,9 +65,10 @@ def _batchnorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return [node.result(0) if w.needs[x] else None, None, None, None, None]
 
 
-def _row_norm(n: Node) -> bool:
-    """A LayerNorm of each row along the last axis (not GroupNorm's rows across axes)."""
-    return int(n.attrs.groups) == 1 and int(n.attrs.per) == 1
+def _row_norm(n: Node, axis: int) -> bool:
+    """A LayerNorm of each row along the last axis (not GroupNorm's rows across axes) keeps a
+    batch axis before the last."""
+    return int(n.attrs.groups) == 1 and int(n.attrs.per) == 1 and before_last(n, axis)
 
 
 def _layernorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
@@ -333,8 +342,7 @@ def _norm_dims(c: Any, n: Any, p: Any, dim: Any, x: Any) -> tuple[int, ...]:
             )  # fmt: skip
         )
     out = tuple(sorted({static_int(d) % len(shape) for d in axes}))
-    batch = c.batch_axis(c.arg(x))
-    if (0 if batch is None else batch) in out:
+    if c.first_or_batch_axis(c.arg(x)) in out:
         raise UnsupportedOpError(c.describe(n, "takes a norm along the batch axis"))
     return out
 

@@ -330,22 +330,27 @@ def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
     reduced = sorted(
         {static_int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
     )
-    if 0 in reduced:
+    v = c.arg(x)
+    batch = c.first_or_batch_axis(v)
+    if batch in reduced:
         raise UnsupportedOpError(
             c.describe(n, "takes a maximum over the batch axis; reduce the other axes")
         )
-    kept = [a for a in range(1, rank) if a not in reduced]
-    perm = (0, *kept, *reduced)
-    v = c.arg(x)
+    kept = [a for a in range(rank) if a != batch and a not in reduced]
+    perm = (batch, *kept, *reduced)
     if perm != tuple(range(rank)):
         v = transposed(c, v, shape, perm)
     rows = int(np.prod([shape[a] for a in kept], dtype=np.int64))
     k = int(np.prod([shape[a] for a in reduced], dtype=np.int64))
-    grid = (shape[0], rows, 1, k)
+    grid = (shape[batch], rows, 1, k)
     v = reshaped(c, v, grid)
     v = c.emit_as(
-        Op.MAXPOOL2D, [v], (shape[0], rows, 1, 1), kernel=(1, k), stride=(1, k), padding=(0, 0)
+        Op.MAXPOOL2D, [v], (shape[batch], rows, 1, 1), kernel=(1, k), stride=(1, k), padding=(0, 0)
     )
+    order = sorted([batch, *kept])  # the kept axes in their own order
+    if order != [batch, *kept]:  # the batch was not the first of them: moved back
+        mid = tuple(shape[a] for a in (batch, *kept))
+        v = transposed(c, reshaped(c, v, mid), mid, tuple([batch, *kept].index(a) for a in order))
     out = tuple(1 if a in reduced else shape[a] for a in range(rank) if keepdim or a not in reduced)
     return reshaped(c, v, out)
 

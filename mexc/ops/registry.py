@@ -114,11 +114,11 @@ class OpDef:
     # (node, input type, the input's batch axis) -> the result's batch axis, or None where the
     # split does not carry through (a slice along the batch axis)
     moves_batch: Callable[[Node, Any, int], int | None] | None = None
-    # computes each element, or each row along the last axis, of its inputs on its own (an
-    # activation, a linear layer, LayerNorm over the last axis): a batch axis other than the
-    # last stays where it is (a (T, N, D) sequence's); a callable of the node where attributes
-    # decide (GroupNorm normalizes across the axes after the first)
-    keeps_axes: bool | Callable[[Node], bool] = False
+    # computes each element of its inputs on its own (True: an activation, a sum), or a rule of
+    # the node and the axis (a linear layer, LayerNorm and softmax along the last axis, which a
+    # batch there would mix; a concatenation along another axis): whether a batch axis at
+    # `axis` stays where it is, as in a (T, N, D) sequence's
+    keeps_axes: bool | Callable[[Node, int], bool] = False
     doc: str = ""
 
     def splits(self, n: Node) -> bool:
@@ -126,10 +126,10 @@ class OpDef:
         dp = self.data_parallel
         return bool(dp(n) if callable(dp) else dp)
 
-    def keeps(self, n: Node) -> bool:
-        """Whether node n keeps its inputs' batch axis wherever it is (keeps_axes)."""
+    def keeps(self, n: Node, axis: int) -> bool:
+        """Whether node n keeps its inputs' batch axis at `axis` where it is (keeps_axes)."""
         k = self.keeps_axes
-        return bool(k(n) if callable(k) else k)
+        return bool(k(n, axis) if callable(k) else k)
 
     @property
     def may_split(self) -> bool:

@@ -21,6 +21,7 @@ from mexc.ops.common import (
     elementwise_types,
     keeps_batch_dim,
     no_saved,
+    off_dim,
     param_grad_share,
     pointwise_vjp,
     reshaped_batch_axis,
@@ -417,7 +418,7 @@ def _concat_tensors(c: Any, n: Any) -> Value:
         return c.arg(items[0])
     rank = len(c.shape(n))
     d = static_int(dim) % rank
-    if rank < 2 or d == 0:
+    if rank < 2 or d == c.first_or_batch_axis(c.arg(items[0])):
         raise UnsupportedOpError(
             c.describe(n, "concatenates along the batch axis; concatenate along a feature axis")
         )
@@ -434,9 +435,9 @@ def _stack(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(c.describe(n, "stacks something other than tensors"))
     out = tuple(c.shape(n))
     d = static_int(args.get("dim", 0)) % len(out)
-    if d == 0:
+    if d <= c.first_or_batch_axis(c.arg(items[0])):
         raise UnsupportedOpError(
-            c.describe(n, "stacks along a new first axis, before the batch; stack along another")
+            c.describe(n, "stacks along a new axis before the batch axis; stack along another")
         )
     one = (*out[:d], 1, *out[d + 1 :])
     pieces = [reshaped(c, c.arg(t), one) for t in items]
@@ -461,7 +462,7 @@ def _roll(c: Any, n: Any) -> Value:
         k = int(shift) % rows
         if k == 0:
             continue
-        if d == 0:
+        if d == c.first_or_batch_axis(v):
             raise UnsupportedOpError(c.describe(n, "rolls the batch axis"))
         tail = (*shape[:d], k, *shape[d + 1 :])
         head = (*shape[:d], rows - k, *shape[d + 1 :])
@@ -1134,8 +1135,7 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
     axes = axes if isinstance(axes, (list, tuple)) else [axes]
     dims = sorted({static_int(d) % rank for d in axes})
     v = c.arg(x)
-    batch = c.batch_axis(v)
-    batch = 0 if batch is None else batch
+    batch = c.first_or_batch_axis(v)
     if batch in dims:
         raise UnsupportedOpError(
             c.describe(
@@ -1446,6 +1446,7 @@ define(
         Op.CONCAT,
         {"dim": 1, "rid": -1},
         types=elementwise_types,
+        keeps_axes=off_dim,
         vjp=_concat_vjp,
         reference=_concat,
         frontend=(
