@@ -66,9 +66,11 @@ def _batchnorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
 
 
 def _row_norm(n: Node, axis: int) -> bool:
-    """A LayerNorm of each row along the last axis (not GroupNorm's rows across axes) keeps a
-    batch axis before the last."""
-    return int(n.attrs.groups) == 1 and int(n.attrs.per) == 1 and before_last(n, axis)
+    """A LayerNorm of each row along the last axis keeps a batch axis before the last;
+    GroupNorm, whose rows span the axes after the first, only a batch axis first."""
+    if int(n.attrs.groups) == 1 and int(n.attrs.per) == 1:
+        return before_last(n, axis)
+    return axis == 0
 
 
 def _layernorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
