@@ -18,47 +18,42 @@ override; one that overrides `forward` is traced through its own, as any user mo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+# the arguments each forward below reads, by the names of torch's forward (bound to its
+# signature, so a model may pass them by position)
+Args = dict[str, Any]
+_DECODER_MASKS = ("tgt_mask", "memory_mask", "tgt_key_padding_mask", "memory_key_padding_mask")
 
-def _encoder_layer(
-    m: nn.TransformerEncoderLayer,
-    src: Any,
-    src_mask: Any = None,
-    src_key_padding_mask: Any = None,
-    is_causal: bool = False,
-) -> Any:
+
+def _encoder_layer(m: nn.TransformerEncoderLayer, a: Args) -> Any:
     # the blocks are the layer's own methods, so a subclass that overrides one (and keeps
     # forward) is traced as torch trains it
-    x = src
+    def attend(x: Any) -> Any:
+        return m._sa_block(x, a["src_mask"], a["src_key_padding_mask"], is_causal=a["is_causal"])
+
+    x = a["src"]
     if m.norm_first:
-        x = x + m._sa_block(m.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+        x = x + attend(m.norm1(x))
         return x + m._ff_block(m.norm2(x))
-    x = m.norm1(x + m._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+    x = m.norm1(x + attend(x))
     return m.norm2(x + m._ff_block(x))
 
 
-def _decoder_layer(
-    m: nn.TransformerDecoderLayer,
-    tgt: Any,
-    memory: Any,
-    tgt_mask: Any = None,
-    memory_mask: Any = None,
-    tgt_key_padding_mask: Any = None,
-    memory_key_padding_mask: Any = None,
-    tgt_is_causal: bool = False,
-    memory_is_causal: bool = False,
-) -> Any:
+def _decoder_layer(m: nn.TransformerDecoderLayer, a: Args) -> Any:
     def attend(x: Any) -> Any:
-        return m._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+        return m._sa_block(x, a["tgt_mask"], a["tgt_key_padding_mask"], a["tgt_is_causal"])
 
     def cross(x: Any) -> Any:
-        return m._mha_block(x, memory, memory_mask, memory_key_padding_mask, memory_is_causal)
+        mem = a["memory"]
+        masks = a["memory_mask"], a["memory_key_padding_mask"], a["memory_is_causal"]
+        return m._mha_block(x, mem, *masks)
 
-    x = tgt
+    x = a["tgt"]
     if m.norm_first:
         x = x + attend(m.norm1(x))
         x = x + cross(m.norm2(x))
@@ -68,81 +63,40 @@ def _decoder_layer(
     return m.norm3(x + m._ff_block(x))
 
 
-def _encoder(
-    m: nn.TransformerEncoder,
-    src: Any,
-    mask: Any = None,
-    src_key_padding_mask: Any = None,
-    is_causal: bool | None = None,
-) -> Any:
-    out = src
+def _encoder(m: nn.TransformerEncoder, a: Args) -> Any:
+    out = a["src"]
     for layer in m.layers:
         out = layer(
             out,
-            src_mask=mask,
-            src_key_padding_mask=src_key_padding_mask,
-            is_causal=bool(is_causal),
+            src_mask=a["mask"],
+            src_key_padding_mask=a["src_key_padding_mask"],
+            is_causal=bool(a["is_causal"]),
         )
     return m.norm(out) if m.norm is not None else out
 
 
-def _decoder(
-    m: nn.TransformerDecoder,
-    tgt: Any,
-    memory: Any,
-    tgt_mask: Any = None,
-    memory_mask: Any = None,
-    tgt_key_padding_mask: Any = None,
-    memory_key_padding_mask: Any = None,
-    tgt_is_causal: bool | None = None,
-    memory_is_causal: bool = False,
-) -> Any:
-    out = tgt
+def _decoder(m: nn.TransformerDecoder, a: Args) -> Any:
+    out = a["tgt"]
+    masks = {k: a[k] for k in _DECODER_MASKS}
     for layer in m.layers:
-        out = layer(
-            out,
-            memory,
-            tgt_mask=tgt_mask,
-            memory_mask=memory_mask,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            tgt_is_causal=bool(tgt_is_causal),
-            memory_is_causal=memory_is_causal,
-        )
+        causal = {"tgt_is_causal": bool(a["tgt_is_causal"])}
+        out = layer(out, a["memory"], **masks, **causal, memory_is_causal=a["memory_is_causal"])
     return m.norm(out) if m.norm is not None else out
 
 
-def _transformer(
-    m: nn.Transformer,
-    src: Any,
-    tgt: Any,
-    src_mask: Any = None,
-    tgt_mask: Any = None,
-    memory_mask: Any = None,
-    src_key_padding_mask: Any = None,
-    tgt_key_padding_mask: Any = None,
-    memory_key_padding_mask: Any = None,
-    src_is_causal: bool | None = None,
-    tgt_is_causal: bool | None = None,
-    memory_is_causal: bool = False,
-) -> Any:
+def _transformer(m: nn.Transformer, a: Args) -> Any:
     memory = m.encoder(
-        src, mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=src_is_causal
+        a["src"],
+        mask=a["src_mask"],
+        src_key_padding_mask=a["src_key_padding_mask"],
+        is_causal=a["src_is_causal"],
     )
-    return m.decoder(
-        tgt,
-        memory,
-        tgt_mask=tgt_mask,
-        memory_mask=memory_mask,
-        tgt_key_padding_mask=tgt_key_padding_mask,
-        memory_key_padding_mask=memory_key_padding_mask,
-        tgt_is_causal=tgt_is_causal,
-        memory_is_causal=memory_is_causal,
-    )
+    rest = {k: a[k] for k in (*_DECODER_MASKS, "tgt_is_causal", "memory_is_causal")}
+    return m.decoder(a["tgt"], memory, **rest)
 
 
 # torch's class -> the forward mexc traces in its place
-_FORWARDS: dict[type, Callable[..., Any]] = {
+_FORWARDS: dict[type[nn.Module], Callable[[Any, Args], Any]] = {
     nn.TransformerEncoderLayer: _encoder_layer,
     nn.TransformerDecoderLayer: _decoder_layer,
     nn.TransformerEncoder: _encoder,
@@ -154,7 +108,14 @@ _FORWARDS: dict[type, Callable[..., Any]] = {
 def traced_forward(m: nn.Module) -> Callable[..., Any] | None:
     """The forward mexc traces for `m` instead of its own, or None for m's own."""
     base = next((t for t in type(m).__mro__ if t in _FORWARDS), None)
-    if base is None or type(m).forward is not getattr(base, "forward", None):
+    if base is None or type(m).forward is not base.forward:
         return None
     body = _FORWARDS[base]
-    return lambda *args, **kwargs: body(m, *args, **kwargs)
+    signature = inspect.signature(base.forward)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(m, *args, **kwargs)
+        bound.apply_defaults()
+        return body(m, dict(bound.arguments))
+
+    return forward

@@ -104,8 +104,10 @@ class Causal(nn.Module):
             causal = self.how == "sdpa_is_causal"
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
             y = y.transpose(1, 2).reshape(-1, 6, D)
-        else:
+        elif self.how == "transformer_target":
             y = self.t(x, x, tgt_mask=nn.Transformer.generate_square_subsequent_mask(6))
+        else:  # the masks by position: src_mask None, tgt_mask the buffer
+            y = self.t(x, x, None, self.mask)
         return self.fc(y.mean(1))
 
 
@@ -137,6 +139,7 @@ CASES = {
     "causal_encoder_mask": lambda: Causal("encoder_mask"),
     "causal_sdpa": lambda: Causal("sdpa_is_causal"),
     "causal_transformer_target": lambda: Causal("transformer_target"),
+    "causal_masks_by_position": lambda: Causal("masks_by_position"),
 }
 
 
