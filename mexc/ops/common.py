@@ -216,10 +216,10 @@ def reshaped_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
     """A reshape keeps the rows of a batch whose axis is outermost in memory (every axis
     before it of extent 1): the result's batch axis is its first axis of extent above 1. A
     worker's rows are then one contiguous block of the whole tensor, before and after. A
-    reshape of the axes after the batch only (the heads of a (T, N, D) sequence split) keeps
-    it where it is: each sample's elements move within it."""
+    reshape of the axes after the batch only (the heads of a (T, N, D) sequence split, a
+    flatten of (1, C, H, W)) keeps it where it is: each sample's elements move within it."""
     out = tuple(n.type.shape)
-    if axis and out[: axis + 1] == tuple(x.shape[: axis + 1]):
+    if out[: axis + 1] == tuple(x.shape[: axis + 1]):  # a batch of one stays first too
         return axis
     if int(np.prod(x.shape[:axis], dtype=np.int64)) != 1:
         return None
