@@ -217,23 +217,19 @@ def is_causal_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...], hides: bool)
     key is hidden (`hides`, nn.MultiheadAttention's) or where it takes part (F.scaled_dot_
     product_attention's); float: 0 where it takes part and -inf (or at most HIDING) where
     hidden. Any other mask with hidden keys is refused by node (_MASKS)."""
-    if m is None:
-        return False
-    values = static_tensor(c, m)
+    values = None if m is None else static_tensor(c, m)
     if values is None:
         return False
-    if values.ndim < 2 or values.shape[-2:] != tuple(scores[-2:]):
-        return False
-    hidden = causal_hidden(values.shape)
+    fits = values.ndim >= 2 and values.shape[-2:] == tuple(scores[-2:])
+    hidden = causal_hidden(values.shape if fits else (0, 0))  # unread where it does not fit
     if values.dtype == np.bool_:
-        want = hidden if hides else ~hidden
-        if (values == want).all():
+        if fits and bool(np.all(values == (hidden if hides else ~hidden))):
             return True
         raise UnsupportedOpError(c.describe(n, _MASKS))
     taken = values <= HIDING
     if not taken.any() and np.isfinite(values).all():
         return False  # a finite mask: added to the scores
-    if (taken == hidden).all() and (values[~hidden] == 0).all():
+    if fits and bool(np.all(taken == hidden)) and bool(np.all(values[..., ~hidden] == 0)):
         return True
     raise UnsupportedOpError(c.describe(n, _MASKS))
 
@@ -241,7 +237,7 @@ def is_causal_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...], hides: bool)
 def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | None:
     """SDPA's float attn_mask, added to the scores: a parameter or buffer read through
     indexing (a relative-position bias, a window mask), or an activation that broadcasts to
-    the scores. A boolean mask is refused."""
+    the scores. A boolean mask is refused; a fixed one with -inf entries was (is_causal_mask)."""
     if m is None:
         return None
     meta = m.meta.get("tensor_meta") if c.is_node(m) else None
@@ -249,9 +245,6 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
         raise UnsupportedOpError(
             c.describe(n, "uses a boolean or non-tensor attention mask; give a float mask")
         )
-    values = static_tensor(c, m)
-    if values is not None and not np.isfinite(values).all():
-        raise UnsupportedOpError(c.describe(n, _MASKS))
     held = folded_value(c, n, m, scores)
     if held is not None:
         return held
@@ -333,9 +326,8 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     hs = ((b, h, t, d // h), (b, h, s, d // h), (b, h, s, d // h))
     mask = args.get("attn_mask")
     causal = is_causal_mask(c, n, mask, (b, h, t, s), hides=True)
-    if mask is not None and not causal:
-        raise UnsupportedOpError(c.describe(n, _MASKS))
-    if args.get("is_causal") and not causal:  # torch's hint that its attn_mask is causal
+    # is_causal is torch's hint that attn_mask is causal: without such a mask, refused too
+    if (mask is not None or args.get("is_causal")) and not causal:
         raise UnsupportedOpError(c.describe(n, _MASKS))
     y = _attention(c, n, q, k, v, hs, 1.0 / math.sqrt(d // h), float(m.dropout), None, causal)
     merged = reshaped(c, transposed(c, y, (b, h, t, d // h), (0, 2, 1, 3)), (b, t, d))
@@ -346,8 +338,8 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     return (transposed(c, y, (b, t, d), (1, 0, 2)) if seq_first else y), None
 
 
-# why masks are refused: the integer softmax has no masked form (its exp table's smallest
-# entry is exp(-8), not 0, and an additive -inf has no int8 mantissa)
+# why other masks are refused: the integer softmax's one masked form is the causal one (its exp
+# table's smallest entry is exp(-8), not 0, and an additive -inf has no int8 mantissa)
 _MASKS = (
     "uses an attention mask that hides keys other than each query's later ones "
     "(key_padding_mask, or another pattern of -inf or boolean entries, or one the forward "

@@ -102,7 +102,10 @@ class Causal(nn.Module):
         elif self.how.startswith("sdpa"):
             q, k, v = self.qkv(x).reshape(-1, 6, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
             causal = self.how == "sdpa_is_causal"
-            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            mask = self.mask[None] if self.how == "sdpa_mask_leading_axis" else None
+            y = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal
+            )
             y = y.transpose(1, 2).reshape(-1, 6, D)
         elif self.how == "transformer_target":
             y = self.t(x, x, tgt_mask=nn.Transformer.generate_square_subsequent_mask(6))
@@ -140,6 +143,7 @@ CASES = {
     "causal_sdpa": lambda: Causal("sdpa_is_causal"),
     "causal_transformer_target": lambda: Causal("transformer_target"),
     "causal_masks_by_position": lambda: Causal("masks_by_position"),
+    "causal_mask_with_a_leading_axis": lambda: Causal("sdpa_mask_leading_axis"),
 }
 
 
