@@ -242,21 +242,19 @@ class _Ctx:
 
     def emit(self, op: Op, inputs: list[Value], n: torch.fx.Node, **kw: Any) -> Value:
         node = self.b.add(op, inputs, f32(*self.shape(n)), attrs(op, **kw), self.loc)
-        rule = REGISTRY[op].keeps_axes
-        if rule:
-            self._refuse_mixing(node, inputs, n, rule)
+        if REGISTRY[op].keeps_axes:
+            self._refuse_mixing(node, inputs, n)
         return node.out
 
-    def _refuse_mixing(self, node: Any, inputs: list[Value], n: torch.fx.Node, rule: Any) -> None:
+    def _refuse_mixing(self, node: Any, inputs: list[Value], n: torch.fx.Node) -> None:
         """An op that keeps the batch axis where it is (OpDef.keeps_axes) refused where it
         would mix samples: its operands hold the batch on different axes, or it computes along
         the axis that holds it (a linear layer over a (D, N) tensor)."""
-        axes = {v: self.batch_axis(v) for v in inputs}
-        known = {a for v, a in axes.items() if a is not None and v in self.types}
+        known = {a for a in map(self.batch_axis, inputs) if a is not None}
         if len(known) > 1:
             what = f"combines values whose batch axes differ ({sorted(known)})"
-        elif known and callable(rule) and not rule(node, next(iter(known))):
-            what = f"computes along axis {next(iter(known))}, which holds the batch"
+        elif known and not REGISTRY[node.op].keeps(node, axis := known.pop()):
+            what = f"computes along axis {axis}, which holds the batch"
         else:
             return
         raise UnsupportedOpError(

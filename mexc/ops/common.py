@@ -208,8 +208,9 @@ def before_last(n: Node, axis: int) -> bool:
 
 
 def off_dim(n: Node, axis: int) -> bool:
-    """keeps_axes of a concatenation: a batch axis other than its `dim` stays."""
-    return int(n.attrs.dim) % len(n.type.shape) != axis
+    """keeps_axes of a concatenation: a batch axis other than its `dim` stays (as through a
+    slice)."""
+    return sliced_batch_axis(n, n.type, axis) is not None
 
 
 def reshaped_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
