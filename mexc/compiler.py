@@ -31,8 +31,14 @@ def _example_batch(example_inputs: Any) -> torch.Tensor:
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
+    integer = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+    if integer and x.dtype != torch.bool:  # token ids, read by the model's embedding tables
+        return x.detach().long()
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError("example_inputs must be (x,) with x a float tensor batch [N, ...]")
+        raise ValueError(
+            "example_inputs must be (x,) with x a float tensor batch [N, ...], or an integer "
+            "batch of ids that the model looks up in embedding tables"
+        )
     return x.detach().float()
 
 

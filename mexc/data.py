@@ -1,21 +1,26 @@
 """Datasets for training runs, and the deterministic batch order.
 
-Three sources, none downloaded at run time:
+Four sources, none downloaded at run time:
 
 * ``fashion-mnist``: the Debian package ``dataset-fashion-mnist`` (60k train / 10k test, 28x28),
   IDX files under ``/usr/share/datasets/fashion-mnist`` (override with the environment variable
   ``MEXC_FASHION_MNIST_DIR``). Images are scaled to [0, 1] and normalized with mean 0.2860 and
   std 0.3530.
-* ``digits``: scikit-learn's bundled 8x8 digits (1,797 images). The split is fixed and not
-  shuffled: the first 1,500 images are ``train``, the remaining 297 ``test`` (every class has
-  27..33 test images). Pixels are divided by 16 and normalized with mean 0.3051, std 0.3750 (the
-  training split's statistics).
-* ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` (images ``[N, H, W]`` or ``[N, C, H, W]``,
-  uint8 scaled by 1/255, or float used as is) and ``y`` (integer labels ``[N]`` in ``0..K-1``),
-  and optionally ``x_test``/``y_test``. Without test arrays the ``test`` split is the last 20 % of a
-  permutation drawn from ``numpy.random.default_rng(0)``, ``train`` the rest.
+* ``digits``: scikit-learn's bundled 8x8 digits (1,797 images). The split is fixed: a
+  permutation of the images drawn from ``numpy.random.default_rng(0)``, its first 1,500 images
+  ``train`` and the other 297 ``test``. Pixels are divided by 16 and normalized with mean 0.3051,
+  std 0.3750 (the training split's statistics).
+* ``digits-tokens``: the same images and split, each a sequence of 64 token ids: its pixel
+  intensities 0..16 in row-major order (int64 ``[N, 64]``, vocabulary 17), for models that read
+  their input through embedding tables.
+* ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` and ``y`` (integer labels ``[N]`` in
+  ``0..K-1``), and optionally ``x_test``/``y_test``. ``x`` holds images ``[N, H, W]`` or
+  ``[N, C, H, W]`` (uint8 scaled by 1/255, or float used as is), or token ids ``[N, ...]`` (any
+  other integer dtype, kept as they are). Without test arrays the ``test`` split is the last 20 %
+  of a permutation drawn from ``numpy.random.default_rng(0)``, ``train`` the rest.
 
-Every loader returns ``(x, y)``: ``x`` float32 ``[N, C, H, W]``, ``y`` int64 ``[N]``.
+Every loader returns ``(x, y)``: ``x`` float32 ``[N, C, H, W]`` (token ids: int64 ``[N, ...]``),
+``y`` int64 ``[N]``.
 
 Batch order: :func:`batches` depends only on ``(seed, epoch)``, so a run resumed from a checkpoint
 sees exactly the batches an uninterrupted run sees.
@@ -36,7 +41,7 @@ FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 DIGITS_MEAN, DIGITS_STD = 0.3051, 0.3750
 DIGITS_TRAIN = 1500
 SPLITS = ("train", "test")
-DATASETS = ("fashion-mnist", "digits", "npz:PATH")
+DATASETS = ("fashion-mnist", "digits", "digits-tokens", "npz:PATH")
 
 Arrays = tuple[np.ndarray, np.ndarray]
 
@@ -107,6 +112,19 @@ def load_fashion_mnist(split: str) -> Arrays:
 # --- scikit-learn digits ------------------------------------------------------------------------
 
 
+def load_digit_tokens(split: str) -> Arrays:
+    """load_digits' images and split as sequences of 64 ids: each pixel's intensity 0..16 in
+    row-major order (int64 [N, 64])."""
+    _check_split(split)
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    d = sk_load_digits()
+    x = np.asarray(d.data).astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(x))
+    part = order[:DIGITS_TRAIN] if split == "train" else order[DIGITS_TRAIN:]
+    return x[part], np.asarray(d.target, np.int64)[part]
+
+
 def load_digits(split: str) -> Arrays:
     """scikit-learn digits, x [N,1,8,8] normalized: a fixed shuffle (numpy default_rng(0)) of
     the 1,797 images, the first 1,500 train and the other 297 test. The bundled order is not
@@ -128,6 +146,12 @@ def load_digits(split: str) -> Arrays:
 
 
 def _images(x: np.ndarray, where: str) -> np.ndarray:
+    if np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8:  # token ids
+        if x.ndim < 2:
+            raise DatasetError(f"{where} has shape {list(x.shape)}; token ids must be [N, ...]")
+        if x.size and x.min() < 0:
+            raise DatasetError(f"{where} has negative token ids (min {int(x.min())})")
+        return x.astype(np.int64)
     if x.ndim == 3:
         x = x[:, None]
     if x.ndim != 4:
@@ -193,11 +217,13 @@ def load_npz(path: str | os.PathLike[str], split: str = "train") -> Arrays:
 
 
 def get_dataset(name: str, split: str) -> Arrays:
-    """`name` is "fashion-mnist", "digits" or "npz:PATH"."""
+    """`name` is "fashion-mnist", "digits", "digits-tokens" or "npz:PATH"."""
     if name == "fashion-mnist":
         return load_fashion_mnist(split)
     if name == "digits":
         return load_digits(split)
+    if name == "digits-tokens":
+        return load_digit_tokens(split)
     if name.startswith("npz:"):
         return load_npz(name[4:], split)
     raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

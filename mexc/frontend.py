@@ -91,6 +91,17 @@ class _Ctx:
     rebound: set[torch.fx.Node] = field(default_factory=set)
     norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
     tied: dict[int, str] = field(default_factory=dict)  # id of an nn.Parameter -> its name
+    ids: Value | None = None  # the integer input (token ids), which only embeddings read
+    node: torch.fx.Node | None = None  # the node being translated
+
+    def is_token_ids(self, a: Any) -> bool:
+        """`a` is the model's integer input (token ids)."""
+        return self.ids is not None and isinstance(a, torch.fx.Node) and self.env.get(a) == self.ids
+
+    def token_ids(self, a: Any) -> Value:
+        """The integer input, for an embedding that reads it."""
+        assert self.is_token_ids(a)
+        return self.env[a]
 
     def batch_axis(self, v: Value) -> int | None:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
@@ -195,6 +206,15 @@ class _Ctx:
                 )
             )
         v = self.env[a]
+        if self.ids is not None and v == self.ids:
+            raise UnsupportedOpError(
+                _describe(
+                    self.node if self.node is not None else a,
+                    "reads the model's integer input (token ids) as an activation; mexc reads "
+                    "integer inputs only through embedding tables (nn.Embedding, F.embedding): "
+                    "look the ids up first",
+                )
+            )
         if self.is_batched_constant(v):
             # a positional encoding made in forward for the batch (EdgeNeXt, XCiT) that a layer
             # reads: the program holds it (one row where the rows repeat) as a constant and
@@ -600,8 +620,8 @@ class _Tracer(torch.fx.Tracer):
         """Modules with a pattern stay one call_module node (timm's DropPath, whose forward
         reads self.training and would trace as the identity in eval mode); torch's transformer
         layers are traced through mexc's forward of them (frontend_modules)."""
-        if traced_forward(m) is not None:
-            return False
+        if traced_forward(m) is not None or isinstance(m, nn.Embedding):
+            return False  # nn.Embedding: its F.embedding reads the table by get_attr
         return _module_handler(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(
@@ -1010,6 +1030,23 @@ def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:
     return None, None
 
 
+def _vocabulary(gm: torch.fx.GraphModule, ids: torch.fx.Node) -> int:
+    """The ids an integer input may hold, [0, V): V the fewest rows of the embedding tables
+    that read it (the host checks every batch against it). A model that reads the ids in no
+    table is refused where it reads them (_Ctx.arg)."""
+    rows = [
+        int(_fetch_attr(gm, str(w.target)).shape[0])
+        for user in ids.users
+        if user.op == "call_function"
+        and user.target is torch.nn.functional.embedding
+        and isinstance(
+            w := (user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")), torch.fx.Node
+        )
+        and w.op == "get_attr"
+    ]
+    return min(rows, default=0)
+
+
 def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     """Trace `model` on `example` (a float batch) and build the float mexc graph with the loss head.
 
@@ -1034,7 +1071,13 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
                 continue
             if c.env:
                 raise UnsupportedOpError("mexc models take exactly one input tensor")
-            node = b.add(Op.INPUT, (), f32(*c.shape(n)), attrs(Op.INPUT, name=n.name))
+            if example.is_floating_point():
+                node = b.add(Op.INPUT, (), f32(*c.shape(n)), attrs(Op.INPUT, name=n.name))
+            else:
+                vocab = _vocabulary(gm, n)
+                ids = TensorType(Kind.I64, tuple(c.shape(n)))
+                node = b.add(Op.INPUT, (), ids, attrs(Op.INPUT, name=n.name, vocab=vocab))
+                c.ids = node.out
             c.env[n] = node.out
             c.batch = c.shape(n)[0] if c.shape(n) else 0
         elif n.op == "output":
@@ -1043,6 +1086,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
                 raise UnsupportedOpError("the model must return a single logits tensor")
             logits, logits_node = c.env[out], out
         else:
+            c.node = n
             value = _translate(c, n)
             if value is not None:
                 c.env[n] = value

@@ -65,6 +65,7 @@ class Op(enum.Enum):
     MUL = "mul"
     EXPAND_PARAM = "expand_param"
     GATHER_PARAM = "gather_param"
+    EMBEDDING = "embedding"
     # backward
     SOFTMAX_CE_GRAD = "softmax_ce_grad"
     CONV2D_GRAD_INPUT = "conv2d_grad_input"
@@ -100,6 +101,7 @@ class Op(enum.Enum):
     SLICE_GRAD = "slice_grad"
     ADD_PARAM_GRAD = "add_param_grad"
     GATHER_PARAM_GRAD = "gather_param_grad"
+    EMBEDDING_GRAD = "embedding_grad"
     MEAN_TOKENS_GRAD = "mean_tokens_grad"
     MUL_GRAD = "mul_grad"
     # data parallel

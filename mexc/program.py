@@ -95,6 +95,8 @@ class Program:
         self.eval_batch = int(self.global_graph.attr("batch"))  # the rows of an inference batch
         self.num_classes = int(graph.attr("num_classes"))
         self.input_shape = tuple(graph.nodes_of(Op.INPUT)[0].type.shape[1:])
+        # > 0: the input is integer ids in [0, vocab), read by embedding tables
+        self.vocab = int(graph.nodes_of(Op.INPUT)[0].attrs.vocab)
         self._train_nodes = list(graph.nodes)
         keep = {v for _, v in graph.outputs}
         self._train_last_use = last_uses(self._train_nodes, keep)
@@ -115,11 +117,35 @@ class Program:
 
     def _check_x(self, x: Any, exact_batch: bool) -> np.ndarray:
         arr = as_numpy(x, "x")
+        if self.vocab:
+            return self._check_ids(arr, exact_batch)
         if not np.issubdtype(arr.dtype, np.floating):
             raise InputError(
                 f"x must be a float tensor, got dtype {arr.dtype}; convert images "
                 "to float (e.g. x.float() / 255) before passing them"
             )
+        self._check_shape(arr, exact_batch)
+        # min and max carry any NaN or inf: no temporaries of the whole batch (a float64 copy
+        # and a mask were a quarter of a compiled FashionCNN step's per-sample peak RSS);
+        # quantize widens block by block, so the caller's dtype is kept
+        if arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
+            bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+            raise InputError(
+                f"x contains {bad} NaN or infinite value(s); integer training "
+                "cannot represent them: clean or normalize the data first"
+            )
+        return arr
+
+    def random_inputs(self, rng: np.random.Generator, rows: int | None = None) -> np.ndarray:
+        """A batch of `rows` (default: the step's batch) random inputs of the kind the program
+        reads, for checks and measurements: N(0, 1) floats, or ids drawn uniformly from the
+        vocabulary."""
+        shape = (self.batch if rows is None else rows, *self.input_shape)
+        if self.vocab:
+            return rng.integers(0, self.vocab, shape)
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def _check_shape(self, arr: np.ndarray, exact_batch: bool) -> None:
         want = (self.batch, *self.input_shape)
         if (
             arr.ndim != len(want)
@@ -132,16 +158,24 @@ class Program:
                 "shape are fixed by example_inputs at compile time; the Trainer drops an "
                 "incomplete last batch)"
             )
-        # min and max carry any NaN or inf: no temporaries of the whole batch (a float64 copy
-        # and a mask were a quarter of a compiled FashionCNN step's per-sample peak RSS);
-        # quantize widens block by block, so the caller's dtype is kept
-        if arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
-            bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+
+    def _check_ids(self, arr: np.ndarray, exact_batch: bool) -> np.ndarray:
+        """x of a model whose input is token ids: integers in [0, vocab) (an id outside
+        would read outside an embedding table)."""
+        if not np.issubdtype(arr.dtype, np.integer):
             raise InputError(
-                f"x contains {bad} NaN or infinite value(s); integer training "
-                "cannot represent them: clean or normalize the data first"
+                f"x must hold integer ids (the model looks its input up in embedding tables), "
+                f"got dtype {arr.dtype}"
             )
-        return arr
+        self._check_shape(arr, exact_batch)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+            raise InputError(
+                f"x holds ids in [{int(arr.min())}, {int(arr.max())}], outside [0, "
+                f"{self.vocab - 1}]: the model's smallest embedding table that reads them has "
+                f"{self.vocab} rows; map the ids into the vocabulary (an unknown-token id) "
+                "first"
+            )
+        return arr.astype(np.int64)
 
     def _check_y(self, y: Any, n: int) -> np.ndarray:
         arr = as_numpy(y, "y")

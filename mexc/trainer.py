@@ -607,6 +607,13 @@ def export_state_dict(prog: Any, model: Any, path: str | os.PathLike[str]) -> No
     _write_atomic(path, lambda fh: torch.save(state, fh))
 
 
+def _batch_of(x: np.ndarray, rows: int) -> np.ndarray:
+    """x's first `rows` rows as a model reads them: float32, or token ids as int64."""
+    if np.issubdtype(x.dtype, np.integer):
+        return np.ascontiguousarray(x[:rows], np.int64)
+    return np.ascontiguousarray(x[:rows], np.float32)
+
+
 def run_training(
     model: Any,
     train: Arrays,
@@ -678,7 +685,7 @@ def run_training(
         opt = make_optimizer(
             lr, momentum, weight_decay, schedule, spe, epochs, warmup, optimizer, betas, eps
         )
-        example = torch.zeros(batch, *train[0].shape[1:])
+        example = torch.from_numpy(_batch_of(train[0], batch) * 0)  # zeros of the data's kind
         prog = compile_model(
             model,
             (example,),
@@ -710,7 +717,7 @@ def run_training(
         from mexc.fp32 import step_memory
 
         p, b = trainer.program.optimizer, trainer.batch
-        xb = torch.from_numpy(np.ascontiguousarray(train[0][:b], np.float32))
+        xb = torch.from_numpy(_batch_of(train[0], b))
         yb = torch.from_numpy(np.asarray(train[1][:b], np.int64))
         fp32_memory = step_memory(copy.deepcopy(fp32_model), xb, yb, p)
     trainer.fit()

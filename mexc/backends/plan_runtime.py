@@ -180,12 +180,15 @@ class PlanProgram(Program):
     def _write_inputs(self, xs: np.ndarray, ys: np.ndarray) -> None:
         plan = self._plan_json
         rows = None if self.workers is None else self.workers.rows(self.eval_batch)
-        # the float boundary, on the host (a data-parallel worker's exponent is the whole
-        # batch's: the maximum is agreed)
-        q = quantize(xs, self.options.bits, None if rows is None else rows.max_float)
         xm, xe = plan["input"]
-        self._write(xm, q.m)
-        self._write(xe, np.array([int(q.e)], np.int32))
+        if self.vocab:  # token ids, as they are (checked against the vocabulary)
+            self._write(xm, xs.astype(np.int32))
+        else:
+            # the float boundary, on the host (a data-parallel worker's exponent is the whole
+            # batch's: the maximum is agreed)
+            q = quantize(xs, self.options.bits, None if rows is None else rows.max_float)
+            self._write(xm, q.m)
+            self._write(xe, np.array([int(q.e)], np.int32))
         self._write(plan["labels"], ys.astype(np.int32))
         if plan["valid"]:  # the valid rows here, and in the whole batch (every row is valid)
             valid = self.batch if rows is None else rows.total
@@ -225,10 +228,13 @@ class PlanProgram(Program):
         plan = self._inference_plan()
         if plan is None:
             return super()._infer_batch(xs)
-        q = quantize(xs, self.options.bits)  # the float boundary, on the host
         xm, xe = plan["input"]
-        self._infer_write(xm, q.m)
-        self._infer_write(xe, np.array([int(q.e)], np.int32))
+        if self.vocab:  # token ids, as they are
+            self._infer_write(xm, xs.astype(np.int32))
+        else:
+            q = quantize(xs, self.options.bits)  # the float boundary, on the host
+            self._infer_write(xm, q.m)
+            self._infer_write(xe, np.array([int(q.e)], np.int32))
         self._infer_run()
         m, e = plan["logits"]
         whole = self.global_graph  # a data-parallel worker infers on whole batches

@@ -495,6 +495,28 @@ def gather_param_grad(dy: MX, index: np.ndarray, size: int) -> Acc:
     return Acc(acc, np.asarray(ed, np.int64))
 
 
+def embedding_forward(w: MX, ids: np.ndarray) -> MX:
+    """y[..., :] = w[ids[...], :] (w [V, D], ids any shape of integers in [0, V)): the table's
+    rows copied, exponent e_w kept (docs/numerics.md §7b, "Embedding lookup"). Result
+    ids.shape + (D,)."""
+    ew = scalar_exp(w, "embedding table")
+    idx = np.asarray(ids, np.int64)
+    return MX(np.ascontiguousarray(np.asarray(w.m)[idx]), np.asarray(ew))
+
+
+def embedding_grad(dy: MX, ids: np.ndarray, vocab: int, padding_idx: int = -1) -> Acc:
+    """dw[k, :] = the int32 sum of dy[i, :] over the positions i with ids[i] = k, those of
+    `padding_idx` (when >= 0) left out (dy ids.shape + (D,)), exponent e_dy."""
+    ed = scalar_exp(dy, "dy")
+    idx = np.asarray(ids, np.int64).reshape(-1)
+    rows = i64(dy.m).reshape(idx.size, -1)
+    keep = idx != padding_idx
+    acc = np.zeros((vocab, rows.shape[1]), np.int64)
+    np.add.at(acc, idx[keep], rows[keep])
+    check_int32(acc, "embedding_grad")
+    return Acc(acc, np.asarray(ed, np.int64))
+
+
 # ------------------------------------------------------------------------------ token mean
 
 
@@ -529,6 +551,8 @@ __all__ = [
     "LayerNormSaved",
     "add_broadcast_forward",
     "add_broadcast_param_grad",
+    "embedding_forward",
+    "embedding_grad",
     "gather_param_forward",
     "gather_param_grad",
     "gelu_backward",

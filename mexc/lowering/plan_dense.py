@@ -50,7 +50,9 @@ class DenseRules(PlanBuilder):
         self.plan.state[name] = (self.m[v], self.e[v])
 
     def input(self, n: Node) -> None:
-        pass  # the quantize node holds the batch
+        """Integer ids are written as they are (int32); a float batch is the quantize node's."""
+        if int(n.attrs.vocab):
+            self.plan.input = (self.out(n, 0, I32), "")
 
     def quantize(self, n: Node) -> None:
         self.plan.input = (self.out(n, 0, I8), self.out_exp(n, 0))

@@ -205,6 +205,30 @@ class TransformerRules(PlanBuilder):
         )
         self.launch(func, (*ins, self.view(acc, (size,))))
 
+    def embedding(self, n: Node) -> None:
+        """kernels.transformer.embedding_forward: the table's rows copied by the ids (the
+        program's integer input, int32 in the plan), its exponent kept."""
+        ids, w = n.inputs
+        vocab, dim = self.shape(w)
+        rows = int(np.prod(self.shape(ids)))
+        self.e[n.result(0)] = self.e[w]
+        out = self.view(self.out(n, 0, I8), (rows, dim))
+        func = te_transformer.embedding_rows(rows, vocab, dim, f"n{n.id}_embedding")
+        self.launch(func, (self.m[w], self.view(self.m[ids], (rows,)), out))
+
+    def embedding_grad(self, n: Node) -> None:
+        """kernels.transformer.embedding_grad: dy's rows summed per id into the table's int32
+        accumulator, at dy's exponent."""
+        dy, ids = n.inputs
+        vocab, dim = self.shape(n.result(0))
+        rows = int(np.prod(self.shape(ids)))
+        acc = self.out(n, 0, I32)
+        self.e[n.result(0)] = self.e[dy]
+        pad = int(n.attrs.padding_idx)
+        func = te_transformer.embedding_scatter(rows, vocab, dim, pad, f"n{n.id}_embedding_grad")
+        dy_rows, ids_rows = self.view(self.m[dy], (rows, dim)), self.view(self.m[ids], (rows,))
+        self.launch(func, (dy_rows, ids_rows, acc))
+
     def add_param_grad(self, n: Node) -> None:
         """kernels.transformer.add_broadcast_param_grad: the int32 sum of dy over the batch (an
         accumulator for the update, at dy's exponent)."""

@@ -18,6 +18,7 @@ from mexc.ops import (  # noqa: F401 - each module registers its ops
     boundary,
     collective,
     dense,
+    embedding,
     gather,
     loss,
     norm,

@@ -12,7 +12,11 @@ from mexc.types import Exp, mx
 
 
 def _input_types(r: Any, n: Node) -> None:
-    """The float batch is quantized once, by a QUANTIZE node."""
+    """The float batch is quantized once, by a QUANTIZE node; integer ids (an input with a
+    vocabulary) are read as they are, by embedding tables."""
+    if int(n.attrs.vocab):
+        r.copy(n, n.types)
+        return
     raw = r.b.add(Op.INPUT, (), n.types, n.attrs, n.loc)
     q = r.b.add(
         Op.QUANTIZE, [raw.out], mx_like(n.type), op_def(Op.QUANTIZE).make(bits=r.ctx.bits), n.loc
@@ -56,13 +60,14 @@ def _quantize(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 define(
     OpDef(
         Op.INPUT,
-        {"name": "x"},
+        {"name": "x", "vocab": 0},
         types=_input_types,
         reference=_input,
         lower={"tir": "step_plan:PlanRules.input", "c": "emit:_input"},
         boundary=True,
         float_results=(0,),
-        doc="the float input batch",
+        doc="the input batch: floats, or integer ids in [0, vocab) (vocab > 0) that embedding "
+        "tables read",
         batch_results=True,
     ),
     OpDef(

@@ -41,7 +41,7 @@ def step_values(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[Any, A
     env = StepEnv(
         ctx,
         True,
-        x.astype(np.float64),
+        x if np.issubdtype(x.dtype, np.integer) else x.astype(np.float64),
         y.astype(np.int64),
         prog.state,
         zero,
@@ -72,10 +72,18 @@ def float_gradients(
 ) -> dict[str, np.ndarray]:
     """torch autograd on the program's dequantized weights and input."""
     m = dequantized_copy(model, prog)
-    xq = mexc.kernels.quantize(x.astype(np.float64), prog.options.bits).dequantize()
-    loss = nn.functional.cross_entropy(m(torch.from_numpy(xq)), torch.from_numpy(y))
+    loss = nn.functional.cross_entropy(m(_as_input(prog, x)), torch.from_numpy(y))
     loss.backward()
     return {name: p.grad.numpy() for name, p in m.named_parameters() if p.grad is not None}
+
+
+def _as_input(prog: mexc.Program, x: np.ndarray) -> torch.Tensor:
+    """x as the program reads it, for torch: token ids as they are, floats quantized and
+    dequantized (float64)."""
+    if prog.vocab:
+        return torch.from_numpy(x.astype(np.int64))
+    q = mexc.kernels.quantize(x.astype(np.float64), prog.options.bits)
+    return torch.from_numpy(q.dequantize())
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -159,8 +167,7 @@ def assert_logits_match_torch(
     """prog's integer logits of x within rel of the largest of torch's: float64 on the
     program's dequantized weights and input, in eval mode."""
     ref = dequantized_copy(model, prog).eval()
-    xq = mexc.kernels.quantize(x.astype(np.float64), prog.options.bits).dequantize()
-    want = ref(torch.from_numpy(xq)).detach().numpy()
+    want = ref(_as_input(prog, x)).detach().numpy()
     got = prog.logits(x)
     assert np.abs(got - want).max() <= rel * np.abs(want).max(), np.abs(got - want).max()
 

@@ -19,14 +19,23 @@ import torch  # noqa: E402
 import mexc  # noqa: E402
 from mexc.distributed import exit_worker, init_from_env, shard_rows  # noqa: E402
 
+# models whose input is token ids: their vocabulary
+VOCABS = {"tokens": 40}
 
-def batches(shape: tuple[int, ...], batch: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The global batches of the run: the same on every worker and in one process."""
+
+def batches(
+    shape: tuple[int, ...], batch: int, steps: int, vocab: int = 0
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The global batches of the run: the same on every worker and in one process (ids in
+    [0, vocab) where vocab > 0)."""
     rng = np.random.default_rng(7)
-    return [
-        (rng.normal(size=(batch, *shape)).astype(np.float32), rng.integers(0, 10, batch))
-        for _ in range(steps)
-    ]
+
+    def x() -> np.ndarray:
+        if vocab:
+            return rng.integers(0, vocab, (batch, *shape))
+        return rng.normal(size=(batch, *shape)).astype(np.float32)
+
+    return [(x(), rng.integers(0, 10, batch)) for _ in range(steps)]
 
 
 class ZooLayers(torch.nn.Module):
@@ -115,6 +124,10 @@ def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
         return ZooLayers(), (1, 8, 8)
     if name == "shifted_windows":  # gather_param: a bias table, a window mask of period 4
         return WindowBiases(), (1, 8, 8)
+    if name == "tokens":  # token ids: embedding tables, a padding id, attention
+        from tests.compiler.test_embedding import T, TokenEncoder
+
+        return TokenEncoder(), (T,)
     cls, shape = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}[name]
     return cls(), shape
 
@@ -140,7 +153,7 @@ def main() -> None:
     results = {}
     for name in args.model.split(","):
         net, shape = model(name)
-        data = batches(shape, args.batch, args.steps)
+        data = batches(shape, args.batch, args.steps, VOCABS.get(name, 0))
         emulated = args.target == "cuda-emulated"  # the CUDA step's kernels on the CPU
         target = "reference" if emulated else args.target
         if args.resume:

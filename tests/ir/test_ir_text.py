@@ -17,7 +17,7 @@ from mexc.types import Exp, Kind, TensorType
 
 GOLDEN = """\
 // graph {bits=8, batch=4}
-%0 = input {name="x"} : f32[4,1,8,8]  // train.py:12
+%0 = input {name="x", vocab=0} : f32[4,1,8,8]  // train.py:12
 %1 = label {name="y", num_classes=10} : i64[4]
 %2 = param {name="conv1.weight", role="weight"} : mx<i8,e=axis0>[16,1,3,3]
 %3 = quantize %0 {bits=8} : mx<i8,e=tensor>[4,1,8,8]

@@ -132,7 +132,10 @@ def _state(e: _Emit, n: Node) -> None:
 
 
 def _input(e: _Emit, n: Node) -> None:
-    """The float batch is the caller's; QUANTIZE reads it."""
+    """The float batch is the caller's, QUANTIZE reads it; token ids (int32) are read as
+    they are, by the embeddings."""
+    if int(n.attrs.vocab):
+        e.ptr[n.out] = "x"
 
 
 def _label(e: _Emit, n: Node) -> None:
@@ -1218,11 +1221,41 @@ def _gather_param_grad(e: _Emit, n: Node) -> None:
     dp = e.arena(n.out, "int32_t")
     e.exp[n.out] = ed
     batch = e.shape(n.inputs[0])[0]
+    e.emit(f"for (uint32_t k = 0; k < {_numel(e.shape(n.out))}u; k++) {dp}[k] = 0;")
     e.emit(
-        f"for (uint32_t k = 0; k < {_numel(e.shape(n.out))}u; k++) {dp}[k] = 0; "
         f"for (uint32_t b = 0; b < {batch}u; b++) {{ const int32_t *ix = {index} + "
         f"(b % {period}u) * {per}u; for (uint32_t j = 0; j < {per}u; j++) "
         f"{dp}[ix[j]] += {dy}[b * {per}u + j]; }}"
+    )
+
+
+def _embedding(e: _Emit, n: Node) -> None:
+    """The table's rows copied by the ids (checked on the host), its exponent kept."""
+    ids = e.ptr[n.inputs[0]]
+    w, ew = _x(e, n, 1)
+    dim = e.shape(n.inputs[1])[1]
+    y = e.arena(n.out, "int8_t")
+    e.exp[n.out] = ew
+    e.emit(
+        f"for (uint32_t r = 0; r < {_numel(e.shape(n.inputs[0]))}u; r++) "
+        f"copy8({y} + r * {dim}u, {w} + (uint32_t){ids}[r] * {dim}u, {dim}u);"
+    )
+
+
+def _embedding_grad(e: _Emit, n: Node) -> None:
+    """dy's rows summed in int32 per id, padding_idx's left out."""
+    dy, ed = _x(e, n, 0)
+    ids = e.ptr[n.inputs[1]]
+    vocab, dim = e.shape(n.out)
+    dw = e.arena(n.out, "int32_t")
+    e.exp[n.out] = ed
+    pad = int(n.attrs.padding_idx)
+    skip = f"if ({ids}[r] == {pad}) continue; " if pad >= 0 else ""
+    e.emit(f"for (uint32_t k = 0; k < {vocab * dim}u; k++) {dw}[k] = 0;")
+    e.emit(
+        f"for (uint32_t r = 0; r < {_numel(e.shape(n.inputs[1]))}u; r++) {{ {skip}"
+        f"int32_t *row = {dw} + (uint32_t){ids}[r] * {dim}u; "
+        f"for (uint32_t j = 0; j < {dim}u; j++) row[j] += {dy}[r * {dim}u + j]; }}"
     )
 
 
@@ -1430,6 +1463,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         if g.type_of(v).kind is Kind.F32 and v != g.output("loss"):
             raise UnsupportedOpError("the C backend needs an integer-only program")
     decls, init, state_bytes = _state_decls(prog)
+    x_type = "int32_t" if prog.vocab else "int8_t"  # token ids, or the quantized batch
     arena_bytes = max(mp.arena_bytes, 16)
     scratch = max(e.scratch_words, 1)
     src = [
@@ -1454,7 +1488,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
         *init,
         "}",
         "",
-        "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e, const int32_t *y)",
+        f"int32_t mexc_model_step(uint32_t step, const {x_type} *x, int32_t x_e, const int32_t *y)",
         "{",
         f"    mexc_ctx_t ctx = {{{o.seed & 0xFFFFFFFF}u, step, {o.bits}, {stochastic}, 0}};",
         *(
@@ -1490,9 +1524,20 @@ def emit_model(prog: Program, steps: int) -> CModel:
             f"#define MEXC_ARENA_BYTES {arena_bytes}u",
             f"#define MEXC_SCRATCH_WORDS {scratch}u",
             "void mexc_model_init(void);",
-            "/* one training step; x: batch mantissas (quantized at the host boundary) with",
-            " * exponent x_e; y: labels. Returns the loss in thousandths (printing only). */",
-            "int32_t mexc_model_step(uint32_t step, const int8_t *x, int32_t x_e,",
+            *(
+                [
+                    "/* one training step; x: the batch's token ids, each in [0, "
+                    f"{prog.vocab}) (x_e unused);",
+                ]
+                if prog.vocab
+                else [
+                    "/* one training step; x: batch mantissas (quantized at the host boundary) "
+                    "with",
+                    " * exponent x_e;",
+                ]
+            ),
+            " * y: labels. Returns the loss in thousandths (printing only). */",
+            f"int32_t mexc_model_step(uint32_t step, const {x_type} *x, int32_t x_e,",
             "                        const int32_t *y);",
             "uint64_t mexc_model_checksum(void);",
             "uint32_t mexc_model_state_count(void);",

@@ -176,9 +176,12 @@ class CProgram(Program):
             raise MexcError(f"the C program's learning-rate table covers {self._steps_hint} steps")
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch).astype(np.int32)
-        q = quantize(xs, self.options.bits)
-        xm = np.ascontiguousarray(q.m)
-        loss = self._lib.mexc_model_step(self.step_count, xm.ctypes.data, int(q.e), ys.ctypes.data)
+        if self.vocab:  # token ids, as they are
+            xm, xe = np.ascontiguousarray(xs, np.int32), 0
+        else:
+            q = quantize(xs, self.options.bits)
+            xm, xe = np.ascontiguousarray(q.m), int(q.e)
+        loss = self._lib.mexc_model_step(self.step_count, xm.ctypes.data, xe, ys.ctypes.data)
         self.step_count += 1
         self._pull_state()
         return loss / 1000.0

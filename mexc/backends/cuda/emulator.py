@@ -392,7 +392,7 @@ def compare(
     emu = load_emulated(path, reverse, layout)
     ref = StepArtifact.load(path).program
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((emu.batch, *emu.input_shape)).astype(np.float32)
+    x = emu.random_inputs(rng)
     y = rng.integers(0, emu.num_classes, emu.batch)
     rows = []
     for step in range(steps):

@@ -1,0 +1,291 @@
+"""Models whose input is integer token ids read through embedding tables (nn.Embedding,
+F.embedding; docs/numerics.md §7b, "Embedding lookup"): against torch and autograd, bit-exact on
+reference, llvm, C and the CUDA emulator; ids out of range, float input, ids read as an
+activation and the embedding options mexc cannot train refused with a clear error."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from mexc.errors import InputError, UnsupportedOpError
+from mexc.ir import Op
+from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
+
+VOCAB, T, D = 40, 8, 16
+
+
+class TokenEncoder(nn.Module):
+    """Token and positional tables (the positions looked up at torch.arange(T)), one
+    nn.TransformerEncoderLayer, the mean over tokens, a linear head; id 0 pads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D, padding_idx=0)
+        self.positions = nn.Embedding(T, D)
+        self.encoder = nn.TransformerEncoderLayer(D, 4, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        at = torch.arange(ids.shape[1], device=ids.device)
+        return self.head(self.encoder(self.tokens(ids) + self.positions(at)).mean(1))
+
+
+class BagOfWords(nn.Module):
+    """F.embedding of a parameter table, the mean over tokens, ReLU, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, D))
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(nn.functional.embedding(ids, self.table).mean(1)))
+
+
+class TiedNextToken(nn.Module):
+    """Predicts the next id from the last position, its output layer the token table itself
+    (tied weights: the table's gradient is the sum of both readers')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D)
+        self.mix = nn.Linear(D, D)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.tokens(ids).mean(1)))
+        return nn.functional.linear(h, self.tokens.weight)
+
+
+MODELS = {"encoder": TokenEncoder, "bag": BagOfWords, "tied": TiedNextToken}
+
+
+def batch(n: int = 4, seed: int = 0, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """Ids in [0, VOCAB) (some 0: padding), labels in [0, classes)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, VOCAB, (n, T)), rng.integers(0, classes, n)
+
+
+def compiled(name: str, target: str = "reference", **options: object) -> mexc.Program:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids, _ = batch()
+    return mexc.compile(model, (torch.from_numpy(ids),), target=target, **options)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_match_torch(name: str) -> None:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids, _ = batch()
+    prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
+    assert prog.vocab == VOCAB
+    assert prog.graph.nodes_of(Op.EMBEDDING)
+    assert not prog.graph.nodes_of(Op.QUANTIZE)  # ids are never quantized
+    assert_logits_match_torch(model, prog, batch(seed=1)[0])
+
+
+def test_the_table_gradients_match_autograd_and_the_padding_row_gets_none() -> None:
+    torch.manual_seed(0)
+    model = TokenEncoder()
+    ids, y = batch(8)
+    prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
+    got = integer_gradients(prog, ids, y)
+    want = float_gradients(model, prog, ids, y)
+    for name in ("tokens.weight", "positions.weight", "head.weight"):
+        assert cosine(got[name], want[name]) >= 0.99, name
+    assert (got["tokens.weight"][0] == 0).all() and (want["tokens.weight"][0] == 0).all()
+    unseen = sorted(set(range(VOCAB)) - set(ids.ravel().tolist()))
+    assert unseen and (got["tokens.weight"][unseen] == 0).all()
+
+
+def test_a_tied_table_gets_the_sum_of_both_gradients() -> None:
+    torch.manual_seed(0)
+    model = TiedNextToken()
+    ids, y = batch(8, classes=VOCAB)
+    prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
+    assert prog.num_classes == VOCAB
+    assert prog.graph.nodes_of(Op.PARAM_GRAD_SUM)
+    got = integer_gradients(prog, ids, y)["tokens.weight"]
+    want = float_gradients(model, prog, ids, y)["tokens.weight"]
+    assert cosine(got, want) >= 0.99
+
+
+@pytest.mark.parametrize("name", ["encoder", "tied"])
+def test_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
+    ids, y = batch(classes=VOCAB if name == "tied" else 10)
+    assert_trains_bit_exact_on_llvm_and_c(
+        compiled(name), lambda target: compiled(name, target), (ids, y)
+    )
+
+
+@needs_cuda_tools
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    assert_cuda_source_trains_bit_exact(compiled("encoder"), tmp_path)
+
+
+def test_training_on_ids_learns() -> None:
+    """The label is whether id 1 occurs: 30 steps take the loss well below its start."""
+    prog = compiled("bag", optimizer=mexc.SGD(lr=0.2, momentum=0.9))
+    rng = np.random.default_rng(3)
+    losses = []
+    for _ in range(30):
+        ids = rng.integers(2, VOCAB, (4, T))
+        y = rng.integers(0, 2, 4)
+        ids[y == 1, 0] = 1
+        losses.append(prog.step(ids, y))
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+
+
+def test_ids_outside_the_table_are_refused_and_the_state_is_unchanged() -> None:
+    prog = compiled("encoder", "llvm")
+    ids, y = batch()
+    before = prog.state_checksum()
+    ids[1, 2] = VOCAB
+    with pytest.raises(InputError, match=r"outside \[0, 39\].*40 rows"):
+        prog.step(ids, y)
+    ids[1, 2] = -1
+    with pytest.raises(InputError, match="outside"):
+        prog.logits(ids)
+    with pytest.raises(InputError, match="integer ids"):
+        prog.step(ids.astype(np.float32), y)
+    assert prog.state_checksum() == before
+
+
+class ReadsIds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tokens(ids).mean(1) * ids.float().mean(1, keepdim=True))
+
+
+class MaxNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D, max_norm=1.0)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tokens(ids).mean(1))
+
+
+class SlicedIds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tokens(ids[:, 1:]).mean(1))
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (ReadsIds, r"node 'float\w*' \(call_method float\) .*integer input \(token ids\)"),
+        (MaxNorm, r"max_norm"),
+        (SlicedIds, r"node 'getitem' .*integer input \(token ids\)"),
+    ],
+)
+def test_what_mexc_cannot_train_is_refused_by_node(model: type[nn.Module], message: str) -> None:
+    ids, _ = batch()
+    with pytest.raises(UnsupportedOpError, match=message):
+        mexc.compile(model(), (torch.from_numpy(ids),))
+
+
+def test_a_checkpoint_resumes_bit_exact_on_another_target(tmp_path: Path) -> None:
+    prog = compiled("encoder")
+    ids, y = batch()
+    prog.step(ids, y)
+    prog.save(tmp_path / "ck")
+    resumed = mexc.load(tmp_path / "ck", target="llvm")
+    assert resumed.vocab == VOCAB
+    for p in (prog, resumed):
+        p.step(ids, y)
+    assert resumed.state_checksum() == prog.state_checksum()
+    assert np.array_equal(resumed.logits(ids), prog.logits(ids))
+
+
+def test_digit_tokens_are_the_digits_intensities_in_the_same_split() -> None:
+    from mexc.data import get_dataset
+
+    x, y = get_dataset("digits-tokens", "test")
+    images, labels = get_dataset("digits", "test")
+    assert x.shape == (297, 64) and x.dtype == np.int64
+    assert x.min() == 0 and x.max() == 16
+    assert np.array_equal(y, labels)
+    # the same pixels: normalization is increasing, so the orders agree
+    flat = images.reshape(len(images), -1)
+    assert (np.argsort(x, axis=1, kind="stable") == np.argsort(flat, axis=1, kind="stable")).all()
+
+
+def test_an_npz_of_integer_ids_is_token_ids(tmp_path: Path) -> None:
+    from mexc.data import DatasetError, load_npz
+
+    ids, y = batch(10)
+    np.savez(tmp_path / "t.npz", x=ids.astype(np.int32), y=y)
+    x, _ = load_npz(tmp_path / "t.npz", "train")
+    assert x.dtype == np.int64 and x.shape == (8, T)
+    np.savez(tmp_path / "bad.npz", x=-ids.astype(np.int16) - 1, y=y)
+    with pytest.raises(DatasetError, match="negative token ids"):
+        load_npz(tmp_path / "bad.npz", "train")
+
+
+def test_the_trainer_trains_ids_beside_fp32() -> None:
+    from mexc.trainer import run_training
+
+    rng = np.random.default_rng(4)  # the label: whether the first id is 1
+    ids = rng.integers(2, VOCAB, (320, T))
+    y = rng.integers(0, 2, 320)
+    ids[y == 1, 0] = 1
+    torch.manual_seed(0)
+    results = run_training(
+        BagOfWords(),
+        (ids[:256], y[:256]),
+        (ids[256:], y[256:]),
+        epochs=3,
+        batch=16,
+        lr=0.5,
+        target="reference",
+        compare_fp32=True,
+        progress=False,
+    )
+    assert results["integer"]["accuracy"] >= 0.9
+    assert results["fp32"]["accuracy"] >= 0.9
+    assert results["memory"]["fp32_measured"]["peak_bytes"] > 0
+
+
+@pytest.mark.mcu
+@pytest.mark.skipif(shutil.which("qemu-system-arm") is None, reason="qemu-system-arm missing")
+def test_trains_on_a_cortex_m3_as_in_the_reference(tmp_path: Path) -> None:
+    prog = compiled("encoder")
+    data = batch(8)
+    project = mexc.export(prog, tmp_path / "tokens", data=data, steps=3)
+    prog.replay(data, 3)
+    run = subprocess.run(
+        ["make", "-s", "-C", str(project), "run-qemu"], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = (run.stdout + run.stderr).splitlines()
+    assert [ln.split()[1] for ln in out if ln.startswith("STATE ")] == [prog.state_checksum()]
