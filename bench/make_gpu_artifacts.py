@@ -82,8 +82,7 @@ def _program(
 def check_batch(prog: mexc.Program, folder: Path) -> tuple[np.ndarray, np.ndarray]:
     """The fixed batch a check trains on (seed 0), also written to <folder>/check.npz."""
     rng = np.random.default_rng(0)
-    x = prog.random_inputs(rng)
-    y = rng.integers(0, prog.num_classes, prog.batch)
+    x, y = prog.random_batch(rng)
     np.savez(folder / "check.npz", x=x, y=y)
     return x, y
 

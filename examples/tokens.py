@@ -1,10 +1,13 @@
-"""A classifier of token sequences: its input is integer ids, read through embedding tables.
+"""Models whose input is integer token ids, read through embedding tables.
 
-`mexc train examples/tokens.py:DigitTokens --data digits-tokens --compare-fp32` trains it
-integer-only beside FP32 on scikit-learn's digits, each image a sequence of 64 ids (its pixels'
-intensities 0..16, mexc.data): a token table and a table of positions looked up at
-torch.arange(64), a 2-layer pre-norm nn.TransformerEncoder, the mean over the tokens and a
-linear head, as a text classifier reads words."""
+`mexc train examples/tokens.py:DigitTokens --data digits-tokens --compare-fp32` trains a
+classifier of token sequences integer-only beside FP32 on scikit-learn's digits, each image a
+sequence of 64 ids (its pixels' intensities 0..16, mexc.data): a token table and a table of
+positions looked up at torch.arange(64), a 2-layer pre-norm nn.TransformerEncoder, the mean over
+the tokens and a linear head, as a text classifier reads words.
+
+`mexc train examples/tokens.py:DigitsNext --data digits-next --compare-fp32` trains a causal
+language model of the same sequences: at every position, the next intensity."""
 
 from __future__ import annotations
 
@@ -33,3 +36,33 @@ class TokenClassifier(nn.Module):
 def DigitTokens() -> nn.Module:
     """For --data digits-tokens: 17 ids (intensities 0..16), 64 positions, 10 classes."""
     return TokenClassifier(17, 64, 10)
+
+
+class NextTokenModel(nn.Module):
+    """A causal language model: token and position tables, a 2-layer pre-norm
+    nn.TransformerEncoder under the square subsequent mask (each position reads the ids up to
+    its own), a linear head over the vocabulary at every position. Its logits are [N, V, T],
+    the classes on axis 1 as F.cross_entropy reads them: one label per position."""
+
+    def __init__(self, vocab: int, length: int, d: int = 32) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.positions = nn.Embedding(length, d)
+        layer = nn.TransformerEncoderLayer(
+            d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+        )
+        self.encoder = nn.TransformerEncoder(
+            layer, 2, norm=nn.LayerNorm(d), enable_nested_tensor=False
+        )
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        at = torch.arange(ids.shape[1], device=ids.device)
+        h = self.encoder(self.tokens(ids) + self.positions(at), mask=self.mask, is_causal=True)
+        return self.head(h).transpose(1, 2)
+
+
+def DigitsNext() -> nn.Module:
+    """For --data digits-next: the next of 17 intensities after each of 63 pixels."""
+    return NextTokenModel(17, 63)

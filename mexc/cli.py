@@ -498,7 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model integer-only (optionally beside FP32)")
     _compile_flags(p, ROUNDING_CHOICES, "auto", HOST_NAMES, "auto")
     p.add_argument(
-        "--data", default="fashion-mnist", help="fashion-mnist | digits | digits-tokens | npz:PATH"
+        "--data",
+        default="fashion-mnist",
+        help="fashion-mnist | digits | digits-tokens | digits-next | npz:PATH",
     )
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)

@@ -1,6 +1,6 @@
 """Datasets for training runs, and the deterministic batch order.
 
-Four sources, none downloaded at run time:
+Five sources, none downloaded at run time:
 
 * ``fashion-mnist``: the Debian package ``dataset-fashion-mnist`` (60k train / 10k test, 28x28),
   IDX files under ``/usr/share/datasets/fashion-mnist`` (override with the environment variable
@@ -13,14 +13,17 @@ Four sources, none downloaded at run time:
 * ``digits-tokens``: the same images and split, each a sequence of 64 token ids: its pixel
   intensities 0..16 in row-major order (int64 ``[N, 64]``, vocabulary 17), for models that read
   their input through embedding tables.
-* ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` and ``y`` (integer labels ``[N]`` in
-  ``0..K-1``), and optionally ``x_test``/``y_test``. ``x`` holds images ``[N, H, W]`` or
-  ``[N, C, H, W]`` (uint8 scaled by 1/255, or float used as is), or token ids ``[N, ...]`` (any
-  other integer dtype, kept as they are). Without test arrays the ``test`` split is the last 20 %
-  of a permutation drawn from ``numpy.random.default_rng(0)``, ``train`` the rest.
+* ``digits-next``: ``digits-tokens`` read as a language: ``x`` each sequence's first 63 ids,
+  ``y`` the 63 that follow them (a label per position: the next intensity), for causal models.
+* ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` and ``y``, and optionally ``x_test`` and
+  ``y_test``. ``x`` holds images ``[N, H, W]`` or ``[N, C, H, W]`` (uint8 scaled by 1/255, or
+  float used as is), or token ids ``[N, ...]`` (any other integer dtype, kept as they are);
+  ``y`` integer labels ``[N]`` in ``0..K-1``, or ``[N, ...]`` (a label per position of
+  ``[N, K, ...]`` logits). Without test arrays the ``test`` split is the last 20 % of a
+  permutation drawn from ``numpy.random.default_rng(0)``, ``train`` the rest.
 
 Every loader returns ``(x, y)``: ``x`` float32 ``[N, C, H, W]`` (token ids: int64 ``[N, ...]``),
-``y`` int64 ``[N]``.
+``y`` int64 ``[N]`` (a label per position: ``[N, ...]``).
 
 Batch order: :func:`batches` depends only on ``(seed, epoch)``, so a run resumed from a checkpoint
 sees exactly the batches an uninterrupted run sees.
@@ -41,7 +44,7 @@ FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 DIGITS_MEAN, DIGITS_STD = 0.3051, 0.3750
 DIGITS_TRAIN = 1500
 SPLITS = ("train", "test")
-DATASETS = ("fashion-mnist", "digits", "digits-tokens", "npz:PATH")
+DATASETS = ("fashion-mnist", "digits", "digits-tokens", "digits-next", "npz:PATH")
 
 Arrays = tuple[np.ndarray, np.ndarray]
 
@@ -171,8 +174,11 @@ def _images(x: np.ndarray, where: str) -> np.ndarray:
 def _labels(y: np.ndarray, n: int, where: str) -> np.ndarray:
     if not np.issubdtype(y.dtype, np.integer):
         raise DatasetError(f"{where} has dtype {y.dtype}; labels must be integers")
-    if y.shape != (n,):
-        raise DatasetError(f"{where} has shape {list(y.shape)}, expected [{n}] (one per image)")
+    if y.ndim < 1 or y.shape[0] != n:
+        raise DatasetError(
+            f"{where} has shape {list(y.shape)}, expected [{n}] (one per sample) or [{n}, ...] "
+            "(one per position)"
+        )
     if n and y.min() < 0:
         raise DatasetError(f"{where} has negative labels (min {int(y.min())})")
     return y.astype(np.int64)
@@ -217,13 +223,16 @@ def load_npz(path: str | os.PathLike[str], split: str = "train") -> Arrays:
 
 
 def get_dataset(name: str, split: str) -> Arrays:
-    """`name` is "fashion-mnist", "digits", "digits-tokens" or "npz:PATH"."""
+    """`name` is one of DATASETS ("npz:PATH" with the file's path)."""
     if name == "fashion-mnist":
         return load_fashion_mnist(split)
     if name == "digits":
         return load_digits(split)
     if name == "digits-tokens":
         return load_digit_tokens(split)
+    if name == "digits-next":
+        ids, _ = load_digit_tokens(split)
+        return ids[:, :-1], ids[:, 1:]
     if name.startswith("npz:"):
         return load_npz(name[4:], split)
     raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -169,7 +169,7 @@ def split_accuracy(prog: Any, x: np.ndarray, y: np.ndarray, workers: Workers) ->
         ids = prog.predict(x[start : start + size])
         correct += int(np.count_nonzero(ids == np.asarray(y[start : start + size])))
     total = int(workers.comm.all_sum(np.asarray([correct], np.int64))[0])
-    return total / len(y) if len(y) else 0.0
+    return total / np.size(y) if len(y) else 0.0  # (a label per position: over positions)
 
 
 def shard_rows(x: Any, rank: int, world: int) -> Any:

@@ -44,7 +44,7 @@ def evaluate(model: nn.Module, data: Arrays, batch: int = 1000) -> float:
     for i in range(0, len(y), batch):
         logits = model(torch.from_numpy(x[i : i + batch]))
         correct += int((logits.argmax(1).numpy() == y[i : i + batch]).sum())
-    return correct / len(y)
+    return correct / y.size  # a label per position ([N, C, d1, ...] logits): over positions
 
 
 def torch_optimizer(model: nn.Module, optimizer: Optimizer) -> torch.optim.Optimizer:

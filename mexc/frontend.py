@@ -40,7 +40,7 @@ from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, TraceError, UnsupportedOpError
 from mexc.frontend_modules import traced_forward
-from mexc.ir import Graph, GraphBuilder, Op, Value
+from mexc.ir import LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.common import (
     STATIC_VALUE,
@@ -50,7 +50,7 @@ from mexc.ops.common import (
     static_int,
     static_value,
 )
-from mexc.ops.tensor import transposed
+from mexc.ops.tensor import reshaped, transposed
 from mexc.types import Kind, TensorType, f32
 
 
@@ -1091,25 +1091,37 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             if value is not None:
                 c.env[n] = value
     assert logits is not None and logits_node is not None
-    shape = c.shape(logits_node)
-    if len(shape) != 2:
+    shape = tuple(c.shape(logits_node))
+    if len(shape) < 2 or c.batch_axis(logits) not in (0, None):
         raise UnsupportedOpError(
-            f"the model output must be logits of shape [batch, classes], got {list(shape)}"
+            f"the model output must be logits of shape [batch, classes] (or [batch, classes, "
+            f"d1, ...] with a label per position, as F.cross_entropy reads them), got "
+            f"{list(shape)}"
         )
-    batch, classes = shape
+    batch, classes, positions = shape[0], shape[1], shape[2:]
+    rows, head_in = batch, logits
+    if positions:  # torch's K-dimensional cross-entropy: a row of classes per position
+        rows = batch * int(np.prod(positions))
+        last = (0, *range(2, len(shape)), 1)
+        c.loc = _user_location(logits_node)
+        moved = transposed(c, logits, shape, last)
+        head_in = reshaped(c, moved, (rows, classes))
     label = b.add(
-        Op.LABEL, (), TensorType(Kind.I64, (batch,)), attrs(Op.LABEL, name="y", num_classes=classes)
+        Op.LABEL, (), TensorType(Kind.I64, (rows,)), attrs(Op.LABEL, name="y", num_classes=classes)
     )
     head = b.add(
         Op.SOFTMAX_CE,
-        (logits, label.out),
-        (f32(batch, classes), f32()),
+        (head_in, label.out),
+        (f32(rows, classes), f32()),
         attrs(Op.SOFTMAX_CE, num_classes=classes),
     )
     held = tuple(a.text(name) for name, a in sorted(c.arranged.items()) if name in c.params)
+    per_position = [(LABEL_SHAPE, tuple(positions))] if positions else []
     graph = b.build(
         [("logits", logits), ("probs", head.result(0)), ("loss", head.result(1))],
-        [("batch", batch), ("num_classes", classes)] + ([(ARRANGED, held)] if held else []),
+        [("batch", batch), ("num_classes", classes)]
+        + per_position
+        + ([(ARRANGED, held)] if held else []),
     )
     shape = tuple(example.shape[1:])
     return FrontendResult(graph, c.params, c.buffers, shape, classes, frozenset(c.constants))

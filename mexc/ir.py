@@ -16,6 +16,10 @@ from typing import Any
 
 from mexc.types import TensorType
 
+# graph attribute: the labels' shape per sample where the model's logits are [batch, classes,
+# d1, ...] (a label per position, as F.cross_entropy reads them); absent: one label per sample
+LABEL_SHAPE = "label_shape"
+
 
 class Op(enum.Enum):
     # graph boundary

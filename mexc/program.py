@@ -31,7 +31,7 @@ from mexc.backends.reference.interp import (
 )
 from mexc.distributed import Workers, shard_rows
 from mexc.errors import CheckpointError, InputError
-from mexc.ir import Graph, Op, needed_nodes
+from mexc.ir import LABEL_SHAPE, Graph, Op, needed_nodes
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, site_rounding, state_checksum
 from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Optimizer, Step
@@ -97,6 +97,10 @@ class Program:
         self.input_shape = tuple(graph.nodes_of(Op.INPUT)[0].type.shape[1:])
         # > 0: the input is integer ids in [0, vocab), read by embedding tables
         self.vocab = int(graph.nodes_of(Op.INPUT)[0].attrs.vocab)
+        # a sample's labels: () for one, (d1, ...) for one per position of [N, C, d1, ...]
+        # logits; the loss rows are the positions of every sample
+        self.label_shape = tuple(int(d) for d in graph.attr(LABEL_SHAPE, ()))
+        self.positions = int(np.prod(self.label_shape, dtype=np.int64))
         self._train_nodes = list(graph.nodes)
         keep = {v for _, v in graph.outputs}
         self._train_last_use = last_uses(self._train_nodes, keep)
@@ -136,14 +140,19 @@ class Program:
             )
         return arr
 
-    def random_inputs(self, rng: np.random.Generator, rows: int | None = None) -> np.ndarray:
+    def random_batch(
+        self, rng: np.random.Generator, rows: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """A batch of `rows` (default: the step's batch) random inputs of the kind the program
-        reads, for checks and measurements: N(0, 1) floats, or ids drawn uniformly from the
-        vocabulary."""
-        shape = (self.batch if rows is None else rows, *self.input_shape)
+        reads, and labels, for checks and measurements: N(0, 1) floats or ids drawn uniformly
+        from the vocabulary; a label per sample or per position, uniform over the classes."""
+        n = self.batch if rows is None else rows
+        shape = (n, *self.input_shape)
         if self.vocab:
-            return rng.integers(0, self.vocab, shape)
-        return rng.standard_normal(shape).astype(np.float32)
+            x = rng.integers(0, self.vocab, shape)
+        else:
+            x = rng.standard_normal(shape).astype(np.float32)
+        return x, rng.integers(0, self.num_classes, (n, *self.label_shape))
 
     def _check_shape(self, arr: np.ndarray, exact_batch: bool) -> None:
         want = (self.batch, *self.input_shape)
@@ -178,11 +187,21 @@ class Program:
         return arr.astype(np.int64)
 
     def _check_y(self, y: Any, n: int) -> np.ndarray:
+        """y as int64 of shape [n, *label_shape], checked."""
         arr = as_numpy(y, "y")
         if not np.issubdtype(arr.dtype, np.integer):
             raise InputError(f"y must hold integer class ids, got dtype {arr.dtype}")
-        if arr.shape != (n,):
-            raise InputError(f"y has shape {list(arr.shape)}, expected [{n}]")
+        if arr.shape != (n, *self.label_shape):
+            per = (
+                " (a label per position of the model's logits [N, C, d1, ...]: classes on "
+                "axis 1, as F.cross_entropy reads them; a language model's [N, T, V] logits "
+                "are returned as logits.transpose(1, 2))"
+                if self.label_shape
+                else ""
+            )
+            raise InputError(
+                f"y has shape {list(arr.shape)}, expected {[n, *self.label_shape]}{per}"
+            )
         if arr.size and (arr.min() < 0 or arr.max() >= self.num_classes):
             raise InputError(
                 f"labels must be in [0, {self.num_classes - 1}], got values in "
@@ -214,7 +233,7 @@ class Program:
     def step(self, x: Any, y: Any) -> float:
         """One integer training step on a batch; returns the float loss (for logging only)."""
         xs = self._check_x(x, exact_batch=True)
-        ys = self._check_y(y, self.batch)
+        ys = self._check_y(y, self.batch).reshape(-1)  # a row per sample, or per position
         o = self.options
         rows = None if self.workers is None else self.workers.rows(self.eval_batch)
         ctx = RoundCtx(
@@ -234,7 +253,7 @@ class Program:
             y=ys,
             state=self.state,
             lr=self.lr_at(self.step_count),
-            valid=self.batch if rows is None else rows.total,
+            valid=(self.batch if rows is None else rows.total) * self.positions,
             split=self._split,
         )
         opt = self.optimizer

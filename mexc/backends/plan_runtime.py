@@ -189,10 +189,11 @@ class PlanProgram(Program):
             q = quantize(xs, self.options.bits, None if rows is None else rows.max_float)
             self._write(xm, q.m)
             self._write(xe, np.array([int(q.e)], np.int32))
-        self._write(plan["labels"], ys.astype(np.int32))
+        self._write(plan["labels"], ys.astype(np.int32).reshape(-1))
         if plan["valid"]:  # the valid rows here, and in the whole batch (every row is valid)
-            valid = self.batch if rows is None else rows.total
-            self._write(plan["valid"], np.array([self.batch, valid], np.int32))
+            valid = (self.batch if rows is None else rows.total) * self.positions
+            here = self.batch * self.positions
+            self._write(plan["valid"], np.array([here, valid], np.int32))
         # the optimizer's per-step scalars as (num, shift) pairs: SGD (lr,), AdamW (lr_t,
         # eps_t, wd_t)
         scalars = self.optimizer.step_scalars(self.step_count)
@@ -252,10 +253,12 @@ class PlanProgram(Program):
         self._state_cache = None
         self.step_count += 1
         probs = self._read(self._plan_json["probs"])
+        labels = ys.reshape(-1)  # a row per sample, or per position
         if self.workers is None:
-            return ce_loss(probs, ys, self.batch)
+            return ce_loss(probs, labels, self.batch * self.positions)
         comm = self.workers.comm  # the whole batch's loss, on every worker
-        return ce_loss(comm.all_gather(probs), comm.all_gather(ys), self.eval_batch)
+        whole = self.eval_batch * self.positions
+        return ce_loss(comm.all_gather(probs), comm.all_gather(labels), whole)
 
     def _inference_source(self) -> Program:
         """The program an inference plan is built from: a data-parallel worker's step is

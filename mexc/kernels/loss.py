@@ -64,14 +64,16 @@ def softmax_ce_backward(
 
     t = p - S*onehot with S the row's sum of p, so every row of t sums to 0 as in float
     (|t| <= 256 + K/2); g = idiv_round(t << 7, n) at exponent -15; compaction to ctx.bits
-    (site 0). With ctx.rows (data parallel) `valid` and n count the whole batch, and these
-    rows are rows start .. start + count - 1 of it.
+    (site 0). With ctx.rows (data parallel) `valid` and n count the whole batch's rows, and
+    these are its rows from the worker's first sample's on (a sample's rows: one, or one per
+    position of [N, C, d1, ...] logits).
     """
     p = i64(probs)
     nrows = p.shape[0]
     rows = ctx.rows
-    n = max(min(int(valid), nrows if rows is None else rows.total), 0)
-    first = 0 if rows is None else rows.start
+    per = 1 if rows is None else nrows // rows.count  # rows of one sample
+    n = max(min(int(valid), nrows if rows is None else rows.total * per), 0)
+    first = 0 if rows is None else rows.start * per
     here = max(min(n - first, nrows), 0)  # the valid rows among these
     lab = np.asarray(labels, np.int64)
     t = p.copy()

@@ -42,12 +42,12 @@ def step_values(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[Any, A
         ctx,
         True,
         x if np.issubdtype(x.dtype, np.integer) else x.astype(np.float64),
-        y.astype(np.int64),
+        y.astype(np.int64).reshape(-1),  # a row per sample, or per position
         prog.state,
         zero,
         zero,
         zero,
-        prog.batch,
+        prog.batch * prog.positions,
     )
     return execute(list(prog.graph.nodes), env)
 

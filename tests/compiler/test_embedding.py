@@ -75,13 +75,42 @@ class TiedNextToken(nn.Module):
         return nn.functional.linear(h, self.tokens.weight)
 
 
-MODELS = {"encoder": TokenEncoder, "bag": BagOfWords, "tied": TiedNextToken}
+class CausalLM(nn.Module):
+    """A language model: token and position tables, one causal pre-norm encoder layer (the
+    square subsequent mask), a linear head over the vocabulary at every position; logits
+    [N, V, T], classes on axis 1 as F.cross_entropy reads them (a label per position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D)
+        self.positions = nn.Embedding(T, D)
+        self.block = nn.TransformerEncoderLayer(
+            D, 4, 32, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(T))
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        at = torch.arange(ids.shape[1], device=ids.device)
+        h = self.block(self.tokens(ids) + self.positions(at), src_mask=self.mask, is_causal=True)
+        return self.head(h).transpose(1, 2)
 
 
-def batch(n: int = 4, seed: int = 0, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """Ids in [0, VOCAB) (some 0: padding), labels in [0, classes)."""
+MODELS = {"encoder": TokenEncoder, "bag": BagOfWords, "tied": TiedNextToken, "lm": CausalLM}
+LABELS = {"tied": (), "lm": (T,)}  # labels per sample beyond one
+CLASSES = {"tied": VOCAB, "lm": VOCAB}
+
+
+def batch(
+    n: int = 4, seed: int = 0, classes: int = 10, labels: tuple[int, ...] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ids in [0, VOCAB) (some 0: padding), labels in [0, classes) of shape (n, *labels)."""
     rng = np.random.default_rng(seed)
-    return rng.integers(0, VOCAB, (n, T)), rng.integers(0, classes, n)
+    return rng.integers(0, VOCAB, (n, T)), rng.integers(0, classes, (n, *labels))
+
+
+def batch_of(name: str, n: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    return batch(n, seed, CLASSES.get(name, 10), LABELS.get(name, ()))
 
 
 def compiled(name: str, target: str = "reference", **options: object) -> mexc.Program:
@@ -120,7 +149,7 @@ def test_the_table_gradients_match_autograd_and_the_padding_row_gets_none() -> N
 def test_a_tied_table_gets_the_sum_of_both_gradients() -> None:
     torch.manual_seed(0)
     model = TiedNextToken()
-    ids, y = batch(8, classes=VOCAB)
+    ids, y = batch_of("tied", 8)
     prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
     assert prog.num_classes == VOCAB
     assert prog.graph.nodes_of(Op.PARAM_GRAD_SUM)
@@ -129,17 +158,40 @@ def test_a_tied_table_gets_the_sum_of_both_gradients() -> None:
     assert cosine(got, want) >= 0.99
 
 
-@pytest.mark.parametrize("name", ["encoder", "tied"])
+def test_a_language_model_learns_a_label_per_position_as_cross_entropy_reads_them() -> None:
+    """[N, V, T] logits against [N, T] labels: the loss is F.cross_entropy's mean over every
+    position, its gradients autograd's; accuracy counts positions."""
+    torch.manual_seed(0)
+    model = CausalLM()
+    ids, y = batch_of("lm", 8)
+    prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
+    assert (prog.num_classes, prog.label_shape) == (VOCAB, (T,))
+    assert_logits_match_torch(model, prog, ids)
+    got = integer_gradients(prog, ids, y)
+    want = float_gradients(model, prog, ids, y)
+    for name in ("tokens.weight", "positions.weight", "head.weight"):
+        assert cosine(got[name], want[name]) >= 0.99, name
+    logits = torch.from_numpy(prog.logits(ids))
+    torch_loss = float(nn.functional.cross_entropy(logits, torch.from_numpy(y)))
+    assert prog.step(ids, y) == pytest.approx(torch_loss, abs=0.05)
+    predicted = prog.predict(ids)
+    assert predicted.shape == (8, T)
+    assert prog.evaluate(ids, y) == pytest.approx(float(np.mean(predicted == y)))
+    with pytest.raises(InputError, match=r"expected \[8, 8\].*transpose\(1, 2\)"):
+        prog.step(ids, y[:, 0])
+
+
+@pytest.mark.parametrize("name", ["encoder", "tied", "lm"])
 def test_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
-    ids, y = batch(classes=VOCAB if name == "tied" else 10)
     assert_trains_bit_exact_on_llvm_and_c(
-        compiled(name), lambda target: compiled(name, target), (ids, y)
+        compiled(name), lambda target: compiled(name, target), batch_of(name)
     )
 
 
 @needs_cuda_tools
-def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    assert_cuda_source_trains_bit_exact(compiled("encoder"), tmp_path)
+@pytest.mark.parametrize("name", ["encoder", "lm"])
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path, name: str) -> None:
+    assert_cuda_source_trains_bit_exact(compiled(name), tmp_path)
 
 
 def test_training_on_ids_learns() -> None:

@@ -19,23 +19,24 @@ import torch  # noqa: E402
 import mexc  # noqa: E402
 from mexc.distributed import exit_worker, init_from_env, shard_rows  # noqa: E402
 
-# models whose input is token ids: their vocabulary
-VOCABS = {"tokens": 40}
+# models whose input is token ids: their vocabulary, and their labels' shape per sample
+TOKENS = {"tokens": (40, ()), "causal_lm": (40, (8,))}
 
 
 def batches(
-    shape: tuple[int, ...], batch: int, steps: int, vocab: int = 0
+    shape: tuple[int, ...], batch: int, steps: int, tokens: tuple[int, tuple[int, ...]] = (0, ())
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The global batches of the run: the same on every worker and in one process (ids in
-    [0, vocab) where vocab > 0)."""
+    """The global batches of the run: the same on every worker and in one process (`tokens`:
+    ids in [0, vocab) where vocab > 0, and the labels' shape per sample)."""
     rng = np.random.default_rng(7)
+    vocab, labels = tokens
 
     def x() -> np.ndarray:
         if vocab:
             return rng.integers(0, vocab, (batch, *shape))
         return rng.normal(size=(batch, *shape)).astype(np.float32)
 
-    return [(x(), rng.integers(0, 10, batch)) for _ in range(steps)]
+    return [(x(), rng.integers(0, 10, (batch, *labels))) for _ in range(steps)]
 
 
 class ZooLayers(torch.nn.Module):
@@ -128,6 +129,10 @@ def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
         from tests.compiler.test_embedding import T, TokenEncoder
 
         return TokenEncoder(), (T,)
+    if name == "causal_lm":  # causal attention, a label per position (the next id)
+        from tests.compiler.test_embedding import CausalLM, T
+
+        return CausalLM(), (T,)
     cls, shape = {**EXAMPLES, "ViTTiny": (ViTTiny, (1, 28, 28))}[name]
     return cls(), shape
 
@@ -153,7 +158,7 @@ def main() -> None:
     results = {}
     for name in args.model.split(","):
         net, shape = model(name)
-        data = batches(shape, args.batch, args.steps, VOCABS.get(name, 0))
+        data = batches(shape, args.batch, args.steps, TOKENS.get(name, (0, ())))
         emulated = args.target == "cuda-emulated"  # the CUDA step's kernels on the CPU
         target = "reference" if emulated else args.target
         if args.resume:

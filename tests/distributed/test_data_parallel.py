@@ -16,7 +16,7 @@ import mexc
 from mexc.cli import main as mexc_main
 from mexc.distributed import launch
 from mexc.errors import DistributedError, UnsupportedOpError
-from tests.distributed.dp_worker import VOCABS, batches, model
+from tests.distributed.dp_worker import TOKENS, batches, model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from test_cuda_products import needs_cuda_tools  # noqa: E402
@@ -28,8 +28,8 @@ CNNS = MODELS[:4]  # at 4 workers: the example CNNs (the MLP's ops are theirs)
 # MobileNetV3 (hardswish, squeeze-excitation products, hardsigmoid, dropout) and the layers
 # added for models users bring (dp_worker.ZooLayers: GroupNorm, LeakyReLU, channel dropout, ...;
 # a Swin block's relative-position bias and window mask, gathered; token ids through embedding
-# tables)
-OTHERS = ("ViTTiny", "mobilenet_v3_small", "zoo_layers", "shifted_windows", "tokens")
+# tables; a causal language model's label per position)
+OTHERS = ("ViTTiny", "mobilenet_v3_small", "zoo_layers", "shifted_windows", "tokens", "causal_lm")
 BATCH, STEPS = 8, 10
 
 
@@ -44,7 +44,7 @@ def one_process(
 ) -> dict[str, object]:
     """The single-process run the workers must reproduce (once per model and options)."""
     net, shape = model(name)
-    data = batches(shape, BATCH, steps, VOCABS.get(name, 0))
+    data = batches(shape, BATCH, steps, TOKENS.get(name, (0, ())))
     x0 = torch.from_numpy(data[0][0])
     prog = mexc.compile(
         net,

@@ -175,7 +175,7 @@ class CProgram(Program):
         if self.step_count >= self._steps_hint:
             raise MexcError(f"the C program's learning-rate table covers {self._steps_hint} steps")
         xs = self._check_x(x, exact_batch=True)
-        ys = self._check_y(y, self.batch).astype(np.int32)
+        ys = np.ascontiguousarray(self._check_y(y, self.batch).reshape(-1), np.int32)
         if self.vocab:  # token ids, as they are
             xm, xe = np.ascontiguousarray(xs, np.int32), 0
         else:

@@ -126,7 +126,7 @@ def quantize_batches(prog: Program, x: np.ndarray, y: np.ndarray, steps: int) ->
             q = quantize(checked, prog.options.bits)
             xs.append(q.m.reshape(-1))
             es.append(int(q.e))
-        ys.append(prog._check_y(y[idx], prog.batch))
+        ys.append(prog._check_y(y[idx], prog.batch).reshape(-1))
     return Batches(np.stack(xs), np.array(es, np.int32), np.stack(ys).astype(np.int32))
 
 

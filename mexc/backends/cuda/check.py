@@ -172,8 +172,7 @@ def time_step(folder: Path, steps: int) -> dict[str, Any]:
     pool.free_all_blocks()
     prog = load_cuda(folder)
     rng = np.random.default_rng(0)
-    x = prog.random_inputs(rng)
-    y = rng.integers(0, prog.num_classes, prog.batch)
+    x, y = prog.random_batch(rng)
     for _ in range(2):  # the first step launches one by one, the second captures the graph
         prog.step(x, y)
     prog.synchronize()

@@ -392,8 +392,7 @@ def compare(
     emu = load_emulated(path, reverse, layout)
     ref = StepArtifact.load(path).program
     rng = np.random.default_rng(seed)
-    x = emu.random_inputs(rng)
-    y = rng.integers(0, emu.num_classes, emu.batch)
+    x, y = emu.random_batch(rng)
     rows = []
     for step in range(steps):
         t0 = time.perf_counter()

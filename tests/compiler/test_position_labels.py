@@ -1,0 +1,81 @@
+"""A label per position: logits [N, C, d1, ...] against labels [N, d1, ...], the classes on axis
+1 as F.cross_entropy reads them (per-pixel segmentation here; a language model's next token in
+test_embedding.py). The loss is the mean over every position, its gradients autograd's, and the
+rows train bit-exact on reference, llvm and C."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from mexc.errors import InputError, UnsupportedOpError
+from tests.compiler.helpers import (
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+)
+
+
+class Segmenter(nn.Module):
+    """Three classes per pixel of a 6 x 6 map: conv, batch norm, ReLU, a 1 x 1 conv head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))))
+
+
+def data(n: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 1, 6, 6)).astype(np.float32), rng.integers(0, 3, (n, 6, 6))
+
+
+def compiled(target: str = "reference", **options: object) -> mexc.Program:
+    torch.manual_seed(0)
+    return mexc.compile(Segmenter(), (torch.from_numpy(data()[0]),), target=target, **options)
+
+
+def test_the_gradients_are_those_of_the_mean_over_pixels() -> None:
+    torch.manual_seed(0)
+    model = Segmenter()
+    x, y = data()
+    prog = mexc.compile(model, (torch.from_numpy(x),), rounding="nearest")
+    assert (prog.num_classes, prog.label_shape, prog.positions) == (3, (6, 6), 36)
+    got = integer_gradients(prog, x, y)
+    want = float_gradients(model, prog, x, y)
+    for name in ("conv.weight", "bn.weight", "head.weight", "head.bias"):
+        assert cosine(got[name], want[name]) >= 0.99, name
+    assert prog.predict(x).shape == (4, 6, 6)
+
+
+def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    assert_trains_bit_exact_on_llvm_and_c(compiled(), compiled, data())
+
+
+def test_labels_of_another_shape_are_refused_and_the_state_is_unchanged() -> None:
+    prog = compiled()
+    x, y = data()
+    before = prog.state_checksum()
+    with pytest.raises(InputError, match=r"expected \[4, 6, 6\] \(a label per position"):
+        prog.step(x, y[:, 0])
+    with pytest.raises(InputError, match=r"labels must be in \[0, 2\]"):
+        prog.step(x, y + 1)
+    assert prog.state_checksum() == before
+
+
+class Scalar(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+def test_an_output_without_a_class_axis_is_refused() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"\[batch, classes\]"):
+        mexc.compile(Scalar(), (torch.randn(4, 3),))
