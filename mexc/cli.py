@@ -142,7 +142,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     instruments, _ = _instruments(args)
     torch.manual_seed(args.seed)
     model, name = load_model(args.model)
-    example = torch.zeros(args.batch, *shape)
+    example = torch.zeros(args.batch, *shape, dtype=torch.long if args.ids else torch.float32)
     if args.target == "cuda" and not args.out:
         raise CliError("--target cuda compiles ahead of time and needs --out DIR")
     prog = mexc.compile(
@@ -163,7 +163,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     mem = prog.memory_report()
     ratio = mem["formula_int_bytes"] / max(mem["formula_fp32_bytes"], 1)
     print(f"// ----- summary: {name} -----")
-    print(f"input            [{args.batch}, {', '.join(map(str, shape))}] (batch fixed)")
+    kind = f", token ids in [0, {prog.vocab})" if prog.vocab else ""
+    print(f"input            [{args.batch}, {', '.join(map(str, shape))}] (batch fixed{kind})")
     print(f"nodes            {len(prog.graph.nodes)}")
     print(f"parameters       {mem['params']}")
     frozen = int(prog.graph.attr("frozen_params", 0))
@@ -445,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="compile a model and show its IR / memory")
     _compile_flags(p, ROUNDING_CHOICES, "auto", NAMES)
     p.add_argument("--input-shape", required=True, help="shape of one input, e.g. 1,28,28")
+    p.add_argument(
+        "--ids",
+        action="store_true",
+        help="the input is integer token ids, which the model reads through embedding tables",
+    )
     p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
     p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
     p.add_argument("--print-after", metavar="P1,P2", help="print the IR after the named passes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import inspect
 import operator
@@ -1030,21 +1031,43 @@ def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:
     return None, None
 
 
-def _vocabulary(gm: torch.fx.GraphModule, ids: torch.fx.Node) -> int:
-    """The ids an integer input may hold, [0, V): V the fewest rows of the embedding tables
-    that read it (the host checks every batch against it). A model that reads the ids in no
-    table is refused where it reads them (_Ctx.arg)."""
+# casts that leave integer ids as they are (`self.emb(ids.long())`)
+_ID_CASTS = {"long", "int", "to", "contiguous", "type_as"}
+
+
+def _passes_ids_on(c: _Ctx, n: torch.fx.Node) -> bool:
+    """n casts the integer input to an integer dtype (ids.long()): it is the ids."""
+    if not (n.op == "call_method" and n.target in _ID_CASTS and n.args):
+        return False
+    meta = n.meta.get("tensor_meta")
+    dtype = getattr(meta, "dtype", None)
+    return c.is_token_ids(n.args[0]) and dtype is not None and not dtype.is_floating_point
+
+
+def _with_vocabulary(c: _Ctx, n: torch.fx.Node) -> None:
+    """Set the integer input's vocabulary [0, V): V the fewest rows of the embedding tables
+    that read it (the host checks every batch against it). Any other read was refused where it
+    happened (_Ctx.arg)."""
+    types = {v.out: v.types[0] for v in c.b.nodes}
     rows = [
-        int(_fetch_attr(gm, str(w.target)).shape[0])
-        for user in ids.users
-        if user.op == "call_function"
-        and user.target is torch.nn.functional.embedding
-        and isinstance(
-            w := (user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")), torch.fx.Node
-        )
-        and w.op == "get_attr"
+        int(types[node.inputs[1]].shape[0])
+        for node in c.b.nodes
+        if node.op is Op.EMBEDDING and node.inputs[0] == c.ids
     ]
-    return min(rows, default=0)
+    if not rows:
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                "is an integer input that no embedding table reads; mexc reads integer inputs "
+                "(token ids) through nn.Embedding or F.embedding of a parameter, and floats "
+                "otherwise: pass float data, or look the ids up in a table",
+            )
+        )
+    at = next(i for i, node in enumerate(c.b.nodes) if node.op is Op.INPUT)
+    node = c.b.nodes[at]
+    c.b.nodes[at] = dataclasses.replace(
+        node, attrs=attrs(Op.INPUT, name=str(node.attrs.name), vocab=min(rows))
+    )
 
 
 def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
@@ -1063,6 +1086,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     c = _Ctx(gm, b)
     logits: Value | None = None
     logits_node: torch.fx.Node | None = None
+    ids_node: torch.fx.Node | None = None  # the integer input, where it is one
     for n in gm.graph.nodes:
         c.loc = _user_location(n)
         if n.op == "placeholder":
@@ -1073,11 +1097,10 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
                 raise UnsupportedOpError("mexc models take exactly one input tensor")
             if example.is_floating_point():
                 node = b.add(Op.INPUT, (), f32(*c.shape(n)), attrs(Op.INPUT, name=n.name))
-            else:
-                vocab = _vocabulary(gm, n)
+            else:  # its vocabulary is set once the tables that read it are known
                 ids = TensorType(Kind.I64, tuple(c.shape(n)))
-                node = b.add(Op.INPUT, (), ids, attrs(Op.INPUT, name=n.name, vocab=vocab))
-                c.ids = node.out
+                node = b.add(Op.INPUT, (), ids, attrs(Op.INPUT, name=n.name, vocab=0))
+                c.ids, ids_node = node.out, n
             c.env[n] = node.out
             c.batch = c.shape(n)[0] if c.shape(n) else 0
         elif n.op == "output":
@@ -1085,12 +1108,16 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             if not isinstance(out, torch.fx.Node):
                 raise UnsupportedOpError("the model must return a single logits tensor")
             logits, logits_node = c.env[out], out
+        elif _passes_ids_on(c, n):
+            c.env[n] = c.ids
         else:
             c.node = n
             value = _translate(c, n)
             if value is not None:
                 c.env[n] = value
     assert logits is not None and logits_node is not None
+    if ids_node is not None:
+        _with_vocabulary(c, ids_node)
     shape = tuple(c.shape(logits_node))
     if len(shape) < 2 or c.batch_axis(logits) not in (0, None):
         raise UnsupportedOpError(

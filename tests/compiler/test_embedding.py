@@ -50,7 +50,8 @@ class TokenEncoder(nn.Module):
 
 
 class BagOfWords(nn.Module):
-    """F.embedding of a parameter table, the mean over tokens, ReLU, a linear head."""
+    """F.embedding of a parameter table (the ids cast as models do, a no-op), the mean over
+    tokens, ReLU, a linear head."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,7 +59,7 @@ class BagOfWords(nn.Module):
         self.head = nn.Linear(D, 10)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(nn.functional.embedding(ids, self.table).mean(1)))
+        return self.head(torch.relu(nn.functional.embedding(ids.long(), self.table).mean(1)))
 
 
 class TiedNextToken(nn.Module):
@@ -222,6 +223,15 @@ def test_ids_outside_the_table_are_refused_and_the_state_is_unchanged() -> None:
     assert prog.state_checksum() == before
 
 
+class NoTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(1, 10))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(ids.shape[0], 10) * 1.0
+
+
 class ReadsIds(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -258,6 +268,7 @@ class SlicedIds(nn.Module):
         (ReadsIds, r"node 'float\w*' \(call_method float\) .*integer input \(token ids\)"),
         (MaxNorm, r"max_norm"),
         (SlicedIds, r"node 'getitem' .*integer input \(token ids\)"),
+        (NoTable, r"node 'ids' .*no embedding table reads"),
     ],
 )
 def test_what_mexc_cannot_train_is_refused_by_node(model: type[nn.Module], message: str) -> None:

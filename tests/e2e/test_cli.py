@@ -157,6 +157,30 @@ def test_train_with_adamw_beside_fp32_adamw(tmp_path: Path) -> None:
     assert isinstance(prog.optimizer, mexc.AdamW) and prog.optimizer.weight_decay == 0.01
 
 
+def test_a_language_model_compiles_and_trains_on_token_ids(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mexc compile --ids` and `mexc train --data digits-next`: a causal model of the digits'
+    intensities, a label per position, beside FP32."""
+    tokens = ROOT / "examples" / "tokens.py"
+    assert (
+        main(["compile", f"{tokens}:DigitsNext", "--input-shape", "63", "--ids", "--batch", "2"])
+        == 0
+    )
+    assert "token ids in [0, 17)" in capsys.readouterr().out
+    out_json = tmp_path / "r.json"
+    args = [
+        "train", f"{tokens}:DigitsNext", "--data", "digits-next", "--epochs", "1", "--batch", "16",
+        "--limit-train", "64", "--limit-test", "32", "--compare-fp32", "--quiet",
+        "--target", "llvm", "--out", str(out_json),
+    ]  # fmt: skip
+    assert main(args) == 0
+    res = json.loads(out_json.read_text())
+    for run in (res["integer"], res["fp32"]):
+        assert run["steps"] == 4 and 0.0 < run["accuracy"] < 1.0
+    assert res["memory"]["fp32_measured"]["peak_bytes"] > 0
+
+
 def test_compile_with_a_sparse_update(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["compile", f"{MODELS}:DigitsCNN", "--input-shape", "1,8,8", "--batch", "4"]
     assert main([*base, "--trainable", "last:1"]) == 0
