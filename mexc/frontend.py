@@ -1071,10 +1071,12 @@ def _with_vocabulary(c: _Ctx, n: torch.fx.Node) -> None:
 
 
 def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
-    """Trace `model` on `example` (a float batch) and build the float mexc graph with the loss head.
+    """Trace `model` on `example` (a float batch, or integer ids that embedding tables read)
+    and build the float mexc graph with the loss head.
 
-    The graph computes logits, then softmax cross-entropy against integer labels; outputs are
-    "logits", "probs" and "loss".
+    The graph computes logits, then softmax cross-entropy against integer labels (one per
+    sample, or one per position of [N, C, d1, ...] logits: graph attribute LABEL_SHAPE);
+    outputs are "logits", "probs" and "loss".
     """
     was_training = model.training
     model.eval()  # tracing must not update BN running stats

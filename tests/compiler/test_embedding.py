@@ -277,13 +277,14 @@ def test_what_mexc_cannot_train_is_refused_by_node(model: type[nn.Module], messa
         mexc.compile(model(), (torch.from_numpy(ids),))
 
 
-def test_a_checkpoint_resumes_bit_exact_on_another_target(tmp_path: Path) -> None:
-    prog = compiled("encoder")
-    ids, y = batch()
+@pytest.mark.parametrize("name", ["encoder", "lm"])
+def test_a_checkpoint_resumes_bit_exact_on_another_target(tmp_path: Path, name: str) -> None:
+    prog = compiled(name)
+    ids, y = batch_of(name)
     prog.step(ids, y)
     prog.save(tmp_path / "ck")
     resumed = mexc.load(tmp_path / "ck", target="llvm")
-    assert resumed.vocab == VOCAB
+    assert (resumed.vocab, resumed.label_shape) == (VOCAB, LABELS.get(name, ()))
     for p in (prog, resumed):
         p.step(ids, y)
     assert resumed.state_checksum() == prog.state_checksum()
