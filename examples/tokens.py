@@ -15,8 +15,12 @@ import torch
 from torch import nn
 
 
-class TokenClassifier(nn.Module):
-    def __init__(self, vocab: int, length: int, classes: int, d: int = 32) -> None:
+class TokenEncoder(nn.Module):
+    """Token and position tables (the positions looked up at torch.arange(T)) and a 2-layer
+    pre-norm nn.TransformerEncoder (4 heads, GELU); `causal`: under the square subsequent
+    mask, each position reads the ids up to its own."""
+
+    def __init__(self, vocab: int, length: int, d: int, causal: bool) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, d)
         self.positions = nn.Embedding(length, d)
@@ -26,41 +30,47 @@ class TokenClassifier(nn.Module):
         self.encoder = nn.TransformerEncoder(
             layer, 2, norm=nn.LayerNorm(d), enable_nested_tensor=False
         )
+        self.causal = causal
+        if causal:
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        if self.causal:
+            return self.encoder(h, mask=self.mask, is_causal=True)
+        return self.encoder(h)
+
+
+class TokenClassifier(nn.Module):
+    """One class per sequence: the mean of the encoder's outputs over the tokens, a linear
+    head."""
+
+    def __init__(self, vocab: int, length: int, classes: int, d: int = 32) -> None:
+        super().__init__()
+        self.encoder = TokenEncoder(vocab, length, d, causal=False)
         self.head = nn.Linear(d, classes)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        at = torch.arange(ids.shape[1], device=ids.device)
-        return self.head(self.encoder(self.tokens(ids) + self.positions(at)).mean(1))
+        return self.head(self.encoder(ids).mean(1))
+
+
+class NextTokenModel(nn.Module):
+    """A causal language model: a linear head over the vocabulary at every position. Its
+    logits are [N, V, T], the classes on axis 1 as F.cross_entropy reads them: one label per
+    position."""
+
+    def __init__(self, vocab: int, length: int, d: int = 32) -> None:
+        super().__init__()
+        self.encoder = TokenEncoder(vocab, length, d, causal=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(ids)).transpose(1, 2)
 
 
 def DigitTokens() -> nn.Module:
     """For --data digits-tokens: 17 ids (intensities 0..16), 64 positions, 10 classes."""
     return TokenClassifier(17, 64, 10)
-
-
-class NextTokenModel(nn.Module):
-    """A causal language model: token and position tables, a 2-layer pre-norm
-    nn.TransformerEncoder under the square subsequent mask (each position reads the ids up to
-    its own), a linear head over the vocabulary at every position. Its logits are [N, V, T],
-    the classes on axis 1 as F.cross_entropy reads them: one label per position."""
-
-    def __init__(self, vocab: int, length: int, d: int = 32) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, d)
-        self.positions = nn.Embedding(length, d)
-        layer = nn.TransformerEncoderLayer(
-            d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
-        )
-        self.encoder = nn.TransformerEncoder(
-            layer, 2, norm=nn.LayerNorm(d), enable_nested_tensor=False
-        )
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        at = torch.arange(ids.shape[1], device=ids.device)
-        h = self.encoder(self.tokens(ids) + self.positions(at), mask=self.mask, is_causal=True)
-        return self.head(h).transpose(1, 2)
 
 
 def DigitsNext() -> nn.Module:
