@@ -77,13 +77,13 @@ class TiedNextToken(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A language model: token and position tables, one causal pre-norm encoder layer (the
-    square subsequent mask), a linear head over the vocabulary at every position; logits
-    [N, V, T], classes on axis 1 as F.cross_entropy reads them (a label per position)."""
+    """A language model: token (id 0 pads) and position tables, one causal pre-norm encoder
+    layer (the square subsequent mask), a linear head over the vocabulary at every position;
+    logits [N, V, T], classes on axis 1 as F.cross_entropy reads them (a label per position)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(VOCAB, D)
+        self.tokens = nn.Embedding(VOCAB, D, padding_idx=0)
         self.positions = nn.Embedding(T, D)
         self.block = nn.TransformerEncoderLayer(
             D, 4, 32, dropout=0.0, batch_first=True, norm_first=True
@@ -182,7 +182,9 @@ def test_a_language_model_learns_a_label_per_position_as_cross_entropy_reads_the
         prog.step(ids, y[:, 0])
 
 
-@pytest.mark.parametrize("name", ["encoder", "tied", "lm"])
+# the language model's ops are the encoder's (padding_idx, positions, attention) but for the
+# mean over tokens, and its head is per position; the tied table adds the gradient sum
+@pytest.mark.parametrize("name", ["tied", "lm"])
 def test_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
     assert_trains_bit_exact_on_llvm_and_c(
         compiled(name), lambda target: compiled(name, target), batch_of(name)
@@ -190,9 +192,8 @@ def test_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
 
 
 @needs_cuda_tools
-@pytest.mark.parametrize("name", ["encoder", "lm"])
-def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path, name: str) -> None:
-    assert_cuda_source_trains_bit_exact(compiled(name), tmp_path)
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    assert_cuda_source_trains_bit_exact(compiled("lm"), tmp_path)
 
 
 def test_training_on_ids_learns() -> None:
