@@ -168,7 +168,10 @@ def _images(x: np.ndarray, where: str) -> np.ndarray:
         if not np.all(np.isfinite(out)):
             raise DatasetError(f"{where} contains NaN or infinite values")
         return out
-    raise DatasetError(f"{where} has dtype {x.dtype}; images must be uint8 (0..255) or float")
+    raise DatasetError(
+        f"{where} has dtype {x.dtype}; images must be uint8 (0..255) or float, token ids of "
+        "another integer dtype"
+    )
 
 
 def _labels(y: np.ndarray, n: int, where: str) -> np.ndarray:

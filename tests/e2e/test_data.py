@@ -115,7 +115,7 @@ def test_npz_uint8_float_and_split(tmp_path: Path) -> None:
         ({"x": np.zeros((4, 5, 5), np.uint8), "y": np.zeros(3, np.int64)}, r"expected \[4\]"),
         ({"x": np.zeros((4, 5, 5), np.uint8), "y": np.zeros(4, np.float32)}, "integers"),
         ({"x": np.zeros((4, 5), np.uint8), "y": np.zeros(4, np.int64)}, r"\[N, H, W\]"),
-        ({"x": np.zeros((4, 5, 5), np.int16), "y": np.zeros(4, np.int64)}, "uint8"),
+        ({"x": np.zeros((4, 5, 5), np.bool_), "y": np.zeros(4, np.int64)}, "uint8"),
         ({"x": np.full((4, 5, 5), np.nan), "y": np.zeros(4, np.int64)}, "NaN"),
         ({"x": np.zeros((4, 5, 5), np.uint8), "y": -np.ones(4, np.int64)}, "negative"),
     ],
