@@ -144,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                 failed |= not doc["emulated"]["exact"]
                 print(f"{folder}: emulated step 1 on the CPU: {doc['emulated']}")
         if timed:
-            doc["timing"] = {"model": model, "input_shape": list(shape), "batch": batch}
+            doc["timing"] = {
+                "model": model,
+                "input_shape": list(shape),
+                "batch": batch,
+                "vocab": prog.vocab,
+                "label_shape": list(prog.label_shape),
+                "classes": prog.num_classes,
+            }
         (folder / "expected.json").write_text(json.dumps(doc, indent=1))
         print(
             f"{folder}: {len(man['kernels'])} kernels per step, built in "

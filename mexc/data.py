@@ -17,7 +17,8 @@ Five sources, none downloaded at run time:
   ``y`` the 63 that follow them (a label per position: the next intensity), for causal models.
 * ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` and ``y``, and optionally ``x_test`` and
   ``y_test``. ``x`` holds images ``[N, H, W]`` or ``[N, C, H, W]`` (uint8 scaled by 1/255, or
-  float used as is), or token ids ``[N, ...]`` (any other integer dtype, kept as they are);
+  float used as is), or token ids ``[N, ...]`` (any other integer dtype, kept as they are: store
+  ids as int16 or wider, since uint8 is read as images);
   ``y`` integer labels ``[N]`` in ``0..K-1``, or ``[N, ...]`` (a label per position of
   ``[N, K, ...]`` logits). Without test arrays the ``test`` split is the last 20 % of a
   permutation drawn from ``numpy.random.default_rng(0)``, ``train`` the rest.
@@ -150,8 +151,8 @@ def load_digits(split: str) -> Arrays:
 
 def _images(x: np.ndarray, where: str) -> np.ndarray:
     if np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8:  # token ids
-        if x.ndim < 2:
-            raise DatasetError(f"{where} has shape {list(x.shape)}; token ids must be [N, ...]")
+        if x.ndim < 1:
+            raise DatasetError(f"{where} is a scalar; token ids must be [N, ...]")
         if x.size and x.min() < 0:
             raise DatasetError(f"{where} has negative token ids (min {int(x.min())})")
         return x.astype(np.int64)

@@ -311,7 +311,7 @@ class Program:
     def logits(self, x: Any) -> np.ndarray:
         """Dequantized logits (float64) of the inference path, for any number of rows."""
         out = [v.dequantize()[:n] for v, n in self.logit_batches(x)]
-        return np.concatenate(out) if out else np.zeros((0, self.num_classes))
+        return np.concatenate(out) if out else np.zeros((0, self.num_classes, *self.label_shape))
 
     def predict(self, x: Any) -> np.ndarray:
         """Class ids (deterministic rounding, BN running statistics)."""

@@ -10,6 +10,7 @@ from mexc.kernels._common import compact_mx, i64, row_offset, scalar_exp, site_k
 from mexc.mx import MX, RoundCtx
 from mexc.numerics import (
     EXP_TABLE,
+    ceil_log2,
     check_int32,
     idiv_round,
     shift_left,
@@ -17,7 +18,15 @@ from mexc.numerics import (
 
 PROB_EXP = -8  # probabilities p * 2^-8, p in [0, 255]
 PROB_ONE = 256
-GRAD_EXP = -15  # (p - S*onehot) << 7 / n lies at exponent -15
+GRAD_EXP = -15  # (p - S*onehot) << 7 / n lies at exponent -15 (then -15 - grad_shift)
+
+
+def grad_shift(n: int, k: int) -> int:
+    """The loss gradient's extra bits s over n rows of k classes (docs/layers.md, "Output
+    head"): ceil_log2(n) - 7 where n > 128, so that t/n keeps t's resolution, bounded so that
+    |t| << (7 + s) < 2^31 (|t| <= 256 + k // 2)."""
+    room = max(24 - (256 + k // 2).bit_length(), 0)
+    return min(max(ceil_log2(max(n, 1)) - 7, 0), room)
 
 
 def softmax_ce_forward(
@@ -63,7 +72,8 @@ def softmax_ce_backward(
     """dlogits = (softmax - onehot) / n, n = valid rows; padding rows (>= valid) are zero.
 
     t = p - S*onehot with S the row's sum of p, so every row of t sums to 0 as in float
-    (|t| <= 256 + K/2); g = idiv_round(t << 7, n) at exponent -15; compaction to ctx.bits
+    (|t| <= 256 + K/2); g = idiv_round(t << (7 + s), n) at exponent -15 - s (s = grad_shift:
+    0 up to 128 rows); compaction to ctx.bits
     (site 0). With ctx.rows (data parallel) `valid` and n count the whole batch's rows, and
     these are its rows from the worker's first sample's on (a sample's rows: one, or one per
     position of [N, C, d1, ...] logits).
@@ -80,5 +90,6 @@ def softmax_ce_backward(
     if here:
         t[np.arange(here), lab[:here]] -= p[:here].sum(axis=1)
     t[here:] = 0
-    g = idiv_round(t << 7, max(n, 1))
-    return compact_mx(g, GRAD_EXP, ctx, site_key(ctx, tid, 0), batch=True)
+    s = grad_shift(n, p.shape[1])
+    g = idiv_round(t << (7 + s), max(n, 1))
+    return compact_mx(g, GRAD_EXP - s, ctx, site_key(ctx, tid, 0), batch=True)

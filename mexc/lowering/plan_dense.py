@@ -12,7 +12,7 @@ from tvm import tirx
 
 from mexc.ir import Node, Value
 from mexc.kernels._common import product_bits
-from mexc.kernels.loss import GRAD_EXP
+from mexc.kernels.loss import GRAD_EXP, grad_shift
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import subpixel, te_depthwise, te_ops
 from mexc.lowering.cpu_gemm import SERIAL_ATTR, SERIAL_BELOW, swapped
@@ -179,11 +179,13 @@ class DenseRules(PlanBuilder):
         rows, k = self.shape(probs)
         acc = self.buf(f"n{n.id}.acc", (rows, k), I32)
         self.plan.valid = self.buf("valid", (2,), I32)
+        # the whole batch's rows, as the runtime writes valid[1] for every training step
+        shift = grad_shift(self.prog.eval_batch * self.prog.positions, k)
         func = te_ops.softmax_ce_backward_acc(
-            rows, k, f"n{n.id}_softmax_ce_grad", self.device.native_division
+            rows, k, f"n{n.id}_softmax_ce_grad", self.device.native_division, shift
         )
         self.launch(func, (self.m[probs], self.plan.labels, self.plan.valid, acc))
-        e_in = self.const("grad_exp", np.array([GRAD_EXP]), I32)
+        e_in = self.const("grad_exp", np.array([GRAD_EXP - shift]), I32)
         self.compact(n, acc, e_in, (rows, k), 0)
 
     def update_groups(self, w: Value) -> tuple[int, int]:

@@ -482,13 +482,18 @@ def softmax_ce_forward(
 
 
 def softmax_ce_backward_acc(
-    n: int, k: int, name: str = "softmax_ce_backward_acc", native_division: bool = False
+    n: int,
+    k: int,
+    name: str = "softmax_ce_backward_acc",
+    native_division: bool = False,
+    shift: int = 0,
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_backward before its compaction: t = p - S * onehot (S the row's sum
-    of p) on the first valid[0] rows (0 below), acc = idiv_round(t << 7, valid[1]) at exponent
-    -15: valid[1] counts the valid rows of the whole batch (a data-parallel worker's rows are a
-    share of it), valid[0] those among these rows. Parameters (probs uint8 (N,K), labels int32
-    (N,), valid int32[2], acc int32 (N,K))."""
+    of p) on the first valid[0] rows (0 below), acc = idiv_round(t << (7 + shift), valid[1])
+    at exponent -15 - shift (kernels.loss.grad_shift of the whole batch's rows): valid[1]
+    counts the valid rows of the whole batch (a data-parallel worker's rows are a share of
+    it), valid[0] those among these rows. Parameters (probs uint8 (N,K), labels int32 (N,),
+    valid int32[2], acc int32 (N,K))."""
     i64 = "int64"
     probs = te.placeholder((n, k), "uint8", name="probs")
     labels = te.placeholder((n,), I32, name="labels")
@@ -500,7 +505,8 @@ def softmax_ce_backward_acc(
         rows = tirx.max(tirx.min(valid[0], n), 0)
         t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, srow[r], tirx.const(0, i64))
         t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
-        return idiv_round(t << 7, tirx.max(valid[1], 1).astype(i64), native_division).astype(I32)
+        whole = tirx.max(valid[1], 1).astype(i64)
+        return idiv_round(t << (7 + shift), whole, native_division).astype(I32)
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)

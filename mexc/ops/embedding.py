@@ -74,6 +74,15 @@ def _embedding_function(c: Any, n: Any) -> Value | Gathered | Const:
         )
     if fixed.size and (fixed.min() < 0 or fixed.max() >= vocab):
         raise UnsupportedOpError(c.describe(n, f"looks up rows outside the table's {vocab} rows"))
+    if pad >= 0 and c.is_parameter(w) and (fixed == pad).any():
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"looks up its padding row ({pad}, padding_idx) at fixed indices, whose gradient "
+                "torch keeps at zero; mexc keeps padding_idx for the token ids only: drop "
+                "padding_idx from this table",
+            )
+        )
     index = fixed.astype(np.int64)[..., None] * dim + np.arange(dim)
     if not c.is_parameter(w):  # a buffer: the rows are a constant of the program
         return Const(table.detach()[fixed.astype(np.int64)])

@@ -114,10 +114,10 @@ def batch_of(name: str, n: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarr
     return batch(n, seed, CLASSES.get(name, 10), LABELS.get(name, ()))
 
 
-def compiled(name: str, target: str = "reference", **options: object) -> mexc.Program:
+def compiled(name: str, target: str = "reference", n: int = 4, **options: object) -> mexc.Program:
     torch.manual_seed(0)
     model = MODELS[name]()
-    ids, _ = batch()
+    ids, _ = batch(n)
     return mexc.compile(model, (torch.from_numpy(ids),), target=target, **options)
 
 
@@ -193,7 +193,9 @@ def test_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
 
 @needs_cuda_tools
 def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    assert_cuda_source_trains_bit_exact(compiled("lm"), tmp_path)
+    # 17 sequences of 8 positions: 136 loss rows, past the 128 where the gradient's extra
+    # bits start (kernels.loss.grad_shift)
+    assert_cuda_source_trains_bit_exact(compiled("lm", n=17), tmp_path)
 
 
 def test_training_on_ids_learns() -> None:
@@ -233,6 +235,18 @@ class NoTable(nn.Module):
         return self.logits.expand(ids.shape[0], 10) * 1.0
 
 
+class PaddedPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D)
+        self.positions = nn.Embedding(T, D, padding_idx=0)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        at = torch.arange(ids.shape[1], device=ids.device)
+        return self.head((self.tokens(ids) + self.positions(at)).mean(1))
+
+
 class ReadsIds(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -270,6 +284,7 @@ class SlicedIds(nn.Module):
         (MaxNorm, r"max_norm"),
         (SlicedIds, r"node 'getitem' .*integer input \(token ids\)"),
         (NoTable, r"node 'ids' .*no embedding table reads"),
+        (PaddedPositions, r"padding row \(0, padding_idx\) at fixed indices"),
     ],
 )
 def test_what_mexc_cannot_train_is_refused_by_node(model: type[nn.Module], message: str) -> None:

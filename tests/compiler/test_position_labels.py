@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 import mexc
+from mexc import kernels as K
 from mexc.errors import InputError, UnsupportedOpError
+from mexc.kernels.loss import grad_shift
+from mexc.mx import RoundCtx
 from tests.compiler.helpers import (
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
@@ -57,7 +60,25 @@ def test_the_gradients_are_those_of_the_mean_over_pixels() -> None:
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    # 4 maps of 36 pixels: 144 loss rows, so the gradient takes one extra bit (grad_shift)
     assert_trains_bit_exact_on_llvm_and_c(compiled(), compiled, data())
+
+
+def test_the_loss_gradient_keeps_its_resolution_over_many_rows() -> None:
+    """n = 2,016 rows (32 sequences of 63 positions): a wrong class at p = 3/256 gets
+    (3/256)/n within 2 % (the int8 compaction's step), not the 0 that idiv_round(3 << 7, n)
+    gives at a fixed exponent -15."""
+    assert [grad_shift(n, 17) for n in (1, 128, 129, 2016, 1 << 30)] == [0, 0, 1, 4, 15]
+    assert grad_shift(1 << 20, 50_000) == 9  # |t| << (7 + s) stays below 2^31
+    n, k = 2016, 17
+    probs = np.full((n, k), 3, np.uint8)
+    probs[:, 0] = 256 - 3 * (k - 1)
+    labels = np.zeros(n, np.int64)
+    g = K.softmax_ce_backward(probs, labels, n, RoundCtx("nearest", 0, 0, 8), 0)
+    wrong = g.dequantize()[:, 1:]
+    assert np.allclose(wrong, 3 / 256 / n, rtol=0.02)
+    row = g.dequantize()[0]  # sums to 0 up to the compaction's rounding
+    assert abs(row.sum()) < 0.05 * abs(row[0])
 
 
 def test_labels_of_another_shape_are_refused_and_the_state_is_unchanged() -> None:

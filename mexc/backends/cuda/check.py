@@ -142,8 +142,14 @@ def _torch_contender(spec: dict[str, Any], bf16: bool) -> tuple[Callable[[], Non
     module, name = spec["model"].split(":")
     model = getattr(importlib.import_module(module), name)().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(spec["batch"], *spec["input_shape"], device="cuda")
-    y = torch.randint(0, 10, (spec["batch"],), device="cuda")
+    shape = (spec["batch"], *spec["input_shape"])
+    vocab = int(spec.get("vocab", 0))  # token ids, or floats
+    if vocab:
+        x = torch.randint(0, vocab, shape, device="cuda")
+    else:
+        x = torch.randn(*shape, device="cuda")
+    labels = (spec["batch"], *spec.get("label_shape", ()))
+    y = torch.randint(0, int(spec.get("classes", 10)), labels, device="cuda")
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)

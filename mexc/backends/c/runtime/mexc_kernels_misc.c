@@ -145,17 +145,23 @@ int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
 {
     uint32_t r, j, rows = valid < n ? valid : n, div = rows ? rows : 1u;
     int32_t t, s, e_out = 0;
+    /* loss.grad_shift: ceil_log2(div) - 7 bits more where div > 128, while |t| << (7 + sh)
+     * stays below 2^31 (|t| <= 256 + k / 2) */
+    int32_t sh = mexc_ceil_log2(div) - 7, room = 24 - mexc_bit_length(256u + k / 2u);
     mexc_sink_t sink;
+    if (room < 0) room = 0;
+    if (sh < 0) sh = 0;
+    if (sh > room) sh = room;
     mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
-        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, MEXC_SOFTMAX_GRAD_EXP);
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, MEXC_SOFTMAX_GRAD_EXP - sh);
         for (r = 0; r < n; r++) {
             /* t = p - S onehot, S the row's sum: each row of t sums to 0 (loss.py) */
             for (s = 0, j = 0; j < k; j++) s += probs[r * k + j];
             for (j = 0; j < k; j++) {
                 t = 0;
                 if (r < rows) t = (int32_t)probs[r * k + j] - ((uint32_t)labels[r] == j ? s : 0);
-                mexc_sink_put(&sink, r * k + j, 0u, mexc_idiv_round(t * 128, div));
+                mexc_sink_put(&sink, r * k + j, 0u, mexc_idiv_round(t * (1 << (7 + sh)), div));
             }
         }
     }
