@@ -145,6 +145,16 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     x = _example_batch(example_inputs)
     front = import_model(model, x)
     trains = resolve_trainable(trainable, front.graph)
+    # parameters the model froze (requires_grad off: nn.Embedding.from_pretrained, a frozen
+    # backbone) stay as they are, as torch's optimizer leaves them
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if frozen & set(front.params):
+        trains = (trains if trains is not None else frozenset(front.params)) - frozen
+        if not trains:
+            raise TrainableError(
+                f"trainable={trainable!r} selects only parameters whose requires_grad is off "
+                f"({', '.join(sorted(frozen)[:8])}); turn requires_grad on for those to train"
+            )
     if front.constants:  # the frontend's own ones and zeros stay as they are
         trains = (trains if trains is not None else frozenset(front.params)) - front.constants
         if not trains:

@@ -95,6 +95,27 @@ def test_only_trained_parameters_change(spec: str) -> None:
     assert all(np.array_equal(prog.state[k].m, before[k]) for k in params - trained)
 
 
+def test_parameters_whose_requires_grad_is_off_stay_as_they_are() -> None:
+    """A model that froze its features (requires_grad off, as for a pretrained backbone or
+    nn.Embedding.from_pretrained) trains the rest, as torch's optimizer would; a spec that
+    selects only frozen parameters is refused."""
+    cls, shape = EXAMPLES["FashionCNN"]
+    torch.manual_seed(0)
+    model = cls()
+    for p in model.features.parameters():
+        p.requires_grad_(False)
+    x = np.random.default_rng(0).standard_normal((4, *shape)).astype(np.float32)
+    prog = mexc.compile(model, (torch.from_numpy(x),))
+    updated = {str(n.attrs.param) for n in prog.graph.nodes_of(Op.SGD_UPDATE)}
+    assert updated == {"classifier.weight", "classifier.bias"}
+    before = {k: v.m.copy() for k, v in prog.state.items()}
+    prog.step(x, np.arange(4))
+    assert np.array_equal(prog.state["features.0.weight"].m, before["features.0.weight"])
+    assert not np.array_equal(prog.state["classifier.weight"].m, before["classifier.weight"])
+    with pytest.raises(TrainableError, match="requires_grad is off"):
+        mexc.compile(model, (torch.from_numpy(x),), trainable="features.0.weight")
+
+
 @pytest.mark.parametrize(
     "name,spec,target",
     [
