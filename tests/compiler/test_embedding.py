@@ -293,6 +293,26 @@ def test_what_mexc_cannot_train_is_refused_by_node(model: type[nn.Module], messa
         mexc.compile(model(), (torch.from_numpy(ids),))
 
 
+def test_the_c_step_refuses_ids_outside_the_vocabulary_before_it_changes_anything() -> None:
+    """A device calls mexc_model_step without the host's check: an id outside the tables
+    returns MEXC_BAD_IDS (INT32_MIN) and leaves the state as it was."""
+    import ctypes
+
+    prog = compiled("lm", "c")
+    ids, y = batch_of("lm")
+    labels = np.ascontiguousarray(y.reshape(-1), np.int32)
+    lib = prog._lib  # type: ignore[attr-defined]
+    lib.mexc_model_checksum.restype = ctypes.c_uint64
+    before = lib.mexc_model_checksum()
+    bad = np.ascontiguousarray(ids, np.int32)
+    bad[3, 5] = VOCAB
+    assert lib.mexc_model_step(0, bad.ctypes.data, 0, labels.ctypes.data) == -(2**31)
+    assert lib.mexc_model_checksum() == before
+    good = np.ascontiguousarray(ids, np.int32)
+    assert lib.mexc_model_step(0, good.ctypes.data, 0, labels.ctypes.data) > 0
+    assert lib.mexc_model_checksum() != before
+
+
 @pytest.mark.parametrize("name", ["encoder", "lm"])
 def test_a_checkpoint_resumes_bit_exact_on_another_target(tmp_path: Path, name: str) -> None:
     prog = compiled(name)

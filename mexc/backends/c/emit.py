@@ -1369,6 +1369,25 @@ def _lr_table(prog: Program, steps: int) -> str:
     return "\n".join([*tables, f"#define LR_STEPS {steps}u"])
 
 
+# mexc_model_step's result where x holds an id outside the vocabulary (INT32_MIN: no loss in
+# thousandths reaches it)
+BAD_IDS = "(-2147483647 - 1)"
+
+
+def _ids_check(prog: Program) -> list[str]:
+    """mexc_model_step's first lines where x is token ids: an id outside [0, vocab) would read
+    and write outside the embedding tables, so the step returns MEXC_BAD_IDS before it changes
+    anything (the host's Program checks every batch before it calls the step; a caller on
+    the device does not)."""
+    if not prog.vocab:
+        return []
+    numel = prog.batch * int(np.prod(prog.input_shape, dtype=np.int64))
+    return [
+        f"    for (uint32_t i = 0; i < {numel}u; i++)",
+        f"        if ((uint32_t)x[i] >= {prog.vocab}u) return {BAD_IDS};",
+    ]
+
+
 def _update_config(prog: Program, stochastic: int) -> list[str]:
     """mexc_model_step's lines that set up the optimizer's configuration of step k."""
     o, opt = prog.options, prog.optimizer
@@ -1497,6 +1516,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
             else []
         ),
         "    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u;",
+        *_ids_check(prog),
         *_update_config(prog, stochastic),
         "    int32_t loss = 0;",
         *e.lines,
@@ -1536,7 +1556,13 @@ def emit_model(prog: Program, steps: int) -> CModel:
                     " * exponent x_e;",
                 ]
             ),
-            " * y: labels. Returns the loss in thousandths (printing only). */",
+            " * y: labels. Returns the loss in thousandths (printing only)"
+            + (
+                ", or MEXC_BAD_IDS, the state unchanged, where an id lies outside. */"
+                if prog.vocab
+                else ". */"
+            ),
+            *([f"#define MEXC_BAD_IDS {BAD_IDS}"] if prog.vocab else []),
             f"int32_t mexc_model_step(uint32_t step, const {x_type} *x, int32_t x_e,",
             "                        const int32_t *y);",
             "uint64_t mexc_model_checksum(void);",
