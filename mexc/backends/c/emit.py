@@ -1230,7 +1230,8 @@ def _gather_param_grad(e: _Emit, n: Node) -> None:
 
 
 def _embedding(e: _Emit, n: Node) -> None:
-    """The table's rows copied by the ids (checked on the host), its exponent kept."""
+    """The table's rows copied by the ids (checked at the step's start: _ids_check), its
+    exponent kept."""
     ids = e.ptr[n.inputs[0]]
     w, ew = _x(e, n, 1)
     dim = e.shape(n.inputs[1])[1]
