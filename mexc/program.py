@@ -14,6 +14,7 @@ import os
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from mexc.backends.reference.interp import (
 from mexc.distributed import Workers, shard_rows
 from mexc.errors import CheckpointError, InputError
 from mexc.ir import LABEL_SHAPE, Graph, Op, needed_nodes
+from mexc.kernels.quantize import quantize
 from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import FixedScalar, site_rounding, state_checksum
 from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Optimizer, Step
@@ -139,6 +141,17 @@ class Program:
                 "cannot represent them: clean or normalize the data first"
             )
         return arr
+
+    def boundary(
+        self, xs: np.ndarray, agree: Callable[[float], float] | None = None
+    ) -> tuple[np.ndarray, int]:
+        """A checked batch as the compiled steps read it: token ids as int32 (exponent 0,
+        unread), or floats quantized at the host boundary (int8 mantissas, exponent); `agree`:
+        a data-parallel worker's agreement on the batch's maximum (kernels.quantize)."""
+        if self.vocab:
+            return np.ascontiguousarray(xs, np.int32), 0
+        q = quantize(xs, self.options.bits, agree)
+        return np.ascontiguousarray(q.m), int(q.e)
 
     def random_batch(
         self, rng: np.random.Generator, rows: int | None = None

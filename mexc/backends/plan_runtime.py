@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from mexc.kernels.loss import ce_loss
-from mexc.kernels.quantize import quantize
 from mexc.mx import MX, Acc, Collectives
 from mexc.numerics import stream_keys
 from mexc.program import Program
@@ -181,14 +180,12 @@ class PlanProgram(Program):
         plan = self._plan_json
         rows = None if self.workers is None else self.workers.rows(self.eval_batch)
         xm, xe = plan["input"]
-        if self.vocab:  # token ids, as they are (checked against the vocabulary)
-            self._write(xm, xs.astype(np.int32))
-        else:
-            # the float boundary, on the host (a data-parallel worker's exponent is the whole
-            # batch's: the maximum is agreed)
-            q = quantize(xs, self.options.bits, None if rows is None else rows.max_float)
-            self._write(xm, q.m)
-            self._write(xe, np.array([int(q.e)], np.int32))
+        # the host boundary (a data-parallel worker's exponent is the whole batch's: the
+        # maximum is agreed); token ids have no exponent buffer
+        m, e = self.boundary(xs, None if rows is None else rows.max_float)
+        self._write(xm, m)
+        if xe:
+            self._write(xe, np.array([e], np.int32))
         self._write(plan["labels"], ys.astype(np.int32).reshape(-1))
         if plan["valid"]:  # the valid rows here, and in the whole batch (every row is valid)
             valid = (self.batch if rows is None else rows.total) * self.positions
@@ -230,12 +227,10 @@ class PlanProgram(Program):
         if plan is None:
             return super()._infer_batch(xs)
         xm, xe = plan["input"]
-        if self.vocab:  # token ids, as they are
-            self._infer_write(xm, xs.astype(np.int32))
-        else:
-            q = quantize(xs, self.options.bits)  # the float boundary, on the host
-            self._infer_write(xm, q.m)
-            self._infer_write(xe, np.array([int(q.e)], np.int32))
+        m, e = self.boundary(xs)
+        self._infer_write(xm, m)
+        if xe:
+            self._infer_write(xe, np.array([e], np.int32))
         self._infer_run()
         m, e = plan["logits"]
         whole = self.global_graph  # a data-parallel worker infers on whole batches

@@ -15,7 +15,6 @@ from mexc.backends.c.project import RUNTIME_DIR
 from mexc.backends.c.tir_kernels import HEADER, SOURCE
 from mexc.backends.kernel_cache import CACHE, build_entry, entry_lock
 from mexc.errors import MexcError
-from mexc.kernels import quantize
 from mexc.mx import MX
 from mexc.program import Program
 
@@ -176,11 +175,7 @@ class CProgram(Program):
             raise MexcError(f"the C program's learning-rate table covers {self._steps_hint} steps")
         xs = self._check_x(x, exact_batch=True)
         ys = np.ascontiguousarray(self._check_y(y, self.batch).reshape(-1), np.int32)
-        if self.vocab:  # token ids, as they are
-            xm, xe = np.ascontiguousarray(xs, np.int32), 0
-        else:
-            q = quantize(xs, self.options.bits)
-            xm, xe = np.ascontiguousarray(q.m), int(q.e)
+        xm, xe = self.boundary(xs)
         loss = self._lib.mexc_model_step(self.step_count, xm.ctypes.data, xe, ys.ctypes.data)
         self.step_count += 1
         self._pull_state()

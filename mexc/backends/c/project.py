@@ -19,7 +19,6 @@ import numpy as np
 
 from mexc.backends.c.emit import emit_model
 from mexc.backends.c.tir_kernels import HEADER, SOURCE
-from mexc.kernels import quantize
 from mexc.program import Program, as_numpy, replay_indices
 
 RUNTIME_DIR = Path(__file__).resolve().with_name("runtime")
@@ -118,14 +117,9 @@ def quantize_batches(prog: Program, x: np.ndarray, y: np.ndarray, steps: int) ->
     xs, es, ys = [], [], []
     for k in range(nb):
         idx = replay_indices(n, prog.batch, k)
-        checked = prog._check_x(x[idx], exact_batch=True)
-        if prog.vocab:  # token ids, as they are
-            xs.append(checked.astype(np.int32).reshape(-1))
-            es.append(0)
-        else:
-            q = quantize(checked, prog.options.bits)
-            xs.append(q.m.reshape(-1))
-            es.append(int(q.e))
+        m, e = prog.boundary(prog._check_x(x[idx], exact_batch=True))
+        xs.append(m.reshape(-1))
+        es.append(e)
         ys.append(prog._check_y(y[idx], prog.batch).reshape(-1))
     return Batches(np.stack(xs), np.array(es, np.int32), np.stack(ys).astype(np.int32))
 
