@@ -116,34 +116,33 @@ def load_fashion_mnist(split: str) -> Arrays:
 # --- scikit-learn digits ------------------------------------------------------------------------
 
 
-def load_digit_tokens(split: str) -> Arrays:
-    """load_digits' images and split as sequences of 64 ids: each pixel's intensity 0..16 in
-    row-major order (int64 [N, 64])."""
+def _digits_split(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits of `split`, as bundled: pixel intensities 0..16 [N, 64] and labels
+    int64 [N]. A fixed shuffle (numpy default_rng(0)) of the 1,797 images, the first 1,500
+    train and the other 297 test. The bundled order is not random: split unshuffled (first
+    1,500 / last 297) the digits CNN stays near 95 % even in FP32 (measured,
+    docs/benchmarks.md)."""
     _check_split(split)
     from sklearn.datasets import load_digits as sk_load_digits
 
     d = sk_load_digits()
-    x = np.asarray(d.data).astype(np.int64)
-    order = np.random.default_rng(0).permutation(len(x))
+    order = np.random.default_rng(0).permutation(len(d.target))
     part = order[:DIGITS_TRAIN] if split == "train" else order[DIGITS_TRAIN:]
-    return x[part], np.asarray(d.target, np.int64)[part]
+    return np.asarray(d.data)[part], np.asarray(d.target, np.int64)[part]
+
+
+def load_digit_tokens(split: str) -> Arrays:
+    """_digits_split's images as sequences of 64 ids: each pixel's intensity 0..16 in
+    row-major order (int64 [N, 64])."""
+    pixels, y = _digits_split(split)
+    return pixels.astype(np.int64), y
 
 
 def load_digits(split: str) -> Arrays:
-    """scikit-learn digits, x [N,1,8,8] normalized: a fixed shuffle (numpy default_rng(0)) of
-    the 1,797 images, the first 1,500 train and the other 297 test. The bundled order is not
-    random: split unshuffled (first 1,500 / last 297) the digits CNN stays near 95 % even in
-    FP32 (measured, docs/benchmarks.md)."""
-    _check_split(split)
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    d = sk_load_digits()
-    x = (np.asarray(d.data, np.float32) / np.float32(16)).reshape(-1, 1, 8, 8)
-    x = (x - np.float32(DIGITS_MEAN)) / np.float32(DIGITS_STD)
-    y = np.asarray(d.target, np.int64)
-    order = np.random.default_rng(0).permutation(len(y))
-    part = order[:DIGITS_TRAIN] if split == "train" else order[DIGITS_TRAIN:]
-    return x[part], y[part]
+    """_digits_split's images as x [N,1,8,8], divided by 16 and normalized."""
+    pixels, y = _digits_split(split)
+    x = (np.asarray(pixels, np.float32) / np.float32(16)).reshape(-1, 1, 8, 8)
+    return (x - np.float32(DIGITS_MEAN)) / np.float32(DIGITS_STD), y
 
 
 # --- user .npz ----------------------------------------------------------------------------------
