@@ -11,6 +11,8 @@ fused_compaction where the value is cheap to compute twice)."""
 
 from __future__ import annotations
 
+import functools
+
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
@@ -32,8 +34,6 @@ from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, Reciprocal
 I8, I32, I64 = "int8", "int32", "int64"
 Shape = tuple[int, ...]
 Kernels = tuple[tirx.PrimFunc, ...]  # fused_compaction's (its data-parallel form: three)
-
-tvmscript_stack.install()  # the @T.prim_func below runs at import
 
 
 def transpose(shape: Shape, perm: tuple[int, ...], name: str) -> tirx.PrimFunc:
@@ -287,27 +287,34 @@ def embedding_rows(rows: int, vocab: int, dim: int, name: str) -> tirx.PrimFunc:
     return prim_func([w, ids, y], name)
 
 
-# a column of the table's gradient per block iteration: each zeroes its column, then adds the
-# rows of dy in order (a scatter has no TE form; a sum over the rows for every table row would
-# read dy once per id). Shapes and padding_idx are bound by embedding_scatter
-@T.prim_func(s_tir=True)
-def _embedding_scatter(dy_h: T.handle, ids_h: T.handle, acc_h: T.handle, pad: T.int32) -> None:
-    rows = T.int32()
-    vocab = T.int32()
-    dim = T.int32()
-    dy = T.match_buffer(dy_h, (rows, dim), "int8")
-    ids = T.match_buffer(ids_h, (rows,), "int32")
-    acc = T.match_buffer(acc_h, (vocab, dim), "int32")
-    for d in T.serial(dim):
-        with T.sblock("acc"):
-            vd = T.axis.spatial(dim, d)
-            T.reads(dy[0:rows, vd], ids[0:rows])
-            T.writes(acc[0:vocab, vd])
-            for k in T.serial(vocab):
-                acc[k, vd] = 0
-            for r in T.serial(rows):
-                if ids[r] != pad:
-                    acc[ids[r], vd] = acc[ids[r], vd] + T.cast(dy[r, vd], "int32")
+@functools.cache
+def _embedding_scatter() -> tirx.PrimFunc:
+    """A column of the table's gradient per block iteration: each zeroes its column, then adds
+    the rows of dy in order (a scatter has no TE form; a sum over the rows for every table row
+    would read dy once per id). Shapes and padding_idx are bound by embedding_scatter. Parsed
+    on first use: TVMScript's parser would cost every compile ~15 ms at import."""
+    tvmscript_stack.install()
+
+    @T.prim_func(s_tir=True)
+    def scatter(dy_h: T.handle, ids_h: T.handle, acc_h: T.handle, pad: T.int32) -> None:
+        rows = T.int32()
+        vocab = T.int32()
+        dim = T.int32()
+        dy = T.match_buffer(dy_h, (rows, dim), "int8")
+        ids = T.match_buffer(ids_h, (rows,), "int32")
+        acc = T.match_buffer(acc_h, (vocab, dim), "int32")
+        for d in T.serial(dim):
+            with T.sblock("acc"):
+                vd = T.axis.spatial(dim, d)
+                T.reads(dy[0:rows, vd], ids[0:rows])
+                T.writes(acc[0:vocab, vd])
+                for k in T.serial(vocab):
+                    acc[k, vd] = 0
+                for r in T.serial(rows):
+                    if ids[r] != pad:
+                        acc[ids[r], vd] = acc[ids[r], vd] + T.cast(dy[r, vd], "int32")
+
+    return scatter
 
 
 def embedding_scatter(
@@ -317,8 +324,9 @@ def embedding_scatter(
     left out (kernels.transformer.embedding_grad): one column of the table per iteration of
     the block's spatial loop, so a parallel or thread schedule of that loop never has two
     writers of an element. Parameters (dy, ids, acc)."""
-    dy, ids, acc, pad = _embedding_scatter.params
-    func = _embedding_scatter.specialize(
+    template = _embedding_scatter()
+    dy, ids, acc, pad = template.params
+    func = template.specialize(
         {
             dy: tirx.decl_buffer((rows, dim), I8, "dy"),
             ids: tirx.decl_buffer((rows,), I32, "ids"),
