@@ -99,11 +99,6 @@ class _Ctx:
         """`a` is the model's integer input (token ids)."""
         return self.ids is not None and isinstance(a, torch.fx.Node) and self.env.get(a) == self.ids
 
-    def token_ids(self, a: Any) -> Value:
-        """The integer input, for an embedding that reads it."""
-        assert self.is_token_ids(a)
-        return self.env[a]
-
     def batch_axis(self, v: Value) -> int | None:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
         shard-batch pass follows them), None where v holds no batch axis or mexc lost it."""

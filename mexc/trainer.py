@@ -685,7 +685,7 @@ def run_training(
         opt = make_optimizer(
             lr, momentum, weight_decay, schedule, spe, epochs, warmup, optimizer, betas, eps
         )
-        example = torch.from_numpy(_batch_of(train[0], batch) * 0)  # zeros of the data's kind
+        example = torch.from_numpy(np.zeros_like(_batch_of(train[0], batch)))  # the data's kind
         prog = compile_model(
             model,
             (example,),

@@ -61,7 +61,7 @@ def _embedding_function(c: Any, n: Any) -> Value | Gathered | Const:
     pad = -1 if pad is None else int(pad) % vocab  # torch counts a negative one from the end
     if c.is_token_ids(ids):
         table_value = c.get_param(w, "weight")
-        return c.emit(Op.EMBEDDING, [c.token_ids(ids), table_value], n, padding_idx=pad)
+        return c.emit(Op.EMBEDDING, [c.ids, table_value], n, padding_idx=pad)
     fixed = static_tensor(c, ids)
     if fixed is None or not np.issubdtype(fixed.dtype, np.integer):
         raise UnsupportedOpError(
