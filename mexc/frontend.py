@@ -40,9 +40,11 @@ from mexc import frontend_fold, frontend_index
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, TraceError, UnsupportedOpError
+from mexc.frontend_key_masks import key_mask_of
 from mexc.frontend_modules import traced_forward
 from mexc.ir import LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
+from mexc.ops.attention import KEY_MASK_USES, KeyMask
 from mexc.ops.common import (
     STATIC_VALUE,
     ParamView,
@@ -209,6 +211,14 @@ class _Ctx:
                     "reads the model's integer input (token ids) as an activation; mexc reads "
                     "integer inputs only through embedding tables (nn.Embedding, F.embedding): "
                     "look the ids up first",
+                )
+            )
+        if isinstance(v, KeyMask):
+            raise UnsupportedOpError(
+                _describe(
+                    self.node if self.node is not None else a,
+                    f"reads a mask computed from the token ids as a tensor; {KEY_MASK_USES}. "
+                    "Pool the tokens without it (the first token, or a mean over all)",
                 )
             )
         if self.is_batched_constant(v):
@@ -1107,6 +1117,8 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             logits, logits_node = c.env[out], out
         elif _passes_ids_on(c, n):
             c.env[n] = c.ids
+        elif c.ids is not None and (mask := key_mask_of(c, n)) is not None:
+            c.env[n] = mask
         else:
             c.node = n
             value = _translate(c, n)

@@ -306,7 +306,21 @@ def causal_hidden(shape: tuple[int, ...]) -> np.ndarray:
     return np.arange(tk)[None, :] > np.arange(tq)[:, None]
 
 
-def softmax_forward(x: MX, ctx: RoundCtx, tid: int, causal: bool = False) -> MX:
+# the comparisons a key mask may make of the token ids (the op's `key_cmp`), and each one's
+# negation (a mask that names the keys taking part hides the others)
+KEY_CMPS = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+            "gt": np.greater, "ge": np.greater_equal}  # fmt: skip
+KEY_CMP_NEGATED = {"eq": "ne", "ne": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": "le"}
+
+
+def key_hidden(ids: np.ndarray, cmp: str, value: int) -> np.ndarray:
+    """The keys a key mask hides: `ids cmp value` (ids [N, Tk]; bool of the same shape)."""
+    return np.asarray(KEY_CMPS[cmp](np.asarray(ids, np.int64), value))
+
+
+def softmax_forward(
+    x: MX, ctx: RoundCtx, tid: int, causal: bool = False, key_hidden: np.ndarray | None = None
+) -> MX:
     """Row softmax along the last axis (K entries), probabilities as an MX with mantissas in
     [0, qmax(B)] (unsigned, [0, 127] for 8 bits) at the fixed exponent -(B - 1).
 
@@ -316,6 +330,8 @@ def softmax_forward(x: MX, ctx: RoundCtx, tid: int, causal: bool = False) -> MX:
     p = min(shift_right(E R, 30 - (B - 1)) (**site 1**), qmax(B)) (E R <= 2^30).
     `causal`: the entries causal_hidden names take no part: the row max is over the others,
     their E is 0 (so is their p), and every other step is the same (each row keeps j = 0).
+    `key_hidden` (bool [N, Tk], x (N, ..., Tk)): key j of every row of sample n is hidden
+    likewise where key_hidden[n, j]; a row with every key hidden has S = 0, R = 0 and p = 0.
     """
     e = scalar_exp(x, "softmax input")
     m = i64(x.m)
@@ -323,6 +339,12 @@ def softmax_forward(x: MX, ctx: RoundCtx, tid: int, causal: bool = False) -> MX:
     if k > 1 << 16:
         raise ValueError("softmax rows longer than 2^16 overflow the int32 row sum")
     hidden = causal_hidden(m.shape) if causal else None
+    if key_hidden is not None:
+        keys = np.asarray(key_hidden, bool)
+        if keys.shape != (m.shape[0], k):
+            raise ValueError(f"a key mask {list(keys.shape)} for scores {list(m.shape)}")
+        keys = keys.reshape((m.shape[0],) + (1,) * (m.ndim - 2) + (k,))
+        hidden = keys if hidden is None else hidden | keys
     if hidden is not None:
         m = np.where(hidden, np.iinfo(np.int8).min, m)  # below every unhidden entry's max
     d = m - m.max(axis=-1, keepdims=True)
@@ -332,7 +354,9 @@ def softmax_forward(x: MX, ctx: RoundCtx, tid: int, causal: bool = False) -> MX:
         ex = np.where(hidden, 0, ex)
     srow = ex.sum(axis=-1, keepdims=True)
     check_int32(srow, "softmax_sum")
-    recip = idiv_round(np.asarray(1 << SOFTMAX_RECIP_LOG2, np.int64), srow)
+    recip = idiv_round(np.asarray(1 << SOFTMAX_RECIP_LOG2, np.int64), np.maximum(srow, 1))
+    if key_hidden is not None:
+        recip = np.where(srow == 0, 0, recip)  # every key hidden: p = 0 throughout the row
     prod = ex * recip
     check_int32(prod, "softmax_norm")
     pe = softmax_prob_exp(ctx.bits)

@@ -87,6 +87,10 @@ class AttentionRules(PlanBuilder):
         self.e[n.result(0)] = self.const(f"softmax_exp{-pe}", np.array([pe]), I32)
         keys = self.keys(n, (0, 1), "keys", rows * k)
         table = self.const("exp_table", EXP_TABLE.values, I32)
+        key_mask = None
+        if n.attrs.key_cmp:  # the token ids [N, K]: one row of keys per sample
+            samples = self.shape(n.inputs[1])[0]
+            key_mask = (str(n.attrs.key_cmp), int(n.attrs.key_value), samples)
         func = te_attention.softmax_forward(
             rows,
             k,
@@ -96,8 +100,10 @@ class AttentionRules(PlanBuilder):
             self.device.native_division,
             host_schedule=self.device.gemm.host_scheduled,
             causal_q=self.shape(x)[-2] if bool(n.attrs.causal) else 0,
+            key_mask=key_mask,
         )
-        self.launch(func, (self.view(self.m[x], (rows, k)), self.e[x], keys, table, p))
+        ids = [self.m[n.inputs[1]]] if key_mask is not None else []
+        self.launch(func, (self.view(self.m[x], (rows, k)), self.e[x], keys, table, *ids, p))
 
     def softmax_grad(self, n: Node) -> None:
         """kernels.softmax_backward: dy pre-shifted (site 5) for the K-wide sum s = sum dy p;

@@ -53,6 +53,17 @@ def transposed_pre_shift(
 # ----------------------------------------------------------------------------------- softmax
 
 
+# the comparisons of a key mask (kernels.transformer.KEY_CMPS), on TIR expressions
+_KEY_CMPS = {
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+}
+
+
 def softmax_forward(
     rows: int,
     k: int,
@@ -62,6 +73,7 @@ def softmax_forward(
     native_division: bool = False,
     host_schedule: bool = False,
     causal_q: int = 0,
+    key_mask: tuple[str, int, int] | None = None,
 ) -> tirx.PrimFunc:
     """kernels.softmax_forward on (rows, K): d = m - rowmax; E = EXP_TABLE[clamp(shift(d,
     EXP_IN_EXP - e_x)) + 128] (a right shift rounded with keys[0], a left shift saturating);
@@ -71,34 +83,51 @@ def softmax_forward(
     `host_schedule`: a row at a time (te_func.a_row_at_a_time; 9408 x 49, 2-core Zen 3,
     2026-12-02: 0.65 ms a block at a time, 0.35 ms a row at a time). `causal_q` > 0: rows of
     that many queries, row r's keys j > r % causal_q hidden (kernels.softmax_forward(causal=
-    True): out of the row max, E = 0)."""
+    True): out of the row max, E = 0). `key_mask` (cmp, value, samples): an ids parameter
+    int32 (samples, K) before p, and row r's key j hidden also where ids[r // (rows /
+    samples), j] cmp value; a row with every key hidden gets R = 0 (p = 0)."""
     x = te.placeholder((rows, k), I8, name="x")
     e = te.placeholder((1,), I32, name="e")
     keys = te.placeholder((2,), I64, name="keys")
     table = te.placeholder((256,), I32, name="table")
+    ids = None
+    if key_mask is not None:
+        cmp, value, samples = key_mask
+        ids = te.placeholder((samples, k), I32, name="ids")
+        per = rows // samples
     rj = te.reduce_axis((0, k), "rj")
 
-    def hidden(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        return j > r % causal_q
+    def hidden(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr | None:
+        causal = j > r % causal_q if causal_q else None
+        if ids is None:
+            return causal
+        masked = _KEY_CMPS[cmp](ids[r // per, j], tirx.const(value, I32))
+        return masked if causal is None else tirx.Or(causal, masked)
 
     def seen(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        if not causal_q:
-            return x[r, j]
-        return where(hidden(r, j), tirx.const(-128, I8), x[r, j])
+        h = hidden(r, j)
+        return x[r, j] if h is None else where(h, tirx.const(-128, I8), x[r, j])
 
     rowmax = te.compute((rows,), lambda r: te.max(seen(r, rj), axis=rj), name="rowmax")
 
     def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
         v = exp_lookup(x, rowmax, e, keys[0], table, stochastic, r, j)
-        return where(hidden(r, j), tirx.const(0, v.dtype), v) if causal_q else v
+        h = hidden(r, j)
+        return v if h is None else where(h, tirx.const(0, v.dtype), v)
 
     ex = te.compute((rows, k), lookup, name="ex")
     rs = te.reduce_axis((0, k), "rs")
     srow = te.compute((rows,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
     one = tirx.const(1 << SOFTMAX_RECIP_LOG2, I64)
-    recip = te.compute(
-        (rows,), lambda r: idiv_round(one, srow[r], native_division).astype(I32), name="recip"
-    )
+
+    def reciprocal(r: tirx.PrimExpr) -> tirx.PrimExpr:
+        if ids is None:  # S >= E(0) = 2^15: each row keeps a key
+            return idiv_round(one, srow[r], native_division).astype(I32)
+        s = srow[r]
+        v = idiv_round(one, tirx.max(s, tirx.const(1, s.dtype)), native_division).astype(I32)
+        return where(s == 0, tirx.const(0, I32), v)
+
+    recip = te.compute((rows,), reciprocal, name="recip")
     shift = tirx.const(SOFTMAX_RECIP_LOG2 - (bits - 1), I32)
 
     def prob(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -107,7 +136,8 @@ def softmax_forward(
         return tirx.min(v, qmax(bits)).astype(I8)
 
     p = te.compute((rows, k), prob, name="p")
-    func = _func([x, e, keys, table, p], name)
+    params = [x, e, keys, table, *([ids] if ids is not None else []), p]
+    func = _func(params, name)
     return a_row_at_a_time(func, "p") if host_schedule else func
 
 

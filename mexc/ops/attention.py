@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
-from mexc.kernels.transformer import causal_hidden
+from mexc.kernels.transformer import KEY_CMP_NEGATED, causal_hidden, key_hidden
 from mexc.ops.common import (
     Grads,
     before_last,
@@ -53,7 +54,18 @@ def _matmul_grad_k(n: Node, t: Any) -> int:
 
 
 def _softmax(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
-    return (K.softmax_forward(a[0], env.ctx, tid(n), causal=bool(n.attrs.causal)),)
+    cmp = str(n.attrs.key_cmp)
+    keys = key_hidden(a[1], cmp, int(n.attrs.key_value)) if cmp else None
+    return (K.softmax_forward(a[0], env.ctx, tid(n), bool(n.attrs.causal), keys),)
+
+
+def _softmax_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """The softmax's gradient (p = 0 at hidden keys gives them dx = 0); the token ids that a
+    key mask reads have none."""
+    return [*_softmax_rule(w, n, dys), *([None] * (len(n.inputs) - 1))]
+
+
+_softmax_rule = pointwise_vjp(Op.SOFTMAX_GRAD, lambda n: n.out)
 
 
 def _softmax_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -140,12 +152,14 @@ def _attention(
     dropout: float,
     mask: Value | None = None,
     causal: bool = False,
+    keys: tuple[str, int] | None = None,
 ) -> Value:
     """softmax(q k^T scale + mask) v for q [..., Tq, d], k [..., Tk, d], v [..., Tk, dv] (the
     ops examples/vit.py writes by hand; Tk < Tq in spatial-reduction attention, PVT and Twins):
     a transpose, two matmuls, a scale, the additive mask of the scores' shape if any (a
-    relative-position bias), a softmax (`causal`: each query's later keys hidden) and, in
-    training, dropout on the weights."""
+    relative-position bias), a softmax (`causal`: each query's later keys hidden; `keys`: the
+    keys whose token id makes (cmp, value) hold hidden, a padding mask) and, in training,
+    dropout on the weights."""
     (*lead, tq, d), (_, tk, _), (_, dv) = shapes[0], shapes[1][-3:], shapes[2][-2:]
     axes = {c.batch_axis(x) for x in (q, k, v)} - {None}
     if len(axes) > 1 or any(a >= len(lead) for a in axes):
@@ -164,7 +178,11 @@ def _attention(
     scores = c.emit_as(Op.SCALE, [c.emit_as(Op.MATMUL, [q, kt], s)], s, value=scale)
     if mask is not None:
         scores = c.emit_as(Op.ADD, [scores, mask], s)
-    p = c.emit_as(Op.SOFTMAX, [scores], s, causal=causal)
+    if keys is None:
+        p = c.emit_as(Op.SOFTMAX, [scores], s, causal=causal)
+    else:
+        cmp, value = keys
+        p = c.emit_as(Op.SOFTMAX, [scores, c.ids], s, causal=causal, key_cmp=cmp, key_value=value)
     if dropout > 0.0:
         p = c.emit_as(Op.DROPOUT, [p], s, p=dropout)
     return c.emit_as(Op.MATMUL, [p, v], (*lead, tq, dv))
@@ -201,9 +219,66 @@ def _sdpa(c: Any, n: Any) -> Value:
     dropout = float(args.get("dropout_p") or 0.0)
     scores = (*qs[:-1], ks[-2])
     m = args.get("attn_mask")
+    keys = key_mask(c, n, m, scores, hides=False)
+    if keys is not None:
+        causal = bool(args.get("is_causal"))
+        return _attention(c, n, q, k, v, (qs, ks, vs), float(scale), dropout, None, causal, keys)
     causal = bool(args.get("is_causal")) or is_causal_mask(c, n, m, scores, hides=False)
     mask = None if causal else _additive_mask(c, n, m, scores)
     return _attention(c, n, q, k, v, (qs, ks, vs), float(scale), dropout, mask, causal)
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """A boolean mask the forward computes from the token ids: `ids cmp value` (`ids == pad`),
+    viewed as `shape` (the ids' elements in their order, axes of extent 1 inserted or removed).
+    mexc reads it only as an attention's key mask (the frontend follows it: frontend_ids)."""
+
+    cmp: str
+    value: int
+    shape: tuple[int, ...]
+    ids: tuple[int, ...]  # the ids' shape
+
+    def negated(self) -> KeyMask:
+        return KeyMask(KEY_CMP_NEGATED[self.cmp], self.value, self.shape, self.ids)
+
+
+# what a key mask computed from the ids may be read by, for the refusals
+KEY_MASK_USES = (
+    "mexc reads a mask computed from the token ids only as attention's key mask: "
+    "nn.MultiheadAttention's key_padding_mask (the transformer layers' src_key_padding_mask), "
+    "or a boolean attn_mask of F.scaled_dot_product_attention shaped [N, 1, ..., 1, T] (True "
+    "where a key takes part)"
+)
+
+
+def key_mask(
+    c: Any, n: Any, m: Any, scores: tuple[int, ...], hides: bool
+) -> tuple[str, int] | None:
+    """(cmp, value) hiding the keys that mask m hides, where m is a KeyMask of the token ids
+    broadcast over scores (N, ..., Tq, Tk) along its batch and key axes; None where m is not
+    one. m's True hides its key (`hides`, key_padding_mask's convention) or lets it take part
+    (a boolean attn_mask's)."""
+    mask = c.env.get(m) if c.is_node(m) else None
+    if not isinstance(mask, KeyMask):
+        return None
+    ids = mask.ids
+    along = (
+        len(ids) == 2
+        and len(mask.shape) == len(scores)
+        and mask.shape[-1] == scores[-1] == ids[1]
+        and mask.shape[0] == scores[0] == ids[0]
+        and all(d == 1 for d in mask.shape[1:-1])
+    )
+    if not along or c.batch_axis(c.ids) != 0:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"hides keys by a mask {list(mask.shape)} of the token ids {list(ids)} for "
+                f"scores {list(scores)}; {KEY_MASK_USES}, the ids [N, T] with T the keys",
+            )
+        )
+    return (mask.cmp, mask.value) if hides else (KEY_CMP_NEGATED[mask.cmp], mask.value)
 
 
 # a float mask entry at or below this hides its key (torch's masks use -inf; others -1e9 or the
@@ -271,8 +346,7 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     (N, T, D) and the output back."""
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if args.get("key_padding_mask") is not None:
-        raise UnsupportedOpError(c.describe(n, _MASKS))
+    padding = args.get("key_padding_mask")
     if not m._qkv_same_embed_dim:
         raise UnsupportedOpError(
             c.describe(
@@ -324,12 +398,18 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
         heads.append(transposed(c, split, (b, tokens, h, d // h), (0, 2, 1, 3)))
     q, k, v = heads
     hs = ((b, h, t, d // h), (b, h, s, d // h), (b, h, s, d // h))
+    keys = None
+    if padding is not None:
+        keys = key_mask(c, n, padding, (b, s), hides=True)
+        if keys is None:
+            raise UnsupportedOpError(c.describe(n, _MASKS))
     mask = args.get("attn_mask")
     causal = is_causal_mask(c, n, mask, (b, h, t, s), hides=True)
     # is_causal is torch's hint that attn_mask is causal: without such a mask, refused too
     if (mask is not None or args.get("is_causal")) and not causal:
         raise UnsupportedOpError(c.describe(n, _MASKS))
-    y = _attention(c, n, q, k, v, hs, 1.0 / math.sqrt(d // h), float(m.dropout), None, causal)
+    scale, dropout = 1.0 / math.sqrt(d // h), float(m.dropout)
+    y = _attention(c, n, q, k, v, hs, scale, dropout, None, causal, keys)
     merged = reshaped(c, transposed(c, y, (b, h, t, d // h), (0, 2, 1, 3)), (b, t, d))
     out = m.out_proj
     weight = c.param(f"{name}.out_proj.weight", out.weight, "weight")
@@ -352,10 +432,11 @@ _MASKS = (
 define(
     OpDef(
         Op.SOFTMAX,
-        {"rid": -1, "causal": False},
+        # key_cmp: "" or the comparison of the token ids (the second input) that hides a key
+        {"rid": -1, "causal": False, "key_cmp": "", "key_value": 0},
         types=elementwise_types,
         keeps_axes=before_last,
-        vjp=pointwise_vjp(Op.SOFTMAX_GRAD, lambda n: n.out),
+        vjp=_softmax_vjp,
         reference=_softmax,
         frontend=(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),

@@ -20,7 +20,7 @@ import mexc  # noqa: E402
 from mexc.distributed import exit_worker, init_from_env, shard_rows  # noqa: E402
 
 # models whose input is token ids: their vocabulary, and their labels' shape per sample
-TOKENS = {"tokens": (40, ()), "causal_lm": (40, (8,))}
+TOKENS = {"tokens": (40, ()), "causal_lm": (40, (8,)), "padded": (40, ())}
 
 
 def batches(
@@ -129,6 +129,10 @@ def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
         from tests.compiler.test_embedding import T, TokenEncoder
 
         return TokenEncoder(), (T,)
+    if name == "padded":  # attention whose padding mask (ids == 0) hides keys
+        from tests.compiler.test_key_padding import PaddedEncoder, T
+
+        return PaddedEncoder(), (T,)
     if name == "causal_lm":  # causal attention, a label per position (the next id)
         from tests.compiler.test_embedding import CausalLM, T
 

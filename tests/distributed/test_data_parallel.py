@@ -28,8 +28,16 @@ CNNS = MODELS[:4]  # at 4 workers: the example CNNs (the MLP's ops are theirs)
 # MobileNetV3 (hardswish, squeeze-excitation products, hardsigmoid, dropout) and the layers
 # added for models users bring (dp_worker.ZooLayers: GroupNorm, LeakyReLU, channel dropout, ...;
 # a Swin block's relative-position bias and window mask, gathered; token ids through embedding
-# tables; a causal language model's label per position)
-OTHERS = ("ViTTiny", "mobilenet_v3_small", "zoo_layers", "shifted_windows", "tokens", "causal_lm")
+# tables; a causal language model's label per position; a padding mask of the ids)
+OTHERS = (
+    "ViTTiny",
+    "mobilenet_v3_small",
+    "zoo_layers",
+    "shifted_windows",
+    "tokens",
+    "causal_lm",
+    "padded",
+)
 BATCH, STEPS = 8, 10
 
 

@@ -1070,6 +1070,15 @@ def _softmax(e: _Emit, n: Node) -> None:
     rows, k = _rows2(e.shape(n.inputs[0]))
     y = e.arena(n.out, "int8_t")
     ey = e.local_exp(n.out)
+    if n.attrs.key_cmp:  # the token ids [N, K] hide keys (a padding mask)
+        tq = e.shape(n.inputs[0])[-2] if bool(n.attrs.causal) else 0
+        ids, samples = e.ptr[n.inputs[1]], e.shape(n.inputs[1])[0]
+        cmp = f"MEXC_KEY_{str(n.attrs.key_cmp).upper()}"
+        e.emit(
+            f"{ey} = mexc_softmax_masked_forward({rows}, {k}, {tq}u, {ids}, {samples}u, {cmp}, "
+            f"{int(n.attrs.key_value)}, {x}, {ex}, {y}, &ctx, {_tid(n)}u);"
+        )
+        return
     if bool(n.attrs.causal):
         tq = e.shape(n.inputs[0])[-2]
         e.emit(

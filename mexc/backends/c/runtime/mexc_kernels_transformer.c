@@ -323,29 +323,52 @@ int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_
 
 /* ------------------------------------------------------------------ softmax */
 
+/* whether token id `id` hides its key under a key mask (kernels.transformer.key_hidden) */
+static int key_hides(int32_t id, int32_t cmp, int32_t value)
+{
+    switch (cmp) {
+    case MEXC_KEY_EQ: return id == value;
+    case MEXC_KEY_NE: return id != value;
+    case MEXC_KEY_LT: return id < value;
+    case MEXC_KEY_LE: return id <= value;
+    case MEXC_KEY_GT: return id > value;
+    default: return id >= value; /* MEXC_KEY_GE */
+    }
+}
+
 /* tq > 0: causal over rows of tq queries: row r is query r % tq, and its keys j > r % tq take no
- * part (their p is 0, the row max is over the others) */
-static int32_t softmax_rows(uint32_t rows, uint32_t k, uint32_t tq, const int8_t *x, int32_t e,
+ * part (their p is 0, the row max is over the others). ids != NULL: key j of row r also takes no
+ * part where key_hides(ids[(r / per) k + j]); a row whose every key is hidden has p = 0 */
+static int32_t softmax_rows(uint32_t rows, uint32_t k, uint32_t tq, const int32_t *ids,
+                            uint32_t per, int32_t cmp, int32_t value, const int8_t *x, int32_t e,
                             int8_t *p, const mexc_ctx_t *ctx, uint32_t tid)
 {
     const uint32_t key0 = mexc_site_key(ctx, tid, 0), key1 = mexc_site_key(ctx, tid, 1);
     const int32_t pe = -(ctx->bits - 1), q = mexc_qmax(ctx->bits);
     uint32_t r, j, idx, seen;
-    int32_t mx, srow, recip, v;
+    int32_t mx, srow, recip, v, any;
     for (r = 0; r < rows; r++) {
         const int8_t *m = x + r * k;
+        const int32_t *row_ids = ids ? ids + (r / per) * k : 0;
         seen = tq ? r % tq + 1 : k; /* the keys the row reads: 0 .. seen - 1 */
         if (seen > k) seen = k;
-        mx = m[0];
-        for (j = 1; j < seen; j++) mx = m[j] > mx ? m[j] : mx;
+        mx = 0;
+        any = 0;
+        for (j = 0; j < seen; j++) {
+            if (row_ids && key_hides(row_ids[j], cmp, value)) continue;
+            mx = (!any || m[j] > mx) ? m[j] : mx;
+            any = 1;
+        }
         srow = 0;
-        for (j = 0; j < seen; j++)
+        for (j = 0; j < seen; j++) {
+            if (row_ids && key_hides(row_ids[j], cmp, value)) continue;
             srow += table_lookup(mexc_exp_table, MEXC_EXP_IN_EXP, m[j] - mx, e, ctx, key0,
                                  r * k + j, 0);
-        recip = mexc_idiv_round((int32_t)1 << SOFTMAX_RECIP_LOG2, (uint32_t)srow);
+        }
+        recip = srow ? mexc_idiv_round((int32_t)1 << SOFTMAX_RECIP_LOG2, (uint32_t)srow) : 0;
         for (j = 0; j < k; j++) {
             idx = r * k + j;
-            if (j >= seen) {
+            if (j >= seen || (row_ids && key_hides(row_ids[j], cmp, value))) {
                 p[idx] = 0;
                 continue;
             }
@@ -360,13 +383,20 @@ static int32_t softmax_rows(uint32_t rows, uint32_t k, uint32_t tq, const int8_t
 int32_t mexc_softmax_forward(uint32_t rows, uint32_t k, const int8_t *x, int32_t e, int8_t *p,
                              const mexc_ctx_t *ctx, uint32_t tid)
 {
-    return softmax_rows(rows, k, 0u, x, e, p, ctx, tid);
+    return softmax_rows(rows, k, 0u, 0, 1u, 0, 0, x, e, p, ctx, tid);
 }
 
 int32_t mexc_softmax_causal_forward(uint32_t rows, uint32_t k, uint32_t tq, const int8_t *x,
                                     int32_t e, int8_t *p, const mexc_ctx_t *ctx, uint32_t tid)
 {
-    return softmax_rows(rows, k, tq, x, e, p, ctx, tid);
+    return softmax_rows(rows, k, tq, 0, 1u, 0, 0, x, e, p, ctx, tid);
+}
+
+int32_t mexc_softmax_masked_forward(uint32_t rows, uint32_t k, uint32_t tq, const int32_t *ids,
+                                    uint32_t samples, int32_t cmp, int32_t value, const int8_t *x,
+                                    int32_t e, int8_t *p, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    return softmax_rows(rows, k, tq, ids, rows / samples, cmp, value, x, e, p, ctx, tid);
 }
 
 uint32_t mexc_softmax_backward_scratch(uint32_t rows, uint32_t k)

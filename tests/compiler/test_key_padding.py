@@ -1,0 +1,269 @@
+"""Padded batches of token ids: attention that hides the keys a mask computed from the ids
+names (nn.MultiheadAttention's key_padding_mask, the transformer layers' src_key_padding_mask,
+a boolean attn_mask of F.scaled_dot_product_attention; docs/layers.md, "Key-masked softmax").
+Against torch and autograd, bit-exact on reference, llvm, C and the CUDA emulator, rows whose
+every key is hidden, and the other reads of such a mask refused by node."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mexc
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Op
+from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+    step_values,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from test_cuda_products import needs_cuda_tools  # noqa: E402
+
+VOCAB, T, D, PAD = 40, 8, 16, 0
+
+
+class PaddedEncoder(nn.Module):
+    """Token (PAD pads) and position tables, an nn.TransformerEncoder of two layers given
+    src_key_padding_mask = ids == PAD, a linear head on the first token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D, padding_idx=PAD)
+        self.positions = nn.Embedding(T, D)
+        layer = nn.TransformerEncoderLayer(D, 4, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        at = torch.arange(ids.shape[1], device=ids.device)
+        h = self.encoder(self.tokens(ids) + self.positions(at), src_key_padding_mask=ids == PAD)
+        return self.head(h[:, 0])
+
+
+class SdpaAttention(nn.Module):
+    """Hand-written attention through F.scaled_dot_product_attention whose boolean attn_mask
+    [N, 1, 1, T] lets the keys take part where `ids != PAD` (True: attends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D, padding_idx=PAD)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, t = ids.shape
+        x = self.tokens(ids)
+        q, k, v = self.qkv(x).reshape(n, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        keep = (ids != PAD)[:, None, None, :]
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.head(y.transpose(1, 2).reshape(n, t, D)[:, 0])
+
+
+class SequenceFirst(nn.Module):
+    """nn.MultiheadAttention with batch_first=False called directly: its key_padding_mask is
+    [N, T] either way, here `~(ids > PAD)` (a negated comparison)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D, padding_idx=PAD)
+        self.attention = nn.MultiheadAttention(D, 2)
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids).transpose(0, 1)  # (T, N, D)
+        y, _ = self.attention(x, x, x, key_padding_mask=~(ids > PAD), need_weights=False)
+        return self.head(y[0])
+
+
+class PaddedLM(nn.Module):
+    """A causal language model over left-padded sequences: the square subsequent mask and
+    the padding mask together (a query before its sequence's first id hides every key), a
+    label per position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D, padding_idx=PAD)
+        self.block = nn.TransformerEncoderLayer(
+            D, 4, 32, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(T))
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pad = ids.eq(PAD)
+        h = self.block(self.tokens(ids), src_mask=self.mask, src_key_padding_mask=pad)
+        return self.head(h).transpose(1, 2)
+
+
+MODELS = {"encoder": PaddedEncoder, "sdpa": SdpaAttention, "seq_first": SequenceFirst}
+# the comparison each one's softmax makes of the ids to hide a key (~(ids > PAD): ids <= PAD)
+HIDES = {"encoder": "eq", "sdpa": "eq", "seq_first": "le"}
+
+
+def padded(n: int = 6, seed: int = 0, left: bool = False) -> np.ndarray:
+    """Sequences of 1 to T ids in [1, VOCAB), padded with PAD to T on the right (on the left:
+    `left`)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, VOCAB, (n, T))
+    for row, length in zip(ids, rng.integers(1, T + 1, n)):
+        if left:
+            row[: T - length] = PAD
+        else:
+            row[length:] = PAD
+    return ids
+
+
+def labels(n: int = 6, seed: int = 0, per_position: bool = False) -> np.ndarray:
+    rng = np.random.default_rng(seed + 100)
+    return rng.integers(0, VOCAB if per_position else 10, (n, T) if per_position else (n,))
+
+
+def compiled(model: nn.Module, ids: np.ndarray, **options: object) -> mexc.Program:
+    return mexc.compile(model, (torch.from_numpy(ids),), **options)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_and_gradients_match_torch_on_padded_batches(name: str) -> None:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids, y = padded(8), labels(8)
+    prog = compiled(model, ids, rounding="nearest")
+    softmaxes = prog.graph.nodes_of(Op.SOFTMAX)
+    assert len(softmaxes) == (2 if name == "encoder" else 1)
+    for softmax in softmaxes:
+        assert (softmax.attrs.key_cmp, softmax.attrs.key_value) == (HIDES[name], PAD)
+        assert softmax.inputs[1] == prog.graph.nodes_of(Op.INPUT)[0].out  # reads the ids
+    assert_logits_match_torch(model, prog, padded(8, seed=1))
+    got, want = integer_gradients(prog, ids, y), float_gradients(model, prog, ids, y)
+    assert set(got) == set(want)
+    for param in got:
+        assert cosine(got[param], want[param]) >= 0.97, param
+
+
+def test_the_mask_changes_the_logits_as_in_torch() -> None:
+    """Attending over the padding too would move the first token's logits (torch without the
+    mask): the integer logits are near torch's with the mask, not those without it."""
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    ids = padded(8, seed=1)
+    prog = compiled(model, ids, rounding="nearest")
+    x = torch.from_numpy(ids)
+    with torch.no_grad():
+        unmasked = model.head(model.encoder(model.tokens(x) + model.positions(torch.arange(T))))
+        masked = model(x).numpy()
+    got = prog.logits(ids)
+    rows = (ids == PAD).sum(axis=1) >= 3  # the samples the padding moves most
+    near = np.abs(got - masked)[rows].mean()
+    assert near < 0.3 * np.abs(got - unmasked[:, 0].numpy())[rows].mean()
+    assert np.abs(got - masked).max() < 0.05 * np.abs(masked).max()
+
+
+def test_hidden_keys_get_probability_zero_and_the_others_sum_to_one() -> None:
+    """The softmax of the integer step: p = 0 exactly at every hidden key (here ids >= 30:
+    `keep = ids < 30`), the other keys' p sum to 1 within rounding, and a row whose every key
+    is hidden (a sample of hidden ids only) is 0 throughout."""
+
+    class Ignores(SdpaAttention):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            n, t = ids.shape
+            q, k, v = self.qkv(self.tokens(ids)).reshape(n, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+            keep = (ids < 30).unsqueeze(1).unsqueeze(2)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return self.head(y.transpose(1, 2).reshape(n, t, D)[:, 0])
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(1, VOCAB, (4, T))
+    ids[0] = rng.integers(30, VOCAB, T)
+    prog = compiled(Ignores(), ids)
+    (softmax,) = prog.graph.nodes_of(Op.SOFTMAX)
+    assert (softmax.attrs.key_cmp, softmax.attrs.key_value) == ("ge", 30)
+    p = step_values(prog, ids, labels(4))[softmax.out].dequantize()  # [N, heads, T, T]
+    hidden = np.broadcast_to((ids >= 30)[:, None, None, :], p.shape)
+    assert hidden[1:].any() and (p[hidden] == 0).all()
+    assert (p[0] == 0).all()
+    assert np.abs(p[1:].sum(axis=-1) - 1).max() < 0.05
+
+
+def test_a_padded_language_model_matches_torch_where_torch_is_finite() -> None:
+    """Causal and padding masks together over left-padded sequences: the queries before a
+    sequence's first id hide every key (torch's output there is NaN; mexc's attention gives
+    0), and every other position's logits match torch's."""
+    torch.manual_seed(0)
+    model = PaddedLM()
+    ids = padded(6, left=True)
+    ids[0] = PAD  # a sequence of padding only
+    prog = compiled(model, ids, rounding="nearest")
+    (softmax,) = prog.graph.nodes_of(Op.SOFTMAX)
+    assert bool(softmax.attrs.causal) and softmax.attrs.key_cmp == "eq"
+    ref = model.double().eval()
+    with torch.no_grad():
+        want = ref(torch.from_numpy(ids)).numpy()
+    got = prog.logits(ids)
+    assert np.isfinite(got).all()
+    finite = np.isfinite(want).all(axis=1)  # [N, T]: the positions torch computes
+    assert finite.sum() == int((np.cumsum(ids != PAD, axis=1) > 0).sum())
+    err = np.abs(got - want).max(axis=1)[finite]
+    assert err.max() <= 0.05 * np.abs(want.transpose(0, 2, 1)[finite]).max()
+
+
+def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
+    class MaskedMean(PaddedEncoder):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            keep = (ids != PAD).unsqueeze(-1)
+            h = self.encoder(self.tokens(ids), src_key_padding_mask=ids == PAD)
+            return self.head((h * keep).sum(1))
+
+    class QueryMask(SdpaAttention):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            n, t = ids.shape
+            q, k, v = self.qkv(self.tokens(ids)).reshape(n, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+            keep = (ids != PAD)[:, None, :, None]  # along the queries
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return self.head(y.transpose(1, 2).reshape(n, t, D)[:, 0])
+
+    ids = padded(4)
+    with pytest.raises(UnsupportedOpError, match=r"'mul'.*mask computed from the token ids"):
+        compiled(MaskedMean(), ids)
+    with pytest.raises(UnsupportedOpError, match=r"hides keys by a mask \[4, 1, 8, 1\]"):
+        compiled(QueryMask(), ids)
+
+
+# the three forms lower to one softmax with a key mask: the encoder (two layers, the padding
+# mask alone) and the padded language model (with the causal mask, all-padding rows)
+def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    ids = padded(6)
+    ids[1] = PAD
+
+    def program(target: str) -> mexc.Program:
+        torch.manual_seed(0)
+        return compiled(PaddedEncoder(), ids, target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, (ids, labels(6)))
+
+    lm_ids = padded(6, left=True)
+
+    def lm(target: str) -> mexc.Program:
+        torch.manual_seed(0)
+        return compiled(PaddedLM(), lm_ids, target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(lm("reference"), lm, (lm_ids, labels(6, 0, True)))
+
+
+@needs_cuda_tools
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ids = padded(4, left=True)
+    ids[2] = PAD
+    assert_cuda_source_trains_bit_exact(compiled(PaddedLM(), ids), tmp_path)
