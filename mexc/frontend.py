@@ -44,7 +44,7 @@ from mexc.frontend_key_masks import key_mask_of
 from mexc.frontend_modules import traced_forward
 from mexc.ir import LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
-from mexc.ops.attention import KEY_MASK_USES, KeyMask
+from mexc.ops.attention import KEY_MASK_USES, MASKED_READ, KeyMask, MaskedScores
 from mexc.ops.common import (
     STATIC_VALUE,
     ParamView,
@@ -220,6 +220,10 @@ class _Ctx:
                     f"reads a mask computed from the token ids as a tensor; {KEY_MASK_USES}. "
                     "Pool the tokens without it (the first token, or a mean over all)",
                 )
+            )
+        if isinstance(v, MaskedScores):
+            raise UnsupportedOpError(
+                _describe(self.node if self.node is not None else a, MASKED_READ)
             )
         if self.is_batched_constant(v):
             # a positional encoding made in forward for the batch (EdgeNeXt, XCiT) that a layer

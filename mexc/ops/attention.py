@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,15 @@ def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
     if dim is None:
         raise UnsupportedOpError(c.describe(n, "takes a softmax without a dim; name the axis"))
     d = static_int(dim) % rank
+    held = c.env.get(n.args[0]) if c.is_node(n.args[0]) else None
+    if isinstance(held, MaskedScores):
+        if d != rank - 1:
+            raise UnsupportedOpError(c.describe(n, f"{MASKED_READ}, not over axis {d}"))
+        if held.keys is None:
+            return c.emit(Op.SOFTMAX, [held.scores], n, causal=held.causal)
+        cmp, value = held.keys
+        inputs = [held.scores, c.ids]
+        return c.emit(Op.SOFTMAX, inputs, n, causal=held.causal, key_cmp=cmp, key_value=value)
     if d == rank - 1:
         return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
     if d == c.first_or_batch_axis(c.arg(n.args[0])):
@@ -331,6 +341,55 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
     return broadcast(c, n, c.arg(m), shape, scores)
 
 
+@dataclass(frozen=True)
+class MaskedScores:
+    """Attention scores whose hidden keys a masked_fill set to -inf (nanoGPT's causal
+    `att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))`, or a padding mask of the
+    ids): no int8 mantissa holds -inf, so the softmax over the last axis that reads them hides
+    those keys itself (its `causal` and key mask), and nothing else may read them."""
+
+    scores: Value
+    causal: bool = False
+    keys: tuple[str, int] | None = None
+
+
+MASKED_READ = (
+    "reads attention scores that a masked_fill set to -inf; mexc reads them only through a "
+    "softmax over the last axis, which hides those keys itself"
+)
+
+
+def _masked_fill(c: Any, n: Any) -> MaskedScores:
+    """x.masked_fill(mask, -inf) (torch.masked_fill) on attention scores before their softmax:
+    the mask is the causal one (a buffer, or a constant the forward builds: True above the
+    diagonal) or a KeyMask of the token ids broadcast over the scores' batch and key axes.
+    A fill of at most HIDING hides as -inf does. Other fills and masks are refused by node."""
+    names = ("input", "mask", "value")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    x, m, fill = args["input"], args.get("mask"), static_value(args.get("value"))
+    if not isinstance(fill, (int, float)) or fill > HIDING:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"fills with {fill!r}; mexc takes masked_fill only to hide attention scores "
+                "from their softmax (a fill of -inf, or at most -1e4)",
+            )
+        )
+    held = c.env.get(x) if c.is_node(x) else None
+    base = held if isinstance(held, MaskedScores) else MaskedScores(c.arg(x))
+    if c.batch_axis(base.scores) not in (0, None):
+        raise UnsupportedOpError(c.describe(n, "masks scores whose batch axis is not the first"))
+    shape = tuple(c.shape(x))
+    keys = key_mask(c, n, m, shape, hides=True)
+    if keys is not None:
+        if base.keys not in (None, keys):
+            raise UnsupportedOpError(c.describe(n, "hides keys by a second mask of the ids"))
+        return dataclasses.replace(base, keys=keys)
+    if not is_causal_mask(c, n, m, shape, hides=True):
+        raise UnsupportedOpError(c.describe(n, _MASKS))
+    return dataclasses.replace(base, causal=True)
+
+
 def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     """nn.MultiheadAttention without masks, as its ops: the input projections (LINEAR of
     in_proj_weight), the heads split by slices and transposes, the attention, the heads merged,
@@ -442,6 +501,8 @@ define(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
             Pattern("module", ("torch.nn.Softmax",), _softmax_module),
+            Pattern("method", ("masked_fill",), _masked_fill),
+            Pattern("function", ("torch.masked_fill",), _masked_fill),
             Pattern(
                 "function", ("torch.nn.functional.log_softmax", "torch.log_softmax"), _log_softmax
             ),

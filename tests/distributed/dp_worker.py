@@ -130,7 +130,7 @@ def model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
 
         return TokenEncoder(), (T,)
     if name == "padded":  # attention whose padding mask (ids == 0) hides keys
-        from tests.compiler.test_key_padding import PaddedEncoder, T
+        from tests.compiler.test_attention_masks import PaddedEncoder, T
 
         return PaddedEncoder(), (T,)
     if name == "causal_lm":  # causal attention, a label per position (the next id)

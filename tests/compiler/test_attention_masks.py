@@ -1,11 +1,14 @@
-"""Padded batches of token ids: attention that hides the keys a mask computed from the ids
-names (nn.MultiheadAttention's key_padding_mask, the transformer layers' src_key_padding_mask,
-a boolean attn_mask of F.scaled_dot_product_attention; docs/layers.md, "Key-masked softmax").
-Against torch and autograd, bit-exact on reference, llvm, C and the CUDA emulator, rows whose
-every key is hidden, and the other reads of such a mask refused by node."""
+"""Attention masks: padded batches of token ids, whose attention hides the keys a mask
+computed from the ids names (nn.MultiheadAttention's key_padding_mask, the transformer layers'
+src_key_padding_mask, a boolean attn_mask of F.scaled_dot_product_attention, a masked_fill;
+docs/layers.md, "Key-masked softmax"), and hand-written causal attention that hides later keys
+with masked_fill (nanoGPT's). Against torch and autograd, bit-exact on reference, llvm, C and
+the CUDA emulator, rows whose every key is hidden, and the other masks and reads refused by
+node."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -104,6 +107,47 @@ class PaddedLM(nn.Module):
         pad = ids.eq(PAD)
         h = self.block(self.tokens(ids), src_mask=self.mask, src_key_padding_mask=pad)
         return self.head(h).transpose(1, 2)
+
+
+class MaskedFillAttention(nn.Module):
+    """nanoGPT's causal self-attention written by hand: scores masked_fill'ed with -inf where
+    a tril buffer is 0, and (`padding`) where the key's id is PAD, then F.softmax."""
+
+    def __init__(self, padding: bool) -> None:
+        super().__init__()
+        self.padding = padding
+        self.c_attn = nn.Linear(D, 3 * D)
+        self.c_proj = nn.Linear(D, D)
+        self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.size()
+        q, k, v = self.c_attn(x).split(D, 2)
+        q, k, v = (a.view(n, t, 2, d // 2).transpose(1, 2) for a in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        if self.padding:
+            att = att.masked_fill((ids == PAD)[:, None, None, :], float("-inf"))
+        y = nn.functional.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
+
+
+class TinyGPT(nn.Module):
+    """Token and position tables, one pre-norm block of MaskedFillAttention, a head over the
+    vocabulary at every position (a label per position)."""
+
+    def __init__(self, padding: bool = False) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)
+        self.wpe = nn.Embedding(T, D)
+        self.ln = nn.LayerNorm(D)
+        self.attn = MaskedFillAttention(padding)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        x = x + self.attn(self.ln(x), ids)
+        return self.head(x).transpose(1, 2)
 
 
 MODELS = {"encoder": PaddedEncoder, "sdpa": SdpaAttention, "seq_first": SequenceFirst}
@@ -218,6 +262,23 @@ def test_a_padded_language_model_matches_torch_where_torch_is_finite() -> None:
     assert err.max() <= 0.05 * np.abs(want.transpose(0, 2, 1)[finite]).max()
 
 
+@pytest.mark.parametrize("padding", [False, True])
+def test_masked_fill_attention_matches_torch(padding: bool) -> None:
+    """nanoGPT's masked_fill(-inf) before F.softmax: the softmax hides the later keys
+    (causal) and, with the padding mask too, the PAD keys."""
+    torch.manual_seed(0)
+    model = TinyGPT(padding)
+    ids, y = padded(6), labels(6, per_position=True)
+    prog = compiled(model, ids, rounding="nearest")
+    (softmax,) = prog.graph.nodes_of(Op.SOFTMAX)
+    assert bool(softmax.attrs.causal)
+    assert softmax.attrs.key_cmp == ("eq" if padding else "")
+    assert_logits_match_torch(model, prog, padded(6, seed=1))
+    got, want = integer_gradients(prog, ids, y), float_gradients(model, prog, ids, y)
+    for param in got:
+        assert cosine(got[param], want[param]) >= 0.99, param
+
+
 def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
     class MaskedMean(PaddedEncoder):
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -233,15 +294,42 @@ def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
             y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
             return self.head(y.transpose(1, 2).reshape(n, t, D)[:, 0])
 
+    class ZeroFill(MaskedFillAttention):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return x.masked_fill((ids == PAD)[..., None], 0.0)
+
+    class OtherPattern(MaskedFillAttention):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            att = x @ x.transpose(-2, -1)
+            hidden = torch.ones(T, T, dtype=torch.bool).triu(2)  # a band, not the causal mask
+            return nn.functional.softmax(att.masked_fill(hidden, float("-inf")), -1) @ x
+
+    class ReadsMaskedScores(MaskedFillAttention):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            att = (x @ x.transpose(-2, -1)).masked_fill(self.bias[0, 0] == 0, float("-inf"))
+            return (att * 2.0) @ x
+
+    def gpt(attention: type[MaskedFillAttention]) -> TinyGPT:
+        model = TinyGPT()
+        model.attn = attention(False)
+        return model
+
     ids = padded(4)
     with pytest.raises(UnsupportedOpError, match=r"'mul'.*mask computed from the token ids"):
         compiled(MaskedMean(), ids)
     with pytest.raises(UnsupportedOpError, match=r"hides keys by a mask \[4, 1, 8, 1\]"):
         compiled(QueryMask(), ids)
+    with pytest.raises(UnsupportedOpError, match=r"'masked_fill'.*fills with 0.0"):
+        compiled(gpt(ZeroFill), ids)
+    with pytest.raises(UnsupportedOpError, match=r"'masked_fill'.*hides keys other than"):
+        compiled(gpt(OtherPattern), ids)
+    with pytest.raises(UnsupportedOpError, match=r"'mul'.*masked_fill set to -inf"):
+        compiled(gpt(ReadsMaskedScores), ids)
 
 
-# the three forms lower to one softmax with a key mask: the encoder (two layers, the padding
-# mask alone) and the padded language model (with the causal mask, all-padding rows)
+# the forms lower to one softmax with a key mask: the encoder (two layers, the padding mask
+# alone), the padded language model (with the causal mask, all-padding rows) and the masked_fill
+# of both (the frontend's other path to the same op)
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     ids = padded(6)
     ids[1] = PAD
@@ -259,6 +347,12 @@ def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
         return compiled(PaddedLM(), lm_ids, target=target)
 
     assert_trains_bit_exact_on_llvm_and_c(lm("reference"), lm, (lm_ids, labels(6, 0, True)))
+
+    def gpt(target: str) -> mexc.Program:
+        torch.manual_seed(0)
+        return compiled(TinyGPT(padding=True), ids, target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(gpt("reference"), gpt, (ids, labels(6, 0, True)))
 
 
 @needs_cuda_tools
