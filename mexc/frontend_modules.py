@@ -9,8 +9,8 @@ modules' submodules and blocks (`_sa_block`, `_ff_block`, `_mha_block`, `norm1`,
 `norm`): traced, every submodule becomes its own node, converted by its own pattern
 (MultiheadAttention, Linear, LayerNorm, Dropout, the activation), with the submodule's name in
 any error. Masks and
-`is_causal` are passed on to the attention, which takes the causal mask and refuses the others
-by node.
+`is_causal` are passed on to the attention, which takes the causal mask and padding masks of the
+token ids (`src_key_padding_mask = ids == pad`) and refuses the others by node.
 
 A subclass that keeps torch's `forward` is traced as its class, through the blocks it may
 override; one that overrides `forward` is traced through its own, as any user module.

@@ -391,7 +391,7 @@ def _masked_fill(c: Any, n: Any) -> MaskedScores:
 
 
 def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
-    """nn.MultiheadAttention without masks, as its ops: the input projections (LINEAR of
+    """nn.MultiheadAttention as its ops: the input projections (LINEAR of
     in_proj_weight), the heads split by slices and transposes, the attention, the heads merged,
     the output projection. Results: (output, None), the attention weights are not computed
     (need_weights=False; a model that reads them is refused where it does).
@@ -402,7 +402,8 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     parameter once and reads a layer's weight as declared, so this costs the unused rows'
     products (3x the query's projection, 1.5x the memory's) for an unchanged gradient (the
     unused rows' is zero). batch_first=False: the (T, N, D) inputs are transposed to
-    (N, T, D) and the output back."""
+    (N, T, D) and the output back. Masks: attn_mask the causal one, key_padding_mask [N, S] a
+    KeyMask of the token ids (True where a key is hidden), either or both."""
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     padding = args.get("key_padding_mask")
@@ -477,14 +478,16 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     return (transposed(c, y, (b, t, d), (1, 0, 2)) if seq_first else y), None
 
 
-# why other masks are refused: the integer softmax's one masked form is the causal one (its exp
-# table's smallest entry is exp(-8), not 0, and an additive -inf has no int8 mantissa)
+# why other masks are refused: the integer softmax hides keys in two forms only, the causal
+# pattern and a comparison of the token ids (its exp table's smallest entry is exp(-8), not 0,
+# and an additive -inf has no int8 mantissa)
 _MASKS = (
-    "uses an attention mask that hides keys other than each query's later ones "
-    "(key_padding_mask, or another pattern of -inf or boolean entries, or one the forward "
-    "computes from the input): mexc's integer softmax hides only the causal pattern (is_causal, "
-    "nn.Transformer.generate_square_subsequent_mask), so padding and other masks are not "
-    "supported; attend over whole sequences, or add a finite float mask to the scores"
+    "uses an attention mask that mexc's integer softmax cannot apply: it hides each query's "
+    "later keys (is_causal, nn.Transformer.generate_square_subsequent_mask, a tril buffer) and "
+    "the keys a boolean mask of the token ids names (ids == pad, as key_padding_mask, a boolean "
+    "attn_mask [N, 1, 1, T] or a masked_fill of the scores), alone or together; other patterns "
+    "of -inf or boolean entries, and masks computed from activations, are not supported: "
+    "attend over whole sequences, or add a finite float mask to the scores"
 )
 
 
