@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         default="fashion-mnist",
-        help="fashion-mnist | digits | digits-tokens | digits-next | npz:PATH",
+        help="fashion-mnist | digits | digits-tokens | digits-next | digits-sparse | npz:PATH",
     )
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)

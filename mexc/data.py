@@ -15,6 +15,11 @@ Five sources, none downloaded at run time:
   their input through embedding tables.
 * ``digits-next``: ``digits-tokens`` read as a language: ``x`` each sequence's first 63 ids,
   ``y`` the 63 that follow them (a label per position: the next intensity), for causal models.
+* ``digits-sparse``: the same images and split as padded sequences of varying length: a class
+  token (id 1), then one id per nonzero pixel in row-major order, ``2 + 4 * pixel + (intensity -
+  1) // 4`` (its place and one of 4 intensity levels; vocabulary 258), padded with id 0 to 48
+  (int64 ``[N, 48]``; 17 to 43 ids are not padding), for models that hide the padding from
+  their attention (``key_padding_mask = ids == 0``).
 * ``npz:PATH``: a user's ``.npz`` file with arrays ``x`` and ``y``, and optionally ``x_test`` and
   ``y_test``. ``x`` holds images ``[N, H, W]`` or ``[N, C, H, W]`` (uint8 scaled by 1/255, or
   float used as is), or token ids ``[N, ...]`` (any other integer dtype, kept as they are: store
@@ -45,7 +50,7 @@ FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 DIGITS_MEAN, DIGITS_STD = 0.3051, 0.3750
 DIGITS_TRAIN = 1500
 SPLITS = ("train", "test")
-DATASETS = ("fashion-mnist", "digits", "digits-tokens", "digits-next", "npz:PATH")
+DATASETS = ("fashion-mnist", "digits", "digits-tokens", "digits-next", "digits-sparse", "npz:PATH")
 
 Arrays = tuple[np.ndarray, np.ndarray]
 
@@ -136,6 +141,23 @@ def load_digit_tokens(split: str) -> Arrays:
     row-major order (int64 [N, 64])."""
     pixels, y = _digits_split(split)
     return pixels.astype(np.int64), y
+
+
+SPARSE_LENGTH = 48  # digits-sparse: the class token and at most 42 nonzero pixels, padded
+SPARSE_PAD, SPARSE_CLS = 0, 1
+
+
+def load_digit_sparse_tokens(split: str) -> Arrays:
+    """_digits_split's images as padded sequences: the class token SPARSE_CLS, then one id per
+    nonzero pixel in row-major order (2 + 4 pixel + (intensity - 1) // 4: its place and one of
+    4 levels), padded with SPARSE_PAD to SPARSE_LENGTH (int64 [N, SPARSE_LENGTH])."""
+    pixels, y = _digits_split(split)
+    ids = np.full((len(pixels), SPARSE_LENGTH), SPARSE_PAD, np.int64)
+    ids[:, 0] = SPARSE_CLS
+    for row, image in zip(ids, np.asarray(pixels, np.int64)):
+        (at,) = np.nonzero(image)
+        row[1 : 1 + at.size] = 2 + 4 * at + (image[at] - 1) // 4
+    return ids, y
 
 
 def load_digits(split: str) -> Arrays:
@@ -236,6 +258,8 @@ def get_dataset(name: str, split: str) -> Arrays:
     if name == "digits-next":
         ids, _ = load_digit_tokens(split)
         return ids[:, :-1], ids[:, 1:]
+    if name == "digits-sparse":
+        return load_digit_sparse_tokens(split)
     if name.startswith("npz:"):
         return load_npz(name[4:], split)
     raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

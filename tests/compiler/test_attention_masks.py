@@ -361,3 +361,21 @@ def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     ids = padded(4, left=True)
     ids[2] = PAD
     assert_cuda_source_trains_bit_exact(compiled(PaddedLM(), ids), tmp_path)
+
+
+def test_digits_sparse_are_the_nonzero_pixels_of_the_digits_padded() -> None:
+    from mexc.data import SPARSE_CLS, SPARSE_LENGTH, SPARSE_PAD, get_dataset
+
+    x, y = get_dataset("digits-sparse", "test")
+    tokens, labels = get_dataset("digits-tokens", "test")
+    assert x.shape == (297, SPARSE_LENGTH) and x.dtype == np.int64
+    assert np.array_equal(y, labels) and (x[:, 0] == SPARSE_CLS).all()
+    lengths = (x != SPARSE_PAD).sum(axis=1)
+    assert (x[np.arange(SPARSE_LENGTH) >= lengths[:, None]] == SPARSE_PAD).all()  # padded
+    assert np.array_equal(lengths - 1, (tokens > 0).sum(axis=1))
+    assert 2 <= x[x > SPARSE_CLS].min() and x.max() < 2 + 4 * 64
+    # every id names its pixel and level, in row-major order
+    image = tokens[5]
+    (at,) = np.nonzero(image)
+    assert np.array_equal(x[5, 1 : 1 + at.size], 2 + 4 * at + (image[at] - 1) // 4)
+
