@@ -993,7 +993,9 @@ def _rebound_if_in_place(c: _Ctx, n: torch.fx.Node, v: Any, inplace: Any) -> Any
     x = n.args[0] if n.args else n.kwargs.get("input")
     if not isinstance(x, torch.fx.Node):
         return v
-    if not isinstance(c.env.get(x), Value) or not isinstance(v, Value):
+    # masked_fill_ binds the activation to its masked scores (ops.attention.MaskedScores)
+    held = (Value, MaskedScores)
+    if not isinstance(c.env.get(x), held) or not isinstance(v, held):
         raise UnsupportedOpError(_describe(n, _NOT_ACTIVATION))
     frontend_index.rebind(c, n, x, v)
     return v
@@ -1119,6 +1121,14 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             if not isinstance(out, torch.fx.Node):
                 raise UnsupportedOpError("the model must return a single logits tensor")
             logits, logits_node = c.env[out], out
+            if isinstance(logits, (KeyMask, MaskedScores)):
+                raise UnsupportedOpError(
+                    _describe(
+                        out,
+                        "is the model's output, a mask of the token ids or scores a masked_fill "
+                        "set to -inf; return the logits themselves",
+                    )
+                )
         elif _passes_ids_on(c, n):
             c.env[n] = c.ids
         elif c.ids is not None and (mask := key_mask_of(c, n)) is not None:

@@ -140,11 +140,12 @@ def write(c: Any, n: torch.fx.Node) -> None:
     rebind(c, n, x, new)
 
 
-def rebind(c: Any, n: torch.fx.Node, x: torch.fx.Node, v: Value) -> None:
+def rebind(c: Any, n: torch.fx.Node, x: torch.fx.Node, v: Any) -> None:
     """Node n changed x's tensor in place to v (a write, x.add_(y), a layer with
     inplace=True): every node naming that tensor (x, and the in-place ops' results on it) is
-    bound to v, and n names it too. Refused where a view of the tensor would miss the change
-    (refuse_aliases) or where v has another shape (x.unsqueeze_(1))."""
+    bound to v (a Value, or the masked scores of x.masked_fill_), and n names it too. Refused
+    where a view of the tensor would miss the change (refuse_aliases) or where v has another
+    shape (x.unsqueeze_(1))."""
     if is_traced_tensor(n) and c.shape(n) != c.shape(x):
         raise UnsupportedOpError(
             c.describe(n, "changes the shape of its input in place; use the op without '_'")

@@ -10,6 +10,7 @@ other read of such a mask is refused by node (frontend._Ctx.arg).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -38,7 +39,7 @@ _SWAPPED = {"eq": "eq", "ne": "ne", "lt": "gt", "gt": "lt", "le": "ge", "ge": "l
 _NEGATIONS = {operator.invert, torch.logical_not, torch.bitwise_not}
 _METHOD_NEGATIONS = {"logical_not", "bitwise_not"}
 # reads that keep the mask's elements in order (its axes of extent 1 aside) or broadcast it
-_METHOD_VIEWS = {"bool", "to", "contiguous", "unsqueeze", "view", "reshape", "expand"}
+_METHOD_VIEWS = {"bool", "to", "contiguous", "unsqueeze", "view", "reshape", "expand", "expand_as"}
 _VIEWS = {operator.getitem, torch.unsqueeze, torch.reshape}
 
 
@@ -68,13 +69,25 @@ def key_mask_of(c: Any, n: torch.fx.Node) -> KeyMask | None:
         return None
     if kind in _NEGATIONS or kind in _METHOD_NEGATIONS:
         return mask.negated()
-    if kind in _VIEWS or kind in _METHOD_VIEWS:
-        if kind == "expand":  # a broadcast: the mask keeps its own shape
-            return mask
-        if _squeezed(shape) != _squeezed(mask.shape):
-            return None
+    if kind in ("bool", "to", "contiguous"):  # bool: a cast that changes nothing
+        return mask
+    if mask.expanded:  # a broadcast only feeds the attention (an index of it may reorder)
+        return None
+    if kind in ("expand", "expand_as"):  # the mask keeps its own shape
+        return dataclasses.replace(mask, expanded=True)
+    if kind is operator.getitem and not _inserts_axes(n.args[1]):
+        return None
+    if (kind in _VIEWS or kind in _METHOD_VIEWS) and _squeezed(shape) == _squeezed(mask.shape):
         return KeyMask(mask.cmp, mask.value, shape, mask.ids)
     return None
+
+
+def _inserts_axes(index: Any) -> bool:
+    """An index that only inserts axes of extent 1 and keeps every element in place: None,
+    `...` and whole slices `:` (mask[:, None, None, :])."""
+    items = index if isinstance(index, tuple) else (index,)
+    whole = slice(None, None, None)
+    return all(i is None or i is Ellipsis or i == whole for i in items)
 
 
 def _constant(a: Any) -> int | None:

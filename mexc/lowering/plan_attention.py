@@ -14,7 +14,7 @@ from mexc.kernels.norm import _eps_fixed, mean_frac_bits
 from mexc.kernels.transformer import norm_rows, softmax_prob_exp
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import te_attention, te_norm, te_norm_split
-from mexc.lowering.plan_core import I8, I32, PlanBuilder, Product, Shape, unsupported
+from mexc.lowering.plan_core import I8, I32, I64, SLOT_I32, PlanBuilder, Product, Shape, unsupported
 from mexc.numerics import EXP_TABLE, product_cap
 
 
@@ -116,16 +116,40 @@ class AttentionRules(PlanBuilder):
         dm, e_dm = self.fit_operand(n, dy, k, site=5)
         keys = self.keys(n, (1, 2), "sum_keys", (rows * k, rows))
         target = self.buf(f"n{n.id}.e_t", (1,), I32)
-        t = self.buf(f"n{n.id}.t", r2, I32)
+        srow = self.buf(f"n{n.id}.srow", (rows,), I64)
         tag = f"n{n.id}_softmax_grad"
-        func = te_attention.softmax_grad_terms(rows, k, product_bits(k), self.stochastic, tag)
+        func = te_attention.softmax_grad_rows(rows, k, product_bits(k), self.stochastic, tag)
         dym, pm = self.view(self.m[dy], r2), self.view(self.m[p], r2)
-        args = (dym, self.e[dy], self.view(dm, r2), e_dm, pm, self.e[p], keys, target, t)
-        self.launch(func, args)
-        t16, _, e16 = self.to_bits(n, t, target, r2, 3, "t16", batch=True)
-        acc = self.buf(f"n{n.id}.acc", r2, I32)
-        self.launch(te_attention.product_acc(r2, f"{tag}_acc"), (pm, t16, acc))
-        self.compact(n, acc, self.product_exp(n, p, e16), r2, 4)
+        self.launch(func, (self.e[dy], self.view(dm, r2), e_dm, pm, self.e[p], keys, target, srow))
+        # t and p t16 are never stored (two int32 (rows, K) buffers less at the peak of an
+        # attention model's step): each kernel computes them again from dy and srow
+        t_in = (dym, self.e[dy], keys, target, srow)
+        agreed = SLOT_I32 if self.rows else 0
+        kernels = te_attention.softmax_grad_t16(rows, k, self.stochastic, f"{tag}_t16", agreed)
+        s = self.buf(f"n{n.id}.t16_s", (1,), I32)
+        e16 = self.buf(f"n{n.id}.t16_e", (1,), I32)
+        if agreed:
+            scan, shift, apply = kernels
+            amax = self.buf(f"n{n.id}.t16_amax", (SLOT_I32,), I32)
+            self.launch(scan, (*t_in, amax))
+            self.agree("all_max", amax)
+            self.launch(shift, (*t_in, amax, s, e16))
+        else:
+            shift, apply = kernels
+            self.launch(shift, (*t_in, s, e16))
+        key = self.keys(n, (3,), "key3", rows * k)
+        out = self.view(self.out(n, 0, I8), r2)
+        # lean: t16 not stored either, each computed again where the product needs it
+        lean = bool(self.is_lean(n))
+        product = te_attention.softmax_grad_product(
+            rows, k, self.bits, self.stochastic, f"{tag}_dx", self.agreed_slot, lean
+        )
+        if lean:
+            self.compact_unstored(n, 4, product, (pm, self.e[p], *t_in, s, key, e16), out)
+            return
+        t16 = self.buf(f"n{n.id}.t16", r2, I32)
+        self.launch(apply, (*t_in, s, key, t16))
+        self.compact_unstored(n, 4, product, (pm, self.e[p], t16, e16), out)
 
     # --------------------------------------------------------------------------- LayerNorm
 

@@ -6,13 +6,18 @@ index of the array the reference rounds)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tvm import te, tirx
 
 from mexc.kernels.transformer import SOFTMAX_RECIP_LOG2
 from mexc.lowering.te_compaction import (
     _flat_index,
+    _max_rows,
     aligned_target,
+    fit_shift,
     fused_compaction,
+    iabs,
     shift_right32,
     shift_signed,
     shift_signed32,
@@ -141,15 +146,14 @@ def softmax_forward(
     return a_row_at_a_time(func, "p") if host_schedule else func
 
 
-def softmax_grad_terms(
+def softmax_grad_rows(
     rows: int, k: int, acc_bits: int, stochastic: bool, name: str
 ) -> tirx.PrimFunc:
-    """kernels.softmax_backward's aligned sum: s_r = sum_j dm p (dm: dy, pre-shifted for the
-    K-wide product, at e_s = e_dm + e_p); t = shift(dy, target - e_dy) (keys[0], flat index
-    r K + j) - shift(s_r, target - e_s) (keys[1], flat index r: the (rows, 1) term) with
-    target = aligned_target([(e_dy, 7), (e_s, acc_bits)]). Parameters (dy, e_dy, dm, e_dm, p,
-    e_p, keys, target, t): t int32 (rows, K), target int32[1]."""
-    dy = te.placeholder((rows, k), I8, name="dy")
+    """kernels.softmax_backward's row term: s_r = sum_j dm p (dm: dy, pre-shifted for the
+    K-wide product, at e_s = e_dm + e_p), target = aligned_target([(e_dy, 7), (e_s,
+    acc_bits)]) and srow = shift(-s_r, target - e_s) (keys[1], flat index r: the (rows, 1)
+    term of the aligned sum t). Parameters (e_dy, dm, e_dm, p, e_p, keys, target, srow):
+    target int32[1], srow int64 (rows,)."""
     e_dy = te.placeholder((1,), I32, name="e_dy")
     dm = te.placeholder((rows, k), I8, name="dm")
     e_dm = te.placeholder((1,), I32, name="e_dm")
@@ -157,43 +161,133 @@ def softmax_grad_terms(
     e_p = te.placeholder((1,), I32, name="e_p")
     keys = te.placeholder((2,), I64, name="keys")
     rj = te.reduce_axis((0, k), "rj")
-    srow = te.compute(
+    s_r = te.compute(
         (rows,),
         lambda r: te.sum(dm[r, rj].astype(I32) * p[r, rj].astype(I32), axis=rj),
-        name="srow",
+        name="s_r",
     )
     target = te.compute(
         (1,), lambda _: aligned_target([(e_dy[0], 7), (e_dm[0] + e_p[0], acc_bits)]), "target"
     )
-    srow_aligned = te.compute(
+    srow = te.compute(
         (rows,),
         lambda r: shift_signed(
-            -srow[r].astype(I64),
+            -s_r[r].astype(I64),
             (target[0] - e_dm[0] - e_p[0]).astype(I64),
             keys[1],
             r.astype(I64),
             stochastic,
         ),
-        name="srow_aligned",
+        name="srow",
     )
+    return _func([e_dy, dm, e_dm, p, e_p, keys, target, srow], name)
+
+
+T16_BITS = 15  # kernels.softmax_backward: t16 = compact_to_bits(t, 15)
+
+
+def _t_inputs(rows: int, k: int) -> list[te.Tensor]:
+    """The inputs t is computed from: (dy, e_dy, keys, target, srow: softmax_grad_rows')."""
+    return [
+        te.placeholder((rows, k), I8, name="dy"),
+        te.placeholder((1,), I32, name="e_dy"),
+        te.placeholder((2,), I64, name="keys"),
+        te.placeholder((1,), I32, name="target"),
+        te.placeholder((rows,), I64, name="srow"),
+    ]
+
+
+def _t(inputs: list[te.Tensor], k: int, stochastic: bool) -> Callable[..., tirx.PrimExpr]:
+    """t(r, j) = shift(dy, target - e_dy) (keys[0], flat index r K + j) + srow[r], int32: the
+    aligned sum of kernels.softmax_backward, from _t_inputs."""
+    dy, e_dy, keys, target, srow = inputs
+
+    def t(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = r.astype(I64) * k + j.astype(I64)
+        shift = (target[0] - e_dy[0]).astype(I64)
+        a = shift_signed(dy[r, j].astype(I64), shift, keys[0], flat, stochastic)
+        return (a + srow[r]).astype(I32)
+
+    return t
+
+
+def softmax_grad_t16(
+    rows: int, k: int, stochastic: bool, name: str, agreed: int = 0
+) -> tuple[tirx.PrimFunc, ...]:
+    """kernels.softmax_backward's t16 = compact_to_bits(t, 15) (rounding site 3) of the
+    aligned sum t (_t), which is never stored: `<name>_shift` computes every t for max |t|
+    (inputs -> s, e16 = target + s), `<name>_apply` each again and shifts it (inputs, s, key
+    -> t16 int32). Inputs _t_inputs. `agreed`: a data-parallel worker's form, whose maximum is
+    agreed between `<name>_amax` (inputs -> a slot of `agreed` int32) and the shift (inputs,
+    slot -> s, e16)."""
+    shape = (rows, k)
+    inputs = _t_inputs(rows, k)
+    t, target = _t(inputs, k, stochastic), inputs[3]
+    rowmax = _max_rows(shape, lambda r, j: iabs(t(r, j)), "amax_rows", lanes=True)
+    rr = te.reduce_axis((0, rows), "amax_r")
+    amax = te.compute((1,), lambda _: te.max(rowmax[rr], axis=rr), name="amax")
+    scan: list[tirx.PrimFunc] = []
+    slot_in: list[te.Tensor] = []
+    if agreed:
+        zero = tirx.const(0, I32)
+        slot = te.compute((agreed,), lambda i: tirx.Select(i == 0, amax[0], zero), name="slot")
+        scan = [prim_func([*inputs, slot], f"{name}_amax")]
+        slot_in = [te.placeholder((agreed,), I32, name="amax")]
+        amax = te.compute((1,), lambda _: slot_in[0][0], name="agreed")
+    s = fit_shift(amax, 1 << T16_BITS)
+    e16 = te.compute((1,), lambda g: target[0] + s[g], name="e16")
+    shift = prim_func([*inputs, *slot_in, s, e16], f"{name}_shift")
+    s_in = te.placeholder((1,), I32, name="s")
+    key = te.placeholder((1,), I64, name="key")
 
     def body(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = r.astype(I64) * k + j.astype(I64)
-        t = (target[0] - e_dy[0]).astype(I64)
-        a = shift_signed(dy[r, j].astype(I64), t, keys[0], flat, stochastic)
-        return (a + srow_aligned[r]).astype(I32)
+        return shift_right32(t(r, j), s_in[0], key[0], flat, stochastic)
 
-    t = te.compute((rows, k), body, name="t")
-    return _func([dy, e_dy, dm, e_dm, p, e_p, keys, target, t], name)
+    t16 = te.compute(shape, body, name="t16")
+    return (*scan, shift, prim_func([*inputs, s_in, key, t16], f"{name}_apply"))
 
 
-def product_acc(shape: tuple[int, ...], name: str) -> tirx.PrimFunc:
-    """acc = p * x: int8 p times int32 x (|.| < 2^31 by the caller's bounds). Parameters
-    (p, x, acc)."""
+def softmax_grad_product(
+    rows: int,
+    k: int,
+    bits: int,
+    stochastic: bool,
+    name: str,
+    agreed: int = 0,
+    recompute: bool = False,
+) -> tuple[tirx.PrimFunc, ...]:
+    """kernels.softmax_backward's dx: the compaction (te_compaction.fused_compaction) of
+    p * t16 (|.| <= 2^22) at e_p + e16, never stored. Inputs (p, e_p, t16, e16); `recompute`
+    (a lean form without the int32 t16): (p, e_p, *_t_inputs, s16, key3, e16), each t16
+    computed again from t as softmax_grad_t16's apply does (shift s16, rounding key3)."""
+    shape = (rows, k)
     p = te.placeholder(shape, I8, name="p")
-    x = te.placeholder(shape, I32, name="x")
-    acc = te.compute(shape, lambda *i: p[i].astype(I32) * x[i], name="acc")
-    return _func([p, x, acc], name)
+    e_p = te.placeholder((1,), I32, name="e_p")
+    e16 = te.placeholder((1,), I32, name="e16")
+    target = te.compute((1,), lambda _: e_p[0] + e16[0], name="target")
+    if recompute:
+        t_inputs = _t_inputs(rows, k)
+        t = _t(t_inputs, k, stochastic)
+        s16 = te.placeholder((1,), I32, name="s16")
+        key3 = te.placeholder((1,), I64, name="key3")
+        inputs = [p, e_p, *t_inputs, s16, key3, e16]
+
+        def t16(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+            flat = r.astype(I64) * k + j.astype(I64)
+            return shift_right32(t(r, j), s16[0], key3[0], flat, stochastic)
+
+    else:
+        stored = te.placeholder(shape, I32, name="t16")
+        inputs = [p, e_p, stored, e16]
+
+        def t16(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+            return stored[r, j]
+
+    def value(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return p[r, j].astype(I32) * t16(r, j)
+
+    return fused_compaction(shape, inputs, target, value, bits, stochastic, name, agreed)
 
 
 # --------------------------------------------------------------------------------- LayerNorm

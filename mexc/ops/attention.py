@@ -181,6 +181,10 @@ def _attention(
                 "samples of a batch apart, so give each layer its batch where it expects it",
             )
         )
+    if keys is not None and axes - {0}:
+        raise UnsupportedOpError(
+            c.describe(n, "hides keys by a mask of the token ids where the batch is not axis 0")
+        )
     s = (*lead, tq, tk)
     rank = len(shapes[0])
     perm = (*range(rank - 2), rank - 1, rank - 2)
@@ -248,17 +252,18 @@ class KeyMask:
     value: int
     shape: tuple[int, ...]
     ids: tuple[int, ...]  # the ids' shape
+    expanded: bool = False  # broadcast by expand: only an attention may read it
 
     def negated(self) -> KeyMask:
-        return KeyMask(KEY_CMP_NEGATED[self.cmp], self.value, self.shape, self.ids)
+        return dataclasses.replace(self, cmp=KEY_CMP_NEGATED[self.cmp])
 
 
 # what a key mask computed from the ids may be read by, for the refusals
 KEY_MASK_USES = (
     "mexc reads a mask computed from the token ids only as attention's key mask: "
     "nn.MultiheadAttention's key_padding_mask (the transformer layers' src_key_padding_mask), "
-    "or a boolean attn_mask of F.scaled_dot_product_attention shaped [N, 1, ..., 1, T] (True "
-    "where a key takes part)"
+    "a boolean attn_mask of F.scaled_dot_product_attention shaped [N, 1, ..., 1, T] (True "
+    "where a key takes part), or a masked_fill(mask, float('-inf')) of the attention scores"
 )
 
 
@@ -360,19 +365,20 @@ MASKED_READ = (
 
 
 def _masked_fill(c: Any, n: Any) -> MaskedScores:
-    """x.masked_fill(mask, -inf) (torch.masked_fill) on attention scores before their softmax:
-    the mask is the causal one (a buffer, or a constant the forward builds: True above the
-    diagonal) or a KeyMask of the token ids broadcast over the scores' batch and key axes.
-    A fill of at most HIDING hides as -inf does. Other fills and masks are refused by node."""
+    """x.masked_fill(mask, -inf) (torch.masked_fill, x.masked_fill_) on attention scores
+    before their softmax: the mask is the causal one (a buffer, or a constant the forward
+    builds: True above the diagonal) or a KeyMask of the token ids broadcast over the scores'
+    batch and key axes. Other fills and masks are refused by node."""
     names = ("input", "mask", "value")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     x, m, fill = args["input"], args.get("mask"), static_value(args.get("value"))
-    if not isinstance(fill, (int, float)) or fill > HIDING:
+    # only -inf: a finite fill gives a row whose every key is hidden torch's uniform softmax
+    if not (isinstance(fill, (int, float)) and math.isinf(fill) and fill < 0):
         raise UnsupportedOpError(
             c.describe(
                 n,
                 f"fills with {fill!r}; mexc takes masked_fill only to hide attention scores "
-                "from their softmax (a fill of -inf, or at most -1e4)",
+                "from their softmax, with float('-inf')",
             )
         )
     held = c.env.get(x) if c.is_node(x) else None
@@ -504,7 +510,7 @@ define(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
             Pattern("module", ("torch.nn.Softmax",), _softmax_module),
-            Pattern("method", ("masked_fill",), _masked_fill),
+            Pattern("method", ("masked_fill", "masked_fill_"), _masked_fill),
             Pattern("function", ("torch.masked_fill",), _masked_fill),
             Pattern(
                 "function", ("torch.nn.functional.log_softmax", "torch.log_softmax"), _log_softmax

@@ -113,9 +113,9 @@ class MaskedFillAttention(nn.Module):
     """nanoGPT's causal self-attention written by hand: scores masked_fill'ed with -inf where
     a tril buffer is 0, and (`padding`) where the key's id is PAD, then F.softmax."""
 
-    def __init__(self, padding: bool) -> None:
+    def __init__(self, padding: bool, in_place: bool = False) -> None:
         super().__init__()
-        self.padding = padding
+        self.padding, self.in_place = padding, in_place
         self.c_attn = nn.Linear(D, 3 * D)
         self.c_proj = nn.Linear(D, D)
         self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
@@ -125,7 +125,10 @@ class MaskedFillAttention(nn.Module):
         q, k, v = self.c_attn(x).split(D, 2)
         q, k, v = (a.view(n, t, 2, d // 2).transpose(1, 2) for a in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        if self.in_place:  # fairseq's and older Hugging Face code's form
+            att.masked_fill_(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        else:
+            att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
         if self.padding:
             att = att.masked_fill((ids == PAD)[:, None, None, :], float("-inf"))
         y = nn.functional.softmax(att, dim=-1) @ v
@@ -136,12 +139,12 @@ class TinyGPT(nn.Module):
     """Token and position tables, one pre-norm block of MaskedFillAttention, a head over the
     vocabulary at every position (a label per position)."""
 
-    def __init__(self, padding: bool = False) -> None:
+    def __init__(self, padding: bool = False, in_place: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, D)
         self.wpe = nn.Embedding(T, D)
         self.ln = nn.LayerNorm(D)
-        self.attn = MaskedFillAttention(padding)
+        self.attn = MaskedFillAttention(padding, in_place)
         self.head = nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -262,12 +265,12 @@ def test_a_padded_language_model_matches_torch_where_torch_is_finite() -> None:
     assert err.max() <= 0.05 * np.abs(want.transpose(0, 2, 1)[finite]).max()
 
 
-@pytest.mark.parametrize("padding", [False, True])
-def test_masked_fill_attention_matches_torch(padding: bool) -> None:
-    """nanoGPT's masked_fill(-inf) before F.softmax: the softmax hides the later keys
-    (causal) and, with the padding mask too, the PAD keys."""
+@pytest.mark.parametrize(("padding", "in_place"), [(False, False), (True, False), (True, True)])
+def test_masked_fill_attention_matches_torch(padding: bool, in_place: bool) -> None:
+    """nanoGPT's masked_fill(-inf) before F.softmax (or masked_fill_): the softmax hides the
+    later keys (causal) and, with the padding mask too, the PAD keys."""
     torch.manual_seed(0)
-    model = TinyGPT(padding)
+    model = TinyGPT(padding, in_place)
     ids, y = padded(6), labels(6, per_position=True)
     prog = compiled(model, ids, rounding="nearest")
     (softmax,) = prog.graph.nodes_of(Op.SOFTMAX)
@@ -309,6 +312,24 @@ def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
             att = (x @ x.transpose(-2, -1)).masked_fill(self.bias[0, 0] == 0, float("-inf"))
             return (att * 2.0) @ x
 
+    class FiniteFill(MaskedFillAttention):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            att = x @ x.transpose(-2, -1)  # a finite fill: a row of only hidden keys is uniform
+            return nn.functional.softmax(att.masked_fill(self.bias[0] == 0, -1e9), -1) @ x
+
+    class Reordered(SdpaAttention):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            n, t = ids.shape
+            q, k, v = self.qkv(self.tokens(ids)).reshape(n, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+            keep = (ids != PAD)[:, torch.arange(T - 1, -1, -1)][:, None, None, :]  # reversed
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return self.head(y.transpose(1, 2).reshape(n, t, D)[:, 0])
+
+    class MaskedOutput(SequenceFirst):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            logits = self.head(self.tokens(ids)).transpose(1, 2)  # [N, 10, T]
+            return logits.masked_fill((ids == PAD)[:, None, :], float("-inf"))
+
     def gpt(attention: type[MaskedFillAttention]) -> TinyGPT:
         model = TinyGPT()
         model.attn = attention(False)
@@ -325,6 +346,12 @@ def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
         compiled(gpt(OtherPattern), ids)
     with pytest.raises(UnsupportedOpError, match=r"'mul'.*masked_fill set to -inf"):
         compiled(gpt(ReadsMaskedScores), ids)
+    with pytest.raises(UnsupportedOpError, match=r"fills with -1000000000.0.*float\('-inf'\)"):
+        compiled(gpt(FiniteFill), ids)
+    with pytest.raises(UnsupportedOpError, match=r"'getitem.*mask computed from the token ids"):
+        compiled(Reordered(), ids)
+    with pytest.raises(UnsupportedOpError, match=r"'masked_fill'.*model's output.*return the"):
+        compiled(MaskedOutput(), ids)
 
 
 # the forms lower to one softmax with a key mask: the encoder (two layers, the padding mask
@@ -379,4 +406,3 @@ def test_digits_sparse_are_the_nonzero_pixels_of_the_digits_padded() -> None:
     image = tokens[5]
     (at,) = np.nonzero(image)
     assert np.array_equal(x[5, 1 : 1 + at.size], 2 + 4 * at + (image[at] - 1) // 4)
-
