@@ -31,8 +31,9 @@ class AttentionRules(PlanBuilder):
             return Product(form, (k,), (nn,), (m,))
 
         operands = (self.view(am, (bt, m, k)), self.view(self.m[b], (bt, k, nn)))
-        ch = self.chunked(forward, bt, operands, (True, True))
-        self.compacted_product(n, ch, self.product_exp(n, ea, b))
+        lean = self.lean_product(n, channel_form=True)
+        ch = self.chunked(forward, bt, operands, (True, True), self.lean_chunks(lean))
+        self.compacted_product(n, ch, self.product_exp(n, ea, b), lean=self.scans(lean))
 
     def matmul_grad(self, n: Node) -> None:
         """kernels.matmul_backward: da = dy @ b^T (dy pre-shifted, site 2, if product_cap(N, 8)
@@ -41,14 +42,18 @@ class AttentionRules(PlanBuilder):
         dy, a, b = n.inputs
         bt, m, k, nn = gf.matmul_dims(self.shape(a), self.shape(b))
         dym, ed = self.fit_operand(n, dy, nn, site=2)
+        # both products run over the batch: a lean level chunks (and scans) each of them
+        lean = self.lean_product(n, channel_form=True)
+        chunks, scans = self.lean_chunks(lean), self.scans(lean)
 
         def grad_a(samples: int) -> Product:
             form = gf.batched_matmul(f"n{n.id}_da", samples, m, nn, k, trans_b=True)
             return Product(form, (nn,), (k,), (m,))
 
         operands = (self.view(dym, (bt, m, nn)), self.view(self.m[b], (bt, k, nn)))
-        ch = self.chunked(grad_a, bt, operands, (True, True))
-        self.compacted_product(n, ch, self.product_exp(n, ed, b, "e_da"), site=0, result=0)
+        ch = self.chunked(grad_a, bt, operands, (True, True), chunks)
+        e_da = self.product_exp(n, ed, b, "e_da")
+        self.compacted_product(n, ch, e_da, site=0, result=0, lean=scans)
 
         cap = product_cap(m, 8)
         if cap < 0:  # a^T pre-shifted in the transposed layout (the reference's flat index)
@@ -67,8 +72,9 @@ class AttentionRules(PlanBuilder):
             return Product(form, (m,), (nn,), (k,))
 
         operands = (a_src, self.view(self.m[dy], (bt, m, nn)))
-        ch = self.chunked(grad_b, bt, operands, (True, True))
-        self.compacted_product(n, ch, self.product_exp(n, ea, dy, "e_db"), site=1, result=1)
+        ch = self.chunked(grad_b, bt, operands, (True, True), chunks)
+        e_db = self.product_exp(n, ea, dy, "e_db")
+        self.compacted_product(n, ch, e_db, site=1, result=1, lean=scans)
 
     # ----------------------------------------------------------------------------- softmax
 
