@@ -12,6 +12,7 @@ import torch
 
 import mexc
 from examples.models import EXAMPLES
+from mexc.ir import Op
 from mexc.lowering.devices import device_of
 from mexc.lowering.step_plan import (
     LEAN_WORK_SHARE,
@@ -182,3 +183,28 @@ def test_trial_builds_share_kernels_and_the_plan_is_built_again() -> None:
         assert len(symbols) > 100
         # the host's search chose lean products (each chunk scanned and rounded in one kernel)
         assert device == "gpu" or any("_scan_apply_k" in s for s in symbols)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_attention_at_its_leanest_trains_bit_exact(device: str) -> None:
+    """An attention model's lean forms (its batched matmuls in chunks that scan, the softmax
+    gradient's t16 computed again instead of stored), with a padding mask of the ids, train
+    as the reference does."""
+    from mexc.backends.llvm.step import LlvmProgram
+    from tests.compiler.test_attention_masks import PaddedEncoder, labels, padded
+
+    ids, y = padded(6), labels(6)
+    torch.manual_seed(0)
+    ref = mexc.compile(PaddedEncoder(), (torch.from_numpy(ids),))
+    lean = leanest(ref, device)
+    ops = {n.id: n.op for n in ref.graph.nodes}
+    assert {ops[i] for i in lean} >= {Op.MATMUL, Op.MATMUL_GRAD, Op.SOFTMAX_GRAD}
+    torch.manual_seed(0)
+    llvm = mexc.compile(PaddedEncoder(), (torch.from_numpy(ids),)).retargeted("llvm")
+    prog = LlvmProgram(llvm, plan_device=device, lean=lean)
+    symbols = [s for s, _ in prog.plan["launches"]]
+    assert not any(s.endswith("_softmax_grad_t16_apply") for s in symbols)  # t16 not stored
+    assert any("_scan_apply_k" in s or "_amax_k" in s for s in symbols)
+    for step in range(3):
+        assert prog.step(ids, y) == ref.step(ids, y), f"loss differs at step {step}"
+        assert prog.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
