@@ -319,7 +319,7 @@ def key_hidden(ids: np.ndarray, cmp: str, value: int) -> np.ndarray:
 
 
 def softmax_forward(
-    x: MX, ctx: RoundCtx, tid: int, causal: bool = False, key_hidden: np.ndarray | None = None
+    x: MX, ctx: RoundCtx, tid: int, causal: bool = False, hidden_keys: np.ndarray | None = None
 ) -> MX:
     """Row softmax along the last axis (K entries), probabilities as an MX with mantissas in
     [0, qmax(B)] (unsigned, [0, 127] for 8 bits) at the fixed exponent -(B - 1).
@@ -330,8 +330,9 @@ def softmax_forward(
     p = min(shift_right(E R, 30 - (B - 1)) (**site 1**), qmax(B)) (E R <= 2^30).
     `causal`: the entries causal_hidden names take no part: the row max is over the others,
     their E is 0 (so is their p), and every other step is the same (each row keeps j = 0).
-    `key_hidden` (bool [N, Tk], x (N, ..., Tk)): key j of every row of sample n is hidden
-    likewise where key_hidden[n, j]; a row with every key hidden has S = 0, R = 0 and p = 0.
+    `hidden_keys` (bool [N, Tk], key_hidden's; x (N, ..., Tk)): key j of every row of sample n
+    is hidden likewise where hidden_keys[n, j]; a row with every key hidden has S = 0, R = 0
+    and p = 0.
     """
     e = scalar_exp(x, "softmax input")
     m = i64(x.m)
@@ -339,8 +340,8 @@ def softmax_forward(
     if k > 1 << 16:
         raise ValueError("softmax rows longer than 2^16 overflow the int32 row sum")
     hidden = causal_hidden(m.shape) if causal else None
-    if key_hidden is not None:
-        keys = np.asarray(key_hidden, bool)
+    if hidden_keys is not None:
+        keys = np.asarray(hidden_keys, bool)
         if keys.shape != (m.shape[0], k):
             raise ValueError(f"a key mask {list(keys.shape)} for scores {list(m.shape)}")
         keys = keys.reshape((m.shape[0],) + (1,) * (m.ndim - 2) + (k,))
@@ -355,7 +356,7 @@ def softmax_forward(
     srow = ex.sum(axis=-1, keepdims=True)
     check_int32(srow, "softmax_sum")
     recip = idiv_round(np.asarray(1 << SOFTMAX_RECIP_LOG2, np.int64), np.maximum(srow, 1))
-    if key_hidden is not None:
+    if hidden_keys is not None:
         recip = np.where(srow == 0, 0, recip)  # every key hidden: p = 0 throughout the row
     prod = ex * recip
     check_int32(prod, "softmax_norm")

@@ -246,7 +246,7 @@ def _sdpa(c: Any, n: Any) -> Value:
 class KeyMask:
     """A boolean mask the forward computes from the token ids: `ids cmp value` (`ids == pad`),
     viewed as `shape` (the ids' elements in their order, axes of extent 1 inserted or removed).
-    mexc reads it only as an attention's key mask (the frontend follows it: frontend_ids)."""
+    mexc reads it only as an attention's key mask (mexc.frontend_key_masks follows it)."""
 
     cmp: str
     value: int
