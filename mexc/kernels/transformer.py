@@ -11,6 +11,7 @@ The token-wise Linear needs no kernel: `linear_forward` flattens the leading dim
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -306,10 +307,11 @@ def causal_hidden(shape: tuple[int, ...]) -> np.ndarray:
     return np.arange(tk)[None, :] > np.arange(tq)[:, None]
 
 
-# the comparisons a key mask may make of the token ids (the op's `key_cmp`), and each one's
-# negation (a mask that names the keys taking part hides the others)
-KEY_CMPS = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-            "gt": np.greater, "ge": np.greater_equal}  # fmt: skip
+# the comparisons a key mask may make of the token ids (the op's `key_cmp`; Python's operators,
+# so numpy arrays and the TIR kernels' expressions take the same ones), and each one's negation
+# (a mask that names the keys taking part hides the others)
+KEY_CMPS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+            "gt": operator.gt, "ge": operator.ge}  # fmt: skip
 KEY_CMP_NEGATED = {"eq": "ne", "ne": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": "le"}
 
 

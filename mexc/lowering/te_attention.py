@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tvm import te, tirx
 
-from mexc.kernels.transformer import SOFTMAX_RECIP_LOG2
+from mexc.kernels.transformer import KEY_CMPS, SOFTMAX_RECIP_LOG2
 from mexc.lowering.te_compaction import (
     _flat_index,
     _max_rows,
@@ -58,17 +58,6 @@ def transposed_pre_shift(
 # ----------------------------------------------------------------------------------- softmax
 
 
-# the comparisons of a key mask (kernels.transformer.KEY_CMPS), on TIR expressions
-_KEY_CMPS = {
-    "eq": lambda a, b: a == b,
-    "ne": lambda a, b: a != b,
-    "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b,
-}
-
-
 def softmax_forward(
     rows: int,
     k: int,
@@ -106,7 +95,7 @@ def softmax_forward(
         causal = j > r % causal_q if causal_q else None
         if ids is None:
             return causal
-        masked = _KEY_CMPS[cmp](ids[r // per, j], tirx.const(value, I32))
+        masked = KEY_CMPS[cmp](ids[r // per, j], tirx.const(value, I32))
         return masked if causal is None else tirx.Or(causal, masked)
 
     def seen(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
