@@ -254,7 +254,7 @@ def softmax_grad_product(
     p = te.placeholder(shape, I8, name="p")
     e_p = te.placeholder((1,), I32, name="e_p")
     e16 = te.placeholder((1,), I32, name="e16")
-    target = te.compute((1,), lambda _: e_p[0] + e16[0], name="target")
+    target = te.compute((1,), lambda _: e_p[0] + e16[0], name="e_prod")  # not _t_inputs' target
     if recompute:
         t_inputs = _t_inputs(rows, k)
         t = _t(t_inputs, k, stochastic)

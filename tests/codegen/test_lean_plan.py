@@ -208,3 +208,7 @@ def test_attention_at_its_leanest_trains_bit_exact(device: str) -> None:
     for step in range(3):
         assert prog.step(ids, y) == ref.step(ids, y), f"loss differs at step {step}"
         assert prog.state_checksum() == ref.state_checksum(), f"state differs after step {step}"
+    if device == "gpu":  # TVM lowers the same lean kernels for CUDA (no nvcc needed)
+        from mexc.backends.cuda.build import lower_step
+
+        assert lower_step(llvm, lean=lean).sources
