@@ -1047,12 +1047,23 @@ _ID_CASTS = {"long", "int", "to", "contiguous", "type_as"}
 
 
 def _passes_ids_on(c: _Ctx, n: torch.fx.Node) -> bool:
-    """n casts the integer input to an integer dtype (ids.long()): it is the ids."""
+    """n casts the integer input to int32 or int64 (ids.long()): it is the ids. A cast to a
+    narrower integer type, which would wrap the larger ids, is refused."""
     if not (n.op == "call_method" and n.target in _ID_CASTS and n.args):
         return False
     meta = n.meta.get("tensor_meta")
     dtype = getattr(meta, "dtype", None)
-    return c.is_token_ids(n.args[0]) and dtype is not None and not dtype.is_floating_point
+    if not c.is_token_ids(n.args[0]) or dtype is None or dtype.is_floating_point:
+        return False
+    if dtype not in (torch.int32, torch.int64):
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                f"casts the token ids to {dtype}, which wraps the ids beyond its range (the "
+                "program reads them as they are); cast them to torch.long or torch.int",
+            )
+        )
+    return True
 
 
 def _with_vocabulary(c: _Ctx, n: torch.fx.Node) -> None:

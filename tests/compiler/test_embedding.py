@@ -275,12 +275,17 @@ def SlicedIds() -> nn.Module:  # noqa: N802
     return OneTable(lambda m, ids: m.tokens(ids[:, 1:]))
 
 
+def NarrowedIds() -> nn.Module:  # noqa: N802 - int8 wraps ids above 127
+    return OneTable(lambda m, ids: m.tokens(ids.to(torch.int8).long()))
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
         (ReadsIds, r"node 'float\w*' \(call_method float\) .*integer input \(token ids\)"),
         (MaxNorm, r"max_norm"),
         (SlicedIds, r"node 'getitem' .*integer input \(token ids\)"),
+        (NarrowedIds, r"node 'to' .*casts the token ids to torch.int8.*torch.long"),
         (NoTable, r"node 'ids' .*no embedding table reads"),
         (PaddedPositions, r"padding row \(0, padding_idx\) at fixed indices"),
     ],
