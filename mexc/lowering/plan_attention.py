@@ -134,15 +134,7 @@ class AttentionRules(PlanBuilder):
         kernels = te_attention.softmax_grad_t16(rows, k, self.stochastic, f"{tag}_t16", agreed)
         s = self.buf(f"n{n.id}.t16_s", (1,), I32)
         e16 = self.buf(f"n{n.id}.t16_e", (1,), I32)
-        if agreed:
-            scan, shift, apply = kernels
-            amax = self.buf(f"n{n.id}.t16_amax", (SLOT_I32,), I32)
-            self.launch(scan, (*t_in, amax))
-            self.agree("all_max", amax)
-            self.launch(shift, (*t_in, amax, s, e16))
-        else:
-            shift, apply = kernels
-            self.launch(shift, (*t_in, s, e16))
+        apply = self.unstored_shift(n, kernels, t_in, s, e16, "t16_amax")
         key = self.keys(n, (3,), "key3", rows * k)
         out = self.view(self.out(n, 0, I8), r2)
         # lean: t16 not stored either, each computed again where the product needs it

@@ -666,20 +666,36 @@ class PlanBuilder:
             self.compact(n, acc, e_acc, shape, site)
             return ""
         s = self.buf(f"n{n.id}.s{site}", (1,), I32)
-        if self.rows:
-            if len(kernels) != 3:
-                raise self.not_split(n)
-            scan, shift, apply = kernels
-            amax = self.buf(f"n{n.id}.amax{site}", (SLOT_I32,), I32)
-            self.launch(scan, (*inputs, amax))
-            self.agree("all_max", amax)
-            self.launch(shift, (*inputs, amax, s, self.out_exp(n, 0)))
-        else:
-            shift, apply = kernels
-            self.launch(shift, (*inputs, s, self.out_exp(n, 0)))
+        apply = self.unstored_shift(n, kernels, inputs, s, self.out_exp(n, 0), f"amax{site}")
         key = self.keys(n, (site,), f"key{site}", self.elements(out))
         self.launch(apply, (*inputs, s, key, out))
         return s
+
+    def unstored_shift(
+        self,
+        n: Node,
+        kernels: tuple[tirx.PrimFunc, ...],
+        inputs: tuple[str, ...],
+        s: str,
+        e_out: str,
+        tag: str,
+    ) -> tirx.PrimFunc:
+        """The launches of the shift of a value that is never stored (inputs -> s, e_out):
+        kernels are (shift, apply), or a data-parallel worker's node's (scan, shift, apply),
+        whose maximum (a slot, buffer `n<id>.<tag>`) is agreed between the scan and the shift
+        (te_compaction.unstored_abs_max). Returns the apply kernel, for the caller to launch."""
+        if not self.rows:
+            shift, apply = kernels
+            self.launch(shift, (*inputs, s, e_out))
+            return apply
+        if len(kernels) != 3:
+            raise self.not_split(n)
+        scan, shift, apply = kernels
+        amax = self.buf(f"n{n.id}.{tag}", (SLOT_I32,), I32)
+        self.launch(scan, (*inputs, amax))
+        self.agree("all_max", amax)
+        self.launch(shift, (*inputs, amax, s, e_out))
+        return apply
 
     @property
     def agreed_slot(self) -> int:

@@ -13,14 +13,13 @@ from tvm import te, tirx
 from mexc.kernels.transformer import KEY_CMPS, SOFTMAX_RECIP_LOG2
 from mexc.lowering.te_compaction import (
     _flat_index,
-    _max_rows,
     aligned_target,
     fit_shift,
     fused_compaction,
-    iabs,
     shift_right32,
     shift_signed,
     shift_signed32,
+    unstored_abs_max,
     where,
 )
 from mexc.lowering.te_divide import idiv_round
@@ -212,17 +211,7 @@ def softmax_grad_t16(
     shape = (rows, k)
     inputs = _t_inputs(rows, k)
     t, target = _t(inputs, k, stochastic), inputs[3]
-    rowmax = _max_rows(shape, lambda r, j: iabs(t(r, j)), "amax_rows", lanes=True)
-    rr = te.reduce_axis((0, rows), "amax_r")
-    amax = te.compute((1,), lambda _: te.max(rowmax[rr], axis=rr), name="amax")
-    scan: list[tirx.PrimFunc] = []
-    slot_in: list[te.Tensor] = []
-    if agreed:
-        zero = tirx.const(0, I32)
-        slot = te.compute((agreed,), lambda i: tirx.Select(i == 0, amax[0], zero), name="slot")
-        scan = [prim_func([*inputs, slot], f"{name}_amax")]
-        slot_in = [te.placeholder((agreed,), I32, name="amax")]
-        amax = te.compute((1,), lambda _: slot_in[0][0], name="agreed")
+    scan, slot_in, amax = unstored_abs_max(shape, inputs, t, name, agreed)
     s = fit_shift(amax, 1 << T16_BITS)
     e16 = te.compute((1,), lambda g: target[0] + s[g], name="e16")
     shift = prim_func([*inputs, *slot_in, s, e16], f"{name}_shift")

@@ -360,22 +360,10 @@ def fused_compaction(
     the value where axis 1 of `shape` is not the result's channel axis."""
     if agreed == CHANNELS:
         return _channel_forms(shape, inputs, target, value, stochastic, name)
-    if len(shape) == 1:
-        rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
-    else:
-        rows = _max_rows(shape, lambda *i: iabs(value(*i)), "amax_rows", lanes=True)
-    rr = te.reduce_axis((0, shape[0]), "amax_r")
-    amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
-    scan: list[tirx.PrimFunc] = []
-    if agreed:
-        zero = tirx.const(0, I32)
-        slot = te.compute((agreed,), lambda i: tirx.Select(i == 0, amax[0], zero), name="slot")
-        scan = [prim_func([*inputs, slot], f"{name}_amax")]
-        slot_in = te.placeholder((agreed,), I32, name="amax")
-        amax = te.compute((1,), lambda _: slot_in[0], name="agreed")
+    scan, slot_in, amax = unstored_abs_max(shape, inputs, value, name, agreed)
     s = fit_shift(amax, qmax(bits))
     e_out = te.compute((1,), lambda g: target[0] + s[g], name="e_out")
-    shift = prim_func([*inputs, *([slot_in] if agreed else []), s, e_out], f"{name}_shift")
+    shift = prim_func([*inputs, *slot_in, s, e_out], f"{name}_shift")
     s_in = te.placeholder((1,), I32, name="s")
     key = te.placeholder((1,), I64, name="key")
 
@@ -384,6 +372,33 @@ def fused_compaction(
 
     m = te.compute(shape, body, name="m")
     return (*scan, shift, prim_func([*inputs, s_in, key, m], f"{name}_apply"))
+
+
+def unstored_abs_max(
+    shape: tuple[int, ...],
+    inputs: list[te.Tensor],
+    value: Callable[..., tirx.PrimExpr],
+    name: str,
+    agreed: int = 0,
+) -> tuple[list[tirx.PrimFunc], list[te.Tensor], te.Tensor]:
+    """max |value(*idx)| over `shape` as a (1,) tensor, for the shift kernel of a value that is
+    never stored (fused_compaction). `agreed`: a data-parallel worker's form, its maximum
+    agreed between kernels: `<name>_amax` (inputs -> a slot of `agreed` int32, the maximum in
+    element 0) is returned as the scan, and the shift kernel reads that slot (returned as its
+    extra input). Returns (scan kernels, the shift's extra inputs, amax)."""
+    if len(shape) == 1:
+        rows = te.compute(shape, lambda r: iabs(value(r)), name="amax_rows")
+    else:
+        rows = _max_rows(shape, lambda *i: iabs(value(*i)), "amax_rows", lanes=True)
+    rr = te.reduce_axis((0, shape[0]), "amax_r")
+    amax = te.compute((1,), lambda _: te.max(rows[rr], axis=rr), name="amax")
+    if not agreed:
+        return [], [], amax
+    zero = tirx.const(0, I32)
+    slot = te.compute((agreed,), lambda i: tirx.Select(i == 0, amax[0], zero), name="slot")
+    slot_in = te.placeholder((agreed,), I32, name="amax")
+    agreed_max = te.compute((1,), lambda _: slot_in[0], name="agreed")
+    return [prim_func([*inputs, slot], f"{name}_amax")], [slot_in], agreed_max
 
 
 def _channel_forms(
