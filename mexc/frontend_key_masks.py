@@ -38,8 +38,12 @@ _METHOD_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
 _SWAPPED = {"eq": "eq", "ne": "ne", "lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
 _NEGATIONS = {operator.invert, torch.logical_not, torch.bitwise_not}
 _METHOD_NEGATIONS = {"logical_not", "bitwise_not"}
-# reads that keep the mask's elements in order (its axes of extent 1 aside) or broadcast it
-_METHOD_VIEWS = {"bool", "to", "contiguous", "unsqueeze", "view", "reshape", "expand", "expand_as"}
+# casts that change nothing of a boolean mask (its dtype is checked: bool)
+_CASTS = {"bool", "to", "contiguous"}
+# broadcasts: the mask keeps its shape, and only the attention may read it then
+_EXPANDS = {"expand", "expand_as"}
+# views that keep the mask's elements in order where its axes of extent 1 alone change
+_METHOD_VIEWS = {"unsqueeze", "view", "reshape"}
 _VIEWS = {operator.getitem, torch.unsqueeze, torch.reshape}
 
 
@@ -69,11 +73,11 @@ def key_mask_of(c: Any, n: torch.fx.Node) -> KeyMask | None:
         return None
     if kind in _NEGATIONS or kind in _METHOD_NEGATIONS:
         return mask.negated()
-    if kind in ("bool", "to", "contiguous"):  # bool: a cast that changes nothing
+    if kind in _CASTS:
         return mask
     if mask.expanded:  # a broadcast only feeds the attention (an index of it may reorder)
         return None
-    if kind in ("expand", "expand_as"):  # the mask keeps its own shape
+    if kind in _EXPANDS:
         return dataclasses.replace(mask, expanded=True)
     if kind is operator.getitem and not _inserts_axes(n.args[1]):
         return None

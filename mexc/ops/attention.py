@@ -131,11 +131,8 @@ def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
     if isinstance(held, MaskedScores):
         if d != rank - 1:
             raise UnsupportedOpError(c.describe(n, f"{MASKED_READ}, not over axis {d}"))
-        if held.keys is None:
-            return c.emit(Op.SOFTMAX, [held.scores], n, causal=held.causal)
-        cmp, value = held.keys
-        inputs = [held.scores, c.ids]
-        return c.emit(Op.SOFTMAX, inputs, n, causal=held.causal, key_cmp=cmp, key_value=value)
+        inputs, hides = _hiding(c, held.scores, held.causal, held.keys)
+        return c.emit(Op.SOFTMAX, inputs, n, **hides)
     if d == rank - 1:
         return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
     if d == c.first_or_batch_axis(c.arg(n.args[0])):
@@ -192,14 +189,22 @@ def _attention(
     scores = c.emit_as(Op.SCALE, [c.emit_as(Op.MATMUL, [q, kt], s)], s, value=scale)
     if mask is not None:
         scores = c.emit_as(Op.ADD, [scores, mask], s)
-    if keys is None:
-        p = c.emit_as(Op.SOFTMAX, [scores], s, causal=causal)
-    else:
-        cmp, value = keys
-        p = c.emit_as(Op.SOFTMAX, [scores, c.ids], s, causal=causal, key_cmp=cmp, key_value=value)
+    inputs, hides = _hiding(c, scores, causal, keys)
+    p = c.emit_as(Op.SOFTMAX, inputs, s, **hides)
     if dropout > 0.0:
         p = c.emit_as(Op.DROPOUT, [p], s, p=dropout)
     return c.emit_as(Op.MATMUL, [p, v], (*lead, tq, dv))
+
+
+def _hiding(
+    c: Any, scores: Value, causal: bool, keys: tuple[str, int] | None
+) -> tuple[list[Value], dict[str, Any]]:
+    """The inputs and attributes of a softmax over `scores` that hides each query's later keys
+    (`causal`) and the keys whose token id makes (cmp, value) hold (`keys`: it reads the ids)."""
+    if keys is None:
+        return [scores], {"causal": causal}
+    cmp, value = keys
+    return [scores, c.ids], {"causal": causal, "key_cmp": cmp, "key_value": value}
 
 
 def _sdpa(c: Any, n: Any) -> Value:

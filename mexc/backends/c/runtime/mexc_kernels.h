@@ -315,7 +315,7 @@ int32_t mexc_softmax_causal_forward(uint32_t rows, uint32_t k, uint32_t tq, cons
                                     int32_t e, int8_t *p, const mexc_ctx_t *ctx, uint32_t tid);
 /* The same (tq = 0: not causal) with key j of every row of sample n also hidden where
  * ids[n k + j] cmp value (ids: samples x k token ids; cmp a MEXC_KEY_* comparison); a row with
- * every key hidden gets p = 0 (kernels.softmax_forward(key_hidden=...)). */
+ * every key hidden gets p = 0 (kernels.softmax_forward(hidden_keys=...)). */
 enum { MEXC_KEY_EQ, MEXC_KEY_NE, MEXC_KEY_LT, MEXC_KEY_LE, MEXC_KEY_GT, MEXC_KEY_GE };
 int32_t mexc_softmax_masked_forward(uint32_t rows, uint32_t k, uint32_t tq, const int32_t *ids,
                                     uint32_t samples, int32_t cmp, int32_t value, const int8_t *x,
