@@ -50,20 +50,31 @@ class _Range(NamedTuple):
     integer: bool  # the key holds an integer there: the axis is dropped from the read
 
 
-def _ranges(c: Any, n: torch.fx.Node, key: Any, shape: tuple[int, ...]) -> list[_Range]:
-    """The key as one range per axis of `shape` (integers, forward slices, one Ellipsis)."""
+def _ranges(
+    c: Any, n: torch.fx.Node, key: Any, shape: tuple[int, ...], new_axes: bool = False
+) -> list[_Range]:
+    """The key as one range per axis of `shape` (integers, forward slices, one Ellipsis).
+    new_axes: the key may hold None (an axis of extent 1 inserted there, as unsqueeze: the
+    read's final reshape makes it), left out of the ranges."""
     items: list[Any] = list(key) if isinstance(key, tuple) else [key]
+    if new_axes:
+        items = [t for t in items if t is not None]
     if Ellipsis in items:
         at = items.index(Ellipsis)
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
-    if len(items) > len(shape) or any(
+    if items.count(Ellipsis) or len(items) > len(shape) or any(
         isinstance(t, bool)
         or not isinstance(t, (int, slice))
         or (isinstance(t, slice) and not _forward(t.step))
         for t in items
     ):
+        allowed = "integers, forward slices, one Ellipsis" + (" and None" if new_axes else "")
         raise UnsupportedOpError(
-            c.describe(n, "indexes with something other than integers and forward slices")
+            c.describe(
+                n,
+                f"indexes an activation with {repr(key)[:80]}; mexc takes {allowed} (not a tensor of "
+                "indices, a boolean mask or a reversed slice)",
+            )
         )
     items += [slice(None)] * (len(shape) - len(items))
     out = []
@@ -92,11 +103,12 @@ def _refuse_batch(c: Any, n: torch.fx.Node, v: Value, dim: int, what: str) -> No
 
 def read(c: Any, n: torch.fx.Node) -> Value:
     """x[...] with integers and unit-step or strided forward slices along non-batch axes
-    (x[:, 0], x[:, 1:], x[:, ::2])."""
+    (x[:, 0], x[:, 1:], x[:, ::2]), and None for a new axis of extent 1 (x[:, :, None, None])."""
     x = n.args[0]
     shape = list(c.shape(x))
     v = c.arg(x)
-    for dim, r in enumerate(_ranges(c, n, static_value(n.args[1]), tuple(shape))):
+    key = static_value(n.args[1])
+    for dim, r in enumerate(_ranges(c, n, key, tuple(shape), new_axes=True)):
         if _whole(r, shape[dim]):
             continue
         _refuse_batch(c, n, v, dim, "indexes the batch axis")

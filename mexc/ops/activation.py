@@ -23,7 +23,7 @@ from mexc.ops.common import (
     unary_module,
 )
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import added, scaled
+from mexc.ops.tensor import added, scaled, sliced
 
 _STEPS = {"sigmoid": Op.SIGMOID, "tanh": Op.TANH, "relu": Op.RELU}
 
@@ -47,6 +47,35 @@ def _abs(c: Any, n: Any) -> Value:
     pos = c.emit_as(Op.RELU, [x], shape)
     neg = c.emit_as(Op.RELU, [scaled(c, x, shape, -1.0)], shape)
     return added(c, pos, neg, shape)
+
+
+def _glu(c: Any, n: Any, x: Any, dim: int) -> Value:
+    """GLU: the first half of x along `dim` times the sigmoid of the second half (torch's
+    order), as a slice of each half, SIGMOID and MUL: the integer sigmoid and product, with
+    their gradients."""
+    shape = tuple(c.shape(x))
+    axis = dim % len(shape) if -len(shape) <= dim < len(shape) else None
+    if axis is None or shape[axis] % 2:
+        raise UnsupportedOpError(
+            c.describe(n, f"applies GLU along dim {dim} of a {list(shape)} tensor; it needs an "
+                       "axis of even size")
+        )
+    if axis == c.batch_axis(c.arg(x)):
+        raise UnsupportedOpError(c.describe(n, "applies GLU along the batch axis"))
+    half = shape[axis] // 2
+    v = c.arg(x)
+    a = sliced(c, v, shape, axis, 0, half)
+    gate = activated(c, sliced(c, v, shape, axis, half, 2 * half), tuple(c.shape(n)), "sigmoid")
+    return c.emit(Op.MUL, [a, gate], n)
+
+
+def _glu_module(c: Any, n: Any, m: Any) -> Value:
+    return _glu(c, n, n.args[0], int(m.dim))
+
+
+def _glu_function(c: Any, n: Any) -> Value:
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", -1)
+    return _glu(c, n, n.args[0], int(dim))
 
 
 def _gelu_module(c: Any, n: Any, m: Any) -> Value:
@@ -501,6 +530,8 @@ define(
                 unary_function(Op.SIGMOID),
             ),
             Pattern("method", ("sigmoid",), unary_function(Op.SIGMOID)),
+            Pattern("module", ("torch.nn.GLU",), _glu_module),
+            Pattern("function", ("torch.nn.functional.glu",), _glu_function),
         ),
         lower={"tir": tir_rule("sigmoid"), "c": "emit:_sigmoid"},
         doc="the logistic function through an integer table at 2^-15 (docs/layers.md)",
