@@ -62,18 +62,22 @@ def _ranges(
     if Ellipsis in items:
         at = items.index(Ellipsis)
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
-    if items.count(Ellipsis) or len(items) > len(shape) or any(
-        isinstance(t, bool)
-        or not isinstance(t, (int, slice))
-        or (isinstance(t, slice) and not _forward(t.step))
-        for t in items
+    if (
+        items.count(Ellipsis)
+        or len(items) > len(shape)
+        or any(
+            isinstance(t, bool)
+            or not isinstance(t, (int, slice))
+            or (isinstance(t, slice) and not _forward(t.step))
+            for t in items
+        )
     ):
         allowed = "integers, forward slices, one Ellipsis" + (" and None" if new_axes else "")
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"indexes an activation with {repr(key)[:80]}; mexc takes {allowed} (not a tensor of "
-                "indices, a boolean mask or a reversed slice)",
+                f"indexes an activation with {repr(key)[:80]}; mexc takes {allowed} (not a "
+                "tensor of indices, a boolean mask or a reversed slice)",
             )
         )
     items += [slice(None)] * (len(shape) - len(items))

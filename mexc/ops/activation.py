@@ -57,8 +57,11 @@ def _glu(c: Any, n: Any, x: Any, dim: int) -> Value:
     axis = dim % len(shape) if -len(shape) <= dim < len(shape) else None
     if axis is None or shape[axis] % 2:
         raise UnsupportedOpError(
-            c.describe(n, f"applies GLU along dim {dim} of a {list(shape)} tensor; it needs an "
-                       "axis of even size")
+            c.describe(
+                n,
+                f"applies GLU along dim {dim} of a {list(shape)} tensor; it needs an "
+                "axis of even size",
+            )
         )
     if axis == c.batch_axis(c.arg(x)):
         raise UnsupportedOpError(c.describe(n, "applies GLU along the batch axis"))

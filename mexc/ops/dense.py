@@ -12,6 +12,7 @@ from mexc.mx import MX, Acc
 from mexc.ops.common import (
     Grads,
     before_last,
+    elementwise_types,
     mx_like,
     pair,
     pass_through,
@@ -22,6 +23,7 @@ from mexc.ops.common import (
     tid,
 )
 from mexc.ops.conv3d import conv3d_function, conv3d_module
+from mexc.ops.conv_transpose import conv_transpose_function, conv_transpose_module
 from mexc.ops.dilated import dilated_conv, dilated_size
 from mexc.ops.gather import is_gathered
 from mexc.ops.recurrent import recurrent_module
@@ -69,6 +71,23 @@ def _conv_vjp(w: Any, n: Node, dys: Grads) -> Grads:
         w.set_param_grad(n.inputs[2], db.out, n)
         grads.append(None)
     return grads
+
+
+def _conv_transpose_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """A transposed convolution (CONV2D_GRAD_INPUT in the forward graph, ops.conv_transpose):
+    dW is the convolution's weight gradient with dy as its input and x as its output
+    gradient, dx the convolution of dy with W."""
+    dy = dys[0]
+    assert dy is not None
+    x, wt = n.inputs[0], n.inputs[1]
+    conv = {"stride": n.attrs.stride, "padding": n.attrs.padding, "groups": n.attrs.groups}
+    dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [x, dy], acc(*w.type(wt).shape), n.loc, **conv)
+    w.set_param_grad(wt, dw.out, n)
+    if not w.needs[x]:
+        return [None, None]
+    bits = int(w.g.attr("bits", 8))
+    dx = w.emit(Op.CONV2D_COMPACT, [dy, wt], mx(*w.type(x).shape), n.loc, bits=bits, **conv)
+    return [dx.out, None]
 
 
 def _linear_vjp(w: Any, n: Node, dys: Grads) -> Grads:
@@ -503,6 +522,13 @@ define(
     OpDef(
         Op.CONV2D_GRAD_INPUT,
         {**_CONV, **CAP, "rid": -1},
+        types=elementwise_types,
+        vjp=_conv_transpose_vjp,
+        frontend=(
+            Pattern("module", ("torch.nn.ConvTranspose2d",), conv_transpose_module),
+            Pattern("module", ("torch.nn.ConvTranspose1d",), conv_transpose_module),
+            Pattern("function", ("torch.nn.functional.conv_transpose2d",), conv_transpose_function),
+        ),
         reference=_conv_grad_input,
         lower={
             "tir": _tir("conv_grad_input"),
@@ -511,7 +537,7 @@ define(
         },
         product=True,
         reduction=_conv_grad_input_k,
-        doc="dx of a convolution (transposed convolution), compacted",
+        doc="dx of a convolution, compacted; in the forward graph a transposed convolution",
         data_parallel=True,
     ),
     OpDef(

@@ -255,7 +255,7 @@ class _IntoAParameter(_InPlaceOnAParameter):
         (_InPlaceOnAView, "shares memory with 'mul', which 'getitem_1' reads"),
         (_InPlaceOnAParameter, "changes a parameter, a buffer or a constant in place"),
         (_AfterIdentity, "shares memory with 'same', which 'getitem' reads"),
-        (_BoolKey, "indexes with something other than integers"),
+        (_BoolKey, "not a tensor of indices, a boolean mask"),
         (_Overlapping, "overlap the written ones"),
         (_ShapeInPlace, "changes the shape of its input in place"),
     ],

@@ -41,8 +41,8 @@ def batches(
 
 class ZooLayers(torch.nn.Module):
     """The layers added for models users bring, each in one data-parallel step: GroupNorm,
-    LeakyReLU, channel dropout, zero padding, nearest upsampling, pixel shuffle, Mish, tanh and
-    adaptive max pooling."""
+    LeakyReLU, channel dropout, zero padding, nearest upsampling, pixel shuffle, Mish, a
+    transposed convolution, tanh and adaptive max pooling."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,6 +55,7 @@ class ZooLayers(torch.nn.Module):
         self.up = nn.Upsample(scale_factor=2)
         self.shuffle = nn.PixelShuffle(2)
         self.conv3 = nn.Conv2d(2, 4, 3, padding=1)
+        self.tconv = nn.ConvTranspose2d(4, 4, 2, stride=2)
         self.pool = nn.AdaptiveMaxPool2d(2)
         self.fc = nn.Linear(16, 10)
 
@@ -63,6 +64,7 @@ class ZooLayers(torch.nn.Module):
         x = self.drop(self.act(self.gn(self.conv1(x))))  # 8 x 8 x 8
         x = self.up(self.conv2(f.pad(x, (0, 1, 0, 1))))  # 8 x 4 x 4 -> 8 x 8 x 8
         x = f.mish(self.conv3(self.shuffle(x)))  # 2 x 16 x 16 -> 4 x 16 x 16
+        x = self.tconv(x)  # 4 x 32 x 32
         return self.fc(torch.tanh(torch.flatten(self.pool(x), 1)))
 
 
