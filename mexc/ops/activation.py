@@ -49,6 +49,40 @@ def _abs(c: Any, n: Any) -> Value:
     return added(c, pos, neg, shape)
 
 
+def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
+    """torch.maximum(a, b) as b + relu(a - b), torch.minimum(a, b) as a - relu(a - b), for two
+    activations of one shape: integer sums and a ReLU, each rounded as docs/numerics.md says
+    (so the result is the larger or smaller one up to those roundings), and the gradient goes
+    to the side the ReLU's mask picks, as torch's does."""
+    shape = tuple(c.shape(n))
+    if not (c.is_node(a) and c.is_node(b)) or any(tuple(c.shape(v)) != shape for v in (a, b)):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"takes the elementwise {'maximum' if largest else 'minimum'} of operands that "
+                "are not two activations of the result's shape; broadcast them first, or use "
+                "clamp for a constant bound",
+            )
+        )
+    va, vb = c.arg(a), c.arg(b)
+    gap = c.emit_as(Op.RELU, [added(c, va, scaled(c, vb, shape, -1.0), shape)], shape)
+    if largest:
+        return added(c, vb, gap, shape)
+    return added(c, va, scaled(c, gap, shape, -1.0), shape)
+
+
+def _maximum(c: Any, n: Any) -> Value:
+    return elementwise_extreme(
+        c, n, n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs["other"], True
+    )
+
+
+def _minimum(c: Any, n: Any) -> Value:
+    return elementwise_extreme(
+        c, n, n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs["other"], False
+    )
+
+
 def _glu(c: Any, n: Any, x: Any, dim: int) -> Value:
     """GLU: the first half of x along `dim` times the sigmoid of the second half (torch's
     order), as a slice of each half, SIGMOID and MUL: the integer sigmoid and product, with
@@ -402,6 +436,10 @@ define(
             Pattern("method", ("relu",), unary_function(Op.RELU)),
             Pattern("function", ("torch.abs",), _abs),
             Pattern("method", ("abs",), _abs),
+            Pattern("function", ("torch.maximum",), _maximum),
+            Pattern("method", ("maximum",), _maximum),
+            Pattern("function", ("torch.minimum",), _minimum),
+            Pattern("method", ("minimum",), _minimum),
             Pattern("module", ("torch.nn.PReLU",), _prelu_module),
             Pattern("function", ("torch.nn.functional.prelu", "torch.prelu"), _prelu_function),
         ),

@@ -11,6 +11,7 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
+from mexc.ops.activation import elementwise_extreme
 from mexc.ops.bilinear import linear_resample
 from mexc.ops.common import (
     Grads,
@@ -357,15 +358,14 @@ def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
 
 def _max_call(c: Any, n: Any) -> Any:
     """torch.max(x, dim[, keepdim]) / x.max(dim): (values, indices), of which mexc computes the
-    values. torch.max(x) of every element and torch.max(a, b) of two tensors are refused."""
+    values; torch.max(a, b) of two tensors: torch.maximum. torch.max(x) of every element is
+    refused."""
     args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
-    dim = args.get("dim")
+    dim = args.get("dim", args.get("other"))
     if dim is None:
         raise UnsupportedOpError(c.describe(n, "takes the maximum of every element; give a dim"))
     if c.is_node(dim):
-        raise UnsupportedOpError(
-            c.describe(n, "takes the elementwise maximum of two tensors; mexc lowers max(x, dim)")
-        )
+        return elementwise_extreme(c, n, args["input"], dim, True)
     return (_reduce_max(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
 
 

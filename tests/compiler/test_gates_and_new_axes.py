@@ -1,7 +1,8 @@
-"""GLU (nn.GLU, F.glu) and reads that insert axes with None (`w[:, :, None, None]`, a
-squeeze-and-excitation gate; `x[..., None]`): slices, the integer sigmoid and product, and a
-reshape. Against torch and autograd, bit-exact on reference, llvm and C, and the GLU mexc
-cannot take refused by node."""
+"""GLU (nn.GLU, F.glu), the elementwise maximum and minimum of two activations
+(torch.maximum, torch.max(a, b), minimum) and reads that insert axes with None
+(`w[:, :, None, None]`, a squeeze-and-excitation gate; `x[..., None]`): slices, the integer
+sigmoid, product, sums and ReLU, and a reshape. Against torch and autograd, bit-exact on
+reference, llvm and C, and what mexc cannot take refused by node."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tests.compiler.helpers import (
 
 class GatedNet(nn.Module):
     """A convolution gated by GLU over its channels, a squeeze-and-excitation gate read as
-    w[:, :, None, None], and a head of F.glu on features widened with x[..., None]."""
+    w[:, :, None, None], F.glu on features widened with x[..., None], and the elementwise
+    maximum and minimum of two of them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -43,7 +45,8 @@ class GatedNet(nn.Module):
         y = F.avg_pool2d(y * w[:, :, None, None], 2)  # [N, 8, 4, 4]
         h = F.glu(self.fc(y.flatten(1)))  # [N, 10]
         pair = torch.cat([h[..., None], h[:, None].transpose(1, 2) * 0.5], -1)  # [N, 10, 2]
-        return self.head(h + self.mix(pair)[..., 0])
+        m = self.mix(pair)[..., 0]
+        return self.head(torch.max(h, m) + h.minimum(-m))
 
 
 def _program(target: str = "reference", batch: int = 4, **kw: object) -> mexc.Program:
@@ -51,10 +54,11 @@ def _program(target: str = "reference", batch: int = 4, **kw: object) -> mexc.Pr
     return mexc.compile(GatedNet(), (torch.zeros(batch, 1, 8, 8),), target=target, **kw)
 
 
-def test_glu_is_a_sigmoid_gate_of_two_slices() -> None:
+def test_glu_is_a_sigmoid_gate_of_two_slices_and_the_extremes_relus() -> None:
     ops = [n.op for n in _program().graph.nodes]
     assert ops.count(Op.SIGMOID) == 3  # two GLUs and the SE gate
     assert ops.count(Op.SLICE) >= 4  # the halves of each GLU
+    assert ops.count(Op.RELU) == 2  # relu(a - b) of the maximum and of the minimum
 
 
 def test_logits_match_torch() -> None:
@@ -88,6 +92,16 @@ class _GluOverBatch(nn.Module):
         return F.glu(self.fc(x), 0)
 
 
+class _BroadcastMaximum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return torch.maximum(y, y.mean(1, keepdim=True))
+
+
 class _WriteWithNone(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -103,6 +117,7 @@ class _WriteWithNone(nn.Module):
     ("model", "message"),
     [
         (_GluOverBatch, "along the batch axis"),
+        (_BroadcastMaximum, "not two activations of the result's shape"),
         (_WriteWithNone, r"one Ellipsis \(not a tensor"),
     ],
 )
@@ -110,7 +125,7 @@ def test_what_mexc_cannot_take_is_refused_by_node(model, message: str) -> None:
     torch.manual_seed(0)
     with pytest.raises(UnsupportedOpError, match=message) as err:
         mexc.compile(model(), (torch.zeros(4, 8),))
-    assert "test_glu_and_new_axes.py" in str(err.value)  # the model's source line
+    assert "test_gates_and_new_axes.py" in str(err.value)  # the model's source line
 
 
 def test_an_axis_inserted_before_the_batch_trains() -> None:
