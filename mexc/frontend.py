@@ -572,6 +572,41 @@ def supported_ops() -> list[str]:
     return sorted(set(mods)) + sorted(set(fns)) + sorted(f"Tensor.{m}" for m in METHOD_HANDLERS)
 
 
+# the hooks of torch.nn.utils.weight_norm / spectral_norm, which recompute `weight` from other
+# parameters before every call
+_REPARAMETRIZING_HOOKS = ("WeightNorm", "SpectralNorm")
+
+
+def _refuse_reparametrized(n: torch.fx.Node, mod: nn.Module) -> None:
+    """A layer whose weight is a function of other parameters (torch.nn.utils.parametrizations'
+    weight_norm, spectral_norm, orthogonal, or the older weight_norm / spectral_norm hooks) is
+    refused by node: mexc trains each parameter as an int8 tensor of its own, and the weight the
+    layer holds at tracing would otherwise be trained in place of the parameters it comes
+    from (another optimization, and for spectral_norm another model)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(mod):
+        kinds = sorted(
+            {type(p).__name__ for ps in mod.parametrizations.values() for p in ps}  # type: ignore[operator]
+        )
+        how = "torch.nn.utils.parametrize.remove_parametrizations(module, name)"
+    else:
+        kinds = sorted(
+            {type(h).__name__ for h in mod._forward_pre_hooks.values()}
+            & set(_REPARAMETRIZING_HOOKS)
+        )
+        how = "torch.nn.utils.remove_weight_norm / remove_spectral_norm"
+    if kinds:
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                f"computes its weight from other parameters ({', '.join(kinds)}); mexc trains "
+                f"each parameter as an int8 tensor of its own, not through a function of others. "
+                f"Remove the reparametrization ({how}) to train the weight itself",
+            )
+        )
+
+
 def _unsupported(n: torch.fx.Node, what: str) -> UnsupportedOpError:
     return UnsupportedOpError(
         f"Unsupported op {what}: {_describe(n, 'has no integer lowering in mexc')}. "
@@ -932,6 +967,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
         n.meta["mexc_module"] = type(mod).__name__  # frontend_index._is_view reads it
+        _refuse_reparametrized(n, mod)
         handler = _module_handler(mod)
         if handler is None:
             raise _unsupported(n, type(mod).__name__)

@@ -474,6 +474,20 @@ def _roll(c: Any, n: Any) -> Value:
     return v
 
 
+def _narrow(c: Any, n: Any) -> Value:
+    """x.narrow(dim, start, length) / torch.narrow: x[..., start : start + length, ...] along a
+    non-batch axis, a SLICE."""
+    args = dict(zip(("input", "dim", "start", "length"), n.args)) | dict(n.kwargs)
+    shape = tuple(c.shape(args["input"]))
+    dim, start, length = (static_int(args[k]) for k in ("dim", "start", "length"))
+    dim %= len(shape)
+    start %= shape[dim]
+    v = c.arg(args["input"])
+    if dim == c.first_or_batch_axis(v):
+        raise UnsupportedOpError(c.describe(n, "narrows the batch axis"))
+    return sliced(c, v, shape, dim, start, start + length)
+
+
 def _unfold(c: Any, n: Any) -> Value:
     """x.unfold(dim, size, step): the windows x[..., i*step : i*step + size, ...] along a new
     axis at dim, the window's elements last (HaloNet's overlapping key blocks). With dim moved
@@ -1363,7 +1377,11 @@ define(
         types=elementwise_types,
         vjp=pointwise_vjp(Op.SLICE_GRAD, no_saved),
         reference=_slice,
-        frontend=(Pattern("method", ("unfold",), _unfold),),
+        frontend=(
+            Pattern("method", ("unfold",), _unfold),
+            Pattern("method", ("narrow",), _narrow),
+            Pattern("function", ("torch.narrow",), _narrow),
+        ),
         lower={"tir": tir_rule("slice"), "c": "emit:_slice"},
         doc="[start, stop) along one axis (the frontend makes it from chunk, unfold)",
         moves_batch=sliced_batch_axis,

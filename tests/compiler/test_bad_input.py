@@ -77,6 +77,38 @@ def test_a_parameter_used_as_an_activation_is_named() -> None:
         mexc.compile(SigmoidOfParameter(), (torch.zeros(4, 1, 8, 8),))
 
 
+def _weight_norm(layer: nn.Module) -> nn.Module:
+    return nn.utils.parametrizations.weight_norm(layer)
+
+
+def _spectral_norm(layer: nn.Module) -> nn.Module:
+    return nn.utils.parametrizations.spectral_norm(layer)
+
+
+def _old_weight_norm(layer: nn.Module) -> nn.Module:
+    import warnings
+
+    with warnings.catch_warnings():  # torch deprecates the hook form
+        warnings.simplefilter("ignore")
+        return nn.utils.weight_norm(layer)
+
+
+@pytest.mark.parametrize(
+    ("wrap", "kind"),
+    [
+        (_weight_norm, "_WeightNorm"),
+        (_spectral_norm, "_SpectralNorm"),
+        (_old_weight_norm, "WeightNorm"),
+    ],
+)
+def test_a_weight_computed_from_other_parameters_is_refused_by_node(wrap, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """Trained as a plain weight, the layer would train another parametrization (and, under
+    spectral_norm, another model) without a word."""
+    model = nn.Sequential(nn.Flatten(), wrap(nn.Linear(64, 10)))
+    with pytest.raises(mexc.UnsupportedOpError, match=rf"node '_1' .*\({kind}\).*Remove the"):
+        mexc.compile(model, (torch.zeros(4, 1, 8, 8),))
+
+
 def test_data_dependent_control_flow() -> None:
     with pytest.raises(mexc.TraceError, match=r"data-dependent control flow at test_bad_input"):
         mexc.compile(DataDependent(), (torch.zeros(4, 1, 8, 8),))

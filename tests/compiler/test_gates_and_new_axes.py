@@ -1,5 +1,5 @@
 """GLU (nn.GLU, F.glu), the elementwise maximum and minimum of two activations
-(torch.maximum, torch.max(a, b), minimum) and reads that insert axes with None
+(torch.maximum, torch.max(a, b), minimum), narrow, and reads that insert axes with None
 (`w[:, :, None, None]`, a squeeze-and-excitation gate; `x[..., None]`): slices, the integer
 sigmoid, product, sums and ReLU, and a reshape. Against torch and autograd, bit-exact on
 reference, llvm and C, and what mexc cannot take refused by node."""
@@ -26,9 +26,9 @@ from tests.compiler.helpers import (
 
 
 class GatedNet(nn.Module):
-    """A convolution gated by GLU over its channels, a squeeze-and-excitation gate read as
-    w[:, :, None, None], F.glu on features widened with x[..., None], and the elementwise
-    maximum and minimum of two of them."""
+    """A convolution gated by GLU over its channels, a squeeze-and-excitation gate (of rows
+    narrowed) read as w[:, :, None, None], F.glu on features widened with x[..., None], and
+    the elementwise maximum and minimum of two of them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +41,7 @@ class GatedNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, 1, 8, 8]
         y = self.glu(self.conv(x))  # [N, 8, 8, 8]
-        w = torch.sigmoid(self.se(y.mean((2, 3))))
+        w = torch.sigmoid(self.se(y.narrow(2, 1, 6).mean((2, 3))))  # rows 1 to 6
         y = F.avg_pool2d(y * w[:, :, None, None], 2)  # [N, 8, 4, 4]
         h = F.glu(self.fc(y.flatten(1)))  # [N, 10]
         pair = torch.cat([h[..., None], h[:, None].transpose(1, 2) * 0.5], -1)  # [N, 10, 2]
