@@ -577,34 +577,66 @@ def supported_ops() -> list[str]:
 _REPARAMETRIZING_HOOKS = ("WeightNorm", "SpectralNorm")
 
 
-def _refuse_reparametrized(n: torch.fx.Node, mod: nn.Module) -> None:
-    """A layer whose weight is a function of other parameters (torch.nn.utils.parametrizations'
-    weight_norm, spectral_norm, orthogonal, or the older weight_norm / spectral_norm hooks) is
-    refused by node: mexc trains each parameter as an int8 tensor of its own, and the weight the
-    layer holds at tracing would otherwise be trained in place of the parameters it comes
-    from (another optimization, and for spectral_norm another model)."""
+def _reparametrizations(mod: nn.Module, name: str | None = None) -> tuple[list[str], str]:
+    """The kinds of reparametrization of `mod`'s weights (of its attribute `name` only, where
+    given; none: []) and how to remove them."""
     from torch.nn.utils import parametrize
 
-    if parametrize.is_parametrized(mod):
-        kinds = sorted(
-            {type(p).__name__ for ps in mod.parametrizations.values() for p in ps}  # type: ignore[operator]
-        )
-        how = "torch.nn.utils.parametrize.remove_parametrizations(module, name)"
-    else:
-        kinds = sorted(
-            {type(h).__name__ for h in mod._forward_pre_hooks.values()}
-            & set(_REPARAMETRIZING_HOOKS)
-        )
-        how = "torch.nn.utils.remove_weight_norm / remove_spectral_norm"
+    if parametrize.is_parametrized(mod, name):
+        lists: Any = mod.parametrizations
+        names = [name] if name is not None else list(lists.keys())
+        kinds = sorted({type(p).__name__ for k in names for p in lists[k]})
+        return kinds, "torch.nn.utils.parametrize.remove_parametrizations(module, name)"
+    hooks = [
+        h
+        for h in mod._forward_pre_hooks.values()
+        if type(h).__name__ in _REPARAMETRIZING_HOOKS and name in (None, getattr(h, "name", None))
+    ]
+    return sorted({type(h).__name__ for h in hooks}), (
+        "torch.nn.utils.remove_weight_norm / remove_spectral_norm"
+    )
+
+
+def _refuse_reparametrized(n: torch.fx.Node, kinds: list[str], how: str) -> None:
+    """A layer whose weight is a function of other parameters (torch.nn.utils.parametrizations'
+    weight_norm, spectral_norm, orthogonal, or the older weight_norm / spectral_norm hooks),
+    called or read, is refused by node: mexc trains each parameter as an int8 tensor of its
+    own, and the weight the layer holds at tracing would otherwise be trained (or, read as an
+    attribute, frozen) in place of the parameters it comes from (another optimization, and for
+    spectral_norm another model)."""
     if kinds:
         raise UnsupportedOpError(
             _describe(
                 n,
-                f"computes its weight from other parameters ({', '.join(kinds)}); mexc trains "
+                f"reads a weight computed from other parameters ({', '.join(kinds)}); mexc trains "
                 f"each parameter as an int8 tensor of its own, not through a function of others. "
                 f"Remove the reparametrization ({how}) to train the weight itself",
             )
         )
+
+
+def _refuse_reparametrized_reads(model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """Every layer called (call_module) or weight read (get_attr: `F.linear(x, self.fc.weight)`
+    of a weight-normed layer; a parametrization's own module) whose weight is reparametrized
+    is refused by node. Looked up in `model`: the traced module holds a get_attr's tensor in a
+    plain module of its own, without the layer's hooks."""
+    for n in gm.graph.nodes:
+        if n.op not in ("get_attr", "call_module"):
+            continue
+        path = str(n.target).split(".")
+        name: str | None = None
+        if "parametrizations" in path:  # module.parametrizations.weight[.original]
+            at = path.index("parametrizations")
+            owner, name = ".".join(path[:at]), (path[at + 1] if at + 1 < len(path) else None)
+        elif n.op == "call_module":
+            owner = str(n.target)
+        else:
+            owner, name = ".".join(path[:-1]), path[-1]
+        try:
+            mod = model.get_submodule(owner)
+        except AttributeError:
+            continue
+        _refuse_reparametrized(n, *_reparametrizations(mod, name))
 
 
 def _unsupported(n: torch.fx.Node, what: str) -> UnsupportedOpError:
@@ -967,7 +999,6 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
         n.meta["mexc_module"] = type(mod).__name__  # frontend_index._is_view reads it
-        _refuse_reparametrized(n, mod)
         handler = _module_handler(mod)
         if handler is None:
             raise _unsupported(n, type(mod).__name__)
@@ -1142,6 +1173,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
         gm = trace(model, example)
     finally:
         model.train(was_training)  # leave the user's module as it was
+    _refuse_reparametrized_reads(model, gm)
     b = GraphBuilder()
     c = _Ctx(gm, b)
     logits: Value | None = None

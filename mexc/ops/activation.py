@@ -53,7 +53,8 @@ def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
     """torch.maximum(a, b) as b + relu(a - b), torch.minimum(a, b) as a - relu(a - b), for two
     activations of one shape: integer sums and a ReLU, each rounded as docs/numerics.md says
     (so the result is the larger or smaller one up to those roundings), and the gradient goes
-    to the side the ReLU's mask picks, as torch's does."""
+    to the side the ReLU's mask picks (at a tie all of it to b for the maximum, to a for the
+    minimum, where torch gives each half)."""
     shape = tuple(c.shape(n))
     if not (c.is_node(a) and c.is_node(b)) or any(tuple(c.shape(v)) != shape for v in (a, b)):
         raise UnsupportedOpError(
@@ -71,16 +72,32 @@ def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
     return added(c, va, scaled(c, gap, shape, -1.0), shape)
 
 
+def _operands(n: Any) -> tuple[Any, Any]:
+    args = dict(zip(("input", "other"), n.args)) | dict(n.kwargs)
+    return args["input"], args.get("other")
+
+
 def _maximum(c: Any, n: Any) -> Value:
-    return elementwise_extreme(
-        c, n, n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs["other"], True
-    )
+    return elementwise_extreme(c, n, *_operands(n), True)
 
 
 def _minimum(c: Any, n: Any) -> Value:
-    return elementwise_extreme(
-        c, n, n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs["other"], False
-    )
+    return elementwise_extreme(c, n, *_operands(n), False)
+
+
+def _min_call(c: Any, n: Any) -> Value:
+    """torch.min(a, b) / a.min(b) of two tensors: torch.minimum. The minimum over an axis or of
+    every element is refused (mexc reduces with the maximum)."""
+    a, b = _operands(n)
+    if b is None or not c.is_node(b):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "takes a minimum over an axis or of every element; mexc lowers the maximum: "
+                "use -(-x).amax(dim)",
+            )
+        )
+    return elementwise_extreme(c, n, a, b, False)
 
 
 def _glu(c: Any, n: Any, x: Any, dim: int) -> Value:
@@ -440,6 +457,8 @@ define(
             Pattern("method", ("maximum",), _maximum),
             Pattern("function", ("torch.minimum",), _minimum),
             Pattern("method", ("minimum",), _minimum),
+            Pattern("function", ("torch.min",), _min_call),
+            Pattern("method", ("min",), _min_call),
             Pattern("module", ("torch.nn.PReLU",), _prelu_module),
             Pattern("function", ("torch.nn.functional.prelu", "torch.prelu"), _prelu_function),
         ),

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mexc
@@ -107,6 +108,23 @@ def test_a_weight_computed_from_other_parameters_is_refused_by_node(wrap, kind: 
     model = nn.Sequential(nn.Flatten(), wrap(nn.Linear(64, 10)))
     with pytest.raises(mexc.UnsupportedOpError, match=rf"node '_1' .*\({kind}\).*Remove the"):
         mexc.compile(model, (torch.zeros(4, 1, 8, 8),))
+
+
+class _ReadsTheWeight(nn.Module):
+    def __init__(self, wrap) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.fc = wrap(nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.flatten(1), self.fc.weight, self.fc.bias)
+
+
+@pytest.mark.parametrize("wrap", [_weight_norm, _old_weight_norm])
+def test_a_reparametrized_weight_read_by_itself_is_refused_by_node(wrap) -> None:  # type: ignore[no-untyped-def]
+    """Read as an attribute, the older hook's weight would be a constant: frozen, g and v
+    never trained."""
+    with pytest.raises(mexc.UnsupportedOpError, match=r"node 'fc_.*WeightNorm.*Remove the"):
+        mexc.compile(_ReadsTheWeight(wrap), (torch.zeros(4, 1, 8, 8),))
 
 
 def test_data_dependent_control_flow() -> None:

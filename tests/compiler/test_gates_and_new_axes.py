@@ -46,7 +46,7 @@ class GatedNet(nn.Module):
         h = F.glu(self.fc(y.flatten(1)))  # [N, 10]
         pair = torch.cat([h[..., None], h[:, None].transpose(1, 2) * 0.5], -1)  # [N, 10, 2]
         m = self.mix(pair)[..., 0]
-        return self.head(torch.max(h, m) + h.minimum(-m))
+        return self.head(torch.maximum(input=h, other=m) + torch.min(h, -m) + torch.max(h, m) / 2)
 
 
 def _program(target: str = "reference", batch: int = 4, **kw: object) -> mexc.Program:
@@ -58,7 +58,7 @@ def test_glu_is_a_sigmoid_gate_of_two_slices_and_the_extremes_relus() -> None:
     ops = [n.op for n in _program().graph.nodes]
     assert ops.count(Op.SIGMOID) == 3  # two GLUs and the SE gate
     assert ops.count(Op.SLICE) >= 4  # the halves of each GLU
-    assert ops.count(Op.RELU) == 2  # relu(a - b) of the maximum and of the minimum
+    assert ops.count(Op.RELU) == 3  # relu(a - b) of each maximum and of the minimum
 
 
 def test_logits_match_torch() -> None:
@@ -102,6 +102,15 @@ class _BroadcastMaximum(nn.Module):
         return torch.maximum(y, y.mean(1, keepdim=True))
 
 
+class _MinOverAxis(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) - torch.min(self.fc(x), 1, keepdim=True).values
+
+
 class _WriteWithNone(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -118,6 +127,7 @@ class _WriteWithNone(nn.Module):
     [
         (_GluOverBatch, "along the batch axis"),
         (_BroadcastMaximum, "not two activations of the result's shape"),
+        (_MinOverAxis, r"use -\(-x\).amax\(dim\)"),
         (_WriteWithNone, r"one Ellipsis \(not a tensor"),
     ],
 )
