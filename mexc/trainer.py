@@ -17,7 +17,8 @@ uninterrupted run.
 
 History record (one per epoch): `epoch`, `step` (global steps done), `train_loss` (mean of the
 epoch's step losses), `test_accuracy`, `seconds` (training time of the epoch, evaluation
-excluded), `images_per_s`, `step_losses`.
+excluded), `images_per_s` (samples per second, of any data: the key keeps its first name),
+`step_losses`.
 
 results.json (`build_results`, format "mexc-results-1"):
   format, date (UTC ISO 8601), command (argv list), machine {platform, python, processor,
@@ -130,7 +131,7 @@ class Trainer:
         self.steps_per_epoch = len(train_data[1]) // batch
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"the training set has {len(train_data[1])} images, fewer than one batch of "
+                f"the training set has {len(train_data[1])} samples, fewer than one batch of "
                 f"{batch}; use a smaller --batch or more data"
             )
         self.step = 0  # steps this trainer has run (global position in the data order)
@@ -220,7 +221,7 @@ class Trainer:
         if self.progress:
             print(
                 f"epoch {epoch + 1}/{self.epochs}: loss {record['train_loss']:.4f}  "
-                f"test accuracy {100 * acc:.2f} %  {record['images_per_s']:.0f} images/s",
+                f"test accuracy {100 * acc:.2f} %  {record['images_per_s']:.0f} samples/s",
                 file=sys.stderr,
             )
         self._save()
@@ -305,7 +306,7 @@ class Trainer:
             if sizes != (st["train_size"], st["test_size"]):
                 raise CheckpointError(
                     f"checkpoint {d} was made with {st['train_size']} training / "
-                    f"{st['test_size']} test images, this run has {sizes[0]} / {sizes[1]}; "
+                    f"{st['test_size']} test samples, this run has {sizes[0]} / {sizes[1]}; "
                     "resume with the same dataset and limits"
                 )
             if prog.step_count != st["program_step"] or (
@@ -480,7 +481,7 @@ def format_table(results: dict[str, Any]) -> str:
     rows.append(("planner: arena peak", _kib(m["planned_arena_bytes"]), ""))
     rows.append(("steps", str(i["steps"]), str(f["steps"]) if f else ""))
     rows.append(("time (training)", f"{i['seconds']:.1f} s", f"{f['seconds']:.1f} s" if f else ""))
-    rows.append(("images/s", f"{i['images_per_s']:.0f}", f"{f['images_per_s']:.0f}" if f else ""))
+    rows.append(("samples/s", f"{i['images_per_s']:.0f}", f"{f['images_per_s']:.0f}" if f else ""))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     w2 = max(len(r[2]) for r in rows)
@@ -680,7 +681,7 @@ def run_training(
         spe = len(train[1]) // batch
         if spe == 0:
             raise ValueError(
-                f"the training set has {len(train[1])} images, fewer than one batch of {batch}"
+                f"the training set has {len(train[1])} samples, fewer than one batch of {batch}"
             )
         opt = make_optimizer(
             lr, momentum, weight_decay, schedule, spe, epochs, warmup, optimizer, betas, eps

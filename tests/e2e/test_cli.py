@@ -100,7 +100,7 @@ def test_train_digits_table_json_plot(tmp_path: Path, capsys: pytest.CaptureFixt
     ]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    for needle in ("test accuracy", "gap (FP32 - integer)", "memory ratio int/FP32", "images/s"):
+    for needle in ("test accuracy", "gap (FP32 - integer)", "memory ratio int/FP32", "samples/s"):
         assert needle in out
     res = json.loads(out_json.read_text())
     assert res["format"] == "mexc-results-1"
