@@ -56,11 +56,16 @@ def product_types(r: Any, n: Node) -> None:
 # ----------------------------------------------------------------------------- VJPs
 
 
+def _geometry_of(n: Node) -> dict[str, Any]:
+    """The stride, padding and groups of convolution node n, for the products of its VJP."""
+    return {"stride": n.attrs.stride, "padding": n.attrs.padding, "groups": n.attrs.groups}
+
+
 def _conv_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
     x, wt = n.inputs[0], n.inputs[1]
-    conv = {"stride": n.attrs.stride, "padding": n.attrs.padding, "groups": n.attrs.groups}
+    conv = _geometry_of(n)
     dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [dy, x], acc(*w.type(wt).shape), n.loc, **conv)
     w.set_param_grad(wt, dw.out, n)
     grads: Grads = [None, None]
@@ -80,7 +85,7 @@ def _conv_transpose_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     dy = dys[0]
     assert dy is not None
     x, wt = n.inputs[0], n.inputs[1]
-    conv = {"stride": n.attrs.stride, "padding": n.attrs.padding, "groups": n.attrs.groups}
+    conv = _geometry_of(n)
     dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [x, dy], acc(*w.type(wt).shape), n.loc, **conv)
     w.set_param_grad(wt, dw.out, n)
     if not w.needs[x]:
