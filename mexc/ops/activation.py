@@ -128,8 +128,8 @@ def _glu_module(c: Any, n: Any, m: Any) -> Value:
 
 
 def _glu_function(c: Any, n: Any) -> Value:
-    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", -1)
-    return _glu(c, n, n.args[0], int(dim))
+    args = dict(zip(("input", "dim"), n.args)) | dict(n.kwargs)
+    return _glu(c, n, args["input"], int(args.get("dim", -1)))
 
 
 def _gelu_module(c: Any, n: Any, m: Any) -> Value:

@@ -1,4 +1,4 @@
-"""nn.ConvTranspose2d / ConvTranspose1d and F.conv_transpose2d / 1d as the convolution's dx op.
+"""nn.ConvTranspose2d / ConvTranspose1d and F.conv_transpose2d as the convolution's dx product.
 
 A transposed convolution of x with weight W (C_in, C_out / groups, kh, kw), stride s, padding
 p is the gradient, with respect to its input, of the convolution with the same W, s and p that

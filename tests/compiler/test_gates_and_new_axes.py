@@ -43,7 +43,7 @@ class GatedNet(nn.Module):
         y = self.glu(self.conv(x))  # [N, 8, 8, 8]
         w = torch.sigmoid(self.se(y.narrow(2, 1, 6).mean((2, 3))))  # rows 1 to 6
         y = F.avg_pool2d(y * w[:, :, None, None], 2)  # [N, 8, 4, 4]
-        h = F.glu(self.fc(y.flatten(1)))  # [N, 10]
+        h = F.glu(input=self.fc(y.flatten(1)), dim=-1)  # [N, 10]
         pair = torch.cat([h[..., None], h[:, None].transpose(1, 2) * 0.5], -1)  # [N, 10, 2]
         m = self.mix(pair)[..., 0]
         return self.head(torch.maximum(input=h, other=m) + torch.min(h, -m) + torch.max(h, m) / 2)
