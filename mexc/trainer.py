@@ -187,7 +187,7 @@ class Trainer:
                     bar.update(1)
                     if self.progress:
                         ips = len(self._epoch_losses) * self.batch / max(self._epoch_seconds, 1e-9)
-                        bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:.0f}", refresh=False)
+                        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{ips:.0f}", refresh=False)
                     if (
                         self.checkpoint_every
                         and self.step % self.checkpoint_every == 0
