@@ -103,17 +103,9 @@ def _min_call(c: Any, n: Any) -> Value:
 def _glu(c: Any, n: Any, x: Any, dim: int) -> Value:
     """GLU: the first half of x along `dim` times the sigmoid of the second half (torch's
     order), as a slice of each half, SIGMOID and MUL: the integer sigmoid and product, with
-    their gradients."""
+    their gradients. (An axis of odd size, or out of range, torch refuses at tracing.)"""
     shape = tuple(c.shape(x))
-    axis = dim % len(shape) if -len(shape) <= dim < len(shape) else None
-    if axis is None or shape[axis] % 2:
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"applies GLU along dim {dim} of a {list(shape)} tensor; it needs an "
-                "axis of even size",
-            )
-        )
+    axis = dim % len(shape)
     if axis == c.batch_axis(c.arg(x)):
         raise UnsupportedOpError(c.describe(n, "applies GLU along the batch axis"))
     half = shape[axis] // 2

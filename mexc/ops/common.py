@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mexc.arrangement import Arrangement
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, SITES_PER_NODE
 from mexc.numerics import FixedScalar
@@ -154,6 +155,23 @@ def static_int(v: Any) -> int:
             "compiles a static graph, whose sizes, dims and paddings come from shapes"
         )
     return int(value)
+
+
+def single(v: Any, what: str) -> int:
+    """The one int of a 1-D layer's stride, padding or kernel (an int or a 1-tuple)."""
+    from mexc.errors import UnsupportedOpError
+
+    v = static_value(v)
+    if isinstance(v, str):
+        raise UnsupportedOpError(f"string {what} {v!r} is not supported; give an integer")
+    return static_int(v if isinstance(v, int) else v[0])
+
+
+def as_rows(weight: Any) -> Arrangement:
+    """A 1-D layer's weight (O, C, k), or a transposed one's (C, O, k), held as the
+    (., ., 1, k) kernel of the 2-D layer it runs as."""
+    shape = tuple(int(d) for d in weight.shape)
+    return Arrangement(shape, shape, tuple(range(len(shape))))
 
 
 def pair(v: Any) -> tuple[int, int]:

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mexc.arrangement import Arrangement
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op, Value
-from mexc.ops.common import pair, static_value
+from mexc.ops.common import as_rows, pair, single, static_value
 from mexc.ops.tensor import reshaped
 
 
@@ -29,9 +28,7 @@ def _pair(c: Any, n: Any, v: Any, what: str, one_d: bool, height: int) -> tuple[
     v = static_value(v)
     if isinstance(v, str):
         raise UnsupportedOpError(c.describe(n, f"gives {what} {v!r}; give integers"))
-    if one_d:
-        return height, int(v[0] if isinstance(v, (tuple, list)) else v)
-    return pair(v)
+    return (height, single(v, what)) if one_d else pair(v)
 
 
 def _transposed(
@@ -81,7 +78,7 @@ def conv_transpose_module(c: Any, n: Any, m: Any) -> Value:
             c.describe(n, f"is a transposed convolution with padding_mode {m.padding_mode!r}")
         )
     if one_d:  # held (C_in, C_out / groups, 1, k), the 2-D layer's kernel
-        arranged = Arrangement(tuple(m.weight.shape), tuple(m.weight.shape), (0, 1, 2))
+        arranged = as_rows(m.weight)
         weight = c.param(f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=arranged)
     else:
         weight = c.param(f"{n.target}.weight", m.weight, "weight")

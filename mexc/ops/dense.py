@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from mexc import kernels as K
-from mexc.arrangement import Arrangement
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.mx import MX, Acc
 from mexc.ops.common import (
     Grads,
+    as_rows,
     before_last,
     elementwise_types,
     mx_like,
@@ -18,8 +18,8 @@ from mexc.ops.common import (
     pass_through,
     rows,
     shape,
+    single,
     static_int,
-    static_value,
     tid,
 )
 from mexc.ops.conv3d import conv3d_function, conv3d_module
@@ -323,14 +323,6 @@ def _conv_function(c: Any, n: Any) -> Value:
     return _conv_op(c, n, c.arg(args["input"]), weight, b, g, tuple(c.shape(n)))
 
 
-def single(v: Any, what: str) -> int:
-    """The one int of a 1-D layer's stride, padding or kernel (an int or a 1-tuple)."""
-    v = static_value(v)
-    if isinstance(v, str):
-        raise UnsupportedOpError(f"string {what} {v!r} is not supported; give an integer")
-    return static_int(v if isinstance(v, int) else v[0])
-
-
 def _conv1d(
     c: Any,
     n: Any,
@@ -369,15 +361,9 @@ def _conv1d(
     return as_result(c, n, y)
 
 
-def _as_rows(weight: Any) -> Arrangement:
-    """A Conv1d weight (O, C, k) held as the (O, C, 1, k) kernel of its conv2d."""
-    shape = tuple(int(d) for d in weight.shape)
-    return Arrangement(shape, shape, tuple(range(len(shape))))
-
-
 def _conv1d_module(c: Any, n: Any, m: Any) -> Value:
     weight = c.param(
-        f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=_as_rows(m.weight)
+        f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=as_rows(m.weight)
     )
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
     return _conv1d(
@@ -392,7 +378,7 @@ def _conv1d_function(c: Any, n: Any) -> Value:
     if not c.is_param(w):
         raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
     tensor = c.fetch(w)
-    weight = c.param(str(w.target), tensor.unsqueeze(2), "weight", arranged=_as_rows(tensor))
+    weight = c.param(str(w.target), tensor.unsqueeze(2), "weight", arranged=as_rows(tensor))
     b = args.get("bias")
     bias = c.get_param(b, "bias") if b is not None else None
     stride, padding = args.get("stride", 1), args.get("padding", 0)

@@ -20,12 +20,12 @@ from mexc.ops.common import (
     pair,
     pointwise_vjp,
     shape,
+    single,
     static_int,
     static_value,
     tid,
     with_index_types,
 )
-from mexc.ops.dense import single
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import (
     as_result,
