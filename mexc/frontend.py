@@ -53,6 +53,7 @@ from mexc.ops.common import (
     static_int,
     static_value,
 )
+from mexc.ops.norm_written_out import ROOT_USES, RootMeanSquare, follow
 from mexc.ops.tensor import reshaped, transposed
 from mexc.types import Kind, TensorType, f32
 
@@ -224,6 +225,13 @@ class _Ctx:
         if isinstance(v, MaskedScores):
             raise UnsupportedOpError(
                 _describe(self.node if self.node is not None else a, MASKED_READ)
+            )
+        if isinstance(v, RootMeanSquare):
+            raise UnsupportedOpError(
+                _describe(
+                    self.node if self.node is not None else a,
+                    f"reads the root mean square {a.name} as a tensor; {ROOT_USES}",
+                )
             )
         if self.is_batched_constant(v):
             # a positional encoding made in forward for the batch (EdgeNeXt, XCiT) that a layer
@@ -1159,6 +1167,42 @@ def _with_vocabulary(c: _Ctx, n: torch.fx.Node) -> None:
     )
 
 
+def _following_root(c: _Ctx, n: torch.fx.Node) -> RootMeanSquare | None:
+    """The root mean square n computes (mexc.ops.norm_written_out), with n's location."""
+    c.node = n
+    return follow(c, n)
+
+
+def _drop_dead_nodes(c: _Ctx, outputs: list[Value]) -> None:
+    """Drop the nodes the outputs do not need: results a model computes and never uses
+    (`unused = h * h`), and what a converter computed but a later one did not use (the norm of
+    `x / x.norm(...)`, whose quotient is computed whole). A parameter read only there goes
+    too: torch never updates it (its gradient is None), and neither does the program. Kept
+    although nothing reads them: the input and labels, and a node that reads persistent state
+    (a batch norm's running statistics, which torch updates whether or not its output is used)."""
+    by_id = {n.id: n for n in c.b.nodes}
+    state = {n.id for n in c.b.nodes if n.op is Op.STATE}
+    live: set[int] = set()
+    todo = [v.node for v in outputs] + [
+        n.id
+        for n in c.b.nodes
+        if n.op in (Op.INPUT, Op.LABEL) or any(v.node in state for v in n.inputs)
+    ]
+    while todo:
+        i = todo.pop()
+        if i not in live:
+            live.add(i)
+            todo.extend(v.node for v in by_id[i].inputs)
+    dead = [n for n in c.b.nodes if n.id not in live]
+    c.b.nodes[:] = [n for n in c.b.nodes if n.id in live]
+    for n in dead:
+        if n.op is Op.PARAM:
+            c.params.pop(str(n.attrs.name), None)
+            c.constants.discard(str(n.attrs.name))
+        elif n.op is Op.STATE:
+            c.buffers.pop(str(n.attrs.name), None)
+
+
 def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     """Trace `model` on `example` (a float batch, or integer ids that embedding tables read)
     and build the float mexc graph with the loss head.
@@ -1200,6 +1244,8 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             if not isinstance(out, torch.fx.Node):
                 raise UnsupportedOpError("the model must return a single logits tensor")
             logits, logits_node = c.env[out], out
+            if isinstance(logits, RootMeanSquare):
+                raise UnsupportedOpError(_describe(out, f"is a root mean square; {ROOT_USES}"))
             if isinstance(logits, (KeyMask, MaskedScores)):
                 raise UnsupportedOpError(
                     _describe(
@@ -1212,6 +1258,8 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             c.env[n] = c.ids
         elif c.ids is not None and (mask := key_mask_of(c, n)) is not None:
             c.env[n] = mask
+        elif (root := _following_root(c, n)) is not None:
+            c.env[n] = root
         else:
             c.node = n
             value = _translate(c, n)
@@ -1244,6 +1292,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
         (f32(rows, classes), f32()),
         attrs(Op.SOFTMAX_CE, num_classes=classes),
     )
+    _drop_dead_nodes(c, [logits, head.result(0), head.result(1)])
     held = tuple(a.text(name) for name, a in sorted(c.arranged.items()) if name in c.params)
     per_position = [(LABEL_SHAPE, tuple(positions))] if positions else []
     graph = b.build(

@@ -22,6 +22,7 @@ from mexc.ops import (  # noqa: F401 - each module registers its ops
     gather,
     loss,
     norm,
+    norm_written_out,
     optimizer,
     pool,
     tensor,

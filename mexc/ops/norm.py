@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -239,6 +240,11 @@ def _module_affine(c: Any, n: Any, m: Any, size: int) -> list[Value]:
     ]
 
 
+def _constant_affine(c: Any, n: Any, size: int) -> list[Value]:
+    """A layer norm's weight and bias where it has none: constant ones and zeros."""
+    return _function_affine(c, n, None, None, size)
+
+
 def _function_affine(c: Any, n: Any, weight: Any, bias: Any, size: int) -> list[Value]:
     """The weight and bias F.layer_norm or F.group_norm reads: a module's parameters, or None
     (a constant 1 or 0, never trained: timm's LayerNorm2d without bias in MetaFormers)."""
@@ -278,7 +284,7 @@ def _layernorm_function(c: Any, n: Any) -> Value:
     return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
 
 
-def _over_rms(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> Value:
+def over_rms(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> Value:
     """v / sqrt(mean(v^2) + eps) along the last axis, as a LayerNorm: z = [v, -v] has mean 0
     exactly, so LayerNorm(z) (no affine: constant ones and zeros) = z / sqrt(mean(v^2) + eps),
     whose first half it is. Its gradient is the LayerNorm's through the concatenation (the
@@ -286,9 +292,13 @@ def _over_rms(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> V
     d, last = shape[-1], len(shape) - 1
     wide = (*shape[:-1], 2 * d)
     z = concatenated(c, [v, scaled(c, v, shape, -1.0)], wide, last)
-    affine = _function_affine(c, n, None, None, 2 * d)  # constant ones and zeros
-    y = c.emit_as(Op.LAYERNORM, [z, *affine], wide, eps=float(eps))
+    y = layer_normalized(c, n, z, wide, eps)
     return sliced(c, y, wide, last, 0, d)
+
+
+def layer_normalized(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> Value:
+    """v's layer norm over its last axis without affine (constant ones and zeros)."""
+    return c.emit_as(Op.LAYERNORM, [v, *_constant_affine(c, n, shape[-1])], shape, eps=float(eps))
 
 
 def _rms_norm(c: Any, n: Any, x: Any, size: Any, weight: Value | None, eps: Any) -> Value:
@@ -299,7 +309,7 @@ def _rms_norm(c: Any, n: Any, x: Any, size: Any, weight: Value | None, eps: Any)
     if tuple(int(s) for s in sizes) != shape[-1:]:
         raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
     eps = 2.0**-23 if eps is None else float(eps)
-    y = _over_rms(c, n, c.arg(x), shape, eps)
+    y = over_rms(c, n, c.arg(x), shape, eps)
     return y if weight is None else multiplied(c, y, weight, shape)
 
 
@@ -349,12 +359,15 @@ def _norm_dims(c: Any, n: Any, p: Any, dim: Any, x: Any) -> tuple[int, ...]:
     return out
 
 
-def _unit(
-    c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: tuple[int, ...], eps: float
+def along(
+    c: Any,
+    v: Value,
+    shape: tuple[int, ...],
+    dims: tuple[int, ...],
+    f: Callable[[Value, tuple[int, ...]], Value],
 ) -> Value:
-    """v / max(|v|, eps), |v| the 2-norm over `dims`: the axes moved last and flattened into one
-    of D elements, v / rms(v) (_over_rms) = sqrt(D) v / |v|, a scale by 1 / sqrt(D), and back.
-    eps' = eps^2 / D puts torch's floor on |v| inside the root."""
+    """f applied to v with the axes `dims` moved last and flattened into one (f sees a value
+    of that flat shape and returns one), and the axes moved back."""
     rank = len(shape)
     perm = (*(a for a in range(rank) if a not in dims), *dims)
     moved = tuple(shape[a] for a in perm)
@@ -364,13 +377,27 @@ def _unit(
         v = transposed(c, v, shape, perm)
     if flat != moved:
         v = reshaped(c, v, flat)
-    unit = _over_rms(c, n, v, flat, max(eps * eps / d, 1e-30))
-    y = scaled(c, unit, flat, 1.0 / math.sqrt(d))
+    y = f(v, flat)
     if flat != moved:
         y = reshaped(c, y, moved)
     if perm == tuple(range(rank)):
         return y
     return transposed(c, y, moved, tuple(perm.index(a) for a in range(rank)))
+
+
+def _unit(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: tuple[int, ...], eps: float
+) -> Value:
+    """v / max(|v|, eps), |v| the 2-norm over `dims`: along those axes, v / rms(v) (over_rms)
+    = sqrt(D) v / |v|, scaled by 1 / sqrt(D). eps' = eps^2 / D puts torch's floor on |v|
+    inside the root."""
+    d = int(np.prod([shape[a] for a in dims]))
+
+    def unit(u: Value, flat: tuple[int, ...]) -> Value:
+        y = over_rms(c, n, u, flat, max(eps * eps / d, 1e-30))
+        return scaled(c, y, flat, 1.0 / math.sqrt(d))
+
+    return along(c, v, shape, dims, unit)
 
 
 _NORM_ARGS = {  # each function's argument names, in order

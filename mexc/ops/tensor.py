@@ -34,7 +34,7 @@ from mexc.ops.common import (
     transposed_batch_axis,
     with_index_types,
 )
-from mexc.ops.gather import Concatenated, as_gathered, gathered_value, is_gathered
+from mexc.ops.gather import Concatenated, Const, as_gathered, gathered_value, is_gathered
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import acc, mx
 
@@ -853,6 +853,11 @@ def _neg(c: Any, n: Any) -> Value:
     return c.emit(Op.SCALE, [c.arg(n.args[0])], n, value=-1.0)
 
 
+# a * b, for the forms other modules know (norm_written_out: x * torch.rsqrt(...)): each
+# returns the product, or None where neither factor is its form
+ACTIVATION_FACTORS: list[Callable[[Any, Any, Any, Any], Value | None]] = []
+
+
 def _mul(c: Any, n: Any) -> Value:
     """tensor * constant (SCALE), or tensor * tensor (MUL): gating by an activation that
     broadcasts (squeeze-and-excitation), a product of equal shapes, or a broadcast parameter
@@ -860,6 +865,10 @@ def _mul(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
     if not (c.is_node(a) and c.is_node(b)):
         return _scale_by(c, n, divide=False)
+    for multiply in ACTIVATION_FACTORS:
+        y = multiply(c, n, a, b)
+        if y is not None:
+            return y
     if is_gathered(c, a) or is_gathered(c, b):
         return _with_gathered(c, n, Op.MUL)
     out = c.shape(n)
@@ -931,12 +940,32 @@ def _pow(c: Any, n: Any) -> Value:
 ACTIVATION_DIVISORS: list[Callable[[Any, Any, Any, Any], Value | None]] = []
 
 
+def _one_number(c: Any, b: Any) -> float | None:
+    """The value of b where it is a one-element constant tensor: a buffer or a tensor the
+    trace or the host folded (torch.sqrt(torch.tensor(d_k))), not a trained parameter."""
+    if not c.is_node(b):
+        return None
+    held = c.env.get(b)
+    if isinstance(held, Const):
+        value = np.asarray(held.value, np.float64)
+    elif c.is_param(b) and not c.is_parameter(b) and c.param_view(b) is None:
+        value = c.fetch(b).detach().double().numpy()
+    else:
+        return None
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
 def _div(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
     if c.is_node(b) and not c.is_node(a):
         raise UnsupportedOpError(
             c.describe(n, f"divides the number {a!r} by a tensor; mexc divides by numbers")
         )
+    k = _one_number(c, b)
+    if c.is_node(a) and k is not None:
+        if k == 0 or not math.isfinite(k):
+            raise UnsupportedOpError(c.describe(n, f"divides by the constant {k}"))
+        return c.emit(Op.SCALE, [c.arg(a)], n, value=1.0 / k)
     if c.is_node(a) and c.is_node(b):
         for divide in ACTIVATION_DIVISORS:
             q = divide(c, n, a, b)

@@ -1,0 +1,375 @@
+"""Normalizations written out with torch ops, taken as the layer norm they compute.
+
+Models that predate nn.RMSNorm, or keep their own, write the normalization out:
+
+- RMSNorm (T5, LLaMA, many hand-written transformers):
+  `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`.
+- LayerNorm (ConvNeXt's channels-first LayerNorm, the Annotated Transformer):
+  `(x - u) / torch.sqrt((x - u).pow(2).mean(1, keepdim=True) + eps)`,
+  `(x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + eps)`, `x.var(...)`.
+
+mexc has no square root of an activation. Such a root, taken of a mean of squares or of a
+variance, is a `RootMeanSquare` (`follow`): the frontend holds it, never computes it, and
+follows it through `+ eps`, floors and casts. When it divides, or its reciprocal multiplies,
+the tensor it was taken of, that quotient is the layer norm of docs/layers.md, "Normalizations
+written out": about the mean where the numerator is x minus its mean, else about 0 (_over_rms).
+Any other use of the root is refused by node (frontend._Ctx.arg).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
+from mexc.ir import Value
+from mexc.ops.common import called_name, is_traced_tensor, static_int, static_value
+from mexc.ops.norm import MAX_FLOOR, along, layer_normalized, over_rms
+from mexc.ops.tensor import ACTIVATION_DIVISORS, ACTIVATION_FACTORS, multiplied, scaled
+
+ROOT_USES = (
+    "mexc takes such a root only to normalize the tensor it was taken of, as RMSNorm and "
+    "LayerNorm written out: x / torch.sqrt(x.pow(2).mean(dim, keepdim=True) + eps), "
+    "x * torch.rsqrt(...), (x - u) / torch.sqrt(x.var(dim, keepdim=True) + eps) or "
+    "(x - u) / (x.std(dim, keepdim=True) + eps) with u = x.mean(dim, keepdim=True); or use "
+    "nn.LayerNorm / nn.RMSNorm"
+)
+
+
+@dataclass(frozen=True)
+class RootMeanSquare:
+    """(mean(v^2 over `dims`) + eps_in) ** (power / 2) + eps_out of v (`of`, the value the mean
+    was taken of; `node`, its traced node), v about its mean over `dims` where `centered` (var
+    and std, their `correction` dividing by D - correction). power 2 is a variance, 1 its root,
+    -1 the root's reciprocal."""
+
+    of: Value
+    node: Any
+    dims: tuple[int, ...]
+    power: int
+    centered: bool
+    correction: int = 0
+    eps_in: float = 0.0
+    eps_out: float = 0.0
+
+
+_ROOTS = {"sqrt": 1, "rsqrt": -1}
+_POWERS = ("pow", "__pow__", "float_power")
+_SPREADS = {"var": 2, "std": 1}
+_ADDS = ("add", "__add__", "__radd__")
+_FLOORS = ("clamp", "clamp_min", "clip")
+_CASTS = ("to", "float", "type_as", "contiguous")
+_PRODUCTS = ("mul", "__mul__", "__rmul__", "imul", "mul_")
+_QUOTIENTS = ("truediv", "div", "true_divide", "__truediv__", "itruediv", "div_")
+_SQUARES = ("square",)
+_MEANS = ("mean",)
+_SUBS = ("sub", "__sub__", "subtract")
+
+
+def follow(c: Any, n: Any) -> RootMeanSquare | None:
+    """The RootMeanSquare node n computes: a root or reciprocal root of a mean of squares, a
+    variance or standard deviation, or such a root with an eps added, floored or cast; None
+    for any other node (a product or quotient with a root goes to the converters, which
+    normalize through ACTIVATION_FACTORS and ACTIVATION_DIVISORS). Another use of a root is
+    refused here, naming n."""
+    if n.op not in ("call_function", "call_method"):
+        return None
+    name = called_name(n)
+    args = list(n.args)
+    root = next((r for a in args if (r := _root(c, a)) is not None), None)
+    if root is None:
+        if not (args and isinstance(_held(c, args[0]), Value)):
+            return None  # a constant's root is folded on the host (frontend_fold)
+        power = _root_power(n, name)
+        if power is not None:
+            return _root_of_mean_square(c, n, args[0], power)
+        return _spread(c, n, name) if name in _SPREADS else None
+    if name in _QUOTIENTS:
+        inverse = _reciprocal(c, n)
+        if inverse is not None:
+            return inverse
+    if name in _PRODUCTS or (name in _QUOTIENTS and _root(c, args[0]) is not root):
+        return None  # the converters' ACTIVATION_FACTORS and ACTIVATION_DIVISORS
+    power = _root_power(n, name)
+    if power is not None and root.power == 2 and _root(c, args[0]) is root:
+        return dataclasses.replace(root, power=power)
+    other = next((a for a in args if _root(c, a) is not root), None)
+    number = static_value(other)
+    if name in _ADDS and len(args) == 2 and _is_eps(number) and root.power in (1, 2):
+        field = "eps_out" if root.power == 1 else "eps_in"
+        return dataclasses.replace(root, **{field: getattr(root, field) + float(number)})
+    low = n.kwargs.get("min", args[1] if len(args) > 1 else None)
+    if name in _FLOORS and "max" not in n.kwargs and len(args) <= 2 and _is_eps(low):
+        field = "eps_out" if root.power == 1 else "eps_in"
+        if root.power in (1, 2):
+            return dataclasses.replace(root, **{field: max(getattr(root, field), float(low))})
+    if name in _CASTS and _is_float(n):
+        return root
+    raise UnsupportedOpError(
+        c.describe(n, f"uses the root mean square of a tensor in `{name}`; {ROOT_USES}")
+    )
+
+
+def _held(c: Any, a: Any) -> Any:
+    return c.env.get(a) if c.is_node(a) else None
+
+
+def _is_eps(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _is_float(n: Any) -> bool:
+    dtype = getattr(n.meta.get("tensor_meta"), "dtype", None)
+    return dtype is not None and dtype.is_floating_point
+
+
+def _root_power(n: Any, name: str) -> int | None:
+    """1 for a square root (torch.sqrt, x ** 0.5, torch.pow(x, 0.5)), -1 for a reciprocal one
+    (torch.rsqrt, x ** -0.5), None for another call."""
+    if name in _ROOTS:
+        return _ROOTS[name]
+    if name in _POWERS and len(n.args) + len(n.kwargs) == 2:
+        k = static_value(n.args[1] if len(n.args) > 1 else n.kwargs.get("exponent"))
+        return {0.5: 1, -0.5: -1}.get(k) if isinstance(k, float) else None
+    return None
+
+
+def _root_of_mean_square(c: Any, n: Any, arg: Any, power: int) -> RootMeanSquare:
+    """The root (power 1) or reciprocal root (-1) of mean(v^2, dims, keepdim=True) + eps."""
+    m, eps = arg, 0.0
+    while called_name(m) in (*_ADDS, *_FLOORS):
+        floor = _added_number(m)
+        if floor is None:
+            break
+        m, e = floor
+        eps = eps + e if called_name(m) in _ADDS else max(eps, e)
+    mean = _mean_call(c, m)
+    v = _square_of(c, mean[0]) if mean is not None else None
+    if mean is None or v is None:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "takes the square root of an activation; mexc takes one only of a mean of "
+                f"squares or a variance (plus eps); {ROOT_USES}",
+            )
+        )
+    return RootMeanSquare(c.arg(v), v, _dims(c, n, v, mean[1]), power, False, eps_in=eps)
+
+
+def _added_number(m: Any) -> tuple[Any, float] | None:
+    """(y, eps) where m is y + eps, eps + y, or y floored at eps (clamp(min=eps))."""
+    name, args = called_name(m), list(m.args)
+    if name in _ADDS and len(args) == 2:
+        for y, e in ((args[0], args[1]), (args[1], args[0])):
+            e = static_value(e)
+            if _is_eps(e) and is_traced_tensor(y):
+                return y, float(e)
+    low = m.kwargs.get("min", args[1] if len(args) > 1 else None)
+    if name in _FLOORS and "max" not in m.kwargs and len(args) <= 2 and _is_eps(low):
+        return args[0], float(low)
+    return None
+
+
+def _mean_call(c: Any, m: Any) -> tuple[Any, Any] | None:
+    """(x, dim) where m is x.mean(dim, keepdim=True) or torch.mean(x, dim, True)."""
+    if not c.is_node(m) or called_name(m) not in _MEANS:
+        return None
+    args = dict(zip(("input", "dim", "keepdim"), m.args)) | dict(m.kwargs)
+    if not static_value(args.get("keepdim", False)) or args.get("dim") is None:
+        return None
+    return args["input"], args["dim"]
+
+
+def _square_of(c: Any, q: Any) -> Any:
+    """v where q is v * v, v ** 2, v.pow(2), torch.square(v); else None."""
+    if not c.is_node(q):
+        return None
+    name, args = called_name(q), list(q.args)
+    if name in _SQUARES and args:
+        return args[0]
+    if name in ("mul", "__mul__") and len(args) == 2 and same_tensor(c, args[0], args[1]):
+        return args[0]
+    if name in _POWERS and len(args) + len(q.kwargs) == 2:
+        k = static_value(args[1] if len(args) > 1 else q.kwargs.get("exponent"))
+        return args[0] if k in (2, 2.0) and not isinstance(k, bool) else None
+    return None
+
+
+def _spread(c: Any, n: Any, name: str) -> RootMeanSquare:
+    """x.var(dim, keepdim=True) or x.std(...), with `unbiased` or `correction`."""
+    args = dict(zip(("input", "dim", "unbiased", "keepdim"), n.args)) | dict(n.kwargs)
+    if not static_value(args.get("keepdim", False)) or args.get("dim") is None:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"takes a {name} without keepdim=True or without dims; mexc takes one over "
+                f"named axes with keepdim=True, to normalize the tensor by; {ROOT_USES}",
+            )
+        )
+    correction = args.get("correction")
+    if correction is None:
+        correction = 1 if static_value(args.get("unbiased", True)) else 0
+    x = args["input"]
+    dims = _dims(c, n, x, args["dim"])
+    return RootMeanSquare(c.arg(x), x, dims, _SPREADS[name], True, static_int(correction))
+
+
+def _dims(c: Any, n: Any, x: Any, dim: Any) -> tuple[int, ...]:
+    shape = tuple(c.shape(x))
+    value = static_value(dim)
+    axes = value if isinstance(value, (list, tuple)) else [value]
+    dims = tuple(sorted({static_int(d) % len(shape) for d in axes}))
+    if c.first_or_batch_axis(c.arg(x)) in dims:
+        raise UnsupportedOpError(c.describe(n, "takes a mean of squares along the batch axis"))
+    return dims
+
+
+def same_tensor(c: Any, a: Any, b: Any, depth: int = 4) -> bool:
+    """a and b are the same tensor: the same node, nodes bound to the same value (a cast), or
+    the same call of the same tensors (`(x - u)` written twice); never through a node a
+    change rebound."""
+    if a is b:
+        return True
+    if not (c.is_node(a) and c.is_node(b)):
+        return not c.is_node(a) and not c.is_node(b) and static_value(a) == static_value(b)
+    if a in c.rebound or b in c.rebound:
+        return False
+    va, vb = c.env.get(a), c.env.get(b)
+    if isinstance(va, Value) and va is vb:
+        return True
+    if depth == 0 or a.op != b.op or a.target != b.target or a.op == "get_attr":
+        return False
+    if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    pairs = [*zip(a.args, b.args), *((a.kwargs[k], b.kwargs[k]) for k in a.kwargs)]
+    return all(same_tensor(c, x, y, depth - 1) for x, y in pairs)
+
+
+def _centered(c: Any, a: Any, dims: tuple[int, ...]) -> Any:
+    """x where a is x - x.mean(dims, keepdim=True) (the same x), else None."""
+    if not c.is_node(a) or called_name(a) not in _SUBS or len(a.args) != 2:
+        return None
+    x, u = a.args
+    mean = _mean_call(c, u)
+    if mean is None or not same_tensor(c, mean[0], x) or not c.is_node(x):
+        return None
+    return x if _dims(c, u, x, mean[1]) == dims else None
+
+
+def _root(c: Any, b: Any) -> RootMeanSquare | None:
+    r = _held(c, b)
+    return r if isinstance(r, RootMeanSquare) else None
+
+
+def _times_inverse_root(c: Any, n: Any, a: Any, b: Any) -> Value | None:
+    """a * b where one is the reciprocal root of the other's mean square (RMSNorm)."""
+    for x, r in ((a, _root(c, b)), (b, _root(c, a))):
+        if r is not None:
+            if r.power != -1:
+                raise UnsupportedOpError(
+                    c.describe(n, f"multiplies by a root mean square; {ROOT_USES}")
+                )
+            return _normalized(c, n, x, r)
+    return None
+
+
+def _over_root(c: Any, n: Any, a: Any, b: Any) -> Value | None:
+    """a / b where b is the root of a's mean square or variance (plus eps)."""
+    r = _root(c, b)
+    if r is None:
+        return None
+    if r.power != 1:
+        raise UnsupportedOpError(
+            c.describe(n, f"divides by a mean of squares that is not rooted; {ROOT_USES}")
+        )
+    return _normalized(c, n, a, r)
+
+
+def _reciprocal(c: Any, n: Any) -> RootMeanSquare | None:
+    """1 / b for a root b: its reciprocal (and back); None where n is another quotient."""
+    a, b = (list(n.args) + [None, None])[:2]
+    r = _root(c, b)
+    if r is None or static_value(a) != 1 or r.power not in (1, -1):
+        return None
+    return dataclasses.replace(r, power=-r.power)
+
+
+def _normalized(c: Any, n: Any, a: Any, r: RootMeanSquare) -> Value:
+    """a normalized by r, a's own root mean square; or a parameter times that tensor, then
+    times the parameter (the Annotated Transformer's a_2 * (x - mean) / (std + eps))."""
+    factor = None
+    if not _normalizes(c, a, r) and called_name(a) in ("mul", "__mul__") and len(a.args) == 2:
+        p, q = a.args if c.is_param(a.args[0]) else a.args[::-1]
+        if c.is_param(p) and _normalizes(c, q, r):
+            factor, a = p, q
+    if not _normalizes(c, a, r):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "normalizes a tensor by the root mean square of another tensor (or of the same "
+                f"one changed in between); {ROOT_USES}",
+            )
+        )
+    # about the mean: r a variance of x, or the mean square of a = x - x.mean(dims)
+    x = r.node if r.centered else _centered(c, a, r.dims)
+    source = x if x is not None else a
+    shape = tuple(c.shape(source))
+    if tuple(c.shape(n)) != shape:
+        raise UnsupportedOpError(c.describe(n, f"normalizes to a broadcast shape; {ROOT_USES}"))
+    if r.eps_out > MAX_FLOOR:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"adds {r.eps_out} to a root mean square; mexc adds eps^2 under the root, "
+                f"which is torch's root + eps within eps only for eps <= {MAX_FLOOR}",
+            )
+        )
+    d = int(np.prod([shape[i] for i in r.dims]))
+    kept = d - (r.correction if r.centered else 0)
+    if kept <= 0:
+        raise UnsupportedOpError(
+            c.describe(n, f"takes a variance of {d} element(s) with correction {r.correction}")
+        )
+    ratio = kept / d  # torch's variance divides by d - correction: y = sqrt(ratio) LN(x)
+    eps = max((r.eps_in + r.eps_out**2) * ratio, 1e-30)
+    norm: Callable[[Value, tuple[int, ...]], Value]
+    if x is not None:
+
+        def norm(u: Value, flat: tuple[int, ...]) -> Value:
+            return layer_normalized(c, n, u, flat, eps)
+    else:
+
+        def norm(u: Value, flat: tuple[int, ...]) -> Value:
+            return over_rms(c, n, u, flat, eps)
+
+    y = along(c, c.arg(source), shape, r.dims, norm)
+    if ratio != 1:
+        y = scaled(c, y, shape, math.sqrt(ratio))
+    if factor is None:
+        return y
+    if K.factor_view(shape, tuple(c.shape(factor))) is None:
+        raise UnsupportedOpError(
+            c.describe(n, f"scales a normalization by a parameter of shape {list(c.shape(factor))}")
+        )
+    return multiplied(c, y, c.get_param(factor, "scale"), shape)
+
+
+def _normalizes(c: Any, a: Any, r: RootMeanSquare) -> bool:
+    """a is the tensor r normalizes: the one r was taken of, or, for a variance of x, x minus
+    its mean; never where that tensor changed in place since."""
+    if not c.is_node(a) or r.node in c.rebound or c.arg(r.node) is not r.of:
+        return False
+    if r.centered:
+        x = _centered(c, a, r.dims)
+        return x is not None and same_tensor(c, x, r.node)
+    return same_tensor(c, a, r.node)
+
+
+ACTIVATION_FACTORS.append(_times_inverse_root)
+ACTIVATION_DIVISORS.append(_over_root)
