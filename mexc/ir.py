@@ -67,6 +67,7 @@ class Op(enum.Enum):
     MEAN_TOKENS = "mean_tokens"
     CONCAT = "concat"
     MUL = "mul"
+    DIV = "div"
     EXPAND_PARAM = "expand_param"
     GATHER_PARAM = "gather_param"
     EMBEDDING = "embedding"

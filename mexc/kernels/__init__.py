@@ -41,6 +41,7 @@ from mexc.kernels.conv import (
 from mexc.kernels.elementwise import (
     add_forward,
     concat_forward,
+    div_forward,
     dropout_backward,
     dropout_forward,
     factor_view,
@@ -93,6 +94,7 @@ __all__ = [
     "concat_forward",
     "factor_view",
     "mul_backward_factor",
+    "div_forward",
     "mul_forward",
     "hardswish_backward",
     "hardswish_forward",

@@ -158,6 +158,23 @@ def mul_forward(x: MX, g: MX, ctx: RoundCtx, tid: int) -> MX:
     return compact_mx(acc, ex + eg, ctx, site_key(ctx, tid, 0), batch=True)
 
 
+DIV_BITS = 15  # the quotient of the mantissas is taken to 2^-15 before its compaction
+
+
+def div_forward(a: MX, b: MX, ctx: RoundCtx, tid: int) -> MX:
+    """a / b of equal shapes: acc = sign(m_a m_b) floor((|m_a| 2^15 + floor(|m_b| / 2)) /
+    |m_b|) (idiv_round, |acc| < 2^22), 0 where m_b = 0, at e_a - e_b - 15; compaction (site
+    0). da = div_forward(dy, b); db = -div_forward(dy q, b), q the result."""
+    ea, eb = scalar_exp(a, "dividend"), scalar_exp(b, "divisor")
+    ma, mb = i64(a.m), i64(b.m)
+    if ma.shape != mb.shape:
+        raise ValueError(f"div_forward needs equal shapes, got {ma.shape} and {mb.shape}")
+    den = np.abs(mb)
+    q = (np.abs(ma) << DIV_BITS) + den // 2
+    acc = np.where(den == 0, 0, np.sign(ma) * np.sign(mb) * (q // np.maximum(den, 1)))
+    return compact_mx(acc, ea - eb - DIV_BITS, ctx, site_key(ctx, tid, 0), batch=True)
+
+
 def broadcast_axes(x_shape: tuple[int, ...], g_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The axes of x_shape that a factor of g_shape is broadcast along (numpy rules)."""
     pad = (1,) * (len(x_shape) - len(g_shape)) + tuple(g_shape)

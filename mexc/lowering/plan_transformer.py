@@ -105,6 +105,18 @@ class TransformerRules(PlanBuilder):
         )
         self.compact_unstored(n, 0, kernels, args, self.view(self.out(n, 0, I8), shape))
 
+    def div(self, n: Node) -> None:
+        """kernels.elementwise.div_forward: the quotient stored as int32, then compacted (site
+        0)."""
+        a, b = n.inputs
+        shape = self.rows_of(self.shape(a))
+        acc = self.buf(f"n{n.id}.acc0", shape, I32)
+        e_acc = self.buf(f"n{n.id}.e_acc0", (1,), I32)
+        func = te_ops.div_quotient(shape, f"n{n.id}_div", self.device.native_division)
+        args = (self.view(self.m[a], shape), self.e[a], self.view(self.m[b], shape), self.e[b])
+        self.launch(func, (*args, acc, e_acc))
+        self.compact(n, acc, e_acc, shape, 0)
+
     def mul_grad(self, n: Node) -> None:
         """kernels.elementwise.mul_backward_factor: the sum (products pre-shifted at site 1
         where it is long), a parameter's as its int32 accumulator, else compacted (site 0)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from tvm import te, tirx
 
-from mexc.kernels.elementwise import ACC_BITS
+from mexc.kernels.elementwise import ACC_BITS, DIV_BITS
 from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
@@ -623,6 +623,29 @@ def mul_compaction(
         return x[idx].astype(I32) * gv.astype(I32)
 
     return fused_compaction(shape, [x, ex, g, eg], target, body, bits, stochastic, name, agreed)
+
+
+def div_quotient(shape: tuple[int, ...], name: str, native_division: bool) -> tirx.PrimFunc:
+    """kernels.elementwise.div_forward before its compaction: a and b of `shape`, acc =
+    idiv_round(sign(m_a m_b) |m_a| 2^15, |m_b|), 0 where m_b = 0, at e_acc = e_a - e_b - 15.
+    Stored, not fused with the compaction: on CUDA the division is a long division
+    (te_divide), whose steps a fused scan's cross-thread reduction cannot hold. Parameters
+    (a, e_a, b, e_b, acc, e_acc)."""
+    a = te.placeholder(shape, I8, name="a")
+    b = te.placeholder(shape, I8, name="b")
+    ea, eb = te.placeholder((1,), I32, name="e_a"), te.placeholder((1,), I32, name="e_b")
+
+    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        ma, mb = a[idx].astype(I32), b[idx].astype(I32)
+        num = tirx.if_then_else(ma < 0, -ma, ma) << DIV_BITS
+        den = tirx.if_then_else(mb < 0, -mb, mb)
+        signed = tirx.if_then_else((ma ^ mb) < 0, -num, num)  # the signs differ
+        q = idiv_round(signed, tirx.max(den, 1), native_division).astype(I32)
+        return tirx.if_then_else(den == 0, 0, q)
+
+    acc = te.compute(shape, body, name="acc")
+    e_acc = te.compute((1,), lambda _: ea[0] - eb[0] - DIV_BITS, name="e_acc")
+    return _func([a, ea, b, eb, acc, e_acc], name)
 
 
 def mul_factor_grad(

@@ -23,7 +23,7 @@ from mexc.ops.common import (
     unary_module,
 )
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import added, scaled, sliced
+from mexc.ops.tensor import added, divided, number_added, scaled, sliced
 
 _STEPS = {"sigmoid": Op.SIGMOID, "tanh": Op.TANH, "relu": Op.RELU}
 
@@ -40,13 +40,23 @@ def _relu_vjp(w: Any, n: Node, dys: Grads) -> Grads:
 
 
 def _abs(c: Any, n: Any) -> Value:
+    return absolute(c, c.arg(n.args[0]), tuple(c.shape(n.args[0])))
+
+
+def absolute(c: Any, x: Value, shape: tuple[int, ...]) -> Value:
     """|x| as relu(x) + relu(-x): exact (one exponent), and its gradient sign(x) dy (0 at 0,
     torch's) is the two ReLUs'."""
-    shape = tuple(c.shape(n.args[0]))
-    x = c.arg(n.args[0])
     pos = c.emit_as(Op.RELU, [x], shape)
     neg = c.emit_as(Op.RELU, [scaled(c, x, shape, -1.0)], shape)
     return added(c, pos, neg, shape)
+
+
+def _softsign(c: Any, n: Any, m: Any = None) -> Value:
+    """nn.Softsign, F.softsign: x / (1 + |x|), a quotient of activations (`div`)."""
+    x = n.args[0] if n.args else n.kwargs["input"]
+    shape = tuple(c.shape(x))
+    v = c.arg(x)
+    return divided(c, n, v, number_added(c, n, absolute(c, v, shape), shape, 1.0))
 
 
 def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
@@ -445,6 +455,8 @@ define(
             Pattern("method", ("relu",), unary_function(Op.RELU)),
             Pattern("function", ("torch.abs",), _abs),
             Pattern("method", ("abs",), _abs),
+            Pattern("function", ("torch.nn.functional.softsign",), _softsign),
+            Pattern("module", ("torch.nn.Softsign",), _softsign),
             Pattern("function", ("torch.maximum",), _maximum),
             Pattern("method", ("maximum",), _maximum),
             Pattern("function", ("torch.minimum",), _minimum),

@@ -100,6 +100,20 @@ def _mul_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     return [dx, w.emit(Op.MUL_GRAD, [dy, x], mx(*shape), n.loc, param=False).out]
 
 
+def _div_vjp(w: Any, n: Node, dys: Grads) -> Grads:
+    """da = dy / b; db = -(dy q) / b with q = a / b, the forward's result (MUL, DIV, SCALE)."""
+    dy = dys[0]
+    assert dy is not None
+    a, b = n.inputs
+    shape = mx(*w.type(a).shape)
+    da = w.emit(Op.DIV, [dy, b], shape, n.loc).out if w.needs[a] else None
+    if not w.needs[b]:
+        return [da, None]
+    p = w.emit(Op.MUL, [dy, n.out], shape, n.loc).out
+    r = w.emit(Op.DIV, [p, b], shape, n.loc).out
+    return [da, w.emit(Op.SCALE, [r], shape, n.loc, value=-1.0).out]
+
+
 def _expand_param_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     """The parameter's gradient: dy summed over the batch (ADD_PARAM_GRAD)."""
     dy = dys[0]
@@ -136,6 +150,10 @@ def _mul_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     if n.attrs.view:
         g = MX(g.m.reshape(n.attrs.view), g.e)
     return (K.mul_forward(a[0], g, env.ctx, tid(n)),)
+
+
+def _div_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    return (K.div_forward(a[0], a[1], env.ctx, tid(n)),)
 
 
 def _mul_grad_ref(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -232,7 +250,7 @@ def _add_tensors(c: Any, n: Any) -> Value:
             return c.arg(other)
     if not c.is_node(a) or not c.is_node(b):
         x, k = (a, b) if c.is_node(a) else (b, a)
-        return _add_number(c, n, c.arg(x), tuple(c.shape(x)), k)
+        return number_added(c, n, c.arg(x), tuple(c.shape(x)), k)
     if n.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
     out = tuple(c.shape(n))
@@ -794,7 +812,7 @@ def _scale_by(c: Any, n: Any, divide: bool) -> Value:
     return c.emit(Op.SCALE, [c.arg(x)], n, value=float(k))
 
 
-def _add_number(c: Any, n: Any, v: Value, shape: tuple[int, ...], k: Any) -> Value:
+def number_added(c: Any, n: Any, v: Value, shape: tuple[int, ...], k: Any) -> Value:
     """v + a Python number: add_param of a constant [1] (seen as (1, ..., 1)), which the
     compiler never trains: the number is held as an int8 mantissa at its own exponent, so a
     dyadic one (0.5, 1, 3) is exact and another is rounded to 7 significant bits (0.1 as
@@ -824,12 +842,12 @@ def _sub(c: Any, n: Any) -> Value:
     if not c.is_node(b):  # x - k = x + (-k)
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise UnsupportedOpError(c.describe(n, f"subtracts {b!r}"))
-        return _add_number(c, n, c.arg(a), tuple(c.shape(a)), -b)
+        return number_added(c, n, c.arg(a), tuple(c.shape(a)), -b)
     shape_b = tuple(c.shape(b))
     if not c.is_node(a):  # k - x = -x + k
         if a == 0:
             return c.emit(Op.SCALE, [c.arg(b)], n, value=-1.0)
-        return _add_number(c, n, scaled(c, c.arg(b), shape_b, -1.0), shape_b, a)
+        return number_added(c, n, scaled(c, c.arg(b), shape_b, -1.0), shape_b, a)
     negated = scaled(c, c.arg(b), shape_b, -1.0)
     out, shape_a = tuple(c.shape(n)), tuple(c.shape(a))
     if shape_a != shape_b:
@@ -971,14 +989,33 @@ def _div(c: Any, n: Any) -> Value:
             q = divide(c, n, a, b)
             if q is not None:
                 return q
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                "divides by a tensor; mexc divides by numbers, and an activation by its own "
-                "2-norm (x / x.norm(dim=..., keepdim=True), as F.normalize)",
-            )
-        )
+        return _quotient(c, n, a, b)
     return _scale_by(c, n, divide=True)
+
+
+def divided(c: Any, n: Any, a: Value, b: Value) -> Value:
+    """a / b of two activations of n's shape (a step of a decomposition: softsign)."""
+    return c.emit(Op.DIV, [a, b], n)
+
+
+def _quotient(c: Any, n: Any, a: Any, b: Any) -> Value:
+    """a / b of two activations (ConvNeXt V2's global response normalization, softsign):
+    each broadcast to the result's shape first (broadcast), then `div`."""
+    for v in (a, b):
+        if c.is_param(v) or c.param_view(v) is not None or is_gathered(c, v):
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    "divides by a tensor that is a parameter or a constant; mexc divides an "
+                    "activation by a number or by another activation",
+                )
+            )
+    out = tuple(c.shape(n))
+    va, vb = (
+        c.arg(v) if tuple(c.shape(v)) == out else broadcast(c, n, c.arg(v), tuple(c.shape(v)), out)
+        for v in (a, b)
+    )
+    return divided(c, n, va, vb)
 
 
 def _permute(c: Any, n: Any) -> Value:
@@ -1523,6 +1560,18 @@ define(
         ),
         lower={"tir": tir_rule("mul"), "c": "emit:_mul"},
         doc="x * g, g an activation or parameter broadcast along x's axes (or a constant: scale)",
+        data_parallel=True,
+    ),
+    OpDef(
+        Op.DIV,
+        {"rid": -1},
+        types=elementwise_types,
+        keeps_axes=True,
+        vjp=_div_vjp,
+        reference=_div_ref,
+        lower={"tir": tir_rule("div"), "c": "emit:_div"},
+        doc="a / b of two activations of one shape: the mantissas' quotient to 2^-15 "
+        "(0 where b's is 0), compacted (docs/layers.md)",
         data_parallel=True,
     ),
     OpDef(

@@ -42,7 +42,7 @@ def batches(
 class ZooLayers(torch.nn.Module):
     """The layers added for models users bring, each in one data-parallel step: GroupNorm,
     LeakyReLU, channel dropout, zero padding, nearest upsampling, pixel shuffle, Mish, a
-    transposed convolution, tanh and adaptive max pooling."""
+    transposed convolution, tanh, adaptive max pooling and softsign (a quotient)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,7 +65,7 @@ class ZooLayers(torch.nn.Module):
         x = self.up(self.conv2(f.pad(x, (0, 1, 0, 1))))  # 8 x 4 x 4 -> 8 x 8 x 8
         x = f.mish(self.conv3(self.shuffle(x)))  # 2 x 16 x 16 -> 4 x 16 x 16
         x = self.tconv(x)  # 4 x 32 x 32
-        return self.fc(torch.tanh(torch.flatten(self.pool(x), 1)))
+        return self.fc(f.softsign(torch.tanh(torch.flatten(self.pool(x), 1))))
 
 
 class WindowBiases(torch.nn.Module):

@@ -612,6 +612,14 @@ def _mul(e: _Emit, n: Node) -> None:
     )
 
 
+def _div(e: _Emit, n: Node) -> None:
+    (a, ea), (b, eb) = _x(e, n, 0), _x(e, n, 1)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    count = _numel(e.shape(n.inputs[0]))
+    e.emit(f"{ey} = mexc_div_forward({a}, {ea}, {b}, {eb}, {count}u, {y}, &ctx, {_tid(n)}u);")
+
+
 def _mul_grad(e: _Emit, n: Node) -> None:
     (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
     x_shape = e.shape(n.inputs[1])

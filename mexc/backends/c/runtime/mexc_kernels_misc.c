@@ -277,6 +277,31 @@ int32_t mexc_mul_forward(const int8_t *x, int32_t ex, const int8_t *g, int32_t e
     return e_out;
 }
 
+/* a / b of n elements each: acc = idiv_round(sign(m_a m_b) |m_a| 2^15, |m_b|), 0 where
+   m_b = 0, at e_a - e_b - 15, compacted into out (site 0); returns its exponent. */
+int32_t mexc_div_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
+                         int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
+{
+    int32_t e_out = 0, ma, mb, q;
+    uint32_t i;
+    mexc_sink_t sink;
+    mexc_sink_init(&sink, out, ctx, mexc_site_key(ctx, tid, 0u), NULL, NULL, 0u, 0);
+    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
+        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, ea - eb - MEXC_DIV_BITS);
+        for (i = 0; i < n; i++) {
+            ma = a[i];
+            mb = b[i];
+            q = 0;
+            if (mb != 0) {
+                q = (ma < 0 ? -ma : ma) * (1 << MEXC_DIV_BITS);
+                q = mexc_idiv_round((ma < 0) != (mb < 0) ? -q : q, (uint32_t)(mb < 0 ? -mb : mb));
+            }
+            mexc_sink_put(&sink, i, 0u, q);
+        }
+    }
+    return e_out;
+}
+
 /* dg of x * g: acc[b] = sum over (a, c) of dy_m x_m, each shifted right by t (site 1 at x's
    flat index; t = 0: exact), at e_dy + e_x + t. out NULL: acc is the result (a parameter's
    int32 gradient) and its exponent is returned; else acc (caller scratch) is compacted into out
