@@ -17,6 +17,7 @@ from mexc.ops.common import (
     Grads,
     elementwise_types,
     pointwise_vjp,
+    static_value,
     tid,
     tir_rule,
     unary_function,
@@ -337,7 +338,13 @@ def _relu_plus_offset(
     c: Any, n: Any, x: Any, fn: str, params: tuple[float, ...], scale: float | None = None
 ) -> Value:
     """relu(x) + offset(x), times `scale` where one is given (docs/layers.md)."""
-    shape, xv = c.shape(n), c.arg(x)
+    return _relu_plus_offset_of(c, n, c.arg(x), fn, params, scale)
+
+
+def _relu_plus_offset_of(
+    c: Any, n: Any, xv: Value, fn: str, params: tuple[float, ...], scale: float | None = None
+) -> Value:
+    shape = c.shape(n)
     relu = c.emit_as(Op.RELU, [xv], shape)
     offset = c.emit_as(Op.ACTIVATION_OFFSET, [xv], shape, fn=fn, params=params)
     if scale is None:
@@ -394,6 +401,30 @@ def _softplus_params(c: Any, n: Any, beta: Any, threshold: Any) -> tuple[float, 
             c.describe(n, f"has threshold {threshold!r}; mexc takes a positive constant")
         )
     return (_offset_param(c, n, "beta", beta), float(threshold))
+
+
+def _log_sigmoid(c: Any, n: Any, m: Any = None) -> Value:
+    """nn.LogSigmoid, F.logsigmoid: -softplus(-x), the softplus of docs/layers.md (beta 1,
+    threshold 20) of -x, scaled by -1."""
+    x = n.args[0] if n.args else n.kwargs["input"]
+    neg = scaled(c, c.arg(x), tuple(c.shape(x)), -1.0)
+    return _relu_plus_offset_of(c, n, neg, "softplus", (1.0, 20.0), -1.0)
+
+
+def _softshrink(c: Any, n: Any, m: Any = None) -> Value:
+    """nn.Softshrink, F.softshrink: x - clamp(x, -lambd, lambd), exact at x's exponent (the
+    clamp's bounds are on its grid)."""
+    args = dict(zip(("input", "lambd"), n.args)) | dict(n.kwargs)
+    lambd = m.lambd if m is not None else static_value(args.get("lambd", 0.5))
+    if c.is_node(lambd) or not isinstance(lambd, (int, float)) or lambd < 0:
+        raise UnsupportedOpError(
+            c.describe(n, f"has lambd {lambd!r}; mexc takes a constant lambd >= 0")
+        )
+    x = args["input"]
+    shape, xv = tuple(c.shape(x)), c.arg(x)
+    bound = float(lambd)
+    inner = c.emit_as(Op.CLAMP, [xv], shape, lo=-bound, hi=bound, has_lo=True, has_hi=True)
+    return added(c, xv, scaled(c, inner, shape, -1.0), shape)
 
 
 def _softplus_module(c: Any, n: Any, m: Any) -> Value:
@@ -495,6 +526,8 @@ define(
         vjp=pointwise_vjp(Op.CLAMP_GRAD, lambda n: n.inputs[0]),
         reference=_clamp,
         frontend=(
+            Pattern("module", ("torch.nn.Softshrink",), _softshrink),
+            Pattern("function", ("torch.nn.functional.softshrink",), _softshrink),
             Pattern("function", ("torch.clamp", "torch.clip"), _clamp_call),
             Pattern("method", ("clamp", "clip"), _clamp_call),
             Pattern("function", ("torch.clamp_min",), _clamp_min),
@@ -687,6 +720,8 @@ define(
             ),
             Pattern("module", ("torch.nn.Softplus",), _softplus_module),
             Pattern("function", ("torch.nn.functional.softplus",), _softplus_function),
+            Pattern("module", ("torch.nn.LogSigmoid",), _log_sigmoid),
+            Pattern("function", ("torch.nn.functional.logsigmoid",), _log_sigmoid),
         ),
         lower={"tir": tir_rule("activation_offset"), "c": "emit:_activation_offset"},
         doc="the offset of relu(x) + offset(x) (ELU, CELU, SELU, Softplus): a table of x, "

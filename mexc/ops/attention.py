@@ -31,6 +31,7 @@ from mexc.ops.tensor import (
     broadcastable,
     folded_value,
     reshaped,
+    scaled,
     sliced,
     transposed,
 )
@@ -121,25 +122,37 @@ def _log_softmax(c: Any, n: Any, m: Any = None) -> Value:
     return c.arg(x)
 
 
-def _softmax_over(c: Any, n: Any, dim: Any) -> Value:
+def _softmin(c: Any, n: Any, m: Any = None) -> Value:
+    """nn.Softmin(dim), F.softmin(x, dim): the softmax of -x (`scale` by -1)."""
+    args = dict(zip(("input", "dim"), n.args)) | dict(n.kwargs)
+    if args.get("dtype") is not None:
+        raise UnsupportedOpError(c.describe(n, "takes a softmin with a dtype"))
+    x = args["input"]
+    negated = scaled(c, c.arg(x), tuple(c.shape(x)), -1.0)
+    return _softmax_over(c, n, m.dim if m is not None else args.get("dim"), negated)
+
+
+def _softmax_over(c: Any, n: Any, dim: Any, v: Value | None = None) -> Value:
+    """The softmax of n's input (or of `v`, a value of its shape) over axis `dim`."""
     shape = tuple(c.shape(n.args[0]))
     rank = len(shape)
     if dim is None:
         raise UnsupportedOpError(c.describe(n, "takes a softmax without a dim; name the axis"))
     d = static_int(dim) % rank
     held = c.env.get(n.args[0]) if c.is_node(n.args[0]) else None
-    if isinstance(held, MaskedScores):
+    if isinstance(held, MaskedScores) and v is None:
         if d != rank - 1:
             raise UnsupportedOpError(c.describe(n, f"{MASKED_READ}, not over axis {d}"))
         inputs, hides = _hiding(c, held.scores, held.causal, held.keys)
         return c.emit(Op.SOFTMAX, inputs, n, **hides)
+    x = c.arg(n.args[0]) if v is None else v
     if d == rank - 1:
-        return c.emit(Op.SOFTMAX, [c.arg(n.args[0])], n)
-    if d == c.first_or_batch_axis(c.arg(n.args[0])):
+        return c.emit(Op.SOFTMAX, [x], n)
+    if d == c.first_or_batch_axis(x):
         raise UnsupportedOpError(c.describe(n, "takes a softmax over the batch axis"))
     perm = list(range(rank))
     perm[d], perm[-1] = perm[-1], perm[d]
-    moved = transposed(c, c.arg(n.args[0]), shape, tuple(perm))
+    moved = transposed(c, x, shape, tuple(perm))
     swapped = tuple(shape[a] for a in perm)
     y = c.emit_as(Op.SOFTMAX, [moved], swapped)
     return c.emit(Op.TRANSPOSE, [y], n, perm=tuple(perm))
@@ -515,6 +528,8 @@ define(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
             Pattern("module", ("torch.nn.Softmax",), _softmax_module),
+            Pattern("module", ("torch.nn.Softmin",), _softmin),
+            Pattern("function", ("torch.nn.functional.softmin",), _softmin),
             Pattern("method", ("masked_fill", "masked_fill_"), _masked_fill),
             Pattern("function", ("torch.masked_fill",), _masked_fill),
             Pattern(

@@ -1,0 +1,71 @@
+"""Softshrink (x - clamp(x, -lambd, lambd)), LogSigmoid (-softplus(-x)) and Softmin (the
+softmax of -x): decompositions into clamp, scale, add, the softplus offset table and softmax.
+Against torch and autograd, and bit-exact on reference, llvm and C."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mexc
+from mexc.ir import Op
+from tests.compiler.helpers import (
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+    small_batch,
+)
+
+
+class Shrinks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.shrink = nn.Softshrink(0.25)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 16)
+        self.softmin = nn.Softmin(dim=-1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.softshrink(self.shrink(self.fc1(x)), 0.125)
+        h = F.logsigmoid(self.fc2(h))
+        return self.head(self.softmin(self.fc3(h)) + F.softmin(h[:, :16], dim=1))
+
+
+def _model() -> Shrinks:
+    torch.manual_seed(0)
+    return Shrinks()
+
+
+def test_each_is_its_decomposition() -> None:
+    prog = mexc.compile(_model(), (torch.zeros(4, 16),), target="reference")
+    ops = [n.op for n in prog.graph.nodes]
+    assert ops.count(Op.CLAMP) == 2 and ops.count(Op.ACTIVATION_OFFSET) == 1
+    assert ops.count(Op.SOFTMAX) == 2
+
+
+def test_logits_match_torch() -> None:
+    model = _model()
+    prog = mexc.compile(model, (torch.zeros(16, 16),), rounding="nearest")
+    assert_logits_match_torch(model, prog, small_batch((16, 16))[0])
+
+
+def test_gradients_follow_autograd() -> None:
+    model = _model()
+    prog = mexc.compile(model, (torch.zeros(64, 16),))
+    x, y = small_batch((64, 16))
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("fc1.weight", "fc2.weight", "fc3.weight", "head.weight"):
+        assert cosine(got[name], want[name]) >= 0.95, (name, cosine(got[name], want[name]))
+
+
+def test_trains_bit_exact_on_llvm_and_c() -> None:
+    def program(target: str) -> mexc.Program:
+        return mexc.compile(_model(), (torch.zeros(4, 16),), target=target)
+
+    batch = small_batch((4, 16))
+    assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, batch)
