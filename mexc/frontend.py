@@ -90,9 +90,10 @@ class _Ctx:
     batch: int = 0  # the input's leading axis
     arranged: dict[str, Arrangement] = field(default_factory=dict)  # params held rearranged
     # in-place changes (frontend_index.rebind): node -> the first node naming its tensor, and
-    # the nodes a change rebound
+    # the nodes a change rebound -> the position (in `position`) of the latest change
     names: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
-    rebound: set[torch.fx.Node] = field(default_factory=set)
+    rebound: dict[torch.fx.Node, int] = field(default_factory=dict)
+    position: dict[torch.fx.Node, int] = field(default_factory=dict)  # each node's, in order
     norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
     tied: dict[int, str] = field(default_factory=dict)  # id of an nn.Parameter -> its name
     ids: Value | None = None  # the integer input (token ids), which only embeddings read
@@ -1220,6 +1221,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     _refuse_reparametrized_reads(model, gm)
     b = GraphBuilder()
     c = _Ctx(gm, b)
+    c.position = {n: i for i, n in enumerate(gm.graph.nodes)}
     logits: Value | None = None
     logits_node: torch.fx.Node | None = None
     ids_node: torch.fx.Node | None = None  # the integer input, where it is one

@@ -170,7 +170,7 @@ def rebind(c: Any, n: torch.fx.Node, x: torch.fx.Node, v: Any) -> None:
     c.names[n] = c.names[x] = c.names.get(x, x)
     for m in _names_of(c, x):
         c.env[m] = v
-        c.rebound.add(m)
+        c.rebound[m] = c.position.get(n, len(c.position))
 
 
 def _names_of(c: Any, x: torch.fx.Node) -> set[torch.fx.Node]:

@@ -163,15 +163,17 @@ DIV_BITS = 15  # the quotient of the mantissas is taken to 2^-15 before its comp
 
 def div_forward(a: MX, b: MX, ctx: RoundCtx, tid: int) -> MX:
     """a / b of equal shapes: acc = sign(m_a m_b) floor((|m_a| 2^15 + floor(|m_b| / 2)) /
-    |m_b|) (idiv_round, |acc| < 2^22), 0 where m_b = 0, at e_a - e_b - 15; compaction (site
-    0). da = div_forward(dy, b); db = -div_forward(dy q, b), q the result."""
+    |m_b|) (idiv_round, |acc| < 2^22), and m_a 2^16 where m_b = 0 (b below half its unit,
+    taken as half a unit, positive), at e_a - e_b - 15; compaction (site 0). da =
+    div_forward(dy, b); db = -div_forward(dy q, b), q the result."""
     ea, eb = scalar_exp(a, "dividend"), scalar_exp(b, "divisor")
     ma, mb = i64(a.m), i64(b.m)
     if ma.shape != mb.shape:
         raise ValueError(f"div_forward needs equal shapes, got {ma.shape} and {mb.shape}")
     den = np.abs(mb)
     q = (np.abs(ma) << DIV_BITS) + den // 2
-    acc = np.where(den == 0, 0, np.sign(ma) * np.sign(mb) * (q // np.maximum(den, 1)))
+    quotient = np.sign(ma) * np.sign(mb) * (q // np.maximum(den, 1))
+    acc = np.where(den == 0, ma << (DIV_BITS + 1), quotient)
     return compact_mx(acc, ea - eb - DIV_BITS, ctx, site_key(ctx, tid, 0), batch=True)
 
 

@@ -627,7 +627,8 @@ def mul_compaction(
 
 def div_quotient(shape: tuple[int, ...], name: str, native_division: bool) -> tirx.PrimFunc:
     """kernels.elementwise.div_forward before its compaction: a and b of `shape`, acc =
-    idiv_round(sign(m_a m_b) |m_a| 2^15, |m_b|), 0 where m_b = 0, at e_acc = e_a - e_b - 15.
+    idiv_round(sign(m_a m_b) |m_a| 2^15, |m_b|), m_a 2^16 where m_b = 0, at e_acc = e_a - e_b -
+    15.
     Stored, not fused with the compaction: on CUDA the division is a long division
     (te_divide), whose steps a fused scan's cross-thread reduction cannot hold. Parameters
     (a, e_a, b, e_b, acc, e_acc)."""
@@ -641,7 +642,7 @@ def div_quotient(shape: tuple[int, ...], name: str, native_division: bool) -> ti
         den = tirx.if_then_else(mb < 0, -mb, mb)
         signed = tirx.if_then_else((ma ^ mb) < 0, -num, num)  # the signs differ
         q = idiv_round(signed, tirx.max(den, 1), native_division).astype(I32)
-        return tirx.if_then_else(den == 0, 0, q)
+        return tirx.if_then_else(den == 0, ma << (DIV_BITS + 1), q)
 
     acc = te.compute(shape, body, name="acc")
     e_acc = te.compute((1,), lambda _: ea[0] - eb[0] - DIV_BITS, name="e_acc")

@@ -57,6 +57,25 @@ class RootMeanSquare:
     correction: int = 0
     eps_in: float = 0.0
     eps_out: float = 0.0
+    walk: Walk = dataclasses.field(default_factory=lambda: Walk())
+
+
+@dataclass
+class Walk:
+    """The traced nodes a match read: those it matched as the normalization's own ops
+    (`computed`: the square, the mean, x - u, ...) and the tensors they read (`leaves`: x)."""
+
+    computed: set[Any] = dataclasses.field(default_factory=set)
+    leaves: set[Any] = dataclasses.field(default_factory=set)
+
+    def merged(self, other: Walk) -> Walk:
+        return Walk(self.computed | other.computed, self.leaves | other.leaves)
+
+    def changed_within(self, c: Any) -> bool:
+        """A node it read was changed in place after the first of its own ops ran (a change
+        before that one, every op of it saw)."""
+        first = min((c.position.get(m, 0) for m in self.computed), default=0)
+        return any(c.rebound.get(m, -1) >= first for m in self.computed | self.leaves)
 
 
 _ROOTS = {"sqrt": 1, "rsqrt": -1}
@@ -90,6 +109,10 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
         if power is not None:
             return _root_of_mean_square(c, n, args[0], power)
         return _spread(c, n, name) if name in _SPREADS else None
+    if _root(c, args[0]) is root and (name.endswith("_") or name.startswith("i")):
+        raise UnsupportedOpError(
+            c.describe(n, f"changes a root mean square in place (`{name}`); {ROOT_USES}")
+        )
     if name in _QUOTIENTS:
         inverse = _reciprocal(c, n)
         if inverse is not None:
@@ -108,6 +131,7 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
     if name in _FLOORS and "max" not in n.kwargs and len(args) <= 2 and _is_eps(low):
         field = "eps_out" if root.power == 1 else "eps_in"
         if root.power in (1, 2):
+            _check_floor(c, n, float(low))
             return dataclasses.replace(root, **{field: max(getattr(root, field), float(low))})
     if name in _CASTS and _is_float(n):
         return root
@@ -142,15 +166,20 @@ def _root_power(n: Any, name: str) -> int | None:
 
 def _root_of_mean_square(c: Any, n: Any, arg: Any, power: int) -> RootMeanSquare:
     """The root (power 1) or reciprocal root (-1) of mean(v^2, dims, keepdim=True) + eps."""
+    walk = Walk({n})
     m, eps = arg, 0.0
     while called_name(m) in (*_ADDS, *_FLOORS):
         floor = _added_number(m)
         if floor is None:
             break
+        added = called_name(m) in _ADDS
+        walk.computed.add(m)
         m, e = floor
-        eps = eps + e if called_name(m) in _ADDS else max(eps, e)
-    mean = _mean_call(c, m)
-    v = _square_of(c, mean[0]) if mean is not None else None
+        if not added:
+            _check_floor(c, n, e)  # a floor differs from an added eps where it is large
+        eps = eps + e if added else max(eps, e)
+    mean = _mean_call(c, m, walk)
+    v = _square_of(c, mean[0], walk) if mean is not None else None
     if mean is None or v is None:
         raise UnsupportedOpError(
             c.describe(
@@ -159,7 +188,19 @@ def _root_of_mean_square(c: Any, n: Any, arg: Any, power: int) -> RootMeanSquare
                 f"squares or a variance (plus eps); {ROOT_USES}",
             )
         )
-    return RootMeanSquare(c.arg(v), v, _dims(c, n, v, mean[1]), power, False, eps_in=eps)
+    dims = _dims(c, n, v, mean[1])
+    return RootMeanSquare(c.arg(v), v, dims, power, False, eps_in=eps, walk=walk)
+
+
+def _check_floor(c: Any, n: Any, eps: float) -> None:
+    if eps > MAX_FLOOR:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"floors a mean of squares or a root at {eps}; mexc adds the floor instead, "
+                f"which is torch's max within the floor only for floors <= {MAX_FLOOR}",
+            )
+        )
 
 
 def _added_number(m: Any) -> tuple[Any, float] | None:
@@ -176,29 +217,33 @@ def _added_number(m: Any) -> tuple[Any, float] | None:
     return None
 
 
-def _mean_call(c: Any, m: Any) -> tuple[Any, Any] | None:
+def _mean_call(c: Any, m: Any, walk: Walk) -> tuple[Any, Any] | None:
     """(x, dim) where m is x.mean(dim, keepdim=True) or torch.mean(x, dim, True)."""
     if not c.is_node(m) or called_name(m) not in _MEANS:
         return None
     args = dict(zip(("input", "dim", "keepdim"), m.args)) | dict(m.kwargs)
     if not static_value(args.get("keepdim", False)) or args.get("dim") is None:
         return None
+    walk.computed.add(m)
     return args["input"], args["dim"]
 
 
-def _square_of(c: Any, q: Any) -> Any:
+def _square_of(c: Any, q: Any, walk: Walk) -> Any:
     """v where q is v * v, v ** 2, v.pow(2), torch.square(v); else None."""
     if not c.is_node(q):
         return None
     name, args = called_name(q), list(q.args)
-    if name in _SQUARES and args:
-        return args[0]
-    if name in ("mul", "__mul__") and len(args) == 2 and same_tensor(c, args[0], args[1]):
-        return args[0]
-    if name in _POWERS and len(args) + len(q.kwargs) == 2:
+    v = None
+    product = name in ("mul", "__mul__") and len(args) == 2
+    if (name in _SQUARES and args) or (product and same_tensor(c, args[0], args[1], walk)):
+        v = args[0]
+    elif name in _POWERS and len(args) + len(q.kwargs) == 2:
         k = static_value(args[1] if len(args) > 1 else q.kwargs.get("exponent"))
-        return args[0] if k in (2, 2.0) and not isinstance(k, bool) else None
-    return None
+        v = args[0] if k in (2, 2.0) and not isinstance(k, bool) else None
+    if v is not None:
+        walk.computed.add(q)
+        walk.leaves.add(v)
+    return v
 
 
 def _spread(c: Any, n: Any, name: str) -> RootMeanSquare:
@@ -217,49 +262,62 @@ def _spread(c: Any, n: Any, name: str) -> RootMeanSquare:
         correction = 1 if static_value(args.get("unbiased", True)) else 0
     x = args["input"]
     dims = _dims(c, n, x, args["dim"])
-    return RootMeanSquare(c.arg(x), x, dims, _SPREADS[name], True, static_int(correction))
+    walk = Walk({n}, {x})
+    return RootMeanSquare(
+        c.arg(x), x, dims, _SPREADS[name], True, static_int(correction), walk=walk
+    )
 
 
 def _dims(c: Any, n: Any, x: Any, dim: Any) -> tuple[int, ...]:
     shape = tuple(c.shape(x))
     value = static_value(dim)
     axes = value if isinstance(value, (list, tuple)) else [value]
-    dims = tuple(sorted({static_int(d) % len(shape) for d in axes}))
+    # no dims (mean(x, [])) is every axis, as in torch
+    dims = tuple(sorted({static_int(d) % len(shape) for d in axes})) or tuple(range(len(shape)))
     if c.first_or_batch_axis(c.arg(x)) in dims:
         raise UnsupportedOpError(c.describe(n, "takes a mean of squares along the batch axis"))
     return dims
 
 
-def same_tensor(c: Any, a: Any, b: Any, depth: int = 4) -> bool:
+# calls whose two traced calls give two tensors (a random draw each)
+_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "drop_path")
+
+
+def same_tensor(c: Any, a: Any, b: Any, walk: Walk, depth: int = 4) -> bool:
     """a and b are the same tensor: the same node, nodes bound to the same value (a cast), or
-    the same call of the same tensors (`(x - u)` written twice); never through a node a
-    change rebound."""
-    if a is b:
-        return True
+    the same call of the same tensors (`(x - u)` written twice; not a random op's). The nodes
+    compared go into `walk` (Walk.changed_within tells whether one changed in place)."""
     if not (c.is_node(a) and c.is_node(b)):
         return not c.is_node(a) and not c.is_node(b) and static_value(a) == static_value(b)
-    if a in c.rebound or b in c.rebound:
-        return False
     va, vb = c.env.get(a), c.env.get(b)
-    if isinstance(va, Value) and va is vb:
+    if a is b or (isinstance(va, Value) and va is vb):
+        walk.leaves.update((a, b))
         return True
-    if depth == 0 or a.op != b.op or a.target != b.target or a.op == "get_attr":
+    if depth == 0 or a.op != b.op or a.target != b.target:
+        return False
+    if a.op not in ("call_function", "call_method") or any(r in called_name(a) for r in _RANDOM):
         return False
     if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
         return False
     pairs = [*zip(a.args, b.args), *((a.kwargs[k], b.kwargs[k]) for k in a.kwargs)]
-    return all(same_tensor(c, x, y, depth - 1) for x, y in pairs)
+    if not all(same_tensor(c, x, y, walk, depth - 1) for x, y in pairs):
+        return False
+    walk.computed.update((a, b))
+    return True
 
 
-def _centered(c: Any, a: Any, dims: tuple[int, ...]) -> Any:
+def _centered(c: Any, a: Any, dims: tuple[int, ...], walk: Walk) -> Any:
     """x where a is x - x.mean(dims, keepdim=True) (the same x), else None."""
     if not c.is_node(a) or called_name(a) not in _SUBS or len(a.args) != 2:
         return None
     x, u = a.args
-    mean = _mean_call(c, u)
-    if mean is None or not same_tensor(c, mean[0], x) or not c.is_node(x):
+    mean = _mean_call(c, u, walk)
+    if mean is None or not same_tensor(c, mean[0], x, walk) or not c.is_node(x):
         return None
-    return x if _dims(c, u, x, mean[1]) == dims else None
+    if _dims(c, u, x, mean[1]) != dims:
+        return None
+    walk.computed.add(a)
+    return x
 
 
 def _root(c: Any, b: Any) -> RootMeanSquare | None:
@@ -304,20 +362,30 @@ def _normalized(c: Any, n: Any, a: Any, r: RootMeanSquare) -> Value:
     """a normalized by r, a's own root mean square; or a parameter times that tensor, then
     times the parameter (the Annotated Transformer's a_2 * (x - mean) / (std + eps))."""
     factor = None
-    if not _normalizes(c, a, r) and called_name(a) in ("mul", "__mul__") and len(a.args) == 2:
+    walk = _normalizes(c, a, r)
+    if walk is None and called_name(a) in ("mul", "__mul__") and len(a.args) == 2:
         p, q = a.args if c.is_param(a.args[0]) else a.args[::-1]
-        if c.is_param(p) and _normalizes(c, q, r):
+        walk = _normalizes(c, q, r) if c.is_param(p) else None
+        if walk is not None:
+            walk.computed.add(a)
             factor, a = p, q
-    if not _normalizes(c, a, r):
+    if walk is None:
         raise UnsupportedOpError(
             c.describe(
-                n,
-                "normalizes a tensor by the root mean square of another tensor (or of the same "
-                f"one changed in between); {ROOT_USES}",
+                n, f"normalizes a tensor by the root mean square of another tensor; {ROOT_USES}"
             )
         )
     # about the mean: r a variance of x, or the mean square of a = x - x.mean(dims)
-    x = r.node if r.centered else _centered(c, a, r.dims)
+    x = r.node if r.centered else _centered(c, a, r.dims, walk)
+    if walk.changed_within(c) or c.arg(r.node) is not r.of:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "normalizes a tensor by a root mean square, and the tensor or a step between "
+                "them was changed in place in between; mexc takes the normalization only "
+                f"where each step reads what the one before computed ({ROOT_USES})",
+            )
+        )
     source = x if x is not None else a
     shape = tuple(c.shape(source))
     if tuple(c.shape(n)) != shape:
@@ -360,15 +428,18 @@ def _normalized(c: Any, n: Any, a: Any, r: RootMeanSquare) -> Value:
     return multiplied(c, y, c.get_param(factor, "scale"), shape)
 
 
-def _normalizes(c: Any, a: Any, r: RootMeanSquare) -> bool:
-    """a is the tensor r normalizes: the one r was taken of, or, for a variance of x, x minus
-    its mean; never where that tensor changed in place since."""
-    if not c.is_node(a) or r.node in c.rebound or c.arg(r.node) is not r.of:
-        return False
+def _normalizes(c: Any, a: Any, r: RootMeanSquare) -> Walk | None:
+    """What was read to find that a is the tensor r normalizes (the one r was taken of, or,
+    for a variance of x, x minus its mean), with r's own; None where a is another tensor."""
+    if not c.is_node(a):
+        return None
+    walk = Walk()
     if r.centered:
-        x = _centered(c, a, r.dims)
-        return x is not None and same_tensor(c, x, r.node)
-    return same_tensor(c, a, r.node)
+        x = _centered(c, a, r.dims, walk)
+        same = x is not None and same_tensor(c, x, r.node, walk)
+    else:
+        same = same_tensor(c, a, r.node, walk)
+    return r.walk.merged(walk) if same else None
 
 
 ACTIVATION_FACTORS.append(_times_inverse_root)

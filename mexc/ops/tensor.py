@@ -973,6 +973,15 @@ def _one_number(c: Any, b: Any) -> float | None:
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
 
+def _div_call(c: Any, n: Any) -> Value:
+    """torch.div(a, b), a.div(b), true_divide, divide: a / b; a rounding mode is refused."""
+    if static_value(n.kwargs.get("rounding_mode")) is not None:
+        raise UnsupportedOpError(
+            c.describe(n, "divides with a rounding_mode; mexc divides as a / b does")
+        )
+    return _div(c, n)
+
+
 def _div(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
     if c.is_node(b) and not c.is_node(a):
@@ -981,8 +990,14 @@ def _div(c: Any, n: Any) -> Value:
         )
     k = _one_number(c, b)
     if c.is_node(a) and k is not None:
-        if k == 0 or not math.isfinite(k):
-            raise UnsupportedOpError(c.describe(n, f"divides by the constant {k}"))
+        if k == 0 or not math.isfinite(k) or tuple(c.shape(n)) != tuple(c.shape(a)):
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    f"divides by the constant {k} of shape {list(c.shape(b))}, which is "
+                    "zero or broadcasts the tensor wider; divide by a nonzero number",
+                )
+            )
         return c.emit(Op.SCALE, [c.arg(a)], n, value=1.0 / k)
     if c.is_node(a) and c.is_node(b):
         for divide in ACTIVATION_DIVISORS:
@@ -1383,6 +1398,8 @@ define(
         reference=_scale,
         frontend=(
             Pattern("function", ("operator.truediv", "operator.itruediv"), _div),
+            Pattern("function", ("torch.div", "torch.true_divide", "torch.divide"), _div_call),
+            Pattern("method", ("div", "true_divide", "divide"), _div_call),
             Pattern("function", ("operator.sub", "torch.sub", "operator.isub"), _sub),
             Pattern("method", ("sub",), _sub),
             Pattern("function", ("operator.neg", "torch.neg"), _neg),
@@ -1571,7 +1588,7 @@ define(
         reference=_div_ref,
         lower={"tir": tir_rule("div"), "c": "emit:_div"},
         doc="a / b of two activations of one shape: the mantissas' quotient to 2^-15 "
-        "(0 where b's is 0), compacted (docs/layers.md)",
+        "(b's 0 as half a unit), compacted (docs/layers.md)",
         data_parallel=True,
     ),
     OpDef(

@@ -29,13 +29,14 @@ from tests.compiler.helpers import (
 )
 
 
-def test_the_quotient_of_mantissas_is_rounded_to_nearest_and_zero_where_b_is_zero() -> None:
-    a = MX(np.array([[100, -100, 7, -7, 0, 5, 127, -128]], np.int8), np.array(-3, np.int32))
-    b = MX(np.array([[3, 3, -2, -2, 9, 0, 1, -1]], np.int8), np.array(2, np.int32))
+def test_the_quotient_of_mantissas_is_rounded_to_nearest_and_b_zero_is_half_a_unit() -> None:
+    a = MX(np.array([[100, -100, 7, -7, 0, 5, -5, 127, -128]], np.int8), np.array(-3, np.int32))
+    b = MX(np.array([[3, 3, -2, -2, 9, 0, 0, 1, -1]], np.int8), np.array(2, np.int32))
     q = div_forward(a, b, RoundCtx("nearest", 0, 0, 8), 0)
-    want = np.array([[100 / 3, -100 / 3, -3.5, 3.5, 0, 0, 127, 128]]) * 2.0**-5
+    # b's 0 (below half its unit 2^2) divides as +2^1: a mantissa 5 over 1/2
+    want = np.array([[100 / 3, -100 / 3, -3.5, 3.5, 0, 10, -10, 127, 128]]) * 2.0**-5
     assert np.abs(q.dequantize() - want).max() <= 2.0 ** (q.e - 1)
-    assert q.m[0, 5] == 0 and q.m[0, 4] == 0
+    assert q.m[0, 4] == 0
 
 
 class GlobalResponseNorm(nn.Module):
@@ -154,3 +155,23 @@ def test_a_parameter_divisor_is_refused_by_node() -> None:
     with pytest.raises(UnsupportedOpError, match="parameter or a constant") as err:
         mexc.compile(_Over(_Temperature()), (torch.zeros(4, 8),), target="reference")
     assert "test_division.py" in str(err.value)
+
+
+class _TorchDiv(nn.Module):
+    def __init__(self, rounding: str | None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+        self.rounding = rounding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.head(torch.div(h, h.abs() + 1.0, rounding_mode=self.rounding))
+
+
+def test_torch_div_is_a_quotient_and_a_rounding_mode_is_refused() -> None:
+    torch.manual_seed(0)
+    prog = mexc.compile(_TorchDiv(None), (torch.zeros(4, 8),), target="reference")
+    assert [n.op for n in prog.graph.nodes].count(Op.DIV) >= 1
+    with pytest.raises(UnsupportedOpError, match="rounding_mode"):
+        mexc.compile(_TorchDiv("floor"), (torch.zeros(4, 8),), target="reference")

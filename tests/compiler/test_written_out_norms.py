@@ -193,13 +193,51 @@ def test_other_uses_of_a_root_are_refused_by_node(body: object, says: str) -> No
     assert says in message and "test_written_out_norms.py" in message, message
 
 
-def test_a_tensor_changed_in_place_after_its_mean_square_is_refused() -> None:
-    def body(h: torch.Tensor) -> torch.Tensor:
-        r = torch.rsqrt(_ms(h) + 1e-6)
-        h.mul_(2.0)
-        return h * r
+def _changed_after_its_mean_square(h: torch.Tensor) -> torch.Tensor:
+    r = torch.rsqrt(_ms(h) + 1e-6)
+    h.mul_(2.0)
+    return h * r
 
-    assert "changed in between" in _refusal(body)
+
+def _mean_square_changed(h: torch.Tensor) -> torch.Tensor:
+    ms = _ms(h)
+    ms.mul_(4.0)
+    return h * torch.rsqrt(ms + 1e-6)
+
+
+def _mean_changed(h: torch.Tensor) -> torch.Tensor:
+    u = h.mean(-1, keepdim=True)
+    u.add_(1.0)
+    return (h - u) / torch.sqrt((h - u).pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize(
+    "body", [_changed_after_its_mean_square, _mean_square_changed, _mean_changed]
+)
+def test_a_step_changed_in_place_in_between_is_refused(body: object) -> None:
+    assert "changed in place in between" in _refusal(body)
+
+
+def test_a_tensor_changed_in_place_before_its_normalization_is_normalized() -> None:
+    def body(h: torch.Tensor) -> torch.Tensor:
+        h.add_(1.0)
+        return h * torch.rsqrt(_ms(h) + 1e-6)
+
+    torch.manual_seed(0)
+    model = _Probe(body)
+    prog = mexc.compile(model, (torch.zeros(16, 8),), rounding="nearest")
+    assert_logits_match_torch(model, prog, small_batch((16, 8))[0], rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (lambda h: h * torch.rsqrt(_ms(h).clamp(min=4.0)), "floors a mean of squares"),
+        (lambda h: h * torch.rsqrt(h.pow(2).mean([], keepdim=True)), "batch axis"),
+    ],
+)
+def test_a_large_floor_and_a_mean_over_every_axis_are_refused(body: object, says: str) -> None:
+    assert says in _refusal(body)
 
 
 def test_rms_norm_of_the_same_values_matches_torch_closely() -> None:

@@ -183,7 +183,7 @@ int32_t mexc_concat(uint32_t t, const int8_t *const *x, const int32_t *e, const 
 int32_t mexc_mul_forward(const int8_t *x, int32_t ex, const int8_t *g, int32_t eg, uint32_t o,
                          uint32_t m, uint32_t inner, int8_t *out, const mexc_ctx_t *ctx,
                          uint32_t tid);
-/* a / b of n elements each (the mantissas' quotient to 2^-MEXC_DIV_BITS, 0 where b's is 0),
+/* a / b of n elements each (the mantissas' quotient to 2^-MEXC_DIV_BITS; b's 0 as half a unit),
    compacted (site 0). Returns the result's exponent. */
 #define MEXC_DIV_BITS 15 /* kernels.elementwise.DIV_BITS: the bit-exact tests hold them equal */
 int32_t mexc_div_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,

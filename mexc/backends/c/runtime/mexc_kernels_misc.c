@@ -277,8 +277,9 @@ int32_t mexc_mul_forward(const int8_t *x, int32_t ex, const int8_t *g, int32_t e
     return e_out;
 }
 
-/* a / b of n elements each: acc = idiv_round(sign(m_a m_b) |m_a| 2^15, |m_b|), 0 where
-   m_b = 0, at e_a - e_b - 15, compacted into out (site 0); returns its exponent. */
+/* a / b of n elements each: acc = idiv_round(sign(m_a m_b) |m_a| 2^15, |m_b|), m_a 2^16
+   where m_b = 0 (b taken as half its unit), at e_a - e_b - 15, compacted into out (site 0);
+   returns its exponent. */
 int32_t mexc_div_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t eb, uint32_t n,
                          int8_t *out, const mexc_ctx_t *ctx, uint32_t tid)
 {
@@ -291,7 +292,7 @@ int32_t mexc_div_forward(const int8_t *a, int32_t ea, const int8_t *b, int32_t e
         for (i = 0; i < n; i++) {
             ma = a[i];
             mb = b[i];
-            q = 0;
+            q = ma * (1 << (MEXC_DIV_BITS + 1));
             if (mb != 0) {
                 q = (ma < 0 ? -ma : ma) * (1 << MEXC_DIV_BITS);
                 q = mexc_idiv_round((ma < 0) != (mb < 0) ? -q : q, (uint32_t)(mb < 0 ? -mb : mb));
