@@ -259,6 +259,17 @@ class _Ctx:
                     "takes it as an attention mask. Apply the layer to an activation instead",
                 )
             )
+        if isinstance(v, ParamView):
+            raise UnsupportedOpError(
+                _describe(
+                    self.node if self.node is not None else a,
+                    f"reads the parameter {v.source.target} (seen through a reshape) as an "
+                    "activation (a function of a parameter, as torch.clamp(self.p.reshape(...))"
+                    ".exp()); mexc trains parameters as layer weights, scales (x * p), "
+                    "embeddings (x + p) and class tokens. Apply the function to an "
+                    "activation, or fold it into the layer",
+                )
+            )
         if not isinstance(v, Value):
             raise UnsupportedOpError(
                 _describe(

@@ -227,17 +227,10 @@ def _sdpa(c: Any, n: Any) -> Value:
     in eval."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    if args.get("enable_gqa"):
-        raise UnsupportedOpError(c.describe(n, "uses grouped-query attention (enable_gqa)"))
     qs, ks, vs = (tuple(c.shape(args[a])) for a in ("query", "key", "value"))
-    if not (len(qs) == len(ks) == len(vs) >= 3 and qs[:-2] == ks[:-2] == vs[:-2]):
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"attends with q {list(qs)}, k {list(ks)}, v {list(vs)}: their "
-                "leading (batch, head) axes differ",
-            )  # fmt: skip
-        )
+    q = c.arg(args["query"])
+    gqa = bool(static_value(args.get("enable_gqa", False)))
+    (k, ks), (v, vs) = (_over_query_heads(c, n, args[a], qs, gqa) for a in ("key", "value"))
     if ks[-1] != qs[-1] or vs[-2] != ks[-2]:
         raise UnsupportedOpError(
             c.describe(
@@ -247,7 +240,6 @@ def _sdpa(c: Any, n: Any) -> Value:
             )  # fmt: skip
         )
     scale = static_value(args.get("scale")) or 1.0 / math.sqrt(qs[-1])
-    q, k, v = (c.arg(args[a]) for a in ("query", "key", "value"))
     dropout = float(args.get("dropout_p") or 0.0)
     scores = (*qs[:-1], ks[-2])
     m = args.get("attn_mask")
@@ -258,6 +250,36 @@ def _sdpa(c: Any, n: Any) -> Value:
     causal = bool(args.get("is_causal")) or is_causal_mask(c, n, m, scores, hides=False)
     mask = None if causal else _additive_mask(c, n, m, scores)
     return _attention(c, n, q, k, v, (qs, ks, vs), float(scale), dropout, mask, causal)
+
+
+def _over_query_heads(
+    c: Any, n: Any, x: Any, qs: tuple[int, ...], gqa: bool
+) -> tuple[Value, tuple[int, ...]]:
+    """SDPA's key or value x with q's leading (batch, head) axes: as it is where they are
+    equal; broadcast where its axes are 1 there (multi-query attention: one key head for
+    every query head, MobileNetV4's hybrid blocks); with enable_gqa, each of its H_k heads
+    repeated for H_q / H_k consecutive query heads, as torch does (a reshape adding an axis,
+    the broadcast, a reshape). The broadcast's gradient sums the copies."""
+    xs, lead = tuple(c.shape(x)), qs[:-2]
+    v = c.arg(x)
+    if len(xs) == len(qs) >= 3 and xs[:-2] == lead:
+        return v, xs
+    wide = (*lead, *xs[-2:])
+    if len(xs) == len(qs) >= 4 and gqa and xs[:-3] == qs[:-3] and qs[-3] % xs[-3] == 0:
+        group = (*xs[:-2], 1, *xs[-2:])
+        rows = (*xs[:-2], qs[-3] // xs[-3], *xs[-2:])
+        spread = broadcast(c, n, reshaped(c, v, group), group, rows)
+        return reshaped(c, spread, wide), wide
+    if len(xs) == len(qs) >= 3 and not gqa and broadcastable(xs, wide):
+        return broadcast(c, n, v, xs, wide), wide
+    raise UnsupportedOpError(
+        c.describe(
+            n,
+            f"attends with q {list(qs)} and k or v {list(xs)}: their leading (batch, head) "
+            "axes differ other than by heads of 1 (multi-query) or, with enable_gqa, by a "
+            "whole number of query heads per key head",
+        )
+    )
 
 
 @dataclass(frozen=True)
