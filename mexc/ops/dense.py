@@ -26,6 +26,7 @@ from mexc.ops.conv3d import conv3d_function, conv3d_module
 from mexc.ops.conv_transpose import conv_transpose_function, conv_transpose_module
 from mexc.ops.dilated import dilated_conv, dilated_size
 from mexc.ops.gather import is_gathered
+from mexc.ops.patches import fold, unfold
 from mexc.ops.recurrent import recurrent_module
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
@@ -445,6 +446,8 @@ define(
             Pattern("function", ("torch.conv3d", "torch.nn.functional.conv3d"), _conv3d_function),
             Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
             Pattern("module", ("torch.nn.Conv1d",), _conv1d_module),
+            Pattern("module", ("torch.nn.Unfold",), unfold),
+            Pattern("function", ("torch.nn.functional.unfold",), unfold),
             Pattern("function", ("torch.nn.functional.conv1d",), _conv1d_function),
         ),
         product=True,
@@ -519,6 +522,8 @@ define(
             Pattern("module", ("torch.nn.ConvTranspose2d",), conv_transpose_module),
             Pattern("module", ("torch.nn.ConvTranspose1d",), conv_transpose_module),
             Pattern("function", ("torch.nn.functional.conv_transpose2d",), conv_transpose_function),
+            Pattern("module", ("torch.nn.Fold",), fold),
+            Pattern("function", ("torch.nn.functional.fold",), fold),
         ),
         reference=_conv_grad_input,
         lower={
