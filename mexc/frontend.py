@@ -693,7 +693,21 @@ class _AugmentedAssignment:
         return self._augmented(operator.itruediv, other)
 
 
-class _Proxy(_AugmentedAssignment, torch.fx.Proxy):
+class _OnTheHost:
+    """A traced tensor's device is the CPU, where mexc runs the float model: a branch on it
+    (EfficientViT's `if v.device.type != 'meta'`) goes the way it goes there, not failing as
+    control flow on a traced value (or, on the meta tensors of the second try, the other way)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+
+class _Proxy(_OnTheHost, _AugmentedAssignment, torch.fx.Proxy):
     """The first try's proxy."""
 
 
@@ -727,7 +741,7 @@ class _Tracer(torch.fx.Tracer):
         return super().call_module(m, traced_forward(m) or forward, args, kwargs)
 
 
-class _SizeProxy(_AugmentedAssignment, MetaProxy):
+class _SizeProxy(_OnTheHost, _AugmentedAssignment, MetaProxy):  # type: ignore[misc]
     """MetaProxy whose size(0) is the first axis's size (torch's tests `if dim`, so size(0)
     returned the whole shape: torchvision's Swin reshapes to x.size(0), ...), and which
     records item assignment."""

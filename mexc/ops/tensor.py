@@ -34,7 +34,14 @@ from mexc.ops.common import (
     transposed_batch_axis,
     with_index_types,
 )
-from mexc.ops.gather import Concatenated, Const, as_gathered, gathered_value, is_gathered
+from mexc.ops.gather import (
+    Concatenated,
+    Const,
+    as_gathered,
+    const_gathered,
+    gathered_value,
+    is_gathered,
+)
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import acc, mx
 
@@ -1106,17 +1113,35 @@ PAD_MODES = ("constant", "reflect", "replicate", "circular")
 
 
 def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any = None) -> Value:
-    """F.pad as torch takes it (last axis first, (before, after) per axis; negative: cropped)."""
-    if mode not in PAD_MODES or (mode == "constant" and value not in (None, 0, 0.0)):
+    """F.pad as torch takes it (last axis first, (before, after) per axis; negative: cropped).
+    A constant other than 0 (EfficientViT's F.pad(v, (0, 1), value=1.0)): zero padding, plus
+    a frontend constant holding the value where the padding is (gathered as an activation)."""
+    value = static_value(value)
+    fill = mode == "constant" and value not in (None, 0, 0.0)
+    sizes = [static_int(p) for p in pads]
+    if mode not in PAD_MODES or (fill and (not _finite_number(value) or min(sizes) < 0)):
         what = f"mode {mode!r}" if mode != "constant" else f"the value {value!r}"
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"pads with {what}; mexc lowers zero padding (mode 'constant', 0) and the "
-                "modes 'reflect', 'replicate' and 'circular'",
+                f"pads with {what}; mexc lowers padding with a finite constant (not cropping "
+                "with it), and the modes 'reflect', 'replicate' and 'circular'",
             )
         )
-    return padded(c, n, c.arg(x), c.shape(x), [static_int(p) for p in pads], str(mode))
+    shape = tuple(c.shape(x))
+    y = padded(c, n, c.arg(x), shape, sizes, str(mode))
+    if not fill:
+        return y
+    out = tuple(c.shape(n))
+    widths = [(0, 0)] * (len(shape) - len(sizes) // 2)
+    widths += [(sizes[2 * i], sizes[2 * i + 1]) for i in reversed(range(len(sizes) // 2))]
+    where = np.pad(np.zeros(shape, np.float32), widths, constant_values=float(value))
+    fills = gathered_value(c, n, const_gathered(n, where), out)
+    return added(c, y, fills, out)
+
+
+def _finite_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def padded(

@@ -22,6 +22,7 @@ from tests.compiler.helpers import (
     cosine,
     float_gradients,
     integer_gradients,
+    small_batch,
     step_values,
 )
 
@@ -131,18 +132,29 @@ def test_gradients_through_the_padding_match_autograd(mode: str) -> None:
     assert cosine(ints["conv.bias"], floats["conv.bias"]) >= 0.95
 
 
-class PadWithOnes(nn.Module):
-    def __init__(self) -> None:
+class PadWith(nn.Module):
+    def __init__(self, pads: tuple[int, ...], value: float) -> None:
         super().__init__()
         self.fc = nn.Linear(4 * 5, 10)
+        self.pads, self.value = pads, value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(F.pad(x, (1, 1), value=1.0), 1))
+        return self.fc(torch.flatten(F.pad(x, self.pads, value=self.value), 1))
 
 
-def test_padding_with_a_value_names_the_supported_modes() -> None:
+def test_padding_with_a_value_adds_it_where_the_padding_is() -> None:
+    torch.manual_seed(0)
+    model = PadWith((1, 1), 1.0)
+    prog = mexc.compile(model, (torch.zeros(8, 4, 3),), rounding="nearest")
+    assert_logits_match_torch(model, prog, small_batch((8, 4, 3))[0], rel=0.02)
+
+
+@pytest.mark.parametrize(("pads", "value"), [((3, -1), 1.0), ((1, 1), float("inf"))])
+def test_a_crop_or_an_infinite_value_with_a_value_is_refused(
+    pads: tuple[int, ...], value: float
+) -> None:
     with pytest.raises(UnsupportedOpError, match="'reflect', 'replicate' and 'circular'"):
-        mexc.compile(PadWithOnes(), (torch.zeros(2, 4, 3),))
+        mexc.compile(PadWith(pads, value), (torch.zeros(2, 4, 3),))
 
 
 def test_a_crop_that_leaves_too_few_rows_to_reflect_is_refused() -> None:
