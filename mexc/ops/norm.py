@@ -335,7 +335,7 @@ def _normalize(c: Any, n: Any) -> Value:
     shape = tuple(c.shape(x))
     dims = _norm_dims(c, n, static_value(args.get("p", 2.0)), args.get("dim", 1), x)
     eps = float(static_value(args.get("eps", 1e-12)))
-    _check_floor(c, n, eps)
+    check_floor(c, n, eps)
     return _unit(c, n, c.arg(x), shape, dims, eps)
 
 
@@ -458,7 +458,7 @@ def _over_its_norm(c: Any, n: Any, a: Any, b: Any) -> Value | None:
     held = c.norm_of.get(c.env.get(b))
     if held is None or held[0] is not c.arg(a) or any(m in c.rebound for m in chain):
         return None  # the norm or its floor changed in place, or x since its norm was taken
-    _check_floor(c, n, eps)
+    check_floor(c, n, eps)
     return _unit(c, n, c.arg(a), tuple(c.shape(a)), call[1], eps)
 
 
@@ -468,14 +468,18 @@ def _over_its_norm(c: Any, n: Any, a: Any, b: Any) -> Value | None:
 MAX_FLOOR = 1e-4
 
 
-def _check_floor(c: Any, n: Any, eps: float) -> None:
+def check_floor(
+    c: Any,
+    n: Any,
+    eps: float,
+    what: str = "floors a 2-norm",
+    how: str = "computes the floor as sqrt(|x|^2 + eps^2), which is torch's max(|x|, eps) or "
+    "|x| + eps",
+) -> None:
+    """Refuse, naming n, a floor eps above MAX_FLOOR that mexc computes another way (`how`)."""
     if eps > MAX_FLOOR:
         raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"floors a 2-norm at {eps}; mexc computes the floor as sqrt(|x|^2 + eps^2), "
-                f"which is torch's max(|x|, eps) or |x| + eps only for eps <= {MAX_FLOOR}",
-            )
+            c.describe(n, f"{what} at {eps}; mexc {how} only for eps <= {MAX_FLOOR}")
         )
 
 

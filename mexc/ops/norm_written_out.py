@@ -30,7 +30,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Value
 from mexc.ops.common import called_name, is_traced_tensor, static_int, static_value
-from mexc.ops.norm import MAX_FLOOR, along, layer_normalized, over_rms
+from mexc.ops.norm import MAX_FLOOR, along, check_floor, layer_normalized, over_rms
 from mexc.ops.tensor import ACTIVATION_DIVISORS, ACTIVATION_FACTORS, multiplied, scaled
 
 ROOT_USES = (
@@ -193,14 +193,9 @@ def _root_of_mean_square(c: Any, n: Any, arg: Any, power: int) -> RootMeanSquare
 
 
 def _check_floor(c: Any, n: Any, eps: float) -> None:
-    if eps > MAX_FLOOR:
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"floors a mean of squares or a root at {eps}; mexc adds the floor instead, "
-                f"which is torch's max within the floor only for floors <= {MAX_FLOOR}",
-            )
-        )
+    check_floor(
+        c, n, eps, "floors a mean of squares or a root", "adds the floor, which is torch's max"
+    )
 
 
 def _added_number(m: Any) -> tuple[Any, float] | None:
