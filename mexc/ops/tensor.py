@@ -1117,15 +1117,18 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
     A constant other than 0 (EfficientViT's F.pad(v, (0, 1), value=1.0)): zero padding, plus
     a frontend constant holding the value where the padding is (gathered as an activation)."""
     value = static_value(value)
-    fill = mode == "constant" and value not in (None, 0, 0.0)
     sizes = [static_int(p) for p in pads]
-    if mode not in PAD_MODES or (fill and (not _finite_number(value) or min(sizes) < 0)):
+    fill = mode == "constant" and value not in (None, 0, 0.0) and any(sizes)
+    if mode not in PAD_MODES or (fill and not _padding_value(value, sizes)):
         what = f"mode {mode!r}" if mode != "constant" else f"the value {value!r}"
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"pads with {what}; mexc lowers padding with a finite constant (not cropping "
-                "with it), and the modes 'reflect', 'replicate' and 'circular'",
+                f"pads with {what}; mexc lowers padding with a constant of at most "
+                f"{MAX_PAD_VALUE:g} in size (not cropping with it: the padded tensor has one "
+                "exponent, which a larger constant would take from the values; for max "
+                "pooling pad with mode 'replicate'), and the modes 'reflect', 'replicate' and "
+                "'circular'",
             )
         )
     shape = tuple(c.shape(x))
@@ -1140,8 +1143,15 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
     return added(c, y, fills, out)
 
 
-def _finite_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+# the largest |value| F.pad may fill with: the padded tensor shares one exponent, and a value
+# far beyond its activations' range would leave them few bits (a -1e4 before max pooling)
+MAX_PAD_VALUE = 8.0
+
+
+def _padding_value(v: Any, sizes: list[int]) -> bool:
+    """v is a constant mexc pads with: a number of at most MAX_PAD_VALUE, no crop."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return number and abs(v) <= MAX_PAD_VALUE and min(sizes, default=0) >= 0
 
 
 def padded(

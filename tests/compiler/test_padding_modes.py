@@ -149,8 +149,10 @@ def test_padding_with_a_value_adds_it_where_the_padding_is() -> None:
     assert_logits_match_torch(model, prog, small_batch((8, 4, 3))[0], rel=0.02)
 
 
-@pytest.mark.parametrize(("pads", "value"), [((3, -1), 1.0), ((1, 1), float("inf"))])
-def test_a_crop_or_an_infinite_value_with_a_value_is_refused(
+@pytest.mark.parametrize(
+    ("pads", "value"), [((3, -1), 1.0), ((1, 1), float("inf")), ((1, 1), -1e4)]
+)
+def test_a_crop_with_a_value_or_an_infinite_or_large_value_is_refused(
     pads: tuple[int, ...], value: float
 ) -> None:
     with pytest.raises(UnsupportedOpError, match="'reflect', 'replicate' and 'circular'"):
