@@ -13,6 +13,7 @@ from torch import nn
 
 import mexc
 from mexc.errors import UnsupportedOpError
+from mexc.ir import Op
 from tests.compiler.helpers import (
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
@@ -114,10 +115,8 @@ class _WideFloor(nn.Module):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (_Ratio, "divides by a tensor"),
         (_NumberOverNorm, "divides the number 1.0 by a tensor"),
         (_AcrossTheBatch, "takes a norm along the batch axis"),
-        (_ChangedAfterItsNorm, "divides by a tensor"),
         (_WideFloor, "floors a 2-norm at 0.5"),
         (_OtherNorm, "with p=1"),
         (_BatchNorm, "along the batch axis"),
@@ -127,3 +126,15 @@ def test_other_divisions_and_norms_are_refused_by_node(make, message: str) -> No
     with pytest.raises(UnsupportedOpError, match=message) as err:
         mexc.compile(make(), (torch.zeros(4, 20),))
     assert "node '" in str(err.value) and "test_vector_norm.py:" in str(err.value)
+
+
+@pytest.mark.parametrize("make", [_Ratio, _ChangedAfterItsNorm])
+def test_a_ratio_and_a_norm_taken_before_a_change_are_quotients(make: type) -> None:
+    """Divisions by another tensor, or by a norm of x taken before x changed in place, are
+    `div`s of the values torch divides (test_division.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Linear(10, 10))
+    prog = mexc.compile(model, (torch.zeros(8, 20),), target="reference", rounding="nearest")
+    assert [n.op for n in prog.graph.nodes].count(Op.DIV) == 1
+    x = np.random.default_rng(0).standard_normal((8, 20)).astype(np.float32) * 0.5
+    assert_logits_match_torch(model, prog, x)
