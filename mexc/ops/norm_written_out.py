@@ -89,6 +89,7 @@ _QUOTIENTS = ("truediv", "div", "true_divide", "__truediv__", "itruediv", "div_"
 _SQUARES = ("square",)
 _MEANS = ("mean",)
 _SUBS = ("sub", "__sub__", "subtract")
+_AUGMENTED = ("iadd", "isub", "imul", "itruediv")  # x += ..., traced as in place
 
 
 def follow(c: Any, n: Any) -> RootMeanSquare | None:
@@ -109,7 +110,7 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
         if power is not None:
             return _root_of_mean_square(c, n, args[0], power)
         return _spread(c, n, name) if name in _SPREADS else None
-    if _root(c, args[0]) is root and (name.endswith("_") or name.startswith("i")):
+    if _root(c, args[0]) is root and (name.endswith("_") or name in _AUGMENTED):
         raise UnsupportedOpError(
             c.describe(n, f"changes a root mean square in place (`{name}`); {ROOT_USES}")
         )
