@@ -1028,8 +1028,8 @@ def _quotient(c: Any, n: Any, a: Any, b: Any) -> Value:
             raise UnsupportedOpError(
                 c.describe(
                     n,
-                    "divides by a tensor that is a parameter or a constant; mexc divides an "
-                    "activation by a number or by another activation",
+                    "divides with a parameter or a constant tensor as an operand; mexc "
+                    "divides an activation by a number or by another activation",
                 )
             )
     out = tuple(c.shape(n))
