@@ -642,7 +642,8 @@ def div_quotient(shape: tuple[int, ...], name: str, native_division: bool) -> ti
         den = tirx.if_then_else(mb < 0, -mb, mb)
         signed = tirx.if_then_else((ma ^ mb) < 0, -num, num)  # the signs differ
         q = idiv_round(signed, tirx.max(den, 1), native_division).astype(I32)
-        return tirx.if_then_else(den == 0, ma << (DIV_BITS + 1), q)
+        # a product, not a shift: a negative left shift is undefined in the CUDA C++ it becomes
+        return tirx.if_then_else(den == 0, ma * (1 << (DIV_BITS + 1)), q)
 
     acc = te.compute(shape, body, name="acc")
     e_acc = te.compute((1,), lambda _: ea[0] - eb[0] - DIV_BITS, name="e_acc")
