@@ -68,6 +68,7 @@ class Op(enum.Enum):
     CONCAT = "concat"
     MUL = "mul"
     DIV = "div"
+    DETACH = "detach"
     EXPAND_PARAM = "expand_param"
     GATHER_PARAM = "gather_param"
     EMBEDDING = "embedding"

@@ -15,6 +15,7 @@ from mexc.kernels._common import activation_qmax
 from mexc.numerics import OFFSET_PARAM_RANGE
 from mexc.ops.common import (
     Grads,
+    called_name,
     elementwise_types,
     pointwise_vjp,
     static_value,
@@ -24,7 +25,17 @@ from mexc.ops.common import (
     unary_module,
 )
 from mexc.ops.registry import OpDef, Pattern, define
-from mexc.ops.tensor import added, divided, number_added, scaled, sliced
+from mexc.ops.tensor import (
+    added,
+    broadcast,
+    broadcastable,
+    detached,
+    divided,
+    multiplied,
+    number_added,
+    scaled,
+    sliced,
+)
 
 _STEPS = {"sigmoid": Op.SIGMOID, "tanh": Op.TANH, "relu": Op.RELU}
 
@@ -58,6 +69,132 @@ def _softsign(c: Any, n: Any, m: Any = None) -> Value:
     shape = tuple(c.shape(x))
     v = c.arg(x)
     return divided(c, n, v, number_added(c, n, absolute(c, v, shape), shape, 1.0))
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _positive(c: Any, n: Any, d: Value, shape: tuple[int, ...]) -> Value:
+    """The mask [d > 0] as 0 and 1: relu(d) / d of d detached (`detach`, `relu`, `div`), exact
+    (m / m is 2^15 / 2^15; 0 / m and 0 / 0 are 0). No gradient flows into d, as in torch."""
+    d = detached(c, d, shape)
+    return divided(c, n, activated(c, d, shape, "relu"), d)
+
+
+def _one_minus(c: Any, n: Any, m: Value, shape: tuple[int, ...]) -> Value:
+    return number_added(c, n, scaled(c, m, shape, -1.0), shape, 1.0)
+
+
+def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...]) -> Value | float:
+    """An activation broadcast to `shape`, or a number."""
+    if not c.is_node(v):
+        value = static_value(v)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UnsupportedOpError(c.describe(n, f"compares with {value!r}"))
+        return float(value)
+    own = tuple(c.shape(v))
+    if own != shape and not broadcastable(own, shape):
+        raise UnsupportedOpError(
+            c.describe(n, f"compares {list(own)} with a tensor of shape {list(shape)}")
+        )
+    return c.arg(v) if own == shape else broadcast(c, n, c.arg(v), own, shape)
+
+
+def _difference(c: Any, n: Any, a: Any, b: Any, shape: tuple[int, ...]) -> Value:
+    """a - b of an activation and an activation or a number (either side)."""
+    va, vb = _operand(c, n, a, shape), _operand(c, n, b, shape)
+    if isinstance(va, float) and isinstance(vb, float):
+        raise UnsupportedOpError(c.describe(n, "compares two numbers"))
+    if isinstance(vb, float):
+        assert not isinstance(va, float)  # two numbers are refused above
+        return number_added(c, n, va, shape, -vb) if vb else va
+    negated = scaled(c, vb, shape, -1.0)
+    if isinstance(va, float):
+        return number_added(c, n, negated, shape, va) if va else negated
+    return added(c, va, negated, shape)
+
+
+_COMPARISONS = {"gt": "gt", "lt": "lt", "ge": "ge", "le": "le", "eq": "eq", "ne": "ne"}
+_COMPARISONS |= {"greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le"}
+_COMPARISONS |= {"__gt__": "gt", "__lt__": "lt", "__ge__": "ge", "__le__": "le"}
+
+
+def _compare(c: Any, n: Any) -> Value:
+    """a > b, a < b, >=, <=, ==, != of activations (or one and a number), as a mask of 0 and 1
+    (an activation: torch.where, a product, .float() read it) built from the mask [d > 0] of
+    the difference (_positive): a > b is [a - b > 0], a >= b is 1 - [b - a > 0], a == b is
+    1 - [d > 0] - [-d > 0]. The difference is rounded, so operands within its last place of
+    each other may compare either way. No gradient flows into a and b, as in torch."""
+    a, b = _operands(n)
+    shape = tuple(c.shape(n))
+    kind = _COMPARISONS[called_name(n)]
+    if kind in ("lt", "le"):
+        a, b, kind = b, a, {"lt": "gt", "le": "ge"}[kind]
+    if kind == "ge":  # 1 - [b > a]
+        return _one_minus(c, n, _positive(c, n, _difference(c, n, b, a, shape), shape), shape)
+    d = _difference(c, n, a, b, shape)
+    if kind == "gt":
+        return _positive(c, n, d, shape)
+    apart = added(
+        c, _positive(c, n, d, shape), _positive(c, n, scaled(c, d, shape, -1.0), shape), shape
+    )
+    return apart if kind == "ne" else _one_minus(c, n, apart, shape)
+
+
+def _where(c: Any, n: Any) -> Value:
+    """torch.where(cond, x, y) with cond a mask of activations (_compare, or its logical ops):
+    m x + (1 - m) y, x and y activations (broadcast) or numbers; products by 0 and 1 are
+    exact, and the two parts meet in one sum (each element has one of them)."""
+    names = ("input", "condition", "other") if n.op == "call_method" else ("condition", "input")
+    args = dict(zip(names + ("other",), n.args)) | dict(n.kwargs)
+    if args.get("input") is None:
+        raise UnsupportedOpError(c.describe(n, "is torch.where(cond) (indices); give x and y"))
+    shape = tuple(c.shape(n))
+    m = _operand(c, n, args["condition"], shape)
+    if isinstance(m, float):
+        raise UnsupportedOpError(c.describe(n, "selects with a constant condition"))
+    parts = []
+    for mask, v in ((m, args["input"]), (_one_minus(c, n, m, shape), args["other"])):
+        value = _operand(c, n, v, shape)
+        if isinstance(value, float):
+            if value:
+                parts.append(scaled(c, mask, shape, value))
+        else:
+            parts.append(multiplied(c, value, mask, shape))
+    if not parts:
+        return scaled(c, m, shape, 0.0)
+    return parts[0] if len(parts) == 1 else added(c, parts[0], parts[1], shape)
+
+
+def _logical(c: Any, n: Any) -> Value:
+    """~m, m1 & m2, m1 | m2 (and logical_not, logical_and, logical_or) of masks: 1 - m,
+    m1 m2, m1 + m2 - m1 m2."""
+    name = called_name(n)
+    shape = tuple(c.shape(n))
+    first = _operand(c, n, n.args[0], shape)
+    if isinstance(first, float):
+        raise UnsupportedOpError(c.describe(n, "takes a logical op of a number"))
+    if name in ("invert", "logical_not", "__invert__", "bitwise_not"):
+        return _one_minus(c, n, first, shape)
+    second = _operand(c, n, n.args[1], shape)
+    if isinstance(second, float):
+        raise UnsupportedOpError(c.describe(n, "takes a logical op of a mask and a number"))
+    both = multiplied(c, first, second, shape)
+    if name in ("and_", "logical_and", "__and__", "bitwise_and"):
+        return both
+    return added(c, added(c, first, second, shape), scaled(c, both, shape, -1.0), shape)
+
+
+def _hardshrink(c: Any, n: Any, m: Any = None) -> Value:
+    """nn.Hardshrink, F.hardshrink: x [|x| > lambd], the mask of |x| - lambd (_positive)."""
+    args = dict(zip(("input", "lambd"), n.args)) | dict(n.kwargs)
+    lambd = m.lambd if m is not None else static_value(args.get("lambd", 0.5))
+    if c.is_node(lambd) or not isinstance(lambd, (int, float)) or lambd < 0:
+        raise UnsupportedOpError(c.describe(n, f"has lambd {lambd!r}; mexc takes lambd >= 0"))
+    x = args["input"]
+    shape, v = tuple(c.shape(x)), c.arg(x)
+    beyond = number_added(c, n, absolute(c, v, shape), shape, -float(lambd))
+    return multiplied(c, v, _positive(c, n, beyond, shape), shape)
 
 
 def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
@@ -487,6 +624,24 @@ define(
             Pattern("function", ("torch.abs",), _abs),
             Pattern("method", ("abs",), _abs),
             Pattern("function", ("torch.nn.functional.softsign",), _softsign),
+            Pattern("module", ("torch.nn.Hardshrink",), _hardshrink),
+            Pattern("function", ("torch.nn.functional.hardshrink",), _hardshrink),
+            Pattern(
+                "function",
+                tuple(f"operator.{k}" for k in ("gt", "lt", "ge", "le", "eq", "ne"))
+                + tuple(f"torch.{k}" for k in _COMPARISONS if not k.startswith("_")),
+                _compare,
+            ),
+            Pattern("method", tuple(_COMPARISONS), _compare),
+            Pattern("function", ("torch.where",), _where),
+            Pattern("method", ("where",), _where),
+            Pattern(
+                "function",
+                ("operator.invert", "operator.and_", "operator.or_")
+                + ("torch.logical_not", "torch.logical_and", "torch.logical_or"),
+                _logical,
+            ),
+            Pattern("method", ("logical_not", "logical_and", "logical_or"), _logical),
             Pattern("module", ("torch.nn.Softsign",), _softsign),
             Pattern("function", ("torch.maximum",), _maximum),
             Pattern("method", ("maximum",), _maximum),

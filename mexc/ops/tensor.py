@@ -1040,6 +1040,16 @@ def _quotient(c: Any, n: Any, a: Any, b: Any) -> Value:
     return divided(c, n, va, vb)
 
 
+def detached(c: Any, v: Value, shape: tuple[int, ...]) -> Value:
+    """v with no gradient back through it (a step of a decomposition: a comparison's mask)."""
+    return c.emit_as(Op.DETACH, [v], shape, shape=shape)
+
+
+def _detach(c: Any, n: Any) -> Value:
+    """x.detach(), torch.detach(x): x, with no gradient back through it (stop-gradient)."""
+    return c.emit(Op.DETACH, [c.arg(n.args[0])], n, shape=tuple(c.shape(n)))
+
+
 def _permute(c: Any, n: Any) -> Value:
     x = n.args[0]
     rank = len(c.shape(x))
@@ -1374,6 +1384,22 @@ define(
         in_place=True,
         view=True,
         doc="a view of the same mantissas",
+        moves_batch=reshaped_batch_axis,
+    ),
+    OpDef(
+        Op.DETACH,
+        {"shape": ()},
+        types=elementwise_types,
+        reference=_reshape,
+        frontend=(
+            Pattern("method", ("detach",), _detach),
+            Pattern("function", ("torch.detach",), _detach),
+        ),
+        lower={"tir": tir_rule("reshape"), "c": "emit:_reshape"},
+        in_place=True,
+        view=True,
+        no_grad=True,
+        doc="x.detach(): a view of the same mantissas through which no gradient flows",
         moves_batch=reshaped_batch_axis,
     ),
     OpDef(
