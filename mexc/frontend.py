@@ -94,6 +94,8 @@ class _Ctx:
     names: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
     rebound: dict[torch.fx.Node, int] = field(default_factory=dict)
     position: dict[torch.fx.Node, int] = field(default_factory=dict)  # each node's, in order
+    # values converters share (ops.activation: a compared pair's difference and its masks)
+    memo: dict[Any, Value] = field(default_factory=dict)
     norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
     tied: dict[int, str] = field(default_factory=dict)  # id of an nn.Parameter -> its name
     ids: Value | None = None  # the integer input (token ids), which only embeddings read

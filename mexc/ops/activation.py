@@ -26,11 +26,14 @@ from mexc.ops.common import (
 )
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import (
+    MAX_FILL,
     added,
     broadcast,
     broadcastable,
     detached,
     divided,
+    is_boolean,
+    is_fill,
     multiplied,
     number_added,
     scaled,
@@ -74,23 +77,42 @@ def _softsign(c: Any, n: Any, m: Any = None) -> Value:
 # ----------------------------------------------------------------------------- masks
 
 
-def _positive(c: Any, n: Any, d: Value, shape: tuple[int, ...]) -> Value:
-    """The mask [d > 0] as 0 and 1: relu(d) / d of d detached (`detach`, `relu`, `div`), exact
-    (m / m is 2^15 / 2^15; 0 / m and 0 / 0 are 0). No gradient flows into d, as in torch."""
-    d = detached(c, d, shape)
-    return divided(c, n, activated(c, d, shape, "relu"), d)
+def _positive(c: Any, n: Any, d: Value, shape: tuple[int, ...], sign: float) -> Value:
+    """The mask [sign d > 0] as 0 and 1: relu(e) / e of e = sign d detached (`detach`, `relu`,
+    `div`), exact (m / m is 2^15 / 2^15; 0 / m and 0 / 0 are 0). No gradient flows into d, as
+    in torch. One per (d, sign): the masks of a pair are made once, so `>` and `<=` of it are
+    exactly complementary."""
+    key = ("mask", d, sign)
+    if key not in c.memo:
+        e = detached(c, d if sign > 0 else scaled(c, d, shape, -1.0), shape)
+        c.memo[key] = divided(c, n, activated(c, e, shape, "relu"), e)
+    return c.memo[key]
 
 
 def _one_minus(c: Any, n: Any, m: Value, shape: tuple[int, ...]) -> Value:
     return number_added(c, n, scaled(c, m, shape, -1.0), shape, 1.0)
 
 
-def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...]) -> Value | float:
-    """An activation broadcast to `shape`, or a number."""
+def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...], fill: bool = False) -> Value | float:
+    """An activation broadcast to `shape`, or a finite number (a `fill`, which becomes part of
+    the result, at most MAX_FILL in size: is_fill; a compared one may be larger, as only its
+    difference's sign is read)."""
     if not c.is_node(v):
         value = static_value(v)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UnsupportedOpError(c.describe(n, f"compares with {value!r}"))
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (is_fill(value) if fill else finite and math.isfinite(value)):
+            raise UnsupportedOpError(
+                c.describe(
+                    n,
+                    f"reads the number {value!r} beside activations; mexc takes finite numbers"
+                    + (
+                        f" of at most {MAX_FILL:g} in size here (a larger one would take the "
+                        "result's one exponent from the activations)"
+                        if fill
+                        else ""
+                    ),
+                )
+            )
         return float(value)
     own = tuple(c.shape(v))
     if own != shape and not broadcastable(own, shape):
@@ -100,18 +122,27 @@ def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...]) -> Value | float:
     return c.arg(v) if own == shape else broadcast(c, n, c.arg(v), own, shape)
 
 
-def _difference(c: Any, n: Any, a: Any, b: Any, shape: tuple[int, ...]) -> Value:
-    """a - b of an activation and an activation or a number (either side)."""
+def _difference(c: Any, n: Any, a: Any, b: Any, shape: tuple[int, ...]) -> tuple[Value, float]:
+    """(d, sign) with sign d = a - b, of an activation and an activation or a number (either
+    side): d is made once per pair, whichever way round it is compared."""
     va, vb = _operand(c, n, a, shape), _operand(c, n, b, shape)
     if isinstance(va, float) and isinstance(vb, float):
         raise UnsupportedOpError(c.describe(n, "compares two numbers"))
+    for key, sign in (((va, vb, shape), 1.0), ((vb, va, shape), -1.0)):
+        if ("difference", *key) in c.memo:
+            return c.memo[("difference", *key)], sign
     if isinstance(vb, float):
         assert not isinstance(va, float)  # two numbers are refused above
-        return number_added(c, n, va, shape, -vb) if vb else va
-    negated = scaled(c, vb, shape, -1.0)
-    if isinstance(va, float):
-        return number_added(c, n, negated, shape, va) if va else negated
-    return added(c, va, negated, shape)
+        d = number_added(c, n, va, shape, -vb) if vb else va
+    else:
+        negated = scaled(c, vb, shape, -1.0)
+        d = (
+            number_added(c, n, negated, shape, va)
+            if isinstance(va, float)
+            else added(c, va, negated, shape)
+        )
+    c.memo[("difference", va, vb, shape)] = d
+    return d, 1.0
 
 
 _COMPARISONS = {"gt": "gt", "lt": "lt", "ge": "ge", "le": "le", "eq": "eq", "ne": "ne"}
@@ -121,41 +152,38 @@ _COMPARISONS |= {"__gt__": "gt", "__lt__": "lt", "__ge__": "ge", "__le__": "le"}
 
 def _compare(c: Any, n: Any) -> Value:
     """a > b, a < b, >=, <=, ==, != of activations (or one and a number), as a mask of 0 and 1
-    (an activation: torch.where, a product, .float() read it) built from the mask [d > 0] of
-    the difference (_positive): a > b is [a - b > 0], a >= b is 1 - [b - a > 0], a == b is
-    1 - [d > 0] - [-d > 0]. The difference is rounded, so operands within its last place of
-    each other may compare either way. No gradient flows into a and b, as in torch."""
+    (an activation: torch.where, a product, .float() read it) from the masks [d > 0] and
+    [-d > 0] of the difference d = a - b (_positive): a > b is [d > 0], a <= b is 1 - [d > 0],
+    a == b is 1 - [d > 0] - [-d > 0]. The difference is rounded, so operands within its last
+    place of each other may compare either way. No gradient flows into a and b, as in torch."""
     a, b = _operands(n)
     shape = tuple(c.shape(n))
     kind = _COMPARISONS[called_name(n)]
-    if kind in ("lt", "le"):
-        a, b, kind = b, a, {"lt": "gt", "le": "ge"}[kind]
-    if kind == "ge":  # 1 - [b > a]
-        return _one_minus(c, n, _positive(c, n, _difference(c, n, b, a, shape), shape), shape)
-    d = _difference(c, n, a, b, shape)
-    if kind == "gt":
-        return _positive(c, n, d, shape)
-    apart = added(
-        c, _positive(c, n, d, shape), _positive(c, n, scaled(c, d, shape, -1.0), shape), shape
-    )
+    d, sign = _difference(c, n, a, b, shape)
+    above, below = _positive(c, n, d, shape, sign), _positive(c, n, d, shape, -sign)
+    if kind in ("gt", "lt"):
+        return above if kind == "gt" else below
+    if kind in ("le", "ge"):
+        return _one_minus(c, n, above if kind == "le" else below, shape)
+    apart = added(c, above, below, shape)
     return apart if kind == "ne" else _one_minus(c, n, apart, shape)
 
 
 def _where(c: Any, n: Any) -> Value:
     """torch.where(cond, x, y) with cond a mask of activations (_compare, or its logical ops):
-    m x + (1 - m) y, x and y activations (broadcast) or numbers; products by 0 and 1 are
-    exact, and the two parts meet in one sum (each element has one of them)."""
+    m x + (1 - m) y, x and y activations (broadcast) or numbers (fills); products by 0 and 1
+    are exact, and the two parts meet in one sum (each element has one of them)."""
     names = ("input", "condition", "other") if n.op == "call_method" else ("condition", "input")
     args = dict(zip(names + ("other",), n.args)) | dict(n.kwargs)
     if args.get("input") is None:
         raise UnsupportedOpError(c.describe(n, "is torch.where(cond) (indices); give x and y"))
     shape = tuple(c.shape(n))
+    _check_mask(c, n, args["condition"])
     m = _operand(c, n, args["condition"], shape)
-    if isinstance(m, float):
-        raise UnsupportedOpError(c.describe(n, "selects with a constant condition"))
+    assert not isinstance(m, float)  # a boolean tensor
     parts = []
     for mask, v in ((m, args["input"]), (_one_minus(c, n, m, shape), args["other"])):
-        value = _operand(c, n, v, shape)
+        value = _operand(c, n, v, shape, fill=True)
         if isinstance(value, float):
             if value:
                 parts.append(scaled(c, mask, shape, value))
@@ -166,23 +194,38 @@ def _where(c: Any, n: Any) -> Value:
     return parts[0] if len(parts) == 1 else added(c, parts[0], parts[1], shape)
 
 
+def _check_mask(c: Any, n: Any, v: Any) -> None:
+    """v is a boolean tensor (a comparison's mask): torch reads any other as nonzero-is-true,
+    which 0/1 arithmetic on it would not compute."""
+    if not (c.is_node(v) and is_boolean(v)):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "takes a logical op or a condition of a tensor that is not boolean; compare "
+                "it first (x != 0)",
+            )
+        )
+
+
 def _logical(c: Any, n: Any) -> Value:
-    """~m, m1 & m2, m1 | m2 (and logical_not, logical_and, logical_or) of masks: 1 - m,
-    m1 m2, m1 + m2 - m1 m2."""
+    """~m, m1 & m2, m1 | m2 (and logical_not, logical_and, logical_or) of boolean masks:
+    1 - m, m1 m2, m1 + m2 - m1 m2."""
     name = called_name(n)
     shape = tuple(c.shape(n))
-    first = _operand(c, n, n.args[0], shape)
-    if isinstance(first, float):
-        raise UnsupportedOpError(c.describe(n, "takes a logical op of a number"))
+    args = dict(zip(("input", "other"), n.args)) | dict(n.kwargs)
+    first = args["input"]
+    _check_mask(c, n, first)
+    one = _operand(c, n, first, shape)
+    assert not isinstance(one, float)
     if name in ("invert", "logical_not", "__invert__", "bitwise_not"):
-        return _one_minus(c, n, first, shape)
-    second = _operand(c, n, n.args[1], shape)
-    if isinstance(second, float):
-        raise UnsupportedOpError(c.describe(n, "takes a logical op of a mask and a number"))
-    both = multiplied(c, first, second, shape)
+        return _one_minus(c, n, one, shape)
+    _check_mask(c, n, args.get("other"))
+    two = _operand(c, n, args["other"], shape)
+    assert not isinstance(two, float)
+    both = multiplied(c, one, two, shape)
     if name in ("and_", "logical_and", "__and__", "bitwise_and"):
         return both
-    return added(c, added(c, first, second, shape), scaled(c, both, shape, -1.0), shape)
+    return added(c, added(c, one, two, shape), scaled(c, both, shape, -1.0), shape)
 
 
 def _hardshrink(c: Any, n: Any, m: Any = None) -> Value:
@@ -194,7 +237,7 @@ def _hardshrink(c: Any, n: Any, m: Any = None) -> Value:
     x = args["input"]
     shape, v = tuple(c.shape(x)), c.arg(x)
     beyond = number_added(c, n, absolute(c, v, shape), shape, -float(lambd))
-    return multiplied(c, v, _positive(c, n, beyond, shape), shape)
+    return multiplied(c, v, _positive(c, n, beyond, shape, 1.0), shape)
 
 
 def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:

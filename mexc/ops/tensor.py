@@ -284,6 +284,10 @@ def _add_any(c: Any, n: Any) -> Value:
     a, b = n.args[0], n.args[1]
     if n.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError(c.describe(n, "uses alpha != 1"))
+    if is_boolean(n):
+        raise UnsupportedOpError(
+            c.describe(n, "adds two masks (torch's logical or of booleans); write m1 | m2")
+        )
     param = functools.partial(_param_like, c)
     if is_gathered(c, a) or is_gathered(c, b) or (param(a) and param(b)):
         return _with_gathered(c, n, Op.ADD)
@@ -1047,7 +1051,8 @@ def detached(c: Any, v: Value, shape: tuple[int, ...]) -> Value:
 
 def _detach(c: Any, n: Any) -> Value:
     """x.detach(), torch.detach(x): x, with no gradient back through it (stop-gradient)."""
-    return c.emit(Op.DETACH, [c.arg(n.args[0])], n, shape=tuple(c.shape(n)))
+    x = n.args[0] if n.args else n.kwargs["input"]
+    return c.emit(Op.DETACH, [c.arg(x)], n, shape=tuple(c.shape(n)))
 
 
 def _permute(c: Any, n: Any) -> Value:
@@ -1135,7 +1140,7 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
             c.describe(
                 n,
                 f"pads with {what}; mexc lowers padding with a constant of at most "
-                f"{MAX_PAD_VALUE:g} in size (not cropping with it: the padded tensor has one "
+                f"{MAX_FILL:g} in size (not cropping with it: the padded tensor has one "
                 "exponent, which a larger constant would take from the values; for max "
                 "pooling pad with mode 'replicate'), and the modes 'reflect', 'replicate' and "
                 "'circular'",
@@ -1153,15 +1158,26 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
     return added(c, y, fills, out)
 
 
-# the largest |value| F.pad may fill with: the padded tensor shares one exponent, and a value
-# far beyond its activations' range would leave them few bits (a -1e4 before max pooling)
-MAX_PAD_VALUE = 8.0
+# the largest |value| a constant may fill part of an activation with (F.pad, torch.where):
+# the tensor shares one exponent, and a value far beyond its activations' range would leave
+# them few bits (a -1e4 before max pooling or a softmax)
+MAX_FILL = 8.0
+
+
+def is_fill(v: Any) -> bool:
+    """v is a number mexc fills part of an activation with: finite, at most MAX_FILL."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return number and abs(v) <= MAX_FILL
+
+
+def is_boolean(n: Any) -> bool:
+    """Shape propagation recorded n's result as a boolean tensor."""
+    return str(getattr(n.meta.get("tensor_meta"), "dtype", "")) == "torch.bool"
 
 
 def _padding_value(v: Any, sizes: list[int]) -> bool:
-    """v is a constant mexc pads with: a number of at most MAX_PAD_VALUE, no crop."""
-    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return number and abs(v) <= MAX_PAD_VALUE and min(sizes, default=0) >= 0
+    """v is a constant mexc pads with: a fill (is_fill), no crop."""
+    return is_fill(v) and min(sizes, default=0) >= 0
 
 
 def padded(

@@ -143,3 +143,43 @@ def test_where_without_values_is_refused_by_node() -> None:
     with pytest.raises(UnsupportedOpError) as err:
         mexc.compile(_IndexWhere(), (torch.zeros(4, 16),), target="reference")
     assert "test_masks_and_where.py" in str(err.value)
+
+
+class _Probe(nn.Module):
+    def __init__(self, body: object) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.gate = nn.Linear(16, 16)
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.fc(x), self.gate(x))  # type: ignore[operator]
+
+
+def test_a_pairs_complementary_masks_are_exactly_complementary() -> None:
+    """`>` and `<=` (and `==`, `!=`) of one pair read one rounded difference, so they never
+    both hold, also with stochastic rounding."""
+
+    def body(h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (h > g).float() + (g >= h).float() + (h == g).float() + (g != h).float()
+
+    torch.manual_seed(0)
+    prog = mexc.compile(_Probe(body), (torch.zeros(64, 16),), target="reference")
+    np.testing.assert_array_equal(prog.logits(small_batch((64, 16))[0]), 2.0)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (lambda h, g: torch.where(h > 0, h, -1e4), "at most 8 in size"),
+        (lambda h, g: torch.logical_not(h), "not boolean"),
+        (lambda h, g: (h > 0) + (g > 0), "adds two masks"),
+        (lambda h, g: h > float("inf"), "finite numbers"),
+    ],
+)
+def test_fills_beyond_8_logical_ops_of_floats_and_sums_of_masks_are_refused(
+    body: object, says: str
+) -> None:
+    with pytest.raises(UnsupportedOpError, match=says) as err:
+        mexc.compile(_Probe(body), (torch.zeros(4, 16),), target="reference")
+    assert "test_masks_and_where.py" in str(err.value)
