@@ -147,7 +147,7 @@ class _Pad(nn.Module):
 @pytest.mark.parametrize(
     ("layer", "message"),
     [
-        (nn.ConstantPad2d(1, 0.5), "pads with the value 0.5"),
+        (nn.ConstantPad2d(1, 20.0), "pads with the value 20.0"),
         (_Pad((0, 0, 0, 0, 1, 1, 0, 0)), "the batch axis stays"),
     ],
 )

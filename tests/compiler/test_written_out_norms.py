@@ -266,4 +266,4 @@ def test_a_division_by_a_one_element_constant_is_a_scale() -> None:
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             return h / self.t
 
-    assert "divides by a tensor" in _refusal(Temperature())
+    assert "parameter or a constant tensor as an operand" in _refusal(Temperature())
