@@ -17,6 +17,7 @@ from mexc.ops.common import (
     Grads,
     called_name,
     elementwise_types,
+    finite_number,
     pointwise_vjp,
     static_value,
     tid,
@@ -38,6 +39,7 @@ from mexc.ops.tensor import (
     number_added,
     scaled,
     sliced,
+    subtracted,
 )
 
 _STEPS = {"sigmoid": Op.SIGMOID, "tanh": Op.TANH, "relu": Op.RELU}
@@ -90,7 +92,7 @@ def _positive(c: Any, n: Any, d: Value, shape: tuple[int, ...], sign: float) -> 
 
 
 def _one_minus(c: Any, n: Any, m: Value, shape: tuple[int, ...]) -> Value:
-    return number_added(c, n, scaled(c, m, shape, -1.0), shape, 1.0)
+    return subtracted(c, n, 1.0, m, shape)
 
 
 def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...], fill: bool = False) -> Value | float:
@@ -99,8 +101,7 @@ def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...], fill: bool = False)
     difference's sign is read)."""
     if not c.is_node(v):
         value = static_value(v)
-        finite = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (is_fill(value) if fill else finite and math.isfinite(value)):
+        if not (is_fill(value) if fill else finite_number(value)):
             raise UnsupportedOpError(
                 c.describe(
                     n,
@@ -119,7 +120,7 @@ def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...], fill: bool = False)
         raise UnsupportedOpError(
             c.describe(n, f"compares {list(own)} with a tensor of shape {list(shape)}")
         )
-    return c.arg(v) if own == shape else broadcast(c, n, c.arg(v), own, shape)
+    return broadcast(c, n, c.arg(v), own, shape)
 
 
 def _difference(c: Any, n: Any, a: Any, b: Any, shape: tuple[int, ...]) -> tuple[Value, float]:
@@ -131,16 +132,7 @@ def _difference(c: Any, n: Any, a: Any, b: Any, shape: tuple[int, ...]) -> tuple
     for key, sign in (((va, vb, shape), 1.0), ((vb, va, shape), -1.0)):
         if ("difference", *key) in c.memo:
             return c.memo[("difference", *key)], sign
-    if isinstance(vb, float):
-        assert not isinstance(va, float)  # two numbers are refused above
-        d = number_added(c, n, va, shape, -vb) if vb else va
-    else:
-        negated = scaled(c, vb, shape, -1.0)
-        d = (
-            number_added(c, n, negated, shape, va)
-            if isinstance(va, float)
-            else added(c, va, negated, shape)
-        )
+    d = subtracted(c, n, va, vb, shape)
     c.memo[("difference", va, vb, shape)] = d
     return d, 1.0
 
@@ -225,18 +217,14 @@ def _logical(c: Any, n: Any) -> Value:
     both = multiplied(c, one, two, shape)
     if name in ("and_", "logical_and", "__and__", "bitwise_and"):
         return both
-    return added(c, added(c, one, two, shape), scaled(c, both, shape, -1.0), shape)
+    return subtracted(c, n, added(c, one, two, shape), both, shape)
 
 
 def _hardshrink(c: Any, n: Any, m: Any = None) -> Value:
     """nn.Hardshrink, F.hardshrink: x [|x| > lambd], the mask of |x| - lambd (_positive)."""
-    args = dict(zip(("input", "lambd"), n.args)) | dict(n.kwargs)
-    lambd = m.lambd if m is not None else static_value(args.get("lambd", 0.5))
-    if c.is_node(lambd) or not isinstance(lambd, (int, float)) or lambd < 0:
-        raise UnsupportedOpError(c.describe(n, f"has lambd {lambd!r}; mexc takes lambd >= 0"))
-    x = args["input"]
+    x, lambd = _shrink_args(c, n, m)
     shape, v = tuple(c.shape(x)), c.arg(x)
-    beyond = number_added(c, n, absolute(c, v, shape), shape, -float(lambd))
+    beyond = number_added(c, n, absolute(c, v, shape), shape, -lambd)
     return multiplied(c, v, _positive(c, n, beyond, shape, 1.0), shape)
 
 
@@ -257,10 +245,10 @@ def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
             )
         )
     va, vb = c.arg(a), c.arg(b)
-    gap = c.emit_as(Op.RELU, [added(c, va, scaled(c, vb, shape, -1.0), shape)], shape)
+    gap = c.emit_as(Op.RELU, [subtracted(c, n, va, vb, shape)], shape)
     if largest:
         return added(c, vb, gap, shape)
-    return added(c, va, scaled(c, gap, shape, -1.0), shape)
+    return subtracted(c, n, va, gap, shape)
 
 
 def _operands(n: Any) -> tuple[Any, Any]:
@@ -594,17 +582,21 @@ def _log_sigmoid(c: Any, n: Any, m: Any = None) -> Value:
 def _softshrink(c: Any, n: Any, m: Any = None) -> Value:
     """nn.Softshrink, F.softshrink: x - clamp(x, -lambd, lambd), exact at x's exponent (the
     clamp's bounds are on its grid)."""
+    x, bound = _shrink_args(c, n, m)
+    shape, xv = tuple(c.shape(x)), c.arg(x)
+    inner = c.emit_as(Op.CLAMP, [xv], shape, lo=-bound, hi=bound, has_lo=True, has_hi=True)
+    return subtracted(c, n, xv, inner, shape)
+
+
+def _shrink_args(c: Any, n: Any, m: Any) -> tuple[Any, float]:
+    """The input and lambd of nn.Softshrink / nn.Hardshrink (m) or their functions."""
     args = dict(zip(("input", "lambd"), n.args)) | dict(n.kwargs)
     lambd = m.lambd if m is not None else static_value(args.get("lambd", 0.5))
-    if c.is_node(lambd) or not isinstance(lambd, (int, float)) or lambd < 0:
+    if not finite_number(lambd) or lambd < 0:
         raise UnsupportedOpError(
             c.describe(n, f"has lambd {lambd!r}; mexc takes a constant lambd >= 0")
         )
-    x = args["input"]
-    shape, xv = tuple(c.shape(x)), c.arg(x)
-    bound = float(lambd)
-    inner = c.emit_as(Op.CLAMP, [xv], shape, lo=-bound, hi=bound, has_lo=True, has_hi=True)
-    return added(c, xv, scaled(c, inner, shape, -1.0), shape)
+    return args["input"], float(lambd)
 
 
 def _softplus_module(c: Any, n: Any, m: Any) -> Value:

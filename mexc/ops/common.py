@@ -10,6 +10,7 @@ passes, the executor nor torch:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,11 @@ def static_value(v: Any) -> Any:
     if isinstance(meta, dict) and STATIC_VALUE in meta:
         return meta[STATIC_VALUE]
     return v
+
+
+def finite_number(v: Any) -> bool:
+    """v is a finite int or float (not a bool, a tensor or a traced node)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def static_int(v: Any) -> int:

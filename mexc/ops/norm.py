@@ -16,6 +16,8 @@ from mexc.ops.common import (
     Grads,
     before_last,
     called_name,
+    finite_number,
+    is_traced_tensor,
     mx_like,
     static_int,
     static_value,
@@ -447,11 +449,11 @@ def _over_its_norm(c: Any, n: Any, a: Any, b: Any) -> Value | None:
     also floored: .clamp(min=eps), .clamp_min(eps), + eps): F.normalize's _unit; None for
     another divisor."""
     eps, chain = 0.0, [b]
-    floor = _floor_of(b) if c.is_node(b) else None
+    floor = floor_of(b) if c.is_node(b) else None
     while floor is not None:
         b, eps = floor[0], max(eps, floor[1])
         chain.append(b)
-        floor = _floor_of(b) if c.is_node(b) else None
+        floor = floor_of(b) if c.is_node(b) else None
     call = _norm_call(c, b)
     if call is None or call[0] is not a:
         return None
@@ -483,17 +485,24 @@ def check_floor(
         )
 
 
-def _floor_of(b: Any) -> tuple[Any, float] | None:
-    """(y, eps) where b is y.clamp(min=eps), y.clamp_min(eps), torch.clamp(y, min=eps) or
-    y + eps for a number eps >= 0; else None."""
+FLOORS = ("clamp", "clamp_min", "clip")
+ADDS = ("add", "iadd", "__add__", "__radd__")
+
+
+def floor_of(b: Any) -> tuple[Any, float] | None:
+    """(y, eps) where b is y.clamp(min=eps), y.clamp_min(eps), torch.clamp(y, min=eps),
+    y + eps or eps + y for a finite number eps >= 0; else None (a norm's floor here, the eps
+    of a written-out norm's mean square in norm_written_out)."""
     name = called_name(b)
     args = list(b.args)
-    if name in ("clamp", "clamp_min", "clip") and args:
-        low = b.kwargs.get("min", args[1] if len(args) > 1 else None)
-        if "max" not in b.kwargs and len(args) <= 2 and isinstance(low, (int, float)):
+    if name in FLOORS and args:
+        low = static_value(b.kwargs.get("min", args[1] if len(args) > 1 else None))
+        if "max" not in b.kwargs and len(args) <= 2 and finite_number(low):
             return (args[0], float(low)) if low >= 0 else None
-    if name in ("add", "iadd") and len(args) == 2 and isinstance(args[1], (int, float)):
-        return (args[0], float(args[1])) if args[1] >= 0 else None
+    if name in ADDS and len(args) == 2:
+        for y, e in ((args[0], static_value(args[1])), (args[1], static_value(args[0]))):
+            if finite_number(e) and e >= 0 and is_traced_tensor(y):
+                return y, float(e)
     return None
 
 

@@ -29,8 +29,17 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Value
-from mexc.ops.common import called_name, is_traced_tensor, static_int, static_value
-from mexc.ops.norm import MAX_FLOOR, along, check_floor, layer_normalized, over_rms
+from mexc.ops.common import called_name, finite_number, static_int, static_value
+from mexc.ops.norm import (
+    ADDS,
+    FLOORS,
+    MAX_FLOOR,
+    along,
+    check_floor,
+    floor_of,
+    layer_normalized,
+    over_rms,
+)
 from mexc.ops.tensor import ACTIVATION_DIVISORS, ACTIVATION_FACTORS, multiplied, scaled
 
 ROOT_USES = (
@@ -81,8 +90,6 @@ class Walk:
 _ROOTS = {"sqrt": 1, "rsqrt": -1}
 _POWERS = ("pow", "__pow__", "float_power")
 _SPREADS = {"var": 2, "std": 1}
-_ADDS = ("add", "__add__", "__radd__")
-_FLOORS = ("clamp", "clamp_min", "clip")
 _CASTS = ("to", "float", "type_as", "contiguous")
 _PRODUCTS = ("mul", "__mul__", "__rmul__", "imul", "mul_")
 _QUOTIENTS = ("truediv", "div", "true_divide", "__truediv__", "itruediv", "div_")
@@ -125,11 +132,11 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
         return dataclasses.replace(root, power=power)
     other = next((a for a in args if _root(c, a) is not root), None)
     number = static_value(other)
-    if name in _ADDS and len(args) == 2 and _is_eps(number) and root.power in (1, 2):
+    if name in ADDS and len(args) == 2 and _is_eps(number) and root.power in (1, 2):
         field = "eps_out" if root.power == 1 else "eps_in"
         return dataclasses.replace(root, **{field: getattr(root, field) + float(number)})
     low = n.kwargs.get("min", args[1] if len(args) > 1 else None)
-    if name in _FLOORS and "max" not in n.kwargs and len(args) <= 2 and _is_eps(low):
+    if name in FLOORS and "max" not in n.kwargs and len(args) <= 2 and _is_eps(low):
         field = "eps_out" if root.power == 1 else "eps_in"
         if root.power in (1, 2):
             _check_floor(c, n, float(low))
@@ -146,7 +153,7 @@ def _held(c: Any, a: Any) -> Any:
 
 
 def _is_eps(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+    return finite_number(v) and v >= 0
 
 
 def _is_float(n: Any) -> bool:
@@ -169,11 +176,11 @@ def _root_of_mean_square(c: Any, n: Any, arg: Any, power: int) -> RootMeanSquare
     """The root (power 1) or reciprocal root (-1) of mean(v^2, dims, keepdim=True) + eps."""
     walk = Walk({n})
     m, eps = arg, 0.0
-    while called_name(m) in (*_ADDS, *_FLOORS):
-        floor = _added_number(m)
+    while called_name(m) in (*ADDS, *FLOORS):
+        floor = floor_of(m)
         if floor is None:
             break
-        added = called_name(m) in _ADDS
+        added = called_name(m) in ADDS
         walk.computed.add(m)
         m, e = floor
         if not added:
@@ -197,20 +204,6 @@ def _check_floor(c: Any, n: Any, eps: float) -> None:
     check_floor(
         c, n, eps, "floors a mean of squares or a root", "adds the floor, which is torch's max"
     )
-
-
-def _added_number(m: Any) -> tuple[Any, float] | None:
-    """(y, eps) where m is y + eps, eps + y, or y floored at eps (clamp(min=eps))."""
-    name, args = called_name(m), list(m.args)
-    if name in _ADDS and len(args) == 2:
-        for y, e in ((args[0], args[1]), (args[1], args[0])):
-            e = static_value(e)
-            if _is_eps(e) and is_traced_tensor(y):
-                return y, float(e)
-    low = m.kwargs.get("min", args[1] if len(args) > 1 else None)
-    if name in _FLOORS and "max" not in m.kwargs and len(args) <= 2 and _is_eps(low):
-        return args[0], float(low)
-    return None
 
 
 def _mean_call(c: Any, m: Any, walk: Walk) -> tuple[Any, Any] | None:

@@ -19,6 +19,7 @@ from mexc.ops.common import (
     Grads,
     ParamView,
     elementwise_types,
+    finite_number,
     keeps_batch_dim,
     no_saved,
     off_dim,
@@ -702,6 +703,20 @@ def added(c: Any, a: Value, b: Value, shape: tuple[int, ...]) -> Value:
     return c.emit_as(Op.ADD, [a, b], shape)
 
 
+def subtracted(c: Any, n: Any, a: Value | float, b: Value | float, shape: tuple[int, ...]) -> Value:
+    """a - b of values of `shape`, or of one and a number (a step of a decomposition): a + (-1)
+    b, a number added as a constant (number_added; 0 adds nothing)."""
+    if not isinstance(b, Value):
+        assert isinstance(a, Value)
+        return number_added(c, n, a, shape, -b)
+    negated = scaled(c, b, shape, -1.0)
+    return (
+        number_added(c, n, negated, shape, a)
+        if not isinstance(a, Value)
+        else added(c, a, negated, shape)
+    )
+
+
 def concatenated(c: Any, parts: list[Value], shape: tuple[int, ...], dim: int) -> Value:
     """parts concatenated along `dim` into `shape` (a step of a decomposition)."""
     return c.emit_as(Op.CONCAT, parts, shape, dim=dim)
@@ -828,7 +843,7 @@ def number_added(c: Any, n: Any, v: Value, shape: tuple[int, ...], k: Any) -> Va
     compiler never trains: the number is held as an int8 mantissa at its own exponent, so a
     dyadic one (0.5, 1, 3) is exact and another is rounded to 7 significant bits (0.1 as
     0.0996)."""
-    if isinstance(k, bool) or not isinstance(k, (int, float)) or not math.isfinite(k):
+    if not finite_number(k):
         raise UnsupportedOpError(c.describe(n, f"adds {k!r}; mexc adds finite numbers"))
     if tuple(c.shape(n)) != shape:
         raise UnsupportedOpError(c.describe(n, "adds a number that broadcasts the tensor wider"))
@@ -1037,10 +1052,7 @@ def _quotient(c: Any, n: Any, a: Any, b: Any) -> Value:
                 )
             )
     out = tuple(c.shape(n))
-    va, vb = (
-        c.arg(v) if tuple(c.shape(v)) == out else broadcast(c, n, c.arg(v), tuple(c.shape(v)), out)
-        for v in (a, b)
-    )
+    va, vb = (broadcast(c, n, c.arg(v), tuple(c.shape(v)), out) for v in (a, b))
     return divided(c, n, va, vb)
 
 
@@ -1166,8 +1178,7 @@ MAX_FILL = 8.0
 
 def is_fill(v: Any) -> bool:
     """v is a number mexc fills part of an activation with: finite, at most MAX_FILL."""
-    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return number and abs(v) <= MAX_FILL
+    return finite_number(v) and abs(v) <= MAX_FILL
 
 
 def is_boolean(n: Any) -> bool:
