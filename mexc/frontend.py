@@ -40,11 +40,12 @@ from mexc import frontend_fold, frontend_index
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, TraceError, UnsupportedOpError
-from mexc.frontend_key_masks import key_mask_of
+from mexc.frontend_key_masks import as_activation as key_mask_activation
+from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_modules import traced_forward
 from mexc.ir import LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.ops import REGISTRY, attrs, gather
-from mexc.ops.attention import KEY_MASK_USES, MASKED_READ, KeyMask, MaskedScores
+from mexc.ops.attention import MASKED_READ, KeyMask, MaskedScores
 from mexc.ops.common import (
     STATIC_VALUE,
     ParamView,
@@ -99,6 +100,8 @@ class _Ctx:
     norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
     tied: dict[int, str] = field(default_factory=dict)  # id of an nn.Parameter -> its name
     ids: Value | None = None  # the integer input (token ids), which only embeddings read
+    # the constant tables that read masks of the ids as tensors -> (cmp, value, on, off)
+    id_masks: dict[Value, tuple[str, int, float, float]] = field(default_factory=dict)
     node: torch.fx.Node | None = None  # the node being translated
 
     def is_token_ids(self, a: Any) -> bool:
@@ -218,13 +221,7 @@ class _Ctx:
                 )
             )
         if isinstance(v, KeyMask):
-            raise UnsupportedOpError(
-                _describe(
-                    self.node if self.node is not None else a,
-                    f"reads a mask computed from the token ids as a tensor; {KEY_MASK_USES}. "
-                    "Pool the tokens without it (the first token, or a mean over all)",
-                )
-            )
+            return key_mask_activation(self, a, v)
         if isinstance(v, MaskedScores):
             raise UnsupportedOpError(
                 _describe(self.node if self.node is not None else a, MASKED_READ)
@@ -1177,7 +1174,7 @@ def _with_vocabulary(c: _Ctx, n: torch.fx.Node) -> None:
     rows = [
         int(types[node.inputs[1]].shape[0])
         for node in c.b.nodes
-        if node.op is Op.EMBEDDING and node.inputs[0] == c.ids
+        if node.op is Op.EMBEDDING and node.inputs[0] == c.ids and node.inputs[1] not in c.id_masks
     ]
     if not rows:
         raise UnsupportedOpError(
@@ -1193,6 +1190,7 @@ def _with_vocabulary(c: _Ctx, n: torch.fx.Node) -> None:
     c.b.nodes[at] = dataclasses.replace(
         node, attrs=attrs(Op.INPUT, name=str(node.attrs.name), vocab=min(rows))
     )
+    fill_tables(c, min(rows))
 
 
 def _following_root(c: _Ctx, n: torch.fx.Node) -> RootMeanSquare | None:
@@ -1287,6 +1285,8 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             c.env[n] = c.ids
         elif c.ids is not None and (mask := key_mask_of(c, n)) is not None:
             c.env[n] = mask
+        elif c.ids is not None and (masked := masked_scores(c, n)) is not None:
+            c.env[n] = masked
         elif (root := _following_root(c, n)) is not None:
             c.env[n] = root
         else:

@@ -169,12 +169,18 @@ def _where(c: Any, n: Any) -> Value:
     args = dict(zip(names + ("other",), n.args)) | dict(n.kwargs)
     if args.get("input") is None:
         raise UnsupportedOpError(c.describe(n, "is torch.where(cond) (indices); give x and y"))
+    return selected(c, n, args["condition"], args["input"], args["other"])
+
+
+def selected(c: Any, n: Any, condition: Any, x: Any, y: Any) -> Value:
+    """torch.where(condition, x, y) of fx arguments, n's result (also x.masked_fill(m, v): v
+    where m, else x)."""
     shape = tuple(c.shape(n))
-    _check_mask(c, n, args["condition"])
-    m = _operand(c, n, args["condition"], shape)
+    _check_mask(c, n, condition)
+    m = _operand(c, n, condition, shape)
     assert not isinstance(m, float)  # a boolean tensor
     parts = []
-    for mask, v in ((m, args["input"]), (_one_minus(c, n, m, shape), args["other"])):
+    for mask, v in ((m, x), (_one_minus(c, n, m, shape), y)):
         value = _operand(c, n, v, shape, fill=True)
         if isinstance(value, float):
             if value:

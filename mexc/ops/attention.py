@@ -13,6 +13,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.kernels.transformer import KEY_CMP_NEGATED, causal_hidden, key_hidden
+from mexc.ops.activation import selected
 from mexc.ops.common import (
     Grads,
     before_last,
@@ -27,9 +28,11 @@ from mexc.ops.dense import CAP, linear
 from mexc.ops.gather import static_tensor
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.ops.tensor import (
+    MAX_FILL,
     broadcast,
     broadcastable,
     folded_value,
+    is_fill,
     reshaped,
     scaled,
     sliced,
@@ -284,23 +287,40 @@ def _over_query_heads(
 
 @dataclass(frozen=True)
 class KeyMask:
-    """A boolean mask the forward computes from the token ids: `ids cmp value` (`ids == pad`),
-    viewed as `shape` (the ids' elements in their order, axes of extent 1 inserted or removed).
-    mexc reads it only as an attention's key mask (mexc.frontend_key_masks follows it)."""
+    """A mask the forward computes from the token ids: `ids cmp value` (`ids == pad`), viewed
+    as `shape` (the ids' elements in their order, axes of extent 1 inserted or removed, or
+    broadcast by expand). A boolean one, or a float one holding `on` where the comparison holds
+    and `off` elsewhere (`(1.0 - mask.float()) * -10000.0`, Hugging Face's additive mask).
+    Attention reads it as its key mask; other ops as a tensor (mexc.frontend_key_masks)."""
 
     cmp: str
     value: int
     shape: tuple[int, ...]
     ids: tuple[int, ...]  # the ids' shape
-    expanded: bool = False  # broadcast by expand: only an attention may read it
+    expanded: bool = False  # broadcast by expand
+    boolean: bool = True
+    on: float = 1.0
+    off: float = 0.0
 
     def negated(self) -> KeyMask:
         return dataclasses.replace(self, cmp=KEY_CMP_NEGATED[self.cmp])
 
+    def hiding(self) -> bool | None:
+        """For a float mask added to attention scores: True where it hides the keys where the
+        comparison holds (`on` at most HIDING, `off` 0), False where it hides the others, None
+        where it hides none, or not in that form."""
+        if self.boolean:
+            return None
+        if self.on <= HIDING and self.off == 0:
+            return True
+        if self.off <= HIDING and self.on == 0:
+            return False
+        return None
+
 
 # what a key mask computed from the ids may be read by, for the refusals
 KEY_MASK_USES = (
-    "mexc reads a mask computed from the token ids only as attention's key mask: "
+    "an attention reads a mask computed from the token ids as its key mask: "
     "nn.MultiheadAttention's key_padding_mask (the transformer layers' src_key_padding_mask), "
     "a boolean attn_mask of F.scaled_dot_product_attention shaped [N, 1, ..., 1, T] (True "
     "where a key takes part), or a masked_fill(mask, float('-inf')) of the attention scores"
@@ -312,11 +332,17 @@ def key_mask(
 ) -> tuple[str, int] | None:
     """(cmp, value) hiding the keys that mask m hides, where m is a KeyMask of the token ids
     broadcast over scores (N, ..., Tq, Tk) along its batch and key axes; None where m is not
-    one. m's True hides its key (`hides`, key_padding_mask's convention) or lets it take part
-    (a boolean attn_mask's)."""
+    one. A boolean m's True hides its key (`hides`, key_padding_mask's convention) or lets it
+    take part (a boolean attn_mask's); a float m, added to the scores, hides where it holds at
+    most HIDING (KeyMask.hiding; None where it hides no key)."""
     mask = c.env.get(m) if c.is_node(m) else None
     if not isinstance(mask, KeyMask):
         return None
+    if not mask.boolean:  # added to the scores: its values say which keys it hides
+        hiding = mask.hiding()
+        if hiding is None:
+            return None
+        hides = hiding
     ids = mask.ids
     along = (
         len(ids) == 2
@@ -388,10 +414,12 @@ def _additive_mask(c: Any, n: Any, m: Any, scores: tuple[int, ...]) -> Value | N
 
 @dataclass(frozen=True)
 class MaskedScores:
-    """Attention scores whose hidden keys a masked_fill set to -inf (nanoGPT's causal
-    `att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))`, or a padding mask of the
-    ids): no int8 mantissa holds -inf, so the softmax over the last axis that reads them hides
-    those keys itself (its `causal` and key mask), and nothing else may read them."""
+    """Attention scores whose hidden keys a masked_fill set to -inf or to a number at most
+    HIDING (nanoGPT's causal `att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))`,
+    or a padding mask of the ids), or that a float mask of the ids was added to: no int8
+    mantissa holds -inf (nor -1e9 beside the scores), so the softmax over the last axis that
+    reads them hides those keys itself (its `causal` and key mask), and nothing else may read
+    them. A row whose every key is hidden (a sample of padding only) gets probabilities 0."""
 
     scores: Value
     causal: bool = False
@@ -399,29 +427,36 @@ class MaskedScores:
 
 
 MASKED_READ = (
-    "reads attention scores that a masked_fill set to -inf; mexc reads them only through a "
-    "softmax over the last axis, which hides those keys itself"
+    "reads attention scores whose keys a mask hides (a masked_fill with -inf or -1e9, or an "
+    "added mask of the token ids); mexc reads them only through a softmax over the last axis, "
+    "which hides those keys itself"
 )
 
 
-def _masked_fill(c: Any, n: Any) -> MaskedScores:
-    """x.masked_fill(mask, -inf) (torch.masked_fill, x.masked_fill_) on attention scores
-    before their softmax: the mask is the causal one (a buffer, or a constant the forward
-    builds: True above the diagonal) or a KeyMask of the token ids broadcast over the scores'
-    batch and key axes. Other fills and masks are refused by node."""
+def _masked_fill(c: Any, n: Any) -> MaskedScores | Value:
+    """x.masked_fill(mask, -inf) (torch.masked_fill, x.masked_fill_; or a number at most
+    HIDING: the Annotated Transformer's -1e9) on attention scores before their softmax: the
+    mask is the causal one (a buffer, or a constant the forward builds: True above the
+    diagonal) or a KeyMask of the token ids broadcast over the scores' batch and key axes.
+    With a number of at most MAX_FILL in size and a boolean mask (`h.masked_fill(ids == pad,
+    0.0)` before pooling), torch.where(mask, value, x). Other fills and masks are refused by
+    node."""
     names = ("input", "mask", "value")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     x, m, fill = args["input"], args.get("mask"), static_value(args.get("value"))
-    # only -inf: a finite fill gives a row whose every key is hidden torch's uniform softmax
-    if not (isinstance(fill, (int, float)) and math.isinf(fill) and fill < 0):
+    held = c.env.get(x) if c.is_node(x) else None
+    if is_fill(fill) and not isinstance(held, MaskedScores):
+        return selected(c, n, m, fill, x)
+    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= HIDING):
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"fills with {fill!r}; mexc takes masked_fill only to hide attention scores "
-                "from their softmax, with float('-inf')",
+                f"fills with {fill!r}; mexc takes masked_fill to hide attention scores from "
+                f"their softmax, with float('-inf') or a number at most {HIDING:g}, or with a "
+                f"number of at most {MAX_FILL:g} in size (a larger one would take the result's "
+                "one exponent from the values)",
             )
         )
-    held = c.env.get(x) if c.is_node(x) else None
     base = held if isinstance(held, MaskedScores) else MaskedScores(c.arg(x))
     if c.batch_axis(base.scores) not in (0, None):
         raise UnsupportedOpError(c.describe(n, "masks scores whose batch axis is not the first"))

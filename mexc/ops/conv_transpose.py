@@ -1,4 +1,5 @@
-"""nn.ConvTranspose2d / ConvTranspose1d and F.conv_transpose2d as the convolution's dx product.
+"""nn.ConvTranspose2d / ConvTranspose1d and F.conv_transpose2d / conv_transpose1d as the
+convolution's dx product.
 
 A transposed convolution of x with weight W (C_in, C_out / groups, kh, kw), stride s, padding
 p is the gradient, with respect to its input, of the convolution with the same W, s and p that
@@ -59,6 +60,11 @@ def _transposed(
         )
     out = tuple(c.shape(n))
     xs = tuple(c.shape(x))
+    if len(xs) != (3 if one_d else 4):
+        shape = "(N, C, L)" if one_d else "(N, C, H, W)"
+        raise UnsupportedOpError(
+            c.describe(n, f"is a transposed convolution of an unbatched input; give it {shape}")
+        )
     if one_d:  # (N, C, L) as (N, C, 1, L)
         xs = (xs[0], xs[1], 1, xs[2])
         v = reshaped(c, v, xs)
@@ -88,13 +94,18 @@ def conv_transpose_module(c: Any, n: Any, m: Any) -> Value:
 
 
 def conv_transpose_function(c: Any, n: Any) -> Value:
-    """F.conv_transpose2d with a parameter as the weight (and bias)."""
+    """F.conv_transpose2d / F.conv_transpose1d with a parameter as the weight (and bias)."""
     names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     w, b = args["weight"], args.get("bias")
     if not c.is_param(w):
         raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
-    weight = c.get_param(w, "weight")
+    tensor = c.fetch(w)
+    one_d = tensor.dim() == 3
+    if one_d:  # held (C_in, C_out / groups, 1, k), as the module's
+        weight = c.param(str(w.target), tensor.unsqueeze(2), "weight", arranged=as_rows(tensor))
+    else:
+        weight = c.get_param(w, "weight")
     bias = c.get_param(b, "bias") if b is not None else None
     geometry = {
         "stride": args.get("stride", 1),
@@ -102,4 +113,4 @@ def conv_transpose_function(c: Any, n: Any) -> Value:
         "dilation": args.get("dilation", 1),
         "groups": static_value(args.get("groups", 1)),
     }
-    return _transposed(c, n, args["input"], weight, bias, geometry, False)
+    return _transposed(c, n, args["input"], weight, bias, geometry, one_d)

@@ -522,6 +522,7 @@ define(
             Pattern("module", ("torch.nn.ConvTranspose2d",), conv_transpose_module),
             Pattern("module", ("torch.nn.ConvTranspose1d",), conv_transpose_module),
             Pattern("function", ("torch.nn.functional.conv_transpose2d",), conv_transpose_function),
+            Pattern("function", ("torch.nn.functional.conv_transpose1d",), conv_transpose_function),
             Pattern("module", ("torch.nn.Fold",), fold),
             Pattern("function", ("torch.nn.functional.fold",), fold),
         ),

@@ -1,5 +1,5 @@
-"""Transposed convolutions (nn.ConvTranspose2d / 1d, F.conv_transpose2d) as the convolution's
-dx product in the forward graph, their gradients the convolution's other two products (docs/
+"""Transposed convolutions (nn.ConvTranspose2d / 1d, F.conv_transpose2d / 1d) as the
+convolution's dx product in the forward graph, their gradients the convolution's other two products (docs/
 layers.md). Against torch and autograd, bit-exact on reference, llvm, C and the CUDA emulator,
 and the layers mexc cannot take refused by node."""
 
@@ -166,3 +166,35 @@ def test_the_functional_form_trains_as_the_module() -> None:
         sums.append((losses, prog.state_checksum()))
     assert sums[0] == sums[1]
     assert np.isfinite(sums[0][0]).all()
+
+
+def test_the_1d_functional_form_trains_as_the_module() -> None:
+    """F.conv_transpose1d with the layer's weight is the layer: the same bits, step after step."""
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1)
+            self.head = nn.Linear(3, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = F.conv_transpose1d(
+                x.flatten(2), self.up.weight, self.up.bias, 2, 1, output_padding=1
+            )
+            return self.head(F.relu(y).mean(2))
+
+    class Module(Functional):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(F.relu(self.up(x.flatten(2))).mean(2))
+
+    x, y = small_batch((4, 2, 2, 4))
+    sums = []
+    for cls in (Functional, Module):
+        torch.manual_seed(0)
+        model = cls()
+        prog = mexc.compile(model, (torch.zeros(4, 2, 2, 4),), rounding="nearest")
+        assert [n.op for n in prog.graph.nodes].count(Op.CONV2D_GRAD_INPUT) == 1
+        assert_logits_match_torch(model, prog, x)
+        losses = [prog.step(x, y) for _ in range(2)]
+        sums.append((losses, prog.state_checksum()))
+    assert sums[0] == sums[1]
