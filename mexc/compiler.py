@@ -28,6 +28,12 @@ from mexc.types import Exp
 
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
+    if isinstance(example_inputs, (tuple, list)) and len(example_inputs) != 1:
+        raise ValueError(
+            f"example_inputs holds {len(example_inputs)} inputs; mexc compiles models with one "
+            "input tensor (a float batch, or token ids): give (x,), and combine several "
+            "inputs into one tensor in a wrapper module (torch.cat, then slices in forward)"
+        )
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)

@@ -39,7 +39,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from mexc import frontend_fold, frontend_index
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
-from mexc.errors import InputError, TraceError, UnsupportedOpError
+from mexc.errors import InputError, MexcError, TraceError, UnsupportedOpError
 from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_modules import traced_forward
@@ -1029,6 +1029,7 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
         n.args, n.kwargs = torch.fx.node.map_arg(
             (n.args, n.kwargs), lambda a: static_value(a) if a in c.static else a
         )
+        _canonical_arguments(n)
     if n.op == "call_module":
         mod = c.gm.get_submodule(str(n.target))
         n.meta["mexc_module"] = type(mod).__name__  # frontend_index._is_view reads it
@@ -1064,6 +1065,94 @@ def _translate(c: _Ctx, n: torch.fx.Node) -> Any:
     if n.op == "get_attr":
         return None  # parameters are materialized by their consumers
     raise _unsupported(n, n.op)
+
+
+# torch's NumPy-style aliases (x.sum(axis=1), x.chunk(2, axis=-1), x.swapaxes(axis0=...)):
+# the converters read torch's own names
+_KEYWORD_ALIASES = {"axis": "dim", "keepdims": "keepdim", "axis0": "dim0", "axis1": "dim1"}
+
+
+# the leading parameters, after the tensor itself, that converters read by position, and the
+# names torch's keyword forms give them (x.transpose(dim0=1, dim1=2), torch.mean(input=x))
+_POSITIONAL: dict[str, tuple[tuple[str, ...], ...]] = {
+    "transpose": (("dim0",), ("dim1",)),
+    "swapaxes": (("dim0",), ("dim1",)),
+    "swapdims": (("dim0",), ("dim1",)),
+    "permute": (("dims",),),
+    "split": (("split_size", "split_size_or_sections"), ("dim",)),
+    "chunk": (("chunks",), ("dim",)),
+    "repeat": (("repeats",),),
+    "matmul": (("other",),),
+    "bmm": (("mat2",),),
+    "mm": (("mat2",),),
+}
+
+
+def _canonical_arguments(n: torch.fx.Node) -> None:
+    """n's keyword arguments in the forms the converters read: torch's names for the NumPy
+    aliases, the tensor (`input=`, `tensors=`) first, and the leading parameters of _POSITIONAL
+    by position."""
+    kwargs = {
+        _KEYWORD_ALIASES.get(k, k) if _KEYWORD_ALIASES.get(k) not in n.kwargs else k: v
+        for k, v in n.kwargs.items()
+    }
+    args = list(n.args)
+    if not args and n.op == "call_function":
+        for first in ("input", "tensors"):
+            if first in kwargs:
+                args.append(kwargs.pop(first))
+                break
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    for at, names in enumerate(_POSITIONAL.get(name, ()), start=1):
+        given = [k for k in names if k in kwargs]
+        if len(args) != at or not given:
+            break
+        args.append(kwargs.pop(given[0]))
+    n.args, n.kwargs = tuple(args), kwargs
+
+
+def _translated(c: _Ctx, n: torch.fx.Node) -> Any:
+    """_translate(c, n), its result checked against the traced shape: a converter that
+    misread an argument (a keyword form it does not know) is refused here, by node, rather
+    than computing another tensor; and a converter's failure on arguments it did not expect is
+    one error naming the node, not a traceback from inside it."""
+    try:
+        value = _translate(c, n)
+    except MexcError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                f"could not be converted: mexc's converter failed on its arguments "
+                f"({type(err).__name__}: {err}); pass them as torch's documentation orders "
+                "them (positionally), and report this if it persists",
+            )
+        ) from None
+    if isinstance(value, Value) and n.op != "get_attr":
+        meta = n.meta.get("tensor_meta")
+        if meta is not None and hasattr(meta, "shape"):
+            c.batch_axis(value)  # brings c.types up to date
+            got, want = c.types[value].shape, tuple(int(d) for d in meta.shape)
+            if got != want:
+                raise UnsupportedOpError(
+                    _describe(
+                        n,
+                        f"was converted to a tensor of shape {list(got)}, where torch computes "
+                        f"{list(want)}: mexc misread its arguments ({_argument_text(n)}); pass "
+                        "them as torch's documentation orders them (positionally), and report "
+                        "this if it persists",
+                    )
+                )
+    return value
+
+
+def _argument_text(n: torch.fx.Node) -> str:
+    args = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args]
+    kwargs = [
+        f"{k}={v.name if isinstance(v, torch.fx.Node) else repr(v)}" for k, v in n.kwargs.items()
+    ]
+    return ", ".join(args + kwargs)
 
 
 def _in_place(c: _Ctx, n: torch.fx.Node) -> Value:
@@ -1291,7 +1380,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             c.env[n] = root
         else:
             c.node = n
-            value = _translate(c, n)
+            value = _translated(c, n)
             if value is not None:
                 c.env[n] = value
     assert logits is not None and logits_node is not None

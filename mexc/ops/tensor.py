@@ -38,6 +38,7 @@ from mexc.ops.common import (
 from mexc.ops.gather import (
     Concatenated,
     Const,
+    Gathered,
     as_gathered,
     const_gathered,
     gathered_value,
@@ -349,6 +350,29 @@ def folded_value(c: Any, n: Any, a: Any, out: tuple[int, ...]) -> Value | None:
         for p, k in zip(held.parts, sizes)
     ]
     return concatenated(c, pieces, out, axis)
+
+
+def folded_constant(
+    c: Any, n: Any, v: Any, out: tuple[int, ...], f: Callable[[np.ndarray], np.ndarray]
+) -> Value | None:
+    """f of operand v of n, where v is a constant tensor (a float buffer, or a tensor the
+    forward computes from neither the input nor parameters, read through indexing), computed
+    on the host and broadcast to `out` (a gather_param of a constant); None where v is none
+    (a parameter, an activation, a number). Non-finite results are refused by node."""
+    g = as_gathered(c, v)
+    if g is None or g.value is None:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        values = f(np.asarray(g.value, np.float64))
+    if not np.isfinite(values).all():
+        raise UnsupportedOpError(
+            c.describe(n, "divides by a constant tensor holding zeros (or computes infinities)")
+        )
+    return gathered_value(c, n, Gathered(g.source, g.index, values.astype(np.float32)), out)
+
+
+def _is_activation(c: Any, v: Any) -> bool:
+    return c.is_node(v) and isinstance(c.env.get(v), Value)
 
 
 def plus_folded_bias(c: Any, n: Any, y: Value, bias: Any, out: tuple[int, ...]) -> Value:
@@ -856,7 +880,8 @@ def number_added(c: Any, n: Any, v: Value, shape: tuple[int, ...], k: Any) -> Va
 def _sub(c: Any, n: Any) -> Value:
     """a - b: a + (-1) b, the negation a scale by -1 (exact but for a mantissa of -128, which
     the scale's compaction rounds); a - 0 and 0 - b as themselves and -b; a number as in
-    _add_number (x - k, k - x)."""
+    _add_number (x - k, k - x); a constant tensor (a buffer: `x - self.mean`) negated on the
+    host and added; a parameter p added to -x (p - x, and x - p as -(-x + p))."""
     args = dict(zip(("input", "other", "alpha"), n.args)) | dict(n.kwargs)
     a, b = args["input"], args["other"]
     if args.get("alpha", 1) != 1:
@@ -865,6 +890,20 @@ def _sub(c: Any, n: Any) -> Value:
         return c.arg(a)
     if not (c.is_node(a) or c.is_node(b)):
         raise UnsupportedOpError(c.describe(n, "subtracts numbers"))
+    out = tuple(c.shape(n))
+    minus = folded_constant(c, n, b, out, np.negative) if _is_activation(c, a) else None
+    if minus is not None:
+        return c.emit(Op.ADD, [broadcast(c, n, c.arg(a), tuple(c.shape(a)), out), minus], n)
+    held = folded_constant(c, n, a, out, np.positive) if _is_activation(c, b) else None
+    if held is not None:
+        negated = scaled(c, c.arg(b), tuple(c.shape(b)), -1.0)
+        return c.emit(Op.ADD, [broadcast(c, n, negated, tuple(c.shape(b)), out), held], n)
+    for p, x, sign in ((b, a, -1.0), (a, b, 1.0)):
+        if _param_like(c, p) and _is_activation(c, x) and tuple(c.shape(x)) == out:
+            _param_seen(c, n, p, out, "subtracts")  # refused unless along one run of axes
+            negated = scaled(c, c.arg(x), out, -1.0)
+            y = _add_parameter(c, n, p, negated, out)
+            return y if sign > 0 else c.emit(Op.SCALE, [y], n, value=-1.0)
     if not c.is_node(b):  # x - k = x + (-k)
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise UnsupportedOpError(c.describe(n, f"subtracts {b!r}"))
@@ -1025,6 +1064,10 @@ def _div(c: Any, n: Any) -> Value:
                 )
             )
         return c.emit(Op.SCALE, [c.arg(a)], n, value=1.0 / k)
+    out = tuple(c.shape(n))
+    inverse = folded_constant(c, n, b, out, np.reciprocal) if _is_activation(c, a) else None
+    if inverse is not None:  # x / self.std: x times the constant's reciprocals
+        return c.emit(Op.MUL, [broadcast(c, n, c.arg(a), tuple(c.shape(a)), out), inverse], n)
     if c.is_node(a) and c.is_node(b):
         for divide in ACTIVATION_DIVISORS:
             q = divide(c, n, a, b)
