@@ -190,6 +190,12 @@ class _Ctx:
         return self.param(unique, torch.from_numpy(np.asarray(value, np.float32)), role)
 
     def state(self, name: str, tensor: torch.Tensor, role: str, owner: str) -> Value:
+        if name in self.buffers:  # one update per step: a second call would need two
+            what = (
+                f"calls the layer '{owner}' a second time, whose running statistics torch "
+                "updates at each call and mexc once per step; give each call its own layer"
+            )
+            raise UnsupportedOpError(_describe(self.node, what) if self.node else what)
         arr = tensor.detach().cpu().numpy().astype(np.float32)
         node = self.b.add(
             Op.STATE, (), f32(*arr.shape), attrs(Op.STATE, name=name, role=role, owner=owner)

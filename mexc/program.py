@@ -360,7 +360,8 @@ class Program:
         ]
         out: dict[str, np.ndarray] = {}
         for name in names:
-            value = self.state[name].dequantize().astype(np.float32)
+            # np.asarray: a 0-dim parameter (a learned temperature) dequantizes to a scalar
+            value = np.asarray(self.state[name].dequantize(), np.float32)
             way = held.get(name)
             if way is not None and not way.split:
                 raise InputError(

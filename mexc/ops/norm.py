@@ -150,14 +150,27 @@ def _layernorm_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 
 def _batchnorm_module(c: Any, n: Any, m: Any) -> Value:
-    if not m.affine or not m.track_running_stats:
-        raise UnsupportedOpError(c.describe(n, "needs affine=True and track_running_stats=True"))
+    """BatchNorm1d/2d/3d; without affine, its weight and bias constants 1 and 0 (never
+    trained)."""
+    if not m.track_running_stats:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "has track_running_stats=False, which normalizes with the batch's statistics "
+                "in evaluation too; mexc's batch norm keeps running statistics for evaluation",
+            )
+        )
     assert m.running_mean is not None and m.running_var is not None
     name = str(n.target)
+    size = int(m.num_features)
     ins = [
         c.arg(n.args[0]),
-        c.param(f"{name}.weight", m.weight, "bn_weight"),
-        c.param(f"{name}.bias", m.bias, "bn_bias"),
+        c.param(f"{name}.weight", m.weight, "bn_weight")
+        if m.affine
+        else c.constant(f"{name}.weight", np.ones(size), "bn_weight"),
+        c.param(f"{name}.bias", m.bias, "bn_bias")
+        if m.affine
+        else c.constant(f"{name}.bias", np.zeros(size), "bn_bias"),
         c.state(f"{name}.running_mean", m.running_mean, "running_mean", name),
         c.state(f"{name}.running_var", m.running_var, "running_var", name),
     ]

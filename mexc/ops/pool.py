@@ -120,6 +120,7 @@ def _gap_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 def _pool(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts: dict) -> Value:
     """A max or average pool of the traced call: the window geometry, and the output size of
     ceil_mode as extra bottom/right padding (read off the traced result's shape)."""
+    _check_batched(c, n, n.args[0])
     k, p = pair(kernel), pair(padding)
     s = k if stride in (None, []) else pair(stride)
     if opts.get("dilation", 1) not in (1, (1, 1), [1, 1]):
@@ -232,7 +233,21 @@ def _adaptive(c: Any, n: Any, x: Any, op: Op = Op.AVGPOOL2D) -> Value:
     window has one size: per axis, an output size that divides the input's is a pool of kernel
     = stride = in / out (an average pool to 1 x 1: the global pool), and a multiple of it is
     nearest upsampling (each output reads one input pixel)."""
+    _check_batched(c, n, x)
     return _adaptive_steps(c, n, c.arg(x), tuple(c.shape(x)), tuple(c.shape(n)), op, True)
+
+
+def _check_batched(c: Any, n: Any, x: Any) -> None:
+    """A 2-D pool reads (N, C, H, W): torch reads a 3-D tensor as one unbatched image."""
+    shape = list(c.shape(x))
+    if len(shape) != 4:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"pools a tensor of shape {shape}; torch reads a 3-D one as a single unbatched "
+                "(C, H, W) image, and mexc pools batches (N, C, H, W): x.unsqueeze(1) first",
+            )
+        )
 
 
 def _adaptive_steps(

@@ -266,3 +266,38 @@ def test_compile_leaves_the_module_in_its_mode() -> None:
     model.eval()
     mexc.compile(model, (torch.zeros(4, 1, 8, 8),))
     assert not model.training
+
+
+class _SharedBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return (self.bn(h) + self.bn(h * 2)).mean((2, 3))
+
+
+class _PooledChannelMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 6, 6) read as one (C, H, W)
+        return F.avg_pool2d(self.conv(x).mean(1), 2).flatten(1)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (_SharedBatchNorm, r"'bn_1'.*calls the layer 'bn' a second time.*its own layer"),
+        (_PooledChannelMean, r"'avg_pool2d'.*pools a tensor of shape \[4, 6, 6\].*unsqueeze"),
+    ],
+)
+def test_layers_mexc_cannot_call_so_are_refused_by_node(
+    model: type[nn.Module], message: str
+) -> None:
+    with pytest.raises(mexc.UnsupportedOpError, match=message) as err:
+        mexc.compile(model(), (torch.zeros(4, 1, 8, 8),))
+    assert "test_bad_input.py" in str(err.value)

@@ -88,3 +88,27 @@ def test_a_divisor_holding_zero_is_refused_by_node() -> None:
 
     with pytest.raises(UnsupportedOpError, match=r"'truediv'.*constant tensor holding zeros"):
         mexc.compile(ZeroStd(), (torch.zeros(*SHAPE),))
+
+
+def test_a_0_dim_parameter_trains_and_goes_back_to_the_module() -> None:
+    """A learned temperature nn.Parameter(torch.tensor(2.0)): its gradient is autograd's, and
+    to_module copies it back (a scalar, which float_weights returns as a 0-dim array)."""
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(12, 10)
+            self.temperature = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.flatten(1)) * self.temperature
+
+    torch.manual_seed(0)
+    model = Tempered()
+    prog = mexc.compile(model, (torch.zeros(8, 3, 2, 2),))
+    x, y = small_batch((8, 3, 2, 2))
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert got["temperature"].shape == () and cosine(got["temperature"], want["temperature"]) == 1
+    prog.step(x, y)
+    back = prog.to_module(Tempered())
+    assert back.temperature.item() == float(prog.float_weights()["temperature"]) != 2.0

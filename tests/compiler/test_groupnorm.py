@@ -206,3 +206,30 @@ def test_norms_without_affine_hold_constant_ones_and_zeros() -> None:
 @pytest.mark.slow
 def test_model_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
     assert_cuda_source_trains_bit_exact(_program("reference"), tmp_path)
+
+
+def test_a_batch_norm_without_affine_holds_constant_ones_and_zeros() -> None:
+    """BatchNorm2d(affine=False): its weight and bias are constants 1 and 0, its running
+    statistics are torch's after training (the logits in evaluation match)."""
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, 3)
+            self.bn = nn.BatchNorm2d(4, affine=False)
+            self.fc = nn.Linear(4, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Plain()
+    prog = mexc.compile(model, (torch.zeros(8, 1, 6, 6),), rounding="nearest")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 1, 6, 6)).astype(np.float32)
+    for _ in range(3):
+        prog.step(x, rng.integers(0, 10, 8))
+    assert prog.state["mexc.bn.weight"].dequantize().tolist() == [1.0] * 4
+    assert prog.state["mexc.bn.bias"].dequantize().tolist() == [0.0] * 4
+    assert prog.state["bn.running_mean"].dequantize().any()  # updated
+    assert_logits_match_torch(model, prog, x)
