@@ -1380,7 +1380,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             c.env[n] = c.ids
         elif c.ids is not None and (mask := key_mask_of(c, n)) is not None:
             c.env[n] = mask
-        elif c.ids is not None and (masked := masked_scores(c, n)) is not None:
+        elif (masked := masked_scores(c, n)) is not None:
             c.env[n] = masked
         elif (root := _following_root(c, n)) is not None:
             c.env[n] = root

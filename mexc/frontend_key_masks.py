@@ -22,8 +22,9 @@ import torch
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op, Value
-from mexc.ops.attention import HIDING, KeyMask, MaskedScores, key_mask
+from mexc.ops.attention import HIDING, KeyMask, MaskedScores, is_causal_mask, key_mask
 from mexc.ops.common import static_value
+from mexc.ops.gather import static_tensor
 from mexc.ops.tensor import MAX_FILL, broadcast, reshaped
 
 _COMPARISONS: dict[Any, str] = {
@@ -230,6 +231,9 @@ def masked_scores(c: Any, n: torch.fx.Node) -> MaskedScores | None:
     kind: Any = n.target if n.op == "call_function" else str(n.target)
     if kind not in (operator.add, torch.add, "add") or len(n.args) != 2 or n.kwargs:
         return None
+    causal = _causal_added(c, n)
+    if causal is not None:
+        return causal
     for m, x in (n.args, reversed(n.args)):
         mask = _key_mask(c, m)
         if mask is None or mask.hiding() is None or not isinstance(x, torch.fx.Node):
@@ -244,6 +248,27 @@ def masked_scores(c: Any, n: torch.fx.Node) -> MaskedScores | None:
         if c.batch_axis(base.scores) not in (0, None):
             return None
         return dataclasses.replace(base, keys=keys)
+    return None
+
+
+def _causal_added(c: Any, n: torch.fx.Node) -> MaskedScores | None:
+    """`scores + mask` with `mask` a constant holding -inf or at most HIDING above the diagonal
+    and 0 elsewhere (`nn.Transformer.generate_square_subsequent_mask(T)`, a triu buffer of
+    -1e4): the scores with each query's later keys hidden (other constants with hidden
+    entries are refused by node, is_causal_mask); None where n is not that."""
+    for m, x in (n.args, reversed(n.args)):
+        values = static_tensor(c, m)
+        if values is None or values.dtype.kind != "f" or not (values <= HIDING).any():
+            continue
+        held = c.env.get(x) if isinstance(x, torch.fx.Node) else None
+        if not isinstance(held, (Value, MaskedScores)) or c.shape(x) != c.shape(n):
+            return None
+        if not is_causal_mask(c, n, m, tuple(c.shape(n)), hides=True):
+            return None
+        base = held if isinstance(held, MaskedScores) else MaskedScores(held)
+        if c.batch_axis(base.scores) not in (0, None):
+            return None
+        return dataclasses.replace(base, causal=True)
     return None
 
 

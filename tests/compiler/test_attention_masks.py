@@ -28,6 +28,7 @@ from tests.compiler.helpers import (
     float_gradients,
     integer_gradients,
     step_values,
+    train_checksums,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
@@ -297,6 +298,11 @@ def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
             hidden = torch.ones(T, T, dtype=torch.bool).triu(2)  # a band, not the causal mask
             return nn.functional.softmax(att.masked_fill(hidden, float("-inf")), -1) @ x
 
+    class AddedBand(MaskedFillAttention):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            att = x @ x.transpose(-2, -1) + torch.triu(torch.full((T, T), -1e4), 2)
+            return nn.functional.softmax(att, -1) @ x
+
     class ReadsMaskedScores(MaskedFillAttention):
         def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             att = (x @ x.transpose(-2, -1)).masked_fill(self.bias[0, 0] == 0, float("-inf"))
@@ -325,12 +331,56 @@ def test_what_a_key_mask_cannot_be_is_refused_by_node() -> None:
         compiled(QueryMask(), ids)
     with pytest.raises(UnsupportedOpError, match=r"'masked_fill'.*cannot apply"):
         compiled(gpt(OtherPattern), ids)
+    with pytest.raises(UnsupportedOpError, match=r"'add_1'.*cannot apply"):
+        compiled(gpt(AddedBand), ids)
     with pytest.raises(UnsupportedOpError, match=r"'mul'.*keys a mask hides"):
         compiled(gpt(ReadsMaskedScores), ids)
     with pytest.raises(UnsupportedOpError, match=r"'getitem.*not a tensor of indices"):
         compiled(Reordered(), ids)
     with pytest.raises(UnsupportedOpError, match=r"'masked_fill'.*model's output.*return the"):
         compiled(MaskedOutput(), ids)
+
+
+class AddedCausalMask(MaskedFillAttention):
+    """The causal mask added to the scores: a triu buffer of -1e4 (`finite`) or
+    nn.Transformer.generate_square_subsequent_mask's -inf, then the Annotated Transformer's
+    finite masked_fill of the padding."""
+
+    def __init__(self, finite: bool) -> None:
+        super().__init__(padding=True)
+        self.finite = finite
+        hidden = torch.triu(torch.full((T, T), -1e4), 1)
+        added = hidden if finite else nn.Transformer.generate_square_subsequent_mask(T)
+        self.register_buffer("added", added)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.size()
+        q, k, v = self.c_attn(x).split(D, 2)
+        q, k, v = (a.view(n, t, 2, d // 2).transpose(1, 2) for a in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1))) + self.added
+        att = att.masked_fill((ids == PAD)[:, None, None, :], -1e9)
+        y = nn.functional.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_an_added_causal_mask_and_a_finite_fill_hide_as_minus_inf_does(finite: bool) -> None:
+    """The same program, bit for bit, as masked_fill(-inf) of both masks: before, the added
+    -1e4 took the scores' one exponent (their mantissas all rounded to 0)."""
+    ids = padded(6)
+    ids[1] = PAD  # a row of padding only: torch's -1e9 fill makes it uniform, mexc's 0
+
+    def gpt(attention: nn.Module | None) -> mexc.Program:
+        torch.manual_seed(0)
+        model = TinyGPT(padding=True)
+        if attention is not None:
+            torch.manual_seed(0)
+            attention.load_state_dict(model.attn.state_dict(), strict=False)
+            model.attn = attention
+        return compiled(model, ids)
+
+    batch = (ids, labels(6, 0, True))
+    assert train_checksums(gpt(AddedCausalMask(finite)), batch) == train_checksums(gpt(None), batch)
 
 
 # the forms lower to one softmax with a key mask: the encoder (two layers, the padding mask
