@@ -565,15 +565,23 @@ class LookupTable:
         return LookupTable(name, in_exp, out_exp, values, lo, hi, sign_exact)
 
     def lookup(
-        self, x: np.ndarray, exponent: int, rounding: Rounding, key: int = 0, start: int = 0
+        self,
+        x: np.ndarray,
+        exponent: int,
+        rounding: Rounding,
+        key: int = 0,
+        start: int = 0,
+        flush: bool = False,
     ) -> np.ndarray:
         """Shift x * 2^exponent to the table's exponent, clamp to [-128, 127] (and to at least
-        1 for a positive x when sign_exact), look up."""
-        idx = shift_signed_saturating(x, self.in_exp - exponent, rounding, key, start)
-        idx = np.clip(idx, -128, 127)
+        1 for a positive x when sign_exact), look up. `flush`: 0 where the shifted index is
+        below -128 (the softmax head's exp: no mass beyond the table's range)."""
+        raw = shift_signed_saturating(x, self.in_exp - exponent, rounding, key, start)
+        idx = np.clip(raw, -128, 127)
         if self.sign_exact:
             idx = np.where(np.asarray(x) > 0, np.maximum(idx, 1), idx)
-        return self.values[idx + 128].astype(np.int64)
+        values = self.values[idx + 128].astype(np.int64)
+        return np.where(raw < -128, 0, values) if flush else values
 
 
 def shift_signed_saturating(

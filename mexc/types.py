@@ -5,7 +5,7 @@ i64[128]                    integer labels
 mx<i8,e=tensor>[16,1,3,3]   B-bit mantissas in int8, one exponent per tensor
 mx<i8,e=axis0>[16,1,3,3]    one exponent per slice along axis 0 (output channel / neuron)
 acc<i32,e=tensor>[128,10]   int32 accumulator with an exponent, before compaction
-u8[128,10]                  unsigned probabilities at a fixed exponent (-8)
+i16[128,10]                 softmax probabilities in int16 at a fixed exponent (-15)
 idx[128,16,14,14]           integer indices (max-pool argmax, dropout mask)
 """
 
@@ -21,7 +21,7 @@ class Kind(enum.Enum):
     I64 = "i64"
     MX = "mx"
     ACC = "acc"
-    U8 = "u8"
+    I16 = "i16"
     IDX = "idx"
 
 

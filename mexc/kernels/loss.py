@@ -1,4 +1,4 @@
-"""Output head: integer softmax + cross-entropy (unsigned 8-bit probabilities, exponent -8)."""
+"""Output head: integer softmax + cross-entropy (15-bit probabilities in int16, exponent -15)."""
 
 from __future__ import annotations
 
@@ -16,29 +16,31 @@ from mexc.numerics import (
     shift_left,
 )
 
-PROB_EXP = -8  # probabilities p * 2^-8, p in [0, 255]
-PROB_ONE = 256
-GRAD_EXP = -15  # (p - S*onehot) << 7 / n lies at exponent -15 (then -15 - grad_shift)
+PROB_BITS = 15
+PROB_EXP = -PROB_BITS  # probabilities p * 2^-15, p in [0, 2^15 - 1], held in int16
+PROB_ONE = 1 << PROB_BITS
+PROB_DTYPE = "int16"  # how every backend holds p
+GRAD_EXP = -15  # (p - S*onehot) / n lies at exponent -15 (then -15 - grad_shift)
 
 
 def grad_shift(n: int, k: int) -> int:
     """The loss gradient's extra bits s over n rows of k classes (docs/layers.md, "Output
-    head"): ceil_log2(n) - 7 where n > 128, so that t/n keeps t's resolution, bounded so that
-    |t| << (7 + s) < 2^31 (|t| <= 256 + k // 2)."""
-    room = max(24 - (256 + k // 2).bit_length(), 0)
-    return min(max(ceil_log2(max(n, 1)) - 7, 0), room)
+    head"): ceil_log2(n), so that t/n keeps t's resolution, bounded so that |t| << s < 2^31
+    (|t| <= 2^15 + k // 2)."""
+    room = max(31 - (PROB_ONE + k // 2).bit_length(), 0)
+    return min(ceil_log2(max(n, 1)), room)
 
 
 def softmax_ce_forward(
     logits: MX, labels: np.ndarray, valid: int, ctx: RoundCtx, tid: int
 ) -> tuple[np.ndarray, float]:
-    """Row softmax of (N, K) logits as integers p in [0, 255] (value p / 256), and the mean
-    cross-entropy over the first `valid` rows as a host float (logging only).
+    """Row softmax of (N, K) logits as int16 p in [0, 2^15 - 1] (value p / 2^15), and the
+    mean cross-entropy over the first `valid` rows as a host float (logging only).
 
     d = m - rowmax(m) <= 0; E = EXP_TABLE.lookup(d, e) (index = d shifted to exponent -4 with
-    ctx rounding, site 0; clamped to [-128, 127]; values at exponent -15, E(0) = 2^15);
-    S = row sum of E (int32); p = min(idiv_round(E << 8, S), 255).
-    loss = mean_{i < valid} -log(max(p[i, y_i], 1) / 256).
+    ctx rounding, site 0; 0 below -128, clamped to 127; values at exponent -15, E(0) = 2^15);
+    S = row sum of E (int32); p = min(idiv_round(E << 15, S), 2^15 - 1).
+    loss = mean_{i < valid} -log(max(p[i, y_i], 1) / 2^15).
     """
     e = scalar_exp(logits, "logits")
     m = i64(logits.m)
@@ -46,17 +48,18 @@ def softmax_ce_forward(
         raise ValueError("softmax_ce needs (N, K) logits")
     d = m - m.max(axis=1, keepdims=True)
     start = row_offset(d, ctx.rows)
-    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0), start)
+    ex = EXP_TABLE.lookup(d, e, ctx.rounding, site_key(ctx, tid, 0), start, flush=True)
     srow = ex.sum(axis=1, keepdims=True)
     check_int32(srow, "softmax_sum")
-    p = np.minimum(idiv_round(shift_left(ex, 8, "softmax_num"), srow), PROB_ONE - 1)
+    num = shift_left(ex, PROB_BITS, "softmax_num")
+    p = np.minimum(idiv_round(num, srow), PROB_ONE - 1).astype(PROB_DTYPE)
     if ctx.rows is not None:  # the logged loss is that of the whole batch, on every worker
         return p, ce_loss(ctx.rows.comm.all_gather(p), ctx.rows.comm.all_gather(labels), valid)
     return p, ce_loss(p, labels, valid)
 
 
 def ce_loss(probs: np.ndarray, labels: np.ndarray, valid: int) -> float:
-    """mean_{i < valid} -log(max(p[i, y_i], 1) / 256): the logged loss, a host float computed
+    """mean_{i < valid} -log(max(p[i, y_i], 1) / 2^15): the logged loss, a host float computed
     from the integer probabilities (every backend reports the same number)."""
     lab = np.asarray(labels, np.int64)
     n = max(min(int(valid), probs.shape[0]), 0)
@@ -72,8 +75,8 @@ def softmax_ce_backward(
     """dlogits = (softmax - onehot) / n, n = valid rows; padding rows (>= valid) are zero.
 
     t = p - S*onehot with S the row's sum of p, so every row of t sums to 0 as in float
-    (|t| <= 256 + K/2); g = idiv_round(t << (7 + s), n) at exponent -15 - s (s = grad_shift:
-    0 up to 128 rows); compaction to ctx.bits
+    (|t| <= 2^15 + K/2); g = idiv_round(t << s, n) at exponent -15 - s (s = grad_shift: t's
+    resolution kept through the division); compaction to ctx.bits
     (site 0). With ctx.rows (data parallel) `valid` and n count the whole batch's rows, and
     these are its rows from the worker's first sample's on (a sample's rows: one, or one per
     position of [N, C, d1, ...] logits).
@@ -91,5 +94,5 @@ def softmax_ce_backward(
         t[np.arange(here), lab[:here]] -= p[:here].sum(axis=1)
     t[here:] = 0
     s = grad_shift(n, p.shape[1])
-    g = idiv_round(t << (7 + s), max(n, 1))
+    g = idiv_round(t << s, max(n, 1))
     return compact_mx(g, GRAD_EXP - s, ctx, site_key(ctx, tid, 0), batch=True)

@@ -12,7 +12,7 @@ from tvm import tirx
 
 from mexc.ir import Node, Value
 from mexc.kernels._common import product_bits
-from mexc.kernels.loss import GRAD_EXP, grad_shift
+from mexc.kernels.loss import GRAD_EXP, PROB_DTYPE, grad_shift
 from mexc.lowering import gemm_forms as gf
 from mexc.lowering import subpixel, te_depthwise, te_ops
 from mexc.lowering.cpu_gemm import SERIAL_ATTR, SERIAL_BELOW, swapped
@@ -165,7 +165,7 @@ class DenseRules(PlanBuilder):
     def softmax_ce(self, n: Node) -> None:
         logits = n.inputs[0]
         rows, k = self.shape(logits)
-        probs = self.out(n, 0, "uint8")
+        probs = self.out(n, 0, PROB_DTYPE)
         self.plan.probs = probs
         key = self.keys(n, (0,), "key0", rows * k)
         table = self.const("exp_table", EXP_TABLE.values, I32)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from tvm import te, tirx
 
 from mexc.kernels.elementwise import ACC_BITS, DIV_BITS
+from mexc.kernels.loss import PROB_BITS, PROB_DTYPE, PROB_ONE
 from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
@@ -411,6 +412,7 @@ def table_lookup32(
     key: tirx.PrimExpr,
     flat: tirx.PrimExpr,
     stochastic: bool,
+    flush: bool = False,
 ) -> tirx.PrimExpr:
     """`table_lookup` of an int32 m with |m| < 2^9 (an int8 mantissa, or the difference of two),
     in int32 lanes: a right shift of 32 or more gives 0, as any longer one does, and a nonzero
@@ -422,8 +424,10 @@ def table_lookup32(
     s = tirx.max(tirx.min(s64, tirx.const(32, "int64")), tirx.const(-32, "int64")).astype(I32)
     right = shift_right32(m, tirx.max(s, 0), key, flat, stochastic)
     left = m << tirx.min(tirx.max(-s, 0), 8)
-    idx = tirx.max(tirx.min(where(s >= 0, right, left), 127), -128)
-    return table[idx + 128]
+    raw = where(s >= 0, right, left)
+    value = table[tirx.max(tirx.min(raw, 127), -128) + 128]
+    # flush (numerics.Table.lookup): 0 below the table
+    return where(raw < -128, tirx.const(0, I32), value) if flush else value
 
 
 def exp_lookup(
@@ -435,13 +439,14 @@ def exp_lookup(
     stochastic: bool,
     r: tirx.PrimExpr,
     j: tirx.PrimExpr,
+    flush: bool = False,
 ) -> tirx.PrimExpr:
     """EXP_TABLE of x[r, j] - rowmax[r] at x's exponent e[0], rounded at the flat index r K + j
-    (int32); the softmax head and the row softmax share it."""
+    (int32); the softmax head (`flush`: 0 below the table) and the row softmax share it."""
     i64 = "int64"
     d = x[r, j].astype(I32) - rowmax[r].astype(I32)  # int8 - int8 would wrap
     flat = r.astype(i64) * int(x.shape[1]) + j.astype(i64)
-    return table_lookup32(table, EXP_IN_EXP, d, e[0].astype(i64), key, flat, stochastic)
+    return table_lookup32(table, EXP_IN_EXP, d, e[0].astype(i64), key, flat, stochastic, flush)
 
 
 def softmax_ce_forward(
@@ -451,11 +456,12 @@ def softmax_ce_forward(
     name: str = "softmax_ce_forward",
     native_division: bool = False,
 ) -> tirx.PrimFunc:
-    """kernels.softmax_ce_forward without the host-side loss: p in [0, 255] (value p / 256).
+    """kernels.softmax_ce_forward without the host-side loss: int16 p in [0, 2^15 - 1] (value
+    p / 2^15).
 
     d = m - rowmax; index = d shifted to the exp table's exponent (rounding key site 0, flat
-    index r*K + j; a left shift saturates at 2^30), clamped to [-128, 127]; E = table[index + 128];
-    p = min(idiv_round(E << 8, sum_j E), 255). Parameters (logits, e, key, table, probs):
+    index r*K + j; a left shift saturates at 2^30); E = table[index + 128], 0 below -128,
+    clamped to 127; p = min(idiv_round(E << 15, sum_j E), 2^15 - 1). Parameters (logits, e, key, table, probs):
     e int32[1] the logits' exponent, key int64[1], table int32[256] (numerics.EXP_TABLE)."""
     i64 = "int64"
     logits = te.placeholder((n, k), I8, name="logits")
@@ -466,16 +472,17 @@ def softmax_ce_forward(
     rowmax = te.compute((n,), lambda r: te.max(logits[r, rj], axis=rj), name="rowmax")
 
     def lookup(r: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        return exp_lookup(logits, rowmax, e, key[0], table, stochastic, r, j).astype(i64)
+        return exp_lookup(logits, rowmax, e, key[0], table, stochastic, r, j, True).astype(i64)
 
     ex = te.compute((n, k), lookup, name="ex")
     rs = te.reduce_axis((0, k), "rs")
     srow = te.compute((n,), lambda r: te.sum(ex[r, rs], axis=rs), name="srow")
+    top = tirx.const(PROB_ONE - 1, i64)
     probs = te.compute(
         (n, k),
-        lambda r, j: tirx.min(idiv_round(ex[r, j] << 8, srow[r], native_division), 255).astype(
-            "uint8"
-        ),
+        lambda r, j: tirx.min(
+            idiv_round(ex[r, j] << PROB_BITS, srow[r], native_division), top
+        ).astype(PROB_DTYPE),
         name="probs",
     )
     return _func([logits, e, key, table, probs], name)
@@ -489,13 +496,13 @@ def softmax_ce_backward_acc(
     shift: int = 0,
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_backward before its compaction: t = p - S * onehot (S the row's sum
-    of p) on the first valid[0] rows (0 below), acc = idiv_round(t << (7 + shift), valid[1])
-    at exponent -15 - shift (kernels.loss.grad_shift of the whole batch's rows): valid[1]
+    of p) on the first valid[0] rows (0 below), acc = idiv_round(t << shift, valid[1]) at
+    exponent -15 - shift (kernels.loss.grad_shift of the whole batch's rows): valid[1]
     counts the valid rows of the whole batch (a data-parallel worker's rows are a share of
-    it), valid[0] those among these rows. Parameters (probs uint8 (N,K), labels int32 (N,),
+    it), valid[0] those among these rows. Parameters (probs int16 (N,K), labels int32 (N,),
     valid int32[2], acc int32 (N,K))."""
     i64 = "int64"
-    probs = te.placeholder((n, k), "uint8", name="probs")
+    probs = te.placeholder((n, k), PROB_DTYPE, name="probs")
     labels = te.placeholder((n,), I32, name="labels")
     valid = te.placeholder((2,), I32, name="valid")
     kk = te.reduce_axis((0, k), "kk")
@@ -506,7 +513,7 @@ def softmax_ce_backward_acc(
         t = probs[r, j].astype(i64) - tirx.if_then_else(labels[r] == j, srow[r], tirx.const(0, i64))
         t = tirx.if_then_else(r < rows, t, tirx.const(0, i64))
         whole = tirx.max(valid[1], 1).astype(i64)
-        return idiv_round(t << (7 + shift), whole, native_division).astype(I32)
+        return idiv_round(t << shift, whole, native_division).astype(I32)
 
     acc = te.compute((n, k), body, name="acc")
     return _func([probs, labels, valid, acc], name)

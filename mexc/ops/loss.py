@@ -12,7 +12,7 @@ from mexc.types import Kind, TensorType, mx
 
 
 def _types(r: Any, n: Node) -> None:
-    probs = TensorType(Kind.U8, n.types[0].shape)
+    probs = TensorType(Kind.I16, n.types[0].shape)
     r.copy(n, (probs, n.types[1]))
 
 

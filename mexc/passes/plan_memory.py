@@ -32,8 +32,10 @@ def type_bytes(t: TensorType) -> int:
     if t.kind is Kind.ACC:
         groups = t.shape[0] if t.exp is not None and t.exp.value == "axis0" and t.shape else 1
         return 4 * n + 4 * groups
-    if t.kind in (Kind.U8, Kind.IDX):
+    if t.kind is Kind.IDX:
         return n
+    if t.kind is Kind.I16:
+        return 2 * n
     if t.kind is Kind.I64:
         return 8 * n
     return 4 * n

@@ -24,7 +24,7 @@ from mexc.kernels import (
 )
 from mexc.kernels._common import product_bits
 from mexc.kernels.linear import add_bias
-from mexc.kernels.loss import GRAD_EXP
+from mexc.kernels.loss import GRAD_EXP, grad_shift
 from mexc.lowering import te_ops
 from mexc.lowering.te_compaction import compaction_apply, compaction_shift
 from mexc.mx import MX, RoundCtx
@@ -244,13 +244,14 @@ def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: in
         np.array([e_logits], np.int32),
         np.array([ctx.key(tid)], np.int64),
         EXP_TABLE.values.astype(np.int32),
-        outs=[((n, k), "uint8")],
+        outs=[((n, k), "int16")],
     )
     np.testing.assert_array_equal(p, want_p)
 
     want_g = softmax_ce_backward(want_p, labels, ctx_valid, ctx, tid + 16)
+    shift = grad_shift(valid, k)
     (acc,) = _run(
-        te_ops.softmax_ce_backward_acc(n, k),
+        te_ops.softmax_ce_backward_acc(n, k, shift=shift),
         p,
         labels.astype(np.int32),
         np.array([valid, valid], np.int32),
@@ -259,7 +260,7 @@ def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: in
     s, e_out = _run(
         compaction_shift((n, k), 8, False, "c"),
         acc,
-        np.array([GRAD_EXP], np.int32),
+        np.array([GRAD_EXP - shift], np.int32),
         outs=[((1,), "int32"), ((1,), "int32")],
     )
     (m,) = _run(

@@ -30,7 +30,7 @@ def build_sample() -> Graph:
     ce = b.add(
         Op.SOFTMAX_CE,
         [bn.result(0), y.out],
-        (f32(), TensorType(Kind.U8, (4, 10))),
+        (f32(), TensorType(Kind.I16, (4, 10))),
         attrs(Op.SOFTMAX_CE, num_classes=10, rid=8),
     )
     return b.build(

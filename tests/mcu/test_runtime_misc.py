@@ -75,12 +75,12 @@ def test_softmax_ce(rt, ci, e):
     labels = rng.integers(0, k, n)
     for valid in (8, 5, 0):
         p_ref, loss = K.softmax_ce_forward(logits, labels, valid, ctx, 16)
-        probs = np.zeros((n, k), np.uint8)
+        probs = np.zeros((n, k), np.int16)
         lm = rt.mexc_softmax_ce_forward(
             n, k, P(i8(logits.m)), e, P(i32(labels)), valid, P(probs), C.byref(c_ctx), 16
         )
         assert np.array_equal(probs, p_ref)
-        assert abs(lm - 1000 * loss) <= 1.0
+        assert abs(lm - 1000 * loss) <= 5.0  # p's top 8 bits through the table
         g = K.softmax_ce_backward(p_ref, labels, valid, ctx, 32)
         dx = np.zeros((n, k), np.int8)
         eg = rt.mexc_softmax_ce_backward(

@@ -350,7 +350,7 @@ def _reshape(e: _Emit, n: Node) -> None:
 def _softmax_ce(e: _Emit, n: Node) -> None:
     z, ez = _x(e, n, 0)
     nn, k = e.shape(n.inputs[0])
-    probs = e.arena(n.out, "uint8_t")
+    probs = e.arena(n.out, "int16_t")
     e.emit(
         f"loss = mexc_softmax_ce_forward({nn}, {k}, {z}, {ez}, y, {nn}, {probs}, &ctx, {_tid(n)}u);"
     )

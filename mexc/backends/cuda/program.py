@@ -39,11 +39,12 @@ from mexc.backends.plan_runtime import (
 from mexc.errors import CheckpointError, DistributedError
 from mexc.program import Program, read_checkpoint
 
-FORMAT = "mexc-cuda-step-4"  # 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
+# 5: int16 probabilities; 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
+FORMAT = "mexc-cuda-step-5"
 PROGRAM_FILE = "program.mexc"
 # an inference artifact beside a training step's (its subfolder) names the step's program file
 SHARED_PROGRAM = f"../{PROGRAM_FILE}"
-DTYPES = ("int8", "uint8", "int32", "int64")
+DTYPES = ("int8", "int16", "int32", "int64")
 
 __all__ = ["ARCHS", "FORMAT", "CudaProgram", "StepArtifact", "load_cuda"]
 

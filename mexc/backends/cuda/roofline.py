@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+ITEMSIZE = {"int8": 1, "int16": 2, "int32": 4, "int64": 8}
 
 
 @dataclass(frozen=True)

@@ -162,14 +162,15 @@ int32_t mexc_batchnorm_forward_eval(uint32_t n, uint32_t c, uint32_t s, const in
                                     int32_t *scratch);
 
 /* ------------------------------------------------------------------ loss (loss.py) */
-/* softmax_ce_forward: probs (N, K) in [0, 255] (exponent -8). Returns the integer loss
- * round(mean over the first `valid` rows of 1000 * -ln(max(p_y, 1)/256)) via
- * mexc_nll_milli_table (0 if valid == 0). Site 0. */
+/* softmax_ce_forward: probs (N, K) in [0, 2^15 - 1] (exponent -15). Returns the integer loss
+ * round(mean over the first `valid` rows of 1000 * -ln(max(p_y, 1) / 2^15)), each row's
+ * term within 5 of it (mexc_nll_milli_table of p's top 8 bits, rounded; 0 if valid == 0).
+ * Site 0. */
 int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
-                                const int32_t *labels, uint32_t valid, uint8_t *probs,
+                                const int32_t *labels, uint32_t valid, int16_t *probs,
                                 const mexc_ctx_t *ctx, uint32_t tid);
 /* softmax_ce_backward: dlogits (N, K); returns its exponent. Site 0. */
-int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
+int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const int16_t *probs,
                                  const int32_t *labels, uint32_t valid, int8_t *dx,
                                  const mexc_ctx_t *ctx, uint32_t tid);
 

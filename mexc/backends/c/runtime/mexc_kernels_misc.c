@@ -109,16 +109,36 @@ int32_t mexc_maxpool2d_backward(const mexc_pool_t *p, const int8_t *dy, int32_t 
 
 /* ------------------------------------------------------------------ softmax_ce (loss.py) */
 
-/* EXP_TABLE.lookup of d = m - rowmax (index shift with site-0 rounding, clamp to int8). */
+/* EXP_TABLE.lookup(flush) of d = m - rowmax (index shift with site-0 rounding; 0 below the
+ * table, clamped to 127 above). */
 static int32_t exp_lookup(int32_t d, int32_t e, const mexc_ctx_t *ctx, uint32_t key, uint32_t idx)
 {
     int32_t t = mexc_shift_signed_sat(d, MEXC_EXP_IN_EXP - e, ctx->stochastic, key, idx);
-    t = t < -128 ? -128 : (t > 127 ? 127 : t);
-    return mexc_exp_table[t + 128];
+    if (t < -128) return 0;
+    return mexc_exp_table[(t > 127 ? 127 : t) + 128];
+}
+
+/* -1000 ln(max(p, 1) / 2^15), within 5: p = q 2^j with q in [128, 255] (p's top 8 bits,
+ * rounded to nearest), mexc_nll_milli_table[q] = round(-1000 ln(q / 256)), plus
+ * round((7 - j) 1000 ln 2) */
+static int32_t nll_milli(int32_t p)
+{
+    uint32_t q = p < 1 ? 1u : (uint32_t)p;
+    int32_t j = mexc_bit_length(q) - 8;
+    if (j < 0) {
+        q <<= -j;
+    } else if (j > 0) {
+        q = (q + (1u << (j - 1))) >> j;
+        if (q > 255u) { /* rounded up to 256 */
+            q >>= 1;
+            j++;
+        }
+    }
+    return mexc_nll_milli_table[q] + mexc_idiv_round((7 - j) * 693147, 1000u);
 }
 
 int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
-                                const int32_t *labels, uint32_t valid, uint8_t *probs,
+                                const int32_t *labels, uint32_t valid, int16_t *probs,
                                 const mexc_ctx_t *ctx, uint32_t tid)
 {
     const uint32_t key = mexc_site_key(ctx, tid, 0);
@@ -131,26 +151,26 @@ int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, in
         srow = 0;
         for (j = 0; j < k; j++) srow += exp_lookup(m[j] - mx, e, ctx, key, r * k + j);
         for (j = 0; j < k; j++) {
-            p = mexc_idiv_round(exp_lookup(m[j] - mx, e, ctx, key, r * k + j) << 8, (uint32_t)srow);
-            probs[r * k + j] = (uint8_t)(p < 255 ? p : 255);
+            /* E << 15 <= 2^30 */
+            p = mexc_idiv_round(exp_lookup(m[j] - mx, e, ctx, key, r * k + j) << 15, (uint32_t)srow);
+            probs[r * k + j] = (int16_t)(p < 32767 ? p : 32767);
         }
-        if (r < rows) loss += mexc_nll_milli_table[probs[r * k + (uint32_t)labels[r]]];
+        if (r < rows) loss += nll_milli(probs[r * k + (uint32_t)labels[r]]);
     }
     return rows ? mexc_idiv_round(loss, rows) : 0;
 }
 
-int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
+int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const int16_t *probs,
                                  const int32_t *labels, uint32_t valid, int8_t *dx,
                                  const mexc_ctx_t *ctx, uint32_t tid)
 {
     uint32_t r, j, rows = valid < n ? valid : n, div = rows ? rows : 1u;
     int32_t t, s, e_out = 0;
-    /* loss.grad_shift: ceil_log2(div) - 7 bits more where div > 128, while |t| << (7 + sh)
-     * stays below 2^31 (|t| <= 256 + k / 2) */
-    int32_t sh = mexc_ceil_log2(div) - 7, room = 24 - mexc_bit_length(256u + k / 2u);
+    /* loss.grad_shift: ceil_log2(div) bits, while |t| << sh stays below 2^31
+     * (|t| <= 2^15 + k / 2) */
+    int32_t sh = mexc_ceil_log2(div), room = 31 - mexc_bit_length(32768u + k / 2u);
     mexc_sink_t sink;
     if (room < 0) room = 0;
-    if (sh < 0) sh = 0;
     if (sh > room) sh = room;
     mexc_sink_init(&sink, dx, ctx, mexc_site_key(ctx, tid, 0), NULL, NULL, 0u, 0);
     for (sink.pass = 0; sink.pass < 2; sink.pass++) {
@@ -161,7 +181,7 @@ int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const uint8_t *probs,
             for (j = 0; j < k; j++) {
                 t = 0;
                 if (r < rows) t = (int32_t)probs[r * k + j] - ((uint32_t)labels[r] == j ? s : 0);
-                mexc_sink_put(&sink, r * k + j, 0u, mexc_idiv_round(t * (1 << (7 + sh)), div));
+                mexc_sink_put(&sink, r * k + j, 0u, mexc_idiv_round(t * (1 << sh), div));
             }
         }
     }
