@@ -461,8 +461,9 @@ def softmax_ce_forward(
 
     d = m - rowmax; index = d shifted to the exp table's exponent (rounding key site 0, flat
     index r*K + j; a left shift saturates at 2^30); E = table[index + 128], 0 below -128,
-    clamped to 127; p = min(idiv_round(E << 15, sum_j E), 2^15 - 1). Parameters (logits, e, key, table, probs):
-    e int32[1] the logits' exponent, key int64[1], table int32[256] (numerics.EXP_TABLE)."""
+    clamped to 127; p = min(idiv_round(E << 15, sum_j E), 2^15 - 1). Parameters (logits, e,
+    key, table, probs): e int32[1] the logits' exponent, key int64[1], table int32[256]
+    (numerics.EXP_TABLE)."""
     i64 = "int64"
     logits = te.placeholder((n, k), I8, name="logits")
     e = te.placeholder((1,), I32, name="e")

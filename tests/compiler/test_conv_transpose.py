@@ -1,7 +1,7 @@
 """Transposed convolutions (nn.ConvTranspose2d / 1d, F.conv_transpose2d / 1d) as the
-convolution's dx product in the forward graph, their gradients the convolution's other two products (docs/
-layers.md). Against torch and autograd, bit-exact on reference, llvm, C and the CUDA emulator,
-and the layers mexc cannot take refused by node."""
+convolution's dx product in the forward graph, their gradients the convolution's other two
+products (docs/layers.md). Against torch and autograd, bit-exact on reference, llvm, C and the
+CUDA emulator, and the layers mexc cannot take refused by node."""
 
 from __future__ import annotations
 
