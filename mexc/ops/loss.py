@@ -39,7 +39,7 @@ define(
         reference=_softmax_ce,
         lower={"tir": "step_plan:PlanRules.softmax_ce", "c": "emit:_softmax_ce"},
         loss_head=True,  # its scalar result, the logging-only loss, may be f32
-        doc="the loss head: u8 probabilities and the (logging-only, float) mean loss",
+        doc="the loss head: int16 probabilities (p / 2^15) and the (logging-only, float) mean loss",
         data_parallel=True,
         batch_whole=(1,),
     ),
