@@ -174,8 +174,9 @@ def single(v: Any, what: str) -> int:
 
 
 def as_rows(weight: Any) -> Arrangement:
-    """A 1-D layer's weight (O, C, k), or a transposed one's (C, O, k), held as the
-    (., ., 1, k) kernel of the 2-D layer it runs as."""
+    """A parameter held reshaped, its elements in their order: a 1-D layer's weight (O, C, k),
+    or a transposed one's (C, O, k), as the (., ., 1, k) kernel of the 2-D layer it runs as; a
+    LayerNorm's weight over several axes, flattened."""
     shape = tuple(int(d) for d in weight.shape)
     return Arrangement(shape, shape, tuple(range(len(shape))))
 

@@ -14,6 +14,7 @@ from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import (
     Grads,
+    as_rows,
     before_last,
     called_name,
     finite_number,
@@ -279,24 +280,73 @@ def _function_affine(c: Any, n: Any, weight: Any, bias: Any, size: int) -> list[
 
 
 def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
-    if len(m.normalized_shape) != 1:
-        raise UnsupportedOpError(c.describe(n, "needs LayerNorm over the last axis"))
-    affine = _module_affine(c, n, m, int(m.normalized_shape[0]))
-    return c.emit(Op.LAYERNORM, [c.arg(n.args[0]), *affine], n, eps=float(m.eps))
+    """nn.LayerNorm over its normalized_shape's trailing axes (one or several)."""
+    sizes = tuple(int(d) for d in m.normalized_shape)
+    if len(sizes) == 1:
+        affine = _module_affine(c, n, m, sizes[0])
+    else:  # held flattened, as the flattened axes it normalizes
+        name, size = str(n.target), int(np.prod(sizes))
+        affine = [
+            c.param(f"{name}.{what}", t.reshape(-1), role, arranged=as_rows(t))
+            if t is not None
+            else c.constant(f"{name}.{what}", np.full(size, fill), role)
+            for what, t, role, fill in (
+                ("weight", getattr(m, "weight", None), "ln_weight", 1.0),
+                ("bias", getattr(m, "bias", None), "ln_bias", 0.0),
+            )
+        ]
+    return _layer_norm_over(c, n, n.args[0], sizes, affine, float(m.eps))
+
+
+def _layer_norm_over(
+    c: Any, n: Any, x: Any, sizes: tuple[int, ...], affine: list[Value], eps: float
+) -> Value:
+    """LAYERNORM of x over its trailing axes `sizes` (several: flattened into one and back)."""
+    shape = tuple(c.shape(x))
+    k = len(sizes)
+    if shape[-k:] != sizes or len(shape) <= k:
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"normalizes {list(sizes)} of a tensor of shape {list(shape)}; mexc normalizes "
+                "trailing axes other than the batch axis",
+            )
+        )
+    if k == 1:
+        return c.emit(Op.LAYERNORM, [c.arg(x), *affine], n, eps=eps)
+    flat = (*shape[:-k], int(np.prod(sizes)))
+    y = c.emit_as(Op.LAYERNORM, [reshaped(c, c.arg(x), flat), *affine], flat, eps=eps)
+    return c.emit(Op.RESHAPE, [y], n, shape=shape)
 
 
 def _layernorm_function(c: Any, n: Any) -> Value:
     """F.layer_norm(x, normalized_shape, weight, bias, eps) with a module's weight and bias
-    (ConvNeXt's LayerNorm2d on channels-last activations)."""
+    (ConvNeXt's LayerNorm2d on channels-last activations), over one or several trailing
+    axes."""
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     shape = static_value(args["normalized_shape"])
-    last = c.shape(n.args[0])[-1]
-    if tuple(shape if isinstance(shape, (list, tuple)) else (shape,)) != (last,):
-        raise UnsupportedOpError(c.describe(n, "normalizes more than the last axis"))
-    affine = _function_affine(c, n, args.get("weight"), args.get("bias"), last)
-    ins = [c.arg(args["input"]), *affine]
-    return c.emit(Op.LAYERNORM, ins, n, eps=float(args.get("eps", 1e-5)))
+    sizes = tuple(int(d) for d in (shape if isinstance(shape, (list, tuple)) else (shape,)))
+    eps = float(args.get("eps", 1e-5))
+    if len(sizes) == 1:
+        affine = _function_affine(c, n, args.get("weight"), args.get("bias"), sizes[0])
+        return _layer_norm_over(c, n, args["input"], sizes, affine, eps)
+    size = int(np.prod(sizes))
+    affine = []
+    for what, v, role, fill in (
+        ("weight", args.get("weight"), "ln_weight", 1.0),
+        ("bias", args.get("bias"), "ln_bias", 0.0),
+    ):
+        if v is None:
+            affine.append(c.constant(f"{n.name}.{what}", np.full(size, fill), role))
+        elif c.is_param(v):
+            t = c.fetch(v)
+            affine.append(c.param(str(v.target), t.reshape(-1), role, arranged=as_rows(t)))
+        else:
+            raise UnsupportedOpError(
+                c.describe(n, f"needs a {what} that is a module parameter (or None)")
+            )
+    return _layer_norm_over(c, n, args["input"], sizes, affine, eps)
 
 
 def over_rms(c: Any, n: Any, v: Value, shape: tuple[int, ...], eps: float) -> Value:

@@ -22,6 +22,9 @@ from mexc.mx import MX, RoundCtx
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
     assert_logits_match_torch,
+    cosine,
+    float_gradients,
+    integer_gradients,
     train_checksums,
 )
 
@@ -233,3 +236,46 @@ def test_a_batch_norm_without_affine_holds_constant_ones_and_zeros() -> None:
     assert prog.state["mexc.bn.bias"].dequantize().tolist() == [0.0] * 4
     assert prog.state["bn.running_mean"].dequantize().any()  # updated
     assert_logits_match_torch(model, prog, x)
+
+
+class OverSeveralAxes(nn.Module):
+    """nn.LayerNorm([C, H, W]) (or F.layer_norm of the same shape and parameters): one
+    `layernorm` over the flattened axes, its weight and bias held flattened."""
+
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.functional = functional
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.ln = nn.LayerNorm([4, 6, 6])
+        self.fc = nn.Linear(4, 10)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.2, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if self.functional:
+            h = F.layer_norm(h, h.shape[1:], self.ln.weight, self.ln.bias)
+        else:
+            h = self.ln(h)
+        return self.fc(F.relu(h).mean((2, 3)))
+
+
+def test_a_layer_norm_over_several_axes_matches_torch_and_goes_back() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 8)
+    sums = []
+    for functional in (False, True):
+        torch.manual_seed(0)
+        model = OverSeveralAxes(functional)
+        prog = mexc.compile(model, (torch.zeros(8, 1, 8, 8),), rounding="nearest")
+        assert [n.op for n in prog.graph.nodes].count(Op.LAYERNORM) == 1
+        assert_logits_match_torch(model, prog, x)
+        got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+        for name in ("ln.weight", "ln.bias", "conv.weight"):
+            assert cosine(got[name], want[name]) >= 0.96, (name, cosine(got[name], want[name]))
+        sums.append(train_checksums(prog, (x, y)))
+        back = prog.to_module(OverSeveralAxes(functional))
+        held = prog.float_weights()["ln.weight"]
+        assert held.shape == (4, 6, 6) and np.array_equal(back.ln.weight.detach().numpy(), held)
+    assert sums[0] == sums[1]
