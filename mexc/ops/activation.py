@@ -270,21 +270,6 @@ def _minimum(c: Any, n: Any) -> Value:
     return elementwise_extreme(c, n, *_operands(n), False)
 
 
-def _min_call(c: Any, n: Any) -> Value:
-    """torch.min(a, b) / a.min(b) of two tensors: torch.minimum. The minimum over an axis or of
-    every element is refused (mexc reduces with the maximum)."""
-    a, b = _operands(n)
-    if b is None or not c.is_node(b):
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                "takes a minimum over an axis or of every element; mexc lowers the maximum: "
-                "use -(-x).amax(dim)",
-            )
-        )
-    return elementwise_extreme(c, n, a, b, False)
-
-
 def _glu(c: Any, n: Any, x: Any, dim: int) -> Value:
     """GLU: the first half of x along `dim` times the sigmoid of the second half (torch's
     order), as a slice of each half, SIGMOID and MUL: the integer sigmoid and product, with
@@ -688,8 +673,6 @@ define(
             Pattern("method", ("maximum",), _maximum),
             Pattern("function", ("torch.minimum",), _minimum),
             Pattern("method", ("minimum",), _minimum),
-            Pattern("function", ("torch.min",), _min_call),
-            Pattern("method", ("min",), _min_call),
             Pattern("module", ("torch.nn.PReLU",), _prelu_module),
             Pattern("function", ("torch.nn.functional.prelu", "torch.prelu"), _prelu_function),
         ),

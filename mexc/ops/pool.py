@@ -337,16 +337,37 @@ def _pool1d(c: Any, n: Any, op: Op, kernel: Any, stride: Any, padding: Any, opts
 
 
 def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
-    """The maximum over `dims` (not the batch axis) as a max pool: the reduced axes moved
-    behind the others, x seen as (N, R, 1, K), one (1, K) window per row, then the result's
-    shape. Its gradient goes to the first maximum in the row-major order of the reduced axes
-    (torch.max(x, dim)'s index; amax shares it among ties)."""
+    """The maximum over `dims` (not the batch axis) of traced x (_reduce_max_of)."""
+    return _reduce_max_of(c, n, c.arg(x), tuple(c.shape(x)), dims, keepdim)
+
+
+def _reduce_min(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
+    """The minimum over `dims` of traced x: -max(-x), the negations a scale by -1 (exact but
+    for a mantissa of -128, which the scale's compaction rounds)."""
     shape = tuple(c.shape(x))
+    top = _reduce_max_of(c, n, scaled(c, c.arg(x), shape, -1.0), shape, dims, keepdim)
+    return scaled(c, top, _reduced_shape(shape, dims, keepdim), -1.0)
+
+
+def _reduced_shape(shape: tuple[int, ...], dims: Any, keepdim: bool) -> tuple[int, ...]:
+    rank = len(shape)
+    reduced = {static_int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    return tuple(
+        1 if a in reduced else shape[a] for a in range(rank) if keepdim or a not in reduced
+    )
+
+
+def _reduce_max_of(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: Any, keepdim: bool
+) -> Value:
+    """The maximum of v (of `shape`) over `dims` (not the batch axis) as a max pool: the
+    reduced axes moved behind the others, v seen as (N, R, 1, K), one (1, K) window per row,
+    then the result's shape. Its gradient goes to the first maximum in the row-major order of
+    the reduced axes (torch.max(x, dim)'s index; amax shares it among ties)."""
     rank = len(shape)
     reduced = sorted(
         {static_int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
     )
-    v = c.arg(x)
     batch = c.first_or_batch_axis(v)
     if batch in reduced:
         raise UnsupportedOpError(
@@ -367,8 +388,7 @@ def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
     if order != [batch, *kept]:  # the batch was not the first of them: moved back
         mid = tuple(shape[a] for a in (batch, *kept))
         v = transposed(c, reshaped(c, v, mid), mid, tuple([batch, *kept].index(a) for a in order))
-    out = tuple(1 if a in reduced else shape[a] for a in range(rank) if keepdim or a not in reduced)
-    return reshaped(c, v, out)
+    return reshaped(c, v, _reduced_shape(shape, dims, keepdim))
 
 
 def _max_call(c: Any, n: Any) -> Any:
@@ -382,6 +402,28 @@ def _max_call(c: Any, n: Any) -> Any:
     if c.is_node(dim):
         return elementwise_extreme(c, n, args["input"], dim, True)
     return (_reduce_max(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
+
+
+def _min_call(c: Any, n: Any) -> Any:
+    """torch.min(x, dim[, keepdim]) / x.min(dim): (values, indices), of which mexc computes the
+    values (-max(-x)); torch.min(a, b) of two tensors: torch.minimum. torch.min(x) of every
+    element is refused."""
+    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
+    dim = args.get("dim", args.get("other"))
+    if dim is None:
+        raise UnsupportedOpError(c.describe(n, "takes the minimum of every element; give a dim"))
+    if c.is_node(dim):
+        return elementwise_extreme(c, n, args["input"], dim, False)
+    return (_reduce_min(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
+
+
+def _amin_call(c: Any, n: Any) -> Value:
+    """torch.amin(x, dim[, keepdim]) / x.amin(dim): -amax(-x)."""
+    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
+    if args.get("dim") in (None, (), []):
+        raise UnsupportedOpError(c.describe(n, "takes the minimum of every element; give dims"))
+    value = _reduce_min(c, n, args["input"], args["dim"], bool(args.get("keepdim", False)))
+    return as_result(c, n, value)
 
 
 def _amax_call(c: Any, n: Any) -> Value:
@@ -577,6 +619,10 @@ define(
             Pattern("method", ("max",), _max_call),
             Pattern("function", ("torch.amax",), _amax_call),
             Pattern("method", ("amax",), _amax_call),
+            Pattern("function", ("torch.min",), _min_call),
+            Pattern("method", ("min",), _min_call),
+            Pattern("function", ("torch.amin",), _amin_call),
+            Pattern("method", ("amin",), _amin_call),
             Pattern(
                 "function",
                 ("torch.nn.functional.max_pool1d",),
