@@ -159,7 +159,7 @@ class _Minima(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
         low = torch.min(h.flatten(2), 2).values + h.amin((2, 3)) / 2
-        return self.fc(low - h.min(dim=-1, keepdim=True)[0].mean((2, 3)))
+        return self.fc(low + h.min(dim=-1, keepdim=True)[0].mean((2, 3)))
 
 
 def test_minima_over_axes_are_negated_maxima_and_match_torch() -> None:
