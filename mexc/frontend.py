@@ -545,10 +545,14 @@ MODULE_HANDLERS: dict[Any, Callable[..., Value]] = {
     **_handlers("module"),
     nn.Identity: _identity,
 }
-FUNCTION_HANDLERS: dict[Any, Callable[..., Value]] = _handlers("function")
+FUNCTION_HANDLERS: dict[Any, Callable[..., Value]] = {
+    **_handlers("function"),
+    torch.clone: _identity,
+}
 METHOD_HANDLERS: dict[Any, Callable[..., Value]] = {
     **_handlers("method"),
     "contiguous": _identity,
+    "clone": _identity,  # a new name for the same value: an in-place change of either rebinds it
     "to": _cast,
     "float": _cast,
     "type_as": _cast,

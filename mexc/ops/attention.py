@@ -89,14 +89,15 @@ def _softmax_convert(c: Any, n: Any) -> Value:
     """softmax over the last axis, or over another non-batch axis (ResNeSt's split attention,
     CoaT) with that axis swapped to the end and back."""
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    if n.kwargs.get("dtype") is not None:
-        raise UnsupportedOpError(c.describe(n, "takes a softmax with a dtype"))
-    return _softmax_over(c, n, dim)
+    dtype = n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None)
+    if dtype is not None and not getattr(dtype, "is_floating_point", False):
+        raise UnsupportedOpError(c.describe(n, f"takes a softmax in {dtype}"))
+    return _softmax_over(c, n, dim)  # a float dtype: mexc's probabilities are its own
 
 
 def _softmax_module(c: Any, n: Any, m: Any) -> Value:
-    """nn.Softmax(dim) (timm's Swin)."""
-    return _softmax_over(c, n, m.dim)
+    """nn.Softmax(dim) (timm's Swin); nn.Softmax2d, over the channels (axis -3)."""
+    return _softmax_over(c, n, m.dim if hasattr(m, "dim") else -3)  # Softmax2d has no dim
 
 
 def _log_softmax(c: Any, n: Any, m: Any = None) -> Value:
@@ -584,7 +585,7 @@ define(
         frontend=(
             Pattern("function", ("torch.softmax", "torch.nn.functional.softmax"), _softmax_convert),
             Pattern("method", ("softmax",), _softmax_convert),
-            Pattern("module", ("torch.nn.Softmax",), _softmax_module),
+            Pattern("module", ("torch.nn.Softmax", "torch.nn.Softmax2d"), _softmax_module),
             Pattern("module", ("torch.nn.Softmin",), _softmin),
             Pattern("function", ("torch.nn.functional.softmin",), _softmin),
             Pattern("method", ("masked_fill", "masked_fill_"), _masked_fill),
