@@ -519,14 +519,29 @@ def _upsample(
         if antialias:
             raise UnsupportedOpError(c.describe(n, "resamples with antialias=True"))
         return linear_resample(c, n, x, align_corners)
-    if any(o % i for i, o in zip(x_shape[2:], out[2:])):
+    if any(o % i and i % o for i, o in zip(x_shape[2:], out[2:])):
         raise UnsupportedOpError(
             c.describe(
                 n,
-                f"upsamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers "
+                f"resamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers "
                 "resampling by integer factors only",
             )
         )
+    if any(o < i for i, o in zip(x_shape[2:], out[2:])):  # down along some axis first
+        v, shape = _nearest_down(c, n, c.arg(x), tuple(x_shape), tuple(out), mode)
+        if shape == tuple(out):
+            return as_result(c, n, v)
+        up = tuple(o // i for i, o in zip(shape[2:], out[2:]))
+        if len(up) == 1:
+            wide = (*shape[:2], 1, out[2])
+            y = c.emit_as(
+                Op.UPSAMPLE_NEAREST,
+                [reshaped(c, v, (*shape[:2], 1, shape[2]))],
+                wide,
+                scale=(1, up[0]),
+            )
+            return as_result(c, n, y)
+        return c.emit(Op.UPSAMPLE_NEAREST, [v], n, scale=up)
     scale = tuple(o // i for i, o in zip(x_shape[2:], out[2:]))
     if scale in ((1,), (1, 1)):
         return c.arg(x)
@@ -535,6 +550,26 @@ def _upsample(
         y = c.emit_as(Op.UPSAMPLE_NEAREST, [as_rows_2d(c, x)], wide, scale=(1, scale[0]))
         return as_result(c, n, y)
     return c.emit(Op.UPSAMPLE_NEAREST, [c.arg(x)], n, scale=scale)
+
+
+def _nearest_down(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], out: tuple[int, ...], mode: str
+) -> tuple[Value, tuple[int, ...]]:
+    """v downsampled, nearest, along each axis whose output is a whole fraction 1/s of its
+    input: torch reads source pixel floor(j s) ('nearest'; floor((j + 1/2) s) 'nearest-exact'),
+    one pixel of each window of s: v seen as (..., out, s, ...) and that pixel sliced out.
+    Exact, and its gradient is the slice's (zeros elsewhere). Returns (v, its shape)."""
+    for axis in range(2, len(shape)):
+        size, o = shape[axis], out[axis]
+        if o >= size:
+            continue
+        step = size // o
+        at = step // 2 if mode == "nearest-exact" else 0
+        windows = (*shape[:axis], o, step, *shape[axis + 1 :])
+        picked = sliced(c, reshaped(c, v, windows), windows, axis + 1, at, at + 1)
+        shape = (*shape[:axis], o, *shape[axis + 1 :])
+        v = reshaped(c, picked, shape)
+    return v, shape
 
 
 def _check_scale_factor(

@@ -156,7 +156,7 @@ def test_adaptive_pooling_with_windows_of_several_sizes_is_torchs(
         (nn.Upsample(scale_factor=(1, 3.4), mode="bilinear"), (4, 2), "scale_factor"),
         (nn.Upsample(scale_factor=(0.4, 1), mode="bilinear"), (6, 4), "scale_factor"),
         (nn.Upsample(scale_factor=(1, 3.4)), (4, 2), "scale_factor"),
-        (nn.Upsample(scale_factor=1.5), (4, 4), r"upsamples \[4, 4\] to \[6, 6\]"),
+        (nn.Upsample(scale_factor=1.5), (4, 4), r"resamples \[4, 4\] to \[6, 6\]"),
     ],
 )
 def test_what_is_not_lowered_is_named(
@@ -166,6 +166,21 @@ def test_what_is_not_lowered_is_named(
     model(torch.zeros(2, 2, *size))
     with pytest.raises(mexc.UnsupportedOpError, match=f"node '_0_layer'.*{message}"):
         mexc.compile(model, (torch.zeros(2, 2, *size),))
+
+
+@pytest.mark.parametrize(
+    ("layer", "size"),
+    [
+        (nn.Upsample(size=(2, 3)), (8, 6)),  # every 4th row, every 2nd column, from the first
+        (nn.Upsample(scale_factor=(0.25, 2), mode="nearest-exact"), (8, 3)),  # the middle ones
+        (nn.Upsample(size=(1, 4), mode="nearest"), (5, 8)),
+    ],
+)
+def test_nearest_downsampling_picks_torchs_pixels_exactly(
+    layer: nn.Module, size: tuple[int, int]
+) -> None:
+    got, want = _resized_and_torchs(layer, size, 7)
+    np.testing.assert_array_equal(_float(got), want)
 
 
 @pytest.mark.parametrize(
