@@ -20,7 +20,9 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.ops.common import Grads, elementwise_types, tir_rule
 from mexc.ops.gather import Const, Gathered, static_tensor
+from mexc.ops.pool import reduced_max
 from mexc.ops.registry import OpDef, Pattern, define
+from mexc.ops.tensor import mean_over, scaled
 from mexc.types import acc
 
 _ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
@@ -89,6 +91,39 @@ def _embedding_function(c: Any, n: Any) -> Value | Gathered | Const:
     return Gathered(w, index)
 
 
+def _embedding_bag_module(c: Any, n: Any, m: Any) -> Value:
+    """nn.EmbeddingBag over bags of one length, ids (N, T) without offsets: the rows looked up
+    (`embedding`), then their mean over the bag (mode "mean"), T times it ("sum") or their
+    maximum ("max") per sample. Offsets (bags of several lengths), per-sample weights,
+    padding_idx and max_norm are refused by node."""
+    ids = n.args[0] if n.args else n.kwargs.get("input")
+    rest = list(n.args[1:]) + [v for k, v in n.kwargs.items() if k != "input"]
+    if any(v is not None for v in rest):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "takes offsets or per-sample weights; mexc takes bags of one length, the ids "
+                "(N, T) alone",
+            )
+        )
+    if m.padding_idx is not None or m.max_norm is not None or m.scale_grad_by_freq:
+        raise UnsupportedOpError(
+            c.describe(n, "uses padding_idx, max_norm or scale_grad_by_freq; leave them unset")
+        )
+    if not c.is_token_ids(ids) or len(c.shape(ids)) != 2:
+        raise UnsupportedOpError(
+            c.describe(n, "reads bags that are not the model's integer input (N, T)")
+        )
+    batch, length = (int(d) for d in c.shape(ids))
+    vocab, dim = (int(d) for d in m.weight.shape)
+    table = c.param(f"{n.target}.weight", m.weight, "weight")
+    rows = c.emit_as(Op.EMBEDDING, [c.ids, table], (batch, length, dim), padding_idx=-1)
+    if m.mode == "max":
+        return reduced_max(c, n, rows, (batch, length, dim), 1)
+    mean = mean_over(c, rows, (batch, length, dim), [1], (batch, dim))
+    return mean if m.mode == "mean" else scaled(c, mean, (batch, dim), float(length))
+
+
 def _embedding_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     """The table's gradient: dy's rows summed per id (int32, at dy's exponent)."""
     dy = dys[0]
@@ -116,7 +151,10 @@ define(
         types=elementwise_types,
         vjp=_embedding_vjp,
         reference=_embedding_ref,
-        frontend=(Pattern("function", ("torch.nn.functional.embedding",), _embedding_function),),
+        frontend=(
+            Pattern("function", ("torch.nn.functional.embedding",), _embedding_function),
+            Pattern("module", ("torch.nn.EmbeddingBag",), _embedding_bag_module),
+        ),
         lower={"tir": tir_rule("embedding"), "c": "emit:_embedding"},
         keeps_axes=True,
         doc="rows of a table [V, D] looked up by the integer input's ids: y[..., :] = "

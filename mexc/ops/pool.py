@@ -341,6 +341,11 @@ def _reduce_max(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
     return _reduce_max_of(c, n, c.arg(x), tuple(c.shape(x)), dims, keepdim)
 
 
+def reduced_max(c: Any, n: Any, v: Value, shape: tuple[int, ...], axis: int) -> Value:
+    """The maximum of v (of `shape`, a step of a decomposition) over `axis`."""
+    return _reduce_max_of(c, n, v, shape, axis, False)
+
+
 def _reduce_min(c: Any, n: Any, x: Any, dims: Any, keepdim: bool) -> Value:
     """The minimum over `dims` of traced x: -max(-x), the negations a scale by -1 (exact but
     for a mantissa of -128, which the scale's compaction rounds)."""

@@ -394,3 +394,33 @@ def test_trains_on_a_cortex_m3_as_in_the_reference(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     out = (run.stdout + run.stderr).splitlines()
     assert [ln.split()[1] for ln in out if ln.startswith("STATE ")] == [prog.state_checksum()]
+
+
+class _Bags(nn.Module):
+    """nn.EmbeddingBag over bags of one length (ids (N, T), no offsets), then a linear head."""
+
+    def __init__(self, mode: str, **options: Any) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 16, mode=mode, **options)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bag(ids))
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum", "max"])
+def test_an_embedding_bag_of_one_length_matches_torch(mode: str) -> None:
+    ids = np.random.default_rng(4).integers(0, 30, (8, 6))
+    labels = np.arange(8) % 5
+    torch.manual_seed(0)
+    model = _Bags(mode)
+    prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
+    assert [n.op for n in prog.graph.nodes].count(Op.EMBEDDING) == 1
+    assert_logits_match_torch(model, prog, ids, rel=0.03)
+    got, want = integer_gradients(prog, ids, labels), float_gradients(model, prog, ids, labels)
+    assert cosine(got["bag.weight"], want["bag.weight"]) >= 0.99
+
+
+def test_an_embedding_bag_with_padding_idx_is_refused_by_node() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"'bag'.*padding_idx"):
+        mexc.compile(_Bags("mean", padding_idx=0), (torch.zeros(4, 6, dtype=torch.long),))
