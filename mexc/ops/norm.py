@@ -316,7 +316,7 @@ def _layer_norm_over(
         return c.emit(Op.LAYERNORM, [c.arg(x), *affine], n, eps=eps)
     flat = (*shape[:-k], int(np.prod(sizes)))
     y = c.emit_as(Op.LAYERNORM, [reshaped(c, c.arg(x), flat), *affine], flat, eps=eps)
-    return c.emit(Op.RESHAPE, [y], n, shape=shape)
+    return as_result(c, n, y)
 
 
 def _layernorm_function(c: Any, n: Any) -> Value:
