@@ -234,6 +234,31 @@ def _hardshrink(c: Any, n: Any, m: Any = None) -> Value:
     return multiplied(c, v, _positive(c, n, beyond, shape, 1.0), shape)
 
 
+def _threshold(c: Any, n: Any, m: Any = None) -> Value:
+    """nn.Threshold(threshold, value), F.threshold(x, threshold, value): x where x > threshold,
+    else value: m x + (1 - m) value with m = [x - threshold > 0] (_positive); the value at
+    most MAX_FILL in size (is_fill), as torch.where's."""
+    names = ("input", "threshold", "value")
+    args = dict(zip(names, n.args)) | dict(n.kwargs)
+    x = args["input"]
+    level = static_value(m.threshold if m is not None else args["threshold"])
+    value = static_value(m.value if m is not None else args["value"])
+    if not finite_number(level) or not is_fill(value):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"thresholds at {level!r} with the value {value!r}; mexc takes a finite "
+                f"threshold and a value of at most {MAX_FILL:g} in size",
+            )
+        )
+    shape, v = tuple(c.shape(x)), c.arg(x)
+    mask = _positive(c, n, number_added(c, n, v, shape, -float(level)), shape, 1.0)
+    kept = multiplied(c, v, mask, shape)
+    if not value:
+        return kept
+    return added(c, kept, scaled(c, _one_minus(c, n, mask, shape), shape, float(value)), shape)
+
+
 def elementwise_extreme(c: Any, n: Any, a: Any, b: Any, largest: bool) -> Value:
     """torch.maximum(a, b) as b + relu(a - b), torch.minimum(a, b) as a - relu(a - b), for two
     activations of one shape: integer sums and a ReLU, each rounded as docs/numerics.md says
@@ -651,6 +676,8 @@ define(
             Pattern("method", ("abs",), _abs),
             Pattern("function", ("torch.nn.functional.softsign",), _softsign),
             Pattern("module", ("torch.nn.Hardshrink",), _hardshrink),
+            Pattern("module", ("torch.nn.Threshold",), _threshold),
+            Pattern("function", ("torch.nn.functional.threshold",), _threshold),
             Pattern("function", ("torch.nn.functional.hardshrink",), _hardshrink),
             Pattern(
                 "function",

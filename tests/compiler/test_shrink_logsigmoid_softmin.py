@@ -69,3 +69,31 @@ def test_trains_bit_exact_on_llvm_and_c() -> None:
 
     batch = small_batch((4, 16))
     assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, batch)
+
+
+class Thresholded(nn.Module):
+    """nn.Threshold(0.1, -0.5) and F.threshold(x, -0.2, 0.0): x where x > t, else the value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.threshold = nn.Threshold(0.1, -0.5)
+        self.fc2 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(self.threshold(self.fc1(x)))
+        return self.head(F.threshold(h, -0.2, 0.0))
+
+
+def test_thresholds_are_masks_and_match_torch() -> None:
+    torch.manual_seed(0)
+    model = Thresholded()
+    prog = mexc.compile(model, (torch.zeros(64, 16),), rounding="nearest")
+    assert [n.op for n in prog.graph.nodes].count(Op.DIV) == 2  # one mask each
+    x, y = small_batch((64, 16))
+    # entries within the int8 rounding of a threshold fall either way: 0.071 of the largest
+    assert_logits_match_torch(model, prog, x, rel=0.1)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("fc1.weight", "fc2.weight", "head.weight"):
+        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
