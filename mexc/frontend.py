@@ -44,6 +44,7 @@ from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_modules import traced_forward
 from mexc.ir import LABEL_SHAPE, Graph, GraphBuilder, Op, Value
+from mexc.kernels.loss import MAX_CLASSES
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.attention import MASKED_READ, KeyMask, MaskedScores
 from mexc.ops.common import (
@@ -1404,6 +1405,12 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             f"{list(shape)}"
         )
     batch, classes, positions = shape[0], shape[1], shape[2:]
+    if classes >= MAX_CLASSES:
+        raise UnsupportedOpError(
+            f"the model's output has {classes} classes; mexc's integer loss head takes fewer "
+            f"than {MAX_CLASSES} (its exp values of 2^15 each sum in int32: docs/layers.md, "
+            "'Output head')"
+        )
     rows, head_in = batch, logits
     if positions:  # torch's K-dimensional cross-entropy: a row of classes per position
         rows = batch * int(np.prod(positions))

@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 import zipfile
 import zlib
@@ -43,7 +44,10 @@ from mexc.printer import print_graph
 if TYPE_CHECKING:  # the planner needs networkx, which a GPU runtime machine may lack
     from mexc.passes.plan_memory import MemoryPlan
 
-CHECKPOINT_FORMAT = "mexc-checkpoint-1"
+# 2: the output head's probabilities are int16 (i16); a format-1 checkpoint's program typed them
+# u8, and reads as format 2 with that type changed (its state means the same)
+CHECKPOINT_FORMAT = "mexc-checkpoint-2"
+_OLDER_FORMATS = {"mexc-checkpoint-1": lambda text: re.sub(r"\bu8\[", "i16[", text)}
 
 
 @dataclass(frozen=True)
@@ -596,11 +600,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Program:
     try:
         with zipfile.ZipFile(io.BytesIO(_verified_bytes(p))) as z:
             meta = json.loads(z.read("meta.json"))
-            if meta.get("format") != CHECKPOINT_FORMAT:
-                raise CheckpointError(
-                    f"{p} is not a mexc checkpoint (format {meta.get('format')!r})"
-                )
-            graph = parse_graph(z.read("program.mexir").decode())
+            fmt = meta.get("format")
+            if fmt != CHECKPOINT_FORMAT and fmt not in _OLDER_FORMATS:
+                raise CheckpointError(f"{p} is not a mexc checkpoint (format {fmt!r})")
+            text = z.read("program.mexir").decode()
+            graph = parse_graph(_OLDER_FORMATS[fmt](text) if fmt in _OLDER_FORMATS else text)
             arrays = {}
             for name in z.namelist():
                 if name.startswith("state/") and name.endswith(".npy"):

@@ -3,7 +3,7 @@
 Requires: a float graph from the frontend (f32 values, PARAM/STATE/INPUT/LABEL boundary nodes).
 Ensures: the input is quantized once by a QUANTIZE node; every other value is integer:
   parameters and activations are mx<i8,e=tensor>, products (conv2d, linear) yield acc<i32>
-  followed by an explicit COMPACT node, probabilities are u8, max-pool indices and dropout masks
+  followed by an explicit COMPACT node, probabilities are i16, max-pool indices and dropout masks
   are idx. The only f32 values left are the input (consumed by QUANTIZE) and the logging-only
   loss. Every op that rounds gets a distinct rounding-site id `rid`. Each op's rule is its
   definition's `types` (mexc.ops). With ctx.channel_exponents below 8 bits the graph carries
@@ -45,7 +45,7 @@ class _Rewriter:
 
 
 def insert_mx_types(g: Graph, ctx: PassContext) -> Graph:
-    """Quantize at the boundary, type every value as MX / acc / u8 / idx, assign rounding sites."""
+    """Quantize at the boundary, type every value as MX / acc / i16 / idx, assign rounding sites."""
     r = _Rewriter(g, ctx)
     for n in g.nodes:
         rule = op_def(n.op).types

@@ -195,8 +195,8 @@ def test_trains_bit_exact_on_reference_llvm_and_c(name: str) -> None:
 
 @needs_cuda_tools
 def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
-    # 17 sequences of 8 positions: 136 loss rows, past the 128 where the gradient's extra
-    # bits start (kernels.loss.grad_shift)
+    # 17 sequences of 8 positions: 136 loss rows, divided with 8 extra bits
+    # (kernels.loss.grad_shift)
     assert_cuda_source_trains_bit_exact(compiled("lm", n=17), tmp_path)
 
 

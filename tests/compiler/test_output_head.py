@@ -6,10 +6,12 @@ llvm and C."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 import mexc
+from mexc.errors import UnsupportedOpError
 from tests.compiler.helpers import (
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
@@ -58,3 +60,9 @@ def test_a_thousand_classes_follow_autograd_and_the_loss_falls() -> None:
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     assert_trains_bit_exact_on_llvm_and_c(_program(), _program, _batch())
+
+
+def test_a_head_of_2_to_the_16_classes_is_refused() -> None:
+    """Its row sums of exp values (2^15 each) would pass int32: refused before any pass."""
+    with pytest.raises(UnsupportedOpError, match="65536 classes; mexc's integer loss head"):
+        mexc.compile(nn.Linear(4, 1 << 16), (torch.zeros(2, 4),))

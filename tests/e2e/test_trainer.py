@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import mexc
 from examples.models import DigitsCNN
 from mexc.data import load_splits
 from mexc.fp32 import train_fp32
+from mexc.printer import print_graph
 from mexc.trainer import Trainer, build_results, format_table, make_optimizer
 
 pytestmark = pytest.mark.e2e
@@ -164,3 +168,33 @@ def test_trainer_rejects_bad_arguments(runs: dict, small_data: tuple) -> None:
         Trainer(prog, *small_data, batch=16)
     with pytest.raises(ValueError, match="fewer than one batch"):
         Trainer(prog, (small_data[0][0][:8], small_data[0][1][:8]), small_data[1])
+
+
+def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
+    runs: dict, tmp_path: Path
+) -> None:
+    """A checkpoint of format 1 typed the head's probabilities u8; it reads as format 2 (i16),
+    its state the same."""
+    d = _fresh(runs, tmp_path)
+    data = (d / "last.mexc").read_bytes()
+    body = data[: data.rindex(b"mexc-sha256=")]
+    old = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(body)) as z, zipfile.ZipFile(old, "w") as out:
+        for name in z.namelist():
+            item = z.read(name)
+            if name == "meta.json":
+                meta = json.loads(item)
+                meta["format"] = "mexc-checkpoint-1"
+                item = json.dumps(meta).encode()
+            elif name == "program.mexir":
+                assert b" i16[" in item
+                item = item.replace(b" i16[", b" u8[")
+            out.writestr(name, item)
+    older = old.getvalue()
+    (d / "old.mexc").write_bytes(
+        older + b"mexc-sha256=" + hashlib.sha256(older).hexdigest().encode()
+    )
+    prog, want = mexc.load(d / "old.mexc"), mexc.load(d / "last.mexc")
+    assert prog.state_checksum() == want.state_checksum()
+    text = print_graph(prog.graph)
+    assert "u8[" not in text and "i16[" in text

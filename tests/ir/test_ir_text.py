@@ -26,7 +26,7 @@ shift_cap=17, pre_shift=0, bits=8, rid=4} : mx<i8,e=tensor>[4,16,8,8]  // models
 %5 = relu %4 : mx<i8,e=tensor>[4,16,8,8]
 %6:3 = batchnorm_grad %5, %2 {rid=7} : (mx<i8,e=tensor>[4,16,8,8], acc<i32,e=tensor>[16], \
 acc<i32,e=tensor>[16])
-%7:2 = softmax_ce %6, %1 {num_classes=10, rid=8} : (f32[], u8[4,10])
+%7:2 = softmax_ce %6, %1 {num_classes=10, rid=8} : (f32[], i16[4,10])
 return {loss=%7, "state:conv1.weight"=%6#2}
 """
 

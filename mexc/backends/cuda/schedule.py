@@ -207,9 +207,20 @@ def _extent(ivars: Any, spatial: bool) -> int:
     return extent
 
 
+def _cross_thread(b: Any) -> bool:
+    """Block b's reduction is shared by a block's threads: at least CROSS_THREAD_MIN terms per
+    output, in 32-bit or wider values. TVM's allreduce of narrower ones (an int8 row maximum:
+    the softmax head's, attention's, a max pool's) is a warp-synchronous tail on volatile
+    shared memory with no __syncwarp: a race where a warp's threads need not run in lockstep
+    (sm_70 on), and stale reads in the CPU emulator, whose threads switch at barriers only.
+    Those reduce one output per thread."""
+    wide = all(int(w.buffer.dtype.bits) >= 32 for w in b.writes)
+    return wide and _extent(b.iter_vars, False) >= CROSS_THREAD_MIN
+
+
 def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
     """`blocks` in runs of consecutive blocks that may share one kernel: blocks with one thread
-    per output (spatial-only, or reducing fewer than CROSS_THREAD_MIN terms per output) over
+    per output (spatial-only, or a reduction that is not _cross_thread) over
     the same spatial domain that write their own element only, and read what an earlier block
     of the run wrote at their own element only (and write nothing an earlier block of the run
     read elsewhere), so that one thread per element runs the run's blocks in order with no
@@ -223,7 +234,7 @@ def _elementwise_runs(sch: s_tir.Schedule, blocks: list) -> list[list]:
         ivars = [iv for iv in b.iter_vars if int(iv.iter_type) == 0]
         here = tuple(int(iv.dom.extent) for iv in ivars)
         reads, writes = _pointwise(b.reads, ivars), _pointwise(b.writes, ivars)
-        short = _extent(b.iter_vars, False) < CROSS_THREAD_MIN
+        short = not _cross_thread(b)
         own = bool(ivars) and short and all(writes.values())
         joins = (
             own
@@ -258,7 +269,7 @@ def schedule_gpu(func: tirx.PrimFunc, tvm_split: bool = False) -> tirx.PrimFunc:
         spatial_n = _spatial_count(sch, blk)
         loops = sch.get_loops(blk)
         spatial, reduce = loops[:spatial_n], loops[spatial_n:]
-        if spatial and reduce and _extent(sch.get(blk).iter_vars, False) >= CROSS_THREAD_MIN:
+        if spatial and reduce and _cross_thread(sch.get(blk)):
             # one output (a whole tensor's maximum): its one block takes the elementwise
             # blocks' shape, so that fuse.fuse_one_block_runs can join it to its neighbours
             one = _extent(sch.get(blk).iter_vars, True) == 1

@@ -18,7 +18,7 @@
 extern const int32_t mexc_exp_table[256];      /* numerics.EXP_TABLE.values */
 extern const int32_t mexc_nll_milli_table[256]; /* round(-1000 ln(max(i,1)/256)) */
 #define MEXC_EXP_IN_EXP (-4)
-#define MEXC_PROB_EXP (-8)
+#define MEXC_PROB_EXP (-15)
 #define MEXC_SOFTMAX_GRAD_EXP (-15)
 
 /* ------------------------------------------------------------------ products (_common.py) */

@@ -143,7 +143,8 @@ int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, in
 {
     const uint32_t key = mexc_site_key(ctx, tid, 0);
     uint32_t r, j, rows = valid < n ? valid : n;
-    int32_t mx, srow, p, loss = 0;
+    int32_t mx, srow, p;
+    int64_t loss = 0; /* up to 10,397 a row */
     for (r = 0; r < n; r++) {
         const int8_t *m = logits + r * k;
         mx = m[0];
@@ -157,7 +158,7 @@ int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, in
         }
         if (r < rows) loss += nll_milli(probs[r * k + (uint32_t)labels[r]]);
     }
-    return rows ? mexc_idiv_round(loss, rows) : 0;
+    return rows ? (int32_t)((loss + rows / 2u) / rows) : 0; /* loss >= 0 */
 }
 
 int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const int16_t *probs,
