@@ -155,14 +155,17 @@ class _Ctx:
         layout: str = "",
         user: Any = None,
         arranged: Arrangement | None = None,
+        tie: Any = None,
     ) -> Value:
         """The PARAM node of `name`, holding `tensor`: the parameter as declared (layout "")
         or rearranged for the op that reads it (`layout` names how: a weight an einsum
         contracts, held [out, in]; `arranged` how the model's tensor maps to the held one).
         mexc holds one copy of a parameter, so a second read in another layout is refused
-        (naming the fx node `user`)."""
-        if isinstance(tensor, nn.Parameter):  # tied: one tensor under several module names
-            name = self.tied.setdefault(id(tensor), name)
+        (naming the fx node `user`). `tie`: the model's nn.Parameter where `tensor` is a view
+        of it (a Conv1d's weight.unsqueeze(2)), which layers sharing it share."""
+        source = tie if tie is not None else tensor
+        if isinstance(source, nn.Parameter):  # tied: one tensor under several module names
+            name = self.tied.setdefault(id(source), name)
         if arranged is not None:
             self.arranged[name] = arranged
         held = self.param_layouts.setdefault(name, layout)
@@ -1094,6 +1097,11 @@ _POSITIONAL: dict[str, tuple[tuple[str, ...], ...]] = {
     "chunk": (("chunks",), ("dim",)),
     "repeat": (("repeats",),),
     "matmul": (("other",),),
+    "add": (("other",),),
+    "sub": (("other",),),
+    "mul": (("other",),),
+    "div": (("other",),),
+    "true_divide": (("other",),),
     "bmm": (("mat2",),),
     "mm": (("mat2",),),
 }
@@ -1108,7 +1116,8 @@ def _canonical_arguments(n: torch.fx.Node) -> None:
         for k, v in n.kwargs.items()
     }
     args = list(n.args)
-    if not args and n.op == "call_function":
+    # torch.where(condition=c, input=x, other=y): its first parameter is not `input`
+    if not args and n.op == "call_function" and "condition" not in kwargs:
         for first in ("input", "tensors"):
             if first in kwargs:
                 args.append(kwargs.pop(first))
@@ -1116,7 +1125,9 @@ def _canonical_arguments(n: torch.fx.Node) -> None:
     name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
     for at, names in enumerate(_POSITIONAL.get(name, ()), start=1):
         given = [k for k in names if k in kwargs]
-        if len(args) != at or not given:
+        if len(args) > at:  # given by position
+            continue
+        if len(args) < at or not given:
             break
         args.append(kwargs.pop(given[0]))
     n.args, n.kwargs = tuple(args), kwargs
@@ -1210,7 +1221,10 @@ _AUGMENTED = frozenset((operator.iadd, operator.isub, operator.imul, operator.it
 
 
 def _underscored(n: torch.fx.Node) -> bool:
-    """An in-place op by torch's naming: x.add_(y), F.leaky_relu_(x), torch.relu_(x)."""
+    """An in-place op by torch's naming: x.add_(y), F.leaky_relu_(x), torch.relu_(x). Python's
+    operators are not (operator.and_ is `a & b`); its augmented ones are _AUGMENTED."""
+    if n.op == "call_function" and getattr(n.target, "__module__", "") in ("_operator", "operator"):
+        return False
     name = called_name(n)
     return name.endswith("_") and not name.endswith("__") and len(name) > 1
 
@@ -1243,7 +1257,7 @@ def _pure_of(n: torch.fx.Node) -> tuple[Callable[..., Value] | None, Any]:
 
 
 # casts that leave integer ids as they are (`self.emb(ids.long())`)
-_ID_CASTS = {"long", "int", "to", "contiguous", "type_as"}
+_ID_CASTS = {"long", "int", "to", "contiguous", "type_as", "clone"}
 
 
 def _passes_ids_on(c: _Ctx, n: torch.fx.Node) -> bool:

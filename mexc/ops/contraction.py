@@ -220,7 +220,7 @@ def _weight(c: Any, n: Any, w: _Operand, order: list[str], shape: tuple[int, int
             tuple(source.shape), (), ()
         )
     held = flat[index.reshape(-1)].reshape(shape)
-    return c.param(str(g.source.target), held, "weight", layout, n, arranged)
+    return c.param(str(g.source.target), held, "weight", layout, n, arranged, tie=source)
 
 
 def _arranged(c: Any, o: _Operand, order: list[str], shape: tuple[int, ...]) -> Value:

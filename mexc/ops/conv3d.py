@@ -108,7 +108,7 @@ def _conv3d(
     taps = tensor.permute(2, 0, 1, 3, 4).reshape(kt * o, ch, kh, kw)
     declared = tuple(int(d) for d in tensor.shape)
     arranged = Arrangement(declared, declared, (2, 0, 1, 3, 4))
-    held = c.param(name, taps, "weight", "as kt * out conv2d kernels", n, arranged)
+    held = c.param(name, taps, "weight", "as kt * out conv2d kernels", n, arranged, tie=tensor)
     out_h, out_w = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
     z = conv2d(
         v,

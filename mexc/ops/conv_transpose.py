@@ -85,7 +85,9 @@ def conv_transpose_module(c: Any, n: Any, m: Any) -> Value:
         )
     if one_d:  # held (C_in, C_out / groups, 1, k), the 2-D layer's kernel
         arranged = as_rows(m.weight)
-        weight = c.param(f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=arranged)
+        weight = c.param(
+            f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=arranged, tie=m.weight
+        )
     else:
         weight = c.param(f"{n.target}.weight", m.weight, "weight")
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
@@ -103,7 +105,9 @@ def conv_transpose_function(c: Any, n: Any) -> Value:
     tensor = c.fetch(w)
     one_d = tensor.dim() == 3
     if one_d:  # held (C_in, C_out / groups, 1, k), as the module's
-        weight = c.param(str(w.target), tensor.unsqueeze(2), "weight", arranged=as_rows(tensor))
+        weight = c.param(
+            str(w.target), tensor.unsqueeze(2), "weight", arranged=as_rows(tensor), tie=tensor
+        )
     else:
         weight = c.get_param(w, "weight")
     bias = c.get_param(b, "bias") if b is not None else None

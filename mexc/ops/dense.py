@@ -364,7 +364,11 @@ def _conv1d(
 
 def _conv1d_module(c: Any, n: Any, m: Any) -> Value:
     weight = c.param(
-        f"{n.target}.weight", m.weight.unsqueeze(2), "weight", arranged=as_rows(m.weight)
+        f"{n.target}.weight",
+        m.weight.unsqueeze(2),
+        "weight",
+        arranged=as_rows(m.weight),
+        tie=m.weight,
     )
     bias = c.param(f"{n.target}.bias", m.bias, "bias") if m.bias is not None else None
     return _conv1d(
@@ -379,7 +383,9 @@ def _conv1d_function(c: Any, n: Any) -> Value:
     if not c.is_param(w):
         raise UnsupportedOpError(c.describe(n, "needs its weight to be a module parameter"))
     tensor = c.fetch(w)
-    weight = c.param(str(w.target), tensor.unsqueeze(2), "weight", arranged=as_rows(tensor))
+    weight = c.param(
+        str(w.target), tensor.unsqueeze(2), "weight", arranged=as_rows(tensor), tie=tensor
+    )
     b = args.get("bias")
     bias = c.get_param(b, "bias") if b is not None else None
     stride, padding = args.get("stride", 1), args.get("padding", 0)

@@ -287,7 +287,7 @@ def _layernorm_module(c: Any, n: Any, m: Any) -> Value:
     else:  # held flattened, as the flattened axes it normalizes
         name, size = str(n.target), int(np.prod(sizes))
         affine = [
-            c.param(f"{name}.{what}", t.reshape(-1), role, arranged=as_rows(t))
+            c.param(f"{name}.{what}", t.reshape(-1), role, arranged=as_rows(t), tie=t)
             if t is not None
             else c.constant(f"{name}.{what}", np.full(size, fill), role)
             for what, t, role, fill in (
@@ -341,7 +341,7 @@ def _layernorm_function(c: Any, n: Any) -> Value:
             affine.append(c.constant(f"{n.name}.{what}", np.full(size, fill), role))
         elif c.is_param(v):
             t = c.fetch(v)
-            affine.append(c.param(str(v.target), t.reshape(-1), role, arranged=as_rows(t)))
+            affine.append(c.param(str(v.target), t.reshape(-1), role, arranged=as_rows(t), tie=t))
         else:
             raise UnsupportedOpError(
                 c.describe(n, f"needs a {what} that is a module parameter (or None)")

@@ -202,7 +202,8 @@ def test_norms_without_affine_hold_constant_ones_and_zeros() -> None:
     for k in constants:
         np.testing.assert_array_equal(ref.state[k].dequantize(), before[k])
         assert set(np.unique(before[k])) <= {0.0, 1.0}, k
-    assert ref.state["ln_nobias.weight"].dequantize().tolist() != [1.0] * 4  # trained
+    # trained: it has a velocity (3 steps at nearest rounding need not move the weight itself)
+    assert ref.state["ln_nobias.weight.velocity"].m.any()
 
 
 @needs_cuda_tools

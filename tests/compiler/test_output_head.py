@@ -1,9 +1,11 @@
 """The output head with many classes: a 1000-class head near uniform at initialization trains
 (its probabilities are 15-bit, docs/layers.md "Output head"; with 8 bits every one rounded to 0
 and no gradient flowed), its gradients are autograd's, and it trains bit-exact on reference,
-llvm and C."""
+llvm and C and from its CUDA source."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +15,14 @@ from torch import nn
 import mexc
 from mexc.errors import UnsupportedOpError
 from tests.compiler.helpers import (
+    assert_cuda_source_trains_bit_exact,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
     float_gradients,
     integer_gradients,
     small_batch,
 )
+from tests.compiler.test_hardswish import needs_cuda_tools
 
 CLASSES = 1000
 SHAPE = (16, 3, 8, 8)
@@ -66,3 +70,11 @@ def test_a_head_of_2_to_the_16_classes_is_refused() -> None:
     """Its row sums of exp values (2^15 each) would pass int32: refused before any pass."""
     with pytest.raises(UnsupportedOpError, match="65536 classes; mexc's integer loss head"):
         mexc.compile(nn.Linear(4, 1 << 16), (torch.zeros(2, 4),))
+
+
+@needs_cuda_tools
+@pytest.mark.slow
+def test_trains_bit_exact_from_its_cuda_source(tmp_path: Path) -> None:
+    """The head's row maximum over 1000 int8 logits runs one row per thread on the GPU (a
+    block-shared int8 reduction read stale rows in the emulator from 64 classes on)."""
+    assert_cuda_source_trains_bit_exact(_program(), tmp_path)

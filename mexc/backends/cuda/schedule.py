@@ -214,7 +214,7 @@ def _cross_thread(b: Any) -> bool:
     shared memory with no __syncwarp: a race where a warp's threads need not run in lockstep
     (sm_70 on), and stale reads in the CPU emulator, whose threads switch at barriers only.
     Those reduce one output per thread."""
-    wide = all(int(w.buffer.dtype.bits) >= 32 for w in b.writes)
+    wide = all(int(w.source.dtype.bits) >= 32 for w in b.writes)
     return wide and _extent(b.iter_vars, False) >= CROSS_THREAD_MIN
 
 

@@ -16,7 +16,7 @@
 #include "mexc_rt.h"
 
 extern const int32_t mexc_exp_table[256];      /* numerics.EXP_TABLE.values */
-extern const int32_t mexc_nll_milli_table[256]; /* round(-1000 ln(max(i,1)/256)) */
+extern const int32_t mexc_nll_micro_table[256]; /* round(-10^6 ln(max(i,1)/256)) */
 #define MEXC_EXP_IN_EXP (-4)
 #define MEXC_PROB_EXP (-15)
 #define MEXC_SOFTMAX_GRAD_EXP (-15)
@@ -163,8 +163,9 @@ int32_t mexc_batchnorm_forward_eval(uint32_t n, uint32_t c, uint32_t s, const in
 
 /* ------------------------------------------------------------------ loss (loss.py) */
 /* softmax_ce_forward: probs (N, K) in [0, 2^15 - 1] (exponent -15). Returns the integer loss
- * round(mean over the first `valid` rows of 1000 * -ln(max(p_y, 1) / 2^15)), each row's
- * term within 5 of it (mexc_nll_milli_table of p's top 8 bits, rounded; 0 if valid == 0).
+ * round(mean over the first `valid` rows of 1000 * -ln(max(p_y, 1) / 2^15)), its rows' terms
+ * within 0.02 of theirs (mexc_nll_micro_table interpolated between p's top 8 bits; 0 if
+ * valid == 0).
  * Site 0. */
 int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
                                 const int32_t *labels, uint32_t valid, int16_t *probs,
