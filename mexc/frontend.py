@@ -36,7 +36,7 @@ from torch.fx.experimental.meta_tracer import (
 from torch.fx.passes import shape_prop
 from torch.fx.passes.shape_prop import ShapeProp
 
-from mexc import frontend_fold, frontend_index
+from mexc import frontend_fold, frontend_index, frontend_mask_bounds
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, MexcError, TraceError, UnsupportedOpError
@@ -101,6 +101,8 @@ class _Ctx:
     norm_of: dict[Value, tuple[Value, tuple[int, ...]]] = field(default_factory=dict)  # norm.py
     tied: dict[int, str] = field(default_factory=dict)  # id of an nn.Parameter -> its name
     ids: Value | None = None  # the integer input (token ids), which only embeddings read
+    # masks read as tensors -> the size their values reach (frontend_mask_bounds)
+    mask_bounds: dict[torch.fx.Node, float] = field(default_factory=dict)
     # the constant tables that read masks of the ids as tensors -> (cmp, value, on, off)
     id_masks: dict[Value, tuple[str, int, float, float]] = field(default_factory=dict)
     node: torch.fx.Node | None = None  # the node being translated
@@ -1406,6 +1408,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
         else:
             c.node = n
             value = _translated(c, n)
+            frontend_mask_bounds.follow(c, n)
             if value is not None:
                 c.env[n] = value
     assert logits is not None and logits_node is not None

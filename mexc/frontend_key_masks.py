@@ -104,6 +104,8 @@ def key_mask_of(c: Any, n: torch.fx.Node) -> KeyMask | None:
         return mask if mask.boolean else _compared(mask, "ne", 0.0)
     if dtype is not torch.bool and (kind in _ARITHMETIC or kind in _NEGATE):
         return _arithmetic(c, n, kind)
+    if dtype is not torch.bool and kind in _MASKED_FILLS:
+        return _filled(c, n, mask)
     if mask.expanded:  # a broadcast only feeds the attention (an index of it may reorder)
         return None
     if kind in _EXPANDS:
@@ -177,6 +179,24 @@ def _arithmetic(c: Any, n: torch.fx.Node, kind: Any) -> KeyMask | None:
     return dataclasses.replace(mask, boolean=False, on=float(on) + 0.0, off=float(off) + 0.0)
 
 
+_MASKED_FILLS = {"masked_fill", torch.masked_fill}
+
+
+def _filled(c: Any, n: torch.fx.Node, mask: KeyMask) -> KeyMask | None:
+    """A float mask of the ids filled where a boolean mask of the same comparison (or its
+    negation) holds (Hugging Face's `inverted.masked_fill(inverted.to(torch.bool),
+    torch.finfo(dtype).min)`): the filled side's value replaced."""
+    args = dict(zip(("input", "mask", "value"), n.args)) | dict(n.kwargs)
+    where, number = _key_mask(c, args.get("mask")), _number(args.get("value"))
+    if where is None or number is None or not where.boolean or where.value != mask.value:
+        return None
+    if where.cmp == mask.cmp:
+        return dataclasses.replace(mask, on=number)
+    if where.cmp == mask.negated().cmp:
+        return dataclasses.replace(mask, off=number)
+    return None
+
+
 def _swapped_args(f: Callable[[float, float], float]) -> Callable[[float, float], float]:
     return lambda x, y: f(y, x)
 
@@ -239,9 +259,12 @@ def masked_scores(c: Any, n: torch.fx.Node) -> MaskedScores | None:
         if mask is None or mask.hiding() is None or not isinstance(x, torch.fx.Node):
             continue
         held = c.env.get(x)
-        if not isinstance(held, (Value, MaskedScores)) or c.shape(x) != c.shape(n):
+        shape = tuple(c.shape(n))
+        if not isinstance(held, (Value, MaskedScores)) or tuple(c.shape(x)) != shape:
             return None
-        keys = key_mask(c, n, m, tuple(c.shape(n)), hides=True)
+        if not _along_keys(mask, shape):  # not attention's scores: a sum, frontend_mask_bounds
+            return None
+        keys = key_mask(c, n, m, shape, hides=True)
         base = held if isinstance(held, MaskedScores) else MaskedScores(held)
         if keys is None or base.keys not in (None, keys):
             return None
@@ -249,6 +272,18 @@ def masked_scores(c: Any, n: torch.fx.Node) -> MaskedScores | None:
             return None
         return dataclasses.replace(base, keys=keys)
     return None
+
+
+def _along_keys(mask: KeyMask, scores: tuple[int, ...]) -> bool:
+    """mask [N, 1, ..., 1, T] of the ids [N, T] runs along the keys of scores [N, ..., T]."""
+    shape = mask.shape
+    return (
+        len(mask.ids) == 2
+        and len(shape) == len(scores)
+        and shape[0] == scores[0] == mask.ids[0]
+        and shape[-1] == scores[-1] == mask.ids[1]
+        and all(d == 1 for d in shape[1:-1])
+    )
 
 
 def _causal_added(c: Any, n: torch.fx.Node) -> MaskedScores | None:

@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
@@ -33,6 +35,7 @@ from mexc.ops.tensor import (
     broadcastable,
     detached,
     divided,
+    folded_constant,
     is_boolean,
     is_fill,
     multiplied,
@@ -115,6 +118,10 @@ def _operand(c: Any, n: Any, v: Any, shape: tuple[int, ...], fill: bool = False)
                 )
             )
         return float(value)
+    if not isinstance(c.env.get(v), Value):  # a constant (a causal pattern, a buffer)
+        held = folded_constant(c, n, v, shape, np.asarray)
+        if held is not None:
+            return held
     own = tuple(c.shape(v))
     if own != shape and not broadcastable(own, shape):
         raise UnsupportedOpError(

@@ -43,6 +43,7 @@ from mexc.ops.gather import (
     const_gathered,
     gathered_value,
     is_gathered,
+    static_tensor,
 )
 from mexc.ops.registry import OpDef, Pattern, define
 from mexc.types import acc, mx
@@ -360,6 +361,9 @@ def folded_constant(
     on the host and broadcast to `out` (a gather_param of a constant); None where v is none
     (a parameter, an activation, a number). Non-finite results are refused by node."""
     g = as_gathered(c, v)
+    if g is None:  # an integer or boolean constant (a buffer of counts, a comparison's mask)
+        values = static_tensor(c, v)
+        g = const_gathered(v, values.astype(np.float64)) if values is not None else None
     if g is None or g.value is None:
         return None
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):

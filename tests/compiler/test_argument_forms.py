@@ -32,6 +32,12 @@ FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "torch.mean(input=)": lambda h: torch.mean(input=h, dim=1),
     "sum(axis=, keepdims=)": lambda h: h.sum(axis=1, keepdims=True)[:, 0],
     "matmul(input=, other=)": lambda h: torch.matmul(input=h.transpose(1, 2), other=h).mean(1),
+    "transpose(1, dim1=)": lambda h: h.transpose(1, dim1=2).amax(2),
+    "torch.mul(h, other=)": lambda h: torch.mul(h, other=2.0).mean(1),
+    # its first parameter is the condition, not `input`
+    "torch.where(condition=, input=, other=)": lambda h: torch.where(
+        condition=h > 0, input=h, other=0.5
+    ).mean(1),
 }
 
 

@@ -112,3 +112,23 @@ def test_a_0_dim_parameter_trains_and_goes_back_to_the_module() -> None:
     prog.step(x, y)
     back = prog.to_module(Tempered())
     assert back.temperature.item() == float(prog.float_weights()["temperature"]) != 2.0
+
+
+def test_a_divisor_of_integers_made_in_forward_is_a_constant() -> None:
+    """x / (self.counts + 1) with an integer buffer: the reciprocals of a constant."""
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(12, 8)
+            self.fc = nn.Linear(8, 10)
+            self.register_buffer("counts", torch.arange(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.fc1(x.flatten(1)) / (self.counts + 1))
+
+    torch.manual_seed(0)
+    model = Counted()
+    prog = mexc.compile(model, (torch.zeros(8, 3, 2, 2),), rounding="nearest")
+    assert [n.op for n in prog.graph.nodes].count(Op.GATHER_PARAM) == 1
+    assert_logits_match_torch(model, prog, small_batch((8, 3, 2, 2))[0], rel=0.03)

@@ -198,3 +198,27 @@ def test_the_1d_functional_form_trains_as_the_module() -> None:
         losses = [prog.step(x, y) for _ in range(2)]
         sums.append((losses, prog.state_checksum()))
     assert sums[0] == sums[1]
+
+
+def test_a_convolution_and_its_transpose_sharing_a_weight_train_it_once() -> None:
+    """dec.weight = enc.weight (a tied autoencoder): one parameter whose gradient is the sum of
+    both layers', as torch's; held as a (O, C, 1, k) kernel, the tie is found through the view."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Conv1d(2, 4, 3)
+            self.dec = nn.ConvTranspose1d(4, 2, 3)
+            self.dec.weight = self.enc.weight
+            self.fc = nn.Linear(2, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.dec(F.relu(self.enc(x))).mean(2))
+
+    torch.manual_seed(0)
+    model = Tied()
+    prog = mexc.compile(model, (torch.zeros(16, 2, 8),))
+    assert "dec.weight" not in prog.state and "enc.weight" in prog.state
+    x, y = small_batch((16, 2, 8))
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert cosine(got["enc.weight"], want["enc.weight"]) >= 0.99

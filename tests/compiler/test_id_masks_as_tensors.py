@@ -130,6 +130,10 @@ class Attention(nn.Module):
             p = F.softmax(scores + (1.0 - keep.float()) * -10000.0, dim=-1)
         elif self.form == "finfo":
             p = (torch.finfo(scores.dtype).min * (1.0 - keep.to(q.dtype)) + scores).softmax(-1)
+        elif self.form == "hf_expand":  # transformers' _expand_mask / 4-d attention mask
+            inverted = 1.0 - keep.expand(n, 1, t, t).to(q.dtype)
+            added = inverted.masked_fill(inverted.to(torch.bool), torch.finfo(q.dtype).min)
+            p = F.softmax(scores + added, dim=-1)
         else:  # "sdpa": the additive mask as SDPA's attn_mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=(1.0 - keep.float()) * -1e4)
         if self.form != "sdpa":
@@ -150,7 +154,7 @@ def _attention(form: str, target: str = "reference", n: int = 8) -> mexc.Program
 def test_float_masks_hide_the_keys_as_masked_fill_with_minus_inf_does() -> None:
     ids, y = padded(8), labels(8)
     want = train_checksums(_attention("inf"), (ids, y))
-    for form in ("annotated", "additive", "finfo", "sdpa"):
+    for form in ("annotated", "additive", "finfo", "hf_expand", "sdpa"):
         prog = _attention(form)
         (softmax,) = prog.graph.nodes_of(Op.SOFTMAX)
         assert (softmax.attrs.key_cmp, softmax.attrs.key_value) == ("eq", PAD), form
@@ -199,6 +203,20 @@ class _NotHiding(Attention):
         return self.head(p @ self.tokens(ids)).mean(1)
 
 
+class _TwoMasksScaled(Attention):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # a product of masks, not followed
+        keep = (ids != PAD).float() * (ids != 5).float()
+        scores = self.qkv(self.tokens(ids))[..., :T]
+        p = F.softmax(scores + (1.0 - keep[:, None, :]) * -1e4, -1)
+        return self.head(p @ self.tokens(ids)).mean(1)
+
+
+class _MaskedMaxPool(Pooled):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # a maximum over the real tokens
+        h = self.fc(self.tokens(ids)) + (1.0 - (ids != PAD).float())[..., None] * -1e4
+        return self.head(h.amax(1))
+
+
 class _LargeFill(Pooled):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.fc(self.tokens(ids)).masked_fill((ids == PAD)[..., None], 100.0)
@@ -211,6 +229,9 @@ class _LargeFill(Pooled):
         (_LargeMask, r"'add'.*mask of the token ids holding 100 and 0 as a tensor"),
         (_NotHiding, r"mask of the token ids holding 0 and -5000 as a tensor"),
         (_LargeFill, r"'masked_fill'.*fills with 100.0.*at most 8 in size"),
+        # mexc does not follow the mask to a softmax, and the sums' exponents would be the 1e4's
+        (_TwoMasksScaled, r"'add'.*adds a mask whose values can reach 20000 in size"),
+        (_MaskedMaxPool, r"'add'.*mask of the token ids holding 0 and -10000 as a tensor"),
     ],
 )
 def test_masks_mexc_cannot_read_are_refused_by_node(model: type[nn.Module], message: str) -> None:

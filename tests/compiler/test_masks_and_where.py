@@ -183,3 +183,47 @@ def test_fills_beyond_8_logical_ops_of_floats_and_sums_of_masks_are_refused(
     with pytest.raises(UnsupportedOpError, match=says) as err:
         mexc.compile(_Probe(body), (torch.zeros(4, 16),), target="reference")
     assert "test_masks_and_where.py" in str(err.value)
+
+
+class _CombinedThenFirst(nn.Module):
+    """m1 & m2 and m1 | m2, then m1 read again: Python's operators change neither operand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        m1, m2 = h > 0, h < 0.3
+        both, either = m1 & m2, m1 | m2
+        return self.head(h * m1 + h * both * 2.0 + either * 0.5)
+
+
+def test_logical_operators_leave_their_operands_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = _CombinedThenFirst()
+    prog = mexc.compile(model, (torch.zeros(16, 8),), rounding="nearest")
+    assert_logits_match_torch(model, prog, small_batch((16, 8))[0], rel=0.05)
+
+
+class _ConstantCondition(nn.Module):
+    """A constant mask (a tril buffer's comparison) in masked_fill with 0 and in torch.where."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+        self.register_buffer("tril", torch.tril(torch.ones(8, 8)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        outer = (h[:, :, None] * h[:, None, :]).masked_fill(self.tril == 0, 0.0)
+        return self.head(outer.sum(1) + torch.where(self.tril[0] > 0.5, h, -1.0))
+
+
+def test_a_constant_condition_is_a_constant_mask() -> None:
+    torch.manual_seed(0)
+    model = _ConstantCondition()
+    prog = mexc.compile(model, (torch.zeros(16, 8),), rounding="nearest")
+    assert_logits_match_torch(model, prog, small_batch((16, 8))[0], rel=0.05)
