@@ -231,7 +231,7 @@ def as_activation(c: Any, a: torch.fx.Node, mask: KeyMask) -> Value:
     key = ("id mask rows", mask.cmp, mask.value, mask.on, mask.off)
     rows = c.memo.get(key)
     if rows is None:
-        name = f"id_mask_{mask.cmp}_{mask.value}"
+        name = f"id_mask_{mask.cmp}_{mask.value}".replace("-", "m")  # ids < -1: lt_m1
         table = c.constant(name, np.zeros((1, 1)), "weight")
         c.id_masks[table] = (mask.cmp, mask.value, mask.on, mask.off)
         rows = c.emit_as(Op.EMBEDDING, [c.ids, table], (*mask.ids, 1), padding_idx=-1)
