@@ -396,48 +396,38 @@ def _reduce_max_of(
     return reshaped(c, v, _reduced_shape(shape, dims, keepdim))
 
 
-def _max_call(c: Any, n: Any) -> Any:
-    """torch.max(x, dim[, keepdim]) / x.max(dim): (values, indices), of which mexc computes the
-    values; torch.max(a, b) of two tensors: torch.maximum. torch.max(x) of every element is
-    refused."""
-    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
-    dim = args.get("dim", args.get("other"))
-    if dim is None:
-        raise UnsupportedOpError(c.describe(n, "takes the maximum of every element; give a dim"))
-    if c.is_node(dim):
-        return elementwise_extreme(c, n, args["input"], dim, True)
-    return (_reduce_max(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
+def _extreme_call(largest: bool) -> Callable[[Any, Any], Any]:
+    """The converter of torch.max / torch.min (x, dim[, keepdim]) and x.max(dim) / x.min(dim):
+    (values, indices), of which mexc computes the values (the minimum as -max(-x)); of two
+    tensors: torch.maximum / torch.minimum. Of every element: refused."""
+    word, reduce = ("maximum", _reduce_max) if largest else ("minimum", _reduce_min)
+
+    def convert(c: Any, n: Any) -> Any:
+        args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
+        dim = args.get("dim", args.get("other"))
+        if dim is None:
+            raise UnsupportedOpError(
+                c.describe(n, f"takes the {word} of every element; give a dim")
+            )
+        if c.is_node(dim):
+            return elementwise_extreme(c, n, args["input"], dim, largest)
+        return (reduce(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
+
+    return convert
 
 
-def _min_call(c: Any, n: Any) -> Any:
-    """torch.min(x, dim[, keepdim]) / x.min(dim): (values, indices), of which mexc computes the
-    values (-max(-x)); torch.min(a, b) of two tensors: torch.minimum. torch.min(x) of every
-    element is refused."""
-    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
-    dim = args.get("dim", args.get("other"))
-    if dim is None:
-        raise UnsupportedOpError(c.describe(n, "takes the minimum of every element; give a dim"))
-    if c.is_node(dim):
-        return elementwise_extreme(c, n, args["input"], dim, False)
-    return (_reduce_min(c, n, args["input"], dim, bool(args.get("keepdim", False))), None)
+def _extreme_over(largest: bool) -> Callable[[Any, Any], Value]:
+    """The converter of torch.amax / torch.amin (x, dim[, keepdim]) and the methods."""
+    word, reduce = ("maximum", _reduce_max) if largest else ("minimum", _reduce_min)
 
+    def convert(c: Any, n: Any) -> Value:
+        args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
+        if args.get("dim") in (None, (), []):
+            raise UnsupportedOpError(c.describe(n, f"takes the {word} of every element; give dims"))
+        value = reduce(c, n, args["input"], args["dim"], bool(args.get("keepdim", False)))
+        return as_result(c, n, value)
 
-def _amin_call(c: Any, n: Any) -> Value:
-    """torch.amin(x, dim[, keepdim]) / x.amin(dim): -amax(-x)."""
-    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
-    if args.get("dim") in (None, (), []):
-        raise UnsupportedOpError(c.describe(n, "takes the minimum of every element; give dims"))
-    value = _reduce_min(c, n, args["input"], args["dim"], bool(args.get("keepdim", False)))
-    return as_result(c, n, value)
-
-
-def _amax_call(c: Any, n: Any) -> Value:
-    """torch.amax(x, dim[, keepdim]) / x.amax(dim)."""
-    args = dict(zip(("input", "dim", "keepdim"), n.args)) | dict(n.kwargs)
-    if args.get("dim") in (None, (), []):
-        raise UnsupportedOpError(c.describe(n, "takes the maximum of every element; give dims"))
-    value = _reduce_max(c, n, args["input"], args["dim"], bool(args.get("keepdim", False)))
-    return as_result(c, n, value)
+    return convert
 
 
 def _adaptive_3d(c: Any, n: Any, x: Any, op: Op) -> Value:
@@ -655,14 +645,14 @@ define(
             Pattern("function", ("torch.nn.functional.max_pool2d",), _pool_function(Op.MAXPOOL2D)),
             Pattern("module", ("torch.nn.AdaptiveMaxPool2d",), _adaptive_module(Op.MAXPOOL2D)),
             Pattern("module", ("torch.nn.MaxPool1d",), _pool_module(Op.MAXPOOL2D, _pool1d)),
-            Pattern("function", ("torch.max",), _max_call),
-            Pattern("method", ("max",), _max_call),
-            Pattern("function", ("torch.amax",), _amax_call),
-            Pattern("method", ("amax",), _amax_call),
-            Pattern("function", ("torch.min",), _min_call),
-            Pattern("method", ("min",), _min_call),
-            Pattern("function", ("torch.amin",), _amin_call),
-            Pattern("method", ("amin",), _amin_call),
+            Pattern("function", ("torch.max",), _extreme_call(True)),
+            Pattern("method", ("max",), _extreme_call(True)),
+            Pattern("function", ("torch.amax",), _extreme_over(True)),
+            Pattern("method", ("amax",), _extreme_over(True)),
+            Pattern("function", ("torch.min",), _extreme_call(False)),
+            Pattern("method", ("min",), _extreme_call(False)),
+            Pattern("function", ("torch.amin",), _extreme_over(False)),
+            Pattern("method", ("amin",), _extreme_over(False)),
             Pattern(
                 "function",
                 ("torch.nn.functional.max_pool1d",),
