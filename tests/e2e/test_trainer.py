@@ -187,8 +187,8 @@ def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
                 meta["format"] = "mexc-checkpoint-1"
                 item = json.dumps(meta).encode()
             elif name == "program.mexir":
-                assert b" i16[" in item
-                item = item.replace(b" i16[", b" u8[")
+                assert b"i16[" in item
+                item = item.replace(b"i16[", b"u8[")
             out.writestr(name, item)
     older = old.getvalue()
     (d / "old.mexc").write_bytes(

@@ -144,7 +144,7 @@ int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, in
     const uint32_t key = mexc_site_key(ctx, tid, 0);
     uint32_t r, j, rows = valid < n ? valid : n;
     int32_t mx, srow, p;
-    int64_t loss = 0; /* micro-nats, up to 1.04e7 a row */
+    uint64_t loss = 0u; /* micro-nats, at most 1.04e7 a row (nll_micro >= 0) */
     for (r = 0; r < n; r++) {
         const int8_t *m = logits + r * k;
         mx = m[0];
@@ -156,10 +156,10 @@ int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, in
             p = mexc_idiv_round(exp_lookup(m[j] - mx, e, ctx, key, r * k + j) << 15, (uint32_t)srow);
             probs[r * k + j] = (int16_t)(p < 32767 ? p : 32767);
         }
-        if (r < rows) loss += nll_micro(probs[r * k + (uint32_t)labels[r]]);
+        if (r < rows) loss += (uint64_t)nll_micro(probs[r * k + (uint32_t)labels[r]]);
     }
-    /* the mean in milli-nats, rounded (loss >= 0) */
-    return rows ? (int32_t)((loss + 500 * (int64_t)rows) / (1000 * (int64_t)rows)) : 0;
+    /* the mean in milli-nats, rounded (unsigned: no signed 64-bit division on an MCU) */
+    return rows ? (int32_t)((loss + 500u * (uint64_t)rows) / (1000u * (uint64_t)rows)) : 0;
 }
 
 int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const int16_t *probs,
