@@ -1,8 +1,9 @@
 """Constant tensors and parameters subtracted and divided: input normalization with buffers,
 `(x - self.mean) / self.std` and `(self.mean - x) / self.std` (the constant negated or inverted
 on the host, then added or multiplied), and a parameter subtracted either way (p - x as -x + p,
-x - p as -(-x + p)). Against torch and autograd, bit-exact on reference, llvm and C, and a
-divisor holding a zero refused by node."""
+x - p as -(-x + p)): the ops gather_param, add, mul, scale and add_param, which other tests
+train on every target. Against torch and autograd, and a divisor holding a zero refused by
+node."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
     assert_logits_match_torch,
-    assert_trains_bit_exact_on_llvm_and_c,
     cosine,
     dequantized_copy,
     float_gradients,
@@ -73,11 +73,6 @@ def test_logits_and_gradients_match_torch(flipped: bool) -> None:
     for name in ("shift", "offset", "conv.weight", "fc.weight"):
         assert cosine(got[name], want[name]) >= 0.98, (name, cosine(got[name], want[name]))
     assert cosine(got["shift"], -want["offset"]) < 1  # two gradients, not one negated twice
-
-
-def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
-    batch = small_batch(SHAPE)
-    assert_trains_bit_exact_on_llvm_and_c(_program(), lambda t: _program(t), batch)
 
 
 def test_a_divisor_holding_zero_is_refused_by_node() -> None:
