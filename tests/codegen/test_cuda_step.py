@@ -299,8 +299,8 @@ def test_emulated_cuda_of_random_models_is_bit_exact(model, seed: int) -> None:
     from mexc.backends.cuda.program import StepArtifact
 
     with tempfile.TemporaryDirectory() as out:
-        build_step(_program(model, 2, (1, 8, 8), seed), ("sm_80",), out)
-        artifact = StepArtifact.load(out)
+        build_step(_program(model, 2, (1, 8, 8), seed), ("sm_80",), out, cubins=False)
+        artifact = StepArtifact.load(out, sources=True)
         emu = EmulatedCudaProgram(artifact, reverse=True)
         _trains_like(emu, artifact.program, steps=2, seed=seed)
 
@@ -320,8 +320,8 @@ def test_emulated_cuda_under_nearest_forward_rounding_is_bit_exact() -> None:
     prog = mexc.compile(cls(), (torch.zeros(4, *shape),), optimizer=_optimizer(), bits=6)
     assert prog.options.rounding == "nearest-forward"
     with tempfile.TemporaryDirectory() as out:
-        build_step(prog, ("sm_80",), out)
-        artifact = StepArtifact.load(out)
+        build_step(prog, ("sm_80",), out, cubins=False)
+        artifact = StepArtifact.load(out, sources=True)
         _trains_like(EmulatedCudaProgram(artifact), artifact.program, steps=3)
 
 
@@ -744,12 +744,12 @@ def test_emulated_cuda_pre_shift_of_wide_reductions_is_bit_exact(tmp_path: Path)
     from tests.codegen.test_plan_layout import WideReductions
 
     prog = _program(WideReductions, 64, (1, 48, 48))
-    man = build_step(prog, ("sm_80",), tmp_path)
+    man = build_step(prog, ("sm_80",), tmp_path, cubins=False)
     # two pre-shift launches (equal kernels: the dy of both reductions, one compiled symbol)
     assert sum(k[1].endswith(("_pre3_kernel", "_pre7_kernel")) for k in man["kernels"]) == 2
     for reverse, layout in ((False, "arena"), (True, "separate")):
         emu = load_emulated(tmp_path, reverse=reverse, layout=layout)
-        _trains_like(emu, StepArtifact.load(tmp_path).program, steps=2)
+        _trains_like(emu, StepArtifact.load(tmp_path, sources=True).program, steps=2)
 
 
 @needs_cuda_tools
@@ -764,11 +764,11 @@ def test_emulated_cuda_of_the_leanest_step_is_bit_exact(tmp_path: Path) -> None:
     from mexc.lowering.step_plan import leanest
 
     prog = _program(EXAMPLES["DigitsCNN"][0], 4, EXAMPLES["DigitsCNN"][1])
-    man = build_step(prog, ("sm_80",), tmp_path, lean=leanest(prog, "gpu"))
+    man = build_step(prog, ("sm_80",), tmp_path, lean=leanest(prog, "gpu"), cubins=False)
     assert any("_amax_k" in k[1] for k in man["kernels"])
     for reverse, layout in ((False, "arena"), (True, "separate")):
         emu = load_emulated(tmp_path, reverse=reverse, layout=layout)
-        _trains_like(emu, StepArtifact.load(tmp_path).program, steps=2)
+        _trains_like(emu, StepArtifact.load(tmp_path, sources=True).program, steps=2)
 
 
 class _TwinWorker:
@@ -871,3 +871,21 @@ def test_cuda_worker_runs_its_collectives_between_graphs_on_a_fake_cupy(
     gpu._t[name][...] = 3
     gpu._collective(kind, comm, gpu._t[name])()
     assert (gpu._t[name] == 6).all() and gpu._t[name].dtype == np.int32
+
+
+def test_an_artifact_of_sources_only_runs_on_the_emulator_and_no_gpu_loads_it(
+    tmp_path: Path,
+) -> None:
+    """build_step(cubins=False) writes the CUDA sources without nvcc, for the CPU emulator; a
+    GPU's loader refuses it by name."""
+    from mexc.backends.cuda.build import build_step
+    from mexc.backends.cuda.emulator import compare
+    from mexc.backends.cuda.program import StepArtifact
+
+    torch.manual_seed(0)
+    prog = mexc.compile(torch.nn.Linear(6, 4), (torch.zeros(4, 6),))
+    man = build_step(prog, ("sm_80",), tmp_path, cubins=False)
+    assert man["sources_only"] and not list(tmp_path.glob("*.cubin"))
+    with pytest.raises(ArtifactError, match="holds CUDA sources only"):
+        StepArtifact.load(tmp_path)
+    assert all(row["exact"] for row in compare(tmp_path, 2))

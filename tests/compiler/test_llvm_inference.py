@@ -174,11 +174,14 @@ def test_cuda_inference_artifact_on_the_emulator(name: str, tmp_path: Path) -> N
     from mexc.backends.cuda.program import StepArtifact
 
     ref, shape = _trained_reference(name, 2)
-    man = build_step(ref, ("sm_80",), tmp_path, inference=True)
+    man = build_step(ref, ("sm_80",), tmp_path, inference=True, cubins=False)
     assert "logits" in man and set(man["state"]) < set(ref.state)  # no velocities
     x = np.random.default_rng(9).standard_normal((5, *shape))
     for order, layout in ORDER_LAYOUT.items():
         emu = EmulatedCudaProgram(
-            StepArtifact.load(tmp_path), ref, reverse=order == "reverse", layout=layout
+            StepArtifact.load(tmp_path, sources=True),
+            ref,
+            reverse=order == "reverse",
+            layout=layout,
         )
         _assert_same_inference(ref, emu, x)

@@ -133,6 +133,7 @@ def build_step(
     lean: Mapping[int, int] | None = None,
     eval_plan: bool = False,
     program_file: str = PROGRAM_FILE,
+    cubins: bool = True,
 ) -> dict[str, Any]:
     """Write the CUDA artifact of `prog`'s training step for `archs` (one or several of
     ARCHS: TVM's source does not depend on the architecture, so one lowering serves all) into
@@ -144,7 +145,8 @@ def build_step(
     "inference": the subfolder; None with "inference_missing" saying why where the plan has an
     op without an eval-mode lowering, or the program is a data-parallel worker's).
     `program_file`: SHARED_PROGRAM for that subfolder, which names the training artifact's
-    program file instead of writing a copy of it."""
+    program file instead of writing a copy of it. cubins=False: the CUDA sources only, no nvcc
+    (what the CPU emulator runs; a GPU cannot load such an artifact)."""
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
@@ -152,9 +154,11 @@ def build_step(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lowered = lower_step(prog, pack_budget, inference, lean)
-    manifest = {**lowered.manifest, "archs": list(archs)}
+    manifest = {**lowered.manifest, "archs": list(archs) if cubins else []}
+    if not cubins:
+        manifest["sources_only"] = True
     t1 = time.perf_counter()
-    manifest["modules"] = _compile_modules(lowered.sources, archs, out)
+    manifest["modules"] = _compile_modules(lowered.sources, archs if cubins else (), out)
     manifest["seconds"] = {
         "tvm": round(lowered.tvm_seconds, 2),
         "nvcc": round(time.perf_counter() - t1, 2),

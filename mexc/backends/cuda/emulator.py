@@ -242,7 +242,8 @@ class EmulatedCudaProgram(PlanProgram):
         if not folder or self.workers is not None:
             return None
         if self._inf is None:
-            self._inf = _EmulatedInference(self, StepArtifact.load(self.artifact.path / folder))
+            inference = StepArtifact.load(self.artifact.path / folder, sources=True)
+            self._inf = _EmulatedInference(self, inference)
         return self._inf.manifest
 
     def _infer_write(self, name: str, values: np.ndarray) -> None:
@@ -368,7 +369,8 @@ def load_emulated(
     path: str | Path, reverse: bool = False, layout: str = "arena"
 ) -> EmulatedCudaProgram:
     """The training program of a CUDA artifact folder with its kernels emulated on the CPU."""
-    return EmulatedCudaProgram(StepArtifact.load(path), reverse=reverse, layout=layout)
+    artifact = StepArtifact.load(path, sources=True)
+    return EmulatedCudaProgram(artifact, reverse=reverse, layout=layout)
 
 
 def emulate(prog: Program, archs: tuple[str, ...] = ("sm_80",)) -> EmulatedCudaProgram:
@@ -390,7 +392,7 @@ def compare(
     reference interpreter from the same state: per step the losses, the state checksums, whether
     both agree ("exact") and the emulator's seconds."""
     emu = load_emulated(path, reverse, layout)
-    ref = StepArtifact.load(path).program
+    ref = StepArtifact.load(path, sources=True).program
     rng = np.random.default_rng(seed)
     x, y = emu.random_batch(rng)
     rows = []

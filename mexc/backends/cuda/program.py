@@ -85,9 +85,11 @@ class StepArtifact:
         return max(fits, key=lambda a: int(a[3:]))
 
     @staticmethod
-    def load(path: str | Path) -> StepArtifact:
+    def load(path: str | Path, sources: bool = False) -> StepArtifact:
+        """The artifact at `path`, verified; `sources`: an artifact of CUDA sources without
+        cubins (build_step(cubins=False)) is taken too (the CPU emulator's)."""
         root = Path(path)
-        man = _read_manifest(root)
+        man = _read_manifest(root, sources)
         cubins = [
             {arch: _verified(root, entry["cubins"][arch]) for arch in man["archs"]}
             for entry in man["modules"]
@@ -104,7 +106,7 @@ class StepArtifact:
         return StepArtifact(root, man, cubins, prog)
 
 
-def _read_manifest(root: Path) -> dict[str, Any]:
+def _read_manifest(root: Path, sources: bool = False) -> dict[str, Any]:
     try:
         man = json.loads((root / "plan.json").read_text())
     except FileNotFoundError:
@@ -119,6 +121,14 @@ def _read_manifest(root: Path) -> dict[str, Any]:
     if missing:
         raise _fail(root, f"plan.json lacks {missing}")
     archs = man["archs"]
+    if man.get("sources_only"):
+        if not sources:
+            raise _fail(
+                root,
+                "it holds CUDA sources only (built for the CPU emulator, without nvcc); build "
+                "it with its cubins",
+            )
+        return man
     if not archs or any(a not in ARCHS for a in archs):
         raise _fail(root, f"archs {archs!r} are not among {ARCHS}")
     for i, entry in enumerate(man["modules"]):
