@@ -22,6 +22,7 @@ import torch
 
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op, Value
+from mexc.kernels.transformer import KEY_CMPS, key_hidden
 from mexc.ops.attention import HIDING, KeyMask, MaskedScores, is_causal_mask, key_mask
 from mexc.ops.common import static_value
 from mexc.ops.gather import static_tensor
@@ -144,7 +145,7 @@ def _comparison(c: Any, n: torch.fx.Node, cmp: str, shape: tuple[int, ...]) -> K
 def _compared(mask: KeyMask, cmp: str, number: float) -> KeyMask | None:
     """KeyMask `mask` compared with `number`: the same comparison of the ids or its negation,
     None where the result is the same everywhere."""
-    holds, elsewhere = (bool(_TESTS[cmp](v, number)) for v in (mask.on, mask.off))
+    holds, elsewhere = (bool(KEY_CMPS[cmp](v, number)) for v in (mask.on, mask.off))
     if holds == elsewhere:
         return None
     base = mask if holds else mask.negated()
@@ -307,16 +308,6 @@ def _causal_added(c: Any, n: torch.fx.Node) -> MaskedScores | None:
     return None
 
 
-_TESTS: dict[str, Any] = {
-    "eq": np.equal,
-    "ne": np.not_equal,
-    "lt": np.less,
-    "le": np.less_equal,
-    "gt": np.greater,
-    "ge": np.greater_equal,
-}
-
-
 def fill_tables(c: Any, vocab: int) -> None:
     """Give each mask table of `as_activation` its `vocab` rows: for id j, its `on` value where
     j cmp value holds, else its `off`."""
@@ -324,7 +315,7 @@ def fill_tables(c: Any, vocab: int) -> None:
     for at, node in enumerate(c.b.nodes):
         if node.op is Op.PARAM and node.out in c.id_masks:
             cmp, value, on, off = c.id_masks[node.out]
-            table = np.where(_TESTS[cmp](ids, value), on, off).astype(np.float32)[:, None]
+            table = np.where(key_hidden(ids, cmp, value), on, off).astype(np.float32)[:, None]
             c.params[str(node.attrs.name)] = table
             c.b.nodes[at] = dataclasses.replace(node, types=(node.type.with_shape(table.shape),))
 

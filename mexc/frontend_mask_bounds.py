@@ -20,7 +20,7 @@ import torch
 
 from mexc.errors import UnsupportedOpError
 from mexc.ops.attention import KeyMask
-from mexc.ops.common import called_name, static_value
+from mexc.ops.common import called_name, is_traced_tensor, static_value
 from mexc.ops.tensor import MAX_FILL, is_boolean
 
 # a mask seen another way keeps its values
@@ -118,12 +118,8 @@ def _tensor_operands(n: torch.fx.Node) -> list[torch.fx.Node]:
     found: list[torch.fx.Node] = []
     for a in [*n.args, *n.kwargs.values()]:
         items = a if isinstance(a, (list, tuple)) else [a]
-        found += [i for i in items if isinstance(i, torch.fx.Node) and _is_tensor(i)]
+        found += [i for i in items if isinstance(i, torch.fx.Node) and is_traced_tensor(i)]
     return found
-
-
-def _is_tensor(a: torch.fx.Node) -> bool:
-    return hasattr(a.meta.get("tensor_meta"), "shape")
 
 
 def _numbers(n: torch.fx.Node) -> list[Any]:
