@@ -30,7 +30,7 @@ from mexc.ir import Op, Value
 from mexc.ops.common import static_value
 from mexc.ops.dense import linear
 from mexc.ops.gather import Gathered, as_gathered, gathered_value
-from mexc.ops.tensor import broadcast, reshaped, transposed
+from mexc.ops.tensor import broadcast, reshaped, summed_over, transposed
 
 # letters standing for an ellipsis's axes (never valid in a torch equation)
 _ELLIPSIS = tuple(chr(c) for c in range(0x3B1, 0x3C9))
@@ -308,13 +308,16 @@ def _broadcast_leading(
 
 
 def _rearranged(c: Any, n: Any, o: _Operand, out: str) -> Value:
-    """A one-operand einsum: a permutation of its axes (a sum or a diagonal is refused)."""
+    """A one-operand einsum: a permutation of its axes, after a sum over the axes the result
+    drops ("bchw->bc"); _parse refused a diagonal (a letter repeated)."""
     if o.gathered is not None:
         raise UnsupportedOpError(c.describe(n, "rearranges a parameter alone with einsum"))
-    if sorted(o.spec) != sorted(out):
-        raise UnsupportedOpError(
-            c.describe(n, f"sums or takes a diagonal with einsum ({o.spec}->{out}); use sum")
-        )
+    dims = [i for i, s in enumerate(o.spec) if s not in out]
+    if dims:
+        kept = "".join(s for s in o.spec if s in out)
+        shape = tuple(o.shape[i] for i, s in enumerate(o.spec) if s in out)
+        y = summed_over(c, n, o.activation(c), o.shape, dims, shape)
+        o = _Operand(o.node, kept, shape, None, y)
     return _arranged(c, o, list(out), tuple(c.shape(n)))
 
 

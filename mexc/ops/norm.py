@@ -468,7 +468,26 @@ def _unit(
 _NORM_ARGS = {  # each function's argument names, in order
     "norm": ("input", "p", "dim", "keepdim"),
     "linalg_vector_norm": ("input", "ord", "dim", "keepdim"),  # torch.linalg.vector_norm
+    "linalg_norm": ("input", "ord", "dim", "keepdim"),  # torch.linalg.norm
 }
+
+
+def _norm_order(c: Any, n: Any, name: str, args: dict[str, Any]) -> Any:
+    """The p of a norm call. torch.linalg.norm over two axes is a matrix norm: its ord None
+    or "fro" is the 2-norm of the entries, any other (2 is the spectral norm) is refused."""
+    default = None if name == "linalg_norm" else 2
+    p = static_value(args.get("p", args.get("ord", default)))
+    dims = static_value(args.get("dim"))
+    matrix = name == "linalg_norm" and isinstance(dims, (list, tuple)) and len(dims) == 2
+    if matrix and p not in (None, "fro"):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"takes the matrix norm ord={p!r} (torch.linalg.norm over two axes); mexc "
+                "takes the Frobenius norm, ord=None or 'fro'",
+            )
+        )
+    return p
 
 
 def _norm_call(c: Any, n: Any) -> tuple[Any, tuple[int, ...]] | None:
@@ -480,9 +499,9 @@ def _norm_call(c: Any, n: Any) -> tuple[Any, tuple[int, ...]] | None:
     if name not in _NORM_ARGS:
         return None
     args = dict(zip(_NORM_ARGS[name], n.args)) | dict(n.kwargs)
-    p = static_value(args.get("p", args.get("ord", 2)))
     if not static_value(args.get("keepdim", False)):
         return None
+    p = _norm_order(c, n, name, args)
     return args["input"], _norm_dims(c, n, p, args.get("dim"), args["input"])
 
 
@@ -497,7 +516,7 @@ def _vector_norm(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(c.describe(n, f"takes a norm in {dtype}; give a float dtype"))
     x = args["input"]
     shape = tuple(c.shape(x))
-    dims = _norm_dims(c, n, static_value(args.get("p", args.get("ord", 2))), args.get("dim"), x)
+    dims = _norm_dims(c, n, _norm_order(c, n, name, args), args.get("dim"), x)
     v = c.arg(x)
     squares = multiplied(c, v, _unit(c, n, v, shape, dims, 0.0), shape)
     count = int(np.prod([shape[a] for a in dims]))
@@ -687,7 +706,11 @@ define(
             Pattern("function", ("torch.nn.functional.layer_norm",), _layernorm_function),
             Pattern("function", ("torch.nn.functional.normalize",), _normalize),
             Pattern("method", ("norm",), _vector_norm),
-            Pattern("function", ("torch.norm", "torch.linalg.vector_norm"), _vector_norm),
+            Pattern(
+                "function",
+                ("torch.norm", "torch.linalg.vector_norm", "torch.linalg.norm"),
+                _vector_norm,
+            ),
             Pattern("function", ("torch.nn.functional.rms_norm",), _rms_norm_function),
             Pattern("module", ("torch.nn.RMSNorm", "timm.layers.norm.RmsNorm"), _rms_norm_module),
             Pattern("module", ("torch.nn.GroupNorm",), _groupnorm_module),

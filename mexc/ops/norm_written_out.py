@@ -4,6 +4,8 @@ Models that predate nn.RMSNorm, or keep their own, write the normalization out:
 
 - RMSNorm (T5, LLaMA, many hand-written transformers):
   `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`.
+- L2 normalization written with a sum: `x / x.pow(2).sum(-1, keepdim=True).sqrt()`, the root
+  of D times the mean square (D the count summed), so RMSNorm over sqrt(D).
 - LayerNorm (ConvNeXt's channels-first LayerNorm, the Annotated Transformer):
   `(x - u) / torch.sqrt((x - u).pow(2).mean(1, keepdim=True) + eps)`,
   `(x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + eps)`, `x.var(...)`.
@@ -53,10 +55,12 @@ ROOT_USES = (
 
 @dataclass(frozen=True)
 class RootMeanSquare:
-    """(mean(v^2 over `dims`) + eps_in) ** (power / 2) + eps_out of v (`of`, the value the mean
-    was taken of; `node`, its traced node), v about its mean over `dims` where `centered` (var
-    and std, their `correction` dividing by D - correction). power 2 is a variance, 1 its root,
-    -1 the root's reciprocal."""
+    """(count * (mean(v^2 over `dims`) + eps_in)) ** (power / 2) + count ** 0.5 * eps_out of v
+    (`of`, the value the mean was taken of; `node`, its traced node), v about its mean over
+    `dims` where `centered` (var and std, their `correction` dividing by D - correction). power
+    2 is a variance, 1 its root, -1 the root's reciprocal. count is 1 for a mean and D, the
+    count of the entries summed, for a sum of squares; eps_in and eps_out are relative to the
+    mean, so a normalization by the root is the one by the mean's root over sqrt(count)."""
 
     of: Value
     node: Any
@@ -67,6 +71,12 @@ class RootMeanSquare:
     eps_in: float = 0.0
     eps_out: float = 0.0
     walk: Walk = dataclasses.field(default_factory=lambda: Walk())
+    count: int = 1
+
+    def relative(self, eps: float, power: int) -> float:
+        """An eps added to (or a floor of) the sum (power 2) or its root (1), relative to the
+        mean or its root."""
+        return eps / (self.count if power == 2 else math.sqrt(self.count))
 
 
 @dataclass
@@ -95,6 +105,7 @@ _PRODUCTS = ("mul", "__mul__", "__rmul__", "imul", "mul_")
 _QUOTIENTS = ("truediv", "div", "true_divide", "__truediv__", "itruediv", "div_")
 _SQUARES = ("square",)
 _MEANS = ("mean",)
+_SUMS = ("sum",)
 _SUBS = ("sub", "__sub__", "subtract")
 _AUGMENTED = ("iadd", "isub", "imul", "itruediv")  # x += ..., traced as in place
 
@@ -134,13 +145,15 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
     number = static_value(other)
     if name in ADDS and len(args) == 2 and _is_eps(number) and root.power in (1, 2):
         field = "eps_out" if root.power == 1 else "eps_in"
-        return dataclasses.replace(root, **{field: getattr(root, field) + float(number)})
+        eps = root.relative(float(number), root.power)
+        return dataclasses.replace(root, **{field: getattr(root, field) + eps})
     low = n.kwargs.get("min", args[1] if len(args) > 1 else None)
     if name in FLOORS and "max" not in n.kwargs and len(args) <= 2 and _is_eps(low):
         field = "eps_out" if root.power == 1 else "eps_in"
         if root.power in (1, 2):
             _check_floor(c, n, float(low))
-            return dataclasses.replace(root, **{field: max(getattr(root, field), float(low))})
+            eps = root.relative(float(low), root.power)
+            return dataclasses.replace(root, **{field: max(getattr(root, field), eps)})
     if name in _CASTS and _is_float(n):
         return root
     raise UnsupportedOpError(
@@ -186,18 +199,21 @@ def _root_of_mean_square(c: Any, n: Any, arg: Any, power: int) -> RootMeanSquare
         if not added:
             _check_floor(c, n, e)  # a floor differs from an added eps where it is large
         eps = eps + e if added else max(eps, e)
-    mean = _mean_call(c, m, walk)
+    mean = _mean_call(c, m, walk, sums=True)
     v = _square_of(c, mean[0], walk) if mean is not None else None
     if mean is None or v is None:
         raise UnsupportedOpError(
             c.describe(
                 n,
-                "takes the square root of an activation; mexc takes one only of a mean of "
-                f"squares or a variance (plus eps); {ROOT_USES}",
+                "takes the square root of an activation; mexc takes one only of a mean or sum "
+                f"of squares or a variance (plus eps); {ROOT_USES}",
             )
         )
     dims = _dims(c, n, v, mean[1])
-    return RootMeanSquare(c.arg(v), v, dims, power, False, eps_in=eps, walk=walk)
+    shape = tuple(c.shape(v))
+    count = int(np.prod([shape[d] for d in dims])) if called_name(m) in _SUMS else 1
+    root = RootMeanSquare(c.arg(v), v, dims, power, False, walk=walk, count=count)
+    return dataclasses.replace(root, eps_in=root.relative(eps, 2))
 
 
 def _check_floor(c: Any, n: Any, eps: float) -> None:
@@ -206,9 +222,10 @@ def _check_floor(c: Any, n: Any, eps: float) -> None:
     )
 
 
-def _mean_call(c: Any, m: Any, walk: Walk) -> tuple[Any, Any] | None:
-    """(x, dim) where m is x.mean(dim, keepdim=True) or torch.mean(x, dim, True)."""
-    if not c.is_node(m) or called_name(m) not in _MEANS:
+def _mean_call(c: Any, m: Any, walk: Walk, sums: bool = False) -> tuple[Any, Any] | None:
+    """(x, dim) where m is x.mean(dim, keepdim=True) or torch.mean(x, dim, True) (or, where
+    `sums`, x.sum(dim, keepdim=True))."""
+    if not c.is_node(m) or called_name(m) not in (*_MEANS, *(_SUMS if sums else ())):
         return None
     args = dict(zip(("input", "dim", "keepdim"), m.args)) | dict(m.kwargs)
     if not static_value(args.get("keepdim", False)) or args.get("dim") is None:
@@ -406,8 +423,8 @@ def _normalized(c: Any, n: Any, a: Any, r: RootMeanSquare) -> Value:
             return over_rms(c, n, u, flat, eps)
 
     y = along(c, c.arg(source), shape, r.dims, norm)
-    if ratio != 1:
-        y = scaled(c, y, shape, math.sqrt(ratio))
+    if ratio / r.count != 1:  # a root of a sum of squares is sqrt(count) times the mean's
+        y = scaled(c, y, shape, math.sqrt(ratio / r.count))
     if factor is None:
         return y
     if K.factor_view(shape, tuple(c.shape(factor))) is None:

@@ -1324,6 +1324,14 @@ def _transpose_two(c: Any, n: Any) -> Value:
     return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=tuple(order))
 
 
+def _t(c: Any, n: Any) -> Value:
+    """x.t(), torch.t(x): a 2-D tensor's transpose; a 0-D or 1-D tensor as it is."""
+    x = n.args[0] if n.args else n.kwargs["input"]
+    if len(c.shape(x)) < 2:
+        return c.arg(x)
+    return c.emit(Op.TRANSPOSE, [c.arg(x)], n, perm=(1, 0))
+
+
 def _mean(c: Any, n: Any) -> Value:
     return _reduce(c, n, "mean")
 
@@ -1362,6 +1370,22 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
         return c.emit(Op.RESHAPE, [v], n, shape=out)
     mean = _mean_batch_elsewhere(c, v, tuple(shape), dims, batch, out)
     return c.emit(Op.SCALE, [mean], n, value=float(count)) if kind == "sum" else mean
+
+
+def summed_over(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: list[int], out: tuple[int, ...]
+) -> Value:
+    """The sum of v (of `shape`) over the non-batch axes `dims` (sorted), as a value of shape
+    `out`: their mean times the count (_reduce's, for a decomposition: an einsum's sum)."""
+    batch = c.first_or_batch_axis(v)
+    if batch in dims:
+        raise UnsupportedOpError(
+            c.describe(n, "takes a sum over the batch axis; only per-sample sums are supported")
+        )
+    count = int(np.prod([shape[d] for d in dims]))
+    if count == 1:
+        return reshaped(c, v, out)
+    return scaled(c, _mean_batch_elsewhere(c, v, shape, dims, batch, out), out, count)
 
 
 def _mean_batch_elsewhere(
@@ -1566,6 +1590,8 @@ define(
                 "function", ("torch.transpose", "torch.swapaxes", "torch.swapdims"), _transpose_two
             ),
             Pattern("method", ("transpose", "swapaxes", "swapdims"), _transpose_two),
+            Pattern("function", ("torch.t",), _t),
+            Pattern("method", ("t",), _t),
             Pattern("module", ("torch.nn.PixelShuffle",), _shuffle_module("pixel")),
             Pattern("module", ("torch.nn.PixelUnshuffle",), _shuffle_module("unpixel")),
             Pattern("module", ("torch.nn.ChannelShuffle",), _shuffle_module("channel")),

@@ -87,6 +87,33 @@ def test_contractions_train_bit_exact_on_llvm_and_c() -> None:
     assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, (x, y))
 
 
+class Sums(nn.Module):
+    """One-operand einsums that sum axes away: over the tokens, over the features (with the
+    kept axes permuted), and over all but the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16 + 8 + 1, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 8, 16]
+        h = torch.relu(self.proj(x))
+        tokens = torch.einsum("btd->bd", h) / 8
+        features = torch.einsum("btd->tb", h).t() / 16
+        every = torch.einsum("btd->b", h)[:, None] / 128
+        return self.head(torch.cat([tokens, features, every], 1))
+
+
+def test_an_einsum_sum_matches_torch_and_autograd() -> None:
+    x, y = _data(16)
+    model, prog = _compile(Sums, x, rounding="nearest")
+    want = model.eval()(torch.from_numpy(x)).detach().numpy()
+    got = prog.logits(x)
+    assert cosine(got, want) > 0.999 and np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    g, w = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert min(cosine(g[k], w[k]) for k in ("proj.weight", "head.weight")) >= 0.97
+
+
 class RightWeight(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -188,7 +215,7 @@ class _Three(nn.Module):
     ("make", "message"),
     [
         (lambda: _Eq("bii->bi"), "diagonal"),
-        (lambda: _Eq("bij->bi"), "sums or takes a diagonal"),
+        (lambda: _Eq("bij->j"), "sum over the batch axis"),
         (lambda: _Eq("btd,de->be", (8, 4)), "own axis 't'"),
         (lambda: _Eq("btd,bd->t", (8, 8)), "batch axis with a parameter"),
         (_Twice, "reads parameter 'w'"),

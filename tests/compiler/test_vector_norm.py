@@ -107,6 +107,12 @@ class _ChangedAfterItsNorm(nn.Module):
         return (y / n)[:, :10]
 
 
+class _Spectral(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.reshape(-1, 4, 5)
+        return (m / torch.linalg.norm(m, 2, (1, 2), True)).reshape(-1, 20)[:, :10]
+
+
 class _WideFloor(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x / (x.norm(dim=1, keepdim=True) + 0.5))[:, :10]
@@ -120,6 +126,7 @@ class _WideFloor(nn.Module):
         (_WideFloor, "floors a 2-norm at 0.5"),
         (_OtherNorm, "with p=1"),
         (_BatchNorm, "along the batch axis"),
+        (_Spectral, "matrix norm ord=2"),
     ],
 )
 def test_other_divisions_and_norms_are_refused_by_node(make, message: str) -> None:
@@ -138,3 +145,34 @@ def test_a_ratio_and_a_norm_taken_before_a_change_are_quotients(make: type) -> N
     assert [n.op for n in prog.graph.nodes].count(Op.DIV) == 1
     x = np.random.default_rng(0).standard_normal((8, 20)).astype(np.float32) * 0.5
     assert_logits_match_torch(model, prog, x)
+
+
+class _LinalgNorms(nn.Module):
+    """torch.linalg.norm: a vector norm over one axis (ord None or 2), the Frobenius norm of
+    a matrix over two (ord None or "fro")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(20, 20)
+        self.head = nn.Linear(20, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        m = h.reshape(-1, 4, 5)
+        frob = m / torch.linalg.norm(m, dim=(1, 2), keepdim=True)
+        fro = m / torch.linalg.norm(m, "fro", (1, 2), True).clamp(min=1e-6)
+        unit = h / torch.linalg.norm(h, 2, -1, keepdim=True)
+        length = torch.linalg.norm(h, dim=-1)[:, None]
+        return self.head((frob + fro).reshape(-1, 20) + unit * length)
+
+
+def test_linalg_norms_match_torch_and_autograd() -> None:
+    torch.manual_seed(0)
+    model = _LinalgNorms()
+    prog = mexc.compile(model, (torch.zeros(16, 20),), rounding="nearest")
+    x = np.random.default_rng(0).standard_normal((16, 20)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, 16)
+    assert_logits_match_torch(model, prog, x)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("fc.weight", "head.weight"):
+        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))

@@ -249,6 +249,38 @@ def test_rms_norm_of_the_same_values_matches_torch_closely() -> None:
     assert np.isfinite(prog.logits(x)).all()
 
 
+def _ss(h: torch.Tensor) -> torch.Tensor:
+    return h.pow(2).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda h: h / _ss(h).sqrt(),
+        lambda h: h * torch.rsqrt(_ss(h) + 1e-8),
+        lambda h: h / (torch.sqrt(_ss(h)) + 1e-6),
+        lambda h: h * _ss(h).clamp(min=1e-12).rsqrt(),
+        lambda h: (
+            (h - h.mean(-1, keepdim=True))
+            / ((h - h.mean(-1, keepdim=True)).pow(2).sum(-1, keepdim=True) + 1e-5).sqrt()
+        ),
+    ],
+)
+def test_a_root_of_a_sum_of_squares_normalizes_as_torch(body: object) -> None:
+    """x / sqrt(sum(x^2)): the layer norm of the mean square, over sqrt(D) (8 here); its eps
+    on the sum, its root or as a floor, relative to the mean."""
+    torch.manual_seed(0)
+    model = _Probe(body)
+    x, y = small_batch((16, 8))
+    prog = mexc.compile(model, (torch.zeros(16, 8),), rounding="nearest")
+    assert [n.op for n in prog.graph.nodes if prog.graph.is_forward(n)].count(Op.LAYERNORM) == 1
+    want = model.eval()(torch.from_numpy(x)).detach().numpy()
+    got = prog.logits(x)
+    assert cosine(got, want) >= 0.999 and np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+    g, w = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert cosine(g["fc.weight"], w["fc.weight"]) >= 0.97
+
+
 def test_a_division_by_a_one_element_constant_is_a_scale() -> None:
     """torch.sqrt(torch.tensor(d_k)), folded by the trace into a constant, divides as a
     number; a trained scalar parameter is still refused."""
