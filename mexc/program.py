@@ -249,6 +249,22 @@ class Program:
 
     def step(self, x: Any, y: Any) -> float:
         """One integer training step on a batch; returns the float loss (for logging only)."""
+        env = self.train_env(x, y)
+        values = execute(self._train_nodes, env, self._train_last_use)
+        self._step_peak_bytes = env.peak_bytes
+        new_state = dict(self.state)
+        for name, v in self.graph.outputs:
+            if name.startswith("state:"):
+                new_state[name[6:]] = values[v]
+        self.state = new_state
+        self.step_count += 1
+        return float(values[self.graph.output("loss")])
+
+    def train_env(self, x: Any, y: Any, lr: FixedScalar | None = None) -> StepEnv:
+        """The environment a training step on (x, y) runs in (its rounding contexts, inputs,
+        learning rate: the schedule's unless `lr` is given, and optimizer constants); state is
+        not changed. Program.step executes the graph in it; a caller may execute its nodes to
+        read every value of a step."""
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch).reshape(-1)  # a row per sample, or per position
         o = self.options
@@ -269,7 +285,7 @@ class Program:
             x=xs,
             y=ys,
             state=self.state,
-            lr=self.lr_at(self.step_count),
+            lr=self.lr_at(self.step_count) if lr is None else lr,
             valid=(self.batch if rows is None else rows.total) * self.positions,
             split=self._split,
         )
@@ -279,15 +295,7 @@ class Program:
         else:
             env.momentum = FixedScalar.of(opt.momentum)
             env.weight_decay = FixedScalar.of(opt.weight_decay)
-        values = execute(self._train_nodes, env, self._train_last_use)
-        self._step_peak_bytes = env.peak_bytes
-        new_state = dict(self.state)
-        for name, v in self.graph.outputs:
-            if name.startswith("state:"):
-                new_state[name[6:]] = values[v]
-        self.state = new_state
-        self.step_count += 1
-        return float(values[self.graph.output("loss")])
+        return env
 
     def logit_batches(self, x: Any) -> list[tuple[MX | Acc, int]]:
         """The inference path's logits, batch by batch: (the logits of one full batch, as the

@@ -571,8 +571,9 @@ def make_optimizer(
 ) -> Any:
     """mexc.SGD (`kind` "sgd", with `momentum`), mexc.AdamW ("adamw", with `betas`, `eps`) or
     mexc.Adam ("adam": the decay as torch's L2 term), with a schedule in steps. cosine: linear
-    warmup over `warmup_epochs` (default min(1, epochs / 5) epochs), then cosine decay to 0 at
-    the last step; step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no change."""
+    warmup over `warmup_epochs` (default min(1, epochs / 5) epochs), then cosine decay that
+    reaches 0 at step `total` (one past the last step taken, as torch's CosineAnnealingLR
+    with T_max = total); step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no change."""
     from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Schedule, Step
 
     total = steps_per_epoch * epochs

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mexc
-from mexc.backends.reference.interp import StepEnv, execute
+from mexc.backends.reference.interp import execute
 from mexc.ir import Op
 from mexc.mx import RoundCtx
 from mexc.numerics import FixedScalar
@@ -34,31 +34,17 @@ def example(name: str, batch: int, seed: int = 0) -> tuple[nn.Module, np.ndarray
 
 
 def step_values(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[Any, Any]:
-    """Every value of one training step at learning rate 0 (prog.state is left unchanged)."""
-    o = prog.options
-    ctx = RoundCtx(o.rounding, o.seed, 0, o.bits)  # type: ignore[arg-type]
-    zero = FixedScalar(0, 0)
-    env = StepEnv(
-        ctx,
-        True,
-        x if np.issubdtype(x.dtype, np.integer) else x.astype(np.float64),
-        y.astype(np.int64).reshape(-1),  # a row per sample, or per position
-        prog.state,
-        zero,
-        zero,
-        zero,
-        prog.batch * prog.positions,
-    )
-    return execute(list(prog.graph.nodes), env)
+    """Every value of one training step at learning rate 0, in the environment Program.step
+    builds (its rounding modes, channel exponents, optimizer); prog.state is left unchanged."""
+    return execute(list(prog.graph.nodes), prog.train_env(x, y, lr=FixedScalar(0, 0)))
 
 
 def integer_gradients(prog: mexc.Program, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
-    """Dequantized parameter gradients of one training step (state left unchanged)."""
+    """Dequantized parameter gradients of one training step (state left unchanged): the
+    gradient each update node (SGD's or AdamW's) reads."""
     values = step_values(prog, x, y)
-    return {
-        str(n.attrs.param): values[n.inputs[1]].dequantize()
-        for n in prog.graph.nodes_of(Op.SGD_UPDATE)
-    }
+    updates = [*prog.graph.nodes_of(Op.SGD_UPDATE), *prog.graph.nodes_of(Op.ADAMW_UPDATE)]
+    return {str(n.attrs.param): values[n.inputs[1]].dequantize() for n in updates}
 
 
 def dequantized_copy(model: nn.Module, prog: mexc.Program) -> nn.Module:
