@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,38 @@ def load_model(spec: str) -> tuple[Any, str]:
             f"{spec}: calling {name}() without arguments failed ({err}); give a class whose "
             "arguments all have defaults, or a function returning the model"
         ) from err
+    except Exception as err:  # the user's constructor failed
+        raise CliError(f"{spec}: {name}() failed: {type(err).__name__}: {err}") from err
     if not isinstance(model, nn.Module):
         raise CliError(f"{spec}: {name}() returned {type(model).__name__}, not an nn.Module")
     return model, name
+
+
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high) (argparse names the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high})"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite(text: str) -> float:
+    """An argparse type: a finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -130,6 +160,33 @@ def cmd_passes(args: argparse.Namespace) -> int:
     return 0
 
 
+# the paths each command writes: a file, or a folder (created with its parents if needed)
+_OUTPUTS = {
+    "out": "file",
+    "plot": "file",
+    "export_torch": "file",
+    "checkpoint": "folder",
+    "dump_ir": "folder",
+}
+
+
+def _check_outputs(args: argparse.Namespace, kinds: dict[str, str]) -> None:
+    """Refuse, before any work, an output path that cannot be written: a file path that is a
+    folder, a folder path that is a file, or a path under a file."""
+    for flag, kind in kinds.items():
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        p, name = Path(path), "--" + flag.replace("_", "-")
+        if kind == "file" and p.is_dir():
+            raise CliError(f"{name} {path} is a folder; give the path of a file to write")
+        if kind == "folder" and p.exists() and not p.is_dir():
+            raise CliError(f"{name} {path} is a file; give a folder (created if needed)")
+        blocked = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+        if blocked is not None:
+            raise CliError(f"{name} {path}: {blocked} is a file, so nothing can be written there")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     import torch
 
@@ -139,6 +196,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     shape = parse_shape(args.input_shape)
     if args.batch <= 0:
         raise CliError(f"--batch must be positive, got {args.batch}")
+    _check_outputs(args, {"dump_ir": "folder"})
     instruments, _ = _instruments(args)
     torch.manual_seed(args.seed)
     model, name = load_model(args.model)
@@ -282,6 +340,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         leader = init_from_env().rank == 0
     if args.resume and not Path(args.resume).is_dir():
         raise CliError(f"--resume {args.resume}: no such checkpoint folder")
+    _check_outputs(args, _OUTPUTS)
     train, test = load_splits(args.data, args.limit_train, args.limit_test)
     torch.manual_seed(args.seed)
     model, name = load_model(args.model)
@@ -385,7 +444,9 @@ def _compile_flags(
     p.add_argument(
         "--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8); velocity: 8"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of rounding, data order and init")
+    p.add_argument(
+        "--seed", type=_whole(0, 2**32), default=0, help="seed of rounding, data order and init"
+    )
     p.add_argument(
         "--target",
         default=target,
@@ -451,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the input is integer token ids, which the model reads through embedding tables",
     )
-    p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
+    p.add_argument("--batch", type=_whole(1), default=128, help="batch size (default 128)")
     p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
     p.add_argument("--print-after", metavar="P1,P2", help="print the IR after the named passes")
     p.add_argument(
@@ -474,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pack-budget",
-        type=int,
+        type=_whole(1),
         default=None,
         metavar="BYTES",
         help="with --target cuda: bytes one product's operand packs may take before it runs "
@@ -492,10 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="digits",
         help="dataset whose first samples the C project embeds (default digits)",
     )
-    p.add_argument("--steps", type=int, default=10, help="training steps of the C project")
+    p.add_argument("--steps", type=_whole(1), default=10, help="training steps of the C project")
     p.add_argument(
         "--data-batches",
-        type=int,
+        type=_whole(1),
         default=16,
         help="distinct batches embedded (steps wrap around them; default 16)",
     )
@@ -508,25 +569,25 @@ def build_parser() -> argparse.ArgumentParser:
         default="fashion-mnist",
         help="fashion-mnist | digits | digits-tokens | digits-next | digits-sparse | npz:PATH",
     )
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--epochs", type=_whole(1), default=5)
+    p.add_argument("--batch", type=_whole(1), default=128)
     p.add_argument(
-        "--lr", type=float, default=None, help="peak learning rate (default: sgd 0.05, adam 1e-3)"
+        "--lr", type=_finite, default=None, help="peak learning rate (default: sgd 0.05, adam 1e-3)"
     )
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--momentum", type=_finite, default=0.9, help="SGD momentum")
     p.add_argument(
         "--weight-decay",
-        type=float,
+        type=_finite,
         default=None,
         help="default: sgd 5e-4 (L2 as a gradient term), adamw 0.01 (decoupled), adam 0",
     )
-    p.add_argument("--beta1", type=float, default=0.9, help="Adam's first-moment decay")
-    p.add_argument("--beta2", type=float, default=0.999, help="Adam's second-moment decay")
-    p.add_argument("--eps", type=float, default=1e-8, help="Adam's epsilon")
+    p.add_argument("--beta1", type=_finite, default=0.9, help="Adam's first-moment decay")
+    p.add_argument("--beta2", type=_finite, default=0.999, help="Adam's second-moment decay")
+    p.add_argument("--eps", type=_finite, default=1e-8, help="Adam's epsilon")
     p.add_argument("--schedule", choices=("cosine", "step", "constant"), default="cosine")
     p.add_argument(
         "--warmup",
-        type=float,
+        type=_finite,
         default=None,
         help="cosine warmup in epochs (default: min(1, epochs/5))",
     )
@@ -541,19 +602,21 @@ def build_parser() -> argparse.ArgumentParser:
         "dict to PT (load with model.load_state_dict(torch.load(PT, weights_only=True)))",
     )
     p.add_argument(
-        "--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps"
+        "--checkpoint-every", type=_whole(0), default=0, metavar="N", help="also every N steps"
     )
     p.add_argument(
         "--resume",
         metavar="DIR",
         help="continue the run checkpointed in DIR (on its target, or on --target when given)",
     )
-    p.add_argument("--limit-train", type=int, default=None, metavar="N", help="first N images")
-    p.add_argument("--limit-test", type=int, default=None, metavar="N", help="first N images")
+    p.add_argument(
+        "--limit-train", type=_whole(1), default=None, metavar="N", help="first N images"
+    )
+    p.add_argument("--limit-test", type=_whole(1), default=None, metavar="N", help="first N images")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--nproc",
-        type=int,
+        type=_whole(1),
         default=1,
         metavar="N",
         help="train as N data-parallel workers on this machine (targets llvm and reference; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,14 @@ from mexc.trainable import TrainableError, TrainableSpec, resolve_trainable
 from mexc.types import Exp
 
 
+def _whole_number(name: str, value: Any) -> int:
+    """value as an int, where it is one (a NumPy integer too); an error naming `name` for a
+    float, a bool or anything else."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 def _example_batch(example_inputs: Any) -> torch.Tensor:
     if isinstance(example_inputs, (tuple, list)) and len(example_inputs) != 1:
         raise ValueError(
@@ -37,6 +46,11 @@ def _example_batch(example_inputs: Any) -> torch.Tensor:
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
+    if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] == 0):
+        raise ValueError(
+            f"example_inputs' batch has shape {list(x.shape)}; give a batch [N, ...] of N >= 1 "
+            "samples, the batch size every training step takes"
+        )
     integer = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
     if integer and x.dtype != torch.bool:  # token ids, read by the model's embedding tables
         return x.detach().long()
@@ -143,8 +157,10 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         refuse_data_parallel_target(target)
         workers = current_workers()
     chosen = get_target(target)
+    bits = _whole_number("bits", bits)
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
+    seed = _whole_number("seed", seed)  # taken mod 2^32 (docs/numerics.md, the PRNG)
     rounding = rounding_mode_for(rounding, bits)
     channel_exponents = channel_exponents_for(channel_exponents, bits)
     opt = optimizer_of(optimizer)

@@ -108,6 +108,10 @@ class InputError(MexcError, ValueError):
     range, NaN or infinite values."""
 
 
+class TornStateError(MexcError, RuntimeError):
+    """A training step stopped after some of its kernels ran: the state is partly updated."""
+
+
 class DistributedError(MexcError, RuntimeError):
     """A data-parallel step cannot go on: no process group, a worker that stopped answering
     (its collective timed out), workers that disagree on the program."""

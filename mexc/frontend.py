@@ -1385,7 +1385,15 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
         elif n.op == "output":
             out = n.args[0]
             if not isinstance(out, torch.fx.Node):
-                raise UnsupportedOpError("the model must return a single logits tensor")
+                kind = type(out).__name__
+                raise UnsupportedOpError(
+                    c.describe(
+                        n,
+                        f"returns a {kind}, not one tensor; mexc trains on one logits tensor: "
+                        "return the logits alone, or wrap the model in a module whose forward "
+                        "returns them (model(x)[0], model(x)['logits'])",
+                    )
+                )
             logits, logits_node = c.env[out], out
             if isinstance(logits, RootMeanSquare):
                 raise UnsupportedOpError(_describe(out, f"is a root mean square; {ROOT_USES}"))

@@ -8,9 +8,15 @@ Adam also its bias corrections, epsilon and the decoupled decay) once per step.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from mexc.numerics import AdamConfig, FixedScalar
+
+
+def _is_count(v: object) -> bool:
+    """v is a whole number >= 0 (a NumPy integer too; not a bool)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,15 @@ class Step:
     milestones: tuple[int, ...]
     gamma: float = 0.1
 
+    def __post_init__(self) -> None:
+        ms = self.milestones
+        if not isinstance(ms, (list, tuple)) or not all(_is_count(m) for m in ms):
+            raise ValueError(f"Step milestones must be a list of steps >= 0, got {ms!r}")
+        object.__setattr__(self, "milestones", tuple(int(m) for m in ms))
+        g = self.gamma
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ValueError(f"Step gamma must be a finite number >= 0, got {g!r}")
+
     def factor(self, step: int) -> float:
         return self.gamma ** sum(1 for m in self.milestones if step >= m)
 
@@ -42,6 +57,16 @@ class Cosine:
 
     total_steps: int
     warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        total, warm = self.total_steps, self.warmup_steps
+        if not _is_count(total) or total < 1:
+            raise ValueError(f"Cosine total_steps must be a whole number >= 1, got {total!r}")
+        if not _is_count(warm) or warm > total:
+            raise ValueError(
+                f"Cosine warmup_steps must be a whole number in [0, total_steps={total}], "
+                f"got {warm!r}"
+            )
 
     def factor(self, step: int) -> float:
         if step < self.warmup_steps:

@@ -36,7 +36,7 @@ from mexc.errors import CheckpointError, InputError
 from mexc.ir import LABEL_SHAPE, Graph, Op, needed_nodes
 from mexc.kernels.quantize import quantize
 from mexc.mx import MX, Acc, RoundCtx
-from mexc.numerics import FixedScalar, site_rounding, state_checksum
+from mexc.numerics import NEAREST_FORWARD, FixedScalar, site_rounding, state_checksum
 from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Optimizer, Step
 from mexc.parser import parse_graph
 from mexc.printer import print_graph
@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # the planner needs networkx, which a GPU runtime machine may
 # 2: the output head's probabilities are int16 (i16); a format-1 checkpoint's program typed them
 # u8, and reads as format 2 with that type changed (its state means the same)
 CHECKPOINT_FORMAT = "mexc-checkpoint-2"
+# the largest |exponent| a loaded state may hold: 2^e is a float64 number, and sums and
+# differences of exponents in the kernels stay far inside int32
+MAX_STATE_EXPONENT = 1024
 _OLDER_FORMATS = {"mexc-checkpoint-1": lambda text: re.sub(r"\bu8\[", "i16[", text)}
 
 
@@ -61,10 +64,24 @@ class Options:
 
 
 def as_numpy(x: Any, what: str) -> np.ndarray:
-    if hasattr(x, "detach"):
+    """x (a torch tensor or a NumPy array) as a NumPy array; an InputError for anything else.
+    bfloat16 and float16 tensors widen to float32 (exactly: NumPy has no bfloat16); a masked
+    array is refused, since what its mask hides is not data."""
+    if hasattr(x, "detach"):  # a torch tensor (torch is not imported here: see docs/cuda.md)
+        if getattr(x, "is_meta", False):
+            raise InputError(f"{what} is a tensor on the meta device: it holds no values")
+        if str(x.dtype) in ("torch.bfloat16", "torch.float16"):
+            x = x.float()
         x = x.detach().cpu().numpy()
+    if isinstance(x, np.ma.MaskedArray):
+        raise InputError(
+            f"{what} is a masked array: fill its masked entries first (x.filled(value))"
+        )
     if not isinstance(x, np.ndarray):
         raise InputError(f"{what} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+    if x.dtype.kind == "f" and x.dtype.itemsize > 8:  # long double: as float64 (inf beyond)
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float64)
     return x
 
 
@@ -343,10 +360,12 @@ class Program:
         return np.argmax(self.logits(x), axis=1)
 
     def evaluate(self, x: Any, y: Any) -> float:
-        """Accuracy in [0, 1]."""
+        """Accuracy in [0, 1] of at least one sample."""
         ids = self.predict(x)
         ys = self._check_y(y, ids.shape[0])
-        return float(np.mean(ids == ys)) if ys.size else 0.0
+        if not ys.size:
+            raise InputError("evaluate needs at least one sample; x and y are empty")
+        return float(np.mean(ids == ys))
 
     # ----------------------------------------------------------------------------- state
 
@@ -425,6 +444,13 @@ class Program:
                 )
             if m.dtype != np.int8 or not np.issubdtype(e.dtype, np.integer):
                 raise CheckpointError(f"state '{name}' must be int8 mantissas, integer exponents")
+            if e.size and int(np.abs(e.astype(np.int64)).max()) > MAX_STATE_EXPONENT:
+                raise CheckpointError(
+                    f"state '{name}' has exponents in [{int(e.min())}, {int(e.max())}]; a "
+                    f"state's exponents lie within ±{MAX_STATE_EXPONENT} (2^e beyond is no "
+                    "float64 number, and exponent arithmetic must stay in int32): this state "
+                    "dict is not one a program wrote"
+                )
             new[name] = MX.of(m, e)
         extra = sorted(set(sd) - {k for n in self.state for k in (n, n + ".exp")})
         if extra:
@@ -504,6 +530,8 @@ class Program:
         samples k*B .. k*B+B-1 of `data`, wrapping around: `replay_indices`); returns the
         losses."""
         x, y = as_numpy(data[0], "x"), as_numpy(data[1], "y")
+        if steps > 0 and (x.ndim == 0 or x.shape[0] == 0):
+            raise InputError("replay needs at least one sample; x is empty")
         losses = []
         for k in range(steps):
             idx = replay_indices(x.shape[0], self.eval_batch, k)
@@ -526,7 +554,6 @@ class Program:
         }
         arrays = {f"state/{k}": v for k, v in self.state_dict().items()}
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
             z.comment = _DIGEST_TAG + b"0" * 64  # placeholder, patched below
@@ -539,6 +566,7 @@ class Program:
         data = buf.getvalue()
         body = data[:-_DIGEST_LEN]
         data = body + _DIGEST_TAG + hashlib.sha256(body).hexdigest().encode()
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
@@ -548,6 +576,20 @@ class Program:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _checked_options(opts: Options) -> Options:
+    """A checkpoint's options, refused (ValueError) where a program could not run them."""
+    seed_ok = isinstance(opts.seed, int) and not isinstance(opts.seed, bool)
+    if not (_is_count(opts.bits) and 2 <= opts.bits <= 8) or not seed_ok:
+        raise ValueError(f"bits {opts.bits!r} or seed {opts.seed!r}")
+    if opts.rounding not in ("stochastic", "nearest", NEAREST_FORWARD):
+        raise ValueError(f"unknown rounding {opts.rounding!r}")
+    return opts
 
 
 def _optimizer_json(opt: Optimizer) -> dict[str, Any]:
@@ -573,6 +615,8 @@ def _optimizer_from_json(d: dict[str, Any]) -> Optimizer:
         args["milestones"] = tuple(args["milestones"])
     schedule = kinds[d["schedule"]](**args)
     kind = d.get("kind", "SGD")  # checkpoints before AdamW name no kind
+    if kind not in ("SGD", "AdamW", "Adam"):
+        raise ValueError(f"unknown optimizer kind {kind!r}")
     if kind in ("AdamW", "Adam"):
         cls = AdamW if kind == "AdamW" else Adam
         return cls(d["lr"], tuple(d["betas"]), d["eps"], d["weight_decay"], schedule)
@@ -618,7 +662,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Program:
                 if name.startswith("state/") and name.endswith(".npy"):
                     with z.open(name) as fh:
                         arrays[name[6:-4]] = np.lib.format.read_array(fh, allow_pickle=False)
-        opts = Options(**meta["options"])
+        opts = _checked_options(Options(**meta["options"]))
+        if not _is_count(meta["step"]) or not isinstance(meta["checksum"], str):
+            raise ValueError(f"step {meta['step']!r} or checksum {meta['checksum']!r}")
         state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if not k.endswith(".exp")}
         prog = Program(graph, state, opts, _optimizer_from_json(meta["optimizer"]), meta["step"])
     except CheckpointError:

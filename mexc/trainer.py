@@ -40,6 +40,7 @@ results.json (`build_results`, format "mexc-results-1"):
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
 import math
@@ -56,7 +57,7 @@ import numpy as np
 
 from mexc.data import Arrays, batches
 from mexc.distributed import shard_rows, split_accuracy
-from mexc.errors import CheckpointError
+from mexc.errors import CheckpointError, InputError
 from mexc.program import Program
 from mexc.targets import load as load_program
 
@@ -88,6 +89,27 @@ def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Non
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _check_resumed(prog: Program, model: Any, asked: dict[str, Any]) -> None:
+    """Before a resumed run trains: refuse a model other than the checkpoint's (its parameters'
+    names and shapes, as Program.to_module checks them), and note the options the checkpoint
+    keeps where the call asked for others."""
+    try:
+        prog.to_module(copy.deepcopy(model))
+    except InputError as err:
+        raise InputError(
+            f"the checkpoint resumed holds another model's state ({err}); resume with the "
+            "model it was trained from"
+        ) from None
+    kept = {"bits": prog.options.bits, "optimizer": type(prog.optimizer).__name__.lower()}
+    for key, value in kept.items():
+        if asked.get(key) is not None and asked[key] != value:
+            print(
+                f"note: resuming uses the checkpoint's {key}={value} (this run asked for "
+                f"{asked[key]})",
+                file=sys.stderr,
+            )
 
 
 class Trainer:
@@ -573,7 +595,8 @@ def make_optimizer(
     mexc.Adam ("adam": the decay as torch's L2 term), with a schedule in steps. cosine: linear
     warmup over `warmup_epochs` (default min(1, epochs / 5) epochs), then cosine decay that
     reaches 0 at step `total` (one past the last step taken, as torch's CosineAnnealingLR
-    with T_max = total); step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no change."""
+    with T_max = total); step: x0.1 at 50 % and 75 % of the steps (no warmup); constant: no
+    change."""
     from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Schedule, Step
 
     total = steps_per_epoch * epochs
@@ -658,7 +681,6 @@ def run_training(
     `batch` is the global batch, and every worker trains on its rows of it (the FP32 baseline
     runs on worker 0 only). `export_torch`: write the trained weights as the model's PyTorch
     state dict there (export_state_dict)."""
-    import copy
 
     import torch
 
@@ -678,6 +700,7 @@ def run_training(
             target=resume_target,
             data_parallel=data_parallel,
         )
+        _check_resumed(trainer.program, model, {"bits": bits, "optimizer": optimizer})
     else:
         spe = len(train[1]) // batch
         if spe == 0:

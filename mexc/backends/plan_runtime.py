@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mexc.errors import TornStateError
 from mexc.kernels.loss import ce_loss
 from mexc.mx import MX, Acc, Collectives
 from mexc.numerics import stream_keys
@@ -107,6 +108,7 @@ class PlanProgram(Program):
         self._plan_json = manifest
         self._key_ids = np.asarray(manifest["key_ids"], np.int64)
         self._state_cache: dict[str, MX] | None = None
+        self._torn: str | None = None  # why a step stopped part way (_run raised), else None
         self._key_rows = np.asarray(manifest["key_rows"], np.int64)
         super().__init__(
             prog.graph,
@@ -158,8 +160,19 @@ class PlanProgram(Program):
         }
 
     # the state lives in the plan's buffers; reading it copies it out
+    def _check_whole(self) -> None:
+        """Refuse to read or advance a state a stopped step left partly updated."""
+        if self._torn is not None:
+            raise TornStateError(
+                f"a training step (step {self.step_count}) stopped part way ({self._torn}): "
+                "some of its kernels had updated the state, so it is no longer the state "
+                "after any step. Load the last checkpoint (mexc.load) or set the state "
+                "(Program.load_state_dict) to go on"
+            )
+
     @property
     def state(self) -> dict[str, MX]:
+        self._check_whole()
         if self._state_cache is None:
             out = {}
             for name, (m, e) in self._plan_json["state"].items():
@@ -175,6 +188,16 @@ class PlanProgram(Program):
             self._write(m, np.ascontiguousarray(value[name].m, np.int8))
             self._write(e, np.asarray(value[name].e, np.int32).reshape(-1))
         self._state_cache = None
+        self._torn = None  # every state buffer is written again
+
+    def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
+        """As Program's, also over a state a stopped step tore (it is written whole)."""
+        torn, self._torn = self._torn, None
+        try:
+            super().load_state_dict(sd)
+        except BaseException:
+            self._torn = torn if self._torn is None else self._torn
+            raise
 
     def _write_inputs(self, xs: np.ndarray, ys: np.ndarray) -> None:
         plan = self._plan_json
@@ -223,6 +246,7 @@ class PlanProgram(Program):
         raise NotImplementedError
 
     def _infer_batch(self, xs: np.ndarray) -> MX | Acc:
+        self._check_whole()
         plan = self._inference_plan()
         if plan is None:
             return super()._infer_batch(xs)
@@ -241,11 +265,16 @@ class PlanProgram(Program):
         return MX.of(mant, int(exp))
 
     def step(self, x: Any, y: Any) -> float:
+        self._check_whole()
         xs = self._check_x(x, exact_batch=True)
         ys = self._check_y(y, self.batch)
         self._write_inputs(xs, ys)
-        self._run()
         self._state_cache = None
+        try:
+            self._run()
+        except BaseException as err:  # Ctrl-C too: the kernels that ran have written
+            self._torn = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            raise
         self.step_count += 1
         probs = self._read(self._plan_json["probs"])
         labels = ys.reshape(-1)  # a row per sample, or per position

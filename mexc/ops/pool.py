@@ -407,7 +407,12 @@ def _extreme_call(largest: bool) -> Callable[[Any, Any], Any]:
         dim = args.get("dim", args.get("other"))
         if dim is None:
             raise UnsupportedOpError(
-                c.describe(n, f"takes the {word} of every element; give a dim")
+                c.describe(
+                    n,
+                    f"takes the {word} of every element of the batch, which would mix its "
+                    "samples; mexc takes one per sample: give a dim (the flattened sample's, "
+                    "x.flatten(1).max(1)), or scale by a constant",
+                )
             )
         if c.is_node(dim):
             return elementwise_extreme(c, n, args["input"], dim, largest)

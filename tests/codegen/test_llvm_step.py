@@ -323,3 +323,29 @@ def test_average_pool_gradients_of_tiling_and_overlapping_windows_are_bit_exact(
     rng = np.random.default_rng(9)
     x = rng.standard_normal((3, 1, 7, 7)).astype(np.float32)
     _assert_same_training(ref, llvm, x, np.array([3, 1, 5]), steps=3)
+
+
+def test_a_step_stopped_part_way_refuses_its_torn_state() -> None:
+    """Ctrl-C between two kernels of a step: the kernels that ran had written the state, so
+    the program refuses to step, predict or report that state until one is loaded whole."""
+    cls, shape = EXAMPLES["MLP"]
+    ref, llvm = _pair(cls, 4, shape)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, 4)
+    assert llvm.step(x, y) == ref.step(x, y)
+    calls = llvm._calls
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    llvm._calls = [*calls[:-2], (interrupt, ())]  # every kernel but the last two ran
+    with pytest.raises(KeyboardInterrupt):
+        llvm.step(x, y)
+    llvm._calls = calls
+    for use in (lambda: llvm.step(x, y), lambda: llvm.predict(x), llvm.state_checksum):
+        with pytest.raises(mexc.TornStateError, match=r"step 1\) stopped part way"):
+            use()
+    llvm.load_state_dict(ref.state_dict())  # the state after step 1, written whole
+    assert llvm.step(x, y) == ref.step(x, y)
+    assert llvm.state_checksum() == ref.state_checksum()

@@ -182,6 +182,9 @@ GOOD_Y = np.arange(8) % 10
             "NaN or infinite",
         ),
         ("not an array", GOOD_Y, "must be a torch.Tensor or numpy array"),
+        (np.ma.masked_array(GOOD_X, mask=GOOD_X > 1), GOOD_Y, "masked array"),
+        (torch.empty(8, 1, 8, 8, device="meta"), GOOD_Y, "meta device"),
+        (np.full((8, 1, 8, 8), 1e300, np.longdouble) ** 2, GOOD_Y, "512 NaN or infinite"),
     ],
 )
 def test_step_rejects_bad_batches_and_keeps_state(prog: mexc.Program, x, y, pattern) -> None:  # type: ignore[no-untyped-def]
@@ -215,6 +218,22 @@ def test_narrow_float_batches_train_as_their_float64_values(dtype) -> None:  # t
             a.step(xb, y)
 
 
+def test_bfloat16_batches_train_as_their_float32_values() -> None:
+    model, x, y = example("MLP", batch=8)
+    xt = torch.from_numpy(x).bfloat16()
+    a, b = mexc.compile(model, (xt.float(),)), mexc.compile(model, (xt.float(),))
+    assert a.step(xt, torch.from_numpy(y)) == b.step(xt.float().numpy(), y)
+    assert a.state_checksum() == b.state_checksum()
+
+
+def test_evaluating_or_replaying_no_samples_is_refused(prog: mexc.Program) -> None:
+    empty = np.zeros((0, 1, 8, 8), np.float32)
+    with pytest.raises(mexc.InputError, match="at least one sample"):
+        prog.evaluate(empty, np.zeros(0, np.int64))
+    with pytest.raises(mexc.InputError, match="at least one sample"):
+        prog.replay((empty, np.zeros(0, np.int64)), 2)
+
+
 def test_predict_handles_any_number_of_rows(prog: mexc.Program) -> None:
     assert prog.predict(np.zeros((3, 1, 8, 8), np.float32)).shape == (3,)
     assert prog.predict(np.zeros((19, 1, 8, 8), np.float32)).shape == (19,)
@@ -228,6 +247,13 @@ def test_compile_argument_errors(capfd: pytest.CaptureFixture[str]) -> None:
         mexc.compile(model, (x,), rounding="up")
     with pytest.raises(ValueError, match="not available yet"):
         mexc.compile(model, (x,), target="tpu")
+    # whole numbers only (a NumPy integer is one); an empty example batch
+    assert mexc.compile(model, (x,), bits=np.int64(6), seed=np.uint32(3)).options.bits == 6
+    for kw in ({"bits": 8.0}, {"bits": True}, {"seed": None}, {"seed": 1.5}):
+        with pytest.raises(ValueError, match="must be a whole number"):
+            mexc.compile(model, (x,), **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"batch has shape \[0, 1, 8, 8\]; give a batch"):
+        mexc.compile(model, (x[:0],))
     with pytest.raises(mexc.InputError, match="example input of shape") as err:
         mexc.compile(model, (torch.zeros(4, 3, 5, 5),))
     # one paragraph: the failing node, its source line, the model's own error, what to do
@@ -255,6 +281,37 @@ def test_optimizer_by_name_or_a_clear_error() -> None:
         mexc.compile(model, (x,), optimizer="lion")
     with pytest.raises(TypeError, match="not a torch.optim one"):
         mexc.compile(model, (x,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: mexc.Step(3), "milestones must be a list"),
+        (lambda: mexc.Step((2, -1)), "milestones must be a list"),
+        (lambda: mexc.Step((2,), float("nan")), "gamma must be a finite number"),
+        (lambda: mexc.Step((2,), -1.0), "gamma must be a finite number"),
+        (lambda: mexc.Cosine(-5), "total_steps must be a whole number >= 1"),
+        (lambda: mexc.Cosine(10.0), "total_steps must be a whole number >= 1"),
+        (lambda: mexc.Cosine(5, 6), r"warmup_steps must be a whole number in \[0, total"),
+    ],
+)
+def test_schedules_refuse_bad_arguments_when_made(make, says: str) -> None:  # type: ignore[no-untyped-def]
+    """Not at the milestone, mid-training: the schedule's own constructor."""
+    with pytest.raises(ValueError, match=says):
+        make()
+
+
+def test_a_model_returning_several_tensors_is_refused_with_a_way_out() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.fc(x), x
+
+    with pytest.raises(mexc.UnsupportedOpError, match=r"returns a tuple, not one tensor.*\[0\]"):
+        mexc.compile(Pair(), (torch.zeros(2, 4),))
 
 
 def test_compile_leaves_the_module_in_its_mode() -> None:

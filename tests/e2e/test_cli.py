@@ -252,6 +252,18 @@ def test_unsupported_op_exits_2_without_traceback(tmp_path: Path) -> None:
         ),
         (["train", f"{MODELS}:MLP", "--data", "mnist"], "unknown dataset"),
         (["train", f"{MODELS}:MLP", "--data", "digits", "--resume", "/no/such/dir"], "resume"),
+        # outputs that cannot be written are refused before training (not after it)
+        (["train", f"{MODELS}:MLP", "--data", "digits", "--out", str(ROOT)], "is a folder"),
+        (["train", f"{MODELS}:MLP", "--data", "digits", "--export-torch", "/"], "is a folder"),
+        (["train", f"{MODELS}:MLP", "--data", "digits", "--checkpoint", str(MODELS)], "is a file"),
+        (
+            ["train", f"{MODELS}:MLP", "--data", "digits", "--plot", f"{MODELS}/c.png"],
+            "models.py is a file",
+        ),
+        (
+            ["compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--dump-ir", str(MODELS)],
+            "is a file",
+        ),
     ],
 )
 def test_user_errors_exit_2(
@@ -260,3 +272,33 @@ def test_user_errors_exit_2(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--seed", "-1", "argument --seed: must be in [0, 4294967296), got -1"),
+        ("--seed", "1e23", "argument --seed: '1e23' is not a whole number"),
+        ("--warmup", "nan", "argument --warmup: must be a finite number, got nan"),
+        ("--lr", "inf", "argument --lr: must be a finite number"),
+        ("--limit-test", "0", "argument --limit-test: must be >= 1, got 0"),
+        ("--limit-train", "-5", "argument --limit-train: must be >= 1, got -5"),
+        ("--epochs", "0", "argument --epochs: must be >= 1"),
+    ],
+)
+def test_bad_numbers_name_their_flag(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as code:
+        main(["train", f"{MODELS}:MLP", "--data", "digits", flag, value])
+    assert code.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_model_whose_constructor_fails_is_one_error(tmp_path: Path) -> None:
+    model = tmp_path / "broken.py"
+    model.write_text(
+        "import torch\nclass Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        raise RuntimeError('no weights file')\n"
+    )
+    with pytest.raises(ValueError, match=r"Net\(\) failed: RuntimeError: no weights file"):
+        load_model(f"{model}:Net")

@@ -10,6 +10,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from examples.models import DigitsCNN
 from mexc.data import load_splits
 from mexc.fp32 import train_fp32
 from mexc.printer import print_graph
-from mexc.trainer import Trainer, build_results, format_table, make_optimizer
+from mexc.trainer import Trainer, build_results, format_table, make_optimizer, run_training
 
 pytestmark = pytest.mark.e2e
 
@@ -198,3 +199,64 @@ def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
     assert prog.state_checksum() == want.state_checksum()
     text = print_graph(prog.graph)
     assert "u8[" not in text and "i16[" in text
+
+
+def _rewritten(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    """src's checkpoint with meta.json changed by `edit`, sealed with a valid SHA-256 (a
+    hand-made checkpoint: what the digest cannot catch, the reader must)."""
+    data = src.read_bytes()
+    body = data[: data.rindex(b"mexc-sha256=")]
+    new = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(body)) as z, zipfile.ZipFile(new, "w") as out:
+        for name in z.namelist():
+            item = z.read(name)
+            if name == "meta.json":
+                meta = json.loads(item)
+                edit(meta)
+                item = json.dumps(meta).encode()
+            out.writestr(name, item)
+    sealed = new.getvalue()
+    dst.write_bytes(sealed + b"mexc-sha256=" + hashlib.sha256(sealed).hexdigest().encode())
+    return dst
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.pop("checksum"),
+        lambda m: m.update(step="x"),
+        lambda m: m.update(step=-5),
+        lambda m: m["optimizer"].update(kind="Lion"),
+        lambda m: m["options"].update(rounding="up"),
+        lambda m: m["options"].update(bits=12),
+    ],
+)
+def test_a_hand_made_checkpoint_with_bad_meta_is_refused(runs: dict, tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    bad = _rewritten(runs["ckpt"] / "last.mexc", tmp_path / "bad.mexc", edit)
+    with pytest.raises(mexc.CheckpointError, match="cannot read checkpoint"):
+        mexc.load(bad)
+
+
+def test_a_state_dict_with_exponents_no_program_writes_is_refused(runs: dict) -> None:
+    prog = mexc.load(runs["ckpt"] / "last.mexc")
+    before = prog.state_checksum()
+    sd = prog.state_dict()
+    name = next(k for k in sd if k.endswith(".exp"))
+    sd[name] = np.full(sd[name].shape, 10**12, np.int64)
+    with pytest.raises(mexc.CheckpointError, match="exponents in"):
+        prog.load_state_dict(sd)
+    assert prog.state_checksum() == before
+
+
+def test_resuming_with_another_model_is_refused_before_training(
+    runs: dict, small_data: tuple, tmp_path: Path
+) -> None:
+    """run_training's resume: a model whose parameters are not the checkpoint's is refused
+    before any step (not after the run, where exporting its weights failed)."""
+    train, test = small_data
+    other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))
+    with pytest.raises(mexc.InputError, match="another model's state"):
+        run_training(
+            other, train, test, epochs=EPOCHS, batch=BATCH, resume=_fresh(runs, tmp_path),
+            progress=False,
+        )  # fmt: skip
