@@ -152,6 +152,8 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     every weight row keep a B-bit mantissa at an exponent of their own channel, inside their
     tensor's int8 frame (docs/numerics.md §5, "Channel exponents"). None (the default): on below
     8 bits (numerics.channel_exponents_for), on every target."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     workers = None
     if data_parallel:
         refuse_data_parallel_target(target)
@@ -166,6 +168,11 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     opt = optimizer_of(optimizer)
     x = _example_batch(example_inputs)
     front = import_model(model, x)
+    if not set(front.params) - set(front.constants):
+        raise TrainableError(
+            "the model's forward reads no parameter (buffers and constants are never trained); "
+            "mexc compiles a training step, which needs at least one trained weight"
+        )
     trains = resolve_trainable(trainable, front.graph)
     # parameters the model froze (requires_grad off: nn.Embedding.from_pretrained, a frozen
     # backbone) stay as they are, as torch's optimizer leaves them

@@ -410,6 +410,11 @@ class Program:
         holds in another shape, and leaves the module unchanged."""
         import torch
 
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(
+                f"to_module takes the nn.Module this program was compiled from (or one of its "
+                f"architecture), got {type(model).__name__}"
+            )
         weights = self.float_weights()
         # tied parameters are one tensor under several names (the program holds the first)
         own = dict(model.named_parameters(remove_duplicate=False)) | dict(

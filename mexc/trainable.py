@@ -51,6 +51,11 @@ def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:
         return None
     first = _first_users(g)
     params = sorted(first, key=lambda k: first[k][0])
+    if not isinstance(spec, (str, list, tuple, set, frozenset)):
+        raise TrainableError(
+            f"trainable={spec!r}: give names, patterns, last:K or bias-norm (a string, or a "
+            "list of them)"
+        )
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     if not all(isinstance(p, str) for p in items):
         raise TrainableError(f"trainable={spec!r}: give names, patterns, last:K or bias-norm")

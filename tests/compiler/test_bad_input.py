@@ -301,6 +301,28 @@ def test_schedules_refuse_bad_arguments_when_made(make, says: str) -> None:  # t
         make()
 
 
+def test_what_is_not_a_model_or_trains_nothing_is_refused() -> None:
+    class Buffers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", torch.ones(4, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    x = torch.zeros(2, 4)
+    for model in (Buffers(), nn.ReLU()):
+        with pytest.raises(mexc.MexcError, match="reads no parameter"):
+            mexc.compile(model, (x,))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        mexc.compile("net.py", (x,))  # type: ignore[arg-type]
+    prog = mexc.compile(nn.Linear(4, 3), (x,))
+    with pytest.raises(mexc.InputError, match="to_module takes the nn.Module"):
+        prog.to_module(None)
+    with pytest.raises(ValueError, match="trainable=3: give names"):
+        mexc.compile(nn.Linear(4, 3), (x,), trainable=3)  # type: ignore[arg-type]
+
+
 def test_a_model_returning_several_tensors_is_refused_with_a_way_out() -> None:
     class Pair(nn.Module):
         def __init__(self) -> None:
