@@ -243,6 +243,12 @@ class Program:
             )
         return arr.astype(np.int64)
 
+    def check_labels(self, y: Any) -> None:
+        """An InputError where y (labels of any number of samples: a whole dataset split) is
+        not what step and evaluate take: integer class ids in range, of the label shape."""
+        arr = as_numpy(y, "y")
+        self._check_y(arr, arr.shape[0] if arr.ndim else 0)
+
     def retargeted(self, target: str) -> Program:
         """A reference Program sharing this one's graph, state, optimizer and step count, with
         `options.target` set to `target`: what a backend's constructor takes."""

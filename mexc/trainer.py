@@ -137,6 +137,13 @@ class Trainer:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        for split, (xs, ys) in (("training", train_data), ("test", test_data)):
+            try:  # before any step: not after an epoch, at the first evaluation
+                program.check_labels(ys)
+                if len(xs) != len(ys):
+                    raise InputError(f"{len(xs)} samples but {len(ys)} labels")
+            except InputError as err:
+                raise InputError(f"the {split} set: {err}") from None
         self.program = program
         self.workers = program.workers
         # one worker writes checkpoints and shows progress (every worker holds the same state)

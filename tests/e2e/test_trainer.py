@@ -169,6 +169,14 @@ def test_trainer_rejects_bad_arguments(runs: dict, small_data: tuple) -> None:
         Trainer(prog, *small_data, batch=16)
     with pytest.raises(ValueError, match="fewer than one batch"):
         Trainer(prog, (small_data[0][0][:8], small_data[0][1][:8]), small_data[1])
+    (train_x, train_y), (test_x, test_y) = small_data
+    # labels are checked before the first step, naming their split
+    with pytest.raises(mexc.InputError, match=r"the test set: labels must be in \[0, 9\]"):
+        Trainer(prog, small_data[0], (test_x, test_y + 12))
+    with pytest.raises(mexc.InputError, match="the training set: y must hold integer"):
+        Trainer(prog, (train_x, train_y.astype(np.float32)), small_data[1])
+    with pytest.raises(mexc.InputError, match="the test set: 5 samples but 4 labels"):
+        Trainer(prog, small_data[0], (test_x[:5], test_y[:4]))
 
 
 def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
