@@ -179,39 +179,10 @@ def test_trainer_rejects_bad_arguments(runs: dict, small_data: tuple) -> None:
         Trainer(prog, small_data[0], (test_x[:5], test_y[:4]))
 
 
-def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
-    runs: dict, tmp_path: Path
-) -> None:
-    """A checkpoint of format 1 typed the head's probabilities u8; it reads as format 2 (i16),
-    its state the same."""
-    d = _fresh(runs, tmp_path)
-    data = (d / "last.mexc").read_bytes()
-    body = data[: data.rindex(b"mexc-sha256=")]
-    old = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(body)) as z, zipfile.ZipFile(old, "w") as out:
-        for name in z.namelist():
-            item = z.read(name)
-            if name == "meta.json":
-                meta = json.loads(item)
-                meta["format"] = "mexc-checkpoint-1"
-                item = json.dumps(meta).encode()
-            elif name == "program.mexir":
-                assert b"i16[" in item
-                item = item.replace(b"i16[", b"u8[")
-            out.writestr(name, item)
-    older = old.getvalue()
-    (d / "old.mexc").write_bytes(
-        older + b"mexc-sha256=" + hashlib.sha256(older).hexdigest().encode()
-    )
-    prog, want = mexc.load(d / "old.mexc"), mexc.load(d / "last.mexc")
-    assert prog.state_checksum() == want.state_checksum()
-    text = print_graph(prog.graph)
-    assert "u8[" not in text and "i16[" in text
-
-
-def _rewritten(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
-    """src's checkpoint with meta.json changed by `edit`, sealed with a valid SHA-256 (a
-    hand-made checkpoint: what the digest cannot catch, the reader must)."""
+def _rewritten(src: Path, dst: Path, edit, program=None) -> Path:  # type: ignore[no-untyped-def]
+    """src's checkpoint with meta.json changed by `edit` (and program.mexir's text by
+    `program`), sealed with a valid SHA-256 (a hand-made checkpoint: what the digest cannot
+    catch, the reader must)."""
     data = src.read_bytes()
     body = data[: data.rindex(b"mexc-sha256=")]
     new = io.BytesIO()
@@ -222,10 +193,32 @@ def _rewritten(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-d
                 meta = json.loads(item)
                 edit(meta)
                 item = json.dumps(meta).encode()
+            elif name == "program.mexir" and program is not None:
+                item = program(item)
             out.writestr(name, item)
     sealed = new.getvalue()
     dst.write_bytes(sealed + b"mexc-sha256=" + hashlib.sha256(sealed).hexdigest().encode())
     return dst
+
+
+def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
+    runs: dict, tmp_path: Path
+) -> None:
+    """A checkpoint of format 1 typed the head's probabilities u8; it reads as format 2 (i16),
+    its state the same."""
+
+    def older_types(text: bytes) -> bytes:
+        assert b"i16[" in text
+        return text.replace(b"i16[", b"u8[")
+
+    last = runs["ckpt"] / "last.mexc"
+    old = _rewritten(
+        last, tmp_path / "old.mexc", lambda m: m.update(format="mexc-checkpoint-1"), older_types
+    )
+    prog, want = mexc.load(old), mexc.load(last)
+    assert prog.state_checksum() == want.state_checksum()
+    text = print_graph(prog.graph)
+    assert "u8[" not in text and "i16[" in text
 
 
 @pytest.mark.parametrize(
