@@ -168,11 +168,6 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     opt = optimizer_of(optimizer)
     x = _example_batch(example_inputs)
     front = import_model(model, x)
-    if not set(front.params) - set(front.constants):
-        raise TrainableError(
-            "the model's forward reads no parameter (buffers and constants are never trained); "
-            "mexc compiles a training step, which needs at least one trained weight"
-        )
     trains = resolve_trainable(trainable, front.graph)
     # parameters the model froze (requires_grad off: nn.Embedding.from_pretrained, a frozen
     # backbone) stay as they are, as torch's optimizer leaves them
@@ -186,7 +181,7 @@ def compile(  # noqa: A001 - the public name is part of the API contract
             )
     if front.constants:  # the frontend's own ones and zeros stay as they are
         trains = (trains if trains is not None else frozenset(front.params)) - front.constants
-        if not trains:
+        if not trains and trainable is not None:  # a model without parameters trains none
             raise TrainableError(
                 f"trainable={trainable!r} selects only constants mexc made for the model "
                 f"({', '.join(sorted(front.constants))}), which are never trained; name "

@@ -301,7 +301,7 @@ def test_schedules_refuse_bad_arguments_when_made(make, says: str) -> None:  # t
         make()
 
 
-def test_what_is_not_a_model_or_trains_nothing_is_refused() -> None:
+def test_what_is_not_a_model_is_refused_and_a_model_without_parameters_trains_none() -> None:
     class Buffers(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -311,9 +311,11 @@ def test_what_is_not_a_model_or_trains_nothing_is_refused() -> None:
             return x @ self.w
 
     x = torch.zeros(2, 4)
-    for model in (Buffers(), nn.ReLU()):
-        with pytest.raises(mexc.MexcError, match="reads no parameter"):
-            mexc.compile(model, (x,))
+    for model in (Buffers(), nn.ReLU()):  # a function of the input: compiled, nothing trained
+        prog = mexc.compile(model, (x,))
+        before = prog.state_checksum()
+        assert np.isfinite(prog.step(x + 1, np.array([0, 2])))
+        assert prog.state_checksum() == before
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
         mexc.compile("net.py", (x,))  # type: ignore[arg-type]
     prog = mexc.compile(nn.Linear(4, 3), (x,))
