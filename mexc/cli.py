@@ -445,7 +445,7 @@ def _compile_flags(
         "--bits", type=int, default=8, help="mantissa bits B, 2..8 (default 8); velocity: 8"
     )
     p.add_argument(
-        "--seed", type=_whole(0, 2**32), default=0, help="seed of rounding, data order and init"
+        "--seed", type=_whole(0, 2**64), default=0, help="seed of rounding, data order and init"
     )
     p.add_argument(
         "--target",

@@ -37,12 +37,17 @@ class Step:
 
     def __post_init__(self) -> None:
         ms = self.milestones
-        if not isinstance(ms, (list, tuple)) or not all(_is_count(m) for m in ms):
+        try:
+            steps: tuple[object, ...] = tuple(ms)  # a list, a tuple, a NumPy array
+        except TypeError:
+            steps = (None,)
+        if isinstance(ms, str) or not all(_is_count(m) for m in steps):
             raise ValueError(f"Step milestones must be a list of steps >= 0, got {ms!r}")
-        object.__setattr__(self, "milestones", tuple(int(m) for m in ms))
+        object.__setattr__(self, "milestones", tuple(int(m) for m in steps))  # type: ignore[call-overload]
         g = self.gamma
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+        if isinstance(g, bool) or not isinstance(g, numbers.Real) or not math.isfinite(g) or g < 0:
             raise ValueError(f"Step gamma must be a finite number >= 0, got {g!r}")
+        object.__setattr__(self, "gamma", float(g))
 
     def factor(self, step: int) -> float:
         return self.gamma ** sum(1 for m in self.milestones if step >= m)
@@ -62,11 +67,8 @@ class Cosine:
         total, warm = self.total_steps, self.warmup_steps
         if not _is_count(total) or total < 1:
             raise ValueError(f"Cosine total_steps must be a whole number >= 1, got {total!r}")
-        if not _is_count(warm) or warm > total:
-            raise ValueError(
-                f"Cosine warmup_steps must be a whole number in [0, total_steps={total}], "
-                f"got {warm!r}"
-            )
+        if not _is_count(warm):
+            raise ValueError(f"Cosine warmup_steps must be a whole number >= 0, got {warm!r}")
 
     def factor(self, step: int) -> float:
         if step < self.warmup_steps:

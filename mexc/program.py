@@ -47,9 +47,10 @@ if TYPE_CHECKING:  # the planner needs networkx, which a GPU runtime machine may
 # 2: the output head's probabilities are int16 (i16); a format-1 checkpoint's program typed them
 # u8, and reads as format 2 with that type changed (its state means the same)
 CHECKPOINT_FORMAT = "mexc-checkpoint-2"
-# the largest |exponent| a loaded state may hold: 2^e is a float64 number, and sums and
-# differences of exponents in the kernels stay far inside int32
-MAX_STATE_EXPONENT = 1024
+# the largest |exponent| a loaded state may hold: AdamW's moments start at MOMENT_EXP0 = -2^14
+# (docs/numerics.md 12b), and sums and differences of exponents in the kernels stay far
+# inside int32
+MAX_STATE_EXPONENT = 2**15
 _OLDER_FORMATS = {"mexc-checkpoint-1": lambda text: re.sub(r"\bu8\[", "i16[", text)}
 
 
@@ -389,14 +390,8 @@ class Program:
         parameter an op holds rearranged, mexc.arrangement, is put back). Not the optimizer's
         state, nor the constants mexc made (`mexc.*`)."""
         held = arrangements(self.global_graph)
-        names = [
-            str(n.attrs.name)
-            for n in self.global_graph.nodes
-            if (n.op == Op.PARAM or (n.op == Op.STATE and n.attrs.role.startswith("running_")))
-            and not str(n.attrs.name).startswith("mexc.")
-        ]
         out: dict[str, np.ndarray] = {}
-        for name in names:
+        for name in self._model_names():
             # np.asarray: a 0-dim parameter (a learned temperature) dequantizes to a scalar
             value = np.asarray(self.state[name].dequantize(), np.float32)
             way = held.get(name)
@@ -408,6 +403,36 @@ class Program:
                 )
             out[name] = way.declared_of(value) if way is not None else value
         return out
+
+    def _model_names(self) -> list[str]:
+        """The model's names of the parameters and running statistics the program holds."""
+        return [
+            str(n.attrs.name)
+            for n in self.global_graph.nodes
+            if (n.op == Op.PARAM or (n.op == Op.STATE and n.attrs.role.startswith("running_")))
+            and not str(n.attrs.name).startswith("mexc.")
+        ]
+
+    def check_module(self, model: Any) -> None:
+        """An InputError where `model` lacks a parameter or buffer the program holds, or holds
+        one in another shape (a parameter held rearranged is compared by name only): the
+        module is not of the architecture this program was compiled from."""
+        own = dict(model.named_parameters(remove_duplicate=False)) | dict(
+            model.named_buffers(remove_duplicate=False)
+        )
+        held = arrangements(self.global_graph)
+        for name in self._model_names():
+            if name not in own:
+                raise InputError(
+                    f"the module has no parameter or buffer '{name}': give the module this "
+                    "program was compiled from"
+                )
+            shape = tuple(self.state[name].m.shape)
+            if name not in held and tuple(own[name].shape) != shape:
+                raise InputError(
+                    f"the module's '{name}' has shape {list(own[name].shape)}, the program's "
+                    f"{list(shape)}: give the module this program was compiled from"
+                )
 
     def to_module(self, model: Any) -> Any:
         """Copy float_weights() into `model` (the nn.Module this program was compiled from, or
@@ -421,18 +446,14 @@ class Program:
                 f"to_module takes the nn.Module this program was compiled from (or one of its "
                 f"architecture), got {type(model).__name__}"
             )
+        self.check_module(model)
         weights = self.float_weights()
         # tied parameters are one tensor under several names (the program holds the first)
         own = dict(model.named_parameters(remove_duplicate=False)) | dict(
             model.named_buffers(remove_duplicate=False)
         )
         for name, value in weights.items():
-            if name not in own:
-                raise InputError(
-                    f"the module has no parameter or buffer '{name}': give the module this "
-                    "program was compiled from"
-                )
-            if tuple(own[name].shape) != value.shape:
+            if tuple(own[name].shape) != value.shape:  # one held rearranged
                 raise InputError(
                     f"the module's '{name}' has shape {list(own[name].shape)}, the program's "
                     f"{list(value.shape)}: give the module this program was compiled from"
@@ -455,12 +476,14 @@ class Program:
                 )
             if m.dtype != np.int8 or not np.issubdtype(e.dtype, np.integer):
                 raise CheckpointError(f"state '{name}' must be int8 mantissas, integer exponents")
-            if e.size and int(np.abs(e.astype(np.int64)).max()) > MAX_STATE_EXPONENT:
+            if (
+                e.size
+                and not -MAX_STATE_EXPONENT <= int(e.min()) <= int(e.max()) <= MAX_STATE_EXPONENT
+            ):
                 raise CheckpointError(
                     f"state '{name}' has exponents in [{int(e.min())}, {int(e.max())}]; a "
-                    f"state's exponents lie within ±{MAX_STATE_EXPONENT} (2^e beyond is no "
-                    "float64 number, and exponent arithmetic must stay in int32): this state "
-                    "dict is not one a program wrote"
+                    f"state's exponents lie within ±{MAX_STATE_EXPONENT} (exponent arithmetic "
+                    "must stay in int32): this state dict is not one a program wrote"
                 )
             new[name] = MX.of(m, e)
         extra = sorted(set(sd) - {k for n in self.state for k in (n, n + ".exp")})

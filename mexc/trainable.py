@@ -17,7 +17,7 @@ SPEC is one of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
 from mexc.errors import MexcError
@@ -51,7 +51,7 @@ def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:
         return None
     first = _first_users(g)
     params = sorted(first, key=lambda k: first[k][0])
-    if not isinstance(spec, (str, list, tuple, set, frozenset)):
+    if not isinstance(spec, Iterable) or isinstance(spec, bytes):
         raise TrainableError(
             f"trainable={spec!r}: give names, patterns, last:K or bias-norm (a string, or a "
             "list of them)"

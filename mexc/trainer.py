@@ -91,25 +91,16 @@ def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Non
         raise
 
 
-def _check_resumed(prog: Program, model: Any, asked: dict[str, Any]) -> None:
+def _check_resumed(prog: Program, model: Any) -> None:
     """Before a resumed run trains: refuse a model other than the checkpoint's (its parameters'
-    names and shapes, as Program.to_module checks them), and note the options the checkpoint
-    keeps where the call asked for others."""
+    names and shapes, Program.check_module)."""
     try:
-        prog.to_module(copy.deepcopy(model))
+        prog.check_module(model)
     except InputError as err:
         raise InputError(
             f"the checkpoint resumed holds another model's state ({err}); resume with the "
             "model it was trained from"
         ) from None
-    kept = {"bits": prog.options.bits, "optimizer": type(prog.optimizer).__name__.lower()}
-    for key, value in kept.items():
-        if asked.get(key) is not None and asked[key] != value:
-            print(
-                f"note: resuming uses the checkpoint's {key}={value} (this run asked for "
-                f"{asked[key]})",
-                file=sys.stderr,
-            )
 
 
 class Trainer:
@@ -142,6 +133,8 @@ class Trainer:
                 program.check_labels(ys)
                 if len(xs) != len(ys):
                     raise InputError(f"{len(xs)} samples but {len(ys)} labels")
+                if not len(ys):
+                    raise InputError("it is empty; give data with at least one test sample")
             except InputError as err:
                 raise InputError(f"the {split} set: {err}") from None
         self.program = program
@@ -707,7 +700,7 @@ def run_training(
             target=resume_target,
             data_parallel=data_parallel,
         )
-        _check_resumed(trainer.program, model, {"bits": bits, "optimizer": optimizer})
+        _check_resumed(trainer.program, model)
     else:
         spe = len(train[1]) // batch
         if spe == 0:

@@ -292,13 +292,26 @@ def test_optimizer_by_name_or_a_clear_error() -> None:
         (lambda: mexc.Step((2,), -1.0), "gamma must be a finite number"),
         (lambda: mexc.Cosine(-5), "total_steps must be a whole number >= 1"),
         (lambda: mexc.Cosine(10.0), "total_steps must be a whole number >= 1"),
-        (lambda: mexc.Cosine(5, 6), r"warmup_steps must be a whole number in \[0, total"),
+        (lambda: mexc.Cosine(5, -1), "warmup_steps must be a whole number >= 0"),
     ],
 )
 def test_schedules_refuse_bad_arguments_when_made(make, says: str) -> None:  # type: ignore[no-untyped-def]
-    """Not at the milestone, mid-training: the schedule's own constructor."""
+    """Not at the milestone, mid-training: the schedule's own constructor. NumPy numbers and
+    arrays are numbers; a warmup longer than the schedule is one (older checkpoints hold it)."""
     with pytest.raises(ValueError, match=says):
         make()
+    step = mexc.Step(np.array([2, 4]), np.float32(0.5))
+    assert step.milestones == (2, 4) and step.gamma == 0.5
+    assert mexc.Cosine(10, 20).factor(3) == 4 / 20
+
+
+def test_a_fresh_adamw_state_loads_back() -> None:
+    """AdamW's moments start at exponent -2^14 (numerics 12b), inside the bound."""
+    model, x, _ = example("MLP", batch=4)
+    prog = mexc.compile(model, (x,), optimizer="adamw")
+    before = prog.state_checksum()
+    prog.load_state_dict(prog.state_dict())
+    assert prog.state_checksum() == before
 
 
 def test_what_is_not_a_model_is_refused_and_a_model_without_parameters_trains_none() -> None:

@@ -177,6 +177,8 @@ def test_trainer_rejects_bad_arguments(runs: dict, small_data: tuple) -> None:
         Trainer(prog, (train_x, train_y.astype(np.float32)), small_data[1])
     with pytest.raises(mexc.InputError, match="the test set: 5 samples but 4 labels"):
         Trainer(prog, small_data[0], (test_x[:5], test_y[:4]))
+    with pytest.raises(mexc.InputError, match="the test set: it is empty"):
+        Trainer(prog, small_data[0], (test_x[:0], test_y[:0]))
 
 
 def _rewritten(src: Path, dst: Path, edit, program=None) -> Path:  # type: ignore[no-untyped-def]
