@@ -277,7 +277,7 @@ def test_user_errors_exit_2(
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
-        ("--seed", "-1", "argument --seed: must be in [0, 4294967296), got -1"),
+        ("--seed", "-1", "argument --seed: must be in [0, 18446744073709551616), got -1"),
         ("--seed", "1e23", "argument --seed: '1e23' is not a whole number"),
         ("--warmup", "nan", "argument --warmup: must be a finite number, got nan"),
         ("--lr", "inf", "argument --lr: must be a finite number"),
