@@ -68,7 +68,7 @@ def as_numpy(x: Any, what: str) -> np.ndarray:
     """x (a torch tensor or a NumPy array) as a NumPy array; an InputError for anything else.
     bfloat16 and float16 tensors widen to float32 (exactly: NumPy has no bfloat16); a masked
     array is refused, since what its mask hides is not data."""
-    if hasattr(x, "detach"):  # a torch tensor (torch is not imported here: see docs/cuda.md)
+    if hasattr(x, "detach"):  # a torch tensor (the run side imports no torch: README)
         if getattr(x, "is_meta", False):
             raise InputError(f"{what} is a tensor on the meta device: it holds no values")
         if str(x.dtype) in ("torch.bfloat16", "torch.float16"):

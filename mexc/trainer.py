@@ -134,7 +134,7 @@ class Trainer:
                 if len(xs) != len(ys):
                     raise InputError(f"{len(xs)} samples but {len(ys)} labels")
                 if not len(ys):
-                    raise InputError("it is empty; give data with at least one test sample")
+                    raise InputError("it is empty; give it at least one sample")
             except InputError as err:
                 raise InputError(f"the {split} set: {err}") from None
         self.program = program
@@ -681,7 +681,6 @@ def run_training(
     `batch` is the global batch, and every worker trains on its rows of it (the FP32 baseline
     runs on worker 0 only). `export_torch`: write the trained weights as the model's PyTorch
     state dict there (export_state_dict)."""
-
     import torch
 
     from mexc.compiler import compile as compile_model
