@@ -194,8 +194,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from mexc.optim import OPTIMIZER_CLASSES
 
     shape = parse_shape(args.input_shape)
-    if args.batch <= 0:
-        raise CliError(f"--batch must be positive, got {args.batch}")
     _check_outputs(args, {"dump_ir": "folder"})
     instruments, _ = _instruments(args)
     torch.manual_seed(args.seed)
@@ -250,8 +248,6 @@ def _export(prog: Any, args: argparse.Namespace) -> None:
         return
     if args.target != "c":
         raise CliError("--out writes a C project (--target c) or a CUDA artifact (--target cuda)")
-    if args.steps <= 0:
-        raise CliError(f"--steps must be positive, got {args.steps}")
     x, y = get_dataset(args.train_data, "train")
     want = prog.batch * min(args.steps, args.data_batches)
     if tuple(x.shape[1:]) != prog.input_shape:
@@ -276,8 +272,6 @@ def _export_cuda(prog: Any, args: argparse.Namespace) -> None:
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
         raise CliError(f"--arch {args.arch!r}: choose from {', '.join(ARCHS)}")
-    if args.pack_budget is not None and args.pack_budget <= 0:
-        raise CliError(f"--pack-budget must be positive, got {args.pack_budget}")
     man = build_step(prog, archs, args.out, pack_budget=args.pack_budget, eval_plan=True)
     evaluation = (
         f"predict and evaluate run its inference plan ({man['inference']}/)"
@@ -327,9 +321,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mexc.data import load_splits
     from mexc.trainer import format_table, plot_curves, run_training, write_json_atomic
 
-    for flag in ("epochs", "batch", "nproc"):
-        if getattr(args, flag) <= 0:
-            raise CliError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_workers(args)
     data_parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1  # a worker (torchrun, --nproc)

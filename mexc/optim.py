@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from mexc.numerics import AdamConfig, FixedScalar
 
 
-def _is_count(v: object) -> bool:
+def is_count(v: object) -> bool:
     """v is a whole number >= 0 (a NumPy integer too; not a bool)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0
 
@@ -41,7 +41,7 @@ class Step:
             steps: tuple[object, ...] = tuple(ms)  # a list, a tuple, a NumPy array
         except TypeError:
             steps = (None,)
-        if isinstance(ms, str) or not all(_is_count(m) for m in steps):
+        if isinstance(ms, str) or not all(is_count(m) for m in steps):
             raise ValueError(f"Step milestones must be a list of steps >= 0, got {ms!r}")
         object.__setattr__(self, "milestones", tuple(int(m) for m in steps))  # type: ignore[call-overload]
         g = self.gamma
@@ -65,9 +65,9 @@ class Cosine:
 
     def __post_init__(self) -> None:
         total, warm = self.total_steps, self.warmup_steps
-        if not _is_count(total) or total < 1:
+        if not is_count(total) or total < 1:
             raise ValueError(f"Cosine total_steps must be a whole number >= 1, got {total!r}")
-        if not _is_count(warm):
+        if not is_count(warm):
             raise ValueError(f"Cosine warmup_steps must be a whole number >= 0, got {warm!r}")
 
     def factor(self, step: int) -> float:

@@ -36,8 +36,8 @@ from mexc.errors import CheckpointError, InputError
 from mexc.ir import LABEL_SHAPE, Graph, Op, needed_nodes
 from mexc.kernels.quantize import quantize
 from mexc.mx import MX, Acc, RoundCtx
-from mexc.numerics import NEAREST_FORWARD, FixedScalar, site_rounding, state_checksum
-from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Optimizer, Step
+from mexc.numerics import ROUNDING_MODES, FixedScalar, site_rounding, state_checksum
+from mexc.optim import SGD, Adam, AdamW, Constant, Cosine, Optimizer, Step, is_count
 from mexc.parser import parse_graph
 from mexc.printer import print_graph
 
@@ -417,9 +417,7 @@ class Program:
         """An InputError where `model` lacks a parameter or buffer the program holds, or holds
         one in another shape (a parameter held rearranged is compared by name only): the
         module is not of the architecture this program was compiled from."""
-        own = dict(model.named_parameters(remove_duplicate=False)) | dict(
-            model.named_buffers(remove_duplicate=False)
-        )
+        own = _module_tensors(model)
         held = arrangements(self.global_graph)
         for name in self._model_names():
             if name not in own:
@@ -448,10 +446,7 @@ class Program:
             )
         self.check_module(model)
         weights = self.float_weights()
-        # tied parameters are one tensor under several names (the program holds the first)
-        own = dict(model.named_parameters(remove_duplicate=False)) | dict(
-            model.named_buffers(remove_duplicate=False)
-        )
+        own = _module_tensors(model)
         for name, value in weights.items():
             if tuple(own[name].shape) != value.shape:  # one held rearranged
                 raise InputError(
@@ -612,16 +607,20 @@ class Program:
             raise
 
 
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _module_tensors(model: Any) -> dict[str, Any]:
+    """A module's parameters and buffers by name; tied parameters are one tensor under several
+    names (the program holds the first)."""
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False)
+    )
 
 
 def _checked_options(opts: Options) -> Options:
     """A checkpoint's options, refused (ValueError) where a program could not run them."""
     seed_ok = isinstance(opts.seed, int) and not isinstance(opts.seed, bool)
-    if not (_is_count(opts.bits) and 2 <= opts.bits <= 8) or not seed_ok:
+    if not (is_count(opts.bits) and 2 <= opts.bits <= 8) or not seed_ok:
         raise ValueError(f"bits {opts.bits!r} or seed {opts.seed!r}")
-    if opts.rounding not in ("stochastic", "nearest", NEAREST_FORWARD):
+    if opts.rounding not in ROUNDING_MODES:
         raise ValueError(f"unknown rounding {opts.rounding!r}")
     return opts
 
@@ -697,7 +696,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Program:
                     with z.open(name) as fh:
                         arrays[name[6:-4]] = np.lib.format.read_array(fh, allow_pickle=False)
         opts = _checked_options(Options(**meta["options"]))
-        if not _is_count(meta["step"]) or not isinstance(meta["checksum"], str):
+        if not is_count(meta["step"]) or not isinstance(meta["checksum"], str):
             raise ValueError(f"step {meta['step']!r} or checksum {meta['checksum']!r}")
         state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if not k.endswith(".exp")}
         prog = Program(graph, state, opts, _optimizer_from_json(meta["optimizer"]), meta["step"])

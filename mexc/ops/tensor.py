@@ -1357,6 +1357,15 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
     axes = axes if isinstance(axes, (list, tuple)) else [axes]
     dims = sorted({static_int(d) % rank for d in axes})
     v = c.arg(x)
+    out = tuple(c.shape(n))
+    if kind == "sum":
+        return summed_over(c, n, v, tuple(shape), dims, out)
+    batch = _per_sample_batch(c, n, v, dims, kind)
+    return _mean_batch_elsewhere(c, v, tuple(shape), dims, batch, out)
+
+
+def _per_sample_batch(c: Any, n: Any, v: Value, dims: list[int], kind: str) -> int:
+    """v's batch axis, where a `kind` (mean, sum) over `dims` keeps it; else an error naming n."""
     batch = c.first_or_batch_axis(v)
     if batch in dims:
         raise UnsupportedOpError(
@@ -1364,24 +1373,15 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
                 n, f"takes a {kind} over the batch axis; only per-sample {kind}s are supported"
             )
         )
-    out = tuple(c.shape(n))
-    count = int(np.prod([shape[d] for d in dims]))
-    if kind == "sum" and count == 1:
-        return c.emit(Op.RESHAPE, [v], n, shape=out)
-    mean = _mean_batch_elsewhere(c, v, tuple(shape), dims, batch, out)
-    return c.emit(Op.SCALE, [mean], n, value=float(count)) if kind == "sum" else mean
+    return int(batch)
 
 
 def summed_over(
     c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: list[int], out: tuple[int, ...]
 ) -> Value:
     """The sum of v (of `shape`) over the non-batch axes `dims` (sorted), as a value of shape
-    `out`: their mean times the count (_reduce's, for a decomposition: an einsum's sum)."""
-    batch = c.first_or_batch_axis(v)
-    if batch in dims:
-        raise UnsupportedOpError(
-            c.describe(n, "takes a sum over the batch axis; only per-sample sums are supported")
-        )
+    `out`: their mean times the count (x.sum, an einsum's sum)."""
+    batch = _per_sample_batch(c, n, v, dims, "sum")
     count = int(np.prod([shape[d] for d in dims]))
     if count == 1:
         return reshaped(c, v, out)
