@@ -271,7 +271,8 @@ def test_user_errors_exit_2(
 ) -> None:
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert needle in err and "Traceback" not in err
+    # the CLI wraps at 100 columns, so where a line breaks depends on the checkout's path
+    assert needle in " ".join(err.split()) and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
