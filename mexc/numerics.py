@@ -820,10 +820,16 @@ class UpdateConfig:
     channels: bool = False  # channel exponents (section 5): w's rows share an int8 frame
 
 
+def row_count(shape: tuple[int, ...]) -> int:
+    """The rows of a weight of `shape`: its first axis, or one row for a 0-dim parameter (a
+    learnable scalar). Its velocity groups and channel exponents are per row."""
+    return int(shape[0]) if shape else 1
+
+
 def weight_rows(w_acc: np.ndarray, w: np.ndarray) -> np.ndarray:
     """w_acc as the (shape[0], -1) rows of w: the rows channel exponents round, whatever the
     velocity's groups (one per tensor without per-group velocity)."""
-    return np.reshape(w_acc, (np.shape(w)[0] if np.ndim(w) else 1, -1))
+    return np.reshape(w_acc, (row_count(np.shape(w)), -1))
 
 
 def weight_bound_bits(bits: int, channels: bool) -> int:

@@ -36,7 +36,7 @@ from mexc.lowering.te_update import (
     update_buffers,
     update_kernels,
 )
-from mexc.numerics import ADAMW_SITES, EXP_TABLE, FixedScalar
+from mexc.numerics import ADAMW_SITES, EXP_TABLE, FixedScalar, row_count
 from mexc.optim import SGD, AdamW
 
 
@@ -191,7 +191,8 @@ class DenseRules(PlanBuilder):
     def update_groups(self, w: Value) -> tuple[int, int]:
         """(groups, rest) of parameter w: the layout its update kernels see, in C order."""
         shape = self.shape(w)
-        return shape[0], int(np.prod(shape[1:]))
+        rows = row_count(shape)
+        return rows, int(np.prod(shape, dtype=np.int64)) // rows
 
     def update_spec(self, w: Value, momentum: FixedScalar, decay: FixedScalar) -> UpdateSpec:
         return UpdateSpec(

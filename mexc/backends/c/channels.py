@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mexc.ir import Graph, Node
+from mexc.numerics import row_count
 from mexc.ops import op_def
 
 Geometry = tuple[int, int]  # (channels, elements per channel and sample); (0, 1): none
@@ -34,7 +35,7 @@ def result_geometry(shape: tuple[int, ...], last: bool) -> Geometry:
 
 def row_geometry(shape: tuple[int, ...]) -> Geometry:
     """The rows of a weight's (shape[0], -1) reshape (numerics.weight_rows)."""
-    rows = int(shape[0]) if shape else 1
+    rows = row_count(shape)
     return (rows, int(np.prod(shape, dtype=np.int64)) // rows)
 
 

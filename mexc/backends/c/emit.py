@@ -43,6 +43,7 @@ from mexc.numerics import (
     offset_tables,
     product_cap,
     qmax,
+    row_count,
     site_rounding,
 )
 from mexc.ops import REGISTRY, op_def
@@ -379,7 +380,7 @@ def _streamable(g: Graph) -> dict[Value, Node]:
     for u in [*g.nodes_of(Op.SGD_UPDATE), *g.nodes_of(Op.ADAMW_UPDATE)]:
         grad = u.inputs[1]
         src = producers[grad.node]
-        rows = g.type_of(u.inputs[0]).shape[0]
+        rows = row_count(g.type_of(u.inputs[0]).shape)
         if src.op in STREAMABLE and users.get(grad) == [u] and u.attrs.groups == rows:
             out[grad] = u
     return out
