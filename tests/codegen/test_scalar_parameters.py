@@ -25,7 +25,9 @@ class ScaledHead(nn.Module):
 def _program(target: str, adamw: bool, bits: int) -> mexc.Program:
     torch.manual_seed(0)
     opt = mexc.AdamW(lr=0.1) if adamw else mexc.SGD(lr=0.1, momentum=0.9)
-    return mexc.compile(ScaledHead(), (torch.zeros(8, 16),), optimizer=opt, target=target, bits=bits)
+    return mexc.compile(
+        ScaledHead(), (torch.zeros(8, 16),), optimizer=opt, target=target, bits=bits
+    )
 
 
 @pytest.mark.parametrize("target", ["llvm", "c"])
