@@ -40,6 +40,7 @@ from mexc import frontend_fold, frontend_index, frontend_mask_bounds
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, MexcError, TraceError, UnsupportedOpError
+from mexc.frontend_eval_modes import apply_eval_modes, eval_submodules
 from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_modules import traced_forward
@@ -880,10 +881,17 @@ def _through_library_wraps() -> Iterator[None]:
         table.update(saved)
 
 
-def trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
-    """symbolic_trace with source locations and a clear error for dynamic control flow."""
+def trace(
+    model: nn.Module, example: torch.Tensor, in_eval_mode: frozenset[str] = frozenset()
+) -> torch.fx.GraphModule:
+    """symbolic_trace with source locations and a clear error for dynamic control flow; the
+    submodules named in `in_eval_mode` (frontend_eval_modes.eval_submodules, read before the
+    model was put in eval mode for tracing) run as torch runs them in eval mode."""
     with _through_library_wraps():
-        return _trace(model, example)
+        gm = _trace(model, example)
+    if apply_eval_modes(gm, in_eval_mode):
+        _propagate(gm, model, example)  # the written-out batch norms' nodes
+    return gm
 
 
 def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
@@ -903,8 +911,14 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
             raise TraceError(_control_flow_message(model, err)) from None
         graph = traced
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    _propagate(gm, model, example)
+    return gm
+
+
+def _propagate(gm: torch.fx.GraphModule, model: nn.Module, example: torch.Tensor) -> None:
+    """Every node's shape and dtype (tensor_meta), and the values of size arithmetic."""
     if _propagate_on_meta(gm, example):
-        return gm
+        return
     prop = _ShapeProp(gm)
     try:
         # no autograd: it would keep every activation of the float forward alive at once (at
@@ -913,7 +927,6 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
             prop.propagate(example)
     except Exception as err:  # noqa: BLE001 - report the model's own failure plainly
         raise InputError(_example_failure(model, example, prop.failed, err)) from None
-    return gm
 
 
 def _propagate_on_meta(gm: torch.fx.GraphModule, example: torch.Tensor) -> bool:
@@ -1354,9 +1367,10 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     outputs are "logits", "probs" and "loss".
     """
     was_training = model.training
+    in_eval_mode = eval_submodules(model)  # frozen batch norms: before model.eval() hides them
     model.eval()  # tracing must not update BN running stats
     try:
-        gm = trace(model, example)
+        gm = trace(model, example, in_eval_mode)
     finally:
         model.train(was_training)  # leave the user's module as it was
     _refuse_reparametrized_reads(model, gm)

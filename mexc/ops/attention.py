@@ -15,6 +15,7 @@ from mexc.ir import Node, Op, Value
 from mexc.kernels.transformer import KEY_CMP_NEGATED, causal_hidden, key_hidden
 from mexc.ops.activation import selected
 from mexc.ops.common import (
+    IN_EVAL_MODE,
     Grads,
     before_last,
     elementwise_types,
@@ -550,7 +551,7 @@ def _mha_module(c: Any, n: Any, m: Any) -> tuple[Value, None]:
     # is_causal is torch's hint that attn_mask is causal: without such a mask, refused too
     if (mask is not None or args.get("is_causal")) and not causal:
         raise UnsupportedOpError(c.describe(n, _MASKS))
-    scale, dropout = 1.0 / math.sqrt(d // h), float(m.dropout)
+    scale, dropout = 1.0 / math.sqrt(d // h), 0.0 if n.meta.get(IN_EVAL_MODE) else float(m.dropout)
     y = _attention(c, n, q, k, v, hs, scale, dropout, None, causal, keys)
     merged = reshaped(c, transposed(c, y, (b, h, t, d // h), (0, 2, 1, 3)), (b, t, d))
     out = m.out_proj

@@ -114,6 +114,9 @@ class ParamView:
 # the node meta key under which shape propagation records a Python number a node computed
 # from shapes (x.size(-1), (w - x.shape[3]) % w): converters read it as a constant
 STATIC_VALUE = "mexc_static_value"
+# fx node meta key: the node belongs to a submodule the model keeps in eval mode while it trains
+# (mexc.frontend_eval_modes); its converter drops nothing there
+IN_EVAL_MODE = "mexc_in_eval_mode"
 
 
 def called_name(n: Any) -> str:

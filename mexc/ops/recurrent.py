@@ -23,6 +23,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Op, Value
 from mexc.ops import gather
 from mexc.ops.activation import activated
+from mexc.ops.common import IN_EVAL_MODE
 from mexc.ops.tensor import (
     added,
     concatenated,
@@ -90,7 +91,7 @@ def recurrent_module(c: Any, n: Any, m: Any, linear: Linear) -> tuple[Value, Any
         width = size * dirs
         shape = (batch, steps, width)
         v = outs[0] if dirs == 1 else concatenated(c, outs, shape, 2)
-        if m.dropout and layer + 1 < m.num_layers:
+        if m.dropout and layer + 1 < m.num_layers and not n.meta.get(IN_EVAL_MODE):
             v = c.emit_as(Op.DROPOUT, [v], shape, p=float(m.dropout))
     if not m.batch_first:
         v = transposed(c, v, shape, (1, 0, 2))

@@ -1,0 +1,196 @@
+"""Submodules a training model keeps in eval mode: what torch trains, mexc trains.
+
+Fine-tuning often freezes batch norms (`model.train(); model.backbone.apply(freeze_bn)`, or a
+`train()` override that calls `m.eval()` on them) or turns a dropout off. torch then normalizes
+those layers with their running statistics, leaves the statistics alone and does not drop. mexc
+traces a model in eval mode (tracing must not update running statistics), so the traced graph no
+longer says which submodules train. `eval_submodules` reads that before tracing; the trace is then
+rewritten so that, inside such a submodule:
+
+- a batch norm (`nn.BatchNorm1d/2d/3d`, a subclass that keeps their forward, or `F.batch_norm`
+  on its buffers) is written out as torch computes it in eval mode, `(x - mean) * rsqrt(var +
+  eps) * weight + bias`, per channel: the statistics are constants of the program (folded on
+  the host, never updated), the weight and bias train as declared;
+- a dropout (`nn.Dropout`, `Dropout1d/2d/3d`, `AlphaDropout`, timm's `DropPath`, `F.dropout*`
+  and torchvision's `stochastic_depth` given `training=self.training`) is the identity;
+- `nn.MultiheadAttention` and the recurrent layers drop nothing (their converters read
+  `IN_EVAL_MODE`).
+
+A model compiled in eval mode as a whole keeps mexc's training program: its batch norms train on
+batch statistics (the model is compiled to be trained).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from mexc.errors import UnsupportedOpError
+from mexc.ops.common import IN_EVAL_MODE
+
+_DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d}
+
+
+def eval_submodules(model: nn.Module) -> frozenset[str]:
+    """Qualified names of the submodules in eval mode while `model` trains (none when the whole
+    model is in eval mode)."""
+    if not model.training:
+        return frozenset()
+    return frozenset(name for name, m in model.named_modules() if name and not m.training)
+
+
+def _in_eval_mode(n: torch.fx.Node, names: frozenset[str]) -> bool:
+    stack = n.meta.get("nn_module_stack") or {}
+    return any(path in names for path, _ in stack.values())
+
+
+def apply_eval_modes(gm: torch.fx.GraphModule, names: frozenset[str]) -> bool:
+    """Rewrite gm's batch norms and dropouts inside `names` as torch runs them in eval mode, and
+    mark every node there with IN_EVAL_MODE. True where the graph changed (its shapes must be
+    propagated again)."""
+    if not names:
+        return False
+    changed = False
+    for n in list(gm.graph.nodes):
+        if not _in_eval_mode(n, names):
+            continue
+        n.meta[IN_EVAL_MODE] = True
+        if _is_dropout(gm, n):
+            n.replace_all_uses_with(n.args[0] if n.args else n.kwargs["input"])
+            gm.graph.erase_node(n)
+            changed = True
+        elif (parts := _batchnorm_parts(gm, n)) is not None:
+            _write_out_batchnorm(gm, n, *parts)
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
+def _module(gm: torch.fx.GraphModule, n: torch.fx.Node) -> nn.Module | None:
+    return gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+
+
+def _is_dropout(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
+    m = _module(gm, n)
+    if m is not None:
+        return isinstance(m, nn.modules.dropout._DropoutNd) or type(m).__name__ == "DropPath"
+    if n.op != "call_function":
+        return False
+    if n.target in _DROPOUT_FUNCTIONS:  # training defaults to True: only self.training's False
+        return not _argument(n, 2, "training", True)
+    if getattr(n.target, "__name__", "") == "stochastic_depth":
+        return not _argument(n, 3, "training", True)
+    return False
+
+
+def _argument(n: torch.fx.Node, index: int, name: str, default: Any) -> Any:
+    return n.args[index] if len(n.args) > index else n.kwargs.get(name, default)
+
+
+# (input, running_mean, running_var, weight, bias, eps): fx nodes or attribute names
+_Parts = tuple[Any, Any, Any, Any, Any, float]
+
+
+def _batchnorm_parts(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Parts | None:
+    """A batch norm in eval mode as its parts, or None where n is none (or keeps no running
+    statistics: torch normalizes with the batch's then, which mexc's converter refuses)."""
+    m = _module(gm, n)
+    if m is not None:
+        kept_forward = type(m).forward is nn.modules.batchnorm._BatchNorm.forward
+        if not (isinstance(m, nn.modules.batchnorm._BatchNorm) and kept_forward):
+            return None
+        if m.running_mean is None:
+            return None
+        name = str(n.target)
+        weight = f"{name}.weight" if m.affine else None
+        bias = f"{name}.bias" if m.affine else None
+        return (n.args[0], f"{name}.running_mean", f"{name}.running_var", weight, bias, m.eps)
+    if n.op != "call_function" or n.target is not F.batch_norm:
+        return None
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
+    args = dict(zip((*names, "eps"), n.args)) | dict(n.kwargs)
+    if args.get("running_mean") is None or args.get("training"):
+        return None
+    return (
+        args["input"],
+        args["running_mean"],
+        args["running_var"],
+        args.get("weight"),
+        args.get("bias"),
+        float(args.get("eps", 1e-5)),  # type: ignore[arg-type]
+    )
+
+
+def _write_out_batchnorm(
+    gm: torch.fx.GraphModule,
+    n: torch.fx.Node,
+    x: Any,
+    mean: Any,
+    var: Any,
+    weight: Any,
+    bias: Any,
+    eps: float,
+) -> None:
+    """Replace n by (x + (-mean)) * rsqrt(var + eps) * weight + bias, each per channel (axis
+    1). -mean and 1 / sqrt(var + eps) are computed on the host from the statistics as they are
+    and held by gm (not the user's model) as buffers: constants of the program, each one
+    `add_param` or `mul` by channel. The new nodes take n's source location and module stack
+    (an error names the model's line)."""
+    g = gm.graph
+    channels = (1, -1) + (1,) * (len(n.meta["tensor_meta"].shape) - 2)
+    mean_t, var_t = _statistic(gm, mean), _statistic(gm, var)
+    stem = _stem(gm, n, mean)
+
+    def marked(new: torch.fx.Node) -> torch.fx.Node:
+        new.stack_trace = n.stack_trace
+        new.meta.update({k: n.meta[k] for k in ("nn_module_stack", IN_EVAL_MODE) if k in n.meta})
+        return new
+
+    def per_channel(t: Any) -> torch.fx.Node:  # a parameter by name or its get_attr node
+        read = marked(g.get_attr(t)) if isinstance(t, str) else t
+        return marked(g.call_method("reshape", (read, channels)))
+
+    def held(suffix: str, value: torch.Tensor) -> torch.fx.Node:
+        gm.register_buffer(f"{stem}_{suffix}", value.detach().double().float())
+        return per_channel(f"{stem}_{suffix}")
+
+    def call(fn: Any, *args: Any) -> torch.fx.Node:
+        return marked(g.call_function(fn, args))
+
+    with g.inserting_before(n):
+        y = call(torch.add, x, held("negated_mean", -mean_t.double()))
+        y = call(torch.mul, y, held("inverse_std", torch.rsqrt(var_t.double() + eps)))
+        if weight is not None:
+            y = call(torch.mul, y, per_channel(weight))
+        if bias is not None:
+            y = call(torch.add, y, per_channel(bias))
+    n.replace_all_uses_with(y)
+    g.erase_node(n)
+
+
+def _stem(gm: torch.fx.GraphModule, n: torch.fx.Node, mean: Any) -> str:
+    """A name for the constants of a batch norm: its module's path (`layer1_0_bn1_eval`), unique in
+    gm."""
+    path = str(n.target) if n.op == "call_module" else str(mean.target).rsplit(".", 1)[0]
+    stem = base = path.replace(".", "_") + "_eval"
+    k = 1
+    while hasattr(gm, f"{stem}_negated_mean"):
+        stem, k = f"{base}_{k}", k + 1
+    return stem
+
+
+def _statistic(gm: torch.fx.GraphModule, t: Any) -> torch.Tensor:
+    """A batch norm's running statistic: by its attribute name, or the get_attr node that reads
+    it."""
+    if not isinstance(t, str) and t.op != "get_attr":
+        raise UnsupportedOpError(
+            f"node {t.name!r} gives a batch norm in eval mode its running statistics; "
+            "mexc takes them as the module's buffers"
+        )
+    return gm.get_buffer(t if isinstance(t, str) else str(t.target))

@@ -1,0 +1,161 @@
+"""Submodules a training model keeps in eval mode (mexc.frontend_eval_modes): a frozen batch norm
+normalizes with its running statistics, which stay as they are, and a dropout in eval mode drops
+nothing, as in torch. Before, mexc trained them as training-mode layers without a word."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mexc
+from mexc.ir import Op
+from tests.compiler.helpers import (
+    _as_input,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    integer_gradients,
+    step_values,
+)
+
+
+class FrozenNorms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.bn1 = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(8, 10)
+        with torch.no_grad():  # statistics far from a batch's, so batch statistics would show
+            for b in (self.bn, self.bn1):
+                b.running_mean.uniform_(-0.5, 0.5)
+                b.running_var.uniform_(0.5, 2.0)
+                b.weight.uniform_(0.5, 1.5)
+                b.bias.uniform_(-0.3, 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x))).mean((2, 3))
+        return self.fc(self.drop(self.bn1(h)))
+
+
+def _frozen() -> nn.Module:
+    torch.manual_seed(0)
+    model = FrozenNorms().train()
+    for m in (model.bn, model.bn1, model.drop):
+        m.eval()  # fine-tuning with frozen batch norms
+    return model
+
+
+def _batch() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((8, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 8)
+
+
+def _ops(prog: mexc.Program) -> set[Op]:
+    return {n.op for n in prog.graph.nodes}
+
+
+def test_a_frozen_batch_norm_trains_as_torch_trains_it() -> None:
+    model, (x, y) = _frozen(), _batch()
+    prog = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),))
+    assert not {Op.BATCHNORM, Op.DROPOUT} & _ops(prog)
+    assert not any("running" in name for name in prog.state if not name.startswith("mexc."))
+    # the step's logits and gradients against torch's, the frozen norms in eval mode
+    logits = step_values(prog, x, y)[prog.graph.output("logits")].dequantize()
+    ref = prog.to_module(copy.deepcopy(model).double())
+    assert ref.training and not ref.bn.training  # to_module keeps the modes
+    out = ref(_as_input(prog, x))
+    assert cosine(logits, out.detach().numpy()) > 0.999
+    F.cross_entropy(out, torch.from_numpy(y)).backward()
+    grads = dict(ref.named_parameters())
+    for name, g in integer_gradients(prog, x, y).items():
+        assert grads[name].grad is not None
+        assert cosine(g, grads[name].grad.numpy()) > 0.99, name
+    # trained: the statistics stay, the affine parameters move
+    for _ in range(2):
+        prog.step(x, y)
+    trained = prog.to_module(copy.deepcopy(model))
+    assert torch.equal(trained.bn.running_mean, model.bn.running_mean)
+    assert torch.equal(trained.bn1.running_var, model.bn1.running_var)
+    assert not torch.equal(trained.bn.weight, model.bn.weight)
+
+
+def test_a_frozen_batch_norm_is_bit_exact_on_llvm_and_c() -> None:
+    x, y = _batch()
+
+    def program(target: str) -> mexc.Program:
+        return mexc.compile(_frozen(), (torch.from_numpy(x),), target=target)
+
+    assert_trains_bit_exact_on_llvm_and_c(program("reference"), program, (x[:8], y[:8]))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc(h), 0.5, self.training)
+
+
+class FunctionalForms(nn.Module):
+    """timm's BatchNormAct2d (F.batch_norm on its buffers) and F.dropout(training=self.training)
+    in a block of the model's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        timm_layers = pytest.importorskip("timm.layers")
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = timm_layers.BatchNormAct2d(8, act_layer=nn.ReLU)
+        self.block = Block()
+        self.head = nn.Linear(8, 10)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.bn(self.conv(x)).mean((2, 3))))
+
+
+def test_functional_batch_norm_and_dropout_in_eval_mode() -> None:
+    torch.manual_seed(0)
+    model, (x, y) = FunctionalForms().train(), _batch()
+    model.bn.eval()
+    model.block.eval()
+    prog = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),))
+    assert not {Op.BATCHNORM, Op.DROPOUT} & _ops(prog)
+    logits = step_values(prog, x, y)[prog.graph.output("logits")].dequantize()
+    ref = prog.to_module(copy.deepcopy(model).double())
+    assert cosine(logits, ref(_as_input(prog, x)).detach().numpy()) > 0.999
+    # the same model training throughout, and a model compiled in eval mode as a whole, keep
+    # the training program's batch norm (and dropout where the block trains)
+    model.block.train()
+    assert Op.DROPOUT in _ops(mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),)))
+    assert Op.BATCHNORM in _ops(mexc.compile(model.eval(), (torch.from_numpy(x),)))
+
+
+class Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, dropout=0.3, batch_first=True)
+        self.rnn = nn.GRU(16, 16, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(x, x, x, need_weights=False)[0]
+        return self.head(self.rnn(h)[0].mean(1))
+
+
+def test_attention_and_recurrent_dropout_in_eval_mode() -> None:
+    torch.manual_seed(0)
+    model = Attending().train()
+    x = torch.randn(4, 6, 16)
+    assert Op.DROPOUT in _ops(mexc.compile(copy.deepcopy(model), (x,)))
+    model.attn.eval()
+    model.rnn.eval()
+    assert Op.DROPOUT not in _ops(mexc.compile(model, (x,)))
