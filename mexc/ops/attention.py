@@ -114,7 +114,9 @@ def _log_softmax(c: Any, n: Any, m: Any = None) -> Value:
         else static_value(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None))
     )
     shape = tuple(c.shape(x))
-    last = dim is not None and len(shape) == 2 and int(dim) % 2 == 1
+    if dim is None:  # torch's implicit dim (deprecated, with a warning): 1 for 2-D logits
+        dim = 0 if len(shape) in (0, 1, 3) else 1
+    last = len(shape) == 2 and int(dim) % 2 == 1
     if not (last and n.users and all(u.op == "output" for u in n.users)):
         raise UnsupportedOpError(
             c.describe(

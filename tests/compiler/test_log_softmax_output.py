@@ -32,10 +32,13 @@ class MnistNet(nn.Module):
         x = self.fc2(F.relu(self.fc1(self.dropout(torch.flatten(x, 1)))))
         if self.head == "module":
             return self.log_softmax(x)
+        if self.head == "no dim":  # torch's implicit dim: 1 for 2-D logits (it warns)
+            return F.log_softmax(x)
         return x.log_softmax(-1) if self.head == "method" else F.log_softmax(x, dim=1)
 
 
-@pytest.mark.parametrize("head", ["function", "method", "module"])
+@pytest.mark.filterwarnings("ignore:Implicit dimension choice")
+@pytest.mark.parametrize("head", ["function", "method", "module", "no dim"])
 def test_the_log_probabilities_are_torchs_and_the_loss_is_the_logits(head: str) -> None:
     torch.manual_seed(0)
     model = MnistNet(head)
