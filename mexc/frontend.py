@@ -40,7 +40,7 @@ from mexc import frontend_fold, frontend_index, frontend_mask_bounds
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, MexcError, TraceError, UnsupportedOpError
-from mexc.frontend_eval_modes import apply_eval_modes, eval_submodules
+from mexc.frontend_eval_modes import apply_eval_modes, eval_submodules, training_branches
 from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_modules import traced_forward
@@ -1366,13 +1366,22 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     sample, or one per position of [N, C, d1, ...] logits: graph attribute LABEL_SHAPE);
     outputs are "logits", "probs" and "loss".
     """
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}
     in_eval_mode = eval_submodules(model)  # frozen batch norms: before model.eval() hides them
     model.eval()  # tracing must not update BN running stats
     try:
         gm = trace(model, example, in_eval_mode)
     finally:
-        model.train(was_training)  # leave the user's module as it was
+        for m, training in modes.items():  # leave the user's module as it was, frozen parts too
+            m.training = training
+    if model.training and (branches := training_branches(model, gm)):
+        warnings.warn(
+            "mexc traces the model in eval mode, so its branches on self.training took their "
+            f"eval-mode path, in the training step too: {', '.join(branches)}. Where training "
+            "must differ from evaluation there, write it without the branch (mexc trains "
+            "dropout and batch norm as in training itself).",
+            stacklevel=3,
+        )
     _refuse_reparametrized_reads(model, gm)
     b = GraphBuilder()
     c = _Ctx(gm, b)

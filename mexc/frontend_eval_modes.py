@@ -22,6 +22,10 @@ batch statistics (the model is compiled to be trained).
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -194,3 +198,55 @@ def _statistic(gm: torch.fx.GraphModule, t: Any) -> torch.Tensor:
             "mexc takes them as the module's buffers"
         )
     return gm.get_buffer(t if isinstance(t, str) else str(t.target))
+
+
+# model libraries whose `self.training` branches mexc's own patterns stand for (dropout, drop
+# path, batch norm, auxiliary heads): a warning there would name nearly every model
+_LIBRARIES = ("torch.", "torchvision.", "timm.")
+
+
+def training_branches(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
+    """Where the model's own module classes (not torch's, torchvision's or timm's) branch on
+    `self.training` (`if`, a conditional expression, `while`) in a module the trace went
+    through: those branches took their eval-mode path, in the training step too."""
+    traced: set[str] = {""}
+    for n in gm.graph.nodes:
+        stack = [path for path, _ in (n.meta.get("nn_module_stack") or {}).values()]
+        traced.update(stack[:-1] if n.op == "call_module" else stack)
+    found: list[str] = []
+    seen: set[type] = set()
+    for path in sorted(traced):
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        for cls in type(module).__mro__:
+            if cls in seen or cls is nn.Module or cls.__module__.startswith(_LIBRARIES):
+                continue
+            seen.add(cls)
+            found += _branches_on_training(cls)
+    return found
+
+
+def _branches_on_training(cls: type) -> list[str]:
+    try:
+        lines, first = inspect.getsourcelines(cls)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        where = Path(inspect.getsourcefile(cls) or "?").name
+    except (OSError, TypeError, SyntaxError):
+        return []  # no source (a class made at run time): nothing to point at
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)) and _reads_training(node.test):
+            out.append(f"{cls.__qualname__} ({where}:{first + node.lineno - 1})")
+    return out
+
+
+def _reads_training(test: ast.expr) -> bool:
+    return any(
+        isinstance(a, ast.Attribute)
+        and a.attr == "training"
+        and isinstance(a.value, ast.Name)
+        and a.value.id == "self"
+        for a in ast.walk(test)
+    )

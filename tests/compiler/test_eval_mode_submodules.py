@@ -5,6 +5,7 @@ nothing, as in torch. Before, mexc trained them as training-mode layers without 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -159,3 +160,32 @@ def test_attention_and_recurrent_dropout_in_eval_mode() -> None:
     model.attn.eval()
     model.rnn.eval()
     assert Op.DROPOUT not in _ops(mexc.compile(model, (x,)))
+
+
+def test_compile_leaves_each_submodule_in_its_mode() -> None:
+    model, (x, _) = _frozen(), _batch()
+    mexc.compile(model, (torch.from_numpy(x),))
+    assert model.training and model.conv.training
+    assert not (model.bn.training or model.bn1.training or model.drop.training)
+
+
+class TrainTimeTemperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.fc(x)
+        if self.training:  # traced in eval mode: this branch is not in the training step
+            logits = logits / 4.0
+        return logits
+
+
+def test_a_branch_on_self_training_is_named_in_a_warning() -> None:
+    x = torch.zeros(4, 16)
+    with pytest.warns(UserWarning, match=r"eval-mode path.*TrainTimeTemperature \(test_eval_mode"):
+        mexc.compile(TrainTimeTemperature(), (x,))
+    with warnings.catch_warnings():  # in eval mode as a whole, and library classes: no warning
+        warnings.simplefilter("error")
+        mexc.compile(TrainTimeTemperature().eval(), (x,))
+        mexc.compile(_frozen(), (torch.from_numpy(_batch()[0]),))
