@@ -186,9 +186,18 @@ def _images(x: np.ndarray, where: str) -> np.ndarray:
     if x.dtype == np.uint8:
         return x.astype(np.float32) / np.float32(255)
     if np.issubdtype(x.dtype, np.floating):
-        out = x.astype(np.float32)
-        if not np.all(np.isfinite(out)):
+        if not np.all(np.isfinite(x)):
             raise DatasetError(f"{where} contains NaN or infinite values")
+        with np.errstate(over="ignore"):  # found below, by element
+            out = x.astype(np.float32)  # as the FP32 model beside it reads them
+        lost = (~np.isfinite(out)) | ((out == 0) & (x != 0))
+        if np.any(lost):
+            raise DatasetError(
+                f"{where} holds {x.dtype} values that float32 cannot (|x| from "
+                f"{np.abs(x[x != 0]).min():.3g} to {np.abs(x).max():.3g}: "
+                f"{int(lost.sum())} become infinite or 0); images are read as float32, so "
+                "rescale them into its range"
+            )
         return out
     raise DatasetError(
         f"{where} has dtype {x.dtype}; images must be uint8 (0..255) or float, token ids of "

@@ -230,7 +230,8 @@ class _Ctx:
                     self.node if self.node is not None else a,
                     "reads the model's integer input (token ids) as an activation; mexc reads "
                     "integer inputs only through embedding tables (nn.Embedding, F.embedding): "
-                    "look the ids up first",
+                    "look the ids up first. If the input is images (uint8 pixels), compile "
+                    "with a float example instead (x.float() / 255) and step with float images",
                 )
             )
         if isinstance(v, KeyMask):

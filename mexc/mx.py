@@ -33,8 +33,12 @@ class MX:
 
     def dequantize(self) -> np.ndarray:
         """float64 value (host-side tests and logging only)."""
-        scale = np.exp2(expand_exponent(self.e, self.m.ndim).astype(np.float64))
-        return self.m.astype(np.float64) * scale
+        return np.ldexp(self.m.astype(np.float64), expand_exponent(self.e, self.m.ndim))
+
+    def ordered(self) -> np.ndarray:
+        """float64 values over 2^max(e): in the order of the values, finite at any exponent
+        (dequantize overflows to inf, or underflows to 0, past float64's range)."""
+        return _over_largest(self.m, self.e)
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,17 @@ class Acc:
     e: np.ndarray
 
     def dequantize(self) -> np.ndarray:
-        scale = np.exp2(expand_exponent(self.e, self.a.ndim).astype(np.float64))
-        return self.a.astype(np.float64) * scale
+        return np.ldexp(self.a.astype(np.float64), expand_exponent(self.e, self.a.ndim))
+
+    def ordered(self) -> np.ndarray:
+        """As MX.ordered."""
+        return _over_largest(self.a, self.e)
+
+
+def _over_largest(m: np.ndarray, e: np.ndarray | int) -> np.ndarray:
+    e64 = np.asarray(e, np.int64)
+    top = int(e64.max()) if e64.size else 0
+    return np.ldexp(np.asarray(m, np.float64), expand_exponent(e64 - top, np.ndim(m)))
 
 
 class Collectives(Protocol):

@@ -791,7 +791,7 @@ class FixedScalar:
         if value == 0:
             return FixedScalar(0, 0)
         shift = num_bits - 1 - math.floor(math.log2(value))
-        num = int(math.floor(value * 2.0**shift + 0.5))
+        num = int(math.floor(math.ldexp(value, shift) + 0.5))  # 2.0**shift overflows at 5e-324
         if num >= 1 << num_bits:  # rounding carried into the next power of two
             num, shift = num >> 1, shift - 1
         return FixedScalar(num, shift)
@@ -804,7 +804,7 @@ class FixedScalar:
         return FixedScalar(-magnitude.num if value < 0 else magnitude.num, magnitude.shift)
 
     def __float__(self) -> float:
-        return self.num * 2.0**-self.shift
+        return math.ldexp(self.num, -self.shift)
 
 
 # --------------------------------------------------------------------------- weight update

@@ -11,6 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from mexc.errors import InputError
 from mexc.numerics import AdamConfig, FixedScalar
 
 
@@ -50,7 +51,10 @@ class Step:
         object.__setattr__(self, "gamma", float(g))
 
     def factor(self, step: int) -> float:
-        return self.gamma ** sum(1 for m in self.milestones if step >= m)
+        try:
+            return self.gamma ** sum(1 for m in self.milestones if step >= m)
+        except OverflowError:  # past float's range: the optimizer names the step
+            return math.inf
 
     def describe(self) -> str:
         return f"step(milestones={list(self.milestones)},gamma={self.gamma})"
@@ -84,6 +88,18 @@ class Cosine:
 Schedule = Constant | Step | Cosine
 
 
+def scheduled_rate(opt: SGD | AdamW, step: int) -> float:
+    """The optimizer's learning rate at training step `step`; an InputError naming the step
+    where the schedule takes it past float's range (Step's gamma ** k)."""
+    rate = opt.lr * opt.schedule.factor(step)
+    if not math.isfinite(rate):
+        raise InputError(
+            f"{type(opt).__name__} at step {step}: lr {opt.lr:g} under the schedule "
+            f"{opt.schedule.describe()} is {rate}; give a schedule whose rate stays finite"
+        )
+    return rate
+
+
 @dataclass(frozen=True)
 class SGD:
     lr: float = 0.05
@@ -101,7 +117,7 @@ class SGD:
 
     def lr_at(self, step: int) -> FixedScalar:
         """The integer learning rate of training step `step` (precomputed on the host)."""
-        return FixedScalar.of(self.lr * self.schedule.factor(step))
+        return FixedScalar.of(scheduled_rate(self, step))
 
     def graph_attrs(self) -> dict[str, object]:
         m, wd = FixedScalar.of(self.momentum), FixedScalar.of(self.weight_decay)
@@ -169,7 +185,16 @@ class AdamW:
         return ("adamw", *self.betas)
 
     def rate(self, step: int) -> float:
-        return self.lr * self.schedule.factor(step)
+        rate = scheduled_rate(self, step)
+        if rate * self.weight_decay >= 1:
+            raise InputError(
+                f"{type(self).__name__} at step {step}: the schedule's rate {rate:g} times "
+                f"weight_decay {self.weight_decay:g} is {rate * self.weight_decay:g}, a decay "
+                "that would remove every weight whole in one step (the constructor's rule, "
+                "lr * weight_decay < 1, holds at every step); lower the schedule's peak "
+                f"({self.schedule.describe()}) or the decay"
+            )
+        return rate
 
     def step_scalars(self, step: int) -> tuple[FixedScalar, ...]:
         """(lr_t, eps_t, wd_t) of step `step` (0-based; t = step + 1), section 12b."""

@@ -363,8 +363,10 @@ class Program:
         return np.concatenate(out) if out else np.zeros((0, self.num_classes, *self.label_shape))
 
     def predict(self, x: Any) -> np.ndarray:
-        """Class ids (deterministic rounding, BN running statistics)."""
-        return np.argmax(self.logits(x), axis=1)
+        """Class ids (deterministic rounding, BN running statistics): the argmax of the integer
+        logits, at any exponent (logits() is float64, inf or 0 past its range)."""
+        out = [np.argmax(v.ordered()[:n], axis=1) for v, n in self.logit_batches(x)]
+        return np.concatenate(out) if out else np.zeros((0, *self.label_shape), np.int64)
 
     def evaluate(self, x: Any, y: Any) -> float:
         """Accuracy in [0, 1] of at least one sample."""

@@ -41,14 +41,15 @@ def quantize(x: np.ndarray, bits: int = 8, agree: Callable[[float], float] | Non
     if amax == 0.0:
         return MX.of(np.zeros(xv.shape, np.int8), 0)
     e = math.ceil(math.log2(amax / q))
-    while amax > q * 2.0**e:
+    # ldexp, not 2.0**-e: an exponent past ±1023 (float64 inputs near 1e-307) is exact there
+    while amax > math.ldexp(q, e):
         e += 1
-    while amax <= q * 2.0 ** (e - 1):
+    while amax <= math.ldexp(q, e - 1):
         e -= 1
     m = np.empty(flat.size, np.int8)
     for i, blk in zip(range(0, flat.size, QUANTIZE_BLOCK), blocks):
         b = blk.astype(np.float64)
-        scaled = np.floor(np.abs(b) * 2.0**-e + 0.5)
+        scaled = np.floor(np.ldexp(np.abs(b), -e) + 0.5)
         m[i : i + b.size] = np.clip(np.sign(b) * scaled, -q, q)
     return MX.of(m.reshape(xv.shape), e)
 
@@ -68,6 +69,6 @@ def quantize_channels(x: np.ndarray, bits: int) -> MX:
     q = qmax(bits)
     out = np.empty((len(rows), xv[0].size), np.int8)
     for i, (row, t) in enumerate(zip(xv.reshape(xv.shape[0], -1), ts.tolist())):
-        scaled = np.clip(np.sign(row) * np.floor(np.abs(row) * 2.0**-t + 0.5), -q, q)
+        scaled = np.clip(np.sign(row) * np.floor(np.ldexp(np.abs(row), -t) + 0.5), -q, q)
         out[i] = (scaled.astype(np.int64) << (t - frame)).astype(np.int8)
     return MX.of(out.reshape(xv.shape), frame)
