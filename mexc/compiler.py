@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +89,7 @@ def initial_state(
         if n.op is Op.PARAM:
             p, b = params[name], 8 if name in constants else bits
             state[name] = quantize_channels(p, b) if channels else quantize(p, b)
+            _warn_if_flushed(name, p, state[name], b)
         elif n.attrs.role in ZERO_START:
             groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
             e0 = ZERO_START[str(n.attrs.role)]
@@ -98,6 +100,28 @@ def initial_state(
         else:
             state[name] = quantize(buffers[name], bits)
     return state
+
+
+# a parameter whose quantization zeroes more than this share of its nonzero values is named
+FLUSHED_WARNING = 0.5
+
+
+def _warn_if_flushed(name: str, values: np.ndarray, held: MX, bits: int) -> None:
+    """Warn where one exponent for the whole tensor rounds most of a parameter's nonzero values
+    to 0 (a few values far larger than the rest: the exponent is the largest's)."""
+    nonzero = np.asarray(values) != 0
+    count = int(nonzero.sum())
+    flushed = int((nonzero & (held.m == 0)).sum())
+    if count < 16 or flushed <= FLUSHED_WARNING * count:
+        return
+    mags = np.abs(np.asarray(values, np.float64)[nonzero])
+    warnings.warn(
+        f"parameter '{name}': {flushed} of its {count} nonzero values round to 0 at {bits} "
+        f"bits, since its one exponent is set by its largest value ({mags.max():.3g}; the "
+        f"median is {np.median(mags):.3g}). Training starts from those zeros; clip or rescale "
+        "the outliers, or give the layer channel exponents (bits below 8)",
+        stacklevel=4,
+    )
 
 
 def _not_finite(name: str, values: np.ndarray, param: bool) -> str:

@@ -83,3 +83,12 @@ def test_a_schedule_past_float_s_range_is_refused_by_step() -> None:
     assert math.isclose(float(opt.lr_at(1)), 5e298, rel_tol=2**-14)
     with pytest.raises(InputError, match=r"SGD at step 2: lr 0.05 under the schedule .* is inf"):
         opt.lr_at(2)
+
+
+def test_a_weight_whose_outlier_zeroes_the_rest_is_named() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e4
+    with pytest.warns(UserWarning, match=r"'0.weight': 2047 of its 2048 nonzero values round to 0"):
+        mexc.compile(model, (torch.zeros(4, 64),))
