@@ -677,10 +677,13 @@ def _refuse_reparametrized_reads(model: nn.Module, gm: torch.fx.GraphModule) -> 
 
 
 def _unsupported(n: torch.fx.Node, what: str) -> UnsupportedOpError:
+    """One paragraph: the node, its line, and where the supported ops are listed (the list
+    itself, about 300 names, made the message thousands of characters long)."""
     return UnsupportedOpError(
         f"Unsupported op {what}: {_describe(n, 'has no integer lowering in mexc')}. "
-        f"Replace it with a supported op or remove it from the training graph. "
-        f"Supported: {', '.join(supported_ops())}."
+        "Replace it with a supported op or remove it from the training graph; docs/frontend.md "
+        f"lists the {len(supported_ops())} supported ops and forms, and "
+        "mexc.frontend.supported_ops() returns their names."
     )
 
 
