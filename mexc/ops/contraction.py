@@ -213,7 +213,19 @@ def _weight(c: Any, n: Any, w: _Operand, order: list[str], shape: tuple[int, int
     declared = tuple(source.shape) == shape and bool(
         (index.reshape(-1) == np.arange(index.size)).all()
     )
-    layout = "" if declared else f"rearranged as a [{shape[0]}, {shape[1]}] weight ({order_key})"
+    transposed = (
+        len(source.shape) == 2
+        and tuple(source.shape)[::-1] == shape
+        and bool((index.reshape(shape) == np.arange(index.size).reshape(source.shape).T).all())
+    )
+    # the layout names the order (two reads compare it); a transpose by that name alone
+    layout = (
+        ""
+        if declared
+        else f"transposed, as a [{shape[0]}, {shape[1]}] weight"
+        if transposed
+        else f"rearranged as a [{shape[0]}, {shape[1]}] weight (element order {order_key})"
+    )
     arranged = None
     if not declared:  # an order no axis permutation gives is recorded as unknown (no split)
         arranged = permutation(tuple(source.shape), index) or Arrangement(
