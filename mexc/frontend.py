@@ -1378,7 +1378,7 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     finally:
         for m, training in modes.items():  # leave the user's module as it was, frozen parts too
             m.training = training
-    if model.training and (branches := training_branches(model, gm)):
+    if model.training and (branches := training_branches(model, gm, in_eval_mode)):
         warnings.warn(
             "mexc traces the model in eval mode, so its branches on self.training took their "
             f"eval-mode path, in the training step too: {', '.join(branches)}. Where training "

@@ -205,17 +205,20 @@ def _statistic(gm: torch.fx.GraphModule, t: Any) -> torch.Tensor:
 _LIBRARIES = ("torch.", "torchvision.", "timm.")
 
 
-def training_branches(model: nn.Module, gm: torch.fx.GraphModule) -> list[str]:
+def training_branches(
+    model: nn.Module, gm: torch.fx.GraphModule, in_eval_mode: frozenset[str]
+) -> list[str]:
     """Where the model's own module classes (not torch's, torchvision's or timm's) branch on
-    `self.training` (`if`, a conditional expression, `while`) in a module the trace went
-    through: those branches took their eval-mode path, in the training step too."""
+    `self.training` (`if`, a conditional expression, `while`) in a training module the trace
+    went through: those branches took their eval-mode path, in the training step too (in the
+    submodules kept in eval mode, `in_eval_mode`, the path torch takes)."""
     traced: set[str] = {""}
     for n in gm.graph.nodes:
         stack = [path for path, _ in (n.meta.get("nn_module_stack") or {}).values()]
         traced.update(stack[:-1] if n.op == "call_module" else stack)
     found: list[str] = []
     seen: set[type] = set()
-    for path in sorted(traced):
+    for path in sorted(traced - in_eval_mode):
         try:
             module = model.get_submodule(path)
         except AttributeError:

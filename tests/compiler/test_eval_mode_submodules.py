@@ -189,3 +189,20 @@ def test_a_branch_on_self_training_is_named_in_a_warning() -> None:
         warnings.simplefilter("error")
         mexc.compile(TrainTimeTemperature().eval(), (x,))
         mexc.compile(_frozen(), (torch.from_numpy(_batch()[0]),))
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TrainTimeTemperature()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_branch_in_a_submodule_kept_in_eval_mode_is_torch_s_path() -> None:
+    model = Wrapped().train()
+    model.inner.eval()  # torch takes the eval path there too: nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mexc.compile(model, (torch.zeros(4, 16),))
