@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mexc.data import Arrays, batches
+from mexc.frontend_eval_modes import set_modes, training_modes
 from mexc.optim import SGD, Adam, AdamW, Optimizer
 
 
@@ -93,8 +94,9 @@ def train_fp32(
     x_all, y_all = train
     history: list[dict[str, Any]] = []
     step = 0
+    modes = training_modes(model)  # frozen batch norms stay frozen, as in the integer step
     for epoch in range(epochs):
-        model.train()
+        set_modes(modes)  # evaluate() leaves the model in eval mode
         start = time.perf_counter()
         losses: list[float] = []
         for idx in batches(len(y_all), batch, seed, epoch):
@@ -147,7 +149,7 @@ def step_memory(
     `step_peak_bytes`, the peak of the tensor bytes allocated during one step above that
     (activations saved for the backward pass, gradients, temporaries), summed from the torch
     profiler's memory events in time order. `peak_bytes` is their sum: what the step needs."""
-    model.train()
+    set_modes(training_modes(model))
     opt = torch_optimizer(model, optimizer or SGD(lr=1e-3, momentum=0.9, weight_decay=5e-4))
 
     def step() -> None:

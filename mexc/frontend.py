@@ -40,11 +40,17 @@ from mexc import frontend_fold, frontend_index, frontend_mask_bounds
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, MexcError, TraceError, UnsupportedOpError
-from mexc.frontend_eval_modes import apply_eval_modes, eval_submodules, training_branches
+from mexc.frontend_eval_modes import (
+    MODULES_CALLED,
+    apply_eval_modes,
+    eval_submodules,
+    set_modes,
+    training_branches,
+)
 from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_modules import traced_forward
-from mexc.ir import LABEL_SHAPE, Graph, GraphBuilder, Op, Value
+from mexc.ir import EVAL_NORM_WEIGHTS, LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.kernels.loss import MAX_CLASSES
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.attention import MASKED_READ, KeyMask, MaskedScores
@@ -758,6 +764,9 @@ class _Tracer(torch.fx.Tracer):
     def call_module(
         self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
     ) -> Any:
+        # every module the forward calls, traced through or not (one whose eval path makes no
+        # node, a drop path returning its input, is in no node's module stack)
+        self.__dict__.setdefault("called", set()).add(self.path_of_module(m))
         return super().call_module(m, traced_forward(m) or forward, args, kwargs)
 
 
@@ -915,6 +924,7 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
             raise TraceError(_control_flow_message(model, err)) from None
         graph = traced
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    gm.meta[MODULES_CALLED] = frozenset(getattr(tracer, "called", ()))
     _propagate(gm, model, example)
     return gm
 
@@ -1376,14 +1386,14 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     try:
         gm = trace(model, example, in_eval_mode)
     finally:
-        for m, training in modes.items():  # leave the user's module as it was, frozen parts too
-            m.training = training
-    if model.training and (branches := training_branches(model, gm, in_eval_mode)):
+        set_modes(modes)  # leave the user's module as it was, frozen parts too
+    if branches := training_branches(model, gm, in_eval_mode):
         warnings.warn(
-            "mexc traces the model in eval mode, so its branches on self.training took their "
-            f"eval-mode path, in the training step too: {', '.join(branches)}. Where training "
-            "must differ from evaluation there, write it without the branch (mexc trains "
-            "dropout and batch norm as in training itself).",
+            "mexc traces the model in eval mode, so where the model's own code reads "
+            "self.training (a branch on it, an argument) it took the eval-mode path, in the "
+            f"training step too: {', '.join(branches)}. Where training must differ from "
+            "evaluation there, write it without reading the flag (mexc trains nn.Dropout, "
+            "F.dropout and batch norms as in training itself).",
             stacklevel=3,
         )
     _refuse_reparametrized_reads(model, gm)
@@ -1482,11 +1492,13 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     _drop_dead_nodes(c, [logits, head.result(0), head.result(1)])
     held = tuple(a.text(name) for name, a in sorted(c.arranged.items()) if name in c.params)
     per_position = [(LABEL_SHAPE, tuple(positions))] if positions else []
+    frozen = tuple(sorted(set(c.gm.meta.get(EVAL_NORM_WEIGHTS, ())) & set(c.params)))
     graph = b.build(
         [("logits", logits), ("probs", head.result(0)), ("loss", head.result(1))],
         [("batch", batch), ("num_classes", classes)]
         + per_position
-        + ([(ARRANGED, held)] if held else []),
+        + ([(ARRANGED, held)] if held else [])
+        + ([(EVAL_NORM_WEIGHTS, frozen)] if frozen else []),
     )
     shape = tuple(example.shape[1:])
     return FrontendResult(graph, c.params, c.buffers, shape, classes, frozenset(c.constants))

@@ -19,6 +19,9 @@ from mexc.types import TensorType
 # graph attribute: the labels' shape per sample where the model's logits are [batch, classes,
 # d1, ...] (a label per position, as F.cross_entropy reads them); absent: one label per sample
 LABEL_SHAPE = "label_shape"
+# graph attribute: the weights of batch norms a training model keeps in eval mode, written out
+# as products (mexc.frontend_eval_modes): norm weights all the same (trainable="bias-norm")
+EVAL_NORM_WEIGHTS = "eval_norm_weights"
 
 
 class Op(enum.Enum):

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
 from mexc.errors import MexcError
-from mexc.ir import Graph, Op
+from mexc.ir import EVAL_NORM_WEIGHTS, Graph, Op
 
 WEIGHT_LAYERS = (Op.CONV2D, Op.LINEAR)
 NORMS = (Op.BATCHNORM, Op.LAYERNORM)
@@ -62,7 +62,7 @@ def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:
     parts = [p.strip() for p in items if p.strip()]
     chosen: set[str] = set()
     for part in parts:
-        chosen |= _resolve_part(part, first, params)
+        chosen |= _resolve_part(part, first, params, g.attr(EVAL_NORM_WEIGHTS, ()))
     if not chosen:
         raise TrainableError(
             f"trainable={spec!r} selects no parameter; the model has {_listing(params)}"
@@ -74,7 +74,9 @@ def _listing(params: list[str]) -> str:
     return ", ".join(params[:12]) + (", ..." if len(params) > 12 else "")
 
 
-def _resolve_part(part: str, first: dict[str, tuple[int, Op]], params: list[str]) -> set[str]:
+def _resolve_part(
+    part: str, first: dict[str, tuple[int, Op]], params: list[str], frozen_norms: Sequence[str]
+) -> set[str]:
     if part.startswith("last:"):
         try:
             k = int(part[5:])
@@ -88,7 +90,10 @@ def _resolve_part(part: str, first: dict[str, tuple[int, Op]], params: list[str]
             )
         return {name for name, (i, _) in first.items() if i >= layers[-k]}
     if part == "bias-norm":
-        return {n for n, (_, op) in first.items() if n.endswith(".bias") or op in NORMS}
+        norms = set(frozen_norms)  # a batch norm kept in eval mode is written out as products
+        return {
+            n for n, (_, op) in first.items() if n.endswith(".bias") or op in NORMS or n in norms
+        }
     hits = {n for n in params if fnmatchcase(n, part)}
     if not hits:
         raise TrainableError(
