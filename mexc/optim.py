@@ -190,8 +190,8 @@ class AdamW:
             raise InputError(
                 f"{type(self).__name__} at step {step}: the schedule's rate {rate:g} times "
                 f"weight_decay {self.weight_decay:g} is {rate * self.weight_decay:g}, a decay "
-                "that would remove every weight whole in one step (the constructor's rule, "
-                "lr * weight_decay < 1, holds at every step); lower the schedule's peak "
+                "that would remove every weight whole in one step (the constructor's rule "
+                "lr * weight_decay < 1 must hold at every step's rate); lower the schedule's peak "
                 f"({self.schedule.describe()}) or the decay"
             )
         return rate
@@ -201,11 +201,11 @@ class AdamW:
         b1, b2 = self.betas
         t = step + 1
         root = math.sqrt(1.0 - b2**t)
-        lr_t = self.rate(step) * root / (1.0 - b1**t)
+        rate = self.rate(step)
         return (
-            FixedScalar.of(lr_t),
+            FixedScalar.of(rate * root / (1.0 - b1**t)),
             FixedScalar.of(self.eps * root),
-            FixedScalar.of(self.rate(step) * self.weight_decay),
+            FixedScalar.of(rate * self.weight_decay),
         )
 
     def lr_at(self, step: int) -> FixedScalar:

@@ -183,11 +183,12 @@ class TrainTimeTemperature(nn.Module):
 
 def test_a_branch_on_self_training_is_named_in_a_warning() -> None:
     x = torch.zeros(4, 16)
-    with pytest.warns(UserWarning, match=r"eval-mode path.*TrainTimeTemperature \(test_eval_mode"):
-        mexc.compile(TrainTimeTemperature(), (x,))
-    with warnings.catch_warnings():  # in eval mode as a whole, and library classes: no warning
+    # in eval mode as a whole it is compiled to be trained: the branch is lost there too
+    for model in (TrainTimeTemperature(), TrainTimeTemperature().eval()):
+        with pytest.warns(UserWarning, match=r"eval-mode path.*TrainTimeTemperature \(test_eval"):
+            mexc.compile(model, (x,))
+    with warnings.catch_warnings():  # library classes: no warning
         warnings.simplefilter("error")
-        mexc.compile(TrainTimeTemperature().eval(), (x,))
         mexc.compile(_frozen(), (torch.from_numpy(_batch()[0]),))
 
 
@@ -206,3 +207,144 @@ def test_a_branch_in_a_submodule_kept_in_eval_mode_is_torch_s_path() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mexc.compile(model, (torch.zeros(4, 16),))
+
+
+class Stage(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(F.relu(self.bn(self.conv(x))))
+
+
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stages = nn.Sequential(Stage(8), Stage(8))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+def test_each_module_follows_its_own_flag() -> None:
+    x = torch.from_numpy(_batch()[0])
+    model = Backbone().train()
+    model.stages.eval()
+    model.stages[1].train()  # fine-tune the last stage of a frozen backbone
+    prog = mexc.compile(copy.deepcopy(model), (x,))
+    ops = [n.op for n in prog.graph.nodes]
+    assert ops.count(Op.BATCHNORM) == 1 and ops.count(Op.DROPOUT) == 1
+    assert "stages.1.bn.running_mean" in prog.state and "stages.0.bn.running_mean" not in prog.state
+    # linear probing: the model in eval mode but its head; the frozen stages stay frozen
+    model.eval()
+    model.head.train()
+    assert not {Op.BATCHNORM, Op.DROPOUT} & _ops(mexc.compile(model, (x,)))
+
+
+class ByKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(input=self.conv(x)).mean((2, 3)))
+
+
+def test_a_frozen_norm_called_by_keyword() -> None:
+    model = ByKeyword().train()
+    model.bn.eval()
+    assert Op.BATCHNORM not in _ops(mexc.compile(model, (torch.from_numpy(_batch()[0]),)))
+
+
+def test_bias_norm_trains_a_frozen_norm_s_weight() -> None:
+    prog = mexc.compile(_frozen(), (torch.from_numpy(_batch()[0]),), trainable="bias-norm")
+    trained = {str(n.attrs.param) for n in prog.graph.nodes_of(Op.SGD_UPDATE)}
+    assert {"bn.weight", "bn.bias", "bn1.weight", "bn1.bias"} <= trained
+    assert "conv.weight" not in trained
+
+
+class SpreadStatistics(nn.Module):
+    """Running variances over 4 decades across channels, as in pretrained networks."""
+
+    def __init__(self, channels: int = 64) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(channels)
+        self.fc = nn.Linear(channels, channels)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            self.bn.running_var.copy_(10 ** (torch.rand(channels, generator=g) * 4 - 2))
+            self.bn.running_mean.copy_(
+                torch.randn(channels, generator=g) * self.bn.running_var.sqrt()
+            )
+            self.fc.weight.copy_(torch.eye(channels))
+            self.fc.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(x).mean((2, 3)))
+
+
+def test_a_frozen_norm_over_statistics_spanning_decades() -> None:
+    model = SpreadStatistics().train()
+    model.bn.eval()
+    std, mean = model.bn.running_var.sqrt().numpy(), model.bn.running_mean.numpy()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 64, 4, 4)) * std[:, None, None] + mean[:, None, None]
+    x = x.astype(np.float32)
+    prog = mexc.compile(copy.deepcopy(model), (torch.from_numpy(x),))
+    logits = step_values(prog, x, np.arange(8))[prog.graph.output("logits")].dequantize()
+    want = model(_as_input(prog, x).float()).detach().numpy()
+    assert cosine(logits, want) > 0.995  # (x - mean) * inv, one part each: 0.96 at 3 decades
+
+
+class FrozenByTrain(FrozenNorms):
+    """Freezes its batch norms in train(), and prints itself: neither is traced."""
+
+    def train(self, mode: bool = True) -> FrozenByTrain:
+        super().train(mode)
+        if self.training:
+            self.bn.eval()
+        return self
+
+    def extra_repr(self) -> str:
+        return "frozen" if not self.training else ""
+
+
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    if not training:
+        return x
+    keep = x.new_empty(x.shape[0], 1).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
+class OwnDropPath(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + drop_path(x, 0.5, self.training))
+
+
+def test_the_warning_reads_what_forward_runs() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mexc.compile(FrozenByTrain().train(), (torch.from_numpy(_batch()[0]),))
+    with pytest.warns(UserWarning, match=r"OwnDropPath \(test_eval_mode_submodules.py:\d+\)"):
+        mexc.compile(OwnDropPath(), (torch.zeros(4, 16),))
+
+
+def test_the_fp32_baseline_trains_with_the_same_modes() -> None:
+    from mexc.fp32 import train_fp32
+
+    model, (x, y) = _frozen(), _batch()
+    mean = model.bn.running_mean.clone()
+    opt = mexc.SGD(lr=0.01, momentum=0.9)
+    train_fp32(model, (x, y), (x, y), opt, batch=4, seed=0, epochs=1)
+    assert torch.equal(model.bn.running_mean, mean) and not model.bn.training
