@@ -900,8 +900,16 @@ def trace(
     """symbolic_trace with source locations and a clear error for dynamic control flow; the
     submodules named in `in_eval_mode` (frontend_eval_modes.eval_submodules, read before the
     model was put in eval mode for tracing) run as torch runs them in eval mode."""
-    with _through_library_wraps():
-        gm = _trace(model, example)
+    own = set(model.__dict__)
+    try:
+        with _through_library_wraps():
+            gm = _trace(model, example)
+    finally:
+        # fx keeps each tensor the forward makes (a constant of a buffer) as an attribute of the
+        # traced module, the user's; the GraphModule holds its own reference
+        for name in set(model.__dict__) - own:
+            if name.startswith("_tensor_constant"):
+                del model.__dict__[name]
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
     return gm

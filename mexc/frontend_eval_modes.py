@@ -221,7 +221,7 @@ def _stem(gm: torch.fx.GraphModule, n: torch.fx.Node, mean: Any) -> str:
     path = str(n.target) if n.op == "call_module" else str(mean.target).rsplit(".", 1)[0]
     stem = base = path.replace(".", "_") + "_eval"
     k = 1
-    while hasattr(gm, f"{stem}_negated_mean"):
+    while any(hasattr(gm, f"{stem}_{part}") for part in ("inverse_std", "shift")):
         stem, k = f"{base}_{k}", k + 1
     return stem
 

@@ -647,7 +647,14 @@ define(
         frontend=(
             Pattern(
                 "module",
-                ("torch.nn.BatchNorm2d", "torch.nn.BatchNorm1d", "torch.nn.BatchNorm3d"),
+                # SyncBatchNorm: the whole batch's statistics, which mexc's batch norm takes
+                # in a data-parallel job too (docs/distributed.md)
+                (
+                    "torch.nn.BatchNorm2d",
+                    "torch.nn.BatchNorm1d",
+                    "torch.nn.BatchNorm3d",
+                    "torch.nn.SyncBatchNorm",
+                ),
                 _batchnorm_module,
             ),
             Pattern("function", ("torch.nn.functional.batch_norm",), _batchnorm_function),

@@ -348,3 +348,58 @@ def test_the_fp32_baseline_trains_with_the_same_modes() -> None:
     opt = mexc.SGD(lr=0.01, momentum=0.9)
     train_fp32(model, (x, y), (x, y), opt, batch=4, seed=0, epochs=1)
     assert torch.equal(model.bn.running_mean, mean) and not model.bn.training
+
+
+class LookAlikeNames(nn.Module):
+    """Two frozen norms whose paths differ only by a dot and an underscore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Module()
+        self.blk.bn_1 = nn.BatchNorm1d(2)
+        self.blk_bn = nn.Sequential(nn.Identity(), nn.BatchNorm1d(2))
+        with torch.no_grad():
+            self.blk.bn_1.running_var.fill_(9.0)
+            self.blk_bn[1].running_var.fill_(0.01)
+        self.fc = nn.Linear(2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blk_bn(self.blk.bn_1(x)))
+
+
+def test_frozen_norms_with_look_alike_names_keep_their_own_constants() -> None:
+    model = LookAlikeNames().train()
+    model.blk.bn_1.eval()
+    model.blk_bn.eval()
+    prog = mexc.compile(model, (torch.zeros(4, 2),))
+    inverse = sorted(
+        float(v.dequantize().ravel()[0])
+        for name, v in prog.state.items()
+        if name.endswith("inverse_std")
+    )
+    assert inverse == pytest.approx([1 / 3, 10.0], rel=0.01)
+
+
+class MadeFromABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+        self.register_buffer("scale", torch.full((10,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * torch.tensor(0.5) * self.scale
+
+
+def test_compile_adds_no_attribute_to_the_model() -> None:
+    model = MadeFromABuffer()
+    before = set(vars(model))
+    for _ in range(2):  # fx kept each traced tensor constant on the model, more every compile
+        mexc.compile(model, (torch.zeros(4, 16),))
+    assert set(vars(model)) == before
+
+
+def test_sync_batch_norm_is_the_whole_batch_s_batch_norm() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.SyncBatchNorm(8), nn.Flatten(), nn.LazyLinear(10))
+    x = torch.from_numpy(_batch()[0])
+    model(x)  # materialize the lazy layer
+    assert Op.BATCHNORM in _ops(mexc.compile(model, (x,)))
