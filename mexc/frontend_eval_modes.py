@@ -1,16 +1,16 @@
-"""Submodules a training model keeps in eval mode: what torch trains, mexc trains.
+"""Modules in eval mode where others train: what torch trains, mexc trains.
 
 Fine-tuning often freezes batch norms (`model.train(); model.backbone.apply(freeze_bn)`, or a
 `train()` override that calls `m.eval()` on them) or turns a dropout off. torch then normalizes
-those layers with their running statistics, leaves the statistics alone and does not drop. mexc
-traces a model in eval mode (tracing must not update running statistics), so the traced graph no
-longer says which submodules train. `eval_submodules` reads that before tracing; the trace is then
-rewritten so that, inside such a submodule:
+those layers with their running statistics, leaves the statistics alone and does not drop; each
+layer follows its own flag. mexc traces a model in eval mode (tracing must not update running
+statistics), so the traced graph no longer says which modules train. `eval_submodules` reads
+that before tracing; the trace is then rewritten so that, in a module in eval mode:
 
-- a batch norm (`nn.BatchNorm1d/2d/3d`, a subclass that keeps their forward, or `F.batch_norm`
-  on its buffers) is written out as torch computes it in eval mode, `(x - mean) * rsqrt(var +
-  eps) * weight + bias`, per channel: the statistics are constants of the program (folded on
-  the host, never updated), the weight and bias train as declared;
+- a batch norm (`nn.BatchNorm1d/2d/3d`, a subclass that keeps their forward, `SyncBatchNorm`,
+  or `F.batch_norm` on its buffers) is written out as torch computes it in eval mode, per
+  channel: the statistics are constants of the program (folded on the host, never updated), the
+  weight and bias train as declared (`_write_out_batchnorm`);
 - a dropout (`nn.Dropout`, `Dropout1d/2d/3d`, `AlphaDropout`, timm's `DropPath`, `F.dropout*`
   and torchvision's `stochastic_depth` given `training=self.training`) is the identity;
 - `nn.MultiheadAttention` and the recurrent layers drop nothing (their converters read
@@ -130,6 +130,8 @@ def _batchnorm_parts(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Parts | Non
     m = _module(gm, n)
     if m is not None:
         kept_forward = type(m).forward is nn.modules.batchnorm._BatchNorm.forward
+        # SyncBatchNorm's own forward is _BatchNorm's in eval mode
+        kept_forward = kept_forward or type(m) is nn.SyncBatchNorm
         if not (isinstance(m, nn.modules.batchnorm._BatchNorm) and kept_forward):
             return None
         if m.running_mean is None:

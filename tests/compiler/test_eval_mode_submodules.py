@@ -403,3 +403,5 @@ def test_sync_batch_norm_is_the_whole_batch_s_batch_norm() -> None:
     x = torch.from_numpy(_batch()[0])
     model(x)  # materialize the lazy layer
     assert Op.BATCHNORM in _ops(mexc.compile(model, (x,)))
+    model[1].eval()  # frozen: its own forward is _BatchNorm's in eval mode
+    assert Op.BATCHNORM not in _ops(mexc.compile(model, (x,)))
