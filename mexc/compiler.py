@@ -89,7 +89,8 @@ def initial_state(
         if n.op is Op.PARAM:
             p, b = params[name], 8 if name in constants else bits
             state[name] = quantize_channels(p, b) if channels else quantize(p, b)
-            _warn_if_flushed(name, p, state[name], b)
+            if name not in constants:  # mexc's own (never trained): its choice, not the model's
+                _warn_if_flushed(name, p, state[name], b)
         elif n.attrs.role in ZERO_START:
             groups = n.type.shape[0] if n.type.exp is Exp.AXIS0 else None
             e0 = ZERO_START[str(n.attrs.role)]
