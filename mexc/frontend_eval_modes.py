@@ -305,33 +305,32 @@ def _reads_of_training(cls: type) -> list[str]:
             continue
         done.add(name)
         f, where, offset = methods[name]
+        me = f.args.args[0].arg if f.args.args else "self"  # the instance, by any name
         for node in ast.walk(f):
-            if isinstance(node, ast.Call) and _is_self(node.func):
-                todo.append(node.func.attr)  # type: ignore[attr-defined]
-            if isinstance(node, (ast.stmt, ast.expr)) and _reads_training_here(node):
+            func = node.func if isinstance(node, ast.Call) else None
+            if isinstance(func, ast.Attribute) and _names(func.value, me):
+                todo.append(func.attr)
+            if isinstance(node, (ast.stmt, ast.expr)) and _reads_training_here(node, me):
                 out.append(f"{cls.__qualname__} ({where}:{offset + node.lineno})")
     return sorted(set(out), key=out.index)
 
 
-def _reads_training_here(node: ast.AST) -> bool:
+def _reads_training_here(node: ast.AST, me: str) -> bool:
+    """A branch on `me.training`, or `me.training` passed to a function mexc does not convert
+    by mode."""
     if isinstance(node, (ast.If, ast.IfExp, ast.While)):
-        return _reads_training(node.test)
+        return any(_is_training(a, me) for a in ast.walk(node.test))
     if isinstance(node, ast.Call):
-        callee = (
-            node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        )
+        func = node.func
+        callee = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         args = [*node.args, *(k.value for k in node.keywords)]
-        return callee not in _MODE_ARGUMENTS and any(_is_training(a) for a in args)
+        return callee not in _MODE_ARGUMENTS and any(_is_training(a, me) for a in args)
     return False
 
 
-def _is_self(e: ast.expr) -> bool:
-    return isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"
+def _names(e: ast.AST, me: str) -> bool:
+    return isinstance(e, ast.Name) and e.id == me
 
 
-def _is_training(e: ast.expr) -> bool:
-    return _is_self(e) and e.attr == "training"  # type: ignore[attr-defined]
-
-
-def _reads_training(test: ast.expr) -> bool:
-    return any(isinstance(a, ast.expr) and _is_training(a) for a in ast.walk(test))
+def _is_training(e: ast.AST, me: str) -> bool:
+    return isinstance(e, ast.Attribute) and e.attr == "training" and _names(e.value, me)

@@ -328,8 +328,8 @@ class OwnDropPath(nn.Module):
         super().__init__()
         self.fc = nn.Linear(16, 10)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x + drop_path(x, 0.5, self.training))
+    def forward(s, x: torch.Tensor) -> torch.Tensor:  # noqa: N805 - the instance by any name
+        return s.fc(x + drop_path(x, 0.5, s.training))
 
 
 def test_the_warning_reads_what_forward_runs() -> None:
