@@ -38,6 +38,7 @@ from mexc.ir import EVAL_NORM_WEIGHTS
 from mexc.kernels.quantize import quantize
 from mexc.numerics import CONTAINER_BITS
 from mexc.ops.common import IN_EVAL_MODE
+from mexc.ops.norm import batch_norm_arguments
 
 # GraphModule.meta key: the qualified names of the modules the traced forward called
 MODULES_CALLED = "mexc_modules_called"
@@ -143,8 +144,7 @@ def _batchnorm_parts(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Parts | Non
         return (x, f"{name}.running_mean", f"{name}.running_var", weight, bias, m.eps)
     if n.op != "call_function" or n.target is not F.batch_norm:
         return None
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
-    args = dict(zip((*names, "eps"), n.args)) | dict(n.kwargs)
+    args = batch_norm_arguments(n)
     if args.get("running_mean") is None or args.get("training"):
         return None
     return (
@@ -153,7 +153,7 @@ def _batchnorm_parts(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Parts | Non
         args["running_var"],
         args.get("weight"),
         args.get("bias"),
-        float(args.get("eps", 1e-5)),  # type: ignore[arg-type]
+        float(args.get("eps", 1e-5)),
     )
 
 

@@ -826,6 +826,13 @@ def row_count(shape: tuple[int, ...]) -> int:
     return int(shape[0]) if shape else 1
 
 
+def row_geometry(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, elements per row) of a weight's (shape[0], -1) reshape (weight_rows): the layout
+    its update kernels and channel exponents see."""
+    rows = row_count(shape)
+    return rows, int(np.prod(shape, dtype=np.int64)) // rows
+
+
 def weight_rows(w_acc: np.ndarray, w: np.ndarray) -> np.ndarray:
     """w_acc as the (shape[0], -1) rows of w: the rows channel exponents round, whatever the
     velocity's groups (one per tensor without per-group velocity)."""

@@ -36,7 +36,7 @@ from mexc.lowering.te_update import (
     update_buffers,
     update_kernels,
 )
-from mexc.numerics import ADAMW_SITES, EXP_TABLE, FixedScalar, row_count
+from mexc.numerics import ADAMW_SITES, EXP_TABLE, FixedScalar, row_geometry
 from mexc.optim import SGD, AdamW
 
 
@@ -190,9 +190,7 @@ class DenseRules(PlanBuilder):
 
     def update_groups(self, w: Value) -> tuple[int, int]:
         """(groups, rest) of parameter w: the layout its update kernels see, in C order."""
-        shape = self.shape(w)
-        rows = row_count(shape)
-        return rows, int(np.prod(shape, dtype=np.int64)) // rows
+        return row_geometry(self.shape(w))
 
     def update_spec(self, w: Value, momentum: FixedScalar, decay: FixedScalar) -> UpdateSpec:
         return UpdateSpec(

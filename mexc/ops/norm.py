@@ -206,13 +206,18 @@ def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, moment
     return as_result(c, n, y)
 
 
+def batch_norm_arguments(n: Any) -> dict[str, Any]:
+    """An F.batch_norm call's arguments by torch's names, positional or keyword."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
+    return dict(zip((*names, "eps"), n.args)) | dict(n.kwargs)
+
+
 def _batchnorm_function(c: Any, n: Any) -> Value:
     """F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps) on a
     module's buffers and parameters: timm's BatchNormAct2d, a BatchNorm2d subclass whose forward
     calls it. Its `training` argument is the traced (eval) one; like a BatchNorm2d module it
     normalizes with batch statistics in the step and running statistics in evaluation."""
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
-    args = dict(zip((*names, "eps"), n.args)) | dict(n.kwargs)
+    args = batch_norm_arguments(n)
     parts = [args.get(k) for k in ("running_mean", "running_var", "weight", "bias")]
     if not all(c.is_param(p) for p in parts):
         raise UnsupportedOpError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mexc.ir import Graph, Node
-from mexc.numerics import row_count
+from mexc.numerics import row_geometry
 from mexc.ops import op_def
 
 Geometry = tuple[int, int]  # (channels, elements per channel and sample); (0, 1): none
@@ -31,12 +31,6 @@ def result_geometry(shape: tuple[int, ...], last: bool) -> Geometry:
     if last:
         return (int(shape[-1]), 1)
     return (int(shape[1]), int(np.prod(shape[2:], dtype=np.int64)))
-
-
-def row_geometry(shape: tuple[int, ...]) -> Geometry:
-    """The rows of a weight's (shape[0], -1) reshape (numerics.weight_rows)."""
-    rows = row_count(shape)
-    return (rows, int(np.prod(shape, dtype=np.int64)) // rows)
 
 
 @dataclass
