@@ -129,7 +129,7 @@ def _instruments(args: argparse.Namespace) -> tuple[list[Any], Any]:
     if args.print_after_all:
         out.append(mexc.PrintAfterAll())
     if args.print_after:
-        names = [n.strip() for n in args.print_after.split(",") if n.strip()]
+        names = [n.strip() for arg in args.print_after for n in arg.split(",") if n.strip()]
         unknown = [n for n in names if n not in pass_names()]
         if unknown:
             raise CliError(f"--print-after names unknown pass(es) {unknown}; see `mexc passes`")
@@ -505,7 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch", type=_whole(1), default=128, help="batch size (default 128)")
     p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
-    p.add_argument("--print-after", metavar="P1,P2", help="print the IR after the named passes")
+    p.add_argument(
+        "--print-after",
+        metavar="P1,P2",
+        action="append",
+        help="print the IR after the named passes (repeatable)",
+    )
     p.add_argument(
         "--print-after-change",
         action="store_true",

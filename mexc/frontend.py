@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import keyword
 import operator
 import re
 import traceback
@@ -931,10 +932,30 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
         if traced is None:
             raise TraceError(_control_flow_message(model, err)) from None
         graph = traced
-    gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    try:
+        gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    except (SyntaxError, TypeError, AttributeError, RuntimeError) as err:
+        raise TraceError(_unbuildable_message(model, err)) from None
     gm.meta[MODULES_CALLED] = frozenset(getattr(tracer, "called", ()))
     _propagate(gm, model, example)
     return gm
+
+
+def _unbuildable_message(model: nn.Module, err: Exception) -> str:
+    """torch.fx traced the model but cannot turn the graph into a module: it writes Python
+    code that reads each submodule, parameter and buffer as an attribute (`self.<name>`)."""
+    taken = set(dir(torch.fx.GraphModule)) | set(keyword.kwlist)
+    names = [*dict(model.named_modules()), *dict(model.named_parameters())]
+    names += dict(model.named_buffers())
+    clashes = sorted({part for name in names for part in name.split(".") if part in taken})
+    named = f" ({', '.join(repr(c) for c in clashes)})" if clashes else ""
+    return (
+        f"{type(model).__name__} cannot be traced: torch.fx could not build Python code from "
+        f"its graph ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+        "torch.fx reads every submodule, parameter and buffer as an attribute, so a name that "
+        "is a Python keyword or an attribute of torch.fx.GraphModule (graph, code, forward) "
+        f"cannot be traced{named}: rename it"
+    )
 
 
 def _propagate(gm: torch.fx.GraphModule, model: nn.Module, example: torch.Tensor) -> None:

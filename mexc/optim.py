@@ -20,6 +20,22 @@ def is_count(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0
 
 
+def _set_floats(obj: object, names: tuple[str, ...], rule: str) -> None:
+    """Check that each named hyperparameter is a finite real >= 0 (a NumPy or 0-dim torch
+    scalar too; not a bool) and store it as a Python float: the IR header and checkpoints
+    carry them as plain numbers (repr of np.float64(0.05) would not parse back)."""
+    kind = type(obj).__name__
+    for name in names:
+        value = getattr(obj, name)
+        try:
+            number = float(value) if not isinstance(value, bool | str) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"{kind} {name} must be {rule}, got {value!r}")
+        object.__setattr__(obj, name, number)
+
+
 @dataclass(frozen=True)
 class Constant:
     def factor(self, step: int) -> float:
@@ -73,6 +89,8 @@ class Cosine:
             raise ValueError(f"Cosine total_steps must be a whole number >= 1, got {total!r}")
         if not is_count(warm):
             raise ValueError(f"Cosine warmup_steps must be a whole number >= 0, got {warm!r}")
+        object.__setattr__(self, "total_steps", int(total))
+        object.__setattr__(self, "warmup_steps", int(warm))
 
     def factor(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -108,10 +126,7 @@ class SGD:
     schedule: Schedule = field(default_factory=Constant)
 
     def __post_init__(self) -> None:
-        for name in ("lr", "momentum", "weight_decay"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"SGD {name} must be finite and >= 0, got {value}")
+        _set_floats(self, ("lr", "momentum", "weight_decay"), "finite and >= 0")
         if self.momentum >= 1:
             raise ValueError(f"SGD momentum must be < 1, got {self.momentum}")
 
@@ -154,10 +169,7 @@ class AdamW:
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
-        for name in ("lr", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{kind} {name} must be a finite number >= 0, got {value!r}")
+        _set_floats(self, ("lr", "eps", "weight_decay"), "a finite number >= 0")
         # the per-step scalars are fractions (numerics 12b): a rate of 1 or more, or a decay
         # that would remove the whole weight in one step, is a mistake
         if self.lr >= 1 or self.lr * self.weight_decay >= 1:

@@ -150,6 +150,8 @@ class _Line:
             self.pos += 1
             start, _, rest = t.text.partition("..")
             stop, _, step = rest.partition(":")
+            if step and int(step) == 0:
+                self.fail(f"range '{t.text}' has step 0")
             items.extend(range(int(start), int(stop), int(step or 1)))
             return
         items.append(self.attr_value())
@@ -161,6 +163,8 @@ class _Line:
             return items
         while True:
             key = self.name()
+            if any(key == k for k, _ in items):
+                self.fail(f"attribute '{key}' given twice")
             self.expect("=")
             items.append((key, self.attr_value()))
             if self.accept("}"):
@@ -218,8 +222,6 @@ def _parse_node(line: _Line) -> Node:
             if key not in SCHEMA[op]:
                 known = ", ".join(SCHEMA[op]) or "none"
                 line.fail(f"op {op.value} has no attribute '{key}' (it has: {known})")
-            if key in values:
-                line.fail(f"attribute '{key}' given twice")
             values[key] = v
     line.expect(":")
     types: list[TensorType] = []
@@ -283,4 +285,10 @@ def parse_graph(text: str) -> Graph:
             outputs = _parse_return(line)
         else:
             nodes.append(_parse_node(line))
-    return Graph(tuple(nodes), outputs or (), attrs or ())
+    if outputs is None:  # the printer always ends with it: a file cut short lacks it
+        raise ParseError(
+            "the text ends without its 'return {...}' line (the file is truncated, or is not "
+            "a whole graph)",
+            lineno,
+        )
+    return Graph(tuple(nodes), outputs, attrs or ())

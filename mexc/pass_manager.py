@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from mexc.errors import MexcError, PassError, VerificationError
+from mexc.errors import InputError, MexcError, PassError, VerificationError
 from mexc.ir import Graph
 from mexc.printer import print_graph
 from mexc.verify import verify
@@ -131,6 +131,12 @@ class DumpIR(Instrument):
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
+        blocked = next((p for p in (self.directory, *self.directory.parents) if p.is_file()), None)
+        if blocked is not None:  # refused before the pipeline runs, not at its first dump
+            raise InputError(
+                f"cannot dump IR into {directory}: {blocked} is a file (MEXC_DUMP_IR, "
+                "--dump-ir and DumpIR take a folder, created if needed); give a folder"
+            )
         self.count = 0
         self.written: list[Path] = []
 

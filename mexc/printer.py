@@ -45,7 +45,9 @@ def format_value(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "nan"
-        return repr(v)  # '1e-05', '0.5', 'inf', '-inf': always has '.', 'e' or is inf
+        # '1e-05', '0.5', 'inf', '-inf': always has '.', 'e' or is inf (float(): a NumPy
+        # scalar's own repr is 'np.float64(0.5)')
+        return repr(float(v))
     if isinstance(v, str):
         return format_string(v)
     if isinstance(v, tuple | list):

@@ -700,7 +700,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Program:
         opts = _checked_options(Options(**meta["options"]))
         if not is_count(meta["step"]) or not isinstance(meta["checksum"], str):
             raise ValueError(f"step {meta['step']!r} or checksum {meta['checksum']!r}")
-        state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if not k.endswith(".exp")}
+        # a state's mantissas are under its name, its exponents under name + ".exp": a name
+        # that itself ends in ".exp" (a parameter `self.exp`) is a state too
+        state = {k: MX.of(arrays[k], arrays[k + ".exp"]) for k in arrays if k + ".exp" in arrays}
         prog = Program(graph, state, opts, _optimizer_from_json(meta["optimizer"]), meta["step"])
     except CheckpointError:
         raise

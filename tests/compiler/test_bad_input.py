@@ -132,6 +132,24 @@ def test_data_dependent_control_flow() -> None:
         mexc.compile(DataDependent(), (torch.zeros(4, 1, 8, 8),))
 
 
+class NamedLike(nn.Module):
+    """A submodule whose name fx's generated code cannot read as `self.<name>`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.add_module(name, nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.name)(x.flatten(1))
+
+
+@pytest.mark.parametrize("name", ["return", "graph"])
+def test_a_submodule_named_like_a_keyword_or_graphmodule_attribute_is_named(name: str) -> None:
+    with pytest.raises(mexc.TraceError, match=rf"cannot be traced \('{name}'\): rename it"):
+        mexc.compile(NamedLike(name), (torch.zeros(4, 1, 8, 8),))
+
+
 class IteratesChunks(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -56,10 +56,10 @@ def test_compile_print_after_all_dump_and_timing(
     assert len(dumps) == len(PIPELINE) + 1 and dumps[0] == "00_input.mexir"
 
 
-def test_compile_print_after_named(capsys: pytest.CaptureFixture[str]) -> None:
+def test_compile_print_after_named_repeated(capsys: pytest.CaptureFixture[str]) -> None:
     args = [
         "compile", f"{MODELS}:MLP", "--input-shape", "1,8,8", "--batch", "4",
-        "--print-after", "fuse-products,plan-memory",
+        "--print-after", "fuse-products", "--print-after", "plan-memory",
     ]  # fmt: skip
     assert main(args) == 0
     headers = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("// ----- IR")]

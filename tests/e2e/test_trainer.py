@@ -263,3 +263,37 @@ def test_resuming_with_another_model_is_refused_before_training(
             other, train, test, epochs=EPOCHS, batch=BATCH, resume=_fresh(runs, tmp_path),
             progress=False,
         )  # fmt: skip
+
+
+class _NamedExp(torch.nn.Module):
+    """A parameter whose state name ends in ".exp", the suffix of exponents in a state dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+        self.exp = torch.nn.Parameter(torch.ones(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1)) * self.exp
+
+
+def test_numpy_hyperparameters_and_an_exp_named_parameter_survive_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """NumPy scalars as hyperparameters are stored as Python numbers (the IR header printed
+    np.float64(0.05), which did not parse back), and a parameter named `exp` is a state, not
+    the exponents of another (mexc.load called such checkpoints corrupt)."""
+    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(8) % 10
+    for opt in (
+        mexc.SGD(lr=np.float64(0.05), momentum=np.float32(0.5), weight_decay=np.float32(1e-4)),
+        mexc.AdamW(lr=np.float64(1e-3), schedule=mexc.Cosine(total_steps=np.int64(10))),
+    ):
+        assert all(type(getattr(opt, k)) is float for k in ("lr", "weight_decay"))
+        prog = mexc.compile(_NamedExp(), (x,), optimizer=opt, target="reference", seed=3)
+        prog.step(x, y)
+        prog.save(tmp_path / "p.mexc")
+        back = mexc.load(tmp_path / "p.mexc")
+        assert "exp" in back.state and back.state_checksum() == prog.state_checksum()
+        assert back.step(x, y) == prog.step(x, y)
+        assert back.state_checksum() == prog.state_checksum()

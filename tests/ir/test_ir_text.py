@@ -126,7 +126,13 @@ def graphs(draw: st.DrawFn) -> Graph:
         nodes.append(Node(node_id, op, tuple(inputs), types, ATTRS[op](**values), loc))
     refs = [Value(n.id, i) for n in nodes for i in range(len(n.types))]
     outputs = draw(st.lists(st.tuples(_names, st.sampled_from(refs)), max_size=4)) if refs else []
-    gattrs = draw(st.lists(st.tuples(_names, st.one_of(_scalars, st.tuples(_scalars))), max_size=3))
+    gattrs = draw(
+        st.lists(
+            st.tuples(_names, st.one_of(_scalars, st.tuples(_scalars))),
+            max_size=3,
+            unique_by=lambda kv: kv[0],
+        )
+    )
     return Graph(tuple(nodes), tuple(outputs), tuple(gattrs))
 
 
@@ -158,6 +164,10 @@ def test_round_trip(g: Graph) -> None:
         ("%0 = input : f32[2]\nreturn {a=%0}\n%1 = relu %0 : f32[2]", 3, "after the 'return"),
         ("%0 = input : f32[2]\nreturn {a=}", 2, "expected a value"),
         ("%0 = input : f32[2]\n// graph {bits=8}", 2, "must come first"),
+        ("// graph {bits=8, batch=4, bits=4}", 1, "attribute 'bits' given twice"),
+        ("%0 = input : f32[2]\n%1 = relu %0 : f32[2]\n", 3, "ends without its 'return"),
+        ("", 1, "ends without its 'return"),
+        ("%0 = gather_param {index=[0..4:0]} : f32[2]", 1, "has step 0"),
         ("// graph {bits=8, }", 1, "expected a name"),
         ('%0 = input {name="x} : f32[2]', 1, "unexpected character"),
         ("%0 = input : mx<i8,e=tensor[2]", 1, "expected"),

@@ -237,3 +237,12 @@ def test_invalid_input_graph_is_reported(sample: Graph) -> None:
     bad = dataclasses.replace(sample, outputs=(("x", Value(500)),))
     with pytest.raises(VerificationError, match="in the input graph"):
         _run(bad)
+
+
+def test_dump_ir_into_a_file_is_refused_before_the_pipeline(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    for where in (tmp_path / "afile", tmp_path / "afile" / "ir"):
+        with pytest.raises(InputError, match="afile is a file"):
+            DumpIR(where)
+        with pytest.raises(InputError, match="afile is a file"):
+            instruments_from_env({"MEXC_DUMP_IR": str(where)})
