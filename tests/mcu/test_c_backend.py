@@ -82,6 +82,20 @@ def test_host_c_target_is_bit_exact_with_reference(name: str) -> None:
     assert np.array_equal(c.predict(x), ref.predict(x))
 
 
+def test_two_programs_of_the_same_c_keep_their_own_state() -> None:
+    """Equal models build the same library; each program loads its own copy, whose static
+    state the other's steps do not touch (dlopen of one path shared them)."""
+    x, y = _data("MLP", 16)
+    refs = [_model("MLP", 8), _model("MLP", 8)]
+    cs = [_model("MLP", 8, target="c"), _model("MLP", 8, target="c")]
+    for _ in range(2):  # stepped in turn, each on its own half of the data
+        for k, (ref, c) in enumerate(zip(refs, cs)):
+            ref.step(x[8 * k : 8 * k + 8], y[8 * k : 8 * k + 8])
+            c.step(x[8 * k : 8 * k + 8], y[8 * k : 8 * k + 8])
+    assert refs[0].state_checksum() != refs[1].state_checksum()
+    assert [c.state_checksum() for c in cs] == [r.state_checksum() for r in refs]
+
+
 def test_unsupported_op_in_c_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 

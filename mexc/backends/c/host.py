@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +108,20 @@ def _compile_library(
         raise MexcError(f"building the C program failed:\n{res.stderr[-4000:]}")
 
 
+def _private_library(lib: Path) -> ctypes.CDLL:
+    """The library loaded for one program alone. Its state, arena and scratch are static
+    arrays, and dlopen returns the handle it already has for a path: two programs of the same
+    C (equal models, two loads of one checkpoint) would step one shared state. A copy under
+    its own name is a separate image; it is unlinked once loaded (the mapping stays)."""
+    fd, name = tempfile.mkstemp(prefix="mexc_c_", suffix=".so")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(lib.read_bytes())
+        return ctypes.CDLL(name)
+    finally:
+        os.unlink(name)
+
+
 class CProgram(Program):
     """A Program whose training step runs the generated C (host build, via ctypes).
 
@@ -120,7 +136,7 @@ class CProgram(Program):
         self.carry_memory_plan(base._plan)
         model = emit_model(base, steps_hint)
         self._static_bytes = model.static_bytes
-        self._lib = ctypes.CDLL(str(build_library(model)))
+        self._lib = _private_library(build_library(model))
         self._lib.mexc_model_step.restype = ctypes.c_int32
         self._lib.mexc_model_step.argtypes = [
             ctypes.c_uint32,
