@@ -44,6 +44,10 @@ class Constant:
     def describe(self) -> str:
         return "constant"
 
+    def constant_from(self) -> int:
+        """The first step from which the factor never changes."""
+        return 0
+
 
 @dataclass(frozen=True)
 class Step:
@@ -75,6 +79,9 @@ class Step:
     def describe(self) -> str:
         return f"step(milestones={list(self.milestones)},gamma={self.gamma})"
 
+    def constant_from(self) -> int:
+        return max(self.milestones, default=0)
+
 
 @dataclass(frozen=True)
 class Cosine:
@@ -101,6 +108,9 @@ class Cosine:
 
     def describe(self) -> str:
         return f"cosine(total={self.total_steps},warmup={self.warmup_steps})"
+
+    def constant_from(self) -> int:
+        return max(self.total_steps, self.warmup_steps + 1)  # 0 after the decay's span
 
 
 Schedule = Constant | Step | Cosine
@@ -154,6 +164,10 @@ class SGD:
     def step_scalars(self, step: int) -> tuple[FixedScalar, ...]:
         """The per-step integer scalars the update kernels read: (lr,)."""
         return (self.lr_at(step),)
+
+    def scalars_constant_from(self) -> int | None:
+        """The first step from which step_scalars never change (None: they keep changing)."""
+        return self.schedule.constant_from()
 
 
 @dataclass(frozen=True)
@@ -222,6 +236,10 @@ class AdamW:
 
     def lr_at(self, step: int) -> FixedScalar:
         return FixedScalar.of(self.rate(step))
+
+    def scalars_constant_from(self) -> int | None:
+        """None: the bias corrections change at every step (they only tend to 1)."""
+        return None
 
     def l2(self) -> FixedScalar:
         """The coupled (L2) decay of step 1b: none for AdamW (its decay is decoupled)."""

@@ -102,6 +102,40 @@ def _attr_values(n: Node, cx: VerifyContext) -> str | None:
     return None
 
 
+def _kind_of(v: object) -> str:
+    """An attribute value's kind, as the text form writes it."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int | float):
+        return "number" if isinstance(v, float) else "int"
+    return "str" if isinstance(v, str) else "list"
+
+
+def _attr_kinds(n: Node, cx: VerifyContext) -> str | None:
+    """Each attribute holds the kind of its default in the registry (an int where the op
+    counts, a number where a float is allowed); a default of None allows any kind."""
+    for name, default in op_def(n.op).attrs.items():
+        want, v = _kind_of(default), getattr(n.attrs, name)
+        got = _kind_of(v)
+        if default is None or got == want or (want == "number" and got == "int"):
+            continue
+        if want == "int" and got == "none" and name == "shift_cap":
+            continue  # assigned by assign-shift-caps (rule shift-cap)
+        return f"attribute {name}={v!r} is a {got}; {n.op.value} takes a {want} there."
+    return None
+
+
+def _bits_agree(n: Node, cx: VerifyContext) -> str | None:
+    """A node's `bits` is the program's (backends read the program's, the reference the
+    node's: a node of its own width would run differently on each)."""
+    bits, program = getattr(n.attrs, "bits", None), cx.graph.attr("bits")
+    if bits is None or program is None or bits == program:
+        return None
+    return f"attribute bits={bits!r}, but the program's bits (graph header) are {program!r}."
+
+
 def _boundary_no_inputs(n: Node, cx: VerifyContext) -> str | None:
     if n.op in BOUNDARY_OPS and n.inputs:
         return f"boundary op {n.op.value} must not have inputs."
@@ -154,6 +188,8 @@ NODE_RULES: list[tuple[str, NodeCheck]] = [
     ("inputs-defined-earlier", _inputs_defined_earlier),
     ("attrs-class", _attrs_class),
     ("attr-values", _attr_values),
+    ("attr-kinds", _attr_kinds),
+    ("bits-agree", _bits_agree),
     ("boundary-no-inputs", _boundary_no_inputs),
     ("integer-only", _integer_only),
     ("shift-cap", _shift_cap_assigned),
@@ -185,9 +221,18 @@ def _output_names_unique(cx: VerifyContext) -> tuple[Node | None, str] | None:
     return None
 
 
+def _graph_attrs_unique(cx: VerifyContext) -> tuple[Node | None, str] | None:
+    names = [k for k, _ in cx.graph.attrs]
+    twice = sorted({k for k in names if names.count(k) > 1})
+    if twice:
+        return None, f"graph attribute(s) {twice} given twice."
+    return None
+
+
 GRAPH_RULES: list[tuple[str, GraphCheck]] = [
     ("outputs-exist", _outputs_exist),
     ("output-names-unique", _output_names_unique),
+    ("graph-attrs-unique", _graph_attrs_unique),
 ]
 
 

@@ -185,3 +185,17 @@ def test_parse_errors_name_the_line(text: str, line: int, words: str) -> None:
 def test_parse_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         parse_graph("%0 = nope : f32[2]")
+
+
+def test_the_example_of_docs_ir_md_is_printer_output() -> None:
+    """docs/ir.md's example is text the printer writes (its first code block, a fixed point of
+    parse and print), and verifies as an integer program."""
+    from pathlib import Path
+
+    from mexc.verify import verify
+
+    doc = (Path(__file__).parents[2] / "docs" / "ir.md").read_text()
+    block = doc.split("```\n", 2)[1]
+    g = parse_graph(block)
+    assert print_graph(g) == block
+    verify(g, integer_only=True, caps_assigned=True)

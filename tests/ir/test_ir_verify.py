@@ -58,6 +58,18 @@ CASES: list[tuple[str, Breaker, int | None, str]] = [
         0,
         "NaN",
     ),
+    (
+        "attr-kinds",
+        lambda g: _replace_node(g, 3, attrs=ATTRS[Op.QUANTIZE](bits="eight")),
+        3,
+        "bits='eight' is a str; quantize takes a int",
+    ),
+    (
+        "bits-agree",
+        lambda g: _replace_node(g, 3, attrs=ATTRS[Op.QUANTIZE](bits=5)),
+        3,
+        "program's bits (graph header) are 8",
+    ),
     ("boundary-no-inputs", lambda g: _replace_node(g, 2, inputs=(Value(0),)), 2, "param"),
     (
         "shift-cap",
@@ -82,6 +94,12 @@ CASES: list[tuple[str, Breaker, int | None, str]] = [
         lambda g: dataclasses.replace(g, outputs=(("a", Value(5)), ("a", Value(4)))),
         None,
         "used twice",
+    ),
+    (
+        "graph-attrs-unique",
+        lambda g: dataclasses.replace(g, attrs=(("bits", 8), ("batch", 4), ("batch", 2))),
+        None,
+        "['batch'] given twice",
     ),
 ]
 

@@ -25,8 +25,8 @@ from mexc.pass_manager import (
 from mexc.types import f32
 
 
-def _bump_bits(g: Graph, ctx: PassContext) -> Graph:
-    return g.with_attrs(bits=ctx.bits + 1)
+def _mark_stage(g: Graph, ctx: PassContext) -> Graph:
+    return g.with_attrs(stage=ctx.bits + 1)
 
 
 def _identity(g: Graph, ctx: PassContext) -> Graph:
@@ -50,7 +50,7 @@ def _drop_cap(g: Graph, ctx: PassContext) -> Graph:
     return dataclasses.replace(g, nodes=nodes)
 
 
-BUMP = Pass("bump-bits", _bump_bits, "sets graph attr bits")
+BUMP = Pass("mark-stage", _mark_stage, "sets graph attr stage")
 SAME = Pass("identity", _identity, "changes nothing")
 PIPE = [BUMP, SAME]
 
@@ -62,7 +62,7 @@ def _run(sample: Graph, *instruments: object, passes: list[Pass] = PIPE, **kw: o
 
 def test_runs_passes_in_order(sample: Graph) -> None:
     out = _run(sample)
-    assert out.attr("bits") == 9
+    assert out.attr("stage") == 9
 
 
 def test_print_after_all_has_one_header_per_pass(sample: Graph) -> None:
@@ -70,11 +70,11 @@ def test_print_after_all_has_one_header_per_pass(sample: Graph) -> None:
     _run(sample, PrintAfterAll(buf))
     text = buf.getvalue()
     assert text.count("// ----- IR after ") == 2
-    assert "// ----- IR after bump-bits -----\n// graph {" in text
+    assert "// ----- IR after mark-stage -----\n// graph {" in text
     assert "// ----- IR after identity -----" in text
     # each section parses back
     sections = text.split("// ----- IR after ")[1:]
-    assert all(parse_graph("// " + s).attr("bits") == 9 for s in sections)
+    assert all(parse_graph("// " + s).attr("stage") == 9 for s in sections)
 
 
 def test_print_after_all_defaults_to_stdout(
@@ -99,7 +99,7 @@ def test_print_after_unknown_pass_warns(sample: Graph) -> None:
 def test_print_after_change_skips_unchanged(sample: Graph) -> None:
     buf = io.StringIO()
     _run(sample, PrintAfterChange(buf))
-    assert "IR after bump-bits" in buf.getvalue()
+    assert "IR after mark-stage" in buf.getvalue()
     assert "IR after identity" not in buf.getvalue()
 
 
@@ -107,13 +107,13 @@ def test_dump_ir_writes_files_that_parse(sample: Graph, tmp_path: Path) -> None:
     dump = DumpIR(tmp_path / "ir")
     out = _run(sample, dump)
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
-    assert names == ["00_input.mexir", "01_bump-bits.mexir", "02_identity.mexir"]
+    assert names == ["00_input.mexir", "01_mark-stage.mexir", "02_identity.mexir"]
     assert parse_graph((tmp_path / "ir" / "00_input.mexir").read_text()) == sample
     assert parse_graph((tmp_path / "ir" / "02_identity.mexir").read_text()) == out
     assert (
-        (tmp_path / "ir" / "01_bump-bits.mexir")
+        (tmp_path / "ir" / "01_mark-stage.mexir")
         .read_text()
-        .startswith("// ----- IR after bump-bits -----\n")
+        .startswith("// ----- IR after mark-stage -----\n")
     )
 
 
@@ -121,10 +121,10 @@ def test_timing_reports_each_pass(sample: Graph) -> None:
     buf = io.StringIO()
     timing = Timing(buf)
     _run(sample, timing)
-    assert set(timing.seconds) == {"bump-bits", "identity"}
+    assert set(timing.seconds) == {"mark-stage", "identity"}
     assert all(s >= 0 for s in timing.seconds.values())
     report = timing.report()
-    assert "bump-bits" in report and "identity" in report and "total" in report
+    assert "mark-stage" in report and "identity" in report and "total" in report
     assert buf.getvalue() == report
 
 
@@ -146,7 +146,7 @@ def test_instruments_from_env(tmp_path: Path) -> None:
 def test_env_instruments_print_to_stderr(
     sample: Graph, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("MEXC_PRINT_IR_AFTER", "bump-bits")
+    monkeypatch.setenv("MEXC_PRINT_IR_AFTER", "mark-stage")
     monkeypatch.setenv("MEXC_TIME_PASSES", "1")
     _run(sample, *instruments_from_env())
     err = capsys.readouterr().err
@@ -163,7 +163,7 @@ def test_crashing_pass_gives_pass_error_with_reproducer(sample: Graph, tmp_path:
     assert isinstance(e.__cause__, ZeroDivisionError)
     text = Path(e.reproducer).read_text()
     assert "pass 'crash'" in text
-    assert parse_graph(text) == sample.with_attrs(bits=9)  # the crashing pass's input
+    assert parse_graph(text) == sample.with_attrs(stage=9)  # the crashing pass's input
 
 
 def test_reproducer_defaults_to_a_temp_dir(sample: Graph) -> None:
@@ -203,7 +203,7 @@ def test_broken_output_names_the_pass(sample: Graph, tmp_path: Path) -> None:
     e = info.value
     assert e.stage == "dangle" and e.reproducer is not None
     assert "after pass 'dangle'" in str(e) and e.reproducer in str(e)
-    assert parse_graph(Path(e.reproducer).read_text()) == sample.with_attrs(bits=9)
+    assert parse_graph(Path(e.reproducer).read_text()) == sample.with_attrs(stage=9)
 
 
 def test_verify_each_off_skips_verification(sample: Graph) -> None:

@@ -342,3 +342,86 @@ def test_ram_budgets(digits_project: tuple[Path, str], fashion_project: tuple[Pa
         sizes = measure(project, "cortex-m3")
         assert 0 < sizes.stack < 4096
         assert sizes.ram <= budget, (project, sizes)
+
+
+class _NormsAndDropout(torch.nn.Module):
+    """Statics beside the arena: a LayerNorm's and a batch norm's saved statistics, a dropout
+    mask, and under last:1 a frozen LayerNorm's xhat and a mask nothing reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc1 = torch.nn.Linear(4 * 8 * 8, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.drop = torch.nn.Dropout(0.1)
+        self.fc2 = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        return self.fc2(self.drop(torch.relu(self.ln(self.fc1(h)))))
+
+
+@needs_arm
+@pytest.mark.parametrize("trainable", [None, "last:1"])
+def test_reported_static_ram_is_what_the_mcu_image_declares(
+    trainable: str | None, tmp_path: Path
+) -> None:
+    """memory_report's bytes of target="c" against the .data + .bss of model.c compiled for a
+    Cortex-M3 (the kernels' own statics were missing from the report)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 1, 8, 8)
+    prog = mexc.compile(_NormsAndDropout(), (x,), target="c", trainable=trainable)
+    project = mexc.export(prog, tmp_path / "p", data=(x.numpy(), np.arange(4)), steps=1)
+    obj = tmp_path / "model.o"
+    subprocess.run(
+        ["arm-none-eabi-gcc", "-mcpu=cortex-m3", "-mthumb", "-O2", "-ffreestanding",
+         f"-I{project}", f"-I{project / 'runtime'}", "-c", str(project / "model.c"),
+         "-o", str(obj)],
+        check=True,
+    )  # fmt: skip
+    symbols = subprocess.run(
+        ["arm-none-eabi-nm", "-S", str(obj)], capture_output=True, text=True, check=True
+    ).stdout
+    rows = [line.split() for line in symbols.splitlines()]
+    # the symbols' own sizes: the sections add a few bytes of alignment between int8 arrays
+    ram = sum(int(r[1], 16) for r in rows if len(r) == 4 and r[2] in "bBdD")
+    assert prog.allocated_bytes()["host"] == ram
+
+
+def _mlp(opt: mexc.SGD | mexc.AdamW) -> mexc.Program:
+    torch.manual_seed(0)
+    cls, shape = EXAMPLES["MLP"]
+    return mexc.compile(cls(), (torch.zeros(8, *shape),), optimizer=opt, target="reference")
+
+
+@pytest.mark.parametrize(
+    ("opt", "exact"),
+    [
+        (mexc.AdamW(lr=1e-3), False),  # its bias corrections change at every step
+        (mexc.SGD(lr=0.05, schedule=mexc.Cosine(total_steps=5)), False),  # still decaying
+        (mexc.SGD(lr=0.05, schedule=mexc.Step(milestones=(2,), gamma=0.5)), True),
+    ],
+)
+def test_a_step_past_the_rate_table_is_refused_unless_the_table_holds_there(
+    opt: mexc.SGD | mexc.AdamW, exact: bool
+) -> None:
+    """A device caller may step past the steps it exported: the step takes the table's last
+    scalars only where the schedule is constant from there, and otherwise returns
+    MEXC_PAST_TABLE with the state unchanged (it took the last entry's, silently)."""
+    from mexc.backends.c.host import CProgram
+
+    x, y = _data("MLP", 8)
+    ref = _mlp(opt)
+    c = CProgram(_mlp(opt), steps_hint=3)
+    xm, xe = c.boundary(np.asarray(x, np.float32))
+    ys = np.ascontiguousarray(y, np.int32)
+    for k in range(4):
+        before = c.state_checksum()
+        loss = c._lib.mexc_model_step(k, xm.ctypes.data, xe, ys.ctypes.data)
+        c._pull_state()
+        if k < 3 or exact:
+            ref.step(x, y)
+            assert loss != -(2**31) + 1 and c.state_checksum() == ref.state_checksum()
+        else:
+            assert loss == -(2**31) + 1 and c.state_checksum() == before

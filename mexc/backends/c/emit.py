@@ -1302,6 +1302,31 @@ def _mean_tokens_grad(e: _Emit, n: Node) -> None:
     e.emit(f"{edx} = mexc_mean_axis_backward({b}, {t}, {d}, {dy}, {ed}, {dx}, &ctx, {_tid(n)}u);")
 
 
+# RAM bytes of the types the generated statics declare, on the 32-bit MCU ABI (pointers and
+# int32 fields of 4 bytes: mexc_kernels.h's saved-statistics structs)
+_RAM_BYTES = {
+    "int8_t": 1,
+    "uint8_t": 1,
+    "int16_t": 2,
+    "int32_t": 4,
+    "uint32_t": 4,
+    "mexc_bn_saved_t": 40,
+    "mexc_ln_saved_t": 24,
+}
+_STATIC = re.compile(r"static (const )?(\w+) (\w+)(?:\[(\d+)\])?\s*(=|;)")
+
+
+def ram_bytes(declarations: list[str]) -> int:
+    """RAM of the generated statics: every `static T name[n]` that is not const (a const one,
+    a table, is flash on an MCU)."""
+    total = 0
+    for text in declarations:
+        for const, ctype, _, count, _ in _STATIC.findall(text):
+            if not const:
+                total += _RAM_BYTES[ctype] * int(count or 1)
+    return total
+
+
 @dataclass(frozen=True)
 class CModel:
     source: str  # model.c
@@ -1313,12 +1338,22 @@ class CModel:
     kernels_source: str = ""  # kernels.c: the product loops, generated from TVM TIR
     kernels_header: str = ""  # kernels.h
     channel_bytes: int = 0  # channel exponents' per-channel maxima and shifts (channels.py)
+    # the kernels' own statics: saved norm statistics, a dropout mask nothing reads, a frozen
+    # norm's scratch (ram_bytes of the statics the emitter added)
+    kernel_static_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
-        """RAM of the generated step's static arrays: arena, scratch, state and channel tables
-        (the state's initial values are const data, in flash on an MCU)."""
-        return self.arena_bytes + 4 * self.scratch_words + self.state_bytes + self.channel_bytes
+        """RAM of the generated step's static arrays: arena, scratch, state, channel tables and
+        the kernels' statics (the state's initial values and the tables are const data, in
+        flash on an MCU)."""
+        return (
+            self.arena_bytes
+            + 4 * self.scratch_words
+            + self.state_bytes
+            + self.channel_bytes
+            + self.kernel_static_bytes
+        )
 
 
 def _state_decls(prog: Program) -> tuple[list[str], list[str], int]:
@@ -1386,6 +1421,26 @@ def _lr_table(prog: Program, steps: int) -> str:
         tables.append(_array("int32_t", f"{name}_num", np.array([s[i].num for s in per_step])))
         tables.append(_array("int32_t", f"{name}_shift", np.array([s[i].shift for s in per_step])))
     return "\n".join([*tables, f"#define LR_STEPS {steps}u"])
+
+
+def table_is_exact_past_its_end(prog: Program, steps: int) -> bool:
+    """Whether the table's last entry holds for every later step (a schedule constant from
+    there: SGD's after its last milestone or cosine decay); AdamW's bias corrections change at
+    every step, so a step past its table has no scalars."""
+    constant = prog.optimizer.scalars_constant_from()
+    return constant is not None and constant < steps
+
+
+# mexc_model_step's result where step lies past its table of per-step scalars and the table's
+# last entry is not the scalars of later steps: the state is unchanged
+PAST_TABLE = "(-2147483647)"
+
+
+def _table_index(prog: Program, steps: int) -> list[str]:
+    """mexc_model_step's line choosing the table entry k of `step`."""
+    if table_is_exact_past_its_end(prog, steps):
+        return ["    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u; /* constant past it */"]
+    return ["    if (step >= LR_STEPS) return MEXC_PAST_TABLE;", "    uint32_t k = step;"]
 
 
 # mexc_model_step's result where x holds an id outside the vocabulary (INT32_MIN: no loss in
@@ -1534,7 +1589,7 @@ def emit_model(prog: Program, steps: int) -> CModel:
             if fctx
             else []
         ),
-        "    uint32_t k = step < LR_STEPS ? step : LR_STEPS - 1u;",
+        *_table_index(prog, steps),
         *_ids_check(prog),
         *_update_config(prog, stochastic),
         "    int32_t loss = 0;",
@@ -1582,6 +1637,15 @@ def emit_model(prog: Program, steps: int) -> CModel:
                 else ". */"
             ),
             *([f"#define MEXC_BAD_IDS {BAD_IDS}"] if prog.vocab else []),
+            "/* steps whose learning rate (and AdamW's corrections) the program holds: "
+            + (
+                "later steps take the last, the schedule being constant from there */"
+                if table_is_exact_past_its_end(prog, steps)
+                else "a later step returns MEXC_PAST_TABLE, the state unchanged (export with "
+                "more steps) */"
+            ),
+            f"#define MEXC_LR_STEPS {steps}u",
+            f"#define MEXC_PAST_TABLE {PAST_TABLE}",
             f"int32_t mexc_model_step(uint32_t step, const {x_type} *x, int32_t x_e,",
             "                        const int32_t *y);",
             "uint64_t mexc_model_checksum(void);",
@@ -1605,4 +1669,5 @@ def emit_model(prog: Program, steps: int) -> CModel:
         kernels_c,
         kernels_h,
         channel_bytes,
+        ram_bytes(e.statics),
     )
