@@ -214,8 +214,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         instruments=instruments,
         channel_exponents=args.channel_exponents,
     )
-    if args.out:
-        _export(prog, args)
+    ram = _export(prog, args) if args.out else None
     mem = prog.memory_report()
     ratio = mem["formula_int_bytes"] / max(mem["formula_fp32_bytes"], 1)
     print(f"// ----- summary: {name} -----")
@@ -236,16 +235,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"planned: arena   {_kib(mem['planned_arena_bytes'])}")
     print(f"formula int      {_kib(mem['formula_int_bytes'])}")
     print(f"formula FP32     {_kib(mem['formula_fp32_bytes'])}  (int/FP32 = {ratio:.3f}, formula)")
+    if ram is not None:
+        print(f"board RAM        {ram}")
+        if ram.startswith("DOES NOT FIT"):
+            return 1
     return 0
 
 
-def _export(prog: Any, args: argparse.Namespace) -> None:
-    """--out DIR: write the standalone C training project (--target c) or the CUDA artifact."""
+def _export(prog: Any, args: argparse.Namespace) -> str | None:
+    """--out DIR: write the standalone C training project (--target c) or the CUDA artifact.
+    For a C project on an MCU board, whether its image fits the board's RAM (the summary's
+    "board RAM" line), where arm-none-eabi-gcc is installed to build it."""
     from mexc.data import get_dataset
 
     if args.target == "cuda":
         _export_cuda(prog, args)
-        return
+        return None
     if args.target != "c":
         raise CliError("--out writes a C project (--target c) or a CUDA artifact (--target cuda)")
     x, y = get_dataset(args.train_data, "train")
@@ -255,13 +260,21 @@ def _export(prog: Any, args: argparse.Namespace) -> None:
             f"--train-data {args.train_data} has inputs of shape {list(x.shape[1:])}, "
             f"the model was compiled for {list(prog.input_shape)}"
         )
-    from mexc.backends.c.project import export
+    from mexc.backends.c.project import MCU_BOARDS, check_ram, export
 
     out = export(prog, args.out, data=(x[:want], y[:want]), steps=args.steps, board=args.board)
     print(
         f"C project written to {out} ({args.steps} steps over {want} embedded samples); "
         f"build and run with: make -C {out} run-qemu   (or: make -C {out} run-host)"
     )
+    if args.board not in MCU_BOARDS:
+        return None
+    check = check_ram(out)
+    if check is None:
+        return f"not checked (no arm-none-eabi-gcc); `make -C {out} mcu` checks it"
+    if not check.fits:
+        return f"DOES NOT FIT {args.board} (`make mcu` refuses the image): {check.text}"
+    return f"fits {args.board}: {check.text}"
 
 
 def _export_cuda(prog: Any, args: argparse.Namespace) -> None:

@@ -456,28 +456,38 @@ def _grad_weight_row_padded(name: str, g: ConvGeom) -> tirx.PrimFunc:
     dw = te.compute((g.cg, g.kh, g.kw), total, name="acc")
     sch = s_tir.Schedule(prim_func([dy, x, row, dw], name))
     blk = sch.get_sblock("acc")
-    cw, i, j = sch.get_loops(blk)[:3]
-    n = sch.get_loops(blk)[3] if g.n > 1 else None
+    # the sample loop: TVM keeps it for one sample too (extent 1), but do not count on it
+    cw, i, j, *rest = sch.get_loops(blk)
+    n = rest[0] if rest else None
     if n is not None:
         sch.reorder(n, cw, i, j)
         sch.decompose_reduction(blk, n)
-    inner = j
     quads = None
     for part in ("part", "part_rest"):
         if not has_block(sch, part):
             continue
         pb = sch.get_sblock(part)
-        sch.compute_at(pb, inner)
-        loops = sch.get_loops(pb)
+        sch.compute_at(pb, j)
         if part == "part":
-            outer, quads = sch.split(loops[-1], [None, 4])
-            sch.decompose_reduction(pb, sch.get_loops(pb)[len(sch.get_loops(blk))])
-        elif len(loops) > len(sch.get_loops(blk)):
-            sch.decompose_reduction(pb, loops[len(sch.get_loops(blk))])
+            sch.split(sch.get_loops(pb)[-1], [None, 4])
+            quads = sch.get_loops(pb)[-1]
+        # its own loops, below j (where the row loop of one input plane was not dropped)
+        own = sch.get_loops(pb)[_depth(sch, pb, j) :]
+        if own:
+            sch.decompose_reduction(pb, own[0])
     sch.compute_at(sch.get_sblock("col"), n if n is not None else cw)
     if quads is not None:
         sch.tensorize(quads, DOT4)
     return sch.mod["main"]
+
+
+def _depth(sch: s_tir.Schedule, blk: Any, loop: Any) -> int:
+    """How many of `blk`'s loops enclose it down to `loop` included."""
+    target = sch.get(loop)
+    for k, lp in enumerate(sch.get_loops(blk)):
+        if sch.get(lp).same_as(target):
+            return k + 1
+    raise ValueError("the loop does not enclose the block")
 
 
 def _dot_grad_weight(g: ConvGeom) -> bool:
@@ -604,8 +614,9 @@ def _grad_weight_dot(name: str, g: ConvGeom) -> tirx.PrimFunc:
     dw = te.compute(g.w_shape, total, name="acc")
     sch = s_tir.Schedule(prim_func([dy, x, dw], name))
     blk = sch.get_sblock("acc")
-    o, c, i, j = sch.get_loops(blk)[:4]
-    n = sch.get_loops(blk)[4] if g.n > 1 else None
+    # the sample loop: TVM keeps it for one sample too (extent 1), but do not count on it
+    o, c, i, j, *rest = sch.get_loops(blk)
+    n = rest[0] if rest else None
     if n is not None:
         sch.reorder(c, i, j, n, o)
         sch.decompose_reduction(blk, n)
@@ -617,12 +628,12 @@ def _grad_weight_dot(name: str, g: ConvGeom) -> tirx.PrimFunc:
             continue
         pb = sch.get_sblock(part)
         sch.compute_at(pb, o)
-        loops = sch.get_loops(pb)
         if part == "part":
-            outer, quads = sch.split(loops[-1], [None, 4])
-            sch.decompose_reduction(pb, outer)
-        elif sch.get(loops[-1]).extent.value > 1 and len(loops) > len(sch.get_loops(blk)):
-            sch.decompose_reduction(pb, loops[-1])
+            sch.split(sch.get_loops(pb)[-1], [None, 4])
+            quads = sch.get_loops(pb)[-1]
+        own = sch.get_loops(pb)[_depth(sch, pb, o) :]  # none for a rest of one term
+        if own:
+            sch.decompose_reduction(pb, own[0])
     cb = sch.get_sblock("col")
     sch.compute_at(cb, n if n is not None else j)
     sch.split(sch.get_loops(cb)[-1], [g.oh, g.ow])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +225,48 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mexc", *args], cwd=ROOT, capture_output=True, text=True, env=env
     )
+
+
+WIDE_MLP = """
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Wide(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class Fits(Wide):
+    def __init__(self):
+        super().__init__(760)
+
+
+class Over(Wide):  # .data + .bss fit the STM32F405's 128 KB, with the stack 684 B over
+    def __init__(self):
+        super().__init__(766)
+"""
+
+
+@pytest.mark.skipif(
+    not (shutil.which("arm-none-eabi-gcc") and shutil.which("make")), reason="no arm-none-eabi-gcc"
+)
+def test_compile_to_a_board_says_whether_the_image_fits_its_ram(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "wide.py"
+    model.write_text(WIDE_MLP)
+    args = ["--input-shape", "1,8,8", "--batch", "4", "--target", "c", "--board", "netduinoplus2"]
+    args += ["--train-data", "digits", "--steps", "2"]
+    for name, code, says in (("Fits", 0, "fits netduinoplus2: RAM: "), ("Over", 1, "DOES NOT FIT")):
+        assert main(["compile", f"{model}:{name}", *args, "--out", str(tmp_path / name)]) == code
+        (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("board RAM")]
+        assert says in line and "stack bound" in line, line
+    assert " B over" in line and not (tmp_path / "Over" / "train_cortex-m4.elf").exists()
 
 
 def test_unsupported_op_exits_2_without_traceback(tmp_path: Path) -> None:

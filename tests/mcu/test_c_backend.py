@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import mexc
-from mexc.backends.c.mcu_sizes import measure
-from mexc.backends.c.project import ICOUNT_SHIFT, MCU_BOARDS
+from mexc.backends.c.mcu_sizes import STACK_MARGIN, measure
+from mexc.backends.c.project import ICOUNT_SHIFT, MCU_BOARDS, check_ram
 from mexc.data import load_digits, load_fashion_mnist
 from tests.compiler.helpers import EXAMPLES
 
@@ -330,6 +330,77 @@ def test_no_float_anywhere(cpu: str, digits_project: tuple[Path, str]) -> None:
         ["arm-none-eabi-readelf", "-A", str(elf)], capture_output=True, text=True, check=True
     ).stdout
     assert "Tag_FP_arch" not in attrs
+
+
+class _TinyMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _tiny_project(out: Path, board: str, **kw: object) -> tuple[Path, str]:
+    """A 16-8-4 MLP at batch 2 exported for `board`, and its reference STATE after 2 steps."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 16)).astype(np.float32), rng.integers(0, 4, 4)
+    torch.manual_seed(0)
+    prog = mexc.compile(_TinyMLP(), (torch.tensor(x[:2]),), seed=0, **kw)  # type: ignore[arg-type]
+    project = mexc.export(prog, out, data=(x, y), steps=2, board=board)
+    prog.replay((x, y), 2)
+    return project, prog.state_checksum()
+
+
+@needs_qemu
+@pytest.mark.mcu
+def test_cortex_m0_links_the_memcpy_gcc_calls(tmp_path: Path) -> None:
+    """GCC lowers a struct copy (AdamW below 8 bits: `mexc_ctx_t fctx = ctx;`) to a memcpy call
+    on ARMv6-M even under -ffreestanding -fno-builtin; the board startup defines memcpy,
+    memset and memmove for the -nostdlib image. The Cortex-M0 image (run on QEMU's
+    Cortex-M3, a superset) and the host build (libc's) end at the reference's STATE."""
+    project, state = _tiny_project(tmp_path, "mps2-an385", optimizer=mexc.AdamW(lr=1e-2), bits=4)
+    assert "mexc_ctx_t fctx = ctx;" in (project / "model.c").read_text()
+    out = _make(project, "run-qemu", CPU="cortex-m0", QEMU_CPU="cortex-m3")
+    assert _state_line(out) == state
+    symbols = _symbols(project / "train_cortex-m0.elf")
+    assert re.search(r" T memcpy$", symbols, re.M) and not SOFT_FLOAT.findall(symbols)
+    assert _state_line(_make(project, "run-host")) == state
+
+
+@needs_arm
+@pytest.mark.mcu
+def test_mcu_build_refuses_an_image_whose_stack_does_not_fit(tmp_path: Path) -> None:
+    """`make mcu` checks .data + .bss + the call graph's stack bound + STACK_MARGIN (the
+    exception frame) against the board's RAM (runtime/board/ram_check.awk): at the boundary,
+    moved with STACK_MARGIN, the image fits with 0 bytes free, one byte more and the build fails,
+    naming the figures, and leaves no image. The stack bound is mcu_sizes.measure's."""
+    project, _ = _tiny_project(tmp_path, "netduinoplus2")
+    line = _make(project, "mcu")
+    m = re.search(r"RAM: (\d+) B of (\d+): \.data\+\.bss (\d+), stack bound (\d+), ", line)
+    assert m, line
+    need, ram, static, stack = map(int, m.groups())
+    sizes = measure(project, "cortex-m4")
+    assert (ram, static, stack) == (
+        MCU_BOARDS["netduinoplus2"].ram,
+        sizes.data + sizes.bss,
+        sizes.stack,
+    )
+    elf = project / "train_cortex-m4.elf"
+    margin = STACK_MARGIN + ram - need
+    elf.unlink()
+    assert "(0 B free)" in _make(project, "mcu", STACK_MARGIN=str(margin))
+    elf.unlink()
+    res = subprocess.run(
+        ["make", "-s", "-C", str(project), "mcu", f"STACK_MARGIN={margin + 1}"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and not elf.exists()
+    assert f"does not fit the board's RAM, 1 B over. RAM: {ram + 1} B of {ram}" in res.stderr
+    assert f"stack bound {stack}, " in res.stderr and "Lower the batch size" in res.stderr
+    check = check_ram(project)
+    assert check is not None and check.fits and check.text.startswith("RAM: ")
 
 
 @needs_arm

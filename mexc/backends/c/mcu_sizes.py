@@ -18,6 +18,9 @@ import networkx as nx
 from mexc.errors import MexcError
 
 LIBGCC_FRAME = 32
+# bytes the Makefile's RAM check (runtime/board/ram_check.awk) keeps beside the stack bound for the
+# exception frame of an interrupt (8 words pushed by the core, 4 bytes of alignment) and to spare
+STACK_MARGIN = 64
 _NODE = re.compile(r'node: \{ title: "([^"]+)" label: "[^"]*?(?:\\n(\d+) bytes \((\w+)\))?"')
 _EDGE = re.compile(r'edge: \{ sourcename: "([^"]+)" targetname: "([^"]+)"')
 

@@ -10,7 +10,9 @@ Layout of the project folder:
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,9 @@ from typing import Any
 import numpy as np
 
 from mexc.backends.c.emit import emit_model
+from mexc.backends.c.mcu_sizes import STACK_MARGIN
 from mexc.backends.c.tir_kernels import HEADER, SOURCE
+from mexc.errors import MexcError
 from mexc.program import Program, as_numpy, replay_indices
 
 RUNTIME_DIR = Path(__file__).resolve().with_name("runtime")
@@ -56,8 +60,11 @@ MAKEFILE = """\
 # float) and run it under QEMU's {machine}.
 CC ?= cc
 ARM_CC ?= arm-none-eabi-gcc
+ARM_NM ?= arm-none-eabi-nm
 CPU ?= {cpu}
 QEMU ?= qemu-system-arm
+# the core QEMU models (a Cortex-M0 image runs on mps2-an385 with QEMU_CPU=cortex-m3)
+QEMU_CPU ?= $(CPU)
 RT := runtime
 QEMU_MACHINE := {machine}
 LDSCRIPT := $(RT)/board/{linker_script}
@@ -71,10 +78,15 @@ SRC := model.c kernels.c data.c $(RT)/mexc_main.c \\
 WARN := -std=c99 -Wall -Wextra -Wno-unused-parameter -Wno-unused-variable -Wno-unused-function
 INC := -I. -I$(RT)
 HOST_CFLAGS ?= -O2
+# `mcu` fails unless .data + .bss + the call graph's stack bound (from Reset_Handler, and from
+# SysTick_Handler for its interrupt) + STACK_MARGIN fit the board's RAM: the margin holds the
+# exception frame the core pushes (32 bytes, 4 of alignment) with room to spare (docs/mcu.md)
+STACK_MARGIN ?= {stack_margin}
 MCU_FLAGS := -mcpu=$(CPU) -mthumb -mfloat-abi=soft -O2 -ffreestanding -fno-builtin \\
              -ffunction-sections -fdata-sections -fstack-usage -fcallgraph-info=su
 
 .PHONY: host mcu run-host run-qemu sizes clean
+.DELETE_ON_ERROR:
 host: train_host
 train_host: $(SRC) $(RT)/board/host_io.c model.h kernels.h data.h
 \t$(CC) $(HOST_CFLAGS) $(WARN) $(INC) $(SRC) $(RT)/board/host_io.c -o $@
@@ -83,13 +95,15 @@ mcu: train_$(CPU).elf
 train_$(CPU).elf: $(SRC) $(STARTUP) $(LDSCRIPT) model.h kernels.h data.h
 \t$(ARM_CC) $(MCU_FLAGS) $(COUNT_FLAGS) $(WARN) $(INC) -nostdlib -Wl,--gc-sections \\
 \t  -T $(LDSCRIPT) $(STARTUP) $(SRC) -lgcc -o $@
+\t@awk -v elf=$@ -v nm=$(ARM_NM) -v margin=$(STACK_MARGIN) -f $(RT)/board/ram_check.awk $@-*.ci
 
 run-host: train_host
 \t./train_host
 
 run-qemu: train_$(CPU).elf
-\t$(QEMU) -M $(QEMU_MACHINE) -cpu $(CPU) -nographic -monitor none -icount shift=$(ICOUNT_SHIFT) \\
-\t  -semihosting-config enable=on,target=native -kernel train_$(CPU).elf
+\t$(QEMU) -M $(QEMU_MACHINE) -cpu $(QEMU_CPU) -nographic -monitor none \\
+\t  -icount shift=$(ICOUNT_SHIFT) -semihosting-config enable=on,target=native \\
+\t  -kernel train_$(CPU).elf
 
 sizes: train_$(CPU).elf
 \tarm-none-eabi-size -A train_$(CPU).elf
@@ -202,7 +216,40 @@ def export(
             linker_script=spec.linker_script,
             icount_shift=ICOUNT_SHIFT,
             clock_hz=spec.clock_hz,
+            stack_margin=STACK_MARGIN,
         )
     )
     copy_runtime(out)
     return out
+
+
+@dataclass(frozen=True)
+class RamCheck:
+    """The RAM check of a built MCU image (runtime/board/ram_check.awk, run by `make mcu`)."""
+
+    fits: bool
+    text: str  # its `RAM: ...` line, or why the image does not fit
+
+
+def check_ram(project: str | Path, cpu: str | None = None) -> RamCheck | None:
+    """Build the project's MCU image (`make mcu`, for `cpu` or the board's core) and return its
+    RAM check: .data + .bss + the stack bound + the interrupt margin against the board's RAM.
+    None where arm-none-eabi-gcc is not installed; a build that fails otherwise raises."""
+    if shutil.which("arm-none-eabi-gcc") is None or shutil.which("make") is None:
+        return None
+    cmd = ["make", "-s", "-C", str(project), "mcu", *([f"CPU={cpu}"] if cpu else [])]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    lines = (res.stdout + res.stderr).splitlines()
+    if res.returncode == 0:
+        ram = [ln for ln in lines if ln.startswith("RAM: ")]
+        if ram:
+            return RamCheck(True, ram[-1])
+    else:
+        said = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("train_") and ".elf: " in ln]
+        if said and said[0].startswith("does not fit"):
+            return RamCheck(False, "; ".join(said).replace("does not fit the board's RAM, ", ""))
+        linker = re.search(r"region .RAM' overflowed by (\d+) bytes", "\n".join(lines))
+        if linker:  # .data + .bss alone exceed the RAM: the link itself fails
+            over = linker.group(1)
+            return RamCheck(False, f".data + .bss alone are {over} B over (the link fails)")
+    raise MexcError(f"`{' '.join(cmd)}` failed:\n" + "\n".join(lines[-20:]))

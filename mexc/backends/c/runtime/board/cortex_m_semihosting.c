@@ -1,6 +1,7 @@
 /* Cortex-M startup for every board (its linker script: board/BOARD.ld): vector table, .data/.bss
- * setup, ARM semihosting for output and exit (bkpt 0xAB: QEMU, or a board under a debug probe).
- * No libc. */
+ * setup, ARM semihosting for output and exit (bkpt 0xAB: QEMU, or a board under a debug probe),
+ * and the memcpy / memset / memmove that GCC may call. No libc. */
+#include <stddef.h>
 #include <stdint.h>
 
 extern uint32_t __data_load, __data_start, __data_end, __bss_start, __bss_end, __stack_top;
@@ -66,6 +67,46 @@ uint64_t mexc_io_count_read(void)
     return ticks * 1000000000u / ((uint64_t)MEXC_SYSTICK_HZ << MEXC_ICOUNT_SHIFT);
 }
 #endif
+
+/* GCC lowers struct copies and zeroing (`mexc_ctx_t fctx = ctx;`) to memcpy / memset calls even
+ * under -ffreestanding -fno-builtin, most of all on ARMv6-M (Cortex-M0), and the image links
+ * -nostdlib: a freestanding program must provide them (the C standard lets the compiler call
+ * them). Byte loops, kept from being recognised as memcpy / memset themselves (and so turned
+ * into calls to themselves) by no-tree-loop-distribute-patterns. The host build links libc's. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define MEXC_NO_LIBCALL __attribute__((optimize("no-tree-loop-distribute-patterns"), used))
+#else
+#define MEXC_NO_LIBCALL __attribute__((used))
+#endif
+
+MEXC_NO_LIBCALL void *memcpy(void *restrict dst, const void *restrict src, size_t n)
+{
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    while (n--) *d++ = *s++;
+    return dst;
+}
+
+MEXC_NO_LIBCALL void *memmove(void *dst, const void *src, size_t n)
+{
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    if (d < s) {
+        while (n--) *d++ = *s++;
+    } else {
+        d += n;
+        s += n;
+        while (n--) *--d = *--s;
+    }
+    return dst;
+}
+
+MEXC_NO_LIBCALL void *memset(void *dst, int c, size_t n)
+{
+    unsigned char *d = dst;
+    while (n--) *d++ = (unsigned char)c;
+    return dst;
+}
 
 void Reset_Handler(void)
 {
