@@ -112,8 +112,13 @@ def _private_library(lib: Path) -> ctypes.CDLL:
     """The library loaded for one program alone. Its state, arena and scratch are static
     arrays, and dlopen returns the handle it already has for a path: two programs of the same
     C (equal models, two loads of one checkpoint) would step one shared state. A copy under
-    its own name is a separate image; it is unlinked once loaded (the mapping stays)."""
-    fd, name = tempfile.mkstemp(prefix="mexc_c_", suffix=".so")
+    its own name is a separate image; it is unlinked once loaded (the mapping stays). The copy
+    goes beside the cached library, whose file system allows mapping code (a temp folder may be
+    mounted noexec); the temp folder is the fallback where the cache is read-only."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".private_", suffix=".so", dir=lib.parent)
+    except OSError:
+        fd, name = tempfile.mkstemp(prefix="mexc_c_", suffix=".so")
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(lib.read_bytes())
