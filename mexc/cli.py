@@ -271,7 +271,7 @@ def _export(prog: Any, args: argparse.Namespace) -> str | None:
         return None
     check = check_ram(out)
     if check is None:
-        return f"not checked (no arm-none-eabi-gcc); `make -C {out} mcu` checks it"
+        return f"not checked (needs arm-none-eabi-gcc and make); `make -C {out} mcu` checks it"
     if not check.fits:
         return f"DOES NOT FIT {args.board} (`make mcu` refuses the image): {check.text}"
     return f"fits {args.board}: {check.text}"

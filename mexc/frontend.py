@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
 import keyword
@@ -932,30 +933,47 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
         if traced is None:
             raise TraceError(_control_flow_message(model, err)) from None
         graph = traced
+    _refuse_fx_name_clashes(model, graph)
     try:
         gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     except (SyntaxError, TypeError, AttributeError, RuntimeError) as err:
-        raise TraceError(_unbuildable_message(model, err)) from None
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise TraceError(
+            f"{type(model).__name__} cannot be traced: torch.fx could not build a module from "
+            f"its graph ({type(err).__name__}: {first})"
+        ) from None
     gm.meta[MODULES_CALLED] = frozenset(getattr(tracer, "called", ()))
     _propagate(gm, model, example)
     return gm
 
 
-def _unbuildable_message(model: nn.Module, err: Exception) -> str:
-    """torch.fx traced the model but cannot turn the graph into a module: it writes Python
-    code that reads each submodule, parameter and buffer as an attribute (`self.<name>`)."""
-    taken = set(dir(torch.fx.GraphModule)) | set(keyword.kwlist)
-    names = [*dict(model.named_modules()), *dict(model.named_parameters())]
-    names += dict(model.named_buffers())
-    clashes = sorted({part for name in names for part in name.split(".") if part in taken})
-    named = f" ({', '.join(repr(c) for c in clashes)})" if clashes else ""
-    return (
-        f"{type(model).__name__} cannot be traced: torch.fx could not build Python code from "
-        f"its graph ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
-        "torch.fx reads every submodule, parameter and buffer as an attribute, so a name that "
-        "is a Python keyword or an attribute of torch.fx.GraphModule (graph, code, forward) "
-        f"cannot be traced{named}: rename it"
-    )
+@functools.cache
+def _fx_taken_names() -> frozenset[str]:
+    """Names a submodule, parameter or buffer the graph reads cannot have: torch.fx's module
+    reads each as `self.<name>`, so a keyword does not compile, and an attribute GraphModule
+    adds to nn.Module's (graph, code, meta, recompile, ...) is found instead of it."""
+    scratch = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    own = set(dir(torch.fx.GraphModule)) | set(vars(scratch))
+    return frozenset(own - set(dir(nn.Module)) - set(vars(nn.Module())) | set(keyword.kwlist))
+
+
+def _refuse_fx_name_clashes(model: nn.Module, graph: torch.fx.Graph) -> None:
+    taken = _fx_taken_names()
+    clashes = {
+        str(n.target): part
+        for n in graph.nodes
+        if n.op in ("call_module", "get_attr")
+        for part in str(n.target).split(".")
+        if part in taken
+    }
+    if clashes:
+        named = ", ".join(f"'{target}' ('{part}')" for target, part in sorted(clashes.items()))
+        raise TraceError(
+            f"{type(model).__name__} cannot be traced: torch.fx reads every submodule, parameter "
+            "and buffer the forward uses as an attribute of the module it builds, so a name that "
+            "is a Python keyword or an attribute of torch.fx.GraphModule (graph, code, meta, "
+            f"recompile, ...) cannot be one. Rename {named}"
+        )
 
 
 def _propagate(gm: torch.fx.GraphModule, model: nn.Module, example: torch.Tensor) -> None:

@@ -131,7 +131,12 @@ class DumpIR(Instrument):
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
-        blocked = next((p for p in (self.directory, *self.directory.parents) if p.is_file()), None)
+        try:
+            blocked = next(
+                (p for p in (self.directory, *self.directory.parents) if p.is_file()), None
+            )
+        except OSError:  # a parent it may not read: the first dump names the cause
+            blocked = None
         if blocked is not None:  # refused before the pipeline runs, not at its first dump
             raise InputError(
                 f"cannot dump IR into {directory}: {blocked} is a file (MEXC_DUMP_IR, "

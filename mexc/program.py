@@ -52,6 +52,10 @@ CHECKPOINT_FORMAT = "mexc-checkpoint-2"
 # inside int32
 MAX_STATE_EXPONENT = 2**15
 _OLDER_FORMATS = {"mexc-checkpoint-1": lambda text: re.sub(r"\bu8\[", "i16[", text)}
+# a NumPy scalar hyperparameter printed by its repr in the header (`lr=np.float64(0.05)`),
+# before the optimizers stored Python floats: such text never parsed, so reading the number
+# inside changes nothing else
+_NUMPY_SCALAR = re.compile(r"\bnp\.(?:float|int)(?:16|32|64)\(([^()]*)\)")
 
 
 @dataclass(frozen=True)
@@ -691,6 +695,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Program:
             if fmt != CHECKPOINT_FORMAT and fmt not in _OLDER_FORMATS:
                 raise CheckpointError(f"{p} is not a mexc checkpoint (format {fmt!r})")
             text = z.read("program.mexir").decode()
+            text = _NUMPY_SCALAR.sub(r"\1", text)
             graph = parse_graph(_OLDER_FORMATS[fmt](text) if fmt in _OLDER_FORMATS else text)
             arrays = {}
             for name in z.namelist():

@@ -113,6 +113,16 @@ def _kind_of(v: object) -> str:
     return "str" if isinstance(v, str) else "list"
 
 
+_A = {
+    "none": "none",
+    "bool": "a bool",
+    "int": "an int",
+    "number": "a number",
+    "str": "a str",
+    "list": "a list",
+}
+
+
 def _attr_kinds(n: Node, cx: VerifyContext) -> str | None:
     """Each attribute holds the kind of its default in the registry (an int where the op
     counts, a number where a float is allowed); a default of None allows any kind."""
@@ -121,9 +131,7 @@ def _attr_kinds(n: Node, cx: VerifyContext) -> str | None:
         got = _kind_of(v)
         if default is None or got == want or (want == "number" and got == "int"):
             continue
-        if want == "int" and got == "none" and name == "shift_cap":
-            continue  # assigned by assign-shift-caps (rule shift-cap)
-        return f"attribute {name}={v!r} is a {got}; {n.op.value} takes a {want} there."
+        return f"attribute {name}={v!r} is {_A[got]}; {n.op.value} takes {_A[want]} there."
     return None
 
 

@@ -144,9 +144,11 @@ class NamedLike(nn.Module):
         return getattr(self, self.name)(x.flatten(1))
 
 
-@pytest.mark.parametrize("name", ["return", "graph"])
+@pytest.mark.parametrize("name", ["return", "graph", "code", "meta"])
 def test_a_submodule_named_like_a_keyword_or_graphmodule_attribute_is_named(name: str) -> None:
-    with pytest.raises(mexc.TraceError, match=rf"cannot be traced \('{name}'\): rename it"):
+    """`return` does not compile, `graph` fails in GraphModule's constructor, and `code` and
+    `meta` built a module that called something else (an error blaming the example input)."""
+    with pytest.raises(mexc.TraceError, match=rf"cannot be one. Rename '{name}' \('{name}'\)"):
         mexc.compile(NamedLike(name), (torch.zeros(4, 1, 8, 8),))
 
 

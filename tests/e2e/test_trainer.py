@@ -6,6 +6,7 @@ import copy
 import hashlib
 import io
 import json
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -203,6 +204,23 @@ def _rewritten(src: Path, dst: Path, edit, program=None) -> Path:  # type: ignor
     return dst
 
 
+def test_a_checkpoint_whose_header_holds_numpy_reprs_reads(runs: dict, tmp_path: Path) -> None:
+    """Before the optimizers stored Python floats, an lr given as np.float64 was printed as
+    `lr=np.float64(0.05)` into the saved program's header, which did not parse."""
+
+    def numpy_repr(text: bytes) -> bytes:
+        head, rest = text.split(b"\n", 1)
+        new = re.sub(rb"\blr=([0-9.e-]+)", rb"lr=np.float64(\1)", head)
+        assert new != head
+        return new + b"\n" + rest
+
+    last = runs["ckpt"] / "last.mexc"
+    old = _rewritten(last, tmp_path / "old.mexc", lambda m: None, numpy_repr)
+    prog, want = mexc.load(old), mexc.load(last)
+    assert prog.state_checksum() == want.state_checksum()
+    assert print_graph(prog.graph) == print_graph(want.graph)
+
+
 def test_a_format_1_checkpoint_reads_with_its_probabilities_retyped(
     runs: dict, tmp_path: Path
 ) -> None:
@@ -265,16 +283,23 @@ def test_resuming_with_another_model_is_refused_before_training(
         )  # fmt: skip
 
 
+class _Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.exp = torch.nn.Parameter(torch.ones(10))
+
+
 class _NamedExp(torch.nn.Module):
-    """A parameter whose state name ends in ".exp", the suffix of exponents in a state dict."""
+    """A parameter whose state name ends in ".exp" (`head.exp`), the suffix of exponents in a
+    state dict."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = torch.nn.Linear(64, 10)
-        self.exp = torch.nn.Parameter(torch.ones(10))
+        self.head = _Scale()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x.flatten(1)) * self.exp
+        return self.fc(x.flatten(1)) * self.head.exp
 
 
 def test_numpy_hyperparameters_and_an_exp_named_parameter_survive_a_checkpoint(
@@ -294,6 +319,6 @@ def test_numpy_hyperparameters_and_an_exp_named_parameter_survive_a_checkpoint(
         prog.step(x, y)
         prog.save(tmp_path / "p.mexc")
         back = mexc.load(tmp_path / "p.mexc")
-        assert "exp" in back.state and back.state_checksum() == prog.state_checksum()
+        assert "head.exp" in back.state and back.state_checksum() == prog.state_checksum()
         assert back.step(x, y) == prog.step(x, y)
         assert back.state_checksum() == prog.state_checksum()

@@ -62,7 +62,7 @@ CASES: list[tuple[str, Breaker, int | None, str]] = [
         "attr-kinds",
         lambda g: _replace_node(g, 3, attrs=ATTRS[Op.QUANTIZE](bits="eight")),
         3,
-        "bits='eight' is a str; quantize takes a int",
+        "bits='eight' is a str; quantize takes an int there",
     ),
     (
         "bits-agree",

@@ -96,6 +96,26 @@ def test_two_programs_of_the_same_c_keep_their_own_state() -> None:
     assert [c.state_checksum() for c in cs] == [r.state_checksum() for r in refs]
 
 
+def test_a_second_program_of_a_read_only_cache_loads_from_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no copy can be written beside the cached library, the copy is a memfd."""
+    from mexc.backends.c import host
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise PermissionError("read-only file system")
+
+    x, y = _data("MLP", 8)
+    ref, first = _model("MLP", 8), _model("MLP", 8, target="c")
+    monkeypatch.setattr(host.tempfile, "mkstemp", read_only)
+    second = _model("MLP", 8, target="c")
+    for prog in (ref, first, second, second):
+        prog.step(x, y)
+    assert first.state_checksum() == ref.state_checksum() != second.state_checksum()
+    ref.step(x, y)
+    assert second.state_checksum() == ref.state_checksum()
+
+
 def test_unsupported_op_in_c_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 

@@ -108,20 +108,38 @@ def _compile_library(
         raise MexcError(f"building the C program failed:\n{res.stderr[-4000:]}")
 
 
+_LOADED: set[Path] = set()  # libraries this process has loaded from their cache path
+
+
 def _private_library(lib: Path) -> ctypes.CDLL:
     """The library loaded for one program alone. Its state, arena and scratch are static
     arrays, and dlopen returns the handle it already has for a path: two programs of the same
-    C (equal models, two loads of one checkpoint) would step one shared state. A copy under
-    its own name is a separate image; it is unlinked once loaded (the mapping stays). The copy
-    goes beside the cached library, whose file system allows mapping code (a temp folder may be
-    mounted noexec); the temp folder is the fallback where the cache is read-only."""
+    C (equal models, two loads of one checkpoint) would step one shared state. The first
+    program of a library loads it from the cache; a later one loads a copy under its own name,
+    beside the cached library (whose file system maps code; a temp folder may be mounted
+    noexec), unlinked once loaded (the mapping stays). Where the cache is read-only, the copy is
+    an anonymous memory file (memfd), kept open for the process: glibc matches dlopen by path,
+    so a closed and reused descriptor number would bring the old handle back."""
+    if lib not in _LOADED:
+        handle = ctypes.CDLL(str(lib))
+        _LOADED.add(lib)
+        return handle
+    data = lib.read_bytes()
     try:
         fd, name = tempfile.mkstemp(prefix=".private_", suffix=".so", dir=lib.parent)
     except OSError:
-        fd, name = tempfile.mkstemp(prefix="mexc_c_", suffix=".so")
+        if not hasattr(os, "memfd_create"):
+            raise MexcError(
+                f"cannot load a second program of {lib}: its folder is read-only; set "
+                "MEXC_CACHE_DIR to a writable folder on a file system that allows executables"
+            ) from None
+        memory = os.memfd_create("mexc_c_model")
+        with open(memory, "wb", closefd=False) as out:
+            out.write(data)
+        return ctypes.CDLL(f"/proc/self/fd/{memory}")
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(lib.read_bytes())
+            out.write(data)
         return ctypes.CDLL(name)
     finally:
         os.unlink(name)

@@ -60,7 +60,7 @@ MAKEFILE = """\
 # float) and run it under QEMU's {machine}.
 CC ?= cc
 ARM_CC ?= arm-none-eabi-gcc
-ARM_NM ?= arm-none-eabi-nm
+ARM_NM ?= $(patsubst %gcc,%nm,$(ARM_CC))
 CPU ?= {cpu}
 QEMU ?= qemu-system-arm
 # the core QEMU models (a Cortex-M0 image runs on mps2-an385 with QEMU_CPU=cortex-m3)
@@ -91,21 +91,27 @@ host: train_host
 train_host: $(SRC) $(RT)/board/host_io.c model.h kernels.h data.h
 \t$(CC) $(HOST_CFLAGS) $(WARN) $(INC) $(SRC) $(RT)/board/host_io.c -o $@
 
-mcu: train_$(CPU).elf
-train_$(CPU).elf: $(SRC) $(STARTUP) $(LDSCRIPT) model.h kernels.h data.h
+# the RAM check runs at every `make mcu` (also when the image is up to date, or STACK_MARGIN
+# changed), and removes an image that does not fit; GCC >= 11 names the call graphs <image>-*.ci
+IMAGE := train_$(CPU).elf
+mcu: $(IMAGE)
+\t@set -- $(IMAGE)-*.ci; [ -e "$$1" ] || {{ echo "$(IMAGE): no call graph ($(IMAGE)-*.ci) for \\
+\tthe RAM check: it needs arm-none-eabi-gcc 11 or later" >&2; rm -f $(IMAGE); exit 1; }}
+\t@awk -v elf=$(IMAGE) -v nm=$(ARM_NM) -v margin=$(STACK_MARGIN) \\
+\t  -f $(RT)/board/ram_check.awk $(IMAGE)-*.ci || {{ rm -f $(IMAGE); exit 1; }}
+$(IMAGE): $(SRC) $(STARTUP) $(LDSCRIPT) model.h kernels.h data.h
 \t$(ARM_CC) $(MCU_FLAGS) $(COUNT_FLAGS) $(WARN) $(INC) -nostdlib -Wl,--gc-sections \\
 \t  -T $(LDSCRIPT) $(STARTUP) $(SRC) -lgcc -o $@
-\t@awk -v elf=$@ -v nm=$(ARM_NM) -v margin=$(STACK_MARGIN) -f $(RT)/board/ram_check.awk $@-*.ci
 
 run-host: train_host
 \t./train_host
 
-run-qemu: train_$(CPU).elf
+run-qemu: mcu
 \t$(QEMU) -M $(QEMU_MACHINE) -cpu $(QEMU_CPU) -nographic -monitor none \\
 \t  -icount shift=$(ICOUNT_SHIFT) -semihosting-config enable=on,target=native \\
 \t  -kernel train_$(CPU).elf
 
-sizes: train_$(CPU).elf
+sizes: mcu
 \tarm-none-eabi-size -A train_$(CPU).elf
 
 clean:

@@ -49,11 +49,14 @@ function bound(f,    kids, k, i, v, best) {  # the heaviest chain from f, f's fr
 
 BEGIN {
     cmd = nm " " elf
+    read = 0
     while ((cmd | getline line) > 0) {
+        read++
         n = split(line, w, " ")
         if (n == 3) sym[w[3]] = hex(w[1])
     }
     close(cmd)
+    if (!read) fail("`" cmd "` printed nothing: is " nm " installed (make ARM_NM=...)?")
     if (!("__ram_start" in sym) || !("__stack_top" in sym) || !("__bss_end" in sym))
         fail("no __ram_start, __bss_end or __stack_top symbol: a linker script of runtime/board/?")
 }
