@@ -224,8 +224,10 @@ def _load(folder: Path) -> Compiled:
 
 
 def aligned_bytes(size: int, fill: int) -> np.ndarray:
-    """`size` bytes (uint8) starting at an ALIGN-byte boundary, every byte `fill`."""
-    raw = np.full(size + ALIGN, fill, np.uint8)
+    """`size` bytes (uint8) starting at an ALIGN-byte boundary, every byte `fill`. Zeros come
+    from calloc: a page nothing writes is never backed by memory (the inference plan's copy of
+    the state region, whose state buffers are the training step's)."""
+    raw = np.zeros(size + ALIGN, np.uint8) if fill == 0 else np.full(size + ALIGN, fill, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start : start + size]
 
@@ -272,6 +274,9 @@ class _Buffers:
             self.np = carve_separate(manifest, allocate, window)
             self.allocated = separate_bytes(manifest)
         if shared is not None:
+            if layout == "arena":  # the state buffers are the shared plan's: not this one's
+                state = {name for pair in manifest["state"].values() for name in pair}
+                self.allocated -= sum(self.np[name].nbytes for name in state)
             share_state(manifest, self.np, shared.np)
         for name, (dtype, values) in manifest["constants"].items():
             self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
