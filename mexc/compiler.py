@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mexc.distributed import agree_on_program, current_workers
+from mexc.distributed import agree_on_program, agreed_options, current_workers, start_of
 from mexc.errors import InputError
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
@@ -231,8 +231,8 @@ def compile(  # noqa: A001 - the public name is part of the API contract
         graph, front.params, front.buffers, bits, channel_exponents, front.constants
     )
     opts = Options(bits, seed, rounding, per_group_velocity, target, channel_exponents)
-    if workers is not None:
-        agree_on_program(workers, print_graph(graph))
     prog = Program(graph, state, opts, opt, 0, workers, ctx.results.get("global_graph"))
+    if workers is not None:
+        agree_on_program(workers, print_graph(graph), agreed_options(opts), start_of(prog))
     prog.carry_memory_plan(ctx.results.get("memory_plan"))
     return chosen.build(prog)

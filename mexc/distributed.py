@@ -144,18 +144,48 @@ def current_workers() -> Workers:
     return Workers(dist.get_rank(), dist.get_world_size(), TorchCollectives())
 
 
-def agree_on_program(workers: Workers, program_text: str) -> None:
-    """Check that every worker compiled the same program (same model, options and batch)."""
-    digest = int.from_bytes(hashlib.sha256(program_text.encode()).digest()[:4], "little") >> 1
-    mine = np.asarray([digest], np.int64)
-    every = workers.comm.all_gather(mine)
-    if np.any(every != digest):
-        ranks = [i for i, d in enumerate(every.tolist()) if d != int(every[0])]
-        raise DistributedError(
-            f"the data-parallel workers compiled different programs (worker(s) {ranks} differ "
-            "from worker 0): every worker must compile the same model with the same options "
-            "and the same global example batch"
-        )
+def agreed_options(opts: Any) -> str:
+    """The options every worker must share (the target may differ: every target has the
+    same bits)."""
+    return repr(
+        (opts.bits, opts.seed, opts.rounding, opts.per_group_velocity, opts.channel_exponents)
+    )
+
+
+def start_of(prog: Any) -> str:
+    """The state a worker starts from: its checksum and step."""
+    return f"{prog.state_checksum()} {prog.step_count}"
+
+
+def _digest(text: str) -> int:
+    """31 bits of text's SHA-256 (all_gather carries int32)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") >> 1
+
+
+def agree_on_program(workers: Workers, program_text: str, options: str, start: str) -> None:
+    """Check that every worker compiled the same program (model, batch and options, the seed
+    included) and starts from the same state (`start`: its checksum and step): torch seeded
+    differently, or another checkpoint, gives other initial weights, and the workers would
+    train apart without a word."""
+    mine = np.asarray([_digest(program_text + "\n" + options), _digest(start)], np.int64)
+    every = workers.comm.all_gather(mine).reshape(-1, 2)
+    for column, what in (
+        (
+            0,
+            "compiled different programs (worker(s) {ranks} differ from worker 0): every worker "
+            "must compile the same model with the same options (seed included) and the same "
+            "global example batch",
+        ),
+        (
+            1,
+            "start from different states (worker(s) {ranks} differ from worker 0: another "
+            "initial model, torch seeded otherwise before it was built, or another checkpoint): "
+            "seed torch alike on every worker before building the model, or load one checkpoint",
+        ),
+    ):
+        ranks = [i for i, d in enumerate(every[:, column].tolist()) if d != int(every[0, column])]
+        if ranks:
+            raise DistributedError(f"the data-parallel workers {what.format(ranks=ranks)}")
 
 
 def split_accuracy(prog: Any, x: np.ndarray, y: np.ndarray, workers: Workers) -> float:
@@ -248,37 +278,61 @@ def launch(
     cmd: list[str],
     nproc: int,
     env: dict[str, str] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     grace_s: float = 30.0,
 ) -> list[int]:
     """Run `cmd` as `nproc` workers on localhost, as torchrun would (MASTER_ADDR, MASTER_PORT,
-    RANK, LOCAL_RANK, WORLD_SIZE, and MEXC_DIST_TIMEOUT for init_from_env), and wait for all.
-    When one fails, the others get `grace_s` to fail on their own (their next collective
-    reports the lost worker), then are terminated: a crash never leaves the launch hanging.
-    Returns the exit codes in rank order."""
+    RANK, LOCAL_RANK, WORLD_SIZE, and MEXC_DIST_TIMEOUT for init_from_env: `timeout_s`, else
+    the environment's, else the default), and wait for all. When one fails, the others get
+    `grace_s` to fail on their own (their next collective reports the lost worker), then are
+    terminated: a crash never leaves the launch hanging. An interrupt or SIGTERM of the
+    launcher stops the workers too (they would train on, writing checkpoints). Returns the
+    exit codes in rank order."""
+    import signal
     import subprocess
     import time
 
     base = dict(os.environ if env is None else env)
+    if timeout_s is None:
+        timeout_s = float(base.get("MEXC_DIST_TIMEOUT") or DEFAULT_TIMEOUT_S)
     base |= {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nproc),
         "MEXC_DIST_TIMEOUT": str(timeout_s),
     }
-    procs = [
-        subprocess.Popen(cmd, env=base | {"RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(nproc)
-    ]
-    failed_at: float | None = None
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return [int(c) for c in codes if c is not None]
-        if failed_at is None and any(c not in (None, 0) for c in codes):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > grace_s:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.05)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: only an interrupt of this call stops them
+        previous = None
+    try:
+        for r in range(nproc):
+            procs.append(subprocess.Popen(cmd, env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}))
+        failed_at: float | None = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return [int(c) for c in codes if c is not None]
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.05)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        for p in procs:  # stopped by an interrupt (or an error here): the workers end with it
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()

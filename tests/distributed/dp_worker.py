@@ -159,11 +159,20 @@ def main() -> None:
     ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits at step 2")
     ap.add_argument("--resume", default="", help="a checkpoint to resume from")
     ap.add_argument("--save", default="", help="rank 0 saves a checkpoint here at the end")
+    ap.add_argument(
+        "--differ",
+        choices=("", "init", "seed"),
+        default="",
+        help="rank 1 builds its model under another torch seed (init) or compiles another seed",
+    )
     args = ap.parse_args()
     workers = init_from_env()
     results = {}
     for name in args.model.split(","):
         net, shape = model(name)
+        if args.differ == "init" and workers.rank == 1:
+            torch.manual_seed(1)
+            net, shape = type(net)(), shape
         data = batches(shape, args.batch, args.steps, TOKENS.get(name, (0, ())))
         emulated = args.target == "cuda-emulated"  # the CUDA step's kernels on the CPU
         target = "reference" if emulated else args.target
@@ -180,6 +189,7 @@ def main() -> None:
                 target=target,
                 data_parallel=True,
                 channel_exponents=args.channel_exponents,
+                seed=int(args.differ == "seed" and workers.rank == 1),
             )
         if emulated:
             from mexc.backends.cuda.emulator import emulate

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -237,6 +238,59 @@ def test_a_crashed_worker_stops_the_others_with_a_clear_error(
     err = capfd.readouterr().err
     assert "DistributedError: data-parallel worker 0 of 2" in err
     assert "Another worker stopped" in err
+
+
+@pytest.mark.parametrize(
+    ("differ", "words"),
+    [("init", "start from different states (worker(s) [1]"), ("seed", "compiled different")],
+)
+def test_workers_that_start_apart_are_refused_at_compile(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], differ: str, words: str
+) -> None:
+    """Other initial weights (torch seeded otherwise before the model was built) or another
+    mexc seed: the workers trained apart, each to its own state, without a word."""
+    codes, _ = run_workers(tmp_path, 2, "--model", "MLP", "--steps", "1", "--differ", differ)
+    assert codes != [0, 0]
+    assert f"the data-parallel workers {words}" in capfd.readouterr().err
+
+
+def test_a_terminated_launcher_stops_its_workers(tmp_path: Path) -> None:
+    """SIGTERM to the launcher (a scheduler's stop): the workers end with it, instead of
+    training on and writing checkpoints."""
+    import subprocess
+    import time
+
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import sys\n"
+        "from mexc.distributed import launch\n"
+        "launch([sys.executable, '-c', 'import time; time.sleep(120)'], 2)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(root))
+    )
+    time.sleep(3)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 2
+    proc.terminate()
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+    assert not [c for c in children if Path(f"/proc/{c}").exists()]
+
+
+def test_launch_passes_the_environments_timeout(tmp_path: Path) -> None:
+    """MEXC_DIST_TIMEOUT set by the user reaches workers that `mexc train --nproc` starts."""
+    out = tmp_path / "timeout"
+    code = (
+        f"import os; open({str(out)!r} + os.environ['RANK'], 'w')"
+        ".write(os.environ['MEXC_DIST_TIMEOUT'])"
+    )
+    assert launch([sys.executable, "-c", code], 2, env=dict(os.environ, MEXC_DIST_TIMEOUT="7")) == [
+        0,
+        0,
+    ]
+    assert [(tmp_path / f"timeout{r}").read_text() for r in range(2)] == ["7.0", "7.0"]
 
 
 def test_without_a_process_group_compile_says_how_to_start_workers() -> None:
