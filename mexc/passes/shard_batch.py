@@ -16,7 +16,7 @@ Ensures: every batch-major value (the batch, the labels, and what the ops comput
 
 from __future__ import annotations
 
-from mexc.errors import UnsupportedOpError
+from mexc.errors import InputError, UnsupportedOpError
 from mexc.ir import Graph, GraphBuilder, Node, Op, Value
 from mexc.ops import attrs, op_def, with_attrs
 from mexc.pass_manager import PassContext
@@ -50,8 +50,8 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
         return g
     ctx.results["global_graph"] = g
     batch = int(g.attr("batch"))
-    if batch % world:
-        raise UnsupportedOpError(
+    if batch % world:  # bad input (the example batch), not an op mexc lacks
+        raise InputError(
             f"data parallel: the global batch of {batch} does not split into {world} equal "
             f"shares; choose a global batch that is a multiple of {world}"
         )
