@@ -145,11 +145,11 @@ def current_workers() -> Workers:
 
 
 def agreed_options(opts: Any) -> str:
-    """The options every worker must share (the target may differ: every target has the
-    same bits)."""
-    return repr(
-        (opts.bits, opts.seed, opts.rounding, opts.per_group_velocity, opts.channel_exponents)
-    )
+    """The options every worker must share, the target named included: the targets' steps
+    compute the same bits but not with the same collectives (a reference worker beside an
+    llvm one aborted gloo at the first step)."""
+    fields = (opts.bits, opts.seed, opts.rounding, opts.per_group_velocity)
+    return repr((*fields, opts.channel_exponents, opts.target))
 
 
 def start_of(prog: Any) -> str:
@@ -307,9 +307,10 @@ def launch(
         raise KeyboardInterrupt
 
     try:
-        previous = signal.signal(signal.SIGTERM, stop)
+        previous: Any = signal.signal(signal.SIGTERM, stop)
+        installed = True
     except ValueError:  # not the main thread: only an interrupt of this call stops them
-        previous = None
+        installed = False
     try:
         for r in range(nproc):
             procs.append(subprocess.Popen(cmd, env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}))
@@ -326,8 +327,8 @@ def launch(
                         p.kill()
             time.sleep(0.05)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:  # None: a handler not set from Python, the default here
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         for p in procs:  # stopped by an interrupt (or an error here): the workers end with it
             if p.poll() is None:
                 p.terminate()

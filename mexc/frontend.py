@@ -948,31 +948,34 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
 
 
 @functools.cache
-def _fx_taken_names() -> frozenset[str]:
-    """Names a submodule, parameter or buffer the graph reads cannot have: torch.fx's module
-    reads each as `self.<name>`, so a keyword does not compile, and an attribute GraphModule
-    adds to nn.Module's (graph, code, meta, recompile, ...) is found instead of it."""
+def _graph_module_names() -> frozenset[str]:
+    """What GraphModule adds to nn.Module's attributes (graph, code, meta, recompile, ...):
+    fx's module reads each submodule, parameter and buffer as `self.<name>`, so one named so
+    at the top level is shadowed by it (a nested `block.meta` is read from a plain module)."""
     scratch = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
     own = set(dir(torch.fx.GraphModule)) | set(vars(scratch))
-    return frozenset(own - set(dir(nn.Module)) - set(vars(nn.Module())) | set(keyword.kwlist))
+    return frozenset(own - set(dir(nn.Module)) - set(vars(nn.Module())))
 
 
 def _refuse_fx_name_clashes(model: nn.Module, graph: torch.fx.Graph) -> None:
-    taken = _fx_taken_names()
-    clashes = {
-        str(n.target): part
-        for n in graph.nodes
-        if n.op in ("call_module", "get_attr")
-        for part in str(n.target).split(".")
-        if part in taken
-    }
+    """A keyword anywhere in a path the graph reads does not compile (`self.block.class`);
+    a GraphModule attribute as its first part is shadowed."""
+    clashes = {}
+    for n in graph.nodes:
+        if n.op not in ("call_module", "get_attr"):
+            continue
+        parts = str(n.target).split(".")
+        bad = [p for p in parts if keyword.iskeyword(p)]
+        bad += [parts[0]] if parts[0] in _graph_module_names() else []
+        if bad:
+            clashes[str(n.target)] = bad[0]
     if clashes:
         named = ", ".join(f"'{target}' ('{part}')" for target, part in sorted(clashes.items()))
         raise TraceError(
             f"{type(model).__name__} cannot be traced: torch.fx reads every submodule, parameter "
             "and buffer the forward uses as an attribute of the module it builds, so a name that "
-            "is a Python keyword or an attribute of torch.fx.GraphModule (graph, code, meta, "
-            f"recompile, ...) cannot be one. Rename {named}"
+            "is a Python keyword, or at the top level an attribute of torch.fx.GraphModule "
+            f"(graph, code, meta, recompile, ...), cannot be one. Rename {named}"
         )
 
 

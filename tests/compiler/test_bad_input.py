@@ -152,6 +152,23 @@ def test_a_submodule_named_like_a_keyword_or_graphmodule_attribute_is_named(name
         mexc.compile(NamedLike(name), (torch.zeros(4, 1, 8, 8),))
 
 
+class NestedLike(nn.Module):
+    """The same names one level down: fx reads them from a plain module, so they compile."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.block = NamedLike(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+@pytest.mark.parametrize("name", ["graph", "code", "meta"])
+def test_a_nested_submodule_named_like_a_graphmodule_attribute_compiles(name: str) -> None:
+    prog = mexc.compile(NestedLike(name), (torch.zeros(4, 1, 8, 8),))
+    assert f"block.{name}.weight" in prog.state
+
+
 class IteratesChunks(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,7 @@ def _compile_library(
 
 
 _LOADED: set[Path] = set()  # libraries this process has loaded from their cache path
+_LOADING = threading.Lock()
 
 
 def _private_library(lib: Path) -> ctypes.CDLL:
@@ -120,10 +122,11 @@ def _private_library(lib: Path) -> ctypes.CDLL:
     noexec), unlinked once loaded (the mapping stays). Where the cache is read-only, the copy is
     an anonymous memory file (memfd), kept open for the process: glibc matches dlopen by path,
     so a closed and reused descriptor number would bring the old handle back."""
-    if lib not in _LOADED:
-        handle = ctypes.CDLL(str(lib))
-        _LOADED.add(lib)
-        return handle
+    with _LOADING:  # one path (glibc matches by file): resolved, and one thread at a time
+        first = lib.resolve() not in _LOADED
+        _LOADED.add(lib.resolve())
+    if first:
+        return ctypes.CDLL(str(lib))
     data = lib.read_bytes()
     try:
         fd, name = tempfile.mkstemp(prefix=".private_", suffix=".so", dir=lib.parent)

@@ -60,7 +60,8 @@ MAKEFILE = """\
 # float) and run it under QEMU's {machine}.
 CC ?= cc
 ARM_CC ?= arm-none-eabi-gcc
-ARM_NM ?= $(patsubst %gcc,%nm,$(ARM_CC))
+# nm beside the compiler (a launcher before it, a toolchain outside PATH), else on PATH
+ARM_NM ?= $(or $(patsubst %gcc,%nm,$(filter %gcc,$(lastword $(ARM_CC)))),arm-none-eabi-nm)
 CPU ?= {cpu}
 QEMU ?= qemu-system-arm
 # the core QEMU models (a Cortex-M0 image runs on mps2-an385 with QEMU_CPU=cortex-m3)
@@ -97,7 +98,7 @@ IMAGE := train_$(CPU).elf
 mcu: $(IMAGE)
 \t@set -- $(IMAGE)-*.ci; [ -e "$$1" ] || {{ echo "$(IMAGE): no call graph ($(IMAGE)-*.ci) for \\
 \tthe RAM check: it needs arm-none-eabi-gcc 11 or later" >&2; rm -f $(IMAGE); exit 1; }}
-\t@awk -v elf=$(IMAGE) -v nm=$(ARM_NM) -v margin=$(STACK_MARGIN) \\
+\t@awk -v elf=$(IMAGE) -v nm='$(ARM_NM)' -v margin=$(STACK_MARGIN) \\
 \t  -f $(RT)/board/ram_check.awk $(IMAGE)-*.ci || {{ rm -f $(IMAGE); exit 1; }}
 $(IMAGE): $(SRC) $(STARTUP) $(LDSCRIPT) model.h kernels.h data.h
 \t$(ARM_CC) $(MCU_FLAGS) $(COUNT_FLAGS) $(WARN) $(INC) -nostdlib -Wl,--gc-sections \\
