@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mexc.distributed import agree_on_program, agreed_options, current_workers, start_of
+from mexc.distributed import agree_on_program, current_workers
 from mexc.errors import InputError
 from mexc.frontend import import_model
 from mexc.ir import Graph, Op
@@ -21,7 +21,6 @@ from mexc.numerics import MOMENT_EXP0, channel_exponents_for, rounding_mode_for
 from mexc.optim import Optimizer, optimizer_of
 from mexc.pass_manager import Instrument, PassContext, PassManager, instruments_from_env
 from mexc.pipeline import PIPELINE
-from mexc.printer import print_graph
 from mexc.program import Options, Program
 from mexc.targets import get as get_target
 from mexc.targets import refuse_data_parallel_target
@@ -233,6 +232,6 @@ def compile(  # noqa: A001 - the public name is part of the API contract
     opts = Options(bits, seed, rounding, per_group_velocity, target, channel_exponents)
     prog = Program(graph, state, opts, opt, 0, workers, ctx.results.get("global_graph"))
     if workers is not None:
-        agree_on_program(workers, print_graph(graph), agreed_options(opts), start_of(prog))
+        agree_on_program(workers, prog)
     prog.carry_memory_plan(ctx.results.get("memory_plan"))
     return chosen.build(prog)

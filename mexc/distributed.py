@@ -144,30 +144,24 @@ def current_workers() -> Workers:
     return Workers(dist.get_rank(), dist.get_world_size(), TorchCollectives())
 
 
-def agreed_options(opts: Any) -> str:
-    """The options every worker must share, the target named included: the targets' steps
-    compute the same bits but not with the same collectives (a reference worker beside an
-    llvm one aborted gloo at the first step)."""
-    fields = (opts.bits, opts.seed, opts.rounding, opts.per_group_velocity)
-    return repr((*fields, opts.channel_exponents, opts.target))
-
-
-def start_of(prog: Any) -> str:
-    """The state a worker starts from: its checksum and step."""
-    return f"{prog.state_checksum()} {prog.step_count}"
-
-
 def _digest(text: str) -> int:
     """31 bits of text's SHA-256 (all_gather carries int32)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") >> 1
 
 
-def agree_on_program(workers: Workers, program_text: str, options: str, start: str) -> None:
-    """Check that every worker compiled the same program (model, batch and options, the seed
-    included) and starts from the same state (`start`: its checksum and step): torch seeded
-    differently, or another checkpoint, gives other initial weights, and the workers would
-    train apart without a word."""
-    mine = np.asarray([_digest(program_text + "\n" + options), _digest(start)], np.int64)
+def agree_on_program(workers: Workers, prog: Any) -> None:
+    """Check that every worker compiled the same program (model, batch and options: the seed
+    and the target named included; the targets compute the same bits, but a reference worker
+    beside an llvm one aborted gloo at the first step) and starts from the same state (its
+    checksum and step: torch seeded otherwise, or another checkpoint, gives other initial
+    weights, and the workers would train apart without a word)."""
+    from mexc.printer import print_graph
+
+    o = prog.options
+    options = (o.bits, o.seed, o.rounding, o.per_group_velocity, o.channel_exponents, o.target)
+    program = f"{print_graph(prog.graph)}\n{options!r}"
+    start = f"{prog.state_checksum()} {prog.step_count}"
+    mine = np.asarray([_digest(program), _digest(start)], np.int64)
     every = workers.comm.all_gather(mine).reshape(-1, 2)
     for column, what in (
         (

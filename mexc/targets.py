@@ -186,14 +186,11 @@ def as_data_parallel_worker(prog: Program, target: str = "reference") -> Program
     its batch over the group's workers. A checkpoint saved at any number of workers resumes
     here at this number, with the same bits as one process on the whole batch. `target`: one of
     DATA_PARALLEL_TARGETS (or "auto")."""
-    from mexc.distributed import agree_on_program, agreed_options, current_workers, start_of
-    from mexc.printer import print_graph
+    from mexc.distributed import agree_on_program, current_workers
 
     workers = current_workers()
     worker = worker_program(prog, workers, target)
-    agree_on_program(
-        workers, print_graph(worker.graph), agreed_options(worker.options), start_of(worker)
-    )
+    agree_on_program(workers, worker)
     return get(target).build(worker)
 
 

@@ -103,24 +103,14 @@ def _attr_values(n: Node, cx: VerifyContext) -> str | None:
 
 
 def _kind_of(v: object) -> str:
-    """An attribute value's kind, as the text form writes it."""
+    """An attribute value's kind, as the text form writes it, with its article."""
     if v is None:
         return "none"
     if isinstance(v, bool):
-        return "bool"
+        return "a bool"
     if isinstance(v, int | float):
-        return "number" if isinstance(v, float) else "int"
-    return "str" if isinstance(v, str) else "list"
-
-
-_A = {
-    "none": "none",
-    "bool": "a bool",
-    "int": "an int",
-    "number": "a number",
-    "str": "a str",
-    "list": "a list",
-}
+        return "a number" if isinstance(v, float) else "an int"
+    return "a str" if isinstance(v, str) else "a list"
 
 
 def _attr_kinds(n: Node, cx: VerifyContext) -> str | None:
@@ -129,9 +119,9 @@ def _attr_kinds(n: Node, cx: VerifyContext) -> str | None:
     for name, default in op_def(n.op).attrs.items():
         want, v = _kind_of(default), getattr(n.attrs, name)
         got = _kind_of(v)
-        if default is None or got == want or (want == "number" and got == "int"):
+        if default is None or got == want or (want == "a number" and got == "an int"):
             continue
-        return f"attribute {name}={v!r} is {_A[got]}; {n.op.value} takes {_A[want]} there."
+        return f"attribute {name}={v!r} is {got}; {n.op.value} takes {want} there."
     return None
 
 

@@ -88,11 +88,16 @@ def inference_keys(seed: int, manifest: dict[str, Any]) -> np.ndarray:
     return stream_keys(seed, 0, np.asarray(manifest["key_ids"], np.int64)).astype(np.int64)
 
 
+def state_buffers(manifest: dict[str, Any]) -> set[str]:
+    """The names of a plan's state buffers: each state tensor's mantissas and exponents."""
+    return {name for pair in manifest["state"].values() for name in pair}
+
+
 def share_state(manifest: dict[str, Any], buffers: dict[str, Any], shared: dict[str, Any]) -> None:
     """Bind the state buffers of `manifest`'s plan in `buffers` to the arrays of the same
     names in `shared` (another plan's over the same state: the training step's, for its
     inference plan), and the plan's views of them: the plan reads the live state, no copy."""
-    state = {name for pair in manifest["state"].values() for name in pair}
+    state = state_buffers(manifest)
     for name in state:
         buffers[name] = shared[name]
     for name, (base, shape, offset) in manifest["views"].items():

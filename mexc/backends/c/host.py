@@ -122,9 +122,10 @@ def _private_library(lib: Path) -> ctypes.CDLL:
     noexec), unlinked once loaded (the mapping stays). Where the cache is read-only, the copy is
     an anonymous memory file (memfd), kept open for the process: glibc matches dlopen by path,
     so a closed and reused descriptor number would bring the old handle back."""
-    with _LOADING:  # one path (glibc matches by file): resolved, and one thread at a time
-        first = lib.resolve() not in _LOADED
-        _LOADED.add(lib.resolve())
+    resolved = lib.resolve()  # glibc matches by file, not by the path as written
+    with _LOADING:
+        first = resolved not in _LOADED
+        _LOADED.add(resolved)
     if first:
         return ctypes.CDLL(str(lib))
     data = lib.read_bytes()

@@ -40,6 +40,7 @@ from mexc.backends.plan_runtime import (
     collective,
     inference_keys,
     share_state,
+    state_buffers,
     window,
 )
 from mexc.errors import MexcError
@@ -299,7 +300,7 @@ class _EmulatedInference:
         self.t, raw = _allocate_arena(man)
         share_state(man, self.t, step._t)
         own = _guard_keys(man, separate=False)
-        state = {name for pair in man["state"].values() for name in pair}
+        state = state_buffers(man)
         base_of = {name: base for name, (base, _, _) in man["views"].items()}
 
         def guard(name: str) -> tuple[str, np.ndarray]:  # the step's allocation, or its own

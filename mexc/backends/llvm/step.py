@@ -44,6 +44,7 @@ from mexc.backends.plan_runtime import (
     inference_keys,
     is_host,
     share_state,
+    state_buffers,
     window,
 )
 from mexc.errors import UnsupportedOpError
@@ -275,8 +276,7 @@ class _Buffers:
             self.allocated = separate_bytes(manifest)
         if shared is not None:
             if layout == "arena":  # the state buffers are the shared plan's: not this one's
-                state = {name for pair in manifest["state"].values() for name in pair}
-                self.allocated -= sum(self.np[name].nbytes for name in state)
+                self.allocated -= sum(self.np[name].nbytes for name in state_buffers(manifest))
             share_state(manifest, self.np, shared.np)
         for name, (dtype, values) in manifest["constants"].items():
             self.np[name][...] = np.asarray(values, np.dtype(dtype)).reshape(self.np[name].shape)
