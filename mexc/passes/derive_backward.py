@@ -23,7 +23,7 @@ from mexc.kernels.elementwise import MAX_SUM_TERMS
 from mexc.ops import SCHEMA, attrs, op_def
 from mexc.pass_manager import PassContext
 from mexc.passes.assign_shift_caps import cap_for, operand_bits
-from mexc.types import Kind, TensorType
+from mexc.types import Kind, TensorType, mx
 
 Grads = list[Value | None]
 
@@ -39,9 +39,12 @@ class _Walker:
     needs: dict[Value, bool] = field(default_factory=dict)
     users: dict[Value, list[Node]] = field(default_factory=dict)
     types: dict[Value, TensorType] = field(default_factory=dict)
-    param_grads: dict[str, list[Value]] = field(default_factory=dict)  # per reader
+    param_grads: dict[str, list[Value]] = field(default_factory=dict)  # partial sums
+    param_ranks: dict[str, list[int]] = field(default_factory=dict)  # log3 of their readers
     param_locs: dict[str, str] = field(default_factory=dict)  # the last reader's source line
     masked_relus: set[int] = field(default_factory=set)  # relus whose mask a max pool applied
+    slice_grads: dict[Value, Node] = field(default_factory=dict)  # slice gradients emitted
+    dropped: set[int] = field(default_factory=set)  # slice gradients a concat replaced
 
     def type(self, v: Value) -> TensorType:
         return self.types[v]
@@ -64,6 +67,8 @@ class _Walker:
             self.b.nodes[-1] = node
         for i, t in enumerate(tys):
             self.types[node.result(i)] = t
+        if op is Op.SLICE_GRAD:
+            self.slice_grads[node.out] = node
         return node
 
     def param_name(self, v: Value) -> str | None:
@@ -72,16 +77,28 @@ class _Walker:
 
     def set_param_grad(self, param: Value, grad: Value, at: Node) -> None:
         """One reader's gradient of a parameter; a parameter read by several ops (shared
-        weights) gets their sum (param_sums)."""
+        weights) gets their sum, added as the readers come (docs/numerics.md §7c): three
+        partial sums of one rank are added at once into one of the next rank (a ternary
+        counter), so a weight a loop reads T times holds at most 2 log3 T + 1 accumulators, not
+        T, and each rank costs c = 2 bits of the 31."""
         name = self.param_name(param)
         if name is None:
             return
-        self.param_grads.setdefault(name, []).append(grad)
+        terms = self.param_grads.setdefault(name, [])
+        ranks = self.param_ranks.setdefault(name, [])
+        terms.append(grad)
+        ranks.append(0)
+        while len(ranks) >= 3 and ranks[-1] == ranks[-2] == ranks[-3]:
+            three = terms[-3:]
+            rank = ranks[-1] + 1
+            del terms[-3:], ranks[-3:]
+            terms.append(self.emit(Op.PARAM_GRAD_SUM, three, self.type(three[0]), at.loc).out)
+            ranks.append(rank)
         self.param_locs[name] = at.loc
 
     def param_sums(self) -> dict[str, Value]:
-        """Each parameter's gradient: its one reader's, or a PARAM_GRAD_SUM of its readers'
-        (docs/numerics.md §7c; a tree of sums beyond MAX_SUM_TERMS terms)."""
+        """Each parameter's gradient: its one reader's, or the PARAM_GRAD_SUM of the partial
+        sums left (at most two of each rank: fewer than MAX_SUM_TERMS below 3^6 readers)."""
         return {
             name: _summed(
                 self, Op.PARAM_GRAD_SUM, grads, self.type(grads[0]), self.param_locs[name]
@@ -145,6 +162,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     if ctx.trainable is not None:
         frozen = len(g.nodes_of(Op.PARAM)) - len(trained)
         attrs = attrs.with_attrs(frozen_params=frozen)
+    b.nodes = [n for n in b.nodes if n.id not in w.dropped]
     out = b.build(outputs, attrs.attrs)
     return out if ctx.trainable is None else _prune_backward(out, g.next_id())
 
@@ -161,10 +179,58 @@ def _collect(w: _Walker, pending: dict[Value, list[Value]], v: Value, loc: str) 
     grads = pending.pop(v, [])
     if not grads:
         return None
+    if len(grads) > 1:
+        grads = _joined_slices(w, grads, loc)
     if len(grads) == 1:
         return grads[0]
     t = w.type(grads[0])
     return _summed(w, Op.GRAD_SUM, grads, TensorType(Kind.MX, t.shape, t.exp), loc)
+
+
+def _bounds(n: Node) -> tuple[int, int]:
+    return int(n.attrs.start), int(n.attrs.stop)
+
+
+def _joined_slices(w: _Walker, grads: list[Value], loc: str) -> list[Value]:
+    """The gradients of a value read by slices along one axis other than the first (an LSTM's
+    steps of its input projection, a chunk's pieces): the gradients of adjacent, disjoint
+    slices concatenated into one (`concat`: one alignment and compaction), placed into zeros
+    (`slice_grad`) where they do not cover the axis. Summing each slice's gradient, a whole
+    tensor of zeros around it, kept T tensors of the value's size live for T slices
+    (docs/layers.md, "Gradient sums"). Joined runs come first, in order along the axis, then
+    the other gradients in the order they were differentiated."""
+    rank = len(w.type(grads[0]).shape)
+    by_dim: dict[int, list[Node]] = {}
+    for v in grads:
+        n = w.slice_grads.get(v)
+        if n is not None and int(n.attrs.dim) % rank:
+            by_dim.setdefault(int(n.attrs.dim) % rank, []).append(n)
+    if not by_dim:
+        return grads
+    dim, pieces = max(by_dim.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+    runs: list[list[Node]] = []
+    for n in sorted(pieces, key=_bounds):
+        start = _bounds(n)[0]
+        if runs and start == _bounds(runs[-1][-1])[1]:
+            runs[-1].append(n)
+        elif not runs or start >= _bounds(runs[-1][-1])[1]:  # an overlapping slice: summed
+            runs.append([n])
+    joined: list[Value] = []
+    for run in (r for r in runs if len(r) > 1):
+        shape = list(w.type(grads[0]).shape)
+        start, stop = _bounds(run[0])[0], _bounds(run[-1])[1]
+        full = tuple(shape)
+        shape[dim] = stop - start
+        v = w.emit(Op.CONCAT, [n.inputs[0] for n in run], mx(*shape), loc, dim=dim).out
+        if stop - start < full[dim]:
+            v = w.emit(Op.SLICE_GRAD, [v], mx(*full), loc, dim=dim, start=start, stop=stop).out
+        joined.append(v)
+        w.dropped.update(n.id for n in run)
+    return joined + [
+        v
+        for v in grads
+        if w.slice_grads.get(v, None) is None or w.slice_grads[v].id not in w.dropped
+    ]
 
 
 def _summed(w: _Walker, op: Op, grads: list[Value], typ: TensorType, loc: str) -> Value:
