@@ -124,21 +124,8 @@ class _Ctx:
         """The axis of v that holds the batch (the ops' `moves_batch` rules, as the
         shard-batch pass follows them), None where v holds no batch axis or mexc lost it."""
         for node in self.b.nodes[self.followed :]:
-            d = REGISTRY[node.op]
-            known = [(u, self.axes.get(u)) for u in node.inputs if self.axes.get(u) is not None]
-            axis: int | None
-            if d.batch_results:
-                axis = 0
-            elif not known:
-                axis = None
-            elif d.moves_batch is not None:
-                u, at = known[0]
-                axis = d.moves_batch(node, self.types[u], int(at))  # type: ignore[arg-type]
-            else:  # per-sample ops keep the batch first, row-wise ops wherever it is
-                found = {int(a) for _, a in known if a is not None}
-                axis = found.pop() if len(found) == 1 else None
-                if axis and not d.keeps(node, axis):
-                    axis = None
+            known = [(self.types[u], a) for u in node.inputs if (a := self.axes.get(u)) is not None]
+            axis = REGISTRY[node.op].batch_axis(node, known)
             for i, t in enumerate(node.types):
                 self.axes[node.result(i)] = axis
                 self.types[node.result(i)] = t

@@ -131,6 +131,23 @@ class OpDef:
         k = self.keeps_axes
         return bool(k(n, axis) if callable(k) else k)
 
+    def batch_axis(self, n: Node, known: list[tuple[Any, int]]) -> int | None:
+        """The axis of node n's results that holds the batch, given its inputs' that hold one
+        (their types and batch axes, in input order): None where n's results hold no batch
+        axis or mexc loses it (the frontend's and derive-backward's view; shard-batch follows
+        the same rules and refuses what they lose)."""
+        if self.batch_results:
+            return 0
+        if not known:
+            return None
+        if self.moves_batch is not None:
+            t, at = known[0]
+            return self.moves_batch(n, t, at)
+        # per-sample ops keep the batch first, row-wise ops wherever it is
+        found = {at for _, at in known}
+        axis = found.pop() if len(found) == 1 else None
+        return None if axis and not self.keeps(n, axis) else axis
+
     @property
     def may_split(self) -> bool:
         """Whether a data-parallel worker can run the op on its rows of the batch (with some

@@ -45,6 +45,7 @@ class _Walker:
     masked_relus: set[int] = field(default_factory=set)  # relus whose mask a max pool applied
     slice_grads: dict[Value, Node] = field(default_factory=dict)  # slice gradients emitted
     dropped: set[int] = field(default_factory=set)  # slice gradients a concat replaced
+    batch_axes: dict[Value, int | None] = field(default_factory=dict)  # forward values'
 
     def type(self, v: Value) -> TensorType:
         return self.types[v]
@@ -139,8 +140,11 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     w = _Walker(g, operand_bits(g, int(g.attr("bits", ctx.bits))), b, _max_rid(g) + 1, needs)
     w.users = g.users()
     for n in g.nodes:
+        known = [(w.types[u], a) for u in n.inputs if (a := w.batch_axes.get(u)) is not None]
+        axis = op_def(n.op).batch_axis(n, known)
         for i, t in enumerate(n.types):
             w.types[n.result(i)] = t
+            w.batch_axes[n.result(i)] = axis
     pending: dict[Value, list[Value]] = {}
     for n in reversed(g.nodes):
         if _no_grad(n):
@@ -180,7 +184,7 @@ def _collect(w: _Walker, pending: dict[Value, list[Value]], v: Value, loc: str) 
     if not grads:
         return None
     if len(grads) > 1:
-        grads = _joined_slices(w, grads, loc)
+        grads = _joined_slices(w, v, grads, loc)
     if len(grads) == 1:
         return grads[0]
     t = w.type(grads[0])
@@ -191,19 +195,22 @@ def _bounds(n: Node) -> tuple[int, int]:
     return int(n.attrs.start), int(n.attrs.stop)
 
 
-def _joined_slices(w: _Walker, grads: list[Value], loc: str) -> list[Value]:
-    """The gradients of a value read by slices along one axis other than the first (an LSTM's
-    steps of its input projection, a chunk's pieces): the gradients of adjacent, disjoint
+def _joined_slices(w: _Walker, v: Value, grads: list[Value], loc: str) -> list[Value]:
+    """The gradients of v read by slices along one axis other than its batch axis (the first
+    where mexc lost it): an LSTM's steps of its input projection, a chunk's pieces, attention's
+    q, k and v unbound from one projection. The gradients of adjacent, disjoint
     slices concatenated into one (`concat`: one alignment and compaction), placed into zeros
     (`slice_grad`) where they do not cover the axis. Summing each slice's gradient, a whole
     tensor of zeros around it, kept T tensors of the value's size live for T slices
     (docs/layers.md, "Gradient sums"). Joined runs come first, in order along the axis, then
     the other gradients in the order they were differentiated."""
     rank = len(w.type(grads[0]).shape)
+    batch = w.batch_axes.get(v)
+    batch = 0 if batch is None else batch
     by_dim: dict[int, list[Node]] = {}
-    for v in grads:
-        n = w.slice_grads.get(v)
-        if n is not None and int(n.attrs.dim) % rank:
+    for u in grads:
+        n = w.slice_grads.get(u)
+        if n is not None and int(n.attrs.dim) % rank != batch:
             by_dim.setdefault(int(n.attrs.dim) % rank, []).append(n)
     if not by_dim:
         return grads
@@ -217,20 +224,18 @@ def _joined_slices(w: _Walker, grads: list[Value], loc: str) -> list[Value]:
             runs.append([n])
     joined: list[Value] = []
     for run in (r for r in runs if len(r) > 1):
-        shape = list(w.type(grads[0]).shape)
+        full = w.type(grads[0]).shape
         start, stop = _bounds(run[0])[0], _bounds(run[-1])[1]
-        full = tuple(shape)
-        shape[dim] = stop - start
-        v = w.emit(Op.CONCAT, [n.inputs[0] for n in run], mx(*shape), loc, dim=dim).out
-        if stop - start < full[dim]:
-            v = w.emit(Op.SLICE_GRAD, [v], mx(*full), loc, dim=dim, start=start, stop=stop).out
-        joined.append(v)
+        part = tuple(stop - start if i == dim else d for i, d in enumerate(full))
+        total = w.emit(Op.CONCAT, [n.inputs[0] for n in run], mx(*part), loc, dim=dim).out
+        if part != full:
+            total = w.emit(
+                Op.SLICE_GRAD, [total], mx(*full), loc, dim=dim, start=start, stop=stop
+            ).out
+        joined.append(total)
         w.dropped.update(n.id for n in run)
-    return joined + [
-        v
-        for v in grads
-        if w.slice_grads.get(v, None) is None or w.slice_grads[v].id not in w.dropped
-    ]
+    taken = {n.out for run in runs if len(run) > 1 for n in run}
+    return joined + [u for u in grads if u not in taken]
 
 
 def _summed(w: _Walker, op: Op, grads: list[Value], typ: TensorType, loc: str) -> Value:

@@ -87,6 +87,36 @@ def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     assert_trains_bit_exact_on_llvm_and_c(_pieces(), _pieces, _data(4))
 
 
+class Unbound(nn.Module):
+    """timm's attention: q, k and v unbound along the first axis of the permuted projection
+    (3, N, heads, T, D), whose batch axis is the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 3 * 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(n, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.softmax(q @ k.transpose(-2, -1) / 2.0, dim=-1) @ v  # (N, 2, T, 4)
+        return self.head(att.transpose(1, 2).reshape(n, t, 8).mean(1))
+
+
+def test_q_k_and_v_unbound_along_the_first_axis_have_one_gradient() -> None:
+    torch.manual_seed(0)
+    prog = mexc.compile(Unbound(), (torch.zeros(4, 3, 8),))
+    (join,) = [n for n in _backward(prog) if n.op is Op.CONCAT]
+    assert int(join.attrs.dim) == 0 and join.type.shape == (3, 4, 2, 3, 4)
+    assert not prog.graph.nodes_of(Op.SLICE_GRAD)
+    torch.manual_seed(0)
+    model = Unbound()
+    prog = mexc.compile(model, (torch.zeros(64, 3, 8),))
+    x, y = _data(64)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert cosine(got["qkv.weight"], want["qkv.weight"]) >= 0.97
+
+
 class Lstm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -125,9 +155,7 @@ def test_an_lstm_s_training_memory_grows_linearly_with_its_sequence() -> None:
 def test_an_lstm_trains_bit_exact_on_reference_llvm_and_c() -> None:
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((2, 15, 8)).astype(np.float32), rng.integers(0, 10, 2)
-    assert_trains_bit_exact_on_llvm_and_c(
-        _lstm(15, 2), lambda target: _lstm(15, 2, target), (x, y)
-    )
+    assert_trains_bit_exact_on_llvm_and_c(_lstm(15, 2), lambda target: _lstm(15, 2, target), (x, y))
 
 
 @needs_cuda_tools

@@ -78,7 +78,9 @@ def test_chunked_qkv_attention_learns() -> None:
     prog = mexc.compile(ChunkAttention(), (torch.zeros(4, 1, 8, 8),))
     slices = prog.graph.nodes_of(Op.SLICE)
     assert [(n.attrs.start, n.attrs.stop) for n in slices] == [(0, 16), (16, 32), (32, 48)]
-    assert len(prog.graph.nodes_of(Op.SLICE_GRAD)) == 3
+    # their gradients are one concatenation, not three whole tensors of zeros summed
+    assert not prog.graph.nodes_of(Op.SLICE_GRAD)
+    assert [len(n.inputs) for n in prog.graph.nodes_of(Op.CONCAT) if n.attrs.dim == 2] == [3]
     losses = _train(ChunkAttention(), (1, 8, 8))
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
 
