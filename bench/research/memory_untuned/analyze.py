@@ -11,6 +11,13 @@ from pathlib import Path
 
 RESULTS = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results.jsonl")
 rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+# a model measured again on newer code (rows tagged with two commits or more): only the rows
+# of its last commit
+codes: dict = defaultdict(list)
+for r in rows:
+    if r.get("code") and r["code"] not in codes[r["model"]]:
+        codes[r["model"]].append(r["code"])
+rows = [r for r in rows if len(codes[r["model"]]) < 2 or r.get("code") == codes[r["model"]][-1]]
 groups: dict = defaultdict(list)
 for r in rows:
     groups[(r["model"], r.get("target", "llvm"), r["batch"], r["who"])].append(r)
