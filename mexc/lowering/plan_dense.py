@@ -170,7 +170,12 @@ class DenseRules(PlanBuilder):
         key = self.keys(n, (0,), "key0", rows * k)
         table = self.const("exp_table", EXP_TABLE.values, I32)
         func = te_ops.softmax_ce_forward(
-            rows, k, self.stochastic, f"n{n.id}_softmax_ce", self.device.native_division
+            rows,
+            k,
+            self.stochastic,
+            f"n{n.id}_softmax_ce",
+            self.device.native_division,
+            self.device.gemm.host_scheduled,
         )
         self.launch(func, (self.m[logits], self.e[logits], key, table, probs))
 
@@ -182,7 +187,12 @@ class DenseRules(PlanBuilder):
         # the whole batch's rows, as the runtime writes valid[1] for every training step
         shift = grad_shift(self.prog.eval_batch * self.prog.positions, k)
         func = te_ops.softmax_ce_backward_acc(
-            rows, k, f"n{n.id}_softmax_ce_grad", self.device.native_division, shift
+            rows,
+            k,
+            f"n{n.id}_softmax_ce_grad",
+            self.device.native_division,
+            shift,
+            self.device.gemm.host_scheduled,
         )
         self.launch(func, (self.m[probs], self.plan.labels, self.plan.valid, acc))
         e_in = self.const("grad_exp", np.array([GRAD_EXP - shift]), I32)

@@ -33,7 +33,7 @@ from mexc.lowering.te_compaction import (
     where,
 )
 from mexc.lowering.te_divide import idiv_round
-from mexc.lowering.te_func import prim_func
+from mexc.lowering.te_func import a_row_at_a_time, prim_func
 from mexc.lowering.te_products import IntPair, _pair
 from mexc.numerics import EXP_IN_EXP
 
@@ -455,6 +455,7 @@ def softmax_ce_forward(
     stochastic: bool,
     name: str = "softmax_ce_forward",
     native_division: bool = False,
+    host_schedule: bool = False,
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_forward without the host-side loss: int16 p in [0, 2^15 - 1] (value
     p / 2^15).
@@ -463,7 +464,9 @@ def softmax_ce_forward(
     index r*K + j; a left shift saturates at 2^30); E = table[index + 128], 0 below -128,
     clamped to 127; p = min(idiv_round(E << 15, sum_j E), 2^15 - 1). Parameters (logits, e,
     key, table, probs): e int32[1] the logits' exponent, key int64[1], table int32[256]
-    (numerics.EXP_TABLE)."""
+    (numerics.EXP_TABLE). `host_schedule`: a row at a time (te_func.a_row_at_a_time), so
+    that a row's maximum, exponentials and sum are a scratch row, not whole tensors (a
+    per-pixel loss's exponentials, int64 per class, were 21.5 MB of workspace at batch 128)."""
     i64 = "int64"
     logits = te.placeholder((n, k), I8, name="logits")
     e = te.placeholder((1,), I32, name="e")
@@ -486,7 +489,8 @@ def softmax_ce_forward(
         ).astype(PROB_DTYPE),
         name="probs",
     )
-    return _func([logits, e, key, table, probs], name)
+    func = _func([logits, e, key, table, probs], name)
+    return a_row_at_a_time(func, "probs") if host_schedule else func
 
 
 def softmax_ce_backward_acc(
@@ -495,13 +499,14 @@ def softmax_ce_backward_acc(
     name: str = "softmax_ce_backward_acc",
     native_division: bool = False,
     shift: int = 0,
+    host_schedule: bool = False,
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_backward before its compaction: t = p - S * onehot (S the row's sum
     of p) on the first valid[0] rows (0 below), acc = idiv_round(t << shift, valid[1]) at
     exponent -15 - shift (kernels.loss.grad_shift of the whole batch's rows): valid[1]
     counts the valid rows of the whole batch (a data-parallel worker's rows are a share of
     it), valid[0] those among these rows. Parameters (probs int16 (N,K), labels int32 (N,),
-    valid int32[2], acc int32 (N,K))."""
+    valid int32[2], acc int32 (N,K)). `host_schedule`: a row at a time, its sum a scalar."""
     i64 = "int64"
     probs = te.placeholder((n, k), PROB_DTYPE, name="probs")
     labels = te.placeholder((n,), I32, name="labels")
@@ -517,7 +522,8 @@ def softmax_ce_backward_acc(
         return idiv_round(t << shift, whole, native_division).astype(I32)
 
     acc = te.compute((n, k), body, name="acc")
-    return _func([probs, labels, valid, acc], name)
+    func = _func([probs, labels, valid, acc], name)
+    return a_row_at_a_time(func, "acc") if host_schedule else func
 
 
 def pre_shift(

@@ -229,7 +229,10 @@ def test_bias_add_equals_the_reference(rounding: str, k: int) -> None:
 @pytest.mark.parametrize(
     "e_logits,valid", [(-3, 16), (-6, 11), (-1, 16), (0, 5), (30, 16), (60, 7)]
 )  # 30 and 60: the left shift of the table index saturates (60: shift capped at 54)
-def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: int) -> None:
+@pytest.mark.parametrize("host", [False, True])  # a row at a time (the llvm schedule)
+def test_softmax_ce_forward_and_backward(
+    rounding: str, e_logits: int, valid: int, host: bool
+) -> None:
     rng = np.random.default_rng(abs(valid - e_logits))
     n, k = 16, 10
     logits = _rand(rng, (n, k))
@@ -239,7 +242,7 @@ def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: in
     ctx_valid = valid
     want_p, _ = softmax_ce_forward(MX.of(logits, e_logits), labels, ctx_valid, ctx, tid)
     (p,) = _run(
-        te_ops.softmax_ce_forward(n, k, rounding == "stochastic"),
+        te_ops.softmax_ce_forward(n, k, rounding == "stochastic", host_schedule=host),
         logits,
         np.array([e_logits], np.int32),
         np.array([ctx.key(tid)], np.int64),
@@ -251,7 +254,7 @@ def test_softmax_ce_forward_and_backward(rounding: str, e_logits: int, valid: in
     want_g = softmax_ce_backward(want_p, labels, ctx_valid, ctx, tid + 16)
     shift = grad_shift(valid, k)
     (acc,) = _run(
-        te_ops.softmax_ce_backward_acc(n, k, shift=shift),
+        te_ops.softmax_ce_backward_acc(n, k, shift=shift, host_schedule=host),
         p,
         labels.astype(np.int32),
         np.array([valid, valid], np.int32),
