@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,6 +254,44 @@ def test_no_host_kernel_allocates_a_large_workspace(name: str) -> None:
     assert 8 * workspace[largest] <= peak, (largest, workspace[largest], peak)
     pools = [k for k in funcs if "maxpool" in k and "grad" not in k]
     assert all(workspace[k] == 0 for k in pools)
+
+
+def _workspace_and_peak(make: Any, shape: tuple[int, ...], batch: int) -> tuple[dict, int]:
+    from mexc.backends.llvm.products import host_cpu
+    from mexc.backends.llvm.step import distinct_kernels
+    from mexc.backends.llvm.workspace import kernel_workspace_bytes
+    from mexc.lowering import step_plan
+    from mexc.lowering.cpu_gemm import schedule_parallel
+
+    torch.manual_seed(0)
+    prog = mexc.compile(make(), (torch.zeros(batch, *shape),))
+    cpu = host_cpu()
+    plan = step_plan.build_plan(prog, cpu.gemm_lanes, "cpu", cpu.gemm_kernel)
+    funcs, _ = distinct_kernels(plan, schedule_parallel)
+    return kernel_workspace_bytes(funcs, cpu.target()), step_plan.plan_peak(plan)[0]
+
+
+def _segmenter() -> Any:
+    from tests.compiler.test_position_labels import Segmenter
+
+    return Segmenter()
+
+
+@pytest.mark.parametrize("name", ["MobileNetV2Tiny", "Segmenter"])
+def test_no_kernel_holds_workspace_that_grows_much_with_the_batch(name: str) -> None:
+    """From batch 8 to 32, no kernel's own workspace grows by more than a sixth of what the
+    plan's peak grows (a per-pixel loss's exponentials, int64 per class, grew by half of it),
+    and the per-row loss's and the depthwise weight gradients' do not grow at all (they held
+    every row's, and every sample's plane per channel)."""
+    from examples.models import EXAMPLES
+
+    make, shape = (_segmenter, (1, 32, 32)) if name == "Segmenter" else EXAMPLES[name]
+    (small, p_small), (large, p_large) = (_workspace_and_peak(make, shape, b) for b in (8, 32))
+    grown = {k: large[k] - small.get(k, 0) for k in large}  # (a kernel of one plan only: all)
+    worst = max(grown, key=lambda k: grown[k])
+    assert 6 * grown[worst] <= p_large - p_small, (worst, grown[worst], p_large - p_small)
+    flat = [k for k in grown if k.endswith(("_depthwise", "_softmax_ce", "_softmax_ce_grad"))]
+    assert flat and all(grown[k] == 0 for k in flat), {k: grown[k] for k in flat}
 
 
 def test_a_launch_whose_buffers_do_not_fit_its_kernel_is_refused() -> None:
