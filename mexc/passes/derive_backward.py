@@ -39,12 +39,12 @@ class _Walker:
     needs: dict[Value, bool] = field(default_factory=dict)
     users: dict[Value, list[Node]] = field(default_factory=dict)
     types: dict[Value, TensorType] = field(default_factory=dict)
-    param_grads: dict[str, list[Value]] = field(default_factory=dict)  # partial sums
-    param_ranks: dict[str, list[int]] = field(default_factory=dict)  # log3 of their readers
+    # per parameter, the levels of its tree of sums: the terms not summed yet
+    param_grads: dict[str, list[list[Value]]] = field(default_factory=dict)
     param_locs: dict[str, str] = field(default_factory=dict)  # the last reader's source line
     masked_relus: set[int] = field(default_factory=set)  # relus whose mask a max pool applied
     slice_grads: dict[Value, Node] = field(default_factory=dict)  # slice gradients emitted
-    dropped: set[int] = field(default_factory=set)  # slice gradients a concat replaced
+    dropped: set[int] = field(default_factory=set)  # slice gradients a concat joined
     batch_axes: dict[Value, int | None] = field(default_factory=dict)  # forward values'
 
     def type(self, v: Value) -> TensorType:
@@ -78,34 +78,41 @@ class _Walker:
 
     def set_param_grad(self, param: Value, grad: Value, at: Node) -> None:
         """One reader's gradient of a parameter; a parameter read by several ops (shared
-        weights) gets their sum, added as the readers come (docs/numerics.md §7c): three
-        partial sums of one rank are added at once into one of the next rank (a ternary
-        counter), so a weight a loop reads T times holds at most 2 log3 T + 1 accumulators, not
-        T, and each rank costs c = 2 bits of the 31."""
+        weights) gets their sum (docs/numerics.md §7c): a tree of sums of MAX_SUM_TERMS
+        consecutive terms, each sum emitted as soon as its last term exists, so that a weight
+        a loop reads T times holds at most 12 accumulators per level of the tree, not T."""
         name = self.param_name(param)
         if name is None:
             return
-        terms = self.param_grads.setdefault(name, [])
-        ranks = self.param_ranks.setdefault(name, [])
-        terms.append(grad)
-        ranks.append(0)
-        while len(ranks) >= 3 and ranks[-1] == ranks[-2] == ranks[-3]:
-            three = terms[-3:]
-            rank = ranks[-1] + 1
-            del terms[-3:], ranks[-3:]
-            terms.append(self.emit(Op.PARAM_GRAD_SUM, three, self.type(three[0]), at.loc).out)
-            ranks.append(rank)
+        levels = self.param_grads.setdefault(name, [])
+        level = 0
+        while True:
+            if level == len(levels):
+                levels.append([])
+            levels[level].append(grad)
+            if len(levels[level]) < MAX_SUM_TERMS:
+                break
+            grad = self.emit(Op.PARAM_GRAD_SUM, levels[level], self.type(grad), at.loc).out
+            levels[level] = []
+            level += 1
         self.param_locs[name] = at.loc
 
     def param_sums(self) -> dict[str, Value]:
-        """Each parameter's gradient: its one reader's, or the PARAM_GRAD_SUM of the partial
-        sums left (at most two of each rank: fewer than MAX_SUM_TERMS below 3^6 readers)."""
-        return {
-            name: _summed(
-                self, Op.PARAM_GRAD_SUM, grads, self.type(grads[0]), self.param_locs[name]
-            )
-            for name, grads in self.param_grads.items()
-        }
+        """Each parameter's gradient: its one reader's, or the top of its tree: each level's
+        terms left (after its complete sums) and the level below's are one more sum."""
+        sums: dict[str, Value] = {}
+        for name, levels in self.param_grads.items():
+            below: Value | None = None
+            for terms in levels:
+                left = terms + ([below] if below is not None else [])
+                loc = self.param_locs[name]
+                if len(left) > 1:
+                    below = self.emit(Op.PARAM_GRAD_SUM, left, self.type(left[0]), loc).out
+                else:
+                    below = left[0] if left else None
+            if below is not None:  # (a parameter's list holds its first reader's gradient)
+                sums[name] = below
+        return sums
 
 
 def _no_grad(n: Node) -> bool:
@@ -166,7 +173,10 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
     if ctx.trainable is not None:
         frozen = len(g.nodes_of(Op.PARAM)) - len(trained)
         attrs = attrs.with_attrs(frozen_params=frozen)
-    b.nodes = [n for n in b.nodes if n.id not in w.dropped]
+    # the slice gradients a concat replaced, unless another gradient reads them too (an add
+    # passes one gradient to both its inputs)
+    read = {v for n in b.nodes for v in n.inputs} | {v for _, v in outputs}
+    b.nodes = [n for n in b.nodes if n.id not in w.dropped or n.out in read]
     out = b.build(outputs, attrs.attrs)
     return out if ctx.trainable is None else _prune_backward(out, g.next_id())
 
@@ -234,8 +244,11 @@ def _joined_slices(w: _Walker, v: Value, grads: list[Value], loc: str) -> list[V
             ).out
         joined.append(total)
         w.dropped.update(n.id for n in run)
-    taken = {n.out for run in runs if len(run) > 1 for n in run}
-    return joined + [u for u in grads if u not in taken]
+    rest = list(grads)  # one occurrence per joined slice: `a + a` lists one gradient twice
+    for run in (r for r in runs if len(r) > 1):
+        for n in run:
+            rest.remove(n.out)
+    return joined + rest
 
 
 def _summed(w: _Walker, op: Op, grads: list[Value], typ: TensorType, loc: str) -> Value:

@@ -59,8 +59,7 @@ def test_each_phase_is_a_plain_convolution_with_the_layers_weight() -> None:
     assert len(convs) == 4 + 3 + 4
     assert all(tuple(n.attrs.padding) == (0, 0) for n in convs)
     sums = sorted(len(n.inputs) for n in prog.graph.nodes_of(Op.PARAM_GRAD_SUM))
-    # b's weight and bias (3 readers: one sum), a's and c's (4: the first three, then the 4th)
-    assert sums == [2, 2, 2, 2] + [3] * 6
+    assert sums == [3, 3, 4, 4, 4, 4]  # b's, a's and c's weight and bias
 
 
 def test_the_dilated_convolution_is_torchs_to_its_rounding() -> None:

@@ -73,11 +73,9 @@ def test_each_shared_parameter_gets_one_sum_of_its_readers() -> None:
     sums = prog.graph.nodes_of(Op.PARAM_GRAD_SUM)
     # block.weight and block.bias (3 readers), fc.weight (2), table (2)
     assert sorted(len(n.inputs) for n in sums) == [2, 2, 3, 3]
-    # a block applied 14 times: readers added three at a time as they come (a ternary
-    # counter: sums after readers 3, 6, 9 and 12, the three first sums at 9), then the four
-    # partial sums left (ranks 2, 1, 0, 0) in one
+    # a block applied 14 times: 13 terms in one sum, the 14th added by a second
     deep = _program(repeats=14).graph.nodes_of(Op.PARAM_GRAD_SUM)
-    assert sorted(len(n.inputs) for n in deep) == [2, 2] + [3] * 10 + [4, 4]
+    assert sorted(len(n.inputs) for n in deep) == [2, 2, 2, 2, 13, 13]
 
 
 @pytest.mark.parametrize("repeats", [3, 14])
