@@ -128,9 +128,13 @@ def test_the_shared_weights_get_their_gradients(case: str) -> None:
         assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
 
 
-def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("bias", [True, False])  # without: the first step adds no hidden term
+def test_trains_bit_exact_on_reference_llvm_and_c(kind: str, bias: bool) -> None:
     def program(target: str = "reference") -> mexc.Program:
-        return mexc.compile(_model("lstm"), (torch.zeros(2, 3, 8),), target=target)
+        torch.manual_seed(0)
+        model = Sequence(kind, batch_first=True, bias=bias)
+        return mexc.compile(model, (torch.zeros(2, 3, 8),), target=target)
 
     assert_trains_bit_exact_on_llvm_and_c(program(), program, _data(2, 3))
 
