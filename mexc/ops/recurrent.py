@@ -28,6 +28,7 @@ from mexc.ops.tensor import (
     added,
     concatenated,
     multiplied,
+    param_added,
     reshaped,
     scaled,
     sliced,
@@ -188,7 +189,7 @@ def _hidden_projection(
     if b_hh is None:
         return None
     zero = gather.gathered_value(c, n, gather.const_gathered(n, np.zeros(wide, np.float32)), wide)
-    return c.emit_as(Op.ADD_PARAM, [zero, b_hh], wide, view=(1, wide[1]))
+    return param_added(c, zero, b_hh, wide, (1, wide[1]))
 
 
 def _zeros(c: Any, hx: Any) -> bool:

@@ -731,6 +731,12 @@ def added(c: Any, a: Value, b: Value, shape: tuple[int, ...]) -> Value:
     return c.emit_as(Op.ADD, [a, b], shape)
 
 
+def param_added(c: Any, v: Value, p: Value, shape: tuple[int, ...], view: tuple[int, ...]) -> Value:
+    """v + a parameter seen as `view` (broadcast against v's shape): a step of a
+    decomposition."""
+    return c.emit_as(Op.ADD_PARAM, [v, p], shape, view=view)
+
+
 def subtracted(c: Any, n: Any, a: Value | float, b: Value | float, shape: tuple[int, ...]) -> Value:
     """a - b of values of `shape`, or of one and a number (a step of a decomposition): a + (-1)
     b, a number added as a constant (number_added; 0 adds nothing)."""
