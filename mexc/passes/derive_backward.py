@@ -103,9 +103,9 @@ class _Walker:
         sums: dict[str, Value] = {}
         for name, levels in self.param_grads.items():
             below: Value | None = None
+            loc = self.param_locs[name]
             for terms in levels:
                 left = terms + ([below] if below is not None else [])
-                loc = self.param_locs[name]
                 if len(left) > 1:
                     below = self.emit(Op.PARAM_GRAD_SUM, left, self.type(left[0]), loc).out
                 else:
@@ -233,6 +233,7 @@ def _joined_slices(w: _Walker, v: Value, grads: list[Value], loc: str) -> list[V
         elif not runs or start >= _bounds(runs[-1][-1])[1]:  # an overlapping slice: summed
             runs.append([n])
     joined: list[Value] = []
+    rest = list(grads)  # one occurrence per joined slice: `a + a` lists one gradient twice
     for run in (r for r in runs if len(r) > 1):
         full = w.type(grads[0]).shape
         start, stop = _bounds(run[0])[0], _bounds(run[-1])[1]
@@ -244,8 +245,6 @@ def _joined_slices(w: _Walker, v: Value, grads: list[Value], loc: str) -> list[V
             ).out
         joined.append(total)
         w.dropped.update(n.id for n in run)
-    rest = list(grads)  # one occurrence per joined slice: `a + a` lists one gradient twice
-    for run in (r for r in runs if len(r) > 1):
         for n in run:
             rest.remove(n.out)
     return joined + rest
