@@ -6,6 +6,7 @@ import numpy as np
 
 from mexc.kernels._common import (
     MAG,
+    align_term,
     aligned_sum_fast,
     compact_mx,
     global_rows,
@@ -20,6 +21,8 @@ from mexc.numerics import (
     ceil_log2,
     check_int32,
     element_bits,
+    expand_exponent,
+    magnitude_bits,
     shift_right,
     shift_signed,
 )
@@ -47,17 +50,31 @@ def grad_sum(terms: list[MX], ctx: RoundCtx, tid: int) -> MX:
     return compact_mx(acc, e, ctx, site_key(ctx, tid, len(terms)), batch=True)
 
 
-ACC_BITS = 31  # |int32 accumulator| < 2^31: a gradient accumulator's bound in an aligned sum
-
-
 def param_grad_sum(terms: list[Acc], ctx: RoundCtx, tid: int) -> Acc:
     """The gradient of a parameter read by T <= 13 ops: their int32 accumulators added as an
-    aligned sum with bound 31 (docs/numerics.md §7c), term i at site i; an accumulator."""
+    aligned sum whose bound for term i is the bit length of its largest magnitude, all-zero
+    terms left out (docs/numerics.md §7c); term i at site i; an accumulator."""
     if not 2 <= len(terms) <= MAX_SUM_TERMS:
         raise ValueError(f"param_grad_sum takes 2..{MAX_SUM_TERMS} terms, got {len(terms)}")
-    keys = [site_key(ctx, tid, i) for i in range(len(terms))]
-    acc, e = aligned_sum_fast([(i64(t.a), t.e, ACC_BITS) for t in terms], ctx.rounding, keys)
-    return Acc(acc, e)
+    values = [i64(t.a) for t in terms]
+    exps = [np.asarray(t.e) for t in terms]
+    bits = [magnitude_bits(np.abs(v).max(initial=0)) for v in values]
+    live = [i for i, b in enumerate(bits) if b > 0]
+    if not live:  # every reader's gradient is zero: so is the sum, at the lowest exponent
+        low = exps[0]
+        for e in exps[1:]:
+            low = np.minimum(low, e)
+        return Acc(np.zeros_like(values[0]), low)
+    low, top = exps[live[0]], exps[live[0]] + bits[live[0]]
+    for i in live[1:]:
+        low, top = np.minimum(low, exps[i]), np.maximum(top, exps[i] + bits[i])
+    target = np.maximum(low, top + len(terms).bit_length() - 31)
+    total = np.zeros(np.broadcast_shapes(*(v.shape for v in values)), np.int64)
+    for i in live:
+        sh = expand_exponent(target - exps[i], values[i].ndim)
+        total = total + align_term(values[i], sh, ctx.rounding, site_key(ctx, tid, i))
+    check_int32(total, "param_grad_sum")
+    return Acc(total, target)
 
 
 def _keep_threshold(p: FixedScalar) -> int:

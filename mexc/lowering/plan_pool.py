@@ -18,11 +18,13 @@ from mexc.lowering import te_ops, te_pool
 from mexc.lowering.plan_core import (
     I8,
     I32,
+    SLOT_I32,
     PlanBuilder,
     Shape,
     shape4,
     unsupported,
 )
+from mexc.lowering.te_compaction import abs_max_kernel
 from mexc.lowering.te_products import IntPair, _pair
 from mexc.numerics import (
     CONTAINER_BITS,
@@ -144,16 +146,25 @@ class PoolRules(PlanBuilder):
 
     def param_grad_sum(self, n: Node) -> None:
         """kernels.param_grad_sum: a shared parameter's accumulators as one aligned sum (sites
-        0 .. T-1 over the parameter's elements), an int32 accumulator and its exponent."""
+        0 .. T-1 over the parameter's elements), an int32 accumulator and its exponent; each
+        term's largest magnitude first (its bound in the sum)."""
         terms = list(n.inputs)
         shape = self.shape(terms[0])
+        rows = self.rows_of(shape)
+        amaxes = []
+        for i, t in enumerate(terms):
+            amax = self.buf(f"n{n.id}.amax{i}", (SLOT_I32,), I32)
+            func = abs_max_kernel(rows, f"n{n.id}_amax{i}", SLOT_I32)
+            self.launch(func, (self.view(self.m[t], rows), amax))
+            amaxes.append(amax)
         keys = self.keys(n, tuple(range(len(terms))), "sum_keys", 0)
-        func = te_ops.aligned_acc_sum(shape, len(terms), self.stochastic, f"n{n.id}_acc_sum")
+        func = te_ops.aligned_acc_sum(
+            shape, len(terms), self.stochastic, f"n{n.id}_acc_sum", SLOT_I32
+        )
         target = self.buf(f"n{n.id}.e", (1,), I32)
         acc = self.out(n, 0, I32)
-        self.launch(
-            func, (*(self.m[t] for t in terms), *(self.e[t] for t in terms), keys, target, acc)
-        )
+        args = (*(self.m[t] for t in terms), *(self.e[t] for t in terms), *amaxes, keys)
+        self.launch(func, (*args, target, acc))
         self.e[n.result(0)] = target
 
     def dropout(self, n: Node) -> None:

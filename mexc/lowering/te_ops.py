@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from tvm import te, tirx
 
-from mexc.kernels.elementwise import ACC_BITS, DIV_BITS
+from mexc.kernels.elementwise import DIV_BITS
 from mexc.kernels.loss import PROB_BITS, PROB_DTYPE, PROB_ONE
 from mexc.lowering.te_compaction import (
     _flat_index,
@@ -244,32 +244,60 @@ def aligned_sum_acc(
     return _func([*inputs, target, acc], name)
 
 
+def acc_sum_target(es: list[te.Tensor], amaxes: list[te.Tensor], name: str = "target") -> te.Tensor:
+    """kernels.param_grad_sum's exponent (docs/numerics.md section 7c) from each term's
+    exponent e_i (1,) and largest magnitude amax_i (element 0): b_i = bit_length(amax_i),
+    target = max(min e_i, max(e_i + b_i) + c - 31) over the terms that are not all zero, the
+    lowest e_i where every term is zero."""
+    none, big = tirx.const(0, I32), tirx.const(1 << 30, I32)
+    c = len(es).bit_length()
+
+    def bit_length(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        total: tirx.PrimExpr = none
+        for t in range(31):  # |int32 accumulator| < 2^31
+            total = total + where(v >= (1 << t), tirx.const(1, I32), none)
+        return total
+
+    def value(_: tirx.PrimExpr) -> tirx.PrimExpr:
+        low, top, lowest = big, -big, es[0][0]
+        for e, a in zip(es, amaxes):
+            live = a[0] > 0
+            low = tirx.min(low, where(live, e[0], big))
+            top = tirx.max(top, where(live, e[0] + bit_length(a[0]), -big))
+            lowest = tirx.min(lowest, e[0])
+        return where(low < big, tirx.max(low, top + (c - 31)), lowest)
+
+    return te.compute((1,), value, name=name)
+
+
 def aligned_acc_sum(
-    shape: tuple[int, ...], terms: int, stochastic: bool, name: str
+    shape: tuple[int, ...], terms: int, stochastic: bool, name: str, slot: int = 1
 ) -> tirx.PrimFunc:
     """kernels.param_grad_sum: `terms` int32 accumulators at their exponents added as an
-    aligned sum with bound 31 (docs/numerics.md section 7c): target = max(e_i) + c, every term
-    shifted right by target - e_i >= c with rounding key i (int32 lanes: shift_right32 never
-    wraps, and the sum of T < 2^c terms below 2^(31 - c) fits). Parameters (a_0 .. a_{T-1},
-    e_0 .. e_{T-1}, keys, target, acc): e_i one-element buffers, keys int64[T]."""
+    aligned sum, each term bounded by its largest magnitude (`acc_sum_target`). A term is
+    shifted left by at most 31 - c - 1 bits (exact: it stays below 2^(31 - c)) or right with
+    rounding key i; an all-zero term adds zero whatever its shift (zero shifted either way is
+    zero).
+    Parameters (a_0 .. a_{T-1}, e_0 .. e_{T-1}, amax_0 .. amax_{T-1}, keys, target, acc): e_i
+    one-element buffers, amax_i the term's max |a_i| in element 0 of `slot`, keys int64[T]."""
     accs = [te.placeholder(shape, I32, name=f"a{i}") for i in range(terms)]
     es = [te.placeholder((1,), I32, name=f"e{i}") for i in range(terms)]
+    amaxes = [te.placeholder((slot,), I32, name=f"amax{i}") for i in range(terms)]
     keys = te.placeholder((terms,), "int64", name="keys")
-    target = te.compute(
-        (1,), lambda _: aligned_target([(e[0], ACC_BITS) for e in es]), name="target"
-    )
+    target = acc_sum_target(es, amaxes)
+    left_limit = 31 - terms.bit_length() - 1
 
     def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
         flat = _flat_index(shape, idx)
         total: tirx.PrimExpr = tirx.const(0, I32)
         for i in range(terms):
             total = total + shift_signed32(
-                accs[i][idx], target[0] - es[i][0], keys[i], flat, stochastic, 0
+                accs[i][idx], target[0] - es[i][0], keys[i], flat, stochastic, left_limit
             )
         return total
 
     acc = te.compute(shape, body, name="acc")
-    return _func([*accs, *es, keys, target, acc], name)
+    return _func([*accs, *es, *amaxes, keys, target, acc], name)
 
 
 def aligned_sum_compaction(

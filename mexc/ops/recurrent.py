@@ -179,11 +179,9 @@ def _hidden_projection(
 ) -> Value | None:
     """W_hh h + b_hh. At the first step h is the zero state: the bias alone (added to zeros at
     exponent 0: exact for a bias exponent down to -22, 2^-15 and more), or nothing without a
-    bias. Its product would be zeros at the exponent of h times the weight's, and the weight's
-    gradient from it an accumulator of zeros at that exponent, which the sum of the steps'
-    gradients aligns to (docs/numerics.md §7c): it cost a bidirectional LSTM's reverse hidden
-    weight most of its gradient's bits (cosine 0.79 with autograd's over 6 seeds, 0.99
-    without it)."""
+    bias. Its product would be zeros at the exponent of h times the weight's, a GEMM whose
+    weight gradient is an accumulator of zeros (which the sum of the steps' gradients leaves
+    out, docs/numerics.md §7c)."""
     if not first:
         return linear(c, h, w_hh, b_hh, wide)
     if b_hh is None:

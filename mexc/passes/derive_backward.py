@@ -39,9 +39,8 @@ class _Walker:
     needs: dict[Value, bool] = field(default_factory=dict)
     users: dict[Value, list[Node]] = field(default_factory=dict)
     types: dict[Value, TensorType] = field(default_factory=dict)
-    # per parameter, the levels of its tree of sums: the terms not summed yet
-    param_grads: dict[str, list[list[Value]]] = field(default_factory=dict)
-    param_locs: dict[str, str] = field(default_factory=dict)  # the last reader's source line
+    # per parameter, the sum of its readers' gradients so far
+    param_grads: dict[str, Value] = field(default_factory=dict)
     masked_relus: set[int] = field(default_factory=set)  # relus whose mask a max pool applied
     slice_grads: dict[Value, Node] = field(default_factory=dict)  # slice gradients emitted
     dropped: set[int] = field(default_factory=set)  # slice gradients a concat joined
@@ -78,41 +77,17 @@ class _Walker:
 
     def set_param_grad(self, param: Value, grad: Value, at: Node) -> None:
         """One reader's gradient of a parameter; a parameter read by several ops (shared
-        weights) gets their sum (docs/numerics.md §7c): a tree of sums of MAX_SUM_TERMS
-        consecutive terms, each sum emitted as soon as its last term exists, so that a weight
-        a loop reads T times holds at most 12 accumulators per level of the tree, not T."""
+        weights) gets their sum (docs/numerics.md §7c): each reader's accumulator added to the
+        sum so far as soon as it exists, so that a weight a loop reads T times holds two
+        accumulators at a time, not T (a sum is exact unless its terms span more than 29
+        bits)."""
         name = self.param_name(param)
         if name is None:
             return
-        levels = self.param_grads.setdefault(name, [])
-        level = 0
-        while True:
-            if level == len(levels):
-                levels.append([])
-            levels[level].append(grad)
-            if len(levels[level]) < MAX_SUM_TERMS:
-                break
-            grad = self.emit(Op.PARAM_GRAD_SUM, levels[level], self.type(grad), at.loc).out
-            levels[level] = []
-            level += 1
-        self.param_locs[name] = at.loc
-
-    def param_sums(self) -> dict[str, Value]:
-        """Each parameter's gradient: its one reader's, or the top of its tree: each level's
-        terms left (after its complete sums) and the level below's are one more sum."""
-        sums: dict[str, Value] = {}
-        for name, levels in self.param_grads.items():
-            below: Value | None = None
-            loc = self.param_locs[name]
-            for terms in levels:
-                left = terms + ([below] if below is not None else [])
-                if len(left) > 1:
-                    below = self.emit(Op.PARAM_GRAD_SUM, left, self.type(left[0]), loc).out
-                else:
-                    below = left[0] if left else None
-            if below is not None:  # (a parameter's list holds its first reader's gradient)
-                sums[name] = below
-        return sums
+        total = self.param_grads.get(name)
+        if total is not None:
+            grad = self.emit(Op.PARAM_GRAD_SUM, [total, grad], self.type(grad), at.loc).out
+        self.param_grads[name] = grad
 
 
 def _no_grad(n: Node) -> bool:
@@ -166,7 +141,7 @@ def derive_backward(g: Graph, ctx: PassContext) -> Graph:
             if grad is not None:
                 pending.setdefault(v, []).append(grad)
     trained = {
-        k: v for k, v in w.param_sums().items() if ctx.trainable is None or k in ctx.trainable
+        k: v for k, v in w.param_grads.items() if ctx.trainable is None or k in ctx.trainable
     }
     outputs = list(g.outputs) + [(f"grad:{k}", v) for k, v in sorted(trained.items())]
     attrs = g.with_attrs(forward_rids=_max_rid(g) + 1)

@@ -71,11 +71,12 @@ def _program(target: str = "reference", batch: int = 4, repeats: int = 3) -> mex
 def test_each_shared_parameter_gets_one_sum_of_its_readers() -> None:
     prog = _program()
     sums = prog.graph.nodes_of(Op.PARAM_GRAD_SUM)
-    # block.weight and block.bias (3 readers), fc.weight (2), table (2)
-    assert sorted(len(n.inputs) for n in sums) == [2, 2, 3, 3]
-    # a block applied 14 times: 13 terms in one sum, the 14th added by a second
+    # block.weight and block.bias (3 readers), fc.weight (2), table (2): each reader's
+    # accumulator added to the sum of the ones before
+    assert [len(n.inputs) for n in sums] == [2] * 6
+    # a block applied 14 times: 13 sums for each of its two parameters
     deep = _program(repeats=14).graph.nodes_of(Op.PARAM_GRAD_SUM)
-    assert sorted(len(n.inputs) for n in deep) == [2, 2, 2, 2, 13, 13]
+    assert [len(n.inputs) for n in deep] == [2] * 28
 
 
 @pytest.mark.parametrize("repeats", [3, 14])
@@ -90,15 +91,72 @@ def test_shared_gradients_follow_autograd(repeats: int) -> None:
 
 
 def test_the_sum_is_the_aligned_sum_of_the_spec() -> None:
-    """docs/numerics.md §7c: target max(e_i) + c, every term shifted right (nearest here)."""
+    """docs/numerics.md §7c's example: each term bounded by its largest magnitude."""
     ctx = RoundCtx("nearest", 0, 0, 8)
-    a = Acc(np.array([1000, -7, 2**30], np.int64), np.array(-20))
-    b = Acc(np.array([3, 120, -5], np.int64), np.array(-10))
+    a = Acc(np.array([1000, -7, 2**30], np.int64), np.array(-20))  # b = 31
+    b = Acc(np.array([3, 120, -5], np.int64), np.array(-10))  # b = 7
     got = K.param_grad_sum([a, b], ctx, 0)
-    assert int(got.e) == -8  # max(-20, -10) + c, c = bit_length(2) = 2
-    # a: 1000 >> 12 = 0.24 -> 0, -7 -> 0, 2^30 >> 12 = 2^18; b: 3 >> 2 = 0.75 -> 1, 30,
-    # -5 >> 2 = -1.25 -> -1
-    assert got.a.tolist() == [1, 30, 2**18 - 1]
+    # max(-20, max(-20 + 31, -10 + 7) + c - 31) = -18, c = bit_length(2) = 2: a shifted right
+    # by 2 (-7 / 4 = -1.75 -> -2), b left by 8
+    assert int(got.e) == -18
+    assert got.a.tolist() == [250 + 768, -2 + 30720, 2**28 - 1280]
+    # with a's largest magnitude 1000 (b = 10) the sum is exact at a's exponent
+    small = Acc(np.array([1000, -7, 5], np.int64), np.array(-20))
+    got = K.param_grad_sum([small, b], ctx, 0)
+    assert int(got.e) == -20 and got.a.tolist() == [1000 + 3072, -7 + 122880, 5 - 5120]
+
+
+def test_an_all_zero_term_takes_no_part_in_the_sum() -> None:
+    """A reader whose gradient is all zero carries an exponent but no bits: the sum of the
+    others is what it would be without it, wherever its exponent is."""
+    ctx = RoundCtx("stochastic", 3, 1, 8)
+    a = Acc(np.array([1000, -7, 5], np.int64), np.array(-20))
+    b = Acc(np.array([3, 120, -5], np.int64), np.array(-10))
+    zero_above = Acc(np.zeros(3, np.int64), np.array(40))
+    zero_below = Acc(np.zeros(3, np.int64), np.array(-90))
+    alone = K.param_grad_sum([a, b], ctx, 0)
+    for zero in (zero_above, zero_below):
+        got = K.param_grad_sum([a, b, zero], ctx, 0)
+        assert int(got.e) == int(alone.e) == -20
+        assert got.a.tolist() == alone.a.tolist()
+    nothing = K.param_grad_sum([zero_above, zero_below], ctx, 0)
+    assert int(nothing.e) == -90 and not nothing.a.any()
+
+
+def test_the_llvm_kernel_is_the_reference_sum() -> None:
+    """te_ops.aligned_acc_sum on terms with spread exponents and magnitudes, zero terms among
+    them, against kernels.param_grad_sum, stochastic rounding."""
+    from mexc.kernels._common import site_key
+    from mexc.lowering import te_ops
+    from tests.compiler.helpers import run_kernel
+
+    rng = np.random.default_rng(5)
+    ctx = RoundCtx("stochastic", 11, 2, 8)
+    shape = (6, 40)
+    cases = [
+        [(2**20, -30), (2**9, -12), (0, 50)],
+        [(2**30, -5), (100, -40), (2**15, 0), (1, 3)],
+        [(0, 7), (0, -3)],
+        [(2**12, -20)] * 13,
+    ]
+    for case in cases:
+        terms = [
+            Acc(rng.integers(-top, top + 1, shape).astype(np.int64), np.array(e)) for top, e in case
+        ]
+        want = K.param_grad_sum(terms, ctx, 9)
+        func = te_ops.aligned_acc_sum(shape, len(terms), True, "acc_sum")
+        amax = [np.array([np.abs(t.a).max()], np.int32) for t in terms]
+        keys = np.array([site_key(ctx, 9, i) for i in range(len(terms))], np.int64)
+        target, acc = run_kernel(
+            func,
+            *(t.a.astype(np.int32) for t in terms),
+            *(np.array([int(t.e)], np.int32) for t in terms),
+            *amax,
+            keys,
+            outs=[((1,), "int32"), (shape, "int32")],
+        )
+        assert int(target[0]) == int(want.e), case
+        np.testing.assert_array_equal(acc, want.a)
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:

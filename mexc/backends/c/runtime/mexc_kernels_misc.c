@@ -221,22 +221,32 @@ int32_t mexc_grad_sum(uint32_t t, const int8_t *const *x, const int32_t *e, uint
 }
 
 /* param_grad_sum (docs/numerics.md section 7c): t <= 13 int32 accumulators of n elements at
-   exponents e, added as an aligned sum with bound 31 (term i at site i) into out; returns its
-   exponent. */
+   exponents e, added as an aligned sum into out (term i at site i): term i bounded by the bit
+   length of its largest magnitude, all-zero terms left out of the target and the sum (the
+   lowest exponent when every term is zero); returns the sum's exponent. */
 int32_t mexc_param_grad_sum(uint32_t t, const int32_t *const *x, const int32_t *e, uint32_t n,
                             int32_t *out, const mexc_ctx_t *ctx, uint32_t tid)
 {
-    int32_t b[13], target;
+    int32_t b[13], target = e[0], low = 0, top = 0, live = 0, acc;
     uint32_t keys[13], i, k;
     for (i = 0; i < t; i++) {
-        b[i] = 31;
+        b[i] = mexc_bit_length(mexc_max_abs(x[i], n));
         keys[i] = mexc_site_key(ctx, tid, i);
+        if (e[i] < target) target = e[i];
+        if (b[i] == 0) continue;
+        if (!live || e[i] < low) low = e[i];
+        if (!live || e[i] + b[i] > top) top = e[i] + b[i];
+        live = 1;
     }
-    target = mexc_aligned_target(t, e, b);
+    if (live) {
+        target = top + mexc_bit_length(t) - 31;
+        if (low > target) target = low;
+    }
     for (k = 0; k < n; k++) {
-        int32_t acc = 0;
+        acc = 0;
         for (i = 0; i < t; i++)
-            acc += mexc_shift_signed(x[i][k], target - e[i], ctx->stochastic, keys[i], k);
+            if (b[i] > 0)
+                acc += mexc_shift_signed(x[i][k], target - e[i], ctx->stochastic, keys[i], k);
         out[k] = acc;
     }
     return target;
