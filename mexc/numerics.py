@@ -603,10 +603,21 @@ def gelu_grad_float(v: float) -> float:
     return 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) + v * pdf
 
 
-GELU_IN_EXP = -5  # inputs in [-4, 4) at resolution 1/32
-GELU_TABLE = LookupTable.build("gelu", gelu_float, GELU_IN_EXP, -5, -127, 127)
-# derivative in [-0.13, 1.13]; B_G = 6 fractional bits keeps it inside int8
-GELU_GRAD_TABLE = LookupTable.build("gelu_grad", gelu_grad_float, GELU_IN_EXP, -6, -127, 127)
+def gelu_phi_float(v: float) -> float:
+    """The standard normal CDF: GELU(x) = x Phi(x)."""
+    return 0.5 * (1.0 + math.erf(v / math.sqrt(2.0)))
+
+
+# GELU as x times Phi(x), as SiLU is x times sigmoid(x): the product keeps x's own precision
+# at every scale (a table of GELU's values at a fixed 2^-5 step rounded small inputs to a few
+# units: docs/numerics.md section 9). Phi on [-4, 4) at 1/32, values at 2^-15; past the range
+# the clamped index gives Phi(3.97) = 1 - 3.6e-5 and Phi(-4) = 3.2e-5. The derivative
+# Phi(x) + x phi(x), in [-0.13, 1.13], at 2^-14.
+GELU_IN_EXP = -5
+GELU_PHI_TABLE = LookupTable.build("gelu_phi", gelu_phi_float, GELU_IN_EXP, -15, 0, 1 << 15)
+GELU_GRAD_TABLE = LookupTable.build(
+    "gelu_grad", gelu_grad_float, GELU_IN_EXP, -14, -(1 << 15), 1 << 15
+)
 # the logistic function and SiLU (x sigmoid(x)) on [-8, 8) at 1/16, values at 2^-15 (sigmoid)
 # and 2^-14 (SiLU's derivative, in [-0.1, 1.1]); past the range the clamped index gives
 # sigmoid(+-7.94) and the derivatives' asymptotes within 0.003

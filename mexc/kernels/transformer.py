@@ -43,7 +43,7 @@ from mexc.mx import MX, Acc, RoundCtx
 from mexc.numerics import (
     EXP_TABLE,
     GELU_GRAD_TABLE,
-    GELU_TABLE,
+    GELU_PHI_TABLE,
     FixedScalar,
     Reciprocal,
     ceil_log2,
@@ -254,38 +254,17 @@ def layernorm_backward(
 
 # -------------------------------------------------------------------------------------- GELU
 
-GELU_RANGE_LOG2 = 2  # GELU_TABLE covers inputs in [-4, 4): 2^2
-
 
 def gelu_forward(x: MX, ctx: RoundCtx, tid: int) -> MX:
-    """y = GELU(x) by GELU_TABLE (inputs at 2^-5 in [-4, 4), values at 2^-5).
-
-    The index is x shifted to exponent -5 (ctx rounding, **site 0**; saturating left shift),
-    clamped to [-128, 127]. Outside the table range GELU is continued exactly by its asymptotes:
-    x >= 4 gives x, x < -4 gives 0 (|GELU(x) - x| < 1.3e-4 there), decided exactly on the
-    mantissa (threshold th = 2^max(2 - e_x, 0)). Accumulator at exponent -5 (x << (e_x + 5) for
-    the identity part, |.| <= 2^14); e_x > 2: every non-zero x is out of range, y = max(x, 0)
-    at e_x. e_x <= -5: |x| < 4, the table alone. Compaction to ctx.bits (**site 1**; a no-op
-    for 8 bits when no input is >= 4).
-    """
-    e = scalar_exp(x, "gelu input")
-    xm = i64(x.m)
-    if e > GELU_RANGE_LOG2:
-        return compact_mx(np.maximum(xm, 0), e, ctx, site_key(ctx, tid, 1), batch=True)
-    start = row_offset(xm, ctx.rows)
-    tab = GELU_TABLE.lookup(xm, e, ctx.rounding, site_key(ctx, tid, 0), start)
-    e_out = GELU_TABLE.out_exp
-    k = e - e_out
-    if k > 0:
-        th = 1 << max(GELU_RANGE_LOG2 - e, 0)
-        tab = np.where(xm >= th, xm << k, np.where(xm < -th, 0, tab))
-    return compact_mx(tab, e_out, ctx, site_key(ctx, tid, 1), batch=True)
+    """y = x Phi(x): activation.table_product(x, x, GELU_PHI_TABLE) (index rounding **site 0**,
+    the product compacted at **site 1**), as SiLU is x sigmoid(x)."""
+    return table_product(x, x, GELU_PHI_TABLE, ctx, tid)
 
 
 def gelu_backward(dy: MX, x: MX, ctx: RoundCtx, tid: int) -> MX:
     """dx = dy GELU'(x): G = GELU_GRAD_TABLE.lookup(x) (index rounding **site 0**, clamped, so
-    x >= 4 gives GELU'(3.97) = 64 * 2^-6 = 1 and x < -4 gives 0: the right asymptotes);
-    acc = dy_m G (|.| < 2^14) at e_dy - 6; compaction **site 1**: activation.table_product."""
+    x >= 4 gives GELU'(3.97) = 1.0003 and x < -4 gives GELU'(-4) = -4.7e-4: the asymptotes);
+    acc = dy_m G (|.| < 2^22) at e_dy - 14; compaction **site 1**: activation.table_product."""
     return table_product(dy, x, GELU_GRAD_TABLE, ctx, tid)
 
 

@@ -28,6 +28,8 @@ from mexc.lowering.te_compaction import abs_max_kernel
 from mexc.lowering.te_products import IntPair, _pair
 from mexc.numerics import (
     CONTAINER_BITS,
+    GELU_GRAD_TABLE,
+    GELU_PHI_TABLE,
     MISH_GRAD_TABLE,
     MISH_TABLE,
     SIGMOID_GRAD_TABLE,
@@ -293,6 +295,12 @@ class PoolRules(PlanBuilder):
 
     def silu_grad(self, n: Node) -> None:
         self._table_product(n, n.inputs[0], n.inputs[1], SILU_GRAD_TABLE)
+
+    def gelu(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[0], GELU_PHI_TABLE)
+
+    def gelu_grad(self, n: Node) -> None:
+        self._table_product(n, n.inputs[0], n.inputs[1], GELU_GRAD_TABLE)
 
     def tanh(self, n: Node) -> None:
         self._table_product(n, None, n.inputs[0], TANH_TABLE)

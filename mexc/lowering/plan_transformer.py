@@ -16,7 +16,7 @@ from mexc.kernels.pool import DIV_BITS
 from mexc.kernels.transformer import param_view
 from mexc.lowering import te_ops, te_transformer
 from mexc.lowering.plan_core import I8, I32, PlanBuilder, Shape, unsupported
-from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, FixedScalar, ceil_log2
+from mexc.numerics import FixedScalar, ceil_log2
 from mexc.ops.gather import index_rows
 
 
@@ -276,30 +276,3 @@ class TransformerRules(PlanBuilder):
         func = te_transformer.mean_tokens_grad_acc((b, t, d), f"n{n.id}_mean_tokens_grad")
         self.launch(func, (self.as_shaped(dy), self.e[dy], acc, e_acc))
         self.compact(n, acc, e_acc, shape, 0)
-
-    # ----------------------------------------------------------------------------- GELU
-
-    def gelu(self, n: Node) -> None:
-        """kernels.transformer.gelu_forward: the table lookup (index rounding site 0) and its
-        exact continuation past +-4, then the compaction (site 1)."""
-        x = n.inputs[0]
-        rows = self.rows_of(self.shape(x))
-        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
-        key = self.keys(n, (0,), "key0", int(np.prod(rows)))
-        table = self.const("gelu_table", GELU_TABLE.values, I32)
-        func = te_transformer.gelu_acc(rows, self.stochastic, f"n{n.id}_gelu")
-        self.launch(func, (self.view(self.m[x], rows), self.e[x], key, table, acc, e_acc))
-        self.compact(n, acc, e_acc, rows, 1)
-
-    def gelu_grad(self, n: Node) -> None:
-        """kernels.transformer.gelu_backward: dy times the derivative's table (index rounding
-        site 0), compacted (site 1)."""
-        dy, x = n.inputs
-        rows = self.rows_of(self.shape(dy))
-        acc, e_acc = self.buf(f"n{n.id}.acc", rows, I32), self.buf(f"n{n.id}.e_acc", (1,), I32)
-        key = self.keys(n, (0,), "key0", int(np.prod(rows)))
-        table = self.const("gelu_grad_table", GELU_GRAD_TABLE.values, I32)
-        func = te_transformer.gelu_grad_acc(rows, self.stochastic, f"n{n.id}_gelu_grad")
-        args = (self.view(self.m[dy], rows), self.e[dy], self.view(self.m[x], rows), self.e[x])
-        self.launch(func, (*args, key, table, acc, e_acc))
-        self.compact(n, acc, e_acc, rows, 1)

@@ -1,11 +1,11 @@
 """The data movement and elementwise ops of a Vision Transformer as TIR kernels: transpose,
 slice (and its gradient), scaling by a host constant, the broadcast add of a [1, ...] parameter,
-the mean over tokens (and its gradient) and GELU through its lookup tables (and its gradient).
+the mean over tokens (and its gradient). GELU is a table product (te_ops.table_product_compaction).
 
-The TE form of kernels.transformer (scale_*, add_broadcast_*, mean_tokens_*, gelu_*) and of the
+The TE form of kernels.transformer (scale_*, add_broadcast_*, mean_tokens_*) and of the
 reference rules of ops/tensor.py (transpose, slice): the same integer arithmetic, rounding sites
 and C-order flat indices. Exponents are one-element run-time buffers, so every decision the
-reference takes on an exponent (GELU's range test, the table index's shift) is a branch-free
+reference takes on an exponent is a branch-free
 select in the kernel. Products of a rounded sum are compacted by te_compaction (through
 fused_compaction where the value is cheap to compute twice)."""
 
@@ -16,7 +16,6 @@ import functools
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
-from mexc.kernels.transformer import GELU_RANGE_LOG2
 from mexc.lowering import tvmscript_stack
 from mexc.lowering.te_compaction import (
     _flat_index,
@@ -27,9 +26,8 @@ from mexc.lowering.te_compaction import (
 )
 from mexc.lowering.te_compaction import _i64 as _c
 from mexc.lowering.te_func import prim_func
-from mexc.lowering.te_ops import table_lookup
 from mexc.lowering.te_pool import div_const
-from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE, Reciprocal
+from mexc.numerics import Reciprocal
 
 I8, I32, I64 = "int8", "int32", "int64"
 Shape = tuple[int, ...]
@@ -167,78 +165,6 @@ def mean_tokens_grad_acc(shape: tuple[int, int, int], name: str) -> tirx.PrimFun
     return prim_func([dy, e_dy, acc, e_acc], name)
 
 
-def _gelu_value(
-    table: te.Tensor,
-    m: tirx.PrimExpr,
-    e: tirx.PrimExpr,
-    key: tirx.PrimExpr,
-    flat: tirx.PrimExpr,
-    stochastic: bool,
-) -> tirx.PrimExpr:
-    """kernels.transformer.gelu_forward's accumulator for one int64 mantissa m at exponent e:
-    max(m, 0) where e > 2 (at e), else the table with the exact asymptotes past +-4 (at -5)."""
-    # the lookup once, bound to a name: written into both branches, TE would copy its keyed
-    # rounding (a 32-bit hash) into the expression twice, and LLVM then left the loop scalar
-    # (9.8 ms for 2048 x 256 elements against 0.15 ms for the gradient's single lookup)
-    tab = tirx.Var("tab", I64)
-    k = e - _c(GELU_TABLE.out_exp)
-    th = _c(1) << tirx.min(tirx.max(_c(GELU_RANGE_LOG2) - e, _c(0)), _c(32))
-    past = where(m >= th, m << tirx.min(tirx.max(k, _c(0)), _c(7)), where(m < -th, _c(0), tab))
-    in_range = where(k > 0, past, tab)
-    value = where(e > GELU_RANGE_LOG2, tirx.max(m, _c(0)), in_range)
-    lookup = table_lookup(table, GELU_TABLE.in_exp, m, e, key, flat, stochastic).astype(I64)
-    return tirx.Let(tab, lookup, value)
-
-
-def gelu_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
-    """acc = gelu_forward's value before its compaction (index rounding site 0: key0, flat
-    index), e_acc = e where e > 2 else GELU_TABLE.out_exp. Parameters (x, e, key0, table
-    int32[256] (GELU_TABLE), acc, e_acc)."""
-    x = te.placeholder(shape, I8, name="x")
-    e = te.placeholder((1,), I32, name="e")
-    key = te.placeholder((1,), I64, name="key0")
-    table = te.placeholder((256,), I32, name="table")
-
-    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-        v = _gelu_value(
-            table, x[i].astype(I64), e[0].astype(I64), key[0], _flat_index(shape, i), stochastic
-        )
-        return v.astype(I32)
-
-    acc = te.compute(shape, body, name="acc")
-    e_acc = te.compute(
-        (1,),
-        lambda i: tirx.if_then_else(e[i] > GELU_RANGE_LOG2, e[i], GELU_TABLE.out_exp),
-        name="e_acc",
-    )
-    return prim_func([x, e, key, table, acc, e_acc], name)
-
-
-def gelu_grad_acc(shape: Shape, stochastic: bool, name: str) -> tirx.PrimFunc:
-    """acc = dy_m GELU_GRAD_TABLE.lookup(x) (|.| < 2^14; index rounding site 0) at e_dy - 6:
-    gelu_backward (a table product) before its compaction. Parameters (dy, e_dy, x, e_x, key0,
-    table, acc, e_acc). Kept beside te_ops.table_product_compaction, which computes the same
-    without storing acc: through that kernel the ViTTiny step at batch 128 took 1.31-1.32x as
-    long, where two trees with this same kernel measured 1.08-1.15x (bench/research/
-    ab_commits.py --models ViTTiny, 2026-12-02)."""
-    dy = te.placeholder(shape, I8, name="dy")
-    e_dy = te.placeholder((1,), I32, name="e_dy")
-    x = te.placeholder(shape, I8, name="x")
-    e_x = te.placeholder((1,), I32, name="e_x")
-    key = te.placeholder((1,), I64, name="key0")
-    table = te.placeholder((256,), I32, name="table")
-
-    def body(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-        flat = _flat_index(shape, i)
-        m, e = x[i].astype(I64), e_x[0].astype(I64)
-        g = table_lookup(table, GELU_GRAD_TABLE.in_exp, m, e, key[0], flat, stochastic).astype(I64)
-        return (dy[i].astype(I64) * g).astype(I32)
-
-    acc = te.compute(shape, body, name="acc")
-    e_acc = te.compute((1,), lambda i: e_dy[i] + GELU_GRAD_TABLE.out_exp, name="e_acc")
-    return prim_func([dy, e_dy, x, e_x, key, table, acc, e_acc], name)
-
-
 def repeat_rows(rows: Shape, name: str) -> tirx.PrimFunc:
     """y[b, j] = p[j]: a [1, ...] parameter repeated over the batch. Parameters (p, y)."""
     p = te.placeholder((rows[1],), I8, name="p")
@@ -344,8 +270,6 @@ __all__ = [
     "scatter_sum",
     "repeat_rows",
     "add_param_compaction",
-    "gelu_acc",
-    "gelu_grad_acc",
     "mean_tokens_grad_acc",
     "scale_compaction",
     "slice_copy",

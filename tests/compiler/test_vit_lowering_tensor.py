@@ -21,7 +21,7 @@ import mexc
 from mexc import kernels as K
 from mexc.backends.llvm import float_check
 from mexc.ir import Op
-from mexc.kernels._common import compact_mx, site_key
+from mexc.kernels._common import site_key
 from mexc.mx import MX, RoundCtx
 from mexc.ops import REGISTRY
 from tests.compiler.helpers import one_i32 as _i32
@@ -90,41 +90,27 @@ def test_slice_grad_places_dy_in_zeros(
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("e", GELU_EXPONENTS)
 def test_gelu_kernels_equal_the_reference(e: int, rounding: str) -> None:
-    from mexc.lowering import te_transformer
-    from mexc.numerics import GELU_GRAD_TABLE, GELU_TABLE
+    """GELU and its gradient as TIR table products (x Phi(x), dy GELU'(x)) against the
+    reference, at exponents from far below the table's (-40: every index 0) to far above it
+    (9: every nonzero index saturated)."""
+    from mexc.lowering import te_ops
+    from mexc.numerics import GELU_GRAD_TABLE, GELU_PHI_TABLE
 
     ctx = RoundCtx(rounding, 3, 1, 8)  # type: ignore[arg-type]
     shape = MANTISSAS.shape
-    stochastic = rounding == "stochastic"
-    acc, e_acc = _run(
-        te_transformer.gelu_acc(shape, stochastic, "gelu"),
-        MANTISSAS,
-        _i32(e),
-        _key(ctx, 32, 0),
-        GELU_TABLE.values,
-        outs=[(shape, "int32"), ((1,), "int32")],
-    )
-    want = K.gelu_forward(MX.of(MANTISSAS, e), ctx, 32)
-    got = compact_mx(acc, int(e_acc[0]), ctx, site_key(ctx, 32, 1))
-    np.testing.assert_array_equal(got.m, want.m)
-    assert int(got.e) == int(want.e)
-
-    rng = np.random.default_rng(e + 50)
-    dy = rng.integers(-128, 128, shape, dtype=np.int8)
-    acc, e_acc = _run(
-        te_transformer.gelu_grad_acc(shape, stochastic, "gelu_grad"),
-        dy,
-        _i32(-7),
-        MANTISSAS,
-        _i32(e),
-        _key(ctx, 48, 0),
-        GELU_GRAD_TABLE.values,
-        outs=[(shape, "int32"), ((1,), "int32")],
-    )
-    want = K.gelu_backward(MX.of(dy, -7), MX.of(MANTISSAS, e), ctx, 48)
-    got = compact_mx(acc, int(e_acc[0]), ctx, site_key(ctx, 48, 1))
-    np.testing.assert_array_equal(got.m, want.m)
-    assert int(got.e) == int(want.e)
+    dy = np.random.default_rng(e + 50).integers(-128, 128, shape, dtype=np.int8)
+    cases = [
+        (GELU_PHI_TABLE, MANTISSAS, e, K.gelu_forward(MX.of(MANTISSAS, e), ctx, 32), 32),
+        (GELU_GRAD_TABLE, dy, -7, K.gelu_backward(MX.of(dy, -7), MX.of(MANTISSAS, e), ctx, 48), 48),
+    ]
+    for table, a, ea, want, tid in cases:
+        kernels = te_ops.table_product_compaction(
+            shape, table.in_exp, table.out_exp, True, 8, rounding == "stochastic", "gelu"
+        )
+        inputs = [a, _i32(ea), MANTISSAS, _i32(e), _key(ctx, tid, 0), table.values]
+        m, e_out = _fused(kernels, inputs, _key(ctx, tid, 1), shape)
+        np.testing.assert_array_equal(m, want.m)
+        assert e_out == int(want.e)
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)

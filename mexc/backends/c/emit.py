@@ -31,6 +31,8 @@ from mexc.lowering.te_products import ConvGeom
 from mexc.mx import SITES_PER_NODE
 from mexc.numerics import (
     CONTAINER_BITS,
+    GELU_GRAD_TABLE,
+    GELU_PHI_TABLE,
     MISH_GRAD_TABLE,
     MISH_TABLE,
     SIGMOID_GRAD_TABLE,
@@ -1058,20 +1060,11 @@ def _mish_grad(e: _Emit, n: Node) -> None:
 
 
 def _gelu(e: _Emit, n: Node) -> None:
-    x, ex = _x(e, n, 0)
-    y = e.arena(n.out, "int8_t")
-    ey = e.local_exp(n.out)
-    e.emit(f"{ey} = mexc_gelu_forward({x}, {ex}, {e.numel(n.out)}u, {y}, &ctx, {_tid(n)}u);")
+    _table_product(e, n, n.inputs[0], n.inputs[0], GELU_PHI_TABLE)
 
 
 def _gelu_grad(e: _Emit, n: Node) -> None:
-    (dy, ed), (x, ex) = _x(e, n, 0), _x(e, n, 1)
-    dx = e.arena(n.out, "int8_t")
-    edx = e.local_exp(n.out)
-    e.emit(
-        f"{edx} = mexc_gelu_backward({dy}, {ed}, {x}, {ex}, {e.numel(n.out)}u, {dx}, &ctx, "
-        f"{_tid(n)}u);"
-    )
+    _table_product(e, n, n.inputs[0], n.inputs[1], GELU_GRAD_TABLE)
 
 
 def _softmax(e: _Emit, n: Node) -> None:

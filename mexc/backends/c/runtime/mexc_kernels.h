@@ -267,11 +267,6 @@ int32_t mexc_dropout_backward(const int8_t *dy, int32_t ed, const uint8_t *mask,
                               mexc_fixed_t scale, int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
 
 /* ------------------------------------------------------------------ mexc_kernels_transformer.c */
-extern const int32_t mexc_gelu_table[256];      /* numerics.GELU_TABLE.values */
-extern const int32_t mexc_gelu_grad_table[256]; /* numerics.GELU_GRAD_TABLE.values */
-#define MEXC_GELU_IN_EXP (-5)
-#define MEXC_GELU_OUT_EXP (-5)
-#define MEXC_GELU_GRAD_OUT_EXP (-6)
 #define MEXC_MAX_DIMS 8u
 
 /* LayerNormSaved over R rows of D: caller-owned xhat (R*D) and rstd / rstd_e (R each). */
@@ -306,11 +301,6 @@ int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t
                            const int32_t *tab, int32_t in_exp, int32_t out_exp,
                            int32_t sign_exact, uint32_t n, int8_t *out, const mexc_ctx_t *ctx,
                            uint32_t tid);
-/* gelu_forward (sites 0 index rounding, 1 compaction); gelu_backward(dy, x = GELU input). */
-int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
-                          const mexc_ctx_t *ctx, uint32_t tid);
-int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t ex, uint32_t n,
-                           int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid);
 /* Row softmax over the last axis (rows x K): p in [0, qmax(B)] at exponent -(B-1) (returned).
  * Sites 0 exp index, 1 normalization. Backward (p = softmax output): sites 1-5; scratch
  * mexc_softmax_backward_scratch. */

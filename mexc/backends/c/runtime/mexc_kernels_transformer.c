@@ -1,50 +1,8 @@
 /* Vision Transformer kernels: the C form of mexc/kernels/transformer.py (docs/layers.md,
- * "Transformer kernels"): LayerNorm, GELU, row softmax, batched matmul, scaling by a host
+ * "Transformer kernels"): LayerNorm, row softmax, batched matmul, scaling by a host
  * constant, broadcast add (positional embedding), plus the data movement ops (transpose, slice).
  * Flat element indices, rounding sites and operation order as the numpy kernels. */
 #include "mexc_kernels.h"
-
-/* Tables generated on the host from mexc/numerics.py (floats were used only to build them);
- * tests/mcu/test_runtime_transformer.py checks them against the reference. */
-/* numerics.GELU_TABLE: inputs (i - 128) * 2^-5, values at 2^-5 */
-const int32_t mexc_gelu_table[256] = {
-    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-    0, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-    -1, -2, -2, -2, -2, -2, -2, -2, -2, -2, -2, -3, -3, -3, -3, -3,
-    -3, -3, -3, -4, -4, -4, -4, -4, -4, -4, -4, -5, -5, -5, -5, -5,
-    -5, -5, -5, -5, -5, -5, -5, -5, -5, -5, -5, -5, -5, -5, -5, -5,
-    -5, -5, -5, -4, -4, -4, -4, -4, -3, -3, -3, -2, -2, -1, -1, 0,
-    0, 1, 1, 2, 2, 3, 3, 4, 5, 5, 6, 7, 8, 9, 9, 10,
-    11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26,
-    27, 28, 29, 30, 31, 32, 34, 35, 36, 37, 38, 39, 40, 41, 43, 44,
-    45, 46, 47, 48, 49, 50, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61,
-    63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78,
-    80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95,
-    96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111,
-    112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127,
-};
-
-/* numerics.GELU_GRAD_TABLE: inputs (i - 128) * 2^-5, values at 2^-6 */
-const int32_t mexc_gelu_grad_table[256] = {
-    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1,
-    -1, -1, -1, -1, -1, -1, -1, -1, -1, -2, -2, -2, -2, -2, -2, -2,
-    -2, -3, -3, -3, -3, -3, -3, -4, -4, -4, -4, -4, -5, -5, -5, -5,
-    -5, -6, -6, -6, -6, -7, -7, -7, -7, -7, -7, -8, -8, -8, -8, -8,
-    -8, -8, -8, -8, -8, -8, -8, -8, -8, -8, -7, -7, -7, -7, -6, -6,
-    -5, -5, -4, -4, -3, -2, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7,
-    8, 10, 11, 12, 14, 15, 17, 18, 19, 21, 23, 24, 26, 27, 29, 30,
-    32, 34, 35, 37, 38, 40, 41, 43, 45, 46, 47, 49, 50, 52, 53, 54,
-    56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 67, 68, 68, 69,
-    69, 70, 70, 71, 71, 71, 71, 72, 72, 72, 72, 72, 72, 72, 72, 72,
-    72, 72, 72, 72, 72, 72, 71, 71, 71, 71, 71, 71, 70, 70, 70, 70,
-    69, 69, 69, 69, 69, 68, 68, 68, 68, 68, 67, 67, 67, 67, 67, 67,
-    66, 66, 66, 66, 66, 66, 66, 66, 65, 65, 65, 65, 65, 65, 65, 65,
-    65, 65, 65, 65, 65, 65, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64,
-    64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64,
-};
 
 #define SOFTMAX_RECIP_LOG2 30
 
@@ -253,7 +211,7 @@ void mexc_layernorm_backward(uint32_t rows, uint32_t d, const int8_t *dy, int32_
     }
 }
 
-/* ------------------------------------------------------------------ GELU */
+/* ------------------------------------------------------------------ table products */
 
 static int32_t table_lookup(const int32_t *tab, int32_t in_exp, int32_t x, int32_t e,
                             const mexc_ctx_t *ctx, uint32_t key, uint32_t idx,
@@ -286,39 +244,6 @@ int32_t mexc_table_product(const int8_t *a, int32_t ea, const int8_t *x, int32_t
         }
     }
     return e_out;
-}
-
-int32_t mexc_gelu_forward(const int8_t *x, int32_t e, uint32_t n, int8_t *y,
-                          const mexc_ctx_t *ctx, uint32_t tid)
-{
-    const uint32_t key0 = mexc_site_key(ctx, tid, 0);
-    const int32_t k = e - MEXC_GELU_OUT_EXP, big = e > 2;
-    const int32_t th = big ? 0 : (int32_t)1 << (2 - e > 0 ? 2 - e : 0);
-    int32_t v, m, e_out = 0;
-    uint32_t i;
-    mexc_sink_t sink;
-    mexc_sink_init(&sink, y, ctx, mexc_site_key(ctx, tid, 1), NULL, NULL, 0u, 0);
-    for (sink.pass = 0; sink.pass < 2; sink.pass++) {
-        if (sink.pass == 1) e_out = mexc_sink_finish(&sink, big ? e : MEXC_GELU_OUT_EXP);
-        for (i = 0; i < n; i++) {
-            m = x[i];
-            if (big) {
-                v = m > 0 ? m : 0;
-            } else {
-                v = table_lookup(mexc_gelu_table, MEXC_GELU_IN_EXP, m, e, ctx, key0, i, 0);
-                if (k > 0) v = m >= th ? mexc_shift_left(m, k) : (m < -th ? 0 : v);
-            }
-            mexc_sink_put(&sink, i, 0u, v);
-        }
-    }
-    return e_out;
-}
-
-int32_t mexc_gelu_backward(const int8_t *dy, int32_t ed, const int8_t *x, int32_t ex, uint32_t n,
-                           int8_t *dx, const mexc_ctx_t *ctx, uint32_t tid)
-{
-    return mexc_table_product(dy, ed, x, ex, mexc_gelu_grad_table, MEXC_GELU_IN_EXP,
-                              MEXC_GELU_GRAD_OUT_EXP, 0, n, dx, ctx, tid);
 }
 
 /* ------------------------------------------------------------------ softmax */
