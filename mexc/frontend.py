@@ -901,7 +901,43 @@ def trace(
                 del model.__dict__[name]
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
+    _drop_float_casts(gm)
     return gm
+
+
+# Tensor methods that, from a float tensor to a float tensor of its shape, change only the
+# dtype, device or layout: mexc's values are its own, so they are the identity
+_FLOAT_CASTS = frozenset(
+    ("to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "cpu", "cuda")
+)
+
+
+def _float_dtype(a: Any) -> bool:
+    meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
+    dtype = getattr(meta, "dtype", None)
+    return dtype is not None and dtype.is_floating_point
+
+
+def _drop_float_casts(gm: torch.fx.GraphModule) -> None:
+    """Casts of a float tensor to a float dtype (`p.to(x.dtype)`, `x.float()`, `.contiguous()`)
+    taken out of the graph, their users reading the tensor itself: so a parameter cast before
+    it is added (NaFlexViT's `pos_embed.to(x.dtype)`), or a mean of squares cast inside a
+    written-out norm, is read as the tensor it is. Casts from or to other dtypes (ids, masks)
+    stay for the frontend's rules."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_method" or n.target not in _FLOAT_CASTS or not n.args:
+            continue
+        src = n.args[0]
+        same = getattr(n.meta.get("tensor_meta"), "shape", None) == getattr(
+            getattr(src, "meta", {}).get("tensor_meta"), "shape", ()
+        )
+        if same and _float_dtype(n) and _float_dtype(src):
+            n.replace_all_uses_with(src)
+            gm.graph.erase_node(n)
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:

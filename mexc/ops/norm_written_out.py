@@ -101,6 +101,7 @@ _ROOTS = {"sqrt": 1, "rsqrt": -1}
 _POWERS = ("pow", "__pow__", "float_power")
 _SPREADS = {"var": 2, "std": 1}
 _CASTS = ("to", "float", "type_as", "contiguous")
+_EXPANDS = ("expand", "expand_as", "broadcast_to")  # timm's FilterResponseNorm, EvoNorm
 _PRODUCTS = ("mul", "__mul__", "__rmul__", "imul", "mul_")
 _QUOTIENTS = ("truediv", "div", "true_divide", "__truediv__", "itruediv", "div_")
 _SQUARES = ("square",)
@@ -156,6 +157,8 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
             return dataclasses.replace(root, **{field: max(getattr(root, field), eps)})
     if name in _CASTS and _is_float(n):
         return root
+    if name in _EXPANDS and _rank(n) == _rank(args[0]):
+        return root  # broadcast over the reduced axes, as the product with it broadcasts
     raise UnsupportedOpError(
         c.describe(n, f"uses the root mean square of a tensor in `{name}`; {ROOT_USES}")
     )
@@ -167,6 +170,11 @@ def _held(c: Any, a: Any) -> Any:
 
 def _is_eps(v: Any) -> bool:
     return finite_number(v) and v >= 0
+
+
+def _rank(n: Any) -> int | None:
+    shape = getattr(n.meta.get("tensor_meta"), "shape", None)
+    return None if shape is None else len(shape)
 
 
 def _is_float(n: Any) -> bool:

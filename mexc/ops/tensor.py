@@ -18,6 +18,7 @@ from mexc.mx import MX, Acc
 from mexc.ops.common import (
     Grads,
     ParamView,
+    called_name,
     elementwise_types,
     finite_number,
     keeps_batch_dim,
@@ -1198,6 +1199,8 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
     a frontend constant holding the value where the padding is (gathered as an activation)."""
     value = static_value(value)
     sizes = [static_int(p) for p in pads]
+    if mode == "constant" and value == -math.inf and _max_pooled(c, n, sizes):
+        mode = "replicate"  # what max pooling reads of either is the edge's value
     fill = mode == "constant" and value not in (None, 0, 0.0) and any(sizes)
     if mode not in PAD_MODES or (fill and not _padding_value(value, sizes)):
         what = f"mode {mode!r}" if mode != "constant" else f"the value {value!r}"
@@ -1221,6 +1224,51 @@ def _pad(c: Any, n: Any, x: Any, pads: Any, mode: Any = "constant", value: Any =
     where = np.pad(np.zeros(shape, np.float32), widths, constant_values=float(value))
     fills = gathered_value(c, n, const_gathered(n, where), out)
     return added(c, y, fills, out)
+
+
+_MAX_POOLS = {
+    "max_pool1d": 1,
+    "max_pool2d": 2,
+    "torch.nn.MaxPool1d": 1,
+    "torch.nn.MaxPool2d": 2,
+}
+
+
+def _max_pooled(c: Any, n: Any, sizes: list[int]) -> bool:
+    """Every reader of the padded tensor is a max pool (undilated) over the padded axes, each
+    pad narrower than the window along its axis (TF's "same" max pooling, timm's
+    MaxPool2dSame: F.pad with -inf, then F.max_pool2d). A window that reads padding then also
+    reads the edge, so padding with the edge's value (replicate) gives the same maxima, and
+    their gradients reach the same element."""
+    if not n.users or min(sizes, default=0) < 0:
+        return False
+    for user in n.users:
+        if user.op == "call_module":
+            mod = c.gm.get_submodule(str(user.target))
+            name = f"torch.nn.{type(mod).__name__}"
+            kernel, dilation = getattr(mod, "kernel_size", None), getattr(mod, "dilation", 1)
+            own = getattr(mod, "padding", 0)
+        else:
+            name = called_name(user)
+            args = [*user.args, None, None, None, None, None]
+            kernel = user.kwargs.get("kernel_size", args[1])
+            own = user.kwargs.get("padding", args[3] or 0)
+            dilation = user.kwargs.get("dilation", args[4] or 1)
+        rank = _MAX_POOLS.get(name)
+        if rank is None or user.args[0] is not n or kernel is None or len(sizes) > 2 * rank:
+            return False
+        if any(own) if isinstance(own, (tuple, list)) else own != 0:
+            return False  # the pool's own padding beside it could make a window all padding
+        ks = [kernel] * rank if isinstance(kernel, int) else list(kernel)
+        dil = [dilation] * rank if isinstance(dilation, int) else list(dilation or [1] * rank)
+        if any(d != 1 for d in dil):
+            return False
+        # F.pad's sizes run from the last axis back, as the window's axes do reversed
+        for i in range(len(sizes) // 2):
+            k = int(ks[rank - 1 - i])
+            if sizes[2 * i] >= k or sizes[2 * i + 1] >= k:
+                return False
+    return True
 
 
 # the largest |value| a constant may fill part of an activation with (F.pad, torch.where):

@@ -24,6 +24,7 @@ from tests.compiler.helpers import (
     integer_gradients,
     small_batch,
     step_values,
+    train_checksums,
 )
 
 
@@ -166,3 +167,58 @@ def test_a_crop_that_leaves_too_few_rows_to_reflect_is_refused() -> None:
     model = PadThenLinear((-3, 3), "reflect", 3 * 6)
     with pytest.raises(UnsupportedOpError, match="more rows than the crop leaves"):
         mexc.compile(model, (torch.zeros(2, 3, 6),))
+
+
+class SamePool(nn.Module):
+    """TF's "same" max pooling as timm's MaxPool2dSame writes it: F.pad with -inf, then
+    F.max_pool2d (or a MaxPool2d module) without padding of its own; `mode` "replicate" pads
+    with the edge's value instead."""
+
+    def __init__(self, pads: tuple[int, ...], kernel: int, module: bool, mode: str) -> None:
+        super().__init__()
+        self.pads, self.kernel, self.mode = pads, kernel, mode
+        self.conv = nn.Conv2d(3, 8, 3)  # 9 x 9 -> 7 x 7
+        self.pool = nn.MaxPool2d(kernel, 2) if module else None
+        h = (7 + pads[2] + pads[3] - kernel) // 2 + 1 if len(pads) == 4 else (7 - kernel) // 2 + 1
+        w = (7 + pads[0] + pads[1] - kernel) // 2 + 1
+        self.fc = nn.Linear(8 * h * w, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        if self.mode == "replicate":
+            x = F.pad(x, (*self.pads, 0, 0)[:4], mode="replicate")  # 4-D: both axes
+        else:
+            x = F.pad(x, self.pads, value=float("-inf"))
+        x = self.pool(x) if self.pool is not None else F.max_pool2d(x, self.kernel, 2)
+        return self.fc(x.flatten(1))
+
+
+def _same_pool(
+    pads: tuple[int, ...], kernel: int, module: bool = False, mode: str = "constant"
+) -> tuple[nn.Module, mexc.Program]:
+    torch.manual_seed(0)
+    model = SamePool(pads, kernel, module, mode)
+    return model, mexc.compile(model, (torch.zeros(2, 3, 9, 9),))
+
+
+@pytest.mark.parametrize("module", [False, True])
+@pytest.mark.parametrize(("pads", "kernel"), [((0, 1, 0, 1), 3), ((1, 2, 2, 1), 3), ((0, 1), 2)])
+def test_padding_with_minus_infinity_before_max_pooling_is_replicate_padding(
+    pads: tuple[int, ...], kernel: int, module: bool
+) -> None:
+    """Every window that reads the padding also reads the edge, so the maxima and their
+    gradients are those of replicate padding: the same training, bit for bit, and torch's
+    logits (which pad with -inf)."""
+    model, same = _same_pool(pads, kernel, module)
+    _, rep = _same_pool(pads, kernel, module, "replicate")
+    batch = small_batch((2, 3, 9, 9))
+    assert_logits_match_torch(model, same, batch[0])
+    assert train_checksums(same, batch, 2) == train_checksums(rep, batch, 2)
+
+
+def test_padding_with_minus_infinity_elsewhere_is_refused() -> None:
+    """A pad as wide as the window (a window of padding alone: -inf in torch) keeps the
+    refusal of large constants, naming the value."""
+    for pads in [(0, 3, 0, 3), (3, 0, 0, 0)]:
+        with pytest.raises(UnsupportedOpError, match="-inf"):
+            _same_pool(pads, 3)
