@@ -219,6 +219,19 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
     normalizes with batch statistics in the step and running statistics in evaluation."""
     args = batch_norm_arguments(n)
     parts = [args.get(k) for k in ("running_mean", "running_var", "weight", "bias")]
+    x = args["input"]
+    view = c.param_view(x)
+    if c.is_param(x) or view is not None:
+        source = x if view is None else view.source
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"normalizes the parameter {source.target} with F.batch_norm (weight "
+                "standardization: timm's StdConv2d, ScaledStdConv2d, NFNets); mexc trains a "
+                "layer's weight as the layer reads it, not one computed from parameters. Use "
+                "the plain layer (nn.Conv2d), or a model variant without weight standardization",
+            )
+        )
     if not all(c.is_param(p) for p in parts):
         raise UnsupportedOpError(
             c.describe(

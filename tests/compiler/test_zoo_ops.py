@@ -19,6 +19,7 @@ from torch import nn
 
 import mexc
 from mexc import kernels as K
+from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from mexc.mx import MX, RoundCtx
 from mexc.ops import REGISTRY
@@ -590,3 +591,21 @@ def test_reshape_as_and_view_as_are_reshapes() -> None:
         assert [n.op for n in prog.graph.nodes].count(Op.RESHAPE) >= 3
         sums.append([(prog.step(x, y), prog.state_checksum()) for _ in range(2)])
     assert sums[0] == sums[1]
+
+
+class StandardizedConv(nn.Conv2d):
+    """timm's StdConv2d: the weight normalized by F.batch_norm over each output channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = nn.functional.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None, training=True, eps=1e-6
+        ).reshape_as(self.weight)
+        return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def test_weight_standardization_is_refused_by_name() -> None:
+    """A batch norm of a parameter (weight standardization) names the parameter and what to
+    use instead, not the running statistics it lacks."""
+    model = nn.Sequential(StandardizedConv(1, 4, 3), nn.Flatten(), nn.Linear(144, 10))
+    with pytest.raises(UnsupportedOpError, match=r"normalizes the parameter 0\.weight"):
+        mexc.compile(model, (torch.zeros(2, 1, 8, 8),))
