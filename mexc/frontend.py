@@ -918,12 +918,24 @@ def _float_dtype(a: Any) -> bool:
     return dtype is not None and dtype.is_floating_point
 
 
+def _dtype(a: Any) -> Any:
+    return getattr(a.meta.get("tensor_meta"), "dtype", None)
+
+
+def _writes_in_place(user: torch.fx.Node, n: torch.fx.Node) -> bool:
+    """`user` writes into n in place (n.add_(y), n += y)."""
+    first = user.args[0] if user.args else None
+    return first is n and (user.target in _AUGMENTED or _underscored(user))
+
+
 def _drop_float_casts(gm: torch.fx.GraphModule) -> None:
     """Casts of a float tensor to a float dtype (`p.to(x.dtype)`, `x.float()`, `.contiguous()`)
     taken out of the graph, their users reading the tensor itself: so a parameter cast before
     it is added (NaFlexViT's `pos_embed.to(x.dtype)`), or a mean of squares cast inside a
     written-out norm, is read as the tensor it is. Casts from or to other dtypes (ids, masks)
-    stay for the frontend's rules."""
+    stay for the frontend's rules, and so does a cast that makes a copy (another float dtype,
+    a contiguous copy) which is then written in place: a write into the copy must not reach
+    the tensor."""
     changed = False
     for n in list(gm.graph.nodes):
         if n.op != "call_method" or n.target not in _FLOAT_CASTS or not n.args:
@@ -932,7 +944,10 @@ def _drop_float_casts(gm: torch.fx.GraphModule) -> None:
         same = getattr(n.meta.get("tensor_meta"), "shape", None) == getattr(
             getattr(src, "meta", {}).get("tensor_meta"), "shape", ()
         )
-        if same and _float_dtype(n) and _float_dtype(src):
+        if not (same and _float_dtype(n) and _float_dtype(src)):
+            continue
+        returns_self = n.target != "contiguous" and _dtype(n) == _dtype(src)
+        if returns_self or not any(_writes_in_place(u, n) for u in n.users):
             n.replace_all_uses_with(src)
             gm.graph.erase_node(n)
             changed = True
