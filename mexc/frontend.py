@@ -458,10 +458,16 @@ def _piece(c: _Ctx, n: torch.fx.Node, parts: _Pieces, index: int) -> Value:
     return c.emit_as(Op.RESHAPE, [v], out, shape=out) if tuple(shape) != tuple(out) else v
 
 
-def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | None:
+def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | gather.Const | None:
     src, index = n.args[0], n.args[1]
     held = c.env.get(src) if isinstance(src, torch.fx.Node) else None
     if isinstance(held, _Pieces):
+        values = gather.static_tensor(c, held.src)
+        if values is not None:  # a piece of a constant (a RoPE table's sin and cos halves)
+            start, stop = held.ranges[static_int(index)]
+            part = np.take(values, np.arange(start, stop), axis=held.dim)
+            part = part.squeeze(held.dim) if held.squeeze else part
+            return gather.Const(torch.from_numpy(np.ascontiguousarray(part)))
         return _piece(c, n, held, static_int(index))
     if isinstance(held, tuple):  # a module with several results (MultiheadAttention)
         item = static_value(index)

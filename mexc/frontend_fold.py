@@ -102,6 +102,13 @@ def _operand(c: Any, a: torch.fx.Node) -> Gathered | Const | None:
     return as_gathered(c, a)
 
 
+def held_values(g: Any) -> np.ndarray | None:
+    """A constant Gathered's whole value (its held rows read through its index), else None."""
+    if not isinstance(g, Gathered) or g.value is None:
+        return None
+    return np.ascontiguousarray(g.value.reshape(-1)[g.index])
+
+
 def _stand_in(a: torch.fx.Node) -> torch.Tensor:
     """A zero tensor of a traced activation's shape and dtype (new_zeros and zeros_like read
     only those)."""
@@ -157,6 +164,13 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | Concatenated | None:
     if data and n.target in _CATS:
         return _concatenated(c, n, operands)
     move = _move_name(n)
+    held = [held_values(operands[a]) for a in data]
+    if data and (move is None or len(data) > 1) and all(h is not None for h in held):
+        # arithmetic on constants held as Gathered (float buffers, float tensors the forward
+        # made: DINOv3's RoPE periods) is a constant too: evaluated on their values
+        for a, h in zip(data, held):
+            operands[a] = Const(torch.from_numpy(h))
+        data = []
     if data:
         first = n.args[0] if n.args else None
         if len(data) > 1 or move is None or data[0] is not first:

@@ -1,0 +1,73 @@
+"""A rotary position table the forward computes from a float tensor (timm's DINOv3 RoPE:
+`coords / self.periods`, then sin and cos concatenated and chunked apart again) is a constant
+of the program: arithmetic on float constants and the pieces of a constant fold on the host
+(frontend_fold, frontend._getitem). The model trains as torch computes it, and bit-exact on
+reference, llvm and C."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+import mexc
+from tests.compiler.helpers import (
+    assert_logits_match_torch,
+    assert_trains_bit_exact_on_llvm_and_c,
+    cosine,
+    float_gradients,
+    integer_gradients,
+)
+
+
+class Rotary(nn.Module):
+    """Tokens of an 8 x 8 image's rows, rotated by angles coords / periods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        # a plain tensor attribute, which fx reads as a constant of its own (`_tensor_constant0`,
+        # as DINOv3's periods are read once the shape-aware retrace has run)
+        self.periods = 10.0 ** torch.linspace(0, 2, 4)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.proj(x.flatten(1, 2))  # [N, 8, 16]
+        # from the tokens' count, so that fx traces the table's ops (a concrete arange would
+        # make the whole table one constant)
+        coords = torch.arange(t.shape[1], dtype=torch.float32)[:, None]  # [8, 1]
+        angles = 2 * math.pi * coords / self.periods[None, :]  # [8, 4]
+        angles = torch.cat([angles, angles], -1)  # [8, 8]
+        table = torch.cat([angles.sin(), angles.cos()], -1)  # [8, 16]
+        sin, cos = table.chunk(2, -1)  # [8, 8] each
+        sin, cos = torch.cat([sin, sin], -1), torch.cat([cos, cos], -1)
+        half = torch.cat([-t[..., 8:], t[..., :8]], -1)
+        return self.fc((t * cos + half * sin).mean(1))
+
+
+def _program(target: str = "reference") -> mexc.Program:
+    torch.manual_seed(0)
+    return mexc.compile(Rotary(), (torch.zeros(4, 1, 8, 8),), target=target)
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 4)
+
+
+def test_the_rotary_table_is_torchs() -> None:
+    torch.manual_seed(0)
+    model = Rotary()
+    prog = mexc.compile(model, (torch.zeros(16, 1, 8, 8),), rounding="nearest")
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((16, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 16)
+    assert_logits_match_torch(model, prog, x)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("proj.weight", "fc.weight"):
+        assert cosine(got[name], want[name]) >= 0.99, name
+
+
+def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    assert_trains_bit_exact_on_llvm_and_c(_program(), _program, _data())
