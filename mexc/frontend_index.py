@@ -105,13 +105,55 @@ def _refuse_batch(c: Any, n: torch.fx.Node, v: Value, dim: int, what: str) -> No
         raise UnsupportedOpError(c.describe(n, what))
 
 
+def _listed(key: Any, rank: int) -> tuple[Any, int, list[int]] | None:
+    """A key with one list of integers among slices, Ellipsis and None (CSATv2's
+    `x[:, :, self.permutation]`): the key with the list read as a whole axis, the input axis
+    it indexes, and the list. None for any other key (integers beside a list are torch's
+    advanced indexing, which moves the axes: not taken)."""
+    items = list(key) if isinstance(key, tuple) else [key]
+    lists = [i for i, t in enumerate(items) if isinstance(t, list)]
+    if len(lists) != 1 or any(isinstance(t, int) for t in items):
+        return None
+    at = lists[0]
+    values = items[at]
+    if not values or not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
+        return None
+    axes = [t for t in items if t is not None]  # the input axes the key names
+    pos = axes.index(values) if Ellipsis not in axes[: axes.index(values)] else None
+    if pos is None:  # after an Ellipsis: counted from the end
+        pos = rank - (len(axes) - axes.index(values))
+    items[at] = slice(None)
+    return tuple(items) if isinstance(key, tuple) else items[0], pos, list(values)
+
+
+def _taken(c: Any, v: Value, shape: list[int], dim: int, index: list[int]) -> Value:
+    """v's entries `index` along `dim` (each in [-size, size): torch ran the key on the
+    example), in that order: the runs of consecutive entries sliced out and concatenated (exact
+    copies; their gradients join back into one tensor, docs/layers.md "Gradient sums")."""
+    at = [i % shape[dim] for i in index]
+    runs: list[tuple[int, int]] = []
+    for i in at:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    parts = [sliced(c, v, tuple(shape), dim, start, stop) for start, stop in runs]
+    out = (*shape[:dim], len(at), *shape[dim + 1 :])
+    return parts[0] if len(parts) == 1 else concatenated(c, parts, out, dim)
+
+
 def read(c: Any, n: torch.fx.Node) -> Value:
     """x[...] with integers and unit-step or strided forward slices along non-batch axes
-    (x[:, 0], x[:, 1:], x[:, ::2]), and None for a new axis of extent 1 (x[:, :, None, None])."""
+    (x[:, 0], x[:, 1:], x[:, ::2]), None for a new axis of extent 1 (x[:, :, None, None]),
+    and one list of integers beside slices (x[:, :, [0, 1, 8]])."""
     x = n.args[0]
     shape = list(c.shape(x))
     v = c.arg(x)
     key = static_value(n.args[1])
+    listed = _listed(key, len(shape))
+    if listed is not None:
+        key, axis, index = listed
+        _refuse_batch(c, n, v, axis, "indexes the batch axis")
     for dim, r in enumerate(_ranges(c, n, key, tuple(shape), new_axes=True)):
         if _whole(r, shape[dim]):
             continue
@@ -122,6 +164,9 @@ def read(c: Any, n: torch.fx.Node) -> Value:
         if r.step > 1:
             v, taken = every_nth(c, v, tuple(shape), dim, r.step)
             shape = list(taken)
+    if listed is not None:
+        v = _taken(c, v, shape, axis, index)
+        shape[axis] = len(index)
     out = c.shape(n)
     return reshaped(c, v, out) if tuple(shape) != tuple(out) else v
 
