@@ -164,8 +164,9 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | Concatenated | None:
     if data and n.target in _CATS:
         return _concatenated(c, n, operands)
     move = _move_name(n)
-    held = [held_values(operands[a]) for a in data]
-    if data and (move is None or len(data) > 1) and all(h is not None for h in held):
+    arithmetic = bool(data) and (move is None or len(data) > 1)
+    held = [held_values(operands[a]) for a in data] if arithmetic else []
+    if arithmetic and all(h is not None for h in held):
         # arithmetic on constants held as Gathered (float buffers, float tensors the forward
         # made: DINOv3's RoPE periods) is a constant too: evaluated on their values
         for a, h in zip(data, held):

@@ -61,7 +61,7 @@ ROUNDINGS = ("stochastic", "nearest")
 # GELU branches on its input's exponent: the table alone (e <= -5), the table continued by the
 # asymptotes (-5 < e <= 2), max(x, 0) (e > 2); the index's shift is a right shift (e < -5) or a
 # saturating left shift (e > -5)
-GELU_EXPONENTS = (-40, -12, -6, -5, -4, -2, 0, 1, 2, 3, 9)
+GELU_EXPONENTS = (-40, -12, -5, 0, 2, 9)  # below, inside, at the edge of and past the table
 
 
 @pytest.mark.parametrize("host_schedule", [False, True])
