@@ -60,9 +60,11 @@ from mexc.ops.common import (
     STATIC_VALUE,
     ParamView,
     called_name,
+    is_float_tensor,
     is_traced_tensor,
     static_int,
     static_value,
+    traced_dtype,
 )
 from mexc.ops.norm_written_out import ROOT_USES, RootMeanSquare, follow
 from mexc.ops.tensor import reshaped, transposed
@@ -396,11 +398,11 @@ def _identity(c: _Ctx, n: torch.fx.Node, m: Any = None) -> Value:
 def _cast(c: _Ctx, n: torch.fx.Node) -> Value:
     """x.to(...), x.float(), x.type_as(y): the identity where the result is a float tensor of
     x's shape (a dtype or device named for the float model; mexc's values are its own)."""
-    meta = n.meta.get("tensor_meta")
-    dtype = getattr(meta, "dtype", None)
-    if dtype is None or not dtype.is_floating_point:
+    if not is_float_tensor(n):
         raise UnsupportedOpError(
-            _describe(n, f"casts an activation to {dtype}; mexc trains float models' values")
+            _describe(
+                n, f"casts an activation to {traced_dtype(n)}; mexc trains float models' values"
+            )
         )
     return c.arg(n.args[0])
 
@@ -918,16 +920,6 @@ _FLOAT_CASTS = frozenset(
 )
 
 
-def _float_dtype(a: Any) -> bool:
-    meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
-    dtype = getattr(meta, "dtype", None)
-    return dtype is not None and dtype.is_floating_point
-
-
-def _dtype(a: Any) -> Any:
-    return getattr(a.meta.get("tensor_meta"), "dtype", None)
-
-
 def _writes_in_place(user: torch.fx.Node, n: torch.fx.Node) -> bool:
     """`user` writes into n in place (n.add_(y), n += y)."""
     first = user.args[0] if user.args else None
@@ -947,12 +939,11 @@ def _drop_float_casts(gm: torch.fx.GraphModule) -> None:
         if n.op != "call_method" or n.target not in _FLOAT_CASTS or not n.args:
             continue
         src = n.args[0]
-        same = getattr(n.meta.get("tensor_meta"), "shape", None) == getattr(
-            getattr(src, "meta", {}).get("tensor_meta"), "shape", ()
-        )
-        if not (same and _float_dtype(n) and _float_dtype(src)):
+        if not (isinstance(src, torch.fx.Node) and is_float_tensor(n) and is_float_tensor(src)):
             continue
-        returns_self = n.target != "contiguous" and _dtype(n) == _dtype(src)
+        if n.meta["tensor_meta"].shape != src.meta["tensor_meta"].shape:
+            continue
+        returns_self = n.target != "contiguous" and traced_dtype(n) == traced_dtype(src)
         if returns_self or not any(_writes_in_place(u, n) for u in n.users):
             n.replace_all_uses_with(src)
             gm.graph.erase_node(n)

@@ -15,7 +15,7 @@ import torch.fx
 
 from mexc.errors import UnsupportedOpError
 from mexc.ops.common import ParamView, called_name, is_traced_tensor, static_value
-from mexc.ops.gather import Concatenated, Const, Gathered, as_gathered
+from mexc.ops.gather import Concatenated, Const, Gathered, as_gathered, held_values
 
 # ops that only move elements: applied to the index map they give the moved map
 _MOVES = {
@@ -100,13 +100,6 @@ def _operand(c: Any, a: torch.fx.Node) -> Gathered | Const | None:
         if isinstance(t, torch.Tensor) and not t.is_floating_point():
             return Const(t.detach().cpu().clone())  # folding may write to it (setitem)
     return as_gathered(c, a)
-
-
-def held_values(g: Any) -> np.ndarray | None:
-    """A constant Gathered's whole value (its held rows read through its index), else None."""
-    if not isinstance(g, Gathered) or g.value is None:
-        return None
-    return np.ascontiguousarray(g.value.reshape(-1)[g.index])
 
 
 def _stand_in(a: torch.fx.Node) -> torch.Tensor:

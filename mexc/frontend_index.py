@@ -119,9 +119,9 @@ def _listed(key: Any, rank: int) -> tuple[Any, int, list[int]] | None:
     if not values or not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
         return None
     axes = [t for t in items if t is not None]  # the input axes the key names
-    pos = axes.index(values) if Ellipsis not in axes[: axes.index(values)] else None
-    if pos is None:  # after an Ellipsis: counted from the end
-        pos = rank - (len(axes) - axes.index(values))
+    pos = next(i for i, t in enumerate(axes) if t is values)
+    if Ellipsis in axes[:pos]:  # after an Ellipsis: counted from the end
+        pos = rank - (len(axes) - pos)
     items[at] = slice(None)
     return tuple(items) if isinstance(key, tuple) else items[0], pos, list(values)
 

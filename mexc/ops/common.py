@@ -127,6 +127,17 @@ def called_name(n: Any) -> str:
     return getattr(n.target, "__name__", "") if n.op == "call_function" else ""
 
 
+def traced_dtype(n: Any) -> Any:
+    """The dtype shape propagation recorded for n's tensor result, or None."""
+    return getattr(n.meta.get("tensor_meta"), "dtype", None)
+
+
+def is_float_tensor(n: Any) -> bool:
+    """Shape propagation recorded a floating-point tensor as n's result."""
+    dtype = traced_dtype(n)
+    return dtype is not None and dtype.is_floating_point
+
+
 def is_traced_tensor(n: Any) -> bool:
     """Shape propagation recorded a tensor as n's result (not a number, a tuple or None)."""
     return hasattr(n.meta.get("tensor_meta"), "shape")

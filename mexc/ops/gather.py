@@ -90,6 +90,14 @@ def as_gathered(c: Any, a: Any) -> Gathered | None:
     return None
 
 
+def held_values(g: Any) -> np.ndarray | None:
+    """A constant Gathered's whole value (its held rows read through its index), else None
+    (a parameter's)."""
+    if not isinstance(g, Gathered) or g.value is None:
+        return None
+    return np.ascontiguousarray(g.value.reshape(-1)[g.index])
+
+
 def static_tensor(c: Any, a: Any) -> np.ndarray | None:
     """The values of `a` where the program would hold them fixed (a buffer, a constant the
     forward computes, either read through indexing), else None (a parameter, an activation)."""
@@ -99,7 +107,7 @@ def static_tensor(c: Any, a: Any) -> np.ndarray | None:
     if isinstance(held, Const):
         return np.asarray(held.value.detach().cpu().numpy())
     if isinstance(held, Gathered):
-        return None if held.value is None else held.value.reshape(-1)[held.index]
+        return held_values(held)
     if a.op == "get_attr" and not c.is_parameter(a):
         t = c.fetch(a)
         return np.asarray(t.detach().cpu().numpy()) if hasattr(t, "detach") else None

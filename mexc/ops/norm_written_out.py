@@ -31,7 +31,13 @@ import numpy as np
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Value
-from mexc.ops.common import called_name, finite_number, static_int, static_value
+from mexc.ops.common import (
+    called_name,
+    finite_number,
+    is_float_tensor,
+    static_int,
+    static_value,
+)
 from mexc.ops.norm import (
     ADDS,
     FLOORS,
@@ -155,7 +161,7 @@ def follow(c: Any, n: Any) -> RootMeanSquare | None:
             _check_floor(c, n, float(low))
             eps = root.relative(float(low), root.power)
             return dataclasses.replace(root, **{field: max(getattr(root, field), eps)})
-    if name in _CASTS and _is_float(n):
+    if name in _CASTS and is_float_tensor(n):
         return root
     if name in _EXPANDS and _rank(n) == _rank(args[0]):
         return root  # broadcast over the reduced axes, as the product with it broadcasts
@@ -175,11 +181,6 @@ def _is_eps(v: Any) -> bool:
 def _rank(n: Any) -> int | None:
     shape = getattr(n.meta.get("tensor_meta"), "shape", None)
     return None if shape is None else len(shape)
-
-
-def _is_float(n: Any) -> bool:
-    dtype = getattr(n.meta.get("tensor_meta"), "dtype", None)
-    return dtype is not None and dtype.is_floating_point
 
 
 def _root_power(n: Any, name: str) -> int | None:
