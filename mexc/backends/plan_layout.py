@@ -47,7 +47,7 @@ def persistent_names(manifest: dict[str, Any]) -> set[str]:
     for m, e in manifest["state"].values():
         names |= {m, e}
     names |= set(manifest["input"])
-    names |= {manifest[k] for k in ("keys", "labels", "valid", "lr", "probs") if manifest[k]}
+    names |= {manifest[k] for k in ("keys", "labels", "valid", "lr", "loss_rows") if manifest[k]}
     names |= set(manifest.get("logits", ()))  # the inference plan's result
     return {_root(views, n) for n in names if n}
 

@@ -36,7 +36,7 @@ PLAN_FIELDS = (
     "labels",
     "valid",
     "lr",
-    "probs",
+    "loss_rows",
 )
 # and, in an inference plan's manifest only (step_plan.build_inference_plan): "logits"
 
@@ -281,13 +281,11 @@ class PlanProgram(Program):
             self._torn = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             raise
         self.step_count += 1
-        probs = self._read(self._plan_json["probs"])
-        labels = ys.reshape(-1)  # a row per sample, or per position
+        rows = self._read(self._plan_json["loss_rows"])
         if self.workers is None:
-            return ce_loss(probs, labels, self.batch * self.positions)
+            return ce_loss(rows, self.batch * self.positions)
         comm = self.workers.comm  # the whole batch's loss, on every worker
-        whole = self.eval_batch * self.positions
-        return ce_loss(comm.all_gather(probs), comm.all_gather(labels), whole)
+        return ce_loss(comm.all_gather(rows), self.eval_batch * self.positions)
 
     def _inference_source(self) -> Program:
         """The program an inference plan is built from: a data-parallel worker's step is

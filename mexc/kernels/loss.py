@@ -22,6 +22,8 @@ PROB_ONE = 1 << PROB_BITS
 PROB_DTYPE = "int16"  # how every backend holds p
 MAX_CLASSES = 1 << 16  # fewer: a row's sum of E <= 2^15 each stays below 2^31
 GRAD_EXP = -15  # (p - S*onehot) / n lies at exponent -15 (then -15 - grad_shift)
+LOSS_GAP_EXP = -16  # the label's gap below the row's maximum, as the logged loss reads it
+LOSS_GAP_SHIFT_MAX = 24  # 255 << 24 > 2^31: every larger left shift saturates alike
 
 
 def grad_shift(n: int, k: int) -> int:
@@ -41,7 +43,7 @@ def softmax_ce_forward(
     d = m - rowmax(m) <= 0; E = EXP_TABLE.lookup(d, e) (index = d shifted to exponent -4 with
     ctx rounding, site 0; 0 below -128, clamped to 127; values at exponent -15, E(0) = 2^15);
     S = row sum of E (int32); p = min(idiv_round(E << 15, S), 2^15 - 1).
-    loss = mean_{i < valid} -log(max(p[i, y_i], 1) / 2^15).
+    loss = ce_loss(loss_rows(...), valid): each row's ln(S / 2^15) minus its label's gap.
     """
     e = scalar_exp(logits, "logits")
     m = i64(logits.m)
@@ -54,25 +56,48 @@ def softmax_ce_forward(
     check_int32(srow, "softmax_sum")
     num = shift_left(ex, PROB_BITS, "softmax_num")
     p = np.minimum(idiv_round(num, srow), PROB_ONE - 1).astype(PROB_DTYPE)
+    rows = loss_rows(srow[:, 0], d, labels, e)
     if ctx.rows is not None:  # the logged loss is that of the whole batch, on every worker
-        return p, ce_loss(ctx.rows.comm.all_gather(p), ctx.rows.comm.all_gather(labels), valid)
-    return p, ce_loss(p, labels, valid)
+        return p, ce_loss(ctx.rows.comm.all_gather(rows), valid)
+    return p, ce_loss(rows, valid)
 
 
-def ce_loss(probs: np.ndarray, labels: np.ndarray, valid: int) -> float:
-    """mean_{i < valid} -log(max(p[i, y_i], 1) / 2^15): the logged loss, a host float computed
-    from the integer probabilities (the llvm and CUDA steps report it from theirs; the C
-    runtime computes its own, within 5 milli-nats: docs/layers.md, "Output head")."""
-    lab = np.asarray(labels, np.int64)
-    n = max(min(int(valid), probs.shape[0]), 0)
+def label_gap(d_y: np.ndarray, e: int) -> np.ndarray:
+    """A label's gap d_y <= 0 (units of 2^e below its row's maximum) at LOSS_GAP_EXP: exact
+    for e >= -16 up to int32's saturation (a gap of 2^15 nats), rounded half away from zero
+    below (docs/layers.md, "Output head")."""
+    mag = -i64(d_y)
+    s = int(e) - LOSS_GAP_EXP
+    if s >= 0:
+        return -np.minimum(mag << min(s, LOSS_GAP_SHIFT_MAX), 2**31 - 1)
+    t = min(-s, 62)
+    return -((mag + (1 << (t - 1))) >> t)
+
+
+def loss_rows(srow: np.ndarray, d: np.ndarray, labels: np.ndarray, e: int) -> np.ndarray:
+    """(N, 2) int32 rows [S, gap]: a row's sum of E and its label's gap d_y at LOSS_GAP_EXP
+    (labels clamped to [0, K - 1], so that every row is defined), from which the host
+    computes the logged loss (`ce_loss`). The kernels of every backend write these."""
+    n, k = d.shape
+    lab = np.clip(np.asarray(labels, np.int64).reshape(-1)[:n], 0, k - 1)
+    rows = np.empty((n, 2), np.int32)
+    rows[:, 0] = srow
+    rows[:, 1] = label_gap(d[np.arange(n), lab], e)
+    return rows
+
+
+def ce_loss(rows: np.ndarray, valid: int) -> float:
+    """mean_{i < valid} ln(S_i / 2^15) - gap_i 2^-16: the logged loss, a host float from the
+    rows of `loss_rows`. It is -ln p_y with the label's exponential exact rather than the
+    table's: a label more than 8 nats below its row's maximum (E_y = 0, p_y = 0) logs its
+    gap instead of a cap. The C runtime computes the same in integer milli-nats."""
+    r = np.asarray(rows, np.int64)
+    n = max(min(int(valid), r.shape[0]), 0)
     if n == 0:
         return 0.0
-    py = np.asarray(probs)[np.arange(n), lab[:n]]
-    # one log per distinct probability (at most 2^15 + 1), not a Python float per row: a
-    # segmenter's rows are its pixels (a list of them was 172 KiB per 64x64 sample)
-    seen, where = np.unique(py, return_inverse=True)
-    logs = np.array([-math.log(max(int(v), 1) / PROB_ONE) for v in seen])
-    return float(np.mean(logs[where.reshape(-1)]))
+    s, gap = np.maximum(r[:n, 0], 1).astype(np.float64), r[:n, 1].astype(np.float64)
+    terms = np.log(s) - PROB_BITS * math.log(2.0) - np.ldexp(gap, LOSS_GAP_EXP)
+    return float(np.mean(terms))
 
 
 def softmax_ce_backward(

@@ -158,7 +158,7 @@ class StepPlan:
     labels: str = ""
     valid: str = ""
     lr: str = "lr"
-    probs: str = ""  # softmax probabilities (the host computes the logged loss from them)
+    loss_rows: str = ""  # the loss head's [S, label gap] rows (the host's logged loss)
     # the inference plan's logits: mantissas (int8) or int32 accumulator, exponent
     logits: tuple[str, str] = ("", "")
 

@@ -166,7 +166,7 @@ class DenseRules(PlanBuilder):
         logits = n.inputs[0]
         rows, k = self.shape(logits)
         probs = self.out(n, 0, PROB_DTYPE)
-        self.plan.probs = probs
+        self.plan.loss_rows = self.buf("loss_rows", (rows, 2), I32)
         key = self.keys(n, (0,), "key0", rows * k)
         table = self.const("exp_table", EXP_TABLE.values, I32)
         func = te_ops.softmax_ce_forward(
@@ -177,7 +177,8 @@ class DenseRules(PlanBuilder):
             self.device.native_division,
             self.device.gemm.host_scheduled,
         )
-        self.launch(func, (self.m[logits], self.e[logits], key, table, probs))
+        args = (self.m[logits], self.e[logits], key, table, self.plan.labels, probs)
+        self.launch(func, (*args, self.plan.loss_rows))
 
     def softmax_ce_grad(self, n: Node) -> None:
         probs = n.inputs[0]

@@ -421,7 +421,7 @@ def plan_manifest(plan: StepPlan) -> dict[str, Any]:
         "labels": plan.labels,
         "valid": plan.valid,
         "lr": plan.lr,
-        "probs": plan.probs,
+        "loss_rows": plan.loss_rows,
     }
     assert tuple(out) == PLAN_FIELDS
     if any(plan.logits):  # an inference plan (build_inference_plan)

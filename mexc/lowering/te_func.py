@@ -90,14 +90,19 @@ def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return mod["main"].with_attr("global_symbol", name)
 
 
-def a_row_at_a_time(func: tirx.PrimFunc, out: str) -> tirx.PrimFunc:
+def a_row_at_a_time(
+    func: tirx.PrimFunc, out: str, after: tuple[str, ...] = ()
+) -> tirx.PrimFunc:
     """`func` with every block that `out` reads, directly or not, computed inside `out`'s outer
     loop, and that loop in parallel (a host schedule for kernels of many short rows, such as
     the row softmax). A row's intermediates stay in a scratch row in L1 instead of whole
-    tensors, and the thread pool starts once, not once per block."""
+    tensors, and the thread pool starts once, not once per block. `after`: blocks after
+    `out`, over the same rows, that read those intermediates (computed in the loop too)."""
     sch = s_tir.Schedule(func)
     target = sch.get_sblock(out)
     row = sch.get_loops(target)[0]
+    if after:  # one row loop for every consumer of the intermediates
+        row = sch.merge(row, *(sch.get_loops(sch.get_sblock(name))[0] for name in after))
     needed: set[str] = set()
     todo = [target]
     while todo:

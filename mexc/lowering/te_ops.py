@@ -21,7 +21,13 @@ from collections.abc import Callable
 from tvm import te, tirx
 
 from mexc.kernels.elementwise import DIV_BITS
-from mexc.kernels.loss import PROB_BITS, PROB_DTYPE, PROB_ONE
+from mexc.kernels.loss import (
+    LOSS_GAP_EXP,
+    LOSS_GAP_SHIFT_MAX,
+    PROB_BITS,
+    PROB_DTYPE,
+    PROB_ONE,
+)
 from mexc.lowering.te_compaction import (
     _flat_index,
     aligned_target,
@@ -486,20 +492,23 @@ def softmax_ce_forward(
     host_schedule: bool = False,
 ) -> tirx.PrimFunc:
     """kernels.softmax_ce_forward without the host-side loss: int16 p in [0, 2^15 - 1] (value
-    p / 2^15).
+    p / 2^15), and kernels.loss.loss_rows, each row's [S, label gap], from which the host
+    computes the logged loss.
 
     d = m - rowmax; index = d shifted to the exp table's exponent (rounding key site 0, flat
     index r*K + j; a left shift saturates at 2^30); E = table[index + 128], 0 below -128,
     clamped to 127; p = min(idiv_round(E << 15, sum_j E), 2^15 - 1). Parameters (logits, e,
-    key, table, probs): e int32[1] the logits' exponent, key int64[1], table int32[256]
-    (numerics.EXP_TABLE). `host_schedule`: a row at a time (te_func.a_row_at_a_time), so
-    that a row's maximum, exponentials and sum are a scratch row, not whole tensors (a
-    per-pixel loss's exponentials, int64 per class, were 21.5 MB of workspace at batch 128)."""
+    key, table, labels, probs, loss_rows): e int32[1] the logits' exponent, key int64[1],
+    table int32[256] (numerics.EXP_TABLE), labels int32 (N,), loss_rows int32 (N, 2).
+    `host_schedule`: a row at a time (te_func.a_row_at_a_time), so that a row's maximum,
+    exponentials and sum are a scratch row, not whole tensors (a per-pixel loss's
+    exponentials, int64 per class, were 21.5 MB of workspace at batch 128)."""
     i64 = "int64"
     logits = te.placeholder((n, k), I8, name="logits")
     e = te.placeholder((1,), I32, name="e")
     key = te.placeholder((1,), i64, name="key")
     table = te.placeholder((256,), I32, name="table")
+    labels = te.placeholder((n,), I32, name="labels")
     rj = te.reduce_axis((0, k), "rj")
     rowmax = te.compute((n,), lambda r: te.max(logits[r, rj], axis=rj), name="rowmax")
 
@@ -517,8 +526,26 @@ def softmax_ce_forward(
         ).astype(PROB_DTYPE),
         name="probs",
     )
-    func = _func([logits, e, key, table, probs], name)
-    return a_row_at_a_time(func, "probs") if host_schedule else func
+
+    def row(r: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        y = tirx.max(tirx.min(labels[r], k - 1), 0)
+        d = logits[r, y].astype(i64) - rowmax[r].astype(i64)
+        return tirx.if_then_else(c == 0, srow[r], _label_gap(d, e[0])).astype(I32)
+
+    rows = te.compute((n, 2), row, name="loss_rows")
+    func = _func([logits, e, key, table, labels, probs, rows], name)
+    return a_row_at_a_time(func, "probs", ("loss_rows",)) if host_schedule else func
+
+
+def _label_gap(d: tirx.PrimExpr, e: tirx.PrimExpr) -> tirx.PrimExpr:
+    """kernels.loss.label_gap: d <= 0 at exponent e moved to LOSS_GAP_EXP (int64)."""
+    i64 = "int64"
+    mag = -d
+    s = e.astype(i64) - LOSS_GAP_EXP
+    left = tirx.min(mag << tirx.max(tirx.min(s, LOSS_GAP_SHIFT_MAX), 0), (1 << 31) - 1)
+    t = tirx.max(tirx.min(-s, 62), 1)
+    right = (mag + (tirx.const(1, i64) << (t - 1))) >> t
+    return -tirx.if_then_else(s >= 0, left, right)
 
 
 def softmax_ce_backward_acc(

@@ -57,7 +57,7 @@ def fingerprint(plan: StepPlan) -> tuple:
         [(k, v.dtype.str, v.tobytes()) for k, v in plan.constants.items()],
         plan.key_ids,
         list(plan.state.items()),
-        (plan.input, plan.labels, plan.valid, plan.lr, plan.probs),
+        (plan.input, plan.labels, plan.valid, plan.lr, plan.loss_rows),
         [(x.symbol, x.args, x.func.script()) for x in plan.launches],
     )
 

@@ -35,7 +35,7 @@ def _manifest() -> dict:
         "labels": "",
         "valid": "",
         "lr": "",
-        "probs": "",
+        "loss_rows": "",
     }
 
 

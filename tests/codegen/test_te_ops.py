@@ -24,7 +24,7 @@ from mexc.kernels import (
 )
 from mexc.kernels._common import product_bits
 from mexc.kernels.linear import add_bias
-from mexc.kernels.loss import GRAD_EXP, grad_shift
+from mexc.kernels.loss import GRAD_EXP, ce_loss, grad_shift
 from mexc.lowering import te_ops
 from mexc.lowering.te_compaction import compaction_apply, compaction_shift
 from mexc.mx import MX, RoundCtx
@@ -152,8 +152,8 @@ def test_softmax_head_compiles_for_cuda_without_float(arch: str, tmp_path: Path)
     cu = tmp_path / "head.cu"
     cu.write_text(cuda_source(funcs, arch))
     kernels = sass_opcodes(compile_cubin(cu, arch, tmp_path / "head.cubin"))
-    assert sum(k.startswith("sm_f_kernel") for k in kernels) == 4  # rowmax, exp, sum, probs
-    assert sum(k.startswith("sm_fn_kernel") for k in kernels) == 4
+    assert sum(k.startswith("sm_f_kernel") for k in kernels) == 5  # rowmax, exp, sum, probs, loss rows
+    assert sum(k.startswith("sm_fn_kernel") for k in kernels) == 5
     assert "sm_b_kernel" in kernels
     for name, ops in kernels.items():
         assert not float_opcodes(ops), (name, float_opcodes(ops))
@@ -227,8 +227,9 @@ def test_bias_add_equals_the_reference(rounding: str, k: int) -> None:
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize(
-    "e_logits,valid", [(-3, 16), (-6, 11), (-1, 16), (0, 5), (30, 16), (60, 7)]
-)  # 30 and 60: the left shift of the table index saturates (60: shift capped at 54)
+    "e_logits,valid", [(-3, 16), (-6, 11), (-20, 16), (0, 5), (30, 16), (60, 7)]
+)  # 30 and 60: the left shift of the table index saturates (60: shift capped at 54), and so
+# does the label's gap; -20: the gap rounds to exponent -16
 @pytest.mark.parametrize("host", [False, True])  # a row at a time (the llvm schedule)
 def test_softmax_ce_forward_and_backward(
     rounding: str, e_logits: int, valid: int, host: bool
@@ -240,16 +241,18 @@ def test_softmax_ce_forward_and_backward(
     ctx = RoundCtx(rounding, 2, 9, 8)
     tid = 80
     ctx_valid = valid
-    want_p, _ = softmax_ce_forward(MX.of(logits, e_logits), labels, ctx_valid, ctx, tid)
-    (p,) = _run(
+    want_p, want_loss = softmax_ce_forward(MX.of(logits, e_logits), labels, ctx_valid, ctx, tid)
+    p, rows = _run(
         te_ops.softmax_ce_forward(n, k, rounding == "stochastic", host_schedule=host),
         logits,
         np.array([e_logits], np.int32),
         np.array([ctx.key(tid)], np.int64),
         EXP_TABLE.values.astype(np.int32),
-        outs=[((n, k), "int16")],
+        labels.astype(np.int32),
+        outs=[((n, k), "int16"), ((n, 2), "int32")],
     )
     np.testing.assert_array_equal(p, want_p)
+    assert ce_loss(rows, ctx_valid) == want_loss  # the same rows, so the same float
 
     want_g = softmax_ce_backward(want_p, labels, ctx_valid, ctx, tid + 16)
     shift = grad_shift(valid, k)

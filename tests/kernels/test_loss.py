@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from kernel_helpers import cos, rand_mx, tt
 
 from mexc.kernels import softmax_ce_backward, softmax_ce_forward
+from mexc.kernels.loss import label_gap
 from mexc.mx import MX, RoundCtx
 
 
@@ -84,3 +85,31 @@ def test_classes_beyond_the_exp_table_have_no_mass() -> None:
     probs, _ = softmax_ce_forward(MX.of(m, -3), np.array([3, 3]), 2, ctx, 0)
     assert probs[:, 3].tolist() == [2**15 - 1] * 2 and not np.delete(probs, 3, axis=1).any()
     assert not softmax_ce_backward(probs, np.array([3, 3]), 2, ctx, 16).m.any()
+
+
+def test_the_logged_loss_of_labels_far_below_the_maximum_is_their_cross_entropy() -> None:
+    """The logged loss reads each row's sum S and its label's gap, not p_y: a label more than
+    8 nats below its row's maximum has p_y = 0, which logged ln 2^15 = 10.4 whatever its
+    gap (here 12 to 30 nats), and a uniform row of more than 2^15 classes logged 10.4 too."""
+    ctx = RoundCtx("nearest")
+    n, k = 6, 10
+    m = np.zeros((n, k), np.int64)
+    m[:, 0] = [48, 64, 80, 96, 112, 120]  # the label's gap: 12 to 30 nats at exponent -2
+    labels = np.full(n, 3)
+    lt = torch.tensor(m * 0.25)
+    probs, loss = softmax_ce_forward(MX.of(m, -2), labels, n, ctx, 0)
+    assert not probs[:, 3].any()
+    want = float(F.cross_entropy(lt, torch.tensor(labels)))
+    assert abs(loss - want) < 1e-3 * want and loss > 20.0
+
+    wide = 40_000
+    _, loss = softmax_ce_forward(MX.of(np.zeros((2, wide), np.int64), -4), [5, 7], 2, ctx, 0)
+    assert abs(loss - np.log(wide)) < 1e-9  # 10.60, where the cap read 10.40
+
+
+def test_the_label_gap_is_exact_above_exponent_minus_16_and_rounds_below() -> None:
+    d = np.array([0, -1, -3, -255])
+    assert label_gap(d, -16).tolist() == [0, -1, -3, -255]
+    assert label_gap(d, -14).tolist() == [0, -4, -12, -1020]
+    assert label_gap(d, -18).tolist() == [0, 0, -1, -64]  # 3/4 -> 1, 255/4 = 63.75 -> 64
+    assert label_gap(d, 30).tolist() == [0, -(2**24), -3 * 2**24, -(2**31 - 1)]

@@ -40,7 +40,7 @@ from mexc.errors import CheckpointError, DistributedError
 from mexc.program import Program, read_checkpoint
 
 # 5: int16 probabilities; 4: a data-parallel worker's collectives; 3: key_rows, valid[2]
-FORMAT = "mexc-cuda-step-5"
+FORMAT = "mexc-cuda-step-6"
 PROGRAM_FILE = "program.mexc"
 # an inference artifact beside a training step's (its subfolder) names the step's program file
 SHARED_PROGRAM = f"../{PROGRAM_FILE}"

@@ -162,11 +162,11 @@ int32_t mexc_batchnorm_forward_eval(uint32_t n, uint32_t c, uint32_t s, const in
                                     int32_t *scratch);
 
 /* ------------------------------------------------------------------ loss (loss.py) */
-/* softmax_ce_forward: probs (N, K) in [0, 2^15 - 1] (exponent -15). Returns the integer loss
- * round(mean over the first `valid` rows of 1000 * -ln(max(p_y, 1) / 2^15)), its rows' terms
- * within 0.02 of theirs (mexc_nll_micro_table interpolated between p's top 8 bits; 0 if
- * valid == 0).
- * Site 0. */
+/* softmax_ce_forward: probs (N, K) in [0, 2^15 - 1] (exponent -15). Returns the logged loss in
+ * milli-nats (loss.ce_loss): round(mean over the first `valid` rows of 1000 (ln(S / 2^15) -
+ * gap 2^-16)), S the row's sum of exponentials and gap its label's (loss.label_gap), ln from
+ * mexc_nll_micro_table interpolated between S's top 8 bits (within 10 micro-nats a row; 0 if
+ * valid == 0; saturated at 2^31 - 1). Site 0. */
 int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
                                 const int32_t *labels, uint32_t valid, int16_t *probs,
                                 const mexc_ctx_t *ctx, uint32_t tid);

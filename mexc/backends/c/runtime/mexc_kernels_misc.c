@@ -118,9 +118,10 @@ static int32_t exp_lookup(int32_t d, int32_t e, const mexc_ctx_t *ctx, uint32_t 
     return mexc_exp_table[(t > 127 ? 127 : t) + 128];
 }
 
-/* -10^6 ln(max(p, 1) / 2^15) within 10: p = (q + f) 2^j with q in [128, 255] and f in [0, 1)
- * (p's top 8 bits and the rest), mexc_nll_micro_table interpolated linearly between q and
- * q + 1 (-ln is within 8e-6 of its chord over 1/128 of itself), plus (7 - j) 10^6 ln 2 */
+/* -10^6 ln(max(p, 1) / 2^15) within 10, for any p < 2^31 (negative above 2^15): p = (q + f) 2^j
+ * with q in [128, 255] and f in [0, 1) (p's top 8 bits and the rest), mexc_nll_micro_table
+ * interpolated linearly between q and q + 1 (-ln is within 8e-6 of its chord over 1/128 of
+ * itself), plus (7 - j) 10^6 ln 2 */
 static int64_t nll_micro(int32_t p)
 {
     uint32_t q = p < 1 ? 1u : (uint32_t)p, rest = 0u;
@@ -137,14 +138,30 @@ static int64_t nll_micro(int32_t p)
     return (int64_t)lo + (int64_t)(7 - j) * 693147;
 }
 
+/* loss.label_gap: the label's gap d <= 0 at exponent e, moved to exponent -16 (exact from
+ * e = -16 up, saturated at 2^31 - 1; rounded half away from zero below), as its magnitude */
+static uint32_t label_gap(int32_t d, int32_t e)
+{
+    uint32_t mag = (uint32_t)(-d); /* <= 255 */
+    int32_t s = e + 16, t;
+    if (s >= 0) {
+        uint64_t g = (uint64_t)mag << (s < 24 ? s : 24);
+        return g > 0x7FFFFFFFu ? 0x7FFFFFFFu : (uint32_t)g;
+    }
+    t = -s < 62 ? -s : 62;
+    return t >= 32 ? 0u : (uint32_t)(((uint64_t)mag + (1ull << (t - 1))) >> t);
+}
+
 int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, int32_t e,
                                 const int32_t *labels, uint32_t valid, int16_t *probs,
                                 const mexc_ctx_t *ctx, uint32_t tid)
 {
     const uint32_t key = mexc_site_key(ctx, tid, 0);
-    uint32_t r, j, rows = valid < n ? valid : n;
+    uint32_t r, j, y, rows = valid < n ? valid : n;
     int32_t mx, srow, p;
-    uint64_t loss = 0u; /* micro-nats, at most 1.04e7 a row (nll_micro >= 0) */
+    int64_t ln_s;
+    /* micro-nats: a row's ln(S / 2^15) (at most 11.1e6) plus its gap (at most 3.3e10) */
+    uint64_t loss = 0u;
     for (r = 0; r < n; r++) {
         const int8_t *m = logits + r * k;
         mx = m[0];
@@ -156,10 +173,16 @@ int32_t mexc_softmax_ce_forward(uint32_t n, uint32_t k, const int8_t *logits, in
             p = mexc_idiv_round(exp_lookup(m[j] - mx, e, ctx, key, r * k + j) << 15, (uint32_t)srow);
             probs[r * k + j] = (int16_t)(p < 32767 ? p : 32767);
         }
-        if (r < rows) loss += (uint64_t)nll_micro(probs[r * k + (uint32_t)labels[r]]);
+        if (r < rows) { /* ln(S / 2^15) - gap 2^-16 (loss.ce_loss), both terms >= 0 */
+            y = labels[r] < 0 ? 0u : ((uint32_t)labels[r] < k ? (uint32_t)labels[r] : k - 1u);
+            ln_s = -nll_micro(srow); /* >= 0 up to the table's rounding */
+            loss += (uint64_t)(ln_s > 0 ? ln_s : 0);
+            loss += ((uint64_t)label_gap(m[y] - mx, e) * 1000000u + (1u << 15)) >> 16;
+        }
     }
     /* the mean in milli-nats, rounded (unsigned: no signed 64-bit division on an MCU) */
-    return rows ? (int32_t)((loss + 500u * (uint64_t)rows) / (1000u * (uint64_t)rows)) : 0;
+    loss = rows ? (loss + 500u * (uint64_t)rows) / (1000u * (uint64_t)rows) : 0u;
+    return loss > 0x7FFFFFFFu ? 0x7FFFFFFF : (int32_t)loss;
 }
 
 int32_t mexc_softmax_ce_backward(uint32_t n, uint32_t k, const int16_t *probs,
