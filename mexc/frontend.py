@@ -51,6 +51,7 @@ from mexc.frontend_eval_modes import (
 )
 from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
+from mexc.frontend_lift import lift_parameter_functions
 from mexc.frontend_modules import traced_forward
 from mexc.ir import EVAL_NORM_WEIGHTS, LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.kernels.loss import MAX_CLASSES
@@ -215,9 +216,11 @@ class _Ctx:
                 _describe(
                     a,
                     "is a parameter or buffer that an operation uses as an activation (e.g. "
-                    "torch.sigmoid(self.p)); mexc trains parameters as layer weights, scales "
-                    "(x * p), embeddings (x + p) and class tokens. Apply the function to an "
-                    "activation, or fold it into the layer",
+                    "torch.sigmoid(self.p) read by a layer); mexc trains parameters as layer "
+                    "weights, scales (x * p), embeddings (x + p), class tokens, and elementwise "
+                    "functions of them (sigmoid, tanh, softplus, clamp, views, indexing) that "
+                    "multiply or add to an activation. Apply the function to an activation, or "
+                    "fold it into the layer",
                 )
             )
         v = self.env[a]
@@ -276,8 +279,9 @@ class _Ctx:
                     f"reads the parameter {v.source.target} (seen through a reshape) as an "
                     "activation (a function of a parameter, as torch.clamp(self.p.reshape(...))"
                     ".exp()); mexc trains parameters as layer weights, scales (x * p), "
-                    "embeddings (x + p) and class tokens. Apply the function to an "
-                    "activation, or fold it into the layer",
+                    "embeddings (x + p), class tokens, and elementwise functions of them "
+                    "(sigmoid, tanh, softplus, clamp) that multiply or add to an activation. "
+                    "Apply the function to an activation, or fold it into the layer",
                 )
             )
         if not isinstance(v, Value):
@@ -608,6 +612,7 @@ def supported_ops() -> list[str]:
     fns = [
         f.rsplit(".", 1)[-1] if isinstance(f, str) else getattr(f, "__name__", str(f))
         for f in FUNCTION_HANDLERS
+        if not str(getattr(f, "__module__", "")).startswith("mexc.")  # mexc's own rewrites
     ]
     return sorted(set(mods)) + sorted(set(fns)) + sorted(f"Tensor.{m}" for m in METHOD_HANDLERS)
 
@@ -910,6 +915,8 @@ def trace(
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
     _drop_float_casts(gm)
+    if lift_parameter_functions(gm, int(example.shape[0]) if example.ndim else 1):
+        _propagate(gm, model, example)
     return gm
 
 

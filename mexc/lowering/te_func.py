@@ -90,9 +90,7 @@ def prim_func(args: list[te.Tensor], name: str) -> tirx.PrimFunc:
     return mod["main"].with_attr("global_symbol", name)
 
 
-def a_row_at_a_time(
-    func: tirx.PrimFunc, out: str, after: tuple[str, ...] = ()
-) -> tirx.PrimFunc:
+def a_row_at_a_time(func: tirx.PrimFunc, out: str, after: tuple[str, ...] = ()) -> tirx.PrimFunc:
     """`func` with every block that `out` reads, directly or not, computed inside `out`'s outer
     loop, and that loop in parallel (a host schedule for kernels of many short rows, such as
     the row softmax). A row's intermediates stay in a scratch row in L1 instead of whole

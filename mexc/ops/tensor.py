@@ -494,10 +494,6 @@ def _stack(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(c.describe(n, "stacks something other than tensors"))
     out = tuple(c.shape(n))
     d = static_int(args.get("dim", 0)) % len(out)
-    if d <= c.first_or_batch_axis(c.arg(items[0])):
-        raise UnsupportedOpError(
-            c.describe(n, "stacks along a new axis before the batch axis; stack along another")
-        )
     one = (*out[:d], 1, *out[d + 1 :])
     pieces = [reshaped(c, c.arg(t), one) for t in items]
     return pieces[0] if len(pieces) == 1 else c.emit(Op.CONCAT, pieces, n, dim=d)
@@ -594,6 +590,17 @@ def _expand(c: Any, n: Any) -> Value:
             )
         )
     return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
+
+
+def lifted_over_batch(p: Any, batch: int) -> Any:
+    """p repeated over a new leading batch axis: what mexc.frontend_lift puts before a function
+    of a parameter (EXPAND_PARAM, `_lifted`). Runs on torch tensors while shapes propagate."""
+    return p.unsqueeze(0).expand(batch, *p.shape)
+
+
+def _lifted(c: Any, n: Any) -> Value:
+    """A parameter repeated over the batch (frontend_lift), read as an activation."""
+    return c.emit(Op.EXPAND_PARAM, [c.get_param(n.args[0], "scale")], n)
 
 
 def _copies_along(
@@ -1744,7 +1751,10 @@ define(
         types=elementwise_types,
         vjp=_expand_param_vjp,
         reference=_expand_param,
-        frontend=(Pattern("method", ("expand", "expand_as"), _expand),),
+        frontend=(
+            Pattern("method", ("expand", "expand_as"), _expand),
+            Pattern("function", ("mexc.ops.tensor.lifted_over_batch",), _lifted),
+        ),
         lower={"tir": tir_rule("expand_param"), "c": "emit:_expand_param"},
         doc="a [1, ...] parameter repeated over the batch (a class token); exponent kept",
         batch_results=True,

@@ -152,7 +152,8 @@ def test_softmax_head_compiles_for_cuda_without_float(arch: str, tmp_path: Path)
     cu = tmp_path / "head.cu"
     cu.write_text(cuda_source(funcs, arch))
     kernels = sass_opcodes(compile_cubin(cu, arch, tmp_path / "head.cubin"))
-    assert sum(k.startswith("sm_f_kernel") for k in kernels) == 5  # rowmax, exp, sum, probs, loss rows
+    # rowmax, exp, sum, probs, loss rows
+    assert sum(k.startswith("sm_f_kernel") for k in kernels) == 5
     assert sum(k.startswith("sm_fn_kernel") for k in kernels) == 5
     assert "sm_b_kernel" in kernels
     for name, ops in kernels.items():

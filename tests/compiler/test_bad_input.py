@@ -70,7 +70,9 @@ class SigmoidOfParameter(nn.Module):
         self.gate = nn.Parameter(torch.zeros(64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(x, 1) * torch.sigmoid(self.gate))
+        # a function of a parameter read by a layer (one that multiplies an activation is
+        # lifted over the batch: tests/compiler/test_lifted_params.py)
+        return self.fc(torch.flatten(x, 1)) + self.fc(torch.sigmoid(self.gate))
 
 
 def test_a_parameter_used_as_an_activation_is_named() -> None:
