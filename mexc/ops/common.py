@@ -274,3 +274,23 @@ def param_grad_share(n: Node, inputs: list[TensorType]) -> tuple[int, ...]:
     g_shape = tuple(n.attrs.view or n.type.shape)
     pad = (1,) * (len(x_shape) - len(g_shape)) + g_shape
     return (0,) if bool(n.attrs.param) or pad[0] == 1 else ()
+
+
+# F.max_pool*d's and F.avg_pool*d's positional parameters after (input, kernel, stride,
+# padding), and the options their modules hold as attributes
+POOL_POSITIONAL = {
+    "max": ("dilation", "ceil_mode", "return_indices"),
+    "avg": ("ceil_mode", "count_include_pad", "divisor_override"),
+}
+POOL_OPTIONS = ("ceil_mode", "count_include_pad", "divisor_override", "dilation", "return_indices")
+
+
+def pool_call_arguments(n: Any, kind: str) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(kernel, stride, padding, options) of a traced F.max_pool2d / avg_pool2d call (`kind`
+    "max" or "avg"; the 1-D forms too), positional or keyword."""
+    kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
+    stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
+    padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
+    opts = dict(zip(POOL_POSITIONAL[kind], n.args[4:]))
+    opts.update({k: v for k, v in n.kwargs.items() if k in POOL_OPTIONS})
+    return kernel, stride, padding, opts

@@ -14,11 +14,13 @@ from mexc.ir import Node, Op, Value
 from mexc.ops.activation import elementwise_extreme
 from mexc.ops.bilinear import linear_resample
 from mexc.ops.common import (
+    POOL_OPTIONS,
     Grads,
     elementwise_types,
     no_saved,
     pair,
     pointwise_vjp,
+    pool_call_arguments,
     shape,
     single,
     static_int,
@@ -196,19 +198,11 @@ def _average(
     return c.emit_as(Op.MUL, [y, factor], out, view=(1, 1, *out[2:]))
 
 
-_OPTIONS = ("ceil_mode", "count_include_pad", "divisor_override", "dilation", "return_indices")
-# F.max_pool2d's and F.avg_pool2d's positional parameters after (input, kernel, stride, padding)
-_POSITIONAL = {
-    Op.MAXPOOL2D: ("dilation", "ceil_mode", "return_indices"),
-    Op.AVGPOOL2D: ("ceil_mode", "count_include_pad", "divisor_override"),
-}
-
-
 def _pool_module(op: Op, build: Callable[..., Value] | None = None) -> Callable[..., Value]:
     """The converter of a pooling module: `build` (_pool, or _pool1d) of its geometry."""
 
     def convert(c: Any, n: Any, m: Any) -> Value:
-        opts = {o: getattr(m, o) for o in _OPTIONS if hasattr(m, o)}
+        opts = {o: getattr(m, o) for o in POOL_OPTIONS if hasattr(m, o)}
         return (build or _pool)(c, n, op, m.kernel_size, m.stride, m.padding, opts)
 
     return convert
@@ -218,11 +212,8 @@ def _pool_function(op: Op, build: Callable[..., Value] | None = None) -> Callabl
     """The converter of F.max_pool2d / avg_pool2d (and their 1-D forms, `build` _pool1d)."""
 
     def convert(c: Any, n: Any) -> Value:
-        kernel = n.args[1] if len(n.args) > 1 else n.kwargs["kernel_size"]
-        stride = n.args[2] if len(n.args) > 2 else n.kwargs.get("stride")
-        padding = n.args[3] if len(n.args) > 3 else n.kwargs.get("padding", 0)
-        opts = dict(zip(_POSITIONAL[op], n.args[4:]))
-        opts.update({k: v for k, v in n.kwargs.items() if k in _OPTIONS})
+        kind = "max" if op is Op.MAXPOOL2D else "avg"
+        kernel, stride, padding, opts = pool_call_arguments(n, kind)
         return (build or _pool)(c, n, op, kernel, stride, padding, opts)
 
     return convert

@@ -26,6 +26,7 @@ from mexc.ops.common import (
     off_dim,
     param_grad_share,
     pointwise_vjp,
+    pool_call_arguments,
     reshaped_batch_axis,
     scalar,
     sliced_batch_axis,
@@ -1255,12 +1256,12 @@ def _max_pooled(c: Any, n: Any, sizes: list[int]) -> bool:
             name = f"torch.nn.{type(mod).__name__}"
             kernel, dilation = getattr(mod, "kernel_size", None), getattr(mod, "dilation", 1)
             own = getattr(mod, "padding", 0)
-        else:
+        elif called_name(user) in _MAX_POOLS:
             name = called_name(user)
-            args = [*user.args, None, None, None, None, None]
-            kernel = user.kwargs.get("kernel_size", args[1])
-            own = user.kwargs.get("padding", args[3] or 0)
-            dilation = user.kwargs.get("dilation", args[4] or 1)
+            kernel, _, own, opts = pool_call_arguments(user, "max")
+            dilation = opts.get("dilation", 1)
+        else:
+            return False
         rank = _MAX_POOLS.get(name)
         if rank is None or user.args[0] is not n or kernel is None or len(sizes) > 2 * rank:
             return False
