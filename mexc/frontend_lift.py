@@ -59,6 +59,10 @@ _ARITHMETIC = {
     torch.div,
 }
 _ARITHMETIC_METHODS = {"mul", "add", "sub", "div", "__mul__", "__add__", "__sub__", "__truediv__"}
+# in-place arithmetic on the activation (`x.mul_(sigmoid(p))`, `x *= ...`): readers only (a
+# parameter changed in place is not a function of it)
+_IN_PLACE = {operator.imul, operator.iadd, operator.isub, operator.itruediv}
+_IN_PLACE_METHODS = {"mul_", "add_", "sub_", "div_"}
 _RESHAPES = {"view", "reshape"}
 # two-tensor maxima and minima, which mexc takes of activations of one shape
 _MINMAX = {torch.maximum, torch.minimum, torch.max, torch.min}
@@ -231,7 +235,12 @@ def _reads(user: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, str] |
     """The other operand of `user` on region value x, where it is a tensor, and how `user`
     reads the two: "arithmetic" (binary, broadcasting) or "minmax" (torch.maximum and the
     like, which mexc takes of one shape): the ops that lifting serves."""
-    if _kind(user, frozenset()) == "arithmetic":
+    in_place = user.target in _IN_PLACE or (
+        user.op == "call_method" and user.target in _IN_PLACE_METHODS
+    )
+    if in_place and user.args[0] is x:
+        return None  # the function itself changed in place
+    if _kind(user, frozenset()) == "arithmetic" or in_place:
         how = "arithmetic"
     elif user.target in _MINMAX or (user.op == "call_method" and user.target in _MINMAX_METHODS):
         how = "minmax"
@@ -278,6 +287,10 @@ def lift_parameter_functions(gm: torch.fx.GraphModule, batch: int) -> bool:
             user.replace_input_with(n, aligned)
             changed = True
     if changed:
-        gm.graph.eliminate_dead_code()
+        # the originals nothing reads any more (not fx's eliminate_dead_code, which takes an
+        # in-place method, `x.mul_(s)`, whose result nobody reads, for dead)
+        for n in reversed(list(gm.graph.nodes)):
+            if n in lifter.copies and not n.users:
+                gm.graph.erase_node(n)
         gm.recompile()
     return changed

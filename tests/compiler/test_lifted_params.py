@@ -44,7 +44,7 @@ class Gated(nn.Module):
         alpha = torch.sigmoid(self.alpha).view(4, -1, 1, 1)
         x = x + alpha[0] * (torch.relu(x) - x)
         x = x + alpha[3].squeeze(-1).permute(1, 0).unsqueeze(-1) * x  # [1, 8, 1]: along H
-        x = x * F.softplus(self.gate).view(-1, 1, 1)
+        x.mul_(F.softplus(self.gate).view(-1, 1, 1))  # in place: a reader nothing reads
         x = x.mean((2, 3)) * self.gate
         x = x * torch.tanh(self.gate)
         weights = self.weights.softmax(-1)
