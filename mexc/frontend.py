@@ -314,6 +314,9 @@ class _Ctx:
         """An op that keeps the batch axis where it is (OpDef.keeps_axes) refused where it
         would mix samples: its operands hold the batch on different axes, or it computes along
         the axis that holds it (a linear layer over a (D, N) tensor)."""
+        if self.batch == 1:
+            return  # one sample mixes with none (and a reshape that merges its axis of 1 into
+            # the next, as a broadcast does, leaves the axis that holds it ambiguous)
         known = {a for a in map(self.batch_axis, inputs) if a is not None}
         if len(known) > 1:
             what = f"combines values whose batch axes differ ({sorted(known)})"

@@ -79,7 +79,21 @@ def _shape(n: torch.fx.Node) -> tuple[int, ...]:
 
 
 def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
-    return [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    """The nodes n reads, those in list arguments too (torch.cat's)."""
+    out: list[torch.fx.Node] = []
+    for a in (*n.args, *n.kwargs.values()):
+        out += [
+            i for i in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(i, torch.fx.Node)
+        ]
+    return out
+
+
+def _moved_dim(d: Any, rank: int) -> Any:
+    """Dim d (an int, or a tuple or list of them) of a rank-`rank` tensor, on its copy with a
+    leading batch axis."""
+    if isinstance(d, (tuple, list)):
+        return type(d)(_moved_dim(i, rank) for i in d)
+    return d % rank + 1
 
 
 def _depends_on_input(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
@@ -158,6 +172,8 @@ class _Lifter:
                 return False
             if kind in ("dims", "softmax") and not self._movable_dims(m):
                 return False
+            if kind == "elementwise" and len(_tensor_args(m)) > 1:
+                return False  # a bound that is a tensor (torch.clamp(p, min=q))
             kinds.add(kind)
             todo += [a for a in _tensor_args(m) if a.op != "placeholder"]
             if kind == "arithmetic" and len({len(_shape(a)) for a in _tensor_args(m)}) > 1:
@@ -174,22 +190,25 @@ class _Lifter:
         name = str(getattr(n.target, "__name__", n.target))
         if name in ("squeeze", "softmax") and len(n.args) < 2 and "dim" not in n.kwargs:
             return False  # squeeze() would drop a batch of 1, softmax() take it
+        src = n.args[0]
+        if name != "unsqueeze" and isinstance(src, torch.fx.Node) and not _shape(src):
+            return False  # a 0-dim tensor's dims (flatten()) name no axis
         dims = [*n.args[1:], *(v for k, v in n.kwargs.items() if k in _DIM_KEYWORDS)]
         flat = [d for a in dims for d in (a if isinstance(a, (tuple, list)) else (a,))]
         return all(isinstance(d, int) for d in flat)
 
-    def lift(self, n: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
-        """The copy of region node n over the batch (made before node `before`)."""
+    def lift(self, n: torch.fx.Node) -> torch.fx.Node:
+        """The copy of region node n over the batch, made right after n: every reader of n
+        comes later, whichever of them asks first."""
         if n in self.copies:
             return self.copies[n]
         g = self.gm.graph
-        args = [self.lift(a, before) if isinstance(a, torch.fx.Node) else a for a in n.args]
+        args = [self.lift(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
         kwargs = {
-            k: self.lift(v, before) if isinstance(v, torch.fx.Node) else v
-            for k, v in n.kwargs.items()
+            k: self.lift(v) if isinstance(v, torch.fx.Node) else v for k, v in n.kwargs.items()
         }
         kind = _kind(n, self.parameters)
-        with g.inserting_before(before):
+        with g.inserting_after(n):
             if kind == "leaf":
                 copy = g.call_function(lifted_over_batch, (n, self.batch))
             else:
@@ -205,10 +224,12 @@ class _Lifter:
         """n's arguments for its copy over a leading batch axis."""
         rank = len(_shape(n.args[0])) if isinstance(n.args[0], torch.fx.Node) else 0
         if kind == "reshape":
-            sizes = args[1:] if not isinstance(args[1], (tuple, list)) else list(args[1])
-            if "shape" in kwargs:
-                sizes = list(kwargs.pop("shape"))
-            return [args[0], self.batch, *sizes], kwargs
+            if len(args) > 1:
+                sizes = list(args[1]) if isinstance(args[1], (tuple, list)) else args[1:]
+            else:
+                given = kwargs.pop("shape", kwargs.pop("size", ()))
+                sizes = list(given) if isinstance(given, (tuple, list)) else [given]
+            return [args[0], (self.batch, *sizes)], kwargs  # torch.reshape takes one tuple
         if kind == "index":
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             return [args[0], (slice(None), *index)], kwargs
@@ -222,11 +243,13 @@ class _Lifter:
                 return [args[0], start % rank + 1, end % rank + 1], {}
             if name == "permute":
                 dims = list(dims[0]) if dims and isinstance(dims[0], (tuple, list)) else dims
+                if "dims" in kwargs:
+                    dims = list(kwargs.pop("dims"))
                 return [args[0], 0, *(d % rank + 1 for d in dims)], kwargs
             # unsqueeze counts dims in the result's rank, the others in the operand's
             r = out_rank if name == "unsqueeze" else rank
-            moved = [d % r + 1 for d in dims]
-            moved_kw = {k: (v % r + 1 if k in _DIM_KEYWORDS else v) for k, v in kwargs.items()}
+            moved = [_moved_dim(d, r) for d in dims]
+            moved_kw = {k: _moved_dim(v, r) if k in _DIM_KEYWORDS else v for k, v in kwargs.items()}
             return [args[0], *moved], moved_kw
         return args, kwargs
 
@@ -272,10 +295,12 @@ def lift_parameter_functions(gm: torch.fx.GraphModule, batch: int) -> bool:
             wide, rank = _shape(other), len(_shape(n))
             if rank > len(wide) or not wide or wide[0] != batch:
                 continue  # the activation's leading axis is not the batch
+            if how == "minmax" and _shape(user) != wide:
+                continue  # the function, not the activation, is the wider: mexc's rule refuses
             padded = (1,) * (len(wide) - rank) + _shape(n)
             if padded[0] != 1:
                 continue  # the function's values vary along the batch axis
-            lifted = lifter.lift(n, user)
+            lifted = lifter.lift(n)
             with gm.graph.inserting_before(user):
                 aligned = gm.graph.call_method("reshape", (lifted, batch, *padded[1:]))
                 made = [aligned]

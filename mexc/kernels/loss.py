@@ -23,7 +23,7 @@ PROB_DTYPE = "int16"  # how every backend holds p
 MAX_CLASSES = 1 << 16  # fewer: a row's sum of E <= 2^15 each stays below 2^31
 GRAD_EXP = -15  # (p - S*onehot) / n lies at exponent -15 (then -15 - grad_shift)
 LOSS_GAP_EXP = -16  # the label's gap below the row's maximum, as the logged loss reads it
-LOSS_GAP_SHIFT_MAX = 24  # 255 << 24 > 2^31: every larger left shift saturates alike
+LOSS_GAP_SHIFT_MAX = 31  # 1 << 31 > 2^31 - 1: every larger left shift saturates alike
 
 
 def grad_shift(n: int, k: int) -> int:

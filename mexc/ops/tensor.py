@@ -495,6 +495,15 @@ def _stack(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(c.describe(n, "stacks something other than tensors"))
     out = tuple(c.shape(n))
     d = static_int(args.get("dim", 0)) % len(out)
+    batch = c.first_or_batch_axis(c.arg(items[0]))
+    if batch > 0 and d <= batch:  # a reshape would merge the new axis with those before
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"stacks along a new axis before the batch axis ({batch}), which is not the "
+                "first; stack along a later axis, or move the batch axis first",
+            )
+        )
     one = (*out[:d], 1, *out[d + 1 :])
     pieces = [reshaped(c, c.arg(t), one) for t in items]
     return pieces[0] if len(pieces) == 1 else c.emit(Op.CONCAT, pieces, n, dim=d)
@@ -1422,13 +1431,19 @@ def _reduce(c: Any, n: Any, kind: str) -> Value:
     out = tuple(c.shape(n))
     if kind == "sum":
         return summed_over(c, n, v, tuple(shape), dims, out)
-    batch = _per_sample_batch(c, n, v, dims, kind)
+    batch = _per_sample_batch(c, n, v, tuple(shape), dims, kind)
     return _mean_batch_elsewhere(c, v, tuple(shape), dims, batch, out)
 
 
-def _per_sample_batch(c: Any, n: Any, v: Value, dims: list[int], kind: str) -> int:
-    """v's batch axis, where a `kind` (mean, sum) over `dims` keeps it; else an error naming n."""
+def _per_sample_batch(
+    c: Any, n: Any, v: Value, shape: tuple[int, ...], dims: list[int], kind: str
+) -> int:
+    """v's batch axis, where a `kind` (mean, sum) over `dims` keeps it; else an error naming n.
+    A batch of one may sit on any axis of extent 1 that a reshape merged (torch.stack's new
+    first axis): the first such axis outside `dims`."""
     batch = c.first_or_batch_axis(v)
+    if batch in dims and c.batch == 1:
+        batch = next((a for a, d in enumerate(shape) if d == 1 and a not in dims), batch)
     if batch in dims:
         raise UnsupportedOpError(
             c.describe(
@@ -1443,7 +1458,7 @@ def summed_over(
 ) -> Value:
     """The sum of v (of `shape`) over the non-batch axes `dims` (sorted), as a value of shape
     `out`: their mean times the count (x.sum, an einsum's sum)."""
-    batch = _per_sample_batch(c, n, v, dims, "sum")
+    batch = _per_sample_batch(c, n, v, shape, dims, "sum")
     count = int(np.prod([shape[d] for d in dims]))
     if count == 1:
         return reshaped(c, v, out)

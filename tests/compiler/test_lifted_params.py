@@ -101,6 +101,41 @@ def test_the_stacked_heads_hold_the_batch_on_axis_one() -> None:
         worker_program(prog, Workers(0, 2, None))  # type: ignore[arg-type]
 
 
+class Forms(nn.Module):
+    """Argument forms and orders: two functions of one parameter read in the reverse of the
+    order they are made, a function read after torch.cat, keyword shapes and dims, a tuple of
+    dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.p = nn.Parameter(torch.linspace(-1.0, 1.0, 16))
+        self.q = nn.Parameter(torch.linspace(0.5, -0.5, 8).reshape(1, 8, 1, 1))
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.reshape(torch.sigmoid(self.p[:8]), shape=(-1, 1, 1))
+        b = torch.tanh(self.q).squeeze((0, 3)).permute(dims=(1, 0)).unsqueeze(-1)  # [1, 8, 1]
+        h = self.conv(x) * b  # b, made after a, is read first
+        h = torch.cat([h * a, -h], 1)
+        h = h * F.softplus(self.p).view(-1, 1, 1)  # read after the concatenation
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize(("make", "batch"), [(Forms, 4), (Gated, 1)])
+def test_argument_forms_and_a_batch_of_one_follow_torch(make: type, batch: int) -> None:
+    torch.manual_seed(0)
+    model = make()
+    prog = mexc.compile(model, (torch.zeros(batch, 1, 8, 8),))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((batch, 1, 8, 8)).astype(np.float32)
+    assert_logits_match_torch(model, prog, x, rel=0.1)
+    y = rng.integers(0, 10, batch)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    for name in ("p", "q") if make is Forms else ("alpha", "tau", "weights"):
+        assert cosine(got[name], want[name]) >= 0.99, (name, cosine(got[name], want[name]))
+
+
 class _Read(nn.Module):
     def __init__(self, use: str) -> None:
         super().__init__()

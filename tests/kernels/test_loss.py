@@ -112,4 +112,5 @@ def test_the_label_gap_is_exact_above_exponent_minus_16_and_rounds_below() -> No
     assert label_gap(d, -16).tolist() == [0, -1, -3, -255]
     assert label_gap(d, -14).tolist() == [0, -4, -12, -1020]
     assert label_gap(d, -18).tolist() == [0, 0, -1, -64]  # 3/4 -> 1, 255/4 = 63.75 -> 64
-    assert label_gap(d, 30).tolist() == [0, -(2**24), -3 * 2**24, -(2**31 - 1)]
+    assert label_gap(d, 9).tolist() == [0, -(2**25), -3 * 2**25, -(2**31 - 1)]
+    assert label_gap(d, 30).tolist() == [0] + [-(2**31 - 1)] * 3

@@ -145,7 +145,7 @@ static uint32_t label_gap(int32_t d, int32_t e)
     uint32_t mag = (uint32_t)(-d); /* <= 255 */
     int32_t s = e + 16, t;
     if (s >= 0) {
-        uint64_t g = (uint64_t)mag << (s < 24 ? s : 24);
+        uint64_t g = (uint64_t)mag << (s < 31 ? s : 31);
         return g > 0x7FFFFFFFu ? 0x7FFFFFFFu : (uint32_t)g;
     }
     t = -s < 62 ? -s : 62;
