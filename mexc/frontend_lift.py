@@ -13,8 +13,8 @@ copy of the parameter per sample, for parameters that are a vector or a few.
 
 This module rewrites the traced graph before conversion: each such region of nodes is copied
 with a leading batch axis (view shapes, indices and dims moved by one), and the reader reads the
-copy. A region with a node outside `_ELEMENTWISE` / the structural methods below is left as it
-was, and the frontend refuses it as before, by name.
+copy. A region with a node of another kind than `_kind` names (a reduction, a buffer, a tensor
+index) is left as it was, and the frontend refuses it as before, by name.
 """
 
 from __future__ import annotations
