@@ -63,6 +63,21 @@ def float_gradients(
     return {name: p.grad.numpy() for name, p in m.named_parameters() if p.grad is not None}
 
 
+def assert_gradients_follow_autograd(
+    model: nn.Module,
+    prog: mexc.Program,
+    x: np.ndarray,
+    y: np.ndarray,
+    names: tuple[str, ...],
+    at_least: float,
+) -> None:
+    """Each named parameter's integer gradient of one step (integer_gradients) has cosine at
+    least `at_least` with autograd's on the program's dequantized weights (float_gradients)."""
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    cos = {name: cosine(got[name], want[name]) for name in names}
+    assert min(cos.values()) >= at_least, cos
+
+
 def _as_input(prog: mexc.Program, x: np.ndarray) -> torch.Tensor:
     """x as the program reads it, for torch: token ids as they are, floats quantized and
     dequantized (float64)."""

@@ -19,6 +19,7 @@ from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
@@ -113,9 +114,9 @@ def test_the_gate_learns_from_the_summed_copies() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
     y = rng.integers(0, 10, 32)
-    ints, floats = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("gate.weight", "gate.bias", "conv.weight", "fc.weight"):
-        assert cosine(ints[name], floats[name]) >= 0.99, name
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("gate.weight", "gate.bias", "conv.weight", "fc.weight"), 0.99
+    )
 
 
 class Negate(nn.Module):
@@ -355,6 +356,4 @@ def test_addcmul_trains_bit_exact_and_matches_torch() -> None:
     prog = mexc.compile(model, (torch.zeros(4, 1, 8, 8),), rounding="nearest")
     assert [tuple(n.attrs.view) for n in prog.graph.nodes_of(Op.ADD_PARAM)] == [(1, 1, 16)]
     assert_logits_match_torch(model, prog, x)
-    ints, floats = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("alpha", "beta"):
-        assert cosine(ints[name], floats[name]) >= 0.99, name
+    assert_gradients_follow_autograd(model, prog, x, y, ("alpha", "beta"), 0.99)

@@ -20,11 +20,9 @@ from mexc.kernels import div_forward
 from mexc.mx import MX, RoundCtx
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
     small_batch,
 )
 
@@ -113,9 +111,14 @@ def test_gradients_follow_autograd() -> None:
     model = _model()
     prog = mexc.compile(model, (torch.zeros(32, 1, 8, 8),))
     x, y = small_batch((32, 1, 8, 8))
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("conv.weight", "grn.weight", "grn.bias", "fc.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.95, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model,
+        prog,
+        x,
+        y,
+        ("conv.weight", "grn.weight", "grn.bias", "fc.weight", "head.weight"),
+        0.95,
+    )
 
 
 def test_trains_bit_exact_on_llvm_and_c() -> None:

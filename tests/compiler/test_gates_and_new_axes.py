@@ -16,11 +16,9 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
     small_batch,
 )
 
@@ -73,9 +71,14 @@ def test_gradients_follow_autograd() -> None:
     model = GatedNet()
     prog = mexc.compile(model, (torch.zeros(32, 1, 8, 8),))
     x, y = small_batch((32, 1, 8, 8))
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("conv.weight", "se.weight", "fc.weight", "mix.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model,
+        prog,
+        x,
+        y,
+        ("conv.weight", "se.weight", "fc.weight", "mix.weight", "head.weight"),
+        0.97,
+    )
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
@@ -169,6 +172,4 @@ def test_minima_over_axes_are_negated_maxima_and_match_torch() -> None:
     assert [n.op for n in prog.graph.nodes].count(Op.MAXPOOL2D) == 3
     x, y = small_batch((8, 3, 8, 8))
     assert_logits_match_torch(model, prog, x, rel=0.03)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("conv.weight", "fc.weight"):
-        assert cosine(got[name], want[name]) >= 0.95, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(model, prog, x, y, ("conv.weight", "fc.weight"), 0.95)

@@ -15,11 +15,9 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
 )
 
 
@@ -74,9 +72,9 @@ def test_the_written_and_overwritten_get_their_gradients() -> None:
     model = Writes()
     prog = mexc.compile(model, (torch.zeros(32, 8, 16),))
     x, y = _data(32)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("a.weight", "b.weight", "c.weight", "col", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.98, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("a.weight", "b.weight", "c.weight", "col", "head.weight"), 0.98
+    )
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:

@@ -16,6 +16,7 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
@@ -131,9 +132,9 @@ def test_argument_forms_and_a_batch_of_one_follow_torch(make: type, batch: int) 
     x = rng.standard_normal((batch, 1, 8, 8)).astype(np.float32)
     assert_logits_match_torch(model, prog, x, rel=0.1)
     y = rng.integers(0, 10, batch)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("p", "q") if make is Forms else ("alpha", "tau", "weights"):
-        assert cosine(got[name], want[name]) >= 0.99, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("p", "q") if make is Forms else ("alpha", "tau", "weights"), 0.99
+    )
 
 
 class _Read(nn.Module):

@@ -15,11 +15,9 @@ from torch import nn
 import mexc
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
     small_batch,
 )
 
@@ -68,9 +66,7 @@ def test_gradients_follow_autograd() -> None:
     model = _model()
     prog = mexc.compile(model, (torch.zeros(32, 64),))
     x, y = small_batch((32, 64))
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("qkv.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.95, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(model, prog, x, y, ("qkv.weight", "head.weight"), 0.95)
 
 
 def test_trains_bit_exact_on_llvm_and_c() -> None:

@@ -14,10 +14,8 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
     small_batch,
     step_values,
 )
@@ -61,9 +59,7 @@ def test_gradients_follow_autograd() -> None:
     prog = mexc.compile(model, (torch.zeros(32, 1, 8, 8),))
     rng = np.random.default_rng(2)
     x, y = rng.standard_normal((32, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 32)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("conv.weight", "fc.weight"):
-        assert cosine(got[name], want[name]) >= 0.99, name
+    assert_gradients_follow_autograd(model, prog, x, y, ("conv.weight", "fc.weight"), 0.99)
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:

@@ -13,11 +13,9 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
 )
 
 
@@ -123,9 +121,14 @@ def test_the_shared_weights_get_their_gradients(case: str) -> None:
     model = _model(case)
     prog = mexc.compile(model, (torch.zeros(128, 6, 8),))
     x, y = _data(128)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_hh_l0", "fc.weight"):
-        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model,
+        prog,
+        x,
+        y,
+        ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_hh_l0", "fc.weight"),
+        0.97,
+    )
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
@@ -222,6 +225,11 @@ def test_the_zero_state_reads_no_hidden_weight() -> None:
     assert readers.count("rnn.weight_hh_l0_reverse") == 4  # 5 steps, the first reads none
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 5, 6)).astype(np.float32), np.arange(64) % 10
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("rnn.weight_hh_l0", "rnn.weight_hh_l0_reverse", "rnn.bias_hh_l0_reverse"):
-        assert cosine(got[name], want[name]) >= 0.95, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model,
+        prog,
+        x,
+        y,
+        ("rnn.weight_hh_l0", "rnn.weight_hh_l0_reverse", "rnn.bias_hh_l0_reverse"),
+        0.95,
+    )

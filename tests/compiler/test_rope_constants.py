@@ -14,11 +14,9 @@ from torch import nn
 
 import mexc
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
 )
 
 
@@ -64,9 +62,7 @@ def test_the_rotary_table_is_torchs() -> None:
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((16, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 16)
     assert_logits_match_torch(model, prog, x)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("proj.weight", "fc.weight"):
-        assert cosine(got[name], want[name]) >= 0.99, name
+    assert_gradients_follow_autograd(model, prog, x, y, ("proj.weight", "fc.weight"), 0.99)
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:

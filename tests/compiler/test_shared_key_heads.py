@@ -13,11 +13,9 @@ from torch import nn
 import mexc
 from mexc.errors import UnsupportedOpError
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
     small_batch,
 )
 
@@ -63,9 +61,9 @@ def test_gradients_follow_autograd(kv: int, gqa: bool) -> None:
     model = _model(kv, gqa)
     prog = mexc.compile(model, (torch.zeros(32, 64),))
     x, y = small_batch((32, 64))
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("q.weight", "k.weight", "v.weight", "out.weight"):
-        assert cosine(got[name], want[name]) >= 0.99, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("q.weight", "k.weight", "v.weight", "out.weight"), 0.99
+    )
 
 
 def test_grouped_query_attention_trains_bit_exact_on_llvm_and_c() -> None:

@@ -20,6 +20,7 @@ from mexc.ir import Op
 from mexc.mx import Acc, RoundCtx
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
@@ -85,9 +86,9 @@ def test_shared_gradients_follow_autograd(repeats: int) -> None:
     model = Shared(repeats)
     prog = mexc.compile(model, (torch.zeros(32, 1, 8, 8),))
     x, y = _data(32)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("block.weight", "block.bias", "fc.weight", "table"):
-        assert cosine(got[name], want[name]) >= 0.98, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("block.weight", "block.bias", "fc.weight", "table"), 0.98
+    )
 
 
 def test_the_sum_is_the_aligned_sum_of_the_spec() -> None:

@@ -11,11 +11,9 @@ from torch import nn
 import mexc
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
     small_batch,
 )
 
@@ -58,9 +56,9 @@ def test_gradients_follow_autograd() -> None:
     model = _model()
     prog = mexc.compile(model, (torch.zeros(64, 16),))
     x, y = small_batch((64, 16))
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("fc1.weight", "fc2.weight", "fc3.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.95, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("fc1.weight", "fc2.weight", "fc3.weight", "head.weight"), 0.95
+    )
 
 
 def test_trains_bit_exact_on_llvm_and_c() -> None:
@@ -94,6 +92,6 @@ def test_thresholds_are_masks_and_match_torch() -> None:
     x, y = small_batch((64, 16))
     # entries within the int8 rounding of a threshold fall either way: 0.071 of the largest
     assert_logits_match_torch(model, prog, x, rel=0.1)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("fc1.weight", "fc2.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("fc1.weight", "fc2.weight", "head.weight"), 0.97
+    )

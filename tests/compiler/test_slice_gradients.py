@@ -18,6 +18,7 @@ import mexc
 from mexc.ir import Op
 from tests.compiler.helpers import (
     assert_cuda_source_trains_bit_exact,
+    assert_gradients_follow_autograd,
     assert_trains_bit_exact_on_llvm_and_c,
     cosine,
     float_gradients,
@@ -79,9 +80,9 @@ def test_gradients_follow_autograd() -> None:
     model = Pieces()
     prog = mexc.compile(model, (torch.zeros(64, 3, 8),))
     x, y = _data(64)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("proj.weight", "proj.bias", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.98, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("proj.weight", "proj.bias", "head.weight"), 0.98
+    )
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
@@ -111,9 +112,9 @@ def test_a_gradient_an_add_hands_on_is_joined_and_kept(same: bool) -> None:
     torch.manual_seed(0)
     model = SumSliced(same)
     prog = mexc.compile(model, (torch.zeros(64, 6),))
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("l1.weight", "l1.bias", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.995, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("l1.weight", "l1.bias", "head.weight"), 0.995
+    )
 
     def small(target: str = "reference") -> mexc.Program:
         torch.manual_seed(0)

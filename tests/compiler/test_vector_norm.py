@@ -15,11 +15,9 @@ import mexc
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
+    assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
-    cosine,
-    float_gradients,
-    integer_gradients,
 )
 
 
@@ -64,9 +62,9 @@ def test_gradients_follow_autograd() -> None:
     model = Norms()
     prog = mexc.compile(model, (torch.zeros(32, 1, 6, 6),))
     x, y = _data(32)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("conv.weight", "fc.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(
+        model, prog, x, y, ("conv.weight", "fc.weight", "head.weight"), 0.97
+    )
 
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
@@ -173,6 +171,4 @@ def test_linalg_norms_match_torch_and_autograd() -> None:
     x = np.random.default_rng(0).standard_normal((16, 20)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 10, 16)
     assert_logits_match_torch(model, prog, x)
-    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
-    for name in ("fc.weight", "head.weight"):
-        assert cosine(got[name], want[name]) >= 0.97, (name, cosine(got[name], want[name]))
+    assert_gradients_follow_autograd(model, prog, x, y, ("fc.weight", "head.weight"), 0.97)
