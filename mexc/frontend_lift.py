@@ -78,16 +78,6 @@ def _shape(n: torch.fx.Node) -> tuple[int, ...]:
     return tuple(int(d) for d in n.meta["tensor_meta"].shape)
 
 
-def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes n reads, those in list arguments too (torch.cat's)."""
-    out: list[torch.fx.Node] = []
-    for a in (*n.args, *n.kwargs.values()):
-        out += [
-            i for i in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(i, torch.fx.Node)
-        ]
-    return out
-
-
 def _moved_dim(d: Any, rank: int) -> Any:
     """Dim d (an int, or a tuple or list of them) of a rank-`rank` tensor, on its copy with a
     leading batch axis."""
@@ -106,7 +96,7 @@ def _depends_on_input(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
         elif n.op == "get_attr":
             out[n] = False
         else:
-            reads = [a for a in _tensor_args(n) if STATIC_VALUE not in a.meta]
+            reads = [a for a in n.all_input_nodes if STATIC_VALUE not in a.meta]
             out[n] = any(out.get(a, False) for a in reads)
     return out
 
@@ -172,11 +162,11 @@ class _Lifter:
                 return False
             if kind in ("dims", "softmax") and not self._movable_dims(m):
                 return False
-            if kind == "elementwise" and len(_tensor_args(m)) > 1:
+            if kind == "elementwise" and len(m.all_input_nodes) > 1:
                 return False  # a bound that is a tensor (torch.clamp(p, min=q))
             kinds.add(kind)
-            todo += [a for a in _tensor_args(m) if a.op != "placeholder"]
-            if kind == "arithmetic" and len({len(_shape(a)) for a in _tensor_args(m)}) > 1:
+            todo += [a for a in m.all_input_nodes if a.op != "placeholder"]
+            if kind == "arithmetic" and len({len(_shape(a)) for a in m.all_input_nodes}) > 1:
                 return False  # two regions of different ranks broadcast differently lifted
         return not function or bool(kinds & {"elementwise", "arithmetic", "softmax"})
 
@@ -203,10 +193,8 @@ class _Lifter:
         if n in self.copies:
             return self.copies[n]
         g = self.gm.graph
-        args = [self.lift(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
-        kwargs = {
-            k: self.lift(v) if isinstance(v, torch.fx.Node) else v for k, v in n.kwargs.items()
-        }
+        args = list(torch.fx.node.map_arg(n.args, self.lift))
+        kwargs = dict(torch.fx.node.map_arg(n.kwargs, self.lift))
         kind = _kind(n, self.parameters)
         with g.inserting_after(n):
             if kind == "leaf":
@@ -240,12 +228,12 @@ class _Lifter:
             if name == "flatten":  # its defaults name the batch's axis too
                 start = dims[0] if dims else kwargs.get("start_dim", 0)
                 end = dims[1] if len(dims) > 1 else kwargs.get("end_dim", -1)
-                return [args[0], start % rank + 1, end % rank + 1], {}
+                return [args[0], _moved_dim(start, rank), _moved_dim(end, rank)], {}
             if name == "permute":
                 dims = list(dims[0]) if dims and isinstance(dims[0], (tuple, list)) else dims
                 if "dims" in kwargs:
                     dims = list(kwargs.pop("dims"))
-                return [args[0], 0, *(d % rank + 1 for d in dims)], kwargs
+                return [args[0], 0, *_moved_dim(dims, rank)], kwargs
             # unsqueeze counts dims in the result's rank, the others in the operand's
             r = out_rank if name == "unsqueeze" else rank
             moved = [_moved_dim(d, r) for d in dims]

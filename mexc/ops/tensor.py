@@ -1265,8 +1265,7 @@ def _max_pooled(c: Any, n: Any, sizes: list[int]) -> bool:
             name = f"torch.nn.{type(mod).__name__}"
             kernel, dilation = getattr(mod, "kernel_size", None), getattr(mod, "dilation", 1)
             own = getattr(mod, "padding", 0)
-        elif called_name(user) in _MAX_POOLS:
-            name = called_name(user)
+        elif (name := called_name(user)) in _MAX_POOLS:
             kernel, _, own, opts = pool_call_arguments(user, "max")
             dilation = opts.get("dilation", 1)
         else:
