@@ -53,6 +53,7 @@ from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_lift import lift_parameter_functions
 from mexc.frontend_modules import traced_forward
+from mexc.frontend_standardize import move_gains_after
 from mexc.ir import EVAL_NORM_WEIGHTS, LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.kernels.loss import MAX_CLASSES
 from mexc.ops import REGISTRY, attrs, gather
@@ -358,6 +359,30 @@ class _Ctx:
 
     def get_param(self, a: Any, role: str) -> Value:
         return _get_param(self, a, role)
+
+    def computed_weight(self, a: Any) -> Value:
+        """A convolution's weight: a module parameter, or a value computed from parameters
+        alone each step (weight standardization), whose gradient the computation passes on."""
+        if isinstance(a, torch.fx.Node) and a.op != "get_attr" and a in self.env:
+            v = self.env[a]
+            if isinstance(v, Value) and self._from_parameters(v):
+                return v
+        return _get_param(self, a, "weight")
+
+    def _from_parameters(self, v: Value) -> bool:
+        """Whether v depends on no model input: only on parameters and constants."""
+        by_id = {n.id: n for n in self.b.nodes}
+        stack, seen = [v.node], set()
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            n = by_id[i]
+            if n.op is Op.INPUT:
+                return False
+            stack.extend(u.node for u in n.inputs)
+        return True
 
     def fetch(self, a: Any) -> torch.Tensor:
         """The tensor a get_attr node reads (a module's parameter or buffer)."""
@@ -918,6 +943,8 @@ def trace(
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
     _drop_float_casts(gm)
+    if move_gains_after(gm):
+        _propagate(gm, model, example)
     if lift_parameter_functions(gm, int(example.shape[0]) if example.ndim else 1):
         _propagate(gm, model, example)
     return gm

@@ -430,11 +430,13 @@ class PlanBuilder:
         site: int,
         result: int = 0,
         channel_shape: Shape | None = None,
+        per_tensor: bool = False,
     ) -> None:
         """Result `result` (0) of n = compaction of int32 `acc` (exponent buffer e_in),
         rounding site; with channel exponents, per channel (`channel_compact`, along axis 1 of
-        `channel_shape`: the shape the reference compacts the result in, by default its own)."""
-        if self.channel_site(n, result):
+        `channel_shape`: the shape the reference compacts the result in, by default its own),
+        unless `per_tensor` (a value without a batch: a computed weight's gradient)."""
+        if not per_tensor and self.channel_site(n, result):
             self.channel_compact(n, acc, e_in, site, result, channel_shape=channel_shape)
             return
         flat = self.rows_of(shape)  # both kernels

@@ -148,6 +148,12 @@ class DenseRules(PlanBuilder):
         self.gemm(self.whole(Product(form, (rows,), (k,)), operands), acc, reduce=True)
         self.e[n.result(0)] = self.product_exp(n, ed, x)
 
+    def compact_alone(self, n: Node) -> None:
+        """ops.dense._compact: an accumulator no product fused (a computed weight's
+        gradient), per tensor, site 0."""
+        a = n.inputs[0]
+        self.compact(n, self.m[a], self.e[a], self.shape(a), 0, per_tensor=True)
+
     def bias_grad(self, n: Node) -> None:
         dy = n.inputs[0]
         axes = tuple(int(a) for a in n.attrs.axes)

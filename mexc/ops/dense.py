@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
+from mexc.kernels._common import compact_mx, site_key
 from mexc.mx import MX, Acc
 from mexc.ops.common import (
     Grads,
@@ -67,9 +68,13 @@ def _conv_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     assert dy is not None
     x, wt = n.inputs[0], n.inputs[1]
     conv = _geometry_of(n)
-    dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [dy, x], acc(*w.type(wt).shape), n.loc, **conv)
-    w.set_param_grad(wt, dw.out, n)
     grads: Grads = [None, None]
+    dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [dy, x], acc(*w.type(wt).shape), n.loc, **conv)
+    if w.param_name(wt) is not None:
+        w.set_param_grad(wt, dw.out, n)
+    elif w.needs[wt]:  # a weight computed from parameters (standardized): its gradient goes on
+        bits = int(w.g.attr("bits", 8))
+        grads[1] = w.emit(Op.COMPACT, [dw.out], mx(*w.type(wt).shape), n.loc, bits=bits).out
     if w.needs[x]:
         grads[0] = w.emit(Op.CONV2D_GRAD_INPUT, [dy, wt], mx(*w.type(x).shape), n.loc, **conv).out
     if n.attrs.has_bias:
@@ -165,6 +170,12 @@ def _linear_grad_input(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
 
 def _linear_grad_weight(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (K.linear_backward_weight(rows(a[0]), rows(a[1]), env.ctx, tid(n)),)
+
+
+def _compact(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
+    """An accumulator no product fused (a computed weight's gradient), per tensor, site 0."""
+    acc: Acc = a[0]
+    return (compact_mx(acc.a, acc.e, env.ctx, site_key(env.ctx, tid(n), 0)),)
 
 
 def _bias_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -309,16 +320,16 @@ def _conv_function(c: Any, n: Any) -> Value:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
     w, bias = args["weight"], args.get("bias")
-    weight = c.get_param(w, "weight")
-    tensor = c.fetch(w)
+    weight = c.computed_weight(w)  # a parameter, or one standardized each step
+    kernel = c.shape(w)
     g = _Geometry(
         tuple(c.shape(args["input"])),
         pair(args.get("stride", 1)),
         pair(args.get("padding", 0)),
         pair(args.get("dilation", 1)),
         int(args.get("groups", 1)),
-        (int(tensor.shape[2]), int(tensor.shape[3])),
-        int(tensor.shape[0]),
+        (int(kernel[2]), int(kernel[3])),
+        int(kernel[0]),
     )
     b = c.get_param(bias, "bias") if bias is not None else None
     return _conv_op(c, n, c.arg(args["input"]), weight, b, g, tuple(c.shape(n)))
@@ -481,8 +492,11 @@ define(
         Op.COMPACT,
         {"bits": 8, "rid": -1},
         vjp=pass_through,
+        reference=_compact,
+        lower={"tir": "step_plan:PlanRules.compact_alone", "c": "emit:_compact"},
         compaction=True,
-        doc="int32 accumulator -> MX (shift with rounding); fused into its product",
+        doc="int32 accumulator -> MX (shift with rounding, per tensor, site 0); fused into its "
+        "product, alone where none computed it (a computed weight's gradient)",
     ),
     OpDef(
         Op.CONV2D_COMPACT,

@@ -206,6 +206,78 @@ def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, moment
     return as_result(c, n, y)
 
 
+def _standardized_weight(c: Any, n: Any, args: dict[str, Any], source: Any) -> Value:
+    """Weight standardization (timm's StdConv2d and ScaledStdConv2d, BiT, NFNets):
+    F.batch_norm(w.reshape(1, O, -1), None, None, weight=g, training=True) normalizes each
+    output channel's O row of the weight, computed again every step. As a GroupNorm (LAYERNORM
+    with a group per row) of the weight repeated over a batch of one (EXPAND_PARAM), whose
+    gradient the parameter's update receives; `g` is a parameter (or a parameter times a
+    number: ScaledStdConv2d's gain * scale) per row, or None."""
+    shape = tuple(c.shape(n))
+    declared = tuple(c.shape(source))
+    rows = int(declared[0]) if declared else 0
+    stats = [args.get(k) for k in ("running_mean", "running_var")]
+    if (
+        len(shape) != 3
+        or shape[:2] != (1, rows)
+        or any(s is not None for s in stats)
+        or args.get("bias") is not None
+        or args.get("training") is not True
+    ):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                f"normalizes the parameter {source.target} with F.batch_norm in a form other "
+                "than weight standardization's (w.reshape(1, out_channels, -1), no running "
+                "statistics or bias, training=True); standardize the weight that way, or use "
+                "the plain layer",
+            )
+        )
+    per = int(shape[2])
+    if per < 2:
+        raise UnsupportedOpError(c.describe(n, "standardizes rows of one element"))
+    weight = c.get_param(source, "weight")
+    repeated = c.emit_as(Op.EXPAND_PARAM, [weight], (1, *declared), over_batch=False)
+    gain, factor = _row_gain(c, n, args.get("weight"), rows)
+    ins = [reshaped(c, repeated, shape), *gain]
+    attrs = {"eps": float(args.get("eps", 1e-5)), "groups": rows, "per": per}
+    y = c.emit_as(Op.LAYERNORM, ins, shape, **attrs)
+    return y if factor == 1.0 else c.emit_as(Op.SCALE, [y], shape, value=factor)
+
+
+def _row_gain(c: Any, n: Any, g: Any, rows: int) -> tuple[list[Value], float]:
+    """The per-row weight of a standardization (F.batch_norm's `weight`) as a LAYERNORM affine
+    and a number the result is multiplied by: None (ones), a parameter of `rows` elements seen
+    through a view, or such a parameter times a number (ScaledStdConv2d's gain * scale)."""
+    factor = 1.0
+    node = g
+    while c.is_node(node) and called_name(node) in ("view", "reshape", "flatten"):
+        node = node.args[0]
+    if c.is_node(node) and called_name(node) in ("mul", "mul_") and len(node.args) == 2:
+        a, b = (static_value(v) for v in node.args)
+        if finite_number(b) or finite_number(a):
+            factor, node = (float(b), a) if finite_number(b) else (float(a), b)
+    if g is None:
+        return _constant_affine(c, n, rows), 1.0
+    if not (c.is_node(node) and c.is_param(node) and c.is_parameter(node)):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "standardizes a weight with a gain that is not a parameter (or a parameter "
+                "times a number); make the gain a module parameter",
+            )
+        )
+    tensor = c.fetch(node)
+    if int(tensor.numel()) != rows:
+        raise UnsupportedOpError(
+            c.describe(n, f"standardizes a weight with a gain of {int(tensor.numel())} elements")
+        )
+    name = str(node.target)
+    held = c.param(name, tensor.reshape(-1), "ln_weight", arranged=as_rows(tensor), tie=tensor)
+    bias = c.constant(f"{n.name}.bias", np.zeros(rows), "ln_bias")
+    return [held, bias], factor
+
+
 def batch_norm_arguments(n: Any) -> dict[str, Any]:
     """An F.batch_norm call's arguments by torch's names, positional or keyword."""
     names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
@@ -222,16 +294,7 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
     x = args["input"]
     view = c.param_view(x)
     if c.is_param(x) or view is not None:
-        source = x if view is None else view.source
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"normalizes the parameter {source.target} with F.batch_norm (weight "
-                "standardization: timm's StdConv2d, ScaledStdConv2d, NFNets); mexc trains a "
-                "layer's weight as the layer reads it, not one computed from parameters. Use "
-                "the plain layer (nn.Conv2d), or a model variant without weight standardization",
-            )
-        )
+        return _standardized_weight(c, n, args, x if view is None else view.source)
     if not all(c.is_param(p) for p in parts):
         raise UnsupportedOpError(
             c.describe(

@@ -108,8 +108,9 @@ class OpDef:
     # and its input types)
     batch_partial: tuple[int, ...] | Callable[[Node, list[Any]], tuple[int, ...]] = ()
     batch_whole: tuple[int, ...] = ()  # results over the whole batch (agreed inside the kernel)
-    batch_results: bool = False  # its results are batch-major though it reads no batch (the
-    # batch, the labels, a class token repeated over it)
+    # its results are batch-major though it reads no batch (the batch, the labels, a class
+    # token repeated over it), or a rule of the node
+    batch_results: bool | Callable[[Node], bool] = False
     # a data movement (no rounding, no reduction) that may carry the batch axis anywhere:
     # (node, input type, the input's batch axis) -> the result's batch axis, or None where the
     # split does not carry through (a slice along the batch axis)
@@ -136,7 +137,7 @@ class OpDef:
         (their types and batch axes, in input order): None where n's results hold no batch
         axis or mexc loses it (the frontend's and derive-backward's view; shard-batch follows
         the same rules and refuses what they lose)."""
-        if self.batch_results:
+        if self.batch_major(n):
             return 0
         if not known:
             return None
@@ -148,11 +149,16 @@ class OpDef:
         axis = found.pop() if len(found) == 1 else None
         return None if axis and not self.keeps(n, axis) else axis
 
+    def batch_major(self, n: Node) -> bool:
+        """Whether node n's results are batch-major though it reads no batch (batch_results)."""
+        b = self.batch_results
+        return bool(b(n) if callable(b) else b)
+
     @property
     def may_split(self) -> bool:
         """Whether a data-parallel worker can run the op on its rows of the batch (with some
         attributes at least): a data-parallel rule, data movement or batch-major results."""
-        return bool(self.data_parallel) or self.moves_batch is not None or self.batch_results
+        return bool(self.data_parallel) or self.moves_batch is not None or bool(self.batch_results)
 
     def partial_results(self, n: Node, inputs: list[Any]) -> tuple[int, ...]:
         """The results of node n (input types `inputs`) that are a worker's share of a sum

@@ -227,6 +227,12 @@ def _slice_grad(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     return (MX(out, dy.e),)
 
 
+def _repeated_over_batch(n: Node) -> bool:
+    """EXPAND_PARAM's results are batch-major unless it makes one copy (over_batch=False: a
+    standardized weight's, ops.norm), which every data-parallel worker computes whole."""
+    return bool(n.attrs.over_batch)
+
+
 def _expand_param(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
     p: MX = a[0]
     return (MX(np.ascontiguousarray(np.broadcast_to(p.m, n.type.shape)), p.e),)
@@ -1762,7 +1768,7 @@ define(
     ),
     OpDef(
         Op.EXPAND_PARAM,
-        {},
+        {"over_batch": True},
         types=elementwise_types,
         vjp=_expand_param_vjp,
         reference=_expand_param,
@@ -1771,8 +1777,9 @@ define(
             Pattern("function", ("mexc.ops.tensor.lifted_over_batch",), _lifted),
         ),
         lower={"tir": tir_rule("expand_param"), "c": "emit:_expand_param"},
-        doc="a [1, ...] parameter repeated over the batch (a class token); exponent kept",
-        batch_results=True,
+        doc="a [1, ...] parameter repeated over the batch (a class token); exponent kept; "
+        "over_batch=False: one copy with a leading axis of 1 (a weight computed each step)",
+        batch_results=_repeated_over_batch,
     ),
     OpDef(
         Op.ADD_PARAM_GRAD,

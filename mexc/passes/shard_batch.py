@@ -62,7 +62,7 @@ def shard_batch(g: Graph, ctx: PassContext) -> Graph:
     for n in g.nodes:
         n = n.with_(inputs=tuple(remap.get(v, v) for v in n.inputs))
         d = op_def(n.op)
-        if d.batch_results:  # the batch, the labels: the worker's rows
+        if d.batch_major(n):  # the batch, the labels: the worker's rows
             # the batch itself, or windows merged into it (whole batches of rows): a value
             # made for one sample has fewer rows than the batch
             if any(not t.shape or t.shape[0] % batch for t in n.types):

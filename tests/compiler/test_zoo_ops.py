@@ -593,19 +593,21 @@ def test_reshape_as_and_view_as_are_reshapes() -> None:
     assert sums[0] == sums[1]
 
 
-class StandardizedConv(nn.Conv2d):
-    """timm's StdConv2d: the weight normalized by F.batch_norm over each output channel."""
+class ColumnNormalizedConv(nn.Conv2d):
+    """A weight normalized by F.batch_norm over each input column (w.reshape(O, -1) is O
+    samples of C KH KW features), not over each output channel's row as weight
+    standardization's (tests/compiler/test_standardized_weights.py) is."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = nn.functional.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1), None, None, training=True, eps=1e-6
+            self.weight.reshape(self.out_channels, -1), None, None, training=True, eps=1e-6
         ).reshape_as(self.weight)
         return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding)
 
 
-def test_weight_standardization_is_refused_by_name() -> None:
-    """A batch norm of a parameter (weight standardization) names the parameter and what to
-    use instead, not the running statistics it lacks."""
-    model = nn.Sequential(StandardizedConv(1, 4, 3), nn.Flatten(), nn.Linear(144, 10))
-    with pytest.raises(UnsupportedOpError, match=r"normalizes the parameter 0\.weight"):
+def test_a_weight_normalized_otherwise_is_refused_by_name() -> None:
+    """A batch norm of a parameter in another form than weight standardization's names the
+    parameter and the form mexc takes, not the running statistics it lacks."""
+    model = nn.Sequential(ColumnNormalizedConv(1, 4, 3), nn.Flatten(), nn.Linear(144, 10))
+    with pytest.raises(UnsupportedOpError, match=r"normalizes the parameter 0\.weight .* other"):
         mexc.compile(model, (torch.zeros(2, 1, 8, 8),))

@@ -41,10 +41,14 @@ def batches(
 
 class ZooLayers(torch.nn.Module):
     """The layers added for models users bring, each in one data-parallel step: GroupNorm,
-    LeakyReLU, channel dropout, zero padding, nearest upsampling, pixel shuffle, Mish, a
-    transposed convolution, tanh, adaptive max pooling and softsign (a quotient)."""
+    LeakyReLU, channel dropout, zero padding, nearest upsampling, pixel shuffle, a
+    standardized weight with a gain (timm's ScaledStdConv2d: every worker computes it whole,
+    its gradient from the all-reduced sum), Mish, a transposed convolution, tanh, adaptive max
+    pooling and softsign (a quotient)."""
 
     def __init__(self) -> None:
+        from timm.layers import ScaledStdConv2d
+
         super().__init__()
         nn = torch.nn
         self.conv1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)
@@ -54,7 +58,7 @@ class ZooLayers(torch.nn.Module):
         self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
         self.up = nn.Upsample(scale_factor=2)
         self.shuffle = nn.PixelShuffle(2)
-        self.conv3 = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv3 = ScaledStdConv2d(2, 4, 3, padding=1)
         self.tconv = nn.ConvTranspose2d(4, 4, 2, stride=2)
         self.pool = nn.AdaptiveMaxPool2d(2)
         self.fc = nn.Linear(16, 10)

@@ -425,6 +425,16 @@ def _linear_grad_input(e: _Emit, n: Node) -> None:
     _product(e, n, stem, (dy, ed, e.numel(n.inputs[0]), o), w, n.out)
 
 
+def _compact(e: _Emit, n: Node) -> None:
+    """ops.dense._compact: an accumulator no product fused, per tensor, site 0."""
+    a, ea = _x(e, n, 0)
+    y = e.arena(n.out, "int8_t")
+    ey = e.local_exp(n.out)
+    key = f"mexc_site_key(&ctx, {_tid(n)}u, 0)"
+    count = e.numel(n.inputs[0])
+    e.emit(f"{ey} = mexc_compact({a}, {y}, {count}u, {ea}, ctx.bits, ctx.stochastic, {key});")
+
+
 def _bias_grad(e: _Emit, n: Node) -> None:
     dy, ed = _x(e, n, 0)
     shape = e.shape(n.inputs[0])

@@ -125,7 +125,7 @@ def split_nodes(g: Graph) -> frozenset[int]:
         if n.op is Op.ALL_REDUCE:  # it adds over the workers: it needs them, not their rows
             out.add(n.id)
             continue
-        if not d.batch_results and not any(v in rows for v in n.inputs):
+        if not d.batch_major(n) and not any(v in rows for v in n.inputs):
             continue
         out.add(n.id)
         for i in range(len(n.types)):
