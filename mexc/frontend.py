@@ -53,7 +53,7 @@ from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_lift import lift_parameter_functions
 from mexc.frontend_modules import traced_forward
-from mexc.frontend_standardize import move_gains_after
+from mexc.frontend_standardize import gains_in_place
 from mexc.ir import EVAL_NORM_WEIGHTS, LABEL_SHAPE, Graph, GraphBuilder, Op, Value
 from mexc.kernels.loss import MAX_CLASSES
 from mexc.ops import REGISTRY, attrs, gather
@@ -943,7 +943,7 @@ def trace(
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
     _drop_float_casts(gm)
-    if move_gains_after(gm):
+    if gains_in_place(gm):
         _propagate(gm, model, example)
     if lift_parameter_functions(gm, int(example.shape[0]) if example.ndim else 1):
         _propagate(gm, model, example)

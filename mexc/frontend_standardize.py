@@ -1,13 +1,14 @@
-"""Weight standardization's gain, moved after the normalization.
+"""Weight standardization's gain times a number, converted with the norm.
 
 timm's ScaledStdConv2d (NFNets) standardizes its weight with
 `F.batch_norm(w.reshape(1, O, -1), None, None, weight=(self.gain * self.scale).view(-1), ...)`:
-a gain parameter times a number. mexc takes a parameter as a norm's affine weight, not a product
-computed from one (the product would be converted on its own, before the norm that reads it).
-Since the norm has no bias, scaling its weight by a number scales its result by the number, so
-this rewrite hands the norm the gain alone and multiplies its result by the number (a SCALE).
-Runs on the traced graph before conversion (mexc.frontend.trace); ops.norm converts the
-standardization itself.
+a gain parameter times a number. The frontend converts traced nodes in order, so the product
+would be converted on its own, before the norm that reads it, as a parameter used as an
+activation. This rewrite hands the norm `gain_times(gain.view(-1), number)` instead
+(mexc.ops.norm), which the norm's converter takes as its affine: the weight is rounded once,
+at its own exponent, as timm computes it (the number applied to the norm's result instead
+would round it twice, the first time at the coarser step of the unscaled values).
+Runs on the traced graph before conversion (mexc.frontend.trace).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from mexc.ops.common import called_name, finite_number, static_value
+from mexc.ops.norm import gain_times
 
 _VIEWS = ("view", "reshape", "flatten")
 _MULS = (operator.mul, torch.mul)
@@ -49,9 +51,9 @@ def _standardizes_a_parameter(n: torch.fx.Node) -> bool:
     return isinstance(x, torch.fx.Node) and x.op == "get_attr"
 
 
-def move_gains_after(gm: torch.fx.GraphModule) -> bool:
-    """Rewrite every standardization whose weight is a parameter times a number to take the
-    parameter and multiply its result by the number; whether any was rewritten."""
+def gains_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Rewrite every standardization whose weight is a parameter times a number to read
+    `gain_times(parameter, number)`; whether any was rewritten."""
     changed = False
     graph = gm.graph
     for n in list(graph.nodes):
@@ -59,22 +61,19 @@ def move_gains_after(gm: torch.fx.GraphModule) -> bool:
             continue
         if not _standardizes_a_parameter(n):
             continue
-        bias = n.args[4] if len(n.args) > 4 else n.kwargs.get("bias")
         in_args = len(n.args) > 3
         w = n.args[3] if in_args else n.kwargs.get("weight")
-        found = _scaled_parameter(w) if bias is None else None
+        found = _scaled_parameter(w)
         if found is None:
             continue
         gain, number = found
         with graph.inserting_before(n):
             flat = graph.call_method("view", (gain, -1))
+            scaled = graph.call_function(gain_times, (flat, number))
         if in_args:
-            n.args = (*n.args[:3], flat, *n.args[4:])
+            n.args = (*n.args[:3], scaled, *n.args[4:])
         else:
-            n.kwargs = {**n.kwargs, "weight": flat}
-        with graph.inserting_after(n):
-            scaled = graph.call_function(operator.mul, (n, number))
-        n.replace_all_uses_with(scaled, delete_user_cb=lambda u, s=scaled: u is not s)
+            n.kwargs = {**n.kwargs, "weight": scaled}
         for made in (flat, scaled):  # error messages name the model's line
             made.meta["stack_trace"] = n.meta.get("stack_trace")
         _erase_unread(graph, w)

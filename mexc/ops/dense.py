@@ -68,13 +68,8 @@ def _conv_vjp(w: Any, n: Node, dys: Grads) -> Grads:
     assert dy is not None
     x, wt = n.inputs[0], n.inputs[1]
     conv = _geometry_of(n)
-    grads: Grads = [None, None]
     dw = w.emit(Op.CONV2D_GRAD_WEIGHT, [dy, x], acc(*w.type(wt).shape), n.loc, **conv)
-    if w.param_name(wt) is not None:
-        w.set_param_grad(wt, dw.out, n)
-    elif w.needs[wt]:  # a weight computed from parameters (standardized): its gradient goes on
-        bits = int(w.g.attr("bits", 8))
-        grads[1] = w.emit(Op.COMPACT, [dw.out], mx(*w.type(wt).shape), n.loc, bits=bits).out
+    grads: Grads = [None, w.weight_grad(wt, dw.out, n)]  # a standardized weight's goes on
     if w.needs[x]:
         grads[0] = w.emit(Op.CONV2D_GRAD_INPUT, [dy, wt], mx(*w.type(x).shape), n.loc, **conv).out
     if n.attrs.has_bias:

@@ -90,9 +90,9 @@ def _layernorm_vjp(w: Any, n: Node, dys: Grads) -> Grads:
         groups=int(n.attrs.groups),
         per=int(n.attrs.per),
     )
-    w.set_param_grad(gamma, node.result(1), n)
+    dgamma = w.weight_grad(gamma, node.result(1), n)  # a gain times a number: it goes on
     w.set_param_grad(beta, node.result(2), n)
-    return [node.result(0) if w.needs[x] else None, None, None]
+    return [node.result(0) if w.needs[x] else None, dgamma, None]
 
 
 def _running_update(b: Any, g: Any, bn: Node, rid: int) -> list[tuple[str, Value]]:
@@ -209,10 +209,10 @@ def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, moment
 def _standardized_weight(c: Any, n: Any, args: dict[str, Any], source: Any) -> Value:
     """Weight standardization (timm's StdConv2d and ScaledStdConv2d, BiT, NFNets):
     F.batch_norm(w.reshape(1, O, -1), None, None, weight=g, training=True) normalizes each
-    output channel's O row of the weight, computed again every step. As a GroupNorm (LAYERNORM
-    with a group per row) of the weight repeated over a batch of one (EXPAND_PARAM), whose
-    gradient the parameter's update receives; `g` is a parameter (or a parameter times a
-    number: ScaledStdConv2d's gain * scale) per row, or None."""
+    output channel's row of the weight, computed again every step. As a GroupNorm (LAYERNORM
+    with a group per row) of the weight copied once with a leading axis of 1 (EXPAND_PARAM,
+    over_batch=False), whose gradient the parameter's update receives; `g` a parameter per row,
+    a parameter times a number (ScaledStdConv2d's gain * scale: `gain_times`), or None."""
     shape = tuple(c.shape(n))
     declared = tuple(c.shape(source))
     rows = int(declared[0]) if declared else 0
@@ -238,27 +238,23 @@ def _standardized_weight(c: Any, n: Any, args: dict[str, Any], source: Any) -> V
         raise UnsupportedOpError(c.describe(n, "standardizes rows of one element"))
     weight = c.get_param(source, "weight")
     repeated = c.emit_as(Op.EXPAND_PARAM, [weight], (1, *declared), over_batch=False)
-    gain, factor = _row_gain(c, n, args.get("weight"), rows)
-    ins = [reshaped(c, repeated, shape), *gain]
+    ins = [reshaped(c, repeated, shape), *_row_gain(c, n, args.get("weight"), rows)]
     attrs = {"eps": float(args.get("eps", 1e-5)), "groups": rows, "per": per}
-    y = c.emit_as(Op.LAYERNORM, ins, shape, **attrs)
-    return y if factor == 1.0 else c.emit_as(Op.SCALE, [y], shape, value=factor)
+    return c.emit_as(Op.LAYERNORM, ins, shape, **attrs)
 
 
-def _row_gain(c: Any, n: Any, g: Any, rows: int) -> tuple[list[Value], float]:
-    """The per-row weight of a standardization (F.batch_norm's `weight`) as a LAYERNORM affine
-    and a number the result is multiplied by: None (ones), a parameter of `rows` elements seen
-    through a view, or such a parameter times a number (ScaledStdConv2d's gain * scale)."""
-    factor = 1.0
-    node = g
-    while c.is_node(node) and called_name(node) in ("view", "reshape", "flatten"):
-        node = node.args[0]
-    if c.is_node(node) and called_name(node) in ("mul", "mul_") and len(node.args) == 2:
-        a, b = (static_value(v) for v in node.args)
-        if finite_number(b) or finite_number(a):
-            factor, node = (float(b), a) if finite_number(b) else (float(a), b)
+def _row_gain(c: Any, n: Any, g: Any, rows: int) -> list[Value]:
+    """The LAYERNORM affine of a standardization (F.batch_norm's `weight`): ones where there
+    is none, a parameter of `rows` elements (seen through a view), or such a parameter times a
+    number (`gain_times`, computed each step)."""
     if g is None:
-        return _constant_affine(c, n, rows), 1.0
+        return _constant_affine(c, n, rows)
+    bias = c.constant(f"{n.name}.bias", np.zeros(rows), "ln_bias")
+    held = c.env.get(g) if c.is_node(g) else None
+    if isinstance(held, Value) and c.is_node(g) and called_name(g) == "gain_times":
+        return [held, bias]
+    view = c.param_view(g)
+    node = g if view is None else view.source
     if not (c.is_node(node) and c.is_param(node) and c.is_parameter(node)):
         raise UnsupportedOpError(
             c.describe(
@@ -267,15 +263,43 @@ def _row_gain(c: Any, n: Any, g: Any, rows: int) -> tuple[list[Value], float]:
                 "times a number); make the gain a module parameter",
             )
         )
+    return [_gain_row(c, n, node, rows), bias]
+
+
+def _gain_row(c: Any, n: Any, node: Any, rows: int) -> Value:
+    """The gain parameter `node` held as a row of `rows` elements (timm's is (O, 1, 1, 1))."""
     tensor = c.fetch(node)
     if int(tensor.numel()) != rows:
         raise UnsupportedOpError(
             c.describe(n, f"standardizes a weight with a gain of {int(tensor.numel())} elements")
         )
     name = str(node.target)
-    held = c.param(name, tensor.reshape(-1), "ln_weight", arranged=as_rows(tensor), tie=tensor)
-    bias = c.constant(f"{n.name}.bias", np.zeros(rows), "ln_bias")
-    return [held, bias], factor
+    return c.param(name, tensor.reshape(-1), "ln_weight", arranged=as_rows(tensor), tie=tensor)
+
+
+def gain_times(gain: Any, number: float) -> Any:
+    """A standardization's gain times a number (ScaledStdConv2d's gain * gamma / sqrt(K)), in
+    the norm's affine: what mexc.frontend_standardize puts in place of the product so that it
+    is converted with the norm (one rounding of the weight, at the weight's exponent)."""
+    return gain * number
+
+
+def _gain_times(c: Any, n: Any) -> Value:
+    """gain_times: the gain copied once with a leading axis of 1 (EXPAND_PARAM,
+    over_batch=False), times the number (SCALE), seen as a row: a norm's affine computed from a
+    parameter each step, whose gradient the SCALE and the copy pass back to it."""
+    g, number = n.args
+    view = c.param_view(g)
+    node = g if view is None else view.source
+    if not (c.is_node(node) and c.is_param(node) and c.is_parameter(node)):
+        raise UnsupportedOpError(
+            c.describe(n, "multiplies a gain that is not a parameter; make it one")
+        )
+    rows = int(c.fetch(node).numel())
+    gain = _gain_row(c, n, node, rows)
+    repeated = c.emit_as(Op.EXPAND_PARAM, [gain], (1, rows), over_batch=False)
+    scaled = c.emit_as(Op.SCALE, [repeated], (1, rows), value=float(number))
+    return reshaped(c, scaled, (rows,))
 
 
 def batch_norm_arguments(n: Any) -> dict[str, Any]:
@@ -808,6 +832,7 @@ define(
                 _instancenorm_module,
             ),
             Pattern("function", ("torch.nn.functional.group_norm",), _groupnorm_function),
+            Pattern("function", ("mexc.ops.norm.gain_times",), _gain_times),
         ),
         lower={"tir": "step_plan:PlanRules.layernorm", "c": "emit:_layernorm"},
         doc="layer norm over the last axis; group norm (`groups`, `per` elements per channel): "

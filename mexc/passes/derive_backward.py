@@ -89,6 +89,20 @@ class _Walker:
             grad = self.emit(Op.PARAM_GRAD_SUM, [total, grad], self.type(grad), at.loc).out
         self.param_grads[name] = grad
 
+    def weight_grad(self, weight: Value, grad: Value, at: Node) -> Value | None:
+        """The int32 gradient `grad` of an op's weight: a parameter's is its (set_param_grad,
+        None returned); a weight computed from parameters (a standardized convolution's, a
+        norm's gain times a number) gets it compacted per tensor (COMPACT alone), which the
+        VJP returns as the weight's gradient for the ops that computed it."""
+        if self.param_name(weight) is not None:
+            self.set_param_grad(weight, grad, at)
+            return None
+        if not self.needs[weight]:
+            return None
+        bits = int(self.g.attr("bits", 8))
+        shape = self.type(weight).shape
+        return self.emit(Op.COMPACT, [grad], mx(*shape), at.loc, bits=bits).out
+
 
 def _no_grad(n: Node) -> bool:
     d = op_def(n.op)

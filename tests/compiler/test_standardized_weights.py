@@ -56,8 +56,16 @@ def _program(target: str = "reference", batch: int = 4) -> mexc.Program:
 
 def test_each_weight_is_standardized_every_step_as_torch_does() -> None:
     prog = _program()
-    copies = [n for n in prog.graph.nodes_of(Op.EXPAND_PARAM) if not n.attrs.over_batch]
-    assert len(copies) == 4  # one copy of each standardized weight, not one per sample
+    copies = [n.type.shape for n in prog.graph.nodes_of(Op.EXPAND_PARAM) if not n.attrs.over_batch]
+    # one copy of each standardized weight and of each gain times a number, not one per sample
+    assert sorted(copies) == [
+        (1, 8, 1, 3, 3),
+        (1, 16),
+        (1, 16),
+        (1, 16, 4, 3, 3),
+        (1, 16, 8, 3, 3),
+        (1, 16, 16, 1, 1),
+    ]
     rows = sorted(int(n.attrs.groups) for n in prog.graph.nodes_of(Op.LAYERNORM))
     assert rows == [8, 16, 16, 16]  # a group per output channel
     torch.manual_seed(0)
