@@ -16,6 +16,8 @@ from timm.layers import ScaledStdConv2d, StdConv2d
 from torch import nn
 
 import mexc
+from mexc.backends.llvm import float_check
+from mexc.backends.llvm.step import LlvmProgram
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Op
 from tests.compiler.helpers import (
@@ -91,8 +93,17 @@ def test_the_float_weights_come_back_in_the_model_shapes() -> None:
     assert np.array_equal(model.down.gain.detach().numpy(), weights["down.gain"])
 
 
-def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
-    assert_trains_bit_exact_on_llvm_and_c(_program(), _program, small_batch())
+def test_trains_bit_exact_on_reference_llvm_and_c_integer_only() -> None:
+    built: list[mexc.Program] = []
+
+    def program(target: str) -> mexc.Program:
+        built.append(_program(target))
+        return built[-1]
+
+    assert_trains_bit_exact_on_llvm_and_c(_program(), program, small_batch())
+    llvm = built[0]
+    assert isinstance(llvm, LlvmProgram)
+    float_check.check_integer_only(llvm)  # raises, naming each float instruction, if any
 
 
 def test_the_cuda_source_trains_bit_exact_on_the_emulator(tmp_path: Path) -> None:
