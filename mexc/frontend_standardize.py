@@ -13,7 +13,7 @@ Runs on the traced graph before conversion (mexc.frontend.trace).
 
 from __future__ import annotations
 
-import operator
+import math
 from typing import Any
 
 import torch
@@ -24,22 +24,26 @@ from mexc.ops.common import called_name, finite_number, static_value
 from mexc.ops.norm import gain_times
 
 _VIEWS = ("view", "reshape", "flatten")
-_MULS = (operator.mul, torch.mul)
 
 
 def _scaled_parameter(w: Any) -> tuple[torch.fx.Node, float] | None:
-    """(the gain's get_attr node, the number) where w is `(gain * number)` seen through views."""
+    """(the gain's get_attr node, the number) where w is `gain * number`, `number * gain`,
+    `gain.mul(number)` or `gain / number` seen through views; the number finite and nonzero (a
+    gain times 0 is left to the frontend's refusal of a scale by 0)."""
     node = w
     while isinstance(node, torch.fx.Node) and called_name(node) in _VIEWS:
         node = node.args[0]
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
+    if not isinstance(node, torch.fx.Node) or len(node.args) != 2 or node.kwargs:
         return None
-    if node.target not in _MULS or len(node.args) != 2 or node.kwargs:
+    name = called_name(node)
+    if name not in ("mul", "truediv", "div"):
         return None
     a, b = (static_value(v) for v in node.args)
-    for gain, number in ((a, b), (b, a)):
+    pairs = ((a, b),) if name != "mul" else ((a, b), (b, a))
+    for gain, number in pairs:
         if isinstance(gain, torch.fx.Node) and gain.op == "get_attr" and finite_number(number):
-            return gain, float(number)
+            factor = float(number) if name == "mul" else 1.0 / float(number) if number else 0.0
+            return (gain, factor) if factor and math.isfinite(factor) else None
     return None
 
 

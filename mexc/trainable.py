@@ -33,15 +33,45 @@ class TrainableError(MexcError, ValueError):
 
 
 def _first_users(g: Graph) -> dict[str, tuple[int, Op]]:
-    """Each parameter's first consumer: (its position in the graph, its op)."""
+    """Each parameter's first consumer: (its position in the graph, its op). A parameter from
+    which a weight is computed each step (a standardized convolution's weight, its gain) counts
+    as read where the layer reads that weight, as the weight (CONV2D) or as the norm's affine
+    (LAYERNORM) that computes it."""
     names = {n.out: str(n.attrs.name) for n in g.nodes_of(Op.PARAM)}
+    computed = _computed_from_parameters(g)
+    users = g.users()
+    position = {n.id: i for i, n in enumerate(g.nodes)}
     first: dict[str, tuple[int, Op]] = {}
     for i, n in enumerate(g.nodes):
-        for v in n.inputs:
+        for k, v in enumerate(n.inputs):
             name = names.get(v)
-            if name is not None and name not in first:
-                first[name] = (i, n.op)
+            if name is None or name in first:
+                continue
+            first[name] = (i, n.op)
+            role = Op.LAYERNORM if n.op is Op.LAYERNORM and k > 0 else None
+            node = n
+            while node.id in computed:  # on to the first reader that is not computed so
+                reader = min(users.get(node.out, []), key=lambda u: position[u.id], default=None)
+                if reader is None:
+                    break
+                if reader.op is Op.LAYERNORM and reader.inputs.index(node.out) > 0:
+                    role = Op.LAYERNORM
+                node = reader
+                first[name] = (position[node.id], role or node.op)
     return first
+
+
+def _computed_from_parameters(g: Graph) -> set[int]:
+    """The ids of the nodes that depend on no input or label (weights computed from
+    parameters), parameters excluded."""
+    fed: set[int] = set()
+    computed: set[int] = set()
+    for n in g.nodes:
+        if n.op in (Op.INPUT, Op.LABEL) or any(v.node in fed for v in n.inputs):
+            fed.add(n.id)
+        elif n.inputs:
+            computed.add(n.id)
+    return computed
 
 
 def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:

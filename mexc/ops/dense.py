@@ -317,17 +317,39 @@ def _conv_function(c: Any, n: Any) -> Value:
     w, bias = args["weight"], args.get("bias")
     weight = c.computed_weight(w)  # a parameter, or one standardized each step
     kernel = c.shape(w)
+    dilation = pair(args.get("dilation", 1))
     g = _Geometry(
         tuple(c.shape(args["input"])),
         pair(args.get("stride", 1)),
-        pair(args.get("padding", 0)),
-        pair(args.get("dilation", 1)),
+        _function_padding(c, n, args.get("padding", 0), kernel, dilation),
+        dilation,
         int(args.get("groups", 1)),
         (int(kernel[2]), int(kernel[3])),
         int(kernel[0]),
     )
     b = c.get_param(bias, "bias") if bias is not None else None
     return _conv_op(c, n, c.arg(args["input"]), weight, b, g, tuple(c.shape(n)))
+
+
+def _function_padding(
+    c: Any, n: Any, padding: Any, kernel: tuple[int, ...], dilation: tuple[int, int]
+) -> tuple[int, int]:
+    """F.conv2d's padding: numbers, "valid" (none) or "same" (torch allows it at stride 1: the
+    total d (k - 1) per axis, split evenly where it is even)."""
+    if padding == "valid":
+        return (0, 0)
+    if padding != "same":
+        return pair(padding)
+    totals = [d * (int(k) - 1) for d, k in zip(dilation, kernel[2:])]
+    if any(t % 2 for t in totals):
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "pads 'same' unevenly (an even kernel: torch pads one more on the right and "
+                "bottom); give the padding as numbers with an F.pad before the convolution",
+            )
+        )
+    return (totals[0] // 2, totals[1] // 2)
 
 
 def _conv1d(

@@ -110,6 +110,53 @@ def test_the_cuda_source_trains_bit_exact_on_the_emulator(tmp_path: Path) -> Non
     assert_cuda_source_trains_bit_exact(_program(), tmp_path)
 
 
+class Forms(nn.Module):
+    """A gain times a number written as a method and as a quotient, and timm's
+    ScaledStdConv2d with padding="same" (F.conv2d's string padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = ScaledStdConv2d(1, 4, 3, padding="same")
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, 4).view(4, 1, 1, 1))
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.conv.weight.reshape(1, 4, -1)
+        halved = F.batch_norm(w, None, None, self.g.mul(0.5).view(-1), None, True, 0.0, 1e-5)
+        thirds = F.batch_norm(w, None, None, (self.g / 3.0).view(-1), None, True, 0.0, 1e-5)
+        y = self.conv(x) + F.conv2d(x, halved.view_as(self.conv.weight), padding=1)
+        y = y + F.conv2d(x, thirds.view_as(self.conv.weight), padding="same")
+        return self.head(F.relu(y).mean((2, 3)))
+
+
+def test_gain_forms_and_same_padding_follow_torch() -> None:
+    torch.manual_seed(0)
+    model = Forms()
+    prog = mexc.compile(model, (torch.zeros(4, 1, 8, 8),))
+    x, y = small_batch()
+    assert_logits_match_torch(model, prog, x, rel=0.05)
+    assert_gradients_follow_autograd(model, prog, x, y, ["conv.weight", "conv.gain", "g"], 0.97)
+
+
+HEAD = ["head.bias", "head.weight", "weight"]  # the written-out conv's weight, then the head
+
+
+@pytest.mark.parametrize(
+    ("spec", "trained"),
+    [
+        ("last:2", ["head.bias", "head.weight", "weight"]),
+        ("last:3", ["grouped.bias", "grouped.gain", "grouped.weight", *HEAD]),
+        ("bias-norm", ["down.bias", "down.gain", "grouped.bias", "grouped.gain", "head.bias"]),
+    ],
+)
+def test_a_standardized_convolution_is_one_weight_layer(spec: str, trained: list[str]) -> None:
+    """trainable="last:K" counts a standardized convolution as the layer that reads its
+    weight, its gain as that layer's norm affine (not as the copies that compute them)."""
+    torch.manual_seed(0)
+    prog = mexc.compile(Standardized(), (torch.zeros(4, 1, 8, 8),), trainable=spec)
+    assert sorted(str(n.attrs.param) for n in prog.graph.nodes_of(Op.SGD_UPDATE)) == trained
+
+
 class FromInput(nn.Module):
     """A convolution whose weight is computed from the input, not from parameters alone."""
 
