@@ -19,8 +19,8 @@ def _role(d: OpDef) -> str:
         return "boundary"
     if d.fused is not None:
         return "frontend, fused"
-    if d.compaction and d.reference is None:
-        return "pass-internal"
+    if d.compaction:  # fused into its product; alone, derive-backward's (a computed weight's)
+        return "pass-internal" if d.reference is None else "backward"
     if d.op is Op.ALL_REDUCE:
         return "data parallel"
     if d.vjp is not None or d.no_grad:
@@ -35,8 +35,9 @@ def table() -> str:
         "Generated from the op registry (`mexc/ops`) by `python -m mexc.ops.coverage`; do not",
         "edit. Each op is defined once, in the family module named in the second-last column.",
         "*forward* ops come from the frontend or, fused with their compaction, from",
-        "fuse-products (*frontend, fused* ops and the *pass-internal* compaction never reach a",
-        "backend); *backward* ops come from derive-backward, *optimizer* ops from",
+        "fuse-products (*frontend, fused* ops never reach a backend; `compact`, fused into its",
+        "product, does alone only as a computed weight's gradient); *backward* ops come from",
+        "derive-backward, *optimizer* ops from",
         "insert-optimizer, *data parallel* ones from shard-batch. llvm and cuda share the TIR",
         "lowering. A backend without an op refuses the model with an error that names the node.",
         "*split* says whether a data-parallel worker can run the op on its rows of the batch",
