@@ -41,7 +41,10 @@ from tests.compiler.test_fuzz import models as random_models
 ROOT = Path(__file__).resolve().parents[2]
 # built and verified here; DigitsCNN by the CLI in the digits_artifact fixture; SmallResNet,
 # MobileNetV2Tiny and ResNet-18 (a minute each) by the CI step `bench/cuda_build.py --check`
-MODELS = {name: EXAMPLES[name] for name in ("FashionCNN", "MLP")}
+# at batch 128, for both architectures: the MLP here; FashionCNN's SASS for both is checked by
+# .ci/run's emulation phase (batch 2) and ResNet-18's, whose layers hold its, at batch 128 by
+# its build phase
+MODELS = {name: EXAMPLES[name] for name in ("MLP",)}
 
 
 def _optimizer() -> mexc.SGD:
