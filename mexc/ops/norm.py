@@ -24,6 +24,7 @@ from mexc.ops.common import (
     static_value,
     tid,
 )
+from mexc.ops.gather import is_gathered
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
     ACTIVATION_DIVISORS,
@@ -319,6 +320,15 @@ def _batchnorm_function(c: Any, n: Any) -> Value:
     view = c.param_view(x)
     if c.is_param(x) or view is not None:
         return _standardized_weight(c, n, args, x if view is None else view.source)
+    if is_gathered(c, x):  # a parameter permuted or indexed first, or a constant
+        raise UnsupportedOpError(
+            c.describe(
+                n,
+                "normalizes a rearranged parameter (or a constant) with F.batch_norm; mexc "
+                "standardizes a convolution's weight as w.reshape(1, out_channels, -1), each "
+                "output channel's row: reshape the weight so, or use the plain layer",
+            )
+        )
     if not all(c.is_param(p) for p in parts):
         raise UnsupportedOpError(
             c.describe(

@@ -184,9 +184,24 @@ class WithRunningStatistics(nn.Module):
         return self.head(F.conv2d(x, w).mean((2, 3)))
 
 
+class OverInputChannels(nn.Module):
+    """A weight normalized over each input channel (transposed before the reshape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.conv.weight.transpose(0, 1).reshape(1, 2, -1)
+        w = F.batch_norm(w, None, None, training=True).reshape(2, 4, 3, 3).transpose(0, 1)
+        return self.head(F.conv2d(x.repeat(1, 2, 1, 1), w).mean((2, 3)))
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
+        (OverInputChannels, r"node 'batch_norm' .* normalizes a rearranged parameter"),
         (FromInput, r"node 'getitem' .* at test_standardized_weights.py:\d+ is used as a layer's"),
         (WithRunningStatistics, r"node 'batch_norm' .* other than weight standardization's"),
     ],
