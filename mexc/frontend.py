@@ -54,7 +54,15 @@ from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_lift import lift_parameter_functions
 from mexc.frontend_modules import traced_forward
 from mexc.frontend_standardize import gains_in_place
-from mexc.ir import EVAL_NORM_WEIGHTS, LABEL_SHAPE, Graph, GraphBuilder, Op, Value
+from mexc.ir import (
+    EVAL_NORM_WEIGHTS,
+    LABEL_SHAPE,
+    Graph,
+    GraphBuilder,
+    Op,
+    Value,
+    fed_by_input,
+)
 from mexc.kernels.loss import MAX_CLASSES
 from mexc.ops import REGISTRY, attrs, gather
 from mexc.ops.attention import MASKED_READ, KeyMask, MaskedScores
@@ -365,24 +373,9 @@ class _Ctx:
         alone each step (weight standardization), whose gradient the computation passes on."""
         if isinstance(a, torch.fx.Node) and a.op != "get_attr" and a in self.env:
             v = self.env[a]
-            if isinstance(v, Value) and self._from_parameters(v):
+            if isinstance(v, Value) and v.node not in fed_by_input(self.b.nodes):
                 return v
         return _get_param(self, a, "weight")
-
-    def _from_parameters(self, v: Value) -> bool:
-        """Whether v depends on no model input: only on parameters and constants."""
-        by_id = {n.id: n for n in self.b.nodes}
-        stack, seen = [v.node], set()
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            n = by_id[i]
-            if n.op is Op.INPUT:
-                return False
-            stack.extend(u.node for u in n.inputs)
-        return True
 
     def fetch(self, a: Any) -> torch.Tensor:
         """The tensor a get_attr node reads (a module's parameter or buffer)."""

@@ -241,6 +241,16 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[Node]:
     return [n for n in g.nodes if n.id in need]
 
 
+def fed_by_input(nodes: Iterable[Node]) -> set[int]:
+    """The ids of the nodes (in order) that depend on the model's input or labels; the others
+    are computed from parameters and constants alone (a standardized weight)."""
+    fed: set[int] = set()
+    for n in nodes:
+        if n.op in (Op.INPUT, Op.LABEL) or any(v.node in fed for v in n.inputs):
+            fed.add(n.id)
+    return fed
+
+
 class GraphBuilder:
     """Appends nodes with fresh ids; used by the frontend and by passes that rebuild graphs."""
 

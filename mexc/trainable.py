@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
 from mexc.errors import MexcError
-from mexc.ir import EVAL_NORM_WEIGHTS, Graph, Op
+from mexc.ir import EVAL_NORM_WEIGHTS, Graph, Op, fed_by_input
 
 WEIGHT_LAYERS = (Op.CONV2D, Op.LINEAR)
 NORMS = (Op.BATCHNORM, Op.LAYERNORM)
@@ -38,7 +38,8 @@ def _first_users(g: Graph) -> dict[str, tuple[int, Op]]:
     as read where the layer reads that weight, as the weight (CONV2D) or as the norm's affine
     (LAYERNORM) that computes it."""
     names = {n.out: str(n.attrs.name) for n in g.nodes_of(Op.PARAM)}
-    computed = _computed_from_parameters(g)
+    fed = fed_by_input(g.nodes)
+    computed = {n.id for n in g.nodes if n.inputs and n.id not in fed}  # parameters excluded
     users = g.users()
     position = {n.id: i for i, n in enumerate(g.nodes)}
     first: dict[str, tuple[int, Op]] = {}
@@ -59,19 +60,6 @@ def _first_users(g: Graph) -> dict[str, tuple[int, Op]]:
                 node = reader
                 first[name] = (position[node.id], role or node.op)
     return first
-
-
-def _computed_from_parameters(g: Graph) -> set[int]:
-    """The ids of the nodes that depend on no input or label (weights computed from
-    parameters), parameters excluded."""
-    fed: set[int] = set()
-    computed: set[int] = set()
-    for n in g.nodes:
-        if n.op in (Op.INPUT, Op.LABEL) or any(v.node in fed for v in n.inputs):
-            fed.add(n.id)
-        elif n.inputs:
-            computed.add(n.id)
-    return computed
 
 
 def resolve_trainable(spec: TrainableSpec, g: Graph) -> frozenset[str] | None:

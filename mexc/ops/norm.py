@@ -254,9 +254,8 @@ def _row_gain(c: Any, n: Any, g: Any, rows: int) -> list[Value]:
     held = c.env.get(g) if c.is_node(g) else None
     if isinstance(held, Value) and c.is_node(g) and called_name(g) == "gain_times":
         return [held, bias]
-    view = c.param_view(g)
-    node = g if view is None else view.source
-    if not (c.is_node(node) and c.is_param(node) and c.is_parameter(node)):
+    node = _gain_parameter(c, g)
+    if node is None:
         raise UnsupportedOpError(
             c.describe(
                 n,
@@ -265,6 +264,14 @@ def _row_gain(c: Any, n: Any, g: Any, rows: int) -> list[Value]:
             )
         )
     return [_gain_row(c, n, node, rows), bias]
+
+
+def _gain_parameter(c: Any, g: Any) -> Any:
+    """The get_attr node of the model parameter `g` reads, directly or through a view; None
+    where it reads something else."""
+    view = c.param_view(g)
+    node = g if view is None else view.source
+    return node if c.is_node(node) and c.is_param(node) and c.is_parameter(node) else None
 
 
 def _gain_row(c: Any, n: Any, node: Any, rows: int) -> Value:
@@ -290,9 +297,8 @@ def _gain_times(c: Any, n: Any) -> Value:
     over_batch=False), times the number (SCALE), seen as a row: a norm's affine computed from a
     parameter each step, whose gradient the SCALE and the copy pass back to it."""
     g, number = n.args
-    view = c.param_view(g)
-    node = g if view is None else view.source
-    if not (c.is_node(node) and c.is_param(node) and c.is_parameter(node)):
+    node = _gain_parameter(c, g)
+    if node is None:
         raise UnsupportedOpError(
             c.describe(n, "multiplies a gain that is not a parameter; make it one")
         )
