@@ -80,8 +80,9 @@ def on_host_backend(prog: Program, required: bool = True) -> Program:
 
 
 def c_steps_hint(prog: Program) -> int:
-    """Length of the C program's learning-rate table: the schedule's steps, at least 2^16,
-    doubled until at least 2^15 steps remain past the program's step (a loaded checkpoint)."""
+    """The steps the C program's learning-rate table covers: the schedule's steps, at least
+    2^16, doubled until at least 2^15 steps remain past the program's step (a loaded
+    checkpoint). A schedule constant from an earlier step takes a table to there (CProgram)."""
     hint = max(int(getattr(prog.optimizer.schedule, "total_steps", 0)), 1 << 16)
     while hint - prog.step_count < 1 << 15:
         hint *= 2

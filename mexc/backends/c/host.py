@@ -161,7 +161,16 @@ class CProgram(Program):
             base.graph, dict(base.state), base.options, base.optimizer, base.step_count
         )
         self.carry_memory_plan(base._plan)
-        model = emit_model(base, steps_hint)
+        # a schedule constant from step k needs a table of k + 1 steps, its last entry holding
+        # for every later step (emit.table_is_exact_past_its_end): 2^16 steps of a constant
+        # rate cost 0.2 s of Python and a 512 KiB table in every library
+        constant = base.optimizer.scalars_constant_from()
+        if constant is not None and constant < steps_hint:
+            model = emit_model(base, constant + 1)
+            self._steps_hint: int | None = None  # no limit: the last entry holds
+        else:
+            model = emit_model(base, steps_hint)
+            self._steps_hint = steps_hint
         self._static_bytes = model.static_bytes
         self._lib = _private_library(build_library(model))
         self._lib.mexc_model_step.restype = ctypes.c_int32
@@ -180,7 +189,6 @@ class CProgram(Program):
         ]
         self._lib.mexc_model_init()
         self._names = model.state_names
-        self._steps_hint = steps_hint
         self._push_state()
 
     def allocated_bytes(self) -> dict[str, int]:
@@ -214,7 +222,7 @@ class CProgram(Program):
         self._push_state()
 
     def step(self, x: object, y: object) -> float:
-        if self.step_count >= self._steps_hint:
+        if self._steps_hint is not None and self.step_count >= self._steps_hint:
             raise MexcError(f"the C program's learning-rate table covers {self._steps_hint} steps")
         xs = self._check_x(x, exact_batch=True)
         ys = np.ascontiguousarray(self._check_y(y, self.batch).reshape(-1), np.int32)
