@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,13 @@ def _drop_cap(g: Graph, ctx: PassContext) -> Graph:
 BUMP = Pass("mark-stage", _mark_stage, "sets graph attr stage")
 SAME = Pass("identity", _identity, "changes nothing")
 PIPE = [BUMP, SAME]
+
+
+@pytest.fixture(autouse=True)
+def _reproducers_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reproducer written to the default folder (tempfile.mkdtemp) lands in the test's own
+    folder, not in /tmp for good."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def _run(sample: Graph, *instruments: object, passes: list[Pass] = PIPE, **kw: object) -> Graph:

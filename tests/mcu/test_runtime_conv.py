@@ -3,6 +3,7 @@ mexc_product_end) against mexc/kernels/conv.py and linear.py, bit for bit."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes as C
 import shutil
 import subprocess
@@ -80,6 +81,7 @@ class Lib:
         if cc is None:
             pytest.skip("no host C compiler (cc)")
         d = Path(tempfile.mkdtemp(prefix="mexc_products_"))
+        atexit.register(shutil.rmtree, d, True)  # the library lives as long as the process
         src, hdr = self.kernels.sources()
         (d / SOURCE).write_text(src)
         (d / HEADER).write_text(hdr)

@@ -6,6 +6,7 @@ session, in a temporary directory) and call it through ctypes with numpy arrays.
 
 from __future__ import annotations
 
+import atexit
 import ctypes as C
 import functools
 import os
@@ -136,7 +137,9 @@ def _build() -> C.CDLL:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no host C compiler (cc)")
-    out = Path(tempfile.mkdtemp(prefix="mexc_rt_")) / "libmexc_rt.so"
+    folder = tempfile.mkdtemp(prefix="mexc_rt_")
+    atexit.register(shutil.rmtree, folder, True)  # the library lives as long as the process
+    out = Path(folder) / "libmexc_rt.so"
     srcs = [str(p) for p in lib_sources()]
     extra = os.environ.get("MEXC_RT_EXTRA_CFLAGS", "").split()  # e.g. -fsanitize=undefined
     subprocess.run(
