@@ -52,6 +52,9 @@ _MOVE_FUNCTIONS: dict[Any, str] = {
     torch.index_select: "index_select",
     torch.t: "t",
 }
+# the attributes that move elements: w.T reverses the axes, w.mT swaps the last two (a tied
+# embedding read as the head, h @ self.emb.weight.T)
+_MOVE_ATTRIBUTES = {"T": "t", "mT": "transpose"}
 # what makes a node worth folding although its data input is a plain parameter: ops the other
 # converters take on parameters (reshape: ParamView; expand: a class token) are left to them
 _STARTS = {
@@ -71,6 +74,8 @@ _STARTS = {
 def _move_name(n: torch.fx.Node) -> str | None:
     if n.op == "call_method":
         return str(n.target) if n.target in _MOVES else None
+    if n.op == "call_function" and n.target is getattr:
+        return _MOVE_ATTRIBUTES.get(str(n.args[1]))
     if n.op == "call_function":
         return _MOVE_FUNCTIONS.get(n.target)
     return None

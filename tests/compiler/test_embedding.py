@@ -161,6 +161,63 @@ def test_a_tied_table_gets_the_sum_of_both_gradients() -> None:
     assert cosine(got, want) >= 0.99
 
 
+class TiedThroughAttribute(TiedNextToken):
+    """TiedNextToken's head written as a product with the table turned by an attribute or a
+    method (GPT-style code writes h @ self.wte.weight.T)."""
+
+    def __init__(self, turn: str) -> None:
+        super().__init__()
+        self.turn = turn
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.tokens(ids).mean(1)))
+        w = self.tokens.weight
+        turned = {"T": w.T, "mT": w.mT, "t": w.t(), "transpose": w.transpose(-1, -2)}
+        return h @ turned[self.turn]
+
+
+@pytest.mark.parametrize("turn", ["T", "mT", "t", "transpose"])
+def test_a_tied_table_read_turned_is_the_head_weight(turn: str) -> None:
+    """Each form reads the same parameter (one table, its gradient the sum of both readers')
+    and trains as F.linear with it does, to the bit."""
+    ids, y = batch_of("tied", 8)
+    torch.manual_seed(0)
+    linear = mexc.compile(TiedNextToken(), (torch.from_numpy(ids),))
+    torch.manual_seed(0)
+    model = TiedThroughAttribute(turn)
+    prog = mexc.compile(model, (torch.from_numpy(ids),))
+    assert sorted(prog.state) == sorted(linear.state) and prog.graph.nodes_of(Op.PARAM_GRAD_SUM)
+    for _ in range(2):
+        assert prog.step(ids, y) == linear.step(ids, y)
+    assert prog.state_checksum() == linear.state_checksum()
+    got = integer_gradients(prog, ids, y)["tokens.weight"]
+    assert cosine(got, float_gradients(model, prog, ids, y)["tokens.weight"]) >= 0.99
+
+
+class HeadsThroughMT(nn.Module):
+    """A per-head projection kept as one (H, E, D) parameter, read as x @ w.mT."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 6, 8) * 0.3)
+        self.head = nn.Linear(2 * 3 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x.unsqueeze(1) @ self.w.mT)  # [N, 2, 3, 6]
+        return self.head(h.flatten(1))
+
+
+def test_a_batched_parameter_read_through_mT_follows_autograd() -> None:
+    torch.manual_seed(0)
+    model = HeadsThroughMT()
+    x = np.random.default_rng(0).standard_normal((8, 3, 8)).astype(np.float32)
+    y = np.arange(8) % 10
+    prog = mexc.compile(model, (torch.from_numpy(x),), rounding="nearest")
+    assert_logits_match_torch(model, prog, x)
+    got, want = integer_gradients(prog, x, y), float_gradients(model, prog, x, y)
+    assert cosine(got["w"], want["w"]) >= 0.99
+
+
 def test_a_language_model_learns_a_label_per_position_as_cross_entropy_reads_them() -> None:
     """[N, V, T] logits against [N, T] labels: the loss is F.cross_entropy's mean over every
     position, its gradients autograd's; accuracy counts positions."""
