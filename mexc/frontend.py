@@ -1487,6 +1487,33 @@ def _drop_dead_nodes(c: _Ctx, outputs: list[Value]) -> None:
             c.buffers.pop(str(n.attrs.name), None)
 
 
+def _rows_per_sample(
+    c: _Ctx, n: torch.fx.Node, logits: Value, shape: tuple[int, ...], samples: int
+) -> tuple[Value, tuple[int, ...]]:
+    """Logits whose first axis holds each sample's k positions merged with the batch
+    (`logits.view(B * T, V)`, nanoGPT's loss view; a per-pixel head's
+    `permute(0, 2, 3, 1).reshape(-1, C)`) as [N, C, k, ...]: a label per position, the rows
+    sample-major as the merge made them. Only a merge with the batch outermost keeps it
+    (ops.common.reshaped_batch_axis); one that lost it (positions first: (T, B, V) viewed
+    as (T * B, V)) is refused, as its rows are not the samples'."""
+    if c.batch_axis(logits) is None:
+        raise UnsupportedOpError(
+            _describe(
+                n,
+                f"returns logits of {shape[0]} rows for a batch of {samples}, merged from axes "
+                "where the batch is not the outermost (positions first: a (T, B, V) tensor "
+                "viewed as (T * B, V)), so its rows are not each sample's in turn; return "
+                "[B, V, T] logits (batch first, classes on axis 1), as F.cross_entropy reads "
+                "them with [B, T] labels",
+            )
+        )
+    k = shape[0] // samples
+    split = reshaped(c, logits, (samples, k, *shape[1:]))
+    moved = (samples, shape[1], k, *shape[2:])
+    perm = (0, 2, 1, *range(3, len(shape) + 1))
+    return transposed(c, split, (samples, k, *shape[1:]), perm), moved
+
+
 def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     """Trace `model` on `example` (a float batch, or integer ids that embedding tables read)
     and build the float mexc graph with the loss head.
@@ -1575,12 +1602,17 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
     if ids_node is not None:
         _with_vocabulary(c, ids_node)
     shape = tuple(c.shape(logits_node))
-    if len(shape) < 2 or c.batch_axis(logits) not in (0, None):
+    samples, axis = int(example.shape[0]), c.batch_axis(logits)
+    if len(shape) < 2 or axis not in (0, None) or shape[0] % samples:
         raise UnsupportedOpError(
             f"the model output must be logits of shape [batch, classes] (or [batch, classes, "
-            f"d1, ...] with a label per position, as F.cross_entropy reads them), got "
-            f"{list(shape)}"
+            f"d1, ...] with a label per position, as F.cross_entropy reads them, or each "
+            f"sample's positions merged into the rows: logits.view(B * T, V)), got "
+            f"{list(shape)} for a batch of {samples}"
         )
+    if shape[0] != samples:
+        c.loc = _user_location(logits_node)
+        logits, shape = _rows_per_sample(c, logits_node, logits, shape, samples)
     batch, classes, positions = shape[0], shape[1], shape[2:]
     if classes >= MAX_CLASSES:
         raise UnsupportedOpError(

@@ -234,7 +234,8 @@ class Program:
             per = (
                 " (a label per position of the model's logits [N, C, d1, ...]: classes on "
                 "axis 1, as F.cross_entropy reads them; a language model's [N, T, V] logits "
-                "are returned as logits.transpose(1, 2))"
+                "are returned as logits.transpose(1, 2); logits.view(N * T, V) takes labels "
+                "[N, T])"
                 if self.label_shape
                 else ""
             )

@@ -101,3 +101,83 @@ class Scalar(nn.Module):
 def test_an_output_without_a_class_axis_is_refused() -> None:
     with pytest.raises(UnsupportedOpError, match=r"\[batch, classes\]"):
         mexc.compile(Scalar(), (torch.randn(4, 3),))
+
+
+class FlatSegmenter(Segmenter):
+    """Segmenter's logits with each map's pixels merged into the rows, as a per-pixel loss is
+    often written: [N * H * W, C]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return logits.permute(0, 2, 3, 1).reshape(-1, logits.shape[1])
+
+
+class FlatLM(nn.Module):
+    """nanoGPT's loss view: [B, T, V] logits returned as logits.view(B * T, V)."""
+
+    def __init__(self, merged: bool = True) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(20, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 20)
+        self.merged = merged
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.relu(self.mix(self.tokens(ids))))
+        b, t, v = logits.shape
+        return logits.view(b * t, v) if self.merged else logits.transpose(1, 2)
+
+
+def _lm_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 20, (4, 6)), rng.integers(0, 20, (4, 6))
+
+
+@pytest.mark.parametrize("form", ["segmenter", "language model"])
+def test_positions_merged_into_the_rows_train_as_a_label_per_position(form: str) -> None:
+    """[N * k, C] logits, each sample's k rows in turn, are [N, C, k] logits: labels [N, k],
+    the same loss, steps, state and predictions to the bit as the model returning those."""
+    if form == "segmenter":
+        x, y = data()
+        models = (FlatSegmenter, Segmenter)
+    else:
+        x, y = _lm_data()
+        models = (FlatLM, lambda: FlatLM(merged=False))
+    progs = []
+    for make in models:
+        torch.manual_seed(0)
+        progs.append(mexc.compile(make(), (torch.from_numpy(x),)))
+    merged, canonical = progs
+    k = int(np.prod(y.shape[1:]))
+    assert (merged.batch, merged.label_shape) == (4, (k,))
+    for _ in range(2):
+        assert merged.step(x, y.reshape(4, k)) == canonical.step(x, y)
+    assert merged.state_checksum() == canonical.state_checksum()
+    assert merged.predict(x).reshape(y.shape).tolist() == canonical.predict(x).tolist()
+    assert merged.logits(x).shape == (4, merged.num_classes, k)
+
+
+def test_positions_merged_into_the_rows_train_bit_exact_on_llvm() -> None:
+    x, y = _lm_data()
+    progs = []
+    for target in ("reference", "llvm"):
+        torch.manual_seed(0)
+        progs.append(mexc.compile(FlatLM(), (torch.from_numpy(x),), target=target))
+    for _ in range(2):
+        assert progs[0].step(x, y) == progs[1].step(x, y)
+    assert progs[0].state_checksum() == progs[1].state_checksum()
+
+
+class PositionsFirst(FlatLM):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.relu(self.mix(self.tokens(ids)))).transpose(0, 1)
+        t, b, v = logits.shape
+        return logits.reshape(t * b, v)
+
+
+def test_rows_merged_with_the_positions_first_are_refused_by_node() -> None:
+    """(T, B, V) viewed as (T * B, V): its rows are not each sample's in turn, so no label
+    shape of a sample's matches them (it was taken as a batch of T * B samples)."""
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    with pytest.raises(UnsupportedOpError, match=r"node 'reshape'.* 24 rows for a batch of 4"):
+        mexc.compile(PositionsFirst(), (ids,))
