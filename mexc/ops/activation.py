@@ -168,7 +168,7 @@ def _compare(c: Any, n: Any) -> Value:
     return apart if kind == "ne" else _one_minus(c, n, apart, shape)
 
 
-def _where(c: Any, n: Any) -> Value:
+def where_selected(c: Any, n: Any) -> Value:
     """torch.where(cond, x, y) with cond a mask of activations (_compare, or its logical ops):
     m x + (1 - m) y, x and y activations (broadcast) or numbers (fills); products by 0 and 1
     are exact, and the two parts meet in one sum (each element has one of them)."""
@@ -693,8 +693,6 @@ define(
                 _compare,
             ),
             Pattern("method", tuple(_COMPARISONS), _compare),
-            Pattern("function", ("torch.where",), _where),
-            Pattern("method", ("where",), _where),
             Pattern(
                 "function",
                 ("operator.invert", "operator.and_", "operator.or_")

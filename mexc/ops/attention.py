@@ -13,7 +13,7 @@ from mexc import kernels as K
 from mexc.errors import UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.kernels.transformer import KEY_CMP_NEGATED, causal_hidden, key_hidden
-from mexc.ops.activation import selected
+from mexc.ops.activation import selected, where_selected
 from mexc.ops.common import (
     IN_EVAL_MODE,
     Grads,
@@ -447,7 +447,39 @@ def _masked_fill(c: Any, n: Any) -> MaskedScores | Value:
     node."""
     names = ("input", "mask", "value")
     args = dict(zip(names, n.args)) | dict(n.kwargs)
-    x, m, fill = args["input"], args.get("mask"), static_value(args.get("value"))
+    return _masked(c, n, args["input"], args.get("mask"), static_value(args.get("value")))
+
+
+def _where_convert(c: Any, n: Any) -> MaskedScores | Value:
+    """torch.where(mask, fill, x) (x.where(...) is x where the mask holds: activation's) with
+    fill -inf or a number at most HIDING (also a constant tensor of one such value:
+    torch.full_like(scores, float("-inf"))) is x.masked_fill(mask, fill) (_masked_fill);
+    any other torch.where is activation.where_selected's."""
+    if n.op == "call_function":
+        args = dict(zip(("condition", "input", "other"), n.args)) | dict(n.kwargs)
+        fill = _hiding_fill(c, args.get("input"))
+        if fill is not None and c.is_node(args.get("other")):
+            return _masked(c, n, args["other"], args["condition"], fill)
+    return where_selected(c, n)
+
+
+def _hiding_fill(c: Any, v: Any) -> float | None:
+    """v's value where it is one number at most HIDING (float('-inf'), -1e9), or a constant
+    tensor of that one number; None otherwise."""
+    if c.is_node(v):
+        values = static_tensor(c, v)
+        if values is None or values.dtype.kind != "f" or not values.size:
+            return None
+        first = float(values.flat[0])
+        return first if first <= HIDING and bool((values == first).all()) else None
+    value = static_value(v)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= HIDING:
+        return float(value)
+    return None
+
+
+def _masked(c: Any, n: Any, x: Any, m: Any, fill: Any) -> MaskedScores | Value:
+    """_masked_fill of x, the mask m and the fill (a number)."""
     held = c.env.get(x) if c.is_node(x) else None
     if is_fill(fill) and not isinstance(held, MaskedScores):
         return selected(c, n, m, fill, x)
@@ -593,6 +625,8 @@ define(
             Pattern("function", ("torch.nn.functional.softmin",), _softmin),
             Pattern("method", ("masked_fill", "masked_fill_"), _masked_fill),
             Pattern("function", ("torch.masked_fill",), _masked_fill),
+            Pattern("function", ("torch.where",), _where_convert),
+            Pattern("method", ("where",), _where_convert),
             Pattern(
                 "function", ("torch.nn.functional.log_softmax", "torch.log_softmax"), _log_softmax
             ),

@@ -383,6 +383,46 @@ def test_an_added_causal_mask_and_a_finite_fill_hide_as_minus_inf_does(finite: b
     assert train_checksums(gpt(AddedCausalMask(finite)), batch) == train_checksums(gpt(None), batch)
 
 
+class WhereMasks(MaskedFillAttention):
+    """The masks of MaskedFillAttention(padding=True) chosen by torch.where: the causal one with
+    a full_like tensor of -inf (`tensor`) or the number -inf, the padding with -1e9."""
+
+    def __init__(self, tensor: bool) -> None:
+        super().__init__(padding=True)
+        self.tensor = tensor
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.size()
+        q, k, v = self.c_attn(x).split(D, 2)
+        q, k, v = (a.view(n, t, 2, d // 2).transpose(1, 2) for a in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        hidden = self.bias[:, :, :t, :t] == 0
+        fill = torch.full_like(att, float("-inf")) if self.tensor else float("-inf")
+        att = torch.where(hidden, fill, att)
+        att = torch.where((ids == PAD)[:, None, None, :], -1e9, att)
+        y = nn.functional.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
+
+
+@pytest.mark.parametrize("tensor", [True, False])
+def test_masks_chosen_by_torch_where_hide_as_masked_fill_does(tensor: bool) -> None:
+    """torch.where(mask, -inf, scores) is scores.masked_fill(mask, -inf): the same program,
+    bit for bit (it was refused: the number -inf as a fill, a tensor of -inf as a division)."""
+    ids = padded(6)
+
+    def gpt(attention: nn.Module | None) -> mexc.Program:
+        torch.manual_seed(0)
+        model = TinyGPT(padding=True)
+        if attention is not None:
+            torch.manual_seed(0)
+            attention.load_state_dict(model.attn.state_dict(), strict=False)
+            model.attn = attention
+        return compiled(model, ids)
+
+    batch = (ids, labels(6, 0, True))
+    assert train_checksums(gpt(WhereMasks(tensor)), batch) == train_checksums(gpt(None), batch)
+
+
 # the forms lower to one softmax with a key mask: the encoder (two layers, the padding mask
 # alone), the padded language model (with the causal mask, all-padding rows) and the masked_fill
 # of both (the frontend's other path to the same op)
