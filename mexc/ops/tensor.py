@@ -1019,6 +1019,12 @@ def _mul(c: Any, n: Any) -> Value:
                 "activation of the result's shape",
             )
         )
+    if K.factor_view(out, c.shape(b)) is None and c.is_param(b) and not c.is_parameter(b):
+        # a constant the trace made (Hugging Face's rotary cos and sin from position ids
+        # expanded over the batch: [N, 1, T, D]) is one factor along the axes it varies on
+        kept = uniform_axes_cut(c.fetch(b).detach().cpu().numpy())
+        if K.factor_view(out, kept.shape) is not None:
+            return c.emit(Op.MUL, [c.arg(a), c.constant(str(b.target), kept, "scale")], n)
     if K.factor_view(out, c.shape(b)) is None:
         raise UnsupportedOpError(
             c.describe(
@@ -1030,6 +1036,16 @@ def _mul(c: Any, n: Any) -> Value:
         )
     g = c.get_param(b, "scale") if c.is_param(b) else c.arg(b)
     return c.emit(Op.MUL, [c.arg(a), g], n)
+
+
+def uniform_axes_cut(values: np.ndarray) -> np.ndarray:
+    """`values` with every axis along which it does not change cut to extent 1 (its first
+    slice): the same tensor once broadcast back."""
+    for axis in range(values.ndim):
+        first = np.take(values, [0], axis=axis)
+        if values.shape[axis] > 1 and bool((values == first).all()):
+            values = first
+    return values
 
 
 def _pow(c: Any, n: Any) -> Value:

@@ -67,3 +67,55 @@ def test_the_rotary_table_is_torchs() -> None:
 
 def test_trains_bit_exact_on_reference_llvm_and_c() -> None:
     assert_trains_bit_exact_on_llvm_and_c(_program(), _program, _data())
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class HuggingFaceRotary(nn.Module):
+    """Hugging Face's LlamaRotaryEmbedding: cos and sin computed in forward from position ids
+    expanded over the batch (`inv_freq @ position_ids`), unsqueezed to [N, 1, T, D] for the
+    heads, or (`table`) the same angles from a [T, D] table."""
+
+    def __init__(self, table: bool) -> None:
+        super().__init__()
+        self.table = table
+        self.tokens = nn.Embedding(20, 16)
+        self.q = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 20)
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, 8, 2).float() / 8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, t = ids.shape
+        q = self.q(self.tokens(ids)).view(n, t, 2, 8).transpose(1, 2)
+        if self.table:
+            freqs = torch.outer(torch.arange(t).to(self.inv_freq.dtype), self.inv_freq)
+            cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+        else:
+            positions = torch.arange(t)[None].expand(n, -1)
+            inv = self.inv_freq[None, :, None].expand(n, -1, 1)
+            freqs = (inv @ positions[:, None, :].to(inv.dtype)).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        return self.head(q.transpose(1, 2).reshape(n, t, 16)).transpose(1, 2)
+
+
+def test_a_table_made_per_sample_is_one_factor_for_every_sample() -> None:
+    """The trace makes Hugging Face's cos and sin constants of [N, 1, T, D]: the same for every
+    sample, so the product takes them as one [1, 1, T, D] factor (it was refused: a factor
+    varying along the batch and the positions is not one run of axes). Logits and gradients
+    follow torch's, as the model written with a [T, D] table does."""
+    rng = np.random.default_rng(0)
+    ids, y = rng.integers(0, 20, (4, 6)), rng.integers(0, 20, (4, 6))
+    for table in (False, True):
+        torch.manual_seed(0)
+        model = HuggingFaceRotary(table)
+        prog = mexc.compile(model, (torch.from_numpy(ids),), rounding="nearest")
+        factors = [v.m.shape for k, v in prog.state.items() if k.startswith("mexc.")]
+        assert all(len(f) != 4 or f[0] == 1 for f in factors), factors
+        assert_logits_match_torch(model, prog, ids)
+        names = ("tokens.weight", "q.weight", "head.weight")
+        assert_gradients_follow_autograd(model, prog, ids, y, names, 0.99)
