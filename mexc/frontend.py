@@ -880,9 +880,9 @@ def _as_meta(v: Any) -> Any:
 
 def _trace_with_shapes(
     tracer: _ShapeTracer, model: nn.Module, example: torch.Tensor, concrete: dict[str, Any]
-) -> torch.fx.Graph | None:
-    """The graph of `model` traced with the example's shapes known, or None if that fails too
-    (the first try's error is the one to report)."""
+) -> torch.fx.Graph | Exception:
+    """The graph of `model` traced with the example's shapes known, or the error where that
+    fails too."""
     first = next(iter(inspect.signature(model.forward).parameters))
     try:
         with warnings.catch_warnings(), torch.no_grad():
@@ -891,8 +891,8 @@ def _trace_with_shapes(
             warnings.simplefilter("ignore")
             meta = {first: example.to("meta")}
             return tracer.trace(model, meta_args=meta, concrete_args=concrete or None)
-    except Exception:  # noqa: BLE001 - any failure: report the first try's
-        return None
+    except Exception as err:  # noqa: BLE001 - any failure: reported with the first try's
+        return err
 
 
 @contextlib.contextmanager
@@ -995,8 +995,9 @@ def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
         # resolve it; anything else gets the model's error in one paragraph, not a traceback
         tracer = _ShapeTracer()
         traced = _trace_with_shapes(tracer, model, example, concrete)
-        if traced is None:
-            raise TraceError(_control_flow_message(model, err)) from None
+        if isinstance(traced, Exception):
+            message = _control_flow_message(model, err) + _later_failure(err, traced)
+            raise TraceError(message) from None
         graph = traced
     _refuse_fx_name_clashes(model, graph)
     try:
@@ -1124,14 +1125,31 @@ def _example_failure(
     )
 
 
-def _control_flow_message(model: nn.Module, err: Exception) -> str:
+def _user_site(err: BaseException) -> str:
+    """ " at model.py:12 (the line)" of the model's own frame err was raised under, or ""."""
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames if not any(t in f.filename for t in _INTERNAL)]
-    where = (
-        f" at {user[-1].filename.rsplit('/', 1)[-1]}:{user[-1].lineno} ({user[-1].line})"
-        if user
-        else ""
+    if not user:
+        return ""
+    return f" at {user[-1].filename.rsplit('/', 1)[-1]}:{user[-1].lineno} ({user[-1].line})"
+
+
+def _later_failure(first: Exception, second: Exception) -> str:
+    """The shape-aware retrace's failure, where it got past the first try's line and failed
+    on another: the first line is then not what stops the model (a star-unpacked shape,
+    which known shapes resolve, before Meta LLaMA's enumerate(x.shape) of a complex tensor)."""
+    site = _user_site(second)
+    if not site or site == _user_site(first):
+        return ""
+    text = " ".join(str(second).split())
+    return (
+        f" With the example's shapes known, tracing gets past that line and fails{site}: "
+        f"{type(second).__name__}: {text[:300]}"
     )
+
+
+def _control_flow_message(model: nn.Module, err: Exception) -> str:
+    where = _user_site(err)
     control_flow = isinstance(err, torch.fx.proxy.TraceError) or (
         "symbolically traced variables" in str(err) or "Proxy" in type(err).__name__
     )

@@ -190,6 +190,30 @@ def test_iterating_over_a_traced_tensor_says_how_to_unpack() -> None:
     assert "q, k, v = t.chunk(3, dim=-1)" in msg and "control flow" not in msg
 
 
+class UnpacksThenLoops(nn.Module):
+    """A star-unpacked shape (which known shapes resolve) before a loop over a traced shape's
+    entries that they do not (Meta LLaMA's reshape_for_broadcast of a complex tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.reshape(*x.shape[:-2], -1)
+        if y.sum() > 0:
+            y = y * 2
+        return self.fc(y.flatten(1))
+
+
+def test_a_later_line_that_stops_the_trace_is_named_beside_the_first() -> None:
+    first, later = _line_of("y = x.reshape(*x.shape[:-2]"), _line_of("if y.sum() > 0:")
+    with pytest.raises(mexc.TraceError) as err:
+        mexc.compile(UnpacksThenLoops(), (torch.zeros(4, 1, 8, 8),))
+    msg = str(err.value)
+    assert f"at test_bad_input.py:{first}" in msg
+    assert f"tracing gets past that line and fails at test_bad_input.py:{later}" in msg
+
+
 @pytest.fixture(scope="module")
 def prog() -> mexc.Program:
     model, x, _ = example("MLP", batch=8)
