@@ -363,6 +363,18 @@ class AddedCausalMask(MaskedFillAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
 
 
+def _gpt_with(attention: nn.Module | None, ids: np.ndarray) -> mexc.Program:
+    """TinyGPT(padding=True) compiled for `ids`, its attention replaced by `attention` (with
+    the same weights) where one is given."""
+    torch.manual_seed(0)
+    model = TinyGPT(padding=True)
+    if attention is not None:
+        torch.manual_seed(0)
+        attention.load_state_dict(model.attn.state_dict(), strict=False)
+        model.attn = attention
+    return compiled(model, ids)
+
+
 @pytest.mark.parametrize("finite", [True, False])
 def test_an_added_causal_mask_and_a_finite_fill_hide_as_minus_inf_does(finite: bool) -> None:
     """The same program, bit for bit, as masked_fill(-inf) of both masks: before, the added
@@ -370,17 +382,9 @@ def test_an_added_causal_mask_and_a_finite_fill_hide_as_minus_inf_does(finite: b
     ids = padded(6)
     ids[1] = PAD  # a row of padding only: torch's -1e9 fill makes it uniform, mexc's 0
 
-    def gpt(attention: nn.Module | None) -> mexc.Program:
-        torch.manual_seed(0)
-        model = TinyGPT(padding=True)
-        if attention is not None:
-            torch.manual_seed(0)
-            attention.load_state_dict(model.attn.state_dict(), strict=False)
-            model.attn = attention
-        return compiled(model, ids)
-
     batch = (ids, labels(6, 0, True))
-    assert train_checksums(gpt(AddedCausalMask(finite)), batch) == train_checksums(gpt(None), batch)
+    want = train_checksums(_gpt_with(None, ids), batch)
+    assert train_checksums(_gpt_with(AddedCausalMask(finite), ids), batch) == want
 
 
 class WhereMasks(MaskedFillAttention):
@@ -410,17 +414,9 @@ def test_masks_chosen_by_torch_where_hide_as_masked_fill_does(tensor: bool) -> N
     bit for bit (it was refused: the number -inf as a fill, a tensor of -inf as a division)."""
     ids = padded(6)
 
-    def gpt(attention: nn.Module | None) -> mexc.Program:
-        torch.manual_seed(0)
-        model = TinyGPT(padding=True)
-        if attention is not None:
-            torch.manual_seed(0)
-            attention.load_state_dict(model.attn.state_dict(), strict=False)
-            model.attn = attention
-        return compiled(model, ids)
-
     batch = (ids, labels(6, 0, True))
-    assert train_checksums(gpt(WhereMasks(tensor)), batch) == train_checksums(gpt(None), batch)
+    want = train_checksums(_gpt_with(None, ids), batch)
+    assert train_checksums(_gpt_with(WhereMasks(tensor), ids), batch) == want
 
 
 # the forms lower to one softmax with a key mask: the encoder (two layers, the padding mask
