@@ -473,9 +473,12 @@ def _hiding_fill(c: Any, v: Any) -> float | None:
         first = float(values.flat[0])
         return first if first <= HIDING and bool((values == first).all()) else None
     value = static_value(v)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= HIDING:
-        return float(value)
-    return None
+    return float(value) if _hides(value) else None
+
+
+def _hides(fill: Any) -> bool:
+    """fill is a number (not a bool) at most HIDING: a fill that hides scores from a softmax."""
+    return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= HIDING
 
 
 def _masked(c: Any, n: Any, x: Any, m: Any, fill: Any) -> MaskedScores | Value:
@@ -483,7 +486,7 @@ def _masked(c: Any, n: Any, x: Any, m: Any, fill: Any) -> MaskedScores | Value:
     held = c.env.get(x) if c.is_node(x) else None
     if is_fill(fill) and not isinstance(held, MaskedScores):
         return selected(c, n, m, fill, x)
-    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= HIDING):
+    if not _hides(fill):
         raise UnsupportedOpError(
             c.describe(
                 n,
