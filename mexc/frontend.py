@@ -1510,8 +1510,9 @@ def _rows_per_sample(
 ) -> tuple[Value, tuple[int, ...]]:
     """Logits whose first axis holds each sample's k positions merged with the batch
     (`logits.view(B * T, V)`, nanoGPT's loss view; a per-pixel head's
-    `permute(0, 2, 3, 1).reshape(-1, C)`) as [N, C, k, ...]: a label per position, the rows
-    sample-major as the merge made them. Only a merge with the batch outermost keeps it
+    `permute(0, 2, 3, 1).reshape(-1, C)`) as [N, C, k, ...], the model's "logits" output: a
+    label per position, the rows sample-major as the merge made them (the loss reads the
+    rows themselves). Only a merge with the batch outermost keeps it
     (ops.common.reshaped_batch_axis); one that lost it (positions first: (T, B, V) viewed
     as (T * B, V)) is refused, as its rows are not the samples'."""
     if c.batch_axis(logits) is None:
@@ -1628,6 +1629,9 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             f"sample's positions merged into the rows: logits.view(B * T, V)), got "
             f"{list(shape)} for a batch of {samples}"
         )
+    # the loss reads a row of classes per position from the model's own tensor: where each
+    # sample's positions are merged into its first axis, that axis is already sample-major
+    read, read_shape = logits, shape
     if shape[0] != samples:
         c.loc = _user_location(logits_node)
         logits, shape = _rows_per_sample(c, logits_node, logits, shape, samples)
@@ -1638,12 +1642,13 @@ def import_model(model: nn.Module, example: torch.Tensor) -> FrontendResult:
             f"than {MAX_CLASSES} (its exp values of 2^15 each sum in int32: docs/layers.md, "
             "'Output head')"
         )
-    rows, head_in = batch, logits
+    rows, head_in = batch, read
     if positions:  # torch's K-dimensional cross-entropy: a row of classes per position
         rows = batch * int(np.prod(positions))
-        last = (0, *range(2, len(shape)), 1)
+    if len(read_shape) > 2:  # the classes moved last, the rest flattened into rows
+        last = (0, *range(2, len(read_shape)), 1)
         c.loc = _user_location(logits_node)
-        moved = transposed(c, logits, shape, last)
+        moved = transposed(c, read, read_shape, last)
         head_in = reshaped(c, moved, (rows, classes))
     label = b.add(
         Op.LABEL, (), TensorType(Kind.I64, (rows,)), attrs(Op.LABEL, name="y", num_classes=classes)
