@@ -42,6 +42,7 @@ from mexc import frontend_fold, frontend_index, frontend_mask_bounds
 from mexc.arrangement import ATTR as ARRANGED
 from mexc.arrangement import Arrangement
 from mexc.errors import InputError, MexcError, TraceError, UnsupportedOpError
+from mexc.frontend_complex import complex_as_pairs
 from mexc.frontend_eval_modes import (
     MODULES_CALLED,
     apply_eval_modes,
@@ -806,6 +807,15 @@ class _SizeProxy(_OnTheHost, _AugmentedAssignment, MetaProxy):  # type: ignore[m
             return meta.size(dim)
         return self.tracer.create_proxy("call_method", "size", (self, dim), {})
 
+    @property
+    def ndim(self) -> Any:
+        """The example's rank, as MetaProxy gives dim() (Meta LLaMA's reshape_for_broadcast
+        asserts on x.ndim)."""
+        meta = getattr(self, "_tensor_meta", None)
+        if meta is not None:
+            return meta.ndim
+        return self.tracer.create_proxy("call_function", getattr, (self, "ndim"), {})
+
     def __setitem__(self, key: Any, value: Any) -> None:
         """t[key] = value as an operator.setitem node (torchvision's Swin writes its window
         mask so), which the frontend folds where t is a constant."""
@@ -935,6 +945,8 @@ def trace(
                 del model.__dict__[name]
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
+    if complex_as_pairs(gm, _describe):
+        _propagate(gm, model, example)
     _drop_float_casts(gm)
     if gains_in_place(gm):
         _propagate(gm, model, example)

@@ -86,7 +86,7 @@ def _moved_dim(d: Any, rank: int) -> Any:
     return d % rank + 1
 
 
-def _depends_on_input(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
+def depends_on_input(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
     """Whether each node's values depend on the model's input (sizes read from it do not
     count: `p.expand(x.shape[0], ...)` is a function of p)."""
     out: dict[torch.fx.Node, bool] = {}
@@ -265,7 +265,7 @@ def lift_parameter_functions(gm: torch.fx.GraphModule, batch: int) -> bool:
     """Rewrite every function of parameters that binary arithmetic with an activation reads
     (module docstring); True where the graph changed (its shapes must be propagated again)."""
     parameters = frozenset(name for name, _ in gm.named_parameters())
-    batched = _depends_on_input(gm)
+    batched = depends_on_input(gm)
     lifter = _Lifter(gm, batch, parameters)
     changed = False
     for n in list(gm.graph.nodes):

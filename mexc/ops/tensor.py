@@ -1022,7 +1022,7 @@ def _mul(c: Any, n: Any) -> Value:
     if K.factor_view(out, c.shape(b)) is None and c.is_param(b) and not c.is_parameter(b):
         # a constant the trace made (Hugging Face's rotary cos and sin from position ids
         # expanded over the batch: [N, 1, T, D]) is one factor along the axes it varies on
-        kept = uniform_axes_cut(c.fetch(b).detach().cpu().numpy())
+        kept = gaps_filled(uniform_axes_cut(c.fetch(b).detach().cpu().numpy()), tuple(out))
         if K.factor_view(out, kept.shape) is not None:
             return c.emit(Op.MUL, [c.arg(a), c.constant(str(b.target), kept, "scale")], n)
     if K.factor_view(out, c.shape(b)) is None:
@@ -1036,6 +1036,19 @@ def _mul(c: Any, n: Any) -> Value:
         )
     g = c.get_param(b, "scale") if c.is_param(b) else c.arg(b)
     return c.emit(Op.MUL, [c.arg(a), g], n)
+
+
+def gaps_filled(values: np.ndarray, out: tuple[int, ...]) -> np.ndarray:
+    """Constant `values`, which broadcasts to `out`, repeated along the axes of extent 1 between
+    the first and the last it varies on: one factor along one run of axes (a rotary table
+    [1, T, 1, D] of queries [N, T, H, D] as [1, T, H, D], H copies). Not over the batch axis:
+    a constant that varies along it is left as it is (factor_view refuses it)."""
+    pad = values.reshape((1,) * (len(out) - values.ndim) + values.shape)
+    own = [i for i, (a, b) in enumerate(zip(out, pad.shape)) if b == a != 1]
+    if not own or own[0] == 0 or pad.ndim != len(out):
+        return values
+    shape = [a if own[0] <= i <= own[-1] else b for i, (a, b) in enumerate(zip(out, pad.shape))]
+    return np.ascontiguousarray(np.broadcast_to(pad, shape))
 
 
 def uniform_axes_cut(values: np.ndarray) -> np.ndarray:
