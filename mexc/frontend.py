@@ -987,6 +987,12 @@ def _drop_float_casts(gm: torch.fx.GraphModule) -> None:
             continue
         returns_self = n.target != "contiguous" and traced_dtype(n) == traced_dtype(src)
         if returns_self or not any(_writes_in_place(u, n) for u in n.users):
+            for u in n.users if n.target == "contiguous" else ():
+                if u.op == "call_method" and u.target == "view":
+                    # x.transpose(1, 2).contiguous().view(...): a view of a non-contiguous
+                    # tensor fails when shapes are propagated again (lifted parameters); a
+                    # reshape is the same op to mexc, and may share memory as the view did
+                    u.target = "reshape"
             n.replace_all_uses_with(src)
             gm.graph.erase_node(n)
             changed = True

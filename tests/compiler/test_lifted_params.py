@@ -105,7 +105,8 @@ def test_the_stacked_heads_hold_the_batch_on_axis_one() -> None:
 class Forms(nn.Module):
     """Argument forms and orders: two functions of one parameter read in the reverse of the
     order they are made, a function read after torch.cat, keyword shapes and dims, a tuple of
-    dims."""
+    dims, and `.transpose().contiguous().view()` (a view that needs the copy, which the
+    frontend drops before the lifted graph's shapes are propagated again)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,7 +121,8 @@ class Forms(nn.Module):
         h = self.conv(x) * b  # b, made after a, is read first
         h = torch.cat([h * a, -h], 1)
         h = h * F.softplus(self.p).view(-1, 1, 1)  # read after the concatenation
-        return self.fc(h.mean((2, 3)))
+        tokens = h.transpose(1, 3).contiguous().view(h.shape[0], -1, 16)  # [N, 64, 16]
+        return self.fc(tokens.mean(1))
 
 
 @pytest.mark.parametrize(("make", "batch"), [(Forms, 4), (Gated, 1)])
