@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import keyword
@@ -196,13 +197,21 @@ class _Ctx:
 
     def constant(self, name: str, value: np.ndarray, role: str) -> Value:
         """A parameter the model does not have, held at `value` and never trained, named
-        "mexc.<name>" (no module path starts so; a suffix where another constant has it)."""
+        "mexc.<name>" (no module path starts so; a suffix where another constant has it).
+        One name, value and role is one constant: a buffer or traced table that two ops read
+        (rotary cos for the queries and the keys) is held once. Constants of other names stay
+        apart even where their values agree: some carry a meaning of their own (id_masks)."""
+        held = np.array(value, np.float32)  # a copy: the program's, writable
+        key = ("constant", name, role, held.shape, hashlib.sha256(held.tobytes()).hexdigest())
+        if key in self.memo:
+            return self.memo[key]
         name = f"mexc.{name}"
         unique, k = name, 1
         while unique in self.param_values:
             unique, k = f"{name}_{k}", k + 1
         self.constants.add(unique)
-        return self.param(unique, torch.from_numpy(np.asarray(value, np.float32)), role)
+        self.memo[key] = self.param(unique, torch.from_numpy(held), role)
+        return self.memo[key]
 
     def state(self, name: str, tensor: torch.Tensor, role: str, owner: str) -> Value:
         if name in self.buffers:  # one update per step: a second call would need two

@@ -451,16 +451,32 @@ def _masked_fill(c: Any, n: Any) -> MaskedScores | Value:
 
 
 def _where_convert(c: Any, n: Any) -> MaskedScores | Value:
-    """torch.where(mask, fill, x) (x.where(...) is x where the mask holds: activation's) with
-    fill -inf or a number at most HIDING (also a constant tensor of one such value:
-    torch.full_like(scores, float("-inf"))) is x.masked_fill(mask, fill) (_masked_fill);
-    any other torch.where is activation.where_selected's."""
-    if n.op == "call_function":
-        args = dict(zip(("condition", "input", "other"), n.args)) | dict(n.kwargs)
-        fill = _hiding_fill(c, args.get("input"))
-        if fill is not None and c.is_node(args.get("other")):
-            return _masked(c, n, args["other"], args["condition"], fill)
+    """torch.where(mask, fill, x) with fill -inf or a number at most HIDING (also a constant
+    tensor of one such value: torch.full_like(scores, float("-inf"))) is
+    x.masked_fill(mask, fill) (_masked_fill); torch.where(mask, x, fill) and x.where(mask,
+    fill), which keep x where the mask holds (Hugging Face GPT-2's `torch.where(causal, w,
+    finfo.min)`), are x.masked_fill(~mask, fill). Any other torch.where is
+    activation.where_selected's."""
+    first = (
+        ("condition", "input", "other")
+        if n.op == "call_function"
+        else ("input", "condition", "other")
+    )
+    args = dict(zip(first, n.args)) | dict(n.kwargs)
+    x, fill = args.get("other"), _hiding_fill(c, args.get("input"))
+    if n.op == "call_function" and fill is not None and c.is_node(x):
+        return _masked(c, n, x, args["condition"], fill)
+    x, fill, kept = args.get("input"), _hiding_fill(c, args.get("other")), args.get("condition")
+    if fill is not None and c.is_node(x) and _attention_mask(c, kept):
+        return _masked(c, n, x, kept, fill, hides=False)
     return where_selected(c, n)
+
+
+def _attention_mask(c: Any, m: Any) -> bool:
+    """m may be an attention mask: a constant (a causal buffer, a mask the forward builds) or
+    a mask of the token ids; not one computed from activations (`torch.where(h > 0, h,
+    -1e4)` is no attention)."""
+    return c.is_node(m) and (isinstance(c.env.get(m), KeyMask) or static_tensor(c, m) is not None)
 
 
 def _hiding_fill(c: Any, v: Any) -> float | None:
@@ -481,10 +497,11 @@ def _hides(fill: Any) -> bool:
     return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= HIDING
 
 
-def _masked(c: Any, n: Any, x: Any, m: Any, fill: Any) -> MaskedScores | Value:
-    """_masked_fill of x, the mask m and the fill (a number)."""
+def _masked(c: Any, n: Any, x: Any, m: Any, fill: Any, hides: bool = True) -> MaskedScores | Value:
+    """_masked_fill of x, the mask m and the fill (a number); hides=False: the fill goes where
+    boolean m is False (torch.where(m, x, fill))."""
     held = c.env.get(x) if c.is_node(x) else None
-    if is_fill(fill) and not isinstance(held, MaskedScores):
+    if hides and is_fill(fill) and not isinstance(held, MaskedScores):
         return selected(c, n, m, fill, x)
     if not _hides(fill):
         raise UnsupportedOpError(
@@ -500,12 +517,12 @@ def _masked(c: Any, n: Any, x: Any, m: Any, fill: Any) -> MaskedScores | Value:
     if c.batch_axis(base.scores) not in (0, None):
         raise UnsupportedOpError(c.describe(n, "masks scores whose batch axis is not the first"))
     shape = tuple(c.shape(x))
-    keys = key_mask(c, n, m, shape, hides=True)
+    keys = key_mask(c, n, m, shape, hides=hides)
     if keys is not None:
         if base.keys not in (None, keys):
             raise UnsupportedOpError(c.describe(n, "hides keys by a second mask of the ids"))
         return dataclasses.replace(base, keys=keys)
-    if not is_causal_mask(c, n, m, shape, hides=True):
+    if not is_causal_mask(c, n, m, shape, hides=hides):
         raise UnsupportedOpError(c.describe(n, _MASKS))
     return dataclasses.replace(base, causal=True)
 

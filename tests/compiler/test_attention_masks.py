@@ -388,35 +388,49 @@ def test_an_added_causal_mask_and_a_finite_fill_hide_as_minus_inf_does(finite: b
 
 
 class WhereMasks(MaskedFillAttention):
-    """The masks of MaskedFillAttention(padding=True) chosen by torch.where: the causal one with
-    a full_like tensor of -inf (`tensor`) or the number -inf, the padding with -1e9."""
+    """The masks of MaskedFillAttention(padding=True) chosen by torch.where. `form`: the
+    hidden keys filled with a full_like tensor of -inf ("tensor") or the number -inf
+    ("number"), the padding with -1e9; or the kept keys named, the fill third
+    (`torch.where(kept, att, -inf)`: "kept"), by the method (`att.where(kept, -inf)`:
+    "method"), or with a 0-d tensor of float32's minimum (Hugging Face GPT-2's: "finfo")."""
 
-    def __init__(self, tensor: bool) -> None:
+    def __init__(self, form: str) -> None:
         super().__init__(padding=True)
-        self.tensor = tensor
+        self.form = form
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, t, d = x.size()
         q, k, v = self.c_attn(x).split(D, 2)
         q, k, v = (a.view(n, t, 2, d // 2).transpose(1, 2) for a in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        hidden = self.bias[:, :, :t, :t] == 0
-        fill = torch.full_like(att, float("-inf")) if self.tensor else float("-inf")
-        att = torch.where(hidden, fill, att)
-        att = torch.where((ids == PAD)[:, None, None, :], -1e9, att)
+        hidden, kept = self.bias[:, :, :t, :t] == 0, self.bias[:, :, :t, :t].bool()
+        padding, tokens = (ids == PAD)[:, None, None, :], (ids != PAD)[:, None, None, :]
+        if self.form in ("tensor", "number"):
+            fill = torch.full_like(att, float("-inf")) if self.form == "tensor" else -math.inf
+            att = torch.where(padding, -1e9, torch.where(hidden, fill, att))
+        elif self.form == "kept":
+            att = torch.where(tokens, torch.where(kept, att, -math.inf), -1e9)
+        elif self.form == "method":
+            att = att.where(kept, -math.inf).where(tokens, -math.inf)
+        else:
+            lowest = torch.full([], torch.finfo(att.dtype).min, dtype=att.dtype)
+            att = torch.where(tokens, torch.where(kept, att, lowest), lowest)
         y = nn.functional.softmax(att, dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
 
 
-@pytest.mark.parametrize("tensor", [True, False])
-def test_masks_chosen_by_torch_where_hide_as_masked_fill_does(tensor: bool) -> None:
-    """torch.where(mask, -inf, scores) is scores.masked_fill(mask, -inf): the same program,
-    bit for bit (it was refused: the number -inf as a fill, a tensor of -inf as a division)."""
+@pytest.mark.parametrize("form", ["tensor", "number", "kept", "method", "finfo"])
+def test_masks_chosen_by_torch_where_hide_as_masked_fill_does(form: str) -> None:
+    """torch.where(mask, -inf, scores) is scores.masked_fill(mask, -inf), and
+    torch.where(kept, scores, -inf) is scores.masked_fill(~kept, -inf): the same program, bit
+    for bit (the first was refused: the number -inf as a fill, a tensor of -inf as a division;
+    the second, with a number, refused too, and with finfo.min computed as a blend of the
+    scores and the fill)."""
     ids = padded(6)
 
     batch = (ids, labels(6, 0, True))
     want = train_checksums(_gpt_with(None, ids), batch)
-    assert train_checksums(_gpt_with(WhereMasks(tensor), ids), batch) == want
+    assert train_checksums(_gpt_with(WhereMasks(form), ids), batch) == want
 
 
 # the forms lower to one softmax with a key mask: the encoder (two layers, the padding mask

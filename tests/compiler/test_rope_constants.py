@@ -119,3 +119,27 @@ def test_a_table_made_per_sample_is_one_factor_for_every_sample() -> None:
         assert_logits_match_torch(model, prog, ids)
         names = ("tokens.weight", "q.weight", "head.weight")
         assert_gradients_follow_autograd(model, prog, ids, y, names, 0.99)
+
+
+class BothRotated(HuggingFaceRotary):
+    """HuggingFaceRotary with the keys rotated too, by the same cos and sin."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, t = ids.shape
+        x = self.tokens(ids)
+        q, k = (self.q(a).view(n, t, 2, 8).transpose(1, 2) for a in (x, 2 * x))
+        positions = torch.arange(t)[None].expand(n, -1)
+        inv = self.inv_freq[None, :, None].expand(n, -1, 1)
+        emb = (inv @ positions[:, None, :].to(inv.dtype)).transpose(1, 2).repeat(1, 1, 2)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q, k = (a * cos + _rotate_half(a) * sin for a in (q, k))
+        return self.head((q + k).transpose(1, 2).reshape(n, t, 16)).transpose(1, 2)
+
+
+def test_a_table_two_products_read_is_held_once() -> None:
+    """cos and sin, each read by the queries' and the keys' products, are one constant each
+    (each read made a copy of its own)."""
+    torch.manual_seed(0)
+    prog = mexc.compile(BothRotated(False), (torch.zeros(4, 6, dtype=torch.long),))
+    factors = [v.m.shape for k, v in prog.state.items() if k.startswith("mexc.")]
+    assert factors == [(1, 1, 6, 8)] * 2, factors
