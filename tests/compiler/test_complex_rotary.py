@@ -111,7 +111,8 @@ class Llama(nn.Module):
         if self.rotate == "complex_view":  # torch.narrow reads the buffer into the graph
             freqs_cis = torch.narrow(self.freqs_cis, 0, 0, seqlen)
             mask = torch.narrow(torch.narrow(self.mask, 0, 0, seqlen), 1, 0, seqlen)
-        else:  # Meta's: the table sliced, the mask made in forward
+        else:  # Meta's (Llama 2): the table moved to the device and sliced, the mask made here
+            self.freqs_cis = self.freqs_cis.to(h.device)
             freqs_cis = self.freqs_cis[0:seqlen]
             mask = torch.triu(torch.full((seqlen, seqlen), float("-inf")), diagonal=1)
         h = h + self.attention(self._norm(h), freqs_cis, mask)
