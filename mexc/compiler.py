@@ -38,16 +38,19 @@ def _whole_number(name: str, value: Any) -> int:
 
 def _example_batch(example_inputs: Any) -> torch.Tensor:
     if isinstance(example_inputs, (tuple, list)) and len(example_inputs) != 1:
-        raise ValueError(
+        raise InputError(
             f"example_inputs holds {len(example_inputs)} inputs; mexc compiles models with one "
             "input tensor (a float batch, or token ids): give (x,), and combine several "
-            "inputs into one tensor in a wrapper module (torch.cat, then slices in forward)"
+            "inputs into one tensor in a wrapper module (torch.cat, then slices in forward). "
+            "Token ids are read only whole, by embedding tables: give categorical columns "
+            "beside float ones as one-hot floats (a linear layer over a one-hot column is an "
+            "embedding)"
         )
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
     if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] == 0):
-        raise ValueError(
+        raise InputError(
             f"example_inputs' batch has shape {list(x.shape)}; give a batch [N, ...] of N >= 1 "
             "samples, the batch size every training step takes"
         )
@@ -55,7 +58,7 @@ def _example_batch(example_inputs: Any) -> torch.Tensor:
     if integer and x.dtype != torch.bool:  # token ids, read by the model's embedding tables
         return x.detach().long()
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError(
+        raise InputError(
             "example_inputs must be (x,) with x a float tensor batch [N, ...], or an integer "
             "batch of ids that the model looks up in embedding tables"
         )

@@ -55,6 +55,7 @@ from mexc.frontend_key_masks import as_activation as key_mask_activation
 from mexc.frontend_key_masks import fill_tables, key_mask_of, masked_scores
 from mexc.frontend_lift import lift_parameter_functions
 from mexc.frontend_modules import traced_forward
+from mexc.frontend_resample import resampling_as_products
 from mexc.frontend_standardize import gains_in_place
 from mexc.ir import (
     EVAL_NORM_WEIGHTS,
@@ -79,7 +80,8 @@ from mexc.ops.common import (
     traced_dtype,
 )
 from mexc.ops.norm_written_out import ROOT_USES, RootMeanSquare, follow
-from mexc.ops.tensor import reshaped, transposed
+from mexc.ops.recurrent import LayerStates, stacked_states
+from mexc.ops.tensor import repeated_param, reshaped, transposed
 from mexc.types import Kind, TensorType, f32
 
 
@@ -230,6 +232,12 @@ class _Ctx:
     def arg(self, a: Any) -> Value:
         if not isinstance(a, torch.fx.Node):
             raise UnsupportedOpError(f"expected a tensor argument, got {a!r}")
+        if a not in self.env and a.op == "get_attr" and str(a.target).startswith(_TRACED):
+            # a tensor the shape-aware trace made from shapes and read as it is (a hand-written
+            # RNN's `h = torch.zeros(x.size(0), H)`): a batched constant, as x.new_zeros is
+            made = gather.Const(_fetch_attr(self.gm, str(a.target)).detach().clone())
+            if self.is_batched_constant(made):
+                self.env[a] = made
         if a not in self.env:  # a parameter or buffer read where an activation is expected
             raise UnsupportedOpError(
                 _describe(
@@ -274,6 +282,10 @@ class _Ctx:
                 self, a, gather.const_gathered(a, v.value.numpy()), self.shape(a)
             )
             self.env[a] = v
+        if isinstance(v, gather.Gathered):
+            tokens = repeated_param(self, a, v)
+            if tokens is not None:
+                self.env[a] = v = tokens
         if isinstance(v, (gather.Gathered, gather.Const, gather.Concatenated)):
             what = (
                 "is a parameter or buffer read through indexing"
@@ -303,13 +315,17 @@ class _Ctx:
                     "Apply the function to an activation, or fold it into the layer",
                 )
             )
+        if isinstance(v, LayerStates):  # h_n read whole: the stack torch returns
+            key = ("layer states", a)
+            if key not in self.memo:
+                self.memo[key] = stacked_states(self, v)
+            return self.memo[key]
         if not isinstance(v, Value):
             raise UnsupportedOpError(
                 _describe(
                     a,
-                    "is a tuple of tensors where a tensor is used (a module's several results; "
-                    "a recurrent layer's h_n and c_n, which mexc gives per layer and direction: "
-                    "index them, h_n[-1])",
+                    "is a tuple of tensors where a tensor is used (a module's several results, "
+                    "as MultiheadAttention's output and weights): index it with one integer",
                 )
             )
         return v
@@ -506,21 +522,35 @@ def _getitem(c: _Ctx, n: torch.fx.Node) -> Value | gather.Const | None:
             part = part.squeeze(held.dim) if held.squeeze else part
             return gather.Const(torch.from_numpy(np.ascontiguousarray(part)))
         return _piece(c, n, held, static_int(index))
+    if isinstance(held, LayerStates) and not isinstance(static_value(index), int):
+        one = _one_state(static_value(index))  # h_n[-2, :, :]
+        if one is not None:
+            return _held_item(n, held, one)
+        return frontend_index.read(c, n)  # of the stacked states (_Ctx.arg)
     if isinstance(held, tuple):  # a module with several results (MultiheadAttention)
         item = static_value(index)
         if isinstance(item, bool) or not isinstance(item, int):
             raise UnsupportedOpError(
                 _describe(
                     n,
-                    f"indexes a tuple of tensors with {item!r} (a module's several results; a "
-                    "recurrent layer's h_n and c_n, which mexc gives per layer and direction): "
-                    "index it with one integer, h_n[-1]",
+                    f"indexes a tuple of tensors with {item!r} (a module's several results, "
+                    "as MultiheadAttention's output and weights): index it with one integer",
                 )
             )
         return _held_item(n, held, item)
     if not is_traced_tensor(n):
         return None
     return frontend_index.read(c, n)
+
+
+def _one_state(key: Any) -> int | None:
+    """The layer-direction a key of h_n selects whole ((k, :, :), (k, ...)); None for any
+    other key."""
+    if not isinstance(key, tuple) or not key or isinstance(key[0], bool):
+        return None
+    rest = key[1:]
+    whole = all(k is Ellipsis or k == slice(None) for k in rest) and len(rest) <= 2
+    return key[0] if isinstance(key[0], int) and whole else None
 
 
 def _named_result(c: _Ctx, n: torch.fx.Node) -> Value | None:
@@ -603,6 +633,9 @@ METHOD_HANDLERS: dict[Any, Callable[..., Value]] = {
     "float": _cast,
     "type_as": _cast,
 }
+
+
+_TRACED = "_tensor_constant"  # the names torch.fx gives the tensors a trace makes
 
 
 def _get_param(c: _Ctx, a: Any, role: str) -> Value:
@@ -955,6 +988,8 @@ def trace(
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes
     if complex_as_pairs(gm, _describe):
+        _propagate(gm, model, example)
+    if resampling_as_products(gm):
         _propagate(gm, model, example)
     _drop_float_casts(gm)
     if gains_in_place(gm):

@@ -15,22 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mexc.errors import UnsupportedOpError
 from mexc.ir import Value
 from mexc.ops.tensor import added, every_nth, interleaved, padded, reshaped, scaled, sliced
 
 
-def linear_resample(c: Any, n: Any, x: Any, align_corners: Any) -> Value:
-    """x (N, C, H, W), or (N, C, L) for 'linear', resampled to n's shape: per axis up or down
-    by an integer factor."""
-    if align_corners:
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                "upsamples with align_corners=True, whose weights vary across the output; "
-                "mexc lowers align_corners=False",
-            )
-        )
+def linear_resample(c: Any, n: Any, x: Any) -> Value:
+    """x (N, C, H, W), or (N, C, L) for 'linear', resampled to n's shape (align_corners=False):
+    per axis up or down by an integer factor."""
     shape, out = tuple(c.shape(x)), tuple(c.shape(n))
     v = c.arg(x)
     if len(shape) == 3:  # (N, C, L) over (N, C, 1, L)

@@ -30,7 +30,7 @@ from mexc.ir import Op, Value
 from mexc.ops.common import static_value
 from mexc.ops.dense import linear
 from mexc.ops.gather import Gathered, as_gathered, gathered_value
-from mexc.ops.tensor import broadcast, reshaped, summed_over, transposed
+from mexc.ops.tensor import broadcast, repeats_whole_param, reshaped, summed_over, transposed
 
 # letters standing for an ellipsis's axes (never valid in a torch equation)
 _ELLIPSIS = tuple(chr(c) for c in range(0x3B1, 0x3C9))
@@ -58,7 +58,7 @@ def einsum_convert(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(c.describe(n, "takes an einsum equation that is not a string"))
     shapes = [tuple(c.shape(a)) for a in args]
     specs, out = _parse(c, n, eq, [len(s) for s in shapes])
-    ops = [_Operand(a, s, sh, as_gathered(c, a)) for a, s, sh in zip(args, specs, shapes)]
+    ops = [_Operand(a, s, sh, _as_weight(c, a)) for a, s, sh in zip(args, specs, shapes)]
     if len(ops) == 1:
         return _rearranged(c, n, ops[0], out)
     if len(ops) != 2:
@@ -82,10 +82,18 @@ def matmul_convert(c: Any, n: Any) -> Value:
     spec_a = "".join(letters[rank - len(lead_a) :]) + ("m" if len(sa) > 1 else "") + "k"
     spec_b = "".join(letters[rank - len(lead_b) :]) + "k" + ("n" if len(sb) > 1 else "")
     out = "".join(letters) + ("m" if len(sa) > 1 else "") + ("n" if len(sb) > 1 else "")
-    ops = [_Operand(x, s, sh, as_gathered(c, x)) for x, s, sh in ((a, spec_a, sa), (b, spec_b, sb))]
+    ops = [_Operand(x, s, sh, _as_weight(c, x)) for x, s, sh in ((a, spec_a, sa), (b, spec_b, sb))]
     sizes = _sizes(c, n, ops, broadcast_ones=True)
     ops = [_broadcast_leading(c, n, o, sizes, set(letters)) for o in ops]
     return contract(c, n, ops[0], ops[1], out)
+
+
+def _as_weight(c: Any, a: Any) -> Gathered | None:
+    """Operand a as a parameter or constant, None where it is an activation: a parameter
+    repeated whole over the batch (DETR's `query_embed.weight.unsqueeze(0).repeat(B, 1, 1)`)
+    is an activation of its own (EXPAND_PARAM: tensor.repeated_param)."""
+    g = as_gathered(c, a)
+    return None if repeats_whole_param(c, g) else g
 
 
 def contract(c: Any, n: Any, a: _Operand, b: _Operand, out: str) -> Value:

@@ -28,7 +28,7 @@ from mexc.ops.conv_transpose import conv_transpose_function, conv_transpose_modu
 from mexc.ops.dilated import dilated_conv, dilated_size
 from mexc.ops.gather import is_gathered
 from mexc.ops.patches import fold, unfold
-from mexc.ops.recurrent import recurrent_module
+from mexc.ops.recurrent import recurrent_cell, recurrent_module
 from mexc.ops.registry import OpDef, Pattern, define, op_def
 from mexc.ops.tensor import (
     as_result,
@@ -463,6 +463,11 @@ def _recurrent(c: Any, n: Any, m: Any) -> tuple[Value, Any]:
     return recurrent_module(c, n, m, linear)
 
 
+def _cell(c: Any, n: Any, m: Any) -> Value | tuple[Value, Value]:
+    """nn.LSTMCell / GRUCell / RNNCell, one step (mexc.ops.recurrent) with this `linear`."""
+    return recurrent_cell(c, n, m, linear)
+
+
 def _tir(name: str) -> str:
     return f"step_plan:PlanRules.{name}"
 
@@ -477,6 +482,7 @@ define(
             Pattern("module", ("torch.nn.Conv2d",), _conv_module),
             Pattern("module", ("torch.nn.Conv3d",), _conv3d_module),
             Pattern("module", ("torch.nn.LSTM", "torch.nn.GRU", "torch.nn.RNN"), _recurrent),
+            Pattern("module", ("torch.nn.LSTMCell", "torch.nn.GRUCell", "torch.nn.RNNCell"), _cell),
             Pattern("function", ("torch.conv3d", "torch.nn.functional.conv3d"), _conv3d_function),
             Pattern("function", ("torch.nn.functional.conv2d",), _conv_function),
             Pattern("module", ("torch.nn.Conv1d",), _conv1d_module),

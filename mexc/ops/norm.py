@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from mexc import kernels as K
-from mexc.errors import UnsupportedOpError
+from mexc.errors import InputError, UnsupportedOpError
 from mexc.ir import Node, Op, Value
 from mexc.numerics import FixedScalar
 from mexc.ops.common import (
@@ -193,6 +193,15 @@ def _emit_batchnorm(c: Any, n: Any, x: Any, ins: list[Value], eps: float, moment
                 n,
                 f"normalizes a {len(shape)}-D tensor; give it (N, C), (N, C, L), (N, C, H, W) "
                 "or (N, C, T, H, W)",
+            )
+        )
+    if shape[0] * math.prod(shape[2:]) < 2:
+        raise InputError(
+            c.describe(
+                n,
+                f"normalizes {list(shape)} with the batch's statistics, one value per channel "
+                "(torch refuses it in training too: 'Expected more than 1 value per channel'); "
+                "compile with a batch of at least 2 samples, or put the layer in eval mode",
             )
         )
     if len(shape) in (2, 4):

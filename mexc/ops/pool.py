@@ -487,7 +487,9 @@ def _upsample(
     """Nearest upsampling of (N, C, H, W), or (N, C, L) over (N, C, 1, L), by integer factors
     read off the traced shapes (size or scale_factor; 'nearest-exact' picks the same pixels for
     integer factors). `scale_factor`: the one torch places the source pixels by (given and not
-    recomputed from the sizes), which must then be the sizes' ratio."""
+    recomputed from the sizes), which must then be the sizes' ratio. Other resamplings
+    (align_corners=True, bicubic, other ratios) reach here only where the frontend could not
+    write them as products (frontend_resample), and are refused."""
     x = n.args[0]
     x_shape, out = c.shape(x), c.shape(n)
     if len(x_shape) not in (3, 4):
@@ -496,28 +498,13 @@ def _upsample(
                 n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, L) and (N, C, H, W)"
             )
         )
-    _check_scale_factor(c, n, scale_factor, tuple(x_shape[2:]), tuple(out[2:]))
-    if mode not in ("nearest", "nearest-exact", "linear", "bilinear"):
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"upsamples with mode {mode!r}; mexc lowers nearest, linear and bilinear "
-                "upsampling by integer factors",
-            )
-        )
-    linear = mode in ("linear", "bilinear")
-    if linear and not any(o % i and i % o for i, o in zip(x_shape[2:], out[2:])):
-        if antialias:
-            raise UnsupportedOpError(c.describe(n, "resamples with antialias=True"))
-        return linear_resample(c, n, x, align_corners)
-    if any(o % i and i % o for i, o in zip(x_shape[2:], out[2:])):
-        raise UnsupportedOpError(
-            c.describe(
-                n,
-                f"resamples {list(x_shape[2:])} to {list(out[2:])}; mexc lowers "
-                "resampling by integer factors only",
-            )
-        )
+    refusal = resampling_refusal(
+        mode, tuple(x_shape[2:]), tuple(out[2:]), align_corners, antialias, scale_factor
+    )
+    if refusal is not None:
+        raise UnsupportedOpError(c.describe(n, refusal))
+    if mode in ("linear", "bilinear"):
+        return linear_resample(c, n, x)
     if any(o < i for i, o in zip(x_shape[2:], out[2:])):  # down along some axis first
         v, shape = _nearest_down(c, n, c.arg(x), tuple(x_shape), tuple(out), mode)
         if shape == tuple(out):
@@ -543,6 +530,47 @@ def _upsample(
     return c.emit(Op.UPSAMPLE_NEAREST, [c.arg(x)], n, scale=scale)
 
 
+def resampling_refusal(
+    mode: Any,
+    sizes: tuple[int, ...],
+    out: tuple[int, ...],
+    align_corners: Any,
+    antialias: Any,
+    factor: Any,
+) -> str | None:
+    """Why _upsample does not lower a resampling of spatial `sizes` to `out` with its own ops;
+    None where it does: nearest or nearest-exact, and linear or bilinear with
+    align_corners=False and no antialias, up or down by integer factors along each axis, placed
+    by the sizes' ratio."""
+    if factor is not None:
+        factors = factor if isinstance(factor, (list, tuple)) else (factor,) * len(sizes)
+        for f, i, o in zip(factors, sizes, out):
+            if abs(float(f) - o / i) > 1e-9 * (o / i):
+                return (
+                    f"resamples {list(sizes)} to {list(out)} with scale_factor {factor}, whose "
+                    "pixel positions are not the sizes' ratio; give size= or "
+                    "recompute_scale_factor=True"
+                )
+    if mode not in ("nearest", "nearest-exact", "linear", "bilinear"):
+        return (
+            f"upsamples with mode {mode!r}; mexc lowers nearest, linear and bilinear "
+            "upsampling by integer factors"
+        )
+    if any(o % i and i % o for i, o in zip(sizes, out)):
+        return (
+            f"resamples {list(sizes)} to {list(out)}; mexc lowers resampling by integer "
+            "factors only"
+        )
+    if mode in ("linear", "bilinear") and antialias:
+        return "resamples with antialias=True"
+    if mode in ("linear", "bilinear") and align_corners:
+        return (
+            "upsamples with align_corners=True, whose weights vary across the output; mexc "
+            "lowers align_corners=False"
+        )
+    return None
+
+
 def _nearest_down(
     c: Any, n: Any, v: Value, shape: tuple[int, ...], out: tuple[int, ...], mode: str
 ) -> tuple[Value, tuple[int, ...]]:
@@ -563,39 +591,22 @@ def _nearest_down(
     return v, shape
 
 
-def _check_scale_factor(
-    c: Any, n: Any, factor: Any, sizes: tuple[int, ...], out: tuple[int, ...]
-) -> None:
-    """torch places the source pixels by 1 / scale_factor where one is given (and not
-    recomputed): mexc's integer factors come from the sizes, so the two must agree (3.4 on 2
-    pixels gives 6, which torch reads at j / 3.4, not j / 3)."""
-    if factor is None:
-        return
-    factors = factor if isinstance(factor, (list, tuple)) else (factor,) * len(sizes)
-    for f, i, o in zip(factors, sizes, out):
-        if abs(float(f) - o / i) > 1e-9 * (o / i):
-            raise UnsupportedOpError(
-                c.describe(
-                    n,
-                    f"resamples {list(sizes)} to {list(out)} with scale_factor {factor}, "
-                    "whose pixel positions are not the sizes' ratio; give size= or "
-                    "recompute_scale_factor=True",
-                )
-            )
-
-
 def _placing_factor(scale_factor: Any, recompute: Any) -> Any:
     """The scale_factor torch places source pixels by: None where sizes decide."""
     return None if scale_factor is None or recompute else static_value(scale_factor)
 
 
-def _upsample_module(c: Any, n: Any, m: Any) -> Value:
-    factor = _placing_factor(m.scale_factor, getattr(m, "recompute_scale_factor", None))
-    mode, corners = getattr(m, "mode", "nearest"), getattr(m, "align_corners", None)
-    return _upsample(c, n, mode, corners, scale_factor=factor)
-
-
-def _interpolate(c: Any, n: Any) -> Value:
+def resampling_arguments(n: Any, m: Any = None) -> tuple[Any, Any, Any, Any]:
+    """(mode, align_corners, antialias, the placing scale_factor) of a resampling node: an
+    nn.Upsample module `m` (UpsamplingNearest2d, UpsamplingBilinear2d), F.interpolate,
+    F.upsample, or F.upsample_nearest."""
+    if m is not None:
+        factor = _placing_factor(m.scale_factor, getattr(m, "recompute_scale_factor", None))
+        return getattr(m, "mode", "nearest"), getattr(m, "align_corners", None), False, factor
+    name = getattr(n.target, "__name__", "")
+    if name == "upsample_nearest":
+        args = dict(zip(("input", "size", "scale_factor"), n.args)) | dict(n.kwargs)
+        return "nearest", None, False, _placing_factor(args.get("scale_factor"), None)
     names = (
         "input",
         "size",
@@ -609,12 +620,15 @@ def _interpolate(c: Any, n: Any) -> Value:
     mode = static_value(args.get("mode", "nearest"))
     factor = _placing_factor(args.get("scale_factor"), args.get("recompute_scale_factor"))
     corners, antialias = args.get("align_corners"), args.get("antialias", False)
-    return _upsample(c, n, mode, corners, antialias, factor)
+    return mode, static_value(corners), static_value(antialias), factor
 
 
-def _upsample_nearest_function(c: Any, n: Any) -> Value:
-    args = dict(zip(("input", "size", "scale_factor"), n.args)) | dict(n.kwargs)
-    return _upsample(c, n, "nearest", scale_factor=_placing_factor(args.get("scale_factor"), None))
+def _upsample_module(c: Any, n: Any, m: Any) -> Value:
+    return _upsample(c, n, *resampling_arguments(n, m))
+
+
+def _interpolate(c: Any, n: Any) -> Value:
+    return _upsample(c, n, *resampling_arguments(n))
 
 
 def _upsample_fwd(n: Node, a: list[Any], env: Any) -> tuple[Any, ...]:
@@ -741,9 +755,7 @@ define(
                 ("torch.nn.functional.interpolate", "torch.nn.functional.upsample"),
                 _interpolate,
             ),
-            Pattern(
-                "function", ("torch.nn.functional.upsample_nearest",), _upsample_nearest_function
-            ),
+            Pattern("function", ("torch.nn.functional.upsample_nearest",), _interpolate),
         ),
         lower={"tir": _tir("upsample_nearest"), "c": "emit:_upsample_nearest"},
         doc="nearest upsampling by integer factors: each pixel repeated, the exponent kept",

@@ -8,8 +8,9 @@ once (one `linear` over (N, T, I)), then per step the hidden projection of the p
 weights are shared by the steps (derive-backward sums their gradients: `param_grad_sum`). The
 outputs are concatenated over time, the directions over features, and dropout (in training)
 sits between layers as torch's does. The layer returns (output, h_n) or (output, (h_n, c_n));
-h_n and c_n are given per layer and direction (`h_n[-1]`), not as one stacked tensor, whose
-batch axis is not its first.
+h_n and c_n are given per layer and direction (`LayerStates`): `h_n[-1]` and `h_n[-2, :, :]`
+read one state as it is, and any other read (`h_n.squeeze(0)`, `h_n.permute(1, 0, 2)`) reads
+their stack [L D, N, H], made once, whose batch axis is its second.
 """
 
 from __future__ import annotations
@@ -36,6 +37,23 @@ from mexc.ops.tensor import (
 )
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+class LayerStates(tuple):
+    """A recurrent layer's h_n or c_n: one [N, H] Value per layer and direction, in torch's
+    order (layer-major, forward then backward)."""
+
+
+def stacked_states(c: Any, states: LayerStates) -> Value:
+    """The states as torch's one tensor [L D, N, H]: each seen as [1, N, H], concatenated
+    along the new first axis."""
+    c.batch_axis(states[0])  # brings c.types up to date
+    batch, size = c.types[states[0]].shape
+    one = (1, batch, size)
+    parts = [reshaped(c, v, one) for v in states]
+    if len(parts) == 1:
+        return parts[0]
+    return concatenated(c, parts, (len(parts), batch, size), 0)
 
 
 # linear(c, x, weight, bias, result): dense's, passed in (dense registers this module's pattern)
@@ -96,8 +114,8 @@ def recurrent_module(c: Any, n: Any, m: Any, linear: Linear) -> tuple[Value, Any
             v = c.emit_as(Op.DROPOUT, [v], shape, p=float(m.dropout))
     if not m.batch_first:
         v = transposed(c, v, shape, (1, 0, 2))
-    h_n = tuple(finals)
-    return v, ((h_n, tuple(cells)) if kind == "LSTM" else h_n)
+    h_n = LayerStates(finals)
+    return v, ((h_n, LayerStates(cells)) if kind == "LSTM" else h_n)
 
 
 def _direction(
@@ -132,39 +150,99 @@ def _direction(
     for t in reversed(range(steps)) if d else range(steps):
         gx = reshaped(c, sliced(c, projected, (batch, steps, gates * size), 1, t, t + 1), wide)
         gh = _hidden_projection(c, n, h, w_hh, b_hh, wide, linear, t == first)
-
-        def gate(g: Value, k: int) -> Value:
-            return sliced(c, g, wide, 1, k * size, (k + 1) * size)
-
-        if kind == "LSTM":
-            both = gx if gh is None else added(c, gx, gh, wide)
-            i, f = _sigmoid(c, gate(both, 0), step), _sigmoid(c, gate(both, 1), step)
-            g, o = _tanh(c, gate(both, 2), step), _sigmoid(c, gate(both, 3), step)
-            new = multiplied(c, i, g, step)
-            cell = new if cell is None else added(c, multiplied(c, f, cell, step), new, step)
-            h = multiplied(c, o, _tanh(c, cell, step), step)
-        elif kind == "GRU":
-            if gh is None:  # the zero state with no bias: r (W_hn h) = 0, r unused
-                z, cand = _sigmoid(c, gate(gx, 1), step), _tanh(c, gate(gx, 2), step)
-            else:
-                r = _sigmoid(c, added(c, gate(gx, 0), gate(gh, 0), step), step)
-                z = _sigmoid(c, added(c, gate(gx, 1), gate(gh, 1), step), step)
-                cand = added(c, gate(gx, 2), multiplied(c, r, gate(gh, 2), step), step)
-                cand = _tanh(c, cand, step)
-            # (1 - z) cand + z h = cand + z (h - cand)
-            h = added(
-                c,
-                cand,
-                multiplied(c, z, added(c, h, scaled(c, cand, step, -1.0), step), step),
-                step,
-            )
-        else:
-            pre = gx if gh is None else added(c, gx, gh, step)
-            h = activated(c, pre, step, "tanh" if m.nonlinearity == "tanh" else "relu")
+        h, cell = _step(c, kind, gx, gh, h, cell, step, getattr(m, "nonlinearity", "tanh"))
         outs[t] = reshaped(c, h, (batch, 1, size))
     seq = [o for o in outs if o is not None]
     out = seq[0] if steps == 1 else concatenated(c, seq, (batch, steps, size), 1)
     return out, h, cell
+
+
+def _step(
+    c: Any,
+    kind: str,
+    gx: Value,
+    gh: Value | None,
+    h: Value,
+    cell: Value | None,
+    step: tuple[int, int],
+    nonlinearity: str,
+) -> tuple[Value, Value | None]:
+    """One step of a cell: the new state and (LSTM) cell from the input's gates gx, the
+    previous state's gh (None: the zero state without a hidden bias), the previous state h and
+    cell (None: zeros)."""
+    batch, size = step
+    wide = (batch, _GATES[kind] * size)
+
+    def gate(g: Value, k: int) -> Value:
+        return sliced(c, g, wide, 1, k * size, (k + 1) * size)
+
+    if kind == "LSTM":
+        both = gx if gh is None else added(c, gx, gh, wide)
+        i, f = _sigmoid(c, gate(both, 0), step), _sigmoid(c, gate(both, 1), step)
+        g, o = _tanh(c, gate(both, 2), step), _sigmoid(c, gate(both, 3), step)
+        new = multiplied(c, i, g, step)
+        cell = new if cell is None else added(c, multiplied(c, f, cell, step), new, step)
+        return multiplied(c, o, _tanh(c, cell, step), step), cell
+    if kind == "GRU":
+        if gh is None:  # the zero state with no bias: r (W_hn h) = 0, r unused
+            z, cand = _sigmoid(c, gate(gx, 1), step), _tanh(c, gate(gx, 2), step)
+        else:
+            r = _sigmoid(c, added(c, gate(gx, 0), gate(gh, 0), step), step)
+            z = _sigmoid(c, added(c, gate(gx, 1), gate(gh, 1), step), step)
+            cand = added(c, gate(gx, 2), multiplied(c, r, gate(gh, 2), step), step)
+            cand = _tanh(c, cand, step)
+        # (1 - z) cand + z h = cand + z (h - cand)
+        later = multiplied(c, z, added(c, h, scaled(c, cand, step, -1.0), step), step)
+        return added(c, cand, later, step), None
+    pre = gx if gh is None else added(c, gx, gh, step)
+    return activated(c, pre, step, "tanh" if nonlinearity == "tanh" else "relu"), None
+
+
+def recurrent_cell(c: Any, n: Any, m: Any, linear: Linear) -> Value | tuple[Value, Value]:
+    """nn.LSTMCell / nn.GRUCell / nn.RNNCell: one step on a batch x [N, I] from the state hx
+    (an activation: the previous call's; or zeros, not given or made in forward), its weights
+    shared by every call (a loop over time). LSTMCell returns (h, c)."""
+    cells = [k.__name__ for k in type(m).__mro__ if k.__name__.removesuffix("Cell") in _GATES]
+    kind = cells[0].removesuffix("Cell") if cells else "RNN"
+    x = n.args[0]
+    hx = n.args[1] if len(n.args) > 1 else n.kwargs.get("hx")
+    shape = tuple(c.shape(x))
+    if len(shape) != 2:
+        raise UnsupportedOpError(
+            c.describe(n, f"steps an unbatched input {list(shape)}; give [N, I]")
+        )
+    batch, size, gates = shape[0], int(m.hidden_size), _GATES[kind]
+    step, wide = (batch, size), (batch, gates * size)
+
+    def param(what: str) -> Value | None:
+        held = getattr(m, what)
+        return None if held is None else c.param(f"{n.target}.{what}", held, _role(what))
+
+    w_ih, w_hh, b_ih, b_hh = (param(w) for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+    assert w_ih is not None and w_hh is not None  # a cell always has its weights
+    gx = linear(c, c.arg(x), w_ih, b_ih, wide)
+    held = c.env.get(hx) if c.is_node(hx) else None
+    parts = hx if isinstance(hx, (tuple, list)) else held if isinstance(held, tuple) else (hx,)
+    if hx is None or _zeros(c, parts):
+        zero = np.zeros(step, np.float32)
+        h = gather.gathered_value(c, n, gather.const_gathered(n, zero), step)
+        gh = _hidden_projection(c, n, h, w_hh, b_hh, wide, linear, True)
+        cell = None
+    else:
+        h, cell = (_state(c, p) for p in (*parts[:2], None)[:2])
+        gh = linear(c, h, w_hh, b_hh, wide)
+        cell = cell if kind == "LSTM" else None
+    h, cell = _step(c, kind, gx, gh, h, cell, step, getattr(m, "nonlinearity", "tanh"))
+    if kind == "LSTM":
+        if cell is None:  # unreachable: an LSTM step makes its cell
+            raise UnsupportedOpError(c.describe(n, "lost its cell state"))
+        return h, cell
+    return h
+
+
+def _state(c: Any, part: Any) -> Any:
+    """A cell's given state: a Value (the previous call's result) or its fx node."""
+    return part if isinstance(part, Value) or part is None else c.arg(part)
 
 
 def _hidden_projection(

@@ -590,11 +590,52 @@ def _unfold(c: Any, n: Any) -> Value:
     return transposed(c, v, (*rest, count, size), back)
 
 
+def _param_over_batch(c: Any, n: Any, x: Any) -> Value | None:
+    """EXPAND_PARAM where n repeats x, a [1, ...] parameter or a parameter seen whole with a
+    leading axis of 1 (`p.unsqueeze(0)`, `p[None]`, `p.view(1, *p.shape)`), over the batch: a
+    class token, Perceiver's latents, DETR's queries. None where x is not one."""
+    out, shape = tuple(c.shape(n)), tuple(c.shape(x))
+    if not c.is_node(x) or shape != (1, *out[1:]) or out[0] != c.batch:
+        return None
+    if c.is_param(x):
+        return c.emit(Op.EXPAND_PARAM, [c.get_param(x, "embedding")], n)
+    view = c.param_view(x)
+    if view is None or int(np.prod(c.shape(view.source))) != int(np.prod(shape)):
+        return None
+    return c.emit(Op.EXPAND_PARAM, [c.get_param(view.source, "embedding")], n)
+
+
+def repeated_param(c: Any, a: Any, held: Gathered) -> Value | None:
+    """EXPAND_PARAM where `held`, node a's value, is a whole parameter repeated over the batch
+    in its own order (`p.unsqueeze(0).expand(B, -1, -1)`, `p[None].repeat(B, 1, 1)`: Perceiver's
+    latents, DETR's queries, which the frontend folds into an index map) and read as an
+    activation; None where it is not one."""
+    if not repeats_whole_param(c, held):
+        return None
+    return c.emit(Op.EXPAND_PARAM, [c.get_param(held.source, "embedding")], a)
+
+
+def repeats_whole_param(c: Any, held: Any) -> bool:
+    """`held` is a Gathered parameter whose every sample is the whole parameter in order."""
+    if not isinstance(held, Gathered) or held.value is not None:
+        return False
+    shape = held.index.shape
+    if len(shape) < 2 or shape[0] != c.batch:
+        return False
+    size = int(np.prod(c.shape(held.source)))
+    rows = held.index.reshape(shape[0], -1)
+    return rows.shape[1] == size and bool((rows == np.arange(size)).all())
+
+
 def _expand(c: Any, n: Any) -> Value:
-    """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token), or an
-    activation's axes of size 1 expanded (`broadcast`)."""
+    """param.expand(B, ...) of a [1, ...] parameter over the batch (a class token; a parameter
+    seen with a leading 1: _param_over_batch), or an activation's axes of size 1 expanded
+    (`broadcast`)."""
     x = n.args[0]
     out = c.shape(n)
+    tokens = _param_over_batch(c, n, x)
+    if tokens is not None:
+        return tokens
     if not c.is_param(x) and broadcastable(tuple(c.shape(x)), tuple(out)):
         return broadcast(c, n, c.arg(x), tuple(c.shape(x)), tuple(out))
     if not c.is_param(x) or c.shape(x)[0] != 1 or tuple(c.shape(x)[1:]) != tuple(out[1:]):
@@ -643,6 +684,9 @@ def _repeat(c: Any, n: Any) -> Value:
     shape = tuple(c.shape(x))
     if getattr(n.target, "__name__", n.target) == "tile":
         sizes = [1] * (len(shape) - len(sizes)) + sizes
+    tokens = _param_over_batch(c, n, x) if sizes[1:] == [1] * (len(sizes) - 1) else None
+    if tokens is not None:  # self.cls.repeat(B, 1, 1)
+        return tokens
     v = c.arg(x)
     batch = c.batch_axis(v)
     if len(sizes) != len(shape) or (batch is not None and sizes[batch] != 1 and shape[batch] != 1):

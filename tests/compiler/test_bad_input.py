@@ -315,8 +315,10 @@ def test_compile_argument_errors(capfd: pytest.CaptureFixture[str]) -> None:
     for kw in ({"bits": 8.0}, {"bits": True}, {"seed": None}, {"seed": 1.5}):
         with pytest.raises(ValueError, match="must be a whole number"):
             mexc.compile(model, (x,), **kw)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"batch has shape \[0, 1, 8, 8\]; give a batch"):
+    with pytest.raises(mexc.InputError, match=r"batch has shape \[0, 1, 8, 8\]; give a batch"):
         mexc.compile(model, (x[:0],))
+    with pytest.raises(mexc.InputError, match="holds 2 inputs; .* as one-hot floats"):
+        mexc.compile(model, (x, x))
     with pytest.raises(mexc.InputError, match="example input of shape") as err:
         mexc.compile(model, (torch.zeros(4, 3, 5, 5),))
     # one paragraph: the failing node, its source line, the model's own error, what to do
@@ -333,6 +335,15 @@ def test_dropout_of_every_element_is_refused_at_compile_time(layer: nn.Module) -
     model = nn.Sequential(nn.Conv2d(1, 2, 1), layer, nn.Flatten(), nn.Linear(8, 3))
     with pytest.raises(mexc.UnsupportedOpError, match=r"node '_1'.*probability 1.0; mexc takes"):
         mexc.compile(model, (torch.zeros(2, 1, 2, 2),))
+
+
+def test_batch_statistics_of_one_value_per_channel_are_refused_at_compile_time() -> None:
+    """BatchNorm1d over [1, C] (a batch of one): named at compile time, not a ValueError from
+    inside the first step. Over [1, C, H, W] it has H W values per channel and compiles."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with pytest.raises(mexc.InputError, match=r"node '_1'.*one value per channel.*at least 2"):
+        mexc.compile(model, (torch.zeros(1, 4),))
+    mexc.compile(nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)), (torch.zeros(1, 1, 2, 2),))
 
 
 def test_optimizer_by_name_or_a_clear_error() -> None:

@@ -4,6 +4,8 @@ reference, llvm and C; what mexc does not unroll refused by node."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tests.compiler.helpers import (
     assert_gradients_follow_autograd,
     assert_logits_match_torch,
     assert_trains_bit_exact_on_llvm_and_c,
+    train_checksums,
 )
 
 
@@ -160,15 +163,6 @@ class _Projected(nn.Module):
         return self.rnn(x)[0].mean(1)
 
 
-class _StackedState(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = nn.GRU(8, 10, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rnn(x)[1].permute(1, 0, 2).flatten(1)
-
-
 class _AlongTheBatch(nn.Module):
     """batch_first left out on an (N, T, I) input: torch runs the steps along the batch."""
 
@@ -180,19 +174,12 @@ class _AlongTheBatch(nn.Module):
         return self.rnn(x)[0].flatten(1)
 
 
-class _StateSliced(_StackedState):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rnn(x)[1][-1, :, :]
-
-
 @pytest.mark.parametrize(
     ("make", "message"),
     [
         (_GivenState, "starts from a given state other than zeros"),
         (_AlongTheBatch, "runs its recurrence along the batch axis"),
-        (_StateSliced, "index it with one integer, h_n"),
         (_Projected, "projects its hidden state"),
-        (_StackedState, "a tuple of tensors"),
     ],
 )
 def test_what_mexc_does_not_unroll_is_refused_by_node(make, message: str) -> None:
@@ -232,4 +219,133 @@ def test_the_zero_state_reads_no_hidden_weight() -> None:
         y,
         ("rnn.weight_hh_l0", "rnn.weight_hh_l0_reverse", "rnn.bias_hh_l0_reverse"),
         0.95,
+    )
+
+
+class _States(nn.Module):
+    """h_n read as tutorials read it (a two-layer bidirectional LSTM's; `squeezed`: a
+    one-layer GRU's)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        if form == "squeezed":
+            self.rnn: nn.Module = nn.GRU(8, 16, batch_first=True)
+        else:
+            self.rnn = nn.LSTM(8, 16, num_layers=2, bidirectional=True, batch_first=True)
+        self.fc = nn.Linear({"squeezed": 16, "permuted": 64}.get(form, 32), 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, state = self.rnn(x)
+        h = state if self.form == "squeezed" else state[0]
+        if self.form == "squeezed":
+            return self.fc(h.squeeze(0))
+        if self.form == "permuted":  # every layer and direction: the stack [4, N, 16]
+            return self.fc(h.permute(1, 0, 2).reshape(x.size(0), -1))
+        if self.form == "sliced":
+            return self.fc(torch.cat((h[-2, :, :], h[-1, :, :]), dim=1))
+        return self.fc(torch.cat((h[-2], h[-1]), dim=1))
+
+
+def _states(form: str, target: str = "reference") -> mexc.Program:
+    torch.manual_seed(0)
+    return mexc.compile(_States(form), (torch.zeros(4, 5, 8),), target=target)
+
+
+@pytest.mark.parametrize("form", ["squeezed", "permuted", "sliced"])
+def test_the_final_state_read_whole_or_sliced_follows_torch(form: str) -> None:
+    """h_n.squeeze(0) and h_n.permute(1, 0, 2) read the stack of the states, h_n[-2, :, :]
+    one state (each was refused: a tuple of tensors, a tuple index)."""
+    torch.manual_seed(0)
+    model = _States(form)
+    prog = mexc.compile(model, (torch.zeros(4, 5, 8),), rounding="nearest")
+    x, y = _data(4, 5)
+    assert_logits_match_torch(model, prog, x, rel=0.1)  # logits of at most 0.66 here
+    assert_gradients_follow_autograd(model, prog, x, y, ("rnn.weight_hh_l0", "fc.weight"), 0.99)
+
+
+def test_a_state_sliced_whole_is_the_state_read_by_its_index() -> None:
+    x, y = _data(4, 5)
+    assert train_checksums(_states("sliced"), (x, y)) == train_checksums(_states("items"), (x, y))
+
+
+def test_the_stacked_states_train_bit_exact_on_reference_llvm_and_c() -> None:
+    assert_trains_bit_exact_on_llvm_and_c(
+        _states("permuted"), lambda target: _states("permuted", target), _data(4, 5)
+    )
+
+
+class _HandWritten(nn.Module):
+    """An Elman RNN written out, its state starting as zeros made in forward: `torch.zeros(
+    x.size(0), H)` (`made`, which the shape-aware trace holds as a tensor of its own) or
+    `x.new_zeros(...)`."""
+
+    def __init__(self, made: bool) -> None:
+        super().__init__()
+        self.made = made
+        self.wx, self.wh = nn.Linear(8, 16), nn.Linear(16, 16, bias=False)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.size(0), 16) if self.made else x.new_zeros(x.size(0), 16)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.wx(x[:, t]) + self.wh(h))
+        return self.fc(h)
+
+
+def test_a_zero_state_made_from_the_batch_size_is_a_constant_as_new_zeros_is() -> None:
+    """It was refused as a parameter or buffer read as an activation."""
+    x, y = _data(4, 5)
+    programs = []
+    for made in (True, False):
+        torch.manual_seed(0)
+        model = _HandWritten(made)
+        programs.append(mexc.compile(model, (torch.zeros(4, 5, 8),), rounding="nearest"))
+    assert_logits_match_torch(model, programs[0], x)
+    assert train_checksums(programs[0], (x, y)) == train_checksums(programs[1], (x, y))
+
+
+class _Cells(nn.Module):
+    """A cell stepped over time in a Python loop: LSTMCell's state unpacked and given back,
+    starting from zeros made in forward; GRUCell and RNNCell from no state, their result
+    given back whole."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.cell = getattr(nn, kind)(8, 16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.cell, nn.LSTMCell):
+            h, c = x.new_zeros(x.size(0), 16), x.new_zeros(x.size(0), 16)
+            for t in range(x.shape[1]):
+                h, c = self.cell(x[:, t], (h, c))
+            return self.fc(h)
+        state = None
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return self.fc(state)
+
+
+def _cells(kind: str, target: str = "reference", **options: Any) -> mexc.Program:
+    torch.manual_seed(0)
+    return mexc.compile(_Cells(kind), (torch.zeros(4, 5, 8),), target=target, **options)
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
+def test_a_cell_stepped_in_a_loop_follows_torch(kind: str) -> None:
+    """One step per call, the weights shared by the calls (each was refused as a module mexc
+    has no converter for)."""
+    torch.manual_seed(0)
+    model = _Cells(kind)
+    prog = mexc.compile(model, (torch.zeros(4, 5, 8),), rounding="nearest")
+    x, y = _data(4, 5)
+    assert_logits_match_torch(model, prog, x, rel=0.1)
+    names = ("cell.weight_ih", "cell.weight_hh", "fc.weight")
+    assert_gradients_follow_autograd(model, prog, x, y, names, 0.99)
+
+
+def test_a_cell_trains_bit_exact_on_reference_llvm_and_c() -> None:
+    assert_trains_bit_exact_on_llvm_and_c(
+        _cells("LSTMCell"), lambda target: _cells("LSTMCell", target), _data(4, 5)
     )
