@@ -4,8 +4,6 @@ reference, llvm and C; what mexc does not unroll refused by node."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -327,11 +325,6 @@ class _Cells(nn.Module):
         return self.fc(state)
 
 
-def _cells(kind: str, target: str = "reference", **options: Any) -> mexc.Program:
-    torch.manual_seed(0)
-    return mexc.compile(_Cells(kind), (torch.zeros(4, 5, 8),), target=target, **options)
-
-
 @pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
 def test_a_cell_stepped_in_a_loop_follows_torch(kind: str) -> None:
     """One step per call, the weights shared by the calls (each was refused as a module mexc
@@ -343,9 +336,3 @@ def test_a_cell_stepped_in_a_loop_follows_torch(kind: str) -> None:
     assert_logits_match_torch(model, prog, x, rel=0.1)
     names = ("cell.weight_ih", "cell.weight_hh", "fc.weight")
     assert_gradients_follow_autograd(model, prog, x, y, names, 0.99)
-
-
-def test_a_cell_trains_bit_exact_on_reference_llvm_and_c() -> None:
-    assert_trains_bit_exact_on_llvm_and_c(
-        _cells("LSTMCell"), lambda target: _cells("LSTMCell", target), _data(4, 5)
-    )
