@@ -256,8 +256,11 @@ class _Ctx:
                 _describe(
                     self.node if self.node is not None else a,
                     "reads the model's integer input (token ids) as an activation; mexc reads "
-                    "integer inputs only through embedding tables (nn.Embedding, F.embedding): "
-                    "look the ids up first. If the input is images (uint8 pixels), compile "
+                    "integer inputs only whole, through embedding tables (nn.Embedding, "
+                    "F.embedding): look the ids up first. For categorical columns with a table "
+                    "each (emb_i(x[:, i]), emb(x + offsets)), add each column's offset in the "
+                    "data and look all columns up in one table, emb(x) of [N, F, D]; or give "
+                    "them as one-hot floats. If the input is images (uint8 pixels), compile "
                     "with a float example instead (x.float() / 255) and step with float images",
                 )
             )
