@@ -235,9 +235,10 @@ class _Ctx:
         if a not in self.env and a.op == "get_attr" and str(a.target).startswith(_TRACED):
             # a tensor the shape-aware trace made from shapes and read as it is (a hand-written
             # RNN's `h = torch.zeros(x.size(0), H)`): a batched constant, as x.new_zeros is
-            made = gather.Const(_fetch_attr(self.gm, str(a.target)).detach().clone())
-            if self.is_batched_constant(made):
-                self.env[a] = made
+            # (random draws are refused after tracing: _refuse_drawn_constants)
+            made = _fetch_attr(self.gm, str(a.target)).detach().clone()
+            if self.is_batched_constant(gather.Const(made)):
+                self.env[a] = gather.Const(made)
         if a not in self.env:  # a parameter or buffer read where an activation is expected
             raise UnsupportedOpError(
                 _describe(
@@ -950,6 +951,57 @@ def _trace_with_shapes(
         return err
 
 
+# torch's functions that draw random numbers. Called on known sizes (literal, or the example's
+# under the shape-aware trace) they return a tensor, which tracing keeps as a constant: one draw,
+# read in every step. While mexc traces, what they return is a _Drawn tensor, and so is what
+# is computed from it (torch keeps a subclass through its ops: `torch.rand(n, 8) > 0.5`).
+_RANDOM_DRAWS = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "poisson")
+
+
+class _Drawn(torch.Tensor):
+    """A tensor drawn at random, or computed from one, while mexc traces."""
+
+
+@contextlib.contextmanager
+def _marking_random_draws() -> Iterator[None]:
+    """torch's random draws return _Drawn tensors while this is active."""
+    saved = {name: getattr(torch, name) for name in _RANDOM_DRAWS}
+
+    def marking(draw: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(draw)
+        def drawn(*args: Any, **kwargs: Any) -> Any:
+            out = draw(*args, **kwargs)
+            return out.as_subclass(_Drawn) if type(out) is torch.Tensor else out
+
+        return drawn
+
+    for name, draw in saved.items():
+        setattr(torch, name, marking(draw))
+    try:
+        yield
+    finally:
+        for name, draw in saved.items():
+            setattr(torch, name, draw)
+
+
+def _refuse_drawn_constants(gm: torch.fx.GraphModule) -> None:
+    """A random draw the trace kept as a constant (`h + torch.randn(x.size(0), 8)`), refused
+    at its first reader: the program would add the same numbers in every step."""
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or not isinstance(_fetch_attr(gm, str(n.target)), _Drawn):
+            continue
+        reader = next(iter(n.users), n)
+        raise UnsupportedOpError(
+            _describe(
+                reader,
+                "reads random numbers the forward draws (torch.randn, torch.rand, ...): tracing "
+                "draws them once, so the program would read the same numbers in every step. "
+                "mexc draws no random numbers but dropout's: draw the noise in the data, or "
+                "use nn.Dropout",
+            )
+        )
+
+
 @contextlib.contextmanager
 def _through_library_wraps() -> Iterator[None]:
     """torchvision marks functions of its models as leaves of symbolic tracing (torch.fx.wrap:
@@ -980,8 +1032,9 @@ def trace(
     model was put in eval mode for tracing) run as torch runs them in eval mode."""
     own = set(model.__dict__)
     try:
-        with _through_library_wraps():
+        with _through_library_wraps(), _marking_random_draws():
             gm = _trace(model, example)
+        _refuse_drawn_constants(gm)
     finally:
         # fx keeps each tensor the forward makes (a constant of a buffer) as an attribute of the
         # traced module, the user's; the GraphModule holds its own reference

@@ -469,3 +469,33 @@ def test_layers_mexc_cannot_call_so_are_refused_by_node(
     with pytest.raises(mexc.UnsupportedOpError, match=message) as err:
         mexc.compile(model(), (torch.zeros(4, 1, 8, 8),))
     assert "test_bad_input.py" in str(err.value)
+
+
+class _Noise(nn.Module):
+    """Random numbers drawn in forward from known sizes: tracing would keep one draw."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.enc, self.fc = nn.Linear(6, 8), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        if self.form == "added":
+            h = h + torch.randn(x.size(0), 8)
+        elif self.form == "mask":  # a dropout written by hand
+            h = h * (torch.rand(x.size(0), 8) > 0.5)
+        elif self.form == "fixed":  # literal sizes: the plain symbolic trace keeps it too
+            h = h + torch.randn(8)
+        else:  # a layer's input
+            h = h + self.enc(torch.randn(x.size(0), 6))
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("form", ["added", "mask", "fixed", "layer"])
+def test_random_numbers_drawn_in_forward_are_refused_by_node(form: str) -> None:
+    """They compiled as one fixed draw, added in every step."""
+    draw = torch.randn
+    with pytest.raises(mexc.UnsupportedOpError, match="reads random numbers the forward draws"):
+        mexc.compile(_Noise(form), (torch.zeros(4, 6),))
+    assert torch.randn is draw and type(torch.randn(2)) is torch.Tensor  # torch's own again
