@@ -1045,7 +1045,7 @@ def trace(
         _propagate(gm, model, example)  # the written-out batch norms' nodes
     if complex_as_pairs(gm, _describe):
         _propagate(gm, model, example)
-    if resampling_as_products(gm):
+    while resampling_as_products(gm):  # again: a resampling of one rewritten has no shape yet
         _propagate(gm, model, example)
     _drop_float_casts(gm)
     if gains_in_place(gm):

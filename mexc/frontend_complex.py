@@ -123,7 +123,7 @@ def _pair(
             raise UnsupportedOpError(
                 describe(n, _REFUSAL.format(what="multiplies two complex activations"))
             )
-        return _times_constant(gm, n, pairs[z], _constant(gm, w))
+        return _times_constant(gm, n, pairs[z], _constant(gm, n, w, describe))
     sign = (
         _ADD_FUNCTIONS.get(n.target)
         if n.op == "call_function"
@@ -132,7 +132,10 @@ def _pair(
         else None
     )
     if sign is not None:
-        a, b = (pairs.get(x) or _factor(gm, n, "plus", _as_pairs(_constant(gm, x))) for x in args)
+        a, b = (
+            pairs.get(x) or _factor(gm, n, "plus", _as_pairs(_constant(gm, n, x, describe)))
+            for x in args
+        )
         return graph.call_function(operator.add if sign > 0 else operator.sub, (a, b))
     if n.op == "call_method" and n.target in _RESHAPES:
         shape = args[1:]
@@ -172,11 +175,40 @@ def _factor(gm: torch.fx.GraphModule, n: torch.fx.Node, part: str, value: torch.
     return gm.graph.get_attr(name)
 
 
-def _constant(gm: torch.fx.GraphModule, w: Any) -> torch.Tensor:
-    """The value of w, a number or a node that does not depend on the model's input."""
+def _constant(
+    gm: torch.fx.GraphModule, n: torch.fx.Node, w: Any, describe: Describe
+) -> torch.Tensor:
+    """The value of w, a number or a node that does not depend on the model's input; refused
+    where it is computed from a trained parameter (learned rotary frequencies), which the
+    evaluation would hold fixed."""
     if not isinstance(w, torch.fx.Node):
         return torch.as_tensor(w)
+    trained = _trained_source(gm, w)
+    if trained is not None:
+        what = f"multiplies a complex tensor by a function of the parameter '{trained}'"
+        raise UnsupportedOpError(
+            describe(n, _REFUSAL.format(what=what) + ", or keep the factor a buffer")
+        )
     return torch.as_tensor(_evaluate(gm, w, {}))
+
+
+def _trained_source(gm: torch.fx.GraphModule, w: torch.fx.Node) -> str | None:
+    """The name of a parameter that requires a gradient among w's sources, if any (not through
+    numbers computed from shapes, x.shape[1])."""
+    todo, seen = [w], set()
+    while todo:
+        m = todo.pop()
+        if m in seen or STATIC_VALUE in m.meta:
+            continue
+        seen.add(m)
+        if m.op == "get_attr":
+            held = gm
+            for part in str(m.target).split("."):
+                held = getattr(held, part)
+            if isinstance(held, torch.nn.Parameter) and held.requires_grad:
+                return str(m.target)
+        todo.extend(m.all_input_nodes)
+    return None
 
 
 def _evaluate(gm: torch.fx.GraphModule, n: Any, memo: dict[torch.fx.Node, Any]) -> Any:

@@ -257,10 +257,15 @@ def reshaped_batch_axis(n: Node, x: TensorType, axis: int) -> int | None:
     before it of extent 1): the result's batch axis is its first axis of extent above 1. A
     worker's rows are then one contiguous block of the whole tensor, before and after. A
     reshape of the axes after the batch only (the heads of a (T, N, D) sequence split, a
-    flatten of (1, C, H, W)) keeps it where it is: each sample's elements move within it."""
+    flatten of (1, C, H, W)) keeps it where it is: each sample's elements move within it. A
+    reshape of the axes before it only (a recurrent layer's stacked states [L D, N, H] seen as
+    [L, D, N, H]) keeps the batch axis and those after it, at the end."""
     out = tuple(n.type.shape)
     if out[: axis + 1] == tuple(x.shape[: axis + 1]):  # a batch of one stays first too
         return axis
+    tail = len(x.shape) - axis
+    if axis > 0 and len(out) >= tail and out[len(out) - tail :] == tuple(x.shape[axis:]):
+        return len(out) - tail
     if int(np.prod(x.shape[:axis], dtype=np.int64)) != 1:
         return None
     return next((j for j, d in enumerate(out) if d != 1), None)

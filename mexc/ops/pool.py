@@ -604,9 +604,14 @@ def resampling_arguments(n: Any, m: Any = None) -> tuple[Any, Any, Any, Any]:
         factor = _placing_factor(m.scale_factor, getattr(m, "recompute_scale_factor", None))
         return getattr(m, "mode", "nearest"), getattr(m, "align_corners", None), False, factor
     name = getattr(n.target, "__name__", "")
-    if name == "upsample_nearest":
+    if name in ("upsample_nearest", "upsample_bilinear"):  # bilinear: align_corners=True
         args = dict(zip(("input", "size", "scale_factor"), n.args)) | dict(n.kwargs)
-        return "nearest", None, False, _placing_factor(args.get("scale_factor"), None)
+        factor = _placing_factor(args.get("scale_factor"), None)
+        return (
+            ("nearest", None, False, factor)
+            if name == "upsample_nearest"
+            else ("bilinear", True, False, factor)
+        )
     names = (
         "input",
         "size",

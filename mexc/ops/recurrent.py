@@ -204,8 +204,8 @@ def recurrent_cell(c: Any, n: Any, m: Any, linear: Linear) -> Value | tuple[Valu
     shared by every call (a loop over time). LSTMCell returns (h, c)."""
     cells = [k.__name__ for k in type(m).__mro__ if k.__name__.removesuffix("Cell") in _GATES]
     kind = cells[0].removesuffix("Cell") if cells else "RNN"
-    x = n.args[0]
-    hx = n.args[1] if len(n.args) > 1 else n.kwargs.get("hx")
+    args = dict(zip(("input", "hx"), n.args)) | dict(n.kwargs)
+    x, hx = args["input"], args.get("hx")
     shape = tuple(c.shape(x))
     if len(shape) != 2:
         raise UnsupportedOpError(

@@ -178,7 +178,7 @@ def _contents(prog: mexc.Program) -> list[tuple[str, bytes, bytes]]:
 
 def test_a_buffer_sliced_and_viewed_in_the_graph_trains_as_the_traced_constant_does() -> None:
     model = Llama("complex_view")
-    graph = mexc.frontend._trace(model, torch.zeros(4, T, dtype=torch.long)).graph
+    graph = torch.fx.symbolic_trace(model).graph  # traced without the example's shapes
     assert [n.target for n in graph.nodes if n.op == "get_attr"].count("freqs_cis") == 1
     ids, y = _data()
     got, want = _program(rotate="complex_view"), _program()
@@ -199,6 +199,7 @@ class Other(nn.Module):
         self.use = use
         self.proj = nn.Linear(8, 8)
         self.fc = nn.Linear(16, 10)
+        self.theta = nn.Parameter(torch.linspace(0.0, 1.0, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.proj(x.flatten(1, 2))  # [N, 8, 8]
@@ -207,6 +208,8 @@ class Other(nn.Module):
             z = z * z
         elif self.use == "real":
             z = z * t[..., :4]
+        elif self.use == "learned":  # learned frequencies: a factor the program would freeze
+            z = z * torch.polar(torch.ones(4), self.theta)
         else:  # abs: a real tensor from a complex one
             return self.fc(torch.cat([z.abs(), z.abs()], -1).flatten(1)[:, :16])
         return self.fc(torch.view_as_real(z).flatten(2).mean(1).repeat(1, 2))
@@ -218,6 +221,7 @@ class Other(nn.Module):
         ("square", "multiplies two complex activations"),
         ("real", "combines a complex tensor with the real activation"),
         ("abs", "reads a complex tensor"),
+        ("learned", "by a function of the parameter 'theta'"),
     ],
 )
 def test_other_complex_arithmetic_is_refused_by_node(use: str, says: str) -> None:

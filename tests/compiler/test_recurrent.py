@@ -242,6 +242,9 @@ class _States(nn.Module):
             return self.fc(h.permute(1, 0, 2).reshape(x.size(0), -1))
         if self.form == "sliced":
             return self.fc(torch.cat((h[-2, :, :], h[-1, :, :]), dim=1))
+        if self.form == "viewed":  # torch's documented split: (layers, directions, N, H)
+            last = h.view(2, 2, x.size(0), 16)[-1]
+            return self.fc(last.transpose(0, 1).reshape(x.size(0), -1))
         return self.fc(torch.cat((h[-2], h[-1]), dim=1))
 
 
@@ -250,7 +253,7 @@ def _states(form: str, target: str = "reference") -> mexc.Program:
     return mexc.compile(_States(form), (torch.zeros(4, 5, 8),), target=target)
 
 
-@pytest.mark.parametrize("form", ["squeezed", "permuted", "sliced"])
+@pytest.mark.parametrize("form", ["squeezed", "permuted", "sliced", "viewed"])
 def test_the_final_state_read_whole_or_sliced_follows_torch(form: str) -> None:
     """h_n.squeeze(0) and h_n.permute(1, 0, 2) read the stack of the states, h_n[-2, :, :]
     one state (each was refused: a tuple of tensors, a tuple index)."""
@@ -320,8 +323,8 @@ class _Cells(nn.Module):
                 h, c = self.cell(x[:, t], (h, c))
             return self.fc(h)
         state = None
-        for t in range(x.shape[1]):
-            state = self.cell(x[:, t], state)
+        for t in range(x.shape[1]):  # by keyword, as torch's signature names them
+            state = self.cell(input=x[:, t], hx=state)
         return self.fc(state)
 
 

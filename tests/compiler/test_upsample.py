@@ -160,6 +160,11 @@ def test_adaptive_pooling_with_windows_of_several_sizes_is_torchs(
         (nn.Upsample(size=(3, 5), mode="area"), (8, 8)),
         (nn.Upsample(scale_factor=2, mode="trilinear"), (2, 3, 4)),
         (nn.Upsample(scale_factor=(1, 2, 2)), (2, 2, 3)),
+        # one such resampling reading another (its input has no traced shape until rewritten)
+        (
+            nn.Sequential(nn.Upsample(scale_factor=1.5), nn.Upsample(size=(5, 5), mode="bicubic")),
+            (4, 4),
+        ),
     ],
 )
 def test_resampling_without_an_op_of_its_own_is_products_with_torchs_matrices(
