@@ -152,9 +152,9 @@ def fold(c: Any, n: torch.fx.Node) -> Gathered | Const | Concatenated | None:
     for i, a in enumerate(nodes):
         if a in c.static:
             continue
-        got = _operand(c, a)
-        if got is None and i == 0 and name in _MAKERS:
-            got = Const(_stand_in(a))
+        # a maker reads only its first operand's shape and dtype (of a parameter too: DETR's
+        # torch.zeros_like(query_pos))
+        got = Const(_stand_in(a)) if i == 0 and name in _MAKERS else _operand(c, a)
         if got is None:
             return None  # reads an activation
         operands[a] = got

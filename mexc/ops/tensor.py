@@ -299,6 +299,10 @@ def _add_any(c: Any, n: Any) -> Value:
         raise UnsupportedOpError(
             c.describe(n, "adds two masks (torch's logical or of booleans); write m1 | m2")
         )
+    for zero, x in ((a, b), (b, a)):  # x + zeros the forward made (DETR's zeros_like target)
+        values = static_tensor(c, zero) if c.is_node(zero) and c.is_node(x) else None
+        if values is not None and not values.any() and tuple(c.shape(x)) == tuple(c.shape(n)):
+            return c.arg(x)
     param = functools.partial(_param_like, c)
     if is_gathered(c, a) or is_gathered(c, b) or (param(a) and param(b)):
         return _with_gathered(c, n, Op.ADD)
@@ -609,22 +613,39 @@ def repeated_param(c: Any, a: Any, held: Gathered) -> Value | None:
     """EXPAND_PARAM where `held`, node a's value, is a whole parameter repeated over the batch
     in its own order (`p.unsqueeze(0).expand(B, -1, -1)`, `p[None].repeat(B, 1, 1)`: Perceiver's
     latents, DETR's queries, which the frontend folds into an index map) and read as an
-    activation; None where it is not one."""
-    if not repeats_whole_param(c, held):
+    activation; None where it is not one. Along a batch axis that is not the first (DETR's
+    sequence-first `p.unsqueeze(1).repeat(1, B, 1)`), repeated first and moved there."""
+    axis = repeated_param_axis(c, held)
+    if axis is None:
         return None
-    return c.emit(Op.EXPAND_PARAM, [c.get_param(held.source, "embedding")], a)
+    shape = tuple(held.index.shape)
+    first = (shape[axis], *shape[:axis], *shape[axis + 1 :])
+    v = c.emit_as(Op.EXPAND_PARAM, [c.get_param(held.source, "embedding")], first)
+    if axis == 0:
+        return v
+    perm = (*range(1, axis + 1), 0, *range(axis + 1, len(shape)))
+    return transposed(c, v, first, perm)
+
+
+def repeated_param_axis(c: Any, held: Any) -> int | None:
+    """The axis along which `held`, a Gathered parameter, repeats the whole parameter in its
+    own order once per sample (the batch axis); None where it is not one."""
+    if not isinstance(held, Gathered) or held.value is not None:
+        return None
+    shape = held.index.shape
+    size = int(np.prod(c.shape(held.source)))
+    for axis in range(len(shape) if len(shape) >= 2 else 0):
+        if shape[axis] != c.batch:
+            continue
+        rows = np.moveaxis(held.index, axis, 0).reshape(shape[axis], -1)
+        if rows.shape[1] == size and bool((rows == np.arange(size)).all()):
+            return axis
+    return None
 
 
 def repeats_whole_param(c: Any, held: Any) -> bool:
-    """`held` is a Gathered parameter whose every sample is the whole parameter in order."""
-    if not isinstance(held, Gathered) or held.value is not None:
-        return False
-    shape = held.index.shape
-    if len(shape) < 2 or shape[0] != c.batch:
-        return False
-    size = int(np.prod(c.shape(held.source)))
-    rows = held.index.reshape(shape[0], -1)
-    return rows.shape[1] == size and bool((rows == np.arange(size)).all())
+    """`held` is a parameter repeated over the batch (repeated_param_axis)."""
+    return repeated_param_axis(c, held) is not None
 
 
 def _expand(c: Any, n: Any) -> Value:
