@@ -86,14 +86,12 @@ def _call(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Callable[[torch.Tensor]
         return module if isinstance(module, nn.Upsample) else None
     if n.op != "call_function" or n.target not in _FUNCTIONS:
         return None
+    options = {k: v for k, v in n.kwargs.items() if k != "input"}  # the input: t, below
     rest: list[Any] = []
-    torch.fx.node.map_arg((n.args[1:], n.kwargs), rest.append)
+    torch.fx.node.map_arg((n.args[1:], options), rest.append)
     if any(STATIC_VALUE not in a.meta for a in rest):
         return None  # a size read from another tensor's values
-    args, kwargs = (
-        static_value(tuple(n.args[1:])),
-        {k: static_value(v) for k, v in n.kwargs.items()},
-    )
+    args, kwargs = static_value(tuple(n.args[1:])), {k: static_value(v) for k, v in options.items()}
     target: Any = n.target
     return lambda t: target(t, *args, **kwargs)
 

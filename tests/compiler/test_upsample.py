@@ -241,8 +241,9 @@ class TopDownNet(nn.Module):
         mid = self.mid(fine)  # 2 x 2
         merged = fine + self.up(coarse) + F.interpolate(mid, size=(8, 8))
         merged = merged + F.interpolate(mid, scale_factor=4, mode="bilinear")
-        # align_corners=True: products with torch's matrices (frontend_resample)
-        merged = merged + F.interpolate(coarse, size=(8, 8), mode="bilinear", align_corners=True)
+        # align_corners=True: products with torch's matrices (frontend_resample); by keyword
+        corners = F.interpolate(input=coarse, size=(8, 8), mode="bilinear", align_corners=True)
+        merged = merged + corners
         return self.fc(torch.flatten(self.shrink(self.grow(F.max_pool2d(merged, 4))), 1))
 
 
