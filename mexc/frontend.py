@@ -236,9 +236,9 @@ class _Ctx:
             # a tensor the shape-aware trace made from shapes and read as it is (a hand-written
             # RNN's `h = torch.zeros(x.size(0), H)`): a batched constant, as x.new_zeros is
             # (random draws are refused after tracing: _refuse_drawn_constants)
-            made = _fetch_attr(self.gm, str(a.target)).detach().clone()
-            if self.is_batched_constant(gather.Const(made)):
-                self.env[a] = gather.Const(made)
+            made = gather.Const(_fetch_attr(self.gm, str(a.target)).detach().clone())
+            if self.is_batched_constant(made):
+                self.env[a] = made
         if a not in self.env:  # a parameter or buffer read where an activation is expected
             raise UnsupportedOpError(
                 _describe(
@@ -1039,7 +1039,7 @@ def trace(
         # fx keeps each tensor the forward makes (a constant of a buffer) as an attribute of the
         # traced module, the user's; the GraphModule holds its own reference
         for name in set(model.__dict__) - own:
-            if name.startswith("_tensor_constant"):
+            if name.startswith(_TRACED):
                 del model.__dict__[name]
     if apply_eval_modes(gm, in_eval_mode):
         _propagate(gm, model, example)  # the written-out batch norms' nodes

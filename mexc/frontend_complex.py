@@ -202,9 +202,7 @@ def _trained_source(gm: torch.fx.GraphModule, w: torch.fx.Node) -> str | None:
             continue
         seen.add(m)
         if m.op == "get_attr":
-            held = gm
-            for part in str(m.target).split("."):
-                held = getattr(held, part)
+            held = _attribute(gm, m)
             if isinstance(held, torch.nn.Parameter) and held.requires_grad:
                 return str(m.target)
         todo.extend(m.all_input_nodes)
@@ -221,10 +219,7 @@ def _evaluate(gm: torch.fx.GraphModule, n: Any, memo: dict[torch.fx.Node, Any]) 
     if STATIC_VALUE in n.meta:
         value = n.meta[STATIC_VALUE]
     elif n.op == "get_attr":
-        value = gm
-        for part in str(n.target).split("."):
-            value = getattr(value, part)
-        value = value.detach()
+        value = _attribute(gm, n).detach()
     else:
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _evaluate(gm, a, memo))
         with torch.no_grad():
@@ -236,6 +231,14 @@ def _evaluate(gm: torch.fx.GraphModule, n: Any, memo: dict[torch.fx.Node, Any]) 
                 value = gm.get_submodule(str(n.target))(*args, **kwargs)
     memo[n] = value
     return value
+
+
+def _attribute(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Any:
+    """What get_attr node n reads from gm (a parameter, a buffer, a traced tensor)."""
+    held: Any = gm
+    for part in str(n.target).split("."):
+        held = getattr(held, part)
+    return held
 
 
 def _complex_constants(graph: torch.fx.Graph) -> set[torch.fx.Node]:

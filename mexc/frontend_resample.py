@@ -53,8 +53,7 @@ def resampling_as_products(gm: torch.fx.GraphModule) -> bool:
             continue
         module = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
         mode, corners, antialias, factor = resampling_arguments(n, module)
-        native = len(sizes) <= 2 and not isinstance(module, nn.UpsamplingBilinear2d)
-        if native and resampling_refusal(mode, sizes, out, corners, antialias, factor) is None:
+        if resampling_refusal(mode, sizes, out, corners, antialias, factor) is None:
             continue  # lowered by the resampling ops
         matrices = _matrices(call, sizes, out)
         if matrices is None:

@@ -492,12 +492,6 @@ def _upsample(
     write them as products (frontend_resample), and are refused."""
     x = n.args[0]
     x_shape, out = c.shape(x), c.shape(n)
-    if len(x_shape) not in (3, 4):
-        raise UnsupportedOpError(
-            c.describe(
-                n, f"upsamples a {len(x_shape)}-D tensor; mexc upsamples (N, C, L) and (N, C, H, W)"
-            )
-        )
     refusal = resampling_refusal(
         mode, tuple(x_shape[2:]), tuple(out[2:]), align_corners, antialias, scale_factor
     )
@@ -539,9 +533,11 @@ def resampling_refusal(
     factor: Any,
 ) -> str | None:
     """Why _upsample does not lower a resampling of spatial `sizes` to `out` with its own ops;
-    None where it does: nearest or nearest-exact, and linear or bilinear with
-    align_corners=False and no antialias, up or down by integer factors along each axis, placed
-    by the sizes' ratio."""
+    None where it does: of (N, C, L) or (N, C, H, W), nearest or nearest-exact, and linear or
+    bilinear with align_corners=False and no antialias, up or down by integer factors along
+    each axis, placed by the sizes' ratio."""
+    if len(sizes) not in (1, 2):
+        return f"upsamples a {len(sizes) + 2}-D tensor; mexc upsamples (N, C, L) and (N, C, H, W)"
     if factor is not None:
         factors = factor if isinstance(factor, (list, tuple)) else (factor,) * len(sizes)
         for f, i, o in zip(factors, sizes, out):
